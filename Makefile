@@ -1,0 +1,28 @@
+# Two entry points: `make demo` runs the main job, `make test` runs the test suite.
+# Both set up a fresh machine first (idempotent, fast when everything is present).
+
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev
+
+.PHONY: setup demo test bench
+
+setup:
+	@# The pinned CPU build first, so that the project install does not pull a CUDA build.
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 1)" 2>/dev/null \
+		|| $(PYTHON) -m pip install -q torch==$(TORCH_VERSION)
+	@$(PYTHON) -m pip install -q -e ".[dev]"
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		else echo "note: install these system packages for the full suite:$$missing"; fi; \
+	fi
+
+demo: setup
+	$(PYTHON) -m nbscaler.cli demo
+
+test: setup
+	$(PYTHON) -m pytest -q tests
+
+bench: setup
+	$(PYTHON) -m benchmarks.run

@@ -1,0 +1,197 @@
+"""The configuration objects of the public API.
+
+``ComputeConfig`` says how many devices one copy of the model is spread over (``plan_ngpus``), how
+many run in total (``runtime_ngpus``), and which code-generation features are on.  It checks itself
+when it is built, so a wrong setting fails at once with a message that names the field and the fix,
+instead of deep inside code generation or, worse, as a hang at run time.
+
+>>> cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=4)
+>>> cfg.units            # data-parallel copies of the 2-device plan
+2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, Optional
+
+TRAIN_SCHEDULERS = ("1f1b", "1f1b_plus", "gpipe", "chimera_direct")
+INFER_SCHEDULERS = ("infer_pipe",)
+PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
+
+
+class ReuseType(str, Enum):
+    """What ``parallelize`` may take from an earlier run in the same ``gen_savedir``.
+
+    - ``match``: reuse when the saved config equals this one, raise when it differs, generate when
+      nothing is there.
+    - ``override``: regenerate everything.
+    - ``moo`` (match or override): reuse when equal, regenerate otherwise.
+    - ``graph``: reuse only the traced graph when it matches, regenerate the plan and the code.
+    """
+
+    MATCH = "match"
+    OVERRIDE = "override"
+    MOO = "moo"
+    GRAPH = "graph"
+
+
+class BroadcastGenFilesStrategy(str, Enum):
+    """Which newly generated files rank 0 sends to the other ranks (reused files are never sent).
+
+    - ``none``: nothing; the files are on a shared disk, or the user copies them.
+    - ``all``: code, config, graph and initial weights.
+    - ``no_weights``: everything but the initial weights; load with ``init_module_params=False``
+      where there are no weights and call ``broadcast_weights`` afterwards.
+    - ``code``: the generated code only.
+    """
+
+    NONE = "none"
+    ALL = "all"
+    NO_WEIGHTS = "no_weights"
+    CODE = "code"
+
+
+@dataclass
+class UserConfig:
+    """Free-form user settings that decide reuse.
+
+    A change in ``graph`` forces a new trace; a change in ``code`` forces new code generation.
+    """
+
+    graph: Dict[str, Any] = field(default_factory=dict)
+    code: Dict[str, Any] = field(default_factory=dict)
+
+
+def _fail(field_name: str, value: Any, fix: str) -> None:
+    raise ValueError(f"ComputeConfig.{field_name}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Where and how the parallel module runs.
+
+    Ranks ``r`` and ``r'`` are in the same *unit* when ``r // plan_ngpus == r' // plan_ngpus``;
+    a unit holds one whole copy of the model, split over its ``plan_ngpus`` devices. Units are
+    data-parallel copies of each other and their gradients are summed.
+
+    The pipeline settings may be given as fields or as ``pas_config`` keys of the same names; after
+    construction the fields hold the effective values.
+    """
+
+    plan_ngpus: int
+    runtime_ngpus: int
+
+    dynamic_shape: bool = True
+
+    use_zero: bool = False
+    zero_ngroups: int = 1
+
+    inference_only: bool = False
+    use_end2end: bool = False
+
+    use_pipeline: bool = False
+    pipeline_nmicros: int = -1
+    pipeline_nstages: int = -1
+    pipeline_scheduler: Optional[str] = None
+
+    pas_config: Dict[str, Any] = field(default_factory=dict)
+    user_config: UserConfig = field(default_factory=UserConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.user_config, dict):
+            object.__setattr__(self, "user_config", UserConfig(**self.user_config))
+        object.__setattr__(self, "pas_config", dict(self.pas_config))
+        self._merge_pipeline_keys()
+        self._validate()
+
+    # -- derived values ---------------------------------------------------------------------
+    @property
+    def units(self) -> int:
+        """Number of data-parallel copies of the plan (``runtime_ngpus // plan_ngpus``)."""
+        return self.runtime_ngpus // self.plan_ngpus
+
+    @property
+    def scheduler(self) -> str:
+        """The pipeline scheduler in effect (``1f1b`` when none was named)."""
+        if self.pipeline_scheduler:
+            return self.pipeline_scheduler
+        return "infer_pipe" if self.inference_only else "1f1b"
+
+    def unit_of(self, rank: int) -> int:
+        return rank // self.plan_ngpus
+
+    def device_of(self, rank: int) -> int:
+        """The plan device a runtime rank plays (ranks with equal devices hold equal shards)."""
+        return rank % self.plan_ngpus
+
+    # -- (de)serialisation ------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ComputeConfig":
+        d = dict(d)
+        d["user_config"] = UserConfig(**d.get("user_config", {}))
+        return cls(**d)
+
+    # -- checks -----------------------------------------------------------------------------
+    def _merge_pipeline_keys(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in PIPELINE_KEYS}
+        for key in PIPELINE_KEYS:
+            if key not in self.pas_config:
+                continue
+            from_pas, from_field = self.pas_config[key], getattr(self, key)
+            if from_field != defaults[key] and from_field != from_pas:
+                raise ValueError(
+                    f"ComputeConfig.{key}={from_field!r} conflicts with pas_config['{key}']={from_pas!r}: "
+                    f"give the pipeline setting in one place only, or make both equal."
+                )
+            object.__setattr__(self, key, from_pas)
+        for key in PIPELINE_KEYS:
+            self.pas_config.setdefault(key, getattr(self, key))
+
+    def _validate(self) -> None:
+        for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "it must be a positive integer.")
+        if self.runtime_ngpus % self.plan_ngpus:
+            _fail(
+                "runtime_ngpus", self.runtime_ngpus,
+                f"it must be a multiple of plan_ngpus={self.plan_ngpus} (each unit holds one whole "
+                f"copy of the plan); use e.g. runtime_ngpus={self.plan_ngpus * max(1, self.runtime_ngpus // self.plan_ngpus)}.",
+            )
+        if self.use_zero and self.units % self.zero_ngroups:
+            _fail(
+                "zero_ngroups", self.zero_ngroups,
+                f"it must divide the number of data-parallel units ({self.units} = runtime_ngpus // plan_ngpus).",
+            )
+        if self.use_pipeline and not self.use_end2end:
+            _fail("use_pipeline", True, "a pipeline needs an end2end module: set use_end2end=True as well.")
+        if self.pipeline_scheduler is not None:
+            known = TRAIN_SCHEDULERS + INFER_SCHEDULERS
+            if self.pipeline_scheduler not in known:
+                _fail("pipeline_scheduler", self.pipeline_scheduler, f"use one of {', '.join(known)}.")
+            if self.pipeline_scheduler in INFER_SCHEDULERS and not self.inference_only:
+                _fail(
+                    "pipeline_scheduler", self.pipeline_scheduler,
+                    "'infer_pipe' schedules inference only: set inference_only=True, or pick a training "
+                    f"scheduler ({', '.join(TRAIN_SCHEDULERS)}).",
+                )
+        if self.use_pipeline:
+            if not isinstance(self.pipeline_nmicros, int) or self.pipeline_nmicros < 1:
+                _fail("pipeline_nmicros", self.pipeline_nmicros,
+                      "a pipeline needs the number of micro-batches per train_step: set pipeline_nmicros >= 1.")
+            if self.pipeline_nstages != -1:
+                if not isinstance(self.pipeline_nstages, int) or self.pipeline_nstages < 1:
+                    _fail("pipeline_nstages", self.pipeline_nstages, "it must be a positive integer.")
+                if self.plan_ngpus % self.pipeline_nstages:
+                    _fail("pipeline_nstages", self.pipeline_nstages,
+                          f"it must divide plan_ngpus={self.plan_ngpus} (each stage gets plan_ngpus // nstages devices).")
+            if self.scheduler == "chimera_direct" and self.pipeline_nstages not in (-1, 4):
+                _fail("pipeline_scheduler", "chimera_direct",
+                      f"chimera_direct runs exactly 4 stages, not pipeline_nstages={self.pipeline_nstages}; "
+                      "set pipeline_nstages=4 or use 1f1b/gpipe.")

@@ -1,0 +1,1 @@
+"""Run generated code: the parallel module, differentiable collectives, reducers and launch."""

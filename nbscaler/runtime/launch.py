@@ -1,0 +1,112 @@
+"""Start a few local ranks with ``torch.distributed`` initialised, without ``torchrun``.
+
+This is what the demo, the benchmarks and the multi-process tests use on one machine. Each rank is a
+fresh (spawned) process running ``fn(*args)``; the return values come back in rank order. A rank
+that raises makes the whole call raise with that rank's traceback, and a run that outlives
+``timeout`` is killed, so a hung collective ends in an error instead of a frozen terminal.
+
+>>> def world(): import torch.distributed as dist; return dist.get_world_size()
+>>> spawn(world, nranks=2)                      # doctest: +SKIP
+[2, 2]
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its rank and remote traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise."""
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int,
+               results: "mp.Queue", fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        init_process_group(rank, world_size, init_method, timeout_s)
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including KeyboardInterrupt in the child
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.0,
+          threads: Optional[int] = None) -> List[Any]:
+    """Run ``fn(*args)`` on ``nranks`` fresh processes that form one process group.
+
+    ``fn`` must be importable by name (defined at module level), as with any spawned process.
+    ``threads`` is the intra-op thread count per rank; by default the cores are shared out.
+    Raises ``RankFailed`` when a rank raises, ``TimeoutError`` when the run outlives ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    threads = threads or max(1, (os.cpu_count() or 1) // nranks)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, nranks, init_method, max(10.0, timeout), threads, results, fn, args))
+             for r in range(nranks)]
+    for p in procs:
+        p.start()
+    outs: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) < nranks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(nranks)) - set(outs))
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout:.0f}s (a hung collective, or a rank "
+                    f"waiting for one that never came); raise `timeout` if the work is simply slow.")
+            try:
+                rank, ok, out = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outs
+                        and p.exitcode not in (0, None)]
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                     "before returning (killed, or out of memory).")
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} raised:\n{out}")
+            outs[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outs) == nranks else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outs[r] for r in range(nranks)]
