@@ -6,6 +6,7 @@
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
+  Embeddings stay whole, so the residual stream they start stays replicated, as in Megatron.
 
 Each policy walks the graph in order, tracking the layout every tensor is left in, and places each
 node with the primitives of ``nbscaler.policy.primitives``.
@@ -98,6 +99,8 @@ def _tp_choice(node: IRNode, split_of, n: int) -> Optional[str]:
         d = split_of(t)
         if isinstance(d, int) and ann.inputs[i] is not None:
             inherited.append(ann.inputs[i][d])
+    if node.op == "embedding":
+        return None
     weight_names = [name for i, t in enumerate(node.inputs) if t.kind == "param" and t.ndim >= 2
                     for name in ann.inputs[i] or () if name in options]
     if weight_names:
