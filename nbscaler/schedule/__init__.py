@@ -2,5 +2,9 @@
 
 from nbscaler.schedule.block import PHASES, Block, Phase
 from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_samples
+from nbscaler.schedule.schedulers import SCHEDULERS, build_schedule, register_scheduler
 
-__all__ = ["Block", "PHASES", "Phase", "PipelineSchedule", "Placement", "check_samples"]
+__all__ = [
+    "Block", "PHASES", "Phase", "PipelineSchedule", "Placement", "SCHEDULERS", "build_schedule",
+    "check_samples", "register_scheduler",
+]
