@@ -158,4 +158,29 @@ def batch(name: str, seed: int, n: int = 8):
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch}[name]()
+    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk}[name]()
+
+
+class Trunk(nn.Module):
+    """The heavy middle of ``WithTrunk``: the part that gets parallelized on its own."""
+
+    def __init__(self, d: int = 16, hidden: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class WithTrunk(nn.Module):
+    """Plain layers around a submodule: the reference's "parallelize submodules" example."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.trunk = Trunk()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.trunk(torch.tanh(self.pre(x)))), y)

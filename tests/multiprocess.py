@@ -24,6 +24,7 @@ from tests.models import batch, build
 
 DEFAULT_TIMEOUT = 240.0
 RTOL = 1e-5
+EVAL_SEED = 999
 
 
 def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
@@ -48,16 +49,34 @@ def data_seed(step: int, unit: int) -> int:
     return step * 100 + unit
 
 
+def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
+    """The case's model with ``parallelize`` applied: to the whole model, or, for ``with_trunk``,
+    only to its ``trunk`` submodule (the rest stays plain torch)."""
+    cfg = ComputeConfig(plan_ngpus=case.plan_ngpus, runtime_ngpus=case.runtime_ngpus)
+    name = f"{case.model}_{getattr(case.policy, '__name__', case.policy)}_{case.plan_ngpus}_{case.runtime_ngpus}"
+    model = build(case.model)
+    if case.model == "with_trunk":
+        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg,
+                                  gen_savedir=gen_dir, instance_name=name, reuse="override")
+        return model
+    return parallelize(model, batch(case.model, 12345), case.policy, cfg,
+                       gen_savedir=gen_dir, instance_name=name, reuse="override")
+
+
+def plain_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Gradients of the parameters outside parallel modules, by their names in ``model``."""
+    from nbscaler import ParallelModule
+    inside = {id(p) for m in model.modules() if isinstance(m, ParallelModule) for p in m.parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters() if id(p) not in inside and p.grad is not None}
+
+
 def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
     """On every rank: compile and train each case; returns losses and gradient slices per step."""
     rank = dist.get_rank()
     results = []
     for case in cases:
-        cfg = ComputeConfig(plan_ngpus=case.plan_ngpus, runtime_ngpus=case.runtime_ngpus)
         unit = rank // case.plan_ngpus
-        name = f"{case.model}_{getattr(case.policy, '__name__', case.policy)}_{case.plan_ngpus}_{case.runtime_ngpus}"
-        pm = parallelize(build(case.model), batch(case.model, 12345), case.policy, cfg,
-                         gen_savedir=gen_dir, instance_name=name, reuse="override")
+        pm = parallel_model(case, gen_dir)
         opt = build_optimizer(pm, torch.optim.SGD, lr=0.1)
         losses, grads = [], []
         for step in range(case.steps):
@@ -65,10 +84,13 @@ def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
             loss.backward()
             opt.sync_shard_grad()
             losses.append(loss.item())
-            grads.append(local_pieces(pm, grads=True))
+            grads.append((local_pieces(pm, grads=True), plain_grads(pm)))
             opt.step()
             opt.zero_grad()
-        results.append({"losses": losses, "grads": grads})
+        pm.eval()
+        with torch.no_grad():
+            eval_loss = pm(**batch(case.model, EVAL_SEED)).item()
+        results.append({"losses": losses, "grads": grads, "eval_loss": eval_loss})
     return results
 
 
@@ -84,7 +106,10 @@ def train_single(case: Case) -> Dict[str, Any]:
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "grads": grads}
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(**batch(case.model, EVAL_SEED)).item()
+    return {"losses": losses, "grads": grads, "eval_loss": eval_loss}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
@@ -96,14 +121,22 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: 
 
 
 def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
-    """Losses of every rank and merged gradients equal the single-process run at every step."""
+    """Losses of every rank and merged gradients equal the single-process run at every step, and so
+    does the eval-mode loss afterwards (with one unit: BatchNorm statistics are per unit, as in DDP)."""
     ref = train_single(case)
     for step in range(case.steps):
         for rank, res in enumerate(per_rank):
             unit = rank // case.plan_ngpus
             expected = torch.tensor(ref["losses"][step][unit])
             assert_close(torch.tensor(res["losses"][step]), expected, f"{case} step {step} rank {rank} loss")
-        merged = merge_slices(p for res in per_rank for p in res["grads"][step])
+        merged = merge_slices(p for res in per_rank for p in res["grads"][step][0])
+        prefix = "trunk." if case.model == "with_trunk" else ""
+        merged = {prefix + name: t for name, t in merged.items()}
+        for res in per_rank:
+            merged.update(res["grads"][step][1])
         for name, expected in ref["grads"][step].items():
             assert name in merged, f"{case}: no gradient for {name} at step {step}"
             assert_close(merged[name], expected, f"{case} step {step} grad {name}")
+    if case.units == 1:
+        for rank, res in enumerate(per_rank):
+            assert_close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss")

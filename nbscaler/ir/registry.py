@@ -386,8 +386,8 @@ def batch_norm(node: IRNode) -> OpAnnotation:
     x = node.inputs[0]
     mark = "^" if training else ""
     sp = " ".join(f"s{i}{mark}" for i in range(x.ndim - 2))
-    params = ", ".join(["c"] * (len(node.inputs) - 1))
-    return _fixed(f"n{mark} c {sp}, {params} -> n{mark} c {sp}")(node)
+    params = "".join(", c" for _ in node.inputs[1:])
+    return _fixed(f"n{mark} c {sp}{params} -> n{mark} c {sp}")(node)
 
 
 def embedding(node: IRNode) -> OpAnnotation:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map, keystr
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import INPLACE_TARGETS, annotate, spec_of, target_of
@@ -39,6 +39,8 @@ _ACTIVE: List["Tracer"] = []
 
 # Calls that return tensors but are bookkeeping, not computation.
 _IGNORED = {"Tensor.data", "Tensor.grad", "Tensor.requires_grad_", "Tensor.retain_grad", "Tensor.__len__"}
+# Calls that turn tensor *values* into Python values: a static graph would freeze them.
+_DATA_DEPENDENT = {"Tensor.item", "Tensor.__bool__", "Tensor.tolist", "Tensor.__int__", "Tensor.__float__"}
 
 
 class TraceError(RuntimeError):
@@ -79,6 +81,7 @@ class Tracer(TorchFunctionMode):
         self.counts: Dict[str, int] = {}
         self.module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         self.module_stack: List[str] = []
+        self.failed_in: Optional[str] = None
         for kind, items in (("param", root.named_parameters(remove_duplicate=False)),
                             ("buffer", root.named_buffers(remove_duplicate=False))):
             for name, t in items:
@@ -114,7 +117,7 @@ class Tracer(TorchFunctionMode):
         def bind(path, x):
             if not isinstance(x, torch.Tensor):
                 return x
-            name = _identifier(keystr(path).replace("][", "_"))
+            name = _identifier("_".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path))
             ir = self._bind(x, IRTensor(name, tuple(x.shape), x.dtype, "input", x.requires_grad, path=path))
             inputs.append(ir)
             return ir
@@ -127,9 +130,24 @@ class Tracer(TorchFunctionMode):
     # -- recording ------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        target = target_of(func)
+        if target in _DATA_DEPENDENT:
+            self.check_static(target, args[0])
         out = func(*args, **kwargs)
-        self.record(target_of(func), args, kwargs, out)
+        self.record(target, args, kwargs, out)
         return out
+
+    def check_static(self, target: str, t: torch.Tensor) -> None:
+        """Refuse Python control flow on values computed from the inputs: one trace cannot follow it."""
+        ir = self.by_id.get(id(t))
+        if ir is not None and ir.kind in ("input", "activation"):
+            where = _user_frame()
+            at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
+            module = f" in {self.module_stack[-1]}" if self.module_stack else ""
+            raise TraceError(
+                f"{target[len('Tensor.'):]}() on '{ir.name}'{module}{at} turns a value computed from the inputs into "
+                "a Python value, so the traced graph would freeze it. Keep it a tensor (e.g. torch.where instead "
+                "of `if`), or move the decision out of forward.")
 
     def record(self, target: str, args, kwargs, out) -> None:
         if target in _IGNORED:
@@ -179,6 +197,9 @@ class Tracer(TorchFunctionMode):
 
         def post(module, _args, _out):
             if self.module_names.get(id(module)) is not None and self.module_stack:
+                failing = sys.exc_info()[0] is not None
+                if failing and self.failed_in is None:        # the innermost module that raised
+                    self.failed_in = self.module_stack[-1]
                 self.module_stack.pop()
 
         h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
@@ -238,7 +259,7 @@ def trace_module(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mo
     except TraceError:
         raise
     except Exception as err:
-        where = f" in {tracer.module_stack[-1]}" if tracer.module_stack else ""
+        where = f" in {tracer.failed_in}" if tracer.failed_in else ""
         raise TraceError(f"tracing {type(module).__name__}.forward failed{where}: {type(err).__name__}: {err}") from err
     finally:
         _ACTIVE.pop()
