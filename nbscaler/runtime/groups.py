@@ -39,9 +39,36 @@ def dp_ranks(device: int, plan_ngpus: int, runtime_ngpus: int) -> Tuple[int, ...
     return tuple(u * plan_ngpus + device for u in range(runtime_ngpus // plan_ngpus))
 
 
-def ensure_groups(plan_ngpus: int, runtime_ngpus: int, device_sets: Sequence[Sequence[int]] = ()) -> None:
+def zero_ranks(rank: int, plan_ngpus: int, runtime_ngpus: int, zero_ngroups: int) -> Tuple[int, ...]:
+    """The ranks that split ``rank``'s optimizer state between them under ZeRO.
+
+    The data-parallel ranks of ``rank``'s plan device are cut into ``zero_ngroups`` runs of
+    consecutive units; each run shards the state once, so every run holds a whole copy.
+    """
+    same_shard = dp_ranks(rank % plan_ngpus, plan_ngpus, runtime_ngpus)
+    size = len(same_shard) // zero_ngroups
+    first = (rank // plan_ngpus) // size * size
+    return same_shard[first:first + size]
+
+
+def zero_replica_ranks(rank: int, plan_ngpus: int, runtime_ngpus: int, zero_ngroups: int) -> Tuple[int, ...]:
+    """The ranks that hold the same ZeRO shard as ``rank``: one in each of the ``zero_ngroups`` groups."""
+    same_shard = dp_ranks(rank % plan_ngpus, plan_ngpus, runtime_ngpus)
+    size = len(same_shard) // zero_ngroups
+    position = (rank // plan_ngpus) % size
+    return same_shard[position::size]
+
+
+def strided_ranks(rank: int, stride: int, world_size: int) -> Tuple[int, ...]:
+    """``rank % stride`` and every ``stride``-th rank after it."""
+    return tuple(range(rank % stride, world_size, stride))
+
+
+def ensure_groups(plan_ngpus: int, runtime_ngpus: int, device_sets: Sequence[Sequence[int]] = (),
+                  zero_ngroups: Optional[int] = None) -> None:
     """Create, on every rank and in one fixed order, every group a plan can use: each device set of
-    each unit, each whole unit, and each data-parallel set of ranks."""
+    each unit, each whole unit, each data-parallel set of ranks and, with ZeRO (``zero_ngroups``
+    given), the groups that shard optimizer state and the groups that hold the same shard."""
     units = runtime_ngpus // plan_ngpus
     for u in range(units):
         for devices in device_sets:
@@ -49,3 +76,7 @@ def ensure_groups(plan_ngpus: int, runtime_ngpus: int, device_sets: Sequence[Seq
         get_group(unit_ranks(u, range(plan_ngpus), plan_ngpus))
     for d in range(plan_ngpus):
         get_group(dp_ranks(d, plan_ngpus, runtime_ngpus))
+    if zero_ngroups is not None:
+        for rank in range(runtime_ngpus):
+            get_group(zero_ranks(rank, plan_ngpus, runtime_ngpus, zero_ngroups))
+            get_group(zero_replica_ranks(rank, plan_ngpus, runtime_ngpus, zero_ngroups))
