@@ -378,6 +378,12 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
         extra += ", persistent=False" if name in non_persistent else ""
         w(f"        {attr_name(name)!r}: WeightSpec({name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}{extra}),")
     w("    }")
+    w("    # every parameter of the original module in its order, which indexes optimizer checkpoints")
+    w("    original_params = (")
+    for name, t in any_graph.weights.items():
+        if t.kind == "param":
+            w(f"        {name!r},")
+    w("    )")
     for mode, graph in graphs.items():
         emitter = ForwardEmitter(graph, device, storage)
         body = emitter.emit()

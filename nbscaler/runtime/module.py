@@ -5,7 +5,10 @@ Generated code supplies the forward and a ``weight_specs`` table; this class doe
 - creates the local parameters and buffers (each a slice of an original tensor) and fills them from
   the initial weights that ``parallelize`` saved;
 - creates the process groups the forward's collectives run in, for this rank's unit;
-- sums gradients across data-parallel units (``Reducer``) when the optimizer steps;
+- sums gradients across data-parallel units (``Reducer``, or ``ZeroReducer`` to shard the
+  optimizer state) when the optimizer steps;
+- saves, with its state dict, a record of which slice of which original tensor each local tensor
+  is, and refuses to load a state dict whose record differs;
 - runs ``train_step``/``infer_step`` for end2end modules.
 """
 
@@ -21,8 +24,11 @@ import torch.distributed as dist
 
 from nbscaler.codegen.store import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
-from nbscaler.runtime.groups import dp_ranks, ensure_groups, get_group, unit_ranks
-from nbscaler.runtime.reducer import Reducer
+from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ranks, zero_ranks,
+                                     zero_replica_ranks)
+from nbscaler.runtime.reducer import Reducer, Slot
+from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
+from nbscaler.runtime.zero import ZeroReducer
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,28 @@ class WeightSpec:
     parts: int = 1
     index: int = 0
     persistent: bool = True
+
+    @property
+    def copies(self) -> int:
+        """How many devices of a unit hold this same slice."""
+        return len(self.devices) // self.parts
+
+    @property
+    def saved(self) -> bool:
+        """Whether the original module's state dict has this tensor (parameters and persistent
+        buffers; not non-persistent buffers, nor constants the trace captured)."""
+        return self.kind == "param" or (self.kind == "buffer" and self.persistent)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain values only, so checkpoints load with ``torch.load(..., weights_only=True)``."""
+        return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
+                "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
+                "index": self.index, "persistent": self.persistent}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
+        return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
+                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"])
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -74,6 +102,7 @@ class ParallelModule(torch.nn.Module):
     plan_device: ClassVar[int] = 0
     device_groups: ClassVar[List[Tuple[int, ...]]] = []
     weight_specs: ClassVar[Dict[str, WeightSpec]] = {}
+    original_params: ClassVar[Tuple[str, ...]] = ()     # every parameter of the original module, in its order
     compute_config: ClassVar[ComputeConfig]
     gen_dir: ClassVar[Path]
 
@@ -83,7 +112,8 @@ class ParallelModule(torch.nn.Module):
         self.device = runtime_device()
         self.world_rank = self._check_world()
         self.unit = self.world_rank // cfg.plan_ngpus
-        ensure_groups(cfg.plan_ngpus, cfg.runtime_ngpus, self.device_groups)
+        ensure_groups(cfg.plan_ngpus, cfg.runtime_ngpus, self.device_groups,
+                      cfg.zero_ngroups if cfg.use_zero else None)
         for attr, spec in self.weight_specs.items():
             empty = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
             if spec.kind == "param":
@@ -92,9 +122,18 @@ class ParallelModule(torch.nn.Module):
                 self.register_buffer(attr, empty, persistent=spec.persistent)
         if init_params:
             self.load_initial_weights()
-        dp_group = get_group(dp_ranks(self.plan_device, cfg.plan_ngpus, cfg.runtime_ngpus))
-        self.reducer = Reducer(list(self.parameters()), dp_group)
+        self.reducer = self._make_reducer()
+        self.register_load_state_dict_pre_hook(self._before_load)
         self._in_step = False
+
+    def _make_reducer(self) -> Reducer:
+        cfg = self.compute_config
+        dp_group = get_group(dp_ranks(self.plan_device, cfg.plan_ngpus, cfg.runtime_ngpus))
+        if not cfg.use_zero:
+            return Reducer(list(self.parameters()), dp_group)
+        layout = (self.world_rank, cfg.plan_ngpus, cfg.runtime_ngpus, cfg.zero_ngroups)
+        return ZeroReducer(list(self.parameters()), dp_group, get_group(zero_ranks(*layout)),
+                           get_group(zero_replica_ranks(*layout)))
 
     def _check_world(self) -> int:
         cfg = self.compute_config
@@ -133,8 +172,13 @@ class ParallelModule(torch.nn.Module):
 
     # -- training support -----------------------------------------------------------------------
     def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:
-        """The parameters this rank's optimizer updates."""
-        return list(self.parameters())
+        """The parameters this rank's optimizer updates: the trainable parameters, or with ZeRO
+        this rank's flat shards of them."""
+        return [param for param, _ in self.optimizer_slots()]
+
+    def optimizer_slots(self) -> List[Slot]:
+        """Each optimizer parameter with the segments of local parameters it holds."""
+        return self.reducer.optimizer_slots()
 
     def sync_grads(self) -> None:
         """Sum gradients over the data-parallel units (a no-op with one unit)."""
@@ -142,6 +186,43 @@ class ParallelModule(torch.nn.Module):
 
     def gather_params(self) -> None:
         """Bring every rank's parameters up to date after an optimizer step (ZeRO only)."""
+        self.reducer.gather_params()
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: summed over all ranks, it counts
+        each element of the original model once."""
+        copies = {id(getattr(self, attr)): spec.copies for attr, spec in self.weight_specs.items()}
+        return self.reducer.grad_sq_sum(lambda p: 1.0 / copies[id(p)])
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def get_extra_state(self) -> Dict[str, Any]:
+        """The layout record saved as ``_extra_state``: enough to merge a list of per-rank state
+        dicts without the modules, and to refuse a state dict saved by another plan."""
+        cfg = self.compute_config
+        return {"format": MODULE_FORMAT, "rank": self.world_rank, "plan_device": self.plan_device,
+                "plan_ngpus": cfg.plan_ngpus, "runtime_ngpus": cfg.runtime_ngpus,
+                "weights": {attr: spec.to_dict() for attr, spec in self.weight_specs.items()},
+                "original_params": list(self.original_params)}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore: the layout is the generated code's, and the load pre-hook has already
+        checked that the saved one is the same."""
+
+    def check_state_dict(self, state_dict: Dict[str, Any], prefix: str = "", strict: bool = True) -> None:
+        """Raise ``CheckpointError`` unless this module's entries (under ``prefix``) were saved by the
+        same plan and hold every tensor in its shape. ``load_state_dict`` runs it before it copies
+        anything, so a checkpoint that does not fit changes nothing."""
+        where = f"the state dict at '{prefix}'" if prefix else "the state dict"
+        check_record(self.get_extra_state(), state_dict.get(prefix + EXTRA_STATE), where)
+        expected = [(prefix + attr, f"'{prefix}{attr}' ({spec.name})", spec.local_shape)
+                    for attr, spec in self.weight_specs.items() if spec.persistent]
+        check_tensors(expected, state_dict, strict)
+        if strict:
+            check_no_extra([k for k in state_dict if k.startswith(prefix)],
+                           [key for key, _, _ in expected] + [prefix + EXTRA_STATE])
+
+    def _before_load(self, module, state_dict: Dict[str, Any], prefix: str, local_metadata, strict: bool, *_) -> None:
+        self.check_state_dict(state_dict, prefix, strict)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_config.use_end2end and not self._in_step:
