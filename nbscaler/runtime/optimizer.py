@@ -3,10 +3,15 @@
 The patches, in the order a training step meets them:
 
 1. construction: the optimizer gets ``parameters_for_optimizer()`` of each parallel module (its
-   local shard), plus the ordinary parameters of any non-parallel part of the model;
+   local parameters, or with ZeRO its flat shards of them), plus the ordinary parameters of any
+   non-parallel part of the model;
 2. ``step()``: a pre-step hook calls ``sync_shard_grad()`` (sum gradients across data-parallel
-   units) unless it already ran, and a post-step hook calls ``gather_params()`` (ZeRO);
-3. ``zero_grad()``: also resets each parallel module's gradient state.
+   units) unless it already ran, and a post-step hook calls ``gather_params()`` (ZeRO). With
+   ``step(closure)`` the hook runs before the closure's backward, so it wraps the closure instead
+   and syncs right after each call of it;
+3. ``zero_grad()``: also resets each parallel module's gradient state;
+4. ``state_dict()`` adds a record of what each optimizer parameter holds (which slices of which
+   original parameters), and ``load_state_dict()`` refuses a state saved under another layout.
 
 It also gains ``scale_grads``, ``clip_gnorm`` and reducer hooks. Gradients are sums over units and
 micro-batches; ``optimizer.scale_grads(1 / n)`` turns a sum into a mean.
@@ -17,22 +22,28 @@ micro-batches; ``optimizer.scale_grads(1 / n)`` turns a sum into a mean.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, List, Optional, TypeVar
+import copy
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from nbscaler.config import ComputeConfig
-from nbscaler.runtime.groups import dp_ranks, ensure_groups, get_group, unit_ranks
-from nbscaler.runtime.module import ParallelModule
+from nbscaler.runtime.groups import dp_ranks, ensure_groups, get_group
+from nbscaler.runtime.module import ParallelModule, runtime_device
 from nbscaler.runtime.reducer import GradHook, Reducer
+from nbscaler.runtime.statecheck import OPTIMIZER_FORMAT, OPTIMIZER_KEY, check_optimizer_state
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
 def _world() -> tuple:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def parallel_modules(module: torch.nn.Module) -> Dict[str, ParallelModule]:
+    """Every parallel module inside ``module`` by its state-dict prefix ('' for ``module`` itself)."""
+    return {(name + "." if name else ""): m for name, m in module.named_modules() if isinstance(m, ParallelModule)}
 
 
 def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., OptimizerT],
@@ -44,13 +55,13 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
     ``optimizer._non_parallel_module_reducer``; ``compute_config`` tells the unit size when the
     module holds no parallel module to read it from.
     """
-    parallel = [m for m in module.modules() if isinstance(m, ParallelModule)]
-    configs = {(m.compute_config.plan_ngpus, m.compute_config.runtime_ngpus) for m in parallel}
+    parallel = parallel_modules(module)
+    configs = {(m.compute_config.plan_ngpus, m.compute_config.runtime_ngpus) for m in parallel.values()}
     if len(configs) > 1:
         raise ValueError(f"the parallel modules disagree on (plan_ngpus, runtime_ngpus): {sorted(configs)}; "
                          "all parallel modules of one model need the same values.")
-    owned = {id(p) for m in parallel for p in m.parameters()}
-    plain = [p for p in module.parameters() if id(p) not in owned and p.requires_grad]
+    owned = {id(p) for m in parallel.values() for p in m.parameters()}
+    plain = {name: p for name, p in module.named_parameters() if id(p) not in owned and p.requires_grad}
     rank, world = _world()
     if configs:
         plan, runtime = configs.pop()
@@ -58,21 +69,21 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         plan, runtime = compute_config.plan_ngpus, compute_config.runtime_ngpus
     else:
         plan, runtime = 1, world
-    params = [p for m in parallel for p in m.parameters_for_optimizer()] + plain
+    params = [p for m in parallel.values() for p in m.parameters_for_optimizer()] + list(plain.values())
     optimizer = optimizer_fn(params, **kwargs)
 
     ensure_groups(plan, runtime)
-    plain_group = get_group(dp_ranks(rank % plan, plan, runtime))
-    non_parallel = Reducer(plain, plain_group)
-    reducers: List[Reducer] = [m.reducer for m in parallel] + [non_parallel]
-    unit_group = get_group(unit_ranks(rank // plan, range(plan), plan))
+    non_parallel = Reducer(list(plain.values()), get_group(dp_ranks(rank % plan, plan, runtime)))
+    reducers: List[Reducer] = [m.reducer for m in parallel.values()] + [non_parallel]
+    modules = list(parallel.values())
+    layout = state_layout(module, parallel, plain)
     state = {"synced": False}
 
     def sync_shard_grad() -> None:
         """Sum gradients across data-parallel units, once per step."""
         if state["synced"]:
             return
-        for m in parallel:
+        for m in modules:
             m.sync_grads()
         non_parallel.sync()
         state["synced"] = True
@@ -87,23 +98,16 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
     def clip_gnorm(max_norm: Optional[float] = None) -> torch.Tensor:
         """The global gradient norm of the whole (unpartitioned) model, clipping to ``max_norm``.
 
-        Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model: a sharded gradient
-        counts each shard once, a replicated one once per unit.
+        Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model: every rank adds
+        its share (a slice counts once, a copy held by several devices or ranks a fraction), and
+        the shares are summed over all ranks.
         """
         sync_shard_grad()
-        sq = torch.zeros((), dtype=torch.float64)
-        for m in parallel:
-            for attr, spec in m.weight_specs.items():
-                p = getattr(m, attr)
-                if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-                    copies = 1 if spec.split_dim is not None else len(spec.devices)
-                    sq += p.grad.detach().double().pow(2).sum().cpu() / copies
-        for p in plain:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu() / plan
-        if unit_group is not None:
-            dist.all_reduce(sq, group=unit_group)
-        total = sq.sqrt().float()
+        sq = sum((m.grad_sq_sum() for m in modules), non_parallel.grad_sq_sum(lambda p: 1.0 / plan))
+        if dist.is_initialized():
+            sq = sq.to(runtime_device())
+            dist.all_reduce(sq)
+        total = sq.sqrt().float().cpu()
         if max_norm is not None:
             coef = max_norm / (float(total) + 1e-6)
             if coef < 1:
@@ -118,11 +122,24 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         for r in reducers:
             r.post_hooks.append(fn)
 
-    def pre_step(opt, args, kwargs):
-        sync_shard_grad()
+    def pre_step(opt, args, kwargs):            # args[0] is the optimizer itself
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            sync_shard_grad()
+            return None
+
+        def synced_closure():
+            loss = closure()
+            state["synced"] = False         # its backward made new local gradients
+            sync_shard_grad()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": synced_closure}
+        return (args[0], synced_closure, *args[2:]), kwargs
 
     def post_step(opt, args, kwargs):
-        for m in parallel:
+        for m in modules:
             m.gather_params()
         state["synced"] = False
 
@@ -130,12 +147,22 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
 
     def zero_grad(set_to_none: bool = True) -> None:
         original_zero_grad(set_to_none)
-        for m in parallel:
+        for m in modules:
             m.zero_grad(set_to_none)
         state["synced"] = False
 
+    def add_layout(opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        state_dict[OPTIMIZER_KEY] = copy.deepcopy(layout)
+        return state_dict
+
+    def check_layout(opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        check_optimizer_state(layout, state_dict)
+        return {k: v for k, v in state_dict.items() if k != OPTIMIZER_KEY}
+
     optimizer.register_step_pre_hook(pre_step)
     optimizer.register_step_post_hook(post_step)
+    optimizer.register_state_dict_post_hook(add_layout)
+    optimizer.register_load_state_dict_pre_hook(check_layout)
     optimizer.zero_grad = zero_grad
     optimizer.sync_shard_grad = sync_shard_grad
     optimizer.scale_grads = scale_grads
@@ -143,5 +170,47 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
     optimizer.register_reducer_pre_hook = register_reducer_pre_hook
     optimizer.register_reducer_post_hook = register_reducer_post_hook
     optimizer._non_parallel_module_reducer = non_parallel
-    optimizer._parallel_modules = parallel
+    optimizer._parallel_modules = modules
+    optimizer._state_layout = layout
     return optimizer
+
+
+def state_layout(module: torch.nn.Module, parallel: Dict[str, ParallelModule],
+                 plain: Dict[str, torch.nn.Parameter]) -> Dict[str, Any]:
+    """What each optimizer parameter holds, in plain values (saved with the optimizer's state).
+
+    ``slots[i]`` describes optimizer parameter ``i``: a plain parameter by name, or the segments of
+    a parallel module's local parameters, each naming the original parameter and slice it comes
+    from. ``original_params`` lists the original model's parameters in ``model.parameters()``
+    order, which is how a merged optimizer state is indexed.
+    """
+    slots: List[Dict[str, Any]] = []
+    for prefix, m in parallel.items():
+        attr_of = {id(getattr(m, attr)): attr for attr in m.weight_specs}
+        for param, segments in m.optimizer_slots():
+            described = []
+            for s in segments:
+                attr = attr_of[id(s.param)]
+                spec = m.weight_specs[attr]
+                described.append({"attr": attr, "param": spec.name, "slice": [spec.split_dim, spec.parts, spec.index],
+                                  "start": s.start, "length": s.length, "offset": s.offset})
+            slots.append({"module": prefix, "shape": list(param.shape), "segments": described})
+    slots += [{"module": None, "param": name, "shape": list(p.shape)} for name, p in plain.items()]
+    return {"format": OPTIMIZER_FORMAT, "slots": slots, "original_params": _original_order(module, parallel)}
+
+
+def _original_order(module: torch.nn.Module, parallel: Dict[str, ParallelModule]) -> List[str]:
+    """The original model's parameter names in order: a parallel module stands where the module it
+    was made from stood, so its original parameters take the place of its local ones."""
+    owner = {id(p): (prefix, m) for prefix, m in parallel.items() for p in m.parameters()}
+    order: List[str] = []
+    expanded = set()
+    for name, p in module.named_parameters():
+        if id(p) not in owner:
+            order.append(name)
+            continue
+        prefix, m = owner[id(p)]
+        if prefix not in expanded:
+            expanded.add(prefix)
+            order += [prefix + n for n in m.original_params]
+    return order
