@@ -7,9 +7,12 @@
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.registry import register_op
 from nbscaler.parallel import parallelize
+from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
+from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
-           "build_optimizer", "parallelize", "register_op"]
+           "broadcast_weights", "build_optimizer", "deduped_state_dict", "load_deduped_state_dict",
+           "load_merged_state_dicts", "merge_state_dicts", "parallelize", "register_op"]
 __version__ = "0.1.0"

@@ -28,12 +28,15 @@ from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType,
 from nbscaler.ir.graph import IRGraph
 from nbscaler.policy.builtin import get_policy
 from nbscaler.policy.primitives import PolicyError, replicate
+from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
+from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 from nbscaler.trace.tracer import check_forward_args, trace_module
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
-           "build_optimizer", "parallelize"]
+           "broadcast_weights", "build_optimizer", "deduped_state_dict", "load_deduped_state_dict",
+           "load_merged_state_dicts", "merge_state_dicts", "parallelize"]
 
 
 def _enum(kind: Type[Enum], value: Any, arg: str) -> Enum:

@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Type
+from typing import Any, BinaryIO, Callable, Dict, Optional, Type
 
 from nbscaler.config import ComputeConfig
 
@@ -45,11 +45,17 @@ def module_dir(module_class: type, gen_savedir, instance_name: Optional[str]) ->
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename."""
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Call ``write(file)`` on a temporary file next to ``path``, then rename it to ``path``: a
+    crash leaves the old file or the new one, never half of the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,17 +1,56 @@
-"""Putting per-rank slices back together into the original module's tensors.
+"""Checkpoints of parallel modules: per-rank files, merged ones, and moving between plans.
 
-Every local parameter knows, through its ``WeightSpec``, which slice of which original tensor it
-holds; merging is concatenating the slices of each tensor in index order (a replicated tensor is
-taken from any rank that has it).
+Every local tensor knows, through its ``WeightSpec``, which slice of which original tensor it
+holds, and a parallel module saves those specs with its state dict (its ``_extra_state``). So does
+the patched optimizer, for each optimizer parameter (see ``nbscaler.runtime.optimizer``). That is
+enough to
+
+- **merge** the per-rank state dicts into the state dicts of the original module and of its
+  optimizer (``merge_state_dicts``): concatenate the slices of each tensor in index order, and for
+  optimizer states first reassemble each local tensor from the (ZeRO) pieces that hold it;
+- **load** a merged state into a parallel module of *any* plan (``load_merged_state_dicts``): every
+  rank takes its own slices with ``WeightSpec.take``.
+
+>>> torch.save(pm.state_dict(), f"model.{rank}.pt")                  # doctest: +SKIP
+>>> sd, osd = merge_state_dicts([load(f"model.{r}.pt") for r in range(4)], [...])
+>>> original.load_state_dict(sd)
+
+``save`` writes atomically and ``load`` reads with ``weights_only=True``: checkpoints hold tensors
+and plain values only, so loading one runs no code from the file.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from nbscaler.runtime.module import ParallelModule, WeightSpec
+from nbscaler.codegen.store import atomic_write
+from nbscaler.runtime.module import ParallelModule, WeightSpec, runtime_device
+from nbscaler.runtime.optimizer import parallel_modules
+from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
+                                         CheckpointError, check_no_extra, check_tensors)
+
+StateDict = Dict[str, Any]
+Device = Union[str, torch.device, None]
+
+
+def save(obj: Any, path: Union[str, Path]) -> None:
+    """``torch.save`` to a temporary file next to ``path``, renamed into place when complete."""
+    atomic_write(Path(path), lambda f: torch.save(obj, f))
+
+
+def load(path: Union[str, Path], map_location: Device = "cpu") -> Any:
+    """``torch.load(..., weights_only=True)``, with an error that says what to do when the file
+    is not a readable checkpoint."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"cannot read the checkpoint {path} ({type(err).__name__}: {err}); the file is "
+                              "damaged or incomplete: use an intact copy.") from err
 
 
 def merge_slices(pieces: Iterable[Tuple[WeightSpec, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -50,3 +89,217 @@ def local_pieces(module: torch.nn.Module, grads: bool = False) -> List[Tuple[Wei
                 if t is not None:
                     out.append((spec, t.detach().cpu().clone()))
     return out
+
+
+# -- merging ------------------------------------------------------------------------------------
+def layout_records(state_dict: StateDict) -> Dict[str, Dict[str, WeightSpec]]:
+    """The specs of every parallel module recorded in a per-rank state dict, by state-dict prefix."""
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(EXTRA_STATE) and isinstance(value, dict) and value.get("format") == MODULE_FORMAT:
+            prefix = key[:-len(EXTRA_STATE)]
+            out[prefix] = {attr: WeightSpec.from_dict(d) for attr, d in value["weights"].items()}
+    return out
+
+
+def merge_state_dicts(module_state_dicts: List[StateDict], optimizer_state_dicts: Optional[List[StateDict]] = None
+                      ) -> Tuple[StateDict, Optional[StateDict]]:
+    """Merge per-rank state dicts (one per rank, any order) into the original module's state dict
+    and, when given, its optimizer's (Adam-like: states shaped like their parameter are merged like
+    the parameter, the others, such as ``step``, are taken from any rank holding the parameter).
+
+    The results load into the original, non-parallel module and a torch optimizer built on its
+    ``parameters()``. Deduped state dicts merge too. Tensors stay on the devices they were saved on.
+    """
+    if not module_state_dicts:
+        raise ValueError("merge_state_dicts needs the state dicts of the ranks, got none.")
+    specs = [layout_records(sd) for sd in module_state_dicts]
+    if not specs[0]:
+        raise CheckpointError("the first state dict has no nbscaler layout record: pass per-rank state dicts "
+                              "of a parallel module (module.state_dict() on each rank).")
+    for rank, found in enumerate(specs):
+        if set(found) != set(specs[0]):
+            raise CheckpointError(f"state dict {rank} has parallel modules at {sorted(found)}, state dict 0 at "
+                                  f"{sorted(specs[0])}: pass the state dicts of one model.")
+    owned = {prefix + key for found in specs for prefix, attrs in found.items() for key in [*attrs, EXTRA_STATE]}
+    merged = {k: v for k, v in module_state_dicts[0].items() if k not in owned}
+    for prefix in specs[0]:
+        pieces = [(spec, sd[prefix + attr]) for sd, found in zip(module_state_dicts, specs)
+                  for attr, spec in found[prefix].items() if spec.saved and prefix + attr in sd]
+        merged.update({prefix + name: t for name, t in merge_slices(pieces).items()})
+    if optimizer_state_dicts is None:
+        return merged, None
+    if len(optimizer_state_dicts) != len(module_state_dicts):
+        raise ValueError(f"got {len(module_state_dicts)} module state dicts but {len(optimizer_state_dicts)} "
+                         "optimizer state dicts: pass one of each per rank, in the same order.")
+    return merged, _merge_optimizer(optimizer_state_dicts, specs)
+
+
+def _optimizer_record(state_dict: StateDict, rank: int) -> Dict[str, Any]:
+    record = state_dict.get(OPTIMIZER_KEY)
+    if not isinstance(record, dict) or record.get("format") != OPTIMIZER_FORMAT:
+        raise CheckpointError(f"optimizer state dict {rank} has no nbscaler layout record: save optimizers made "
+                              "by build_optimizer, with optimizer.state_dict() on every rank.")
+    if len(state_dict["param_groups"]) != 1:
+        raise CheckpointError(f"optimizer state dict {rank} has {len(state_dict['param_groups'])} parameter groups; "
+                              "merging supports the single group that build_optimizer creates.")
+    return record
+
+
+def _is_elementwise(value: Any, shape: Iterable[int]) -> bool:
+    """Whether an optimizer state value holds one number per parameter element (exp_avg, ...)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(shape)
+
+
+def _copy(value: Any) -> Any:
+    """A scalar state (``step``) of its own: a ZeRO shard's one tensor serves all its parameters,
+    and optimizers update such tensors in place, once per parameter."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _merge_optimizer(state_dicts: List[StateDict], specs: List[Dict[str, Dict[str, WeightSpec]]]) -> StateDict:
+    records = [_optimizer_record(sd, r) for r, sd in enumerate(state_dicts)]
+    order = records[0]["original_params"]
+    whole: Dict[str, Dict[str, Any]] = {}            # original name -> state key -> value
+    local: Dict[Tuple[str, WeightSpec, str], Tuple[torch.Tensor, torch.Tensor]] = {}   # -> (values, covered)
+    for sd, record, found in zip(state_dicts, records, specs):
+        for index, slot in enumerate(record["slots"]):
+            values = sd["state"].get(index)
+            if not values:
+                continue
+            if slot["module"] is None:
+                whole.setdefault(slot["param"], dict(values))
+                continue
+            prefix = slot["module"]
+            for seg in slot["segments"]:
+                spec = found[prefix][seg["attr"]]
+                for key, value in values.items():
+                    if not _is_elementwise(value, slot["shape"]):
+                        whole.setdefault(prefix + spec.name, {}).setdefault(key, _copy(value))
+                        continue
+                    numel = int(torch.Size(spec.local_shape).numel())
+                    flat, covered = local.setdefault(
+                        (prefix, spec, key), (value.new_empty(numel), torch.zeros(numel, dtype=torch.bool)))
+                    span = slice(seg["start"], seg["start"] + seg["length"])
+                    flat[span] = value.reshape(-1)[seg["offset"]:seg["offset"] + seg["length"]]
+                    covered[span] = True
+    pieces: Dict[Tuple[str, str], List[Tuple[WeightSpec, torch.Tensor]]] = {}
+    for (prefix, spec, key), (flat, covered) in local.items():
+        if not bool(covered.all()):
+            raise CheckpointError(f"optimizer state '{key}' of '{prefix}{spec.name}' is incomplete: pass the "
+                                  "optimizer state dicts of every rank.")
+        pieces.setdefault((prefix, key), []).append((spec, flat.view(spec.local_shape)))
+    for (prefix, key), parts in pieces.items():
+        for name, full in merge_slices(parts).items():
+            whole.setdefault(prefix + name, {})[key] = full
+    index_of = {name: i for i, name in enumerate(order)}
+    unknown = sorted(set(whole) - set(index_of))
+    if unknown:
+        raise CheckpointError(f"optimizer state for '{unknown[0]}', which the original model does not have.")
+    hyper = {k: v for k, v in state_dicts[0]["param_groups"][0].items() if k != "params"}
+    return {"state": {index_of[name]: values for name, values in sorted(whole.items(), key=lambda kv: index_of[kv[0]])},
+            "param_groups": [{**hyper, "params": list(range(len(order)))}]}
+
+
+# -- loading ------------------------------------------------------------------------------------
+def plain_state(module: torch.nn.Module, parallel: Dict[str, ParallelModule]) -> Dict[str, torch.Tensor]:
+    """The state-dict entries of ``module`` outside its parallel modules (as live tensors)."""
+    inside = {prefix + key for prefix, m in parallel.items() for key in m.state_dict(keep_vars=True)}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in inside}
+
+
+def check_model_state(module: torch.nn.Module, state_dict: StateDict) -> None:
+    """Raise ``CheckpointError`` unless ``state_dict`` is a per-rank state dict that fits ``module``
+    as a whole (parallel modules and the plain parts around them)."""
+    parallel = parallel_modules(module)
+    for prefix, m in parallel.items():
+        m.check_state_dict(state_dict, prefix)
+    plain = plain_state(module, parallel)
+    check_tensors([(k, f"'{k}'", tuple(v.shape)) for k, v in plain.items()], state_dict)
+    check_no_extra([k for k in state_dict if not any(k.startswith(p) for p in parallel)], plain)
+
+
+def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDict,
+                            optimizer: Optional[torch.optim.Optimizer] = None,
+                            optimizer_state_dict: Optional[StateDict] = None, *, device: Device = None) -> None:
+    """Load merged (original-module) state dicts into a parallel model of any plan, and optionally
+    its optimizer (made by ``build_optimizer``), staging optimizer state on ``device`` (default:
+    this rank's device).
+
+    Everything is checked before anything is copied: a missing or wrongly shaped tensor raises
+    ``CheckpointError`` naming it, and leaves the module and optimizer as they were. Non-persistent
+    buffers are not in a state dict and keep their values.
+    """
+    device = torch.device(device) if device is not None else runtime_device()
+    parallel = parallel_modules(module)
+    copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for prefix, m in parallel.items():
+        for attr, spec in m.weight_specs.items():
+            if spec.saved:
+                key = prefix + spec.name
+                check_tensors([(key, f"'{key}'", spec.shape)], module_state_dict)
+                copies.append((getattr(m, attr), spec.take(module_state_dict[key])))
+    plain = plain_state(module, parallel)
+    check_tensors([(k, f"'{k}'", tuple(v.shape)) for k, v in plain.items()], module_state_dict)
+    copies += [(v, module_state_dict[k]) for k, v in plain.items()]
+    check_no_extra(module_state_dict, [prefix + s.name for prefix, m in parallel.items()
+                                       for s in m.weight_specs.values() if s.saved] + list(plain))
+    local_state = None
+    if optimizer is not None:
+        if optimizer_state_dict is None:
+            raise ValueError("an optimizer was given without optimizer_state_dict to load into it.")
+        local_state = _localize_optimizer_state(optimizer, optimizer_state_dict, parallel, device)
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src)
+    if local_state is not None:
+        optimizer.load_state_dict(local_state)
+
+
+def _localize_optimizer_state(optimizer: torch.optim.Optimizer, merged: StateDict,
+                              parallel: Dict[str, ParallelModule], device: torch.device) -> StateDict:
+    """This rank's optimizer state dict, cut from a merged one through the optimizer's layout."""
+    layout = getattr(optimizer, "_state_layout", None)
+    if layout is None:
+        raise TypeError("the optimizer was not made by build_optimizer, so nothing says which slices its "
+                        "parameters hold; create it with nbscaler.build_optimizer.")
+    order = layout["original_params"]
+    groups = merged["param_groups"]
+    if len(groups) != 1 or len(groups[0]["params"]) != len(order):
+        raise CheckpointError(f"the merged optimizer state has {[len(g['params']) for g in groups]} parameters in "
+                              f"its groups; the original model has one group of {len(order)}: it belongs to "
+                              "another model, or was not written by merge_state_dicts.")
+    index_of = {name: i for i, name in enumerate(order)}
+    state: Dict[int, Dict[str, Any]] = {}
+    for index, slot in enumerate(layout["slots"]):
+        if slot["module"] is None:
+            shapes = [(slot["param"], torch.Size(slot["shape"]), None)]
+        else:
+            m = parallel[slot["module"]]
+            shapes = [(slot["module"] + m.weight_specs[seg["attr"]].name, m.weight_specs[seg["attr"]].shape, seg)
+                      for seg in slot["segments"]]
+        tensors: Dict[str, torch.Tensor] = {}
+        scalars: Dict[str, Any] = {}
+        for name, shape, seg in shapes:
+            for key, value in merged["state"].get(index_of[name], {}).items():
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    scalars.setdefault(key, _copy(value))
+                    continue
+                check_tensors([(key, f"optimizer state '{key}' of '{name}'", tuple(shape))], {key: value})
+                if seg is None:
+                    tensors[key] = value
+                    continue
+                spec = parallel[slot["module"]].weight_specs[seg["attr"]]
+                if key not in tensors:
+                    tensors[key] = torch.zeros(slot["shape"], dtype=value.dtype, device=device)
+                flat = tensors[key].view(-1)
+                flat[seg["offset"]:seg["offset"] + seg["length"]] = \
+                    spec.take(value).reshape(-1)[seg["start"]:seg["start"] + seg["length"]]
+        if tensors or scalars:
+            state[index] = {**scalars, **tensors}
+    hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    param_groups, start = [], 0
+    for group in optimizer.param_groups:
+        param_groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    return {"state": state, "param_groups": param_groups, OPTIMIZER_KEY: layout}

@@ -53,23 +53,30 @@ def check_no_extra(keys: Iterable[str], known: Iterable[str]) -> None:
 
 
 def check_record(own: Dict[str, Any], saved: Any, where: str) -> None:
-    """Raise unless ``saved`` is a layout record whose tensors are the same slices as in ``own``."""
+    """Raise unless ``saved`` is a layout record whose local tensors are the same slices as in ``own``."""
     if not isinstance(saved, dict) or saved.get("format") != own["format"]:
         raise CheckpointError(
             f"{where} has no nbscaler layout record, so it is not a per-rank state dict of a parallel module. "
             "A merged state dict loads with load_merged_state_dicts; a plain torch one into the original module.")
     mine, theirs = own["weights"], saved.get("weights", {})
     for attr, spec in mine.items():
-        if theirs.get(attr) != spec:
-            got = theirs.get(attr)
-            held = "nothing" if got is None else f"{got['name']} {_slice(got)}"
+        got = theirs.get(attr)
+        if got is None or _slice_identity(got) != _slice_identity(spec):
+            held = "nothing" if got is None else f"'{got['name']}' {_slice(got)}"
+            same_tensor = got is not None and (got["name"], got["shape"]) == (spec["name"], spec["shape"])
             raise CheckpointError(
-                f"{where}: local tensor '{attr}' is {spec['name']} {_slice(spec)} here, but {held} in the "
-                f"checkpoint: {OTHER_PLAN_FIX}.")
+                f"{where}: local tensor '{attr}' is '{spec['name']}' {_slice(spec)} here, but {held} in the "
+                f"checkpoint: {OTHER_PLAN_FIX if same_tensor else OTHER_MODEL_FIX}.")
     extra = sorted(set(theirs) - set(mine))
     if extra:
         raise CheckpointError(f"{where}: the checkpoint holds '{extra[0]}', which this plan does not: "
                                       f"{OTHER_PLAN_FIX}.")
+
+
+def _slice_identity(spec: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What decides whether a saved tensor fits a local one: the same slice of the same tensor
+    (which devices hold it does not matter, and torch's copy converts the dtype)."""
+    return spec["name"], spec["kind"], tuple(spec["shape"]), spec["split_dim"], spec["parts"], spec["index"]
 
 
 def _slice(spec: Dict[str, Any]) -> str:
