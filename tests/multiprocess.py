@@ -4,20 +4,21 @@ Every multi-process test goes through ``run_ranks``, which always has a timeout:
 fails the test with the ranks that never finished instead of stalling the suite.
 
 The equivalence harness trains a model from ``tests.models`` on every rank through ``parallelize``
-and the same model in this process, and compares losses and gradients step by step. Unit ``u`` of
-the parallel run gets the batch seeded ``step * 100 + u``; the single-process reference sums the
-losses of all units' batches, which is what summed data-parallel gradients equal.
+and the same model in this process, and compares losses, gradients, clipped gradient norms and
+the final parameters. Unit ``u`` of the parallel run gets the batch seeded ``step * 100 + u``; the
+single-process reference sums the losses of all units' batches, which is what summed
+data-parallel gradients equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from nbscaler import ComputeConfig, build_optimizer, parallelize
+from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
@@ -32,6 +33,12 @@ def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 
     return spawn(fn, nranks, *args, timeout=timeout)
 
 
+OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
 @dataclass(frozen=True)
 class Case:
     model: str
@@ -39,10 +46,35 @@ class Case:
     plan_ngpus: int
     runtime_ngpus: int
     steps: int = 3
+    optimizer: str = "sgd"
+    use_zero: bool = False
+    zero_ngroups: int = 1
+    clip: Optional[float] = None        # clip_gnorm's max_norm before every step
+
+    def __str__(self) -> str:
+        clip = f"_clip{self.clip}" if self.clip is not None else ""
+        return f"{self.instance_name}_{self.optimizer}_{self.steps}steps{clip}"
 
     @property
     def units(self) -> int:
         return self.runtime_ngpus // self.plan_ngpus
+
+    @property
+    def config(self) -> ComputeConfig:
+        return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus,
+                             use_zero=self.use_zero, zero_ngroups=self.zero_ngroups)
+
+    @property
+    def instance_name(self) -> str:
+        zero = f"_zero{self.zero_ngroups}" if self.use_zero else ""
+        return f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}{zero}"
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The case's optimizer: patched by ``build_optimizer`` when ``model`` has parallel parts."""
+        cls, kwargs = OPTIMIZERS[self.optimizer]
+        if any(isinstance(m, ParallelModule) for m in model.modules()):
+            return build_optimizer(model, cls, **kwargs)
+        return cls(model.parameters(), **kwargs)
 
 
 def data_seed(step: int, unit: int) -> int:
@@ -52,64 +84,88 @@ def data_seed(step: int, unit: int) -> int:
 def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
     """The case's model with ``parallelize`` applied: to the whole model, or, for ``with_trunk``,
     only to its ``trunk`` submodule (the rest stays plain torch)."""
-    cfg = ComputeConfig(plan_ngpus=case.plan_ngpus, runtime_ngpus=case.runtime_ngpus)
-    name = f"{case.model}_{getattr(case.policy, '__name__', case.policy)}_{case.plan_ngpus}_{case.runtime_ngpus}"
     model = build(case.model)
     if case.model == "with_trunk":
-        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg,
-                                  gen_savedir=gen_dir, instance_name=name, reuse="override")
+        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, case.config,
+                                  gen_savedir=gen_dir, instance_name=case.instance_name, reuse="override")
         return model
-    return parallelize(model, batch(case.model, 12345), case.policy, cfg,
-                       gen_savedir=gen_dir, instance_name=name, reuse="override")
+    return parallelize(model, batch(case.model, 12345), case.policy, case.config,
+                       gen_savedir=gen_dir, instance_name=case.instance_name, reuse="override")
 
 
 def plain_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Gradients of the parameters outside parallel modules, by their names in ``model``."""
-    from nbscaler import ParallelModule
     inside = {id(p) for m in model.modules() if isinstance(m, ParallelModule) for p in m.parameters()}
     return {n: p.grad.clone() for n, p in model.named_parameters() if id(p) not in inside and p.grad is not None}
 
 
+def parallel_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case, steps: Iterable[int],
+                   unit: int) -> Dict[str, list]:
+    """Train the steps ``steps`` on this rank; returns its losses, its gradient slices (not with
+    ZeRO, where a rank keeps only its shard of the summed gradient) and the clipped norms."""
+    out: Dict[str, list] = {"losses": [], "grads": [], "norms": []}
+    for step in steps:
+        loss = model(**batch(case.model, data_seed(step, unit)))
+        loss.backward()
+        opt.sync_shard_grad()
+        out["losses"].append(loss.item())
+        if not case.use_zero:
+            out["grads"].append((local_pieces(model, grads=True), plain_grads(model)))
+        if case.clip is not None:
+            out["norms"].append(opt.clip_gnorm(case.clip).item())
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case, steps: Iterable[int],
+                 units: int) -> Dict[str, list]:
+    """The reference for ``parallel_steps``: one process, the losses of ``units`` units summed."""
+    out: Dict[str, list] = {"losses": [], "grads": [], "norms": []}
+    for step in steps:
+        per_unit = [model(**batch(case.model, data_seed(step, u))) for u in range(units)]
+        sum(per_unit).backward()
+        out["losses"].append([l.item() for l in per_unit])
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        if case.clip is not None:
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).item())
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def eval_loss(model: torch.nn.Module, case: Case) -> float:
+    model.eval()
+    with torch.no_grad():
+        return model(**batch(case.model, EVAL_SEED)).item()
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of tensors in the optimizer's state (Adam: exp_avg, exp_avg_sq and step)."""
+    return sum(v.numel() * v.element_size() for state in opt.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
 def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
-    """On every rank: compile and train each case; returns losses and gradient slices per step."""
+    """On every rank: compile and train each case; returns what ``parallel_steps`` records, the
+    eval loss and the final per-rank state dict."""
     rank = dist.get_rank()
     results = []
     for case in cases:
-        unit = rank // case.plan_ngpus
-        pm = parallel_model(case, gen_dir)
-        opt = build_optimizer(pm, torch.optim.SGD, lr=0.1)
-        losses, grads = [], []
-        for step in range(case.steps):
-            loss = pm(**batch(case.model, data_seed(step, unit)))
-            loss.backward()
-            opt.sync_shard_grad()
-            losses.append(loss.item())
-            grads.append((local_pieces(pm, grads=True), plain_grads(pm)))
-            opt.step()
-            opt.zero_grad()
-        pm.eval()
-        with torch.no_grad():
-            eval_loss = pm(**batch(case.model, EVAL_SEED)).item()
-        results.append({"losses": losses, "grads": grads, "eval_loss": eval_loss})
+        model = parallel_model(case, gen_dir)
+        opt = case.make_optimizer(model)
+        out = parallel_steps(model, opt, case, range(case.steps), rank // case.plan_ngpus)
+        results.append({**out, "eval_loss": eval_loss(model, case), "state": model.state_dict(),
+                        "optimizer_bytes": optimizer_state_bytes(opt)})
     return results
 
 
 def train_single(case: Case) -> Dict[str, Any]:
     """The reference: one process, the losses of all units summed before backward."""
     model = build(case.model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
-    for step in range(case.steps):
-        per_unit = [model(**batch(case.model, data_seed(step, u))) for u in range(case.units)]
-        sum(per_unit).backward()
-        losses.append([l.item() for l in per_unit])
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        eval_loss = model(**batch(case.model, EVAL_SEED)).item()
-    return {"losses": losses, "grads": grads, "eval_loss": eval_loss}
+    out = single_steps(model, case.make_optimizer(model), case, range(case.steps), case.units)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**out, "eval_loss": eval_loss(model, case), "params": params}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
@@ -121,14 +177,21 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: 
 
 
 def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
-    """Losses of every rank and merged gradients equal the single-process run at every step, and so
-    does the eval-mode loss afterwards (with one unit: BatchNorm statistics are per unit, as in DDP)."""
+    """Losses of every rank, merged gradients (not with ZeRO) and clipped norms equal the
+    single-process run at every step, and so do the final parameters and the eval-mode loss
+    afterwards (with one unit: BatchNorm statistics are per unit, as in DDP)."""
     ref = train_single(case)
     for step in range(case.steps):
         for rank, res in enumerate(per_rank):
             unit = rank // case.plan_ngpus
             expected = torch.tensor(ref["losses"][step][unit])
             assert_close(torch.tensor(res["losses"][step]), expected, f"{case} step {step} rank {rank} loss")
+        if case.clip is not None:
+            for rank, res in enumerate(per_rank):
+                assert_close(torch.tensor(res["norms"][step]), torch.tensor(ref["norms"][step]),
+                             f"{case} step {step} rank {rank} clipped norm")
+        if case.use_zero:
+            continue
         merged = merge_slices(p for res in per_rank for p in res["grads"][step][0])
         prefix = "trunk." if case.model == "with_trunk" else ""
         merged = {prefix + name: t for name, t in merged.items()}
@@ -137,6 +200,9 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
         for name, expected in ref["grads"][step].items():
             assert name in merged, f"{case}: no gradient for {name} at step {step}"
             assert_close(merged[name], expected, f"{case} step {step} grad {name}")
+    final, _ = merge_state_dicts([res["state"] for res in per_rank])
+    for name, expected in ref["params"].items():
+        assert_close(final[name], expected, f"{case} final {name}")
     if case.units == 1:
         for rank, res in enumerate(per_rank):
             assert_close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss")
