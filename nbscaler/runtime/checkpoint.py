@@ -11,9 +11,10 @@ enough to
 - **load** a merged state into a parallel module of *any* plan (``load_merged_state_dicts``): every
   rank takes its own slices with ``WeightSpec.take``.
 
->>> torch.save(pm.state_dict(), f"model.{rank}.pt")                  # doctest: +SKIP
->>> sd, osd = merge_state_dicts([load(f"model.{r}.pt") for r in range(4)], [...])
->>> original.load_state_dict(sd)
+>>> save((pm.state_dict(), opt.state_dict()), f"ckpt.{rank}.pt")      # doctest: +SKIP
+>>> sds, osds = zip(*(load(f"ckpt.{r}.pt") for r in range(4)))         # later, in any process
+>>> sd, osd = merge_state_dicts(list(sds), list(osds))
+>>> original.load_state_dict(sd); torch.optim.AdamW(original.parameters()).load_state_dict(osd)
 
 ``save`` writes atomically and ``load`` reads with ``weights_only=True``: checkpoints hold tensors
 and plain values only, so loading one runs no code from the file.
@@ -28,7 +29,7 @@ import torch
 
 from nbscaler.codegen.store import atomic_write
 from nbscaler.runtime.module import ParallelModule, WeightSpec, runtime_device
-from nbscaler.runtime.optimizer import parallel_modules
+from nbscaler.runtime.optimizer import layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
                                          CheckpointError, check_no_extra, check_tensors)
 
@@ -92,14 +93,10 @@ def local_pieces(module: torch.nn.Module, grads: bool = False) -> List[Tuple[Wei
 
 
 # -- merging ------------------------------------------------------------------------------------
-def layout_records(state_dict: StateDict) -> Dict[str, Dict[str, WeightSpec]]:
-    """The specs of every parallel module recorded in a per-rank state dict, by state-dict prefix."""
-    out = {}
-    for key, value in state_dict.items():
-        if key.endswith(EXTRA_STATE) and isinstance(value, dict) and value.get("format") == MODULE_FORMAT:
-            prefix = key[:-len(EXTRA_STATE)]
-            out[prefix] = {attr: WeightSpec.from_dict(d) for attr, d in value["weights"].items()}
-    return out
+def layout_records(state_dict: StateDict) -> Dict[str, Dict[str, Any]]:
+    """The layout record of every parallel module in a per-rank state dict, by state-dict prefix."""
+    return {key[:-len(EXTRA_STATE)]: value for key, value in state_dict.items()
+            if key.endswith(EXTRA_STATE) and isinstance(value, dict) and value.get("format") == MODULE_FORMAT}
 
 
 def merge_state_dicts(module_state_dicts: List[StateDict], optimizer_state_dicts: Optional[List[StateDict]] = None
@@ -113,16 +110,26 @@ def merge_state_dicts(module_state_dicts: List[StateDict], optimizer_state_dicts
     """
     if not module_state_dicts:
         raise ValueError("merge_state_dicts needs the state dicts of the ranks, got none.")
-    specs = [layout_records(sd) for sd in module_state_dicts]
-    if not specs[0]:
+    records = [layout_records(sd) for sd in module_state_dicts]
+    if not records[0]:
         raise CheckpointError("the first state dict has no nbscaler layout record: pass per-rank state dicts "
                               "of a parallel module (module.state_dict() on each rank).")
-    for rank, found in enumerate(specs):
-        if set(found) != set(specs[0]):
+    for rank, found in enumerate(records):
+        if set(found) != set(records[0]):
             raise CheckpointError(f"state dict {rank} has parallel modules at {sorted(found)}, state dict 0 at "
-                                  f"{sorted(specs[0])}: pass the state dicts of one model.")
+                                  f"{sorted(records[0])}: pass the state dicts of one model.")
+    plans = {(r["plan_ngpus"], r["runtime_ngpus"]) for found in records for r in found.values()}
+    if len(plans) > 1:
+        raise CheckpointError(f"the state dicts come from different plans (plan_ngpus, runtime_ngpus) = "
+                              f"{sorted(plans)}: pass the ones that the ranks of one run saved together.")
+    specs = [{prefix: {attr: WeightSpec.from_dict(d) for attr, d in r["weights"].items()} for prefix, r in found.items()}
+             for found in records]
     owned = {prefix + key for found in specs for prefix, attrs in found.items() for key in [*attrs, EXTRA_STATE]}
-    merged = {k: v for k, v in module_state_dicts[0].items() if k not in owned}
+    merged: StateDict = {}
+    for sd in module_state_dicts:           # a deduped one keeps the plain entries on one rank only
+        for key, value in sd.items():
+            if key not in owned:
+                merged.setdefault(key, value)
     for prefix in specs[0]:
         pieces = [(spec, sd[prefix + attr]) for sd, found in zip(module_state_dicts, specs)
                   for attr, spec in found[prefix].items() if spec.saved and prefix + attr in sd]
@@ -259,10 +266,7 @@ def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDic
 def _localize_optimizer_state(optimizer: torch.optim.Optimizer, merged: StateDict,
                               parallel: Dict[str, ParallelModule], device: torch.device) -> StateDict:
     """This rank's optimizer state dict, cut from a merged one through the optimizer's layout."""
-    layout = getattr(optimizer, "_state_layout", None)
-    if layout is None:
-        raise TypeError("the optimizer was not made by build_optimizer, so nothing says which slices its "
-                        "parameters hold; create it with nbscaler.build_optimizer.")
+    layout = layout_of(optimizer)
     order = layout["original_params"]
     groups = merged["param_groups"]
     if len(groups) != 1 or len(groups[0]["params"]) != len(order):

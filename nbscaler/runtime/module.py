@@ -201,8 +201,7 @@ class ParallelModule(torch.nn.Module):
         cfg = self.compute_config
         return {"format": MODULE_FORMAT, "rank": self.world_rank, "plan_device": self.plan_device,
                 "plan_ngpus": cfg.plan_ngpus, "runtime_ngpus": cfg.runtime_ngpus,
-                "weights": {attr: spec.to_dict() for attr, spec in self.weight_specs.items()},
-                "original_params": list(self.original_params)}
+                "weights": {attr: spec.to_dict() for attr, spec in self.weight_specs.items()}}
 
     def set_extra_state(self, state: Any) -> None:
         """Nothing to restore: the layout is the generated code's, and the load pre-hook has already

@@ -175,6 +175,15 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
     return optimizer
 
 
+def layout_of(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The layout record of an optimizer made by ``build_optimizer`` (see ``state_layout``)."""
+    layout = getattr(optimizer, "_state_layout", None)
+    if layout is None:
+        raise TypeError(f"this {type(optimizer).__name__} was not made by build_optimizer, so nothing says which "
+                        "slices its parameters hold; create it with nbscaler.build_optimizer.")
+    return layout
+
+
 def state_layout(module: torch.nn.Module, parallel: Dict[str, ParallelModule],
                  plain: Dict[str, torch.nn.Parameter]) -> Dict[str, Any]:
     """What each optimizer parameter holds, in plain values (saved with the optimizer's state).

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from nbscaler.runtime.checkpoint import Device, StateDict, check_model_state
 from nbscaler.runtime.groups import get_group, strided_ranks
-from nbscaler.runtime.optimizer import parallel_modules
+from nbscaler.runtime.optimizer import layout_of, parallel_modules
 from nbscaler.runtime.statecheck import EXTRA_STATE, CheckpointError, check_optimizer_state, check_record
 
 Item = Tuple[Hashable, ...]            # (tag, ...): tags 'tensor' and 'plain' for module entries,
@@ -62,11 +62,8 @@ def module_items(module: torch.nn.Module) -> Dict[Item, str]:
 
 def optimizer_items(optimizer: torch.optim.Optimizer) -> Dict[Item, int]:
     """Each optimizer parameter's index by the identity of what it holds."""
-    layout = getattr(optimizer, "_state_layout", None)
-    if layout is None:
-        raise TypeError("the optimizer was not made by build_optimizer; create it with nbscaler.build_optimizer.")
     items: Dict[Item, int] = {}
-    for index, slot in enumerate(layout["slots"]):
+    for index, slot in enumerate(layout_of(optimizer)["slots"]):
         if slot["module"] is None:
             items[("plain slot", slot["param"])] = index
         else:
@@ -109,22 +106,30 @@ def load_deduped_state_dict(module: torch.nn.Module, module_state_dict: StateDic
 
     ``device``: where received tensors are put before loading (default: where they were saved).
     """
-    for prefix, m in parallel_modules(module).items():
-        where = f"the deduped state dict at '{prefix}'" if prefix else "the deduped state dict"
-        check_record(m.get_extra_state(), module_state_dict.get(prefix + EXTRA_STATE), where)
+    if optimizer is not None and optimizer_state_dict is None:
+        raise ValueError("an optimizer was given without optimizer_state_dict to load into it.")
+    problem = None            # found before the collective below, raised by every rank after it
+    try:
+        for prefix, m in parallel_modules(module).items():
+            where = f"the deduped state dict at '{prefix}'" if prefix else "the deduped state dict"
+            check_record(m.get_extra_state(), module_state_dict.get(prefix + EXTRA_STATE), where)
+        if optimizer is not None:
+            check_optimizer_state(layout_of(optimizer), optimizer_state_dict)
+    except CheckpointError as err:
+        problem = str(err)
     module_state = dict(module_state_dict)
     mine = module_items(module)
+    have = [item for item, key in mine.items() if key in module_state]
     slots: Dict[Item, int] = {}
-    optimizer_state = None
+    optimizer_state: StateDict = {"state": {}}
     if optimizer is not None:
-        if optimizer_state_dict is None:
-            raise ValueError("an optimizer was given without optimizer_state_dict to load into it.")
-        check_optimizer_state(optimizer._state_layout, optimizer_state_dict)
         slots = optimizer_items(optimizer)
         optimizer_state = {**optimizer_state_dict, "state": dict(optimizer_state_dict["state"])}
-    have = [item for item, key in mine.items() if key in module_state]
-    have += [item for item, index in slots.items() if index in optimizer_state["state"]] if slots else []
-    table = _all_gather(([*mine, *slots], have))
+        have += [item for item, index in slots.items() if index in optimizer_state["state"]]
+    table = _all_gather(([*mine, *slots], have, problem))
+    failed = [(rank, error) for rank, (_, _, error) in enumerate(table) if error]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
 
     def get(item: Item) -> Any:
         return module_state[mine[item]] if item in mine else optimizer_state["state"][slots[item]]
@@ -140,25 +145,26 @@ def load_deduped_state_dict(module: torch.nn.Module, module_state_dict: StateDic
     _exchange(table, get, put)
     check_model_state(module, module_state)
     if optimizer is not None:
-        check_optimizer_state(optimizer._state_layout, optimizer_state)
+        check_optimizer_state(layout_of(optimizer), optimizer_state)
     module.load_state_dict(module_state)
     if optimizer is not None:
         optimizer.load_state_dict(optimizer_state)
 
 
-def _exchange(table: List[Tuple[List[Item], List[Item]]], get, put) -> None:
+def _exchange(table: List[Tuple[List[Item], List[Item], Any]], get, put) -> None:
     """Send each rank the items it holds but lacks, from the lowest rank that has them.
 
-    ``table[r]`` is rank ``r``'s (items held, items it has values for). Every rank computes the same
-    list of (source, destination) transfers and walks it in order, so blocking point-to-point
-    messages cannot deadlock: the first unfinished transfer always has both ends waiting on it.
+    ``table[r]`` starts with the items rank ``r`` holds and the items it has values for. Every rank
+    computes the same list of (source, destination) transfers and walks it in order, so blocking
+    point-to-point messages cannot deadlock: the first unfinished transfer always has both ends
+    waiting on it.
     """
     first_with: Dict[Item, int] = {}
-    for rank, (_, has) in enumerate(table):
+    for rank, (_, has, _) in enumerate(table):
         for item in has:
             first_with.setdefault(item, rank)
     transfers: Dict[Tuple[int, int], List[Item]] = {}
-    for dst, (held, has) in enumerate(table):
+    for dst, (held, has, _) in enumerate(table):
         present = set(has)
         for item in held:
             if item in present:
