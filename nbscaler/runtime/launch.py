@@ -39,11 +39,16 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
-    """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise."""
+def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float,
+                       local_rank: Optional[int] = None) -> None:
+    """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise.
+
+    ``local_rank`` (the rank among the processes of this host) picks the GPU; it defaults to
+    ``rank``, which is right when all ranks share one host.
+    """
     backend = default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
