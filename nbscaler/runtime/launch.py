@@ -12,6 +12,7 @@ that raises makes the whole call raise with that rank's traceback, and a run tha
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -61,7 +62,10 @@ def _rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, t
     try:
         init_process_group(rank, world_size, init_method, timeout_s)
         out = fn(*args)
-        results.put((rank, True, out))
+        # Plain bytes: tensors sent as shared memory would vanish when this process exits.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # report everything, including KeyboardInterrupt in the child
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -107,7 +111,7 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} raised:\n{out}")
-            outs[rank] = out
+            outs[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if len(outs) == nranks else 0.1)

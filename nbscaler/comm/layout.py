@@ -1,0 +1,129 @@
+"""Layouts of a tensor over the devices of a group, and the collectives that change them.
+
+After partitioning, each device of a group holds some piece of every tensor. Three layouts cover
+what a producer leaves behind:
+
+- ``R``: replicated, every device holds the whole tensor;
+- ``S(d)``: split, device ``i`` holds slice ``i`` along dim ``d``;
+- ``P``: partial, the tensor is the *sum* of what the devices hold (a split reduction axis).
+
+A consumer asks for one of four *requirements*: ``R``, ``S(d)``, and two that only matter for the
+backward pass:
+
+- ``R*`` (replicated, partial gradients): the op is split along an axis this input does not have,
+  e.g. the input ``x`` of a column-parallel linear. Each device then computes only part of ``x``'s
+  gradient, so the conversion sums gradients in the backward pass (Megatron's *f* operator).
+- ``V`` (value on the first device only): the op is split along a reduction axis this input lacks,
+  e.g. the bias of a row-parallel linear. Adding it on every device would count it ``n`` times, so
+  the first device adds it and the others add zeros.
+
+``conversion(have, want)`` gives the steps, each a differentiable collective in
+``nbscaler.runtime.collectives`` whose backward is the matching collective. The gradient of an
+``R`` tensor is full on every device, of ``S(d)`` split like the tensor, and of ``P`` full.
+
+>>> conversion(Layout.split(2), Layout.replicated())
+[Step(fn='all_gather', dim=2)]
+>>> conversion(Layout.partial(), Layout.split(0))
+[Step(fn='reduce_scatter', dim=0)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from nbscaler.ir.graph import IRNode
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str                     # 'R' | 'S' | 'P' | 'R*' | 'V'
+    dim: Optional[int] = None
+
+    @classmethod
+    def replicated(cls) -> "Layout":
+        return cls("R")
+
+    @classmethod
+    def split(cls, dim: int) -> "Layout":
+        return cls("S", dim)
+
+    @classmethod
+    def partial(cls) -> "Layout":
+        return cls("P")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+    @property
+    def label(self) -> str:
+        """A suffix for variable names in generated code."""
+        return {"R": "full", "P": "partial", "R*": "rep", "V": "first"}.get(self.kind, f"split{self.dim}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective: ``fn`` names a function of ``nbscaler.runtime.collectives``."""
+
+    fn: str
+    dim: Optional[int] = None
+    dim2: Optional[int] = None
+
+
+def output_layout(node: IRNode, index: int) -> Layout:
+    """The layout ``node`` leaves its ``index``-th tensor output in."""
+    place = node.placement
+    if place is None or place.split is None:
+        return Layout.replicated()
+    _, out_dims = node.annotation.split_dims(place.split)
+    if out_dims[index] is not None:
+        return Layout.split(out_dims[index])
+    return Layout.partial()
+
+
+def input_requirement(node: IRNode, index: int) -> Layout:
+    """What ``node`` needs of its ``index``-th tensor input."""
+    place = node.placement
+    if place is None or place.split is None:
+        return Layout.replicated()
+    in_dims, _ = node.annotation.split_dims(place.split)
+    if in_dims[index] is not None:
+        return Layout.split(in_dims[index])
+    return Layout("V") if place.split in node.annotation.reduce else Layout("R*")
+
+
+def conversion(have: Layout, want: Layout) -> List[Step]:
+    """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
+    if have == want:
+        return []
+    if have.kind == "S" and want.kind == "S":
+        return [Step("all_to_all", dim=want.dim, dim2=have.dim)]
+    to_full: List[Step] = {"R": [], "S": [Step("all_gather", dim=have.dim)], "P": [Step("all_reduce")]}[have.kind]
+    if want.kind == "R":
+        return to_full
+    if want.kind == "S":
+        if have.kind == "P":
+            return [Step("reduce_scatter", dim=want.dim)]
+        return [Step("chunk", dim=want.dim)]
+    if want.kind == "R*":
+        return to_full + [Step("sum_grad")]
+    if want.kind == "V":
+        return to_full + [Step("first_only")]
+    raise ValueError(f"no conversion from {have} to {want}")
+
+
+def storage_layouts(graphs) -> dict:
+    """How each weight is stored on the devices of its consumers: ``S(d)`` when every consumer in
+    every graph wants the same slice (a tensor-parallel weight), else ``R`` (whole on each device)."""
+    wants: dict = {}
+    for graph in graphs:
+        for node in graph.nodes:
+            for i, t in enumerate(node.inputs):
+                if t.is_weight:
+                    wants.setdefault(t.name, set()).add(
+                        (input_requirement(node, i), node.placement.devices if node.placement else None))
+    layouts = {}
+    for name, reqs in wants.items():
+        (want, devices), = reqs if len(reqs) == 1 else ((None, None),)
+        layouts[name] = want if want is not None and want.kind == "S" else Layout.replicated()
+    return layouts

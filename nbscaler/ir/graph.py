@@ -1,0 +1,181 @@
+"""The IR: a flat, ordered list of torch-function calls over named tensors.
+
+``IRGraph`` is what the tracer produces, what policies partition, what code generation reads and
+what the widgets draw. It is deliberately small:
+
+- ``IRTensor`` is one value: a graph input, a parameter or buffer of the module, a constant, or the
+  output of a node. It knows its full (unpartitioned) shape.
+- ``IRNode`` is one call, e.g. ``torch.nn.functional.linear(x, w)``. Its ``args``/``kwargs`` keep the
+  call's Python structure with ``IRTensor`` leaves, so code generation can write the call back out.
+  It also records where it came from (module path and source line), its dimension annotation, and
+  where the policy placed it (``placement``).
+
+A policy never rewrites the list of nodes: it sets each node's ``placement``. Communication and code
+generation derive everything else from the placements, so the same graph object can be shown,
+re-partitioned and compiled again.
+
+>>> graph.nodes[3]                                           # doctest: +SKIP
+IRNode(linear_3 = torch.nn.functional.linear(x, blocks.0.attn.q.weight) @ blocks.0.attn.q)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from nbscaler.ir.annotation import OpAnnotation
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(eq=False)
+class IRTensor:
+    """One tensor value of the graph, at its full (unpartitioned) shape."""
+
+    name: str
+    shape: Shape
+    dtype: torch.dtype
+    kind: str = "activation"          # 'input' | 'param' | 'buffer' | 'constant' | 'activation'
+    requires_grad: bool = False
+    producer: Optional["IRNode"] = None
+    path: Any = None                  # inputs: the pytree path in the forward args; params: qualified name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * (torch.finfo(self.dtype).bits if self.dtype.is_floating_point else
+                    torch.iinfo(self.dtype).bits if self.dtype != torch.bool else 8) // 8
+
+    @property
+    def is_weight(self) -> bool:
+        return self.kind in ("param", "buffer", "constant")
+
+    def __repr__(self) -> str:
+        return f"{self.name}{list(self.shape)}"
+
+
+@dataclass
+class Placement:
+    """Where a node runs: on ``devices`` (plan device ids), whole or split along one dimension.
+
+    ``split=None`` means every device computes the whole op (replicated); ``split='n'`` means device
+    ``devices[i]`` computes slice ``i`` of ``len(devices)`` along the annotated dimension ``n``.
+    """
+
+    devices: Tuple[int, ...]
+    split: Optional[str] = None
+
+    @property
+    def parts(self) -> int:
+        return len(self.devices) if self.split is not None else 1
+
+    def __str__(self) -> str:
+        devs = ",".join(map(str, self.devices))
+        return f"split {self.split!r} over [{devs}]" if self.split else f"replicated on [{devs}]"
+
+
+@dataclass(eq=False)
+class IRNode:
+    """One recorded torch-function call."""
+
+    name: str
+    target: str                       # 'torch.nn.functional.linear', 'Tensor.view', 'Tensor.T', ...
+    op: str                           # the registry's op name, 'opaque' when unknown
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    outputs: Any                      # the call's result structure with IRTensor leaves
+    module_path: str = ""
+    source: Optional[Tuple[str, int]] = None    # (file, line) of the user's code
+    annotation: Optional[OpAnnotation] = None
+    inplace: bool = False             # the call mutates and returns its first argument
+    placement: Optional[Placement] = None
+    stage: Optional[int] = None       # pipeline stage, set by staging
+
+    @property
+    def inputs(self) -> List[IRTensor]:
+        """Tensor arguments in flattened argument order (the annotation's input order)."""
+        leaves, _ = tree_flatten((self.args, self.kwargs))
+        return [x for x in leaves if isinstance(x, IRTensor)]
+
+    @property
+    def output_tensors(self) -> List[IRTensor]:
+        leaves, _ = tree_flatten(self.outputs)
+        return [x for x in leaves if isinstance(x, IRTensor)]
+
+    def map_args(self, fn) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """``args`` and ``kwargs`` with every ``IRTensor`` replaced by ``fn(tensor)``."""
+        conv = lambda x: fn(x) if isinstance(x, IRTensor) else x
+        return tree_map(conv, self.args), tree_map(conv, self.kwargs)
+
+    def __repr__(self) -> str:
+        where = f" @ {self.module_path}" if self.module_path else ""
+        ins = ", ".join(t.name for t in self.inputs)
+        outs = ", ".join(t.name for t in self.output_tensors)
+        return f"IRNode({outs} = {self.target}({ins}){where})"
+
+
+@dataclass
+class IRGraph:
+    """A traced forward pass: ordered nodes, the tensors they connect, inputs and outputs.
+
+    ``mode`` is ``'train'`` or ``'eval'``: a module whose forward depends on ``self.training`` is
+    traced once per mode, and each graph is planned on its own.
+    """
+
+    nodes: List[IRNode]
+    inputs: List[IRTensor]                       # forward-argument tensors, in flattened order
+    input_spec: Any                              # the forward args' structure with IRTensor leaves
+    outputs: Any                                 # the forward's result with IRTensor leaves
+    weights: Dict[str, IRTensor]                 # qualified name -> param/buffer/constant tensor
+    mode: str = "train"
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[IRNode]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def select(self, op: Optional[str] = None, module: Optional[str] = None) -> List[IRNode]:
+        """Nodes filtered by op name and/or module path prefix, e.g. ``select(module='blocks.0')``."""
+        return [n for n in self.nodes
+                if (op is None or n.op == op)
+                and (module is None or n.module_path == module or n.module_path.startswith(module + "."))]
+
+    def consumers(self) -> Dict[int, List[IRNode]]:
+        """``id(tensor) -> nodes reading it``, in graph order."""
+        out: Dict[int, List[IRNode]] = {}
+        for node in self.nodes:
+            for t in node.inputs:
+                out.setdefault(id(t), []).append(node)
+        return out
+
+    def output_tensors(self) -> List[IRTensor]:
+        leaves, _ = tree_flatten(self.outputs)
+        return [x for x in leaves if isinstance(x, IRTensor)]
+
+    def signature(self) -> List[Tuple]:
+        """A structural fingerprint: equal for two traces that compute the same thing."""
+        sig = []
+        for n in self.nodes:
+            args, kwargs = n.map_args(lambda t: ("T", t.name))
+            sig.append((n.target, repr(args), repr(sorted(kwargs.items())),
+                        tuple(t.name for t in n.output_tensors)))
+        return sig
+
+    def describe(self, limit: Optional[int] = None) -> str:
+        """A readable listing, one node a line: output = op(inputs)  placement  module."""
+        lines = []
+        for n in self.nodes[:limit]:
+            place = f"  [{n.placement}]" if n.placement else ""
+            lines.append(f"{repr(n)[7:-1]}{place}")
+        return "\n".join(lines)

@@ -1,0 +1,278 @@
+"""``parallelize``: trace -> policy -> code generation -> load, in one call.
+
+>>> pm = parallelize(model, {'x': torch.randn(8, 64)}, 'tp',         # doctest: +SKIP
+...                  ComputeConfig(plan_ngpus=2, runtime_ngpus=4))
+
+Rank 0 compiles (or reuses an earlier compile) into ``gen_savedir``; the other ranks wait, receive
+the files the broadcast strategy names, and every rank loads its own ``gencode{rank}.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Type, Union
+
+import torch
+import torch.distributed as dist
+
+import nbscaler
+from nbscaler.codegen.emitter import generate
+from nbscaler.codegen.store import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
+                                    gencode_file, module_dir)
+from nbscaler.comm.layout import storage_layouts
+from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
+from nbscaler.ir.graph import IRGraph
+from nbscaler.policy.builtin import get_policy
+from nbscaler.policy.primitives import PolicyError, replicate
+from nbscaler.runtime.module import ParallelModule
+from nbscaler.runtime.optimizer import build_optimizer
+from nbscaler.trace.tracer import check_forward_args, trace_module
+
+__all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
+           "build_optimizer", "parallelize"]
+
+
+def _enum(kind: Type[Enum], value: Any, arg: str) -> Enum:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{arg}={value!r} is not one of {', '.join(repr(m.value) for m in kind)}") from None
+
+
+def _policy_name(policy: Union[str, Callable]) -> str:
+    return policy if isinstance(policy, str) else f"{policy.__module__}.{policy.__qualname__}"
+
+
+def _arg_signature(value: Any) -> Any:
+    """Shapes and dtypes of tensors, values of everything else: what decides whether a trace is reusable."""
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return {str(k): _arg_signature(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_arg_signature(v) for v in value]
+    return repr(value)
+
+
+def parallelize(
+    module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]],
+    dummy_forward_args: Dict[str, Any],
+    pas_policy: Union[str, Callable[[IRGraph, ComputeConfig], IRGraph]],
+    compute_config: ComputeConfig,
+    *,
+    gen_savedir: Union[str, Path] = "./.nbscaler",
+    reuse: Union[ReuseType, str] = ReuseType.MATCH,
+    instance_name: Optional[str] = None,
+    load_module: bool = True,
+    module_dtype: Optional[torch.dtype] = None,
+    module_fn: Optional[Callable[[], torch.nn.Module]] = None,
+    init_module_params: bool = True,
+    broadcast_strategy: Union[str, BroadcastGenFilesStrategy] = "none",
+) -> Union[None, ParallelModule, Type[ParallelModule]]:
+    """Turn a module (or module class) into a parallel module (or parallel module class).
+
+    Args:
+        module_or_module_class: the module to parallelize. A module object gives a
+            ``ParallelModule`` object; a class gives a ``ParallelModule`` class.
+        dummy_forward_args: forward's arguments by name, used to trace it once.
+        pas_policy: 'dp', 'tp', 'data' (and, as they land, 'pp', 'hybrid', 'autodist'), or a
+            function ``(graph, compute_config) -> graph`` that places every node.
+        compute_config: devices per unit (``plan_ngpus``), ranks in all (``runtime_ngpus``), features.
+        gen_savedir: where generated files go (``<gen_savedir>/_parallel_modules/...``).
+        reuse: what earlier generated files may be reused (see ``ReuseType``).
+        instance_name: tells several compiles of one module class apart.
+        load_module: load and return the module; ``False`` only compiles, in any process.
+        module_dtype: convert the module to this dtype before tracing.
+        module_fn: builds the module when a class is given (default: ``cls()``).
+        init_module_params: fill parameters with the traced module's values (else leave them empty).
+        broadcast_strategy: which new files rank 0 sends to the other ranks.
+    """
+    reuse = _enum(ReuseType, reuse, "reuse")
+    strategy = _enum(BroadcastGenFilesStrategy, broadcast_strategy, "broadcast_strategy")
+    if not isinstance(compute_config, ComputeConfig):
+        raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
+    is_class = isinstance(module_or_module_class, type)
+    module_class = module_or_module_class if is_class else type(module_or_module_class)
+    if not issubclass(module_class, torch.nn.Module):
+        raise TypeError(f"parallelize takes a torch.nn.Module or a subclass of it, got {module_class.__name__}")
+    policy = get_policy(pas_policy)
+    gen = GenDir(module_dir(module_class, gen_savedir, instance_name))
+    distributed = dist.is_available() and dist.is_initialized()
+    if strategy is not BroadcastGenFilesStrategy.NONE and not distributed:
+        raise RuntimeError(f"broadcast_strategy={strategy.value!r} sends files between ranks, but torch.distributed "
+                           "is not initialized; use broadcast_strategy='none' in a single process.")
+    rank = dist.get_rank() if distributed else 0
+
+    new_files: List[str] = []
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            new_files = _compile(module_or_module_class, is_class, dummy_forward_args, policy,
+                                 _policy_name(pas_policy), compute_config, gen, reuse, module_dtype, module_fn)
+        except BaseException as err:      # the other ranks must hear about it, not wait forever
+            error = err
+    if distributed:
+        status = [None if error is None else f"{type(error).__name__}: {error}", new_files]
+        dist.broadcast_object_list(status, src=0)
+        if rank != 0 and status[0] is not None:
+            raise RuntimeError(f"rank 0 failed to compile the parallel module: {status[0]}")
+        _broadcast_files(gen, status[1], strategy, rank)
+    if error is not None:
+        raise error
+    if not load_module:
+        return None
+    cls = gen.load_class(rank)
+    return cls if is_class else cls(init_params=init_module_params)
+
+
+# ------------------------------------------------------------------------------------------------
+def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], policy: Callable, policy_name: str,
+             cfg: ComputeConfig, gen: GenDir, reuse: ReuseType, module_dtype, module_fn) -> List[str]:
+    """Generate (or reuse) the files; returns the names of newly written files."""
+    module_class = module_or_class if is_class else type(module_or_class)
+    fingerprint = {
+        "graph": {"module": f"{module_class.__module__}.{module_class.__qualname__}",
+                  "args": _arg_signature(dummy_args), "dtype": str(module_dtype),
+                  "user_graph": cfg.user_config.graph, "inference_only": cfg.inference_only,
+                  "dynamic_shape": cfg.dynamic_shape, "version": nbscaler.__version__},
+        "code": {"compute_config": cfg.to_dict(), "policy": policy_name},
+    }
+    fingerprint = json.loads(json.dumps(fingerprint, default=str))
+    old = gen.read_config()
+    if old is not None and reuse in (ReuseType.MATCH, ReuseType.MOO):
+        if old["fingerprint"] == fingerprint:
+            return []
+        if reuse is ReuseType.MATCH:
+            raise ValueError(f"{gen.path} holds a module compiled with different settings "
+                             f"({_difference(old['fingerprint'], fingerprint)}); nothing was changed. Use "
+                             "reuse='override' (or 'moo') to recompile, or another instance_name to keep both.")
+
+    old_weights = None
+    if old is not None and reuse is ReuseType.GRAPH and old["fingerprint"]["graph"] == fingerprint["graph"]:
+        graphs = gen.read_graphs()
+        old_weights = (gen.path / WEIGHTS_FILE).read_bytes()
+        module = None
+    else:
+        module = module_or_class if not is_class else (module_fn() if module_fn else module_class())
+        if module_dtype is not None:
+            module = module.to(module_dtype)
+        graphs = trace_modes(module, dummy_args, cfg)
+
+    start = time.perf_counter()
+    for mode, graph in graphs.items():
+        placed = policy(graph, cfg)
+        graphs[mode] = graph if placed is None else placed
+        check_placements(graphs[mode], cfg)
+    storage = storage_layouts(graphs.values())
+    sources = {r: generate(graphs, storage, rank=r, plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus,
+                           module_name=fingerprint["graph"]["module"], policy_name=policy_name)
+               for r in range(cfg.runtime_ngpus)}
+    plan_seconds = time.perf_counter() - start
+
+    def write(tmp: Path) -> None:
+        for r, src in sources.items():
+            (tmp / gencode_file(r)).write_text(src)
+        if module is not None:
+            torch.save(full_weights(module, graphs), tmp / WEIGHTS_FILE)
+        else:
+            (tmp / WEIGHTS_FILE).write_bytes(old_weights)
+        with open(tmp / GRAPH_FILE, "wb") as f:
+            pickle.dump(graphs, f)
+        (tmp / PLAN_FILE).write_text(json.dumps(plan_summary(graphs, storage, cfg), indent=1))
+        (tmp / CONFIG_FILE).write_text(json.dumps({"fingerprint": fingerprint, "compute_config": cfg.to_dict(),
+                                                   "policy": policy_name, "plan_seconds": plan_seconds},
+                                                  indent=1, default=str))
+
+    gen.replace_with(write)
+    return sorted(gen.files())
+
+
+def _difference(old: Dict, new: Dict, prefix: str = "") -> str:
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a != b:
+            if isinstance(a, dict) and isinstance(b, dict):
+                return _difference(a, b, f"{prefix}{key}.")
+            return f"{prefix}{key} was {a!r}, now {b!r}"
+    return "none"
+
+
+def trace_modes(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: ComputeConfig) -> Dict[str, IRGraph]:
+    """One graph per mode of ``self.training``, or a single ``'any'`` graph when both are the same."""
+    check_forward_args(module, dummy_args)
+    if cfg.inference_only:
+        return {"any": trace_module(module, dummy_args, "eval")}
+    train = trace_module(module, dummy_args, "train")
+    evaluate = trace_module(module, dummy_args, "eval")
+    if train.signature() == evaluate.signature():
+        return {"any": train}
+    return {"train": train, "eval": evaluate}
+
+
+def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
+    """Every node placed, on the unit's devices; unplaced nodes are replicated on all of them."""
+    devices = tuple(range(cfg.plan_ngpus))
+    for node in graph.nodes:
+        if node.placement is None:
+            replicate(node, devices)
+        if any(d not in devices for d in node.placement.devices):
+            raise PolicyError(f"{node.name} is placed on devices {list(node.placement.devices)}, but a unit has "
+                              f"plan_ngpus={cfg.plan_ngpus} devices (0..{cfg.plan_ngpus - 1}).")
+        if tuple(sorted(node.placement.devices)) != devices:
+            raise PolicyError(
+                f"{node.name} ({node.module_path or 'top level'}) runs on devices {list(node.placement.devices)}, "
+                f"not on all {cfg.plan_ngpus} devices of the unit. Without a pipeline, every op is split or "
+                "replicated across the whole unit; give ops their own devices by staging the graph into a pipeline.")
+
+
+def full_weights(module: torch.nn.Module, graphs: Dict[str, IRGraph]) -> Dict[str, torch.Tensor]:
+    """Every parameter, buffer (persistent or not) and captured constant, by qualified name."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        out[name] = t.detach().cpu().contiguous()
+    for graph in graphs.values():
+        for name, t in graph.meta.get("constants", {}).items():
+            out[name] = t.cpu().contiguous()
+    return out
+
+
+def plan_summary(graphs: Dict[str, IRGraph], storage, cfg: ComputeConfig) -> Dict[str, Any]:
+    """What the widgets read back: nodes with placements, weights with layouts and bytes per device."""
+    summary: Dict[str, Any] = {"plan_ngpus": cfg.plan_ngpus, "graphs": {}, "weights": {}}
+    for mode, g in graphs.items():
+        summary["graphs"][mode] = [
+            {"name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
+             "devices": list(n.placement.devices), "split": n.placement.split,
+             "annotation": str(n.annotation) if n.annotation else None,
+             "inputs": [t.name for t in n.inputs], "outputs": [t.name for t in n.output_tensors]}
+            for n in g.nodes]
+        for name, t in g.weights.items():
+            if name in storage:
+                lay = storage[name]
+                summary["weights"][name] = {"kind": t.kind, "shape": list(t.shape), "layout": str(lay),
+                                            "bytes": t.nbytes}
+    return summary
+
+
+def _broadcast_files(gen: GenDir, names: List[str], strategy: BroadcastGenFilesStrategy, rank: int) -> None:
+    """Send the newly generated files that ``strategy`` names from rank 0 to every other rank."""
+    wanted = {
+        BroadcastGenFilesStrategy.NONE: lambda n: False,
+        BroadcastGenFilesStrategy.ALL: lambda n: True,
+        BroadcastGenFilesStrategy.NO_WEIGHTS: lambda n: n != WEIGHTS_FILE,
+        BroadcastGenFilesStrategy.CODE: lambda n: n.startswith("gencode"),
+    }[strategy]
+    names = [n for n in names if wanted(n)]
+    if not names:
+        return
+    payload = [{n: (gen.path / n).read_bytes() for n in names} if rank == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    if rank != 0:
+        for name, data in payload[0].items():
+            path = gen.path / name
+            if not (path.exists() and path.read_bytes() == data):
+                atomic_write_bytes(path, data)

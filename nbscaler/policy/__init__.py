@@ -1,0 +1,6 @@
+"""PAS policies: the primitives (partition, replicate, assign) and the built-in policies."""
+
+from nbscaler.policy.builtin import POLICIES, get_policy
+from nbscaler.policy.primitives import PolicyError, assign, dim_name, partition, replicate, splittable
+
+__all__ = ["POLICIES", "PolicyError", "assign", "dim_name", "get_policy", "partition", "replicate", "splittable"]

@@ -1,0 +1,142 @@
+"""The built-in PAS policies, accepted by name in ``parallelize``.
+
+- ``dp``: the whole model on one device per unit (``plan_ngpus=1``); data parallelism comes from
+  running ``runtime_ngpus`` units, whose gradients are summed.
+- ``data``: split every op along the batch axis across the ``plan_ngpus`` devices of a unit.
+- ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
+  after a replicated input splits its output features, one after a split input splits its
+  reduction axis and leaves partial sums), and other ops keep whatever split their input has.
+  Embeddings stay whole, so the residual stream they start stays replicated, as in Megatron.
+
+Each policy walks the graph in order, tracking the layout every tensor is left in, and places each
+node with the primitives of ``nbscaler.policy.primitives``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+from nbscaler.comm.layout import output_layout
+from nbscaler.config import ComputeConfig
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
+
+Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
+
+
+def _split_dims(graph: IRGraph):
+    """Yield nodes with a lookup of the split dim (or 'P') each earlier output was left in."""
+    layout: Dict[int, object] = {}
+
+    def split_of(t: IRTensor):
+        return layout.get(id(t))
+
+    for node in graph.nodes:
+        yield node, split_of
+        for i, t in enumerate(node.output_tensors):
+            lay = output_layout(node, i)
+            layout[id(t)] = lay.dim if lay.kind == "S" else ("P" if lay.kind == "P" else None)
+
+
+def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """Pure data parallelism: one whole copy of the model per rank."""
+    if cfg.plan_ngpus != 1:
+        raise PolicyError(f"policy 'dp' keeps the whole model on one device, so it needs plan_ngpus=1 "
+                          f"(got {cfg.plan_ngpus}); set runtime_ngpus for the number of data-parallel "
+                          "ranks, or use 'data' to split the batch inside a unit.")
+    for node in graph.nodes:
+        replicate(node, [0])
+    return graph
+
+
+def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """Split each op along the batch axis (dim 0 of the inputs), following it through the graph."""
+    n = cfg.plan_ngpus
+    devices = list(range(n))
+    batch_inputs = {id(t) for t in graph.inputs if t.ndim and t.shape[0] % n == 0}
+    batch_dim: Dict[int, int] = {i: 0 for i in batch_inputs}
+    for node in graph.nodes:
+        choice = None
+        if node.annotation is not None and n > 1:
+            for i, t in enumerate(node.inputs):
+                d = batch_dim.get(id(t))
+                if d is not None:
+                    name = node.annotation.inputs[i][d]
+                    if node.annotation.can_split(name, n) is None:
+                        choice = name
+                        break
+        if choice is None:
+            replicate(node, devices)
+            continue
+        partition(node, choice, devices)
+        _, out_dims = node.annotation.split_dims(choice)
+        for t, d in zip(node.output_tensors, out_dims):
+            if d is not None:
+                batch_dim[id(t)] = d
+    return graph
+
+
+def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit."""
+    n = cfg.plan_ngpus
+    devices = list(range(n))
+    for node, split_of in _split_dims(graph):
+        choice = _tp_choice(node, split_of, n) if n > 1 else None
+        if choice is None:
+            replicate(node, devices)
+        else:
+            partition(node, choice, devices)
+    return graph
+
+
+def _tp_choice(node: IRNode, split_of, n: int) -> Optional[str]:
+    ann = node.annotation
+    options = splittable(node, n)
+    if not options:
+        return None
+    inherited = []            # names along which an input already arrives split
+    for i, t in enumerate(node.inputs):
+        d = split_of(t)
+        if isinstance(d, int) and ann.inputs[i] is not None:
+            inherited.append(ann.inputs[i][d])
+    if node.op == "embedding":
+        return None
+    weight_names = [name for i, t in enumerate(node.inputs) if t.kind == "param" and t.ndim >= 2
+                    for name in ann.inputs[i] or () if name in options]
+    if weight_names:
+        for name in inherited:
+            if name in weight_names:
+                return name               # row-parallel: the input is already split along k
+        column = [w for w in weight_names if w not in ann.reduce]
+        return (column or weight_names)[0]
+    for name in inherited:
+        if name in options:
+            return name
+    return None
+
+
+def _not_yet(name: str, issue: str) -> Policy:
+    def policy(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+        raise NotImplementedError(f"policy {name!r} is not available yet ({issue}); use 'dp', 'tp' or 'data', "
+                                  "or pass your own policy function (graph, compute_config) -> graph.")
+    return policy
+
+
+POLICIES: Dict[str, Policy] = {
+    "dp": dp,
+    "tp": tp,
+    "data": data,
+    "pp": _not_yet("pp", "pipeline parallelism is being built"),
+    "hybrid": _not_yet("hybrid", "pipeline parallelism is being built"),
+    "autodist": _not_yet("autodist", "the cost-model search is being built"),
+}
+
+
+def get_policy(policy) -> Policy:
+    """A policy function from a built-in name or a callable."""
+    if callable(policy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]
+    raise ValueError(f"unknown PAS policy {policy!r}: use one of {', '.join(POLICIES)}, or a function "
+                     "(graph, compute_config) -> graph.")

@@ -1,0 +1,167 @@
+"""Differentiable collectives: what generated code calls where a tensor changes layout.
+
+Each function is a forward collective paired with the collective its gradient needs (see
+``nbscaler.comm.layout`` for the layouts). Reading them side by side is a compact lesson in tensor
+parallelism:
+
+==================  =================================  ===================================
+function            forward                            backward
+==================  =================================  ===================================
+``all_gather``      concatenate every device's slice   keep this device's slice
+``chunk``           keep this device's slice           all-gather the slices
+``all_reduce``      sum the partial values             pass the (full) gradient through
+``reduce_scatter``  sum, then keep this device's slice all-gather
+``all_to_all``      re-split along another dim         the reverse re-split
+``sum_grad``        pass through                       sum the partial gradients
+``first_only``      the value on device 0, else zeros  pass the gradient through
+==================  =================================  ===================================
+
+``group=None`` means a group of one device, where every function is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _size_rank(group: Group):
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    size, _ = _size_rank(group)
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    size, rank = _size_rank(group)
+    return x.chunk(size, dim=dim)[rank].contiguous()
+
+
+def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice(grad, ctx.dim, ctx.group), None, None
+
+
+class _Chunk(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllReduce(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        # gloo has no reduce_scatter; a sum followed by a local slice gives the same values.
+        return _slice(_sum(x, group), dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, gather_dim, group):
+        ctx.dims, ctx.group = (split_dim, gather_dim), group
+        return _slice(_gather(x, gather_dim, group), split_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, gather_dim = ctx.dims
+        return _slice(_gather(grad, split_dim, ctx.group), gather_dim, ctx.group), None, None, None
+
+
+class _SumGrad(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum(grad, ctx.group), None
+
+
+class _FirstOnly(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        _, rank = _size_rank(group)
+        return x.view_as(x) if rank == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Split along ``dim`` -> replicated."""
+    return x if group is None else _AllGather.apply(x, dim, group)
+
+
+def chunk(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Replicated -> this device's slice along ``dim`` (no communication forward)."""
+    return x if group is None else _Chunk.apply(x, dim, group)
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Partial sums -> replicated total."""
+    return x if group is None else _AllReduce.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Partial sums -> this device's slice of the total along ``dim``."""
+    return x if group is None else _ReduceScatter.apply(x, dim, group)
+
+
+def all_to_all(x: torch.Tensor, dim: int, dim2: int, group: Group) -> torch.Tensor:
+    """Split along ``dim2`` -> split along ``dim``."""
+    return x if group is None else _AllToAll.apply(x, dim, dim2, group)
+
+
+def sum_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward; the backward sums the partial gradients the devices computed."""
+    return x if group is None or not x.requires_grad else _SumGrad.apply(x, group)
+
+
+def first_only(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Keep the value on the group's first device and zeros elsewhere, so a sum counts it once."""
+    return x if group is None else _FirstOnly.apply(x, group)

@@ -1,0 +1,198 @@
+"""``ParallelModule``: the base class of every generated per-rank module.
+
+Generated code supplies the forward and a ``weight_specs`` table; this class does the rest:
+
+- creates the local parameters and buffers (each a slice of an original tensor) and fills them from
+  the initial weights that ``parallelize`` saved;
+- creates the process groups the forward's collectives run in, for this rank's unit;
+- sums gradients across data-parallel units (``Reducer``) when the optimizer steps;
+- runs ``train_step``/``infer_step`` for end2end modules.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nbscaler.codegen.store import WEIGHTS_FILE
+from nbscaler.config import ComputeConfig
+from nbscaler.runtime.groups import dp_ranks, ensure_groups, get_group, unit_ranks
+from nbscaler.runtime.reducer import Reducer
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Which part of an original parameter or buffer a local one holds.
+
+    ``split_dim=None``: the whole tensor, a copy of which lives on each of ``devices``. Otherwise
+    slice ``index`` of ``parts`` along ``split_dim``; the slices live on ``devices``.
+    """
+
+    name: str
+    kind: str                       # 'param' | 'buffer' | 'constant'
+    shape: Tuple[int, ...]          # the full, original shape
+    dtype: torch.dtype
+    devices: Tuple[int, ...] = (0,)
+    split_dim: Optional[int] = None
+    parts: int = 1
+    index: int = 0
+    persistent: bool = True
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        shape = list(self.shape)
+        if self.split_dim is not None:
+            shape[self.split_dim] //= self.parts
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This spec's slice of the full tensor."""
+        if tuple(full.shape) != tuple(self.shape):
+            raise ValueError(f"'{self.name}' has shape {tuple(full.shape)}, the parallel module expects "
+                             f"{tuple(self.shape)}")
+        if self.split_dim is None:
+            return full
+        return full.chunk(self.parts, dim=self.split_dim)[self.index]
+
+
+def runtime_device() -> torch.device:
+    """``cuda:<local rank>`` under nccl, the CPU otherwise."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class ParallelModule(torch.nn.Module):
+    """One rank's share of a parallelized module. Subclasses are generated; do not write one by hand."""
+
+    rank: ClassVar[int] = 0
+    plan_device: ClassVar[int] = 0
+    device_groups: ClassVar[List[Tuple[int, ...]]] = []
+    weight_specs: ClassVar[Dict[str, WeightSpec]] = {}
+    compute_config: ClassVar[ComputeConfig]
+    gen_dir: ClassVar[Path]
+
+    def __init__(self, init_params: bool = True):
+        super().__init__()
+        cfg = self.compute_config
+        self.device = runtime_device()
+        self.world_rank = self._check_world()
+        self.unit = self.world_rank // cfg.plan_ngpus
+        ensure_groups(cfg.plan_ngpus, cfg.runtime_ngpus, self.device_groups)
+        for attr, spec in self.weight_specs.items():
+            empty = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
+            if spec.kind == "param":
+                self.register_parameter(attr, torch.nn.Parameter(empty))
+            else:
+                self.register_buffer(attr, empty, persistent=spec.persistent)
+        if init_params:
+            self.load_initial_weights()
+        dp_group = get_group(dp_ranks(self.plan_device, cfg.plan_ngpus, cfg.runtime_ngpus))
+        self.reducer = Reducer(list(self.parameters()), dp_group)
+        self._in_step = False
+
+    def _check_world(self) -> int:
+        cfg = self.compute_config
+        if not dist.is_initialized():
+            if cfg.runtime_ngpus == 1:
+                return 0
+            raise RuntimeError(
+                f"this parallel module runs on {cfg.runtime_ngpus} ranks, but torch.distributed is not "
+                "initialized: start the ranks with torchrun, nbscaler.cluster.Cluster or "
+                "nbscaler.runtime.launch.spawn, or call parallelize(..., load_module=False) to only compile.")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != cfg.runtime_ngpus:
+            raise RuntimeError(f"the plan was compiled for runtime_ngpus={cfg.runtime_ngpus}, but the process "
+                               f"group has {world} ranks; compile again with runtime_ngpus={world}.")
+        if rank % cfg.plan_ngpus != self.plan_device:
+            raise RuntimeError(f"rank {rank} loaded the code of plan device {self.plan_device} "
+                               f"(gencode{self.rank}.py); load gencode{rank}.py instead.")
+        return rank
+
+    # -- groups and weights ---------------------------------------------------------------------
+    def group(self, *devices: int) -> Optional[dist.ProcessGroup]:
+        """The process group of plan ``devices`` inside this rank's unit."""
+        return get_group(unit_ranks(self.unit, devices, self.compute_config.plan_ngpus))
+
+    @torch.no_grad()
+    def load_initial_weights(self) -> None:
+        """Fill parameters and buffers with the values the module had when it was traced."""
+        path = Path(self.gen_dir) / WEIGHTS_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} is missing: this rank has no initial weights (broadcast_strategy='no_weights' or "
+                "'code'?). Construct with init_params=False and call broadcast_weights, or load a checkpoint.")
+        full = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        for attr, spec in self.weight_specs.items():
+            getattr(self, attr).copy_(spec.take(full[spec.name]))
+
+    # -- training support -----------------------------------------------------------------------
+    def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:
+        """The parameters this rank's optimizer updates."""
+        return list(self.parameters())
+
+    def sync_grads(self) -> None:
+        """Sum gradients over the data-parallel units (a no-op with one unit)."""
+        self.reducer.sync()
+
+    def gather_params(self) -> None:
+        """Bring every rank's parameters up to date after an optimizer step (ZeRO only)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compute_config.use_end2end and not self._in_step:
+            raise RuntimeError("this is an end2end parallel module: call train_step(samples) to train and "
+                               "infer_step(samples) to infer, not the module itself.")
+        if hasattr(self, "_forward"):
+            return self._forward(*args, **kwargs)
+        return (self._forward_train if self.training else self._forward_eval)(*args, **kwargs)
+
+    def train_step(self, samples: List[Any], is_dummy_batch: Optional[List[bool]] = None,
+                   scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:
+        """Forward and backward each sample, accumulating (summing) gradients; returns the outputs.
+
+        Gradients are zeroed first. A sample marked in ``is_dummy_batch`` runs forward only and
+        contributes no gradient; ``scale_fn`` scales each loss before its backward.
+        """
+        self._require_end2end("train_step")
+        if is_dummy_batch is not None and len(is_dummy_batch) != len(samples):
+            raise ValueError(f"is_dummy_batch has {len(is_dummy_batch)} entries for {len(samples)} samples")
+        self.zero_grad()
+        outputs = []
+        self._in_step = True
+        try:
+            for i, sample in enumerate(samples):
+                dummy = bool(is_dummy_batch[i]) if is_dummy_batch is not None else False
+                with torch.set_grad_enabled(not dummy):
+                    out = self.forward(sample)
+                loss = out[0] if isinstance(out, (tuple, list)) else out
+                if not dummy:
+                    (scale_fn(loss) if scale_fn is not None else loss).backward()
+                outputs.append(_detach(out))
+        finally:
+            self._in_step = False
+        return outputs
+
+    @torch.no_grad()
+    def infer_step(self, samples: List[Any]) -> List[Any]:
+        """Forward each sample without gradients; returns the outputs."""
+        self._require_end2end("infer_step")
+        self._in_step = True
+        try:
+            return [self.forward(sample) for sample in samples]
+        finally:
+            self._in_step = False
+
+    def _require_end2end(self, what: str) -> None:
+        if not self.compute_config.use_end2end:
+            raise RuntimeError(f"{what} needs an end2end module: parallelize with ComputeConfig(use_end2end=True), "
+                               "or call the module directly.")
+
+
+def _detach(value: Any) -> Any:
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)

@@ -1,0 +1,70 @@
+"""Pipeline schedules as plain data, and a simulator that predicts their timeline.
+
+A pipelined model is cut into *stages*, each on its own *pipeline device*, and a step's batch is
+cut into *micro-batches* (``pipeline_nmicros``, one per sample given to ``train_step``). A
+schedule says, for every device, in which order it runs the forward (``F``) and backward (``B``)
+of its stages on every micro-batch. One schedule object feeds three consumers:
+
+- the executor, which runs the blocks in that order;
+- the simulator, which predicts the timeline and the idle share (the *bubble*) from costs;
+- the telemetry views, which draw the measured timeline next to the predicted one, in the same
+  row format.
+
+The pieces, one module each:
+
+- :mod:`~nbscaler.schedule.block`: :class:`Block`, one ``(stage, micro, phase)`` unit of work.
+- :mod:`~nbscaler.schedule.pipeline`: :class:`PipelineSchedule`, the ordered blocks per device and
+  where each stage lives; :func:`check_samples`.
+- :mod:`~nbscaler.schedule.schedulers`: the built-in schedulers ``1f1b``, ``1f1b_plus``,
+  ``gpipe``, ``chimera_direct`` and ``infer_pipe``, and :func:`build_schedule`.
+- :mod:`~nbscaler.schedule.timeline`: :class:`TimedBlock` and :class:`Timeline`, rows
+  ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction.
+- :mod:`~nbscaler.schedule.simulator`: :func:`simulate`.
+
+Using a schedule
+----------------
+Code generation asks which stages a device holds (two for ``chimera_direct``; the shared head
+stage plus one for ``1f1b_plus``); the executor walks the device's blocks and asks where the
+neighbouring stages of a micro-batch run, to receive from and send to them::
+
+    schedule = build_schedule(cfg.scheduler, cfg.pipeline_nstages, cfg.pipeline_nmicros)
+    check_samples(schedule, len(samples))
+    for block in schedule.blocks_of(device):
+        if block.phase == "F":
+            ...  # receive from schedule.devices_of(block.stage - 1, block.micro) unless stage 0,
+            ...  # run the forward of block.stage on sample block.micro,
+            ...  # send to schedule.devices_of(block.stage + 1, block.micro) unless the last stage
+        else:
+            ...  # the same backwards: receive the gradient from stage + 1, send it to stage - 1
+
+Predicting a timeline
+---------------------
+>>> schedule = build_schedule("gpipe", nstages=4, nmicros=8)
+>>> line = simulate(schedule, forward_costs=[1.0, 1.0, 1.0, 1.0])   # backward: twice the forward
+>>> round(line.bubble_fraction, 4)
+0.2727
+>>> sorted(line.to_rows()[0])
+['micro', 'phase', 'rank', 'stage', 't_end', 't_start']
+"""
+
+from nbscaler.schedule.block import PHASES, Block, Phase
+from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_samples
+from nbscaler.schedule.schedulers import SCHEDULERS, build_schedule, register_scheduler
+from nbscaler.schedule.simulator import DeadlockError, simulate
+from nbscaler.schedule.timeline import TimedBlock, Timeline
+
+__all__ = [
+    "Block",
+    "DeadlockError",
+    "PHASES",
+    "Phase",
+    "PipelineSchedule",
+    "Placement",
+    "SCHEDULERS",
+    "TimedBlock",
+    "Timeline",
+    "build_schedule",
+    "check_samples",
+    "register_scheduler",
+    "simulate",
+]

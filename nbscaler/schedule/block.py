@@ -1,0 +1,50 @@
+"""One unit of pipeline work.
+
+A training step of a pipelined model is made of small pieces of work: the forward of stage ``s``
+on micro-batch ``m`` and, later, its backward. A :class:`Block` names one such piece and nothing
+more. *Where* it runs and *in which order* is the business of
+:class:`~nbscaler.schedule.pipeline.PipelineSchedule`; *how long* it takes is the business of the
+simulator or of the runtime's telemetry.
+
+>>> Block(stage=1, micro=0, phase="F")
+Block(stage=1, micro=0, phase='F')
+>>> print(Block(2, 3, "B"))
+B(s2,m3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Phase = Literal["F", "B"]
+PHASES: tuple[Phase, ...] = ("F", "B")
+
+
+def _is_index(value: object) -> bool:
+    # bool is an int subclass, but True is never meant as stage 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class Block:
+    """The ``phase`` (``'F'`` forward, ``'B'`` backward) of pipeline stage ``stage`` on micro-batch ``micro``.
+
+    Blocks are values: two blocks with the same fields are the same piece of work, so they can be
+    dictionary keys (the simulator keys finish times by block).
+    """
+
+    stage: int
+    micro: int
+    phase: Phase
+
+    def __post_init__(self) -> None:
+        if not _is_index(self.stage):
+            raise ValueError(f"Block.stage={self.stage!r} is invalid: use a stage index >= 0.")
+        if not _is_index(self.micro):
+            raise ValueError(f"Block.micro={self.micro!r} is invalid: use a micro-batch index >= 0.")
+        if self.phase not in PHASES:
+            raise ValueError(f"Block.phase={self.phase!r} is invalid: use 'F' (forward) or 'B' (backward).")
+
+    def __str__(self) -> str:
+        return f"{self.phase}(s{self.stage},m{self.micro})"

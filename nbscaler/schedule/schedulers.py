@@ -1,0 +1,239 @@
+"""The built-in pipeline schedulers, registered by name.
+
+Every scheduler is a function ``(nstages, nmicros) -> PipelineSchedule``; :func:`build_schedule`
+checks the arguments and calls the one named. The charts in the docstrings show one row per
+device, its blocks in run order; ``f3`` is the forward and ``b3`` the backward of micro-batch 3 on
+that device's stage (the indentation hints at when each device can start).
+
+How the orders are made
+-----------------------
+Each scheduler gives every block a *step* on one global clock and :func:`_order_by_step` sorts
+each device's blocks by step. Every step is later than the steps of the blocks it depends on, so
+running all blocks in step order is a valid execution; each device's list is a slice of that
+order, hence no schedule built here can deadlock. The steps only fix the order: the real start
+times come from the costs (see :func:`nbscaler.schedule.simulator.simulate`).
+
+>>> print(build_schedule("1f1b", nstages=2, nmicros=3))
+1f1b: 2 stages x 3 micro-batches on 2 devices
+  device 0: F(s0,m0) F(s0,m1) B(s0,m0) F(s0,m2) B(s0,m1) B(s0,m2)
+  device 1: F(s1,m0) B(s1,m0) F(s1,m1) B(s1,m1) F(s1,m2) B(s1,m2)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from nbscaler.schedule.block import Block
+from nbscaler.schedule.pipeline import PipelineSchedule, Placement
+
+Scheduler = Callable[[int, int], PipelineSchedule]
+SCHEDULERS: dict[str, Scheduler] = {}
+
+
+def register_scheduler(name: str) -> Callable[[Scheduler], Scheduler]:
+    """Make a scheduler available to :func:`build_schedule` under ``name``."""
+
+    def register(scheduler: Scheduler) -> Scheduler:
+        SCHEDULERS[name] = scheduler
+        return scheduler
+
+    return register
+
+
+def build_schedule(name: str, nstages: int, nmicros: int) -> PipelineSchedule:
+    """The schedule of scheduler ``name`` for ``nstages`` stages and ``nmicros`` micro-batches.
+
+    Raises ``ValueError`` naming the bad value and the fix, before anything runs.
+
+    >>> build_schedule("gpipe", nstages=4, nmicros=8).blocks_of(0)[:2]
+    (Block(stage=0, micro=0, phase='F'), Block(stage=0, micro=1, phase='F'))
+    """
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown pipeline scheduler {name!r}: use one of {', '.join(SCHEDULERS)}.")
+    for arg, value in (("nstages", nstages), ("nmicros", nmicros)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: {arg}={value!r} is invalid; it must be an integer >= 1.")
+    return SCHEDULERS[name](nstages, nmicros)
+
+
+# -- shared pieces ---------------------------------------------------------------------------------
+def _line(nstages: int) -> Placement:
+    """The ordinary pipeline: stage ``s`` on device ``s``."""
+    return tuple((s,) for s in range(nstages))
+
+
+def _order_by_step(name: str, nstages: int, nmicros: int, ndevices: int, placements: list[Placement],
+                   pipeline_of_micro: list[int], steps: dict[Block, float]) -> PipelineSchedule:
+    """The schedule in which every device runs its blocks in the order of ``steps``.
+
+    One global sort, then a split by device: blocks with equal steps keep the same relative order
+    on every device that shares them.
+    """
+    device_blocks: list[list[Block]] = [[] for _ in range(ndevices)]
+    for block in sorted(steps, key=steps.__getitem__):
+        for device in placements[pipeline_of_micro[block.micro]][block.stage]:
+            device_blocks[device].append(block)
+    return PipelineSchedule(name, nstages, nmicros, device_blocks, placements, pipeline_of_micro)
+
+
+def _one_f_one_b_steps(position: int, local_micro: int, nstages: int) -> tuple[int, int]:
+    """The (forward, backward) steps of 1F1B for stage ``position`` and the ``local_micro``-th micro-batch.
+
+    Stage ``s`` starts at step ``s`` and then alternates a forward step and a backward step; its
+    backward of micro-batch ``j`` sits ``nstages-1-s`` pairs after its forward, the time the
+    forward takes to reach the last stage and the gradient to come back.
+    """
+    forward = position + 2 * local_micro
+    backward = 2 * local_micro + 2 * nstages - 1 - position
+    return forward, backward
+
+
+# -- the schedulers ----------------------------------------------------------------------------------
+@register_scheduler("1f1b")
+def one_f_one_b(nstages: int, nmicros: int) -> PipelineSchedule:
+    """1F1B: after a short warm-up of forwards, each device alternates one forward and one backward.
+
+    ::
+
+        f0 f1 f2 f3 b0 b1 b2 b3
+           f0 f1 f2 b0 f3 b1 b2 b3
+              f0 f1 b0 f2 b1 f3 b2 b3
+                 f0 b0 f1 b1 f2 b2 f3 b3
+
+    Stage ``s`` runs ``nstages - s`` forwards before its first backward, so it holds the
+    activations of at most that many micro-batches, however large ``nmicros`` is. The idle share
+    is the same as GPipe's, ``(p-1) / (m+p-1)``; 1F1B saves memory, not time.
+    """
+    steps: dict[Block, float] = {}
+    for s in range(nstages):
+        for m in range(nmicros):
+            steps[Block(s, m, "F")], steps[Block(s, m, "B")] = _one_f_one_b_steps(s, m, nstages)
+    return _order_by_step("1f1b", nstages, nmicros, nstages, [_line(nstages)], [0] * nmicros, steps)
+
+
+@register_scheduler("1f1b_plus")
+def one_f_one_b_plus(nstages: int, nmicros: int) -> PipelineSchedule:
+    """1F1B plus a head stage that every device runs together, sharded (tensor-parallel) over all of them.
+
+    Some layers are poor pipeline stages: an embedding table is large in memory but cheap to run,
+    and giving it a device of its own wastes that device. ``1f1b_plus`` shards such a layer over
+    all the pipeline devices instead and runs the rest as an ordinary 1F1B pipeline.
+
+    The schedule therefore has ``nstages + 1`` stages on ``nstages`` devices: stage 0 is the
+    shared head, held by every device, and pipeline stage ``k`` (``1 .. nstages``) is on device
+    ``k - 1``. The head's forward of micro-batch ``m`` runs on all devices just before stage 1
+    starts ``m``, and its backward just after stage 1 finishes the backward of ``m``; the devices
+    run the head's blocks together, so each of them is also a synchronisation point. The run order
+    of each device, ``H``/``h`` marking the head's forward/backward::
+
+        H0 f0 H1 f1 H2 f2 H3 f3 b0 h0 b1 h1 b2 h2 b3 h3
+        H0 f0 H1 f1 H2 f2 H3 b0 f3 h0 b1 h1 b2 h2 b3 h3
+        H0 H1 f0 H2 f1 b0 H3 f2 b1 h0 f3 b2 h1 b3 h2 h3
+        H0 H1 f0 H2 b0 f1 H3 b1 f2 h0 b2 f3 h1 b3 h2 h3
+    """
+    devices = nstages
+    head = tuple(range(devices))
+    placement = (head,) + _line(devices)
+    steps: dict[Block, float] = {}
+    for k in range(devices):
+        for m in range(nmicros):
+            steps[Block(k + 1, m, "F")], steps[Block(k + 1, m, "B")] = _one_f_one_b_steps(k, m, devices)
+    for m in range(nmicros):
+        # Half a step either side: right before stage 1 takes the micro-batch, right after it hands it back.
+        steps[Block(0, m, "F")] = steps[Block(1, m, "F")] - 0.5
+        steps[Block(0, m, "B")] = steps[Block(1, m, "B")] + 0.5
+    return _order_by_step("1f1b_plus", nstages + 1, nmicros, devices, [placement], [0] * nmicros, steps)
+
+
+@register_scheduler("gpipe")
+def gpipe(nstages: int, nmicros: int) -> PipelineSchedule:
+    """GPipe: all forwards, then all backwards.
+
+    ::
+
+        f0 f1 f2 f3                   b0 b1 b2 b3
+           f0 f1 f2 f3             b0 b1 b2 b3
+              f0 f1 f2 f3       b0 b1 b2 b3
+                 f0 f1 f2 f3 b0 b1 b2 b3
+
+    Simple, but every device keeps the activations of all ``nmicros`` micro-batches until the
+    backwards start. With forward cost F, backward cost B and equal stages the step takes
+    ``(nmicros + nstages - 1) * (F + B)``, so the idle share is ``(p-1) / (m+p-1)``.
+    """
+    steps: dict[Block, float] = {}
+    backwards_start = nmicros + nstages - 1
+    for s in range(nstages):
+        for m in range(nmicros):
+            steps[Block(s, m, "F")] = s + m
+            steps[Block(s, m, "B")] = backwards_start + (nstages - 1 - s) + m
+    return _order_by_step("gpipe", nstages, nmicros, nstages, [_line(nstages)], [0] * nmicros, steps)
+
+
+CHIMERA_STAGES = 4
+
+
+@register_scheduler("chimera_direct")
+def chimera_direct(nstages: int, nmicros: int) -> PipelineSchedule:
+    """Chimera: two 4-stage pipelines in opposite directions over the same 4 devices.
+
+    The *down* pipeline puts stage ``s`` on device ``s``; the *up* pipeline puts it on device
+    ``3 - s``. Even micro-batches go down, odd ones go up. Each device holds two stages (device 0
+    holds stage 0 of the down pipeline and stage 3 of the up pipeline), so the four devices hold two
+    copies of the model, and the two copies of each stage sum their gradients like data-parallel
+    replicas. While one pipeline fills or drains on a device, the other one uses it,
+    which fills most of 1F1B's warm-up and cool-down bubbles.
+
+    The micro-batches are taken four at a time (two per direction), each group scheduled as two
+    interleaved 1F1B pipelines; the groups are then run one after the other. That is the *direct*
+    concatenation of the Chimera paper: simple, at the price of a bubble between groups.
+    One group, micro-batches 0 and 2 going down, 1 and 3 going up::
+
+        f0    f2 f1 b1 f3 b3 b0    b2
+           f0 f1 f2 f3 b1 b0 b3 b2
+           f1 f0 f3 f2 b0 b1 b2 b3
+        f1    f3 f0 b0 f2 b2 b1    b3
+
+    With equal stages and a backward twice the forward, one group idles a quarter of the device
+    time, where 1F1B on four micro-batches idles three sevenths.
+    """
+    if nstages != CHIMERA_STAGES:
+        raise ValueError(
+            f"chimera_direct runs exactly {CHIMERA_STAGES} stages, not nstages={nstages}: "
+            f"set pipeline_nstages={CHIMERA_STAGES}, or use 1f1b or gpipe."
+        )
+    if nmicros % 2:
+        raise ValueError(
+            f"chimera_direct needs an even number of micro-batches, half per direction, not "
+            f"nmicros={nmicros}: set pipeline_nmicros={nmicros + 1}."
+        )
+    down = _line(nstages)
+    up = tuple(reversed(down))
+    per_group = CHIMERA_STAGES // 2  # micro-batches per direction in one group
+    steps: dict[Block, float] = {}
+    group_start = 0
+    for first in range(0, nmicros, 2 * per_group):
+        group = range(first, min(first + 2 * per_group, nmicros))
+        for m in group:
+            local = (m - first) // 2
+            for s in range(nstages):
+                forward, backward = _one_f_one_b_steps(s, local, nstages)
+                steps[Block(s, m, "F")] = group_start + forward
+                steps[Block(s, m, "B")] = group_start + backward
+        group_start = max(steps[Block(0, m, "B")] for m in group) + 1
+    return _order_by_step("chimera_direct", nstages, nmicros, nstages, [down, up],
+                          [m % 2 for m in range(nmicros)], steps)
+
+
+@register_scheduler("infer_pipe")
+def infer_pipe(nstages: int, nmicros: int) -> PipelineSchedule:
+    """Inference: forwards only, each stage passing micro-batch ``m`` on as soon as it is done.
+
+    ::
+
+        f0 f1 f2 f3
+           f0 f1 f2 f3
+              f0 f1 f2 f3
+                 f0 f1 f2 f3
+    """
+    steps: dict[Block, float] = {Block(s, m, "F"): s + m for s in range(nstages) for m in range(nmicros)}
+    return _order_by_step("infer_pipe", nstages, nmicros, nstages, [_line(nstages)], [0] * nmicros, steps)

@@ -1,0 +1,121 @@
+"""Predict the timeline of a pipeline schedule from per-stage costs.
+
+The simulator plays the schedule the way the executor runs it:
+
+- every device runs its blocks strictly in the order of its list, one at a time;
+- a block starts when its device is free and the blocks it depends on have finished
+  (see :meth:`~nbscaler.schedule.pipeline.PipelineSchedule.dependencies`), plus ``latency`` when
+  the result has to travel from another device;
+- a block that several devices share (a sharded stage) starts when all of them reach it, and keeps
+  all of them busy for its whole duration.
+
+The result is a :class:`~nbscaler.schedule.timeline.Timeline`, with the pipeline device in the
+``rank`` column. Its ``bubble_fraction`` is the idle share of device time; for equal stages with a
+backward twice the forward, GPipe and 1F1B both idle ``(p-1) / (m+p-1)`` of it:
+
+>>> line = simulate(build_schedule("1f1b", nstages=4, nmicros=8), forward_costs=1.0)
+>>> line.makespan, round(line.bubble_fraction, 4)
+(33.0, 0.2727)
+
+A schedule whose devices wait on each other in a circle never finishes; the simulator finds that
+and raises :class:`DeadlockError` naming where each device is stuck.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional, Sequence, Union
+
+from nbscaler.schedule.block import Block
+from nbscaler.schedule.pipeline import PipelineSchedule
+from nbscaler.schedule.timeline import TimedBlock, Timeline
+
+Costs = Union[float, Sequence[float]]
+
+
+class DeadlockError(ValueError):
+    """The schedule cannot finish: every device that still has work waits for work that cannot run."""
+
+
+def _per_stage(arg: str, costs: Costs, nstages: int) -> list[float]:
+    """``costs`` as one number per stage; a single number means every stage costs the same."""
+    values = [float(costs)] * nstages if isinstance(costs, (int, float)) else [float(c) for c in costs]
+    if len(values) != nstages:
+        raise ValueError(f"{arg} has {len(values)} entries, but the schedule has {nstages} stages: "
+                         "give one cost per stage, or a single number for equal stages.")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{arg}={values} has a negative cost: costs are durations, use values >= 0.")
+    return values
+
+
+def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs] = None,
+             latency: float = 0.0) -> Timeline:
+    """The predicted timeline of one step of ``schedule``.
+
+    Args:
+        schedule: the schedule to play.
+        forward_costs: the time of one micro-batch's forward, per stage (or one number for all).
+        backward_costs: the same for the backward; twice the forward when not given.
+        latency: the time a result takes to reach another device (point-to-point send/recv).
+
+    Raises:
+        ValueError: a cost list does not fit the schedule.
+        DeadlockError: no device can proceed before the schedule has finished.
+    """
+    if latency < 0:
+        raise ValueError(f"latency={latency} is negative: use a send/recv time >= 0.")
+    forward = _per_stage("forward_costs", forward_costs, schedule.nstages)
+    backward = ([2 * c for c in forward] if backward_costs is None
+                else _per_stage("backward_costs", backward_costs, schedule.nstages))
+
+    queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
+    device_free = [0.0] * schedule.ndevices
+    finished: dict[Block, float] = {}
+    timed: list[TimedBlock] = []
+
+    def ready_time(block: Block) -> Optional[float]:
+        """When ``block`` may start, or ``None`` while a device or an input is not there yet."""
+        devices = schedule.devices_of(block.stage, block.micro)
+        if any(not queues[d] or queues[d][0] != block for d in devices):
+            return None
+        inputs = schedule.dependencies(block)
+        if any(dep not in finished for dep in inputs):
+            return None
+        arrivals = [finished[dep] + (0.0 if set(devices) <= set(schedule.devices_of(dep.stage, dep.micro)) else latency)
+                    for dep in inputs]
+        return max([device_free[d] for d in devices] + arrivals)
+
+    while any(queues):
+        progressed = False
+        for device in range(schedule.ndevices):
+            while queues[device]:
+                block = queues[device][0]
+                start = ready_time(block)
+                if start is None:
+                    break
+                cost = forward if block.phase == "F" else backward
+                end = start + cost[block.stage]
+                for d in schedule.devices_of(block.stage, block.micro):
+                    queues[d].popleft()
+                    device_free[d] = end
+                    timed.append(TimedBlock(d, block.stage, block.micro, block.phase, start, end))
+                finished[block] = end
+                progressed = True
+        if not progressed:
+            raise DeadlockError(_describe_deadlock(schedule, queues, finished))
+    timed.sort(key=lambda t: (t.rank, t.t_start))
+    return Timeline(tuple(timed), schedule.ndevices)
+
+
+def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: dict[Block, float]) -> str:
+    stuck = []
+    for device, queue in enumerate(queues):
+        if not queue:
+            continue
+        block = queue[0]
+        missing = [str(dep) for dep in schedule.dependencies(block) if dep not in finished]
+        absent = [d for d in schedule.devices_of(block.stage, block.micro) if not queues[d] or queues[d][0] != block]
+        reason = f"waits for {', '.join(missing)}" if missing else f"waits for devices {absent} to reach it"
+        stuck.append(f"device {device} at {block} {reason}")
+    return (f"pipeline schedule {schedule.name!r} deadlocks, no device can proceed: " + "; ".join(stuck)
+            + ". Reorder the blocks so that each one comes after the blocks it waits for.")

@@ -1,0 +1,86 @@
+"""Timed blocks: the one row format of predicted and measured pipeline timelines.
+
+The simulator predicts when each block runs; the runtime measures it. Both produce rows
+``(rank, stage, micro, phase, t_start, t_end)``, so a notebook can put the two on the same axes and
+compute the same numbers from either, for instance the bubble fraction.
+
+>>> line = Timeline.from_rows([
+...     {"rank": 0, "stage": 0, "micro": 0, "phase": "F", "t_start": 0.0, "t_end": 1.0},
+...     {"rank": 1, "stage": 1, "micro": 0, "phase": "F", "t_start": 1.0, "t_end": 2.0},
+... ])
+>>> line.makespan, line.bubble_fraction
+(2.0, 0.5)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+from nbscaler.schedule.block import Block, Phase
+
+
+@dataclass(frozen=True)
+class TimedBlock:
+    """Block ``(stage, micro, phase)`` ran on ``rank`` from ``t_start`` to ``t_end`` (seconds, or cost units)."""
+
+    rank: int
+    stage: int
+    micro: int
+    phase: Phase
+    t_start: float
+    t_end: float
+
+    @property
+    def block(self) -> Block:
+        return Block(self.stage, self.micro, self.phase)
+
+    @property
+    def duration(self) -> float:
+        return self.t_end - self.t_start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The timed blocks of one pipeline step on ``nranks`` ranks.
+
+    Time is measured from the earliest start, so measured timelines with wall-clock stamps and
+    simulated ones starting at 0 give the same ``makespan`` and ``bubble_fraction``.
+    """
+
+    blocks: tuple[TimedBlock, ...]
+    nranks: int
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Mapping[str, Any]], nranks: Optional[int] = None) -> "Timeline":
+        """A timeline from telemetry rows (dicts, or ``DataFrame.to_dict('records')``).
+
+        ``nranks`` defaults to one more than the largest rank seen; pass it when a rank may have
+        recorded nothing, since its idle time counts towards the bubble.
+        """
+        blocks = tuple(TimedBlock(**{name: row[name] for name in TimedBlock.__dataclass_fields__}) for row in rows)
+        if nranks is None:
+            nranks = max((b.rank for b in blocks), default=-1) + 1
+        return cls(blocks, nranks)
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict per timed block, ready for ``pandas.DataFrame(timeline.to_rows())``."""
+        return [asdict(b) for b in self.blocks]
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first start to the last end."""
+        if not self.blocks:
+            return 0.0
+        return max(b.t_end for b in self.blocks) - min(b.t_start for b in self.blocks)
+
+    @property
+    def busy_time(self) -> float:
+        """Total time the ranks spent running blocks, summed over ranks."""
+        return sum(b.duration for b in self.blocks)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of rank time spent idle: ``idle / (nranks * makespan)``."""
+        capacity = self.nranks * self.makespan
+        return (capacity - self.busy_time) / capacity if capacity > 0 else 0.0

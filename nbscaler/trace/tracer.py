@@ -1,0 +1,281 @@
+"""Record a module's forward pass as an ``IRGraph`` of torch-function calls.
+
+The tracer runs the real forward once on the dummy arguments inside a ``TorchFunctionMode``, so
+every torch call (``F.linear``, ``x.view``, ``a + b``, ``x[:, :4]``, ``torch.arange``) passes through
+``Tracer.__torch_function__`` with concrete tensors. Running for real, instead of with symbolic
+proxies, means Python control flow on shapes (``if x.dim() == 4``, ``B, T, C = x.shape``) just works;
+the price is that such values are fixed at their traced values.
+
+For each call it records a node with:
+
+- the tensors it read, found by identity: forward arguments, the module's parameters and buffers,
+  constants, or earlier outputs;
+- the module it ran in (``blocks.2.attn.q``), kept by module forward hooks;
+- the line of *user* code that made the call, found by walking out of torch's own frames.
+
+``self.training`` branches are handled by tracing once per mode (see ``trace_module``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import re
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
+
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.ir.registry import INPLACE_TARGETS, annotate, spec_of, target_of
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_NBSCALER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ACTIVE: List["Tracer"] = []
+
+# Calls that return tensors but are bookkeeping, not computation.
+_IGNORED = {"Tensor.data", "Tensor.grad", "Tensor.requires_grad_", "Tensor.retain_grad", "Tensor.__len__"}
+# Calls that turn tensor *values* into Python values: a static graph would freeze them.
+_DATA_DEPENDENT = {"Tensor.item", "Tensor.__bool__", "Tensor.tolist", "Tensor.__int__", "Tensor.__float__"}
+
+
+class TraceError(RuntimeError):
+    """The module cannot be traced with these arguments; the message says why and what to change."""
+
+
+def active_tracer() -> Optional["Tracer"]:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _identifier(text: str) -> str:
+    name = re.sub(r"\W+", "_", text).strip("_") or "t"
+    return name if not name[0].isdigit() else "t_" + name
+
+
+def _user_frame() -> Optional[Tuple[str, int]]:
+    """The innermost frame outside torch and nbscaler: the user's line that caused the call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_NBSCALER_DIR) or path.startswith("<frozen")
+                or path.endswith(("contextlib.py", "functools.py"))):
+            return path, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+class Tracer(TorchFunctionMode):
+    """Records torch calls into nodes. Use ``trace_module``; this class is the machinery."""
+
+    def __init__(self, root: torch.nn.Module):
+        super().__init__()
+        self.nodes: List[IRNode] = []
+        self.by_id: Dict[int, IRTensor] = {}
+        self.keep_alive: List[Any] = []          # ids stay unique only while the objects live
+        self.weights: Dict[str, IRTensor] = {}
+        self.constants: Dict[str, torch.Tensor] = {}
+        self.counts: Dict[str, int] = {}
+        self.module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        self.module_stack: List[str] = []
+        self.failed_in: Optional[str] = None
+        for kind, items in (("param", root.named_parameters(remove_duplicate=False)),
+                            ("buffer", root.named_buffers(remove_duplicate=False))):
+            for name, t in items:
+                if id(t) not in self.by_id:
+                    self._bind(t, IRTensor(name, tuple(t.shape), t.dtype, kind, t.requires_grad, path=name))
+                    self.weights[name] = self.by_id[id(t)]
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _bind(self, t: torch.Tensor, ir: IRTensor) -> IRTensor:
+        self.by_id[id(t)] = ir
+        self.keep_alive.append(t)
+        return ir
+
+    def fresh_name(self, base: str) -> str:
+        base = _identifier(base)
+        k = self.counts.get(base, 0)
+        self.counts[base] = k + 1
+        return f"{base}_{k}"
+
+    def lookup(self, t: torch.Tensor) -> IRTensor:
+        """The IR tensor for a real tensor; unknown ones are constants captured by the forward."""
+        ir = self.by_id.get(id(t))
+        if ir is None:
+            name = f"const_{len(self.constants)}"
+            self.constants[name] = t.detach().clone()
+            ir = self._bind(t, IRTensor(name, tuple(t.shape), t.dtype, "constant", False, path=name))
+            self.weights[name] = ir
+        return ir
+
+    def bind_inputs(self, args: Dict[str, Any]) -> Tuple[List[IRTensor], Any]:
+        inputs: List[IRTensor] = []
+
+        def bind(path, x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            name = _identifier("_".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path))
+            ir = self._bind(x, IRTensor(name, tuple(x.shape), x.dtype, "input", x.requires_grad, path=path))
+            inputs.append(ir)
+            return ir
+
+        leaves, spec = tree_flatten_with_path(args)
+        bound = [bind(p, x) for p, x in leaves]
+        from torch.utils._pytree import tree_unflatten
+        return inputs, tree_unflatten(bound, spec)
+
+    # -- recording ------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = target_of(func)
+        if target in _DATA_DEPENDENT:
+            self.check_static(target, args[0])
+        out = func(*args, **kwargs)
+        self.record(target, args, kwargs, out)
+        return out
+
+    def check_static(self, target: str, t: torch.Tensor) -> None:
+        """Refuse Python control flow on values computed from the inputs: one trace cannot follow it."""
+        ir = self.by_id.get(id(t))
+        if ir is not None and ir.kind in ("input", "activation"):
+            where = _user_frame()
+            at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
+            module = f" in {self.module_stack[-1]}" if self.module_stack else ""
+            raise TraceError(
+                f"{target[len('Tensor.'):]}() on '{ir.name}'{module}{at} turns a value computed from the inputs into "
+                "a Python value, so the traced graph would freeze it. Keep it a tensor (e.g. torch.where instead "
+                "of `if`), or move the decision out of forward.")
+
+    def record(self, target: str, args, kwargs, out) -> None:
+        if target in _IGNORED:
+            return
+        if out is None and target in INPLACE_TARGETS:     # __setitem__ returns None but writes args[0]
+            out = args[0]
+        leaves, _ = tree_flatten(out)
+        if not any(isinstance(x, torch.Tensor) for x in leaves):
+            return                                      # x.size(), x.dim(), ...: plain values
+        to_ir = lambda x: self.lookup(x) if isinstance(x, torch.Tensor) else x
+        ir_args, ir_kwargs = tree_map(to_ir, tuple(args)), tree_map(to_ir, dict(kwargs))
+        spec = spec_of(target)
+        base = spec.name if spec and spec.name not in ("elementwise",) else target.rsplit(".", 1)[-1]
+        node = IRNode(name=self.fresh_name(base.strip("_") or "op"), target=target,
+                      op=spec.name if spec else "opaque", args=ir_args, kwargs=ir_kwargs, outputs=None,
+                      module_path=self.module_stack[-1] if self.module_stack else "",
+                      source=_user_frame(),
+                      inplace=target in INPLACE_TARGETS or (bool(args) and out is args[0]))
+
+        ntensors = sum(isinstance(x, torch.Tensor) for x in leaves)
+        made: List[IRTensor] = []
+
+        def new_output(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            name = node.name if ntensors == 1 else f"{node.name}_{len(made)}"
+            made.append(IRTensor(name, tuple(x.shape), x.dtype, "activation", x.requires_grad, producer=node))
+            return self._bind(x, made[-1])
+
+        node.outputs = tree_map(new_output, out)
+        self.nodes.append(node)
+
+    def record_user_op(self, target: str, fn: Callable, args, kwargs):
+        """Run a ``register_op`` function as one node (its insides are not recorded)."""
+        with torch.overrides._pop_mode_temporarily():
+            out = fn(*args, **kwargs)
+        self.record(target, args, kwargs, out)
+        return out
+
+    # -- module paths ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def module_hooks(self):
+        def pre(module, _args):
+            name = self.module_names.get(id(module))
+            if name is not None:
+                self.module_stack.append(name)
+
+        def post(module, _args, _out):
+            if self.module_names.get(id(module)) is not None and self.module_stack:
+                failing = sys.exc_info()[0] is not None
+                if failing and self.failed_in is None:        # the innermost module that raised
+                    self.failed_in = self.module_stack[-1]
+                self.module_stack.pop()
+
+        h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+        h2 = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
+
+
+# ------------------------------------------------------------------------------------------------
+def check_forward_args(module: torch.nn.Module, dummy_forward_args: Dict[str, Any]) -> inspect.Signature:
+    """Raise a ``TraceError`` naming the problem when the dummy args cannot be passed by keyword."""
+    if not isinstance(dummy_forward_args, dict):
+        raise TraceError("dummy_forward_args must be a dict from forward's argument names to values, "
+                         f"got {type(dummy_forward_args).__name__}; e.g. {{'x': torch.randn(2, 16)}}.")
+    sig = inspect.signature(module.forward)
+    params = sig.parameters
+    for p in params.values():
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise TraceError(f"{type(module).__name__}.forward has the positional-only argument {p.name!r}; "
+                             "nbscaler passes arguments by name: remove the '/' from forward's signature.")
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key in dummy_forward_args:
+        if key not in params and not takes_kwargs:
+            raise TraceError(f"dummy_forward_args has {key!r}, which {type(module).__name__}.forward does not take "
+                             f"(it takes {', '.join(params) or 'nothing'}).")
+    for p in params.values():
+        if (p.default is inspect.Parameter.empty and p.name not in dummy_forward_args
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)):
+            raise TraceError(f"dummy_forward_args lacks {p.name!r}, which {type(module).__name__}.forward needs.")
+    return sig
+
+
+def trace_module(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mode: str = "train") -> IRGraph:
+    """Trace ``module.forward(**dummy_forward_args)`` in ``mode`` ('train' or 'eval').
+
+    The module's state (buffers such as BatchNorm's running statistics, the RNG, the train/eval
+    flag) is the same afterwards as before.
+
+    >>> g = trace_module(torch.nn.Linear(4, 2), {'input': torch.randn(3, 4)})
+    >>> [n.target for n in g.nodes]
+    ['torch.nn.functional.linear']
+    """
+    check_forward_args(module, dummy_forward_args)
+    was_training = module.training
+    saved_buffers = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()
+                     if not isinstance(v, torch.nn.Parameter)}
+    tracer = Tracer(module)
+    inputs, input_spec = tracer.bind_inputs(dummy_forward_args)
+    module.train(mode == "train")
+    _ACTIVE.append(tracer)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), tracer.module_hooks(), tracer:
+            out = module(**dummy_forward_args)
+    except TraceError:
+        raise
+    except Exception as err:
+        where = f" in {tracer.failed_in}" if tracer.failed_in else ""
+        raise TraceError(f"tracing {type(module).__name__}.forward failed{where}: {type(err).__name__}: {err}") from err
+    finally:
+        _ACTIVE.pop()
+        module.train(was_training)
+        with torch.no_grad():
+            state = module.state_dict(keep_vars=True)
+            for k, v in saved_buffers.items():
+                state[k].copy_(v)
+    outputs = tree_map(lambda x: tracer.lookup(x) if isinstance(x, torch.Tensor) else x, out)
+    for node in tracer.nodes:
+        node.annotation = annotate(node)
+    sig = inspect.signature(module.forward)
+    forward_params = [(p.name, p.kind.name, p.name in dummy_forward_args) for p in sig.parameters.values()]
+    non_persistent = [f"{prefix}{'.' if prefix else ''}{b}" for prefix, m in module.named_modules()
+                      for b in getattr(m, "_non_persistent_buffers_set", ())]
+    return IRGraph(nodes=tracer.nodes, inputs=inputs, input_spec=input_spec, outputs=outputs,
+                   weights=tracer.weights, mode=mode,
+                   meta={"constants": tracer.constants, "module": type(module).__qualname__,
+                         "forward_params": forward_params, "non_persistent": non_persistent})

@@ -1,0 +1,104 @@
+"""Every op family the policies rely on gets the annotation that makes its splits correct."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nbscaler.trace import trace_module
+
+
+class Fn(nn.Module):
+    def __init__(self, fn, params=()):
+        super().__init__()
+        self.fn = fn
+        for i, p in enumerate(params):
+            self.register_parameter(f"p{i}", nn.Parameter(p))
+
+    def forward(self, x, y=None):
+        return self.fn(self, x, y)
+
+
+def annotation_of(fn, x, y=None, params=()):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # every op here must be known to the registry
+        g = trace_module(Fn(fn, params), {"x": x, "y": y})
+    return g.nodes[-1]
+
+
+CASES = [
+    ("linear", lambda m, x, y: F.linear(x, m.p0, m.p1), (torch.randn(2, 4, 8),), (torch.randn(6, 8), torch.randn(6)),
+     ["*0", "*1", "n"], ["k"]),
+    ("matmul", lambda m, x, y: x @ y, (torch.randn(2, 4, 8), torch.randn(2, 8, 6)), (), ["b0", "m", "n"], []),
+    ("bmm", lambda m, x, y: torch.bmm(x, y), (torch.randn(2, 4, 8), torch.randn(2, 8, 6)), (), ["b0", "m", "n"], []),
+    ("conv2d", lambda m, x, y: F.conv2d(x, m.p0, padding=1), (torch.randn(2, 4, 5, 5),), (torch.randn(4, 4, 3, 3),),
+     ["n", "o"], ["c"]),
+    ("conv1d", lambda m, x, y: F.conv1d(x, m.p0), (torch.randn(2, 4, 7),), (torch.randn(4, 4, 3),), ["n", "o"], ["c"]),
+    ("embedding", lambda m, x, y: F.embedding(x, m.p0), (torch.zeros(2, 6, dtype=torch.long),), (torch.randn(10, 4),),
+     ["*0", "*1", "d"], []),
+    ("layer_norm", lambda m, x, y: F.layer_norm(x, (8,)), (torch.randn(2, 4, 8),), (), ["*0", "*1"], []),
+    ("batch_norm eval", lambda m, x, y: F.batch_norm(x, torch.zeros(4), torch.ones(4), training=False),
+     (torch.randn(4, 4, 6),), (), ["n", "c", "s0"], []),
+    ("batch_norm train", lambda m, x, y: F.batch_norm(x, None, None, training=True), (torch.randn(4, 4, 6),), (),
+     ["c"], []),
+    ("softmax", lambda m, x, y: F.softmax(x, dim=-1), (torch.randn(2, 8),), (), ["d0"], []),
+    ("gelu", lambda m, x, y: F.gelu(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("silu", lambda m, x, y: F.silu(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("relu", lambda m, x, y: F.relu(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("tanh", lambda m, x, y: torch.tanh(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("sigmoid", lambda m, x, y: torch.sigmoid(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("dropout", lambda m, x, y: F.dropout(x, 0.1, training=False), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("cross_entropy sum", lambda m, x, y: F.cross_entropy(x, y, reduction="sum"),
+     (torch.randn(4, 5), torch.zeros(4, dtype=torch.long)), (), [], ["n"]),
+    ("cross_entropy mean", lambda m, x, y: F.cross_entropy(x, y), (torch.randn(4, 5), torch.zeros(4, dtype=torch.long)),
+     (), [], []),
+    ("mse_loss sum", lambda m, x, y: F.mse_loss(x, y, reduction="sum"), (torch.randn(4, 6), torch.randn(4, 6)), (),
+     [], ["d0", "d1"]),
+    ("broadcast add", lambda m, x, y: x + y, (torch.randn(2, 4, 8), torch.randn(8)), (), ["d0", "d1", "d2"], []),
+    ("view", lambda m, x, y: x.view(2, 4, 2, 4), (torch.randn(2, 4, 8),), (), ["g0", "g1", "g2"], []),
+    ("reshape", lambda m, x, y: x.reshape(8, 8), (torch.randn(2, 4, 8),), (), ["g0", "g1"], []),
+    ("transpose", lambda m, x, y: x.transpose(0, 2), (torch.randn(2, 4, 8),), (), ["d0", "d1", "d2"], []),
+    ("permute", lambda m, x, y: x.permute(2, 0, 1), (torch.randn(2, 4, 8),), (), ["d0", "d1", "d2"], []),
+    ("flatten", lambda m, x, y: x.flatten(1), (torch.randn(2, 4, 8),), (), ["g0", "g1"], []),
+    ("unsqueeze", lambda m, x, y: x.unsqueeze(1), (torch.randn(2, 8),), (), ["g0", "g1"], []),
+    ("squeeze", lambda m, x, y: x.squeeze(1), (torch.randn(2, 1, 8),), (), ["g0", "g1"], []),
+    ("split", lambda m, x, y: x.split(4, dim=-1)[1], (torch.randn(2, 8),), (), ["d0"], []),
+    ("chunk", lambda m, x, y: x.chunk(2, dim=0)[0], (torch.randn(2, 8),), (), ["d1"], []),
+    ("cat", lambda m, x, y: torch.cat([x, y], dim=1), (torch.randn(2, 3), torch.randn(2, 5)), (), ["d0"], []),
+    ("stack", lambda m, x, y: torch.stack([x, y]), (torch.randn(2, 4), torch.randn(2, 4)), (), ["d1", "d2"], []),
+    ("slice", lambda m, x, y: x[:, 1:3, ...], (torch.randn(2, 4, 8),), (), ["d0", "d2"], []),
+    ("index", lambda m, x, y: x[:, 0], (torch.randn(2, 4, 8),), (), ["d0", "d2"], []),
+    ("masked_fill", lambda m, x, y: x.masked_fill(y, 0.0), (torch.randn(2, 4), torch.zeros(4, dtype=torch.bool)), (),
+     ["d0", "d1"], []),
+    ("ones", lambda m, x, y: torch.ones(3, 4) + 0 * x.sum(), (torch.randn(2),), (), [], []),
+    ("arange", lambda m, x, y: torch.arange(4) + 0, (torch.randn(2),), (), ["d0"], []),
+    ("triu", lambda m, x, y: torch.triu(x), (torch.randn(2, 4, 4),), (), ["d0"], []),
+    ("repeat_interleave", lambda m, x, y: x.repeat_interleave(2, dim=1), (torch.randn(2, 4, 4),), (),
+     ["d0", "d1", "d2"], []),
+    ("sdpa", lambda m, x, y: F.scaled_dot_product_attention(x, x, x, is_causal=True), (torch.randn(2, 4, 6, 8),), (),
+     ["b0", "h"], []),
+]
+
+
+@pytest.mark.parametrize("name, fn, inputs, params, splittable, reducible", CASES, ids=[c[0] for c in CASES])
+def test_annotations(name, fn, inputs, params, splittable, reducible):
+    node = annotation_of(fn, *inputs, params=params)
+    ann = node.annotation
+    assert ann is not None, f"{name}: no annotation"
+    ok = set(ann.splittable(2))
+    assert set(splittable) <= ok, f"{name}: {ann} should allow splitting {splittable}, allows {sorted(ok)}"
+    assert set(reducible) <= set(ann.reduce) and set(reducible) <= ok, f"{name}: {ann}"
+
+
+def test_reshape_pairs_outer_axes():
+    node = annotation_of(lambda m, x, y: x.view(2, 4, 4, 2), torch.randn(2, 4, 8))
+    assert str(node.annotation) == "g0 g1 g2 -> g0 g1 g2 g2_b3^"
+    assert node.annotation.can_split("g2", 4) is None and node.annotation.can_split("g2", 8) is not None
+
+
+def test_batch_norm_training_keeps_batch_whole():
+    node = annotation_of(lambda m, x, y: F.batch_norm(x, None, None, training=True), torch.randn(4, 3))
+    assert "must not be split" in node.annotation.can_split("n", 2)

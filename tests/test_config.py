@@ -1,0 +1,56 @@
+import pytest
+
+from nbscaler import ComputeConfig, UserConfig
+from nbscaler.config import BroadcastGenFilesStrategy, ReuseType
+
+
+def test_defaults_and_units():
+    cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=8)
+    assert cfg.units == 4
+    assert cfg.unit_of(5) == 2 and cfg.device_of(5) == 1
+    assert not cfg.use_pipeline and cfg.scheduler == "1f1b"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(plan_ngpus=0, runtime_ngpus=1), ["plan_ngpus", "positive"]),
+    (dict(plan_ngpus=2, runtime_ngpus=3), ["runtime_ngpus", "multiple of plan_ngpus=2"]),
+    (dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True, zero_ngroups=3), ["zero_ngroups", "divide"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_pipeline=True, pipeline_nmicros=2), ["use_end2end=True"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, pipeline_scheduler="zigzag"), ["pipeline_scheduler", "1f1b"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, pipeline_scheduler="infer_pipe"), ["inference_only=True"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True), ["pipeline_nmicros"]),
+    (dict(plan_ngpus=4, runtime_ngpus=4, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+          pipeline_nstages=3), ["pipeline_nstages", "divide plan_ngpus=4"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+          pipeline_nstages=2, pipeline_scheduler="chimera_direct"), ["chimera_direct", "4 stages"]),
+])
+def test_invalid_configs_name_the_field_and_the_fix(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        ComputeConfig(**kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_pipeline_settings_from_pas_config():
+    cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_end2end=True,
+                        pas_config={"use_pipeline": True, "pipeline_nmicros": 4, "pipeline_nstages": 2})
+    assert cfg.use_pipeline and cfg.pipeline_nmicros == 4 and cfg.pipeline_nstages == 2
+    same = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+                         pas_config={"pipeline_nmicros": 4})
+    assert same.pipeline_nmicros == 4
+
+
+def test_conflicting_pipeline_settings_are_an_error():
+    with pytest.raises(ValueError, match="conflicts with pas_config"):
+        ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+                      pas_config={"pipeline_nmicros": 8})
+
+
+def test_round_trip_through_dict():
+    cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=4, user_config=UserConfig(graph={"a": 1}))
+    assert ComputeConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_enums_take_strings():
+    assert ReuseType("moo") is ReuseType.MOO
+    assert BroadcastGenFilesStrategy("no_weights") is BroadcastGenFilesStrategy.NO_WEIGHTS
