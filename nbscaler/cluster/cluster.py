@@ -50,6 +50,8 @@ from nbscaler.cluster import engine
 from nbscaler.cluster.engine import Outcome, RankInfo
 from nbscaler.cluster.errors import ClusterError, RankDied, RankError
 from nbscaler.cluster.launchers import launcher_options, threads_per_engine
+from nbscaler.cluster.remote import RemoteModule
+from nbscaler.config import ComputeConfig
 from nbscaler.runtime.launch import default_backend, free_port
 
 POLL_S = 0.05
@@ -126,6 +128,11 @@ class _Session:
         self.group_dirty = False
         # Set when the engines cannot go on (one died, or one would not stop); says why.
         self.broken: Optional[str] = None
+
+    @property
+    def single_host(self) -> bool:
+        here = socket.gethostname()
+        return all(s.host == here for s in self.slots)
 
     def dead(self, slots: Sequence[EngineSlot]) -> List[EngineSlot]:
         """The engines among ``slots`` whose process is gone."""
@@ -305,6 +312,26 @@ class Cluster:
         """A blocking view of the engines in rank order; ``%px``/``%%px`` run on it."""
         return self._running().view
 
+    @property
+    def single_host(self) -> bool:
+        """Whether every engine runs on the notebook's host."""
+        return self._running().single_host
+
+    def parallelize(self, module_or_module_class: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
+                    compute_config: ComputeConfig, *, name: Optional[str] = None,
+                    **parallelize_kwargs: Any) -> RemoteModule:
+        """``nbscaler.parallelize`` on every rank; returns a handle to train and infer with.
+
+        Rank 0 compiles (or reuses an earlier compile), the others wait for it and load their
+        own generated code. ``parallelize_kwargs`` are those of ``nbscaler.parallelize``
+        (``gen_savedir``, ``reuse``, ``instance_name``, ``broadcast_strategy``, ...). The broadcast
+        strategy defaults to ``'none'`` when all engines share this host (the files are already
+        there) and to ``'all'`` otherwise. ``name`` (default: ``instance_name`` or the class name)
+        identifies the module on the ranks; parallelizing again under a name replaces it.
+        """
+        return RemoteModule.create(self, module_or_module_class, dummy_forward_args, pas_policy, compute_config,
+                                   name, parallelize_kwargs)
+
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> List[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; element ``r`` of the result is rank ``r``'s."""
         return self.call(fn, args, kwargs)
@@ -376,10 +403,9 @@ class Cluster:
         """(Re)build the process group: a fresh rendezvous on rank 0, every engine joins it."""
         spec = self.spec
         slots = session.slots
-        here = socket.gethostname()
         if spec.master_addr:
             master = spec.master_addr
-        elif all(s.host == here for s in slots):
+        elif session.single_host:
             master = "127.0.0.1"
         else:
             master = slots[0].address
