@@ -29,3 +29,9 @@ def shell():
 def cluster(shell):
     with Cluster(n=2, timeout=TIMEOUT_S, name="tests") as cl:
         yield cl
+
+
+@pytest.fixture(scope="session")
+def cluster4(shell):
+    with Cluster(n=4, timeout=TIMEOUT_S, name="tests4") as cl:
+        yield cl
