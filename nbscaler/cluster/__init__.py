@@ -9,14 +9,18 @@ functions on all of them at once.
 Quick start
 -----------
 
->>> from nbscaler.cluster import Cluster
->>> cl = Cluster(n=4, timeout=60)                      # doctest: +SKIP
->>> def world():
-...     import torch.distributed as dist
-...     return dist.get_rank(), dist.get_world_size()
->>> cl.run(world)                                      # doctest: +SKIP
-[(0, 4), (1, 4), (2, 4), (3, 4)]
->>> cl.stop()                                          # doctest: +SKIP
+::
+
+    from nbscaler.cluster import Cluster
+
+    cl = Cluster(n=4, timeout=60)
+
+    def world():
+        import torch.distributed as dist
+        return dist.get_rank(), dist.get_world_size()
+
+    cl.run(world)          # [(0, 4), (1, 4), (2, 4), (3, 4)]
+    cl.stop()
 
 or, scoped, ``with Cluster(n=4) as cl: ...``. Element ``r`` of what ``run`` returns is rank
 ``r``'s return value. Functions and classes defined in the notebook itself work: they travel by
@@ -71,6 +75,35 @@ An error reaches the notebook within seconds when ranks fail outright, and withi
 ``2 * timeout + 10`` seconds in the worst case. Interrupting the notebook (the stop button) while
 ``run`` waits interrupts the engines too.
 
+Parallelize, train, infer
+-------------------------
+
+``cl.parallelize`` takes the arguments of ``nbscaler.parallelize`` and runs it on every rank: rank 0
+compiles (or reuses an earlier compile), the others wait and load their own generated code. The
+broadcast strategy is honoured; by default it is ``'none'`` when all engines share this host and
+``'all'`` otherwise. What comes back is a ``RemoteModule``, a handle; the shards stay on the ranks.
+
+::
+
+    pm = cl.parallelize(model, {'x': x, 'y': y}, 'tp', ComputeConfig(plan_ngpus=2, runtime_ngpus=4))
+
+    def data(step, unit):          # runs on the ranks; a unit is one data-parallel copy
+        g = torch.Generator().manual_seed(step * 100 + unit)
+        return {'x': torch.randn(8, 16, generator=g), 'y': torch.randint(0, 4, (8,), generator=g)}
+
+    result = pm.train(data, steps=50, optimizer_fn=torch.optim.AdamW, lr=1e-3)
+    result.losses.plot()           # loss by step, one line per rank
+    pm.infer(data(0, 0))[0]        # rank 0's output
+
+``train`` builds the optimizer with ``nbscaler.build_optimizer`` on its first call and keeps it
+(and the step count) for later calls, shows a progress bar that follows the slowest rank, and
+returns a ``TrainResult`` of pandas DataFrames: ``steps`` (rank, unit, step, loss, t_start, t_end,
+step_time) and ``memory`` (parameter, gradient and optimizer bytes and peak memory per rank).
+``after_backward(module, optimizer, step)`` runs on the ranks between backward and the optimizer
+step and its return values come back in ``probes``; ``pm.run(fn)`` runs ``fn(module)`` on every
+rank. The rank side is plain code (``nbscaler.cluster.training``), so the same run under
+``torchrun`` or ``spawn`` gives the same numbers.
+
 Progress and ``%px``
 --------------------
 
@@ -107,5 +140,7 @@ Engines elsewhere: MPI and Slurm
 from nbscaler.cluster.cluster import Cluster, ClusterSpec, EngineSlot
 from nbscaler.cluster.engine import report
 from nbscaler.cluster.errors import ClusterError, RankDied, RankError
+from nbscaler.cluster.remote import RemoteModule, TrainResult
 
-__all__ = ["Cluster", "ClusterError", "ClusterSpec", "EngineSlot", "RankDied", "RankError", "report"]
+__all__ = ["Cluster", "ClusterError", "ClusterSpec", "EngineSlot", "RankDied", "RankError", "RemoteModule",
+           "TrainResult", "report"]

@@ -35,6 +35,7 @@ import logging
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -52,7 +53,7 @@ from nbscaler.cluster.errors import ClusterError, RankDied, RankError
 from nbscaler.cluster.launchers import launcher_options, threads_per_engine
 from nbscaler.cluster.remote import RemoteModule
 from nbscaler.config import ComputeConfig
-from nbscaler.runtime.launch import default_backend, free_port
+from nbscaler.runtime.launch import free_port
 
 POLL_S = 0.05
 # How long a finished call waits for its last reports, which travel apart from the results.
@@ -188,8 +189,12 @@ _live: Dict[str, "Cluster"] = {}
 
 @atexit.register
 def _stop_all() -> None:
+    """Stop the clusters still running when the kernel exits (ipyparallel's own hook is off)."""
     for cluster in list(_live.values()):
-        cluster.stop()
+        try:
+            cluster.stop()
+        except Exception as err:  # keep stopping the others; there is no caller left to raise to
+            print(f"nbscaler: stopping {cluster!r} at exit failed: {err}", file=sys.stderr)
 
 
 class Cluster:
@@ -279,7 +284,8 @@ class Cluster:
     def __repr__(self) -> str:
         state = "stopped"
         if self._session is not None:
-            state = self._session.broken or f"running, {default_backend()}"
+            hosts = len({slot.host for slot in self._session.slots})
+            state = self._session.broken or f"running on {hosts} host{'s' if hosts > 1 else ''}"
         return f"Cluster(name={self.name!r}, n={self.spec.n}, engines={self.spec.engines!r}: {state})"
 
     # -- what the notebook uses -----------------------------------------------------------------
@@ -356,7 +362,7 @@ class Cluster:
         ipp_cluster = ipyparallel.Cluster(
             engines=spec.engines, n=spec.n, profile_dir=profile_dir,
             cluster_id=f"nbscaler-{self.name}-{uuid.uuid4().hex[:8]}", log_level=logging.WARNING,
-            **spec.cluster_options)
+            shutdown_atexit=False, **spec.cluster_options)
         session = _Session(ipp_cluster, profile_dir, owns_profile_dir)
         try:
             self._launch(session)
