@@ -79,3 +79,13 @@ def test_a_killed_engine_is_named_and_restart_recovers(cluster):
         cluster.run(total)
     cluster.restart()
     assert cluster.run(total) == [2.0, 2.0]
+
+
+def test_interrupting_the_notebook_interrupts_the_ranks(cluster):
+    """The notebook's stop button raises KeyboardInterrupt in the kernel while ``run`` waits."""
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(time.sleep, 600)
+    assert time.monotonic() - start < DEADLINE_S
+    assert cluster.run(total) == [2.0, 2.0]

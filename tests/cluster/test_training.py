@@ -79,6 +79,13 @@ def test_telemetry_comes_back_as_dataframes(cluster, tmp_path):
     assert [4 * n for n in numels] == memory["param_bytes"].tolist()  # fp32 shards
 
 
+def test_the_progress_bar_follows_the_ranks(cluster, tmp_path, capsys):
+    remote = parallelize_case(cluster, Case("mlp", "dp", 1, 2), str(tmp_path))
+    remote.train(functools.partial(unit_batch, "mlp"), 3, torch.optim.SGD, lr=0.1)
+    bar = capsys.readouterr().err
+    assert "train dp_1_2" in bar and "3/3" in bar and "loss=" in bar
+
+
 def test_training_without_an_optimizer_says_how_to_fix_it(cluster, tmp_path):
     remote = parallelize_case(cluster, Case("mlp", "dp", 1, 2), str(tmp_path))
     with pytest.raises(RankError, match="optimizer_fn"):
