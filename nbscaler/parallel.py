@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Type, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 import nbscaler
 from nbscaler.codegen.emitter import generate
@@ -158,8 +159,10 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], policy
         module = None
     else:
         module = module_or_class if not is_class else (module_fn() if module_fn else module_class())
-        if module_dtype is not None:
+        if module_dtype is not None:      # floating inputs follow the module's dtype, as at run time
             module = module.to(module_dtype)
+            dummy_args = tree_map(lambda t: t.to(module_dtype) if isinstance(t, torch.Tensor)
+                                  and t.is_floating_point() else t, dummy_args)
         graphs = trace_modes(module, dummy_args, cfg)
 
     start = time.perf_counter()
