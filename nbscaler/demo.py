@@ -48,11 +48,17 @@ class DemoCase:
         return self.config.pipeline_nmicros if self.config.use_pipeline else 1
 
 
+def _pipeline(scheduler: str, nstages: int, nmicros: int = 4) -> tuple:
+    return (("use_pipeline", True), ("pipeline_scheduler", scheduler), ("pipeline_nstages", nstages),
+            ("pipeline_nmicros", nmicros))
+
+
 def cases(nranks: int) -> List[DemoCase]:
     """Every available policy on ``nranks`` ranks, plus tensor parallelism inside data-parallel units."""
-    out = [DemoCase("dp", 1, nranks), DemoCase("tp", nranks, nranks), DemoCase("data", nranks, nranks)]
+    out = [DemoCase("dp", 1, nranks), DemoCase("tp", nranks, nranks), DemoCase("data", nranks, nranks),
+           DemoCase("pp", nranks, nranks, _pipeline("1f1b", nranks))]
     if nranks >= 4:
-        out.append(DemoCase("tp", nranks // 2, nranks))
+        out += [DemoCase("tp", nranks // 2, nranks), DemoCase("hybrid", nranks, nranks, _pipeline("1f1b", 2))]
     return out
 
 
@@ -113,13 +119,14 @@ def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
 
 
 def print_table(rows: List[Dict[str, object]]) -> None:
-    header = f"{'policy':<10}{'plan x ranks':<14}{'compile s':>10}{'step s':>9}{'losses match':>14}{'rel err':>10}  generated code"
+    header = f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}{'step s':>9}{'losses match':>14}{'rel err':>10}  generated code"
     print(header)
     print("-" * len(header))
     for r in rows:
         c: DemoCase = r["case"]
         match = "yes" if r["match"] else "NO"
-        print(f"{c.policy:<10}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{r['step_s']:>9.3f}"
+        name = c.policy + (f" {c.config.scheduler}" if c.config.use_pipeline else "")
+        print(f"{name:<18}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{r['step_s']:>9.3f}"
               f"{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
 
 

@@ -28,9 +28,13 @@ def set_stage(nodes: Iterable[IRNode], stage: int) -> None:
 
 
 def _layer(path: str) -> str:
-    """'blocks.3.attn.q' -> 'blocks.3': the unit a cut should not split."""
+    """'gpt.blocks.3.attn.q' -> 'gpt.blocks.3': the unit a cut should not split (the path up to the
+    first list index, or the first name when there is none)."""
     parts = path.split(".")
-    return ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
 
 
 def stage_by_cost(graph: IRGraph, nstages: int) -> List[int]:
