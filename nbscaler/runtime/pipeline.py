@@ -75,10 +75,11 @@ class PipelineExecutor:
         for block in self.schedule.blocks_of(self.device):
             if block.phase == "B" and not train:
                 continue
-            start = time.perf_counter()
             s, m = block.stage, block.micro
+            # Waiting for a neighbour is bubble, not work: the clock starts once the inputs are here.
             if block.phase == "F":
                 carry = self._receive_forward(s, m, outputs) if s > 0 else {}
+                start = time.perf_counter()
                 inputs[(s, m)] = carry
                 with torch.set_grad_enabled(train):
                     out = getattr(self.module, self._fn(s))(carry, samples[m])
@@ -88,6 +89,8 @@ class PipelineExecutor:
                 else:
                     pending += self._send(s, s + 1, m, "F", out)
             else:
+                grads = self._receive_backward(s, m, grads_in) if s < last else {}
+                start = time.perf_counter()
                 out = outputs.pop((s, m))
                 if s == last:
                     loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -95,7 +98,6 @@ class PipelineExecutor:
                         loss = loss * 0.0            # keeps the schedule's messages, adds no gradient
                     (scale_fn(loss) if scale_fn is not None else loss).backward()
                 else:
-                    grads = self._receive_backward(s, m, grads_in)
                     pairs = [(out[n], grads[n]) for n in out if out[n].requires_grad and n in grads]
                     if pairs:
                         torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
