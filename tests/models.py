@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nbscaler import register_op
+
 
 class MLP(nn.Module):
     def __init__(self, d: int = 16, hidden: int = 32, classes: int = 4):
@@ -173,7 +175,8 @@ def batch(name: str, seed: int, n: int = 8):
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT}[name]()
+    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
+            "user_op": UserOp}[name]()
 
 
 class Trunk(nn.Module):
@@ -199,3 +202,19 @@ class WithTrunk(nn.Module):
 
     def forward(self, x, y):
         return F.cross_entropy(self.head(self.trunk(torch.tanh(self.pre(x)))), y)
+
+
+@register_op("* k+, k+ n -> * n")
+def project(x, w):
+    """A user op: the tracer records it as one node, split by its annotation."""
+    return torch.einsum("...k,kn->...n", x, w)
+
+
+class UserOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 32) / 4)
+        self.w2 = nn.Parameter(torch.randn(32, 4) / 6)
+
+    def forward(self, x, y):
+        return F.cross_entropy(project(torch.tanh(project(x, self.w1)), self.w2), y)
