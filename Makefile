@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test
 
 setup:
 	@# The pinned CPU build first, so that the project install does not pull a CUDA build.
@@ -26,5 +26,3 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q tests
 
-bench: setup
-	$(PYTHON) -m benchmarks.run

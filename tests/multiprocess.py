@@ -34,26 +34,63 @@ def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 
 
 @dataclass(frozen=True)
 class Case:
+    """One training run to compare. ``config`` holds extra ComputeConfig keywords as pairs, e.g.
+    ``(("use_end2end", True), ("use_pipeline", True), ("pipeline_nmicros", 4))``."""
+
     model: str
     policy: Any
     plan_ngpus: int
     runtime_ngpus: int
     steps: int = 3
+    config: tuple = ()
 
     @property
     def units(self) -> int:
         return self.runtime_ngpus // self.plan_ngpus
 
+    @property
+    def compute_config(self) -> ComputeConfig:
+        return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, **dict(self.config))
 
-def data_seed(step: int, unit: int) -> int:
-    return step * 100 + unit
+    @property
+    def micros(self) -> int:
+        cfg = self.compute_config
+        return cfg.pipeline_nmicros if cfg.use_pipeline else (2 if cfg.use_end2end else 1)
+
+
+def pipeline(scheduler: str, nstages: int, nmicros: int) -> tuple:
+    """The ``Case.config`` of an end2end pipeline."""
+    return (("use_end2end", True), ("use_pipeline", True), ("pipeline_scheduler", scheduler),
+            ("pipeline_nstages", nstages), ("pipeline_nmicros", nmicros))
+
+
+def data_seed(step: int, unit: int, micro: int = 0) -> int:
+    return step * 100 + unit * 10 + micro
+
+
+def samples(case: Case, step: int, unit: int) -> List[Dict[str, Any]]:
+    """The forward arguments of each micro-batch unit ``unit`` trains on at ``step``."""
+    return [batch(case.model, data_seed(step, unit, m)) for m in range(case.micros)]
+
+
+def step_losses(model: torch.nn.Module, case: Case, args: List[Dict[str, Any]]) -> List[Any]:
+    """Forward (and, for end2end modules, backward) of one step; returns the loss tensors."""
+    if case.compute_config.use_end2end:
+        return model.train_step([first_arg(a) for a in args])
+    return [model(**a) for a in args]
+
+
+def first_arg(kwargs: Dict[str, Any]) -> Any:
+    """An end2end module's sample: the value of forward's first argument."""
+    return next(iter(kwargs.values()))
 
 
 def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
     """The case's model with ``parallelize`` applied: to the whole model, or, for ``with_trunk``,
     only to its ``trunk`` submodule (the rest stays plain torch)."""
-    cfg = ComputeConfig(plan_ngpus=case.plan_ngpus, runtime_ngpus=case.runtime_ngpus)
+    cfg = case.compute_config
     name = f"{case.model}_{getattr(case.policy, '__name__', case.policy)}_{case.plan_ngpus}_{case.runtime_ngpus}"
+    name += "_" + cfg.scheduler if cfg.use_pipeline else ""
     model = build(case.model)
     if case.model == "with_trunk":
         model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg,
@@ -80,16 +117,20 @@ def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
         opt = build_optimizer(pm, torch.optim.SGD, lr=0.1)
         losses, grads = [], []
         for step in range(case.steps):
-            loss = pm(**batch(case.model, data_seed(step, unit)))
-            loss.backward()
+            out = step_losses(pm, case, samples(case, step, unit))
+            if not case.compute_config.use_end2end:
+                sum(out).backward()
             opt.sync_shard_grad()
-            losses.append(loss.item())
+            losses.append([float(l) for l in out])
             grads.append((local_pieces(pm, grads=True), plain_grads(pm)))
             opt.step()
             opt.zero_grad()
         pm.eval()
         with torch.no_grad():
-            eval_loss = pm(**batch(case.model, EVAL_SEED)).item()
+            eval_args = [batch(case.model, EVAL_SEED + m) for m in range(case.micros)]
+            eval_out = (pm.infer_step([first_arg(a) for a in eval_args]) if case.compute_config.use_end2end
+                        else [pm(**eval_args[0])])
+            eval_loss = [float(o[0] if isinstance(o, (tuple, list)) else o) for o in eval_out]
         results.append({"losses": losses, "grads": grads, "eval_loss": eval_loss})
     return results
 
@@ -100,15 +141,16 @@ def train_single(case: Case) -> Dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for step in range(case.steps):
-        per_unit = [model(**batch(case.model, data_seed(step, u))) for u in range(case.units)]
-        sum(per_unit).backward()
-        losses.append([l.item() for l in per_unit])
+        per_unit = [[model(**a) for a in samples(case, step, u)] for u in range(case.units)]
+        sum(l for unit in per_unit for l in unit).backward()
+        losses.append([[l.item() for l in unit] for unit in per_unit])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
     model.eval()
     with torch.no_grad():
-        eval_loss = model(**batch(case.model, EVAL_SEED)).item()
+        eval_loss = [model(**batch(case.model, EVAL_SEED + m)).item()
+                     for m in range(case.micros if case.compute_config.use_end2end else 1)]
     return {"losses": losses, "grads": grads, "eval_loss": eval_loss}
 
 

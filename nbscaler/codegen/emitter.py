@@ -19,14 +19,17 @@ import math
 import os
 import re
 import types
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import keystr
 
 from nbscaler.comm.layout import Layout, conversion, input_requirement, output_layout
+from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import USER_OPS, spec_of
+from nbscaler.schedule.geometry import PipelineGeometry
 
 
 class CodegenError(RuntimeError):
@@ -215,25 +218,37 @@ class ForwardEmitter:
         return self.groups[devices]
 
     # -- body -----------------------------------------------------------------------------------
-    def emit(self) -> List[str]:
+    def emit(self, stage: Optional[int] = None, carry_in: Sequence[IRTensor] = (),
+             carry_out: Optional[Sequence[IRTensor]] = None) -> List[str]:
+        """The body of a forward (``stage=None``) or of one pipeline stage.
+
+        A stage reads the tensors crossing into it from ``carry`` and returns those crossing out
+        of it as a dict (or, for the last stage, the module's outputs).
+        """
         for t in self.graph.inputs:
             self.bind(t, Layout.replicated(), t.name)
         for t in self.graph.weights.values():
             attr = f"self.{attr_name(t.name)}"
             self.bind(t, self.storage.get(t.name, Layout.replicated()), attr)
+        for t in carry_in:
+            self.lines.append(f"{t.name} = carry[{t.name!r}]")
+            self.bind(t, Layout.replicated(), t.name)
+        nodes = [n for n in self.graph.nodes if stage is None or n.stage == stage]
         last_comment = None
-        for node in self.graph.nodes:
-            place = node.placement
-            if self.device not in place.devices:
+        for node in nodes:
+            if self.device not in node.placement.devices:
                 continue
             comment = _source_comment(node)
             if comment != last_comment:
                 self.lines.append(comment)
                 last_comment = comment
             self.emit_node(node)
-        unit = tuple(sorted({d for n in self.graph.nodes for d in n.placement.devices}))
-        outputs = self._render_outputs(self.graph.outputs, unit)
-        self.lines.append(f"return {outputs}")
+        group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
+        if carry_out is not None:
+            items = ", ".join(f"{t.name!r}: {self.fetch(t, Layout.replicated(), group)}" for t in carry_out)
+            self.lines.append(f"return {{{items}}}")
+        else:
+            self.lines.append(f"return {self._render_outputs(self.graph.outputs, group)}")
         return self.lines
 
     def emit_node(self, node: IRNode) -> None:
@@ -321,20 +336,59 @@ def _signature(params: List[Tuple[str, str, bool]]) -> str:
     return ", ".join(parts)
 
 
+@dataclass
+class Section:
+    """One generated method: a whole forward, or one stage of it, as seen by one plan device."""
+
+    name: str
+    graph: IRGraph
+    device: int
+    stage: Optional[int] = None
+    carry_in: Sequence[IRTensor] = ()
+    carry_out: Optional[Sequence[IRTensor]] = None
+
+
+def sections_of(graphs: Dict[str, IRGraph], device: int, geometry: Optional[PipelineGeometry]) -> List[Section]:
+    """The methods plan ``device`` needs: ``_forward[_mode]``, or ``_stage{s}[_mode]`` per stage it holds.
+
+    Under ``chimera_direct`` a device also holds a stage of the pipeline running the other way; it
+    runs that stage's code as the device that holds it in the graph.
+    """
+    suffix = lambda mode: "" if mode == "any" else f"_{mode}"
+    if geometry is None:
+        return [Section(f"_forward{suffix(mode)}", g, device) for mode, g in graphs.items()]
+    out = []
+    nstages = geometry.schedule.nstages
+    for s in geometry.schedule.stages_of(geometry.pipeline_device(device)):
+        group = geometry.stage_group(s)
+        view = device if device in group else group[device % geometry.tp]
+        for mode, g in graphs.items():
+            carries = stage_carries(g, nstages)
+            out.append(Section(f"_stage{s}{suffix(mode)}", g, view, s, carries[s - 1] if s else (),
+                               carries[s] if s < nstages - 1 else None))
+    return out
+
+
 def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: int, plan_ngpus: int,
-             runtime_ngpus: int, module_name: str, policy_name: str) -> str:
+             runtime_ngpus: int, module_name: str, policy_name: str,
+             geometry: Optional[PipelineGeometry] = None) -> str:
     """The source of ``gencode{rank}.py`` for one runtime rank.
 
     ``graphs`` maps a mode ('train', 'eval') to its placed graph; one graph under the key 'any'
-    means the forward does not depend on ``self.training``.
+    means the forward does not depend on ``self.training``. ``geometry`` is set for pipelines.
     """
     device = rank % plan_ngpus
+    sections = sections_of(graphs, device, geometry)
     out: List[str] = []
     w = out.append
     w(f'"""nbscaler generated code for rank {rank}: plan device {device} of {plan_ngpus}, '
       f'unit {rank // plan_ngpus} of {runtime_ngpus // plan_ngpus}.')
     w("")
     w(f"Module: {module_name}    policy: {policy_name}")
+    if geometry is not None:
+        stages = geometry.schedule.stages_of(geometry.pipeline_device(device))
+        w(f"Pipeline: '{geometry.schedule.name}', {geometry.schedule.nstages} stages; this rank runs stage(s) "
+          f"{', '.join(map(str, stages))}.")
     w("Each comm.* call changes how a tensor is laid out over the devices of a group; see")
     w("nbscaler.runtime.collectives for what each one does forward and backward.")
     w('"""')
@@ -356,45 +410,89 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
     w("class GenModule(ParallelModule):")
     w(f"    rank = {rank}")
     w(f"    plan_device = {device}")
-    groups = sorted({n.placement.devices for g in graphs.values() for n in g.nodes
-                     if len(n.placement.devices) > 1}, key=lambda d: (len(d), d))
-    w(f"    device_groups = {groups!r}")
+    specs = _weight_specs(graphs, storage, sections, geometry)
+    # Identical on every rank: process groups are created collectively, in this order.
+    groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
+    groups |= set(_replica_groups(geometry))
+    w(f"    device_groups = {sorted(groups, key=lambda d: (len(d), d))!r}")
+    if geometry is not None:
+        w(f"    stage_carry = {_carry_table(graphs, geometry.schedule.nstages)!r}")
     w("")
     w("    # local parameter/buffer -> the slice of the original module's tensor it holds")
     w("    weight_specs = {")
-    any_graph = next(iter(graphs.values()))
-    used = {t.name for g in graphs.values() for n in g.nodes if device in n.placement.devices
-            for t in n.inputs if t.is_weight}
-    non_persistent = set(any_graph.meta.get("non_persistent", ()))
-    for name, t in any_graph.weights.items():
-        if name not in used:
-            continue
-        lay = storage.get(name, Layout.replicated())
-        devices = _weight_devices(graphs, name)
-        parts = len(devices) if lay.kind == "S" else 1
-        index = devices.index(device) if lay.kind == "S" else 0
-        extra = f", devices={devices!r}"
-        extra += f", split_dim={lay.dim}, parts={parts}, index={index}" if lay.kind == "S" else ""
-        extra += ", persistent=False" if name in non_persistent else ""
-        w(f"        {attr_name(name)!r}: WeightSpec({name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}{extra}),")
+    for attr, spec in specs.items():
+        w(f"        {attr!r}: WeightSpec({spec}),")
     w("    }")
-    for mode, graph in graphs.items():
-        emitter = ForwardEmitter(graph, device, storage)
-        body = emitter.emit()
+    params = next(iter(graphs.values())).meta["forward_params"]
+    for sec in sections:
+        emitter = ForwardEmitter(sec.graph, sec.device, storage)
+        body = emitter.emit(sec.stage, sec.carry_in, sec.carry_out)
         w("")
-        fname = "_forward" if mode == "any" else f"_forward_{mode}"
-        w(f"    def {fname}({_signature(any_graph.meta['forward_params'])}):")
+        signature = _signature(params)
+        if sec.stage is not None:
+            signature = signature.replace("self", "self, carry", 1)
+        w(f"    def {sec.name}({signature}):")
         for devices, var in sorted(emitter.groups.items()):
             w(f"        {var} = self.group({', '.join(map(str, devices))})")
-        for line in _unpack_inputs(graph) + body:
+        for line in _unpack_inputs(sec.graph) + body:
             w(f"        {line}" if line else "")
     w("")
     return "\n".join(out)
 
 
-def _weight_devices(graphs: Dict[str, IRGraph], name: str) -> Tuple[int, ...]:
-    for g in graphs.values():
-        for n in g.nodes:
-            if any(t.name == name and t.is_weight for t in n.inputs):
-                return n.placement.devices
-    return (0,)
+def _carry_table(graphs: Dict[str, IRGraph], nstages: int) -> Dict[str, Dict[int, List[Tuple]]]:
+    """Per mode and boundary: (name, full shape, dtype) of each tensor crossing it, for receivers."""
+    return {mode: {s: [(t.name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in carry]
+                   for s, carry in enumerate(stage_carries(g, nstages))}
+            for mode, g in graphs.items()}
+
+
+def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sections: List[Section],
+                  geometry: Optional[PipelineGeometry]) -> Dict[str, str]:
+    """The WeightSpec arguments of every weight the sections read, in the graph's weight order."""
+    readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}
+    for sec in sections:
+        for n in sec.graph.nodes:
+            if (sec.stage is None or n.stage == sec.stage) and sec.device in n.placement.devices:
+                for t in n.inputs:
+                    if t.is_weight:
+                        readers.setdefault(t.name, (n, sec.device, sec.stage))
+    any_graph = next(iter(graphs.values()))
+    non_persistent = set(any_graph.meta.get("non_persistent", ()))
+    specs = {}
+    for name, t in any_graph.weights.items():
+        if name not in readers:
+            continue
+        node, view, stage = readers[name]
+        lay = storage.get(name, Layout.replicated())
+        devices = node.placement.devices
+        text = f"{name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}, devices={devices!r}"
+        if lay.kind == "S":
+            text += f", split_dim={lay.dim}, parts={len(devices)}, index={devices.index(view)}"
+        if geometry is not None and stage is not None:
+            replicas = _replica_groups(geometry, stage).get(devices.index(view))
+            if replicas:
+                text += f", replicas={replicas!r}"
+        if name in non_persistent:
+            text += ", persistent=False"
+        specs[attr_name(name)] = text
+    return specs
+
+
+def _replica_groups(geometry: Optional[PipelineGeometry], stage: Optional[int] = None):
+    """Devices holding copies of the same stage slice (``chimera_direct``): their gradients add up.
+
+    For one ``stage``: ``{position in the stage group: devices}``; without: every such device set.
+    """
+    if geometry is None:
+        return {} if stage is not None else []
+    stages = [stage] if stage is not None else range(geometry.schedule.nstages)
+    found = {}
+    for s in stages:
+        holders = sorted({geometry.group_of(p[s]) for p in geometry.schedule.placements})
+        if len(holders) > 1:
+            for position in range(len(holders[0])):
+                found[(s, position)] = tuple(sorted(h[position] for h in holders))
+    if stage is not None:
+        return {position: devices for (_, position), devices in found.items()}
+    return sorted(set(found.values()))

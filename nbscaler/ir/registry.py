@@ -298,28 +298,17 @@ def repeat_interleave(node: IRNode) -> Optional[OpAnnotation]:
     return OpAnnotation.build([tuple(names)], [tuple(names)], [x.shape], [out.shape], sizes=sizes)
 
 
-def expand(node: IRNode) -> OpAnnotation:
+def widen(node: IRNode) -> OpAnnotation:
+    """expand / repeat: axes that keep their size pass through; new or widened axes stay whole."""
     x, out = node.inputs[0], node.output_tensors[0]
     off = out.ndim - x.ndim
     out_names = [f"new{i}" for i in range(off)]
-    in_names, frozen = [], {f"new{i}" for i in range(off)}
+    in_names, frozen = [], set(out_names)
     for j, size in enumerate(x.shape):
         if size == out.shape[off + j]:
             in_names.append(f"d{j}"); out_names.append(f"d{j}")
         else:
-            in_names.append(f"one{j}"); out_names.append(f"wide{j}"); frozen |= {f"one{j}", f"wide{j}"}
-    return OpAnnotation.build([tuple(in_names)], [tuple(out_names)], [x.shape], [out.shape], frozen=frozen)
-
-
-def repeat(node: IRNode) -> OpAnnotation:
-    x, out = node.inputs[0], node.output_tensors[0]
-    off = out.ndim - x.ndim
-    in_names, out_names, frozen = [], [f"new{i}" for i in range(off)], {f"new{i}" for i in range(off)}
-    for j, size in enumerate(x.shape):
-        if size == out.shape[off + j]:
-            in_names.append(f"d{j}"); out_names.append(f"d{j}")
-        else:
-            in_names.append(f"r{j}"); out_names.append(f"rr{j}"); frozen |= {f"r{j}", f"rr{j}"}
+            in_names.append(f"narrow{j}"); out_names.append(f"wide{j}"); frozen |= {f"narrow{j}", f"wide{j}"}
     return OpAnnotation.build([tuple(in_names)], [tuple(out_names)], [x.shape], [out.shape], frozen=frozen)
 
 
@@ -506,9 +495,9 @@ _register("Tensor.__getitem__", "getitem", indexing)
 _register(_both("split chunk unbind") + " Tensor.tensor_split", "split", split_like)
 _register("torch.cat torch.concat torch.concatenate torch.stack", "concat", concat)
 _register(_both("repeat_interleave"), "repeat_interleave", repeat_interleave)
-_register("Tensor.expand", "expand", expand, shape_args=True)
-_register("Tensor.expand_as", "expand", expand)
-_register("Tensor.repeat", "repeat", repeat)
+_register("Tensor.expand", "expand", widen, shape_args=True)
+_register("Tensor.expand_as", "expand", widen)
+_register("Tensor.repeat", "repeat", widen)
 _register(_both("triu tril"), "triangle", triangle)
 _register("torch.nn.functional.scaled_dot_product_attention", "attention", attention)
 _register("torch.ones torch.zeros torch.full torch.empty torch.arange torch.linspace torch.eye "

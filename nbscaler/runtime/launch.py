@@ -73,6 +73,10 @@ def _rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, t
             dist.destroy_process_group()
 
 
+def _dead(procs, finished) -> List[int]:
+    return [r for r, p in enumerate(procs) if r not in finished and not p.is_alive() and p.exitcode not in (0, None)]
+
+
 def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.0,
           threads: Optional[int] = None) -> List[Any]:
     """Run ``fn(*args)`` on ``nranks`` fresh processes that form one process group.
@@ -103,13 +107,18 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
             try:
                 rank, ok, out = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outs
-                        and p.exitcode not in (0, None)]
+                dead = _dead(procs, outs)
                 if dead:
                     raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
                                      "before returning (killed, or out of memory).")
                 continue
             if not ok:
+                # A rank that died silently is the cause; the others only fail talking to it.
+                time.sleep(0.5)
+                dead = _dead(procs, outs)
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before "
+                                     f"returning (killed, or out of memory); rank {rank} then raised:\n{out}")
                 raise RankFailed(f"rank {rank} raised:\n{out}")
             outs[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
