@@ -98,7 +98,9 @@ broadcast strategy is honoured; by default it is ``'none'`` when all engines sha
 ``train`` builds the optimizer with ``nbscaler.build_optimizer`` on its first call and keeps it
 (and the step count) for later calls, shows a progress bar that follows the slowest rank, and
 returns a ``TrainResult`` of pandas DataFrames: ``steps`` (rank, unit, step, loss, t_start, t_end,
-step_time) and ``memory`` (parameter, gradient and optimizer bytes and peak memory per rank).
+step_time), ``memory`` (parameter, gradient and optimizer bytes and peak memory per rank) and, for
+pipelines, ``schedule`` (rank, step, stage, micro, phase, t_start, t_end: the measured timeline,
+also as ``result.timeline(step)`` with its bubble fraction).
 ``after_backward(module, optimizer, step)`` runs on the ranks between backward and the optimizer
 step and its return values come back in ``probes``; ``pm.run(fn)`` runs ``fn(module)`` on every
 rank. The rank side is plain code (``nbscaler.cluster.training``), so the same run under

@@ -22,8 +22,13 @@ from tqdm.auto import tqdm
 from nbscaler.cluster import training
 from nbscaler.config import ComputeConfig
 
+from nbscaler.schedule import Timeline
+
 if TYPE_CHECKING:
     from nbscaler.cluster.cluster import Cluster
+
+STEP_COLUMNS = ["rank", "unit", "step", "loss", "t_start", "t_end", "step_time"]
+SCHEDULE_COLUMNS = ["rank", "step", "stage", "micro", "phase", "t_start", "t_end"]
 
 
 @dataclass
@@ -34,18 +39,30 @@ class TrainResult:
       (wall-clock seconds). Ranks of one unit report the same loss.
     - ``memory``: one row per rank: ``rank, device, param_bytes, grad_bytes, optimizer_bytes,
       peak_rss_bytes, peak_device_bytes`` (the last only on GPUs).
+    - ``schedule``: for pipelined modules, one row per pipeline block each rank ran:
+      ``rank, step, stage, micro, phase, t_start, t_end`` (phase ``F`` or ``B``; wall-clock
+      seconds, from when the block's inputs had arrived). Empty without a pipeline.
     - ``probes``: ``probes[rank][i]`` is what ``after_backward`` returned at the i-th step of
       this call on ``rank`` (empty lists without ``after_backward``).
     """
 
     steps: pd.DataFrame
     memory: pd.DataFrame
+    schedule: pd.DataFrame
     probes: List[List[Any]] = field(default_factory=list)
 
     @property
     def losses(self) -> pd.DataFrame:
         """Loss by step (rows) and rank (columns), ready to plot."""
         return self.steps.pivot(index="step", columns="rank", values="loss")
+
+    def timeline(self, step: int) -> Timeline:
+        """The measured pipeline timeline of ``step``: makespan, bubble fraction, rows to draw."""
+        blocks = self.schedule[self.schedule["step"] == step]
+        if blocks.empty:
+            raise ValueError(f"no pipeline blocks for step {step}: the module has no pipeline, or the step "
+                             f"was not trained in this call (steps here: {sorted(set(self.steps['step']))}).")
+        return Timeline.from_rows(blocks.to_dict("records"), nranks=self.steps["rank"].nunique())
 
 
 @dataclass(frozen=True)
@@ -104,9 +121,9 @@ class RemoteModule:
         finally:
             bar.close()
         return TrainResult(
-            steps=pd.DataFrame([row for r in per_rank for row in r["steps"]],
-                               columns=["rank", "unit", "step", "loss", "t_start", "t_end", "step_time"]),
+            steps=pd.DataFrame([row for r in per_rank for row in r["steps"]], columns=STEP_COLUMNS),
             memory=pd.DataFrame([r["memory"] for r in per_rank]),
+            schedule=pd.DataFrame([row for r in per_rank for row in r["schedule"]], columns=SCHEDULE_COLUMNS),
             probes=[r["probes"] for r in per_rank])
 
     def infer(self, batch: Any) -> List[Any]:

@@ -17,7 +17,8 @@ one unit must see the same batch):
   single argument); the loss is the module's output, or ``loss_fn(output, batch)``.
 
 Then gradients are summed across units (``optimizer.sync_shard_grad``), ``after_backward`` may look
-at them, and the optimizer steps.
+at them, and the optimizer steps. A pipelined module also reports the blocks of its schedule as it
+ran them, ``(rank, stage, micro, phase, t_start, t_end)`` per block.
 """
 
 from __future__ import annotations
@@ -77,12 +78,15 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
     module, optimizer = held.module, held.optimizer
     module.train()
     rows: List[Dict[str, Any]] = []
+    blocks: List[Dict[str, Any]] = []
     probes: List[Any] = []
     grad_bytes = 0
     for done in range(steps):
         step = held.steps_done
         t_start = time.time()
         loss = _forward_backward(module, data(step, held.unit), loss_fn)
+        if module.compute_config.use_pipeline:
+            blocks += _pipeline_blocks(module, step)
         optimizer.sync_shard_grad()
         grad_bytes = max(grad_bytes, _bytes(p.grad for p in module.parameters()))
         if after_backward is not None:
@@ -94,7 +98,8 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
                      "t_start": t_start, "t_end": t_end, "step_time": t_end - t_start})
         held.steps_done += 1
         report(done=done + 1, loss=loss)
-    return {"steps": rows, "memory": _memory_row(module, optimizer, grad_bytes), "probes": probes}
+    return {"steps": rows, "schedule": blocks, "memory": _memory_row(module, optimizer, grad_bytes),
+            "probes": probes}
 
 
 @torch.no_grad()
@@ -139,6 +144,14 @@ def _forward_backward(module: ParallelModule, batch: Any, loss_fn: Optional[Loss
                         f"{type(loss).__name__}; pass loss_fn=lambda output, batch: ... to compute one.")
     loss.backward()
     return loss.item()
+
+
+def _pipeline_blocks(module: ParallelModule, step: int) -> List[Dict[str, Any]]:
+    """The blocks the step just ran, timed on the wall clock like the steps (the executor uses
+    ``perf_counter``, whose origin differs between processes)."""
+    to_wall_clock = time.time() - time.perf_counter()
+    return [{**event, "step": step, "t_start": event["t_start"] + to_wall_clock,
+             "t_end": event["t_end"] + to_wall_clock} for event in module.pipeline_events]
 
 
 def _loss_of(output: Any) -> float:
