@@ -8,7 +8,20 @@ from nbscaler import ComputeConfig, parallelize
 from tests.models import batch, build
 from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
 
+def halves(graph, cfg):
+    """A hand-written pipeline policy: blocks 0-1 and everything before them in stage 0."""
+    from nbscaler.policy import replicate
+    from nbscaler.policy.staging import set_stage
+    later = False
+    for node in graph.nodes:
+        later = later or node.module_path.startswith("gpt.blocks.2")
+        set_stage([node], int(later))
+        replicate(node, [node.stage])
+    return graph
+
+
 TWO_RANKS = [Case("gpt", "pp", 2, 2, config=pipeline(s, 2, 4)) for s in ("1f1b", "1f1b_plus", "gpipe")]
+TWO_RANKS += [Case("gpt", halves, 2, 2, config=pipeline("1f1b", 2, 2))]
 FOUR_RANKS = [Case("gpt", "pp", 4, 4, config=pipeline(s, 4, m))
               for s, m in (("1f1b", 8), ("1f1b_plus", 4), ("gpipe", 4), ("chimera_direct", 4))]
 FOUR_RANKS += [
@@ -36,6 +49,19 @@ def test_bad_pipelines_fail_before_running(config, words, tmp_path):
         parallelize(build("gpt"), batch("gpt", 0), "pp", cfg, gen_savedir=tmp_path, load_module=False)
     for word in words:
         assert word in str(err.value)
+
+
+def test_custom_staging_must_flow_forward(tmp_path):
+    def backwards(graph, cfg):
+        from nbscaler.policy import replicate
+        for i, node in enumerate(graph.nodes):
+            node.stage = 1 if i < 3 else 0
+            replicate(node, [node.stage])
+        return graph
+
+    with pytest.raises(ValueError, match="from the later stage 1; data may only flow to the same or later stages"):
+        parallelize(build("gpt"), batch("gpt", 0), backwards, ComputeConfig(2, 2, **dict(pipeline("1f1b", 2, 2))),
+                    gen_savedir=tmp_path, load_module=False)
 
 
 def test_pp_needs_one_stage_per_device(tmp_path):
@@ -86,6 +112,8 @@ def _timeline_on_rank(gen_dir):
     from nbscaler.schedule import Timeline
     cfg = ComputeConfig(2, 2, **dict(pipeline("1f1b", 2, 4)))
     pm = parallelize(build("gpt"), batch("gpt", 0), "pp", cfg, gen_savedir=gen_dir)
+    with pytest.raises(ValueError, match="got 3 samples.*pass exactly 4 samples"):
+        pm.train_step([batch("gpt", m)["batch"] for m in range(3)])       # refused before any message
     pm.train_step([batch("gpt", m)["batch"] for m in range(4)])
     assert isinstance(pm.pipeline_timeline(), Timeline)
     return pm.pipeline_events
