@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 import nbscaler
-from nbscaler.codegen.emitter import generate
+from nbscaler.codegen.rankfile import generate
 from nbscaler.codegen.store import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
                                     gencode_file, module_dir)
 from nbscaler.comm.layout import storage_layouts

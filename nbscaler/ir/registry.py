@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import IRNode, IRTensor
+from nbscaler.ir.graph import IRNode
 
 Annotator = Callable[[IRNode], Optional[OpAnnotation]]
 
@@ -346,21 +345,20 @@ def linear(node: IRNode) -> OpAnnotation:
 
 def conv(node: IRNode) -> OpAnnotation:
     x, w = node.inputs[0], node.inputs[1]
-    nsp = x.ndim - 2
+    nsp = w.ndim - 2                # spatial axes, from the kernel
     groups = arg(node, 6, "groups", 1)
     c, o = ("c^", "o^") if groups != 1 else ("c+", "o")
     sp = " ".join(f"s{i}^" for i in range(nsp))
     ks = " ".join(f"k{i}^" for i in range(nsp))
     osp = " ".join(f"t{i}^" for i in range(nsp))
     text = f"n {c} {sp}, {o} {c} {ks}" + (f", {o}" if len(node.inputs) == 3 else "") + f" -> n {o} {osp}"
-    if x.ndim == nsp + 1:      # unbatched input
+    if x.ndim == nsp + 1:           # unbatched input
         text = text.replace("n ", "", 1).replace("-> n ", "-> ")
     return _fixed(text)(node)
 
 
 def normalization(node: IRNode) -> OpAnnotation:
     """layer_norm / rms_norm: the normalised trailing axes stay whole."""
-    x = node.inputs[0]
     shape = arg(node, 1, "normalized_shape")
     nnorm = 1 if isinstance(shape, int) else len(shape)
     tail = " ".join(f"n{i}^" for i in range(nnorm))

@@ -10,7 +10,6 @@ first argument is the batch, the return value is the loss.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict
 

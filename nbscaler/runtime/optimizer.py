@@ -17,7 +17,6 @@ micro-batches; ``optimizer.scale_grads(1 / n)`` turns a sum into a mean.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, List, Optional, TypeVar
 
 import torch

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nbscaler.schedule import Block, PipelineGeometry, PipelineSchedule
+from nbscaler.schedule import PipelineGeometry, PipelineSchedule
 
 
 def _tag(micro: int, stage: int, phase: str, index: int, nstages: int) -> int:

@@ -19,7 +19,6 @@ For each call it records a node with:
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import os
 import re

@@ -5,7 +5,6 @@ import functools
 import pytest
 import torch
 
-from nbscaler import ComputeConfig
 from nbscaler.cluster import RankError
 from nbscaler.cluster.training import parallelize_here, train_here
 from nbscaler.runtime.checkpoint import local_pieces

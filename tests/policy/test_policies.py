@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from nbscaler import ComputeConfig, parallelize
 from nbscaler.policy import PolicyError, get_policy, partition, replicate
