@@ -18,9 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Type, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 import nbscaler
-from nbscaler.codegen.emitter import generate
+from nbscaler.codegen.rankfile import generate
 from nbscaler.codegen.store import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
                                     gencode_file, module_dir)
 from nbscaler.comm.layout import storage_layouts
@@ -32,6 +33,7 @@ from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dic
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
+from nbscaler.schedule import PipelineGeometry
 from nbscaler.trace.tracer import check_forward_args, trace_module
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
@@ -161,8 +163,10 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], policy
         module = None
     else:
         module = module_or_class if not is_class else (module_fn() if module_fn else module_class())
-        if module_dtype is not None:
+        if module_dtype is not None:      # floating inputs follow the module's dtype, as at run time
             module = module.to(module_dtype)
+            dummy_args = tree_map(lambda t: t.to(module_dtype) if isinstance(t, torch.Tensor)
+                                  and t.is_floating_point() else t, dummy_args)
         graphs = trace_modes(module, dummy_args, cfg)
 
     start = time.perf_counter()
@@ -171,8 +175,9 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], policy
         graphs[mode] = graph if placed is None else placed
         check_placements(graphs[mode], cfg)
     storage = storage_layouts(graphs.values())
+    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
     sources = {r: generate(graphs, storage, rank=r, plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus,
-                           module_name=fingerprint["graph"]["module"], policy_name=policy_name)
+                           module_name=fingerprint["graph"]["module"], policy_name=policy_name, geometry=geometry)
                for r in range(cfg.runtime_ngpus)}
     plan_seconds = time.perf_counter() - start
 
@@ -217,8 +222,15 @@ def trace_modes(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Comput
 
 
 def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
-    """Every node placed, on the unit's devices; unplaced nodes are replicated on all of them."""
+    """Every node placed, on the unit's devices; unplaced nodes are replicated on all of them.
+
+    In a pipeline, every node has a stage, runs on its stage's devices, and reads only tensors made
+    in its own or earlier stages.
+    """
     devices = tuple(range(cfg.plan_ngpus))
+    if cfg.use_pipeline:
+        check_stages(graph, PipelineGeometry.from_config(cfg))
+        return
     for node in graph.nodes:
         if node.placement is None:
             replicate(node, devices)
@@ -230,6 +242,37 @@ def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
                 f"{node.name} ({node.module_path or 'top level'}) runs on devices {list(node.placement.devices)}, "
                 f"not on all {cfg.plan_ngpus} devices of the unit. Without a pipeline, every op is split or "
                 "replicated across the whole unit; give ops their own devices by staging the graph into a pipeline.")
+
+
+def check_stages(graph: IRGraph, geometry: PipelineGeometry) -> None:
+    nstages = geometry.schedule.nstages
+    stage_of: Dict[int, int] = {}
+    for node in graph.nodes:
+        where = f"{node.name} ({node.module_path or 'top level'})"
+        if node.stage is None or not 0 <= node.stage < nstages:
+            raise PolicyError(f"{where} has stage {node.stage}; the '{geometry.schedule.name}' schedule has stages "
+                              f"0..{nstages - 1}: give every node a stage (nbscaler.policy.staging).")
+        group = geometry.stage_group(node.stage)
+        if node.placement is None:
+            replicate(node, group)
+        if tuple(sorted(node.placement.devices)) != group:
+            raise PolicyError(f"{where} is in stage {node.stage}, which runs on devices {list(group)}, but is placed "
+                              f"on {list(node.placement.devices)}.")
+        for t in node.inputs:
+            if stage_of.get(id(t), -1) > node.stage:
+                raise PolicyError(f"{where} in stage {node.stage} reads {t.name} from the later stage "
+                                  f"{stage_of[id(t)]}; data may only flow to the same or later stages.")
+        for t in node.output_tensors:
+            stage_of[id(t)] = node.stage
+    first = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            if t.kind == "param":
+                first.setdefault(t.name, node.stage)
+                if first[t.name] != node.stage:
+                    raise PolicyError(f"the parameter {t.name} is used in stages {first[t.name]} and {node.stage}; "
+                                      "tied weights across pipeline stages are not supported: untie them, or "
+                                      "keep the ops that use them in one stage.")
 
 
 def full_weights(module: torch.nn.Module, graphs: Dict[str, IRGraph]) -> Dict[str, torch.Tensor]:

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nbscaler import register_op
+
 
 class MLP(nn.Module):
     def __init__(self, d: int = 16, hidden: int = 32, classes: int = 4):
@@ -145,9 +147,24 @@ class TrainingBranch(nn.Module):
         return F.cross_entropy(self.fc2(h), y)
 
 
+class End2EndGPT(nn.Module):
+    """The example GPT, small, as an end2end module: forward(batch) -> loss."""
+
+    def __init__(self):
+        super().__init__()
+        from nbscaler.models.gpt import GPT, GPTConfig
+        self.gpt = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=4, d_model=32, n_head=4))
+
+    def forward(self, batch):
+        return self.gpt(batch)
+
+
 def batch(name: str, seed: int, n: int = 8):
     """A deterministic batch for model ``name`` (a dict of forward arguments)."""
     g = torch.Generator().manual_seed(seed)
+    if name == "gpt":
+        tokens = torch.randint(0, 64, (2, 9), generator=g)
+        return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
     if name == "llama":
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
@@ -158,7 +175,8 @@ def batch(name: str, seed: int, n: int = 8):
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk}[name]()
+    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
+            "user_op": UserOp}[name]()
 
 
 class Trunk(nn.Module):
@@ -184,3 +202,19 @@ class WithTrunk(nn.Module):
 
     def forward(self, x, y):
         return F.cross_entropy(self.head(self.trunk(torch.tanh(self.pre(x)))), y)
+
+
+@register_op("* k+, k+ n -> * n")
+def project(x, w):
+    """A user op: the tracer records it as one node, split by its annotation."""
+    return torch.einsum("...k,kn->...n", x, w)
+
+
+class UserOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 32) / 4)
+        self.w2 = nn.Parameter(torch.randn(32, 4) / 6)
+
+    def forward(self, x, y):
+        return F.cross_entropy(project(torch.tanh(project(x, self.w1)), self.w2), y)

@@ -4,10 +4,10 @@ Every multi-process test goes through ``run_ranks``, which always has a timeout:
 fails the test with the ranks that never finished instead of stalling the suite.
 
 The equivalence harness trains a model from ``tests.models`` on every rank through ``parallelize``
-and the same model in this process, and compares losses, gradients, clipped gradient norms and
-the final parameters. Unit ``u`` of the parallel run gets the batch seeded ``step * 100 + u``; the
-single-process reference sums the losses of all units' batches, which is what summed
-data-parallel gradients equal.
+and the same model in this process, and compares losses, gradients and clipped gradient norms step
+by step, then the final parameters. Unit ``u`` of the parallel run gets the batch seeded
+``step * 100 + u``; the single-process reference sums the losses of all units' batches, which is
+what summed data-parallel gradients equal.
 """
 
 from __future__ import annotations
@@ -41,15 +41,18 @@ OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
 
 @dataclass(frozen=True)
 class Case:
+    """One training run to compare. ``config`` holds extra ComputeConfig keywords as pairs, e.g.
+    ``(("use_end2end", True), ("use_pipeline", True), ("pipeline_nmicros", 4))``; ``clip`` is
+    clip_gnorm's max_norm before every step."""
+
     model: str
     policy: Any
     plan_ngpus: int
     runtime_ngpus: int
     steps: int = 3
+    config: tuple = ()
     optimizer: str = "sgd"
-    use_zero: bool = False
-    zero_ngroups: int = 1
-    clip: Optional[float] = None        # clip_gnorm's max_norm before every step
+    clip: Optional[float] = None
 
     def __str__(self) -> str:
         clip = f"_clip{self.clip}" if self.clip is not None else ""
@@ -60,14 +63,15 @@ class Case:
         return self.runtime_ngpus // self.plan_ngpus
 
     @property
-    def config(self) -> ComputeConfig:
-        return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus,
-                             use_zero=self.use_zero, zero_ngroups=self.zero_ngroups)
+    def compute_config(self) -> ComputeConfig:
+        return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, **dict(self.config))
 
     @property
     def instance_name(self) -> str:
-        zero = f"_zero{self.zero_ngroups}" if self.use_zero else ""
-        return f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}{zero}"
+        cfg = self.compute_config
+        name = f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}"
+        name += "_" + cfg.scheduler if cfg.use_pipeline else ""
+        return name + (f"_zero{cfg.zero_ngroups}" if cfg.use_zero else "")
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The case's optimizer: patched by ``build_optimizer`` when ``model`` has parallel parts."""
@@ -76,21 +80,55 @@ class Case:
             return build_optimizer(model, cls, **kwargs)
         return cls(model.parameters(), **kwargs)
 
+    @property
+    def micros(self) -> int:
+        cfg = self.compute_config
+        return cfg.pipeline_nmicros if cfg.use_pipeline else (2 if cfg.use_end2end else 1)
 
-def data_seed(step: int, unit: int) -> int:
-    return step * 100 + unit
+
+def pipeline(scheduler: str, nstages: int, nmicros: int) -> tuple:
+    """The ``Case.config`` of an end2end pipeline."""
+    return (("use_end2end", True), ("use_pipeline", True), ("pipeline_scheduler", scheduler),
+            ("pipeline_nstages", nstages), ("pipeline_nmicros", nmicros))
+
+
+def zero(ngroups: int = 1) -> tuple:
+    """The ``Case.config`` of ZeRO with ``ngroups`` groups."""
+    return (("use_zero", True), ("zero_ngroups", ngroups))
+
+
+def data_seed(step: int, unit: int, micro: int = 0) -> int:
+    return step * 100 + unit * 10 + micro
+
+
+def samples(case: Case, step: int, unit: int) -> List[Dict[str, Any]]:
+    """The forward arguments of each micro-batch unit ``unit`` trains on at ``step``."""
+    return [batch(case.model, data_seed(step, unit, m)) for m in range(case.micros)]
+
+
+def step_losses(model: torch.nn.Module, case: Case, args: List[Dict[str, Any]]) -> List[Any]:
+    """Forward (and, for end2end modules, backward) of one step; returns the loss tensors."""
+    if case.compute_config.use_end2end:
+        return model.train_step([first_arg(a) for a in args])
+    return [model(**a) for a in args]
+
+
+def first_arg(kwargs: Dict[str, Any]) -> Any:
+    """An end2end module's sample: the value of forward's first argument."""
+    return next(iter(kwargs.values()))
 
 
 def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
     """The case's model with ``parallelize`` applied: to the whole model, or, for ``with_trunk``,
     only to its ``trunk`` submodule (the rest stays plain torch)."""
+    cfg, name = case.compute_config, case.instance_name
     model = build(case.model)
     if case.model == "with_trunk":
-        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, case.config,
-                                  gen_savedir=gen_dir, instance_name=case.instance_name, reuse="override")
+        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg,
+                                  gen_savedir=gen_dir, instance_name=name, reuse="override")
         return model
-    return parallelize(model, batch(case.model, 12345), case.policy, case.config,
-                       gen_savedir=gen_dir, instance_name=case.instance_name, reuse="override")
+    return parallelize(model, batch(case.model, 12345), case.policy, cfg,
+                       gen_savedir=gen_dir, instance_name=name, reuse="override")
 
 
 def plain_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -101,15 +139,16 @@ def plain_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def parallel_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case, steps: Iterable[int],
                    unit: int) -> Dict[str, list]:
-    """Train the steps ``steps`` on this rank; returns its losses, its gradient slices (not with
-    ZeRO, where a rank keeps only its shard of the summed gradient) and the clipped norms."""
+    """Train ``steps`` on this rank; returns its losses (one per micro-batch), its gradient slices
+    (not with ZeRO, where a rank keeps only its shard of the summed gradient) and clipped norms."""
     out: Dict[str, list] = {"losses": [], "grads": [], "norms": []}
     for step in steps:
-        loss = model(**batch(case.model, data_seed(step, unit)))
-        loss.backward()
+        losses = step_losses(model, case, samples(case, step, unit))
+        if not case.compute_config.use_end2end:
+            sum(losses).backward()
         opt.sync_shard_grad()
-        out["losses"].append(loss.item())
-        if not case.use_zero:
+        out["losses"].append([float(l) for l in losses])
+        if not case.compute_config.use_zero:
             out["grads"].append((local_pieces(model, grads=True), plain_grads(model)))
         if case.clip is not None:
             out["norms"].append(opt.clip_gnorm(case.clip).item())
@@ -123,9 +162,9 @@ def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case,
     """The reference for ``parallel_steps``: one process, the losses of ``units`` units summed."""
     out: Dict[str, list] = {"losses": [], "grads": [], "norms": []}
     for step in steps:
-        per_unit = [model(**batch(case.model, data_seed(step, u))) for u in range(units)]
-        sum(per_unit).backward()
-        out["losses"].append([l.item() for l in per_unit])
+        per_unit = [[model(**a) for a in samples(case, step, u)] for u in range(units)]
+        sum(l for unit in per_unit for l in unit).backward()
+        out["losses"].append([[l.item() for l in unit] for unit in per_unit])
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         if case.clip is not None:
             out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).item())
@@ -134,10 +173,17 @@ def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case,
     return out
 
 
-def eval_loss(model: torch.nn.Module, case: Case) -> float:
+def eval_losses(model: torch.nn.Module, case: Case) -> List[float]:
+    """Eval-mode losses: of each micro-batch for end2end modules, else of one batch."""
+    end2end = case.compute_config.use_end2end
+    args = [batch(case.model, EVAL_SEED + m) for m in range(case.micros if end2end else 1)]
     model.eval()
     with torch.no_grad():
-        return model(**batch(case.model, EVAL_SEED)).item()
+        if end2end and isinstance(model, ParallelModule):
+            out = model.infer_step([first_arg(a) for a in args])
+        else:
+            out = [model(**a) for a in args]
+    return [float(o[0] if isinstance(o, (tuple, list)) else o) for o in out]
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -148,14 +194,14 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
     """On every rank: compile and train each case; returns what ``parallel_steps`` records, the
-    eval loss and the final per-rank state dict."""
+    eval losses, the final per-rank state dict and the optimizer state's size."""
     rank = dist.get_rank()
     results = []
     for case in cases:
         model = parallel_model(case, gen_dir)
         opt = case.make_optimizer(model)
         out = parallel_steps(model, opt, case, range(case.steps), rank // case.plan_ngpus)
-        results.append({**out, "eval_loss": eval_loss(model, case), "state": model.state_dict(),
+        results.append({**out, "eval_loss": eval_losses(model, case), "state": model.state_dict(),
                         "optimizer_bytes": optimizer_state_bytes(opt)})
     return results
 
@@ -165,7 +211,7 @@ def train_single(case: Case) -> Dict[str, Any]:
     model = build(case.model)
     out = single_steps(model, case.make_optimizer(model), case, range(case.steps), case.units)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {**out, "eval_loss": eval_loss(model, case), "params": params}
+    return {**out, "eval_loss": eval_losses(model, case), "params": params}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
@@ -190,7 +236,7 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
             for rank, res in enumerate(per_rank):
                 assert_close(torch.tensor(res["norms"][step]), torch.tensor(ref["norms"][step]),
                              f"{case} step {step} rank {rank} clipped norm")
-        if case.use_zero:
+        if case.compute_config.use_zero:
             continue
         merged = merge_slices(p for res in per_rank for p in res["grads"][step][0])
         prefix = "trunk." if case.model == "with_trunk" else ""

@@ -1,6 +1,7 @@
 """Code generation: one readable Python module per rank, and the folder that holds them."""
 
-from nbscaler.codegen.emitter import CodegenError, generate
+from nbscaler.codegen.rankfile import generate
+from nbscaler.codegen.render import CodegenError
 from nbscaler.codegen.store import GenDir, module_dir
 
 __all__ = ["CodegenError", "GenDir", "generate", "module_dir"]

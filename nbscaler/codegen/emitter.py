@@ -1,10 +1,9 @@
-"""Write one readable Python file per rank from a placed graph.
+"""Emit the body of one forward (or pipeline stage) for one plan device.
 
-The file holds one ``ParallelModule`` subclass. Its ``weight_specs`` table says which slice of which
-original parameter each local parameter is, and its forward is straight-line torch code: the user's
-calls, with local shapes, and a ``comm.*`` call wherever a tensor must change layout. Comments
-point back at the user's module and source line, so the file doubles as an explanation of what the
-policy did::
+The body is straight-line torch code: the user's calls with local shapes, and a ``comm.*`` call
+wherever a tensor must change layout between the op that made it and the op that reads it.
+Comments point back at the user's module and source line, so the code doubles as an explanation
+of what the policy did::
 
     # blocks.0.attn.q: q = self.q(x)                      (model.py:42)
     norm_0_rep = comm.sum_grad(norm_0, group=g01)
@@ -13,149 +12,13 @@ policy did::
 
 from __future__ import annotations
 
-import inspect
-import linecache
-import math
-import os
-import re
-import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-from torch.utils._pytree import keystr
-
+from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
+                                     local_shape, render, render_call)
 from nbscaler.comm.layout import Layout, conversion, input_requirement, output_layout
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
-from nbscaler.ir.registry import USER_OPS, spec_of
-
-
-class CodegenError(RuntimeError):
-    """A traced call that cannot be written back as Python; names the call and its source."""
-
-
-_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "true_divide": "/", "__add__": "+",
-          "__sub__": "-", "__mul__": "*", "__truediv__": "/", "__matmul__": "@", "__pow__": "**",
-          "__mod__": "%", "__floordiv__": "//", "__eq__": "==", "__ne__": "!=", "__lt__": "<",
-          "__le__": "<=", "__gt__": ">", "__ge__": ">=", "__and__": "&", "__or__": "|"}
-_RINFIX = {"__radd__": "+", "__rsub__": "-", "__rmul__": "*", "__rtruediv__": "/", "__rmatmul__": "@",
-           "__rpow__": "**"}
-_IINFIX = {"__iadd__": "+=", "__isub__": "-=", "__imul__": "*=", "__itruediv__": "/="}
-_UNARY = {"__neg__": "-", "__invert__": "~"}
-
-
-def attr_name(qualified: str) -> str:
-    """'blocks.0.attn.q.weight' -> 'blocks_0_attn_q_weight'."""
-    return re.sub(r"\W", "_", qualified)
-
-
-def group_var(devices: Sequence[int]) -> str:
-    return "g" + "_".join(map(str, devices))
-
-
-def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
-    shape = list(shape)
-    if layout.kind == "S":
-        shape[layout.dim] //= parts
-    return tuple(shape)
-
-
-class _Code(str):
-    """Already-rendered source text (a variable name or an expression)."""
-
-
-def render(value: Any, index: bool = False) -> str:
-    """A constant argument as Python source. ``index`` renders slices as ``a:b`` for subscripts."""
-    if isinstance(value, _Code):
-        return str(value)
-    if isinstance(value, slice):
-        if index:
-            parts = ["" if v is None else render(v) for v in (value.start, value.stop, value.step)]
-            return ":".join(parts[:2]) + (f":{parts[2]}" if value.step is not None else "")
-        return f"slice({render(value.start)}, {render(value.stop)}, {render(value.step)})"
-    if value is Ellipsis:
-        return "..."
-    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
-        return str(value)
-    if isinstance(value, torch.device):
-        return "self.device"
-    if isinstance(value, torch.Size):
-        value = tuple(value)
-    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
-        return f"float('{value}')"
-    if isinstance(value, tuple):
-        inner = ", ".join(render(v, index) for v in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    if isinstance(value, list):
-        return "[" + ", ".join(render(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in value.items()) + "}"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    raise CodegenError(f"cannot write the constant {value!r} ({type(value).__name__}) into generated code")
-
-
-def _is_property(name: str) -> bool:
-    return isinstance(getattr(torch.Tensor, name, None), (property, types.GetSetDescriptorType))
-
-
-def render_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any]) -> str:
-    """The call expression for ``node`` over already-rendered arguments."""
-    target = node.target
-    if target == "Tensor.__getitem__":
-        idx = args[1]
-        inner = ", ".join(render(i, index=True) for i in idx) if isinstance(idx, tuple) else render(idx, index=True)
-        return f"{render(args[0])}[{inner or '()'}]"
-    if target.startswith("Tensor."):
-        name = target[len("Tensor."):]
-        first, rest = render(args[0]), args[1:]
-        if not kwargs and len(rest) == 1 and name in _INFIX:
-            return f"{first} {_INFIX[name]} {render(rest[0])}"
-        if not kwargs and len(rest) == 1 and name in _RINFIX:
-            return f"{render(rest[0])} {_RINFIX[name]} {first}"
-        if not kwargs and not rest and name in _UNARY:
-            return f"{_UNARY[name]}{first}"
-        if not rest and not kwargs and _is_property(name):
-            return f"{first}.{name}"
-        return f"{first}.{name}({_arglist(rest, kwargs)})"
-    if target.startswith("torch.nn.functional."):
-        fn = "F." + target[len("torch.nn.functional."):]
-        kwargs = _without_defaults(target, kwargs)
-        while args and args[-1] is None and len(args) > 1:      # trailing optional tensors left out
-            args = args[:-1]
-    elif target in USER_OPS:
-        fn = user_op_alias(target)
-    else:
-        fn = target
-    return f"{fn}({_arglist(args, kwargs)})"
-
-
-def user_op_alias(target: str) -> str:
-    return "_op_" + attr_name(target)
-
-
-def _without_defaults(target: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Drop keyword arguments that only repeat the function's defaults (torch passes them all)."""
-    fn = getattr(torch.nn.functional, target.rsplit(".", 1)[-1], None) if target.startswith("torch.nn.functional.") else None
-    try:
-        params = inspect.signature(fn).parameters if fn is not None else {}
-    except (TypeError, ValueError):
-        params = {}
-    return {k: v for k, v in kwargs.items()
-            if not (k in params and params[k].default is not inspect.Parameter.empty
-                    and type(params[k].default) is type(v) and params[k].default == v)}
-
-
-def _arglist(args: Sequence, kwargs: Dict[str, Any]) -> str:
-    return ", ".join([render(a) for a in args] + [f"{k}={render(v)}" for k, v in kwargs.items()])
-
-
-def _source_comment(node: IRNode) -> str:
-    where = node.module_path or "(top level)"
-    if not node.source:
-        return f"# {where}"
-    path, line = node.source
-    code = linecache.getline(path, line).strip()
-    return f"# {where}: {code}    ({os.path.basename(path)}:{line})" if code else f"# {where}    ({os.path.basename(path)}:{line})"
+from nbscaler.ir.registry import spec_of
 
 
 def requires_grad_of(graph: IRGraph) -> Dict[int, bool]:
@@ -215,25 +78,37 @@ class ForwardEmitter:
         return self.groups[devices]
 
     # -- body -----------------------------------------------------------------------------------
-    def emit(self) -> List[str]:
+    def emit(self, stage: Optional[int] = None, carry_in: Sequence[IRTensor] = (),
+             carry_out: Optional[Sequence[IRTensor]] = None) -> List[str]:
+        """The body of a forward (``stage=None``) or of one pipeline stage.
+
+        A stage reads the tensors crossing into it from ``carry`` and returns those crossing out
+        of it as a dict (or, for the last stage, the module's outputs).
+        """
         for t in self.graph.inputs:
             self.bind(t, Layout.replicated(), t.name)
         for t in self.graph.weights.values():
             attr = f"self.{attr_name(t.name)}"
             self.bind(t, self.storage.get(t.name, Layout.replicated()), attr)
+        for t in carry_in:
+            self.lines.append(f"{t.name} = carry[{t.name!r}]")
+            self.bind(t, Layout.replicated(), t.name)
+        nodes = [n for n in self.graph.nodes if stage is None or n.stage == stage]
         last_comment = None
-        for node in self.graph.nodes:
-            place = node.placement
-            if self.device not in place.devices:
+        for node in nodes:
+            if self.device not in node.placement.devices:
                 continue
-            comment = _source_comment(node)
+            comment = source_comment(node)
             if comment != last_comment:
                 self.lines.append(comment)
                 last_comment = comment
             self.emit_node(node)
-        unit = tuple(sorted({d for n in self.graph.nodes for d in n.placement.devices}))
-        outputs = self._render_outputs(self.graph.outputs, unit)
-        self.lines.append(f"return {outputs}")
+        group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
+        if carry_out is not None:
+            items = ", ".join(f"{t.name!r}: {self.fetch(t, Layout.replicated(), group)}" for t in carry_out)
+            self.lines.append(f"return {{{items}}}")
+        else:
+            self.lines.append(f"return {self._render_outputs(self.graph.outputs, group)}")
         return self.lines
 
     def emit_node(self, node: IRNode) -> None:
@@ -242,7 +117,7 @@ class ForwardEmitter:
         # by position: one tensor may be passed twice with different requirements
         per_position = [self.fetch(t, input_requirement(node, i), place.devices) for i, t in enumerate(inputs)]
         it = iter(per_position)
-        args, kwargs = node.map_args(lambda t: _Code(next(it)))
+        args, kwargs = node.map_args(lambda t: Code(next(it)))
         spec = spec_of(node.target)
         outs = node.output_tensors
         layouts = [output_layout(node, i) for i in range(len(outs))]
@@ -257,8 +132,8 @@ class ForwardEmitter:
             inner = ", ".join(render(i, index=True) for i in idx) if isinstance(idx, tuple) else render(idx, index=True)
             self.lines.append(f"{render(args[0])}[{inner}] = {render(args[2])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
-        elif name in _IINFIX and not kwargs and len(args) == 2:
-            self.lines.append(f"{render(args[0])} {_IINFIX[name]} {render(args[1])}")
+        elif name in INPLACE_OPERATORS and not kwargs and len(args) == 2:
+            self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
         else:
             self.lines.append(f"{lhs} = {render_call(node, args, kwargs)}")
@@ -279,7 +154,7 @@ class ForwardEmitter:
         if isinstance(outs, (tuple, list)) and all(isinstance(v, (IRTensor, tuple, list)) or v is None for v in outs):
             return pattern(tuple(outs))
         raise CodegenError(f"{node.target} returns {type(outs).__name__}, which generated code cannot unpack "
-                           f"({_source_comment(node)[2:]})")
+                           f"({source_comment(node)[2:]})")
 
     def _render_outputs(self, value: Any, unit: Tuple[int, ...]) -> str:
         if isinstance(value, IRTensor):
@@ -295,112 +170,3 @@ class ForwardEmitter:
         if isinstance(value, dict):
             return "{" + ", ".join(f"{render(k)}: {self._render_outputs(v, unit)}" for k, v in value.items()) + "}"
         return render(value)
-
-
-def _unpack_inputs(graph: IRGraph) -> List[str]:
-    lines = []
-    for t in graph.inputs:
-        path = t.path
-        arg = path[0].key if hasattr(path[0], "key") else str(path[0])
-        rest = keystr(path[1:])
-        expr = f"{arg}{rest}"
-        if expr != t.name:
-            lines.append(f"{t.name} = {expr}")
-    return lines
-
-
-def _signature(params: List[Tuple[str, str, bool]]) -> str:
-    parts = ["self"]
-    for name, kind, given in params:
-        if kind == "VAR_POSITIONAL":
-            parts.append(f"*{name}")
-        elif kind == "VAR_KEYWORD":
-            parts.append(f"**{name}")
-        else:
-            parts.append(name if given else f"{name}=None")
-    return ", ".join(parts)
-
-
-def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: int, plan_ngpus: int,
-             runtime_ngpus: int, module_name: str, policy_name: str) -> str:
-    """The source of ``gencode{rank}.py`` for one runtime rank.
-
-    ``graphs`` maps a mode ('train', 'eval') to its placed graph; one graph under the key 'any'
-    means the forward does not depend on ``self.training``.
-    """
-    device = rank % plan_ngpus
-    out: List[str] = []
-    w = out.append
-    w(f'"""nbscaler generated code for rank {rank}: plan device {device} of {plan_ngpus}, '
-      f'unit {rank // plan_ngpus} of {runtime_ngpus // plan_ngpus}.')
-    w("")
-    w(f"Module: {module_name}    policy: {policy_name}")
-    w("Each comm.* call changes how a tensor is laid out over the devices of a group; see")
-    w("nbscaler.runtime.collectives for what each one does forward and backward.")
-    w('"""')
-    w("")
-    w("import torch")
-    w("import torch.nn.functional as F")
-    w("")
-    w("from nbscaler.runtime import collectives as comm")
-    w("from nbscaler.runtime.module import ParallelModule, WeightSpec")
-    user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
-    for target in user_targets:
-        fn = USER_OPS[target]
-        if fn.__module__ == "__main__":
-            raise CodegenError(f"the registered op {fn.__qualname__} is defined in __main__; move it to an "
-                               "importable .py module so that generated code can import it.")
-        w(f"from {fn.__module__} import {fn.__qualname__.split('.')[0]} as {user_op_alias(target)}")
-    w("")
-    w("")
-    w("class GenModule(ParallelModule):")
-    w(f"    rank = {rank}")
-    w(f"    plan_device = {device}")
-    groups = sorted({n.placement.devices for g in graphs.values() for n in g.nodes
-                     if len(n.placement.devices) > 1}, key=lambda d: (len(d), d))
-    w(f"    device_groups = {groups!r}")
-    w("")
-    w("    # local parameter/buffer -> the slice of the original module's tensor it holds")
-    w("    weight_specs = {")
-    any_graph = next(iter(graphs.values()))
-    used = {t.name for g in graphs.values() for n in g.nodes if device in n.placement.devices
-            for t in n.inputs if t.is_weight}
-    non_persistent = set(any_graph.meta.get("non_persistent", ()))
-    for name, t in any_graph.weights.items():
-        if name not in used:
-            continue
-        lay = storage.get(name, Layout.replicated())
-        devices = _weight_devices(graphs, name)
-        parts = len(devices) if lay.kind == "S" else 1
-        index = devices.index(device) if lay.kind == "S" else 0
-        extra = f", devices={devices!r}"
-        extra += f", split_dim={lay.dim}, parts={parts}, index={index}" if lay.kind == "S" else ""
-        extra += ", persistent=False" if name in non_persistent else ""
-        w(f"        {attr_name(name)!r}: WeightSpec({name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}{extra}),")
-    w("    }")
-    w("    # every parameter of the original module in its order, which indexes optimizer checkpoints")
-    w("    original_params = (")
-    for name, t in any_graph.weights.items():
-        if t.kind == "param":
-            w(f"        {name!r},")
-    w("    )")
-    for mode, graph in graphs.items():
-        emitter = ForwardEmitter(graph, device, storage)
-        body = emitter.emit()
-        w("")
-        fname = "_forward" if mode == "any" else f"_forward_{mode}"
-        w(f"    def {fname}({_signature(any_graph.meta['forward_params'])}):")
-        for devices, var in sorted(emitter.groups.items()):
-            w(f"        {var} = self.group({', '.join(map(str, devices))})")
-        for line in _unpack_inputs(graph) + body:
-            w(f"        {line}" if line else "")
-    w("")
-    return "\n".join(out)
-
-
-def _weight_devices(graphs: Dict[str, IRGraph], name: str) -> Tuple[int, ...]:
-    for g in graphs.values():
-        for n in g.nodes:
-            if any(t.name == name and t.is_weight for t in n.inputs):
-                return n.placement.devices
-    return (0,)

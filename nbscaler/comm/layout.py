@@ -30,7 +30,7 @@ backward pass:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from nbscaler.ir.graph import IRNode
 

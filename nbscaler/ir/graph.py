@@ -20,8 +20,9 @@ IRNode(linear_3 = torch.nn.functional.linear(x, blocks.0.attn.q.weight) @ blocks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -100,13 +101,13 @@ class IRNode:
     placement: Optional[Placement] = None
     stage: Optional[int] = None       # pipeline stage, set by staging
 
-    @property
+    @functools.cached_property
     def inputs(self) -> List[IRTensor]:
         """Tensor arguments in flattened argument order (the annotation's input order)."""
         leaves, _ = tree_flatten((self.args, self.kwargs))
         return [x for x in leaves if isinstance(x, IRTensor)]
 
-    @property
+    @functools.cached_property
     def output_tensors(self) -> List[IRTensor]:
         leaves, _ = tree_flatten(self.outputs)
         return [x for x in leaves if isinstance(x, IRTensor)]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import IRNode, IRTensor
+from nbscaler.ir.graph import IRNode
 
 Annotator = Callable[[IRNode], Optional[OpAnnotation]]
 
@@ -298,28 +297,17 @@ def repeat_interleave(node: IRNode) -> Optional[OpAnnotation]:
     return OpAnnotation.build([tuple(names)], [tuple(names)], [x.shape], [out.shape], sizes=sizes)
 
 
-def expand(node: IRNode) -> OpAnnotation:
+def widen(node: IRNode) -> OpAnnotation:
+    """expand / repeat: axes that keep their size pass through; new or widened axes stay whole."""
     x, out = node.inputs[0], node.output_tensors[0]
     off = out.ndim - x.ndim
     out_names = [f"new{i}" for i in range(off)]
-    in_names, frozen = [], {f"new{i}" for i in range(off)}
+    in_names, frozen = [], set(out_names)
     for j, size in enumerate(x.shape):
         if size == out.shape[off + j]:
             in_names.append(f"d{j}"); out_names.append(f"d{j}")
         else:
-            in_names.append(f"one{j}"); out_names.append(f"wide{j}"); frozen |= {f"one{j}", f"wide{j}"}
-    return OpAnnotation.build([tuple(in_names)], [tuple(out_names)], [x.shape], [out.shape], frozen=frozen)
-
-
-def repeat(node: IRNode) -> OpAnnotation:
-    x, out = node.inputs[0], node.output_tensors[0]
-    off = out.ndim - x.ndim
-    in_names, out_names, frozen = [], [f"new{i}" for i in range(off)], {f"new{i}" for i in range(off)}
-    for j, size in enumerate(x.shape):
-        if size == out.shape[off + j]:
-            in_names.append(f"d{j}"); out_names.append(f"d{j}")
-        else:
-            in_names.append(f"r{j}"); out_names.append(f"rr{j}"); frozen |= {f"r{j}", f"rr{j}"}
+            in_names.append(f"narrow{j}"); out_names.append(f"wide{j}"); frozen |= {f"narrow{j}", f"wide{j}"}
     return OpAnnotation.build([tuple(in_names)], [tuple(out_names)], [x.shape], [out.shape], frozen=frozen)
 
 
@@ -357,21 +345,20 @@ def linear(node: IRNode) -> OpAnnotation:
 
 def conv(node: IRNode) -> OpAnnotation:
     x, w = node.inputs[0], node.inputs[1]
-    nsp = x.ndim - 2
+    nsp = w.ndim - 2                # spatial axes, from the kernel
     groups = arg(node, 6, "groups", 1)
     c, o = ("c^", "o^") if groups != 1 else ("c+", "o")
     sp = " ".join(f"s{i}^" for i in range(nsp))
     ks = " ".join(f"k{i}^" for i in range(nsp))
     osp = " ".join(f"t{i}^" for i in range(nsp))
     text = f"n {c} {sp}, {o} {c} {ks}" + (f", {o}" if len(node.inputs) == 3 else "") + f" -> n {o} {osp}"
-    if x.ndim == nsp + 1:      # unbatched input
+    if x.ndim == nsp + 1:           # unbatched input
         text = text.replace("n ", "", 1).replace("-> n ", "-> ")
     return _fixed(text)(node)
 
 
 def normalization(node: IRNode) -> OpAnnotation:
     """layer_norm / rms_norm: the normalised trailing axes stay whole."""
-    x = node.inputs[0]
     shape = arg(node, 1, "normalized_shape")
     nnorm = 1 if isinstance(shape, int) else len(shape)
     tail = " ".join(f"n{i}^" for i in range(nnorm))
@@ -506,9 +493,9 @@ _register("Tensor.__getitem__", "getitem", indexing)
 _register(_both("split chunk unbind") + " Tensor.tensor_split", "split", split_like)
 _register("torch.cat torch.concat torch.concatenate torch.stack", "concat", concat)
 _register(_both("repeat_interleave"), "repeat_interleave", repeat_interleave)
-_register("Tensor.expand", "expand", expand, shape_args=True)
-_register("Tensor.expand_as", "expand", expand)
-_register("Tensor.repeat", "repeat", repeat)
+_register("Tensor.expand", "expand", widen, shape_args=True)
+_register("Tensor.expand_as", "expand", widen)
+_register("Tensor.repeat", "repeat", widen)
 _register(_both("triu tril"), "triangle", triangle)
 _register("torch.nn.functional.scaled_dot_product_attention", "attention", attention)
 _register("torch.ones torch.zeros torch.full torch.empty torch.arange torch.linspace torch.eye "

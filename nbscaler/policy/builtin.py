@@ -3,6 +3,8 @@
 - ``dp``: the whole model on one device per unit (``plan_ngpus=1``); data parallelism comes from
   running ``runtime_ngpus`` units, whose gradients are summed.
 - ``data``: split every op along the batch axis across the ``plan_ngpus`` devices of a unit.
+- ``pp``: pipeline stages balanced by FLOPs, one per device.
+- ``hybrid``: pipeline stages, each tensor-parallel (``tp``) over its share of the devices.
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
@@ -14,12 +16,14 @@ node with the primitives of ``nbscaler.policy.primitives``.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from nbscaler.comm.layout import output_layout
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
+from nbscaler.policy.staging import stage_by_cost
+from nbscaler.schedule import PipelineGeometry
 
 Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
 
@@ -78,15 +82,47 @@ def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit."""
-    n = cfg.plan_ngpus
-    devices = list(range(n))
+    return _tensor_parallel(graph, lambda node: tuple(range(cfg.plan_ngpus)))
+
+
+def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> IRGraph:
+    """Place each node on ``devices_of(node)``, split Megatron-style where that pays."""
     for node, split_of in _split_dims(graph):
-        choice = _tp_choice(node, split_of, n) if n > 1 else None
+        devices = devices_of(node)
+        choice = _tp_choice(node, split_of, len(devices)) if len(devices) > 1 else None
         if choice is None:
             replicate(node, devices)
         else:
             partition(node, choice, devices)
     return graph
+
+
+def pipeline_geometry(cfg: ComputeConfig, policy: str) -> PipelineGeometry:
+    """The schedule and device layout a pipeline policy stages the graph for."""
+    if not cfg.use_pipeline:
+        raise PolicyError(f"policy {policy!r} builds a pipeline: set ComputeConfig(use_end2end=True, "
+                          "use_pipeline=True, pipeline_nmicros=...) (and pipeline_nstages).")
+    return PipelineGeometry.from_config(cfg)
+
+
+def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """Pipeline parallelism: one stage per device, stages balanced by the FLOPs of their ops."""
+    geometry = pipeline_geometry(cfg, "pp")
+    if geometry.tp != 1:
+        raise PolicyError(f"policy 'pp' puts one stage on each device, so pipeline_nstages must equal "
+                          f"plan_ngpus={cfg.plan_ngpus} (got {geometry.schedule.ndevices}); use 'hybrid' for "
+                          "tensor parallelism inside the stages.")
+    stage_by_cost(graph, geometry.schedule.nstages)
+    for node in graph.nodes:
+        replicate(node, geometry.stage_group(node.stage))
+    return graph
+
+
+def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices."""
+    geometry = pipeline_geometry(cfg, "hybrid")
+    stage_by_cost(graph, geometry.schedule.nstages)
+    return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage))
 
 
 def _tp_choice(node: IRNode, split_of, n: int) -> Optional[str]:
@@ -126,8 +162,8 @@ POLICIES: Dict[str, Policy] = {
     "dp": dp,
     "tp": tp,
     "data": data,
-    "pp": _not_yet("pp", "pipeline parallelism is being built"),
-    "hybrid": _not_yet("hybrid", "pipeline parallelism is being built"),
+    "pp": pp,
+    "hybrid": hybrid,
     "autodist": _not_yet("autodist", "the cost-model search is being built"),
 }
 

@@ -12,7 +12,7 @@ move tensors between differently placed nodes follow from it (``nbscaler.comm``)
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 from nbscaler.ir.graph import IRNode, Placement
 

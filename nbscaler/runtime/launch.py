@@ -40,11 +40,16 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
-    """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise."""
+def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float,
+                       local_rank: Optional[int] = None) -> None:
+    """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise.
+
+    ``local_rank`` (the rank among the processes of this host) picks the GPU; it defaults to
+    ``rank``, which is right when all ranks share one host.
+    """
     backend = default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
@@ -66,6 +71,10 @@ def _rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, t
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dead(procs, finished) -> List[int]:
+    return [r for r, p in enumerate(procs) if r not in finished and not p.is_alive() and p.exitcode not in (0, None)]
 
 
 def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.0,
@@ -98,13 +107,18 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
             try:
                 rank, ok, out = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outs
-                        and p.exitcode not in (0, None)]
+                dead = _dead(procs, outs)
                 if dead:
                     raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
                                      "before returning (killed, or out of memory).")
                 continue
             if not ok:
+                # A rank that died silently is the cause; the others only fail talking to it.
+                time.sleep(0.5)
+                dead = _dead(procs, outs)
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before "
+                                     f"returning (killed, or out of memory); rank {rank} then raised:\n{out}")
                 raise RankFailed(f"rank {rank} raised:\n{out}")
             outs[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:

@@ -26,9 +26,11 @@ from nbscaler.codegen.store import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
 from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ranks, zero_ranks,
                                      zero_replica_ranks)
+from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
 from nbscaler.runtime.zero import ZeroReducer
+from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,12 @@ class WeightSpec:
     parts: int = 1
     index: int = 0
     persistent: bool = True
+    replicas: Tuple[int, ...] = ()      # plan devices holding copies whose gradients must be summed
 
     @property
     def copies(self) -> int:
-        """How many devices of a unit hold this same slice."""
-        return len(self.devices) // self.parts
+        """How many devices of a unit hold this same slice (copies of a pipeline stage included)."""
+        return len(self.devices) // self.parts * max(1, len(self.replicas))
 
     @property
     def saved(self) -> bool:
@@ -64,12 +67,12 @@ class WeightSpec:
         """Plain values only, so checkpoints load with ``torch.load(..., weights_only=True)``."""
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
                 "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
-                "index": self.index, "persistent": self.persistent}
+                "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas)}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
         return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
-                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"])
+                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -123,6 +126,13 @@ class ParallelModule(torch.nn.Module):
         if init_params:
             self.load_initial_weights()
         self.reducer = self._make_reducer()
+        # A pipeline stage held by several devices (chimera) computes partial gradients on each.
+        by_replicas: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
+        for attr, spec in self.weight_specs.items():
+            if spec.replicas and spec.kind == "param":
+                by_replicas.setdefault(spec.replicas, []).append(getattr(self, attr))
+        self.replica_reducers = [Reducer(params, self.group(*devices)) for devices, params in sorted(by_replicas.items())]
+        self.pipeline_events: List[Dict[str, Any]] = []
         self.register_load_state_dict_pre_hook(self._before_load)
         self._in_step = False
 
@@ -181,7 +191,9 @@ class ParallelModule(torch.nn.Module):
         return self.reducer.optimizer_slots()
 
     def sync_grads(self) -> None:
-        """Sum gradients over the data-parallel units (a no-op with one unit)."""
+        """Sum gradients over copies of a pipeline stage, then over the data-parallel units."""
+        for reducer in self.replica_reducers:
+            reducer.sync()
         self.reducer.sync()
 
     def gather_params(self) -> None:
@@ -242,6 +254,8 @@ class ParallelModule(torch.nn.Module):
         if is_dummy_batch is not None and len(is_dummy_batch) != len(samples):
             raise ValueError(f"is_dummy_batch has {len(is_dummy_batch)} entries for {len(samples)} samples")
         self.zero_grad()
+        if self.compute_config.use_pipeline:
+            return self._run_pipeline(samples, True, is_dummy_batch, scale_fn)
         outputs = []
         self._in_step = True
         try:
@@ -261,11 +275,36 @@ class ParallelModule(torch.nn.Module):
     def infer_step(self, samples: List[Any]) -> List[Any]:
         """Forward each sample without gradients; returns the outputs."""
         self._require_end2end("infer_step")
+        if self.compute_config.use_pipeline:
+            return self._run_pipeline(samples, False)
         self._in_step = True
         try:
             return [self.forward(sample) for sample in samples]
         finally:
             self._in_step = False
+
+    def _run_pipeline(self, samples: List[Any], train: bool, dummy: Optional[List[bool]] = None,
+                      scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:
+        """One pipelined step; every rank of the unit gets the loss of every micro-batch back."""
+        geometry = PipelineGeometry.from_config(self.compute_config, train=train)
+        check_samples(geometry.schedule, len(samples))
+        mode = "any" if "any" in self.stage_carry else ("train" if self.training else "eval")
+        executor = PipelineExecutor(self, geometry.schedule, mode)
+        outputs = executor.run(samples, train, dummy, scale_fn)
+        self.pipeline_events = executor.events
+        # The last stage has the outputs; share the losses with the unit so every rank can log them.
+        losses = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
+        for m, out in enumerate(outputs):
+            if out is not None and executor.tp_index == 0:
+                losses[m] = (out[0] if isinstance(out, (tuple, list)) else out).detach().double()
+        unit = self.group(*range(self.compute_config.plan_ngpus))
+        if unit is not None:
+            dist.all_reduce(losses, group=unit)
+        return [_detach(out) if out is not None else losses[m].float() for m, out in enumerate(outputs)]
+
+    def pipeline_timeline(self) -> Timeline:
+        """The blocks the last pipelined step ran on this rank, timed: the measured timeline."""
+        return Timeline.from_rows(self.pipeline_events)
 
     def _require_end2end(self, what: str) -> None:
         if not self.compute_config.use_end2end:

@@ -48,6 +48,7 @@ Predicting a timeline
 """
 
 from nbscaler.schedule.block import PHASES, Block, Phase
+from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_samples
 from nbscaler.schedule.schedulers import SCHEDULERS, build_schedule, register_scheduler
 from nbscaler.schedule.simulator import DeadlockError, simulate
@@ -56,6 +57,7 @@ from nbscaler.schedule.timeline import TimedBlock, Timeline
 __all__ = [
     "Block",
     "DeadlockError",
+    "PipelineGeometry",
     "PHASES",
     "Phase",
     "PipelineSchedule",

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from nbscaler.schedule.block import Block
 
@@ -123,6 +123,19 @@ class PipelineSchedule:
         for device, blocks in enumerate(self.device_blocks):
             for block in blocks:
                 yield device, block
+
+    def forward_only(self) -> "PipelineSchedule":
+        """The same placement and order with the backward blocks dropped: inference on a layout
+        built for training.
+
+        >>> print(build_schedule("1f1b", nstages=2, nmicros=2).forward_only())
+        1f1b: 2 stages x 2 micro-batches on 2 devices
+          device 0: F(s0,m0) F(s0,m1)
+          device 1: F(s1,m0) F(s1,m1)
+        """
+        blocks = [[b for b in device if b.phase == "F"] for device in self.device_blocks]
+        return PipelineSchedule(self.name, self.nstages, self.nmicros, blocks, self.placements,
+                                self.pipeline_of_micro)
 
     # -- plain data ----------------------------------------------------------------------------
     def to_rows(self) -> list[dict[str, Any]]:

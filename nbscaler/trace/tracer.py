@@ -19,7 +19,6 @@ For each call it records a node with:
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import os
 import re
@@ -35,6 +34,7 @@ from nbscaler.ir.registry import INPLACE_TARGETS, annotate, spec_of, target_of
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NBSCALER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_EXAMPLES_DIR = os.path.join(_NBSCALER_DIR, "models")        # user code that ships with nbscaler
 _ACTIVE: List["Tracer"] = []
 
 # Calls that return tensors but are bookkeeping, not computation.
@@ -61,7 +61,8 @@ def _user_frame() -> Optional[Tuple[str, int]]:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not (path.startswith(_TORCH_DIR) or path.startswith(_NBSCALER_DIR) or path.startswith("<frozen")
+        machinery = path.startswith(_NBSCALER_DIR) and not path.startswith(_EXAMPLES_DIR)
+        if not (path.startswith(_TORCH_DIR) or machinery or path.startswith("<frozen")
                 or path.endswith(("contextlib.py", "functools.py"))):
             return path, frame.f_lineno
         frame = frame.f_back

@@ -1,6 +1,5 @@
 """Every op family the policies rely on gets the annotation that makes its splits correct."""
 
-import math
 import warnings
 
 import pytest

@@ -24,13 +24,13 @@ from nbscaler.runtime.checkpoint import load, save
 from nbscaler.runtime.statecheck import CheckpointError
 from tests.models import batch, build
 from tests.multiprocess import (Case, assert_close, check_equivalence, parallel_model, parallel_steps, run_ranks,
-                                single_steps)
+                                single_steps, zero)
 
 K, M = 2, 2                 # steps before the checkpoint, steps after it
 TP2 = Case("llama", "tp", 2, 2, optimizer="adamw")
-TP4_ZERO = Case("llama", "tp", 2, 4, optimizer="adamw", use_zero=True)
-TRUNK_ZERO = Case("with_trunk", "tp", 2, 4, optimizer="adamw", use_zero=True)
-DP4_ZERO = Case("llama", "dp", 1, 4, optimizer="adamw", use_zero=True)
+TP4_ZERO = Case("llama", "tp", 2, 4, optimizer="adamw", config=zero())
+TRUNK_ZERO = Case("with_trunk", "tp", 2, 4, optimizer="adamw", config=zero())
+DP4_ZERO = Case("llama", "dp", 1, 4, optimizer="adamw", config=zero())
 NO_WEIGHTS = Case("llama", "tp", 2, 4)
 
 
@@ -100,7 +100,7 @@ def no_weights(case, base_dir):
     which 'no_weights' leaves without the initial weights."""
     rank = dist.get_rank()
     gen_dir = f"{base_dir}/node{0 if rank < case.plan_ngpus else rank}"
-    model = parallelize(build(case.model), batch(case.model, 12345), case.policy, case.config, gen_savedir=gen_dir,
+    model = parallelize(build(case.model), batch(case.model, 12345), case.policy, case.compute_config, gen_savedir=gen_dir,
                         instance_name=case.instance_name, broadcast_strategy="no_weights",
                         init_module_params=rank < case.plan_ngpus)
     has_weights = (model.gen_dir / "weights.pt").exists()

@@ -36,3 +36,14 @@ def test_parallel_submodule_inside_plain_model(tmp_path):
     per_rank = run_ranks(train_parallel, 4, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+def test_registered_user_op_is_split_and_trains_like_one_process(tmp_path):
+    """``project`` is a register_op function: tp splits it by its annotation like a built-in op."""
+    cases = [Case("user_op", "tp", 2, 2), Case("user_op", "data", 2, 2)]
+    per_rank = run_ranks(train_parallel, 2, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+    code = next(tmp_path.rglob("gencode1.py")).read_text()
+    assert "from tests.models import project as _op_tests_models_project" in code

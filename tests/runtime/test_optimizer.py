@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from nbscaler import build_optimizer, merge_state_dicts
 from tests.models import batch, build
-from tests.multiprocess import Case, assert_close, data_seed, parallel_model, run_ranks
+from tests.multiprocess import Case, assert_close, data_seed, parallel_model, run_ranks, zero
 
-DP, DP_ZERO, TRUNK = Case("mlp", "dp", 1, 4), Case("mlp", "dp", 1, 4, use_zero=True), Case("with_trunk", "tp", 2, 4)
+DP, DP_ZERO, TRUNK = Case("mlp", "dp", 1, 4), Case("mlp", "dp", 1, 4, config=zero()), Case("with_trunk", "tp", 2, 4)
 STEPS = 3
 
 

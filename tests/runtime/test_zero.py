@@ -6,13 +6,13 @@ timeout); the tests below check parts of it.
 
 import pytest
 
-from tests.multiprocess import Case, check_equivalence, run_ranks, train_parallel
+from tests.multiprocess import Case, check_equivalence, run_ranks, train_parallel, zero
 
 ZERO = [
-    Case("mlp", "dp", 1, 4, use_zero=True, zero_ngroups=2),
-    Case("llama", "dp", 1, 4, optimizer="adamw", use_zero=True),
-    Case("llama", "tp", 2, 4, optimizer="adamw", use_zero=True, clip=0.5),
-    Case("mlp", "dp", 1, 4, optimizer="adamw", use_zero=True, clip=0.5),
+    Case("mlp", "dp", 1, 4, config=zero(2)),
+    Case("llama", "dp", 1, 4, optimizer="adamw", config=zero()),
+    Case("llama", "tp", 2, 4, optimizer="adamw", config=zero(), clip=0.5),
+    Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(), clip=0.5),
 ]
 PLAIN = [
     Case("llama", "dp", 1, 4, optimizer="adamw"),

@@ -3,7 +3,6 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nbscaler.trace import TraceError, trace_module
 from tests.models import Llama, TrainingBranch

@@ -1,0 +1,1 @@
+"""Measurements, not tests: timings on a shared machine are reported, never asserted."""

@@ -1,0 +1,134 @@
+"""The engine side of a cluster: what runs inside every ipyparallel engine.
+
+The notebook never hands a user function straight to the engines. It sends ``call(payload)``,
+where ``payload`` is the cloudpickled ``(fn, args, kwargs)``, and ``call`` always returns an
+``Outcome``, even when ``fn`` raises. Three things follow from that:
+
+- unpickling happens inside the ``try``, so a function that cannot be rebuilt on an engine is an
+  ordinary rank failure with a traceback;
+- a failing rank tears down its process group before it answers. That closes its connections, so
+  peers blocked in a collective with it fail at once instead of waiting out the group timeout;
+- failures carry the wall-clock time they happened, so the notebook can tell the rank that failed
+  first (the cause) from the ranks that only lost their peer.
+
+Everything here must be importable on the engines, which is why it imports nothing from the
+notebook side of the package.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from nbscaler.runtime.launch import init_process_group
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one engine sits in the process group, decided by the notebook."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    init_method: str
+    timeout_s: float
+    threads: int
+
+
+@dataclass
+class Outcome:
+    """The result of ``fn`` on one rank, or the error it raised."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    traceback: str = ""
+    failed_at: float = 0.0
+
+
+_info: Optional[RankInfo] = None
+# How often this engine has joined a process group: re-running a notebook cell must not re-join.
+joins = 0
+
+
+def describe() -> Dict[str, Any]:
+    """Facts the notebook needs to place this engine: host, pid, usable cores, GPUs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "host": socket.gethostname(),
+        "address": _routable_address(),
+        "pid": os.getpid(),
+        "cores": cores or 1,
+        "gpus": torch.cuda.device_count(),
+    }
+
+
+def _routable_address() -> str:
+    """An address of this host that other hosts can reach (for the rendezvous on rank 0)."""
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return socket.gethostname()
+
+
+def join_group(info: RankInfo) -> int:
+    """Set the rank environment and threads, then join the process group; returns the join count."""
+    global _info, joins
+    leave_group()
+    os.environ.update(
+        RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+        LOCAL_WORLD_SIZE=str(info.local_world_size), OMP_NUM_THREADS=str(info.threads),
+    )
+    torch.set_num_threads(info.threads)
+    init_process_group(info.rank, info.world_size, info.init_method, info.timeout_s, info.local_rank)
+    _info = info
+    joins += 1
+    return joins
+
+
+def leave_group() -> None:
+    """Destroy every process group of this engine (closing its connections to the peers)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def call(payload: bytes) -> Outcome:
+    """Run the pickled ``(fn, args, kwargs)``; never raises, the error travels in the Outcome."""
+    rank = _info.rank if _info is not None else -1
+    try:
+        if not dist.is_initialized():
+            raise RuntimeError("this engine's process group was destroyed (did the previous function call "
+                               "destroy_process_group?); run again: the cluster rebuilds the group after a failure")
+        fn, args, kwargs = cloudpickle.loads(payload)
+        return Outcome(rank, True, fn(*args, **kwargs))
+    except BaseException as exc:  # KeyboardInterrupt too: it is how the notebook stops a rank
+        failed_at = time.time()
+        # Skip this frame: the traceback should start in the user's code.
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+        leave_group()
+        return Outcome(rank, False, error=f"{type(exc).__name__}: {exc}", traceback=text,
+                       failed_at=failed_at)
+
+
+def report(**values: Any) -> None:
+    """Send progress to the notebook (e.g. ``report(step=i, loss=l)``) while a call runs.
+
+    The values reach ``Cluster.call(..., on_report=...)`` as the latest dict of each rank. Outside a
+    cluster engine (under ``spawn`` or a plain script) this does nothing, so functions that report
+    run unchanged everywhere.
+    """
+    if _info is None:
+        return
+    from ipyparallel.datapub import publish_data
+
+    publish_data(values)

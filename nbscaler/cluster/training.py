@@ -1,0 +1,179 @@
+"""The rank side of parallelize / train / infer: plain functions that run on every rank.
+
+Each function here is what one rank does; ``RemoteModule`` (in ``remote.py``) calls it on every
+engine of a cluster. Nothing here needs a cluster: under ``torchrun`` or
+``nbscaler.runtime.launch.spawn`` the same functions give the same numbers, which is how the
+cluster's results are checked.
+
+A rank keeps its parallel modules by name in ``modules``, together with their optimizer and how
+many steps they have trained, so a notebook can train a few steps, look at the curves, and go on.
+
+What a training step does, with ``batch = data(step, unit)`` (``unit = rank // plan_ngpus``: ranks of
+one unit must see the same batch):
+
+- an end2end module (``ComputeConfig(use_end2end=True)``): ``batch`` is a list of micro-batches
+  and ``module.train_step(batch)`` runs them; the step's loss is the sum of their losses;
+- any other module: ``batch`` is a dict of forward arguments (or a tuple of positional ones, or a
+  single argument); the loss is the module's output, or ``loss_fn(output, batch)``.
+
+Then gradients are summed across units (``optimizer.sync_shard_grad``), ``after_backward`` may look
+at them, and the optimizer steps. A pipelined module also reports the blocks of its schedule as it
+ran them, ``(rank, stage, micro, phase, t_start, t_end)`` per block.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from nbscaler.cluster.engine import report
+from nbscaler.config import ComputeConfig
+from nbscaler.parallel import build_optimizer, parallelize
+from nbscaler.runtime.module import ParallelModule
+
+DataFn = Callable[[int, int], Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+AfterBackward = Callable[[ParallelModule, torch.optim.Optimizer, int], Any]
+
+
+@dataclass
+class RankModule:
+    """A parallel module on this rank, with what training has built up around it."""
+
+    module: ParallelModule
+    optimizer: Optional[torch.optim.Optimizer] = None
+    steps_done: int = 0
+
+    @property
+    def unit(self) -> int:
+        return dist.get_rank() // self.module.compute_config.plan_ngpus
+
+
+modules: Dict[str, RankModule] = {}
+
+
+def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
+                     compute_config: ComputeConfig, parallelize_kwargs: Dict[str, Any]) -> None:
+    """``parallelize`` on this rank (rank 0 compiles, the others load) and keep it as ``name``."""
+    modules[name] = RankModule(parallelize(module, dummy_forward_args, pas_policy, compute_config,
+                                           load_module=True, **parallelize_kwargs))
+
+
+def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]],
+               optimizer_kwargs: Dict[str, Any], loss_fn: Optional[LossFn],
+               after_backward: Optional[AfterBackward]) -> Dict[str, Any]:
+    """Train ``steps`` steps; returns this rank's telemetry rows and ``after_backward`` values."""
+    held = held_module(name)
+    if optimizer_fn is not None:
+        held.optimizer = build_optimizer(held.module, optimizer_fn, **optimizer_kwargs)
+    if held.optimizer is None:
+        raise ValueError(f"module {name!r} has no optimizer yet: pass optimizer_fn (e.g. torch.optim.AdamW) "
+                         "to its first train(); later calls keep that optimizer unless given a new one.")
+    module, optimizer = held.module, held.optimizer
+    module.train()
+    rows: List[Dict[str, Any]] = []
+    blocks: List[Dict[str, Any]] = []
+    probes: List[Any] = []
+    grad_bytes = 0
+    for done in range(steps):
+        step = held.steps_done
+        t_start = time.time()
+        loss = _forward_backward(module, data(step, held.unit), loss_fn)
+        if module.compute_config.use_pipeline:
+            blocks += _pipeline_blocks(module, step)
+        optimizer.sync_shard_grad()
+        grad_bytes = max(grad_bytes, _bytes(p.grad for p in module.parameters()))
+        if after_backward is not None:
+            probes.append(after_backward(module, optimizer, step))
+        optimizer.step()
+        optimizer.zero_grad()
+        t_end = time.time()
+        rows.append({"rank": dist.get_rank(), "unit": held.unit, "step": step, "loss": loss,
+                     "t_start": t_start, "t_end": t_end, "step_time": t_end - t_start})
+        held.steps_done += 1
+        report(done=done + 1, loss=loss)
+    return {"steps": rows, "schedule": blocks, "memory": _memory_row(module, optimizer, grad_bytes),
+            "probes": probes}
+
+
+@torch.no_grad()
+def infer_here(name: str, batch: Any) -> Any:
+    """Forward ``batch`` (or ``batch(unit)`` when it is callable) in eval mode; returns the output."""
+    held = held_module(name)
+    module = held.module
+    module.eval()
+    if callable(batch):
+        batch = batch(held.unit)
+    if module.compute_config.use_end2end:
+        return module.infer_step(batch)
+    return _call(module, batch)
+
+
+def held_module(name: str) -> RankModule:
+    """The parallel module ``name`` of this rank, or a KeyError that says how to get one."""
+    if name not in modules:
+        known = ", ".join(repr(n) for n in modules) or "none"
+        raise KeyError(f"no parallel module {name!r} on rank {dist.get_rank()} (known: {known}); "
+                       "parallelize it on this cluster first (engines restarted since lose their modules).")
+    return modules[name]
+
+
+def _call(module: torch.nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return module(**batch)
+    if isinstance(batch, tuple):
+        return module(*batch)
+    return module(batch)
+
+
+def _forward_backward(module: ParallelModule, batch: Any, loss_fn: Optional[LossFn]) -> float:
+    """One step's forward and backward; returns the loss whose gradient was taken."""
+    if module.compute_config.use_end2end:
+        outputs = module.train_step(batch if isinstance(batch, list) else [batch])
+        return float(sum(_loss_of(out) for out in outputs))
+    output = _call(module, batch)
+    loss = loss_fn(output, batch) if loss_fn is not None else output
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise TypeError("training needs a scalar loss: the module returned "
+                        f"{type(loss).__name__}; pass loss_fn=lambda output, batch: ... to compute one.")
+    loss.backward()
+    return loss.item()
+
+
+def _pipeline_blocks(module: ParallelModule, step: int) -> List[Dict[str, Any]]:
+    """The blocks the step just ran, timed on the wall clock like the steps (the executor uses
+    ``perf_counter``, whose origin differs between processes)."""
+    to_wall_clock = time.time() - time.perf_counter()
+    return [{**event, "step": step, "t_start": event["t_start"] + to_wall_clock,
+             "t_end": event["t_end"] + to_wall_clock} for event in module.pipeline_events]
+
+
+def _loss_of(output: Any) -> float:
+    loss = output[0] if isinstance(output, (tuple, list)) else output
+    return float(loss)
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _memory_row(module: ParallelModule, optimizer: torch.optim.Optimizer, grad_bytes: int) -> Dict[str, Any]:
+    """Memory of this rank: its parameter shard, gradients, optimizer state, and process peaks."""
+    # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    device = module.device
+    return {
+        "rank": dist.get_rank(),
+        "device": str(device),
+        "param_bytes": _bytes(module.parameters()),
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": _bytes(v for state in optimizer.state.values() for v in state.values()),
+        "peak_rss_bytes": peak_rss,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }

@@ -1,0 +1,64 @@
+"""Staging: cut the graph into pipeline stages.
+
+A stage is a contiguous run of nodes (in graph order, so data only flows to the same or later
+stages). ``stage_by_cost`` balances the stages by the estimated FLOPs of their ops, not by their
+number, and prefers to cut where the top-level module changes (between ``blocks.3`` and
+``blocks.4``) so that a layer is not torn in half. Tensors that skip stages are carried through the
+stages in between by code generation; policies need not care.
+
+>>> stage_by_cost(graph, 4)                             # doctest: +SKIP
+[0, 0, ..., 3]
+>>> set_stage(graph.select(module='head'), 3)           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, List
+
+from nbscaler.cost.flops import node_flops
+from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.policy.primitives import PolicyError
+
+
+def set_stage(nodes: Iterable[IRNode], stage: int) -> None:
+    """Put ``nodes`` in pipeline stage ``stage``."""
+    for node in nodes:
+        node.stage = stage
+
+
+def _layer(path: str) -> str:
+    """'gpt.blocks.3.attn.q' -> 'gpt.blocks.3': the unit a cut should not split (the path up to the
+    first list index, or the first name when there is none)."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
+
+
+def stage_by_cost(graph: IRGraph, nstages: int) -> List[int]:
+    """Assign every node a stage so that each stage has about ``1 / nstages`` of the FLOPs.
+
+    Returns the stage of each node, in graph order.
+    """
+    nodes = graph.nodes
+    if nstages > len(nodes):
+        raise PolicyError(f"cannot cut {len(nodes)} ops into {nstages} pipeline stages; use fewer stages.")
+    costs = [max(node_flops(n), 1.0) for n in nodes]
+    cum = list(itertools.accumulate(costs))
+    total = cum[-1]
+    # cut before node i; prefer places where the layer changes
+    layer_cuts = [i for i in range(1, len(nodes)) if _layer(nodes[i].module_path) != _layer(nodes[i - 1].module_path)]
+    cuts: List[int] = []
+    for k in range(1, nstages):
+        target = total * k / nstages
+        low = cuts[-1] + 1 if cuts else 1
+        high = len(nodes) - (nstages - k)          # leave at least one node per later stage
+        options = [i for i in layer_cuts if low <= i <= high] or list(range(low, high + 1))
+        cuts.append(min(options, key=lambda i: abs(cum[i - 1] - target)))
+    stages = []
+    for i, node in enumerate(nodes):
+        node.stage = sum(1 for c in cuts if i >= c)
+        stages.append(node.stage)
+    return stages

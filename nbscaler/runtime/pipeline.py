@@ -1,0 +1,154 @@
+"""The pipeline executor: run this rank's blocks of a schedule, in order.
+
+For each block of its pipeline device, a rank:
+
+- ``F(s, m)``: gets the tensors crossing into stage ``s`` for micro-batch ``m`` (from its own
+  earlier block, or by ``recv`` from the neighbouring stage), runs the generated ``_stage{s}``, and
+  sends what crosses out of it to the devices that run stage ``s + 1`` for ``m``;
+- ``B(s, m)``: starts the backward from the loss (last stage) or from the gradients that stage
+  ``s + 1`` sends back, runs ``torch.autograd.backward`` through the stage, and sends the gradients
+  of the tensors that came in to stage ``s - 1``.
+
+Sends are non-blocking (``isend``) and receives blocking, so a schedule the simulator proves free
+of deadlocks cannot deadlock here either. Every message carries a tag made of (micro-batch, stage,
+phase, tensor), so two pipelines sharing a link (``chimera_direct``) cannot mix their messages up.
+
+Each block is timed; ``events`` holds rows ``(rank, stage, micro, phase, t_start, t_end)`` in the
+same format as the simulator's predicted timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nbscaler.schedule import PipelineGeometry, PipelineSchedule
+
+
+def _tag(micro: int, stage: int, phase: str, index: int, nstages: int) -> int:
+    return ((micro * nstages + stage) * 2 + (phase == "B")) * 1024 + index
+
+
+class PipelineExecutor:
+    """Runs one step of a schedule on this rank of a pipelined ``ParallelModule``."""
+
+    def __init__(self, module, schedule: PipelineSchedule, mode: str):
+        self.module = module
+        self.schedule = schedule
+        self.geometry = PipelineGeometry(schedule, module.compute_config.plan_ngpus)
+        if schedule.name == "chimera_direct" and self.geometry.tp != 1:
+            raise ValueError("chimera_direct runs one device per stage: use policy 'pp' (not 'hybrid') with it.")
+        self.mode = mode                      # 'any', 'train' or 'eval': which generated stages to call
+        self.device = self.geometry.pipeline_device(module.plan_device)
+        self.tp_index = module.plan_device % self.geometry.tp
+        self.unit_base = module.unit * module.compute_config.plan_ngpus
+        self.carry_spec = module.stage_carry[mode]
+        self.events: List[Dict[str, Any]] = []
+
+    # -- addressing -----------------------------------------------------------------------------
+    def _rank_of(self, pipeline_device: int) -> int:
+        return self.unit_base + self.geometry.plan_device(pipeline_device, self.tp_index)
+
+    def _holders(self, stage: int, micro: int) -> Tuple[int, ...]:
+        return self.schedule.devices_of(stage, micro)
+
+    def _peers(self, stage: int, other: int, micro: int) -> Tuple[Optional[int], List[int]]:
+        """For data flowing from ``stage`` to ``other``: who this device receives from (None: it has
+        the data itself), and whom it sends to (only the first holder of ``stage`` sends)."""
+        mine, theirs = self._holders(stage, micro), self._holders(other, micro)
+        sends = [d for d in theirs if d not in mine] if self.device == min(mine) else []
+        return sends, (None if self.device in mine else min(mine))
+
+    # -- one step -------------------------------------------------------------------------------
+    def run(self, samples: List[Any], train: bool, dummy: Optional[List[bool]] = None,
+            scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Optional[Any]]:
+        """Run every block; returns the last stage's outputs per micro-batch (None elsewhere)."""
+        last = self.schedule.nstages - 1
+        inputs: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}      # (stage, micro) -> leaves in
+        outputs: Dict[Tuple[int, int], Any] = {}                         # (stage, micro) -> stage result
+        grads_in: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}     # (stage, micro) -> grads of outputs
+        results: List[Optional[Any]] = [None] * len(samples)
+        pending: List[Any] = []
+        for block in self.schedule.blocks_of(self.device):
+            if block.phase == "B" and not train:
+                continue
+            s, m = block.stage, block.micro
+            # Waiting for a neighbour is bubble, not work: the clock starts once the inputs are here.
+            if block.phase == "F":
+                carry = self._receive_forward(s, m, outputs) if s > 0 else {}
+                start = time.perf_counter()
+                inputs[(s, m)] = carry
+                with torch.set_grad_enabled(train):
+                    out = getattr(self.module, self._fn(s))(carry, samples[m])
+                outputs[(s, m)] = out
+                if s == last:
+                    results[m] = out
+                else:
+                    pending += self._send(s, s + 1, m, "F", out)
+            else:
+                grads = self._receive_backward(s, m, grads_in) if s < last else {}
+                start = time.perf_counter()
+                out = outputs.pop((s, m))
+                if s == last:
+                    loss = out[0] if isinstance(out, (tuple, list)) else out
+                    if dummy is not None and dummy[m]:
+                        loss = loss * 0.0            # keeps the schedule's messages, adds no gradient
+                    (scale_fn(loss) if scale_fn is not None else loss).backward()
+                else:
+                    pairs = [(out[n], grads[n]) for n in out if out[n].requires_grad and n in grads]
+                    if pairs:
+                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                carry = inputs.pop((s, m))
+                if s > 0:
+                    in_grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t))
+                                for n, t in carry.items() if t.requires_grad}
+                    grads_in[(s - 1, m)] = in_grads
+                    pending += self._send(s, s - 1, m, "B", in_grads)
+            self.events.append({"rank": dist.get_rank() if dist.is_initialized() else 0, "stage": s, "micro": m,
+                                "phase": block.phase, "t_start": start, "t_end": time.perf_counter()})
+        for work, _ in pending:
+            work.wait()
+        return results
+
+    def _fn(self, stage: int) -> str:
+        return f"_stage{stage}" + ("" if self.mode == "any" else f"_{self.mode}")
+
+    # -- messages -------------------------------------------------------------------------------
+    def _send(self, stage: int, other: int, micro: int, phase: str, tensors: Dict[str, torch.Tensor]) -> List[Any]:
+        """Start sending ``tensors`` (in name order); returns (work, buffer) pairs to wait on."""
+        sends, _ = self._peers(stage, other, micro)
+        works = []
+        for dst in sends:
+            for i, name in enumerate(sorted(tensors)):
+                t = tensors[name].detach().contiguous()       # the buffer must live until the send ends
+                works.append((dist.isend(t, self._rank_of(dst),
+                                         tag=_tag(micro, stage, phase, i, self.schedule.nstages)), t))
+        return works
+
+    def _receive_forward(self, stage: int, micro: int, outputs) -> Dict[str, torch.Tensor]:
+        _, src = self._peers(stage - 1, stage, micro)
+        if src is None:      # this device ran stage - 1 for this micro-batch itself
+            made = outputs[(stage - 1, micro)]
+            return {n: t.detach().requires_grad_(t.is_floating_point()) for n, t in made.items()}
+        carry = {}
+        specs = self.carry_spec[stage - 1]
+        for i, (name, shape, dtype) in enumerate(sorted(specs)):
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.module.device)
+            dist.recv(t, self._rank_of(src), tag=_tag(micro, stage - 1, "F", i, self.schedule.nstages))
+            carry[name] = t.requires_grad_(t.is_floating_point())
+        return carry
+
+    def _receive_backward(self, stage: int, micro: int, grads_in) -> Dict[str, torch.Tensor]:
+        _, src = self._peers(stage + 1, stage, micro)
+        if src is None:
+            return grads_in.pop((stage, micro))
+        grads = {}
+        floats = sorted(spec for spec in self.carry_spec[stage] if getattr(torch, spec[2]).is_floating_point)
+        for i, (name, shape, dtype) in enumerate(floats):
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.module.device)
+            dist.recv(t, self._rank_of(src), tag=_tag(micro, stage + 1, "B", i, self.schedule.nstages))
+            grads[name] = t
+        return grads

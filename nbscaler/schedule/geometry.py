@@ -1,0 +1,58 @@
+"""Where a schedule's pipeline devices sit among a unit's plan devices.
+
+A unit has ``plan_ngpus`` plan devices and a schedule has ``ndevices`` pipeline devices; each
+pipeline device is a group of ``tp = plan_ngpus // ndevices`` plan devices that run its stages
+together with tensor parallelism (``tp == 1`` for plain pipelines). Plan device ``d`` plays pipeline
+device ``d // tp`` with tensor-parallel index ``d % tp``, and talks to the plan devices with the
+same index in the neighbouring stages.
+
+>>> g = PipelineGeometry(build_schedule('1f1b', nstages=2, nmicros=4), plan_ngpus=4)
+>>> g.tp, g.stage_group(1), g.pipeline_device(3)
+(2, (2, 3), 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+from nbscaler.schedule.pipeline import PipelineSchedule
+
+
+@dataclass(frozen=True)
+class PipelineGeometry:
+    schedule: PipelineSchedule
+    plan_ngpus: int
+
+    @classmethod
+    def from_config(cls, cfg, train: bool = True) -> "PipelineGeometry":
+        """The geometry a ``ComputeConfig`` asks for: its scheduler over ``pipeline_nstages`` pipeline
+        devices (all ``plan_ngpus`` when unset) and ``pipeline_nmicros`` micro-batches. With
+        ``train=False``, the same placement running forwards only."""
+        from nbscaler.schedule.schedulers import build_schedule
+        ndevices = cfg.pipeline_nstages if cfg.pipeline_nstages != -1 else cfg.plan_ngpus
+        schedule = build_schedule(cfg.scheduler, ndevices, cfg.pipeline_nmicros)
+        return cls(schedule if train else schedule.forward_only(), cfg.plan_ngpus)
+
+    def __post_init__(self) -> None:
+        if self.plan_ngpus % self.schedule.ndevices:
+            raise ValueError(f"plan_ngpus={self.plan_ngpus} devices cannot be shared evenly by the "
+                             f"{self.schedule.ndevices} pipeline devices of '{self.schedule.name}'.")
+
+    @property
+    def tp(self) -> int:
+        return self.plan_ngpus // self.schedule.ndevices
+
+    def pipeline_device(self, plan_device: int) -> int:
+        return plan_device // self.tp
+
+    def plan_device(self, pipeline_device: int, tp_index: int) -> int:
+        return pipeline_device * self.tp + tp_index
+
+    def group_of(self, pipeline_devices) -> Tuple[int, ...]:
+        """The plan devices of a set of pipeline devices."""
+        return tuple(d * self.tp + i for d in sorted(pipeline_devices) for i in range(self.tp))
+
+    def stage_group(self, stage: int) -> Tuple[int, ...]:
+        """The plan devices that run ``stage`` on the first pipeline (how the graph places it)."""
+        return self.group_of(self.schedule.placements[0][stage])

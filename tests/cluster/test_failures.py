@@ -1,0 +1,91 @@
+"""Failures end in a clear error within bounded time, and the cluster recovers.
+
+The cluster's collective timeout is 20 s; every error must reach the caller within 60 s.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nbscaler.cluster import ClusterError, RankDied, RankError
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+DEADLINE_S = 60
+
+
+def fail_on_rank_1_while_rank_0_waits():
+    if dist.get_rank() == 1:
+        raise ValueError("bad batch on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def rank_1_never_joins_the_collective():
+    if dist.get_rank() == 1:
+        while True:
+            time.sleep(0.05)
+    dist.all_reduce(torch.ones(1))
+
+
+def rank_1_sleeps_while_rank_0_waits():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+def total():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_an_exception_names_the_rank_and_shows_its_traceback(cluster):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cluster.run(fail_on_rank_1_while_rank_0_waits)
+    assert time.monotonic() - start < DEADLINE_S
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 raised ValueError: bad batch on rank 1" in str(err)
+    assert "fail_on_rank_1_while_rank_0_waits" in err.remote_traceback
+    assert set(err.failures) == {0, 1}  # rank 0 was released from its all_reduce, not left hanging
+    assert cluster.run(total) == [2.0, 2.0]  # the group was rebuilt, the engines kept
+
+
+def test_a_hung_collective_ends_after_the_timeout(cluster):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cluster.run(rank_1_never_joins_the_collective)
+    assert time.monotonic() - start < DEADLINE_S
+    assert info.value.rank == 0 and "Timed out" in str(info.value)
+    assert "KeyboardInterrupt" in info.value.failures[1]  # rank 1 was interrupted, not left running
+    assert cluster.run(total) == [2.0, 2.0]
+
+
+def test_a_killed_engine_is_named_and_restart_recovers(cluster):
+    victim = cluster.engines[1]
+    threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankDied) as info:
+        cluster.run(rank_1_sleeps_while_rank_0_waits)
+    assert time.monotonic() - start < DEADLINE_S
+    assert info.value.rank == 1 and f"pid {victim.pid}" in str(info.value)
+    with pytest.raises(ClusterError, match="restart"):
+        cluster.run(total)
+    cluster.restart()
+    assert cluster.run(total) == [2.0, 2.0]
+
+
+def test_interrupting_the_notebook_interrupts_the_ranks(cluster):
+    """The notebook's stop button raises KeyboardInterrupt in the kernel while ``run`` waits."""
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(time.sleep, 600)
+    assert time.monotonic() - start < DEADLINE_S
+    assert cluster.run(total) == [2.0, 2.0]

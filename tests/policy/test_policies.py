@@ -1,0 +1,92 @@
+import pytest
+
+from nbscaler import ComputeConfig, parallelize
+from nbscaler.policy import PolicyError, get_policy, partition, replicate
+from nbscaler.trace import trace_module
+from tests.models import Llama, batch, build
+from tests.multiprocess import Case, check_equivalence, run_ranks, train_parallel
+
+
+def llama_graph():
+    return trace_module(Llama(), batch("llama", 0))
+
+
+def test_tp_is_megatron_style_on_a_transformer():
+    g = get_policy("tp")(llama_graph(), ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
+    split = {n.module_path: n.placement.split for n in g.nodes if n.op == "linear"}
+    for proj in ("q", "k", "v"):
+        assert split[f"blocks.0.attn.{proj}"] == "n"          # column parallel
+    assert split["blocks.0.attn.o"] == "k"                     # row parallel: partial sums
+    assert split["blocks.0.mlp.w1"] == "n" and split["blocks.0.mlp.w2"] == "k"
+    assert all(n.placement.split is None for n in g.select(op="embedding"))
+
+
+def test_data_splits_along_the_batch():
+    g = get_policy("data")(llama_graph(), ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
+    linear = g.select(op="linear")[0]
+    assert linear.placement.split == "*0"
+
+
+def test_dp_needs_one_device_per_unit():
+    with pytest.raises(PolicyError, match="plan_ngpus=1"):
+        get_policy("dp")(llama_graph(), ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
+
+
+def test_autodist_is_not_built_yet_and_says_so(tmp_path):
+    with pytest.raises(NotImplementedError, match="not available yet"):
+        parallelize(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2), gen_savedir=tmp_path,
+                    load_module=False)
+
+
+@pytest.mark.parametrize("name", ["pp", "hybrid"])
+def test_pipeline_policies_need_a_pipeline_config(name, tmp_path):
+    with pytest.raises(PolicyError, match="use_pipeline=True"):
+        parallelize(build("mlp"), batch("mlp", 0), name, ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False)
+
+
+def test_unknown_policy_name():
+    with pytest.raises(ValueError, match="unknown PAS policy 'zz'"):
+        get_policy("zz")
+
+
+def test_partition_explains_refusals():
+    node = llama_graph().select(op="softmax")[0]
+    with pytest.raises(PolicyError, match="must not be split"):
+        partition(node, node.annotation.inputs[0][-1], [0, 1])
+    with pytest.raises(PolicyError, match="not divisible by 3"):
+        partition(node, 0, [0, 1, 2])
+    assert replicate(node, [0, 1]).placement.devices == (0, 1)
+
+
+def test_ops_must_cover_the_unit_without_a_pipeline(tmp_path):
+    def half(graph, cfg):
+        for node in graph.nodes:
+            replicate(node, [0])
+        return graph
+
+    with pytest.raises(PolicyError, match="not on all 2 devices"):
+        parallelize(build("mlp"), batch("mlp", 0), half, ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False)
+
+
+def column_then_row(graph, cfg):
+    """A hand-written policy: the MLP's first linear column-parallel, the second row-parallel."""
+    devices = list(range(cfg.plan_ngpus))
+    for node in graph.nodes:
+        if node.module_path == "fc1":
+            partition(node, "n", devices)
+        elif node.module_path == "fc2":
+            partition(node, "k", devices)
+        elif node.op == "elementwise" and node.module_path == "" and node.target.endswith("gelu"):
+            partition(node, 1, devices)
+        else:
+            replicate(node, devices)
+    return graph
+
+
+@pytest.mark.multiprocess
+def test_custom_policy_trains_like_one_process(tmp_path):
+    cases = [Case("mlp", column_then_row, 2, 2), Case("mlp", column_then_row, 2, 4)]
+    per_rank = run_ranks(train_parallel, 4, cases[1:], str(tmp_path))
+    check_equivalence(cases[1], [r[0] for r in per_rank])
+    per_rank = run_ranks(train_parallel, 2, cases[:1], str(tmp_path))
+    check_equivalence(cases[0], [r[0] for r in per_rank])
