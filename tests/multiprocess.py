@@ -33,9 +33,12 @@ def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 
     return spawn(fn, nranks, *args, timeout=timeout)
 
 
+# Adam's eps is large on purpose: a gradient that is zero in exact arithmetic (an attention key bias)
+# comes out as ~1e-9 of rounding noise whose sign depends on the order of the sums, and a small eps
+# would turn that noise into full-size steps that differ between any two summation orders.
 OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.1}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-4}),
 }
 
 
@@ -246,9 +249,10 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
         for name, expected in ref["grads"][step].items():
             assert name in merged, f"{case}: no gradient for {name} at step {step}"
             assert_close(merged[name], expected, f"{case} step {step} grad {name}")
-    final, _ = merge_state_dicts([res["state"] for res in per_rank])
-    for name, expected in ref["params"].items():
-        assert_close(final[name], expected, f"{case} final {name}")
+    if all("state" in res for res in per_rank):        # runs that return their final state dicts
+        final, _ = merge_state_dicts([res["state"] for res in per_rank])
+        for name, expected in ref["params"].items():
+            assert_close(final[name], expected, f"{case} final {name}")
     if case.units == 1:
         for rank, res in enumerate(per_rank):
             assert_close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss")

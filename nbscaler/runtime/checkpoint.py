@@ -234,8 +234,9 @@ def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDic
     this rank's device).
 
     Everything is checked before anything is copied: a missing or wrongly shaped tensor raises
-    ``CheckpointError`` naming it, and leaves the module and optimizer as they were. Non-persistent
-    buffers are not in a state dict and keep their values.
+    ``CheckpointError`` naming it, and leaves the module and optimizer as they were. Entries this
+    rank does not hold are ignored (a pipeline stage holds only its own). Non-persistent buffers are
+    not in a state dict and keep their values.
     """
     device = torch.device(device) if device is not None else runtime_device()
     parallel = parallel_modules(module)
@@ -249,8 +250,6 @@ def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDic
     plain = plain_state(module, parallel)
     check_tensors([(k, f"'{k}'", tuple(v.shape)) for k, v in plain.items()], module_state_dict)
     copies += [(v, module_state_dict[k]) for k, v in plain.items()]
-    check_no_extra(module_state_dict, [prefix + s.name for prefix, m in parallel.items()
-                                       for s in m.weight_specs.values() if s.saved] + list(plain))
     local_state = None
     if optimizer is not None:
         if optimizer_state_dict is None:

@@ -23,15 +23,19 @@ from nbscaler import (broadcast_weights, deduped_state_dict, load_deduped_state_
 from nbscaler.runtime.checkpoint import load, save
 from nbscaler.runtime.statecheck import CheckpointError
 from tests.models import batch, build
-from tests.multiprocess import (Case, assert_close, check_equivalence, parallel_model, parallel_steps, run_ranks,
-                                single_steps, zero)
+from tests.multiprocess import (Case, assert_close, check_equivalence, parallel_model, parallel_steps, pipeline,
+                                run_ranks, single_steps, zero)
 
 K, M = 2, 2                 # steps before the checkpoint, steps after it
 TP2 = Case("llama", "tp", 2, 2, optimizer="adamw")
 TP4_ZERO = Case("llama", "tp", 2, 4, optimizer="adamw", config=zero())
 TRUNK_ZERO = Case("with_trunk", "tp", 2, 4, optimizer="adamw", config=zero())
+PP_ZERO = Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero())
+TP_END2END = Case("gpt", "tp", 2, 4, optimizer="adamw", config=(("use_end2end", True),))
 DP4_ZERO = Case("llama", "dp", 1, 4, optimizer="adamw", config=zero())
 NO_WEIGHTS = Case("llama", "tp", 2, 4)
+SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO]                # trained, saved, then continued
+MOVES = [(TP2, DP4_ZERO), (PP_ZERO, TP_END2END)]            # merged checkpoint of one plan -> another plan
 
 
 def path(ckpt_dir, case: Case, kind: str, rank=None) -> Path:
@@ -110,12 +114,13 @@ def no_weights(case, base_dir):
 
 
 def two_fresh_ranks(gen_dir, ckpt_dir, foreign_file):
-    return {"resume": resume(TP2, gen_dir, ckpt_dir), "refuse": refuse(TP2, gen_dir, foreign_file)}
+    return {"resume": {TP2: resume(TP2, gen_dir, ckpt_dir)}, "refuse": refuse(TP2, gen_dir, foreign_file)}
 
 
 def four_fresh_ranks(gen_dir, ckpt_dir, base_dir):
-    return {"resume": resume(TP4_ZERO, gen_dir, ckpt_dir),
-            "cross": continue_from(DP4_ZERO, gen_dir, "merged", path(ckpt_dir, TP2, "merged")),
+    return {"resume": {case: resume(case, gen_dir, ckpt_dir) for case in (TP4_ZERO, PP_ZERO)},
+            "moved": {(source, target): continue_from(target, gen_dir, "merged", path(ckpt_dir, source, "merged"))
+                      for source, target in MOVES},
             "refuse": refuse(DP4_ZERO, gen_dir, path(ckpt_dir, TP2, "full", 0)),
             "no_weights": no_weights(NO_WEIGHTS, base_dir)}
 
@@ -129,44 +134,44 @@ def merge_files(ckpt_dir, case, kind):
 def runs(tmp_path_factory):
     gen_dir, ckpt_dir = str(tmp_path_factory.mktemp("gen")), str(tmp_path_factory.mktemp("ckpt"))
     per_rank = run_ranks(train_and_save, 2, [TP2], gen_dir, ckpt_dir)
-    per_rank += run_ranks(train_and_save, 4, [TP4_ZERO, TRUNK_ZERO], gen_dir, ckpt_dir)
-    uninterrupted = {case: [res[case] for res in per_rank if case in res] for case in (TP2, TP4_ZERO, TRUNK_ZERO)}
-    for case in (TP2, TP4_ZERO, TRUNK_ZERO):
+    per_rank += run_ranks(train_and_save, 4, [TP4_ZERO, TRUNK_ZERO, PP_ZERO], gen_dir, ckpt_dir)
+    uninterrupted = {case: [res[case] for res in per_rank if case in res] for case in SAVED}
+    for case in SAVED:
         save(merge_files(ckpt_dir, case, "full"), path(ckpt_dir, case, "merged"))
     two = run_ranks(two_fresh_ranks, 2, gen_dir, ckpt_dir, path(ckpt_dir, TP4_ZERO, "full", 0))
     four = run_ranks(four_fresh_ranks, 4, gen_dir, ckpt_dir, str(tmp_path_factory.mktemp("nodes")))
     return {"ckpt_dir": ckpt_dir, "uninterrupted": uninterrupted, "two": two, "four": four}
 
 
-def single_reference(case, units_before, units_after):
-    """One process: K steps with ``units_before`` units, then M with ``units_after``."""
-    model = build(case.model)
-    opt = case.make_optimizer(model)
-    single_steps(model, opt, case, range(K), units_before)
+def single_reference(before: Case, after: Case):
+    """One process: K steps with the units and micro-batches of ``before``, then M with ``after``'s."""
+    model = build(before.model)
+    opt = before.make_optimizer(model)
+    single_steps(model, opt, before, range(K), before.units)
     after_k = (params_of(model), copy.deepcopy(opt.state_dict()))
-    losses = single_steps(model, opt, case, range(K, K + M), units_after)["losses"]
+    losses = single_steps(model, opt, after, range(K, K + M), after.units)["losses"]
     return after_k, losses
 
 
 # -- tests -----------------------------------------------------------------------------------------
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case, fresh", [(TP2, "two"), (TP4_ZERO, "four")], ids=["tp2", "tp2x2-zero"])
+@pytest.mark.parametrize("case, fresh", [(TP2, "two"), (TP4_ZERO, "four"), (PP_ZERO, "four")], ids=str)
 def test_resume_in_fresh_processes_continues_the_same_run(runs, case, fresh):
     for rank, res in enumerate(runs[fresh]):
         expected = runs["uninterrupted"][case][rank]
-        for kind, losses in res["resume"].items():
+        for kind, losses in res["resume"][case].items():
             assert_close(torch.tensor(losses), torch.tensor(expected), f"{case} rank {rank} from {kind}")
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [TP2, TP4_ZERO, TRUNK_ZERO], ids=str)
+@pytest.mark.parametrize("case", SAVED, ids=str)
 def test_merged_checkpoint_loads_into_the_original_module_and_optimizer(runs, case):
     sd, osd = load(path(runs["ckpt_dir"], case, "merged"))
     model = build(case.model)
     opt = case.make_optimizer(model)
     model.load_state_dict(sd)
     opt.load_state_dict(osd)
-    (expected_params, expected_opt), expected_losses = single_reference(case, case.units, case.units)
+    (expected_params, expected_opt), expected_losses = single_reference(case, case)
     for name, p in model.named_parameters():
         assert_close(p.detach(), expected_params[name], f"{case} {name}")
     for index, state in expected_opt["state"].items():
@@ -177,12 +182,14 @@ def test_merged_checkpoint_loads_into_the_original_module_and_optimizer(runs, ca
 
 
 @pytest.mark.multiprocess
-def test_merged_checkpoint_moves_to_another_plan(runs):
-    """tp on 2 ranks (one unit) -> dp with ZeRO on 4 ranks (four units), then 2 more steps."""
-    _, expected = single_reference(DP4_ZERO, 1, DP4_ZERO.units)
+@pytest.mark.parametrize("source, target", MOVES, ids=str)
+def test_merged_checkpoint_moves_to_another_plan(runs, source, target):
+    """E.g. tp on 2 ranks (one unit) -> dp with ZeRO on 4 ranks (four units); a 2-stage pipeline with
+    ZeRO -> tp; then M more steps, as one process would take them."""
+    _, expected = single_reference(source, target)
     for rank, res in enumerate(runs["four"]):
-        losses = [step[rank] for step in expected]
-        assert_close(torch.tensor(res["cross"]), torch.tensor(losses), f"rank {rank} after moving to dp")
+        losses = [step[rank // target.plan_ngpus] for step in expected]
+        assert_close(torch.tensor(res["moved"][source, target]), torch.tensor(losses), f"rank {rank} in {target}")
 
 
 @pytest.mark.multiprocess

@@ -6,18 +6,20 @@ timeout); the tests below check parts of it.
 
 import pytest
 
-from tests.multiprocess import Case, check_equivalence, run_ranks, train_parallel, zero
+from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
 
 ZERO = [
     Case("mlp", "dp", 1, 4, config=zero(2)),
     Case("llama", "dp", 1, 4, optimizer="adamw", config=zero()),
     Case("llama", "tp", 2, 4, optimizer="adamw", config=zero(), clip=0.5),
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(), clip=0.5),
+    Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(), clip=0.5),
 ]
 PLAIN = [
     Case("llama", "dp", 1, 4, optimizer="adamw"),
     Case("llama", "tp", 2, 4, clip=0.5),
     Case("mlp", "dp", 1, 4, clip=0.5),
+    Case("gpt", "pp", 4, 4, config=pipeline("chimera_direct", 4, 4), clip=0.5),    # stage copies on 2 devices
 ]
 CASES = ZERO + PLAIN
 
