@@ -114,6 +114,9 @@ def _timeline_on_rank(gen_dir):
     pm = parallelize(build("gpt"), batch("gpt", 0), "pp", cfg, gen_savedir=gen_dir)
     with pytest.raises(ValueError, match="got 3 samples.*pass exactly 4 samples"):
         pm.train_step([batch("gpt", m)["batch"] for m in range(3)])       # refused before any message
+    # dummy micro-batches run every block of the schedule but add no gradient
+    pm.train_step([batch("gpt", m)["batch"] for m in range(4)], is_dummy_batch=[True] * 4)
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in pm.parameters() if p.grad is not None)
     pm.train_step([batch("gpt", m)["batch"] for m in range(4)])
     assert isinstance(pm.pipeline_timeline(), Timeline)
     return pm.pipeline_events
