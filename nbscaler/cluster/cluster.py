@@ -148,6 +148,9 @@ class _Session:
             self.client.close()
             self.client = None
         try:
+            # Engines stopped by a signal exit non-zero, and ipyparallel would dump their whole log
+            # into the notebook as a warning; a stop that we asked for is not worth one.
+            self.ipp_cluster.log.setLevel(logging.ERROR)
             self.ipp_cluster.stop_cluster_sync()
             _reap(cluster_processes(self.ipp_cluster.cluster_id))
         finally:
