@@ -114,16 +114,16 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
 
 def storage_layouts(graphs) -> dict:
     """How each weight is stored on the devices of its consumers: ``S(d)`` when every consumer in
-    every graph wants the same slice (a tensor-parallel weight), else ``R`` (whole on each device)."""
+    every graph wants the same slice on the same devices (a tensor-parallel weight), else ``R``
+    (whole on each device; consumers convert from there)."""
     wants: dict = {}
     for graph in graphs:
         for node in graph.nodes:
             for i, t in enumerate(node.inputs):
                 if t.is_weight:
-                    wants.setdefault(t.name, set()).add(
-                        (input_requirement(node, i), node.placement.devices if node.placement else None))
+                    wants.setdefault(t.name, set()).add((input_requirement(node, i), node.placement.devices))
     layouts = {}
     for name, reqs in wants.items():
-        (want, devices), = reqs if len(reqs) == 1 else ((None, None),)
-        layouts[name] = want if want is not None and want.kind == "S" else Layout.replicated()
+        want, _ = next(iter(reqs))
+        layouts[name] = want if len(reqs) == 1 and want.kind == "S" else Layout.replicated()
     return layouts

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from nbscaler.codegen.store import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
@@ -313,5 +314,4 @@ class ParallelModule(torch.nn.Module):
 
 
 def _detach(value: Any) -> Any:
-    from torch.utils._pytree import tree_map
     return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)

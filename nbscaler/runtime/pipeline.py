@@ -55,12 +55,13 @@ class PipelineExecutor:
     def _holders(self, stage: int, micro: int) -> Tuple[int, ...]:
         return self.schedule.devices_of(stage, micro)
 
-    def _peers(self, stage: int, other: int, micro: int) -> Tuple[Optional[int], List[int]]:
-        """For data flowing from ``stage`` to ``other``: who this device receives from (None: it has
-        the data itself), and whom it sends to (only the first holder of ``stage`` sends)."""
-        mine, theirs = self._holders(stage, micro), self._holders(other, micro)
-        sends = [d for d in theirs if d not in mine] if self.device == min(mine) else []
-        return sends, (None if self.device in mine else min(mine))
+    def _peers(self, stage: int, other: int, micro: int) -> Tuple[List[int], Optional[int]]:
+        """For data flowing from ``stage`` to ``other`` for micro-batch ``micro``: the devices this
+        one sends to (only the first holder of ``stage`` sends, and only to devices that do not
+        hold ``stage`` themselves), and the device it receives from (``None``: it made the data)."""
+        senders, receivers = self._holders(stage, micro), self._holders(other, micro)
+        sends = [d for d in receivers if d not in senders] if self.device == min(senders) else []
+        return sends, (None if self.device in senders else min(senders))
 
     # -- one step -------------------------------------------------------------------------------
     def run(self, samples: List[Any], train: bool, dummy: Optional[List[bool]] = None,
