@@ -100,6 +100,7 @@ class IRNode:
     inplace: bool = False             # the call mutates and returns its first argument
     placement: Optional[Placement] = None
     stage: Optional[int] = None       # pipeline stage, set by staging
+    meta: Dict[str, Any] = field(default_factory=dict)   # facts written by analysis passes (cost/, ...)
 
     @functools.cached_property
     def inputs(self) -> List[IRTensor]:
