@@ -22,19 +22,19 @@ from torch.utils._pytree import tree_map
 
 import nbscaler
 from nbscaler.codegen.rankfile import generate
-from nbscaler.codegen.store import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
+from nbscaler.genfiles import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
                                     gencode_file, module_dir)
 from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.graph import IRGraph
 from nbscaler.policy.builtin import get_policy
-from nbscaler.policy.primitives import PolicyError, replicate
+from nbscaler.policy.checks import check_placements
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 from nbscaler.schedule import PipelineGeometry
-from nbscaler.trace.tracer import check_forward_args, trace_module
+from nbscaler.trace.modes import trace_modes
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
            "broadcast_weights", "build_optimizer", "deduped_state_dict", "load_deduped_state_dict",
@@ -207,72 +207,6 @@ def _difference(old: Dict, new: Dict, prefix: str = "") -> str:
                 return _difference(a, b, f"{prefix}{key}.")
             return f"{prefix}{key} was {a!r}, now {b!r}"
     return "none"
-
-
-def trace_modes(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: ComputeConfig) -> Dict[str, IRGraph]:
-    """One graph per mode of ``self.training``, or a single ``'any'`` graph when both are the same."""
-    check_forward_args(module, dummy_args)
-    if cfg.inference_only:
-        return {"any": trace_module(module, dummy_args, "eval")}
-    train = trace_module(module, dummy_args, "train")
-    evaluate = trace_module(module, dummy_args, "eval")
-    if train.signature() == evaluate.signature():
-        return {"any": train}
-    return {"train": train, "eval": evaluate}
-
-
-def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
-    """Every node placed, on the unit's devices; unplaced nodes are replicated on all of them.
-
-    In a pipeline, every node has a stage, runs on its stage's devices, and reads only tensors made
-    in its own or earlier stages.
-    """
-    devices = tuple(range(cfg.plan_ngpus))
-    if cfg.use_pipeline:
-        check_stages(graph, PipelineGeometry.from_config(cfg))
-        return
-    for node in graph.nodes:
-        if node.placement is None:
-            replicate(node, devices)
-        if any(d not in devices for d in node.placement.devices):
-            raise PolicyError(f"{node.name} is placed on devices {list(node.placement.devices)}, but a unit has "
-                              f"plan_ngpus={cfg.plan_ngpus} devices (0..{cfg.plan_ngpus - 1}).")
-        if tuple(sorted(node.placement.devices)) != devices:
-            raise PolicyError(
-                f"{node.name} ({node.module_path or 'top level'}) runs on devices {list(node.placement.devices)}, "
-                f"not on all {cfg.plan_ngpus} devices of the unit. Without a pipeline, every op is split or "
-                "replicated across the whole unit; give ops their own devices by staging the graph into a pipeline.")
-
-
-def check_stages(graph: IRGraph, geometry: PipelineGeometry) -> None:
-    nstages = geometry.schedule.nstages
-    stage_of: Dict[int, int] = {}
-    for node in graph.nodes:
-        where = f"{node.name} ({node.module_path or 'top level'})"
-        if node.stage is None or not 0 <= node.stage < nstages:
-            raise PolicyError(f"{where} has stage {node.stage}; the '{geometry.schedule.name}' schedule has stages "
-                              f"0..{nstages - 1}: give every node a stage (nbscaler.policy.staging).")
-        group = geometry.stage_group(node.stage)
-        if node.placement is None:
-            replicate(node, group)
-        if tuple(sorted(node.placement.devices)) != group:
-            raise PolicyError(f"{where} is in stage {node.stage}, which runs on devices {list(group)}, but is placed "
-                              f"on {list(node.placement.devices)}.")
-        for t in node.inputs:
-            if stage_of.get(id(t), -1) > node.stage:
-                raise PolicyError(f"{where} in stage {node.stage} reads {t.name} from the later stage "
-                                  f"{stage_of[id(t)]}; data may only flow to the same or later stages.")
-        for t in node.output_tensors:
-            stage_of[id(t)] = node.stage
-    first = {}
-    for node in graph.nodes:
-        for t in node.inputs:
-            if t.kind == "param":
-                first.setdefault(t.name, node.stage)
-                if first[t.name] != node.stage:
-                    raise PolicyError(f"the parameter {t.name} is used in stages {first[t.name]} and {node.stage}; "
-                                      "tied weights across pipeline stages are not supported: untie them, or "
-                                      "keep the ops that use them in one stage.")
 
 
 def full_weights(module: torch.nn.Module, graphs: Dict[str, IRGraph]) -> Dict[str, torch.Tensor]:

@@ -1,7 +1,6 @@
-"""Code generation: one readable Python module per rank, and the folder that holds them."""
+"""Code generation: one readable Python module per rank (the folder that holds them is ``nbscaler.genfiles``)."""
 
 from nbscaler.codegen.rankfile import generate
 from nbscaler.codegen.render import CodegenError
-from nbscaler.codegen.store import GenDir, module_dir
 
-__all__ = ["CodegenError", "GenDir", "generate", "module_dir"]
+__all__ = ["CodegenError", "generate"]

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from nbscaler.codegen.store import atomic_write
+from nbscaler.genfiles import atomic_write
 from nbscaler.runtime.module import ParallelModule, WeightSpec, runtime_device
 from nbscaler.runtime.optimizer import layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,

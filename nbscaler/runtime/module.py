@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from nbscaler.codegen.store import WEIGHTS_FILE
+from nbscaler.genfiles import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
 from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ranks, zero_ranks,
                                      zero_replica_ranks)

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from nbscaler import ComputeConfig, parallelize
-from nbscaler.codegen import module_dir
+from nbscaler.genfiles import module_dir
 from tests.models import MLP, batch, build
 from tests.multiprocess import run_ranks
 

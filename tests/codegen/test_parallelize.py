@@ -9,7 +9,7 @@ import torch
 
 import nbscaler.parallel as parallel_mod
 from nbscaler import ComputeConfig, ParallelModule, parallelize
-from nbscaler.codegen import GenDir, module_dir
+from nbscaler.genfiles import GenDir, module_dir
 from tests.models import MLP, Llama, batch, build
 
 

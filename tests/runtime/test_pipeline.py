@@ -95,7 +95,7 @@ def test_stages_are_balanced_by_cost_not_count():
 
 
 def test_layers_are_not_torn_between_stages():
-    from nbscaler.parallel import trace_modes
+    from nbscaler.trace.modes import trace_modes
     from nbscaler.policy import get_policy
     cfg = ComputeConfig(4, 4, **dict(pipeline("1f1b", 4, 4)))
     graph = get_policy("pp")(trace_modes(build("gpt"), batch("gpt", 0), cfg)["any"], cfg)

@@ -1,0 +1,68 @@
+"""Checks that a policy placed every node where the compute config allows.
+
+Unplaced nodes are replicated on their unit's (or stage's) devices; anything else that breaks the
+rules is a ``PolicyError`` that names the node and says how to fix the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from nbscaler.config import ComputeConfig
+from nbscaler.ir.graph import IRGraph
+from nbscaler.policy.primitives import PolicyError, replicate
+from nbscaler.schedule import PipelineGeometry
+
+
+def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
+    """Every node placed, on the unit's devices; unplaced nodes are replicated on all of them.
+
+    In a pipeline, every node has a stage, runs on its stage's devices, and reads only tensors made
+    in its own or earlier stages.
+    """
+    devices = tuple(range(cfg.plan_ngpus))
+    if cfg.use_pipeline:
+        check_stages(graph, PipelineGeometry.from_config(cfg))
+        return
+    for node in graph.nodes:
+        if node.placement is None:
+            replicate(node, devices)
+        if any(d not in devices for d in node.placement.devices):
+            raise PolicyError(f"{node.name} is placed on devices {list(node.placement.devices)}, but a unit has "
+                              f"plan_ngpus={cfg.plan_ngpus} devices (0..{cfg.plan_ngpus - 1}).")
+        if tuple(sorted(node.placement.devices)) != devices:
+            raise PolicyError(
+                f"{node.name} ({node.module_path or 'top level'}) runs on devices {list(node.placement.devices)}, "
+                f"not on all {cfg.plan_ngpus} devices of the unit. Without a pipeline, every op is split or "
+                "replicated across the whole unit; give ops their own devices by staging the graph into a pipeline.")
+
+
+def check_stages(graph: IRGraph, geometry: PipelineGeometry) -> None:
+    nstages = geometry.schedule.nstages
+    stage_of: Dict[int, int] = {}
+    for node in graph.nodes:
+        where = f"{node.name} ({node.module_path or 'top level'})"
+        if node.stage is None or not 0 <= node.stage < nstages:
+            raise PolicyError(f"{where} has stage {node.stage}; the '{geometry.schedule.name}' schedule has stages "
+                              f"0..{nstages - 1}: give every node a stage (nbscaler.policy.staging).")
+        group = geometry.stage_group(node.stage)
+        if node.placement is None:
+            replicate(node, group)
+        if tuple(sorted(node.placement.devices)) != group:
+            raise PolicyError(f"{where} is in stage {node.stage}, which runs on devices {list(group)}, but is placed "
+                              f"on {list(node.placement.devices)}.")
+        for t in node.inputs:
+            if stage_of.get(id(t), -1) > node.stage:
+                raise PolicyError(f"{where} in stage {node.stage} reads {t.name} from the later stage "
+                                  f"{stage_of[id(t)]}; data may only flow to the same or later stages.")
+        for t in node.output_tensors:
+            stage_of[id(t)] = node.stage
+    first = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            if t.kind == "param":
+                first.setdefault(t.name, node.stage)
+                if first[t.name] != node.stage:
+                    raise PolicyError(f"the parameter {t.name} is used in stages {first[t.name]} and {node.stage}; "
+                                      "tied weights across pipeline stages are not supported: untie them, or "
+                                      "keep the ops that use them in one stage.")

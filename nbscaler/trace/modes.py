@@ -1,0 +1,23 @@
+"""Trace a module once per mode of ``self.training``, or once when both modes compute the same."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from nbscaler.config import ComputeConfig
+from nbscaler.ir.graph import IRGraph
+from nbscaler.trace.tracer import check_forward_args, trace_module
+
+
+def trace_modes(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: ComputeConfig) -> Dict[str, IRGraph]:
+    """One graph per mode of ``self.training``, or a single ``'any'`` graph when both are the same."""
+    check_forward_args(module, dummy_args)
+    if cfg.inference_only:
+        return {"any": trace_module(module, dummy_args, "eval")}
+    train = trace_module(module, dummy_args, "train")
+    evaluate = trace_module(module, dummy_args, "eval")
+    if train.signature() == evaluate.signature():
+        return {"any": train}
+    return {"train": train, "eval": evaluate}
