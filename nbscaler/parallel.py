@@ -1,4 +1,4 @@
-"""``parallelize``: trace -> policy -> code generation -> load, in one call.
+"""``parallelize``: ``plan`` (trace -> policy -> cost), then write the files and load them, in one call.
 
 >>> pm = parallelize(model, {'x': torch.randn(8, 64)}, 'tp',         # doctest: +SKIP
 ...                  ComputeConfig(plan_ngpus=2, runtime_ngpus=4))
@@ -11,30 +11,24 @@ from __future__ import annotations
 
 import json
 import pickle
-import time
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Type, Union
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 import nbscaler
-from nbscaler.codegen.rankfile import generate
 from nbscaler.genfiles import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
                                     gencode_file, module_dir)
-from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.graph import IRGraph
+from nbscaler.planning.planner import build_module, cast_floats, module_name, place, plan, policy_name, unplace
 from nbscaler.policy.builtin import get_policy
-from nbscaler.policy.checks import check_placements
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
-from nbscaler.schedule import PipelineGeometry
-from nbscaler.trace.modes import trace_modes
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
            "broadcast_weights", "build_optimizer", "deduped_state_dict", "load_deduped_state_dict",
@@ -46,10 +40,6 @@ def _enum(kind: Type[Enum], value: Any, arg: str) -> Enum:
         return kind(value)
     except ValueError:
         raise ValueError(f"{arg}={value!r} is not one of {', '.join(repr(m.value) for m in kind)}") from None
-
-
-def _policy_name(policy: Union[str, Callable]) -> str:
-    return policy if isinstance(policy, str) else f"{policy.__module__}.{policy.__qualname__}"
 
 
 def _arg_signature(value: Any) -> Any:
@@ -104,7 +94,7 @@ def parallelize(
     module_class = module_or_module_class if is_class else type(module_or_module_class)
     if not issubclass(module_class, torch.nn.Module):
         raise TypeError(f"parallelize takes a torch.nn.Module or a subclass of it, got {module_class.__name__}")
-    policy = get_policy(pas_policy)
+    get_policy(pas_policy)             # an unknown policy fails here, before anything else
     gen = GenDir(module_dir(module_class, gen_savedir, instance_name))
     distributed = dist.is_available() and dist.is_initialized()
     if strategy is not BroadcastGenFilesStrategy.NONE and not distributed:
@@ -116,8 +106,8 @@ def parallelize(
     error: Optional[BaseException] = None
     if rank == 0:
         try:
-            new_files = _compile(module_or_module_class, is_class, dummy_forward_args, policy,
-                                 _policy_name(pas_policy), compute_config, gen, reuse, module_dtype, module_fn)
+            new_files = _compile(module_or_module_class, is_class, dummy_forward_args, pas_policy, compute_config,
+                                 gen, reuse, module_dtype, module_fn)
         except BaseException as err:      # the other ranks must hear about it, not wait forever
             error = err
     if distributed:
@@ -135,16 +125,16 @@ def parallelize(
 
 
 # ------------------------------------------------------------------------------------------------
-def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], policy: Callable, policy_name: str,
-             cfg: ComputeConfig, gen: GenDir, reuse: ReuseType, module_dtype, module_fn) -> List[str]:
+def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_policy, cfg: ComputeConfig,
+             gen: GenDir, reuse: ReuseType, module_dtype, module_fn) -> List[str]:
     """Generate (or reuse) the files; returns the names of newly written files."""
     module_class = module_or_class if is_class else type(module_or_class)
     fingerprint = {
-        "graph": {"module": f"{module_class.__module__}.{module_class.__qualname__}",
+        "graph": {"module": module_name(module_class),
                   "args": _arg_signature(dummy_args), "dtype": str(module_dtype),
                   "user_graph": cfg.user_config.graph, "inference_only": cfg.inference_only,
                   "dynamic_shape": cfg.dynamic_shape, "version": nbscaler.__version__},
-        "code": {"compute_config": cfg.to_dict(), "policy": policy_name},
+        "code": {"compute_config": cfg.to_dict(), "policy": policy_name(pas_policy)},
     }
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     old = gen.read_config()
@@ -156,43 +146,26 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], policy
                              f"({_difference(old['fingerprint'], fingerprint)}); nothing was changed. Use "
                              "reuse='override' (or 'moo') to recompile, or another instance_name to keep both.")
 
-    old_weights = None
     if old is not None and reuse is ReuseType.GRAPH and old["fingerprint"]["graph"] == fingerprint["graph"]:
-        graphs = gen.read_graphs()
-        old_weights = (gen.path / WEIGHTS_FILE).read_bytes()
-        module = None
+        result = place(unplace(gen.read_graphs()), pas_policy, cfg, fingerprint["graph"]["module"])
+        old_weights, module = (gen.path / WEIGHTS_FILE).read_bytes(), None
     else:
-        module = module_or_class if not is_class else (module_fn() if module_fn else module_class())
-        if module_dtype is not None:      # floating inputs follow the module's dtype, as at run time
-            module = module.to(module_dtype)
-            dummy_args = tree_map(lambda t: t.to(module_dtype) if isinstance(t, torch.Tensor)
-                                  and t.is_floating_point() else t, dummy_args)
-        graphs = trace_modes(module, dummy_args, cfg)
-
-    start = time.perf_counter()
-    for mode, graph in graphs.items():
-        placed = policy(graph, cfg)
-        graphs[mode] = graph if placed is None else placed
-        check_placements(graphs[mode], cfg)
-    storage = storage_layouts(graphs.values())
-    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
-    sources = {r: generate(graphs, storage, rank=r, plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus,
-                           module_name=fingerprint["graph"]["module"], policy_name=policy_name, geometry=geometry)
-               for r in range(cfg.runtime_ngpus)}
-    plan_seconds = time.perf_counter() - start
+        module = build_module(module_or_class, module_fn, module_dtype)
+        result = plan(module, cast_floats(dummy_args, module_dtype), pas_policy, cfg)
 
     def write(tmp: Path) -> None:
-        for r, src in sources.items():
+        for r, src in result.sources.items():
             (tmp / gencode_file(r)).write_text(src)
         if module is not None:
-            torch.save(full_weights(module, graphs), tmp / WEIGHTS_FILE)
+            torch.save(full_weights(module, result.graphs), tmp / WEIGHTS_FILE)
         else:
             (tmp / WEIGHTS_FILE).write_bytes(old_weights)
         with open(tmp / GRAPH_FILE, "wb") as f:
-            pickle.dump(graphs, f)
-        (tmp / PLAN_FILE).write_text(json.dumps(plan_summary(graphs, storage, cfg), indent=1))
+            pickle.dump(result.graphs, f)
+        (tmp / PLAN_FILE).write_text(json.dumps(result.to_json(), indent=1, default=str))
         (tmp / CONFIG_FILE).write_text(json.dumps({"fingerprint": fingerprint, "compute_config": cfg.to_dict(),
-                                                   "policy": policy_name, "plan_seconds": plan_seconds},
+                                                   "policy": result.policy_name,
+                                                   "plan_seconds": result.compile_seconds},
                                                   indent=1, default=str))
 
     gen.replace_with(write)
@@ -218,24 +191,6 @@ def full_weights(module: torch.nn.Module, graphs: Dict[str, IRGraph]) -> Dict[st
         for name, t in graph.meta.get("constants", {}).items():
             out[name] = t.cpu().contiguous()
     return out
-
-
-def plan_summary(graphs: Dict[str, IRGraph], storage, cfg: ComputeConfig) -> Dict[str, Any]:
-    """What the widgets read back: nodes with placements, weights with layouts and bytes per device."""
-    summary: Dict[str, Any] = {"plan_ngpus": cfg.plan_ngpus, "graphs": {}, "weights": {}}
-    for mode, g in graphs.items():
-        summary["graphs"][mode] = [
-            {"name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
-             "devices": list(n.placement.devices), "split": n.placement.split,
-             "annotation": str(n.annotation) if n.annotation else None,
-             "inputs": [t.name for t in n.inputs], "outputs": [t.name for t in n.output_tensors]}
-            for n in g.nodes]
-        for name, t in g.weights.items():
-            if name in storage:
-                lay = storage[name]
-                summary["weights"][name] = {"kind": t.kind, "shape": list(t.shape), "layout": str(lay),
-                                            "bytes": t.nbytes}
-    return summary
 
 
 def _broadcast_files(gen: GenDir, names: List[str], strategy: BroadcastGenFilesStrategy, rank: int) -> None:

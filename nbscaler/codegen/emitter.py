@@ -15,24 +15,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
-                                     local_shape, render, render_call)
-from nbscaler.comm.layout import Layout, conversion, input_requirement, output_layout
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+                                     render, render_call)
+from nbscaler.comm.layout import Layout, conversion, input_requirement, local_shape, output_layout
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import spec_of
-
-
-def requires_grad_of(graph: IRGraph) -> Dict[int, bool]:
-    """Which tensors can carry a gradient: parameters, float inputs, and whatever they feed."""
-    grad: Dict[int, bool] = {}
-    for t in graph.inputs:
-        grad[id(t)] = t.dtype.is_floating_point
-    for t in graph.weights.values():
-        grad[id(t)] = t.kind == "param" and t.requires_grad
-    for node in graph.nodes:
-        flows = any(grad.get(id(t), False) for t in node.inputs)
-        for t in node.output_tensors:
-            grad[id(t)] = flows and t.dtype.is_floating_point
-    return grad
 
 
 class ForwardEmitter:

@@ -17,7 +17,6 @@ from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
-from nbscaler.comm.layout import Layout
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.registry import USER_OPS
 
@@ -43,13 +42,6 @@ def attr_name(qualified: str) -> str:
 
 def group_var(devices: Sequence[int]) -> str:
     return "g" + "_".join(map(str, devices))
-
-
-def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
-    shape = list(shape)
-    if layout.kind == "S":
-        shape[layout.dim] //= parts
-    return tuple(shape)
 
 
 class Code(str):

@@ -30,7 +30,7 @@ backward pass:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 from nbscaler.ir.graph import IRNode
 
@@ -68,6 +68,14 @@ class Step:
     fn: str
     dim: Optional[int] = None
     dim2: Optional[int] = None
+
+
+def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
+    """The shape of one device's piece of a tensor of ``shape`` in ``layout`` over ``parts`` devices."""
+    shape = list(shape)
+    if layout.kind == "S":
+        shape[layout.dim] //= parts
+    return tuple(shape)
 
 
 def output_layout(node: IRNode, index: int) -> Layout:

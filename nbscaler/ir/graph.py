@@ -181,3 +181,17 @@ class IRGraph:
             place = f"  [{n.placement}]" if n.placement else ""
             lines.append(f"{repr(n)[7:-1]}{place}")
         return "\n".join(lines)
+
+
+def requires_grad_of(graph: IRGraph) -> Dict[int, bool]:
+    """Which tensors can carry a gradient: parameters, float inputs, and whatever they feed."""
+    grad: Dict[int, bool] = {}
+    for t in graph.inputs:
+        grad[id(t)] = t.dtype.is_floating_point
+    for t in graph.weights.values():
+        grad[id(t)] = t.kind == "param" and t.requires_grad
+    for node in graph.nodes:
+        flows = any(grad.get(id(t), False) for t in node.inputs)
+        for t in node.output_tensors:
+            grad[id(t)] = flows and t.dtype.is_floating_point
+    return grad

@@ -7,7 +7,7 @@ import py_compile
 import pytest
 import torch
 
-import nbscaler.parallel as parallel_mod
+import nbscaler.planning.planner as plan_mod
 from nbscaler import ComputeConfig, ParallelModule, parallelize
 from nbscaler.genfiles import GenDir, module_dir
 from tests.models import MLP, Llama, batch, build
@@ -64,7 +64,7 @@ def test_reuse_match_moo_override_graph(tmp_path, monkeypatch):
     def no_trace(*a, **k):
         raise AssertionError("the graph should have been reused")
 
-    monkeypatch.setattr(parallel_mod, "trace_modes", no_trace)
+    monkeypatch.setattr(plan_mod, "trace_modes", no_trace)
     parallelize(*args, ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False, reuse="graph")
     assert not (gen_path(tmp_path) / "gencode3.py").exists()
     with pytest.raises(AssertionError, match="reused"):

@@ -1,0 +1,43 @@
+"""The cost pass: write each node's FLOPs and bytes onto ``node.meta``, as fx's shape propagation does.
+
+After ``annotate_costs(graph)`` every node carries:
+
+=================  ==============================================================================
+``flops_fwd``      forward FLOPs of the whole op (``node_flops``)
+``flops_bwd``      backward FLOPs: one forward's worth for each input that receives a gradient
+                   (a linear whose input and weight both need gradients costs two forwards back)
+``bytes_read``     bytes of the op's tensor inputs, whole
+``bytes_written``  bytes of its tensor outputs, whole
+``local_flops_fwd`` / ``local_flops_bwd``
+                   the same per device that runs it, once the node is placed (a split op's share)
+=================  ==============================================================================
+
+The IR never imports this module: views, autodist and the Plan read the facts from ``node.meta``.
+
+>>> annotate_costs(graph)                                     # doctest: +SKIP
+>>> graph.nodes[0].meta["flops_fwd"], graph.nodes[0].meta["bytes_read"]
+(8388608.0, 1310720)
+"""
+
+from __future__ import annotations
+
+from nbscaler.cost.flops import node_flops
+from nbscaler.ir.graph import IRGraph, requires_grad_of
+
+COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd")
+
+
+def annotate_costs(graph: IRGraph) -> IRGraph:
+    """Write the cost facts above onto every node of ``graph`` (placed or not); returns ``graph``."""
+    grad = requires_grad_of(graph)
+    for node in graph.nodes:
+        fwd = node_flops(node)
+        with_grad = sum(1 for t in node.inputs if grad.get(id(t), False))
+        bwd = fwd * with_grad
+        parts = node.placement.parts if node.placement is not None else 1
+        node.meta.update(
+            flops_fwd=fwd, flops_bwd=bwd,
+            bytes_read=sum(t.nbytes for t in node.inputs),
+            bytes_written=sum(t.nbytes for t in node.output_tensors),
+            local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts)
+    return graph

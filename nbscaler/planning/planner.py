@@ -1,0 +1,217 @@
+"""``Plan``: one compile held in memory, the object every view, benchmark and file is made from.
+
+``plan(module, dummy_args, policy, compute_config)`` traces the module, lets the policy place every
+op, checks the placement and runs the cost pass, all in the calling process: no files are written
+and no process group is needed. What it returns answers every question about the compile:
+
+>>> p = nbscaler.plan(GPT(cfg), {"idx": idx, "targets": targets}, "tp",       # doctest: +SKIP
+...                   ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
+>>> p.ops.groupby("split").flops_fwd.sum()        # what the policy split, by FLOPs
+>>> p.collectives.bytes_per_device.sum()          # what crosses between the devices
+>>> p.summary(optimizer=torch.optim.AdamW)        # memory and time per rank, predicted
+>>> print(p.sources[1])                           # the code rank 1 runs
+
+``parallelize`` is ``plan`` followed by writing the files and loading them; ``p.replan(...)`` places
+the same traced graphs again under another policy or config without tracing again.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Type, Union
+
+import pandas as pd
+import torch
+from torch.utils._pytree import tree_map
+
+from nbscaler.codegen.rankfile import generate
+from nbscaler.comm.layout import Layout, storage_layouts
+from nbscaler.comm.traffic import collective_steps
+from nbscaler.config import ComputeConfig
+from nbscaler.cost.annotate import annotate_costs
+from nbscaler.ir.graph import IRGraph
+from nbscaler.planning import tables
+from nbscaler.policy.builtin import get_policy
+from nbscaler.policy.checks import check_placements
+from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
+from nbscaler.trace.modes import trace_modes
+
+Policy = Union[str, Callable[[IRGraph, ComputeConfig], Optional[IRGraph]]]
+
+#: Bumped whenever the layout of ``Plan.to_json()`` (and so of ``plan.json``) changes.
+PLAN_FORMAT_VERSION = 1
+
+
+def policy_name(policy: Policy) -> str:
+    """How a policy is named in files and tables: its built-in name, or ``module.qualname``."""
+    return policy if isinstance(policy, str) else f"{policy.__module__}.{policy.__qualname__}"
+
+
+def module_name(module_class: type) -> str:
+    return f"{module_class.__module__}.{module_class.__qualname__}"
+
+
+@dataclass(eq=False)
+class Plan:
+    """A placed, checked and costed compile of one module under one policy and compute config."""
+
+    graphs: Dict[str, IRGraph]                 # mode -> placed graph: 'any', or 'train' and 'eval'
+    config: ComputeConfig
+    policy_name: str
+    module_name: str
+    compile_seconds: float = 0.0
+    policy: Optional[Policy] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.storage: Dict[str, Layout] = storage_layouts(self.graphs.values())
+        self.geometry: Optional[PipelineGeometry] = (PipelineGeometry.from_config(self.config)
+                                                     if self.config.use_pipeline else None)
+
+    # -- what was compiled ----------------------------------------------------------------------
+    @property
+    def graph(self) -> IRGraph:
+        """The training graph (the only one when both modes trace the same)."""
+        return self.graphs.get("train", self.graphs.get("any", next(iter(self.graphs.values()))))
+
+    @property
+    def schedule(self) -> Optional[PipelineSchedule]:
+        return self.geometry.schedule if self.geometry is not None else None
+
+    @functools.cached_property
+    def sources(self) -> Dict[int, str]:
+        """Runtime rank -> the text of its ``gencode{rank}.py``."""
+        cfg = self.config
+        return {r: generate(self.graphs, self.storage, rank=r, plan_ngpus=cfg.plan_ngpus,
+                            runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
+                            policy_name=self.policy_name, geometry=self.geometry)
+                for r in range(cfg.runtime_ngpus)}
+
+    # -- tables -----------------------------------------------------------------------------------
+    @functools.cached_property
+    def ops(self) -> pd.DataFrame:
+        """One row per node of the training graph: placement, shapes and cost facts."""
+        return tables.ops_frame(self.graph)
+
+    @functools.cached_property
+    def collectives(self) -> pd.DataFrame:
+        """One row per collective on an edge of the training graph (and per pipeline crossing)."""
+        nstages = self.schedule.nstages if self.schedule is not None else None
+        return tables.collectives_frame(collective_steps(self.graph, self.storage, nstages))
+
+    def traffic(self) -> pd.DataFrame:
+        """Bytes each runtime rank sends and receives in one training step (see ``tables``)."""
+        return tables.traffic_per_rank(self)
+
+    def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
+        """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted."""
+        return tables.summary_frame(self, optimizer, optimizer_kwargs)
+
+    def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
+        """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)."""
+        from nbscaler.cost.memory import memory_per_rank
+        return memory_per_rank(self.graphs, self.storage, self.config, self.geometry,
+                               optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
+
+    def timeline(self) -> Timeline:
+        """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``."""
+        from nbscaler.cost.timing import predicted_timeline
+        return predicted_timeline(self.graphs, self.storage, self.config, self.geometry)
+
+    # -- again, differently -----------------------------------------------------------------------
+    def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":
+        """The same traced graphs placed under another policy and/or config: no tracing, so fast.
+
+        This plan is left as it is; the new one works on copies of its graphs.
+        """
+        policy = policy if policy is not None else self.policy
+        if policy is None:
+            raise ValueError("this plan does not know the policy it was made with; pass policy=...")
+        return place(_unplaced_copies(self.graphs), policy, compute_config or self.config, self.module_name)
+
+    # -- saved forms ------------------------------------------------------------------------------
+    def to_json(self) -> Dict[str, Any]:
+        """What ``plan.json`` holds: the config, every node's placement and cost, weights, collectives."""
+        return tables.plan_json(self, PLAN_FORMAT_VERSION)
+
+    def explain(self) -> str:
+        """A short account of what the policy did, in words and figures."""
+        return tables.explain_text(self)
+
+    def _repr_html_(self) -> str:
+        return tables.plan_html(self)
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"Plan({self.module_name}, policy={self.policy_name!r}, plan_ngpus={cfg.plan_ngpus}, "
+                f"runtime_ngpus={cfg.runtime_ngpus}, {len(self.graph)} ops)")
+
+
+def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], dummy_forward_args: Dict[str, Any],
+         pas_policy: Policy, compute_config: ComputeConfig, *, module_dtype: Optional[torch.dtype] = None,
+         module_fn: Optional[Callable[[], torch.nn.Module]] = None) -> Plan:
+    """Trace, place, check and cost a module in memory; see ``Plan``.
+
+    Takes the first four arguments of ``parallelize`` (and its ``module_dtype`` / ``module_fn``),
+    writes nothing and needs no process group.
+    """
+    if not isinstance(compute_config, ComputeConfig):
+        raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
+    module = build_module(module_or_module_class, module_fn, module_dtype)
+    start = time.perf_counter()
+    graphs = trace_modes(module, cast_floats(dummy_forward_args, module_dtype), compute_config)
+    result = place(graphs, pas_policy, compute_config, module_name(type(module)))
+    result.compile_seconds = time.perf_counter() - start
+    return result
+
+
+def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, name: str) -> Plan:
+    """Apply the policy to traced graphs (in place), check the result and run the cost pass."""
+    policy = get_policy(pas_policy)
+    start = time.perf_counter()
+    placed = {}
+    for mode, graph in graphs.items():
+        out = policy(graph, cfg)
+        placed[mode] = graph if out is None else out
+        check_placements(placed[mode], cfg)
+        annotate_costs(placed[mode])
+    return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
+
+
+def build_module(module_or_class, module_fn: Optional[Callable[[], torch.nn.Module]],
+                 module_dtype: Optional[torch.dtype]) -> torch.nn.Module:
+    """The module to trace: the object itself, or ``module_fn()`` / ``cls()`` for a class."""
+    is_class = isinstance(module_or_class, type)
+    cls = module_or_class if is_class else type(module_or_class)
+    if not issubclass(cls, torch.nn.Module):
+        raise TypeError(f"parallelize takes a torch.nn.Module or a subclass of it, got {cls.__name__}")
+    module = (module_fn() if module_fn else cls()) if is_class else module_or_class
+    return module.to(module_dtype) if module_dtype is not None else module
+
+
+def cast_floats(dummy_args: Dict[str, Any], module_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+    """Floating inputs follow the module's dtype, as they will at run time."""
+    if module_dtype is None:
+        return dummy_args
+    return tree_map(lambda t: t.to(module_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                    dummy_args)
+
+
+def unplace(graphs: Dict[str, IRGraph]) -> Dict[str, IRGraph]:
+    """Clear every node's placement, stage and cost facts (in place), ready for another policy."""
+    for g in graphs.values():
+        for node in g.nodes:
+            node.placement, node.stage = None, None
+            node.meta.clear()
+    return graphs
+
+
+def _unplaced_copies(graphs: Dict[str, IRGraph]) -> Dict[str, IRGraph]:
+    """Deep copies of the graphs, unplaced; constant tensors stay shared rather than copied."""
+    memo: Dict[int, Any] = {}
+    for g in graphs.values():
+        for t in g.meta.get("constants", {}).values():
+            memo[id(t)] = t
+    return unplace(copy.deepcopy(graphs, memo))

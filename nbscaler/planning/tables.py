@@ -1,0 +1,198 @@
+"""The tables a ``Plan`` answers with: ops, collectives, and FLOPs, traffic, memory and time per rank.
+
+One *training step* is what the numbers count: the traced batch once (forward and backward), or,
+with a pipeline, ``pipeline_nmicros`` micro-batches of it run by the schedule. Runtime rank ``r``
+plays plan device ``r % plan_ngpus`` of unit ``r // plan_ngpus``; ranks of different units differ
+only in the gradient synchronisation between units, and in ZeRO's share of the optimizer.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import defaultdict
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+
+import pandas as pd
+
+from nbscaler.columns import SummaryColumn as C
+from nbscaler.comm.layout import local_shape, output_layout
+from nbscaler.comm.traffic import CommStep
+from nbscaler.ir.graph import IRGraph
+
+if TYPE_CHECKING:
+    from nbscaler.planning.planner import Plan
+
+OP_COLUMNS = ["id", "name", "op", "target", "module", "source_file", "source_line", "stage", "devices", "split",
+              "annotation", "in_shapes", "out_shapes", "local_out_shapes", "flops_fwd", "flops_bwd", "bytes_read",
+              "bytes_written", "local_flops_fwd"]
+COLLECTIVE_COLUMNS = list(CommStep.__dataclass_fields__)
+
+
+def ops_frame(graph: IRGraph) -> pd.DataFrame:
+    """One row per node: where it runs, how it is split, its shapes and its cost facts."""
+    rows = []
+    for i, n in enumerate(graph.nodes):
+        place = n.placement
+        outs = n.output_tensors
+        rows.append({
+            "id": i, "name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
+            "source_file": n.source[0] if n.source else None, "source_line": n.source[1] if n.source else None,
+            "stage": n.stage, "devices": tuple(place.devices) if place else (), "split": place.split if place else None,
+            "annotation": str(n.annotation) if n.annotation is not None else None,
+            "in_shapes": [tuple(t.shape) for t in n.inputs], "out_shapes": [tuple(t.shape) for t in outs],
+            "local_out_shapes": [local_shape(t.shape, output_layout(n, k), place.parts if place else 1)
+                                 for k, t in enumerate(outs)],
+            **{key: n.meta.get(key) for key in ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written",
+                                               "local_flops_fwd")},
+        })
+    return pd.DataFrame(rows, columns=OP_COLUMNS)
+
+
+def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
+    return pd.DataFrame([asdict(s) for s in steps], columns=COLLECTIVE_COLUMNS)
+
+
+# -- per rank -------------------------------------------------------------------------------------
+def _blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], int]:
+    """How often ``device`` runs each ``(stage, phase)`` in one training step."""
+    if plan.geometry is None:
+        return {(None, "F"): 1, (None, "B"): 1}
+    counts: Dict[Tuple[int | None, str], int] = defaultdict(int)
+    for block in plan.schedule.blocks_of(plan.geometry.pipeline_device(device)):
+        counts[(block.stage, block.phase)] += 1
+    return counts
+
+
+def _stage_device(plan: "Plan", stage: int | None, device: int) -> int:
+    """The plan device of ``stage``'s group with the same tensor-parallel index as ``device``."""
+    if plan.geometry is None:
+        return device
+    return plan.geometry.stage_group(stage)[device % plan.geometry.tp]
+
+
+def flops_per_device(plan: "Plan") -> Dict[int, float]:
+    """FLOPs each plan device runs in one training step (its share of split ops)."""
+    out = {}
+    for d in range(plan.config.plan_ngpus):
+        total = 0.0
+        for (stage, phase), count in _blocks_per_stage(plan, d).items():
+            where = _stage_device(plan, stage, d)
+            key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
+            total += count * sum(n.meta[key] for n in plan.graph.nodes
+                                 if (stage is None or n.stage == stage) and where in n.placement.devices)
+        out[d] = total
+    return out
+
+
+def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
+    """(bytes sent, bytes received) by each plan device on the graph's edges in one training step."""
+    steps = plan.collectives
+    out = {}
+    for d in range(plan.config.plan_ngpus):
+        sent = received = 0.0
+        for (stage, phase), count in _blocks_per_stage(plan, d).items():
+            where = _stage_device(plan, stage, d)
+            rows = steps[(steps.phase == phase) & steps.devices.map(lambda g: where in g)]
+            if stage is not None:
+                rows = rows[rows.stage == stage]
+            ring = rows[rows.collective != "send_recv"].bytes_per_device.sum()
+            sent += count * (ring + rows[rows.collective == "send_recv"].bytes_per_device.sum())
+            received += count * ring
+            if stage is not None:             # what the neighbouring stage sends this way
+                source = stage - 1 if phase == "F" else stage + 1
+                incoming = steps[(steps.collective == "send_recv") & (steps.phase == phase) & (steps.stage == source)]
+                received += count * incoming.bytes_per_device.sum()
+        out[d] = (float(sent), float(received))
+    return out
+
+
+def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) -> pd.DataFrame:
+    """Bytes each runtime rank sends and receives in one training step.
+
+    Edge collectives come from ``plan.collectives``; with several units, each rank also
+    synchronises its gradients with the same device of the other units (a ring all-reduce, or
+    ZeRO's reduce-scatter and all-gather: ``2 (u-1)/u`` of its parameter bytes either way), which
+    needs ``param_bytes`` per rank.
+    """
+    cfg = plan.config
+    edges = edge_traffic_per_device(plan)
+    u = cfg.units
+    rows = []
+    for r in range(cfg.runtime_ngpus):
+        sent, received = edges[cfg.device_of(r)]
+        sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
+        rows.append({C.RANK.value: r, C.BYTES_SENT.value: sent + sync, C.BYTES_RECEIVED.value: received + sync})
+    return pd.DataFrame(rows)
+
+
+def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any]) -> pd.DataFrame:
+    """``Plan.summary``: one row per runtime rank, the columns of ``SummaryColumn``."""
+    from nbscaler.cost.timing import step_time_per_rank
+    memory = plan.memory(optimizer, **optimizer_kwargs)
+    params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
+    flops = flops_per_device(plan)
+    frame = pd.DataFrame({C.RANK.value: range(plan.config.runtime_ngpus),
+                          C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
+    frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
+    frame = frame.merge(step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry), on=C.RANK.value)
+    return frame[[c.value for c in C]].rename(columns=str)
+
+
+# -- saved and shown forms ------------------------------------------------------------------------
+def plan_json(plan: "Plan", version: int) -> Dict[str, Any]:
+    """A JSON-ready dict of the plan: what ``plan.json`` holds (``format_version`` says its layout)."""
+    out: Dict[str, Any] = {"format_version": version, "module": plan.module_name, "policy": plan.policy_name,
+                           "compute_config": plan.config.to_dict(), "plan_ngpus": plan.config.plan_ngpus,
+                           "graphs": {}, "weights": {}}
+    for mode, g in plan.graphs.items():
+        out["graphs"][mode] = [
+            {"name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
+             "devices": list(n.placement.devices), "split": n.placement.split, "stage": n.stage,
+             "annotation": str(n.annotation) if n.annotation else None,
+             "inputs": [t.name for t in n.inputs], "outputs": [t.name for t in n.output_tensors],
+             **{k: n.meta.get(k) for k in ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written")}}
+            for n in g.nodes]
+        for name, t in g.weights.items():
+            if name in plan.storage:
+                out["weights"][name] = {"kind": t.kind, "shape": list(t.shape), "layout": str(plan.storage[name]),
+                                        "bytes": t.nbytes}
+    out["collectives"] = plan.collectives.assign(devices=plan.collectives.devices.map(list)).to_dict("records")
+    if plan.schedule is not None:
+        out["schedule"] = plan.schedule.to_dict()
+    return out
+
+
+def split_share(plan: "Plan") -> float:
+    """The share of forward FLOPs in ops the policy split (rather than replicated)."""
+    ops = plan.ops
+    total = ops.flops_fwd.sum()
+    return float(ops[ops.split.notna()].flops_fwd.sum() / total) if total else 0.0
+
+
+def explain_text(plan: "Plan") -> str:
+    """What the policy did, in a few lines: split share, heaviest ops, heaviest collectives."""
+    ops, coll = plan.ops, plan.collectives
+    cfg = plan.config
+    lines = [f"{plan.module_name} under '{plan.policy_name}' on {cfg.plan_ngpus} device(s) per unit, "
+             f"{cfg.units} unit(s); {len(ops)} ops.",
+             f"{split_share(plan):.0%} of the forward FLOPs run in split ops; the rest run replicated."]
+    heavy = ops.nlargest(3, "flops_fwd")
+    lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {r['flops_fwd']:.3g} FLOPs, "
+              f"split {r['split']!r} over {list(r['devices'])}" for _, r in heavy.iterrows()]
+    if len(coll):
+        per = coll.groupby("collective").bytes_per_device.sum().sort_values(ascending=False)
+        lines.append("bytes per device on edges, by collective: " +
+                     ", ".join(f"{k} {v:,.0f}" for k, v in per.items()))
+    else:
+        lines.append("no collectives on the graph's edges.")
+    return "\n".join(lines)
+
+
+def plan_html(plan: "Plan") -> str:
+    """A compact, self-contained HTML card: the plan in one line, then its ops by split."""
+    by_split = plan.ops.fillna({"split": "replicated"}).groupby("split").agg(
+        ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
+    title = html.escape(repr(plan))
+    text = html.escape(explain_text(plan)).replace("\n", "<br>")
+    return f"<div><b>{title}</b><p style='font-family:monospace'>{text}</p>{by_split.to_html()}</div>"
