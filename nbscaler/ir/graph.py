@@ -20,6 +20,7 @@ IRNode(linear_3 = torch.nn.functional.linear(x, blocks.0.attn.q.weight) @ blocks
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -173,6 +174,31 @@ class IRGraph:
             sig.append((n.target, repr(args), repr(sorted(kwargs.items())),
                         tuple(t.name for t in n.output_tensors)))
         return sig
+
+    def copy(self) -> "IRGraph":
+        """A structural copy without placements, stages or ``node.meta``: new nodes and tensors, so a
+        policy can place it anew while this graph keeps its own placement. Annotations, source
+        locations, constant arguments and ``graph.meta`` values are shared (nothing mutates them)."""
+        new: Dict[int, IRTensor] = {}
+
+        def tensor(t: IRTensor) -> IRTensor:
+            if id(t) not in new:
+                new[id(t)] = dataclasses.replace(t, producer=None)
+            return new[id(t)]
+
+        remap = lambda x: tensor(x) if isinstance(x, IRTensor) else x
+        nodes = []
+        for n in self.nodes:
+            args, kwargs = n.map_args(tensor)
+            node = IRNode(n.name, n.target, n.op, args, kwargs, tree_map(remap, n.outputs), n.module_path, n.source,
+                          n.annotation, n.inplace)
+            for t in node.output_tensors:
+                if t.producer is None:
+                    t.producer = node
+            nodes.append(node)
+        return IRGraph(nodes, [tensor(t) for t in self.inputs], tree_map(remap, self.input_spec),
+                       tree_map(remap, self.outputs), {k: tensor(t) for k, t in self.weights.items()}, self.mode,
+                       dict(self.meta))
 
     def describe(self, limit: Optional[int] = None) -> str:
         """A readable listing, one node a line: output = op(inputs)  placement  module."""

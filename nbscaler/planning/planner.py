@@ -17,7 +17,6 @@ the same traced graphs again under another policy or config without tracing agai
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from dataclasses import dataclass, field
@@ -209,9 +208,4 @@ def unplace(graphs: Dict[str, IRGraph]) -> Dict[str, IRGraph]:
 
 
 def _unplaced_copies(graphs: Dict[str, IRGraph]) -> Dict[str, IRGraph]:
-    """Deep copies of the graphs, unplaced; constant tensors stay shared rather than copied."""
-    memo: Dict[int, Any] = {}
-    for g in graphs.values():
-        for t in g.meta.get("constants", {}).values():
-            memo[id(t)] = t
-    return unplace(copy.deepcopy(graphs, memo))
+    return {mode: g.copy() for mode, g in graphs.items()}
