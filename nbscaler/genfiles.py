@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Optional, Type
 
+import torch
+
 from nbscaler.config import ComputeConfig
 
 CONFIG_FILE = "config.json"
@@ -106,6 +108,25 @@ class GenDir:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    def write_weights(self, tmp: Path, weights: Optional[Dict[str, "torch.Tensor"]]) -> None:
+        """Put the weights file into the new folder ``tmp``, writing it only when it changed.
+
+        ``weights=None`` keeps the current file. Otherwise, when the current file holds exactly
+        these tensors (names, dtypes, shapes and values, compared through a memory-mapped load),
+        it is hard-linked rather than written again: recompiling a large model with other
+        settings then costs no weight I/O.
+        """
+        old = self.path / WEIGHTS_FILE
+        if old.exists() and (weights is None or _same_tensors(old, weights)):
+            try:
+                os.link(old, tmp / WEIGHTS_FILE)
+            except OSError:                   # a file system without hard links
+                shutil.copyfile(old, tmp / WEIGHTS_FILE)
+            return
+        if weights is None:
+            raise FileNotFoundError(f"{old} is missing, and no module was given to write it from")
+        torch.save(weights, tmp / WEIGHTS_FILE)
+
     def load_class(self, rank: int) -> Type:
         """Import ``gencode{rank}.py`` and return its module class, bound to this folder."""
         path = self.path / gencode_file(rank)
@@ -121,3 +142,14 @@ class GenDir:
         cls.gen_dir = self.path
         cls.compute_config = self.compute_config()
         return cls
+
+
+def _same_tensors(path: Path, weights: Dict[str, "torch.Tensor"]) -> bool:
+    try:
+        saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:                          # unreadable or older format: write it again
+        return False
+    if saved.keys() != weights.keys():
+        return False
+    return all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+               for a, b in ((saved[k], weights[k]) for k in weights))

@@ -148,7 +148,7 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
 
     if old is not None and reuse is ReuseType.GRAPH and old["fingerprint"]["graph"] == fingerprint["graph"]:
         result = place(unplace(gen.read_graphs()), pas_policy, cfg, fingerprint["graph"]["module"])
-        old_weights, module = (gen.path / WEIGHTS_FILE).read_bytes(), None
+        module = None
     else:
         module = build_module(module_or_class, module_fn, module_dtype)
         result = plan(module, cast_floats(dummy_args, module_dtype), pas_policy, cfg)
@@ -156,10 +156,7 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
     def write(tmp: Path) -> None:
         for r, src in result.sources.items():
             (tmp / gencode_file(r)).write_text(src)
-        if module is not None:
-            torch.save(full_weights(module, result.graphs), tmp / WEIGHTS_FILE)
-        else:
-            (tmp / WEIGHTS_FILE).write_bytes(old_weights)
+        gen.write_weights(tmp, full_weights(module, result.graphs) if module is not None else None)
         with open(tmp / GRAPH_FILE, "wb") as f:
             pickle.dump(result.graphs, f)
         (tmp / PLAN_FILE).write_text(json.dumps(result.to_json(), indent=1, default=str))

@@ -129,3 +129,20 @@ def test_end2end_module_refuses_forward(tmp_path):
         pm(sample_batch(cfg, 2))
     losses = pm.train_step([sample_batch(cfg, 2, seed=s) for s in range(2)])
     assert len(losses) == 2 and all(l.ndim == 0 for l in losses)
+
+
+def test_recompiling_with_the_same_weights_links_the_old_file(tmp_path):
+    model = build("mlp")
+    parallelize(model, batch("mlp", 0), "tp", ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False)
+    weights = gen_path(tmp_path) / "weights.pt"
+    inode = weights.stat().st_ino
+    parallelize(model, batch("mlp", 0), "data", ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False,
+                reuse="override")
+    assert weights.stat().st_ino == inode                     # same file: nothing written again
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    parallelize(model, batch("mlp", 0), "tp", ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False,
+                reuse="override")
+    assert weights.stat().st_ino != inode
+    saved = torch.load(weights, weights_only=True)
+    assert torch.equal(saved[next(iter(dict(model.named_parameters())))], next(model.parameters()).detach())
