@@ -256,3 +256,24 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
     if case.units == 1:
         for rank, res in enumerate(per_rank):
             assert_close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss")
+
+
+def measure_memory(cases: Sequence[Case], gen_dir: str, steps: int = 2) -> List[Dict[str, int]]:
+    """On every rank: compile each case and train ``steps`` steps; returns, per case, the memory the
+    last step measured (``nbscaler.runtime.memory.MemoryMeter``: from the forward to after
+    ``optimizer.step()``, when gradients and optimizer state are all there)."""
+    from nbscaler.runtime.memory import MemoryMeter
+    rank = dist.get_rank()
+    results = []
+    for case in cases:
+        model = parallel_model(case, gen_dir)
+        opt = case.make_optimizer(model)
+        for step in range(steps):
+            opt.zero_grad()
+            with MemoryMeter(model, opt) as meter:
+                losses = step_losses(model, case, samples(case, step, rank // case.plan_ngpus))
+                if not case.compute_config.use_end2end:
+                    sum(losses).backward()
+                opt.step()
+        results.append(meter.stats())
+    return results
