@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from nbscaler.comm.layout import Layout, conversion, input_requirement, output_layout
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
@@ -202,15 +203,9 @@ class _Replay:
     def node(self, node: IRNode) -> None:
         place = node.placement
         inputs = [self.fetch(t, input_requirement(node, i), place.devices, node.name) for i, t in enumerate(node.inputs)]
-        it = iter(inputs)
-        args, kwargs = node.map_args(lambda t: next(it))
+        args, kwargs = call_args(node, inputs, self.fake_device)
         outs = node.output_tensors
         layouts = [output_layout(node, i) for i in range(len(outs))]
-        spec = spec_of(node.target)
-        if spec is not None and spec.shape_args:
-            args = (args[0], _local_shape(outs[0].shape, layouts[0], place.parts))
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
-        args, kwargs = _on_fake_device((args, kwargs), self.fake_device)
         packed: List[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: (packed.append(x), x)[1], lambda x: x):
@@ -256,9 +251,18 @@ def _leaves(result: Any, outputs: Any) -> List[torch.Tensor]:
     return []
 
 
-def _on_fake_device(value: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map
-    return tree_map(lambda v: device if isinstance(v, torch.device) else v, value)
+def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device) -> Tuple[Tuple, Dict[str, Any]]:
+    """``node``'s arguments with its tensor inputs (by position) replaced by local ``inputs``, shape
+    arguments (view, reshape, expand) by the local output shape, and devices by ``device``: the call
+    as the generated code makes it."""
+    it = iter(inputs)
+    args, kwargs = node.map_args(lambda t: next(it))
+    spec = spec_of(node.target)
+    if spec is not None and spec.shape_args:
+        parts = node.placement.parts if node.placement else 1
+        args = (args[0], _local_shape(node.output_tensors[0].shape, output_layout(node, 0), parts))
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
+    return tree_map(lambda v: device if isinstance(v, torch.device) else v, (args, kwargs))
 
 
 def fake_device() -> torch.device:

@@ -22,7 +22,6 @@ saved tensors are guessed with a warning.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
