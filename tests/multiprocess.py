@@ -39,6 +39,8 @@ def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 
 OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.1}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-4}),
+    "momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam_amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "eps": 1e-4}),
 }
 
 
@@ -263,7 +265,7 @@ def measure_memory(cases: Sequence[Case], gen_dir: str, steps: int = 2) -> List[
     last step measured (``nbscaler.runtime.memory.MemoryMeter``: from the forward to after
     ``optimizer.step()``, when gradients and optimizer state are all there)."""
     from nbscaler.runtime.memory import MemoryMeter
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     results = []
     for case in cases:
         model = parallel_model(case, gen_dir)
@@ -277,3 +279,26 @@ def measure_memory(cases: Sequence[Case], gen_dir: str, steps: int = 2) -> List[
                 opt.step()
         results.append(meter.stats())
     return results
+
+
+def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConfig, Any]:
+    """``(graphs, storage, compute_config, geometry)`` of the case's plan, as the cost model takes them."""
+    from nbscaler.comm.layout import storage_layouts
+    from nbscaler.policy.builtin import get_policy
+    from nbscaler.policy.checks import check_placements
+    from nbscaler.schedule import PipelineGeometry
+    from nbscaler.trace.modes import trace_modes
+    cfg = case.compute_config
+    graphs = trace_modes(build(case.model), batch(case.model, 12345), cfg)
+    for mode in graphs:
+        graphs[mode] = get_policy(case.policy)(graphs[mode], cfg)
+        check_placements(graphs[mode], cfg)
+    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
+    return graphs, storage_layouts(graphs.values()), cfg, geometry
+
+
+def predicted_memory(case: Case) -> List[Dict[str, int]]:
+    """The memory model's rows for the case, with the case's optimizer."""
+    from nbscaler.cost.memory import memory_per_rank
+    cls, kwargs = OPTIMIZERS[case.optimizer]
+    return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs).to_dict("records")
