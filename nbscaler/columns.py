@@ -1,31 +1,45 @@
-"""The names of the per-rank figures, predicted (``Plan.summary``) and measured (telemetry) alike.
+"""The column names of per-rank summaries, predicted (``plan.summary()``) and measured (telemetry).
 
-Both sides use these names, so a prediction and a measurement line up column by column. Each
-figure is for one *training step* of one runtime rank:
+The cost model and the runtime both produce one row per runtime rank; using the same names lets a
+notebook subtract one table from the other. The terms, fixed once:
 
-=====================  ===========================================================================
-``rank``               the runtime rank
-``flops``              floating-point operations it runs, forward and backward
-``bytes_sent``         bytes it sends to other ranks (collectives, pipeline sends, gradient sync)
-``bytes_received``     bytes it receives
-``param_bytes``        its parameters (its slices of split ones)
-``grad_bytes``         the gradients it holds at their largest
-``optimizer_bytes``    optimizer state (momentum, Adam's moments; its ZeRO share)
-``buffer_bytes``       buffers (BatchNorm's running statistics, ...)
-``activation_bytes``   tensors saved for backward during the forward: for a pipeline, the peak
-                       over the micro-batches it holds in flight
-``peak_bytes``         the most it holds at once
-``step_time_s``        seconds for one training step
-=====================  ===========================================================================
+- ``rank``: the runtime rank (``0 .. runtime_ngpus - 1``).
+- ``flops``: floating-point operations the rank runs in one training step, forward and backward.
+- ``bytes_sent`` / ``bytes_received``: bytes the rank sends to / receives from other ranks in one
+  training step (collectives inside a unit, pipeline sends, gradient synchronisation).
+- ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once).
+- ``grad_bytes``: gradients held after the backward and the gradient synchronisation: the ``.grad``
+  of the local parameters and, with ZeRO, of the flat shards the optimizer updates.
+- ``optimizer_bytes``: what the optimizer adds: its state (momentum, Adam's moments and step
+  counters) and, with ZeRO, the flat parameter shards it updates (copies, not the parameters).
+- ``buffer_bytes``: the rank's buffers and captured constants (e.g. BatchNorm statistics, masks).
+- ``activation_bytes``: tensors autograd saves for the backward during one training step's forward,
+  each storage counted once, parameters and buffers excluded; for a pipeline, the most that is
+  saved at any one time over the micro-batches in flight on the rank.
+- ``peak_bytes``: the sum of the five categories above: what the rank holds at the busiest point of
+  a step, counting the gradients and the saved activations as coexisting (as they do in a pipeline
+  after its first backward). It leaves out short-lived workspace (temporaries, collective buffers),
+  which ``cuda_max_allocated_bytes`` includes.
+- ``cuda_max_allocated_bytes``: measured only, on CUDA: ``torch.cuda.max_memory_allocated`` over the
+  measured step.
+- ``step_time_s``: seconds of one training step on the rank (every micro-batch, the gradient
+  synchronisation and the optimizer step).
 """
 
 from __future__ import annotations
 
-from enum import Enum
+try:
+    from enum import StrEnum
+except ImportError:                  # Python 3.10
+    from enum import Enum
+
+    class StrEnum(str, Enum):        # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return str(self.value)
 
 
-class SummaryColumn(str, Enum):
-    """One column of a per-rank summary (see the module docstring for what each one counts)."""
+class SummaryColumn(StrEnum):
+    """A column of a per-rank summary; see the module docstring for what each one counts."""
 
     RANK = "rank"
     FLOPS = "flops"
@@ -37,12 +51,16 @@ class SummaryColumn(str, Enum):
     BUFFER_BYTES = "buffer_bytes"
     ACTIVATION_BYTES = "activation_bytes"
     PEAK_BYTES = "peak_bytes"
+    CUDA_MAX_ALLOCATED_BYTES = "cuda_max_allocated_bytes"
     STEP_TIME_S = "step_time_s"
 
-    def __str__(self) -> str:
-        return self.value
 
+MEMORY_CATEGORIES = (SummaryColumn.PARAM_BYTES, SummaryColumn.GRAD_BYTES, SummaryColumn.OPTIMIZER_BYTES,
+                     SummaryColumn.BUFFER_BYTES, SummaryColumn.ACTIVATION_BYTES)
+"""The categories whose sum is ``peak_bytes``."""
 
-#: The memory columns, in the order the views stack them.
-MEMORY_COLUMNS = (SummaryColumn.PARAM_BYTES, SummaryColumn.GRAD_BYTES, SummaryColumn.OPTIMIZER_BYTES,
-                  SummaryColumn.BUFFER_BYTES, SummaryColumn.ACTIVATION_BYTES)
+MEMORY_COLUMNS = (SummaryColumn.RANK, *MEMORY_CATEGORIES, SummaryColumn.PEAK_BYTES)
+"""The columns of a memory table, predicted or measured."""
+
+PREDICTED_COLUMNS = tuple(c for c in SummaryColumn if c is not SummaryColumn.CUDA_MAX_ALLOCATED_BYTES)
+"""The columns of ``Plan.summary()``: every one but those only a measurement has."""

@@ -39,6 +39,8 @@ def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 
 OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.1}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-4}),
+    "momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam_amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "eps": 1e-4}),
 }
 
 
@@ -256,3 +258,47 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
     if case.units == 1:
         for rank, res in enumerate(per_rank):
             assert_close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss")
+
+
+def measure_memory(cases: Sequence[Case], gen_dir: str, steps: int = 2) -> List[Dict[str, int]]:
+    """On every rank: compile each case and train ``steps`` steps; returns, per case, the memory the
+    last step measured (``nbscaler.runtime.memory.MemoryMeter``: from the forward to after
+    ``optimizer.step()``, when gradients and optimizer state are all there)."""
+    from nbscaler.runtime.memory import MemoryMeter
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    results = []
+    for case in cases:
+        model = parallel_model(case, gen_dir)
+        opt = case.make_optimizer(model)
+        for step in range(steps):
+            opt.zero_grad()
+            with MemoryMeter(model, opt) as meter:
+                losses = step_losses(model, case, samples(case, step, rank // case.plan_ngpus))
+                if not case.compute_config.use_end2end:
+                    sum(losses).backward()
+                opt.step()
+        results.append(meter.stats())
+    return results
+
+
+def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConfig, Any]:
+    """``(graphs, storage, compute_config, geometry)`` of the case's plan, as the cost model takes them."""
+    from nbscaler.comm.layout import storage_layouts
+    from nbscaler.policy.builtin import get_policy
+    from nbscaler.policy.checks import check_placements
+    from nbscaler.schedule import PipelineGeometry
+    from nbscaler.trace.modes import trace_modes
+    cfg = case.compute_config
+    graphs = trace_modes(build(case.model), batch(case.model, 12345), cfg)
+    for mode in graphs:
+        graphs[mode] = get_policy(case.policy)(graphs[mode], cfg)
+        check_placements(graphs[mode], cfg)
+    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
+    return graphs, storage_layouts(graphs.values()), cfg, geometry
+
+
+def predicted_memory(case: Case) -> List[Dict[str, int]]:
+    """The memory model's rows for the case, with the case's optimizer."""
+    from nbscaler.cost.memory import memory_per_rank
+    cls, kwargs = OPTIMIZERS[case.optimizer]
+    return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs).to_dict("records")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 import pandas as pd
 
-from nbscaler.columns import SummaryColumn as C
+from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
 from nbscaler.ir.graph import IRGraph
@@ -136,7 +136,7 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any]) -> 
                           C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     frame = frame.merge(step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry), on=C.RANK.value)
-    return frame[[c.value for c in C]].rename(columns=str)
+    return frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
 
 
 # -- saved and shown forms ------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""How long collectives take: an alpha-beta model, with defaults and a calibration on a process group.
+
+A message of ``b`` bytes costs ``alpha + b * beta``: a fixed latency and a per-byte time. The
+collectives of ``nbscaler.runtime.collectives`` run as rings over ``n`` devices, so each costs a
+number of latency steps and moves a share of the tensor through every device:
+
+==================  ==============================  ===================================
+collective          forward (``b``: local input)     backward (its gradient)
+==================  ==============================  ===================================
+``all_gather``      ``(n-1)`` steps, ``(n-1) b``     a local slice
+``chunk``           a local slice                    ``all_gather`` of the piece
+``all_reduce``      ``2(n-1)``, ``2 (n-1)/n b``      nothing (the gradient passes)
+``reduce_scatter``  ``(n-1)``, ``(n-1)/n b``         ``all_gather`` of the piece
+``all_to_all``      ``(n-1)``, ``(n-1)/n b``         ``all_to_all``
+``sum_grad``        nothing                          ``all_reduce``
+``first_only``      nothing                          nothing
+==================  ==============================  ===================================
+
+``calibrate`` times ``all_reduce`` over a group at a few sizes and fits ``alpha`` and ``beta``
+(least squares); the result is cached on disk per backend and group size, and ``load`` returns it,
+or the defaults when nothing was calibrated.
+
+>>> model = CommModel(alpha_s=1e-4, beta_s_per_byte=1e-9)
+>>> round(model.forward("all_reduce", 4_000_000, 2), 6)
+0.0042
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nbscaler.cost.cache import cache_dir
+
+DEFAULTS = {"gloo": (1e-4, 1 / 2e9), "nccl": (1e-5, 1 / 5e10)}
+"""(alpha seconds, beta seconds per byte) when nothing was calibrated: gloo over local TCP, nccl
+over NVLink-class links. Rough on purpose; calibrate for numbers worth comparing."""
+
+
+@dataclass(frozen=True)
+class CommModel:
+    alpha_s: float
+    beta_s_per_byte: float
+    calibrated: bool = False
+
+    def ring(self, steps: float, nbytes: float) -> float:
+        return steps * self.alpha_s + nbytes * self.beta_s_per_byte
+
+    def forward(self, fn: str, nbytes: int, n: int) -> float:
+        """Seconds of collective ``fn`` over ``n`` devices on a local input of ``nbytes``."""
+        if n <= 1:
+            return 0.0
+        share = (n - 1) / n
+        return {
+            "all_gather": lambda: self.ring(n - 1, (n - 1) * nbytes),
+            "all_reduce": lambda: self.ring(2 * (n - 1), 2 * share * nbytes),
+            "reduce_scatter": lambda: self.ring(n - 1, share * nbytes),
+            "all_to_all": lambda: self.ring(n - 1, share * nbytes),
+        }.get(fn, lambda: 0.0)()
+
+    def backward(self, fn: str, nbytes: int, n: int) -> float:
+        """Seconds of the backward of ``fn`` (``nbytes``: the forward's local input)."""
+        if n <= 1:
+            return 0.0
+        return {
+            "chunk": lambda: self.forward("all_gather", nbytes // n, n),
+            "reduce_scatter": lambda: self.forward("all_gather", nbytes // n, n),
+            "all_to_all": lambda: self.forward("all_to_all", nbytes, n),
+            "sum_grad": lambda: self.forward("all_reduce", nbytes, n),
+        }.get(fn, lambda: 0.0)()
+
+    def p2p(self, nbytes: int) -> float:
+        """Seconds of one send/recv of ``nbytes``."""
+        return self.ring(1, nbytes)
+
+
+def _path(backend: str, nranks: int) -> Path:
+    return cache_dir() / f"comm-{backend}-{nranks}.json"
+
+
+def load(backend: Optional[str] = None, nranks: int = 2) -> CommModel:
+    """The calibrated model for ``backend`` (gloo without CUDA, nccl with) and group size, else the defaults."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    path = _path(backend, nranks)
+    if path.exists():
+        return CommModel(**json.loads(path.read_text()))
+    alpha, beta = DEFAULTS.get(backend, DEFAULTS["gloo"])
+    return CommModel(alpha, beta)
+
+
+def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**20, 2**22),
+              repeats: int = 5, save: bool = True) -> CommModel:
+    """Fit ``alpha`` and ``beta`` from ``all_reduce`` timings over ``group`` (every member calls it).
+
+    A few tens of milliseconds on a local machine. Rank 0 of the group writes the result to the
+    cache, so ``load`` finds it in later plans.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("calibrating collectives needs a process group: call it on every rank of a "
+                           "torchrun, nbscaler.runtime.launch.spawn or cluster run.")
+    n = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    xs, ys = [], []
+    for size in sizes:
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(buf, group=group)                  # warm up the connection
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        xs.append(size)
+        ys.append(statistics.median(times))
+    # t = 2(n-1) alpha + 2(n-1)/n size beta: a straight line in size
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = mean_y - slope * mean_x
+    steps = 2 * max(1, n - 1)
+    model = CommModel(alpha_s=max(intercept, 1e-7) / steps, beta_s_per_byte=max(slope, 1e-13) * n / steps,
+                      calibrated=True)
+    if save and dist.get_rank(group) == 0:
+        path = _path(dist.get_backend(group), n)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(model)))
+        tmp.replace(path)
+    return model

@@ -1,0 +1,192 @@
+"""The memory model: what each runtime rank holds during a training step, by category.
+
+The categories and their names are those of ``nbscaler.columns`` (measured memory uses the same):
+
+- **parameters and buffers**: the weights the rank's generated module creates, at local shapes;
+- **gradients**: without ZeRO the gradient synchronisation gives every local parameter a gradient;
+  with ZeRO the parameters the backward reached have one, plus the flat gradient shard of each
+  bucket the optimizer updates;
+- **optimizer state**: learnt per optimizer class by stepping it once on tiny tensors (``a * numel
+  + b`` bytes per optimizer parameter: 0 for SGD, ``numel`` floats for momentum, two and a step
+  counter for Adam), applied to the local parameters or, with ZeRO, to the shards, which count here
+  too (the optimizer's own copies). Shards follow the runtime's buckets: parameters in order,
+  split at 25 MiB and at dtype changes, each padded to a multiple of the ZeRO group size;
+- **activations**: what autograd saves during the forward, from replaying the rank's code on fake
+  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline.
+
+``peak_bytes`` is their sum. Everything here is exact for the runtime as it is (the tests compare
+it with measured counts), except ops the fake replay cannot run (data-dependent shapes), whose
+saved tensors are guessed with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import pandas as pd
+import torch
+
+from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as C
+from nbscaler.comm.layout import Layout
+from nbscaler.config import ComputeConfig
+from nbscaler.cost.local import LocalRun, run_local
+from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
+from nbscaler.ir.graph import IRGraph
+from nbscaler.schedule import PipelineGeometry
+
+BUCKET_BYTES = 25 * 2**20          # the runtime reducer's bucket size
+
+
+# -- optimizer state ---------------------------------------------------------------------------
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.untyped_storage()._cdata not in seen:
+                seen.add(v.untyped_storage()._cdata)
+                total += v.untyped_storage().nbytes()
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _state_line(optimizer: Type[torch.optim.Optimizer], kwargs: Tuple, dtype: torch.dtype) -> Tuple[int, int]:
+    """``(a, b)``: one optimizer parameter of ``n`` elements gets ``a * n + b`` bytes of state."""
+    sizes = []
+    for n in (1, 5):
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+        p.grad = torch.ones_like(p)
+        opt = optimizer([p], **dict(kwargs))
+        opt.step()
+        sizes.append(_state_bytes(opt))
+    per_elem = (sizes[1] - sizes[0]) // 4
+    return per_elem, sizes[0] - per_elem
+
+
+def optimizer_state_bytes(optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Optional[Dict[str, Any]],
+                          numel: int, dtype: torch.dtype) -> int:
+    """Bytes of state ``optimizer`` keeps for one parameter of ``numel`` elements of ``dtype``."""
+    kwargs = tuple(sorted((optimizer_kwargs or {}).items()))
+    a, b = _state_line(optimizer, kwargs, dtype)
+    return a * numel + b
+
+
+# -- gradients and optimizer parameters --------------------------------------------------------
+def buckets(params: List[LocalWeight], bucket_bytes: int = BUCKET_BYTES) -> List[List[LocalWeight]]:
+    """The reducer's buckets: consecutive parameters of one dtype, up to ``bucket_bytes`` each."""
+    out: List[List[LocalWeight]] = []
+    current: List[LocalWeight] = []
+    size = 0
+    for p in params:
+        if current and (size + p.nbytes > bucket_bytes or p.dtype != current[0].dtype):
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def zero_group_size(cfg: ComputeConfig) -> int:
+    """How many ranks split one copy of the optimizer state under ZeRO."""
+    return cfg.units // cfg.zero_ngroups
+
+
+def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tuple[int, torch.dtype]]:
+    """``(numel, dtype)`` of each parameter the rank's optimizer updates: the local parameters, or
+    with ZeRO one flat shard per bucket (``ceil(numel / N)`` elements for a group of ``N``)."""
+    if not cfg.use_zero:
+        return [(p.numel, p.dtype) for p in params]
+    n = zero_group_size(cfg)
+    return [(-(-sum(p.numel for p in b) // n), b[0].dtype) for b in buckets(params)]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
+                  optimizer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, int]:
+    """Parameters, gradients, optimizer state and buffers of one rank (bytes)."""
+    params = [w for w in weights if w.kind == "param"]
+    row = {C.PARAM_BYTES: sum(p.nbytes for p in params),
+           C.BUFFER_BYTES: sum(w.nbytes for w in weights if w.kind != "param")}
+    if cfg.inference_only:
+        return {**row, C.GRAD_BYTES: 0, C.OPTIMIZER_BYTES: 0}
+    slots = optimizer_params(params, cfg)
+    state = sum(optimizer_state_bytes(optimizer, optimizer_kwargs, n, dt) for n, dt in slots)
+    if cfg.use_zero:
+        shards = sum(n * _itemsize(dt) for n, dt in slots)
+        row[C.GRAD_BYTES] = sum(p.nbytes for p in params if p.trained) + shards
+        row[C.OPTIMIZER_BYTES] = shards + state
+    else:
+        row[C.GRAD_BYTES] = row[C.PARAM_BYTES]      # the synchronisation sets every gradient
+        row[C.OPTIMIZER_BYTES] = state
+    return row
+
+
+# -- activations -------------------------------------------------------------------------------
+def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
+               geometry: Optional[PipelineGeometry]) -> Dict[Optional[int], LocalRun]:
+    """The training forward of plan ``device`` replayed on fake tensors, per stage it holds
+    (key ``None`` without a pipeline)."""
+    graph = train_graph(graphs)
+    runs = {}
+    for sec in sections({"train": graph}, device, geometry):
+        carry_in, carry_out = stage_io(graph, geometry, sec.stage)
+        runs[sec.stage] = run_local(graph, sec.device, storage, sec.stage, carry_in, carry_out)
+    return runs
+
+
+def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:
+    """The most bytes saved at once: one forward without a pipeline; with one, the running total
+    over the device's blocks (a forward adds its stage's bytes, the backward frees them)."""
+    if geometry is None:
+        return saved[None]
+    live = peak = 0
+    for block in geometry.schedule.blocks_of(geometry.pipeline_device(device)):
+        live += saved[block.stage] if block.phase == "F" else -saved[block.stage]
+        peak = max(peak, live)
+    return peak
+
+
+def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
+    """The pass: ``node.meta['local_saved_bytes'][device]``, what each node newly saves for the
+    backward on each device that runs it."""
+    for run in runs.values():
+        for op in run.ops:
+            op.node.meta.setdefault("local_saved_bytes", {})[run.device] = op.saved_bytes
+
+
+# -- the table ---------------------------------------------------------------------------------
+def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
+                    geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
+                    optimizer_kwargs: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
+    """Predicted memory of every runtime rank during a training step, by category (bytes).
+
+    Args:
+        graphs: the placed graphs by mode ('any', or 'train' and 'eval').
+        storage: how each weight is stored (``comm.layout.storage_layouts``).
+        cfg: the compute config (ZeRO, units, pipeline).
+        geometry: the pipeline geometry, or ``None`` without a pipeline.
+        optimizer: the optimizer class; its state is learnt by stepping it on tiny tensors.
+        optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
+
+    Returns:
+        One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
+        ``optimizer_bytes``, ``buffer_bytes``, ``activation_bytes``, ``peak_bytes``.
+    """
+    by_device: Dict[int, Dict[str, int]] = {}
+    for device in range(cfg.plan_ngpus):
+        row = weight_memory(local_weights(graphs, storage, device, geometry), cfg, optimizer, optimizer_kwargs)
+        if cfg.inference_only:
+            row[C.ACTIVATION_BYTES] = 0
+        else:
+            runs = stage_runs(graphs, storage, device, geometry)
+            annotate_saved_bytes(runs)
+            row[C.ACTIVATION_BYTES] = in_flight_peak({s: r.saved_bytes for s, r in runs.items()}, geometry, device)
+        row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
+        by_device[device] = row
+    rows = [{C.RANK: r, **by_device[cfg.device_of(r)]} for r in range(cfg.runtime_ngpus)]
+    return pd.DataFrame(rows, columns=[str(c) for c in MEMORY_COLUMNS]).rename(columns=str)

@@ -1,0 +1,186 @@
+"""Per-op time from a one-off profile on the current device, cached by device and shapes.
+
+The time model needs how long each op takes at the local shapes a rank runs it with. Rather than
+a roofline guess, each distinct call (target, local input shapes and dtypes, constant arguments)
+is run a few times on random tensors, forward and backward, and the medians are kept in a JSON
+table under the cache folder (``cost.cache``), one per device (e.g. ``cpu-x86_64-1t``: the number
+of threads matters on a CPU). A 12-layer transformer has a few dozen distinct calls, so profiling
+it takes a second or two, once.
+
+A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
+``engine_overhead_s`` measures it, and it is taken out of each op's backward time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from nbscaler.cost.cache import cache_dir, read_table, write_table
+from nbscaler.cost.local import OpCall, call_args, call_node
+
+MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
+
+
+def device_key(device: Optional[torch.device] = None) -> str:
+    """Names the hardware a profile is valid for."""
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type == "cuda":
+        return "cuda-" + torch.cuda.get_device_name(device).replace(" ", "_")
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
+
+
+def op_key(op: OpCall) -> str:
+    """What decides an op's time: its target, local inputs and constant arguments."""
+    consts = repr(op.node.map_args(lambda t: None))
+    shapes = repr([(s, str(d), g) for s, d, g in op.in_shapes])
+    return hashlib.sha1(f"{op.node.target}|{shapes}|{consts}".encode()).hexdigest()[:20]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inputs(op: OpCall, device: torch.device) -> List[torch.Tensor]:
+    out = []
+    for shape, dtype, grad in op.in_shapes:
+        if dtype.is_floating_point:
+            t = torch.randn(shape, dtype=dtype, device=device)
+        else:
+            t = torch.zeros(shape, dtype=dtype, device=device)       # valid indices and masks
+        if grad:
+            t = t.requires_grad_().clone()      # not a leaf, so in-place ops work as at run time
+        out.append(t)
+    return out
+
+
+def _float_outputs(result) -> List[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+    leaves, _ = tree_flatten(result)
+    return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None]
+
+
+def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
+    """Median forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget)."""
+    fwd, bwd = [], []
+    spent = 0.0
+    for i in range(MAX_REPEATS + 1):
+        inputs = _inputs(op, device)
+        args, kwargs = call_args(op.node, inputs, device)
+        _sync(device)
+        start = time.perf_counter()
+        result = call_node(op.node, args, kwargs)
+        _sync(device)
+        middle = time.perf_counter()
+        outs = _float_outputs(result)
+        if outs:
+            grads = [torch.ones_like(o) for o in outs]
+            _sync(device)
+            middle2 = time.perf_counter()
+            torch.autograd.backward(outs, grads)
+            _sync(device)
+            end = time.perf_counter()
+        else:
+            middle2 = end = middle
+        if i:                       # the first run warms up
+            fwd.append(middle - start)
+            bwd.append(end - middle2)
+            spent += end - start
+            if len(fwd) >= MIN_REPEATS and spent > BUDGET_S:
+                break
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
+    """The time a backward takes through one trivial op: the engine's fixed start-up."""
+    times = []
+    for _ in range(repeats):
+        x = torch.ones(1, device=device, requires_grad=True)
+        y = x * 1.0
+        _sync(device)
+        start = time.perf_counter()
+        y.backward()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class OpProfiler:
+    """Op times on one device, profiled on first use and cached on disk."""
+
+    def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None):
+        self.device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        self.path = path or cache_dir() / f"ops-{device_key(self.device)}.json"
+        self.table: Dict[str, List[float]] = read_table(self.path)
+        self.new: Dict[str, List[float]] = {}
+        self._overhead: Optional[float] = self.table.get("__engine__", [None])[0]
+
+    @property
+    def overhead_s(self) -> float:
+        """The autograd engine's start-up per backward."""
+        if self._overhead is None:
+            self._overhead = engine_overhead_s(self.device)
+            self.new["__engine__"] = [self._overhead]
+        return self._overhead
+
+    def time(self, op: OpCall) -> Tuple[float, float]:
+        """Forward and backward seconds of ``op`` (engine start-up taken out of the backward)."""
+        key = op_key(op)
+        if key not in self.table:
+            fwd, bwd = time_op(op, self.device)
+            self.table[key] = self.new[key] = [fwd, max(0.0, bwd - self.overhead_s) if bwd else 0.0]
+        fwd, bwd = self.table[key]
+        return fwd, bwd
+
+    def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
+        """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``."""
+        key = f"update|{optimizer.__module__}.{optimizer.__qualname__}|{sorted(optimizer_kwargs.items())}|{dtype}|{numels}"
+        key = hashlib.sha1(key.encode()).hexdigest()[:20]
+        if key not in self.table:
+            self.table[key] = self.new[key] = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device)]
+        return self.table[key][0]
+
+    def save(self) -> None:
+        """Write what was profiled since the last save."""
+        if self.new:
+            write_table(self.path, self.new)
+            self.new = {}
+
+
+def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict,
+                device: torch.device, repeats: int = 5) -> float:
+    """Seconds of what follows the backward on one rank, without communication: the reducer's
+    copies into and out of its flat buckets, and one step of ``optimizer`` over parameters of
+    ``numels`` elements."""
+    if not numels:
+        return 0.0
+    params = [torch.nn.Parameter(torch.randn(n, dtype=dtype, device=device)) for n in numels]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = optimizer(params, **optimizer_kwargs)
+    flat = torch.empty(sum(numels), dtype=dtype, device=device)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        flat.zero_()
+        offset = 0
+        for p in params:                     # Bucket.flat_grads, then Bucket.set_grads
+            flat[offset:offset + p.numel()].copy_(p.grad)
+            offset += p.numel()
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()])
+            offset += p.numel()
+        opt.step()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
