@@ -31,6 +31,8 @@ from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.annotate import annotate_costs
+from nbscaler.cost.memory import memory_per_rank
+from nbscaler.cost.timing import predicted_timeline
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
 from nbscaler.policy.builtin import get_policy
@@ -101,7 +103,8 @@ class Plan:
         return tables.collectives_frame(collective_steps(self.graph, self.storage, nstages))
 
     def traffic(self) -> pd.DataFrame:
-        """Bytes each runtime rank sends and receives in one training step (see ``tables``)."""
+        """Bytes each runtime rank sends and receives in one training step on the graph's edges and
+        pipeline crossings; ``summary()`` adds the gradient synchronisation between units."""
         return tables.traffic_per_rank(self)
 
     def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
@@ -110,13 +113,11 @@ class Plan:
 
     def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
         """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)."""
-        from nbscaler.cost.memory import memory_per_rank
         return memory_per_rank(self.graphs, self.storage, self.config, self.geometry,
                                optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
 
     def timeline(self) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``."""
-        from nbscaler.cost.timing import predicted_timeline
         return predicted_timeline(self.graphs, self.storage, self.config, self.geometry)
 
     # -- again, differently -----------------------------------------------------------------------

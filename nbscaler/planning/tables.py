@@ -18,6 +18,7 @@ import pandas as pd
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
+from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
 
 if TYPE_CHECKING:
@@ -128,7 +129,6 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
 
 def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any]) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``SummaryColumn``."""
-    from nbscaler.cost.timing import step_time_per_rank
     memory = plan.memory(optimizer, **optimizer_kwargs)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
     flops = flops_per_device(plan)

@@ -105,3 +105,18 @@ def test_explain_and_html_name_the_policy():
     p = nbscaler.plan(build("mlp"), batch("mlp", 0), "tp", ComputeConfig(2, 2))
     assert "under 'tp'" in p.explain() and "split ops" in p.explain()
     assert "Plan(tests.models.MLP" in p._repr_html_()
+
+
+def test_summary_has_the_contract_columns_and_the_cost_models_numbers():
+    p = nbscaler.plan(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 4))
+    s = p.summary(optimizer=torch.optim.AdamW)
+    assert list(s.columns) == ["rank", "flops", "bytes_sent", "bytes_received", "param_bytes", "grad_bytes",
+                               "optimizer_bytes", "buffer_bytes", "activation_bytes", "peak_bytes", "step_time_s"]
+    assert list(s["rank"]) == [0, 1, 2, 3]
+    memory = p.memory(torch.optim.AdamW)
+    assert s[memory.columns].equals(memory)
+    # two units: each rank also all-reduces its gradients with its twin in the other unit
+    from nbscaler.planning.tables import edge_traffic_per_device
+    sent, _ = edge_traffic_per_device(p)[0]
+    assert s.bytes_sent[0] == sent + 2 * (1 / 2) * s.param_bytes[0]
+    assert (s.step_time_s > 0).all() and (s.flops > 0).all()
