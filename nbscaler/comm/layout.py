@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from nbscaler.ir.graph import IRNode
+from nbscaler.ir.graph import IRNode, Placement
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,10 @@ def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, 
     return tuple(shape)
 
 
-def output_layout(node: IRNode, index: int) -> Layout:
-    """The layout ``node`` leaves its ``index``-th tensor output in."""
-    place = node.placement
+def output_layout(node: IRNode, index: int, place: Optional[Placement] = None) -> Layout:
+    """The layout ``node`` leaves its ``index``-th tensor output in (under ``place``, by default
+    the node's own placement: a search can ask about placements it is only considering)."""
+    place = place or node.placement
     if place is None or place.split is None:
         return Layout.replicated()
     _, out_dims = node.annotation.split_dims(place.split)
@@ -89,9 +90,9 @@ def output_layout(node: IRNode, index: int) -> Layout:
     return Layout.partial()
 
 
-def input_requirement(node: IRNode, index: int) -> Layout:
-    """What ``node`` needs of its ``index``-th tensor input."""
-    place = node.placement
+def input_requirement(node: IRNode, index: int, place: Optional[Placement] = None) -> Layout:
+    """What ``node`` needs of its ``index``-th tensor input (under ``place``, as above)."""
+    place = place or node.placement
     if place is None or place.split is None:
         return Layout.replicated()
     in_dims, _ = node.annotation.split_dims(place.split)

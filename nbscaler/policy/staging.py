@@ -27,7 +27,7 @@ def set_stage(nodes: Iterable[IRNode], stage: int) -> None:
         node.stage = stage
 
 
-def _layer(path: str) -> str:
+def layer_of(path: str) -> str:
     """'gpt.blocks.3.attn.q' -> 'gpt.blocks.3': the unit a cut should not split (the path up to the
     first list index, or the first name when there is none)."""
     parts = path.split(".")
@@ -49,7 +49,7 @@ def stage_by_cost(graph: IRGraph, nstages: int) -> List[int]:
     cum = list(itertools.accumulate(costs))
     total = cum[-1]
     # cut before node i; prefer places where the layer changes
-    layer_cuts = [i for i in range(1, len(nodes)) if _layer(nodes[i].module_path) != _layer(nodes[i - 1].module_path)]
+    layer_cuts = [i for i in range(1, len(nodes)) if layer_of(nodes[i].module_path) != layer_of(nodes[i - 1].module_path)]
     cuts: List[int] = []
     for k in range(1, nstages):
         target = total * k / nstages
