@@ -35,6 +35,7 @@ from nbscaler.cost.memory import memory_per_rank
 from nbscaler.cost.timing import predicted_timeline
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
+from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import get_policy
 from nbscaler.policy.checks import check_placements
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
@@ -136,9 +137,9 @@ class Plan:
         """What ``plan.json`` holds: the config, every node's placement and cost, weights, collectives."""
         return tables.plan_json(self, PLAN_FORMAT_VERSION)
 
-    def explain(self) -> str:
-        """A short account of what the policy did, in words and figures."""
-        return tables.explain_text(self)
+    def explain(self) -> Explanation:
+        """What the policy did (and, for autodist, why): text to print, with ``.table`` behind it."""
+        return explain(self)
 
     def _repr_html_(self) -> str:
         return tables.plan_html(self)

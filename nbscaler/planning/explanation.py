@@ -1,0 +1,75 @@
+"""``Plan.explain()``: what the policy did and, for autodist, why, as text with a table behind it.
+
+For a built-in policy: the share of FLOPs it split, the heaviest ops and the collectives. For
+autodist, also the search (time, exact or not, the staging it picked), the predicted step time and
+memory per device, the ops that cost most in compute and in communication, and for the layers that
+matter most, the choice against the runner-up in the terms that decided it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+import pandas as pd
+
+from nbscaler.planning.tables import explain_text
+from nbscaler.policy.autodist.explain import reason
+from nbscaler.policy.staging import layer_of
+
+if TYPE_CHECKING:
+    from nbscaler.planning.planner import Plan
+
+
+class Explanation(str):
+    """The explanation's text (print it); ``.table`` holds its figures, one row per op."""
+
+    table: pd.DataFrame
+
+    def __new__(cls, text: str, table: pd.DataFrame) -> "Explanation":
+        self = super().__new__(cls, text)
+        self.table = table
+        return self
+
+    def _repr_html_(self) -> str:
+        text = str(self).replace("&", "&amp;").replace("<", "&lt;").replace("\n", "<br>")
+        return f"<div style='font-family:monospace'>{text}</div>" + self.table.head(20).to_html()
+
+
+def explain(plan: "Plan", top: int = 5) -> Explanation:
+    info = plan.graph.meta.get("autodist")
+    if info is None:
+        table = plan.ops.nlargest(top * 4, "flops_fwd")[["name", "module", "op", "split", "devices", "flops_fwd"]]
+        return Explanation(explain_text(plan), table.reset_index(drop=True))
+    rows = pd.DataFrame(info["rows"])
+    lines = [explain_text(plan), "", _search_line(info)]
+    summary = plan.summary()
+    lines.append("predicted per device: step " + ", ".join(f"{t:.3g} s" for t in summary.step_time_s.round(6)) +
+                 "; peak memory " + ", ".join(f"{b / 2**20:.3g} MiB" for b in summary.peak_bytes))
+    lines += _top(rows, "op_s", "compute", top) + _top(rows, "comm_s", "communication", top)
+    lines.append("the layers that cost most, and the choice for their heaviest op against the runner-up:")
+    rows["layer"] = rows.module.map(layer_of)
+    rows["cost_s"] = rows.op_s + rows.comm_s
+    for layer, group in rows.groupby("layer", sort=False).cost_s.sum().nlargest(top).items():
+        heaviest = rows.loc[rows[rows.layer == layer].cost_s.idxmax()]
+        lines.append(f"  {layer or 'top level'} ({group * 1e3:.3g} ms): {heaviest['name']} ({heaviest['op']}) "
+                     f"{reason(heaviest)}")
+    return Explanation("\n".join(lines), rows.drop(columns=["layer", "cost_s"]))
+
+
+def _search_line(info) -> str:
+    how = "exact" if info["exact"] else f"the best of up to {info['states']} partial plans kept per op"
+    line = f"autodist searched in {info.get('search_s', 0):.2f} s ({how})"
+    if info.get("staging") and info["staging"] != "none":
+        line += f"; stages cut by {info['staging']} (of {', '.join(info['stagings'])}, by the schedule simulator)"
+    if info.get("memory_limit_bytes"):
+        line += (f"; memory limit {info['memory_limit_bytes'] / 2**20:.4g} MiB, predicted peak "
+                 f"{info['peak_bytes'] / 2**20:.4g} MiB")
+    return line + "."
+
+
+def _top(rows: pd.DataFrame, column: str, what: str, top: int) -> List[str]:
+    worst = rows[rows[column] > 0].nlargest(top, column)
+    if worst.empty:
+        return [f"no {what} to speak of."]
+    return [f"top ops by {what}:"] + [f"  {r['name']} ({r['module'] or 'top level'}): {r[column] * 1e3:.3g} ms, "
+                                      f"{r['choice']}" for _, r in worst.iterrows()]
