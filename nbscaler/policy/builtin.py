@@ -5,6 +5,7 @@
 - ``data``: split every op along the batch axis across the ``plan_ngpus`` devices of a unit.
 - ``pp``: pipeline stages balanced by FLOPs, one per device.
 - ``hybrid``: pipeline stages, each tensor-parallel (``tp``) over its share of the devices.
+- ``autodist``: a search over every op's split, scored by the cost model (``nbscaler.policy.autodist``).
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
@@ -21,6 +22,7 @@ from typing import Callable, Dict, Optional, Tuple
 from nbscaler.comm.layout import output_layout
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.policy.autodist import autodist
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import stage_by_cost
 from nbscaler.schedule import PipelineGeometry
@@ -151,20 +153,13 @@ def _tp_choice(node: IRNode, split_of, n: int) -> Optional[str]:
     return None
 
 
-def _not_yet(name: str, issue: str) -> Policy:
-    def policy(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-        raise NotImplementedError(f"policy {name!r} is not available yet ({issue}); use 'dp', 'tp' or 'data', "
-                                  "or pass your own policy function (graph, compute_config) -> graph.")
-    return policy
-
-
 POLICIES: Dict[str, Policy] = {
     "dp": dp,
     "tp": tp,
     "data": data,
     "pp": pp,
     "hybrid": hybrid,
-    "autodist": _not_yet("autodist", "the cost-model search is being built"),
+    "autodist": autodist,
 }
 
 

@@ -1,0 +1,211 @@
+"""autodist: search the placement of every op, scored by the cost model, and say why.
+
+>>> pm = parallelize(model, args, "autodist", ComputeConfig(2, 4,                 # doctest: +SKIP
+...                  pas_config={"memory_limit_bytes": 2 * 2**30}))
+>>> print(nbscaler.plan(model, args, "autodist", cfg).explain())                  # doctest: +SKIP
+
+For each op it chooses to replicate it or to split it along one of the dims its annotation allows,
+on the unit's devices (or, in a pipeline, on its stage's devices). The cost of a plan is the time of
+every op on its share, profiled on this device, plus the collectives its edges then need, from the
+alpha-beta model (``search``); the search is exact where the graph allows (``search``'s docstring
+says when it is not). Under ``memory_limit_bytes`` it weighs bytes against seconds, raising the
+weight until the exact memory model says every device fits. With a pipeline, it also chooses where
+to cut: balanced by FLOPs, or by the searched times at the layer boundaries (or at
+``pipeline_pivots``), whichever the schedule simulator predicts to be faster.
+
+The knobs are ``pas_config`` keys (``options``); ``planfile`` saves and loads a chosen plan;
+``explain`` records, per op, the choice against the runner-up.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from nbscaler.comm.layout import storage_layouts
+from nbscaler.config import ComputeConfig
+from nbscaler.cost import comm_model
+from nbscaler.cost.memory import memory_per_rank
+from nbscaler.cost.timing import default_profiler, predicted_timeline
+from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
+from nbscaler.policy.autodist.explain import explain_rows
+from nbscaler.policy.autodist.options import AutodistOptions
+from nbscaler.policy.autodist.planfile import load_plan, save_plan
+from nbscaler.policy.autodist.search import SearchResult, search
+from nbscaler.policy.primitives import PolicyError, partition, replicate
+from nbscaler.policy.staging import layer_of, stage_by_cost
+from nbscaler.schedule import PipelineGeometry
+
+__all__ = ["AutodistOptions", "autodist"]
+
+#: How many times the memory weight may double before autodist gives up on a memory limit.
+MAX_WEIGHT_STEPS = 24
+
+
+def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """The autodist policy: place every node of ``graph`` as the search finds best."""
+    opts = AutodistOptions.from_config(cfg)
+    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
+    if opts.load_plan_path:
+        unit = tuple(range(cfg.plan_ngpus))
+        return load_plan(graph, cfg.plan_ngpus, opts.load_plan_path,
+                         lambda stage: geometry.stage_group(stage) if geometry and stage is not None else unit)
+    start = time.perf_counter()
+    searcher = _Searcher(graph, cfg, opts, geometry)
+    info = searcher.run()
+    searcher.profiler.save()                  # op times profiled here serve the next search too
+    info["search_s"] = time.perf_counter() - start
+    graph.meta["autodist"] = info
+    if opts.save_plan_path:
+        save_plan(graph, cfg.plan_ngpus, opts.save_plan_path)
+    return graph
+
+
+class _Searcher:
+    """One autodist run over one graph: stagings, the memory weight, and the record of it."""
+
+    def __init__(self, graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions, geometry: Optional[PipelineGeometry]):
+        self.graph, self.cfg, self.opts, self.geometry = graph, cfg, opts, geometry
+        self.profiler = default_profiler()
+        self.factor = optimizer_state_factor(opts.optimizer)
+        self.costs: Dict[Tuple[int, ...], ChoiceCosts] = {}
+
+    def costs_for(self, devices: Tuple[int, ...]) -> ChoiceCosts:
+        if devices not in self.costs:
+            comm = comm_model.load(nranks=len(devices))
+            self.costs[devices] = ChoiceCosts(self.graph, devices, self.profiler, comm, self.factor)
+        return self.costs[devices]
+
+    # -- one placement for a given staging and memory weight -----------------------------------
+    def place(self, weight: float) -> Tuple[List[SearchResult], List[dict]]:
+        results, rows = [], []
+        for stage, nodes, devices in self.sections():
+            costs = self.costs_for(devices)
+            result = search(nodes, costs, self.opts.pin_of, weight, self.opts.autodist_max_states)
+            for node in nodes:
+                choice = result.choices[id(node)]
+                if choice is None:
+                    replicate(node, devices)
+                else:
+                    partition(node, choice, devices)
+            options = {id(n): costs.choices(n, self.opts.pin_of(n.module_path)) for n in nodes}
+            rows += explain_rows(nodes, result.choices, costs, options, weight, stage)
+            results.append(result)
+        return results, rows
+
+    def sections(self) -> List[Tuple[Optional[int], List[IRNode], Tuple[int, ...]]]:
+        if self.geometry is None:
+            return [(None, list(self.graph.nodes), tuple(range(self.cfg.plan_ngpus)))]
+        return [(s, [n for n in self.graph.nodes if n.stage == s], self.geometry.stage_group(s))
+                for s in range(self.geometry.schedule.nstages)]
+
+    def peak_bytes(self) -> int:
+        graphs = {self.graph.mode: self.graph}
+        memory = memory_per_rank(graphs, storage_layouts([self.graph]), self.cfg, self.geometry,
+                                 optimizer=self.opts.optimizer)
+        return int(memory["peak_bytes"].max())
+
+    # -- the whole run ----------------------------------------------------------------------------
+    def run(self) -> dict:
+        stagings = self.stagings() if self.geometry is not None else [("none", None)]
+        best = None
+        for name, stages in stagings:
+            if stages is not None:
+                for node, s in zip(self.graph.nodes, stages):
+                    node.stage = s
+            results, rows, weight, peak = self.fit_memory()
+            score = self.score() if len(stagings) > 1 else None
+            if best is None or (score is not None and score < best["score"]):
+                best = {"staging": name, "stages": stages, "score": score, "weight": weight}
+        if len(stagings) > 1 and best["staging"] != name:          # place the winner again
+            for node, s in zip(self.graph.nodes, best["stages"]):
+                node.stage = s
+            results, rows, weight, peak = self.fit_memory()
+        return {"rows": rows, "exact": all(r.exact for r in results), "states": max(r.states for r in results),
+                "bytes_weight": weight, "peak_bytes": peak, "memory_limit_bytes": self.opts.memory_limit_bytes,
+                "staging": best["staging"], "stagings": [n for n, _ in stagings]}
+
+    def fit_memory(self):
+        """Search with no weight on bytes; under a limit, double the weight until the plan fits."""
+        results, rows = self.place(0.0)
+        limit = self.opts.memory_limit_bytes
+        if limit is None:
+            return results, rows, 0.0, None
+        peak = self.peak_bytes()
+        seconds = sum(r["op_s"] + r["comm_s"] for r in rows) or 1.0
+        weight = seconds / max(sum(r["bytes"] for r in rows), 1.0) / 16
+        for _ in range(MAX_WEIGHT_STEPS):
+            if peak <= limit:
+                return results, rows, weight, peak
+            weight *= 2
+            results, rows = self.place(weight)
+            peak = self.peak_bytes()
+        if peak <= limit:
+            return results, rows, weight, peak
+        raise PolicyError(f"autodist found no plan that fits memory_limit_bytes={limit:,} per device: the leanest "
+                          f"needs {peak:,} bytes. Use more devices per unit (plan_ngpus), ZeRO (use_zero=True), "
+                          "a pipeline, or a higher limit.")
+
+    def stagings(self) -> List[Tuple[str, List[int]]]:
+        """Candidate stage assignments: by FLOPs, and by searched time at the allowed cuts."""
+        nstages = self.geometry.schedule.nstages
+        by_flops = stage_by_cost(self.graph, nstages)
+        by_time = balanced_cuts(self.graph, nstages, self.node_seconds(), self.cut_points())
+        return [("flops", by_flops)] + ([("time", by_time)] if by_time != by_flops else [])
+
+    def node_seconds(self) -> List[float]:
+        """Each op's time under the tensor-parallel search a stage would run (one stage's devices)."""
+        devices = self.geometry.stage_group(0)
+        costs = self.costs_for(devices)
+        result = search(self.graph.nodes, costs, self.opts.pin_of, 0.0, self.opts.autodist_max_states)
+        return [costs.op_seconds(n, result.choices[id(n)]) for n in self.graph.nodes]
+
+    def cut_points(self) -> List[int]:
+        """Positions a stage may start at: before each pivot module, or where the layer changes."""
+        nodes = self.graph.nodes
+        pivots = self.opts.pipeline_pivots
+        if pivots:
+            points = [next((i for i, n in enumerate(nodes) if n.module_path == p or n.module_path.startswith(p + ".")), None)
+                      for p in pivots]
+            missing = [p for p, i in zip(pivots, points) if i is None]
+            if missing:
+                raise PolicyError(f"pipeline_pivots {missing} name no module of the traced graph; pivots are module "
+                                  f"paths such as {sorted({layer_of(n.module_path) for n in nodes})[:4]}.")
+            return sorted({i for i in points if i > 0})
+        return [i for i in range(1, len(nodes)) if layer_of(nodes[i].module_path) != layer_of(nodes[i - 1].module_path)]
+
+    def score(self) -> float:
+        """The predicted step time of the current placement: the schedule simulator's makespan."""
+        graphs = {self.graph.mode: self.graph}
+        return predicted_timeline(graphs, storage_layouts([self.graph]), self.cfg, self.geometry).makespan
+
+
+def balanced_cuts(graph: IRGraph, nstages: int, seconds: List[float], points: List[int]) -> List[int]:
+    """Stages (one per node) cut at ``points`` so that the slowest stage is as fast as it can be."""
+    n = len(seconds)
+    if len(points) < nstages - 1:
+        raise PolicyError(f"only {len(points) + 1} places to cut the graph into pipeline stages, but "
+                          f"{nstages} stages were asked for; name more pipeline_pivots or use fewer stages.")
+    prefix = [0.0]
+    for s in seconds:
+        prefix.append(prefix[-1] + s)
+    bounds = [0] + points + [n]
+    # best[k][j]: the slowest stage when the first k stages cover nodes up to bounds[j]
+    inf = float("inf")
+    best = [[inf] * len(bounds) for _ in range(nstages + 1)]
+    back = [[0] * len(bounds) for _ in range(nstages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, nstages + 1):
+        for j in range(1, len(bounds)):
+            for i in range(j):
+                cost = max(best[k - 1][i], prefix[bounds[j]] - prefix[bounds[i]])
+                if cost < best[k][j]:
+                    best[k][j], back[k][j] = cost, i
+    stages, j = [0] * n, len(bounds) - 1
+    for k in range(nstages, 0, -1):
+        i = back[k][j]
+        for pos in range(bounds[i], bounds[j]):
+            stages[pos] = k - 1
+        j = i
+    return stages

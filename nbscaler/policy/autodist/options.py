@@ -1,0 +1,88 @@
+"""The knobs of autodist, read from ``ComputeConfig.pas_config`` and checked on the spot.
+
+==========================  ==================================================================
+``memory_limit_bytes``      each device must fit in this many bytes (parameters, gradients,
+                            optimizer state, buffers and saved activations); ``None``: no limit
+``memory_optimizer``        the optimizer the limit is checked for: ``'sgd'``, ``'adam'`` or
+                            ``'adamw'`` (the default)
+``pipeline_pivots``         module paths where a pipeline may be cut (before each); ``None``:
+                            at any layer boundary
+``autodist_constraints``    ``{module pattern: 'replicate' | dim name}``: ops under a module
+                            matching the pattern (``fnmatch``, e.g. ``'blocks.*.mlp'``) are kept
+                            whole, or split along that annotated dim where they have it
+``save_plan_path``          write the chosen plan there as readable JSON
+``load_plan_path``          place the graph from such a file instead of searching
+``autodist_max_states``     the most partial plans the search keeps per op (beyond it, the best
+                            ones): exact below it
+==========================  ==================================================================
+
+>>> AutodistOptions.from_config(ComputeConfig(2, 2, pas_config={"memory_limit_bytes": 2**30}))
+AutodistOptions(memory_limit_bytes=1073741824, ...)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Type
+
+import torch
+
+from nbscaler.config import ComputeConfig
+
+OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+KEYS = ("memory_limit_bytes", "memory_optimizer", "pipeline_pivots", "autodist_constraints", "save_plan_path",
+        "load_plan_path", "autodist_max_states")
+
+
+@dataclass(frozen=True)
+class AutodistOptions:
+    memory_limit_bytes: Optional[int] = None
+    memory_optimizer: str = "adamw"
+    pipeline_pivots: Optional[List[str]] = None
+    autodist_constraints: Dict[str, str] = field(default_factory=dict)
+    save_plan_path: Optional[str] = None
+    load_plan_path: Optional[str] = None
+    autodist_max_states: int = 4096
+
+    @classmethod
+    def from_config(cls, cfg: ComputeConfig) -> "AutodistOptions":
+        """The options in ``cfg.pas_config`` (other keys there belong to other policies)."""
+        return cls(**{k: v for k, v in (cfg.pas_config or {}).items() if k in KEYS})
+
+    def __post_init__(self) -> None:
+        def fail(key: str, value, fix: str) -> None:
+            raise ValueError(f"pas_config[{key!r}]={value!r} is not valid for autodist: {fix}")
+
+        limit = self.memory_limit_bytes
+        if limit is not None and (not isinstance(limit, int) or limit <= 0):
+            fail("memory_limit_bytes", limit, "give a positive number of bytes per device, e.g. 2 * 2**30.")
+        if self.memory_optimizer not in OPTIMIZERS:
+            fail("memory_optimizer", self.memory_optimizer, f"use one of {', '.join(OPTIMIZERS)}.")
+        pivots = self.pipeline_pivots
+        if pivots is not None and (not isinstance(pivots, (list, tuple)) or not all(isinstance(p, str) for p in pivots)):
+            fail("pipeline_pivots", pivots, "give a list of module paths, e.g. ['blocks.4', 'blocks.8'].")
+        for pattern, pin in self.autodist_constraints.items():
+            if not isinstance(pattern, str) or not isinstance(pin, str) or not pin:
+                fail("autodist_constraints", {pattern: pin},
+                     "map module patterns to 'replicate' or a dim name, e.g. {'blocks.*.mlp': 'replicate'}.")
+        if not isinstance(self.autodist_max_states, int) or self.autodist_max_states < 1:
+            fail("autodist_max_states", self.autodist_max_states, "give a positive whole number.")
+
+    @property
+    def optimizer(self) -> Type[torch.optim.Optimizer]:
+        return OPTIMIZERS[self.memory_optimizer]
+
+    def pin_of(self, module_path: str) -> Optional[str]:
+        """The constraint on ops under ``module_path`` ('replicate', a dim name), if any."""
+        for pattern, pin in self.autodist_constraints.items():
+            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in _prefixes(module_path)):
+                return pin
+        return None
+
+
+def _prefixes(path: str) -> List[str]:
+    """'blocks.0.mlp.fc' -> ['blocks', 'blocks.0', 'blocks.0.mlp', 'blocks.0.mlp.fc']."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]

@@ -1,0 +1,60 @@
+"""Save a chosen plan as readable JSON, and place a graph from such a file (edited or not).
+
+One entry per op, in graph order, named as in the generated code::
+
+    {"format": "nbscaler-autodist-plan", "version": 1, "plan_ngpus": 2,
+     "ops": [{"name": "linear_3", "module": "blocks.0.mlp.fc", "target": "torch.nn.functional.linear",
+              "split": "n", "stage": null}, ...]}
+
+``split`` is a dim name of the op's annotation or ``"replicate"``; ``stage`` is the pipeline stage.
+Editing a ``split`` and loading the file back (``pas_config={'load_plan_path': ...}``) is how a
+plan is tuned by hand; a file that does not fit the graph is refused with the first op that differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
+
+from nbscaler.genfiles import atomic_write_bytes
+from nbscaler.ir.graph import IRGraph
+from nbscaler.policy.primitives import PolicyError, partition, replicate
+
+FORMAT, VERSION = "nbscaler-autodist-plan", 1
+
+
+def save_plan(graph: IRGraph, plan_ngpus: int, path: str) -> None:
+    """Write the placement of every op of ``graph`` to ``path`` (atomically)."""
+    ops = [{"name": n.name, "module": n.module_path, "target": n.target,
+            "split": n.placement.split or "replicate", "stage": n.stage} for n in graph.nodes]
+    data = {"format": FORMAT, "version": VERSION, "plan_ngpus": plan_ngpus, "mode": graph.mode, "ops": ops}
+    atomic_write_bytes(Path(path), json.dumps(data, indent=1).encode())
+
+
+def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
+              devices_of_stage: Callable[[Any], Tuple[int, ...]]) -> IRGraph:
+    """Place ``graph`` as the file at ``path`` says; ``devices_of_stage(stage)`` gives each op's devices."""
+    try:
+        data: Dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise PolicyError(f"cannot read the autodist plan {path}: {err}") from None
+    if data.get("format") != FORMAT or data.get("plan_ngpus") != plan_ngpus:
+        raise PolicyError(f"{path} is not an autodist plan for plan_ngpus={plan_ngpus} (it says format="
+                          f"{data.get('format')!r}, plan_ngpus={data.get('plan_ngpus')!r}).")
+    ops = data.get("ops", [])
+    if len(ops) != len(graph.nodes):
+        raise PolicyError(f"{path} places {len(ops)} ops, but the traced graph has {len(graph.nodes)}: it was "
+                          "saved for another model or other inputs. Search again (drop load_plan_path).")
+    for node, op in zip(graph.nodes, ops):
+        if (op.get("name"), op.get("target")) != (node.name, node.target):
+            raise PolicyError(f"{path}: op {op.get('name')!r} ({op.get('target')}) stands where the graph has "
+                              f"{node.name} ({node.target}); the file was saved for another model.")
+        node.stage = op.get("stage")
+        devices = devices_of_stage(node.stage)
+        split = op.get("split", "replicate")
+        if split == "replicate" or len(devices) == 1:
+            replicate(node, devices)
+        else:
+            partition(node, split, devices)       # refuses a dim the op cannot be split along
+    return graph

@@ -1,0 +1,104 @@
+"""autodist: plans that train like one process, a deterministic search, limits, pins and plan files."""
+
+import json
+
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.policy import PolicyError
+from nbscaler.policy.autodist import AutodistOptions, balanced_cuts
+from tests.models import batch, build
+from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
+
+AUTODIST = {
+    1: [Case(m, "autodist", 1, 1) for m in ("mlp", "llama", "cnn")],
+    2: [Case(m, "autodist", 2, 2) for m in ("mlp", "llama", "cnn")] +
+       [Case("gpt", "autodist", 2, 2, config=pipeline("1f1b", 2, 4))],
+    4: [Case("mlp", "autodist", 4, 4), Case("llama", "autodist", 2, 4), Case("cnn", "autodist", 4, 4),
+        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4))],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_autodist_trains_like_one_process(nranks, tmp_path):
+    cases = AUTODIST[nranks]
+    per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+
+
+def splits(p):
+    return [(n.name, n.placement.split, n.stage) for n in p.graph.nodes]
+
+
+def test_same_model_config_and_profile_give_the_same_plan():
+    first = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", ComputeConfig(2, 2))
+    again = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", ComputeConfig(2, 2))
+    assert splits(first) == splits(again)
+    assert any(split is not None for _, split, _ in splits(first))
+
+
+def test_explain_gives_the_search_the_prediction_and_the_reasons():
+    p = nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2))
+    text = p.explain()
+    assert "autodist searched in" in text and "predicted per device: step" in text
+    assert "against the runner-up" in text and " over " in text
+    table = text.table
+    assert len(table) == len(p.graph) and {"choice", "runner_up", "op_s", "comm_s", "margin_s"} <= set(table.columns)
+    assert (table.margin_s.dropna() >= -1e-12).all()        # the chosen one is never beaten locally
+
+
+def test_a_memory_limit_dp_cannot_meet_gives_a_plan_that_fits():
+    model, args = build("llama"), batch("llama", 0)
+    whole = nbscaler.plan(model, args, "dp", ComputeConfig(1, 1)).memory(torch.optim.AdamW).peak_bytes.max()
+    limit = int(whole * 0.75)
+    cfg = ComputeConfig(2, 2, pas_config={"memory_limit_bytes": limit})
+    p = nbscaler.plan(model, args, "autodist", cfg)
+    assert p.memory(torch.optim.AdamW).peak_bytes.max() <= limit < whole
+    with pytest.raises(PolicyError, match="no plan that fits memory_limit_bytes=1,000"):
+        nbscaler.plan(model, args, "autodist", ComputeConfig(2, 2, pas_config={"memory_limit_bytes": 1000}))
+
+
+def test_constraints_pin_modules():
+    cfg = ComputeConfig(2, 2, pas_config={"autodist_constraints": {"blocks.*": "replicate"}})
+    p = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", cfg)
+    assert all(n.placement.split is None for n in p.graph.nodes if n.module_path.startswith("blocks."))
+
+
+def test_saved_plan_loads_back_and_edits_take_effect(tmp_path):
+    path = tmp_path / "plan.json"
+    cfg = ComputeConfig(2, 2, pas_config={"save_plan_path": str(path)})
+    p = nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", cfg)
+    saved = json.loads(path.read_text())
+    assert [op["name"] for op in saved["ops"]] == [n.name for n in p.graph.nodes]
+    for op in saved["ops"]:
+        op["split"] = "replicate"
+    path.write_text(json.dumps(saved))
+    loaded = nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist",
+                           ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
+    assert all(n.placement.split is None for n in loaded.graph.nodes)
+    with pytest.raises(PolicyError, match="saved for another model"):
+        nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+                      ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
+
+
+def test_bad_options_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="memory_limit_bytes.*positive number of bytes"):
+        AutodistOptions(memory_limit_bytes=-5)
+    with pytest.raises(ValueError, match="memory_optimizer.*use one of sgd, adam, adamw"):
+        AutodistOptions(memory_optimizer="lamb")
+    with pytest.raises(PolicyError, match="pipeline_pivots .*'nowhere'.* name no module"):
+        nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist",
+                      ComputeConfig(2, 2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+                                    pas_config={"pipeline_pivots": ["nowhere"]}))
+
+
+def test_balanced_cuts_minimise_the_slowest_stage():
+    stages = balanced_cuts(None, 2, [1.0, 1.0, 1.0, 5.0, 1.0, 1.0], points=[1, 2, 3, 4, 5])
+    assert stages == [0, 0, 0, 1, 1, 1]          # 3 | 7 beats 2 | 8 and 8 | 2 ...
+    assert balanced_cuts(None, 2, [1.0, 1.0, 1.0, 5.0, 1.0, 1.0], points=[4]) == [0, 0, 0, 0, 1, 1]
+    with pytest.raises(PolicyError, match="only 2 places to cut"):
+        balanced_cuts(None, 3, [1.0] * 6, points=[])
