@@ -3,9 +3,9 @@
 
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
-APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev
+APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast lab
 
 setup:
 	@# The pinned CPU build first, so that the project install does not pull a CUDA build.
@@ -18,7 +18,9 @@ setup:
 	fi
 	@# After the system packages: mpi4py builds against the Open MPI headers where it has no wheel.
 	@# Without MPI the install goes on and the MPI cluster tests skip themselves.
-	@$(PYTHON) -m pip install -q -e ".[dev,mpi]" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[dev]"
+	@# torch is named again in the same command so no dependency can swap in a CUDA build.
+	@$(PYTHON) -m pip install -q torch==$(TORCH_VERSION) -e ".[dev,models,mpi]" 2>/dev/null \
+		|| $(PYTHON) -m pip install -q torch==$(TORCH_VERSION) -e ".[dev,models]"
 
 demo: setup
 	$(PYTHON) -m nbscaler.cli demo
@@ -26,3 +28,10 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q tests
 
+
+# The edit-test loop: everything that runs in one process (under a minute).
+test-fast:
+	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook" tests
+
+lab: setup
+	$(PYTHON) -m jupyter lab notebooks
