@@ -4,5 +4,7 @@ Nothing else in ``nbscaler`` imports this package (``nbscaler.cli`` does, lazily
 """
 
 from nbscaler.widgets.base import Measured, View
+from nbscaler.widgets.code import CodeView
+from nbscaler.widgets.graph import GraphView
 
-__all__ = ["Measured", "View"]
+__all__ = ["CodeView", "GraphView", "Measured", "View"]
