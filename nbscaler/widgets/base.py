@@ -74,6 +74,11 @@ class View:
         """A self-contained HTML fragment (inline CSS/JS/SVG, no network, no kernel)."""
         raise NotImplementedError(f"{type(self).__name__} must implement to_html")
 
+    def notebook_html(self) -> str:
+        """The ``text/html`` a notebook saves: ``to_html()`` unless a view can share heavy
+        assets between outputs (the plotly charts carry plotly.js once per kernel)."""
+        return self.to_html()
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
         """The widget's own bundle (live in Jupyter) plus ``text/html`` = ``to_html()`` (saved
         notebooks, GitHub, nbviewer)."""
@@ -83,7 +88,7 @@ class View:
             got = own(**kwargs)
             data = got[0] if isinstance(got, tuple) else got
             bundle.update(data or {})
-        bundle["text/html"] = self.to_html()
+        bundle["text/html"] = self.notebook_html()
         bundle.setdefault("text/plain", repr(self))
         return bundle
 
