@@ -1,44 +1,13 @@
-"""How the views write numbers: bytes in binary units, counts with SI prefixes, seconds in ms."""
+"""Text for the views' HTML: quantities as ``nbscaler.units`` writes them, escaped for any page."""
 
 from __future__ import annotations
 
 import html
-import math
 from typing import Any
 
+from nbscaler.units import fmt_bytes, fmt_count, fmt_seconds, is_missing
 
-def is_missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def fmt_bytes(n: Any) -> str:
-    """``1536`` -> ``'1.5 KiB'``; missing -> ``''``."""
-    if is_missing(n):
-        return ""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} GiB"
-
-
-def fmt_count(n: Any) -> str:
-    """``2.1e6`` -> ``'2.1M'``; missing -> ``''``."""
-    if is_missing(n):
-        return ""
-    n = float(n)
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.3g}"
-
-
-def fmt_seconds(s: Any) -> str:
-    """Seconds as milliseconds: ``0.0123`` -> ``'12.3 ms'``."""
-    if is_missing(s):
-        return ""
-    return f"{float(s) * 1e3:.3g} ms"
+__all__ = ["ascii_html", "fmt_bytes", "fmt_count", "fmt_seconds", "is_missing"]
 
 
 def ascii_html(text: Any) -> str:

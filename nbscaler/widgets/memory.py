@@ -61,7 +61,7 @@ def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], tit
                 marker=dict(color=COLOURS[kind], pattern_shape="/" if side == MEASURED else ""),
                 customdata=[fmt_bytes(v) for v in frame[kind]],
                 hovertemplate=f"{LABELS[kind]} ({side}): %{{customdata}}<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="bytes", height=420, template="plotly_white",
+    fig.update_layout(barmode="stack", title=title, yaxis=dict(title="bytes", tickformat=".3s", ticksuffix="B"), height=420, template="plotly_white",
                       margin=dict(l=60, r=20, t=60, b=60), legend=dict(orientation="h", y=-0.2))
     return fig
 
@@ -78,10 +78,12 @@ class MemoryView(View):
                  optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> None:
         super().__init__(plan, measured=measured)
         self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
-        self.figure_widget = go.FigureWidget()
-        self.gap_html = widgets.HTML()
-        self.widget = widgets.VBox([self.figure_widget, self.gap_html])
         self._redraw()
+
+    def _build_widget(self) -> widgets.VBox:
+        self.figure_widget = go.FigureWidget(self.figure)
+        self.gap_html = widgets.HTML(self.gap_table)
+        return widgets.VBox([self.figure_widget, self.gap_html])
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -89,8 +91,10 @@ class MemoryView(View):
         measured = self.measured.memory
         self.gap = memory_gap(self.predicted, measured) if measured is not None else None
         self.figure = memory_figure(self.predicted, measured, self._title())
-        replace_figure(self.figure_widget, self.figure)
-        self.gap_html.value = self._gap_table()
+        self.gap_table = self._gap_table()
+        if self._widget is not None:                 # redraw the live one in place
+            replace_figure(self.figure_widget, self.figure)
+            self.gap_html.value = self.gap_table
 
     def _title(self) -> str:
         opt = self.optimizer.__name__
@@ -117,7 +121,7 @@ class MemoryView(View):
     # -- rendering --------------------------------------------------------------------------------
     def to_html(self, include_plotlyjs: bool = True) -> str:
         return (f"<div class='nbs-view nbs-memory'>{figure_html(self.figure, include_plotlyjs=include_plotlyjs)}"
-                f"{self.gap_html.value}</div>")
+                f"{self.gap_table}</div>")
 
     def notebook_html(self) -> str:
         return self.to_html(include_plotlyjs=PLOTLYJS.take())

@@ -84,10 +84,12 @@ class TimelineView(View):
 
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None) -> None:
         super().__init__(plan, measured=measured)
-        self.figure_widget = go.FigureWidget()
-        self.table_html = widgets.HTML()
-        self.widget = widgets.VBox([self.figure_widget, self.table_html])
         self._redraw()
+
+    def _build_widget(self) -> widgets.VBox:
+        self.figure_widget = go.FigureWidget(self.figure)
+        self.table_html = widgets.HTML(self.bubble_table)
+        return widgets.VBox([self.figure_widget, self.table_html])
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -103,8 +105,10 @@ class TimelineView(View):
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
         self.assumptions = assumptions(self.plan, self.predicted)
         self.figure = self._figure()
-        replace_figure(self.figure_widget, self.figure)
-        self.table_html.value = self._bubble_table()
+        self.bubble_table = self._bubble_table()
+        if self._widget is not None:                 # redraw the live one in place
+            replace_figure(self.figure_widget, self.figure)
+            self.table_html.value = self.bubble_table
 
     def _figure(self) -> go.Figure:
         pipelined = self.plan.config.use_pipeline
@@ -148,7 +152,7 @@ class TimelineView(View):
     # -- rendering --------------------------------------------------------------------------------
     def to_html(self, include_plotlyjs: bool = True) -> str:
         return (f"<div class='nbs-view nbs-timeline'>{figure_html(self.figure, include_plotlyjs=include_plotlyjs)}"
-                f"{self.table_html.value}</div>")
+                f"{self.bubble_table}</div>")
 
     def notebook_html(self) -> str:
         return self.to_html(include_plotlyjs=PLOTLYJS.take())
