@@ -94,5 +94,6 @@ def test_to_html_is_self_contained(plan):
     assert page.count("<details") == plan.config.plan_ngpus and "ranks 2 run the same code" in page
     assert "<style>" in page and ".nbs-codeview .nbs-hl .k" in page
     assert "<script" not in page and not re.search(r"\s(src|href)=|https?://", page)
+    assert page.isascii()                                    # right under any page charset
     bundle = code._repr_mimebundle_()
     assert bundle["text/html"] == page and "application/vnd.jupyter.widget-view+json" in bundle

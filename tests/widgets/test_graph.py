@@ -205,6 +205,7 @@ def test_to_html_is_self_contained(plan):
     page = view.to_html()
     assert page.count("<svg") == 1 and 'data-key="blocks.0"' in page and "<style>" in page
     assert "<script" not in page and not re.search(r'\s(src|href)=|https?://(?!www\.w3\.org/2000/svg)', page)
+    assert page.isascii()                                    # right under any page charset
     bundle = view._repr_mimebundle_()
     assert bundle["text/html"] == page
     assert "application/vnd.jupyter.widget-view+json" in bundle
