@@ -4,5 +4,6 @@ Nothing else in ``nbscaler`` imports this package (``nbscaler.cli`` does, lazily
 """
 
 from nbscaler.widgets.base import Measured, View
+from nbscaler.widgets.explorer import Explorer
 
-__all__ = ["Measured", "View"]
+__all__ = ["Explorer", "Measured", "View"]
