@@ -31,6 +31,8 @@ class ForwardEmitter:
         self.have: Dict[int, Layout] = {}
         self.grad = requires_grad_of(graph)
         self.groups: Dict[Tuple[int, ...], str] = {}
+        # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
+        self.spans: Dict[str, Tuple[int, int]] = {}
 
     # -- values ---------------------------------------------------------------------------------
     def bind(self, t: IRTensor, layout: Layout, expr: str) -> None:
@@ -88,7 +90,9 @@ class ForwardEmitter:
             if comment != last_comment:
                 self.lines.append(comment)
                 last_comment = comment
+            first = len(self.lines)
             self.emit_node(node)
+            self.spans[node.name] = (first, len(self.lines))
         group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
         if carry_out is not None:
             items = ", ".join(f"{t.name!r}: {self.fetch(t, Layout.replicated(), group)}" for t in carry_out)

@@ -85,11 +85,14 @@ def sections_of(graphs: Dict[str, IRGraph], device: int, geometry: Optional[Pipe
 
 def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: int, plan_ngpus: int,
              runtime_ngpus: int, module_name: str, policy_name: str,
-             geometry: Optional[PipelineGeometry] = None) -> str:
+             geometry: Optional[PipelineGeometry] = None,
+             line_map: Optional[Dict[str, Dict[str, List[int]]]] = None) -> str:
     """The source of ``gencode{rank}.py`` for one runtime rank.
 
     ``graphs`` maps a mode ('train', 'eval') to its placed graph; one graph under the key 'any'
     means the forward does not depend on ``self.training``. ``geometry`` is set for pipelines.
+    ``line_map``, when given, is filled with ``mode -> node name -> line numbers`` (1-based): the
+    lines each node's call and the collectives for its inputs take up in the returned text.
     """
     device = rank % plan_ngpus
     sections = sections_of(graphs, device, geometry)
@@ -154,8 +157,14 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
         w(f"    def {sec.name}({signature}):")
         for devices, var in sorted(emitter.groups.items()):
             w(f"        {var} = self.group({', '.join(map(str, devices))})")
+        body_start = len(out) + len(_unpack_inputs(sec.graph))
         for line in _unpack_inputs(sec.graph) + body:
             w(f"        {line}" if line else "")
+        if line_map is not None:
+            mode = next(m for m, g in graphs.items() if g is sec.graph)
+            lines = line_map.setdefault(mode, {})
+            for name, (first, end) in emitter.spans.items():
+                lines.setdefault(name, []).extend(range(body_start + first + 1, body_start + end + 1))
     w("")
     return "\n".join(out)
 
