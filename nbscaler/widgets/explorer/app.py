@@ -33,7 +33,7 @@ from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
 from nbscaler.widgets.explorer.knobs import Knobs, Policy
 from nbscaler.widgets.explorer.losses import LossCurve
 from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user_model
-from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName
+from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
 from nbscaler.widgets.explorer.trainer import TrainSettings, train_on_cluster
 
@@ -79,7 +79,7 @@ class Explorer:
         self.comparison: Optional[Comparison] = None
         self._runs: List[Run] = []
         self._gen_dir = tempfile.TemporaryDirectory(prefix="nbscaler-explorer-")
-        self.panes = Panes()
+        self.panes = Panes(view_options(optimizer_fn))
         self.losses = LossCurve()
         self._build_layout()
 

@@ -12,7 +12,7 @@ import ipywidgets as w
 import pandas as pd
 
 from nbscaler.widgets.base import View
-from nbscaler.widgets.explorer.panes import ViewName, build_views
+from nbscaler.widgets.explorer.panes import ViewName, build_views, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
 
 
@@ -22,7 +22,8 @@ class Comparison:
     def __init__(self, a: Run, b: Run):
         self.runs = (a, b)
         self.views: Dict[int, Dict[ViewName, View]] = {
-            run.id: build_views(run.plan, run.outcome.measured if run.outcome else None) for run in self.runs}
+            run.id: build_views(run.plan, run.outcome.measured if run.outcome else None,
+                                options=view_options(run.optimizer_fn)) for run in self.runs}
         self.table: pd.DataFrame = runs_frame(list(self.runs)).T
         tabs = w.Tab(children=[self._side_by_side(name) for name in ViewName],
                      titles=[str(name) for name in ViewName])

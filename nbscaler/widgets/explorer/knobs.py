@@ -43,7 +43,8 @@ class Knobs:
       case it stages over every plan device.
     - ``nmicros``: micro-batches per training step (pipelines only).
     - ``use_zero`` / ``zero_ngroups``: ZeRO over the data-parallel units.
-    - ``end2end``: the module returns its loss (the shipped GPT does); pipelines need it.
+    - ``end2end``: the module takes the batch and returns its loss (the shipped GPT does);
+      pipelines need it.
     """
 
     policy: Policy = BuiltinPolicy.TP
@@ -73,8 +74,8 @@ class Knobs:
         if self.scheduler not in TRAIN_SCHEDULERS:
             raise ValueError(f"scheduler {self.scheduler!r} is unknown: use one of {', '.join(TRAIN_SCHEDULERS)}.")
         if self.pipelined and not self.end2end:
-            raise ValueError("a pipeline needs a module that returns its loss (end2end); this model is "
-                             "trained with a loss_fn, so pick a policy without stages.")
+            raise ValueError("a pipeline needs an end2end module (one forward argument, the batch, and the "
+                             "loss as its output); pick a policy without stages for this model.")
         pipeline: Dict[str, Any] = {}
         if self.pipelined:
             pipeline = dict(use_pipeline=True, pipeline_nmicros=self.nmicros, pipeline_scheduler=self.scheduler,

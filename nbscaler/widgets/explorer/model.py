@@ -28,8 +28,9 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class ModelSpec:
     """A module ready to plan: its forward arguments and how training batches are made.
 
-    ``end2end`` modules return their loss (the first forward argument is the whole batch); the others
-    need ``loss_fn(output, batch)`` and cannot be pipelined.
+    ``end2end`` modules take the whole batch as their one forward argument and return the loss;
+    they can be pipelined and train on micro-batches. The others are called with the forward
+    arguments, and the loss is their output or ``loss_fn(output, batch)``.
     """
 
     label: str
@@ -37,10 +38,7 @@ class ModelSpec:
     dummy_args: Dict[str, Any]
     batches: Callable[[int, int, int], Any] = field(repr=False)
     loss_fn: Optional[LossFn] = field(default=None, repr=False)
-
-    @property
-    def end2end(self) -> bool:
-        return self.loss_fn is None
+    end2end: bool = True
 
     def data(self, nmicros: int) -> Callable[[int, int], Any]:
         """``data(step, unit)`` for ``RemoteModule.train``: a list of micro-batches for end2end
@@ -77,16 +75,13 @@ def shipped_gpt(n_layer: int = 2, d_model: int = 64, n_head: int = 4, vocab_size
 def user_model(module: torch.nn.Module, dummy_args: Dict[str, Any], loss_fn: Optional[LossFn] = None) -> ModelSpec:
     """The user's module; training repeats the dummy arguments every step.
 
-    Without ``loss_fn`` the module must return its scalar loss and take the batch as its one
-    forward argument (as the shipped GPT does).
+    A module with one forward argument and no ``loss_fn`` is end2end (it returns its loss, as the
+    shipped GPT does); any other returns its loss, or an output that ``loss_fn`` turns into one.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(dummy_args, dict) or not dummy_args:
         raise TypeError("dummy_args must be a non-empty dict of forward arguments, e.g. {'x': torch.randn(8, 16)}")
-    if loss_fn is None and len(dummy_args) != 1:
-        raise ValueError(f"{type(module).__name__} takes {len(dummy_args)} forward arguments: a module trained "
-                         "without loss_fn must take the batch as one argument and return its loss; "
-                         "pass loss_fn=lambda output, batch: ... otherwise.")
+    end2end = loss_fn is None and len(dummy_args) == 1
     return ModelSpec(label=type(module).__name__, module=module, dummy_args=dummy_args,
-                     batches=functools.partial(_repeated, dummy_args, loss_fn is None), loss_fn=loss_fn)
+                     batches=functools.partial(_repeated, dummy_args, end2end), loss_fn=loss_fn, end2end=end2end)

@@ -39,8 +39,8 @@ def single_process_losses(spec: ModelSpec, steps: int, units: int, nmicros: int,
 def _unit_loss(spec: ModelSpec, model: torch.nn.Module, batch) -> torch.Tensor:
     if spec.end2end:
         return torch.stack([model(micro) for micro in batch]).sum()
-    output = model(**batch) if isinstance(batch, dict) else model(batch)
-    return spec.loss_fn(output, batch)
+    output = model(**batch)
+    return spec.loss_fn(output, batch) if spec.loss_fn is not None else output
 
 
 def worst_relative_error(steps: pd.DataFrame, reference: List[List[float]]) -> float:

@@ -7,7 +7,7 @@ knob changes. ``ViewName`` lists the views in the order the Explorer lays them o
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Type
+from typing import Any, Dict, Iterable, Optional, Type
 
 import ipywidgets as w
 
@@ -40,17 +40,27 @@ def view_classes() -> Dict[ViewName, Type[View]]:
             ViewName.TIMELINE: TimelineView, ViewName.MEMORY: MemoryView}
 
 
-def build_views(plan: Plan, measured: Optional[Measured] = None,
-                names: Iterable[ViewName] = tuple(ViewName)) -> Dict[ViewName, View]:
+ViewOptions = Dict[ViewName, Dict[str, Any]]
+
+
+def view_options(optimizer_fn: Any) -> ViewOptions:
+    """The options views take beyond the plan: the optimizer the memory prediction assumes."""
+    return {ViewName.MEMORY: {"optimizer": optimizer_fn}}
+
+
+def build_views(plan: Plan, measured: Optional[Measured] = None, names: Iterable[ViewName] = tuple(ViewName),
+                options: Optional[ViewOptions] = None) -> Dict[ViewName, View]:
     """Fresh views of ``plan`` (the Compare tab builds its own pair this way)."""
-    classes = view_classes()
-    return {name: classes[name](plan, measured=measured) for name in names}
+    classes, options = view_classes(), options or {}
+    return {name: classes[name](plan, measured=measured, **options.get(name, {})) for name in names}
 
 
 class Panes:
     """One slot (an ipywidgets ``Box``) per view; ``show`` fills or updates them."""
 
-    def __init__(self, placeholder: str = "Press <b>Compile</b> to see this view."):
+    def __init__(self, options: Optional[ViewOptions] = None,
+                 placeholder: str = "Press <b>Compile</b> to see this view."):
+        self.options = options or {}
         self.views: Dict[ViewName, View] = {}
         self.slots: Dict[ViewName, w.Box] = {}
         for name in ViewName:
@@ -64,7 +74,7 @@ class Panes:
         for name in names:
             view = self.views.get(name)
             if view is None:
-                view = self.views[name] = build_views(plan, measured, [name])[name]
+                view = self.views[name] = build_views(plan, measured, [name], self.options)[name]
                 self.slots[name].children = [view.widget]
             else:
                 view.update(plan, measured=measured)

@@ -2,7 +2,9 @@
 
 A ``Run`` is one plan the user compiled (or re-placed and trained), with the training outcome once
 it ran on the cluster. ``runs_frame`` lays the runs out one per row; every number comes from the
-plan (predicted) or the cluster's telemetry (measured).
+plan (predicted, columns ending in ``_predicted``) or the cluster's telemetry (measured).
+``peak_bytes`` is the runtime's own count in the cost model's categories, where the ranks report
+it; ``peak_rss_bytes`` is the whole process (Python, torch, buffers), always reported.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
                "compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted",
-               "peak_bytes", "losses_match", "loss_rel_err"]
+               "peak_bytes", "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
 @dataclass
@@ -60,7 +62,8 @@ class Run:
             **self.predicted,
             "step_s": outcome.step_s if outcome else None,
             "bubble": outcome.bubble if outcome else None,
-            "peak_bytes": outcome.peak_bytes if outcome else None,
+            "peak_bytes": outcome.per_rank("peak_bytes") if outcome else None,
+            "peak_rss_bytes": outcome.per_rank("peak_rss_bytes") if outcome else None,
             "losses_match": outcome.losses_match if outcome else None,
             "loss_rel_err": outcome.rel_err if outcome else None,
         }

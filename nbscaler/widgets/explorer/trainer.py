@@ -64,14 +64,12 @@ class TrainOutcome:
             return None
         return self.result.timeline(int(self.result.steps["step"].max())).bubble_fraction
 
-    @property
-    def peak_bytes(self) -> List[int]:
-        """Measured peak bytes per rank: the runtime's peak where it reports one, else the process peak."""
+    def per_rank(self, column: str) -> Optional[List[int]]:
+        """A column of the measured memory table, rank by rank (``None`` where the ranks did not report it)."""
         memory = self.result.memory.sort_values("rank")
-        for column in ("peak_bytes", "peak_device_bytes", "peak_rss_bytes"):
-            if column in memory and memory[column].notna().all():
-                return [int(v) for v in memory[column]]
-        return []
+        if column not in memory or memory[column].isna().any():
+            return None
+        return [int(v) for v in memory[column]]
 
 
 def train_on_cluster(cluster: Cluster, spec: ModelSpec, plan: Plan, settings: TrainSettings, gen_savedir: str,
