@@ -21,6 +21,11 @@ from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import spec_of
 
 
+def runs_on(node: IRNode, device: int, stage: Optional[int] = None) -> bool:
+    """Whether plan ``device`` runs ``node`` in the forward (``stage=None``) or in pipeline ``stage``."""
+    return (stage is None or node.stage == stage) and device in node.placement.devices
+
+
 class ForwardEmitter:
     """Emits the forward body of one graph for one plan device."""
 
@@ -84,7 +89,7 @@ class ForwardEmitter:
         nodes = [n for n in self.graph.nodes if stage is None or n.stage == stage]
         last_comment = None
         for node in nodes:
-            if self.device not in node.placement.devices:
+            if not runs_on(node, self.device, stage):
                 continue
             comment = source_comment(node)
             if comment != last_comment:

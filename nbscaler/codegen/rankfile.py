@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.utils._pytree import keystr
 
-from nbscaler.codegen.emitter import ForwardEmitter
+from nbscaler.codegen.emitter import ForwardEmitter, runs_on
 from nbscaler.codegen.render import CodegenError, attr_name, user_op_alias
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
@@ -60,6 +60,10 @@ class Section:
     stage: Optional[int] = None
     carry_in: Sequence[IRTensor] = ()
     carry_out: Optional[Sequence[IRTensor]] = None
+
+    def nodes(self) -> List[IRNode]:
+        """The nodes this method runs, in graph order."""
+        return [n for n in self.graph.nodes if runs_on(n, self.device, self.stage)]
 
 
 def sections_of(graphs: Dict[str, IRGraph], device: int, geometry: Optional[PipelineGeometry]) -> List[Section]:
@@ -181,11 +185,10 @@ def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sectio
     """The WeightSpec arguments of every weight the sections read, in the graph's weight order."""
     readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}
     for sec in sections:
-        for n in sec.graph.nodes:
-            if (sec.stage is None or n.stage == sec.stage) and sec.device in n.placement.devices:
-                for t in n.inputs:
-                    if t.is_weight:
-                        readers.setdefault(t.name, (n, sec.device, sec.stage))
+        for n in sec.nodes():
+            for t in n.inputs:
+                if t.is_weight:
+                    readers.setdefault(t.name, (n, sec.device, sec.stage))
     any_graph = next(iter(graphs.values()))
     non_persistent = set(any_graph.meta.get("non_persistent", ()))
     specs = {}

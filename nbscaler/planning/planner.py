@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from torch.utils._pytree import tree_map
 
-from nbscaler.codegen.rankfile import generate
+from nbscaler.codegen.rankfile import generate, sections_of
 from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
@@ -95,6 +95,12 @@ class Plan:
         index = {n.name: i for i, n in enumerate(self.graph.nodes)}
         return {r: {index[name]: lines for name, lines in per_mode.get(mode, {}).items()}
                 for r, (_, per_mode) in self._generated.items()}
+
+    def rank_nodes(self, rank: int) -> List[int]:
+        """Indexes of the nodes of ``graph`` that runtime ``rank`` runs, without generating its code."""
+        index = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        sections = sections_of(self.graphs, self.config.device_of(rank), self.geometry)
+        return sorted({index[id(n)] for sec in sections if sec.graph is self.graph for n in sec.nodes()})
 
     @functools.cached_property
     def _generated(self) -> Dict[int, Tuple[str, Dict[str, Dict[str, List[int]]]]]:
