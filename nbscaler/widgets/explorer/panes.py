@@ -52,7 +52,15 @@ def build_views(plan: Plan, measured: Optional[Measured] = None, names: Iterable
                 options: Optional[ViewOptions] = None) -> Dict[ViewName, View]:
     """Fresh views of ``plan`` (the Compare tab builds its own pair this way)."""
     classes, options = view_classes(), options or {}
-    return {name: classes[name](plan, measured=measured, **options.get(name, {})) for name in names}
+    views = {name: classes[name](plan, measured=measured, **options.get(name, {})) for name in names}
+    link_views(views)
+    return views
+
+
+def link_views(views: Dict[ViewName, View]) -> None:
+    """Selecting an op in the graph scrolls the code to its generated line."""
+    if ViewName.GRAPH in views and ViewName.CODE in views:
+        views[ViewName.CODE].link(views[ViewName.GRAPH])
 
 
 class Panes:
@@ -71,12 +79,15 @@ class Panes:
     def show(self, plan: Plan, names: Iterable[ViewName] = tuple(ViewName), measured: Optional[Measured] = None,
              on_each=None) -> None:
         """Draw ``plan`` (and ``measured``) in the named views; ``on_each(name)`` after each one."""
+        new = {}
         for name in names:
             view = self.views.get(name)
             if view is None:
-                view = self.views[name] = build_views(plan, measured, [name], self.options)[name]
+                view = self.views[name] = new[name] = build_views(plan, measured, [name], self.options)[name]
                 self.slots[name].children = [view.widget]
             else:
                 view.update(plan, measured=measured)
             if on_each is not None:
                 on_each(name)
+        if new.keys() & {ViewName.GRAPH, ViewName.CODE}:
+            link_views(self.views)
