@@ -10,5 +10,7 @@ from nbscaler.widgets.memory import MemoryView
 from nbscaler.widgets.plan_table import PlanView
 from nbscaler.widgets.report import write_report
 from nbscaler.widgets.timeline import TimelineView
+from nbscaler.widgets.explorer import Explorer
 
-__all__ = ["CodeView", "GraphView", "Measured", "MemoryView", "PlanView", "TimelineView", "View", "write_report"]
+__all__ = ["CodeView", "Explorer", "GraphView", "Measured", "MemoryView", "PlanView", "TimelineView", "View",
+           "write_report"]
