@@ -132,7 +132,8 @@ class CodeView(View):
         if node is None:
             w.caption = f"gencode{self.rank}.py"
         elif lines:
-            w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name}: line(s) {lines[0]}–{lines[-1]}"
+            span = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]}-{lines[-1]}"
+            w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name}: {span}"
         else:
             w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name} does not run on rank {self.rank}"
 
@@ -165,5 +166,6 @@ class CodeView(View):
     def _same_code(self, rank: int) -> str:
         cfg = self.plan.config
         twins = list(range(rank + cfg.plan_ngpus, cfg.runtime_ngpus, cfg.plan_ngpus))
-        also = f" (ranks {', '.join(map(str, twins))} run the same code)" if twins else ""
+        also = (f" (rank {twins[0]} runs the same code)" if len(twins) == 1 else
+                f" (ranks {', '.join(map(str, twins))} run the same code)" if twins else "")
         return f"rank {rank}: gencode{rank}.py{also}"

@@ -209,3 +209,66 @@ def test_to_html_is_self_contained(plan):
     bundle = view._repr_mimebundle_()
     assert bundle["text/html"] == page
     assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+BROWSER_CELLS = (
+    "import nbscaler\n"
+    "from nbscaler import ComputeConfig\n"
+    "from nbscaler.models.gpt import GPT, GPTConfig, sample_batch\n"
+    "from nbscaler.widgets import CodeView, GraphView\n"
+    "cfg = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=64)\n"
+    "plan = nbscaler.plan(GPT(cfg), {'batch': sample_batch(cfg, 2)}, 'tp', ComputeConfig(2, 2))\n"
+    "graph = GraphView(plan)\n"
+    "code = CodeView(plan).link(graph)\n"
+    "graph",
+    "code",
+)
+
+
+@pytest.mark.browser
+def test_graph_in_the_browser(tmp_path):
+    """JupyterLab in Chromium: the graph opens collapsed in three panes; clicking a block expands it
+    in every pane, clicking an op selects it everywhere and scrolls the code to it, the search box
+    marks hits, clicking the frame's label collapses the block again."""
+    from tests.widgets.browser import lab_page, write_notebook
+
+    namespace = {}
+    exec(BROWSER_CELLS[0].rsplit("\n", 1)[0], namespace)     # the notebook's plan, to know its node ids
+    ops = namespace["plan"].ops
+    block_op = int(ops[ops.module == "blocks.1"].id.iloc[0])
+    write_notebook(tmp_path / "graph.ipynb", *BROWSER_CELLS)
+    with lab_page(tmp_path, tmp_path / "screenshots") as lab:
+        lab.open_notebook("graph.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        view = page.locator(".nbs-graphview").first
+        view.wait_for(timeout=120_000)
+        panes = view.locator(".nbs-pane")
+        panes.nth(2).locator("svg").wait_for()
+        assert [panes.nth(i).locator(".nbs-pane-title").inner_text() for i in range(3)] == ["logical", "rank 0",
+                                                                                              "rank 1"]
+        assert view.locator('.nbs-box[data-key="blocks.1"]').count() == 3
+        lab.screenshot("graph-opened", ".nbs-graphview")
+
+        panes.first.locator('.nbs-box[data-key="blocks.1"]').click()             # expand, through the kernel
+        view.locator('.nbs-frame[data-key="blocks.1"]').nth(2).wait_for()
+        assert view.locator('.nbs-box[data-key="blocks.1.attn"]').count() == 3
+
+        key = f"#{block_op}"                                # the residual add that blocks.1 calls itself
+        panes.first.locator(f'.nbs-box[data-key="{key}"]').click()
+        view.locator(".nbs-details table").wait_for()
+        assert view.locator(f'.nbs-box.nbs-selected[data-key="{key}"]').count() == 3   # synced across panes
+        assert "annotation" in view.locator(".nbs-details").inner_text()
+        page.locator(".nbs-codeview .nbs-code-marked").first.wait_for()
+        assert "add" in page.locator(".nbs-codeview .nbs-code-caption").inner_text()
+
+        view.locator(".nbs-search").fill("mlp")
+        view.locator(".nbs-box.nbs-hit").first.wait_for()
+        assert "ops found" in view.locator(".nbs-count").inner_text()
+        lab.screenshot("graph-expanded-selected", ".nbs-graphview")
+        lab.screenshot("code-following", ".nbs-codeview")
+
+        panes.first.locator('.nbs-frame[data-key="blocks.1"] .nbs-frame-label').click()  # collapse
+        view.locator('.nbs-box[data-key="blocks.1"]').nth(2).wait_for()
+        assert view.locator('.nbs-frame[data-key="blocks.1"]').count() == 0
+        assert not [line for line in lab.console if line.startswith("error")], lab.console

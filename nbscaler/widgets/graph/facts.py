@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from nbscaler.widgets.formats import fmt_count, is_missing
 
@@ -53,6 +53,7 @@ class PlanFacts:
         self.data_edges = self._data_edges()
         self.comm_rows = self._comm_rows()
         self._runs: Dict[int, Set[int]] = {}
+        self._boxes: Dict[Tuple[Any, Optional[int]], "Box"] = {}
 
     # -- gathered once ------------------------------------------------------------------------
     def _data_edges(self) -> List[Tuple[int, Optional[int]]]:
@@ -115,6 +116,19 @@ class PlanFacts:
 
     # -- boxes ----------------------------------------------------------------------------------
     def op_box(self, i: int) -> "Box":
+        """Op ``i``'s box; drawn once per plan (a scene copies it before adding bytes)."""
+        if ("op", i) not in self._boxes:
+            self._boxes[("op", i)] = self._op_box(i)
+        return self._boxes[("op", i)]
+
+    def module_box(self, path: str, ops: List[int], rank: Optional[int]) -> "Box":
+        """A module's box for the logical pane or ``rank``'s (its share of ``ops``); drawn once."""
+        if (path, rank) not in self._boxes:
+            runs = self.runs(rank)
+            self._boxes[(path, rank)] = self._module_box(path, ops if runs is None else [i for i in ops if i in runs])
+        return self._boxes[(path, rank)]
+
+    def _op_box(self, i: int) -> "Box":
         from nbscaler.widgets.graph.scene import Box, BoxKind
         op = self.ops[i]
         devices = list(op["devices"]) or [0]
@@ -124,7 +138,7 @@ class PlanFacts:
         return Box(f"#{i}", BoxKind.OP, op["name"], short_target(op["target"]), tooltip,
                    [(d, 1 / len(devices)) for d in devices], mark)
 
-    def module_box(self, path: str, ops: List[int]) -> "Box":
+    def _module_box(self, path: str, ops: List[int]) -> "Box":
         from nbscaler.widgets.graph.scene import Box, BoxKind
         weight: Dict[int, float] = defaultdict(float)
         flops = 0.0

@@ -75,6 +75,7 @@ class GraphModel:
         max_bytes = max([e.bytes for e in logical.edges] + [1])
         layouts = layout_scenes(list(scenes.values()))
         out = {p: scene_svg(s, lay, max_bytes, p) for (p, s), lay in zip(scenes.items(), layouts)}
+        self.last_logical = logical
         self.last_render_seconds = time.perf_counter() - start
         return out
 

@@ -149,7 +149,7 @@ class GraphView(View):
     def _draw(self) -> None:
         w = self.widget
         w.svgs = self._model.render(list(w.panes), self.expanded)
-        scene = self._model.scene(LOGICAL, self.expanded)
+        scene = self._model.last_logical
         total = scene.total_bytes()
         w.info = (f"{len(self.plan.graph)} ops · {len(scene.boxes)} boxes shown · "
                   f"{fmt_bytes(total)} per device through collectives per step · "
