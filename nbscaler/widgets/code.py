@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re
 from html import escape
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import anywidget
 import traitlets
@@ -72,6 +72,7 @@ class CodeView(View):
     def __init__(self, plan: "Plan", *, measured: Optional[Measured] = None, rank: int = 0, **options: Any) -> None:
         super().__init__(plan, measured=measured, **options)
         self._html: Dict[int, str] = {}
+        self._linked: Set[int] = set()
         self.widget = CodeWidget(ranks=sorted(plan.sources), rank=self._check_rank(rank))
         self.widget.observe(self._on_rank, "rank")
         self._on_rank()
@@ -105,8 +106,11 @@ class CodeView(View):
         self._mark()
 
     def link(self, graph: "GraphView") -> "CodeView":
-        """Follow ``graph``'s selection from now on (and show its current one); returns ``self``."""
-        graph.widget.observe(lambda change: self.show(change["new"]), "selected")
+        """Follow ``graph``'s selection from now on (and show its current one); returns ``self``.
+        Linking the same graph twice changes nothing."""
+        if id(graph.widget) not in self._linked:
+            self._linked.add(id(graph.widget))
+            graph.widget.observe(lambda change: self.show(change["new"]), "selected")
         if graph.selected is not None:
             self.show(graph.selected)
         return self

@@ -75,6 +75,11 @@ def test_link_follows_the_graph_selection(plan):
     assert code.node == fc and code.lines == plan.source_lines[0][fc]
     graph.widget.selected = fc + 1                        # as a click in the browser does
     assert code.node == fc + 1
+    shown = []
+    code.show = shown.append
+    code.link(graph)                                      # again: shows the selection, adds no observer
+    graph.select(fc)
+    assert shown == [fc + 1, fc]
 
 
 def test_update_keeps_the_rank_and_redraws(plan):

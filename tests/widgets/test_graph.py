@@ -12,6 +12,7 @@ from nbscaler.widgets import GraphView
 from nbscaler.widgets.graph import layout as layout_module
 from nbscaler.widgets.graph.facts import INPUTS, OUTPUTS
 from nbscaler.widgets.graph.tree import is_op_key, node_of
+from tests.models import batch, build
 
 N_LAYER = 24
 
@@ -178,6 +179,31 @@ def test_update_with_another_policy_redraws_in_place(plan):
     assert "split &#x27;" in widget.details or "replicated" in widget.details
     view.update(plan.replan("tp", ComputeConfig(2, 2)))      # fewer ranks: fewer panes
     assert view.panes == ["logical", "rank 0", "rank 1"] and widget.pane_names == view.panes
+
+
+def test_panes_can_be_chosen(plan):
+    view = GraphView(plan, panes=["rank 2", "logical"])
+    assert view.panes == ["logical", "rank 2"] and set(view.widget.svgs) == {"logical", "rank 2"}
+    view.widget.panes = ["rank 3"]                          # as the browser's checkboxes do
+    assert set(view.widget.svgs) == {"rank 3"}
+    with pytest.raises(ValueError, match="unknown pane"):
+        view.panes = ["rank 9"]
+
+
+@pytest.mark.parametrize("model,policy", [("branch", "tp"), ("llama", "tp"), ("cnn", "data"), ("user_op", "tp")])
+def test_other_models_add_up(model, policy):
+    """Train/eval graphs, GQA attention, convolutions, a registered user op: the view opens, every op
+    sits in one box, and the bytes are the plan's."""
+    p = nbscaler.plan(build(model), batch(model, 0), policy, ComputeConfig(2, 2))
+    view = GraphView(p)
+    owners = view._model.tree.owners(view.expanded)
+    assert sorted(owners) == list(range(len(p.graph)))
+    assert view.scene().total_bytes() == p.collectives.bytes_per_device.sum()
+    for rank in (0, 1):
+        assert view.scene(f"rank {rank}").total_bytes() == device_bytes(p, rank)
+    first = next(i for i in range(len(p.graph)) if p.source_lines[0].get(i))
+    view.select(first)
+    assert "rank 1" in view.widget.details
 
 
 def test_layouts_are_cached_and_never_of_the_flat_graph(plan, monkeypatch):
