@@ -4,6 +4,7 @@ selection, a search and an update with another policy, and that its bytes are th
 import re
 
 import pytest
+import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
@@ -298,3 +299,30 @@ def test_graph_in_the_browser(tmp_path):
         view.locator('.nbs-box[data-key="blocks.1"]').nth(2).wait_for()
         assert view.locator('.nbs-frame[data-key="blocks.1"]').count() == 0
         assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+class LongFunctional(torch.nn.Module):
+    """Two hundred ops called at the top level, no submodule to collapse them into."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        for _ in range(100):
+            x = torch.tanh(x @ self.w)
+        return x.sum()
+
+
+def test_a_long_functional_forward_opens_in_segments():
+    p = nbscaler.plan(LongFunctional(), {"x": torch.randn(4, 8)}, "dp", ComputeConfig(1, 1))
+    view = GraphView(p)
+    scene = view.scene()
+    assert len(p.graph) > 200 and len(scene.boxes) <= 12          # segments, not 200 boxes
+    segments = [k for k in scene.boxes if k.startswith("ops")]
+    assert segments[0] == "ops0-31"
+    view.expand(segments[1])
+    assert [k for k in view.scene().frames[segments[1]]] == [f"#{i}" for i in range(32, 64)]
+    view.select(150)
+    assert view.widget.marks["selected"] == ["#150"] and "ops128-159" in view.expanded
+    assert view.scene().total_bytes() == p.collectives.bytes_per_device.sum()
