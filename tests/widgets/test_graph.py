@@ -295,9 +295,18 @@ def test_graph_in_the_browser(tmp_path):
         lab.screenshot("graph-expanded-selected", ".nbs-graphview")
         lab.screenshot("code-following", ".nbs-codeview")
 
+        lab.screenshot("graph-details", ".nbs-details-panel")
+
         panes.first.locator('.nbs-frame[data-key="blocks.1"] .nbs-frame-label').click()  # collapse
         view.locator('.nbs-box[data-key="blocks.1"]').nth(2).wait_for()
         assert view.locator('.nbs-frame[data-key="blocks.1"]').count() == 0
+        view.locator('.nbs-pane-toggle input[data-pane="rank 1"]').uncheck()          # hide a pane
+        page.wait_for_function("document.querySelectorAll('.nbs-graphview .nbs-pane').length === 2")
+        panes.first.locator('.nbs-box[data-key="blocks.2"]').click()
+        view.locator('.nbs-frame[data-key="blocks.2"]').nth(1).wait_for()
+        view.locator(".nbs-reset").click()                                            # collapse all
+        view.locator('.nbs-box[data-key="blocks.2"]').nth(1).wait_for()
+        assert view.locator('.nbs-frame[data-key="blocks.2"]').count() == 0
         assert not [line for line in lab.console if line.startswith("error")], lab.console
 
 
