@@ -91,8 +91,8 @@ class GraphModel:
         needle = text.strip().lower()
         if not needle:
             return []
-        return [i for i, op in enumerate(self.facts.ops)
-                if any(needle in str(op[k] or "").lower() for k in ("name", "op", "target", "module"))]
+        columns = [self.facts.ops.column(k) for k in ("name", "op", "target", "module")]
+        return [i for i, texts in enumerate(zip(*columns)) if any(needle in str(t or "").lower() for t in texts)]
 
     def reveal(self, node_id: int, expanded: FrozenSet[str]) -> FrozenSet[str]:
         """``expanded`` plus every module that must open for op ``node_id`` to show as its own box."""
