@@ -10,7 +10,7 @@ from nbscaler.genfiles import module_dir
 from nbscaler.planning import SavedPlanError, load_plan
 from nbscaler.widgets import Measured, write_report
 from nbscaler.widgets import report as report_module
-from tests.models import Llama, batch, build
+from tests.models import batch, build
 from tests.widgets.compiled import gpt_pipeline_run, llama_tp, pipeline_config
 from tests.widgets.offline import external_resources
 
@@ -23,7 +23,7 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     cfg = pipeline_config(2)
     parallelize(build("llama"), batch("llama", 0), "pp", cfg, gen_savedir=root, load_module=False)
-    return root, module_dir(Llama, root, None)
+    return root, module_dir(type(build("llama")), root, None)
 
 
 def test_report_has_every_view_and_loads_nothing(tmp_path):
