@@ -159,7 +159,8 @@ class CodeView(View):
                         f'<div class="nbs-code-body">{self._source_html(r)}</div></details>'
                         for r in range(cfg.plan_ngpus))
         return (f'<div class="nbs-codeview nbs-static"><style>{highlight_css()}</style>'
-                f'<div class="nbs-title">{escape(repr(self.plan))}</div>{files}</div>')
+                f'<div class="nbs-title">{escape(repr(self.plan))}</div>{files}</div>'
+                ).encode("ascii", "xmlcharrefreplace").decode("ascii")
 
     def _same_code(self, rank: int) -> str:
         cfg = self.plan.config

@@ -37,8 +37,8 @@ def memory_gap(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """Per rank: predicted and measured totals over the kinds both frames have, and
     ``gap_pct = 100 * (measured - predicted) / predicted``."""
     kinds = [str(c) for c in MEMORY_CATEGORIES if str(c) in measured.columns]
-    both = predicted.set_index(str(C.RANK))[kinds].join(measured.set_index(str(C.RANK))[kinds],
-                                                         lsuffix="_p", rsuffix="_m", how="inner")
+    rank = str(C.RANK)
+    both = predicted[[rank, *kinds]].merge(measured[[rank, *kinds]], on=rank, suffixes=("_p", "_m")).set_index(rank)
     pred = both[[f"{k}_p" for k in kinds]].sum(axis=1)
     meas = both[[f"{k}_m" for k in kinds]].sum(axis=1)
     gap = 100 * (meas - pred) / pred.where(pred != 0)

@@ -48,7 +48,8 @@ def collectives_in(collectives: pd.DataFrame) -> Dict[str, str]:
 def op_rows(plan: "Plan") -> pd.DataFrame:
     """``plan.ops`` with the collectives into each op, in the view's column order."""
     ops = plan.ops.copy()
-    ops["collectives_in"] = ops.name.map(collectives_in(plan.collectives)).fillna("")
+    into = collectives_in(plan.collectives)
+    ops["collectives_in"] = [into.get(name, "") for name in ops.name]
     ops["split"] = ops.split.fillna("replicated")
     return ops[OP_VIEW_COLUMNS]
 

@@ -115,8 +115,11 @@ class TimelineView(View):
         frames = [("predicted", self.predicted)] + ([("measured", self.measured_frame)]
                                                     if self.measured_frame is not None else [])
         labels = row_labels(pd.concat([f for _, f in frames]), pipelined)
-        titles = [f"{name}: step {fmt_seconds(f.t_end.max() if len(f) else 0)}, bubble "
-                  f"{self._total_bubble(name, f):.0%}" for name, f in frames]
+        spans = {name: f.t_end.max() if len(f) else 0.0 for name, f in frames}
+        titles = [f"{name}: step {fmt_seconds(spans[name])}, bubble {self._total_bubble(name, f):.0%}"
+                  for name, f in frames]
+        if len(frames) == 2 and spans["predicted"] > 0:
+            titles[1] += f" ({spans['measured'] / spans['predicted']:.2g}x the prediction)"
         fig = make_subplots(rows=len(frames), cols=1, shared_xaxes=True, subplot_titles=titles,
                             vertical_spacing=0.12)
         for i, (name, frame) in enumerate(frames, start=1):

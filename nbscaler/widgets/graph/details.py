@@ -12,7 +12,7 @@ import os
 from html import escape
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-from nbscaler.widgets.graph.units import human_count
+from nbscaler.widgets.formats import fmt_count
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -30,8 +30,8 @@ def op_facts(plan: "Plan", node_id: int, op: dict) -> Dict[str, str]:
         "input shapes": ", ".join(map(_shape, op["in_shapes"])) or "-",
         "output shapes": ", ".join(map(_shape, op["out_shapes"])) or "-",
         "local output shapes": ", ".join(map(_shape, op["local_out_shapes"])) or "-",
-        "FLOPs": f"{human_count(op['flops_fwd'] or 0)} forward, {human_count(op['flops_bwd'] or 0)} backward; "
-                 f"{human_count(op['local_flops_fwd'] or 0)} forward per device",
+        "FLOPs": f"{fmt_count(op['flops_fwd'] or 0)} forward, {fmt_count(op['flops_bwd'] or 0)} backward; "
+                 f"{fmt_count(op['local_flops_fwd'] or 0)} forward per device",
     }
     if plan.geometry is not None and op["stage"] is not None:
         facts["stage"] = str(op["stage"])

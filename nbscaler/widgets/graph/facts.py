@@ -10,12 +10,11 @@ Scenes are cheap cuts of these facts, so expanding a module never touches the pl
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 
-from nbscaler.widgets.graph.units import human_bytes, human_count
+from nbscaler.widgets.formats import fmt_count, is_missing
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -88,7 +87,7 @@ class PlanFacts:
             if r.collective == "send_recv":
                 dst = self._receiver(readers[r.tensor], r.stage if r.phase == "F" else r.stage - 1)
             else:
-                dst = None if _missing(r.consumer_index) else int(r.consumer_index)
+                dst = None if is_missing(r.consumer_index) else int(r.consumer_index)
             rows.append(CommRow(src, dst, r.collective, int(r.bytes_per_device), tuple(r.devices)))
         return rows
 
@@ -146,8 +145,8 @@ class PlanFacts:
                 marks[self.split_mark(i)] += _number(self.ops[i]["flops_fwd"]) + 1
         split = " ".join(sorted(marks, key=lambda m: -marks[m])[:3])
         title = module_title(path)
-        tooltip = f"{path}: {len(ops)} ops, {human_count(flops)} forward FLOPs" + (f"; split {split}" if split else "")
-        return Box(path, BoxKind.MODULE, title, f"{len(ops)} ops · {human_count(flops)} FLOPs", tooltip,
+        tooltip = f"{path}: {len(ops)} ops, {fmt_count(flops)} forward FLOPs" + (f"; split {split}" if split else "")
+        return Box(path, BoxKind.MODULE, title, f"{len(ops)} ops · {fmt_count(flops)} FLOPs", tooltip,
                    sorted((d, w / total) for d, w in weight.items()), split)
 
     def io_box(self, key: str, rank: Optional[int]) -> "Box":
@@ -175,15 +174,11 @@ def short_target(target: str) -> str:
 
 
 def _number(x) -> float:
-    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
-
-def _missing(x) -> bool:
-    return x is None or (isinstance(x, float) and math.isnan(x))
+    return 0.0 if is_missing(x) else float(x)
 
 
 def _clip(text: str, width: int = 28) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-__all__ = ["CommRow", "GRAPH_INPUT", "INPUTS", "OUTPUTS", "PlanFacts", "human_bytes", "short_target"]
+__all__ = ["CommRow", "GRAPH_INPUT", "INPUTS", "OUTPUTS", "PlanFacts", "short_target"]

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from nbscaler.widgets.graph.layout import GraphLayout, Point
 from nbscaler.widgets.graph.scene import Box, BoxKind, Edge, Scene
-from nbscaler.widgets.graph.units import human_bytes
+from nbscaler.widgets.formats import fmt_bytes
 
 #: One colour per plan device (Tableau 10); devices beyond ten reuse them.
 DEVICE_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
@@ -94,7 +94,7 @@ def _box(box: Box, rect: Tuple[float, float, float, float]) -> str:
     if box.inside_bytes:
         names = "/".join(sorted(box.inside_collectives))
         out.append(f'<text x="{x + w - 18:.1f}" y="{y + h - 6:.1f}" text-anchor="end" font-size="9" fill="{EDGE_COLOUR}">'
-                   f'⇄ {human_bytes(box.inside_bytes)}<title>inside: {escape(names)}</title></text>')
+                   f'⇄ {fmt_bytes(box.inside_bytes)}<title>inside: {escape(names)}</title></text>')
     out.append("</g>")
     return "".join(out)
 
@@ -107,7 +107,7 @@ def _edge(e: Edge, points: List[Point], tip: Optional[Point], max_bytes: int) ->
     d = f"M{points[0][0]:.1f},{points[0][1]:.1f}" + "".join(
         f" C{_pt(points[i])} {_pt(points[i + 1])} {_pt(points[i + 2])}" for i in range(1, len(points) - 2, 3))
     names = " · ".join(f"{k}" for k in sorted(e.collectives))
-    title = f"{e.tensors} tensor(s)" + (f"; {names}: {human_bytes(e.bytes)} per device" if e.collectives else "")
+    title = f"{e.tensors} tensor(s)" + (f"; {names}: {fmt_bytes(e.bytes)} per device" if e.collectives else "")
     out = [f'<g class="nbs-edge" data-src="{escape(e.src)}" data-dst="{escape(e.dst)}" data-bytes="{e.bytes}">',
            f"<title>{escape(title)}</title>",
            f'<path d="{d}" fill="none" stroke="{colour}" stroke-width="{width:.2f}" stroke-opacity="0.85"/>']
@@ -116,7 +116,7 @@ def _edge(e: Edge, points: List[Point], tip: Optional[Point], max_bytes: int) ->
     if e.collectives:
         mx, my = points[len(points) // 2]
         out.append(f'<text class="nbs-edge-label" x="{mx + 5:.1f}" y="{my + 3:.1f}" font-size="9" fill="{EDGE_COLOUR}" '
-                   f'stroke="#ffffff" stroke-width="3" paint-order="stroke">{escape(names)} {human_bytes(e.bytes)}</text>')
+                   f'stroke="#ffffff" stroke-width="3" paint-order="stroke">{escape(names)} {fmt_bytes(e.bytes)}</text>')
     out.append("</g>")
     return "".join(out)
 

@@ -25,7 +25,7 @@ from nbscaler.widgets.frontend import frontend_text
 from nbscaler.widgets.graph.model import LOGICAL, GraphModel
 from nbscaler.widgets.graph.scene import Scene
 from nbscaler.widgets.graph.svg import legend_html
-from nbscaler.widgets.graph.units import human_bytes
+from nbscaler.widgets.formats import fmt_bytes
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -152,7 +152,7 @@ class GraphView(View):
         scene = self._model.scene(LOGICAL, self.expanded)
         total = scene.total_bytes()
         w.info = (f"{len(self.plan.graph)} ops · {len(scene.boxes)} boxes shown · "
-                  f"{human_bytes(total)} per device through collectives per step · "
+                  f"{fmt_bytes(total)} per device through collectives per step · "
                   f"drawn in {self._model.last_render_seconds * 1000:.0f} ms")
         w.legend = legend_html(range(self.plan.config.plan_ngpus))
         self._mark()
@@ -213,4 +213,4 @@ class GraphView(View):
                 f'<div class="nbs-title">{title}</div>{self.widget.legend}'
                 f'<div class="nbs-info">{escape(self.widget.info)}</div>'
                 f'<div class="nbs-panes"><div class="nbs-pane"><div class="nbs-pane-title">logical</div>{svg}</div>'
-                f"</div></div>")
+                f"</div></div>").encode("ascii", "xmlcharrefreplace").decode("ascii")
