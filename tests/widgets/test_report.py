@@ -1,0 +1,128 @@
+"""write_report and ``nbscaler report DIR``: every view in one file that opens offline."""
+
+import pandas as pd
+import pytest
+import torch
+
+from nbscaler import ComputeConfig, parallelize
+from nbscaler.cli import main as cli_main
+from nbscaler.genfiles import module_dir
+from nbscaler.planning import SavedPlanError, load_plan
+from nbscaler.widgets import Measured, write_report
+from nbscaler.widgets import report as report_module
+from tests.models import batch, build
+from tests.widgets.compiled import gpt_pipeline_run, llama_tp, pipeline_config
+from tests.widgets.offline import external_resources
+
+SECTIONS = ("Plan", "Ops and collectives", "Timeline", "Memory")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A 2-stage pipeline compiled to disk (no module loaded): the folder ``nbscaler report`` reads."""
+    root = tmp_path_factory.mktemp("gen")
+    cfg = pipeline_config(2)
+    parallelize(build("llama"), batch("llama", 0), "pp", cfg, gen_savedir=root, load_module=False)
+    return root, module_dir(type(build("llama")), root, None)
+
+
+def test_report_has_every_view_and_loads_nothing(tmp_path):
+    runs = pd.DataFrame({"policy": ["tp"], "step_s": [0.01]})
+    path = write_report(llama_tp(), tmp_path, runs=runs)
+    page = path.read_text()
+    assert path == tmp_path / "report.html" and external_resources(page) == []
+    assert page.count("Plotly.newPlot") == 2 and page.count("<script type='text/javascript'>/**") == 1
+    for title in SECTIONS + ("Runs",):
+        assert f"<h2>{title}</h2>" in page
+    assert page.count("<tr data-module=") == len(llama_tp().ops) + len(llama_tp().collectives)
+
+
+def test_report_of_a_run_draws_measured_data_and_losses(tmp_path):
+    plan, timeline, memory = gpt_pipeline_run(str(tmp_path / "gen"))
+    losses = pd.DataFrame({"step": [0, 1, 0, 1], "rank": [0, 0, 1, 1], "loss": [4.2, 4.0, 4.2, 4.0]})
+    page = write_report(plan, tmp_path / "run.html", Measured(timeline, memory, losses),
+                        optimizer=torch.optim.AdamW).read_text()
+    assert "bubble, measured" in page and "<th>gap</th>" in page and "<h2>Losses</h2>" in page
+    assert page.count("Plotly.newPlot") == 3
+
+
+def test_a_failing_view_leaves_the_old_report(tmp_path, monkeypatch):
+    path = write_report(llama_tp(), tmp_path / "r.html")
+    before = path.read_bytes()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("view failed")
+
+    monkeypatch.setattr(report_module, "MemoryView", broken)
+    with pytest.raises(RuntimeError, match="view failed"):
+        write_report(llama_tp(), path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.html"]
+
+
+def test_saved_plan_is_the_compiled_one(compiled):
+    root, folder = compiled
+    import nbscaler
+    fresh = nbscaler.plan(build("llama"), batch("llama", 0), "pp", pipeline_config(2))
+    saved = load_plan(root)                          # the only module under root
+    assert saved.policy_name == "pp" and saved.module_name == fresh.module_name
+    pd.testing.assert_frame_equal(saved.ops.drop(columns=["source_file"]), fresh.ops.drop(columns=["source_file"]))
+    pd.testing.assert_frame_equal(saved.memory(), fresh.memory())
+    assert saved.sources == fresh.sources
+    assert saved.replan("dp", ComputeConfig(1, 2)).policy_name == "dp"
+
+
+def test_cli_writes_the_report(compiled, tmp_path, capsys):
+    _, folder = compiled
+    Measured(memory=load_plan(folder).memory()).save(folder / "measured")
+    out = tmp_path / "cli.html"
+    assert cli_main(["report", str(folder), "-o", str(out), "--optimizer", "adamw"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    page = out.read_text()
+    assert "Memory per rank: pp, AdamW (predicted | measured)" in page and external_resources(page) == []
+
+
+def test_cli_names_the_problem(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert "holds no compiled module" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "graph.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(SavedPlanError, match="compile again"):
+        load_plan(tmp_path)
+    assert list(p.name for p in tmp_path.iterdir() if p.suffix == ".html") == []
+
+
+@pytest.mark.browser
+def test_report_renders_offline_in_chromium(tmp_path):
+    """Open the report of a measured run from disk with networking off; every chart draws, nothing
+    is fetched, and the screenshot (kept next to the report) is not blank."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright to run the browser tests")
+    plan, timeline, memory = gpt_pipeline_run(str(tmp_path / "gen"))
+    path = write_report(plan, tmp_path / "report.html", Measured(timeline=timeline, memory=memory),
+                        optimizer=torch.optim.AdamW)
+    with sync_api.sync_playwright() as p:
+        try:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        except Exception as e:                    # noqa: BLE001 - any launch failure means no browser here
+            pytest.skip(f"Chromium cannot start here ({e}); apt-get install chromium to run this test")
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            fetched, errors = [], []
+            page.on("request", lambda r: fetched.append(r.url))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(path.as_uri())
+            page.wait_for_function("document.querySelectorAll('.nbs-plot .main-svg').length >= 4", timeout=60_000)
+            bars = page.eval_on_selector_all(".nbs-timeline .bars path", "ps => ps.length")
+            page.select_option("select.nbs-module", "gpt.blocks.0")
+            visible = page.eval_on_selector_all(
+                "table.nbs-ops tbody tr", "rs => rs.filter(r => r.style.display != 'none').length")
+            shot = page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert [u for u in fetched if not u.startswith("file:")] == [] and errors == []
+    assert bars == 2 * 2 * 2                     # predicted and measured: F and B of 2 micro-batches
+    ops = plan.ops
+    assert visible == ((ops.module == "gpt.blocks.0") | ops.module.str.startswith("gpt.blocks.0.")).sum() > 0
+    assert len(shot) > 50_000                    # a blank page compresses to a few kB
