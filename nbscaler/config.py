@@ -138,6 +138,17 @@ class ComputeConfig:
         return cls(**d)
 
     # -- checks -----------------------------------------------------------------------------
+    def with_changes(self, **changes: Any) -> "ComputeConfig":
+        """A validated copy with ``changes`` applied; a pipeline setting changes in both places it
+        is kept (its field and ``pas_config``).
+
+        >>> ComputeConfig(4, 4, use_pipeline=True, use_end2end=True).with_changes(pipeline_nstages=2).pipeline_nstages
+        2
+        """
+        pas_config = {**self.pas_config, **changes.pop("pas_config", {})}
+        pas_config.update({k: v for k, v in changes.items() if k in PIPELINE_KEYS})
+        return dataclasses.replace(self, **changes, pas_config=pas_config)
+
     def _merge_pipeline_keys(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in PIPELINE_KEYS}
         for key in PIPELINE_KEYS:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
+from nbscaler.config import PIPELINE_KEYS
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
@@ -76,6 +77,7 @@ class Case:
         cfg = self.compute_config
         name = f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}"
         name += "_" + cfg.scheduler if cfg.use_pipeline else ""
+        name += "".join(f"_{k}{v}" for k, v in sorted(cfg.pas_config.items()) if k not in PIPELINE_KEYS)
         return name + (f"_zero{cfg.zero_ngroups}" if cfg.use_zero else "")
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
