@@ -29,6 +29,7 @@ from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ra
                                      zero_replica_ranks)
 from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
+from nbscaler.runtime.summary import module_html
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
 from nbscaler.runtime.zero import ZeroReducer
 from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
@@ -302,6 +303,9 @@ class ParallelModule(torch.nn.Module):
         if unit is not None:
             dist.all_reduce(losses, group=unit)
         return [_detach(out) if out is not None else losses[m].float() for m, out in enumerate(outputs)]
+
+    def _repr_html_(self) -> str:
+        return module_html(self)
 
     def pipeline_timeline(self) -> Timeline:
         """The blocks the last pipelined step ran on this rank, timed: the measured timeline."""
