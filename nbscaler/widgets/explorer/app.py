@@ -96,7 +96,7 @@ class Explorer:
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>nbscaler Explorer</h3>"), w.HBox([self.status, self.progress]),
             w.HBox([self.controls.widget, self.tabs]), charts,
-            w.HBox([self.losses.widget, self.runs_table])])
+            w.HBox([self.losses.widget, self.runs_table])], layout=w.Layout(padding="6px"))
         self.widget.add_class("nbscaler-explorer")
 
     def _ipython_display_(self) -> None:
