@@ -1,8 +1,8 @@
 """How nbscaler writes quantities for people: bytes in binary units, counts with SI prefixes,
 seconds as milliseconds. Missing values (``None``, NaN) are written as the empty string.
 
->>> fmt_bytes(1536), fmt_count(2.1e6), fmt_seconds(0.0123)
-('1.5 KiB', '2.1M', '12.3 ms')
+>>> fmt_bytes(1536), fmt_bytes(1_048_000), fmt_count(2.1e6), fmt_seconds(0.0123), fmt_seconds(2.5)
+('1.5 KiB', '0.999 MiB', '2.1M', '12.3 ms', '2.5 s')
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ def fmt_bytes(n: Any) -> str:
     if is_missing(n):
         return ""
     n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.3g} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n:.3g} GiB"
+        if abs(n) < 999.5 or unit == "TiB":          # 1000 KiB is written 0.977 MiB, not 1e+03 KiB
+            return f"{n:.3g} {unit}"
+    return f"{n:.3g} TiB"
 
 
 def fmt_count(n: Any) -> str:
@@ -39,7 +41,8 @@ def fmt_count(n: Any) -> str:
 
 
 def fmt_seconds(s: Any) -> str:
-    """Seconds as milliseconds: ``0.0123`` -> ``'12.3 ms'``."""
+    """Seconds as milliseconds below a second: ``0.0123`` -> ``'12.3 ms'``, ``2.5`` -> ``'2.5 s'``."""
     if is_missing(s):
         return ""
-    return f"{float(s) * 1e3:.3g} ms"
+    s = float(s)
+    return f"{s * 1e3:.3g} ms" if abs(s) < 0.9995 else f"{s:.3g} s"

@@ -26,16 +26,16 @@ import pandas as pd
 import torch
 
 import nbscaler
-from nbscaler.cluster import Cluster, RankDied, RankError
+from nbscaler.cluster import Cluster, ClusterError, RankError
 from nbscaler.planning import Plan
 from nbscaler.widgets.explorer.compare import Comparison
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
-from nbscaler.widgets.explorer.knobs import Knobs, Policy
+from nbscaler.widgets.explorer.knobs import Knobs
 from nbscaler.widgets.explorer.losses import LossCurve
 from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user_model
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
-from nbscaler.widgets.explorer.trainer import TrainSettings, train_on_cluster
+from nbscaler.widgets.explorer.trainer import TrainOutcome, TrainSettings, train_on_cluster
 
 TABS = (ViewName.GRAPH, ViewName.PLAN, ViewName.CODE)
 
@@ -88,7 +88,7 @@ class Explorer:
         self.status = w.HTML(self._note("Choose a policy and knobs, then press <b>Compile</b>."))
         self.progress = w.IntProgress(value=0, min=0, max=1, description="", layout=w.Layout(width="300px",
                                                                                             visibility="hidden"))
-        self.runs_table = w.HTML("<i>no runs yet</i>")
+        self.runs_table = w.HTML("<i>no runs yet</i>", layout=w.Layout(overflow="auto", flex="1 1 auto", width="0px"))
         self.compare_slot = w.VBox([w.HTML("<i>Pick two runs and press <b>Compare</b>.</i>")])
         self.tabs = w.Tab(children=[self.panes.slots[n] for n in TABS] + [self.compare_slot],
                           titles=[str(n) for n in TABS] + ["compare"], layout=w.Layout(flex="1 1 auto"))
@@ -96,7 +96,7 @@ class Explorer:
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>nbscaler Explorer</h3>"), w.HBox([self.status, self.progress]),
             w.HBox([self.controls.widget, self.tabs]), charts,
-            w.HBox([self.losses.widget, self.runs_table])])
+            w.HBox([self.losses.widget, self.runs_table])], layout=w.Layout(padding="6px"))
         self.widget.add_class("nbscaler-explorer")
 
     def _ipython_display_(self) -> None:
@@ -152,8 +152,7 @@ class Explorer:
             cluster = self._cluster_for(plan.config.runtime_ngpus)
             self._say(f"Training run {run.id} on {cluster.world_size} ranks for {settings.steps} steps ...")
             self.losses.start(plan.config.runtime_ngpus, f"run {run.id}: loss per rank (live)")
-            run.outcome = train_on_cluster(cluster, self.spec, plan, settings, self._gen_dir.name,
-                                           f"explorer_run{run.id}", on_report=self.losses.on_report)
+            run.outcome = self._train_restarting(cluster, plan, settings, f"explorer_run{run.id}")
             self.losses.finish(run.outcome.result.steps, f"run {run.id}: loss per rank")
             self.panes.show(plan, PLACEMENT_VIEWS, measured=run.outcome.measured)
             self._refresh_runs()
@@ -226,6 +225,18 @@ class Explorer:
             return last
         return self._add_run(self.controls.knobs(self.spec.end2end), plan, plan.compile_seconds)
 
+    def _train_restarting(self, cluster: Cluster, plan: Plan, settings: TrainSettings, name: str) -> TrainOutcome:
+        """Train; a cluster that refuses calls (an engine died, or a rank would not stop after an
+        earlier failure) is restarted once, as its error asks, and the run goes on."""
+        try:
+            return train_on_cluster(cluster, self.spec, plan, settings, self._gen_dir.name, name,
+                                    on_report=self.losses.on_report)
+        except ClusterError as e:
+            self._say(f"Restarting the engines ({html.escape(str(e).split(';')[0])}) ...")
+            cluster.restart()
+            return train_on_cluster(cluster, self.spec, plan, settings, self._gen_dir.name, name,
+                                    on_report=self.losses.on_report)
+
     def _refresh_runs(self) -> None:
         self.runs_table.value = self.runs.to_html(classes="nbscaler-runs", float_format=lambda v: f"{v:.3g}")
         self.controls.set_runs([run.id for run in self._runs])
@@ -258,8 +269,6 @@ class Explorer:
         except Exception as e:                      # noqa: BLE001 (every failure becomes a message)
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.status.value = self._note(_error_html(action, e), "error")
-            if isinstance(e, RankDied) and self._owns_cluster:
-                self.cluster.restart()
 
     @contextlib.contextmanager
     def _progress(self, total: int) -> Iterator[Callable[[str], None]]:
