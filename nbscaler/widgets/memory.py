@@ -20,7 +20,7 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import fmt_bytes
-from nbscaler.widgets.plotting import PLOTLYJS, figure_html, replace_figure
+from nbscaler.widgets.plotting import PLOTLYJS, figure_html
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -93,7 +93,8 @@ class MemoryView(View):
         self.figure = memory_figure(self.predicted, measured, self._title())
         self.gap_table = self._gap_table()
         if self._widget is not None:                 # redraw the live one in place
-            replace_figure(self.figure_widget, self.figure)
+            self.figure_widget = go.FigureWidget(self.figure)
+            self._widget.children = (self.figure_widget, self.gap_html)
             self.gap_html.value = self.gap_table
 
     def _title(self) -> str:

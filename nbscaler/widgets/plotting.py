@@ -2,8 +2,10 @@
 
 Charts are built once, as a plain ``go.Figure``, and then shown two ways:
 
-- live: copied into the view's ``go.FigureWidget`` (anywidget-based in plotly >= 6), in place, so
-  an ``update`` redraws the output cell that already shows it;
+- live: as a ``go.FigureWidget`` (anywidget-based in plotly >= 6) inside the view's box; an
+  ``update`` puts a new FigureWidget into the same box, so the output cell that shows the box
+  redraws. (Emptying and refilling one FigureWidget's traces instead sends messages that a view
+  rendered later, as after "Run All", can miss, leaving it blank.)
 - saved: ``figure_html`` turns the figure into a ``<div>`` plus a script that needs no network.
 
 plotly.js is about 4.8 MB. A page needs it once: ``nbscaler report`` puts it in the page's head
@@ -23,14 +25,6 @@ from typing import Optional
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.utils import PlotlyJSONEncoder
-
-
-def replace_figure(widget: go.FigureWidget, figure: go.Figure) -> None:
-    """Make ``widget`` show ``figure``'s traces and layout, in one message to the front end."""
-    with widget.batch_update():
-        widget.data = []
-        widget.add_traces(figure.data)
-        widget.layout = figure.layout
 
 
 def plotlyjs_script() -> str:

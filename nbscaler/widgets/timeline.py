@@ -11,6 +11,7 @@ the step it spends idle.
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import ipywidgets as widgets
@@ -20,7 +21,7 @@ from plotly.subplots import make_subplots
 
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
-from nbscaler.widgets.plotting import PLOTLYJS, figure_html, replace_figure
+from nbscaler.widgets.plotting import PLOTLYJS, figure_html
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -107,7 +108,8 @@ class TimelineView(View):
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         if self._widget is not None:                 # redraw the live one in place
-            replace_figure(self.figure_widget, self.figure)
+            self.figure_widget = go.FigureWidget(self.figure)
+            self._widget.children = (self.figure_widget, self.table_html)
             self.table_html.value = self.bubble_table
 
     def _figure(self) -> go.Figure:
@@ -130,9 +132,10 @@ class TimelineView(View):
         height = 120 + len(frames) * (40 + 28 * len(labels)) + 60
         fig.update_layout(barmode="overlay", height=height, template="plotly_white",
                           title=f"Timeline of one training step: {self.plan.policy_name}",
-                          margin=dict(l=130, r=20, t=70, b=110), legend=dict(orientation="h", y=1.02, x=1,
-                                                                             xanchor="right", yanchor="bottom"))
-        fig.add_annotation(text=self.assumptions.replace("\n", "<br>"), xref="paper", yref="paper", x=0,
+                          margin=dict(l=130, r=20, t=80, b=120),
+                          legend=dict(orientation="h", yref="container", y=0.995, x=1, xanchor="right", yanchor="top"))
+        wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
+        fig.add_annotation(text=wrapped, xref="paper", yref="paper", x=0,
                            y=0, yshift=-100, xanchor="left", yanchor="bottom", showarrow=False, align="left",
                            font=dict(size=10, color="#555"))
         return fig

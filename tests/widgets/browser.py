@@ -171,7 +171,7 @@ def _stop_server(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def chromium(viewport=(1500, 1100)):
+def chromium(viewport=(1600, 2400)):
     """A headless Chromium page driven by Playwright; skips the test where the browser cannot start."""
     try:
         from playwright.sync_api import Error as PlaywrightError, sync_playwright

@@ -64,12 +64,13 @@ def test_measured_with_fewer_kinds_compares_what_both_have():
 
 def test_update_redraws_the_live_widget_in_place():
     view = MemoryView(llama_tp())
-    live = view.widget.children[0]
-    assert len(live.data) == len(MEMORY_CATEGORIES)
+    box = view.widget
+    assert len(box.children[0].data) == len(MEMORY_CATEGORIES)
     view.update(measured=Measured(memory=llama_tp().memory()))
-    assert view.widget.children[0] is live and len(live.data) == 2 * len(MEMORY_CATEGORIES)
-    assert (view.gap.gap_pct == 0).all()
+    assert view.widget is box and len(box.children[0].data) == 2 * len(MEMORY_CATEGORIES)
+    assert (view.gap.gap_pct == 0).all() and "+0.0%" in box.children[1].value
     view.update(llama_pp())                          # a new plan drops the old plan's measurements
+    live = box.children[0]
     assert view.gap is None and len(live.data) == len(MEMORY_CATEGORIES)
     assert list(live.data[0].x[0]) == ["rank 0", "rank 1"]
     assert live.layout.title.text == view.figure.layout.title.text

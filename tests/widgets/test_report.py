@@ -11,7 +11,8 @@ from nbscaler.planning import SavedPlanError, load_plan
 from nbscaler.widgets import Measured, write_report
 from nbscaler.widgets import report as report_module
 from tests.models import batch, build
-from tests.widgets.compiled import gpt_pipeline_run, llama_tp, pipeline_config
+from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, pipeline_config
+from tests.widgets.browser import LabPage, chromium, lab_page, write_notebook
 from tests.widgets.offline import external_resources
 
 SECTIONS = ("Plan", "Ops and collectives", "Timeline", "Memory")
@@ -95,34 +96,65 @@ def test_cli_names_the_problem(tmp_path, capsys):
 
 @pytest.mark.browser
 def test_report_renders_offline_in_chromium(tmp_path):
-    """Open the report of a measured run from disk with networking off; every chart draws, nothing
-    is fetched, and the screenshot (kept next to the report) is not blank."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright to run the browser tests")
+    """Open the report of a measured run from disk; every chart draws, nothing is fetched, the module
+    filter works, and the screenshot (kept next to the report) is not blank."""
     plan, timeline, memory = gpt_pipeline_run(str(tmp_path / "gen"))
     path = write_report(plan, tmp_path / "report.html", Measured(timeline=timeline, memory=memory),
                         optimizer=torch.optim.AdamW)
-    with sync_api.sync_playwright() as p:
-        try:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        except Exception as e:                    # noqa: BLE001 - any launch failure means no browser here
-            pytest.skip(f"Chromium cannot start here ({e}); apt-get install chromium to run this test")
-        try:
-            page = browser.new_page(viewport={"width": 1300, "height": 900})
-            fetched, errors = [], []
-            page.on("request", lambda r: fetched.append(r.url))
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(path.as_uri())
-            page.wait_for_function("document.querySelectorAll('.nbs-plot .main-svg').length >= 4", timeout=60_000)
-            bars = page.eval_on_selector_all(".nbs-timeline .bars path", "ps => ps.length")
-            page.select_option("select.nbs-module", "gpt.blocks.0")
-            visible = page.eval_on_selector_all(
-                "table.nbs-ops tbody tr", "rs => rs.filter(r => r.style.display != 'none').length")
-            shot = page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
-        finally:
-            browser.close()
+    with chromium(viewport=(1300, 900)) as page:
+        fetched, errors = [], []
+        page.on("request", lambda r: fetched.append(r.url))
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        page.wait_for_function("document.querySelectorAll('.nbs-plot .main-svg').length >= 4", timeout=60_000)
+        bars = page.eval_on_selector_all(".nbs-timeline .bars path", "ps => ps.length")
+        page.select_option("select.nbs-module", "gpt.blocks.0")
+        visible = page.eval_on_selector_all(
+            "table.nbs-ops tbody tr", "rs => rs.filter(r => r.style.display != 'none').length")
+        LabPage.screenshot(_Shots(page, tmp_path), "report")
     assert [u for u in fetched if not u.startswith("file:")] == [] and errors == []
     assert bars == 2 * 2 * 2                     # predicted and measured: F and B of 2 micro-batches
     ops = plan.ops
     assert visible == ((ops.module == "gpt.blocks.0") | ops.module.str.startswith("gpt.blocks.0.")).sum() > 0
-    assert len(shot) > 50_000                    # a blank page compresses to a few kB
+
+
+class _Shots:
+    """Just enough of a LabPage for its non-blank screenshot check on a plain page."""
+
+    def __init__(self, page, screenshots):
+        self.page, self.screenshots = page, screenshots
+
+    image_stats = LabPage.image_stats
+
+
+LIVE_CELLS = (
+    "import pandas as pd, torch\n"
+    "from nbscaler.widgets import Measured, MemoryView, PlanView, TimelineView\n"
+    "from tests.widgets.compiled import llama_pp\n"
+    "plan = llama_pp()",
+    "timeline = TimelineView(plan)\ntimeline",
+    "MemoryView(plan, optimizer=torch.optim.AdamW)",
+    "PlanView(plan)",
+    "timeline.update(measured=Measured(timeline=pd.DataFrame(plan.timeline().to_rows())))",
+)
+
+
+@pytest.mark.browser
+def test_live_views_in_jupyterlab(tmp_path):
+    """The views as live widgets in JupyterLab: plotly FigureWidgets draw, the table shows, and an
+    update redraws the timeline in place (predicted and measured bars in the same output)."""
+    write_notebook(tmp_path / "views.ipynb", *LIVE_CELLS)
+    with lab_page(tmp_path, tmp_path / "shots") as lab:
+        lab.open_notebook("views.ipynb")
+        lab.run_all_cells()
+        lab.page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 2", timeout=180_000)
+        lab.page.wait_for_selector("table.nbs-ops", timeout=60_000)
+        # 2 ranks x (F, B) x 4 micro-batches, predicted then measured, in the first output
+        bars = "document.querySelector('.js-plotly-plot').querySelectorAll('.bars path').length"
+        try:
+            lab.page.wait_for_function(f"{bars} === 32", timeout=180_000)
+        finally:
+            lab.page.screenshot(path=str(tmp_path / "shots" / "live-views-full.png"), full_page=True)
+        rows = lab.page.eval_on_selector_all("table.nbs-ops tbody tr", "rs => rs.length")
+        lab.screenshot("live-views")
+    assert rows == len(llama_pp().ops)

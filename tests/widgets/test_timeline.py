@@ -75,10 +75,11 @@ def test_cluster_telemetry_of_several_steps_draws_the_last():
 
 def test_update_redraws_in_place_and_saves_offline():
     view = TimelineView(llama_pp())
-    live = view.widget.children[0]
+    box = view.widget
     view.update(measured=Measured(timeline=pd.DataFrame(llama_pp().timeline().to_rows())))
-    assert view.widget.children[0] is live and {t.yaxis for t in live.data} == {"y", "y2"}
+    assert view.widget is box and {t.yaxis for t in box.children[0].data} == {"y", "y2"}
+    assert "bubble, measured" in box.children[1].value
     view.update(llama_tp())
-    assert {t.yaxis for t in live.data} == {"y"} and "measured" not in view.bubbles
+    assert {t.yaxis for t in box.children[0].data} == {"y"} and "measured" not in view.bubbles
     page = view.to_html()
     assert external_resources(page) == [] and "Plotly.newPlot" in page and "rank 3" in page

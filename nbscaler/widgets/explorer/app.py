@@ -30,7 +30,7 @@ from nbscaler.cluster import Cluster, ClusterError, RankError
 from nbscaler.planning import Plan
 from nbscaler.widgets.explorer.compare import Comparison
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
-from nbscaler.widgets.explorer.knobs import Knobs, Policy
+from nbscaler.widgets.explorer.knobs import Knobs
 from nbscaler.widgets.explorer.losses import LossCurve
 from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user_model
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
@@ -88,7 +88,7 @@ class Explorer:
         self.status = w.HTML(self._note("Choose a policy and knobs, then press <b>Compile</b>."))
         self.progress = w.IntProgress(value=0, min=0, max=1, description="", layout=w.Layout(width="300px",
                                                                                             visibility="hidden"))
-        self.runs_table = w.HTML("<i>no runs yet</i>")
+        self.runs_table = w.HTML("<i>no runs yet</i>", layout=w.Layout(overflow="auto", flex="1 1 auto", width="0px"))
         self.compare_slot = w.VBox([w.HTML("<i>Pick two runs and press <b>Compare</b>.</i>")])
         self.tabs = w.Tab(children=[self.panes.slots[n] for n in TABS] + [self.compare_slot],
                           titles=[str(n) for n in TABS] + ["compare"], layout=w.Layout(flex="1 1 auto"))
@@ -96,7 +96,7 @@ class Explorer:
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>nbscaler Explorer</h3>"), w.HBox([self.status, self.progress]),
             w.HBox([self.controls.widget, self.tabs]), charts,
-            w.HBox([self.losses.widget, self.runs_table])])
+            w.HBox([self.losses.widget, self.runs_table])], layout=w.Layout(padding="6px"))
         self.widget.add_class("nbscaler-explorer")
 
     def _ipython_display_(self) -> None:

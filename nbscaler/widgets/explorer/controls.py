@@ -59,6 +59,7 @@ class Controls:
                                     style={"description_width": "40px"})
         self.compare_button = w.Button(description="Compare", icon="columns")
         for button in (self.compile_button, self.train_button, self.compare_button):
+            button.layout.width = "280px"
             button.add_class(f"nbscaler-{button.description.split()[0].lower()}")
 
         for name in KNOB_NAMES:
