@@ -144,7 +144,7 @@ class ParallelModule(torch.nn.Module):
             return Reducer(list(self.parameters()), dp_group)
         layout = (self.world_rank, cfg.plan_ngpus, cfg.runtime_ngpus, cfg.zero_ngroups)
         return ZeroReducer(list(self.parameters()), dp_group, get_group(zero_ranks(*layout)),
-                           get_group(zero_replica_ranks(*layout)))
+                           get_group(zero_replica_ranks(*layout)), stage=cfg.zero_stage)
 
     def _check_world(self) -> int:
         cfg = self.compute_config
@@ -190,6 +190,11 @@ class ParallelModule(torch.nn.Module):
     def optimizer_slots(self) -> List[Slot]:
         """Each optimizer parameter with the segments of local parameters it holds."""
         return self.reducer.optimizer_slots()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, with ZeRO those of the optimizer's shards as well."""
+        super().zero_grad(set_to_none)
+        self.reducer.zero_grad()
 
     def sync_grads(self) -> None:
         """Sum gradients over copies of a pipeline stage, then over the data-parallel units."""
