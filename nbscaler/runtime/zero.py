@@ -117,9 +117,21 @@ class ZeroReducer(Reducer):
         shard.grad = reduced if shard.grad is None else shard.grad.add_(reduced)
         self.produced[index].clear()
 
+    def check_views(self) -> None:
+        """Raise unless every parameter still lives in its bucket's flat tensor (``module.to(...)``
+        or ``.half()`` after construction gives parameters new storage the optimizer never sees)."""
+        for bucket, flat in zip(self.buckets, self.flats):
+            where = flat.untyped_storage().data_ptr()
+            if any(p.untyped_storage().data_ptr() != where for p in bucket.params):
+                raise RuntimeError(
+                    "a parameter of this ZeRO module was given new storage after it was built (module.to(), "
+                    ".half() or assigning .data?), so the optimizer would update a stale copy; convert the "
+                    "model before compiling instead (parallelize(..., module_dtype=...)).")
+
     def sync(self) -> None:
         """Reduce what is left: every bucket under stage 1; under stage 2 the buckets the backward
         did not complete (some parameters got no gradient) or never reached."""
+        self.check_views()
         for index, (shard, _) in enumerate(self.slots):
             if self.stage == 1 or self.produced[index] or shard.grad is None:
                 self._reduce_bucket(index)

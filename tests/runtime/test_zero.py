@@ -148,3 +148,12 @@ def test_zero_shards_are_views_of_the_parameters(tmp_path):
     assert all(p.grad is None for p in model.parameters()) and shard.grad is not None
     opt.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_zero_refuses_parameters_moved_after_construction(tmp_path):
+    case = Case("mlp", "dp", 1, 1, optimizer="adamw", config=zero())
+    model = parallel_model(case, str(tmp_path))
+    opt = case.make_optimizer(model)
+    model.double()
+    with pytest.raises(RuntimeError, match="new storage after it was built.*module_dtype"):
+        opt.step()
