@@ -298,15 +298,8 @@ class ParallelModule(torch.nn.Module):
         executor = PipelineExecutor(self, geometry.schedule, mode)
         outputs = executor.run(samples, train, dummy, scale_fn)
         self.pipeline_events = executor.events
-        # The last stage has the outputs; share the losses with the unit so every rank can log them.
-        losses = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
-        for m, out in enumerate(outputs):
-            if out is not None and executor.tp_index == 0:
-                losses[m] = (out[0] if isinstance(out, (tuple, list)) else out).detach().double()
-        unit = self.group(*range(self.compute_config.plan_ngpus))
-        if unit is not None:
-            dist.all_reduce(losses, group=unit)
-        return [_detach(out) if out is not None else losses[m].float() for m, out in enumerate(outputs)]
+        # The last stage has the outputs; the executor sent its losses to the rest of the unit.
+        return [_detach(out) if out is not None else executor.losses[m] for m, out in enumerate(outputs)]
 
     def pipeline_timeline(self) -> Timeline:
         """The blocks the last pipelined step ran on this rank, timed: the measured timeline."""

@@ -16,6 +16,10 @@ receive early never blocks, so a schedule the simulator proves free of deadlocks
 here either. Every message carries a tag made of (micro-batch, stage, phase, tensor), so two
 pipelines sharing a link (``chimera_direct``) cannot mix their messages up.
 
+The last stage's losses reach the other ranks of the unit without a collective: each rank posts
+its receives for them when the step starts, and the rank that computed a loss sends it when its
+blocks are done, so sharing them never makes the step wait for the slowest rank.
+
 Each block is timed; ``events`` holds rows ``(rank, stage, micro, phase, t_start, t_end)`` in the
 same format as the simulator's predicted timeline.
 """
@@ -56,6 +60,7 @@ class PipelineExecutor:
         self.carry_spec = module.stage_carry[mode]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.events: List[Dict[str, Any]] = []
+        self.losses: List[Optional[torch.Tensor]] = []    # after run: every micro-batch's loss (float32)
 
     # -- addressing -----------------------------------------------------------------------------
     def _rank_of(self, pipeline_device: int) -> int:
@@ -82,6 +87,7 @@ class PipelineExecutor:
         grads_in: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}     # (stage, micro) -> grads of outputs
         results: List[Optional[Any]] = [None] * len(samples)
         pending: List[Any] = []
+        incoming = self._post_loss_receives(len(samples))
         blocks = [b for b in self.schedule.blocks_of(self.device) if train or b.phase == "F"]
         receives = _Receives(self, [self._message(b.phase, b.stage, b.micro) for b in blocks])
         for position, block in enumerate(blocks):
@@ -120,9 +126,61 @@ class PipelineExecutor:
                     pending += self._send(s, s - 1, m, "B", in_grads)
             self.events.append({"rank": self.rank, "stage": s, "micro": m,
                                 "phase": block.phase, "t_start": start, "t_end": time.perf_counter()})
+        pending += self._send_losses(results)
         for work, _ in pending:
             work.wait()
+        self.losses = self._gather_losses(results, incoming)
         return results
+
+    # -- sharing the losses ---------------------------------------------------------------------
+    def _loss_sender(self, micro: int) -> int:
+        """The rank that sends micro-batch ``micro``'s loss: the first device holding the last
+        stage for it, at tensor-parallel index 0."""
+        device = min(self._holders(self.schedule.nstages - 1, micro))
+        return self.unit_base + self.geometry.plan_device(device, 0)
+
+    def _loss_tag(self, sender: int) -> int:
+        beyond_blocks = _tag(self.schedule.nmicros, 0, "F", 0, self.schedule.nstages)    # no block uses it
+        return beyond_blocks + sender
+
+    def _loss_routes(self, nmicros: int) -> Dict[int, List[int]]:
+        """Sender rank -> the micro-batches whose losses it sends, in order."""
+        routes: Dict[int, List[int]] = {}
+        for m in range(nmicros):
+            routes.setdefault(self._loss_sender(m), []).append(m)
+        return routes
+
+    def _post_loss_receives(self, nmicros: int) -> Dict[int, Tuple[Any, torch.Tensor]]:
+        """Post a receive for each other rank's losses, unless this rank computes them itself."""
+        posted = {}
+        last = self.schedule.nstages - 1
+        for sender, micros in self._loss_routes(nmicros).items():
+            if sender == self.rank or self.device in self._holders(last, micros[0]):
+                continue
+            buffer = torch.empty(len(micros), dtype=torch.float64, device=self.module.device)
+            posted[sender] = (dist.irecv(buffer, sender, tag=self._loss_tag(sender)), buffer)
+        return posted
+
+    def _send_losses(self, results: List[Optional[Any]]) -> List[Any]:
+        micros = self._loss_routes(len(results)).get(self.rank, [])
+        if not micros:
+            return []
+        last = self.schedule.nstages - 1
+        losses = torch.stack([_loss_of(results[m]).detach().double() for m in micros])
+        receivers = [r for r in range(self.unit_base, self.unit_base + self.module.compute_config.plan_ngpus)
+                     if r != self.rank and self.geometry.pipeline_device(r - self.unit_base) not in
+                     self._holders(last, micros[0])]
+        return [(dist.isend(losses, r, tag=self._loss_tag(self.rank)), losses) for r in receivers]
+
+    def _gather_losses(self, results: List[Optional[Any]], incoming) -> List[Optional[torch.Tensor]]:
+        losses: List[Optional[torch.Tensor]] = [None if r is None else _loss_of(r).detach() for r in results]
+        for sender, micros in self._loss_routes(len(results)).items():
+            if sender in incoming:
+                work, buffer = incoming[sender]
+                work.wait()
+                for m, value in zip(micros, buffer.float()):
+                    losses[m] = value
+        return losses
 
     def _fn(self, stage: int) -> str:
         return f"_stage{stage}" + ("" if self.mode == "any" else f"_{self.mode}")
@@ -169,6 +227,10 @@ class PipelineExecutor:
         if src is None:
             return grads_in.pop((stage, micro))
         return receives.wait(("B", stage, micro))
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 class _Receives:
