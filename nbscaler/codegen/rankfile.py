@@ -24,6 +24,7 @@ from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.schedule.geometry import PipelineGeometry
+from nbscaler.trace.guards import GUARD_OP
 
 
 def _unpack_inputs(graph: IRGraph) -> List[str]:
@@ -112,6 +113,8 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
     w("")
     w("from nbscaler.runtime import collectives as comm")
     w("from nbscaler.runtime.module import ParallelModule, WeightSpec")
+    if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
+        w("from nbscaler.runtime.guards import expect_traced")
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
     for target in user_targets:
         fn = USER_OPS[target]
