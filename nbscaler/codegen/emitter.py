@@ -135,6 +135,7 @@ class ForwardEmitter:
         expression = guard_expression(node, tuple(tensors))
         where = describe_site(node.module_path, node.source)
         code = source_comment(node).split(": ", 1)[1].rsplit("    (", 1)[0] if node.source else ""
+        code = code.split("  #", 1)[0].rstrip()          # the statement without its trailing comment
         where += f": `{code}`" if code else ""
         self.lines.append(f"expect_traced({expression}, {render(node.outputs)}, {expression!r}, {where!r})")
 

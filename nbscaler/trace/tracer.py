@@ -45,7 +45,6 @@ from nbscaler.trace.values import NeedsRealValues, Provenance, TracedValues
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NBSCALER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLES_DIR = os.path.join(_NBSCALER_DIR, "models")        # user code that ships with nbscaler
-_ACTIVE: List["Tracer"] = []
 
 # Calls that return tensors but are bookkeeping, not computation.
 _IGNORED = {"Tensor.data", "Tensor.grad", "Tensor.requires_grad_", "Tensor.retain_grad", "Tensor.__len__"}
@@ -61,10 +60,6 @@ class TraceError(RuntimeError):
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
         self.refused = refused
-
-
-def active_tracer() -> Optional["Tracer"]:
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def _identifier(text: str) -> str:
@@ -229,13 +224,6 @@ class Tracer(TorchFunctionMode):
         self.nodes.append(node)
         return node
 
-    def record_user_op(self, target: str, fn: Callable, args, kwargs):
-        """Run a ``register_op`` function as one node (its insides are not recorded)."""
-        with torch.overrides._pop_mode_temporarily():
-            out = fn(*args, **kwargs)
-        self.record(target, args, kwargs, out)
-        return out
-
     # -- module paths ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def module_hooks(self):
@@ -322,7 +310,6 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mod
     tracer = Tracer(module, fake=fake, guards=guards)
     inputs, input_spec = tracer.bind_inputs(dummy_forward_args)
     module.train(mode == "train")
-    _ACTIVE.append(tracer)
     reads: List[torch.nn.Module] = []
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad(), tracer.module_hooks(), watch_training_reads(reads), \
@@ -337,7 +324,6 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mod
         where = f" in {tracer.failed_in}" if tracer.failed_in else ""
         raise TraceError(f"tracing {type(module).__name__}.forward failed{where}: {type(err).__name__}: {err}") from err
     finally:
-        _ACTIVE.pop()
         module.train(was_training)
         with torch.no_grad():
             state = module.state_dict(keep_vars=True)
