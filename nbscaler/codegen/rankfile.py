@@ -40,14 +40,23 @@ def _unpack_inputs(graph: IRGraph) -> List[str]:
 
 
 def _signature(params: List[Tuple[str, str, bool]]) -> str:
+    """Forward's parameters; those the trace did not receive default to ``None``. A received one
+    after such a default (``labels`` after ``position_ids=None``) becomes keyword-only."""
     parts = ["self"]
+    defaulted = keyword_only = False
     for name, kind, given in params:
         if kind == "VAR_POSITIONAL":
             parts.append(f"*{name}")
+            keyword_only = True
         elif kind == "VAR_KEYWORD":
             parts.append(f"**{name}")
         else:
+            if given and defaulted and not keyword_only and kind != "KEYWORD_ONLY":
+                parts.append("*")
+                keyword_only = True
+            keyword_only = keyword_only or kind == "KEYWORD_ONLY"
             parts.append(name if given else f"{name}=None")
+            defaulted = defaulted or not given
     return ", ".join(parts)
 
 
