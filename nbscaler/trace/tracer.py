@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import INPLACE_TARGETS, annotate, spec_of, target_of
@@ -142,7 +142,6 @@ class Tracer(TorchFunctionMode):
 
         leaves, spec = tree_flatten_with_path(args)
         bound = [bind(p, x) for p, x in leaves]
-        from torch.utils._pytree import tree_unflatten
         return inputs, tree_unflatten(bound, spec)
 
     # -- recording ------------------------------------------------------------------------------
@@ -200,8 +199,9 @@ class Tracer(TorchFunctionMode):
         leaves, _ = tree_flatten(out)
         if not any(isinstance(x, torch.Tensor) for x in leaves):
             return None                                 # x.size(), x.dim(), ...: plain values
-        to_ir = lambda x: self.lookup(x) if isinstance(x, torch.Tensor) else x
-        ir_args, ir_kwargs = tree_map(to_ir, tuple(args)), tree_map(to_ir, dict(kwargs))
+        arg_leaves, arg_spec = tree_flatten((tuple(args), dict(kwargs)))
+        ir_args, ir_kwargs = tree_unflatten([self.lookup(x) if isinstance(x, torch.Tensor) else x for x in arg_leaves],
+                                            arg_spec)
         spec = spec_of(target)
         base = spec.name if spec and spec.name not in ("elementwise",) else target.rsplit(".", 1)[-1]
         node = IRNode(name=self.fresh_name(base.strip("_") or "op"), target=target,

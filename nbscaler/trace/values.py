@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
                                           UnsupportedOperatorException)
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class Provenance(StrEnum):
@@ -41,10 +41,11 @@ class Provenance(StrEnum):
 
     @property
     def rank(self) -> int:
-        return _ORDER.index(self)
+        return _RANK[self]
 
 
 _ORDER = [Provenance.STATIC, Provenance.DATA, Provenance.WEIGHTS]
+_RANK = {p: i for i, p in enumerate(_ORDER)}
 
 
 class NeedsRealValues(Exception):
@@ -70,8 +71,10 @@ class TracedValues:
         return self.provenance.get(id(t), Provenance.STATIC)
 
     def origin_of_call(self, args: Any, kwargs: Any) -> Provenance:
-        leaves, _ = tree_flatten((args, kwargs))
-        ranks = [self.origin(x).rank for x in leaves if isinstance(x, torch.Tensor)]
+        return self._origin_of_leaves(tree_flatten((args, kwargs))[0])
+
+    def _origin_of_leaves(self, leaves: List[Any]) -> Provenance:
+        ranks = [_RANK[self.origin(x)] for x in leaves if isinstance(x, torch.Tensor)]
         return _ORDER[max(ranks, default=0)]
 
     def is_fake(self, t: torch.Tensor) -> bool:
@@ -86,7 +89,8 @@ class TracedValues:
         under a fake call), so that ``out is call_args[0]`` tells an in-place call. ``on_new_fake(real,
         fake)`` is told of every stand-in made, so the tracer can find it by identity.
         """
-        provenance = self.origin_of_call(args, kwargs)
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+        provenance = self._origin_of_leaves(leaves)
         if self.fake_mode is None or provenance is not Provenance.WEIGHTS:
             return func(*args, **kwargs), args, kwargs, provenance
 
@@ -101,7 +105,7 @@ class TracedValues:
                 on_new_fake(x, fake)
             return fake
 
-        call_args, call_kwargs = tree_map(stand_in, tuple(args)), tree_map(stand_in, dict(kwargs))
+        call_args, call_kwargs = tree_unflatten([stand_in(x) for x in leaves], spec)
         try:
             with self.fake_mode:
                 out = func(*call_args, **call_kwargs)
