@@ -185,8 +185,8 @@ def balanced_cuts(graph: IRGraph, nstages: int, seconds: List[float], points: Li
     """Stages (one per node) cut at ``points`` so that the slowest stage is as fast as it can be."""
     n = len(seconds)
     if len(points) < nstages - 1:
-        raise PolicyError(f"only {len(points) + 1} places to cut the graph into pipeline stages, but "
-                          f"{nstages} stages were asked for; name more pipeline_pivots or use fewer stages.")
+        raise PolicyError(f"the graph has {len(points)} places to cut it into pipeline stages, but {nstages} "
+                          f"stages need {nstages - 1}; name more pipeline_pivots or use fewer stages.")
     prefix = [0.0]
     for s in seconds:
         prefix.append(prefix[-1] + s)
