@@ -12,6 +12,7 @@ of what the policy did::
 
 from __future__ import annotations
 
+import linecache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
@@ -134,8 +135,7 @@ class ForwardEmitter:
         """``expect_traced(bool(all_0), True, ...)``: the value the trace specialised on, checked."""
         expression = guard_expression(node, tuple(tensors))
         where = describe_site(node.module_path, node.source)
-        code = source_comment(node).split(": ", 1)[1].rsplit("    (", 1)[0] if node.source else ""
-        code = code.split("  #", 1)[0].rstrip()          # the statement without its trailing comment
+        code = linecache.getline(*node.source).split("  #", 1)[0].strip() if node.source else ""
         where += f": `{code}`" if code else ""
         self.lines.append(f"expect_traced({expression}, {render(node.outputs)}, {expression!r}, {where!r})")
 
