@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re
 from html import escape
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import anywidget
 import traitlets
@@ -72,6 +72,7 @@ class CodeView(View):
     def __init__(self, plan: "Plan", *, measured: Optional[Measured] = None, rank: int = 0, **options: Any) -> None:
         super().__init__(plan, measured=measured, **options)
         self._html: Dict[int, str] = {}
+        self._linked: Set[int] = set()
         self.widget = CodeWidget(ranks=sorted(plan.sources), rank=self._check_rank(rank))
         self.widget.observe(self._on_rank, "rank")
         self._on_rank()
@@ -105,8 +106,11 @@ class CodeView(View):
         self._mark()
 
     def link(self, graph: "GraphView") -> "CodeView":
-        """Follow ``graph``'s selection from now on (and show its current one); returns ``self``."""
-        graph.widget.observe(lambda change: self.show(change["new"]), "selected")
+        """Follow ``graph``'s selection from now on (and show its current one); returns ``self``.
+        Linking the same graph twice changes nothing."""
+        if id(graph.widget) not in self._linked:
+            self._linked.add(id(graph.widget))
+            graph.widget.observe(lambda change: self.show(change["new"]), "selected")
         if graph.selected is not None:
             self.show(graph.selected)
         return self
@@ -132,7 +136,8 @@ class CodeView(View):
         if node is None:
             w.caption = f"gencode{self.rank}.py"
         elif lines:
-            w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name}: line(s) {lines[0]}–{lines[-1]}"
+            span = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]}-{lines[-1]}"
+            w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name}: {span}"
         else:
             w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name} does not run on rank {self.rank}"
 
@@ -165,5 +170,6 @@ class CodeView(View):
     def _same_code(self, rank: int) -> str:
         cfg = self.plan.config
         twins = list(range(rank + cfg.plan_ngpus, cfg.runtime_ngpus, cfg.plan_ngpus))
-        also = f" (ranks {', '.join(map(str, twins))} run the same code)" if twins else ""
+        also = (f" (rank {twins[0]} runs the same code)" if len(twins) == 1 else
+                f" (ranks {', '.join(map(str, twins))} run the same code)" if twins else "")
         return f"rank {rank}: gencode{rank}.py{also}"

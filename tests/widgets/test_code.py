@@ -75,6 +75,11 @@ def test_link_follows_the_graph_selection(plan):
     assert code.node == fc and code.lines == plan.source_lines[0][fc]
     graph.widget.selected = fc + 1                        # as a click in the browser does
     assert code.node == fc + 1
+    shown = []
+    code.show = shown.append
+    code.link(graph)                                      # again: shows the selection, adds no observer
+    graph.select(fc)
+    assert shown == [fc + 1, fc]
 
 
 def test_update_keeps_the_rank_and_redraws(plan):
@@ -91,7 +96,7 @@ def test_update_keeps_the_rank_and_redraws(plan):
 def test_to_html_is_self_contained(plan):
     code = CodeView(plan)
     page = code.to_html()
-    assert page.count("<details") == plan.config.plan_ngpus and "ranks 2 run the same code" in page
+    assert page.count("<details") == plan.config.plan_ngpus and "rank 2 runs the same code" in page
     assert "<style>" in page and ".nbs-codeview .nbs-hl .k" in page
     assert "<script" not in page and not re.search(r"\s(src|href)=|https?://", page)
     assert page.isascii()                                    # right under any page charset

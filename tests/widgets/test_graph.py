@@ -4,6 +4,7 @@ selection, a search and an update with another policy, and that its bytes are th
 import re
 
 import pytest
+import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
@@ -12,6 +13,7 @@ from nbscaler.widgets import GraphView
 from nbscaler.widgets.graph import layout as layout_module
 from nbscaler.widgets.graph.facts import INPUTS, OUTPUTS
 from nbscaler.widgets.graph.tree import is_op_key, node_of
+from tests.models import batch, build
 
 N_LAYER = 24
 
@@ -180,6 +182,31 @@ def test_update_with_another_policy_redraws_in_place(plan):
     assert view.panes == ["logical", "rank 0", "rank 1"] and widget.pane_names == view.panes
 
 
+def test_panes_can_be_chosen(plan):
+    view = GraphView(plan, panes=["rank 2", "logical"])
+    assert view.panes == ["logical", "rank 2"] and set(view.widget.svgs) == {"logical", "rank 2"}
+    view.widget.panes = ["rank 3"]                          # as the browser's checkboxes do
+    assert set(view.widget.svgs) == {"rank 3"}
+    with pytest.raises(ValueError, match="unknown pane"):
+        view.panes = ["rank 9"]
+
+
+@pytest.mark.parametrize("model,policy", [("branch", "tp"), ("llama", "tp"), ("cnn", "data"), ("user_op", "tp")])
+def test_other_models_add_up(model, policy):
+    """Train/eval graphs, GQA attention, convolutions, a registered user op: the view opens, every op
+    sits in one box, and the bytes are the plan's."""
+    p = nbscaler.plan(build(model), batch(model, 0), policy, ComputeConfig(2, 2))
+    view = GraphView(p)
+    owners = view._model.tree.owners(view.expanded)
+    assert sorted(owners) == list(range(len(p.graph)))
+    assert view.scene().total_bytes() == p.collectives.bytes_per_device.sum()
+    for rank in (0, 1):
+        assert view.scene(f"rank {rank}").total_bytes() == device_bytes(p, rank)
+    first = next(i for i in range(len(p.graph)) if p.source_lines[0].get(i))
+    view.select(first)
+    assert "rank 1" in view.widget.details
+
+
 def test_layouts_are_cached_and_never_of_the_flat_graph(plan, monkeypatch):
     sizes = []
     real = layout_module._start_dot
@@ -209,3 +236,102 @@ def test_to_html_is_self_contained(plan):
     bundle = view._repr_mimebundle_()
     assert bundle["text/html"] == page
     assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+BROWSER_CELLS = (
+    "import nbscaler\n"
+    "from nbscaler import ComputeConfig\n"
+    "from nbscaler.models.gpt import GPT, GPTConfig, sample_batch\n"
+    "from nbscaler.widgets import CodeView, GraphView\n"
+    "cfg = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=64)\n"
+    "plan = nbscaler.plan(GPT(cfg), {'batch': sample_batch(cfg, 2)}, 'tp', ComputeConfig(2, 2))\n"
+    "graph = GraphView(plan)\n"
+    "code = CodeView(plan).link(graph)\n"
+    "graph",
+    "code",
+)
+
+
+@pytest.mark.browser
+def test_graph_in_the_browser(tmp_path):
+    """JupyterLab in Chromium: the graph opens collapsed in three panes; clicking a block expands it
+    in every pane, clicking an op selects it everywhere and scrolls the code to it, the search box
+    marks hits, clicking the frame's label collapses the block again."""
+    from tests.widgets.browser import lab_page, write_notebook
+
+    namespace = {}
+    exec(BROWSER_CELLS[0].rsplit("\n", 1)[0], namespace)     # the notebook's plan, to know its node ids
+    ops = namespace["plan"].ops
+    block_op = int(ops[ops.module == "blocks.1"].id.iloc[0])
+    write_notebook(tmp_path / "graph.ipynb", *BROWSER_CELLS)
+    with lab_page(tmp_path, tmp_path / "screenshots") as lab:
+        lab.open_notebook("graph.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        view = page.locator(".nbs-graphview").first
+        view.wait_for(timeout=120_000)
+        panes = view.locator(".nbs-pane")
+        panes.nth(2).locator("svg").wait_for()
+        assert [panes.nth(i).locator(".nbs-pane-title").inner_text() for i in range(3)] == ["logical", "rank 0",
+                                                                                              "rank 1"]
+        assert view.locator('.nbs-box[data-key="blocks.1"]').count() == 3
+        lab.screenshot("graph-opened", ".nbs-graphview")
+
+        panes.first.locator('.nbs-box[data-key="blocks.1"]').click()             # expand, through the kernel
+        view.locator('.nbs-frame[data-key="blocks.1"]').nth(2).wait_for()
+        assert view.locator('.nbs-box[data-key="blocks.1.attn"]').count() == 3
+
+        key = f"#{block_op}"                                # the residual add that blocks.1 calls itself
+        panes.first.locator(f'.nbs-box[data-key="{key}"]').click()
+        view.locator(".nbs-details table").wait_for()
+        assert view.locator(f'.nbs-box.nbs-selected[data-key="{key}"]').count() == 3   # synced across panes
+        assert "annotation" in view.locator(".nbs-details").inner_text()
+        page.locator(".nbs-codeview .nbs-code-marked").first.wait_for()
+        assert "add" in page.locator(".nbs-codeview .nbs-code-caption").inner_text()
+
+        view.locator(".nbs-search").fill("mlp")
+        view.locator(".nbs-box.nbs-hit").first.wait_for()
+        assert "ops found" in view.locator(".nbs-count").inner_text()
+        lab.screenshot("graph-expanded-selected", ".nbs-graphview")
+        lab.screenshot("code-following", ".nbs-codeview")
+
+        lab.screenshot("graph-details", ".nbs-details-panel")
+
+        panes.first.locator('.nbs-frame[data-key="blocks.1"] .nbs-frame-label').click()  # collapse
+        view.locator('.nbs-box[data-key="blocks.1"]').nth(2).wait_for()
+        assert view.locator('.nbs-frame[data-key="blocks.1"]').count() == 0
+        view.locator('.nbs-pane-toggle input[data-pane="rank 1"]').uncheck()          # hide a pane
+        page.wait_for_function("document.querySelectorAll('.nbs-graphview .nbs-pane').length === 2")
+        panes.first.locator('.nbs-box[data-key="blocks.2"]').click()
+        view.locator('.nbs-frame[data-key="blocks.2"]').nth(1).wait_for()
+        view.locator(".nbs-reset").click()                                            # collapse all
+        view.locator('.nbs-box[data-key="blocks.2"]').nth(1).wait_for()
+        assert view.locator('.nbs-frame[data-key="blocks.2"]').count() == 0
+        assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+class LongFunctional(torch.nn.Module):
+    """Two hundred ops called at the top level, no submodule to collapse them into."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        for _ in range(100):
+            x = torch.tanh(x @ self.w)
+        return x.sum()
+
+
+def test_a_long_functional_forward_opens_in_segments():
+    p = nbscaler.plan(LongFunctional(), {"x": torch.randn(4, 8)}, "dp", ComputeConfig(1, 1))
+    view = GraphView(p)
+    scene = view.scene()
+    assert len(p.graph) > 200 and len(scene.boxes) <= 12          # segments, not 200 boxes
+    segments = [k for k in scene.boxes if k.startswith("ops")]
+    assert segments[0] == "ops0-31"
+    view.expand(segments[1])
+    assert [k for k in view.scene().frames[segments[1]]] == [f"#{i}" for i in range(32, 64)]
+    view.select(150)
+    assert view.widget.marks["selected"] == ["#150"] and "ops128-159" in view.expanded
+    assert view.scene().total_bytes() == p.collectives.bytes_per_device.sum()

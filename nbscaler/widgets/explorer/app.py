@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 import nbscaler
-from nbscaler.cluster import Cluster, RankDied, RankError
+from nbscaler.cluster import Cluster, ClusterError, RankError
 from nbscaler.planning import Plan
 from nbscaler.widgets.explorer.compare import Comparison
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
@@ -35,7 +35,7 @@ from nbscaler.widgets.explorer.losses import LossCurve
 from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user_model
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
-from nbscaler.widgets.explorer.trainer import TrainSettings, train_on_cluster
+from nbscaler.widgets.explorer.trainer import TrainOutcome, TrainSettings, train_on_cluster
 
 TABS = (ViewName.GRAPH, ViewName.PLAN, ViewName.CODE)
 
@@ -152,8 +152,7 @@ class Explorer:
             cluster = self._cluster_for(plan.config.runtime_ngpus)
             self._say(f"Training run {run.id} on {cluster.world_size} ranks for {settings.steps} steps ...")
             self.losses.start(plan.config.runtime_ngpus, f"run {run.id}: loss per rank (live)")
-            run.outcome = train_on_cluster(cluster, self.spec, plan, settings, self._gen_dir.name,
-                                           f"explorer_run{run.id}", on_report=self.losses.on_report)
+            run.outcome = self._train_restarting(cluster, plan, settings, f"explorer_run{run.id}")
             self.losses.finish(run.outcome.result.steps, f"run {run.id}: loss per rank")
             self.panes.show(plan, PLACEMENT_VIEWS, measured=run.outcome.measured)
             self._refresh_runs()
@@ -226,6 +225,18 @@ class Explorer:
             return last
         return self._add_run(self.controls.knobs(self.spec.end2end), plan, plan.compile_seconds)
 
+    def _train_restarting(self, cluster: Cluster, plan: Plan, settings: TrainSettings, name: str) -> TrainOutcome:
+        """Train; a cluster that refuses calls (an engine died, or a rank would not stop after an
+        earlier failure) is restarted once, as its error asks, and the run goes on."""
+        try:
+            return train_on_cluster(cluster, self.spec, plan, settings, self._gen_dir.name, name,
+                                    on_report=self.losses.on_report)
+        except ClusterError as e:
+            self._say(f"Restarting the engines ({html.escape(str(e).split(';')[0])}) ...")
+            cluster.restart()
+            return train_on_cluster(cluster, self.spec, plan, settings, self._gen_dir.name, name,
+                                    on_report=self.losses.on_report)
+
     def _refresh_runs(self) -> None:
         self.runs_table.value = self.runs.to_html(classes="nbscaler-runs", float_format=lambda v: f"{v:.3g}")
         self.controls.set_runs([run.id for run in self._runs])
@@ -258,8 +269,6 @@ class Explorer:
         except Exception as e:                      # noqa: BLE001 (every failure becomes a message)
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.status.value = self._note(_error_html(action, e), "error")
-            if isinstance(e, RankDied) and self._owns_cluster:
-                self.cluster.restart()
 
     @contextlib.contextmanager
     def _progress(self, total: int) -> Iterator[Callable[[str], None]]:

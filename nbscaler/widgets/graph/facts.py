@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from nbscaler.widgets.formats import fmt_count, is_missing
 
@@ -40,12 +40,30 @@ class CommRow:
     devices: Tuple[int, ...]
 
 
+class OpRows:
+    """``plan.ops`` read by position without a pandas lookup per access: ``rows[i]`` is row ``i`` as
+    a dict, ``rows.column(name)`` one column as a list."""
+
+    def __init__(self, frame):
+        self._columns = {c: frame[c].tolist() for c in frame.columns}
+        self._n = len(frame)
+
+    def column(self, name: str) -> list:
+        return self._columns[name]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict:
+        return {c: values[i] for c, values in self._columns.items()}
+
+
 class PlanFacts:
     """Per-plan facts for the graph view (see the module docstring)."""
 
     def __init__(self, plan: "Plan"):
         self.plan = plan
-        self.ops: List[dict] = plan.ops.to_dict("records")
+        self.ops = OpRows(plan.ops)
         graph = plan.graph
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.reduce_dims = [set(n.annotation.reduce) if n.annotation is not None else set() for n in graph.nodes]
@@ -53,6 +71,7 @@ class PlanFacts:
         self.data_edges = self._data_edges()
         self.comm_rows = self._comm_rows()
         self._runs: Dict[int, Set[int]] = {}
+        self._boxes: Dict[Tuple[Any, Optional[int]], "Box"] = {}
 
     # -- gathered once ------------------------------------------------------------------------
     def _data_edges(self) -> List[Tuple[int, Optional[int]]]:
@@ -108,13 +127,29 @@ class PlanFacts:
 
     def split_mark(self, i: int) -> str:
         """How op ``i`` is split: its dimension name, ``+`` when the split leaves partial sums."""
-        split = self.ops[i]["split"]
+        split = self.ops.column("split")[i]
         if not isinstance(split, str):
             return ""
         return split + ("+" if split in self.reduce_dims[i] else "")
 
     # -- boxes ----------------------------------------------------------------------------------
     def op_box(self, i: int) -> "Box":
+        """Op ``i``'s box; drawn once per plan (a scene copies it before adding bytes)."""
+        if ("op", i) not in self._boxes:
+            self._boxes[("op", i)] = self._op_box(i)
+        return self._boxes[("op", i)]
+
+    def module_box(self, path: str, ops: List[int], rank: Optional[int]) -> "Box":
+        """A module's box for the logical pane or ``rank``'s (its share of ``ops``); drawn once.
+        A rank that runs all of them shares the logical pane's box."""
+        if (path, rank) not in self._boxes:
+            runs = self.runs(rank)
+            mine = ops if runs is None else [i for i in ops if i in runs]
+            self._boxes[(path, rank)] = (self.module_box(path, ops, None) if rank is not None and len(mine) == len(ops)
+                                         else self._module_box(path, mine))
+        return self._boxes[(path, rank)]
+
+    def _op_box(self, i: int) -> "Box":
         from nbscaler.widgets.graph.scene import Box, BoxKind
         op = self.ops[i]
         devices = list(op["devices"]) or [0]
@@ -124,25 +159,24 @@ class PlanFacts:
         return Box(f"#{i}", BoxKind.OP, op["name"], short_target(op["target"]), tooltip,
                    [(d, 1 / len(devices)) for d in devices], mark)
 
-    def module_box(self, path: str, ops: List[int]) -> "Box":
+    def _module_box(self, path: str, ops: List[int]) -> "Box":
         from nbscaler.widgets.graph.scene import Box, BoxKind
+        devices, local, whole = (self.ops.column(c) for c in ("devices", "local_flops_fwd", "flops_fwd"))
         weight: Dict[int, float] = defaultdict(float)
-        flops = 0.0
         for i in ops:
-            op = self.ops[i]
-            local = _number(op["local_flops_fwd"])
-            flops += _number(op["flops_fwd"])
-            for d in op["devices"]:
-                weight[d] += local
+            for d in devices[i]:
+                weight[d] += _number(local[i])
         if not sum(weight.values()):
             for i in ops:
-                for d in self.ops[i]["devices"]:
+                for d in devices[i]:
                     weight[d] += 1.0
         total = sum(weight.values()) or 1.0
+        flops = sum(_number(whole[i]) for i in ops)
         marks: Dict[str, float] = defaultdict(float)
         for i in ops:
-            if self.split_mark(i):
-                marks[self.split_mark(i)] += _number(self.ops[i]["flops_fwd"]) + 1
+            mark = self.split_mark(i)
+            if mark:
+                marks[mark] += _number(whole[i]) + 1
         split = " ".join(sorted(marks, key=lambda m: -marks[m])[:3])
         title = module_title(path)
         tooltip = f"{path}: {len(ops)} ops, {fmt_count(flops)} forward FLOPs" + (f"; split {split}" if split else "")

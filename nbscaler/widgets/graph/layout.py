@@ -60,7 +60,7 @@ def to_dot(scene: Scene) -> Tuple[str, List[str]]:
 
     def member(key: str, indent: str) -> None:
         if key in scene.frames:
-            lines.append(f'{indent}subgraph cluster_{frame_ids[key]} {{ label="{_dot_escape(key)}"; margin=8;')
+            lines.append(f'{indent}subgraph cluster_{frame_ids[key]} {{ label="{_dot_escape(key)}"; labeljust=l; margin=8;')
             for m in scene.frames[key]:
                 member(m, indent + "  ")
             lines.append(f"{indent}}}")

@@ -75,6 +75,7 @@ class GraphModel:
         max_bytes = max([e.bytes for e in logical.edges] + [1])
         layouts = layout_scenes(list(scenes.values()))
         out = {p: scene_svg(s, lay, max_bytes, p) for (p, s), lay in zip(scenes.items(), layouts)}
+        self.last_logical = logical
         self.last_render_seconds = time.perf_counter() - start
         return out
 
@@ -90,8 +91,8 @@ class GraphModel:
         needle = text.strip().lower()
         if not needle:
             return []
-        return [i for i, op in enumerate(self.facts.ops)
-                if any(needle in str(op[k] or "").lower() for k in ("name", "op", "target", "module"))]
+        columns = [self.facts.ops.column(k) for k in ("name", "op", "target", "module")]
+        return [i for i, texts in enumerate(zip(*columns)) if any(needle in str(t or "").lower() for t in texts)]
 
     def reveal(self, node_id: int, expanded: FrozenSet[str]) -> FrozenSet[str]:
         """``expanded`` plus every module that must open for op ``node_id`` to show as its own box."""

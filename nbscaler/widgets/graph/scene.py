@@ -19,7 +19,7 @@ no positions; ``layout`` adds those. Its numbers are the plan's own:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from nbscaler.widgets.graph.facts import INPUTS, OUTPUTS, PlanFacts
@@ -73,7 +73,8 @@ def build_scene(facts: PlanFacts, tree: ModuleTree, expanded: FrozenSet[str], ra
     """The scene of the logical pane (``rank=None``) or of one runtime rank's pane."""
     runs = facts.runs(rank)
     owner = {i: key for i, key in tree.owners(expanded).items() if runs is None or i in runs}
-    leaves = [k for k in tree.leaves(expanded) if k in set(owner.values())]
+    shown = set(owner.values())
+    leaves = [k for k in tree.leaves(expanded) if k in shown]
     boxes = {k: _box(facts, tree, k, rank) for k in leaves}
     edges: Dict[Tuple[str, str], Edge] = {}
     for src_node, dst_node in facts.data_edges:
@@ -112,12 +113,12 @@ def _end(owner: Dict[int, str], node: Optional[int], outside: str) -> str:
 
 
 def _box(facts: PlanFacts, tree: ModuleTree, key: str, rank: Optional[int]) -> Box:
+    """A fresh box (scenes add their bytes to it) from the facts' cached drawing of ``key``."""
     if is_op_key(key):
-        return facts.op_box(node_of(key))
-    entry = tree.modules[key]
-    runs = facts.runs(rank)
-    ops = entry.ops if runs is None else [i for i in entry.ops if i in runs]
-    return facts.module_box(key, ops)
+        drawn = facts.op_box(node_of(key))
+    else:
+        drawn = facts.module_box(key, tree.modules[key].ops, rank)
+    return replace(drawn, inside_collectives={})
 
 
 def _frames(tree: ModuleTree, expanded: FrozenSet[str], shown: set) -> Tuple[Dict[str, List[str]], List[str]]:

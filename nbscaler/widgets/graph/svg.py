@@ -64,7 +64,7 @@ def _frame(path: str, rect: Tuple[float, float, float, float], lp: Point) -> str
     return (f'<g class="nbs-frame" data-key="{escape(path)}"><title>{escape(path)}: click the label to collapse'
             f'</title><rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="7" fill="#f5f6fa" '
             f'fill-opacity="0.7" stroke="#a9b0c2"/><text class="nbs-frame-label" x="{lp[0]:.1f}" y="{lp[1] + 4:.1f}" '
-            f'text-anchor="middle" font-size="11" fill="#4a5068">▾ {escape(path)}</text></g>')
+            f'text-anchor="middle" font-size="11" fill="#4a5068">&#9662; {escape(path)}</text></g>')
 
 
 def _box(box: Box, rect: Tuple[float, float, float, float]) -> str:

@@ -9,6 +9,9 @@ children, a collapsed one stands for every op below it. Keys name what is shown:
 - a module by its path (``'blocks.3'``);
 - an op by ``'#'`` and its node index in the graph (``'#17'``), the index ``plan.ops.id`` uses.
 
+A module that calls very many ops itself (a long functional forward) shows them in segments of
+consecutive ops (``ops40-71``), which open like modules.
+
 >>> tree = ModuleTree.from_graph(plan.graph)             # doctest: +SKIP
 >>> tree.leaves(tree.default_expanded())[:4]
 ['tok', '#1', 'pos', '#3']
@@ -25,6 +28,10 @@ ROOT = ""
 
 #: Open modules until this many items show; a model that is one wrapper module is not one box.
 MIN_VISIBLE = 6
+#: A module calling more ops than this itself shows them in segments of consecutive ops, each a box
+#: that opens like a module, so that no level is ever the flat graph of a long functional forward.
+MAX_DIRECT_OPS = 48
+SEGMENT = 32
 
 
 def op_key(node_id: int) -> str:
@@ -75,7 +82,39 @@ class ModuleTree:
             modules[path].ops.append(i)
             modules[path].children.append(op_key(i))
             op_module.append(path)
-        return cls(modules, op_module)
+        tree = cls(modules, op_module)
+        for path in list(modules):
+            tree._segment(path)
+        return tree
+
+    def _segment(self, path: str) -> None:
+        """Group the direct ops of a module that calls too many into segments ``ops<first>-<last>``."""
+        entry = self.modules[path]
+        if sum(is_op_key(c) for c in entry.children) <= MAX_DIRECT_OPS:
+            return
+        children: List[str] = []
+        run: List[str] = []
+
+        def flush() -> None:
+            for start in range(0, len(run), SEGMENT):
+                piece = run[start:start + SEGMENT]
+                ids = [node_of(k) for k in piece]
+                name = f"ops{ids[0]}-{ids[-1]}"
+                seg = f"{path}.{name}" if path else name
+                self.modules[seg] = ModuleEntry(seg, list(piece), ids)
+                for i in ids:
+                    self.op_module[i] = seg
+                children.append(seg)
+            run.clear()
+
+        for child in entry.children:
+            if is_op_key(child):
+                run.append(child)
+            else:
+                flush()
+                children.append(child)
+        flush()
+        entry.children = children
 
     def parent(self, key: str) -> str:
         """The module holding ``key`` (a module path, or an op key via the op's module)."""

@@ -56,6 +56,7 @@ class GraphView(View):
     def __init__(self, plan: "Plan", *, measured: Optional[Measured] = None, panes: Optional[List[str]] = None,
                  **options: Any) -> None:
         super().__init__(plan, measured=measured, **options)
+        self._quiet = False                  # set while an update changes several traitlets at once
         self._model = GraphModel(plan)
         self.widget = GraphWidget(pane_names=self._model.pane_names,
                                   panes=self._model.check_panes(panes) if panes else self._model.default_panes(),
@@ -149,7 +150,7 @@ class GraphView(View):
     def _draw(self) -> None:
         w = self.widget
         w.svgs = self._model.render(list(w.panes), self.expanded)
-        scene = self._model.scene(LOGICAL, self.expanded)
+        scene = self._model.last_logical
         total = scene.total_bytes()
         w.info = (f"{len(self.plan.graph)} ops · {len(scene.boxes)} boxes shown · "
                   f"{fmt_bytes(total)} per device through collectives per step · "
@@ -164,6 +165,8 @@ class GraphView(View):
                    "hits": self._model.boxes_holding(w.matches, self.expanded)}
 
     def _on_expanded(self, change=None) -> None:
+        if self._quiet:
+            return
         normal = sorted(self._model.tree.normalise(self.widget.expanded))
         if normal != list(self.widget.expanded):
             self.widget.expanded = normal             # observed again, then drawn
@@ -171,9 +174,12 @@ class GraphView(View):
         self._draw()
 
     def _on_panes(self, change=None) -> None:
-        self._draw()
+        if not self._quiet:
+            self._draw()
 
     def _on_selected(self, change=None) -> None:
+        if self._quiet:
+            return
         node = self.widget.selected
         if node is not None and not (isinstance(node, int) and 0 <= node < len(self.plan.graph)):
             self.widget.selected = None
@@ -190,17 +196,20 @@ class GraphView(View):
             self.reset()
 
     def _redraw(self) -> None:
-        """A new plan: keep what is open, selected and searched where it still exists."""
+        """A new plan: keep what is open, selected and searched where it still exists; draw once."""
         keep_open, keep_selected = self.expanded, self.widget.selected
         self._model = GraphModel(self.plan)
         w = self.widget
-        with w.hold_trait_notifications():
+        self._quiet = True
+        try:
             w.pane_names = self._model.pane_names
             w.panes = [p for p in w.panes if p in self._model.pane_names] or self._model.default_panes()
             w.expanded = sorted(self._model.tree.normalise(keep_open))
             if keep_selected is not None and keep_selected >= len(self.plan.graph):
                 w.selected = None
-        self._on_search()
+        finally:
+            self._quiet = False
+        w.matches = self._model.search(w.search)
         self._draw()
         self._on_selected()
 
