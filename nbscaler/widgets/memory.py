@@ -20,7 +20,7 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import fmt_bytes
-from nbscaler.widgets.plotting import PLOTLYJS, figure_html
+from nbscaler.widgets.plotting import PLOTLYJS, figure_html, show_figure
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -81,9 +81,10 @@ class MemoryView(View):
         self._redraw()
 
     def _build_widget(self) -> widgets.VBox:
-        self.figure_widget = go.FigureWidget(self.figure)
+        self.figure_output = widgets.Output()
+        show_figure(self.figure_output, self.figure)
         self.gap_html = widgets.HTML(self.gap_table)
-        return widgets.VBox([self.figure_widget, self.gap_html])
+        return widgets.VBox([self.figure_output, self.gap_html])
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -93,8 +94,7 @@ class MemoryView(View):
         self.figure = memory_figure(self.predicted, measured, self._title())
         self.gap_table = self._gap_table()
         if self._widget is not None:                 # redraw the live one in place
-            self.figure_widget = go.FigureWidget(self.figure)
-            self._widget.children = (self.figure_widget, self.gap_html)
+            show_figure(self.figure_output, self.figure)
             self.gap_html.value = self.gap_table
 
     def _title(self) -> str:

@@ -2,10 +2,12 @@
 
 Charts are built once, as a plain ``go.Figure``, and then shown two ways:
 
-- live: as a ``go.FigureWidget`` (anywidget-based in plotly >= 6) inside the view's box; an
-  ``update`` puts a new FigureWidget into the same box, so the output cell that shows the box
-  redraws. (Emptying and refilling one FigureWidget's traces instead sends messages that a view
-  rendered later, as after "Run All", can miss, leaving it blank.)
+- live: as the one output of an ``ipywidgets.Output`` in the view's box, in plotly's own MIME type
+  (``application/vnd.plotly.v1+json``, drawn by the ``jupyterlab-plotly`` renderer that ships
+  with plotly); an ``update`` replaces that output, so the cell that shows the box redraws. The
+  output is widget state, so a view that renders late (after "Run All") still finds the newest
+  figure. (A ``go.FigureWidget`` was tried first: under load its front end sometimes drew an
+  empty plot.)
 - saved: ``figure_html`` turns the figure into a ``<div>`` plus a script that needs no network.
 
 plotly.js is about 4.8 MB. A page needs it once: ``nbscaler report`` puts it in the page's head
@@ -22,9 +24,27 @@ import json
 import uuid
 from typing import Optional
 
+import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.utils import PlotlyJSONEncoder
+
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def figure_output(figure: go.Figure) -> dict:
+    """``figure`` as one display-data output, in plotly's MIME type (plain JSON values)."""
+    spec = json.loads(json.dumps(figure.to_plotly_json(), cls=PlotlyJSONEncoder))
+    return {"output_type": "display_data", "metadata": {},
+            "data": {PLOTLY_MIME: {"data": spec.get("data", []), "layout": spec.get("layout", {}),
+                                   "config": {"displaylogo": False, "responsive": True}},
+                     "text/plain": f"<plotly figure: {figure.layout.title.text or 'untitled'}>"}}
+
+
+def show_figure(output: widgets.Output, figure: go.Figure) -> None:
+    """Make ``output`` show ``figure`` alone (no kernel needed: it sets the widget's state)."""
+    output.outputs = (figure_output(figure),)
 
 
 def plotlyjs_script() -> str:

@@ -48,3 +48,11 @@ def gpt_pipeline_run(gen_dir: str) -> Tuple[Plan, pd.DataFrame, pd.DataFrame]:
         optimizer.step()
     timeline = pd.DataFrame(pm.pipeline_timeline().to_rows())
     return plan, timeline, pd.DataFrame([meter.stats()])
+
+
+def shown_figure(box) -> dict:
+    """The plotly figure (data and layout, plain JSON) a chart view's live box shows."""
+    from nbscaler.widgets.plotting import PLOTLY_MIME
+
+    (output,) = box.children[0].outputs
+    return output["data"][PLOTLY_MIME]

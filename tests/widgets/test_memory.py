@@ -6,7 +6,7 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets import Measured, MemoryView
 from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED
-from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp
+from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
 from tests.widgets.offline import external_resources
 
 
@@ -65,15 +65,15 @@ def test_measured_with_fewer_kinds_compares_what_both_have():
 def test_update_redraws_the_live_widget_in_place():
     view = MemoryView(llama_tp())
     box = view.widget
-    assert len(box.children[0].data) == len(MEMORY_CATEGORIES)
+    assert len(shown_figure(box)["data"]) == len(MEMORY_CATEGORIES)
     view.update(measured=Measured(memory=llama_tp().memory()))
-    assert view.widget is box and len(box.children[0].data) == 2 * len(MEMORY_CATEGORIES)
+    assert view.widget is box and len(shown_figure(box)["data"]) == 2 * len(MEMORY_CATEGORIES)
     assert (view.gap.gap_pct == 0).all() and "+0.0%" in box.children[1].value
     view.update(llama_pp())                          # a new plan drops the old plan's measurements
-    live = box.children[0]
-    assert view.gap is None and len(live.data) == len(MEMORY_CATEGORIES)
-    assert list(live.data[0].x[0]) == ["rank 0", "rank 1"]
-    assert live.layout.title.text == view.figure.layout.title.text
+    live = shown_figure(box)
+    assert view.gap is None and len(live["data"]) == len(MEMORY_CATEGORIES)
+    assert live["data"][0]["x"][0] == ["rank 0", "rank 1"]
+    assert live["layout"]["title"]["text"] == view.figure.layout.title.text
 
 
 def test_saved_html_draws_offline():

@@ -5,7 +5,7 @@ import pytest
 
 from nbscaler.widgets import Measured, TimelineView
 from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
-from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp
+from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
 from tests.widgets.offline import external_resources
 
 
@@ -77,9 +77,9 @@ def test_update_redraws_in_place_and_saves_offline():
     view = TimelineView(llama_pp())
     box = view.widget
     view.update(measured=Measured(timeline=pd.DataFrame(llama_pp().timeline().to_rows())))
-    assert view.widget is box and {t.yaxis for t in box.children[0].data} == {"y", "y2"}
+    assert view.widget is box and {t["yaxis"] for t in shown_figure(box)["data"]} == {"y", "y2"}
     assert "bubble, measured" in box.children[1].value
     view.update(llama_tp())
-    assert {t.yaxis for t in box.children[0].data} == {"y"} and "measured" not in view.bubbles
+    assert {t["yaxis"] for t in shown_figure(box)["data"]} == {"y"} and "measured" not in view.bubbles
     page = view.to_html()
     assert external_resources(page) == [] and "Plotly.newPlot" in page and "rank 3" in page
