@@ -56,6 +56,18 @@ def report(path: str, out: Optional[str], optimizer: str, measured: Optional[str
     return 0
 
 
+def demo(argv: List[str]) -> int:
+    """The demo, then one offline HTML report of every view of its tour."""
+    from nbscaler.demo import run
+    outcome = run(argv)
+    from nbscaler.widgets import Measured, write_report     # widgets only for this command
+    measured = Measured.from_train_result(outcome.tour.result)
+    from nbscaler.demo import runs_frame
+    path = write_report(outcome.tour.plan, outcome.report_path, measured, runs=runs_frame(outcome.rows))
+    print(f"\nreport of every view (graph, plan, timeline, memory, code, runs): {path.resolve()}")
+    return 0 if outcome.ok else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="nbscaler")
@@ -73,8 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_p.add_argument("--measured", help="a folder written by Measured.save (default: <path>/measured if present)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from nbscaler.demo import main as demo_main
-        return demo_main(rest)
+        return demo(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "report":

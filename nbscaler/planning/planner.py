@@ -17,6 +17,7 @@ the same traced graphs again under another policy or config without tracing agai
 
 from __future__ import annotations
 
+
 import functools
 import time
 from dataclasses import dataclass, field
@@ -200,9 +201,19 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
     for mode, graph in graphs.items():
         out = policy(graph, cfg)
         placed[mode] = graph if out is None else out
+        cfg = adopt_stage_count(placed[mode], cfg)
         check_placements(placed[mode], cfg)
         annotate_costs(placed[mode])
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
+
+
+def adopt_stage_count(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
+    """A policy that chose the number of pipeline stages (autodist's ``autodist_nstages``) says so in
+    ``graph.meta['pipeline_nstages']``; the plan's config takes it, and so do later modes' policies."""
+    nstages = graph.meta.get("pipeline_nstages")
+    if nstages is None or nstages == cfg.pipeline_nstages:
+        return cfg
+    return cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})
 
 
 def build_module(module_or_class, module_fn: Optional[Callable[[], torch.nn.Module]],

@@ -17,7 +17,8 @@ AUTODIST = {
     2: [Case(m, "autodist", 2, 2) for m in ("mlp", "llama", "cnn")] +
        [Case("gpt", "autodist", 2, 2, config=pipeline("1f1b", 2, 4))],
     4: [Case("mlp", "autodist", 4, 4), Case("llama", "autodist", 2, 4), Case("cnn", "autodist", 4, 4),
-        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4))],
+        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4)),
+        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4) + (("pas_config", {"autodist_nstages": "auto"}),))],
 }
 
 
@@ -88,11 +89,28 @@ def test_saved_plan_loads_back_and_edits_take_effect(tmp_path):
                       ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
 
 
+def test_auto_stage_count_keeps_the_fastest_predicted_and_the_plan_adopts_it():
+    cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+                        pas_config={"autodist_nstages": "auto"})
+    p = nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg)
+    scores = p.graph.meta["autodist"]["nstages_scores"]
+    assert set(scores) == {2, 4}
+    best = min(scores, key=scores.get)
+    assert p.config.pipeline_nstages == best == p.schedule.nstages
+    assert sorted({n.stage for n in p.graph.nodes}) == list(range(best))
+    fixed = nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg.with_changes(pas_config={"autodist_nstages": 2}))
+    assert fixed.config.pipeline_nstages == 2 and "nstages_scores" not in fixed.graph.meta["autodist"]
+    with pytest.raises(PolicyError, match="autodist_nstages.*no pipeline; set use_pipeline=True"):
+        nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2, pas_config={"autodist_nstages": "auto"}))
+
+
 def test_bad_options_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="memory_limit_bytes.*positive number of bytes"):
         AutodistOptions(memory_limit_bytes=-5)
     with pytest.raises(ValueError, match="memory_optimizer.*use one of sgd, adam, adamw"):
         AutodistOptions(memory_optimizer="lamb")
+    with pytest.raises(ValueError, match="autodist_nstages.*give a number of pipeline stages, or 'auto'"):
+        AutodistOptions(autodist_nstages="many")
     with pytest.raises(PolicyError, match="pipeline_pivots .*'nowhere'.* name no module"):
         nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist",
                       ComputeConfig(2, 2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
