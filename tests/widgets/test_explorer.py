@@ -4,6 +4,7 @@ run on a real two-engine cluster (checked against one process)."""
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,8 @@ def test_a_failing_rank_is_a_message_and_the_explorer_trains_again(cluster):
         assert pd_isna(ex.runs.loc[1, "losses_match"])
         ex.set(model=SHIPPED_GPT)
         run = ex.train(steps=2)
-        assert ex.error is None and run.outcome.losses_match
+        assert ex.error is None, "".join(traceback.format_exception(ex.last_exception))
+        assert run.outcome.losses_match
     finally:
         ex.close()
 

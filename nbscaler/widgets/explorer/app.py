@@ -75,7 +75,8 @@ class Explorer:
         self.compiled: Optional[Plan] = None       # the last plan from a trace (Compile)
         self.plan: Optional[Plan] = None           # the plan the knobs describe now (a re-placement of it)
         self.knob_latency_s: Optional[float] = None
-        self.error: Optional[str] = None
+        self.error: Optional[str] = None           # the first line of the last failure shown, if any
+        self.last_exception: Optional[BaseException] = None
         self.comparison: Optional[Comparison] = None
         self._runs: List[Run] = []
         self._gen_dir = tempfile.TemporaryDirectory(prefix="nbscaler-explorer-")
@@ -267,6 +268,7 @@ class Explorer:
         try:
             yield
         except Exception as e:                      # noqa: BLE001 (every failure becomes a message)
+            self.last_exception = e
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.status.value = self._note(_error_html(action, e), "error")
 
