@@ -141,6 +141,16 @@ def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: i
     return runs
 
 
+DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
+"""plan device -> its ``stage_runs``: what the memory table and the step model both replay."""
+
+
+def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
+                geometry: Optional[PipelineGeometry]) -> DeviceRuns:
+    """``stage_runs`` of every plan device, computed once for callers that need them twice."""
+    return {device: stage_runs(graphs, storage, device, geometry) for device in range(cfg.plan_ngpus)}
+
+
 def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:
     """The most bytes saved at once: one forward without a pipeline; with one, the running total
     over the device's blocks (a forward adds its stage's bytes, the backward frees them)."""
@@ -164,7 +174,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 # -- the table ---------------------------------------------------------------------------------
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                    optimizer_kwargs: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
+                    optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None) -> pd.DataFrame:
     """Predicted memory of every runtime rank during a training step, by category (bytes).
 
     Args:
@@ -174,6 +184,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         geometry: the pipeline geometry, or ``None`` without a pipeline.
         optimizer: the optimizer class; its state is learnt by stepping it on tiny tensors.
         optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
+        runs: ``device_runs`` of the plan, when the caller has them already.
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
@@ -185,9 +196,9 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         if cfg.inference_only:
             row[C.ACTIVATION_BYTES] = 0
         else:
-            runs = stage_runs(graphs, storage, device, geometry)
-            annotate_saved_bytes(runs)
-            row[C.ACTIVATION_BYTES] = in_flight_peak({s: r.saved_bytes for s, r in runs.items()}, geometry, device)
+            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
+            annotate_saved_bytes(stages)
+            row[C.ACTIVATION_BYTES] = in_flight_peak({s: r.saved_bytes for s, r in stages.items()}, geometry, device)
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row
     rows = [{C.RANK: r, **by_device[cfg.device_of(r)]} for r in range(cfg.runtime_ngpus)]

@@ -35,7 +35,7 @@ from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.local import LocalRun
-from nbscaler.cost.memory import buckets, stage_runs, zero_group_size
+from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_size
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import local_weights, stage_io, train_graph
 from nbscaler.ir.graph import IRGraph
@@ -101,15 +101,15 @@ class StepModel:
 
     def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                  geometry: Optional[PipelineGeometry], profiler: Optional[OpProfiler] = None,
-                 comm: Optional[CommModel] = None):
+                 comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None):
         self.graphs, self.storage, self.cfg, self.geometry = graphs, storage, cfg, geometry
         self.profiler = profiler or default_profiler()
         self.comm = comm or comm_model.load(nranks=max(2, cfg.plan_ngpus))
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         for device in range(cfg.plan_ngpus):
-            runs = stage_runs(graphs, storage, device, geometry)
-            self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in runs.items()}
+            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
+            self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in stages.items()}
         self.profiler.save()
 
     def pipeline_timeline(self) -> Timeline:
@@ -173,7 +173,7 @@ def _nsamples(cfg: ComputeConfig) -> int:
 def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                       optimizer_kwargs: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
+                       optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
 
     A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
@@ -182,12 +182,13 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
     model, or its defaults.
     """
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry).step_times(n, optimizer, optimizer_kwargs)
+    return StepModel(graphs, storage, cfg, geometry, runs=runs).step_times(n, optimizer, optimizer_kwargs)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                       geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None) -> Timeline:
+                       geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
+                       runs: Optional[DeviceRuns] = None) -> Timeline:
     """The predicted blocks ``(rank, stage, micro, phase, t_start, t_end)`` of one training step:
     the simulated schedule for a pipeline, else a forward and a backward per sample and rank."""
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry).timeline(n)
+    return StepModel(graphs, storage, cfg, geometry, runs=runs).timeline(n)

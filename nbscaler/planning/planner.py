@@ -32,7 +32,7 @@ from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.annotate import annotate_costs
-from nbscaler.cost.memory import memory_per_rank
+from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
 from nbscaler.cost.timing import predicted_timeline
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
@@ -140,11 +140,19 @@ class Plan:
     def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
         """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)."""
         return memory_per_rank(self.graphs, self.storage, self.config, self.geometry,
-                               optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
+                               optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, runs=self.local_runs)
 
     def timeline(self) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``."""
-        return predicted_timeline(self.graphs, self.storage, self.config, self.geometry)
+        return predicted_timeline(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs)
+
+    @functools.cached_property
+    def local_runs(self) -> Optional[DeviceRuns]:
+        """Each plan device's training forward replayed on fake tensors (local shapes, collectives,
+        saved tensors): what the memory table and the step model both read; made once per plan."""
+        if self.config.inference_only:
+            return None
+        return device_runs(self.graphs, self.storage, self.config, self.geometry)
 
     # -- again, differently -----------------------------------------------------------------------
     def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":

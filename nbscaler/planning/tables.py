@@ -136,7 +136,9 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any]) -> 
     frame = pd.DataFrame({C.RANK.value: range(plan.config.runtime_ngpus),
                           C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
-    frame = frame.merge(step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry), on=C.RANK.value)
+    steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
+                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs)
+    frame = frame.merge(steps, on=C.RANK.value)
     return frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
 
 
