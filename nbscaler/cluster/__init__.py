@@ -139,10 +139,11 @@ Engines elsewhere: MPI and Slurm
   unchanged, with its options in ``launcher_options``.
 """
 
-from nbscaler.cluster.cluster import Cluster, ClusterSpec, EngineSlot
+from nbscaler.cluster.cluster import Cluster
 from nbscaler.cluster.engine import report
 from nbscaler.cluster.errors import ClusterError, RankDied, RankError
 from nbscaler.cluster.remote import RemoteModule, TrainResult
+from nbscaler.cluster.session import ClusterSpec, EngineSlot
 
 __all__ = ["Cluster", "ClusterError", "ClusterSpec", "EngineSlot", "RankDied", "RankError", "RemoteModule",
            "TrainResult", "report"]

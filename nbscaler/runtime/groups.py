@@ -3,6 +3,11 @@
 ``torch.distributed.new_group`` is collective: every rank must call it, in the same order, for every
 group, member or not. Modules therefore ask for all their groups in a fixed order, and this cache
 makes a second request for the same ranks free (and not collective).
+
+The cache belongs to one default process group. When that group is destroyed and a new one is
+initialised (a notebook cluster does so after a rank failed, a collective timed out or a cell was
+interrupted), the groups made from the old one are unusable, so the cache notices the new default
+group and starts again empty instead of handing out groups that are no longer registered.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 _GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+# The default group the cached groups were made from.
+_WORLD: Optional[dist.ProcessGroup] = None
 
 
 def unit_ranks(unit: int, devices: Sequence[int], plan_ngpus: int) -> Tuple[int, ...]:
@@ -24,6 +31,7 @@ def get_group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
     ranks = tuple(sorted(ranks))
     if len(ranks) <= 1 or not dist.is_initialized():
         return None
+    _forget_groups_of_an_old_world()
     if ranks not in _GROUPS:
         _GROUPS[ranks] = dist.new_group(list(ranks))
     return _GROUPS[ranks]
@@ -31,7 +39,18 @@ def get_group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
 
 def reset() -> None:
     """Forget every group (after ``destroy_process_group``)."""
+    global _WORLD
     _GROUPS.clear()
+    _WORLD = None
+
+
+def _forget_groups_of_an_old_world() -> None:
+    """Empty the cache when the default group is not the one its groups were made from."""
+    global _WORLD
+    world = dist.group.WORLD
+    if world is not _WORLD:
+        _GROUPS.clear()
+        _WORLD = world
 
 
 def dp_ranks(device: int, plan_ngpus: int, runtime_ngpus: int) -> Tuple[int, ...]:
