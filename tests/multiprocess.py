@@ -357,10 +357,14 @@ class RankSignal:
     writes to it.
     """
 
-    def __init__(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="nbscaler-signal-")
-        self.path = os.path.join(self._dir.name, "fifo")
-        os.mkfifo(self.path)
+    def __init__(self, path: Optional[str] = None) -> None:
+        """A new pipe in a folder of its own, or (``path`` given) the pipe of a signal made elsewhere."""
+        self._dir = None
+        if path is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="nbscaler-signal-")
+            path = os.path.join(self._dir.name, "fifo")
+            os.mkfifo(path)
+        self.path = path
 
     def then(self, action: Callable[[], None]) -> threading.Thread:
         def wait_and_act() -> None:

@@ -18,7 +18,10 @@ all of them. The rules for failures, which keep every error bounded in time:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -39,6 +42,8 @@ FAILURE_GRACE_S = 3.0
 # How long interrupted ranks get to return, beyond the group timeout that may still hold them in a
 # collective, before the cluster is declared stuck.
 INTERRUPT_GRACE_S = 5.0
+# How often ranks that have not stopped yet are interrupted again.
+INTERRUPT_AGAIN_S = 1.0
 
 ReportHandler = Callable[[List[Dict[str, Any]]], None]
 
@@ -94,13 +99,33 @@ def _interrupt(session: Session, ranks: List[EngineSlot],
     session.group_dirty = True
     if not ranks:
         return {}
-    session.client.send_signal(signal.SIGINT, targets=[s.engine_id for s in ranks], block=False)
-    session.client.wait([pending[s.rank] for s in ranks], timeout=session.spec.timeout + INTERRUPT_GRACE_S)
+    # Again and again: a rank that was still receiving the call when the first signal came (an
+    # idle engine ignores it) gets the next one once it runs.
+    deadline = time.monotonic() + session.spec.timeout + INTERRUPT_GRACE_S
+    running = list(ranks)
+    while running and time.monotonic() < deadline:
+        _send_sigint(session, running)
+        session.client.wait([pending[s.rank] for s in running], timeout=INTERRUPT_AGAIN_S)
+        running = [s for s in running if not pending[s.rank].ready()]
     outcomes = {s.rank: _outcome_of(s, pending[s.rank]) for s in ranks if pending[s.rank].ready()}
     stuck = [str(s) for s in ranks if outcomes.get(s.rank) is None]
     if stuck:
         session.broken = f"{', '.join(stuck)} did not stop when interrupted"
     return {r: o for r, o in outcomes.items() if o is not None}
+
+
+def _send_sigint(session: Session, ranks: List[EngineSlot]) -> None:
+    """SIGINT the engines of ``ranks``: by pid on this host, through their nannies elsewhere."""
+    here = socket.gethostname()
+    remote = []
+    for slot in ranks:
+        if slot.host != here:
+            remote.append(slot.engine_id)
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(slot.pid, signal.SIGINT)
+    if remote:
+        session.client.send_signal(signal.SIGINT, targets=remote, block=False)
 
 
 def _outcome_of(slot: EngineSlot, result: ipyparallel.AsyncResult) -> Optional[Outcome]:

@@ -91,6 +91,9 @@ class Cluster:
 
     def start(self) -> "Cluster":
         """Start the engines and the group, or take over those of an equal running cluster."""
+        return self._start()
+
+    def _start(self, prepared: Optional[Session] = None) -> "Cluster":
         if self._session is not None:
             return self
         previous = _live.get(self.name)
@@ -101,7 +104,9 @@ class Cluster:
                 previous.stop()
         _live[self.name] = self
         if self._session is None:
-            self._session = Session.start(self.spec, self.name)
+            self._session = (prepared or Session(self.spec, self.name)).start()
+        elif prepared is not None:
+            prepared.close()
         return self
 
     def stop(self) -> None:
@@ -114,8 +119,13 @@ class Cluster:
 
     def restart(self) -> "Cluster":
         """Replace all engines by fresh ones with a new process group (after a rank died, say)."""
-        self.stop()
-        return self.start()
+        fresh = Session(self.spec, self.name)  # its fork server imports while the old engines stop
+        try:
+            self.stop()
+        except BaseException:
+            fresh.close()
+            raise
+        return self._start(fresh)
 
     def __enter__(self) -> "Cluster":
         return self.start()

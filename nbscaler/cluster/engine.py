@@ -18,6 +18,7 @@ notebook side of the package.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import traceback
@@ -138,9 +139,14 @@ def call(payload: bytes) -> Outcome:
         return Outcome(rank, True, fn(*args, **kwargs))
     except BaseException as exc:  # KeyboardInterrupt too: it is how the notebook stops a rank
         failed_at = time.time()
-        # Skip this frame: the traceback should start in the user's code.
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-        leave_group()
+        # The notebook may interrupt again while this rank cleans up; let it finish.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            # Skip this frame: the traceback should start in the user's code.
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+            leave_group()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return Outcome(rank, False, error=f"{type(exc).__name__}: {exc}", traceback=text,
                        failed_at=failed_at)
 

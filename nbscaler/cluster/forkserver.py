@@ -10,8 +10,9 @@ share. Local engines are started another way:
 2. ipyparallel's engine launcher, ``ForkedEngineSetLauncher`` here, hands that process the engine
    command line and environment through its stdin, instead of starting ``n`` interpreters;
 3. the fork server forks ``n`` children, each of which becomes one ordinary ipyparallel engine
-   (nanny included) with everything already imported, then waits for them, passing on the
-   signals it gets.
+   with everything already imported, then waits for them, passing on the signals it gets. The
+   engines run without ipyparallel's nanny (a helper process per engine that relays signals);
+   the cluster signals them by pid, as they run on its host.
 
 The children die with the fork server (``PR_SET_PDEATHSIG`` on Linux), so stopping it, as
 ipyparallel's launcher does, stops them all. Fork is used only on Linux; elsewhere local engines
@@ -67,7 +68,10 @@ class ForkedEngineSetLauncher(LocalEngineLauncher):
         if server is None:  # a second engine set of the same cluster: a fork server of its own
             server = start(self.cluster_id, dict(self.environment), self.output_file)
             _warm.pop(self.cluster_id)
-        command = {"n": n, "argv": self.cluster_args + self.engine_args, "env": self.get_env()}
+        # No nanny: it would be one more fresh interpreter per engine, and the cluster signals local
+        # engines by their pid.
+        argv = self.cluster_args + self.engine_args + ["--IPEngine.enable_nanny=False"]
+        command = {"n": n, "argv": argv, "env": self.get_env()}
         server.stdin.write(json.dumps(command).encode() + b"\n")
         server.stdin.close()
         self.output_file = server.output_file

@@ -1,15 +1,15 @@
 """A running cluster's processes: controller, engines in rank order, their process group, their end.
 
-``Session.start`` brings a cluster up in five steps:
+A session is made, then started, in five steps:
 
-1. start what watches it (``watchdog``) and, for local engines, the fork server that imports torch
-   and nbscaler while the controller starts (``forkserver``);
-2. launch the controller and the engines with ipyparallel's launchers;
-3. wait for ``n`` engines and put them in rank order: rank ``r`` is the ``r``-th engine id, which
+1. making it starts what watches it (``watchdog``) and, for local engines, the fork server that
+   imports torch and nbscaler while the rest starts (``forkserver``);
+2. ``start`` launches the controller and the engines with ipyparallel's launchers;
+3. waits for ``n`` engines and put them in rank order: rank ``r`` is the ``r``-th engine id, which
    is also the MPI rank under ``mpiexec`` (``place_ranks``);
-4. form the process group (gloo on CPU, nccl with one GPU per local rank) at a rendezvous store
+4. forms the process group (gloo on CPU, nccl with one GPU per local rank) at a rendezvous store
    that rank 0 opens on a port the system picks (``join_group``);
-5. point ``%px``/``%%px`` at the engines, when IPython runs.
+5. points ``%px``/``%%px`` at the engines, when IPython runs.
 
 ``Session.close`` ends every process of the cluster and waits until they are gone. What a call
 does with the engines, and how it fails, is in ``calls``.
@@ -36,6 +36,8 @@ from nbscaler.cluster.errors import ClusterError
 from nbscaler.cluster.launchers import launcher_options, threads_per_engine
 
 POLL_S = 0.05
+# The controller's heartbeat period. Ten missed beats unregister an engine on another host.
+HEARTBEAT_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,19 @@ class Session:
     """The running part of a cluster: controller, engines, client and the state of the group."""
 
     def __init__(self, spec: ClusterSpec, name: str):
+        """Get ready to start: the watchdog and, for local engines, the fork server, which starts
+        importing at once (``start`` launches the rest)."""
         self.spec = spec
         self.owns_profile_dir = spec.profile_dir is None
         self.profile_dir = spec.profile_dir or tempfile.mkdtemp(prefix=f"nbscaler-{name}-")
         self.cluster_id = f"nbscaler-{name}-{uuid.uuid4().hex[:8]}"
         self.watchdog = watchdog.start(self.cluster_id, self.profile_dir if self.owns_profile_dir else None)
+        self.launcher_options = launcher_options(spec.engines, spec.n, self.profile_dir, spec.launcher_options)
+        self.engine_launcher: Any = spec.engines
+        if spec.engines == "local" and forkserver.CAN_FORK:
+            log_file = f"{self.profile_dir}/log/ipengine-{self.cluster_id}-forked.log"
+            forkserver.start(self.cluster_id, self.launcher_options["environment"], log_file)
+            self.engine_launcher = forkserver.ForkedEngineSetLauncher
         self.ipp_cluster: Optional[ipyparallel.Cluster] = None
         self.client: Optional[ipyparallel.Client] = None
         self.view: Optional[ipyparallel.DirectView] = None
@@ -103,24 +113,22 @@ class Session:
         # Set when the engines cannot go on (one died, or one would not stop); says why.
         self.broken: Optional[str] = None
 
-    @classmethod
-    def start(cls, spec: ClusterSpec, name: str) -> "Session":
+    def start(self) -> "Session":
         """Start controller, engines and process group; on any failure nothing is left running."""
-        session = cls(spec, name)
         try:
-            session._launch()
-            engine_ids = session._wait_for_engines()
-            session.view = session.client.direct_view(engine_ids)
-            session.view.block = True
-            session.view.use_cloudpickle()
-            facts = session.apply_each(engine_ids, engine.describe, [()] * spec.n)
-            session.slots = place_ranks(engine_ids, facts)
-            session.join_group()
-            _activate_magics(session.view)
+            self._launch()
+            engine_ids = self._wait_for_engines()
+            self.view = self.client.direct_view(engine_ids)
+            self.view.block = True
+            self.view.use_cloudpickle()
+            facts = self.apply_each(engine_ids, engine.describe, [()] * self.spec.n)
+            self.slots = place_ranks(engine_ids, facts)
+            self.join_group()
+            _activate_magics(self.view)
         except BaseException:
-            session.close()
+            self.close()
             raise
-        return session
+        return self
 
     @property
     def single_host(self) -> bool:
@@ -187,18 +195,15 @@ class Session:
     # -- starting ---------------------------------------------------------------------------------
     def _launch(self) -> None:
         spec = self.spec
-        options = launcher_options(spec.engines, spec.n, self.profile_dir, spec.launcher_options)
-        engines: Any = spec.engines
-        if spec.engines == "local" and forkserver.CAN_FORK:
-            # Import torch and nbscaler once, while the controller starts, and fork the engines.
-            log_file = f"{self.profile_dir}/log/ipengine-{self.cluster_id}-forked.log"
-            forkserver.start(self.cluster_id, options["environment"], log_file)
-            engines = forkserver.ForkedEngineSetLauncher
+        options = dict(spec.cluster_options)
+        # An engine counts as registered once the controller has seen its heart beat; a shorter
+        # period than ipyparallel's 3 s lets the engines register sooner (user options still win).
+        options["controller_args"] = [f"--HeartMonitor.period={HEARTBEAT_MS}", *options.get("controller_args", [])]
         self.ipp_cluster = ipyparallel.Cluster(
-            engines=engines, n=spec.n, profile_dir=self.profile_dir, cluster_id=self.cluster_id,
-            log_level=logging.WARNING, shutdown_atexit=False, **spec.cluster_options)
+            engines=self.engine_launcher, n=spec.n, profile_dir=self.profile_dir, cluster_id=self.cluster_id,
+            log_level=logging.WARNING, shutdown_atexit=False, **options)
         self.ipp_cluster.start_controller_sync()
-        self.ipp_cluster.start_engines_sync(spec.n, **options)
+        self.ipp_cluster.start_engines_sync(spec.n, **self.launcher_options)
         self.client = self.ipp_cluster.connect_client_sync()
 
     def _wait_for_engines(self) -> List[int]:
