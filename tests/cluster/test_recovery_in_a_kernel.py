@@ -3,11 +3,12 @@
 The notebook makes the three mistakes a user makes (a typo in a function run on the ranks, a rank
 that never joins a collective, and the stop button pressed mid-training), each in a cell expected
 to fail, and after each one compiles and trains a ``tp`` and a ``pp`` module on the same cluster and
-checks them against one process. The stop button is the kernel manager's interrupt, sent when a
+checks them against one process. The stop button is a SIGINT to the kernel process, sent when a
 rank says that training is under way.
 """
 
 import os
+import signal
 
 import nbformat
 import pytest
@@ -67,7 +68,7 @@ def code(source, fails=False):
 def test_a_notebook_recovers_from_every_mistake(tmp_path):
     started = RankSignal()
     notebook = nbformat.v4.new_notebook(cells=[
-        code(f"GEN_DIR = {str(tmp_path)!r}\nSTARTED = RankSignal({started.path!r})\n" + SETUP),
+        code(f"GEN_DIR = {str(tmp_path)!r}\n" + SETUP + f"STARTED = RankSignal({started.path!r})\n"),
         code(TYPO, fails=True), code("check_tp_and_pp()"),
         code(STALL, fails=True), code("check_tp_and_pp()"),
         code(INTERRUPTED, fails=True), code("check_tp_and_pp()"),
@@ -75,7 +76,8 @@ def test_a_notebook_recovers_from_every_mistake(tmp_path):
     ])
     client = NotebookClient(notebook, timeout=500, kernel_name="python3",
                             resources={"metadata": {"path": os.getcwd()}})
-    started.then(lambda: client.km.interrupt_kernel())
+    # What the stop button does to a local kernel: SIGINT to its process.
+    started.then(lambda: os.kill(client.km.provisioner.pid, signal.SIGINT))
     try:
         client.execute()
     finally:
