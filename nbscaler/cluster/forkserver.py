@@ -18,7 +18,7 @@ The children die with the fork server (``PR_SET_PDEATHSIG`` on Linux), so stoppi
 ipyparallel's launcher does, stops them all. Fork is used only on Linux; elsewhere local engines
 are plain ipyparallel engines.
 
-The engine side is ``main``, run as ``python -m nbscaler.cluster.forkserver``.
+The engine side is ``main``, run in the fork server's own process (``SERVER_COMMAND``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from typing import Any, Dict, List
 from ipyparallel.cluster.launcher import LocalEngineLauncher
 
 CAN_FORK = sys.platform.startswith("linux")
+# Run by import rather than ``-m``: the package imports this module itself, before ``-m`` would run it.
+SERVER_COMMAND = [sys.executable, "-c", "from nbscaler.cluster.forkserver import main; main()"]
 
 # cluster id -> its fork server, started before the controller and picked up by the launcher.
 _warm: Dict[str, subprocess.Popen] = {}
@@ -44,7 +46,7 @@ def start(cluster_id: str, environment: Dict[str, str], output_file: str) -> sub
     env = {**os.environ, **environment, "IPP_CLUSTER_ID": cluster_id}
     os.makedirs(os.path.dirname(output_file), exist_ok=True)
     with open(output_file, "ab") as out:
-        server = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=out,
+        server = subprocess.Popen(SERVER_COMMAND, stdin=subprocess.PIPE, stdout=out,
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server.output_file = output_file
     _warm[cluster_id] = server
@@ -85,7 +87,7 @@ class ForkedEngineSetLauncher(LocalEngineLauncher):
         return [server.pid]
 
     def find_args(self) -> List[str]:
-        return [sys.executable, "-m", __name__]
+        return SERVER_COMMAND
 
 
 def _die_with_parent() -> None:
@@ -159,6 +161,3 @@ def main() -> None:
         codes.append(os.waitstatus_to_exitcode(status))
     sys.exit(next((c for c in codes if c), 0))
 
-
-if __name__ == "__main__":
-    main()
