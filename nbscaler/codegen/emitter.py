@@ -12,6 +12,7 @@ of what the policy did::
 
 from __future__ import annotations
 
+import linecache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
@@ -19,6 +20,12 @@ from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, sour
 from nbscaler.comm.layout import Layout, conversion, input_requirement, local_shape, output_layout
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import spec_of
+from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
+
+
+def runs_on(node: IRNode, device: int, stage: Optional[int] = None) -> bool:
+    """Whether plan ``device`` runs ``node`` in the forward (``stage=None``) or in pipeline ``stage``."""
+    return (stage is None or node.stage == stage) and device in node.placement.devices
 
 
 class ForwardEmitter:
@@ -31,6 +38,8 @@ class ForwardEmitter:
         self.have: Dict[int, Layout] = {}
         self.grad = requires_grad_of(graph)
         self.groups: Dict[Tuple[int, ...], str] = {}
+        # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
+        self.spans: Dict[str, Tuple[int, int]] = {}
 
     # -- values ---------------------------------------------------------------------------------
     def bind(self, t: IRTensor, layout: Layout, expr: str) -> None:
@@ -82,13 +91,15 @@ class ForwardEmitter:
         nodes = [n for n in self.graph.nodes if stage is None or n.stage == stage]
         last_comment = None
         for node in nodes:
-            if self.device not in node.placement.devices:
+            if not runs_on(node, self.device, stage):
                 continue
             comment = source_comment(node)
             if comment != last_comment:
                 self.lines.append(comment)
                 last_comment = comment
+            first = len(self.lines)
             self.emit_node(node)
+            self.spans[node.name] = (first, len(self.lines))
         group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
         if carry_out is not None:
             items = ", ".join(f"{t.name!r}: {self.fetch(t, Layout.replicated(), group)}" for t in carry_out)
@@ -102,6 +113,9 @@ class ForwardEmitter:
         inputs = node.inputs
         # by position: one tensor may be passed twice with different requirements
         per_position = [self.fetch(t, input_requirement(node, i), place.devices) for i, t in enumerate(inputs)]
+        if node.op == GUARD_OP:
+            self.emit_guard(node, per_position)
+            return
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
         spec = spec_of(node.target)
@@ -125,6 +139,14 @@ class ForwardEmitter:
             self.lines.append(f"{lhs} = {render_call(node, args, kwargs)}")
         for t, lay in zip(outs, layouts):
             self.bind(t, lay, t.name)
+
+    def emit_guard(self, node: IRNode, tensors: List[str]) -> None:
+        """``expect_traced(bool(all_0), True, ...)``: the value the trace specialised on, checked."""
+        expression = guard_expression(node, tuple(tensors))
+        where = describe_site(node.module_path, node.source)
+        code = linecache.getline(*node.source).split("  #", 1)[0].strip() if node.source else ""
+        where += f": `{code}`" if code else ""
+        self.lines.append(f"expect_traced({expression}, {render(node.outputs)}, {expression!r}, {where!r})")
 
     def _lhs(self, node: IRNode) -> str:
         def pattern(v):
