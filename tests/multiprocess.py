@@ -12,6 +12,10 @@ what summed data-parallel gradients equal.
 
 from __future__ import annotations
 
+import functools
+import os
+import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -304,3 +308,84 @@ def predicted_memory(case: Case) -> List[Dict[str, int]]:
     from nbscaler.cost.memory import memory_per_rank
     cls, kwargs = OPTIMIZERS[case.optimizer]
     return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs).to_dict("records")
+
+
+# -- the same checks through a notebook cluster ------------------------------------------------------
+
+def case_batch(case: Case, step: int, unit: int) -> Any:
+    """What ``RemoteModule.train`` feeds the ranks: the harness's batch, or its micro-batches for
+    end2end modules."""
+    micro_batches = samples(case, step, unit)
+    if case.compute_config.use_end2end:
+        return [first_arg(kwargs) for kwargs in micro_batches]
+    return micro_batches[0]
+
+
+def grad_pieces(module: ParallelModule, optimizer: torch.optim.Optimizer, step: int) -> tuple:
+    """``after_backward`` that brings back this rank's gradient slices, as ``parallel_steps`` records them."""
+    return local_pieces(module, grads=True), {}
+
+
+def parallelize_on(cluster: Any, case: Case, gen_dir: str) -> Any:
+    """``cluster.parallelize`` the case's model with the case's policy and config."""
+    return cluster.parallelize(build(case.model), batch(case.model, 12345), case.policy, case.compute_config,
+                               gen_savedir=gen_dir, reuse="override",
+                               instance_name=f"{case.policy}_{case.plan_ngpus}_{case.runtime_ngpus}")
+
+
+def check_on_cluster(cluster: Any, case: Case, gen_dir: str) -> None:
+    """Compile and train ``case`` on ``cluster`` and compare with one process: every rank's loss at
+    every step (summed over micro-batches for end2end modules), and the merged gradients."""
+    remote = parallelize_on(cluster, case, gen_dir)
+    result = remote.train(functools.partial(case_batch, case), case.steps, torch.optim.SGD, lr=0.1,
+                          after_backward=grad_pieces, progress=False)
+    ref = train_single(case)
+    for rank in range(case.runtime_ngpus):
+        losses = result.steps[result.steps["rank"] == rank]["loss"].tolist()
+        expected = [sum(ref["losses"][step][rank // case.plan_ngpus]) for step in range(case.steps)]
+        assert_close(torch.tensor(losses), torch.tensor(expected), f"{case} rank {rank} losses on the cluster")
+    for step in range(case.steps):
+        merged = merge_slices(p for probes in result.probes for p in probes[step][0])
+        for name, expected in ref["grads"][step].items():
+            assert name in merged, f"{case}: no gradient for {name} at step {step} on the cluster"
+            assert_close(merged[name], expected, f"{case} step {step} grad {name} on the cluster")
+
+
+class RankSignal:
+    """A one-shot event from a rank (another process on this host) to the test: a named pipe.
+
+    The test calls ``then(action)``, which runs ``action`` in a thread as soon as some rank calls
+    ``fire()``. Nothing waits for a guessed time: the thread blocks on the pipe until the rank
+    writes to it.
+    """
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        """A new pipe in a folder of its own, or (``path`` given) the pipe of a signal made elsewhere."""
+        self._dir = None
+        if path is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="nbscaler-signal-")
+            path = os.path.join(self._dir.name, "fifo")
+            os.mkfifo(path)
+        self.path = path
+
+    def then(self, action: Callable[[], None]) -> threading.Thread:
+        def wait_and_act() -> None:
+            with open(self.path, "rb") as pipe:  # blocks until a rank opens the other end
+                pipe.read(1)
+            action()
+
+        thread = threading.Thread(target=wait_and_act, daemon=True)
+        thread.start()
+        return thread
+
+    def fire(self) -> None:
+        """On a rank: wake the test's thread."""
+        with open(self.path, "wb") as pipe:
+            pipe.write(b"!")
+
+    def __getstate__(self) -> dict:  # ranks get the path only
+        return {"path": self.path, "_dir": None}
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.cleanup()

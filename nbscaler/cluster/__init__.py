@@ -52,7 +52,8 @@ working, with an error that says so; use the new one.
 
 ``stop()``, or leaving the ``with`` block, ends the controller, every engine and their helper
 processes, waits until they are gone, and removes the temporary profile folder. Clusters still
-running when the kernel exits are stopped as well.
+running when the kernel exits are stopped as well, and a watchdog process per cluster ends them
+when the kernel is killed instead.
 
 When things go wrong
 --------------------
@@ -73,7 +74,11 @@ When things go wrong
 
 An error reaches the notebook within seconds when ranks fail outright, and within
 ``2 * timeout + 10`` seconds in the worst case. Interrupting the notebook (the stop button) while
-``run`` waits interrupts the engines too.
+``run`` waits interrupts the engines too, and the next call rebuilds the group as after an error.
+
+A rebuilt group is a new one: the subgroups of tensor and pipeline parallelism are made again from
+it, and a module parallelized before the failure asks to be parallelized again (with any policy).
+Only a dead engine needs ``restart()``.
 
 Parallelize, train, infer
 -------------------------
@@ -139,10 +144,11 @@ Engines elsewhere: MPI and Slurm
   unchanged, with its options in ``launcher_options``.
 """
 
-from nbscaler.cluster.cluster import Cluster, ClusterSpec, EngineSlot
+from nbscaler.cluster.cluster import Cluster
 from nbscaler.cluster.engine import report
 from nbscaler.cluster.errors import ClusterError, RankDied, RankError
 from nbscaler.cluster.remote import RemoteModule, TrainResult
+from nbscaler.cluster.session import ClusterSpec, EngineSlot
 
 __all__ = ["Cluster", "ClusterError", "ClusterSpec", "EngineSlot", "RankDied", "RankError", "RemoteModule",
            "TrainResult", "report"]

@@ -1,190 +1,29 @@
-"""``Cluster``: ipyparallel engines that form one ``torch.distributed`` process group.
+"""``Cluster``: what the notebook holds, ``n`` ipyparallel engines that form one process group.
 
-A cluster is one ipyparallel controller plus ``n`` engines, each engine one rank. Starting it runs
-four steps, each a method below:
-
-1. launch the controller and the engines with ipyparallel's own launchers (``_launch``);
-2. wait for the engines and put them in rank order: rank ``r`` is the ``r``-th engine id, which
-   is also the MPI rank under ``mpiexec`` (``_wait_for_engines``, ``place_ranks``);
-3. join the process group: gloo on CPU, nccl with one GPU per local rank (``_join_group``);
-4. activate ``%px``/``%%px`` on a view of the engines in rank order, if IPython is running.
-
-A call (``run``/``call``) sends one cloudpickled payload to every rank and waits for all of them.
-The rules for failures, which keep every error bounded in time:
-
-- a rank that raises tears down its group before answering, so peers blocked on it fail at once;
-  ranks still busy a few seconds after the first failure are interrupted (SIGINT). A collective
-  that waits for a rank that never comes fails after ``timeout``, so an error reaches the notebook
-  within ``timeout`` plus a few seconds, whatever the ranks were doing;
-- the call raises ``RankError`` naming the rank that failed first, with its remote traceback, and
-  the group is rebuilt (new rendezvous, same engines) before the next call;
-- an engine process that exits is seen within a fraction of a second (its pid, on this host) or
-  by the controller's heartbeat (other hosts); the call raises ``RankDied`` and the cluster takes
-  no more calls until ``restart()``.
+This module is the user-facing part. What runs the processes is ``session``, what sends a
+function to every rank and turns failures into errors is ``calls``, and what a parallel module on
+the ranks looks like from the notebook is ``remote``.
 
 One cluster per ``name`` lives in a kernel. Constructing ``Cluster(...)`` again with a name that
 is running (a re-run notebook cell) takes over the running engines and their group when the
-settings are equal, and stops them first when they differ, so engines never leak.
+settings are equal, and stops them first when they differ, so engines never leak. Clusters still
+running when the kernel exits are stopped; if the kernel is killed instead, each cluster's watchdog
+ends its processes.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import logging
-import shutil
-import signal
-import socket
 import sys
-import tempfile
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import cloudpickle
 import ipyparallel
-import psutil
-from ipyparallel.error import EngineError, RemoteError
 
-from nbscaler.cluster import engine
-from nbscaler.cluster.engine import Outcome, RankInfo
-from nbscaler.cluster.errors import ClusterError, RankDied, RankError
-from nbscaler.cluster.launchers import launcher_options, threads_per_engine
+from nbscaler.cluster.calls import ReportHandler, call_every_rank
+from nbscaler.cluster.errors import ClusterError
 from nbscaler.cluster.remote import RemoteModule
+from nbscaler.cluster.session import ClusterSpec, EngineSlot, Session
 from nbscaler.config import ComputeConfig
-from nbscaler.runtime.launch import free_port
-
-POLL_S = 0.05
-# How long a finished call waits for its last reports, which travel apart from the results.
-OUTPUT_WAIT_S = 1.0
-# After the first failure, how long the other ranks may finish on their own before being
-# interrupted. Peers of a failed rank are released at once (its group is gone), so this is short.
-FAILURE_GRACE_S = 3.0
-# How long interrupted ranks get to return, beyond the group timeout that may still hold them in a
-# collective, before the cluster is declared stuck.
-INTERRUPT_GRACE_S = 5.0
-
-ReportHandler = Callable[[List[Dict[str, Any]]], None]
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """Everything that decides what a cluster is; equal specs may share running engines."""
-
-    n: int
-    engines: str = "local"
-    timeout: float = 300.0
-    threads: Optional[int] = None
-    start_timeout: float = 120.0
-    profile_dir: Optional[str] = None
-    master_addr: Optional[str] = None
-    launcher_options: Dict[str, Any] = field(default_factory=dict)
-    cluster_options: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EngineSlot:
-    """One engine and the rank it plays."""
-
-    rank: int
-    engine_id: int
-    host: str
-    address: str
-    pid: int
-    cores: int
-    gpus: int
-    local_rank: int
-    local_world_size: int
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} (engine {self.engine_id}, pid {self.pid} on {self.host})"
-
-
-def place_ranks(engine_ids: Sequence[int], facts: Sequence[Dict[str, Any]]) -> List[EngineSlot]:
-    """Give engine ``engine_ids[r]`` rank ``r``; local ranks count the engines of each host in order."""
-    per_host: Dict[str, int] = {}
-    for f in facts:
-        per_host[f["host"]] = per_host.get(f["host"], 0) + 1
-    seen: Dict[str, int] = {}
-    slots = []
-    for rank, (eid, f) in enumerate(zip(engine_ids, facts)):
-        local_rank = seen[f["host"]] = seen.get(f["host"], -1) + 1
-        slots.append(EngineSlot(rank, eid, f["host"], f["address"], f["pid"], f["cores"], f["gpus"],
-                                local_rank, per_host[f["host"]]))
-    return slots
-
-
-class _Session:
-    """The running part of a cluster: controller, engines, client and the state of the group."""
-
-    def __init__(self, ipp_cluster: ipyparallel.Cluster, profile_dir: str, owns_profile_dir: bool):
-        self.ipp_cluster = ipp_cluster
-        self.profile_dir = profile_dir
-        self.owns_profile_dir = owns_profile_dir
-        self.client: Optional[ipyparallel.Client] = None
-        self.view: Optional[ipyparallel.DirectView] = None
-        self.slots: List[EngineSlot] = []
-        # Set after a failed call: rebuild the group before the next one.
-        self.group_dirty = False
-        # Set when the engines cannot go on (one died, or one would not stop); says why.
-        self.broken: Optional[str] = None
-
-    @property
-    def single_host(self) -> bool:
-        here = socket.gethostname()
-        return all(s.host == here for s in self.slots)
-
-    def dead(self, slots: Sequence[EngineSlot]) -> List[EngineSlot]:
-        """The engines among ``slots`` whose process is gone."""
-        here = socket.gethostname()
-        registered = set(self.client.ids)
-        return [s for s in slots
-                if s.engine_id not in registered or (s.host == here and not _pid_alive(s.pid))]
-
-    def close(self) -> None:
-        """Stop engines and controller, wait until their processes are gone, remove the files."""
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        try:
-            # Engines stopped by a signal exit non-zero, and ipyparallel would dump their whole log
-            # into the notebook as a warning; a stop that we asked for is not worth one.
-            self.ipp_cluster.log.setLevel(logging.ERROR)
-            self.ipp_cluster.stop_cluster_sync()
-            _reap(cluster_processes(self.ipp_cluster.cluster_id))
-        finally:
-            if self.owns_profile_dir:
-                shutil.rmtree(self.profile_dir, ignore_errors=True)
-
-
-def cluster_processes(cluster_id: str) -> List[psutil.Process]:
-    """The processes of a cluster on this host: controller, engines and their helpers.
-
-    ipyparallel hands every process it launches ``IPP_CLUSTER_ID`` in its environment.
-    """
-    return [process for process in psutil.process_iter(["environ"])
-            if (process.info["environ"] or {}).get("IPP_CLUSTER_ID") == cluster_id]
-
-
-def _reap(processes: List[psutil.Process], wait_s: float = 5.0) -> None:
-    """End what outlived the launchers' stop, e.g. engine nannies that only poll for their engine."""
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=wait_s)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(alive, timeout=wait_s)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
 
 # name -> the Cluster that owns the running engines of that name in this kernel.
 _live: Dict[str, "Cluster"] = {}
@@ -241,7 +80,7 @@ class Cluster:
         self.name = name
         self.spec = ClusterSpec(n, engines, float(timeout), threads, float(start_timeout), profile_dir,
                                 master_addr, dict(launcher_options or {}), dict(cluster_options or {}))
-        self._session: Optional[_Session] = None
+        self._session: Optional[Session] = None
         if start:
             self.start()
 
@@ -252,6 +91,9 @@ class Cluster:
 
     def start(self) -> "Cluster":
         """Start the engines and the group, or take over those of an equal running cluster."""
+        return self._start()
+
+    def _start(self, prepared: Optional[Session] = None) -> "Cluster":
         if self._session is not None:
             return self
         previous = _live.get(self.name)
@@ -262,7 +104,9 @@ class Cluster:
                 previous.stop()
         _live[self.name] = self
         if self._session is None:
-            self._session = self._start_session()
+            self._session = (prepared or Session(self.spec, self.name)).start()
+        elif prepared is not None:
+            prepared.close()
         return self
 
     def stop(self) -> None:
@@ -275,8 +119,13 @@ class Cluster:
 
     def restart(self) -> "Cluster":
         """Replace all engines by fresh ones with a new process group (after a rank died, say)."""
-        self.stop()
-        return self.start()
+        fresh = Session(self.spec, self.name)  # its fork server imports while the old engines stop
+        try:
+            self.stop()
+        except BaseException:
+            fresh.close()
+            raise
+        return self._start(fresh)
 
     def __enter__(self) -> "Cluster":
         return self.start()
@@ -304,7 +153,7 @@ class Cluster:
     @property
     def cluster_id(self) -> str:
         """The ipyparallel cluster id; every process of the cluster has it as ``$IPP_CLUSTER_ID``."""
-        return self._running().ipp_cluster.cluster_id
+        return self._running().cluster_id
 
     @property
     def profile_dir(self) -> str:
@@ -352,210 +201,24 @@ class Cluster:
         ``on_report`` is called about every 50 ms with the latest ``report(...)`` values of each
         rank (an empty dict for a rank that has not reported yet); progress bars use it.
         """
-        session = self._ready()
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-        pending = [session.client[s.engine_id].apply_async(engine.call, payload) for s in session.slots]
-        return self._gather(session, pending, on_report)
-
-    # -- starting ---------------------------------------------------------------------------------
-    def _start_session(self) -> _Session:
-        spec = self.spec
-        owns_profile_dir = spec.profile_dir is None
-        profile_dir = spec.profile_dir or tempfile.mkdtemp(prefix=f"nbscaler-{self.name}-")
-        ipp_cluster = ipyparallel.Cluster(
-            engines=spec.engines, n=spec.n, profile_dir=profile_dir,
-            cluster_id=f"nbscaler-{self.name}-{uuid.uuid4().hex[:8]}", log_level=logging.WARNING,
-            shutdown_atexit=False, **spec.cluster_options)
-        session = _Session(ipp_cluster, profile_dir, owns_profile_dir)
-        try:
-            self._launch(session)
-            engine_ids = self._wait_for_engines(session)
-            session.view = session.client.direct_view(engine_ids)
-            session.view.block = True
-            session.view.use_cloudpickle()
-            facts = self._apply_each(session, engine_ids, engine.describe, [()] * spec.n)
-            session.slots = place_ranks(engine_ids, facts)
-            self._join_group(session)
-            _activate_magics(session.view)
-        except BaseException:
-            session.close()
-            raise
-        return session
-
-    def _launch(self, session: _Session) -> None:
-        spec = self.spec
-        session.ipp_cluster.start_controller_sync()
-        options = launcher_options(spec.engines, spec.n, session.profile_dir, spec.launcher_options)
-        session.ipp_cluster.start_engines_sync(spec.n, **options)
-        session.client = session.ipp_cluster.connect_client_sync()
-
-    def _wait_for_engines(self, session: _Session) -> List[int]:
-        """Wait until ``n`` engines registered; fail at once if the launcher already gave up."""
-        spec = self.spec
-        deadline = time.monotonic() + spec.start_timeout
-        engine_set = session.ipp_cluster.engine_set
-        while len(session.client.ids) < spec.n:
-            if engine_set.state == "after" or engine_set.stop_data:
-                raise ClusterError(
-                    f"the {spec.engines!r} engine launcher stopped before {spec.n} engines registered. "
-                    f"Its output:\n{engine_set.get_output() or '(none)'}\n"
-                    "Fix the launch (see the output above) and create the Cluster again.")
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"only {len(session.client.ids)} of {spec.n} engines registered within "
-                    f"start_timeout={spec.start_timeout:.0f}s; raise start_timeout if they are queued "
-                    f"(Slurm), or look at the engine logs in {session.profile_dir}/log.")
-            time.sleep(POLL_S)
-        return sorted(session.client.ids)[: spec.n]
-
-    def _join_group(self, session: _Session) -> None:
-        """(Re)build the process group: a fresh rendezvous on rank 0, every engine joins it."""
-        spec = self.spec
-        slots = session.slots
-        if spec.master_addr:
-            master = spec.master_addr
-        elif session.single_host:
-            master = "127.0.0.1"
-        else:
-            master = slots[0].address
-        port = self._apply_each(session, [slots[0].engine_id], free_port, [()])[0]
-        infos = [(RankInfo(s.rank, spec.n, s.local_rank, s.local_world_size, f"tcp://{master}:{port}",
-                           spec.timeout, spec.threads or threads_per_engine(s.cores, s.local_world_size)),)
-                 for s in slots]
-        self._apply_each(session, [s.engine_id for s in slots], engine.join_group, infos)
-        session.group_dirty = False
-
-    def _apply_each(self, session: _Session, engine_ids: Sequence[int], fn: Callable[..., Any],
-                    args: Sequence[tuple]) -> List[Any]:
-        """Run cluster housekeeping ``fn(*args[i])`` on engine ``engine_ids[i]``, all at once."""
-        results = [session.client[eid].apply_async(fn, *a) for eid, a in zip(engine_ids, args)]
-        values = []
-        for eid, result in zip(engine_ids, results):
-            try:
-                values.append(result.get(timeout=self.spec.timeout + self.spec.start_timeout))
-            except RemoteError as err:
-                hint = ""
-                if err.ename == "ModuleNotFoundError" and "nbscaler" in str(err.evalue):
-                    hint = ("The engines cannot import nbscaler: install it where they run, or export "
-                            "PYTHONPATH with its folder before creating the Cluster.\n")
-                raise ClusterError(f"engine {eid} failed in {fn.__name__}: {err.ename}: {err.evalue}\n{hint}"
-                                   + "\n".join(err.render_traceback())) from None
-        return values
+        return call_every_rank(self._ready(), fn, args, dict(kwargs or {}), on_report)
 
     # -- calls ------------------------------------------------------------------------------------
-    def _running(self) -> _Session:
+    def _running(self) -> Session:
         if self._session is None:
             raise ClusterError(
                 f"Cluster(name={self.name!r}) is not running: it was stopped, or a newer Cluster with "
                 "the same name took over its engines. Call start() (or restart()), or use the newer one.")
         return self._session
 
-    def _ready(self) -> _Session:
+    def _ready(self) -> Session:
         session = self._running()
         if session.broken:
             raise ClusterError(f"{session.broken}; call restart() for fresh engines and a new process group.")
         if session.group_dirty:
-            self._join_group(session)
+            session.join_group()
         return session
 
     def _healthy(self) -> bool:
         session = self._session
         return session is not None and not session.broken and not session.dead(session.slots)
-
-    def _gather(self, session: _Session, pending: List[ipyparallel.AsyncResult],
-                on_report: Optional[ReportHandler]) -> List[Any]:
-        """Wait for every rank; after the first failure, interrupt those still running."""
-        outcomes: Dict[int, Outcome] = {}
-        dead: List[EngineSlot] = []
-        give_up_at: Optional[float] = None
-        waiting = list(session.slots)
-        try:
-            while waiting:
-                session.client.wait([pending[s.rank] for s in waiting], timeout=POLL_S)
-                for s in waiting:
-                    if pending[s.rank].ready():
-                        outcome = _outcome_of(s, pending[s.rank])
-                        if outcome is None:
-                            dead.append(s)
-                        else:
-                            outcomes[s.rank] = outcome
-                dead += [s for s in session.dead(waiting) if s.rank not in outcomes and s not in dead]
-                waiting = [s for s in waiting if s.rank not in outcomes and s not in dead]
-                failed = dead or any(not o.ok for o in outcomes.values())
-                if on_report is not None:
-                    if not waiting and not failed:  # reports travel apart from results: let them land
-                        for result in pending:
-                            result.wait_for_output(OUTPUT_WAIT_S)
-                    on_report([result.data for result in pending])
-                if failed and give_up_at is None:
-                    give_up_at = time.monotonic() + min(self.spec.timeout, FAILURE_GRACE_S)
-                if waiting and give_up_at is not None and time.monotonic() > give_up_at:
-                    outcomes.update(self._interrupt(session, waiting, pending))
-                    break
-        except KeyboardInterrupt:
-            self._interrupt(session, waiting, pending)
-            raise
-        return _values_or_raise(session, outcomes, dead)
-
-    def _interrupt(self, session: _Session, ranks: List[EngineSlot],
-                   pending: List[ipyparallel.AsyncResult]) -> Dict[int, Outcome]:
-        """SIGINT ``ranks`` and collect what they return; the cluster is broken if one will not stop."""
-        session.group_dirty = True
-        if not ranks:
-            return {}
-        session.client.send_signal(signal.SIGINT, targets=[s.engine_id for s in ranks], block=False)
-        session.client.wait([pending[s.rank] for s in ranks], timeout=self.spec.timeout + INTERRUPT_GRACE_S)
-        outcomes = {s.rank: _outcome_of(s, pending[s.rank]) for s in ranks if pending[s.rank].ready()}
-        stuck = [str(s) for s in ranks if outcomes.get(s.rank) is None]
-        if stuck:
-            session.broken = f"{', '.join(stuck)} did not stop when interrupted"
-        return {r: o for r, o in outcomes.items() if o is not None}
-
-
-def _outcome_of(slot: EngineSlot, result: ipyparallel.AsyncResult) -> Optional[Outcome]:
-    """The Outcome of a finished rank, or None when its engine died under it."""
-    try:
-        return result.get()
-    except EngineError:
-        return None
-    except RemoteError as err:
-        if err.ename == EngineError.__name__:  # the controller saw the engine go, and says so remotely
-            return None
-        # Failed before engine.call could catch it, e.g. nbscaler is not importable there.
-        return Outcome(slot.rank, False, error=f"{err.ename}: {err.evalue}", traceback=err.traceback or "",
-                       failed_at=time.time())
-
-
-def _values_or_raise(session: _Session, outcomes: Dict[int, Outcome], dead: List[EngineSlot]) -> List[Any]:
-    failures = {r: o.error for r, o in sorted(outcomes.items()) if not o.ok}
-    if dead:
-        first = min(dead, key=lambda s: s.rank)
-        session.broken = f"{', '.join(map(str, dead))} died"
-        raise RankDied(first.rank,
-                       f"{first} died during the call: its process exited (killed, crashed or out of memory). "
-                       f"{_consequences(failures)}Call restart() for fresh engines and a new process group.",
-                       "", {**failures, **{s.rank: "engine process died" for s in dead}})
-    if failures:
-        session.group_dirty = True
-        first = min((o for o in outcomes.values() if not o.ok), key=lambda o: o.failed_at)
-        others = {r: e for r, e in failures.items() if r != first.rank}
-        raise RankError(first.rank,
-                        f"rank {first.rank} raised {first.error}\n{_consequences(others)}"
-                        f"--- traceback on rank {first.rank} ---\n{first.traceback}",
-                        first.traceback, failures)
-    return [outcomes[r].value for r in range(len(session.slots))]
-
-
-def _consequences(failures: Dict[int, str]) -> str:
-    if not failures:
-        return ""
-    lines = "".join(f"  rank {r}: {e.splitlines()[0] if e else ''}\n" for r, e in failures.items())
-    return f"Other ranks failed after it (most only lost their peer in a collective):\n{lines}"
-
-
-def _activate_magics(view: ipyparallel.DirectView) -> None:
-    """Point ``%px``/``%%px`` at this cluster when running under IPython (a notebook, a console)."""
-    from IPython import get_ipython
-
-    if get_ipython() is not None:
-        view.activate()

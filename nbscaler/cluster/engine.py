@@ -18,16 +18,19 @@ notebook side of the package.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, Optional
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
+from nbscaler.runtime import groups
 from nbscaler.runtime.launch import init_process_group
 
 
@@ -39,7 +42,8 @@ class RankInfo:
     world_size: int
     local_rank: int
     local_world_size: int
-    init_method: str
+    master_addr: str
+    master_port: int
     timeout_s: float
     threads: int
 
@@ -59,6 +63,8 @@ class Outcome:
 _info: Optional[RankInfo] = None
 # How often this engine has joined a process group: re-running a notebook cell must not re-join.
 joins = 0
+# On rank 0: the rendezvous store the next group forms on (see ``open_rendezvous``).
+_store: Optional[dist.TCPStore] = None
 
 
 def describe() -> Dict[str, Any]:
@@ -81,16 +87,35 @@ def _routable_address() -> str:
         return socket.gethostname()
 
 
+def open_rendezvous(world_size: int, timeout_s: float) -> int:
+    """On rank 0: start the store the next group meets at, on a port the system picks; returns it.
+
+    The store listens from here on, so the port cannot be taken by anyone else before the other
+    ranks connect (unlike a port found free, closed, and bound again later).
+    """
+    global _store
+    _store = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return _store.port
+
+
 def join_group(info: RankInfo) -> int:
     """Set the rank environment and threads, then join the process group; returns the join count."""
-    global _info, joins
+    global _info, _store, joins
     leave_group()
     os.environ.update(
         RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
         LOCAL_WORLD_SIZE=str(info.local_world_size), OMP_NUM_THREADS=str(info.threads),
     )
     torch.set_num_threads(info.threads)
-    init_process_group(info.rank, info.world_size, info.init_method, info.timeout_s, info.local_rank)
+    if info.rank == 0:
+        store, _store = _store, None
+        if store is None:
+            raise RuntimeError("rank 0 has no rendezvous store: open_rendezvous must run on it first")
+    else:
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
+                              timeout=timedelta(seconds=info.timeout_s))
+    init_process_group(info.rank, info.world_size, None, info.timeout_s, info.local_rank, store=store)
     _info = info
     joins += 1
     return joins
@@ -100,6 +125,7 @@ def leave_group() -> None:
     """Destroy every process group of this engine (closing its connections to the peers)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    groups.reset()
 
 
 def call(payload: bytes) -> Outcome:
@@ -113,9 +139,14 @@ def call(payload: bytes) -> Outcome:
         return Outcome(rank, True, fn(*args, **kwargs))
     except BaseException as exc:  # KeyboardInterrupt too: it is how the notebook stops a rank
         failed_at = time.time()
-        # Skip this frame: the traceback should start in the user's code.
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-        leave_group()
+        # The notebook may interrupt again while this rank cleans up; let it finish.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            # Skip this frame: the traceback should start in the user's code.
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+            leave_group()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return Outcome(rank, False, error=f"{type(exc).__name__}: {exc}", traceback=text,
                        failed_at=failed_at)
 

@@ -13,7 +13,7 @@ memory as pandas DataFrames, and whatever ``after_backward`` or ``infer`` return
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import pandas as pd
 import torch
@@ -21,11 +21,7 @@ from tqdm.auto import tqdm
 
 from nbscaler.cluster import training
 from nbscaler.config import ComputeConfig
-
 from nbscaler.schedule import Timeline
-
-if TYPE_CHECKING:
-    from nbscaler.cluster.cluster import Cluster
 
 STEP_COLUMNS = ["rank", "unit", "step", "loss", "t_start", "t_end", "step_time"]
 SCHEDULE_COLUMNS = ["rank", "step", "stage", "micro", "phase", "t_start", "t_end"]
@@ -65,16 +61,28 @@ class TrainResult:
         return Timeline.from_rows(blocks.to_dict("records"), nranks=self.steps["rank"].nunique())
 
 
+class Ranks(Protocol):
+    """What a ``RemoteModule`` needs of the cluster it lives on (``Cluster`` is one)."""
+
+    world_size: int
+    single_host: bool
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> List[Any]: ...
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+             *, on_report: Optional[Callable[[List[Dict[str, Any]]], None]] = None) -> List[Any]: ...
+
+
 @dataclass(frozen=True)
 class RemoteModule:
     """Handle to the parallel module called ``name`` on every rank of ``cluster``."""
 
-    cluster: "Cluster"
+    cluster: Ranks
     name: str
     compute_config: ComputeConfig
 
     @classmethod
-    def create(cls, cluster: "Cluster", module: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
+    def create(cls, cluster: Ranks, module: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
                compute_config: ComputeConfig, name: Optional[str], parallelize_kwargs: Dict[str, Any]) -> "RemoteModule":
         """Parallelize on every rank; see ``Cluster.parallelize``."""
         if compute_config.runtime_ngpus != cluster.world_size:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -49,6 +49,9 @@ class RankModule:
     module: ParallelModule
     optimizer: Optional[torch.optim.Optimizer] = None
     steps_done: int = 0
+    # The default process group the module's collectives were built on. A cluster rebuilds the
+    # group after a failure; a module built on the old one cannot run any more.
+    world: Optional[dist.ProcessGroup] = field(default_factory=lambda: dist.group.WORLD)
 
     @property
     def unit(self) -> int:
@@ -121,7 +124,12 @@ def held_module(name: str) -> RankModule:
         known = ", ".join(repr(n) for n in modules) or "none"
         raise KeyError(f"no parallel module {name!r} on rank {dist.get_rank()} (known: {known}); "
                        "parallelize it on this cluster first (engines restarted since lose their modules).")
-    return modules[name]
+    held = modules[name]
+    if held.world is not dist.group.WORLD:
+        raise RuntimeError(f"parallel module {name!r} was built on a process group that has been replaced since "
+                           "(an earlier call failed or was interrupted, and the group was rebuilt): its state "
+                           "may be half a step old. Parallelize it again to go on.")
+    return held
 
 
 def _call(module: torch.nn.Module, batch: Any) -> Any:

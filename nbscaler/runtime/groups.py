@@ -3,15 +3,24 @@
 ``torch.distributed.new_group`` is collective: every rank must call it, in the same order, for every
 group, member or not. Modules therefore ask for all their groups in a fixed order, and this cache
 makes a second request for the same ranks free (and not collective).
+
+The cache belongs to one default process group. When that group is destroyed and a new one is
+initialised (a notebook cluster does so after a rank failed, a collective timed out or a cell was
+interrupted), the groups made from the old one are unusable, so the cache notices the new default
+group and starts again empty instead of handing out groups that are no longer registered.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 _GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+# The default group the cached groups were made from, and its collective timeout, which they share.
+_WORLD: Optional[dist.ProcessGroup] = None
+_TIMEOUT: Optional[timedelta] = None
 
 
 def unit_ranks(unit: int, devices: Sequence[int], plan_ngpus: int) -> Tuple[int, ...]:
@@ -24,14 +33,39 @@ def get_group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
     ranks = tuple(sorted(ranks))
     if len(ranks) <= 1 or not dist.is_initialized():
         return None
+    _forget_groups_of_an_old_world()
     if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
+        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=_TIMEOUT)
     return _GROUPS[ranks]
 
 
 def reset() -> None:
     """Forget every group (after ``destroy_process_group``)."""
+    global _WORLD, _TIMEOUT
     _GROUPS.clear()
+    _WORLD = _TIMEOUT = None
+
+
+def _forget_groups_of_an_old_world() -> None:
+    """Empty the cache when the default group is not the one its groups were made from."""
+    global _WORLD, _TIMEOUT
+    world = dist.group.WORLD
+    if world is not _WORLD:
+        _GROUPS.clear()
+        _WORLD, _TIMEOUT = world, _timeout_of(world)
+
+
+def _timeout_of(group: dist.ProcessGroup) -> Optional[timedelta]:
+    """The collective timeout ``group`` was created with.
+
+    ``new_group`` does not inherit it: without this, a collective of a subgroup would wait for a
+    missing peer for torch's default (30 minutes) instead of the timeout the job asked for.
+    """
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and getattr(options, "_timeout", None) is not None:
+            return options._timeout
+    return None
 
 
 def dp_ranks(device: int, plan_ngpus: int, runtime_ngpus: int) -> Tuple[int, ...]:

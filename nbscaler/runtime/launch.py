@@ -15,10 +15,11 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -30,27 +31,22 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries its rank and remote traceback."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float,
-                       local_rank: Optional[int] = None) -> None:
+def init_process_group(rank: int, world_size: int, init_method: Optional[str], timeout_s: float,
+                       local_rank: Optional[int] = None, *, store: Optional[dist.Store] = None) -> None:
     """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise.
 
-    ``local_rank`` (the rank among the processes of this host) picks the GPU; it defaults to
-    ``rank``, which is right when all ranks share one host.
+    The ranks meet through ``init_method`` (a URL such as ``file:///tmp/x``) or through an open
+    ``store``. ``local_rank`` (the rank among the processes of this host) picks the GPU; it defaults
+    to ``rank``, which is right when all ranks share one host.
     """
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
 
@@ -88,7 +84,9 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // nranks)
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # The ranks meet in a file of a folder only this call uses: no port to find free, nothing to race.
+    rendezvous = tempfile.TemporaryDirectory(prefix="nbscaler-spawn-")
+    init_method = "file://" + os.path.join(rendezvous.name, "rendezvous")
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, nranks, init_method, max(10.0, timeout), threads, results, fn, args))
              for r in range(nranks)]
@@ -113,8 +111,9 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
                                      "before returning (killed, or out of memory).")
                 continue
             if not ok:
-                # A rank that died silently is the cause; the others only fail talking to it.
-                time.sleep(0.5)
+                # A rank that died silently is the cause; the others only fail talking to it. Give a
+                # dying rank a moment to be seen exiting (its sentinel becomes ready when it does).
+                wait([p.sentinel for r, p in enumerate(procs) if r != rank and r not in outs], timeout=0.5)
                 dead = _dead(procs, outs)
                 if dead:
                     raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before "
@@ -127,4 +126,5 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
             if p.is_alive():
                 p.kill()
                 p.join()
+        rendezvous.cleanup()
     return [outs[r] for r in range(nranks)]

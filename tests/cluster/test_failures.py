@@ -5,7 +5,6 @@ The cluster's collective timeout is 20 s; every error must reach the caller with
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.cluster import ClusterError, RankDied, RankError
+from tests.multiprocess import RankSignal
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -32,10 +32,17 @@ def rank_1_never_joins_the_collective():
     dist.all_reduce(torch.ones(1))
 
 
-def rank_1_sleeps_while_rank_0_waits():
+def rank_1_sleeps_while_rank_0_waits(started: RankSignal):
     if dist.get_rank() == 1:
+        started.fire()
         time.sleep(600)
     dist.all_reduce(torch.ones(1))
+
+
+def sleep_on_every_rank(started: RankSignal):
+    if dist.get_rank() == 0:
+        started.fire()
+    time.sleep(600)
 
 
 def total():
@@ -69,12 +76,15 @@ def test_a_hung_collective_ends_after_the_timeout(cluster):
 
 def test_a_killed_engine_is_named_and_restart_recovers(cluster):
     victim = cluster.engines[1]
-    threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
+    started = RankSignal()
+    started.then(lambda: os.kill(victim.pid, signal.SIGKILL))
     start = time.monotonic()
     with pytest.raises(RankDied) as info:
-        cluster.run(rank_1_sleeps_while_rank_0_waits)
+        cluster.run(rank_1_sleeps_while_rank_0_waits, started)
+    started.close()
     assert time.monotonic() - start < DEADLINE_S
     assert info.value.rank == 1 and f"pid {victim.pid}" in str(info.value)
+    assert "restart()" in str(info.value)  # the error says what to do
     with pytest.raises(ClusterError, match="restart"):
         cluster.run(total)
     cluster.restart()
@@ -83,9 +93,11 @@ def test_a_killed_engine_is_named_and_restart_recovers(cluster):
 
 def test_interrupting_the_notebook_interrupts_the_ranks(cluster):
     """The notebook's stop button raises KeyboardInterrupt in the kernel while ``run`` waits."""
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = RankSignal()
+    started.then(lambda: os.kill(os.getpid(), signal.SIGINT))
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        cluster.run(time.sleep, 600)
+        cluster.run(sleep_on_every_rank, started)
+    started.close()
     assert time.monotonic() - start < DEADLINE_S
     assert cluster.run(total) == [2.0, 2.0]

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from nbscaler.cluster import Cluster
-from nbscaler.cluster.cluster import cluster_processes
+from nbscaler.cluster.watchdog import cluster_processes
 
 pytestmark = [
     pytest.mark.cluster, pytest.mark.timeout(120),

@@ -1,6 +1,6 @@
 """Rank placement and launcher options: plain functions, no engines needed."""
 
-from nbscaler.cluster.cluster import place_ranks
+from nbscaler.cluster.session import place_ranks
 from nbscaler.cluster.launchers import launcher_options, threads_per_engine
 
 

@@ -7,10 +7,9 @@ import torch
 
 from nbscaler.cluster import RankError
 from nbscaler.cluster.training import parallelize_here, train_here
-from nbscaler.runtime.checkpoint import local_pieces
 from tests.models import batch, build
-from tests.multiprocess import (EVAL_SEED, Case, check_equivalence, first_arg, pipeline, run_ranks, samples,
-                                train_single)
+from tests.multiprocess import (EVAL_SEED, Case, case_batch, check_equivalence, grad_pieces, parallelize_on,
+                                pipeline, run_ranks, train_single)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -21,31 +20,13 @@ CASES = {
 PIPELINE = Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4))
 
 
-def case_batch(case: Case, step: int, unit: int):
-    """What ``train`` feeds the ranks: the harness's batch, or its micro-batches for end2end modules."""
-    micro_batches = samples(case, step, unit)
-    if case.compute_config.use_end2end:
-        return [first_arg(kwargs) for kwargs in micro_batches]
-    return micro_batches[0]
-
-
-def merged_grad_pieces(module, optimizer, step):
-    return local_pieces(module, grads=True), {}
-
-
-def parallelize_case(cl, case: Case, gen_dir: str):
-    return cl.parallelize(build(case.model), batch(case.model, 12345), case.policy, case.compute_config,
-                          gen_savedir=gen_dir, reuse="override",
-                          instance_name=f"{case.policy}_{case.plan_ngpus}_{case.runtime_ngpus}")
-
-
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_losses_and_gradients_equal_one_process(nranks, request, tmp_path):
     cl = request.getfixturevalue("cluster" if nranks == 2 else "cluster4")
     for case in CASES[nranks]:
-        remote = parallelize_case(cl, case, str(tmp_path))
+        remote = parallelize_on(cl, case, str(tmp_path))
         result = remote.train(functools.partial(case_batch, case), case.steps, torch.optim.SGD, lr=0.1,
-                              after_backward=merged_grad_pieces, progress=False)
+                              after_backward=grad_pieces, progress=False)
         eval_losses = remote.infer(batch(case.model, EVAL_SEED))
         per_rank = [{"losses": [[loss] for loss in result.steps[result.steps["rank"] == r]["loss"]],
                      "grads": result.probes[r], "eval_loss": [eval_losses[r].item()]} for r in range(nranks)]
@@ -61,7 +42,7 @@ def train_with_spawn(case: Case, gen_dir: str):
 
 def test_a_pipeline_trains_as_under_spawn_and_reports_its_schedule(cluster, tmp_path):
     spawned = run_ranks(train_with_spawn, 2, PIPELINE, str(tmp_path / "spawn"))
-    remote = parallelize_case(cluster, PIPELINE, str(tmp_path / "cluster"))
+    remote = parallelize_on(cluster, PIPELINE, str(tmp_path / "cluster"))
     result = remote.train(functools.partial(case_batch, PIPELINE), PIPELINE.steps, torch.optim.SGD, lr=0.1,
                           progress=False)
     assert result.steps["loss"].tolist() == [row["loss"] for rows in spawned for row in rows]
@@ -78,7 +59,7 @@ def test_a_pipeline_trains_as_under_spawn_and_reports_its_schedule(cluster, tmp_
 
 
 def test_telemetry_comes_back_as_dataframes(cluster, tmp_path):
-    remote = parallelize_case(cluster, Case("mlp", "tp", 2, 2), str(tmp_path))
+    remote = parallelize_on(cluster, Case("mlp", "tp", 2, 2), str(tmp_path))
     first = remote.train(functools.partial(case_batch, Case("mlp", "dp", 1, 2)), 2, torch.optim.AdamW, lr=1e-3, progress=False)
     again = remote.train(functools.partial(case_batch, Case("mlp", "dp", 1, 2)), 1, progress=False)  # keeps the optimizer
     assert first.steps["step"].tolist() == [0, 1, 0, 1] and again.steps["step"].tolist() == [2, 2]
@@ -93,18 +74,18 @@ def test_telemetry_comes_back_as_dataframes(cluster, tmp_path):
 
 
 def test_the_progress_bar_follows_the_ranks(cluster, tmp_path, capsys):
-    remote = parallelize_case(cluster, Case("mlp", "dp", 1, 2), str(tmp_path))
+    remote = parallelize_on(cluster, Case("mlp", "dp", 1, 2), str(tmp_path))
     remote.train(functools.partial(case_batch, Case("mlp", "dp", 1, 2)), 3, torch.optim.SGD, lr=0.1)
     bar = capsys.readouterr().err
     assert "train dp_1_2" in bar and "3/3" in bar and "loss=" in bar
 
 
 def test_training_without_an_optimizer_says_how_to_fix_it(cluster, tmp_path):
-    remote = parallelize_case(cluster, Case("mlp", "dp", 1, 2), str(tmp_path))
+    remote = parallelize_on(cluster, Case("mlp", "dp", 1, 2), str(tmp_path))
     with pytest.raises(RankError, match="optimizer_fn"):
         remote.train(functools.partial(case_batch, Case("mlp", "dp", 1, 2)), 1, progress=False)
 
 
 def test_a_plan_for_another_world_size_is_refused_before_it_runs(cluster, tmp_path):
     with pytest.raises(ValueError, match="runtime_ngpus=2"):
-        parallelize_case(cluster, Case("mlp", "dp", 1, 4), str(tmp_path))
+        parallelize_on(cluster, Case("mlp", "dp", 1, 4), str(tmp_path))
