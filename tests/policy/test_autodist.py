@@ -37,7 +37,7 @@ def splits(p):
 
 def test_same_model_config_and_profile_give_the_same_plan():
     # A tight memory limit makes the search split (unlimited, this tiny model is fastest replicated).
-    model, args = build("llama"), batch("llama", 0)
+    model, args = build("mlp"), batch("mlp", 0)
     whole = nbscaler.plan(model, args, "dp", ComputeConfig(1, 1)).memory(torch.optim.AdamW).peak_bytes.max()
     cfg = ComputeConfig(2, 2, pas_config={"memory_limit_bytes": int(whole * 0.75)})
     first, again = nbscaler.plan(model, args, "autodist", cfg), nbscaler.plan(model, args, "autodist", cfg)

@@ -182,25 +182,31 @@ class _Searcher:
                 "staging": best["staging"], "stagings": [n for n, _ in stagings]}
 
     def fit_memory(self):
-        """Search with no weight on bytes; under a limit, double the weight until the plan fits."""
+        """Search with no weight on bytes; under a limit, first check that the leanest plan fits,
+        then double the weight on bytes from small until the plan fits (the fastest that does)."""
         results, rows = self.place(0.0)
         limit = self.opts.memory_limit_bytes
         if limit is None:
             return results, rows, 0.0, None
         peak = self.peak_bytes()
-        seconds = sum(r["op_s"] + r["comm_s"] for r in rows) or 1.0
-        weight = seconds / max(sum(r["bytes"] for r in rows), 1.0) / 16
-        for _ in range(MAX_WEIGHT_STEPS):
+        if peak <= limit:
+            return results, rows, 0.0, peak
+        weight = (sum(r["op_s"] + r["comm_s"] for r in rows) or 1.0) / max(sum(r["bytes"] for r in rows), 1.0) / 16
+        leanest = weight * 2 ** MAX_WEIGHT_STEPS             # bytes outweigh any time saved
+        self.place(leanest)
+        lean_peak = self.peak_bytes()
+        if lean_peak > limit:
+            raise PolicyError(f"autodist found no plan that fits memory_limit_bytes={limit:,} per device: the "
+                              f"leanest needs {lean_peak:,} bytes. Use more devices per unit (plan_ngpus), ZeRO "
+                              "(use_zero=True), a pipeline, or a higher limit.")
+        while weight < leanest:
+            results, rows = self.place(weight)
+            peak = self.peak_bytes()
             if peak <= limit:
                 return results, rows, weight, peak
             weight *= 2
-            results, rows = self.place(weight)
-            peak = self.peak_bytes()
-        if peak <= limit:
-            return results, rows, weight, peak
-        raise PolicyError(f"autodist found no plan that fits memory_limit_bytes={limit:,} per device: the leanest "
-                          f"needs {peak:,} bytes. Use more devices per unit (plan_ngpus), ZeRO (use_zero=True), "
-                          "a pipeline, or a higher limit.")
+        results, rows = self.place(leanest)
+        return results, rows, leanest, lean_peak
 
     def stagings(self) -> List[Tuple[str, List[int]]]:
         """Candidate stage assignments: by FLOPs, and by searched time at the allowed cuts."""
