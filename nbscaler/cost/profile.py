@@ -2,10 +2,11 @@
 
 The time model needs how long each op takes at the local shapes a rank runs it with. Rather than
 a roofline guess, each distinct call (target, local input shapes and dtypes, constant arguments)
-is run a few times on random tensors, forward and backward, and the medians are kept in a JSON
+is run a few times on random tensors, forward and backward, and the fastest runs are kept in a JSON
 table under the cache folder (``cost.cache``), one per device (e.g. ``cpu-x86_64-1t``: the number
 of threads matters on a CPU). A 12-layer transformer has a few dozen distinct calls, so profiling
-it takes a second or two, once.
+it takes a second or two, once. The fastest of the repeats, not their median, because other
+processes on a shared machine only ever make a run slower: the minimum is the op's own time.
 
 A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
 ``engine_overhead_s`` measures it, and it is taken out of each op's backward time.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -26,6 +26,10 @@ from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
+
+
+#: Bumped when the way ops are timed changes, so tables timed the old way are not read.
+PROFILE_VERSION = 2
 
 
 def device_key(device: Optional[torch.device] = None) -> str:
@@ -68,7 +72,7 @@ def _float_outputs(result) -> List[torch.Tensor]:
 
 
 def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
-    """Median forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget)."""
+    """Fastest forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget)."""
     fwd, bwd = [], []
     spent = 0.0
     for i in range(MAX_REPEATS + 1):
@@ -95,7 +99,25 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
             spent += end - start
             if len(fwd) >= MIN_REPEATS and spent > BUDGET_S:
                 break
-    return statistics.median(fwd), statistics.median(bwd)
+    return min(fwd), min(bwd)
+
+
+_WARM: set = set()
+
+
+def warm_up(device: torch.device, seconds: float = 0.2) -> None:
+    """Run forwards and backwards for a moment, once per process and device: a fresh process's
+    first autograd calls (thread pools, allocator, kernel choice) run many times slower than later
+    ones, and would otherwise be taken for the first profiled ops' own time."""
+    if device.type + str(device.index) in _WARM:
+        return
+    x = torch.randn(64, 256, device=device, requires_grad=True)
+    w = torch.randn(256, 256, device=device, requires_grad=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.nn.functional.linear(torch.tanh(x), w).sum().backward()
+        _sync(device)
+    _WARM.add(device.type + str(device.index))
 
 
 def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
@@ -109,7 +131,7 @@ def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
         y.backward()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 class OpProfiler:
@@ -117,7 +139,7 @@ class OpProfiler:
 
     def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None):
         self.device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-        self.path = path or cache_dir() / f"ops-{device_key(self.device)}.json"
+        self.path = path or cache_dir() / f"ops-v{PROFILE_VERSION}-{device_key(self.device)}.json"
         self.table: Dict[str, List[float]] = read_table(self.path)
         self.new: Dict[str, List[float]] = {}
         self._overhead: Optional[float] = self.table.get("__engine__", [None])[0]
@@ -126,6 +148,7 @@ class OpProfiler:
     def overhead_s(self) -> float:
         """The autograd engine's start-up per backward."""
         if self._overhead is None:
+            warm_up(self.device)
             self._overhead = engine_overhead_s(self.device)
             self.new["__engine__"] = [self._overhead]
         return self._overhead
@@ -134,6 +157,7 @@ class OpProfiler:
         """Forward and backward seconds of ``op`` (engine start-up taken out of the backward)."""
         key = op_key(op)
         if key not in self.table:
+            warm_up(self.device)
             fwd, bwd = time_op(op, self.device)
             self.table[key] = self.new[key] = [fwd, max(0.0, bwd - self.overhead_s) if bwd else 0.0]
         fwd, bwd = self.table[key]
@@ -183,4 +207,4 @@ def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimize
         _sync(device)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
