@@ -552,3 +552,7 @@ def annotate(node: IRNode) -> Optional[OpAnnotation]:
                       f"device because {reason}; add it with nbscaler.register_op to let policies split it.",
                       stacklevel=2)
     return None
+
+
+# The ops of real model families (GPT-2's addmm, pooling, padding, routing, ...) live in their own module.
+from nbscaler.ir import model_ops  # noqa: E402,F401  (registers on import)

@@ -32,7 +32,7 @@ def test_nodes_carry_module_path_and_user_source_line():
     q = [n for n in g.nodes if n.module_path == "blocks.0.attn.q"]
     assert len(q) == 1 and q[0].target == "torch.nn.functional.linear"
     path, line = q[0].source
-    assert os.path.basename(path) == "models.py"
+    assert path.endswith(os.path.join("models", "__init__.py"))
     with open(path) as f:
         assert "self.q(x)" in f.readlines()[line - 1]
     assert {t.name for t in q[0].inputs} >= {"blocks.0.attn.q.weight"}
