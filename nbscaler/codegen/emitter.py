@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
-from nbscaler.comm.layout import Layout, conversion, input_requirement, local_shape, output_layout
+from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_shape, local_split_sizes,
+                                  output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import spec_of
 
@@ -52,6 +53,7 @@ class ForwardEmitter:
         for step in conversion(have, want):
             dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
             dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
+            dims += f", blocks={step.blocks}" if step.blocks > 1 else ""
             name = f"{attr_name(t.name)}_{want.label}"
             self.lines.append(f"{name} = comm.{step.fn}({expr}{dims}, group={group})")
             expr = name
@@ -104,6 +106,7 @@ class ForwardEmitter:
         per_position = [self.fetch(t, input_requirement(node, i), place.devices) for i, t in enumerate(inputs)]
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
+        args = local_split_sizes(node, args)
         spec = spec_of(node.target)
         outs = node.output_tensors
         layouts = [output_layout(node, i) for i in range(len(outs))]

@@ -253,6 +253,15 @@ def split_like(node: IRNode) -> OpAnnotation:
     default_pos = {"Tensor.unbind": 1, "torch.unbind": 1}.get(node.target, 2)
     dim = arg(node, default_pos, "dim", 0) % x.ndim
     names = list(_fresh("d", x.ndim))
+    pieces = node.output_tensors
+    if len(pieces) > 1 and all(t.shape == pieces[0].shape and t.ndim == x.ndim for t in pieces):
+        # Equal blocks (a fused qkv): each output is one block of the axis, so splitting the block
+        # axis 'h' splits every block the same way: the input strided, each output contiguously.
+        names[dim] = "h"
+        sizes = dict(zip(names, x.shape))
+        sizes["h"] = pieces[0].shape[dim]
+        return OpAnnotation.build([tuple(names)], [tuple(names)] * len(pieces), [x.shape],
+                                  [t.shape for t in pieces], sizes=sizes, grouped={(0, "h"): len(pieces)})
     names[dim] = "cut"
     outs = []
     for t in node.output_tensors:
@@ -275,13 +284,16 @@ def concat(node: IRNode) -> OpAnnotation:
     ins = []
     for k, t in enumerate(node.inputs):
         names = list(base)
+        if not stack and t.ndim != out.ndim:      # torch.cat skips legacy empty 1-D tensors (an empty KV cache)
+            ins.append((f"empty{k}",))
+            continue
         if stack:
             names.pop(dim)
         else:
             names[dim] = f"part{k}"
         ins.append(tuple(names))
     base[dim] = "joined"
-    frozen = {"joined"} | {f"part{k}" for k in range(len(ins))}
+    frozen = {"joined"} | {f"part{k}" for k in range(len(ins))} | {f"empty{k}" for k in range(len(ins))}
     return OpAnnotation.build(ins, [tuple(base)], [t.shape for t in node.inputs], [out.shape], frozen=frozen)
 
 

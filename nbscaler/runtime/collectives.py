@@ -17,6 +17,10 @@ function            forward                            backward
 ==================  =================================  ===================================
 
 ``group=None`` means a group of one device, where every function is the identity.
+
+``all_gather`` and ``chunk`` take ``blocks``: the tensor is that many equal blocks along ``dim``
+(q, k and v of a fused projection), each split across the devices, so a device's slice is its
+share of every block (its own heads), not one contiguous piece.
 """
 
 from __future__ import annotations
@@ -36,16 +40,22 @@ def _size_rank(group: Group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
     size, _ = _size_rank(group)
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    if blocks == 1:
+        return torch.cat(parts, dim=dim)
+    # parts[r] is (block 0 share r, block 1 share r, ...): regroup block by block
+    per_block = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([per_block[r][b] for b in range(blocks) for r in range(size)], dim=dim)
 
 
-def _slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+def _slice(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
     size, rank = _size_rank(group)
-    return x.chunk(size, dim=dim)[rank].contiguous()
+    if blocks == 1:
+        return x.chunk(size, dim=dim)[rank].contiguous()
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in x.chunk(blocks, dim=dim)], dim=dim)
 
 
 def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -56,24 +66,24 @@ def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _AllGather(Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _gather(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _slice(grad, ctx.dim, ctx.group), None, None
+        return _slice(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _Chunk(Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _slice(x, dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _slice(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+        return _gather(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _AllReduce(Function):
@@ -132,14 +142,15 @@ class _FirstOnly(Function):
         return grad, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Split along ``dim`` -> replicated."""
-    return x if group is None else _AllGather.apply(x, dim, group)
+def all_gather(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+    """Split along ``dim`` (in ``blocks`` equal blocks) -> replicated."""
+    return x if group is None else _AllGather.apply(x, dim, group, blocks)
 
 
-def chunk(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Replicated -> this device's slice along ``dim`` (no communication forward)."""
-    return x if group is None else _Chunk.apply(x, dim, group)
+def chunk(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+    """Replicated -> this device's slice along ``dim`` (of each of ``blocks`` equal blocks); no
+    communication forward."""
+    return x if group is None else _Chunk.apply(x, dim, group, blocks)
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
