@@ -19,7 +19,7 @@ from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, sour
 from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_shape, local_split_sizes,
                                   output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.registry import spec_of
+from nbscaler.ir.registry import spec_of, sync_batch_norm
 
 
 class ForwardEmitter:
@@ -124,6 +124,9 @@ class ForwardEmitter:
         elif name in INPLACE_OPERATORS and not kwargs and len(args) == 2:
             self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
+        elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
+            call = render_call(node, args, kwargs)
+            self.lines.append(f"{lhs} = comm.{call[len('F.'):-1]}, group={self.group(place.devices)})")
         else:
             self.lines.append(f"{lhs} = {render_call(node, args, kwargs)}")
         for t, lay in zip(outs, layouts):

@@ -380,13 +380,23 @@ def normalization(node: IRNode) -> OpAnnotation:
 
 
 def batch_norm(node: IRNode) -> OpAnnotation:
-    """Statistics over the batch and spatial axes: in training those axes stay whole."""
+    """Per-channel statistics over the batch and spatial axes. In training the spatial axes stay
+    whole; the batch axis may split, and generated code then calls ``comm.batch_norm``, which
+    computes the statistics of the whole batch across the devices (``sync_batch_norm``)."""
     training = arg(node, 5, "training", False)
     x = node.inputs[0]
     mark = "^" if training else ""
     sp = " ".join(f"s{i}{mark}" for i in range(x.ndim - 2))
     params = "".join(", c" for _ in node.inputs[1:])
-    return _fixed(f"n{mark} c {sp}{params} -> n{mark} c {sp}")(node)
+    return _fixed(f"n c {sp}{params} -> n c {sp}")(node)
+
+
+def sync_batch_norm(node: IRNode) -> bool:
+    """Whether ``node`` is a training-mode batch_norm split along its batch: its statistics must
+    then be summed across the devices."""
+    place = node.placement
+    return (node.op == "batch_norm" and bool(arg(node, 5, "training", False))
+            and place is not None and place.split == "n")
 
 
 def embedding(node: IRNode) -> OpAnnotation:

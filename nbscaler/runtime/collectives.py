@@ -14,6 +14,7 @@ function            forward                            backward
 ``all_to_all``      re-split along another dim         the reverse re-split
 ``sum_grad``        pass through                       sum the partial gradients
 ``first_only``      the value on device 0, else zeros  pass the gradient through
+``batch_norm``      BatchNorm with whole-batch stats   sums the statistics' gradients
 ==================  =================================  ===================================
 
 ``group=None`` means a group of one device, where every function is the identity.
@@ -29,6 +30,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.autograd import Function
 
 Group = Optional[dist.ProcessGroup]
@@ -176,3 +178,35 @@ def sum_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
 def first_only(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep the value on the group's first device and zeros elsewhere, so a sum counts it once."""
     return x if group is None else _FirstOnly.apply(x, group)
+
+
+def batch_norm(x: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+               weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5, group: Group = None) -> torch.Tensor:
+    """``F.batch_norm`` on a batch split across ``group``, with the statistics of the whole batch.
+
+    Each device sums its share per channel; an all-reduce makes the whole batch's mean, then its
+    variance (two passes, as one process computes them). ``sum_grad`` after each all-reduce sums
+    the gradients that flow back into the statistics, so the backward equals one process's too.
+    Running statistics are updated with the whole batch's mean and unbiased variance, the same on
+    every device.
+    """
+    if group is None or not training:
+        return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    size, _ = _size_rank(group)
+    dims = [0] + list(range(2, x.ndim))                       # every axis but the channels
+    count = x.numel() // x.shape[1] * size
+    shape = [1, -1] + [1] * (x.ndim - 2)                      # (1, C, 1, 1) to broadcast per channel
+    mean = sum_grad(all_reduce(x.sum(dims), group), group) / count
+    centred = x - mean.view(shape)
+    var = sum_grad(all_reduce((centred * centred).sum(dims), group), group) / count
+    y = centred * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    if running_mean is not None and running_var is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.detach() * count / max(count - 1, 1), alpha=momentum)
+    return y

@@ -50,11 +50,11 @@ class ResNet(nn.Module):
         self.layer2 = BasicBlock(8, 16, stride=2)
         self.fc = nn.Linear(16, CLASSES)
 
-    def forward(self, x, y):
+    def forward(self, x):
         x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), kernel_size=2)      # (B, 8, 4, 4)
         x = self.layer2(self.layer1(x))                                       # (B, 16, 2, 2)
         x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)                     # (B, 16)
-        return F.cross_entropy(self.fc(x), y)
+        return self.fc(x)
 
 
 class SqueezeExcite(nn.Module):
@@ -90,18 +90,30 @@ class MobileNet(nn.Module):
         self.block = InvertedResidual(8, 16)
         self.classifier = nn.Sequential(nn.Linear(8, 16), nn.Hardswish(), nn.Linear(16, CLASSES))
 
-    def forward(self, x, y):
+    def forward(self, x):
         x = self.block(self.stem(x))                                          # (B, 8, 4, 4)
         x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
-        return F.cross_entropy(self.classifier(x), y)
+        return self.classifier(x)
+
+
+class Classifier(nn.Module):
+    """``forward(batch) -> cross-entropy loss`` of a network that returns logits, as a training
+    loop computes it; one argument, so the same module is end2end for pipelines."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch["x"]), batch["y"])
 
 
 BUILDERS: Dict[str, Callable[[], nn.Module]] = {
-    "resnet": lambda: ResNet().double(),
-    "mobilenet": lambda: MobileNet().double(),
+    "resnet": lambda: Classifier(ResNet()).double(),
+    "mobilenet": lambda: Classifier(MobileNet()).double(),
 }
 
 
 def batch(name: str, g: torch.Generator, batch_size: int = 4) -> dict:
-    return {"x": torch.randn(batch_size, 3, 8, 8, generator=g, dtype=torch.float64),
-            "y": torch.randint(0, CLASSES, (batch_size,), generator=g)}
+    return {"batch": {"x": torch.randn(batch_size, 3, 8, 8, generator=g, dtype=torch.float64),
+                      "y": torch.randint(0, CLASSES, (batch_size,), generator=g)}}
