@@ -26,3 +26,12 @@ def test_real_models_equal_single_process(model, tmp_path):
     per_rank = run_ranks(train_parallel, 2, todo, str(tmp_path), timeout=600)
     for i, case in enumerate(todo):
         check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+def test_real_models_on_four_ranks(tmp_path):
+    """One head per device for GPT-2 under tp, one sample per device for BatchNorm under data."""
+    todo = [Case("hf_gpt2", "tp", 4, 4), Case("resnet", "data", 4, 4), Case("hf_llama", "tp", 2, 4)]
+    per_rank = run_ranks(train_parallel, 4, todo, str(tmp_path), timeout=600)
+    for i, case in enumerate(todo):
+        check_equivalence(case, [res[i] for res in per_rank])
