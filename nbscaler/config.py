@@ -85,6 +85,9 @@ class ComputeConfig:
     runtime_ngpus: int
 
     dynamic_shape: bool = True
+    # Python control flow on values read from the input data: specialise on the traced value and
+    # check it on every call (True), or refuse it at trace time (False).
+    guard_data_dependent: bool = True
 
     use_zero: bool = False
     zero_ngroups: int = 1

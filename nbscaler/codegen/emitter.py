@@ -20,6 +20,7 @@ from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_s
                                   output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import spec_of, sync_batch_norm
+from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
 
 class ForwardEmitter:
@@ -104,6 +105,9 @@ class ForwardEmitter:
         inputs = node.inputs
         # by position: one tensor may be passed twice with different requirements
         per_position = [self.fetch(t, input_requirement(node, i), place.devices) for i, t in enumerate(inputs)]
+        if node.op == GUARD_OP:
+            self.emit_guard(node, per_position)
+            return
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
         args = local_split_sizes(node, args)
@@ -131,6 +135,15 @@ class ForwardEmitter:
             self.lines.append(f"{lhs} = {render_call(node, args, kwargs)}")
         for t, lay in zip(outs, layouts):
             self.bind(t, lay, t.name)
+
+    def emit_guard(self, node: IRNode, tensors: List[str]) -> None:
+        """``expect_traced(bool(all_0), True, ...)``: the value the trace specialised on, checked."""
+        expression = guard_expression(node, tuple(tensors))
+        where = describe_site(node.module_path, node.source)
+        code = source_comment(node).split(": ", 1)[1].rsplit("    (", 1)[0] if node.source else ""
+        code = code.split("  #", 1)[0].rstrip()          # the statement without its trailing comment
+        where += f": `{code}`" if code else ""
+        self.lines.append(f"expect_traced({expression}, {render(node.outputs)}, {expression!r}, {where!r})")
 
     def _lhs(self, node: IRNode) -> str:
         def pattern(v):

@@ -24,6 +24,7 @@ from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.schedule.geometry import PipelineGeometry
+from nbscaler.trace.guards import GUARD_OP
 
 
 def _unpack_inputs(graph: IRGraph) -> List[str]:
@@ -39,14 +40,23 @@ def _unpack_inputs(graph: IRGraph) -> List[str]:
 
 
 def _signature(params: List[Tuple[str, str, bool]]) -> str:
+    """Forward's parameters; those the trace did not receive default to ``None``. A received one
+    after such a default (``labels`` after ``position_ids=None``) becomes keyword-only."""
     parts = ["self"]
+    defaulted = keyword_only = False
     for name, kind, given in params:
         if kind == "VAR_POSITIONAL":
             parts.append(f"*{name}")
+            keyword_only = True
         elif kind == "VAR_KEYWORD":
             parts.append(f"**{name}")
         else:
+            if given and defaulted and not keyword_only and kind != "KEYWORD_ONLY":
+                parts.append("*")
+                keyword_only = True
+            keyword_only = keyword_only or kind == "KEYWORD_ONLY"
             parts.append(name if given else f"{name}=None")
+            defaulted = defaulted or not given
     return ", ".join(parts)
 
 
@@ -112,6 +122,8 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
     w("")
     w("from nbscaler.runtime import collectives as comm")
     w("from nbscaler.runtime.module import ParallelModule, WeightSpec")
+    if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
+        w("from nbscaler.runtime.guards import expect_traced")
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
     for target in user_targets:
         fn = USER_OPS[target]

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
 
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
@@ -59,9 +60,9 @@ def target_of(func: Callable) -> str:
     name = getattr(func, "__name__", "")
     if name == "__get__" and hasattr(func, "__self__"):       # a property such as Tensor.T
         return "Tensor." + func.__self__.__name__
-    for user_target, fn in USER_OPS.items():
-        if fn is func:
-            return user_target
+    user_target = getattr(func, "_nbscaler_target", None)      # a function made an op by register_op
+    if user_target is not None:
+        return user_target
     qual = getattr(func, "__qualname__", "")
     if qual.startswith(("TensorBase.", "Tensor.")):
         return "Tensor." + name
@@ -531,9 +532,13 @@ _register("torch.ones torch.zeros torch.full torch.empty torch.arange torch.lins
 def register_op(annotation: str, name: Optional[str] = None):
     """Make a function one op of the graph, split according to ``annotation``.
 
-    The tracer records each call of the decorated function as a single node instead of looking
-    inside it, and code generation calls it by its import path, so it must live in an importable
-    module (not a notebook's ``__main__``). The annotation uses the syntax of ``OpAnnotation``.
+    The decorated function takes part in torch's own ``__torch_function__`` protocol, as the
+    functions of ``torch.nn.functional`` do: with a ``TorchFunctionMode`` active (the tracer is
+    one) or a tensor subclass that overrides torch functions among its arguments, the call is
+    handed to them as one call of the decorated function. The tracer records it as a single node
+    instead of looking inside, and code generation calls it by its import path, so it must live in
+    an importable module (not a notebook's ``__main__``). The annotation uses the syntax of
+    ``OpAnnotation``.
 
     >>> @register_op('* k+, n k+ -> * n')                       # doctest: +SKIP
     ... def fused_linear(x, w): ...
@@ -542,16 +547,17 @@ def register_op(annotation: str, name: Optional[str] = None):
         target = f"{fn.__module__}.{fn.__qualname__}"
 
         @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            from nbscaler.trace.tracer import active_tracer
-            tracer = active_tracer()
-            if tracer is None:
-                return fn(*args, **kwargs)
-            return tracer.record_user_op(target, fn, args, kwargs)
+        def op(*args, **kwargs):
+            tensors = tuple(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
+            if torch.overrides.has_torch_function(tensors) or (
+                    not tensors and torch._C._is_torch_function_mode_enabled()):
+                return torch.overrides.handle_torch_function(op, tensors, *args, **kwargs)
+            return fn(*args, **kwargs)
 
+        op._nbscaler_target = target
         USER_OPS[target] = fn
         _register(target, name or fn.__name__, _fixed(annotation))
-        return wrapper
+        return op
     return decorate
 
 

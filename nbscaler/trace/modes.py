@@ -12,12 +12,19 @@ from nbscaler.trace.tracer import check_forward_args, trace_module
 
 
 def trace_modes(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: ComputeConfig) -> Dict[str, IRGraph]:
-    """One graph per mode of ``self.training``, or a single ``'any'`` graph when both are the same."""
+    """One graph per mode of ``self.training``, or a single ``'any'`` graph when both are the same.
+
+    The eval mode is traced only when the training trace read some module's ``training`` flag;
+    even then, two traces that record the same calls make one ``'any'`` graph.
+    """
     check_forward_args(module, dummy_args)
+    guards = cfg.guard_data_dependent
     if cfg.inference_only:
-        return {"any": trace_module(module, dummy_args, "eval")}
-    train = trace_module(module, dummy_args, "train")
-    evaluate = trace_module(module, dummy_args, "eval")
+        return {"any": trace_module(module, dummy_args, "eval", guards=guards)}
+    train = trace_module(module, dummy_args, "train", guards=guards)
+    if not train.meta["reads_training"]:
+        return {"any": train}
+    evaluate = trace_module(module, dummy_args, "eval", guards=guards)
     if train.signature() == evaluate.signature():
         return {"any": train}
     return {"train": train, "eval": evaluate}

@@ -1,10 +1,16 @@
 """Record a module's forward pass as an ``IRGraph`` of torch-function calls.
 
-The tracer runs the real forward once on the dummy arguments inside a ``TorchFunctionMode``, so
-every torch call (``F.linear``, ``x.view``, ``a + b``, ``x[:, :4]``, ``torch.arange``) passes through
-``Tracer.__torch_function__`` with concrete tensors. Running for real, instead of with symbolic
-proxies, means Python control flow on shapes (``if x.dim() == 4``, ``B, T, C = x.shape``) just works;
-the price is that such values are fixed at their traced values.
+The tracer runs the forward once on the dummy arguments inside a ``TorchFunctionMode``, so every
+torch call (``F.linear``, ``x.view``, ``a + b``, ``x[:, :4]``, ``torch.arange``) passes through
+``Tracer.__torch_function__`` with concrete tensors. Running the Python code, instead of with
+symbolic proxies, means control flow on shapes (``if x.dim() == 4``, ``B, T, C = x.shape``) just
+works; the price is that such values are fixed at their traced values.
+
+Calls that read a parameter run on fake tensors: shapes and dtypes only, no arithmetic (see
+``nbscaler.trace.values``). Everything else runs for real, so Python may read values made from
+shapes and constants freely; values read from the input data become guards (``trace.guards``). A
+forward that needs a parameter-dependent value in Python is traced again on real tensors, with a
+warning that says why.
 
 For each call it records a node with:
 
@@ -23,32 +29,37 @@ import inspect
 import os
 import re
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import INPLACE_TARGETS, annotate, spec_of, target_of
+from nbscaler.trace.training import watch_training_reads
+from nbscaler.trace.guards import GUARD_OP, READS, describe_site, guard_node, read_name, refusal
+from nbscaler.trace.values import NeedsRealValues, Provenance, TracedValues
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NBSCALER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLES_DIR = os.path.join(_NBSCALER_DIR, "models")        # user code that ships with nbscaler
-_ACTIVE: List["Tracer"] = []
 
 # Calls that return tensors but are bookkeeping, not computation.
 _IGNORED = {"Tensor.data", "Tensor.grad", "Tensor.requires_grad_", "Tensor.retain_grad", "Tensor.__len__"}
-# Calls that turn tensor *values* into Python values: a static graph would freeze them.
-_DATA_DEPENDENT = {"Tensor.item", "Tensor.__bool__", "Tensor.tolist", "Tensor.__int__", "Tensor.__float__"}
 
 
 class TraceError(RuntimeError):
-    """The module cannot be traced with these arguments; the message says why and what to change."""
+    """The module cannot be traced with these arguments; the message says why and what to change.
 
+    ``refused`` is set when the trace stopped on purpose (control flow on input data with guards
+    off), as opposed to a forward that failed to run.
+    """
 
-def active_tracer() -> Optional["Tracer"]:
-    return _ACTIVE[-1] if _ACTIVE else None
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 def _identifier(text: str) -> str:
@@ -72,7 +83,7 @@ def _user_frame() -> Optional[Tuple[str, int]]:
 class Tracer(TorchFunctionMode):
     """Records torch calls into nodes. Use ``trace_module``; this class is the machinery."""
 
-    def __init__(self, root: torch.nn.Module):
+    def __init__(self, root: torch.nn.Module, fake: bool = True, guards: bool = True):
         super().__init__()
         self.nodes: List[IRNode] = []
         self.by_id: Dict[int, IRTensor] = {}
@@ -83,12 +94,15 @@ class Tracer(TorchFunctionMode):
         self.module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         self.module_stack: List[str] = []
         self.failed_in: Optional[str] = None
+        self.values = TracedValues(fake)
+        self.guards = guards
         for kind, items in (("param", root.named_parameters(remove_duplicate=False)),
                             ("buffer", root.named_buffers(remove_duplicate=False))):
             for name, t in items:
                 if id(t) not in self.by_id:
                     self._bind(t, IRTensor(name, tuple(t.shape), t.dtype, kind, t.requires_grad, path=name))
                     self.weights[name] = self.by_id[id(t)]
+                    self.values.mark(t, Provenance.WEIGHTS if kind == "param" else Provenance.DATA)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _bind(self, t: torch.Tensor, ir: IRTensor) -> IRTensor:
@@ -106,6 +120,8 @@ class Tracer(TorchFunctionMode):
         """The IR tensor for a real tensor; unknown ones are constants captured by the forward."""
         ir = self.by_id.get(id(t))
         if ir is None:
+            if self.values.fake_mode is not None and self.values.fake_mode.is_our_fake(t):
+                raise NeedsRealValues("forward uses a tensor the tracer did not see being made")
             name = f"const_{len(self.constants)}"
             self.constants[name] = t.detach().clone()
             ir = self._bind(t, IRTensor(name, tuple(t.shape), t.dtype, "constant", False, path=name))
@@ -120,46 +136,72 @@ class Tracer(TorchFunctionMode):
                 return x
             name = _identifier("_".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path))
             ir = self._bind(x, IRTensor(name, tuple(x.shape), x.dtype, "input", x.requires_grad, path=path))
+            self.values.mark(x, Provenance.DATA)
             inputs.append(ir)
             return ir
 
         leaves, spec = tree_flatten_with_path(args)
         bound = [bind(p, x) for p, x in leaves]
-        from torch.utils._pytree import tree_unflatten
         return inputs, tree_unflatten(bound, spec)
 
     # -- recording ------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = target_of(func)
-        if target in _DATA_DEPENDENT:
-            self.check_static(target, args[0])
-        out = func(*args, **kwargs)
-        self.record(target, args, kwargs, out)
+        if target in READS:
+            return self.read_value(func, target, args, kwargs)
+        try:
+            out, call_args, call_kwargs, provenance = self.values.run(func, args, kwargs, self.bind_stand_in)
+        except NeedsRealValues as err:
+            raise NeedsRealValues(f"{err}, at {self.site()}") from None
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor):
+                self.values.mark(x, provenance)
+        node = self.record(target, call_args, call_kwargs, out)
+        if node is not None and node.inplace and call_args[0] is not args[0]:
+            # a fake call wrote into a real tensor: from now on the tensor is the node's output
+            self.by_id[id(args[0])] = self.by_id[id(call_args[0])]
+            self.values.demote(args[0], call_args[0])
         return out
 
-    def check_static(self, target: str, t: torch.Tensor) -> None:
-        """Refuse Python control flow on values computed from the inputs: one trace cannot follow it."""
-        ir = self.by_id.get(id(t))
-        if ir is not None and ir.kind in ("input", "activation"):
-            where = _user_frame()
-            at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
-            module = f" in {self.module_stack[-1]}" if self.module_stack else ""
-            raise TraceError(
-                f"{target[len('Tensor.'):]}() on '{ir.name}'{module}{at} turns a value computed from the inputs into "
-                "a Python value, so the traced graph would freeze it. Keep it a tensor (e.g. torch.where instead "
-                "of `if`), or move the decision out of forward.")
+    def bind_stand_in(self, real: torch.Tensor, fake: torch.Tensor) -> None:
+        """A fake call's stand-in for a real tensor is the same graph value."""
+        self._bind(fake, self.lookup(real))
 
-    def record(self, target: str, args, kwargs, out) -> None:
+    def site(self) -> str:
+        return describe_site(self.module_stack[-1] if self.module_stack else "", _user_frame())
+
+    def read_value(self, func, target: str, args, kwargs):
+        """A tensor value read into Python: free when static, else a guard (or a refusal)."""
+        provenance = self.values.origin_of_call(args, kwargs)
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if provenance is Provenance.STATIC:
+            return func(*args, **kwargs)
+        name = self.lookup(tensors[0]).name
+        if not self.guards:
+            raise TraceError(refusal(target, name, self.site()), refused=True)
+        if any(self.values.is_fake(t) for t in tensors):
+            raise NeedsRealValues(f"forward reads a value computed from the parameters into Python "
+                                  f"({read_name(target)} on '{name}' at {self.site()})")
+        value = func(*args, **kwargs)
+        to_ir = lambda x: self.lookup(x) if isinstance(x, torch.Tensor) else x
+        self.nodes.append(guard_node(self.fresh_name("guard"), target, tree_map(to_ir, tuple(args)),
+                                     tree_map(to_ir, dict(kwargs)), value,
+                                     self.module_stack[-1] if self.module_stack else "", _user_frame()))
+        return value
+
+    def record(self, target: str, args, kwargs, out) -> Optional[IRNode]:
+        """Add the node for one call (``None`` for bookkeeping calls and plain-value results)."""
         if target in _IGNORED:
-            return
+            return None
         if out is None and target in INPLACE_TARGETS:     # __setitem__ returns None but writes args[0]
             out = args[0]
         leaves, _ = tree_flatten(out)
         if not any(isinstance(x, torch.Tensor) for x in leaves):
-            return                                      # x.size(), x.dim(), ...: plain values
-        to_ir = lambda x: self.lookup(x) if isinstance(x, torch.Tensor) else x
-        ir_args, ir_kwargs = tree_map(to_ir, tuple(args)), tree_map(to_ir, dict(kwargs))
+            return None                                 # x.size(), x.dim(), ...: plain values
+        arg_leaves, arg_spec = tree_flatten((tuple(args), dict(kwargs)))
+        ir_args, ir_kwargs = tree_unflatten([self.lookup(x) if isinstance(x, torch.Tensor) else x for x in arg_leaves],
+                                            arg_spec)
         spec = spec_of(target)
         base = spec.name if spec and spec.name not in ("elementwise",) else target.rsplit(".", 1)[-1]
         node = IRNode(name=self.fresh_name(base.strip("_") or "op"), target=target,
@@ -180,13 +222,7 @@ class Tracer(TorchFunctionMode):
 
         node.outputs = tree_map(new_output, out)
         self.nodes.append(node)
-
-    def record_user_op(self, target: str, fn: Callable, args, kwargs):
-        """Run a ``register_op`` function as one node (its insides are not recorded)."""
-        with torch.overrides._pop_mode_temporarily():
-            out = fn(*args, **kwargs)
-        self.record(target, args, kwargs, out)
-        return out
+        return node
 
     # -- module paths ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -236,42 +272,65 @@ def check_forward_args(module: torch.nn.Module, dummy_forward_args: Dict[str, An
     return sig
 
 
-def trace_module(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mode: str = "train") -> IRGraph:
+def trace_module(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mode: str = "train", *,
+                 fake: bool = True, guards: bool = True) -> IRGraph:
     """Trace ``module.forward(**dummy_forward_args)`` in ``mode`` ('train' or 'eval').
 
+    ``fake`` runs the calls that read parameters on shapes only (the default; a forward that needs
+    their values is traced again for real, with a warning). ``guards=False`` refuses control flow on
+    values read from the input data instead of specialising on them (see ``nbscaler.trace.guards``).
     The module's state (buffers such as BatchNorm's running statistics, the RNG, the train/eval
-    flag) is the same afterwards as before.
+    flag) is the same afterwards as before. ``graph.meta['reads_training']`` says whether forward
+    read any module's ``training`` flag.
 
     >>> g = trace_module(torch.nn.Linear(4, 2), {'input': torch.randn(3, 4)})
     >>> [n.target for n in g.nodes]
     ['torch.nn.functional.linear']
     """
     check_forward_args(module, dummy_forward_args)
+    if not fake:
+        return _trace_once(module, dummy_forward_args, mode, False, guards)
+    try:
+        return _trace_once(module, dummy_forward_args, mode, True, guards)
+    except TraceError as err:
+        if err.refused:
+            raise
+        reason = str(err)
+    graph = _trace_once(module, dummy_forward_args, mode, False, guards)   # a real failure raises here
+    warnings.warn(f"nbscaler: {type(module).__name__} was traced on real tensors, which runs its forward "
+                  f"(slower than tracing shapes only), because {reason}", stacklevel=2)
+    return graph
+
+
+def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mode: str, fake: bool,
+                guards: bool) -> IRGraph:
     was_training = module.training
     saved_buffers = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()
                      if not isinstance(v, torch.nn.Parameter)}
-    tracer = Tracer(module)
+    tracer = Tracer(module, fake=fake, guards=guards)
     inputs, input_spec = tracer.bind_inputs(dummy_forward_args)
     module.train(mode == "train")
-    _ACTIVE.append(tracer)
+    reads: List[torch.nn.Module] = []
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), tracer.module_hooks(), tracer:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), tracer.module_hooks(), watch_training_reads(reads), \
+                tracer:
             out = module(**dummy_forward_args)
+        outputs = tree_map(lambda x: tracer.lookup(x) if isinstance(x, torch.Tensor) else x, out)
     except TraceError:
         raise
+    except NeedsRealValues as err:
+        raise TraceError(str(err)) from err
     except Exception as err:
         where = f" in {tracer.failed_in}" if tracer.failed_in else ""
         raise TraceError(f"tracing {type(module).__name__}.forward failed{where}: {type(err).__name__}: {err}") from err
     finally:
-        _ACTIVE.pop()
         module.train(was_training)
         with torch.no_grad():
             state = module.state_dict(keep_vars=True)
             for k, v in saved_buffers.items():
                 state[k].copy_(v)
-    outputs = tree_map(lambda x: tracer.lookup(x) if isinstance(x, torch.Tensor) else x, out)
     for node in tracer.nodes:
-        node.annotation = annotate(node)
+        node.annotation = annotate(node) if node.op != GUARD_OP else None
     sig = inspect.signature(module.forward)
     forward_params = [(p.name, p.kind.name, p.name in dummy_forward_args) for p in sig.parameters.values()]
     non_persistent = [f"{prefix}{'.' if prefix else ''}{b}" for prefix, m in module.named_modules()
@@ -279,4 +338,5 @@ def trace_module(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mo
     return IRGraph(nodes=tracer.nodes, inputs=inputs, input_spec=input_spec, outputs=outputs,
                    weights=tracer.weights, mode=mode,
                    meta={"constants": tracer.constants, "module": type(module).__qualname__,
-                         "forward_params": forward_params, "non_persistent": non_persistent})
+                         "forward_params": forward_params, "non_persistent": non_persistent,
+                         "reads_training": bool(reads)})

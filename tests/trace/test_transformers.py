@@ -1,0 +1,118 @@
+"""Hugging Face decoders trace as their users call them (``input_ids``, ``labels``, an optional 2-D
+``attention_mask``), and train under ``dp`` equal to one process. Small configs, random init,
+nothing downloaded.
+
+transformers builds its masks with checks like ``(position_ids[:, -1] == 0).all()`` on ids made by
+``torch.arange`` (static: shapes only) and ``attention_mask.all()`` (input data: one guard)."""
+
+import warnings
+
+import pytest
+import torch
+
+from nbscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
+from nbscaler.trace import trace_module
+from tests.multiprocess import assert_close, run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, STEPS = 64, 8, 3
+MODELS = ["llama", "qwen2", "mistral", "gpt2", "bert"]
+
+
+def small_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A two-layer model of the family ``name``, without dropout (so ranks and one process agree)."""
+    torch.manual_seed(seed)
+    T = transformers
+    decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**decoder))
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**decoder))
+    if name == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**decoder))
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                              use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                              bos_token_id=0, eos_token_id=0))
+    return T.BertForMaskedLM(T.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=64,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def sample(seed: int, mask: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    args = {"input_ids": ids, "labels": ids.clone()}
+    if mask:
+        args["attention_mask"] = torch.ones(2, SEQ, dtype=torch.long)
+    return args
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no_mask", "mask"])
+@pytest.mark.parametrize("name", MODELS)
+def test_traces_on_shapes_with_one_guard_for_the_mask(name, mask):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*traced on real tensors")    # no fallback
+        graph = trace_module(small_model(name), sample(0, mask))
+    guards = [n for n in graph.nodes if n.op == "guard"]
+    assert len(guards) == int(mask)
+    if mask:
+        assert guards[0].outputs is True and guards[0].source[0].endswith("masking_utils.py")
+
+
+def _train_dp(names, gen_dir):
+    """On each rank: parallelize every model under dp, train, then feed a padded mask."""
+    import torch.distributed as dist
+    from nbscaler.runtime.guards import GuardError
+    unit = dist.get_rank()
+    out = {}
+    for name in names:
+        model = parallelize(small_model(name), sample(12345), "dp", ComputeConfig(1, 2), gen_savedir=gen_dir,
+                            instance_name=name, reuse="override")
+        opt = build_optimizer(model, torch.optim.SGD, lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            loss = model(**sample(step * 100 + unit))["loss"]
+            loss.backward()
+            opt.sync_shard_grad()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        padded = sample(7)
+        padded["attention_mask"][:, -2:] = 0
+        try:
+            model(**padded)
+            refused = ""
+        except GuardError as err:
+            refused = str(err)
+        out[name] = {"losses": losses, "state": model.state_dict(), "refused": refused}
+    return out
+
+
+def _train_single(name):
+    model = small_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        per_unit = [model(**sample(step * 100 + unit))["loss"] for unit in range(2)]
+        sum(per_unit).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([l.item() for l in per_unit])
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multiprocess
+def test_decoders_train_under_dp_equal_to_one_process(tmp_path):
+    names = ["llama", "gpt2", "bert"]
+    per_rank = run_ranks(_train_dp, 2, names, str(tmp_path), timeout=600)
+    for name in names:
+        losses, params = _train_single(name)
+        for rank, res in enumerate(per_rank):
+            assert_close(torch.tensor(res[name]["losses"]), torch.tensor([l[rank] for l in losses]), f"{name} rank {rank} losses")
+            assert "masking_utils.py" in res[name]["refused"] and "this input gives False" in res[name]["refused"]
+        merged, _ = merge_state_dicts([res[name]["state"] for res in per_rank])
+        for pname, expected in params.items():
+            assert_close(merged[pname], expected, f"{name} final {pname}")
