@@ -405,9 +405,16 @@ def embedding(node: IRNode) -> OpAnnotation:
 
 
 def attention(node: IRNode) -> OpAnnotation:
-    """scaled_dot_product_attention: split batch or heads; sequence and head axes stay whole."""
+    """scaled_dot_product_attention: split batch or heads; sequence and head axes stay whole.
+
+    With ``enable_gqa=True`` the keys and values have fewer heads than the queries (each serves a
+    group of them): the heads still split, in as many parts as the key heads allow, since a
+    contiguous share of the query heads reads the matching share of the key heads.
+    """
     q, k = node.inputs[0], node.inputs[1]
-    h = "h" if q.shape[-3:-2] == k.shape[-3:-2] else "h^"
+    same = q.shape[-3:-2] == k.shape[-3:-2]
+    grouped = not same and bool(arg(node, 7, "enable_gqa", False)) and q.ndim >= 3
+    h = "h" if same or grouped else "h^"
     lead = " ".join(f"b{i}" for i in range(q.ndim - 3))
     text = f"{lead} {h} t^ d^, {lead} {h} s^ d^, {lead} {h} s^ e^"
     if len(node.inputs) == 4:       # attn_mask broadcasts against (..., h, t, s)
@@ -420,7 +427,19 @@ def attention(node: IRNode) -> OpAnnotation:
             names.append(full[i] + ("^" if full[i] in ("t", "s") or h.endswith("^") and full[i] == "h" else "")
                          if size == want else f"m{j}^")
         text += ", " + " ".join(names)
-    return _fixed(f"{text} -> {lead} {h} t^ e^".replace("  ", " "))(node)
+    text = f"{text} -> {lead} {h} t^ e^".replace("  ", " ")
+    if not grouped:
+        return _fixed(text)(node)
+    return _gqa(node, text)
+
+
+def _gqa(node: IRNode, text: str) -> OpAnnotation:
+    """The attention annotation with the heads axis ``h`` sized by the key heads (see ``attention``)."""
+    from_shapes = OpAnnotation.parse(text, [t.shape for t in node.inputs], [t.shape for t in node.output_tensors])
+    sizes = dict(from_shapes.sizes)
+    sizes["h"] = node.inputs[1].shape[-3]
+    return OpAnnotation.build(from_shapes.inputs, from_shapes.outputs, [], [], reduce=from_shapes.reduce,
+                              frozen=from_shapes.frozen - {"h"}, sizes=sizes)
 
 
 def loss(node: IRNode) -> OpAnnotation:

@@ -2,9 +2,8 @@
 
 Each is wrapped the way a training script uses it: ``model(**batch).loss``. The wrapper takes the
 whole batch as its one argument, so the same module is end2end for pipelines. Dropout is off so
-that every run computes the same thing.
-
-Decoders get their own 4-D causal mask (``causal_mask``): additive, ``(B, 1, T, T)``.
+that every run computes the same thing. Batches are what users pass: ``input_ids``, ``labels`` and
+a 2-D all-ones ``attention_mask`` (the model builds its causal mask from it).
 """
 
 from __future__ import annotations
@@ -26,12 +25,6 @@ class LossOf(nn.Module):
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**batch).loss
-
-
-def causal_mask(batch_size: int, seq_len: int) -> torch.Tensor:
-    """An additive causal mask, ``(B, 1, T, T)``: 0 where a token may look, -inf where not."""
-    mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)
-    return mask.expand(batch_size, 1, seq_len, seq_len).contiguous()
 
 
 def _decoder_kwargs() -> dict:
@@ -85,9 +78,7 @@ def build(name: str) -> nn.Module:
 
 
 def batch(name: str, g: torch.Generator, batch_size: int = 4) -> dict:
-    """Token ids with themselves as labels (the models shift them); a causal mask for decoders."""
+    """Token ids with themselves as labels (the models shift them) and an all-ones 2-D mask."""
     ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-    sample = {"input_ids": ids, "labels": ids.clone()}
-    if name != "hf_bert":
-        sample["attention_mask"] = causal_mask(batch_size, SEQ)
-    return {"batch": sample}
+    return {"batch": {"input_ids": ids, "labels": ids.clone(),
+                      "attention_mask": torch.ones(batch_size, SEQ, dtype=torch.long)}}
