@@ -28,7 +28,7 @@ def test_files_on_disk(tmp_path):
         py_compile.compile(str(path / f"gencode{r}.py"), doraise=True)
     code = (path / "gencode1.py").read_text()
     assert "plan device 1 of 2, unit 0 of 2" in code
-    assert "# blocks.0.attn.q: q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)    (models.py:" in code
+    assert "# blocks.0.attn.q: q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)    (__init__.py:" in code
     assert "comm.all_reduce(" in code and "split_dim=0, parts=2, index=1" in code
     plan = json.loads((path / "plan.json").read_text())
     assert plan["weights"]["blocks.0.attn.q.weight"]["layout"] == "S(0)"
