@@ -1,6 +1,8 @@
-"""Command line: ``nbscaler demo`` runs the demo; ``nbscaler show DIR [RANK]`` prints generated code.
+"""Command line: ``nbscaler demo`` runs the demo; ``nbscaler show DIR [RANK]`` prints generated code;
+``nbscaler report DIR`` writes every view of a compiled module to one offline HTML file.
 
 >>> python -m nbscaler.cli demo --ranks 4          # doctest: +SKIP
+>>> nbscaler report .nbscaler/_parallel_modules/tests.models.Llama/_ -o llama.html   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -23,6 +25,49 @@ def show(path: str, rank: int) -> int:
     return 0
 
 
+OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+MEASURED_FOLDER = "measured"
+
+
+def report(path: str, out: Optional[str], optimizer: str, measured: Optional[str]) -> int:
+    """Write the report of the compiled module at (or under) ``path``; a run's telemetry saved with
+    ``Measured.save`` in ``path/measured`` (or ``--measured``) is drawn beside the prediction."""
+    import torch
+
+    from nbscaler.planning.saved import SavedPlanError, find_module_dir, load_plan
+    from nbscaler.widgets.base import Measured            # widgets only for this command
+    from nbscaler.widgets.report import write_report
+
+    try:
+        folder = find_module_dir(path)
+        plan = load_plan(folder)
+    except (FileNotFoundError, SavedPlanError) as e:
+        print(f"nbscaler report: {e}", file=sys.stderr)
+        return 2
+    telemetry = Path(measured) if measured else folder / MEASURED_FOLDER
+    data = Measured.load(telemetry) if telemetry.is_dir() else None
+    if measured and data is None:
+        print(f"nbscaler report: {telemetry} is not a folder of measured data (Measured.save writes one)",
+              file=sys.stderr)
+        return 2
+    target = Path(out) if out else folder / "report.html"
+    written = write_report(plan, target, data, optimizer=getattr(torch.optim, OPTIMIZERS[optimizer]))
+    print(written)
+    return 0
+
+
+def demo(argv: List[str]) -> int:
+    """The demo, then one offline HTML report of every view of its tour."""
+    from nbscaler.demo import run
+    outcome = run(argv)
+    from nbscaler.widgets import Measured, write_report     # widgets only for this command
+    measured = Measured.from_train_result(outcome.tour.result)
+    from nbscaler.demo import runs_frame
+    path = write_report(outcome.tour.plan, outcome.report_path, measured, runs=runs_frame(outcome.rows))
+    print(f"\nreport of every view (graph, plan, timeline, memory, code, runs): {path.resolve()}")
+    return 0 if outcome.ok else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="nbscaler")
@@ -32,10 +77,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     show_p = sub.add_parser("show", help="print generated per-rank code")
     show_p.add_argument("path")
     show_p.add_argument("rank", nargs="?", type=int, default=0)
+    report_p = sub.add_parser("report", help="write every view of a compiled module to one offline HTML file")
+    report_p.add_argument("path", help="the folder parallelize wrote: <gen_savedir>/_parallel_modules/<module>/<instance>")
+    report_p.add_argument("-o", "--out", help="the HTML file to write (default: report.html in that folder)")
+    report_p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                          help="the optimizer whose state the memory view counts")
+    report_p.add_argument("--measured", help="a folder written by Measured.save (default: <path>/measured if present)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from nbscaler.demo import main as demo_main
-        return demo_main(rest)
+        return demo(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "report":
+        return report(args.path, args.out, args.optimizer, args.measured)
     return show(args.path, args.rank)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 TRAIN_SCHEDULERS = ("1f1b", "1f1b_plus", "gpipe", "chimera_direct")
 INFER_SCHEDULERS = ("infer_pipe",)
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
+ZERO_STAGES = (1, 2)
 
 
 class ReuseType(str, Enum):
@@ -79,6 +80,12 @@ class ComputeConfig:
 
     The pipeline settings may be given as fields or as ``pas_config`` keys of the same names; after
     construction the fields hold the effective values.
+
+    ZeRO (``use_zero=True``) splits state over the data-parallel ranks of each plan device, in
+    ``zero_ngroups`` groups. ``zero_stage=1`` (the default) splits the optimizer state: the full
+    gradients live until the optimizer step, which reduce-scatters them and frees them.
+    ``zero_stage=2`` splits the gradients as well: each bucket of gradients is reduce-scattered
+    and freed as soon as the backward has produced it, so a rank never holds all of them at once.
     """
 
     plan_ngpus: int
@@ -91,6 +98,7 @@ class ComputeConfig:
 
     use_zero: bool = False
     zero_ngroups: int = 1
+    zero_stage: int = 1             # with use_zero: 1 shards the optimizer state, 2 the gradients too
 
     inference_only: bool = False
     use_end2end: bool = False
@@ -141,6 +149,17 @@ class ComputeConfig:
         return cls(**d)
 
     # -- checks -----------------------------------------------------------------------------
+    def with_changes(self, **changes: Any) -> "ComputeConfig":
+        """A validated copy with ``changes`` applied; a pipeline setting changes in both places it
+        is kept (its field and ``pas_config``).
+
+        >>> ComputeConfig(4, 4, use_pipeline=True, use_end2end=True).with_changes(pipeline_nstages=2).pipeline_nstages
+        2
+        """
+        pas_config = {**self.pas_config, **changes.pop("pas_config", {})}
+        pas_config.update({k: v for k, v in changes.items() if k in PIPELINE_KEYS})
+        return dataclasses.replace(self, **changes, pas_config=pas_config)
+
     def _merge_pipeline_keys(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in PIPELINE_KEYS}
         for key in PIPELINE_KEYS:
@@ -155,6 +174,15 @@ class ComputeConfig:
             object.__setattr__(self, key, from_pas)
         for key in PIPELINE_KEYS:
             self.pas_config.setdefault(key, getattr(self, key))
+
+    def _validate_zero(self) -> None:
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            _fail("zero_stage", self.zero_stage, "use 1 (optimizer state sharded) or 2 (gradients sharded too).")
+        if self.zero_stage != 1 and not self.use_zero:
+            _fail("zero_stage", self.zero_stage, "ZeRO stages need ZeRO: set use_zero=True as well.")
+        if self.zero_stage == 2 and self.use_pipeline and self.scheduler == "chimera_direct":
+            _fail("zero_stage", 2, "chimera_direct sums the gradients of each stage's two copies after the "
+                  "backward, which ZeRO-2 has already freed by then; use zero_stage=1 with chimera_direct.")
 
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
@@ -172,6 +200,7 @@ class ComputeConfig:
                 "zero_ngroups", self.zero_ngroups,
                 f"it must divide the number of data-parallel units ({self.units} = runtime_ngpus // plan_ngpus).",
             )
+        self._validate_zero()
         if self.use_pipeline and not self.use_end2end:
             _fail("use_pipeline", True, "a pipeline needs an end2end module: set use_end2end=True as well.")
         if self.pipeline_scheduler is not None:

@@ -6,6 +6,10 @@ processes with a gloo group, rank 0 compiles the model (the others wait and load
 trains a few steps, and the losses are compared with a single-process run of the same model on the
 same data. Gradients of data-parallel units are summed, so the reference sums the losses of every
 unit's batch.
+
+Then the tour: the last case's plan is compiled in this process (``nbscaler.plan``) and trained on a
+local ``Cluster`` of ``--ranks`` engines, whose telemetry the command line turns into one offline HTML
+report of every view (``nbscaler.widgets.write_report``; this module does not import the views).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
+from nbscaler.cluster import Cluster
+from nbscaler.cluster.remote import TrainResult
 from nbscaler.config import ComputeConfig
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from nbscaler.parallel import parallelize
+from nbscaler.planning import Plan, plan
 from nbscaler.runtime.launch import spawn
 from nbscaler.runtime.optimizer import build_optimizer
 
@@ -130,12 +138,61 @@ def print_table(rows: List[Dict[str, object]]) -> None:
               f"{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def runs_frame(rows: List[Dict[str, object]]) -> pd.DataFrame:
+    """The table ``print_table`` prints, as a DataFrame (the report's runs table)."""
+    return pd.DataFrame([{"policy": r["case"].policy, "scheduler": r["case"].config.scheduler if r["case"].config.use_pipeline else "",
+                          "plan_ngpus": r["case"].plan_ngpus, "runtime_ngpus": r["case"].runtime_ngpus,
+                          "compile_s": r["compile_s"], "step_s": r["step_s"], "losses_match": r["match"],
+                          "rel_err": r["rel_err"]} for r in rows])
+
+
+@dataclass
+class Tour:
+    """One case compiled here and trained on a local cluster: what the report draws."""
+
+    case: DemoCase
+    plan: Plan
+    result: TrainResult
+    rel_err: float
+
+
+def tour(case: DemoCase, steps: int, gen_dir: str) -> Tour:
+    """Plan ``case`` in this process, train it on a local cluster, check it against one process."""
+    torch.manual_seed(0)
+    compiled = plan(GPT(MODEL), {"batch": sample_batch(MODEL, BATCH)}, case.policy, case.config)
+    with Cluster(n=case.runtime_ngpus, timeout=300, name="demo") as cl:
+        torch.manual_seed(0)
+        pm = cl.parallelize(GPT(MODEL), {"batch": sample_batch(MODEL, BATCH)}, case.policy, case.config,
+                            gen_savedir=gen_dir, instance_name="tour", reuse="override")
+        nmicros = case.nmicros
+        result = pm.train(lambda step, unit: _samples(step, unit, nmicros), steps, optimizer_fn=torch.optim.SGD,
+                          lr=LR, progress=False)
+    ref = reference_losses(case, steps)
+    # A step's loss is the sum over its micro-batches, known to the ranks holding the last stage.
+    per_unit = result.steps.groupby(["step", "unit"]).loss.max()
+    worst = max(abs(loss - sum(ref[step][unit])) / abs(sum(ref[step][unit])) for (step, unit), loss in per_unit.items())
+    return Tour(case, compiled, result, worst)
+
+
+@dataclass
+class DemoOutcome:
+    rows: List[Dict[str, object]]
+    tour: Tour
+    report_path: str
+
+    @property
+    def ok(self) -> bool:
+        return all(r["match"] for r in self.rows) and self.tour.rel_err <= 1e-5
+
+
+def run(argv: Optional[List[str]] = None) -> DemoOutcome:
+    """Every case, the table, and the tour; the caller writes the report."""
     parser = argparse.ArgumentParser(prog="nbscaler demo", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, choices=[2, 4], help="local CPU ranks per run")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     parser.add_argument("--gen-dir", default=os.path.join(tempfile.gettempdir(), "nbscaler-demo"),
                         help="where generated code goes")
+    parser.add_argument("--report", default="nbscaler-demo-report.html", help="the HTML report to write")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"nbscaler demo: GPT with {MODEL.n_layer} layers, d_model={MODEL.d_model}, on {args.ranks} CPU ranks, "
@@ -148,4 +205,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(rows)
     ok = all(r["match"] for r in rows)
     print("\nall policies reproduce the single-process losses" if ok else "\nSOME POLICIES DIFFER from one process")
-    return 0 if ok else 1
+    last = cases(args.ranks)[-1]
+    print(f"\ntour: {last.policy} on a local cluster of {last.runtime_ngpus} engines ...", flush=True)
+    toured = tour(last, args.steps, args.gen_dir)
+    print(f"tour losses {'match' if toured.rel_err <= 1e-5 else 'DIFFER from'} one process "
+          f"(worst relative error {toured.rel_err:.1e})")
+    return DemoOutcome(rows, toured, args.report)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The demo without the report (``nbscaler demo`` adds it)."""
+    return 0 if run(argv).ok else 1

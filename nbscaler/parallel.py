@@ -160,7 +160,7 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
         with open(tmp / GRAPH_FILE, "wb") as f:
             pickle.dump(result.graphs, f)
         (tmp / PLAN_FILE).write_text(json.dumps(result.to_json(), indent=1, default=str))
-        (tmp / CONFIG_FILE).write_text(json.dumps({"fingerprint": fingerprint, "compute_config": cfg.to_dict(),
+        (tmp / CONFIG_FILE).write_text(json.dumps({"fingerprint": fingerprint, "compute_config": result.config.to_dict(),
                                                    "policy": result.policy_name,
                                                    "plan_seconds": result.compile_seconds},
                                                   indent=1, default=str))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
+from nbscaler.config import PIPELINE_KEYS
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
@@ -76,7 +77,8 @@ class Case:
         cfg = self.compute_config
         name = f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}"
         name += "_" + cfg.scheduler if cfg.use_pipeline else ""
-        return name + (f"_zero{cfg.zero_ngroups}" if cfg.use_zero else "")
+        name += "".join(f"_{k}{v}" for k, v in sorted(cfg.pas_config.items()) if k not in PIPELINE_KEYS)
+        return name + (f"_zero{cfg.zero_ngroups}_stage{cfg.zero_stage}" if cfg.use_zero else "")
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The case's optimizer: patched by ``build_optimizer`` when ``model`` has parallel parts."""
@@ -97,9 +99,9 @@ def pipeline(scheduler: str, nstages: int, nmicros: int) -> tuple:
             ("pipeline_nstages", nstages), ("pipeline_nmicros", nmicros))
 
 
-def zero(ngroups: int = 1) -> tuple:
-    """The ``Case.config`` of ZeRO with ``ngroups`` groups."""
-    return (("use_zero", True), ("zero_ngroups", ngroups))
+def zero(ngroups: int = 1, stage: int = 1) -> tuple:
+    """The ``Case.config`` of ZeRO stage ``stage`` with ``ngroups`` groups."""
+    return (("use_zero", True), ("zero_ngroups", ngroups), ("zero_stage", stage))
 
 
 def data_seed(step: int, unit: int, micro: int = 0) -> int:

@@ -96,7 +96,8 @@ class RemoteModule:
     def train(self, data: training.DataFn, steps: int,
               optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
               loss_fn: Optional[training.LossFn] = None, after_backward: Optional[training.AfterBackward] = None,
-              progress: bool = True, **optimizer_kwargs: Any) -> TrainResult:
+              progress: bool = True, on_report: Optional[Callable[[List[Dict[str, Any]]], None]] = None,
+              **optimizer_kwargs: Any) -> TrainResult:
         """Train ``steps`` optimizer steps on every rank.
 
         Args:
@@ -111,13 +112,15 @@ class RemoteModule:
                 gradients are summed, before the optimizer steps; its return values come back in
                 ``TrainResult.probes``.
             progress: show a progress bar that follows the slowest rank.
+            on_report: called with every rank's latest ``{'done': steps, 'loss': loss}`` while the
+                ranks train (about every 50 ms), e.g. to draw live loss curves.
         """
         bar = tqdm(total=steps, desc=f"train {self.name}", unit="step", disable=not progress)
         try:
             per_rank = self.cluster.call(
                 training.train_here,
                 (self.name, data, steps, optimizer_fn, optimizer_kwargs, loss_fn, after_backward),
-                on_report=lambda reports: _advance(bar, reports))
+                on_report=lambda reports: _advance(bar, reports, on_report))
         finally:
             bar.close()
         return TrainResult(
@@ -143,8 +146,11 @@ def _with_module(name: str, fn: Callable[..., Any], args: tuple, kwargs: Dict[st
     return fn(training.held_module(name).module, *args, **kwargs)
 
 
-def _advance(bar: tqdm, reports: List[Dict[str, Any]]) -> None:
-    """Move the bar to the slowest rank and show rank 0's latest loss."""
+def _advance(bar: tqdm, reports: List[Dict[str, Any]],
+             on_report: Optional[Callable[[List[Dict[str, Any]]], None]] = None) -> None:
+    """Move the bar to the slowest rank, show rank 0's latest loss, and pass the reports on."""
+    if on_report is not None:
+        on_report(reports)
     done = min(report.get("done", 0) for report in reports)
     if done > bar.n:
         bar.update(done - bar.n)

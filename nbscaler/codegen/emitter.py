@@ -23,6 +23,11 @@ from nbscaler.ir.registry import spec_of, sync_batch_norm
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
 
+def runs_on(node: IRNode, device: int, stage: Optional[int] = None) -> bool:
+    """Whether plan ``device`` runs ``node`` in the forward (``stage=None``) or in pipeline ``stage``."""
+    return (stage is None or node.stage == stage) and device in node.placement.devices
+
+
 class ForwardEmitter:
     """Emits the forward body of one graph for one plan device."""
 
@@ -33,6 +38,8 @@ class ForwardEmitter:
         self.have: Dict[int, Layout] = {}
         self.grad = requires_grad_of(graph)
         self.groups: Dict[Tuple[int, ...], str] = {}
+        # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
+        self.spans: Dict[str, Tuple[int, int]] = {}
 
     # -- values ---------------------------------------------------------------------------------
     def bind(self, t: IRTensor, layout: Layout, expr: str) -> None:
@@ -85,13 +92,15 @@ class ForwardEmitter:
         nodes = [n for n in self.graph.nodes if stage is None or n.stage == stage]
         last_comment = None
         for node in nodes:
-            if self.device not in node.placement.devices:
+            if not runs_on(node, self.device, stage):
                 continue
             comment = source_comment(node)
             if comment != last_comment:
                 self.lines.append(comment)
                 last_comment = comment
+            first = len(self.lines)
             self.emit_node(node)
+            self.spans[node.name] = (first, len(self.lines))
         group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
         if carry_out is not None:
             items = ", ".join(f"{t.name!r}: {self.fetch(t, Layout.replicated(), group)}" for t in carry_out)

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.utils._pytree import keystr
 
-from nbscaler.codegen.emitter import ForwardEmitter
+from nbscaler.codegen.emitter import ForwardEmitter, runs_on
 from nbscaler.codegen.render import CodegenError, attr_name, user_op_alias
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
@@ -71,6 +71,10 @@ class Section:
     carry_in: Sequence[IRTensor] = ()
     carry_out: Optional[Sequence[IRTensor]] = None
 
+    def nodes(self) -> List[IRNode]:
+        """The nodes this method runs, in graph order."""
+        return [n for n in self.graph.nodes if runs_on(n, self.device, self.stage)]
+
 
 def sections_of(graphs: Dict[str, IRGraph], device: int, geometry: Optional[PipelineGeometry]) -> List[Section]:
     """The methods plan ``device`` needs: ``_forward[_mode]``, or ``_stage{s}[_mode]`` per stage it holds.
@@ -95,11 +99,14 @@ def sections_of(graphs: Dict[str, IRGraph], device: int, geometry: Optional[Pipe
 
 def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: int, plan_ngpus: int,
              runtime_ngpus: int, module_name: str, policy_name: str,
-             geometry: Optional[PipelineGeometry] = None) -> str:
+             geometry: Optional[PipelineGeometry] = None,
+             line_map: Optional[Dict[str, Dict[str, List[int]]]] = None) -> str:
     """The source of ``gencode{rank}.py`` for one runtime rank.
 
     ``graphs`` maps a mode ('train', 'eval') to its placed graph; one graph under the key 'any'
     means the forward does not depend on ``self.training``. ``geometry`` is set for pipelines.
+    ``line_map``, when given, is filled with ``mode -> node name -> line numbers`` (1-based): the
+    lines each node's call and the collectives for its inputs take up in the returned text.
     """
     device = rank % plan_ngpus
     sections = sections_of(graphs, device, geometry)
@@ -166,8 +173,14 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
         w(f"    def {sec.name}({signature}):")
         for devices, var in sorted(emitter.groups.items()):
             w(f"        {var} = self.group({', '.join(map(str, devices))})")
+        body_start = len(out) + len(_unpack_inputs(sec.graph))
         for line in _unpack_inputs(sec.graph) + body:
             w(f"        {line}" if line else "")
+        if line_map is not None:
+            mode = next(m for m, g in graphs.items() if g is sec.graph)
+            lines = line_map.setdefault(mode, {})
+            for name, (first, end) in emitter.spans.items():
+                lines.setdefault(name, []).extend(range(body_start + first + 1, body_start + end + 1))
     w("")
     return "\n".join(out)
 
@@ -184,11 +197,10 @@ def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sectio
     """The WeightSpec arguments of every weight the sections read, in the graph's weight order."""
     readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}
     for sec in sections:
-        for n in sec.graph.nodes:
-            if (sec.stage is None or n.stage == sec.stage) and sec.device in n.placement.devices:
-                for t in n.inputs:
-                    if t.is_weight:
-                        readers.setdefault(t.name, (n, sec.device, sec.stage))
+        for n in sec.nodes():
+            for t in n.inputs:
+                if t.is_weight:
+                    readers.setdefault(t.name, (n, sec.device, sec.stage))
     any_graph = next(iter(graphs.values()))
     non_persistent = set(any_graph.meta.get("non_persistent", ()))
     specs = {}

@@ -4,13 +4,14 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
 
 - **parameters and buffers**: the weights the rank's generated module creates, at local shapes;
 - **gradients**: without ZeRO the gradient synchronisation gives every local parameter a gradient;
-  with ZeRO the parameters the backward reached have one, plus the flat gradient shard of each
-  bucket the optimizer updates;
+  with ZeRO (stage 1 or 2) the full gradients are freed once reduce-scattered and only the gradient
+  of each bucket's shard stays;
 - **optimizer state**: learnt per optimizer class by stepping it once on tiny tensors (``a * numel
   + b`` bytes per optimizer parameter: 0 for SGD, ``numel`` floats for momentum, two and a step
-  counter for Adam), applied to the local parameters or, with ZeRO, to the shards, which count here
-  too (the optimizer's own copies). Shards follow the runtime's buckets: parameters in order,
-  split at 25 MiB and at dtype changes, each padded to a multiple of the ZeRO group size;
+  counter for Adam), applied to the local parameters or, with ZeRO, to the shards. Shards follow
+  the runtime's buckets: parameters in order, split at 25 MiB and at dtype changes, each padded to
+  a multiple of the ZeRO group size. A shard is a view of the flat parameters, so it adds no bytes
+  of its own; the parameters include the padding;
 - **activations**: what autograd saves during the forward, from replaying the rank's code on fake
   tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline.
 
@@ -117,9 +118,10 @@ def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Typ
     slots = optimizer_params(params, cfg)
     state = sum(optimizer_state_bytes(optimizer, optimizer_kwargs, n, dt) for n, dt in slots)
     if cfg.use_zero:
-        shards = sum(n * _itemsize(dt) for n, dt in slots)
-        row[C.GRAD_BYTES] = sum(p.nbytes for p in params if p.trained) + shards
-        row[C.OPTIMIZER_BYTES] = shards + state
+        n = zero_group_size(cfg)
+        row[C.PARAM_BYTES] = sum(numel * n * _itemsize(dt) for numel, dt in slots)     # flat, padded
+        row[C.GRAD_BYTES] = sum(numel * _itemsize(dt) for numel, dt in slots)
+        row[C.OPTIMIZER_BYTES] = state
     else:
         row[C.GRAD_BYTES] = row[C.PARAM_BYTES]      # the synchronisation sets every gradient
         row[C.OPTIMIZER_BYTES] = state

@@ -17,16 +17,17 @@ the same traced graphs again under another policy or config without tracing agai
 
 from __future__ import annotations
 
+
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import pandas as pd
 import torch
 from torch.utils._pytree import tree_map
 
-from nbscaler.codegen.rankfile import generate
+from nbscaler.codegen.rankfile import generate, sections_of
 from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
@@ -82,14 +83,38 @@ class Plan:
     def schedule(self) -> Optional[PipelineSchedule]:
         return self.geometry.schedule if self.geometry is not None else None
 
-    @functools.cached_property
+    @property
     def sources(self) -> Dict[int, str]:
         """Runtime rank -> the text of its ``gencode{rank}.py``."""
+        return {r: text for r, (text, _) in self._generated.items()}
+
+    @property
+    def source_lines(self) -> Dict[int, Dict[int, List[int]]]:
+        """Runtime rank -> node index of ``graph`` -> the lines (1-based) of ``sources[rank]`` that
+        run it: its call and the collectives its inputs needed. A node a rank does not run is absent."""
+        mode = next(m for m, g in self.graphs.items() if g is self.graph)
+        index = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        return {r: {index[name]: lines for name, lines in per_mode.get(mode, {}).items()}
+                for r, (_, per_mode) in self._generated.items()}
+
+    def rank_nodes(self, rank: int) -> List[int]:
+        """Indexes of the nodes of ``graph`` that runtime ``rank`` runs, without generating its code."""
+        index = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        sections = sections_of(self.graphs, self.config.device_of(rank), self.geometry)
+        return sorted({index[id(n)] for sec in sections if sec.graph is self.graph for n in sec.nodes()})
+
+    @functools.cached_property
+    def _generated(self) -> Dict[int, Tuple[str, Dict[str, Dict[str, List[int]]]]]:
+        """Runtime rank -> (source text, mode -> node name -> line numbers), generated once."""
         cfg = self.config
-        return {r: generate(self.graphs, self.storage, rank=r, plan_ngpus=cfg.plan_ngpus,
+        out = {}
+        for r in range(cfg.runtime_ngpus):
+            lines: Dict[str, Dict[str, List[int]]] = {}
+            text = generate(self.graphs, self.storage, rank=r, plan_ngpus=cfg.plan_ngpus,
                             runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
-                            policy_name=self.policy_name, geometry=self.geometry)
-                for r in range(cfg.runtime_ngpus)}
+                            policy_name=self.policy_name, geometry=self.geometry, line_map=lines)
+            out[r] = (text, lines)
+        return out
 
     # -- tables -----------------------------------------------------------------------------------
     @functools.cached_property
@@ -176,9 +201,19 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
     for mode, graph in graphs.items():
         out = policy(graph, cfg)
         placed[mode] = graph if out is None else out
+        cfg = adopt_stage_count(placed[mode], cfg)
         check_placements(placed[mode], cfg)
         annotate_costs(placed[mode])
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
+
+
+def adopt_stage_count(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
+    """A policy that chose the number of pipeline stages (autodist's ``autodist_nstages``) says so in
+    ``graph.meta['pipeline_nstages']``; the plan's config takes it, and so do later modes' policies."""
+    nstages = graph.meta.get("pipeline_nstages")
+    if nstages is None or nstages == cfg.pipeline_nstages:
+        return cfg
+    return cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})
 
 
 def build_module(module_or_class, module_fn: Optional[Callable[[], torch.nn.Module]],

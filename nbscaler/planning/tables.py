@@ -20,6 +20,7 @@ from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
+from nbscaler.units import fmt_count
 
 if TYPE_CHECKING:
     from nbscaler.planning.planner import Plan
@@ -194,6 +195,9 @@ def plan_html(plan: "Plan") -> str:
     """A compact, self-contained HTML card: the plan in one line, then its ops by split."""
     by_split = plan.ops.fillna({"split": "replicated"}).groupby("split").agg(
         ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
+    by_split["flops_fwd"] = by_split.flops_fwd.map(fmt_count)
     title = html.escape(repr(plan))
     text = html.escape(explain_text(plan)).replace("\n", "<br>")
-    return f"<div><b>{title}</b><p style='font-family:monospace'>{text}</p>{by_split.to_html()}</div>"
+    table = by_split.rename_axis("ops by split").to_html(border=0)
+    return (f"<div class='nbs-plan-card'><b>{title}</b><p style='font-family:monospace;white-space:pre-wrap'>{text}</p>"
+            f"{table}</div>")

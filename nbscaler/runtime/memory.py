@@ -49,16 +49,18 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]], exclude: Iterable[i
 def static_memory(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
     """Parameters, gradients, optimizer state and buffers held right now (bytes, each storage once).
 
-    Optimizer parameters that are not the module's own (ZeRO's flat shards) count as optimizer
-    state, and their gradients as gradients.
+    Optimizer parameters that are not views of the module's own (a copy the optimizer updates)
+    count as optimizer state; the gradients of all optimizer parameters (ZeRO's shards) count as
+    gradients.
     """
     params = list(module.parameters())
     own = {_key(p) for p in params}
-    extra = [p for g in (optimizer.param_groups if optimizer else []) for p in g["params"] if _key(p) not in own]
+    updated = [p for g in (optimizer.param_groups if optimizer else []) for p in g["params"]]
+    extra = [p for p in updated if _key(p) not in own]
     state = [v for s in (optimizer.state.values() if optimizer else []) for v in _tensors(s)]
     return {
         C.PARAM_BYTES: storage_bytes(params),
-        C.GRAD_BYTES: storage_bytes([p.grad for p in params] + [p.grad for p in extra]),
+        C.GRAD_BYTES: storage_bytes([p.grad for p in params] + [p.grad for p in updated]),
         C.OPTIMIZER_BYTES: storage_bytes(extra + state, exclude=own),
         C.BUFFER_BYTES: storage_bytes(module.buffers()),
     }

@@ -29,6 +29,7 @@ from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ra
                                      zero_replica_ranks)
 from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
+from nbscaler.runtime.summary import module_html
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
 from nbscaler.runtime.zero import ZeroReducer
 from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
@@ -157,7 +158,7 @@ class ParallelModule(torch.nn.Module):
             return Reducer(list(self.parameters()), dp_group)
         layout = (self.world_rank, cfg.plan_ngpus, cfg.runtime_ngpus, cfg.zero_ngroups)
         return ZeroReducer(list(self.parameters()), dp_group, get_group(zero_ranks(*layout)),
-                           get_group(zero_replica_ranks(*layout)))
+                           get_group(zero_replica_ranks(*layout)), stage=cfg.zero_stage)
 
     def _check_world(self) -> int:
         cfg = self.compute_config
@@ -203,6 +204,11 @@ class ParallelModule(torch.nn.Module):
     def optimizer_slots(self) -> List[Slot]:
         """Each optimizer parameter with the segments of local parameters it holds."""
         return self.reducer.optimizer_slots()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, with ZeRO those of the optimizer's shards as well."""
+        super().zero_grad(set_to_none)
+        self.reducer.zero_grad()
 
     def sync_grads(self) -> None:
         """Sum gradients over copies of a pipeline stage, then over the data-parallel units."""
@@ -306,15 +312,11 @@ class ParallelModule(torch.nn.Module):
         executor = PipelineExecutor(self, geometry.schedule, mode)
         outputs = executor.run(samples, train, dummy, scale_fn)
         self.pipeline_events = executor.events
-        # The last stage has the outputs; share the losses with the unit so every rank can log them.
-        losses = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
-        for m, out in enumerate(outputs):
-            if out is not None and executor.tp_index == 0:
-                losses[m] = (out[0] if isinstance(out, (tuple, list)) else out).detach().double()
-        unit = self.group(*range(self.compute_config.plan_ngpus))
-        if unit is not None:
-            dist.all_reduce(losses, group=unit)
-        return [_detach(out) if out is not None else losses[m].float() for m, out in enumerate(outputs)]
+        # The last stage has the outputs; the executor sent its losses to the rest of the unit.
+        return [_detach(out) if out is not None else executor.losses[m] for m, out in enumerate(outputs)]
+
+    def _repr_html_(self) -> str:
+        return module_html(self)
 
     def pipeline_timeline(self) -> Timeline:
         """The blocks the last pipelined step ran on this rank, timed: the measured timeline."""

@@ -9,9 +9,16 @@ For each block of its pipeline device, a rank:
   ``s + 1`` sends back, runs ``torch.autograd.backward`` through the stage, and sends the gradients
   of the tensors that came in to stage ``s - 1``.
 
-Sends are non-blocking (``isend``) and receives blocking, so a schedule the simulator proves free
-of deadlocks cannot deadlock here either. Every message carries a tag made of (micro-batch, stage,
-phase, tensor), so two pipelines sharing a link (``chimera_direct``) cannot mix their messages up.
+Sends are non-blocking (``isend``). Receives are posted ahead (``irecv``) for the next
+``RECEIVE_AHEAD`` blocks that need one, so a message lands in its buffer while this rank is still
+computing, and a block waits only for the tensors it needs itself, all of them together. Posting a
+receive early never blocks, so a schedule the simulator proves free of deadlocks cannot deadlock
+here either. Every message carries a tag made of (micro-batch, stage, phase, tensor), so two
+pipelines sharing a link (``chimera_direct``) cannot mix their messages up.
+
+The last stage's losses reach the other ranks of the unit without a collective: each rank posts
+its receives for them when the step starts, and the rank that computed a loss sends it when its
+blocks are done, so sharing them never makes the step wait for the slowest rank.
 
 Each block is timed; ``events`` holds rows ``(rank, stage, micro, phase, t_start, t_end)`` in the
 same format as the simulator's predicted timeline.
@@ -26,6 +33,11 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule
+
+
+RECEIVE_AHEAD = 2     # blocks whose incoming messages are posted before their turn
+
+Message = Tuple[str, int, int]      # (phase, stage, micro) of the block that receives it
 
 
 def _tag(micro: int, stage: int, phase: str, index: int, nstages: int) -> int:
@@ -46,7 +58,9 @@ class PipelineExecutor:
         self.tp_index = module.plan_device % self.geometry.tp
         self.unit_base = module.unit * module.compute_config.plan_ngpus
         self.carry_spec = module.stage_carry[mode]
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.events: List[Dict[str, Any]] = []
+        self.losses: List[Optional[torch.Tensor]] = []    # after run: every micro-batch's loss (float32)
 
     # -- addressing -----------------------------------------------------------------------------
     def _rank_of(self, pipeline_device: int) -> int:
@@ -73,13 +87,15 @@ class PipelineExecutor:
         grads_in: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}     # (stage, micro) -> grads of outputs
         results: List[Optional[Any]] = [None] * len(samples)
         pending: List[Any] = []
-        for block in self.schedule.blocks_of(self.device):
-            if block.phase == "B" and not train:
-                continue
+        incoming = self._post_loss_receives(len(samples))
+        blocks = [b for b in self.schedule.blocks_of(self.device) if train or b.phase == "F"]
+        receives = _Receives(self, [self._message(b.phase, b.stage, b.micro) for b in blocks])
+        for position, block in enumerate(blocks):
             s, m = block.stage, block.micro
+            receives.post_until(position + RECEIVE_AHEAD)
             # Waiting for a neighbour is bubble, not work: the clock starts once the inputs are here.
             if block.phase == "F":
-                carry = self._receive_forward(s, m, outputs) if s > 0 else {}
+                carry = self._receive_forward(s, m, outputs, receives) if s > 0 else {}
                 start = time.perf_counter()
                 inputs[(s, m)] = carry
                 with torch.set_grad_enabled(train):
@@ -90,7 +106,7 @@ class PipelineExecutor:
                 else:
                     pending += self._send(s, s + 1, m, "F", out)
             else:
-                grads = self._receive_backward(s, m, grads_in) if s < last else {}
+                grads = self._receive_backward(s, m, grads_in, receives) if s < last else {}
                 start = time.perf_counter()
                 out = outputs.pop((s, m))
                 if s == last:
@@ -108,11 +124,63 @@ class PipelineExecutor:
                                 for n, t in carry.items() if t.requires_grad}
                     grads_in[(s - 1, m)] = in_grads
                     pending += self._send(s, s - 1, m, "B", in_grads)
-            self.events.append({"rank": dist.get_rank() if dist.is_initialized() else 0, "stage": s, "micro": m,
+            self.events.append({"rank": self.rank, "stage": s, "micro": m,
                                 "phase": block.phase, "t_start": start, "t_end": time.perf_counter()})
+        pending += self._send_losses(results)
         for work, _ in pending:
             work.wait()
+        self.losses = self._gather_losses(results, incoming)
         return results
+
+    # -- sharing the losses ---------------------------------------------------------------------
+    def _loss_sender(self, micro: int) -> int:
+        """The rank that sends micro-batch ``micro``'s loss: the first device holding the last
+        stage for it, at tensor-parallel index 0."""
+        device = min(self._holders(self.schedule.nstages - 1, micro))
+        return self.unit_base + self.geometry.plan_device(device, 0)
+
+    def _loss_tag(self, sender: int) -> int:
+        beyond_blocks = _tag(self.schedule.nmicros, 0, "F", 0, self.schedule.nstages)    # no block uses it
+        return beyond_blocks + sender
+
+    def _loss_routes(self, nmicros: int) -> Dict[int, List[int]]:
+        """Sender rank -> the micro-batches whose losses it sends, in order."""
+        routes: Dict[int, List[int]] = {}
+        for m in range(nmicros):
+            routes.setdefault(self._loss_sender(m), []).append(m)
+        return routes
+
+    def _post_loss_receives(self, nmicros: int) -> Dict[int, Tuple[Any, torch.Tensor]]:
+        """Post a receive for each other rank's losses, unless this rank computes them itself."""
+        posted = {}
+        last = self.schedule.nstages - 1
+        for sender, micros in self._loss_routes(nmicros).items():
+            if sender == self.rank or self.device in self._holders(last, micros[0]):
+                continue
+            buffer = torch.empty(len(micros), dtype=torch.float64, device=self.module.device)
+            posted[sender] = (dist.irecv(buffer, sender, tag=self._loss_tag(sender)), buffer)
+        return posted
+
+    def _send_losses(self, results: List[Optional[Any]]) -> List[Any]:
+        micros = self._loss_routes(len(results)).get(self.rank, [])
+        if not micros:
+            return []
+        last = self.schedule.nstages - 1
+        losses = torch.stack([_loss_of(results[m]).detach().double() for m in micros])
+        receivers = [r for r in range(self.unit_base, self.unit_base + self.module.compute_config.plan_ngpus)
+                     if r != self.rank and self.geometry.pipeline_device(r - self.unit_base) not in
+                     self._holders(last, micros[0])]
+        return [(dist.isend(losses, r, tag=self._loss_tag(self.rank)), losses) for r in receivers]
+
+    def _gather_losses(self, results: List[Optional[Any]], incoming) -> List[Optional[torch.Tensor]]:
+        losses: List[Optional[torch.Tensor]] = [None if r is None else _loss_of(r).detach() for r in results]
+        for sender, micros in self._loss_routes(len(results)).items():
+            if sender in incoming:
+                work, buffer = incoming[sender]
+                work.wait()
+                for m, value in zip(micros, buffer.float()):
+                    losses[m] = value
+        return losses
 
     def _fn(self, stage: int) -> str:
         return f"_stage{stage}" + ("" if self.mode == "any" else f"_{self.mode}")
@@ -129,27 +197,68 @@ class PipelineExecutor:
                                          tag=_tag(micro, stage, phase, i, self.schedule.nstages)), t))
         return works
 
-    def _receive_forward(self, stage: int, micro: int, outputs) -> Dict[str, torch.Tensor]:
+    def _message(self, phase: str, stage: int, micro: int) -> Optional[Tuple[Message, int, List[Tuple[str, tuple, str]], int]]:
+        """What block (phase, stage, micro) receives from another device: ``(key, source device,
+        [(name, shape, dtype)], tag base)``, or ``None`` when it receives nothing."""
+        last = self.schedule.nstages - 1
+        if phase == "F" and stage > 0:
+            _, src = self._peers(stage - 1, stage, micro)
+            specs, sender = sorted(self.carry_spec[stage - 1]), stage - 1
+        elif phase == "B" and stage < last:
+            _, src = self._peers(stage + 1, stage, micro)
+            specs = sorted(spec for spec in self.carry_spec[stage] if getattr(torch, spec[2]).is_floating_point)
+            sender = stage + 1
+        else:
+            return None
+        if src is None:
+            return None
+        return (phase, stage, micro), src, specs, _tag(micro, sender, phase, 0, self.schedule.nstages)
+
+    def _receive_forward(self, stage: int, micro: int, outputs, receives: "_Receives") -> Dict[str, torch.Tensor]:
         _, src = self._peers(stage - 1, stage, micro)
         if src is None:      # this device ran stage - 1 for this micro-batch itself
             made = outputs[(stage - 1, micro)]
             return {n: t.detach().requires_grad_(t.is_floating_point()) for n, t in made.items()}
-        carry = {}
-        specs = self.carry_spec[stage - 1]
-        for i, (name, shape, dtype) in enumerate(sorted(specs)):
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.module.device)
-            dist.recv(t, self._rank_of(src), tag=_tag(micro, stage - 1, "F", i, self.schedule.nstages))
-            carry[name] = t.requires_grad_(t.is_floating_point())
-        return carry
+        carry = receives.wait(("F", stage, micro))
+        return {n: t.requires_grad_(t.is_floating_point()) for n, t in carry.items()}
 
-    def _receive_backward(self, stage: int, micro: int, grads_in) -> Dict[str, torch.Tensor]:
+    def _receive_backward(self, stage: int, micro: int, grads_in, receives: "_Receives") -> Dict[str, torch.Tensor]:
         _, src = self._peers(stage + 1, stage, micro)
         if src is None:
             return grads_in.pop((stage, micro))
-        grads = {}
-        floats = sorted(spec for spec in self.carry_spec[stage] if getattr(torch, spec[2]).is_floating_point)
-        for i, (name, shape, dtype) in enumerate(floats):
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.module.device)
-            dist.recv(t, self._rank_of(src), tag=_tag(micro, stage + 1, "B", i, self.schedule.nstages))
-            grads[name] = t
-        return grads
+        return receives.wait(("B", stage, micro))
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _Receives:
+    """The messages one step's blocks receive, in block order: posted ahead with ``irecv`` (each
+    message's tensors together) and waited for by the block that needs them."""
+
+    def __init__(self, executor: PipelineExecutor, messages: List[Optional[tuple]]):
+        self.executor = executor
+        self.messages = messages
+        self.next = 0                     # the first block whose message is not posted yet
+        self.posted: Dict[Message, Tuple[List[Any], Dict[str, torch.Tensor]]] = {}
+
+    def post_until(self, end: int) -> None:
+        """Post the receives of every block before ``end``."""
+        while self.next < min(end, len(self.messages)):
+            message = self.messages[self.next]
+            self.next += 1
+            if message is None:
+                continue
+            key, src, specs, tag = message
+            rank, device = self.executor._rank_of(src), self.executor.module.device
+            tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                       for name, shape, dtype in specs}
+            works = [dist.irecv(t, rank, tag=tag + i) for i, t in enumerate(tensors.values())]
+            self.posted[key] = (works, tensors)
+
+    def wait(self, key: Message) -> Dict[str, torch.Tensor]:
+        works, tensors = self.posted.pop(key)
+        for work in works:
+            work.wait()
+        return tensors

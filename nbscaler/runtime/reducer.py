@@ -121,6 +121,9 @@ class Reducer:
     def _deliver(self, index: int, reduced: torch.Tensor) -> None:
         self.buckets[index].set_grads(reduced)
 
+    def zero_grad(self) -> None:
+        """Forget gradient state kept outside the parameters (none here; ZeRO keeps shards)."""
+
     def optimizer_slots(self) -> List[Slot]:
         """What the optimizer updates on this rank, and which parameter elements each entry holds."""
         return [(p, [Segment(p, 0, p.numel(), 0)]) for p in self.params]

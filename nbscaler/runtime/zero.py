@@ -1,27 +1,33 @@
-"""ZeRO stage 1: split the optimizer state over the ranks that hold the same part of the model.
+"""ZeRO stages 1 and 2: split optimizer state (and gradients) over the ranks that hold the same part
+of the model.
 
 Without ZeRO every data-parallel rank keeps a whole optimizer state (for Adam, two more copies of
 its parameters) and makes the same update as all the others. With ZeRO the ``N`` ranks of a *ZeRO
-group* split the work:
+group* split the work. The parameters of each gradient bucket are stored end to end in one flat
+tensor, padded to a multiple of ``N`` (the parameters become views of it), and rank ``i`` owns
+slice ``i`` of it:
 
-1. ``sync``: each flat gradient bucket is padded to a multiple of ``N`` and *reduce-scattered*
-   over the group, so rank ``i`` receives the summed gradient of slice ``i`` only. With
-   ``zero_ngroups > 1`` the data-parallel ranks form several ZeRO groups, each holding a whole
-   copy of the state, and the slice is then summed across them too (the *replica* group).
-2. ``optimizer.step()`` updates slice ``i`` (a flat parameter, the *shard*), so the optimizer
-   state it creates is ``1/N`` of the full one.
-3. ``gather_params``: the updated shards are all-gathered back into the full parameters.
+1. *reduce*: a bucket's gradients are packed into one flat tensor and *reduce-scattered* over the
+   group, so rank ``i`` receives the summed gradient of slice ``i`` only, and the full gradients
+   are freed. With ``zero_ngroups > 1`` the data-parallel ranks form several ZeRO groups, each
+   holding a whole copy of the state, and the slice is then summed across them too (the *replica*
+   group). Stage 1 reduces every bucket when the optimizer steps; stage 2 reduces each bucket as
+   soon as the backward has produced all of its gradients, so the full gradients of the model
+   never exist at once.
+2. ``optimizer.step()`` updates slice ``i``: the optimizer's parameter, the *shard*, is a view of
+   the flat parameters, so the update lands in the module's own parameters and the optimizer state
+   it creates is ``1/N`` of the full one.
+3. ``gather_params``: every rank's updated slice is all-gathered into the flat parameters.
 
-The shards are working copies: ``sync`` refreshes them from the parameters, so loading a
-checkpoint into the module (or changing a parameter by hand) needs no extra step.
-
-Nothing here looks at which device holds which part of the model: the groups are the
-data-parallel ranks of one plan device, and the buckets hold whatever parameters that device has.
+Per rank that is the parameters, ``1/N`` of the gradients (after the step) and ``1/N`` of the
+optimizer state, and no second copy of anything. Nothing here looks at which device holds which part
+of the model: the groups are the data-parallel ranks of one plan device, and the buckets hold
+whatever parameters that device has.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -34,38 +40,101 @@ def _size_rank(group: Optional[dist.ProcessGroup]):
 
 
 @torch.no_grad()
-def _read_params(slot: Slot) -> None:
-    """Copy the current parameter values into a shard (padding stays zero)."""
-    shard, segments = slot
-    for s in segments:
-        shard[s.offset:s.offset + s.length].copy_(s.param.detach().reshape(-1)[s.start:s.start + s.length])
+def flatten_params(bucket: Bucket, size: int) -> torch.Tensor:
+    """Move the bucket's parameters into one zero-padded flat tensor of ``size`` elements and make
+    each parameter a view of its part; returns the flat tensor."""
+    first = bucket.params[0]
+    flat = torch.zeros(size, dtype=first.dtype, device=first.device)
+    for p, offset in zip(bucket.params, bucket.offsets):
+        part = flat[offset:offset + p.numel()]
+        part.copy_(p.detach().reshape(-1))
+        p.data = part.view_as(p)
+    return flat
 
 
 class ZeroReducer(Reducer):
-    """A ``Reducer`` whose optimizer parameters are this rank's slices of the gradient buckets.
+    """A ``Reducer`` whose optimizer parameters are this rank's slices of the flat bucket parameters.
 
     ``group``: every data-parallel rank of this plan device (gradients are summed over all of them);
     ``zero_group``: the ranks that split the state; ``replica_group``: the ranks, one per ZeRO
-    group, that hold the same slice.
+    group, that hold the same slice; ``stage``: 1 or 2 (see the module docstring).
+
+    Under stage 2 every data-parallel rank must run the same backwards (as with DDP): the
+    reduce-scatters run inside them.
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
                  zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, stage: int = 1):
         super().__init__(params, group, bucket_mb)
-        self.zero_group, self.replica_group = zero_group, replica_group
+        self.zero_group, self.replica_group, self.stage = zero_group, replica_group, stage
         self.zero_size, zero_rank = _size_rank(zero_group)
+        self.flats: List[torch.Tensor] = []
         self.slots: List[Slot] = []
         for bucket in self.buckets:
-            length = self._padded(bucket) // self.zero_size
+            flat = flatten_params(bucket, self._padded(bucket))
+            length = flat.numel() // self.zero_size
             begin = zero_rank * length
-            first = bucket.params[0]
-            shard = torch.nn.Parameter(torch.zeros(length, dtype=first.dtype, device=first.device))
+            shard = torch.nn.Parameter(flat[begin:begin + length])         # a view: no copy
+            self.flats.append(flat)
             self.slots.append((shard, bucket.segments(begin, begin + length)))
-            _read_params(self.slots[-1])
+        self.produced: List[Set[int]] = [set() for _ in self.buckets]    # params with a gradient to reduce
+        if stage == 2:
+            for index, bucket in enumerate(self.buckets):
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(self._on_gradient(index))
 
     def _padded(self, bucket: Bucket) -> int:
         return -(-bucket.numel // self.zero_size) * self.zero_size
+
+    # -- reducing ---------------------------------------------------------------------------------
+    def _on_gradient(self, index: int):
+        """The stage-2 hook of bucket ``index``: reduce the bucket once all its gradients are in."""
+        bucket, produced = self.buckets[index], self.produced[index]
+
+        def hook(param: torch.nn.Parameter) -> None:
+            if id(param) in produced:        # a new backward before the bucket was complete
+                self._reduce_bucket(index)
+            produced.add(id(param))
+            if len(produced) == len(bucket.params):
+                self._reduce_bucket(index)
+        return hook
+
+    @torch.no_grad()
+    def _reduce_bucket(self, index: int) -> None:
+        """Reduce-scatter the bucket's gradients, add this rank's slice to its shard's gradient and
+        free the full gradients."""
+        bucket = self.buckets[index]
+        flat = bucket.flat_grads(self._padded(bucket))
+        for p in bucket.params:
+            p.grad = None
+        for hook in self.pre_hooks:
+            hook(self, flat)
+        reduced = self._reduce(flat)
+        for hook in self.post_hooks:
+            hook(self, reduced)
+        shard = self.slots[index][0]
+        shard.grad = reduced if shard.grad is None else shard.grad.add_(reduced)
+        self.produced[index].clear()
+
+    def check_views(self) -> None:
+        """Raise unless every parameter still lives in its bucket's flat tensor (``module.to(...)``
+        or ``.half()`` after construction gives parameters new storage the optimizer never sees)."""
+        for bucket, flat in zip(self.buckets, self.flats):
+            where = flat.untyped_storage().data_ptr()
+            if any(p.untyped_storage().data_ptr() != where for p in bucket.params):
+                raise RuntimeError(
+                    "a parameter of this ZeRO module was given new storage after it was built (module.to(), "
+                    ".half() or assigning .data?), so the optimizer would update a stale copy; convert the "
+                    "model before compiling instead (parallelize(..., module_dtype=...)).")
+
+    def sync(self) -> None:
+        """Reduce what is left: every bucket under stage 1; under stage 2 the buckets the backward
+        did not complete (some parameters got no gradient) or never reached."""
+        self.check_views()
+        for index, (shard, _) in enumerate(self.slots):
+            if self.stage == 1 or self.produced[index] or shard.grad is None:
+                self._reduce_bucket(index)
 
     def _reduce(self, flat: torch.Tensor) -> torch.Tensor:
         if self.zero_group is None:
@@ -77,22 +146,23 @@ class ZeroReducer(Reducer):
             dist.all_reduce(piece, group=self.replica_group)
         return piece
 
-    def _deliver(self, index: int, reduced: torch.Tensor) -> None:
-        _read_params(self.slots[index])
-        self.slots[index][0].grad = reduced
+    def zero_grad(self) -> None:
+        """Forget the shards' gradients and what the backward produced (with the module's)."""
+        for shard, _ in self.slots:
+            shard.grad = None
+        for produced in self.produced:
+            produced.clear()
 
+    # -- what the optimizer sees ----------------------------------------------------------------
     def optimizer_slots(self) -> List[Slot]:
         return self.slots
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        for bucket, (shard, _) in zip(self.buckets, self.slots):
-            if self.zero_group is None:
-                bucket.set_params(shard)
-                continue
-            flat = torch.empty(self._padded(bucket), dtype=shard.dtype, device=shard.device)
-            dist.all_gather(list(flat.chunk(self.zero_size)), shard.detach(), group=self.zero_group)
-            bucket.set_params(flat)
+        if self.zero_group is None:
+            return                           # the shard is the whole flat tensor: already in place
+        for flat, (shard, _) in zip(self.flats, self.slots):
+            dist.all_gather(list(flat.chunk(self.zero_size)), shard.detach().clone(), group=self.zero_group)
 
     @property
     def copies(self) -> int:

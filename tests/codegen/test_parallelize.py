@@ -10,7 +10,7 @@ import torch
 import nbscaler.planning.planner as plan_mod
 from nbscaler import ComputeConfig, ParallelModule, parallelize
 from nbscaler.genfiles import GenDir, module_dir
-from tests.models import MLP, Llama, batch, build
+from tests.models import MLP, batch, build
 
 
 def gen_path(tmp_path, cls=MLP, instance=None):
@@ -19,8 +19,8 @@ def gen_path(tmp_path, cls=MLP, instance=None):
 
 def test_files_on_disk(tmp_path):
     parallelize(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 4), gen_savedir=tmp_path, load_module=False)
-    path = gen_path(tmp_path, Llama)
-    assert path == tmp_path / "_parallel_modules" / "tests.models.Llama" / "_"
+    path = gen_path(tmp_path, type(build("llama")))
+    assert path == tmp_path / "_parallel_modules" / "nbscaler.models.llama.Llama" / "_"
     names = sorted(os.listdir(path))
     assert names == ["config.json", "gencode0.py", "gencode1.py", "gencode2.py", "gencode3.py", "graph.pkl",
                      "plan.json", "weights.pt"]
@@ -28,7 +28,7 @@ def test_files_on_disk(tmp_path):
         py_compile.compile(str(path / f"gencode{r}.py"), doraise=True)
     code = (path / "gencode1.py").read_text()
     assert "plan device 1 of 2, unit 0 of 2" in code
-    assert "# blocks.0.attn.q: q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)    (__init__.py:" in code
+    assert "# blocks.0.attn.q: q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)        # (B, nh, T, hs)    (llama.py:" in code
     assert "comm.all_reduce(" in code and "split_dim=0, parts=2, index=1" in code
     plan = json.loads((path / "plan.json").read_text())
     assert plan["weights"]["blocks.0.attn.q.weight"]["layout"] == "S(0)"

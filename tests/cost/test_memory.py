@@ -1,7 +1,7 @@
 """The memory model against exact measured counts (``nbscaler.runtime.memory``).
 
 On the CPU both sides are deterministic, so every category must match to the byte: parameters,
-gradients, optimizer state (by optimizer, with and without ZeRO), buffers and the activations
+gradients, optimizer state (by optimizer, without ZeRO and with ZeRO stages 1 and 2), buffers and the activations
 saved for the backward (per pipeline schedule, over the micro-batches in flight).
 """
 
@@ -65,6 +65,7 @@ MULTI = [
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero()),
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4)),
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4) + zero()),
+    Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
 ]
 
 
@@ -85,6 +86,8 @@ FOUR = [
     Case("gpt", "pp", 4, 4, config=pipeline("chimera_direct", 4, 4)),
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(2)),
     Case("llama", "tp", 2, 4, optimizer="momentum", config=zero()),
+    Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(2, stage=2)),
+    Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2)),
 ]
 
 

@@ -6,7 +6,6 @@ ResNet and MobileNetV3 blocks."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
@@ -29,96 +28,12 @@ class MLP(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings and a causal mask."""
-
-    def __init__(self, d: int, n_head: int, n_kv_head: int, max_len: int):
-        super().__init__()
-        self.n_head, self.n_kv_head, self.hd = n_head, n_kv_head, d // n_head
-        self.q = nn.Linear(d, n_head * self.hd, bias=False)
-        self.k = nn.Linear(d, n_kv_head * self.hd, bias=False)
-        self.v = nn.Linear(d, n_kv_head * self.hd, bias=False)
-        self.o = nn.Linear(n_head * self.hd, d, bias=False)
-        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
-        freqs = torch.outer(torch.arange(max_len).float(), inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
-        k = self.k(x).view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
-        cos, sin = self.cos[:T], self.sin[:T]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        rep = self.n_head // self.n_kv_head
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
-        att = att.masked_fill(mask, float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(d, hidden, bias=False)
-        self.w3 = nn.Linear(d, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, d, n_head, n_kv_head, max_len):
-        super().__init__()
-        self.attn_norm = RMSNorm(d)
-        self.attn = Attention(d, n_head, n_kv_head, max_len)
-        self.mlp_norm = RMSNorm(d)
-        self.mlp = SwiGLU(d, 2 * d)
-
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Llama(nn.Module):
-    """A Llama-style decoder: RMSNorm, RoPE, GQA, SwiGLU, causal mask, next-token loss."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2,
-                 max_len: int = 16):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, n_head, n_kv_head, max_len) for _ in range(n_layer))
-        self.norm = RMSNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+def Llama(**config) -> nn.Module:
+    """The shipped Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU), small; ``config`` overrides
+    fields of ``LlamaConfig``."""
+    from nbscaler.models.llama import Llama as Decoder, LlamaConfig
+    small = dict(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2)
+    return Decoder(LlamaConfig(**{**small, **config}))
 
 
 class CNN(nn.Module):

@@ -11,7 +11,7 @@ import nbscaler
 import nbscaler.planning.planner as planner
 from nbscaler import ComputeConfig, parallelize
 from nbscaler.genfiles import PLAN_FILE, module_dir
-from tests.models import Llama, batch, build
+from tests.models import batch, build
 
 
 def pipeline(plan_ngpus, nstages=None, scheduler="1f1b", nmicros=4):
@@ -28,7 +28,7 @@ def test_plan_writes_nothing_and_needs_no_process_group(tmp_path, monkeypatch):
     p = nbscaler.plan(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 4))
     assert not torch.distributed.is_initialized()
     assert list(tmp_path.iterdir()) == []
-    assert isinstance(p, nbscaler.Plan) and p.policy_name == "tp" and p.module_name == "tests.models.Llama"
+    assert isinstance(p, nbscaler.Plan) and p.policy_name == "tp" and p.module_name == "nbscaler.models.llama.Llama"
     assert sorted(p.sources) == [0, 1, 2, 3] and "class " in p.sources[1]
     assert list(tmp_path.iterdir()) == []
 
@@ -95,7 +95,7 @@ def test_replan_does_not_trace_and_leaves_the_first_plan_alone(monkeypatch):
 def test_plan_json_is_what_parallelize_writes(tmp_path):
     p = nbscaler.plan(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 2))
     parallelize(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False)
-    saved = json.loads((module_dir(Llama, tmp_path, None) / PLAN_FILE).read_text())
+    saved = json.loads((module_dir(type(build("llama")), tmp_path, None) / PLAN_FILE).read_text())
     assert saved["format_version"] == nbscaler.planning.PLAN_FORMAT_VERSION == 1
     assert saved == json.loads(json.dumps(p.to_json(), default=str))
     assert saved["weights"]["blocks.0.attn.q.weight"]["layout"] == "S(0)"

@@ -17,7 +17,8 @@ AUTODIST = {
     2: [Case(m, "autodist", 2, 2) for m in ("mlp", "llama", "cnn")] +
        [Case("gpt", "autodist", 2, 2, config=pipeline("1f1b", 2, 4))],
     4: [Case("mlp", "autodist", 4, 4), Case("llama", "autodist", 2, 4), Case("cnn", "autodist", 4, 4),
-        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4))],
+        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4)),
+        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4) + (("pas_config", {"autodist_nstages": "auto"}),))],
 }
 
 
@@ -35,8 +36,11 @@ def splits(p):
 
 
 def test_same_model_config_and_profile_give_the_same_plan():
-    first = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", ComputeConfig(2, 2))
-    again = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", ComputeConfig(2, 2))
+    # A tight memory limit makes the search split (unlimited, this tiny model is fastest replicated).
+    model, args = build("llama"), batch("llama", 0)
+    whole = nbscaler.plan(model, args, "dp", ComputeConfig(1, 1)).memory(torch.optim.AdamW).peak_bytes.max()
+    cfg = ComputeConfig(2, 2, pas_config={"memory_limit_bytes": int(whole * 0.75)})
+    first, again = nbscaler.plan(model, args, "autodist", cfg), nbscaler.plan(model, args, "autodist", cfg)
     assert splits(first) == splits(again)
     assert any(split is not None for _, split, _ in splits(first))
 
@@ -85,11 +89,28 @@ def test_saved_plan_loads_back_and_edits_take_effect(tmp_path):
                       ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
 
 
+def test_auto_stage_count_keeps_the_fastest_predicted_and_the_plan_adopts_it():
+    cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+                        pas_config={"autodist_nstages": "auto"})
+    p = nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg)
+    scores = p.graph.meta["autodist"]["nstages_scores"]
+    assert set(scores) == {2, 4}
+    best = min(scores, key=scores.get)
+    assert p.config.pipeline_nstages == best == p.schedule.nstages
+    assert sorted({n.stage for n in p.graph.nodes}) == list(range(best))
+    fixed = nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg.with_changes(pas_config={"autodist_nstages": 2}))
+    assert fixed.config.pipeline_nstages == 2 and "nstages_scores" not in fixed.graph.meta["autodist"]
+    with pytest.raises(PolicyError, match="autodist_nstages.*no pipeline; set use_pipeline=True"):
+        nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2, pas_config={"autodist_nstages": "auto"}))
+
+
 def test_bad_options_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="memory_limit_bytes.*positive number of bytes"):
         AutodistOptions(memory_limit_bytes=-5)
     with pytest.raises(ValueError, match="memory_optimizer.*use one of sgd, adam, adamw"):
         AutodistOptions(memory_optimizer="lamb")
+    with pytest.raises(ValueError, match="autodist_nstages.*give a number of pipeline stages, or 'auto'"):
+        AutodistOptions(autodist_nstages="many")
     with pytest.raises(PolicyError, match="pipeline_pivots .*'nowhere'.* name no module"):
         nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist",
                       ComputeConfig(2, 2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
@@ -100,5 +121,5 @@ def test_balanced_cuts_minimise_the_slowest_stage():
     stages = balanced_cuts(None, 2, [1.0, 1.0, 1.0, 5.0, 1.0, 1.0], points=[1, 2, 3, 4, 5])
     assert stages == [0, 0, 0, 1, 1, 1]          # 3 | 7 beats 2 | 8 and 8 | 2 ...
     assert balanced_cuts(None, 2, [1.0, 1.0, 1.0, 5.0, 1.0, 1.0], points=[4]) == [0, 0, 0, 0, 1, 1]
-    with pytest.raises(PolicyError, match="only 2 places to cut"):
+    with pytest.raises(PolicyError, match="has 0 places to cut it into pipeline stages, but 3 stages need 2"):
         balanced_cuts(None, 3, [1.0] * 6, points=[])

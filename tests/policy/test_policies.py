@@ -32,12 +32,6 @@ def test_dp_needs_one_device_per_unit():
         get_policy("dp")(llama_graph(), ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
 
 
-def test_autodist_is_not_built_yet_and_says_so(tmp_path):
-    with pytest.raises(NotImplementedError, match="not available yet"):
-        parallelize(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2), gen_savedir=tmp_path,
-                    load_module=False)
-
-
 @pytest.mark.parametrize("name", ["pp", "hybrid"])
 def test_pipeline_policies_need_a_pipeline_config(name, tmp_path):
     with pytest.raises(PolicyError, match="use_pipeline=True"):

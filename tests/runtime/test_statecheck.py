@@ -47,7 +47,7 @@ def test_another_models_state_is_refused_naming_the_tensor_and_both_shapes(gen_d
     pm, _ = trained
     before = snapshot(pm)
     torch.manual_seed(0)
-    other = compile_llama(gen_dir, Llama(vocab=32), name="small_vocab", vocab=32)
+    other = compile_llama(gen_dir, Llama(vocab_size=32), name="small_vocab", vocab=32)
     with pytest.raises(CheckpointError, match=r"'embed.weight' \(whole, shape \(64, 32\)\) here, but 'embed.weight' "
                                               r"\(whole, shape \(32, 32\)\) in the checkpoint: the checkpoint belongs"):
         pm.load_state_dict(other.state_dict())

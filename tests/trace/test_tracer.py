@@ -32,7 +32,7 @@ def test_nodes_carry_module_path_and_user_source_line():
     q = [n for n in g.nodes if n.module_path == "blocks.0.attn.q"]
     assert len(q) == 1 and q[0].target == "torch.nn.functional.linear"
     path, line = q[0].source
-    assert path.endswith(os.path.join("models", "__init__.py"))
+    assert os.path.basename(path) == "llama.py"
     with open(path) as f:
         assert "self.q(x)" in f.readlines()[line - 1]
     assert {t.name for t in q[0].inputs} >= {"blocks.0.attn.q.weight"}
@@ -76,8 +76,8 @@ def test_data_dependent_control_flow_is_refused():
                 return x
             return -x
 
-    with pytest.raises(TraceError, match=r"__bool__\(\) on 'gt_0' at test_tracer.py:\d+ turns .*Keep it a tensor"):
-        trace_module(Branchy(), {"x": torch.ones(3)}, guards=False)
+    with pytest.raises(TraceError, match="__bool__.*Keep it a tensor"):
+        trace_module(Branchy(), {"x": torch.ones(3)})
 
 
 def test_unknown_op_becomes_opaque_with_a_warning():

@@ -52,14 +52,69 @@ def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
         return load_plan(graph, cfg.plan_ngpus, opts.load_plan_path,
                          lambda stage: geometry.stage_group(stage) if geometry and stage is not None else unit)
     start = time.perf_counter()
-    searcher = _Searcher(graph, cfg, opts, geometry)
-    info = searcher.run()
+    searcher, info = _search_stage_counts(graph, cfg, opts)
     searcher.profiler.save()                  # op times profiled here serve the next search too
     info["search_s"] = time.perf_counter() - start
     graph.meta["autodist"] = info
+    if opts.autodist_nstages is not None:
+        graph.meta["pipeline_nstages"] = searcher.cfg.pipeline_nstages     # the planner adopts it
     if opts.save_plan_path:
         save_plan(graph, cfg.plan_ngpus, opts.save_plan_path)
     return graph
+
+
+def stage_count_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
+    """The configs to search: ``cfg`` itself, or one per pipeline stage count ``autodist_nstages`` allows
+    (``'auto'``: every divisor of ``plan_ngpus`` from 2 up, so each stage gets the same devices)."""
+    wanted = opts.autodist_nstages
+    if wanted is None:
+        return [cfg]
+    if not cfg.use_pipeline:
+        raise PolicyError(f"pas_config['autodist_nstages']={wanted!r} chooses pipeline stages, but the config has "
+                          "no pipeline; set use_pipeline=True (with use_end2end=True and pipeline_nmicros).")
+    counts = [wanted] if wanted != "auto" else [k for k in range(2, cfg.plan_ngpus + 1) if cfg.plan_ngpus % k == 0]
+    if cfg.scheduler == "chimera_direct":
+        counts = [k for k in counts if k == 4]
+    out = []
+    for k in counts:
+        try:
+            out.append(cfg.with_changes(pipeline_nstages=k))
+        except ValueError as err:
+            raise PolicyError(f"autodist_nstages={k} does not fit this config: {err}") from None
+    if not out:
+        raise PolicyError(f"no pipeline stage count to try for plan_ngpus={cfg.plan_ngpus} under {cfg.scheduler}; "
+                          "give autodist_nstages as a number of stages that divides plan_ngpus.")
+    return out
+
+
+def _search_stage_counts(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> Tuple["_Searcher", dict]:
+    """Search under each stage count to try; keep (place again) the one the simulator finds fastest."""
+    configs = stage_count_configs(cfg, opts)
+    if len(configs) == 1:
+        searcher = _Searcher(graph, configs[0], opts, _geometry(configs[0]))
+        return searcher, searcher.run()
+    scores: Dict[int, float] = {}
+    failure: Optional[PolicyError] = None
+    for candidate in configs:
+        searcher = _Searcher(graph, candidate, opts, _geometry(candidate))
+        try:
+            searcher.run()
+        except PolicyError as err:             # e.g. this stage count cannot meet the memory limit
+            failure = err
+            continue
+        scores[candidate.pipeline_nstages] = searcher.score()
+    if not scores:
+        raise failure
+    best = min(scores, key=lambda k: (scores[k], k))
+    chosen = next(c for c in configs if c.pipeline_nstages == best)
+    searcher = _Searcher(graph, chosen, opts, _geometry(chosen))
+    info = searcher.run()
+    info["nstages_scores"] = scores
+    return searcher, info
+
+
+def _geometry(cfg: ComputeConfig) -> Optional[PipelineGeometry]:
+    return PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
 
 
 class _Searcher:
@@ -185,8 +240,8 @@ def balanced_cuts(graph: IRGraph, nstages: int, seconds: List[float], points: Li
     """Stages (one per node) cut at ``points`` so that the slowest stage is as fast as it can be."""
     n = len(seconds)
     if len(points) < nstages - 1:
-        raise PolicyError(f"only {len(points) + 1} places to cut the graph into pipeline stages, but "
-                          f"{nstages} stages were asked for; name more pipeline_pivots or use fewer stages.")
+        raise PolicyError(f"the graph has {len(points)} places to cut it into pipeline stages, but {nstages} "
+                          f"stages need {nstages - 1}; name more pipeline_pivots or use fewer stages.")
     prefix = [0.0]
     for s in seconds:
         prefix.append(prefix[-1] + s)

@@ -15,6 +15,8 @@ split it along. Its costs come from the cost model, never from a guess of its ow
 
 from __future__ import annotations
 
+import math
+
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -40,6 +42,7 @@ class ChoiceCosts:
         self.grad = requires_grad_of(graph)
         self.state_factor = state_factor            # optimizer-state bytes per parameter byte
         self.readers: Dict[int, int] = {}                           # tensor -> how many ops read it
+        self._switch: Dict[Tuple, float] = {}
         self.reads: Dict[int, List[Tuple[int, int]]] = {}            # producer -> (reader position, bytes)
         self.order = {id(n): i for i, n in enumerate(graph.nodes)}
         for i, node in enumerate(graph.nodes):
@@ -119,6 +122,22 @@ class ChoiceCosts:
         done = self.order[id(after)]
         return sum(2 * self.comm.forward("all_reduce", nbytes, self.n)
                    for node in open_nodes for position, nbytes in self.reads.get(id(node), ()) if position > done)
+
+    def switch_seconds(self, node: IRNode, have: Tuple[int, ...], want: Tuple[int, ...], after: IRNode) -> float:
+        """An upper bound on what bringing ``node``'s outputs from layouts ``have`` to ``want`` costs
+        its remaining reads after ``after``: every output converted at each of them."""
+        key = (id(node), have, want, id(after))
+        if key not in self._switch:
+            done = self.order[id(after)]
+            remaining = sum(1 for position, _ in self.reads.get(id(node), ()) if position > done)
+            try:
+                once = sum(_conversion_seconds(self.comm, self.layouts[a], self.layouts[b], t.nbytes, self.n,
+                                               self.grad.get(id(t), False))
+                           for a, b, t in zip(have, want, node.output_tensors) if a != b)
+            except ValueError:                   # no collective makes ``want`` (e.g. partial sums)
+                once = math.inf
+            self._switch[key] = remaining * once if remaining else 0.0
+        return self._switch[key]
 
     def output_layouts(self, node: IRNode, choice: Choice) -> Tuple[int, ...]:
         """The layouts (ids) ``choice`` leaves each output of ``node`` in."""

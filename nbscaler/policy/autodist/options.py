@@ -12,6 +12,9 @@
                             whole, or split along that annotated dim where they have it
 ``save_plan_path``          write the chosen plan there as readable JSON
 ``load_plan_path``          place the graph from such a file instead of searching
+``autodist_nstages``        with a pipeline: the number of stages to search (overriding
+                            ``pipeline_nstages``), or ``'auto'`` to try every count that divides
+                            ``plan_ngpus`` and keep the fastest the simulator predicts
 ``autodist_max_states``     the most partial plans the search keeps per op (beyond it, the best
                             ones): exact below it
 ==========================  ==================================================================
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Type
+from typing import Dict, List, Optional, Type, Union
 
 import torch
 
@@ -33,7 +36,7 @@ from nbscaler.config import ComputeConfig
 OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 KEYS = ("memory_limit_bytes", "memory_optimizer", "pipeline_pivots", "autodist_constraints", "save_plan_path",
-        "load_plan_path", "autodist_max_states")
+        "load_plan_path", "autodist_nstages", "autodist_max_states")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class AutodistOptions:
     autodist_constraints: Dict[str, str] = field(default_factory=dict)
     save_plan_path: Optional[str] = None
     load_plan_path: Optional[str] = None
+    autodist_nstages: Optional[Union[int, str]] = None
     autodist_max_states: int = 4096
 
     @classmethod
@@ -67,6 +71,11 @@ class AutodistOptions:
             if not isinstance(pattern, str) or not isinstance(pin, str) or not pin:
                 fail("autodist_constraints", {pattern: pin},
                      "map module patterns to 'replicate' or a dim name, e.g. {'blocks.*.mlp': 'replicate'}.")
+        nstages = self.autodist_nstages
+        if nstages is not None and nstages != "auto" and (not isinstance(nstages, int) or nstages < 1):
+            fail("autodist_nstages", nstages, "give a number of pipeline stages, or 'auto'.")
+        if nstages is not None and self.load_plan_path:
+            fail("autodist_nstages", nstages, "a loaded plan keeps its own stages; leave autodist_nstages out.")
         if not isinstance(self.autodist_max_states, int) or self.autodist_max_states < 1:
             fail("autodist_max_states", self.autodist_max_states, "give a positive whole number.")
 

@@ -64,7 +64,8 @@ def search(nodes: Sequence[IRNode], costs: ChoiceCosts, pin_of: Callable[[str], 
                 if new not in step or cost < step[new][0]:
                     step[new] = (cost, state, choice)
         still_open = [nodes[open_ops[k]] for k in keep] + ([node] if opens else [])
-        step = _prune(step, costs.regret_bound(still_open, node))
+        step = _prune(step, costs.regret_bound(still_open, node),
+                      lambda k, a, b: costs.switch_seconds(still_open[k], a, b, node))
         if len(step) > max_states:
             exact = False
             step = dict(sorted(step.items(), key=lambda kv: kv[1][0])[:max_states])
@@ -80,12 +81,33 @@ def search(nodes: Sequence[IRNode], costs: ChoiceCosts, pin_of: Callable[[str], 
     return SearchResult(chosen, cost, exact, widest)
 
 
-def _prune(step: Dict, bound: float) -> Dict:
-    """Drop the states that cannot win: any state can be turned into any other by converting each
-    open output once per remaining read, which costs at most ``bound``; so a state costing more
-    than the cheapest plus ``bound`` is never part of the best plan. The search stays exact."""
+def _prune(step: Dict, bound: float, switch: Callable[[int, Tuple, Tuple], float]) -> Dict:
+    """Drop the states that cannot win, keeping the search exact.
+
+    Any state can be turned into any other by converting each open output once per remaining read,
+    which costs at most ``bound``: a state costing more than the cheapest plus ``bound`` never wins.
+    Finer: of two states that differ only in slot ``k`` (layouts ``a`` against ``b``), the one
+    with ``b`` never wins if it costs more than the other plus ``switch(k, a, b)``, the cost of
+    bringing that output from ``a`` to ``b`` at each of its remaining reads.
+    """
     best = min(cost for cost, _, _ in step.values())
-    return {s: v for s, v in step.items() if v[0] <= best + bound}
+    step = {s: v for s, v in step.items() if v[0] <= best + bound}
+    width = len(next(iter(step)))
+    for k in range(width):
+        if len(step) <= 1:
+            break
+        groups: Dict[Tuple, List[Tuple]] = {}
+        for s in step:
+            groups.setdefault(s[:k] + s[k + 1:], []).append(s)
+        for members in groups.values():
+            members.sort(key=lambda s: step[s][0])
+            kept: List[Tuple] = []
+            for s in members:
+                if all(step[s][0] < step[o][0] + switch(k, o[k], s[k]) for o in kept):
+                    kept.append(s)
+                else:
+                    del step[s]
+    return step
 
 
 def _reads_data(nodes: Sequence[IRNode]) -> List[bool]:

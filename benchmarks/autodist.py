@@ -1,0 +1,101 @@
+"""autodist against the built-in policies: search time, predicted and measured step time.
+
+Two parts:
+
+- **search time** of autodist for a 12-layer GPT (d=768, vocab 50304, seq 128) on 8 devices, without
+  and with a pipeline to choose (``graph.meta['autodist']['search_s']``; tracing is not counted);
+- **the plans it finds** for the GPT, the Llama-style decoder and a CNN on ``--ranks`` local CPU ranks:
+  the predicted step time (``plan.summary()``) of autodist and of every built-in policy (dp, tp, data,
+  pp, hybrid) for the same devices, then the measured one (median of the timed steps).
+
+    python -m benchmarks.autodist --ranks 2           # writes benchmarks/results/autodist.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+import nbscaler
+from benchmarks.runs import MODELS, Run, measure, pipeline, predict
+from nbscaler import ComputeConfig
+from nbscaler.columns import SummaryColumn as C
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+
+RESULTS = Path(__file__).parent / "results" / "autodist.md"
+
+
+def search_seconds(layers: int = 12, devices: int = 8) -> Dict[str, float]:
+    """Seconds autodist searches for a GPT of ``layers`` layers (d=768) on ``devices`` devices."""
+    cfg = GPTConfig(vocab_size=50304, seq_len=128, n_layer=layers, d_model=768, n_head=12)
+    model, args = GPT(cfg), {"batch": sample_batch(cfg, 8)}
+    plan = nbscaler.plan(model, args, "autodist", ComputeConfig(devices, devices, use_end2end=True))
+    out = {"no pipeline": plan.graph.meta["autodist"]["search_s"]}
+    piped = plan.replan(compute_config=ComputeConfig(devices, devices, use_end2end=True, **dict(pipeline("1f1b", 2, 8))))
+    out["with a pipeline (2 stages)"] = piped.graph.meta["autodist"]["search_s"]
+    return out
+
+
+def contenders(model: str, n: int) -> List[Run]:
+    """autodist, with and without a pipeline to place, and every built-in policy on ``n`` devices."""
+    out = [Run(model, "autodist", n, n), Run(model, "autodist", n, n, pipeline("1f1b", 2)),
+           Run(model, "dp", 1, n), Run(model, "tp", n, n), Run(model, "data", n, n),
+           Run(model, "pp", n, n, pipeline("1f1b", n))]
+    if n >= 4:
+        out += [Run(model, "hybrid", n, n, pipeline("1f1b", 2))]
+    return out
+
+
+def step_times(run: Run, steps: int) -> Dict[str, float]:
+    predicted = max(r[C.STEP_TIME_S] for r in predict(run)["rows"])
+    return {"predicted": predicted, "measured": statistics.mean(r["step_s"] for r in measure(run, steps))}
+
+
+def table(results: Dict[str, Dict[Run, Dict[str, float]]]) -> str:
+    lines = ["| model | policy | predicted step ms | measured step ms | measured / best built-in |",
+             "|---|---|---:|---:|---:|"]
+    for model, by_run in results.items():
+        best = min(t["measured"] for run, t in by_run.items() if run.policy != "autodist")
+        for run, t in by_run.items():
+            lines.append(f"| {model} | {run} | {1e3 * t['predicted']:.1f} | {1e3 * t['measured']:.1f} "
+                         f"| {t['measured'] / best:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, choices=[2, 4])
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--skip-search", action="store_true", help="leave out the 12-layer GPT search timing")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
+    parts = []
+    if not args.skip_search:
+        print("  searching a 12-layer GPT on 8 devices ...", flush=True)
+        searched = search_seconds()
+        parts.append("Search time, 12-layer GPT (d=768) on 8 devices: "
+                     + ", ".join(f"{k}: {v:.1f} s" for k, v in searched.items()) + ".")
+    results: Dict[str, Dict[Run, Dict[str, float]]] = {}
+    for model in args.models:
+        results[model] = {}
+        for run in contenders(model, args.ranks):
+            print(f"  {model}: {run} ...", flush=True)
+            results[model][run] = step_times(run, args.steps)
+    parts.append(f"Step times on {args.ranks} CPU ranks (1 thread each), AdamW, {args.steps} steps; machine: "
+                 f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(results)}")
+    text = "\n\n".join(parts) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print("\n" + text + f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The cost model against measurements: memory by category, step time and pipeline bubble per rank.
+
+For each model (the shipped GPT and Llama-style decoder) and each built-in policy, ``nbscaler.plan``
+predicts one row per rank (``plan.summary(AdamW)``); then the same plan trains on as many local CPU
+ranks, where ``MemoryMeter`` counts one step's bytes by category, the median of the timed steps gives
+the step time, and a pipeline's recorded blocks give its bubble. The table shows both and the error.
+
+    python -m benchmarks.cost_model --ranks 2            # writes benchmarks/results/cost_model.md
+
+Memory is counted exactly on both sides (the storages of live tensors), so its error is zero where
+the model claims exactness. Step time is a sum of op times profiled alone in one process, plus an
+alpha-beta model of the collectives; ranks that share the cores and the caches of a loaded CPU run
+slower than that, which the model does not see: read the time errors with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from benchmarks.runs import MODELS, ZERO, Run, measure, pipeline, predict
+from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
+
+RESULTS = Path(__file__).parent / "results" / "cost_model.md"
+
+
+def runs(model: str, n: int) -> List[Run]:
+    """Every built-in policy on ``n`` ranks, with and without ZeRO where it applies."""
+    out = [Run(model, "dp", 1, n), Run(model, "dp", 1, n, ZERO), Run(model, "tp", n, n), Run(model, "data", n, n),
+           Run(model, "pp", n, n, pipeline("1f1b", n)), Run(model, "pp", n, n, pipeline("gpipe", n)),
+           Run(model, "pp", n, n, pipeline("1f1b", n) + ZERO)]
+    if n >= 4:
+        out += [Run(model, "tp", n // 2, n), Run(model, "hybrid", n, n, pipeline("1f1b", 2))]
+    return out
+
+
+def _error(predicted: float, measured: float) -> float:
+    return 0.0 if predicted == measured else (predicted - measured) / measured if measured else float("inf")
+
+
+def compare(run: Run, steps: int) -> Dict[str, Any]:
+    """One line of the table: the worst rank's memory and time errors for ``run``."""
+    pred, measured = predict(run), measure(run, steps)
+    mem_err = cat_err = 0.0
+    time_err = []
+    for p, m in zip(pred["rows"], measured):
+        mem_err = max(mem_err, abs(_error(p[C.PEAK_BYTES], m["memory"][C.PEAK_BYTES])))
+        cat_err = max([cat_err] + [abs(_error(p[c], m["memory"][c])) for c in MEMORY_CATEGORIES])
+        time_err.append(_error(p[C.STEP_TIME_S], m["step_s"]))
+    peak = max(range(len(measured)), key=lambda r: measured[r]["memory"][C.PEAK_BYTES])
+    return {"run": run, "peak_pred": pred["rows"][peak][C.PEAK_BYTES], "peak_meas": measured[peak]["memory"][C.PEAK_BYTES],
+            "mem_err": mem_err, "cat_err": cat_err,
+            "step_pred": statistics.mean(p[C.STEP_TIME_S] for p in pred["rows"]),
+            "step_meas": statistics.mean(m["step_s"] for m in measured),
+            "time_err": max(time_err, key=abs), "bubble_pred": pred["bubble"], "bubble_meas": measured[0]["bubble"]}
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    mib = 2 ** 20
+    lines = ["| model | policy | peak MiB predicted | measured | worst memory error: total / category "
+             "| step ms predicted | measured | worst step-time error | bubble predicted | measured |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        bubble = f"{r['bubble_pred']:.1%} | {r['bubble_meas']:.1%}" if r["bubble_pred"] is not None else "- | -"
+        lines.append(f"| {r['run'].model} | {r['run']} | {r['peak_pred'] / mib:.2f} | {r['peak_meas'] / mib:.2f} "
+                     f"| {r['mem_err']:.1%} / {r['cat_err']:.1%} | {1e3 * r['step_pred']:.1f} "
+                     f"| {1e3 * r['step_meas']:.1f} | {r['time_err']:+.0%} | {bubble} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, choices=[2, 4])
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
+    parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=list(MODELS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
+    rows = []
+    for model in args.models:
+        for run in runs(model, args.ranks):
+            print(f"  {model}: {run} ...", flush=True)
+            rows.append(compare(run, args.steps))
+    text = (f"{len(rows)} runs on {args.ranks} CPU ranks (1 thread each), AdamW, {args.steps} steps; machine: "
+            f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print("\n" + text + f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

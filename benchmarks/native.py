@@ -1,0 +1,188 @@
+"""nbscaler against PyTorch's own parallelism, side by side, on the same ranks in one run.
+
+Each comparison builds both sides on every rank (``benchmarks.native_sides``): the same GPT (separate
+q/k/v), the same weights, the same batches, AdamW. After a warm-up step it times ``--reps``
+repetitions of ``--steps`` optimizer steps, alternating which side goes first, with a barrier around
+every timed block so the slowest rank sets the time. It reports:
+
+- the ratio nbscaler / PyTorch of each repetition (min, median, max; below 1 means nbscaler is faster);
+- the bytes of parameters, gradients and optimizer state each side holds per rank after a step
+  (the largest rank);
+- both sides' first losses, which must agree (same weights, same data).
+
+    python -m benchmarks.native                       # 2 and 4 ranks, GPT 4 layers, d=256
+    python -m benchmarks.native --small --reps 3      # a few minutes on a loaded laptop
+
+The table goes to ``benchmarks/results/native.md`` with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import native_sides as sides
+from nbscaler.runtime.launch import spawn
+
+MiB = 2**20
+LOSS_RTOL = 1e-5
+
+# name -> (nbscaler side, PyTorch side, what the PyTorch side is)
+COMPARISONS: Dict[str, tuple] = {
+    "dp": (lambda s, g: sides.nbscaler_data(s, g), lambda s: sides.torch_ddp(s), "DDP"),
+    "tp": (lambda s, g: sides.nbscaler_tensor(s, g), lambda s: sides.torch_tensor(s),
+           "DTensor parallelize_module (Megatron-style)"),
+    "pp gpipe": (lambda s, g: sides.nbscaler_pipeline(s, g, "gpipe"), lambda s: sides.torch_pipeline(s, "gpipe"),
+                 "pipelining ScheduleGPipe"),
+    "pp 1f1b": (lambda s, g: sides.nbscaler_pipeline(s, g, "1f1b"), lambda s: sides.torch_pipeline(s, "1f1b"),
+                "pipelining Schedule1F1B"),
+    "dp ZeRO-1": (lambda s, g: sides.nbscaler_data(s, g, 1), lambda s: sides.torch_ddp(s, zero=True),
+                  "DDP + ZeroRedundancyOptimizer"),
+    "dp ZeRO-2": (lambda s, g: sides.nbscaler_data(s, g, 2), lambda s: sides.torch_ddp(s, zero=True),
+                  "DDP + ZeroRedundancyOptimizer"),
+    "dp ZeRO-2 vs FSDP2": (lambda s, g: sides.nbscaler_data(s, g, 2), lambda s: sides.torch_fsdp(s),
+                           "FSDP2 fully_shard"),
+}
+
+
+def _timed(side: sides.Side, steps: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        side.step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> Dict[str, object]:
+    """On every rank: build both sides of ``name``, check first losses, measure bytes and time."""
+    make_ours, make_theirs, _ = COMPARISONS[name]
+    ours, theirs = make_ours(setup, gen_dir), make_theirs(setup)
+    first = (ours.step(), theirs.step())                 # the first step is also the warm-up
+    nbytes = (ours.nbytes(), theirs.nbytes())
+    times: List[tuple] = []
+    for rep in range(reps):
+        if rep % 2 == 0:
+            a = _timed(ours, steps)
+            b = _timed(theirs, steps)
+        else:
+            b = _timed(theirs, steps)
+            a = _timed(ours, steps)
+        times.append((a / steps, b / steps))
+    return {"first": first, "bytes": nbytes, "times": times}
+
+
+def _run_all(names: List[str], setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> List[Dict[str, object]]:
+    return [compare(name, setup, gen_dir, reps, steps) for name in names]
+
+
+def _first_loss(per_rank: List[Dict[str, object]], side: int) -> float:
+    """The first loss some rank saw (a pipeline's loss lives on its last stage)."""
+    values = [r["first"][side] for r in per_rank if r["first"][side] == r["first"][side]]
+    return values[-1] if values else float("nan")
+
+
+def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict[str, object]:
+    times = per_rank[0]["times"]                          # after a barrier: the slowest rank's time
+    ratios = [a / b for a, b in times]
+    ours, theirs = _first_loss(per_rank, 0), _first_loss(per_rank, 1)
+    return {
+        "comparison": name, "pytorch": COMPARISONS[name][2], "ranks": nranks,
+        "ours_ms": 1e3 * statistics.median(a for a, _ in times),
+        "theirs_ms": 1e3 * statistics.median(b for _, b in times),
+        "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
+        "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
+        "ours_loss": ours, "theirs_loss": theirs,
+        "losses_agree": abs(ours - theirs) <= LOSS_RTOL * abs(theirs),
+    }
+
+
+def _mib(parts) -> str:
+    p, g, o = (x / MiB for x in parts)
+    return f"{p + g + o:.1f} ({p:.1f} + {g:.1f} + {o:.1f})"
+
+
+def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[str, str], reps: int, steps: int) -> str:
+    lines = [
+        "# nbscaler against PyTorch native",
+        "",
+        f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}; load (`uptime`) before: "
+        f"{machine['load_before']}; after: {machine['load_after']}. Run on {machine['date']} in {machine['wall']}.",
+        "",
+        f"Model: GPT, {setup.n_layer} layers, d={setup.d_model}, {setup.n_head} heads, vocab {setup.vocab}, "
+        f"sequence {setup.seq_len}, {setup.micro_batch} sequences per (micro-)batch, {setup.micros} micro-batches per "
+        f"pipeline step; AdamW; gloo on CPU, one thread per rank. {reps} interleaved repetitions of {steps} steps.",
+        "",
+        "Ratio = nbscaler time / PyTorch time per repetition (below 1: nbscaler is faster). MiB per rank = "
+        "parameters + gradients + optimizer state held after a step (the largest rank).",
+        "",
+        "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | "
+        "nbscaler MiB per rank | PyTorch MiB per rank | first loss nbscaler / PyTorch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        agree = "agree" if r["losses_agree"] else "**DIFFER**"
+        lines.append(
+            f"| {r['comparison']} | {r['pytorch']} | {r['ranks']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} | "
+            f"{r['ratio_min']:.2f} / **{r['ratio_median']:.2f}** / {r['ratio_max']:.2f} | {_mib(r['ours_bytes'])} | "
+            f"{_mib(r['theirs_bytes'])} | {r['ours_loss']:.6f} / {r['theirs_loss']:.6f} ({agree}) |")
+    return "\n".join(lines) + "\n"
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="GPT 2 layers, d=64: finishes in minutes")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "native.md"))
+    args = parser.parse_args(argv)
+    setup = sides.Setup()
+    if args.small:
+        setup = replace(setup, n_layer=4, d_model=64, n_head=4, vocab=128, seq_len=32, micros=4)
+    machine = {"cores": str(os.cpu_count()), "platform": platform.platform(terse=True), "torch": torch.__version__,
+               "load_before": _uptime(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    start = time.perf_counter()
+    rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="nbscaler-native-") as gen_dir:
+        for nranks in args.ranks:
+            per_rank = spawn(_run_all, nranks, args.only, setup, gen_dir, args.reps, args.steps,
+                             timeout=3600, threads=1)
+            for i, name in enumerate(args.only):
+                rows.append(summarise(name, nranks, [res[i] for res in per_rank]))
+                print(_row_line(rows[-1]), flush=True)
+            # The table so far, after each number of ranks: a long run that is cut short keeps it.
+            machine.update(load_after=_uptime(), wall=f"{time.perf_counter() - start:.0f} s")
+            out.write_text(markdown(rows, setup, machine, args.reps, args.steps))
+    print(f"wrote {out}  ({asdict(setup)})")
+
+
+def _row_line(r: Dict[str, object]) -> str:
+    return (f"{r['comparison']:<20} {r['ranks']} ranks: ratio {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
+            f"{r['ratio_max']:.2f}  MiB {_mib(r['ours_bytes'])} vs {_mib(r['theirs_bytes'])}  "
+            f"loss {r['ours_loss']:.6f} vs {r['theirs_loss']:.6f}")
+
+
+if __name__ == "__main__":
+    main()

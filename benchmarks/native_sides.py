@@ -1,0 +1,298 @@
+"""The two sides of every comparison in ``benchmarks/native.py``: one GPT, one batch maker, and for
+each kind of parallelism a way to train it with nbscaler and with PyTorch's own implementation.
+
+A *side* is built on every rank and offers ``step() -> float`` (one optimizer step; returns this
+rank's loss of the first micro-batch, or NaN where this rank sees no loss), and ``nbytes()`` (the
+parameters, gradients and optimizer state this rank holds right now, as ``(param, grad, optim)``).
+Both sides of a pair start from the same weights and see the same batches, so their first losses
+must agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nbscaler import ComputeConfig, build_optimizer, parallelize
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The model and data of one benchmark run."""
+
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 8
+    vocab: int = 512
+    seq_len: int = 64
+    micro_batch: int = 4         # sequences per micro-batch (per rank for data parallelism)
+    micros: int = 8              # micro-batches per pipeline step
+
+
+# -- the model ---------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Causal self-attention with separate q, k, v projections. Head counts are read from the
+    local width (``-1``), so the same code runs on a column-split (tensor-parallel) copy."""
+
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.hd = d // n_head
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, -1, self.hd).transpose(1, 2)          # (B, nh, T, hs)
+        k = self.k(x).view(B, T, -1, self.hd).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)     # (B, nh, T, hs)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, n_head)
+        self.ln2, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class BenchGPT(nn.Module):
+    """Embeddings, ``n_layer`` blocks, a head; ``forward(batch)`` returns the next-token loss."""
+
+    def __init__(self, s: Setup):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(s.vocab, s.d_model), nn.Embedding(s.seq_len, s.d_model)
+        self.blocks = nn.ModuleList(Block(s.d_model, s.n_head) for _ in range(s.n_layer))
+        self.ln_f, self.head = nn.LayerNorm(s.d_model), nn.Linear(s.d_model, s.vocab, bias=False)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(self.logits(batch["idx"]), batch["targets"])
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                                  # (B, T, vocab)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class StageOf(nn.Module):
+    """Blocks ``[lo, hi)`` of a ``BenchGPT``, with the embeddings on the first stage and the head
+    on the last: one stage of the hand-split pipeline ``torch.distributed.pipelining`` runs."""
+
+    def __init__(self, model: BenchGPT, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.tok, self.pos = (model.tok, model.pos) if first else (None, None)
+        self.blocks = nn.ModuleList(model.blocks[lo:hi])
+        self.ln_f, self.head = (model.ln_f, model.head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def make_batch(s: Setup, seed: int, rows: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, s.vocab, (rows, s.seq_len + 1), generator=g)
+    return {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
+
+
+def build_model(s: Setup) -> BenchGPT:
+    torch.manual_seed(0)
+    return BenchGPT(s)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+# -- bytes held ----------------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t       # a DTensor's own shard
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = _local(t).untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total
+
+
+def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[int, int, int]:
+    """``(parameters, gradients, optimizer state)`` this rank holds: storages counted once, the
+    gradients of the module's and the optimizer's parameters, and optimizer parameters that are
+    not views of the module's (a copy the optimizer updates) as state."""
+    inner = getattr(optimizer, "optim", optimizer)          # ZeroRedundancyOptimizer wraps its local one
+    params = list(module.parameters())
+    own = {_local(p).untyped_storage()._cdata for p in params}
+    updated = [p for g in inner.param_groups for p in g["params"]]
+    extra = [p for p in updated if _local(p).untyped_storage()._cdata not in own]
+    state = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return (storage_bytes(params), storage_bytes([p.grad for p in params + updated]), storage_bytes(extra + state))
+
+
+# -- sides -------------------------------------------------------------------------------------
+class Side:
+    """One way of training the model on this rank."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[int], float]):
+        self.module, self.optimizer, self._step = module, optimizer, step
+        self.calls = 0
+
+    def step(self) -> float:
+        loss = self._step(self.calls)
+        self.calls += 1
+        return loss
+
+    def nbytes(self) -> Tuple[int, int, int]:
+        return held_bytes(self.module, self.optimizer)
+
+
+def _plain_step(module, optimizer, batch_of: Callable[[int], Dict[str, torch.Tensor]]) -> Callable[[int], float]:
+    def step(i: int) -> float:
+        optimizer.zero_grad()
+        loss = module(batch_of(i))
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+    return step
+
+
+def _rank_world() -> Tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _compile(s: Setup, policy: str, cfg: ComputeConfig, name: str, gen_dir: str):
+    sample = make_batch(s, 0, s.micro_batch)
+    return parallelize(build_model(s), {"batch": sample}, policy, cfg, gen_savedir=gen_dir,
+                       instance_name=name, reuse="override")
+
+
+def nbscaler_data(s: Setup, gen_dir: str, zero_stage: int = 0) -> Side:
+    """Data parallelism (``dp``), with ZeRO stage 1 or 2 when ``zero_stage`` says so."""
+    rank, world = _rank_world()
+    zero = {"use_zero": True, "zero_stage": zero_stage} if zero_stage else {}
+    pm = _compile(s, "dp", ComputeConfig(1, world, **zero), f"dp_zero{zero_stage}_{world}", gen_dir)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
+
+
+def torch_ddp(s: Setup, zero: bool = False) -> Side:
+    """``DistributedDataParallel``, with ``ZeroRedundancyOptimizer`` when ``zero``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    rank, _ = _rank_world()
+    model = DistributedDataParallel(build_model(s))
+    opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4) if zero
+           else adamw(model.parameters()))
+    return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
+
+
+def torch_fsdp(s: Setup) -> Side:
+    """FSDP2: ``fully_shard`` on every block, then on the whole model."""
+    from torch.distributed.fsdp import fully_shard
+    rank, _ = _rank_world()
+    model = build_model(s)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = adamw(model.parameters())
+    return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
+
+
+def nbscaler_tensor(s: Setup, gen_dir: str) -> Side:
+    """Tensor parallelism (``tp``) over all ranks; every rank sees the same batch."""
+    _, world = _rank_world()
+    pm = _compile(s, "tp", ComputeConfig(world, world), f"tp_{world}", gen_dir)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i, s.micro_batch)))
+
+
+def torch_tensor(s: Setup) -> Side:
+    """DTensor ``parallelize_module``, Megatron-style: q, k, v and fc split by columns, o and proj
+    by rows, the rest replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    _, world = _rank_world()
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(s)
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)   # DTensors and tensors mixed
+    return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i, s.micro_batch)))
+
+
+def _pipeline_batches(s: Setup, i: int) -> List[Dict[str, torch.Tensor]]:
+    return [make_batch(s, 100 * i + m, s.micro_batch) for m in range(s.micros)]
+
+
+def nbscaler_pipeline(s: Setup, gen_dir: str, scheduler: str) -> Side:
+    """Pipeline parallelism (``pp``), one stage per rank."""
+    _, world = _rank_world()
+    cfg = ComputeConfig(world, world, use_end2end=True, use_pipeline=True, pipeline_nstages=world,
+                        pipeline_nmicros=s.micros, pipeline_scheduler=scheduler)
+    pm = _compile(s, "pp", cfg, f"pp_{scheduler}_{world}", gen_dir)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+
+    def step(i: int) -> float:
+        opt.zero_grad()
+        losses = pm.train_step(_pipeline_batches(s, i))
+        opt.step()
+        return float(losses[0])
+    return Side(pm, opt, step)
+
+
+def torch_pipeline(s: Setup, scheduler: str) -> Side:
+    """``torch.distributed.pipelining``: the blocks split evenly, the embeddings on the first rank,
+    the head on the last; ``ScheduleGPipe`` or ``Schedule1F1B`` with the same micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    rank, world = _rank_world()
+    model = build_model(s)
+    per = math.ceil(s.n_layer / world)
+    module = StageOf(model, rank * per, min(s.n_layer, (rank + 1) * per), rank == 0, rank == world - 1)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[scheduler]
+    # Losses summed, not averaged over micro-batches, as nbscaler's train_step does.
+    schedule = schedule_cls(stage, s.micros, loss_fn=lm_loss, scale_grads=False)
+    opt = adamw(module.parameters())
+
+    def step(i: int) -> float:
+        batches = _pipeline_batches(s, i)
+        idx = torch.cat([b["idx"] for b in batches])
+        targets = torch.cat([b["targets"] for b in batches])
+        losses: List[torch.Tensor] = []
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(idx)
+        elif rank == world - 1:
+            schedule.step(target=targets, losses=losses)
+        else:
+            schedule.step()
+        opt.step()
+        return float(losses[0].detach()) if losses else float("nan")
+    return Side(module, opt, step)

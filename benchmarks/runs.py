@@ -1,0 +1,145 @@
+"""What the cost-model and autodist benchmarks share: the models, a run to measure, and the
+measurement on every rank.
+
+A ``Run`` is one model under one policy and ``ComputeConfig``. ``predict(run)`` is the plan's own
+per-rank summary; ``measure(run, steps)`` trains the same plan on local CPU ranks and returns, per
+rank, the memory of the last step by category, the median step time and the pipeline's bubble.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nbscaler
+from nbscaler import ComputeConfig, build_optimizer, parallelize
+from nbscaler.models import gpt, llama
+from nbscaler.runtime.launch import spawn
+from nbscaler.runtime.memory import MemoryMeter
+
+BATCH = 4
+OPTIMIZER = torch.optim.AdamW
+OPTIMIZER_KWARGS = {"lr": 1e-3}
+GEN_DIR = os.path.join(tempfile.gettempdir(), "nbscaler-benchmarks")
+
+
+class LlamaEnd2End(nn.Module):
+    """The Llama-style decoder as an end2end module: ``forward(batch) -> loss``."""
+
+    def __init__(self, cfg: llama.LlamaConfig):
+        super().__init__()
+        self.model = llama.Llama(cfg)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(batch["idx"], batch["targets"])
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm, end2end: ``forward(batch) -> loss``."""
+
+    def __init__(self, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(batch["x"])))                  # (B, C, H, W)
+        h = F.relu(self.bn2(self.conv2(h)))
+        return F.cross_entropy(self.head(h.mean(dim=(2, 3))), batch["y"])
+
+
+def _images(seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(2 * BATCH, 3, 16, 16, generator=g), "y": torch.randint(0, 10, (2 * BATCH,), generator=g)}
+
+
+_GPT = gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, d_model=128, n_head=4)
+_LLAMA = llama.LlamaConfig(vocab_size=256, seq_len=64, n_layer=4, d_model=128, n_head=4, n_kv_head=2)
+
+#: name -> (build the module, make the batch of a seed)
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[int], Dict[str, torch.Tensor]]]] = {
+    "gpt": (lambda: gpt.GPT(_GPT), lambda seed: gpt.sample_batch(_GPT, BATCH, seed)),
+    "llama": (lambda: LlamaEnd2End(_LLAMA), lambda seed: llama.sample_batch(_LLAMA, BATCH, seed)),
+    "cnn": (ConvNet, _images),
+}
+
+
+def pipeline(scheduler: str, nstages: int, nmicros: int = 4) -> tuple:
+    return (("use_pipeline", True), ("pipeline_scheduler", scheduler), ("pipeline_nstages", nstages),
+            ("pipeline_nmicros", nmicros))
+
+
+ZERO = (("use_zero", True),)
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    policy: str
+    plan_ngpus: int
+    runtime_ngpus: int
+    extra: tuple = ()           # ComputeConfig keywords as (name, value) pairs
+
+    @property
+    def config(self) -> ComputeConfig:
+        return ComputeConfig(self.plan_ngpus, self.runtime_ngpus, use_end2end=True, **dict(self.extra))
+
+    @property
+    def nmicros(self) -> int:
+        return self.config.pipeline_nmicros if self.config.use_pipeline else 1
+
+    def __str__(self) -> str:
+        cfg = self.config
+        name = self.policy + (f" {cfg.pipeline_scheduler}" if cfg.use_pipeline else "")
+        return name + (" +zero" if cfg.use_zero else "") + f" {self.plan_ngpus}x{self.runtime_ngpus}"
+
+    def plan(self) -> nbscaler.Plan:
+        build, sample = MODELS[self.model]
+        torch.manual_seed(0)
+        return nbscaler.plan(build(), {"batch": sample(0)}, self.policy, self.config)
+
+
+def predict(run: Run) -> Dict[str, Any]:
+    """The plan's rows for ``run`` (``plan.summary`` with the benchmarks' optimizer) and its bubble."""
+    plan = run.plan()
+    return {"rows": plan.summary(OPTIMIZER, **OPTIMIZER_KWARGS).to_dict("records"),
+            "bubble": plan.timeline().bubble_fraction if run.config.use_pipeline else None}
+
+
+def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
+    build, sample = MODELS[run.model]
+    unit = dist.get_rank() // run.plan_ngpus
+    torch.manual_seed(0)
+    pm = parallelize(build(), {"batch": sample(0)}, run.policy, run.config, gen_savedir=GEN_DIR,
+                     instance_name=f"{run.model}_{run}".replace(" ", "_").replace("+", ""), reuse="override")
+    opt = build_optimizer(pm, OPTIMIZER, **OPTIMIZER_KWARGS)
+    times, losses = [], []
+    for step in range(steps):
+        samples = [sample(1000 * step + 10 * unit + m) for m in range(run.nmicros)]
+        dist.barrier()
+        start = time.perf_counter()
+        with MemoryMeter(pm, opt) as meter:
+            out = pm.train_step(samples)
+            opt.step()
+        times.append(time.perf_counter() - start)
+        memory = meter.stats()           # before zero_grad, while the gradients are still held
+        opt.zero_grad()
+        losses.append(float(sum(out)))
+    bubble = pm.pipeline_timeline().bubble_fraction if run.config.use_pipeline else None
+    return {"memory": memory, "step_s": statistics.median(times[1:]), "bubble": bubble, "losses": losses}
+
+
+def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
+    """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` (the median over
+    the steps after the first), ``bubble`` (pipelines) and ``losses``; one thread per rank."""
+    return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)

@@ -1,0 +1,133 @@
+"""A small Llama-style decoder: RMSNorm, rotary position embeddings (RoPE), grouped-query attention
+(GQA) and a SwiGLU MLP, with the next-token loss inside ``forward``.
+
+It is the second model of the demo, the benchmarks and the equivalence tests, because it exercises
+what the GPT does not: normalisation without a bias, key/value heads shared by several query heads,
+non-persistent buffers (the rotary tables) and three-matrix MLPs.
+
+>>> model = Llama(LlamaConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2))
+>>> loss = model(**sample_batch(model.config, batch_size=2))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    seq_len: int = 32
+    n_layer: int = 2
+    d_model: int = 64
+    n_head: int = 4
+    n_kv_head: int = 2          # each key/value head serves n_head // n_kv_head query heads
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head}), and n_head "
+                             f"a multiple of n_kv_head ({self.n_kv_head})")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings and a causal mask."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.hd = cfg.n_head, cfg.n_kv_head, cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.n_head * self.hd, bias=False)
+        self.k = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
+        self.o = nn.Linear(cfg.n_head * self.hd, cfg.d_model, bias=False)
+        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        freqs = torch.outer(torch.arange(cfg.seq_len).float(), inv)       # (T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                              # (T, hs)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)        # (B, nh, T, hs)
+        k = self.k(x).view(B, T, self.n_kv_head, self.hd).transpose(1, 2)     # (B, nkv, T, hs)
+        v = self.v(x).view(B, T, self.n_kv_head, self.hd).transpose(1, 2)     # (B, nkv, T, hs)
+        cos, sin = self.cos[:T], self.sin[:T]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = self.n_head // self.n_kv_head
+        k = k.repeat_interleave(rep, dim=1)                                   # (B, nh, T, hs)
+        v = v.repeat_interleave(rep, dim=1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)                  # (B, nh, T, T)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        att = att.masked_fill(mask, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v                                        # (B, nh, T, hs)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w3 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg.d_model, 2 * cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig = LlamaConfig()):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)                                                   # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))                                      # (B, T, vocab)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def sample_batch(cfg: LlamaConfig, batch_size: int, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Forward arguments: random tokens, and the same tokens shifted by one as targets."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
+    return {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}

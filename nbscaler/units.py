@@ -1,0 +1,48 @@
+"""How nbscaler writes quantities for people: bytes in binary units, counts with SI prefixes,
+seconds as milliseconds. Missing values (``None``, NaN) are written as the empty string.
+
+>>> fmt_bytes(1536), fmt_bytes(1_048_000), fmt_count(2.1e6), fmt_seconds(0.0123), fmt_seconds(2.5)
+('1.5 KiB', '0.999 MiB', '2.1M', '12.3 ms', '2.5 s')
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def fmt_bytes(n: Any) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    if is_missing(n):
+        return ""
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 999.5 or unit == "TiB":          # 1000 KiB is written 0.977 MiB, not 1e+03 KiB
+            return f"{n:.3g} {unit}"
+    return f"{n:.3g} TiB"
+
+
+def fmt_count(n: Any) -> str:
+    """``2.1e6`` -> ``'2.1M'``."""
+    if is_missing(n):
+        return ""
+    n = float(n)
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def fmt_seconds(s: Any) -> str:
+    """Seconds as milliseconds below a second: ``0.0123`` -> ``'12.3 ms'``, ``2.5`` -> ``'2.5 s'``."""
+    if is_missing(s):
+        return ""
+    s = float(s)
+    return f"{s * 1e3:.3g} ms" if abs(s) < 0.9995 else f"{s:.3g} s"

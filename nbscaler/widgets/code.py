@@ -1,0 +1,175 @@
+"""``CodeView``: each rank's generated code (``plan.sources``), highlighted, with a rank selector.
+
+Selecting an op anywhere shows the lines that run it: ``code.show(node_id)`` picks a rank that runs
+the op (the current one when it does), marks its lines (``plan.source_lines``: the call and the
+collectives its inputs needed) and scrolls to them. ``code.link(graph)`` does that whenever a
+``GraphView``'s selection changes.
+
+>>> code = CodeView(plan).link(graph)          # doctest: +SKIP
+>>> graph.select(17); code.rank, code.lines    # the rank showing op 17 and its lines there
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from html import escape
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+
+import anywidget
+import traitlets
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import PythonLexer
+
+from nbscaler.widgets.base import Measured, View
+from nbscaler.widgets.frontend import frontend_text
+
+if TYPE_CHECKING:
+    from nbscaler.planning import Plan
+    from nbscaler.widgets.graph import GraphView
+
+CODE_CLASS = "nbs-hl"
+LINE_ID = "nbs-line"                 # each line is <span id="nbs-line-N">, for marking and scrolling
+
+
+@functools.lru_cache(maxsize=1)
+def highlight_css() -> str:
+    """Pygments' colours for code inside a CodeView, scoped so they never style the page."""
+    scope = f".nbs-codeview .{CODE_CLASS}"
+    rules = HtmlFormatter(style="default").get_style_defs(scope).splitlines()
+    return "\n".join(r for r in rules if r.startswith(scope)) + f"\n{frontend_text('code.css')}"
+
+
+#: Tokens the default style leaves uncoloured (names, punctuation, whitespace): their spans only add
+#: bytes (most of a generated file is names), so they are unwrapped.
+_PLAIN_TOKEN = re.compile(r'<span class="(?:n|p|w)">([^<]*)</span>')
+
+
+def highlighted(source: str) -> str:
+    """One file as highlighted HTML with line numbers; line ``N`` is ``<span id="nbs-line-N">``."""
+    formatter = HtmlFormatter(cssclass=CODE_CLASS, linespans=LINE_ID, linenos="inline")
+    return _PLAIN_TOKEN.sub(r"\1", highlight(source, PythonLexer(), formatter))
+
+
+class CodeWidget(anywidget.AnyWidget):
+    """The live widget; ``CodeView`` sets what it shows."""
+
+    _esm = traitlets.Unicode(frontend_text("code.js")).tag(sync=True)
+    _css = traitlets.Unicode(highlight_css()).tag(sync=True)
+
+    ranks = traitlets.List(traitlets.Int()).tag(sync=True)
+    rank = traitlets.Int(0).tag(sync=True)
+    html = traitlets.Unicode("").tag(sync=True)              # the shown rank's file, highlighted
+    lines = traitlets.List(traitlets.Int()).tag(sync=True)   # lines marked (1-based) in the shown file
+    node = traitlets.Int(None, allow_none=True).tag(sync=True)
+    caption = traitlets.Unicode("").tag(sync=True)
+
+
+class CodeView(View):
+    """Generated code per rank; ``show(node_id)`` marks and scrolls to an op's lines."""
+
+    def __init__(self, plan: "Plan", *, measured: Optional[Measured] = None, rank: int = 0, **options: Any) -> None:
+        super().__init__(plan, measured=measured, **options)
+        self._html: Dict[int, str] = {}
+        self._linked: Set[int] = set()
+        self.widget = CodeWidget(ranks=sorted(plan.sources), rank=self._check_rank(rank))
+        self.widget.observe(self._on_rank, "rank")
+        self._on_rank()
+
+    @property
+    def rank(self) -> int:
+        return self.widget.rank
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self.widget.rank = self._check_rank(rank)
+
+    @property
+    def lines(self) -> List[int]:
+        return list(self.widget.lines)
+
+    @property
+    def node(self) -> Optional[int]:
+        return self.widget.node
+
+    def show(self, node_id: Optional[int]) -> None:
+        """Mark the lines that run op ``node_id`` (``plan.ops.id``), switching to a rank that runs it."""
+        if node_id is not None and not 0 <= node_id < len(self.plan.graph):
+            raise ValueError(f"node id {node_id} is not in this plan's graph (0 .. {len(self.plan.graph) - 1})")
+        self.widget.node = node_id
+        if node_id is not None and node_id not in self.plan.source_lines[self.rank]:
+            runs = [r for r, per_node in self.plan.source_lines.items() if node_id in per_node]
+            if runs:
+                self.widget.rank = runs[0]          # observed: marks the lines there
+                return
+        self._mark()
+
+    def link(self, graph: "GraphView") -> "CodeView":
+        """Follow ``graph``'s selection from now on (and show its current one); returns ``self``.
+        Linking the same graph twice changes nothing."""
+        if id(graph.widget) not in self._linked:
+            self._linked.add(id(graph.widget))
+            graph.widget.observe(lambda change: self.show(change["new"]), "selected")
+        if graph.selected is not None:
+            self.show(graph.selected)
+        return self
+
+    def _check_rank(self, rank: int) -> int:
+        if rank not in self.plan.sources:
+            raise ValueError(f"rank {rank} is not in this plan: its ranks are 0 .. {len(self.plan.sources) - 1}")
+        return rank
+
+    def _source_html(self, rank: int) -> str:
+        if rank not in self._html:
+            self._html[rank] = highlighted(self.plan.sources[rank])
+        return self._html[rank]
+
+    def _on_rank(self, change=None) -> None:
+        self.widget.html = self._source_html(self.rank)
+        self._mark()
+
+    def _mark(self) -> None:
+        node, w = self.widget.node, self.widget
+        lines = self.plan.source_lines[self.rank].get(node, []) if node is not None else []
+        w.lines = list(lines)
+        if node is None:
+            w.caption = f"gencode{self.rank}.py"
+        elif lines:
+            span = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]}-{lines[-1]}"
+            w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name}: {span}"
+        else:
+            w.caption = f"gencode{self.rank}.py · {self.plan.graph.nodes[node].name} does not run on rank {self.rank}"
+
+    def _redraw(self) -> None:
+        self._html.clear()
+        w = self.widget
+        with w.hold_trait_notifications():
+            w.ranks = sorted(self.plan.sources)
+            if w.rank not in self.plan.sources:
+                w.rank = 0
+            if w.node is not None and w.node >= len(self.plan.graph):
+                w.node = None
+        self._on_rank()
+
+    def to_html(self) -> str:
+        """The files of the first unit's ranks, highlighted, each in a ``<details>`` (no script needed).
+
+        Ranks of other units run their plan device's code (``rank % plan_ngpus``); their files differ
+        only in the rank number, so they are named, not repeated.
+        """
+        cfg = self.plan.config
+        shown = self.rank % cfg.plan_ngpus
+        files = "".join(f"<details{' open' if r == shown else ''}><summary>{escape(self._same_code(r))}</summary>"
+                        f'<div class="nbs-code-body">{self._source_html(r)}</div></details>'
+                        for r in range(cfg.plan_ngpus))
+        return (f'<div class="nbs-codeview nbs-static"><style>{highlight_css()}</style>'
+                f'<div class="nbs-title">{escape(repr(self.plan))}</div>{files}</div>'
+                ).encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+    def _same_code(self, rank: int) -> str:
+        cfg = self.plan.config
+        twins = list(range(rank + cfg.plan_ngpus, cfg.runtime_ngpus, cfg.plan_ngpus))
+        also = (f" (rank {twins[0]} runs the same code)" if len(twins) == 1 else
+                f" (ranks {', '.join(map(str, twins))} run the same code)" if twins else "")
+        return f"rank {rank}: gencode{rank}.py{also}"

@@ -1,0 +1,123 @@
+"""The Explorer's controls: ipywidgets for the model, the policy and the compute knobs.
+
+``Controls`` owns the widgets and nothing else. It reads them back as a ``Knobs`` record, sets them
+from code (``set(policy='pp', stages=2)``, one notification for the lot), and calls the Explorer's
+handlers when a knob or the model changes or a button is pressed. Which values are allowed is
+decided by ``Knobs.compute_config()`` and the planner, not here: a bad combination is reported by
+the Explorer, with the planner's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Sequence
+
+import ipywidgets as w
+
+from nbscaler.config import TRAIN_SCHEDULERS
+from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy
+
+DEVICE_CHOICES = [1, 2, 4, 8]
+SHIPPED_GPT = "GPT (nbscaler.models)"
+USER_MODEL = "your module"
+KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero")
+
+_label = {"style": {"description_width": "120px"}, "layout": w.Layout(width="280px")}
+
+
+class Controls:
+    """The control panel; ``on_knobs``, ``on_model`` and the button handlers are set by the owner."""
+
+    def __init__(self, knobs: Knobs, policies: Sequence[Policy] = (), user_model: bool = False):
+        self._policies: Dict[str, Policy] = {str(p): str(p) for p in BuiltinPolicy}
+        self._policies.update({getattr(p, "__name__", repr(p)): p for p in policies})
+        self.on_knobs: Callable[[], None] = lambda: None
+        self.on_model: Callable[[], None] = lambda: None
+        self._held = False
+
+        self.model = w.Dropdown(options=[SHIPPED_GPT] + ([USER_MODEL] if user_model else []),
+                                value=USER_MODEL if user_model else SHIPPED_GPT, description="model", **_label)
+        self.n_layer = w.BoundedIntText(value=2, min=1, max=48, description="GPT layers", **_label)
+        self.policy = w.Dropdown(options=list(self._policies), value=knobs.policy_label, description="policy", **_label)
+        self.plan_ngpus = w.Dropdown(options=DEVICE_CHOICES, value=knobs.plan_ngpus, description="plan devices",
+                                     **_label)
+        self.runtime_ngpus = w.Dropdown(options=DEVICE_CHOICES, value=knobs.runtime_ngpus,
+                                        description="runtime devices", **_label)
+        self.stages = w.Dropdown(options=[1, 2, 4, 8], value=knobs.stages, description="pipeline stages", **_label)
+        self.nmicros = w.BoundedIntText(value=knobs.nmicros, min=1, max=64, description="micro-batches", **_label)
+        self.scheduler = w.Dropdown(options=list(TRAIN_SCHEDULERS), value=knobs.scheduler, description="scheduler",
+                                    **_label)
+        self.use_zero = w.Checkbox(value=knobs.use_zero, description="ZeRO", indent=False)
+        self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label)
+        self.lr = w.FloatText(value=0.05, description="learning rate", **_label)
+
+        self.compile_button = w.Button(description="Compile", button_style="primary", icon="cogs")
+        self.train_button = w.Button(description="Train on the cluster", button_style="success", icon="play")
+        self.compare_a = w.Dropdown(options=[], description="compare", layout=w.Layout(width="150px"),
+                                    style={"description_width": "60px"})
+        self.compare_b = w.Dropdown(options=[], description="with", layout=w.Layout(width="130px"),
+                                    style={"description_width": "40px"})
+        self.compare_button = w.Button(description="Compare", icon="columns")
+        for button in (self.compile_button, self.train_button, self.compare_button):
+            button.layout.width = "280px"
+            button.add_class(f"nbscaler-{button.description.split()[0].lower()}")
+
+        for name in KNOB_NAMES:
+            getattr(self, name).observe(self._knob_changed, names="value")
+        for widget in (self.model, self.n_layer):
+            widget.observe(self._model_changed, names="value")
+        self.widget = w.VBox([
+            w.HTML("<b>Model</b>"), self.model, self.n_layer,
+            w.HTML("<b>Policy and compute</b>"), self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
+            self.nmicros, self.scheduler, self.use_zero,
+            self.compile_button,
+            w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
+            w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
+        ], layout=w.Layout(width="300px", min_width="300px"))
+        self.widget.add_class("nbscaler-controls")
+
+    # -- reading and setting --------------------------------------------------------------------
+    def knobs(self, end2end: bool = True) -> Knobs:
+        """The knobs as the widgets show them."""
+        return Knobs(policy=self._policies[self.policy.value], plan_ngpus=self.plan_ngpus.value,
+                     runtime_ngpus=self.runtime_ngpus.value, stages=self.stages.value, nmicros=self.nmicros.value,
+                     scheduler=self.scheduler.value, use_zero=self.use_zero.value, end2end=end2end)
+
+    def set(self, **values: Any) -> None:
+        """Set knobs from code (``set(policy='pp', stages=2)``); the owner hears one change at the end."""
+        unknown = set(values) - set(KNOB_NAMES) - {"n_layer", "steps", "lr", "model"}
+        if unknown:
+            raise ValueError(f"unknown knob(s) {', '.join(sorted(unknown))}: use {', '.join(KNOB_NAMES)}, "
+                             "n_layer, steps, lr or model.")
+        with self._hold():
+            for name, value in values.items():
+                getattr(self, name).value = value
+        if set(values) & {"model", "n_layer"}:
+            self.on_model()
+        if set(values) & set(KNOB_NAMES):
+            self.on_knobs()
+
+    def set_runs(self, run_ids: List[int]) -> None:
+        """Offer these runs to the Compare pickers; preselect the last two."""
+        for picker in (self.compare_a, self.compare_b):
+            picker.options = run_ids
+        if run_ids:
+            self.compare_a.value = run_ids[-2] if len(run_ids) > 1 else run_ids[-1]
+            self.compare_b.value = run_ids[-1]
+
+    @contextlib.contextmanager
+    def _hold(self) -> Iterator[None]:
+        held, self._held = self._held, True
+        try:
+            yield
+        finally:
+            self._held = held
+
+    def _knob_changed(self, change: Dict[str, Any]) -> None:
+        if not self._held:
+            self.on_knobs()
+
+    def _model_changed(self, change: Dict[str, Any]) -> None:
+        self.n_layer.disabled = self.model.value != SHIPPED_GPT
+        if not self._held:
+            self.on_model()

@@ -1,0 +1,90 @@
+"""The Explorer's knobs: one small, self-checking record of what the user chose.
+
+``Knobs`` holds the policy and the ``ComputeConfig`` settings the controls expose, and turns them
+into the ``ComputeConfig`` the planner takes. Nothing here knows about widgets, so the knobs can be
+set from code and tested without a front end:
+
+>>> Knobs(policy="pp", plan_ngpus=2, runtime_ngpus=2, nmicros=4).compute_config().use_pipeline
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Union
+
+from nbscaler.columns import StrEnum
+from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
+
+Policy = Union[str, Callable[..., Any]]
+
+
+class BuiltinPolicy(StrEnum):
+    """The policies the planner accepts by name, in the order the Explorer offers them."""
+
+    DP = "dp"
+    TP = "tp"
+    DATA = "data"
+    PP = "pp"
+    HYBRID = "hybrid"
+    AUTODIST = "autodist"
+
+
+PIPELINE_POLICIES = (BuiltinPolicy.PP, BuiltinPolicy.HYBRID)
+"""Policies that always build a pipeline, whatever the stages knob says."""
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the Explorer's controls say: a policy and the compute settings it runs under.
+
+    - ``stages``: pipeline stages; ``1`` means no pipeline unless the policy builds one, in which
+      case it stages over every plan device.
+    - ``nmicros``: micro-batches per training step (pipelines only).
+    - ``use_zero`` / ``zero_ngroups``: ZeRO over the data-parallel units.
+    - ``end2end``: the module takes the batch and returns its loss (the shipped GPT does);
+      pipelines need it.
+    """
+
+    policy: Policy = BuiltinPolicy.TP
+    plan_ngpus: int = 2
+    runtime_ngpus: int = 2
+    stages: int = 1
+    nmicros: int = 4
+    scheduler: str = "1f1b"
+    use_zero: bool = False
+    zero_ngroups: int = 1
+    end2end: bool = True
+
+    @property
+    def policy_label(self) -> str:
+        """The policy as the runs table shows it: its name, or the function's name."""
+        return str(self.policy) if isinstance(self.policy, str) else getattr(self.policy, "__name__", repr(self.policy))
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages > 1 or self.policy in PIPELINE_POLICIES
+
+    def replace(self, **changes: Any) -> "Knobs":
+        return dataclasses.replace(self, **changes)
+
+    def compute_config(self) -> ComputeConfig:
+        """The ``ComputeConfig`` these knobs mean; raises ``ValueError`` naming a bad knob."""
+        if self.scheduler not in TRAIN_SCHEDULERS:
+            raise ValueError(f"scheduler {self.scheduler!r} is unknown: use one of {', '.join(TRAIN_SCHEDULERS)}.")
+        if self.pipelined and not self.end2end:
+            raise ValueError("a pipeline needs an end2end module (one forward argument, the batch, and the "
+                             "loss as its output); pick a policy without stages for this model.")
+        pipeline: Dict[str, Any] = {}
+        if self.pipelined:
+            pipeline = dict(use_pipeline=True, pipeline_nmicros=self.nmicros, pipeline_scheduler=self.scheduler,
+                            pipeline_nstages=self.stages if self.stages > 1 else -1)
+        return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, use_zero=self.use_zero,
+                             zero_ngroups=self.zero_ngroups, use_end2end=self.end2end, **pipeline)
+
+    def row(self) -> Dict[str, Any]:
+        """The knobs as columns of the runs table."""
+        return {"policy": self.policy_label, "plan_ngpus": self.plan_ngpus, "runtime_ngpus": self.runtime_ngpus,
+                "stages": self.stages if self.pipelined else 1, "nmicros": self.nmicros if self.pipelined else 1,
+                "scheduler": self.scheduler if self.pipelined else "", "zero": self.use_zero}

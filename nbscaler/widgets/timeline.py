@@ -1,0 +1,190 @@
+"""TimelineView: what each rank does over one training step, predicted and measured, on one time axis.
+
+Rows are ranks, or (rank, stage) pairs for a pipeline; each block is a forward (``F``) or backward
+(``B``) of one micro-batch, labelled with its micro-batch. The predicted step is
+``plan.timeline()`` (the schedule simulator over the cost model's stage times); the measured one is
+a frame of the same rows, ``(rank, stage, micro, phase, t_start, t_end)``, from
+``ParallelModule.pipeline_timeline()`` or the cluster's ``TrainResult.schedule``. Both are drawn
+from their own first start, so their lengths compare directly; each rank's bubble is the share of
+the step it spends idle.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import ipywidgets as widgets
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from nbscaler.widgets.base import Measured, View
+from nbscaler.widgets.formats import ascii_html, fmt_seconds
+from nbscaler.widgets.plotting import PLOTLYJS, figure_html
+
+if TYPE_CHECKING:
+    from nbscaler.planning import Plan
+
+TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
+PHASE_COLOURS = {"F": "#4c78a8", "B": "#f58518"}
+PHASE_NAMES = {"F": "forward", "B": "backward"}
+
+
+def normalized(frame: pd.DataFrame) -> pd.DataFrame:
+    """One step of a timeline frame, with time from its first start.
+
+    Telemetry of several steps (a ``step`` column) keeps the last one.
+    """
+    if "step" in frame.columns and len(frame):
+        frame = frame[frame.step == frame.step.max()]
+    frame = frame[TIMELINE_COLUMNS].copy()
+    if len(frame):
+        origin = frame.t_start.min()
+        frame["t_start"] -= origin
+        frame["t_end"] -= origin
+    return frame.sort_values(["rank", "stage", "t_start"]).reset_index(drop=True)
+
+
+def bubble_per_rank(frame: pd.DataFrame, nranks: int) -> pd.Series:
+    """Each rank's idle share of the whole step: ``1 - busy(rank) / makespan`` (ranks that ran
+    nothing are idle throughout)."""
+    makespan = frame.t_end.max() - frame.t_start.min() if len(frame) else 0.0
+    busy = (frame.t_end - frame.t_start).groupby(frame["rank"]).sum().reindex(range(nranks), fill_value=0.0)
+    return (1 - busy / makespan) if makespan > 0 else busy * 0.0
+
+
+def row_labels(frame: pd.DataFrame, pipelined: bool) -> Dict[Tuple[int, int], str]:
+    """The y-axis label of each (rank, stage) row."""
+    pairs = sorted({(int(r), int(s)) for r, s in zip(frame["rank"], frame.stage)})
+    return {(r, s): f"rank {r} · stage {s}" if pipelined else f"rank {r}" for r, s in pairs}
+
+
+def add_blocks(fig: go.Figure, frame: pd.DataFrame, labels: Dict[Tuple[int, int], str], row: int,
+               panel: str) -> None:
+    """One horizontal bar per block, a trace per phase so the legend toggles phases."""
+    for phase, blocks in frame.groupby("phase", sort=False):
+        ys = [labels[(int(r), int(s))] for r, s in zip(blocks["rank"], blocks.stage)]
+        fig.add_trace(go.Bar(
+            orientation="h", base=blocks.t_start * 1e3, x=(blocks.t_end - blocks.t_start) * 1e3, y=ys,
+            name=PHASE_NAMES.get(phase, str(phase)), legendgroup=str(phase), showlegend=row == 1,
+            marker=dict(color=PHASE_COLOURS.get(phase, "#999999"), line=dict(color="white", width=1)),
+            text=[f"{phase}{m}" for m in blocks.micro], textposition="inside", insidetextanchor="middle",
+            customdata=list(zip(blocks.micro, blocks.t_start * 1e3, blocks.t_end * 1e3)),
+            hovertemplate=(f"{panel} %{{y}}<br>{PHASE_NAMES.get(phase, phase)} of micro-batch %{{customdata[0]}}"
+                           "<br>%{customdata[1]:.3f} → %{customdata[2]:.3f} ms<extra></extra>")),
+            row=row, col=1)
+
+
+class TimelineView(View):
+    """The predicted (and, after a run, measured) timeline of one training step.
+
+    >>> TimelineView(plan)                                                      # doctest: +SKIP
+    >>> view.update(measured=Measured(timeline=pd.DataFrame(pm.pipeline_timeline().to_rows())))  # doctest: +SKIP
+    """
+
+    def __init__(self, plan: "Plan", measured: Optional[Measured] = None) -> None:
+        super().__init__(plan, measured=measured)
+        self._redraw()
+
+    def _build_widget(self) -> widgets.VBox:
+        self.figure_widget = go.FigureWidget(self.figure)
+        self.table_html = widgets.HTML(self.bubble_table)
+        return widgets.VBox([self.figure_widget, self.table_html])
+
+    # -- state --------------------------------------------------------------------------------
+    def _redraw(self) -> None:
+        line = self.plan.timeline()
+        self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
+        self.predicted_bubble_total = line.bubble_fraction
+        measured = self.measured.timeline
+        self.measured_frame = normalized(measured) if measured is not None and len(measured) else None
+        nranks = self.plan.config.runtime_ngpus
+        bubbles = {"predicted": bubble_per_rank(self.predicted, nranks)}
+        if self.measured_frame is not None:
+            bubbles["measured"] = bubble_per_rank(self.measured_frame, nranks)
+        self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
+        self.assumptions = assumptions(self.plan, self.predicted)
+        self.figure = self._figure()
+        self.bubble_table = self._bubble_table()
+        if self._widget is not None:                 # redraw the live one in place
+            self.figure_widget = go.FigureWidget(self.figure)
+            self._widget.children = (self.figure_widget, self.table_html)
+            self.table_html.value = self.bubble_table
+
+    def _figure(self) -> go.Figure:
+        pipelined = self.plan.config.use_pipeline
+        frames = [("predicted", self.predicted)] + ([("measured", self.measured_frame)]
+                                                    if self.measured_frame is not None else [])
+        labels = row_labels(pd.concat([f for _, f in frames]), pipelined)
+        spans = {name: f.t_end.max() if len(f) else 0.0 for name, f in frames}
+        titles = [f"{name}: step {fmt_seconds(spans[name])}, bubble {self._total_bubble(name, f):.0%}"
+                  for name, f in frames]
+        if len(frames) == 2 and spans["predicted"] > 0:
+            titles[1] += f" ({spans['measured'] / spans['predicted']:.2g}x the prediction)"
+        fig = make_subplots(rows=len(frames), cols=1, shared_xaxes=True, subplot_titles=titles,
+                            vertical_spacing=0.12)
+        for i, (name, frame) in enumerate(frames, start=1):
+            add_blocks(fig, frame, labels, i, name)
+            order = [labels[k] for k in sorted(labels, reverse=True)]
+            fig.update_yaxes(categoryorder="array", categoryarray=order, row=i, col=1)
+        fig.update_xaxes(title_text="time in the step (ms)", row=len(frames), col=1)
+        height = 120 + len(frames) * (40 + 28 * len(labels)) + 60
+        fig.update_layout(barmode="overlay", height=height, template="plotly_white",
+                          title=f"Timeline of one training step: {self.plan.policy_name}",
+                          margin=dict(l=130, r=20, t=80, b=120),
+                          legend=dict(orientation="h", yref="container", y=0.995, x=1, xanchor="right", yanchor="top"))
+        wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
+        fig.add_annotation(text=wrapped, xref="paper", yref="paper", x=0,
+                           y=0, yshift=-100, xanchor="left", yanchor="bottom", showarrow=False, align="left",
+                           font=dict(size=10, color="#555"))
+        return fig
+
+    def _total_bubble(self, name: str, frame: pd.DataFrame) -> float:
+        if name == "predicted":
+            return self.predicted_bubble_total
+        nranks = self.plan.config.runtime_ngpus
+        span = frame.t_end.max() - frame.t_start.min() if len(frame) else 0.0
+        return 1 - (frame.t_end - frame.t_start).sum() / (nranks * span) if span > 0 else 0.0
+
+    def _bubble_table(self) -> str:
+        cols = [c for c in ("predicted", "measured") if c in self.bubbles.columns]
+        head = "<tr><th>rank</th>" + "".join(f"<th>bubble, {c}</th>" for c in cols) + "</tr>"
+        body = "".join("<tr><td>{}</td>{}</tr>".format(int(r["rank"]), "".join(f"<td>{r[c]:.1%}</td>" for c in cols))
+                       for _, r in self.bubbles.iterrows())
+        return (f"<table class='nbs-bubbles' style='border-collapse:collapse;font-size:13px'>{head}{body}</table>"
+                f"<pre style='font-size:11px;color:#555;white-space:pre-wrap'>{ascii_html(self.assumptions)}</pre>")
+
+    # -- rendering --------------------------------------------------------------------------------
+    def to_html(self, include_plotlyjs: bool = True) -> str:
+        return (f"<div class='nbs-view nbs-timeline'>{figure_html(self.figure, include_plotlyjs=include_plotlyjs)}"
+                f"{self.bubble_table}</div>")
+
+    def notebook_html(self) -> str:
+        return self.to_html(include_plotlyjs=PLOTLYJS.take())
+
+
+def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
+    """What the prediction rests on, in a few lines: where op and collective times come from, the
+    slowest ops as timed, and each stage's forward and backward time."""
+    from nbscaler.cost import comm_model
+    from nbscaler.cost.profile import device_key
+
+    comm = comm_model.load(nranks=max(2, plan.config.plan_ngpus))
+    lines = [f"Predicted: op times profiled alone on this machine ({device_key()}), summed per stage; "
+             f"collectives by an alpha-beta model (alpha {comm.alpha_s * 1e6:.3g} µs, "
+             f"{1 / comm.beta_s_per_byte / 1e9:.3g} GB/s, {'calibrated' if comm.calibrated else 'defaults'}); "
+             "Python overhead and contention between ranks not counted."]
+    timed: List[Tuple[float, str]] = []
+    for n in plan.graph.nodes:
+        fwd, bwd = n.meta.get("local_time_fwd_s", {}), n.meta.get("local_time_bwd_s", {})
+        if fwd:
+            timed.append((max(fwd.values()) + max(bwd.values(), default=0.0), n.name))
+    slowest = sorted(timed, reverse=True)[:4]
+    if slowest:
+        lines.append("Slowest ops (fwd+bwd on their device): " +
+                     ", ".join(f"{name} {fmt_seconds(t)}" for t, name in slowest))
+    if len(predicted):
+        per = (predicted.t_end - predicted.t_start).groupby([predicted.stage, predicted.phase]).mean()
+        lines.append("Block times: " + ", ".join(f"stage {s} {p} {fmt_seconds(t)}" for (s, p), t in per.items()))
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""The Explorer in a real browser: JupyterLab started on a free port, driven by Chromium.
+
+The test opens a notebook whose one cell shows ``Explorer()``, clicks Compile, expands a block in
+the graph, switches the policy to ``pp``, and checks what the page shows after each step; it
+saves a screenshot of each (set ``NBSCALER_SCREENSHOTS=DIR`` to keep them) and checks none is blank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.widgets.browser import lab_page, write_notebook
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+
+WAIT_MS = 120_000            # a compile in the kernel of a loaded 2-core machine takes a while
+EXPLORER = ".nbscaler-explorer"
+GRAPH = f"{EXPLORER} .nbscaler-pane-graph .nbs-graphview"
+
+
+class Clock:
+    """Prints how long each step of the test took (``pytest -s`` shows it)."""
+
+    def __init__(self):
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        now = time.monotonic()
+        print(f"[browser test] {what}: {now - self.last:.1f} s (total {now - self.start:.1f} s)", flush=True)
+        self.last = now
+
+
+def status(page) -> str:
+    return page.locator(f"{EXPLORER} .nbscaler-status").inner_text()
+
+
+def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
+    write_notebook(tmp_path / "explorer.ipynb", "from nbscaler.widgets import Explorer\nex = Explorer()\nex")
+    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
+    clock = Clock()
+    with lab_page(tmp_path, shots) as lab:
+        page = lab.page
+        clock("JupyterLab and Chromium started")
+        lab.open_notebook("explorer.ipynb")
+        clock("notebook open, kernel idle")
+        page.keyboard.press("Control+b")                       # hide the file browser: room for the views
+        lab.run_all_cells()
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-controls", timeout=WAIT_MS)
+        clock("Explorer shown")
+        assert "press Compile" in status(page)
+        lab.screenshot("1-explorer-before-compile", EXPLORER)
+
+        page.click(f"{EXPLORER} button.nbscaler-compile")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Compiled run 1')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{GRAPH} svg .nbs-box", timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline .js-plotly-plot", timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-memory .js-plotly-plot", timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('Timeline of one training step: tp')",
+                               timeout=WAIT_MS)
+        assert page.locator(f"{EXPLORER} .nbscaler-runs tbody tr").count() == 1
+        assert page.locator(f"{GRAPH} .nbs-box.nbs-module[data-key='blocks.0']").count() >= 1
+        clock("compiled and drawn")
+        lab.screenshot("2-explorer-compiled", EXPLORER)
+
+        page.locator(f"{GRAPH} .nbs-box.nbs-module[data-key='blocks.0']").first.click()
+        page.wait_for_selector(f"{GRAPH} .nbs-frame[data-key='blocks.0']", timeout=WAIT_MS)
+        assert page.locator(f"{GRAPH} .nbs-box[data-key^='blocks.0.']").count() >= 2   # its children
+        clock("block expanded")
+        lab.screenshot("3-graph-block-expanded", f"{EXPLORER} .nbscaler-pane-graph")
+
+        policy = page.locator(f"{EXPLORER} .widget-dropdown:has(label:text-is('policy')) select")
+        policy.select_option("pp")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Re-placed under pp')", timeout=WAIT_MS)
+        # the timeline is redrawn for the pipeline: its title and notes name pp and its second stage
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('Timeline of one training step: pp')",
+                               timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('stage 1')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-memory :text('Memory per rank: pp')", timeout=WAIT_MS)
+        clock("policy switched to pp, timeline redrawn")
+        assert re.search(r"in \d+ ms", status(page))
+        lab.screenshot("4-explorer-policy-pp", EXPLORER)
+        assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]

@@ -1,0 +1,187 @@
+"""The Explorer's Python state, without a browser: after a compile, a knob change, an error, and a
+run on a real two-engine cluster (checked against one process)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nbscaler.planning.planner as planner
+from nbscaler.cluster import Cluster
+from nbscaler.columns import SummaryColumn as C
+from nbscaler.policy import get_policy
+from nbscaler.widgets import Explorer
+from nbscaler.widgets.explorer import Knobs
+from nbscaler.widgets.explorer.controls import SHIPPED_GPT
+from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, ViewName
+from tests.models import MLP, batch
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def megatron(graph, compute_config):
+    """A user policy: the built-in tensor parallelism, under the user's own name."""
+    return get_policy("tp")(graph, compute_config)
+
+
+def fails_on_rank_1(output, batch):
+    """A loss function with a bug that only one rank hits."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise ValueError("bad label on rank 1")
+    return output
+
+
+@pytest.fixture
+def explorer():
+    ex = Explorer(knobs=Knobs(policy="tp", plan_ngpus=2, runtime_ngpus=2))
+    yield ex
+    ex.close()
+
+
+def test_compile_draws_every_view_of_one_plan_and_records_a_run(explorer):
+    plan = explorer.compile()
+    assert explorer.error is None and plan is explorer.plan is explorer.compiled
+    assert set(explorer.panes.views) == set(ViewName)
+    assert all(view.plan is plan for view in explorer.panes.views.values())
+    assert all(slot.children[0] is explorer.panes.views[name].widget for name, slot in explorer.panes.slots.items())
+    runs = explorer.runs
+    assert list(runs.index) == [1] and runs.loc[1, "policy"] == "tp" and runs.loc[1, "compile_s"] > 0
+    summary = plan.summary(torch.optim.SGD)
+    assert runs.loc[1, "peak_bytes_predicted"] == summary[C.PEAK_BYTES].tolist()
+    assert runs.loc[1, "step_s_predicted"] == summary[C.STEP_TIME_S].max()
+    assert runs.loc[1, ["step_s", "losses_match"]].isna().all()      # not trained yet
+    assert explorer.progress.layout.visibility == "hidden"
+    assert "Compiled run 1" in explorer.status.value
+    graph = explorer.panes.views[ViewName.GRAPH]
+    graph.select(5)                                                # the code view follows the graph
+    assert explorer.panes.views[ViewName.CODE].node == 5
+
+
+def test_a_knob_change_replaces_without_tracing_and_redraws_timeline_and_memory(explorer, monkeypatch):
+    explorer.compile()
+    compiled = explorer.compiled
+
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("a knob change must not trace the model again")
+
+    monkeypatch.setattr(planner, "trace_modes", no_tracing)
+    explorer.set(policy="pp", stages=2, nmicros=4, scheduler="gpipe")
+    plan = explorer.plan
+    assert explorer.error is None and plan is not compiled and explorer.compiled is compiled
+    assert plan.schedule.nstages == 2 and plan.config.pipeline_nmicros == 4 and plan.config.scheduler == "gpipe"
+    views = explorer.panes.views
+    for name in PLACEMENT_VIEWS:
+        assert views[name].plan is plan
+    for name in set(ViewName) - set(PLACEMENT_VIEWS):
+        assert views[name].plan is compiled                          # until the next Compile
+    assert views[ViewName.MEMORY].predicted.equals(plan.memory(torch.optim.SGD))
+    assert views[ViewName.TIMELINE].predicted_bubble_total == plan.timeline().bubble_fraction > 0
+    assert explorer.knob_latency_s is not None and "Re-placed under pp" in explorer.status.value
+    assert len(explorer.runs) == 1                                    # a knob change is not a run
+
+
+def test_a_bad_knob_is_a_message_and_the_explorer_keeps_working(explorer):
+    explorer.compile()
+    before = explorer.plan
+    explorer.set(plan_ngpus=4, runtime_ngpus=2)
+    assert "runtime_ngpus" in explorer.error and "multiple of plan_ngpus=4" in explorer.error
+    assert "nbscaler-error" in explorer.status.value and "Could not re-place" in explorer.status.value
+    assert explorer.plan is before and explorer.panes.views[ViewName.MEMORY].plan is before
+    explorer.set(policy="dp", plan_ngpus=2, runtime_ngpus=2)          # a policy that refuses the config
+    assert explorer.error.startswith("PolicyError") and "plan_ngpus=1" in explorer.error
+    explorer.set(plan_ngpus=1, runtime_ngpus=2)
+    assert explorer.error is None and explorer.plan.config.plan_ngpus == 1
+    assert explorer.panes.views[ViewName.MEMORY].plan is explorer.plan
+    explorer.set(bogus=3)
+    assert "unknown knob" in explorer.error
+    assert explorer.compile() is not None and explorer.error is None
+
+
+def test_a_user_module_and_a_user_policy():
+    model = MLP()
+    ex = Explorer(model, batch("mlp", 0), policies=[megatron], knobs=Knobs(policy=megatron, plan_ngpus=2))
+    try:
+        assert "megatron" in ex.controls.policy.options and not ex.spec.end2end
+        plan = ex.compile()
+        assert ex.error is None and plan.policy is megatron and ex.runs.loc[1, "policy"] == "megatron"
+        ex.set(policy="pp")                                           # pipelines need an end2end module
+        assert "end2end" in ex.error and ex.plan is plan
+        ex.set(model=SHIPPED_GPT, n_layer=1)                          # back to the GPT: a new trace
+        assert ex.compiled is None and ex.spec.end2end
+        ex.set(policy="tp")
+        assert ex.compile() is not None and ex.runs.loc[2, "model"].startswith("GPT (1 layers")
+    finally:
+        ex.close()
+
+
+def test_explorer_needs_the_dummy_args_of_a_user_model():
+    with pytest.raises(ValueError, match="forward arguments"):
+        Explorer(MLP())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    with Cluster(n=2, timeout=20, name="explorer-tests") as cl:
+        yield cl
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_runs_on_a_two_engine_cluster_match_one_process_and_compare(cluster):
+    ex = Explorer(cluster=cluster, knobs=Knobs(policy="tp", plan_ngpus=2, runtime_ngpus=2))
+    try:
+        first = ex.train(steps=3)                                      # compiles first: nothing compiled yet
+        assert ex.error is None and first.id == 1 and first.outcome.losses_match
+        steps = first.outcome.result.steps
+        assert sorted(steps["rank"].unique()) == [0, 1] and len(steps) == 6
+        curve = ex.losses.figure.data
+        assert [list(t.y) for t in curve] == [steps[steps["rank"] == r]["loss"].tolist() for r in (0, 1)]
+        memory = ex.panes.views[ViewName.MEMORY]
+        assert memory.measured.memory is first.outcome.result.memory and memory.gap is not None
+
+        ex.set(policy="pp", stages=2, nmicros=4)
+        second = ex.train(steps=3)
+        assert ex.error is None and second.id == 2 and second.outcome.losses_match
+        timeline = ex.panes.views[ViewName.TIMELINE]
+        measured = timeline.measured.timeline
+        assert len(measured) == 2 * 2 * 4 and measured["t_start"].min() == 0    # ranks x (F, B) x micro-batches
+        runs = ex.runs
+        assert runs["losses_match"].tolist() == [True, True] and (runs["step_s"] > 0).all()
+        assert runs.loc[2, "stages"] == 2 and 0 <= runs.loc[2, "bubble"] < 1 and pd_isna(runs.loc[1, "bubble"])
+        assert len(runs.loc[2, "peak_rss_bytes"]) == 2
+
+        comparison = ex.compare(1, 2)
+        assert ex.error is None and set(comparison.views) == {1, 2}
+        for run_id, run in ((1, first), (2, second)):
+            assert set(comparison.views[run_id]) == set(ViewName)
+            assert all(view.plan is run.plan for view in comparison.views[run_id].values())
+        assert comparison.views[2][ViewName.TIMELINE].measured.timeline is second.outcome.measured.timeline
+        assert ex.compare_slot.children[0] is comparison.widget
+    finally:
+        ex.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_a_failing_rank_is_a_message_and_the_explorer_trains_again(cluster):
+    ex = Explorer(MLP(), batch("mlp", 0), cluster=cluster, loss_fn=fails_on_rank_1,
+                  knobs=Knobs(policy="tp", plan_ngpus=2, runtime_ngpus=2))
+    try:
+        assert ex.train(steps=2) is None
+        assert ex.error.startswith("RankError") and "rank 1" in ex.error and "bad label on rank 1" in ex.error
+        assert "traceback on rank 1" in ex.status.value
+        assert pd_isna(ex.runs.loc[1, "losses_match"])
+        ex.set(model=SHIPPED_GPT)
+        run = ex.train(steps=2)
+        assert ex.error is None and run.outcome.losses_match
+    finally:
+        ex.close()
+
+
+def pd_isna(value) -> bool:
+    return value is None or value != value

@@ -1,0 +1,85 @@
+"""TimelineView: plan.timeline() drawn per rank (and stage), beside a measured run, with bubbles."""
+
+import pandas as pd
+import pytest
+
+from nbscaler.widgets import Measured, TimelineView
+from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
+from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp
+from tests.widgets.offline import external_resources
+
+
+def drawn_blocks(figure, panel_row):
+    """(y label, text) of every bar drawn in one panel (1: predicted, 2: measured)."""
+    axis = "y" if panel_row == 1 else f"y{panel_row}"
+    return sorted((y, t) for trace in figure.data if trace.yaxis == axis for y, t in zip(trace.y, trace.text))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return gpt_pipeline_run(str(tmp_path_factory.mktemp("gen")))
+
+
+def test_pipeline_rows_are_rank_and_stage_with_every_block():
+    plan = llama_pp()
+    view = TimelineView(plan)
+    line = plan.timeline()
+    expected = pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS)
+    pd.testing.assert_frame_equal(view.predicted, normalized(expected))
+    blocks = drawn_blocks(view.figure, 1)
+    assert len(blocks) == len(expected) == 2 * 2 * 4              # 2 ranks x F,B x 4 micro-batches
+    assert {y for y, _ in blocks} == {"rank 0 · stage 0", "rank 1 · stage 1"}
+    assert {t for _, t in blocks} == {f"{p}{m}" for p in "FB" for m in range(4)}
+    colours = {trace.name: trace.marker.color for trace in view.figure.data}
+    assert colours["forward"] != colours["backward"]
+    # per-rank bubbles average to the timeline's own bubble fraction
+    assert view.bubbles.predicted.mean() == pytest.approx(line.bubble_fraction)
+    assert view.bubbles.predicted[0] > 0 and "bubble, predicted" in view.bubble_table
+
+
+def test_assumptions_are_stated_on_the_figure():
+    view = TimelineView(llama_pp())
+    text = view.figure.layout.annotations[-1].text
+    assert "op times profiled" in text and "alpha-beta" in text and "Slowest ops" in text
+    assert "stage 0 F" in text and "stage 1 B" in text
+
+
+def test_without_a_pipeline_one_forward_and_backward_per_rank():
+    view = TimelineView(llama_tp())
+    blocks = drawn_blocks(view.figure, 1)
+    assert blocks == sorted((f"rank {r}", t) for r in range(4) for t in ("F0", "B0"))
+    assert (view.bubbles.predicted == 0).all()
+
+
+def test_measured_run_on_the_same_axis(run):
+    plan, measured, _ = run
+    view = TimelineView(plan, Measured(timeline=measured))
+    assert len(view.figure.layout.annotations) >= 3                    # two panel titles and the assumptions
+    assert view.figure.layout.xaxis.matches == "x2" or view.figure.layout.xaxis2.matches == "x"
+    assert drawn_blocks(view.figure, 2) == [("rank 0 · stage 0", t) for t in ("B0", "B1", "F0", "F1")]
+    span = measured.t_end.max() - measured.t_start.min()
+    assert view.measured_frame.t_start.min() == 0 and view.measured_frame.t_end.max() == pytest.approx(span)
+    busy = (measured.t_end - measured.t_start).sum()
+    assert view.bubbles.measured[0] == pytest.approx(1 - busy / span)
+    assert "bubble, measured" in view.bubble_table
+
+
+def test_cluster_telemetry_of_several_steps_draws_the_last():
+    rows = pd.DataFrame(llama_pp().timeline().to_rows())
+    steps = pd.concat([rows.assign(step=s, t_start=rows.t_start + 100 * s, t_end=rows.t_end + 100 * s)
+                       for s in range(3)])
+    frame = normalized(steps)
+    assert len(frame) == len(rows) and frame.t_start.min() == 0
+    assert bubble_per_rank(frame, 2).tolist() == pytest.approx(bubble_per_rank(normalized(rows), 2).tolist())
+
+
+def test_update_redraws_in_place_and_saves_offline():
+    view = TimelineView(llama_pp())
+    box = view.widget
+    view.update(measured=Measured(timeline=pd.DataFrame(llama_pp().timeline().to_rows())))
+    assert view.widget is box and {t.yaxis for t in box.children[0].data} == {"y", "y2"}
+    assert "bubble, measured" in box.children[1].value
+    view.update(llama_tp())
+    assert {t.yaxis for t in box.children[0].data} == {"y"} and "measured" not in view.bubbles
+    page = view.to_html()
+    assert external_resources(page) == [] and "Plotly.newPlot" in page and "rank 3" in page
