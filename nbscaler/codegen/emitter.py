@@ -17,9 +17,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
-from nbscaler.comm.layout import Layout, conversion, input_requirement, local_shape, output_layout
+from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_shape, local_split_sizes,
+                                  output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.registry import spec_of
+from nbscaler.ir.registry import spec_of, sync_batch_norm
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
 
@@ -61,6 +62,7 @@ class ForwardEmitter:
         for step in conversion(have, want):
             dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
             dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
+            dims += f", blocks={step.blocks}" if step.blocks > 1 else ""
             name = f"{attr_name(t.name)}_{want.label}"
             self.lines.append(f"{name} = comm.{step.fn}({expr}{dims}, group={group})")
             expr = name
@@ -118,6 +120,7 @@ class ForwardEmitter:
             return
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
+        args = local_split_sizes(node, args)
         spec = spec_of(node.target)
         outs = node.output_tensors
         layouts = [output_layout(node, i) for i in range(len(outs))]
@@ -135,6 +138,9 @@ class ForwardEmitter:
         elif name in INPLACE_OPERATORS and not kwargs and len(args) == 2:
             self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
+        elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
+            call = render_call(node, args, kwargs)
+            self.lines.append(f"{lhs} = comm.{call[len('F.'):-1]}, group={self.group(place.devices)})")
         else:
             self.lines.append(f"{lhs} = {render_call(node, args, kwargs)}")
         for t, lay in zip(outs, layouts):

@@ -146,7 +146,7 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
     specs = _weight_specs(graphs, storage, sections, geometry)
     # Identical on every rank: process groups are created collectively, in this order.
     groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
-    groups |= set(_replica_groups(geometry))
+    groups |= set(_replica_groups(geometry)) | set(_tied_groups(graphs, geometry))
     w(f"    device_groups = {sorted(groups, key=lambda d: (len(d), d))!r}")
     if geometry is not None:
         w(f"    stage_carry = {_carry_table(graphs, geometry.schedule.nstages)!r}")
@@ -213,14 +213,54 @@ def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sectio
         text = f"{name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}, devices={devices!r}"
         if lay.kind == "S":
             text += f", split_dim={lay.dim}, parts={len(devices)}, index={devices.index(view)}"
+            text += f", blocks={lay.blocks}" if lay.blocks > 1 else ""
         if geometry is not None and stage is not None:
-            replicas = _replica_groups(geometry, stage).get(devices.index(view))
+            replicas = _copies_of(name, graphs, geometry, stage, devices.index(view))
             if replicas:
                 text += f", replicas={replicas!r}"
         if name in non_persistent:
             text += ", persistent=False"
         specs[attr_name(name)] = text
     return specs
+
+
+def tied_stages(graphs: Dict[str, IRGraph]) -> Dict[str, Tuple[int, ...]]:
+    """Parameters read in more than one pipeline stage (tied embeddings): name -> those stages.
+
+    Each such stage keeps a copy; the copies' gradients are summed between the stages (as
+    Megatron does for a tied input embedding and output head), so they stay equal, and a merged
+    checkpoint holds the tensor once."""
+    stages: Dict[str, set] = {}
+    for g in graphs.values():
+        for n in g.nodes:
+            for t in n.inputs:
+                if t.kind == "param" and n.stage is not None:
+                    stages.setdefault(t.name, set()).add(n.stage)
+    return {name: tuple(sorted(s)) for name, s in stages.items() if len(s) > 1}
+
+
+def _copies_of(name: str, graphs: Dict[str, IRGraph], geometry: PipelineGeometry, stage: int,
+               position: int) -> Tuple[int, ...]:
+    """The plan devices whose copies of weight ``name`` (at ``position`` in their stage group) hold
+    gradients to sum with this one: copies of the stage (chimera) and of the other stages that
+    read a tied weight. Empty when there is no other copy."""
+    devices = set()
+    for s in tied_stages(graphs).get(name, (stage,)):
+        devices |= set(_replica_groups(geometry, s).get(position, (geometry.stage_group(s)[position],)))
+    return tuple(sorted(devices)) if len(devices) > 1 else ()
+
+
+def _tied_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry]) -> List[Tuple[int, ...]]:
+    """Every device set whose tied-weight copies sum their gradients (process groups to create)."""
+    if geometry is None:
+        return []
+    found = set()
+    for name, stages in tied_stages(graphs).items():
+        for position in range(len(geometry.stage_group(stages[0]))):
+            copies = _copies_of(name, graphs, geometry, stages[0], position)
+            if copies:
+                found.add(copies)
+    return sorted(found)
 
 
 def _replica_groups(geometry: Optional[PipelineGeometry], stage: Optional[int] = None):

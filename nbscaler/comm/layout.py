@@ -4,7 +4,9 @@ After partitioning, each device of a group holds some piece of every tensor. Thr
 what a producer leaves behind:
 
 - ``R``: replicated, every device holds the whole tensor;
-- ``S(d)``: split, device ``i`` holds slice ``i`` along dim ``d``;
+- ``S(d)``: split, device ``i`` holds slice ``i`` along dim ``d``; ``S(d, 3 blocks)`` is strided: dim
+  ``d`` is three equal blocks side by side (q, k and v of a fused projection) and device ``i`` holds
+  slice ``i`` of each, concatenated (its own heads of q, k and v);
 - ``P``: partial, the tensor is the *sum* of what the devices hold (a split reduction axis).
 
 A consumer asks for one of four *requirements*: ``R``, ``S(d)``, and two that only matter for the
@@ -39,26 +41,30 @@ from nbscaler.ir.graph import IRNode, Placement
 class Layout:
     kind: str                     # 'R' | 'S' | 'P' | 'R*' | 'V'
     dim: Optional[int] = None
+    blocks: int = 1               # S only: equal blocks along dim, each split across the devices
 
     @classmethod
     def replicated(cls) -> "Layout":
         return cls("R")
 
     @classmethod
-    def split(cls, dim: int) -> "Layout":
-        return cls("S", dim)
+    def split(cls, dim: int, blocks: int = 1) -> "Layout":
+        return cls("S", dim, blocks)
 
     @classmethod
     def partial(cls) -> "Layout":
         return cls("P")
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.kind == "S" else self.kind
+        if self.kind != "S":
+            return self.kind
+        return f"S({self.dim}, {self.blocks} blocks)" if self.blocks > 1 else f"S({self.dim})"
 
     @property
     def label(self) -> str:
         """A suffix for variable names in generated code."""
-        return {"R": "full", "P": "partial", "R*": "rep", "V": "first"}.get(self.kind, f"split{self.dim}")
+        strided = f"x{self.blocks}" if self.blocks > 1 else ""
+        return {"R": "full", "P": "partial", "R*": "rep", "V": "first"}.get(self.kind, f"split{self.dim}{strided}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Step:
     fn: str
     dim: Optional[int] = None
     dim2: Optional[int] = None
+    blocks: int = 1
 
 
 def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
@@ -86,7 +93,7 @@ def output_layout(node: IRNode, index: int, place: Optional[Placement] = None) -
         return Layout.replicated()
     _, out_dims = node.annotation.split_dims(place.split)
     if out_dims[index] is not None:
-        return Layout.split(out_dims[index])
+        return Layout.split(out_dims[index], place.blocks)
     return Layout.partial()
 
 
@@ -97,7 +104,7 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
         return Layout.replicated()
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:
-        return Layout.split(in_dims[index])
+        return Layout.split(in_dims[index], place.blocks * node.annotation.grouped.get((index, place.split), 1))
     return Layout("V") if place.split in node.annotation.reduce else Layout("R*")
 
 
@@ -105,20 +112,37 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
     if have == want:
         return []
-    if have.kind == "S" and want.kind == "S":
+    strided = have.blocks > 1 or want.blocks > 1
+    if have.kind == "S" and want.kind == "S" and not strided:
         return [Step("all_to_all", dim=want.dim, dim2=have.dim)]
-    to_full: List[Step] = {"R": [], "S": [Step("all_gather", dim=have.dim)], "P": [Step("all_reduce")]}[have.kind]
+    to_full: List[Step] = {"R": [], "S": [Step("all_gather", dim=have.dim, blocks=have.blocks)],
+                           "P": [Step("all_reduce")]}[have.kind]
     if want.kind == "R":
         return to_full
     if want.kind == "S":
-        if have.kind == "P":
+        if have.kind == "P" and not strided:
             return [Step("reduce_scatter", dim=want.dim)]
-        return [Step("chunk", dim=want.dim)]
+        return to_full + [Step("chunk", dim=want.dim, blocks=want.blocks)]
     if want.kind == "R*":
         return to_full + [Step("sum_grad")]
     if want.kind == "V":
         return to_full + [Step("first_only")]
     raise ValueError(f"no conversion from {have} to {want}")
+
+
+def local_split_sizes(node: IRNode, args: tuple) -> tuple:
+    """``args`` of a ``split`` whose split axis is itself split (equal blocks, strided): each
+    device splits its share, so the sizes shrink by the number of parts (``qkv.split(C)`` becomes
+    ``qkv.split(C // 2)`` on 2 devices). Any other call's ``args`` come back unchanged."""
+    place = node.placement
+    if node.op != "split" or place is None or (0, place.split) not in node.annotation.grouped:
+        return args
+    sizes = args[1] if len(args) > 1 else None
+    if isinstance(sizes, int):
+        return (args[0], sizes // place.parts) + tuple(args[2:])
+    if isinstance(sizes, (list, tuple)) and node.target.endswith(".split"):
+        return (args[0], type(sizes)(s // place.parts for s in sizes)) + tuple(args[2:])
+    return args
 
 
 def storage_layouts(graphs) -> dict:

@@ -13,6 +13,12 @@ An annotation names every dimension of every tensor the op reads and writes, ein
 - ``*`` stands for whatever leading axes the tensor has; they become ``*0``, ``*1``, ... and match
   across tensors from the left.
 
+An input axis may hold several equal *blocks* of one name side by side: ``qkv.split(C, dim=2)``
+reads an axis of ``3C`` that is three blocks of ``C`` (q, k and v), and writes each block as its own
+tensor. ``grouped[(i, name)] = 3`` says so; splitting ``name`` then needs that input split *strided*
+(each device holds its share of every block: its own heads of q, k and v), as Megatron splits a fused
+qkv projection.
+
 ``OpAnnotation.split_layouts(name)`` answers the one question partitioning asks: if this op is split
 along ``name``, which dimension of each input and output is split, and are outputs partial?
 
@@ -52,6 +58,7 @@ class OpAnnotation:
     reduce: FrozenSet[str] = frozenset()
     frozen: FrozenSet[str] = frozenset()
     sizes: Dict[str, int] = field(default_factory=dict)
+    grouped: Dict[Tuple[int, str], int] = field(default_factory=dict)   # (input index, name) -> blocks
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -95,7 +102,8 @@ class OpAnnotation:
     @classmethod
     def build(cls, inputs: List[Optional[DimNames]], outputs: List[Optional[DimNames]],
               in_shapes: Sequence[Optional[Shape]], out_shapes: Sequence[Optional[Shape]],
-              reduce=(), frozen=(), sizes: Optional[Dict[str, int]] = None) -> "OpAnnotation":
+              reduce=(), frozen=(), sizes: Optional[Dict[str, int]] = None,
+              grouped: Optional[Dict[Tuple[int, str], int]] = None) -> "OpAnnotation":
         """Make an annotation from name tuples; sizes are read from the shapes and checked.
 
         ``sizes`` gives the split granularity of names whose dims differ in size on purpose, as in
@@ -103,7 +111,8 @@ class OpAnnotation:
         """
         frozen = set(frozen)
         if sizes is not None:
-            return cls(list(inputs), list(outputs), frozenset(reduce), frozenset(frozen), dict(sizes))
+            return cls(list(inputs), list(outputs), frozenset(reduce), frozenset(frozen), dict(sizes),
+                       dict(grouped or {}))
         sizes = {}
         for names_list, shapes in ((inputs, in_shapes), (outputs, out_shapes)):
             for names, shape in zip(names_list, shapes):
@@ -114,7 +123,7 @@ class OpAnnotation:
                         # Broadcasting of a size-1 axis: that axis cannot be split consistently.
                         frozen.add(name)
                         sizes[name] = max(sizes[name], size)
-        return cls(list(inputs), list(outputs), frozenset(reduce), frozenset(frozen), sizes)
+        return cls(list(inputs), list(outputs), frozenset(reduce), frozenset(frozen), sizes, dict(grouped or {}))
 
     # -- questions partitioning asks ----------------------------------------------------------
     def names(self) -> List[str]:

@@ -71,10 +71,13 @@ class Placement:
 
     ``split=None`` means every device computes the whole op (replicated); ``split='n'`` means device
     ``devices[i]`` computes slice ``i`` of ``len(devices)`` along the annotated dimension ``n``.
+    ``blocks=3`` makes that slice strided: ``n`` is three equal blocks (q, k, v of a fused projection)
+    and device ``i`` computes slice ``i`` of each block.
     """
 
     devices: Tuple[int, ...]
     split: Optional[str] = None
+    blocks: int = 1
 
     @property
     def parts(self) -> int:
@@ -82,7 +85,8 @@ class Placement:
 
     def __str__(self) -> str:
         devs = ",".join(map(str, self.devices))
-        return f"split {self.split!r} over [{devs}]" if self.split else f"replicated on [{devs}]"
+        strided = f" in {self.blocks} blocks" if self.blocks > 1 else ""
+        return f"split {self.split!r}{strided} over [{devs}]" if self.split else f"replicated on [{devs}]"
 
 
 @dataclass(eq=False)

@@ -254,6 +254,15 @@ def split_like(node: IRNode) -> OpAnnotation:
     default_pos = {"Tensor.unbind": 1, "torch.unbind": 1}.get(node.target, 2)
     dim = arg(node, default_pos, "dim", 0) % x.ndim
     names = list(_fresh("d", x.ndim))
+    pieces = node.output_tensors
+    if len(pieces) > 1 and all(t.shape == pieces[0].shape and t.ndim == x.ndim for t in pieces):
+        # Equal blocks (a fused qkv): each output is one block of the axis, so splitting the block
+        # axis 'h' splits every block the same way: the input strided, each output contiguously.
+        names[dim] = "h"
+        sizes = dict(zip(names, x.shape))
+        sizes["h"] = pieces[0].shape[dim]
+        return OpAnnotation.build([tuple(names)], [tuple(names)] * len(pieces), [x.shape],
+                                  [t.shape for t in pieces], sizes=sizes, grouped={(0, "h"): len(pieces)})
     names[dim] = "cut"
     outs = []
     for t in node.output_tensors:
@@ -276,13 +285,16 @@ def concat(node: IRNode) -> OpAnnotation:
     ins = []
     for k, t in enumerate(node.inputs):
         names = list(base)
+        if not stack and t.ndim != out.ndim:      # torch.cat skips legacy empty 1-D tensors (an empty KV cache)
+            ins.append((f"empty{k}",))
+            continue
         if stack:
             names.pop(dim)
         else:
             names[dim] = f"part{k}"
         ins.append(tuple(names))
     base[dim] = "joined"
-    frozen = {"joined"} | {f"part{k}" for k in range(len(ins))}
+    frozen = {"joined"} | {f"part{k}" for k in range(len(ins))} | {f"empty{k}" for k in range(len(ins))}
     return OpAnnotation.build(ins, [tuple(base)], [t.shape for t in node.inputs], [out.shape], frozen=frozen)
 
 
@@ -369,13 +381,23 @@ def normalization(node: IRNode) -> OpAnnotation:
 
 
 def batch_norm(node: IRNode) -> OpAnnotation:
-    """Statistics over the batch and spatial axes: in training those axes stay whole."""
+    """Per-channel statistics over the batch and spatial axes. In training the spatial axes stay
+    whole; the batch axis may split, and generated code then calls ``comm.batch_norm``, which
+    computes the statistics of the whole batch across the devices (``sync_batch_norm``)."""
     training = arg(node, 5, "training", False)
     x = node.inputs[0]
     mark = "^" if training else ""
     sp = " ".join(f"s{i}{mark}" for i in range(x.ndim - 2))
     params = "".join(", c" for _ in node.inputs[1:])
-    return _fixed(f"n{mark} c {sp}{params} -> n{mark} c {sp}")(node)
+    return _fixed(f"n c {sp}{params} -> n c {sp}")(node)
+
+
+def sync_batch_norm(node: IRNode) -> bool:
+    """Whether ``node`` is a training-mode batch_norm split along its batch: its statistics must
+    then be summed across the devices."""
+    place = node.placement
+    return (node.op == "batch_norm" and bool(arg(node, 5, "training", False))
+            and place is not None and place.split == "n")
 
 
 def embedding(node: IRNode) -> OpAnnotation:
@@ -383,9 +405,16 @@ def embedding(node: IRNode) -> OpAnnotation:
 
 
 def attention(node: IRNode) -> OpAnnotation:
-    """scaled_dot_product_attention: split batch or heads; sequence and head axes stay whole."""
+    """scaled_dot_product_attention: split batch or heads; sequence and head axes stay whole.
+
+    With ``enable_gqa=True`` the keys and values have fewer heads than the queries (each serves a
+    group of them): the heads still split, in as many parts as the key heads allow, since a
+    contiguous share of the query heads reads the matching share of the key heads.
+    """
     q, k = node.inputs[0], node.inputs[1]
-    h = "h" if q.shape[-3:-2] == k.shape[-3:-2] else "h^"
+    same = q.shape[-3:-2] == k.shape[-3:-2]
+    grouped = not same and bool(arg(node, 7, "enable_gqa", False)) and q.ndim >= 3
+    h = "h" if same or grouped else "h^"
     lead = " ".join(f"b{i}" for i in range(q.ndim - 3))
     text = f"{lead} {h} t^ d^, {lead} {h} s^ d^, {lead} {h} s^ e^"
     if len(node.inputs) == 4:       # attn_mask broadcasts against (..., h, t, s)
@@ -398,7 +427,19 @@ def attention(node: IRNode) -> OpAnnotation:
             names.append(full[i] + ("^" if full[i] in ("t", "s") or h.endswith("^") and full[i] == "h" else "")
                          if size == want else f"m{j}^")
         text += ", " + " ".join(names)
-    return _fixed(f"{text} -> {lead} {h} t^ e^".replace("  ", " "))(node)
+    text = f"{text} -> {lead} {h} t^ e^".replace("  ", " ")
+    if not grouped:
+        return _fixed(text)(node)
+    return _gqa(node, text)
+
+
+def _gqa(node: IRNode, text: str) -> OpAnnotation:
+    """The attention annotation with the heads axis ``h`` sized by the key heads (see ``attention``)."""
+    from_shapes = OpAnnotation.parse(text, [t.shape for t in node.inputs], [t.shape for t in node.output_tensors])
+    sizes = dict(from_shapes.sizes)
+    sizes["h"] = node.inputs[1].shape[-3]
+    return OpAnnotation.build(from_shapes.inputs, from_shapes.outputs, [], [], reduce=from_shapes.reduce,
+                              frozen=from_shapes.frozen - {"h"}, sizes=sizes)
 
 
 def loss(node: IRNode) -> OpAnnotation:
@@ -558,3 +599,7 @@ def annotate(node: IRNode) -> Optional[OpAnnotation]:
                       f"device because {reason}; add it with nbscaler.register_op to let policies split it.",
                       stacklevel=2)
     return None
+
+
+# The ops of real model families (GPT-2's addmm, pooling, padding, routing, ...) live in their own module.
+from nbscaler.ir import model_ops  # noqa: E402,F401  (registers on import)

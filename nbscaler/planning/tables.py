@@ -151,7 +151,8 @@ def plan_json(plan: "Plan", version: int) -> Dict[str, Any]:
     for mode, g in plan.graphs.items():
         out["graphs"][mode] = [
             {"name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
-             "devices": list(n.placement.devices), "split": n.placement.split, "stage": n.stage,
+             "devices": list(n.placement.devices), "split": n.placement.split, "blocks": n.placement.blocks,
+             "stage": n.stage,
              "annotation": str(n.annotation) if n.annotation else None,
              "inputs": [t.name for t in n.inputs], "outputs": [t.name for t in n.output_tensors],
              **{k: n.meta.get(k) for k in ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written")}}

@@ -10,6 +10,9 @@
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
   Embeddings stay whole, so the residual stream they start stays replicated, as in Megatron.
+  A fused projection whose output is cut into equal blocks (``q, k, v = qkv(x).split(C, dim=2)``,
+  GPT-2's ``c_attn``) is split strided, so each device holds its own heads of q, k and v and
+  attention runs on local heads (``fused_blocks``).
 
 Each policy walks the graph in order, tracking the layout every tensor is left in, and places each
 node with the primitives of ``nbscaler.policy.primitives``.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
 
-from nbscaler.comm.layout import output_layout
+from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.policy.autodist import autodist
@@ -30,18 +33,36 @@ from nbscaler.schedule import PipelineGeometry
 Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
 
 
-def _split_dims(graph: IRGraph):
-    """Yield nodes with a lookup of the split dim (or 'P') each earlier output was left in."""
-    layout: Dict[int, object] = {}
-
-    def split_of(t: IRTensor):
-        return layout.get(id(t))
-
+def _split_layouts(graph: IRGraph):
+    """Yield nodes with a lookup of the layout each earlier output was left in (``None``: replicated)."""
+    layout: Dict[int, Layout] = {}
     for node in graph.nodes:
-        yield node, split_of
+        yield node, lambda t: layout.get(id(t))
         for i, t in enumerate(node.output_tensors):
             lay = output_layout(node, i)
-            layout[id(t)] = lay.dim if lay.kind == "S" else ("P" if lay.kind == "P" else None)
+            if lay.kind in ("S", "P"):
+                layout[id(t)] = lay
+
+
+def fused_blocks(graph: IRGraph) -> Dict[int, Tuple[int, int]]:
+    """``id(tensor) -> (dim, k)`` for tensors that are later cut into ``k`` equal blocks along
+    ``dim`` (a fused qkv output split into q, k and v), followed back through reshapes to the op
+    that makes them. A column-parallel linear that makes such a tensor splits it strided, so that
+    each device ends up with its own heads of q, k and v, and attention runs on local heads."""
+    want: Dict[int, Tuple[int, int]] = {}
+    for node in reversed(graph.nodes):
+        ann = node.annotation
+        if ann is None:
+            continue
+        for (i, name), k in ann.grouped.items():
+            want[id(node.inputs[i])] = (ann.inputs[i].index(name), k)
+        outs = node.output_tensors
+        if node.op == "reshape" and len(outs) == 1 and id(outs[0]) in want:
+            dim, k = want[id(outs[0])]
+            name = ann.outputs[0][dim]
+            if name in ann.inputs[0]:
+                want[id(node.inputs[0])] = (ann.inputs[0].index(name), k)
+    return want
 
 
 def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
@@ -89,13 +110,14 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> IRGraph:
     """Place each node on ``devices_of(node)``, split Megatron-style where that pays."""
-    for node, split_of in _split_dims(graph):
+    fused = fused_blocks(graph)
+    for node, layout_of in _split_layouts(graph):
         devices = devices_of(node)
-        choice = _tp_choice(node, split_of, len(devices)) if len(devices) > 1 else None
+        choice = _tp_choice(node, layout_of, fused, len(devices)) if len(devices) > 1 else None
         if choice is None:
             replicate(node, devices)
         else:
-            partition(node, choice, devices)
+            partition(node, choice[0], devices, blocks=choice[1])
     return graph
 
 
@@ -127,30 +149,45 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage))
 
 
-def _tp_choice(node: IRNode, split_of, n: int) -> Optional[str]:
+def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, int]]:
+    """The (dimension, blocks) to split ``node`` along, or ``None`` to replicate it."""
     ann = node.annotation
     options = splittable(node, n)
-    if not options:
+    if not options or node.op == "embedding":
         return None
-    inherited = []            # names along which an input already arrives split
+    inherited = []            # (name, blocks) along which an input already arrives split
     for i, t in enumerate(node.inputs):
-        d = split_of(t)
-        if isinstance(d, int) and ann.inputs[i] is not None:
-            inherited.append(ann.inputs[i][d])
-    if node.op == "embedding":
-        return None
+        lay = layout_of(t)
+        if lay is not None and lay.kind == "S" and ann.inputs[i] is not None:
+            name = ann.inputs[i][lay.dim]
+            own = ann.grouped.get((i, name), 1)
+            if lay.blocks % own == 0 and ann.can_split(name, n * lay.blocks // own) is None:
+                inherited.append((name, lay.blocks // own))
     weight_names = [name for i, t in enumerate(node.inputs) if t.kind == "param" and t.ndim >= 2
                     for name in ann.inputs[i] or () if name in options]
     if weight_names:
-        for name in inherited:
+        for name, blocks in inherited:
             if name in weight_names:
-                return name               # row-parallel: the input is already split along k
+                return name, blocks       # row-parallel: the input is already split along k
         column = [w for w in weight_names if w not in ann.reduce]
-        return (column or weight_names)[0]
-    for name in inherited:
+        name = (column or weight_names)[0]
+        return name, _column_blocks(node, name, fused, n)
+    for name, blocks in inherited:
         if name in options:
-            return name
+            return name, blocks
     return None
+
+
+def _column_blocks(node: IRNode, name: str, fused, n: int) -> int:
+    """Blocks of a column-parallel split: ``k`` when the output is later cut into ``k`` equal
+    blocks along the split axis (``fused_blocks``), else 1 (contiguous)."""
+    out = node.annotation.outputs[0] if node.annotation.outputs else None
+    if not node.output_tensors or out is None or name not in out:
+        return 1
+    dim, k = fused.get(id(node.output_tensors[0]), (None, 1))
+    if dim == out.index(name) and node.annotation.can_split(name, n * k) is None:
+        return k
+    return 1
 
 
 POLICIES: Dict[str, Policy] = {

@@ -18,7 +18,8 @@ def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
     """Every node placed, on the unit's devices; unplaced nodes are replicated on all of them.
 
     In a pipeline, every node has a stage, runs on its stage's devices, and reads only tensors made
-    in its own or earlier stages.
+    in its own or earlier stages. A parameter may be read in several stages (tied weights): each
+    keeps a copy, and code generation sums their gradients.
     """
     devices = tuple(range(cfg.plan_ngpus))
     if cfg.use_pipeline:
@@ -57,12 +58,3 @@ def check_stages(graph: IRGraph, geometry: PipelineGeometry) -> None:
                                   f"{stage_of[id(t)]}; data may only flow to the same or later stages.")
         for t in node.output_tensors:
             stage_of[id(t)] = node.stage
-    first = {}
-    for node in graph.nodes:
-        for t in node.inputs:
-            if t.kind == "param":
-                first.setdefault(t.name, node.stage)
-                if first[t.name] != node.stage:
-                    raise PolicyError(f"the parameter {t.name} is used in stages {first[t.name]} and {node.stage}; "
-                                      "tied weights across pipeline stages are not supported: untie them, or "
-                                      "keep the ops that use them in one stage.")

@@ -21,12 +21,13 @@ class PolicyError(ValueError):
     """A policy asked for a placement that cannot work; the message says why."""
 
 
-def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int]) -> IRNode:
+def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int], blocks: int = 1) -> IRNode:
     """Split ``node`` along its annotated dimension ``dim`` into ``len(devices)`` parts.
 
     ``dim`` is a name from the node's annotation (``'n'`` for a linear's output features), or an
     int: the dimension of the node's first input, whose name is looked up for you.
-    Device ``devices[i]`` computes part ``i``.
+    Device ``devices[i]`` computes part ``i``. ``blocks=3`` splits strided: ``dim`` is three equal
+    blocks (q, k, v of a fused projection) and device ``devices[i]`` computes part ``i`` of each.
     """
     devices = tuple(devices)
     if len(set(devices)) != len(devices) or not devices:
@@ -36,11 +37,12 @@ def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int]) -> IRN
                           "replicated; register one with nbscaler.register_op")
     if isinstance(dim, int):
         dim = dim_name(node, 0, dim)
-    reason = node.annotation.can_split(dim, len(devices))
+    reason = node.annotation.can_split(dim, len(devices) * blocks)
     if reason:
-        raise PolicyError(f"partition({node.name}, {dim!r}, {len(devices)} parts): {reason}. "
+        strided = f" in {blocks} blocks" if blocks > 1 else ""
+        raise PolicyError(f"partition({node.name}, {dim!r}, {len(devices)} parts{strided}): {reason}. "
                           f"The op is '{node.annotation}'.")
-    node.placement = Placement(devices, dim if len(devices) > 1 else None)
+    node.placement = Placement(devices, dim if len(devices) > 1 else None, blocks if len(devices) > 1 else 1)
     return node
 
 

@@ -74,7 +74,7 @@ def merge_slices(pieces: Iterable[Tuple[WeightSpec, torch.Tensor]]) -> Dict[str,
         if missing:
             raise ValueError(f"cannot rebuild '{name}': slices {missing} of {spec.parts} are missing; "
                              "pass the state of every rank of one unit.")
-        full[name] = torch.cat([slices[i] for i in range(spec.parts)], dim=spec.split_dim)
+        full[name] = spec.join([slices[i] for i in range(spec.parts)])
     return full
 
 

@@ -14,9 +14,14 @@ function            forward                            backward
 ``all_to_all``      re-split along another dim         the reverse re-split
 ``sum_grad``        pass through                       sum the partial gradients
 ``first_only``      the value on device 0, else zeros  pass the gradient through
+``batch_norm``      BatchNorm with whole-batch stats   sums the statistics' gradients
 ==================  =================================  ===================================
 
 ``group=None`` means a group of one device, where every function is the identity.
+
+``all_gather`` and ``chunk`` take ``blocks``: the tensor is that many equal blocks along ``dim``
+(q, k and v of a fused projection), each split across the devices, so a device's slice is its
+share of every block (its own heads), not one contiguous piece.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.autograd import Function
 
 Group = Optional[dist.ProcessGroup]
@@ -36,16 +42,22 @@ def _size_rank(group: Group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
     size, _ = _size_rank(group)
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    if blocks == 1:
+        return torch.cat(parts, dim=dim)
+    # parts[r] is (block 0 share r, block 1 share r, ...): regroup block by block
+    per_block = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([per_block[r][b] for b in range(blocks) for r in range(size)], dim=dim)
 
 
-def _slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+def _slice(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
     size, rank = _size_rank(group)
-    return x.chunk(size, dim=dim)[rank].contiguous()
+    if blocks == 1:
+        return x.chunk(size, dim=dim)[rank].contiguous()
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in x.chunk(blocks, dim=dim)], dim=dim)
 
 
 def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -56,24 +68,24 @@ def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _AllGather(Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _gather(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _slice(grad, ctx.dim, ctx.group), None, None
+        return _slice(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _Chunk(Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _slice(x, dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _slice(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+        return _gather(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _AllReduce(Function):
@@ -132,14 +144,15 @@ class _FirstOnly(Function):
         return grad, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Split along ``dim`` -> replicated."""
-    return x if group is None else _AllGather.apply(x, dim, group)
+def all_gather(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+    """Split along ``dim`` (in ``blocks`` equal blocks) -> replicated."""
+    return x if group is None else _AllGather.apply(x, dim, group, blocks)
 
 
-def chunk(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Replicated -> this device's slice along ``dim`` (no communication forward)."""
-    return x if group is None else _Chunk.apply(x, dim, group)
+def chunk(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+    """Replicated -> this device's slice along ``dim`` (of each of ``blocks`` equal blocks); no
+    communication forward."""
+    return x if group is None else _Chunk.apply(x, dim, group, blocks)
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -165,3 +178,35 @@ def sum_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
 def first_only(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep the value on the group's first device and zeros elsewhere, so a sum counts it once."""
     return x if group is None else _FirstOnly.apply(x, group)
+
+
+def batch_norm(x: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+               weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5, group: Group = None) -> torch.Tensor:
+    """``F.batch_norm`` on a batch split across ``group``, with the statistics of the whole batch.
+
+    Each device sums its share per channel; an all-reduce makes the whole batch's mean, then its
+    variance (two passes, as one process computes them). ``sum_grad`` after each all-reduce sums
+    the gradients that flow back into the statistics, so the backward equals one process's too.
+    Running statistics are updated with the whole batch's mean and unbiased variance, the same on
+    every device.
+    """
+    if group is None or not training:
+        return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    size, _ = _size_rank(group)
+    dims = [0] + list(range(2, x.ndim))                       # every axis but the channels
+    count = x.numel() // x.shape[1] * size
+    shape = [1, -1] + [1] * (x.ndim - 2)                      # (1, C, 1, 1) to broadcast per channel
+    mean = sum_grad(all_reduce(x.sum(dims), group), group) / count
+    centred = x - mean.view(shape)
+    var = sum_grad(all_reduce((centred * centred).sum(dims), group), group) / count
+    y = centred * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    if running_mean is not None and running_var is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.detach() * count / max(count - 1, 1), alpha=momentum)
+    return y

@@ -40,7 +40,9 @@ class WeightSpec:
     """Which part of an original parameter or buffer a local one holds.
 
     ``split_dim=None``: the whole tensor, a copy of which lives on each of ``devices``. Otherwise
-    slice ``index`` of ``parts`` along ``split_dim``; the slices live on ``devices``.
+    slice ``index`` of ``parts`` along ``split_dim``; the slices live on ``devices``. With
+    ``blocks=3`` the dim is three equal blocks (a fused q, k, v projection) and the slice is part
+    ``index`` of each block, concatenated: this device's heads of q, k and v.
     """
 
     name: str
@@ -53,6 +55,7 @@ class WeightSpec:
     index: int = 0
     persistent: bool = True
     replicas: Tuple[int, ...] = ()      # plan devices holding copies whose gradients must be summed
+    blocks: int = 1
 
     @property
     def copies(self) -> int:
@@ -69,12 +72,14 @@ class WeightSpec:
         """Plain values only, so checkpoints load with ``torch.load(..., weights_only=True)``."""
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
                 "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
-                "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas)}
+                "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
+                "blocks": self.blocks}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
         return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
-                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]))
+                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]),
+                   d.get("blocks", 1))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -90,7 +95,15 @@ class WeightSpec:
                              f"{tuple(self.shape)}")
         if self.split_dim is None:
             return full
-        return full.chunk(self.parts, dim=self.split_dim)[self.index]
+        blocks = full.chunk(self.blocks, dim=self.split_dim)
+        return torch.cat([b.chunk(self.parts, dim=self.split_dim)[self.index] for b in blocks], dim=self.split_dim)
+
+    def join(self, slices: List[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every device's slice, in index order (the inverse of ``take``)."""
+        if self.blocks == 1:
+            return torch.cat(slices, dim=self.split_dim)
+        per_slice = [s.chunk(self.blocks, dim=self.split_dim) for s in slices]
+        return torch.cat([p[b] for b in range(self.blocks) for p in per_slice], dim=self.split_dim)
 
 
 def runtime_device() -> torch.device:

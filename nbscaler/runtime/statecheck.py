@@ -76,14 +76,16 @@ def check_record(own: Dict[str, Any], saved: Any, where: str) -> None:
 def _slice_identity(spec: Dict[str, Any]) -> Tuple[Any, ...]:
     """What decides whether a saved tensor fits a local one: the same slice of the same tensor
     (which devices hold it does not matter, and torch's copy converts the dtype)."""
-    return spec["name"], spec["kind"], tuple(spec["shape"]), spec["split_dim"], spec["parts"], spec["index"]
+    return (spec["name"], spec["kind"], tuple(spec["shape"]), spec["split_dim"], spec["parts"], spec["index"],
+            spec.get("blocks", 1))
 
 
 def _slice(spec: Dict[str, Any]) -> str:
     shape = tuple(spec["shape"])
     if spec["split_dim"] is None:
         return f"(whole, shape {shape})"
-    return f"(part {spec['index']} of {spec['parts']} along dim {spec['split_dim']} of shape {shape})"
+    strided = f", strided in {spec['blocks']} blocks" if spec.get("blocks", 1) > 1 else ""
+    return f"(part {spec['index']} of {spec['parts']} along dim {spec['split_dim']}{strided} of shape {shape})"
 
 
 def describe_slot(slot: Dict[str, Any]) -> str:

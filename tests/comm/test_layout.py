@@ -21,3 +21,20 @@ S0, S2 = Layout.split(0), Layout.split(2)
 ])
 def test_conversions(have, want, steps):
     assert conversion(have, want) == steps
+
+
+QKV, QKV0 = Layout.split(2, blocks=3), Layout.split(0, blocks=3)
+
+
+@pytest.mark.parametrize("have, want, steps", [
+    (QKV, QKV, []),
+    (R, QKV, [Step("chunk", dim=2, blocks=3)]),
+    (QKV, R, [Step("all_gather", dim=2, blocks=3)]),
+    (S2, QKV, [Step("all_gather", dim=2), Step("chunk", dim=2, blocks=3)]),
+    (P, QKV0, [Step("all_reduce"), Step("chunk", dim=0, blocks=3)]),
+    (QKV, Layout("R*"), [Step("all_gather", dim=2, blocks=3), Step("sum_grad")]),
+])
+def test_strided_conversions_go_through_the_whole_tensor(have, want, steps):
+    """A strided split (each device its share of every block) never meets a contiguous one in an
+    all_to_all or reduce_scatter: the whole tensor is rebuilt in between."""
+    assert conversion(have, want) == steps

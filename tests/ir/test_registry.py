@@ -79,7 +79,34 @@ CASES = [
      ["d0", "d1", "d2"], []),
     ("sdpa", lambda m, x, y: F.scaled_dot_product_attention(x, x, x, is_causal=True), (torch.randn(2, 4, 6, 8),), (),
      ["b0", "h"], []),
+    ("sdpa gqa", lambda m, x, y: F.scaled_dot_product_attention(x, y, y, enable_gqa=True),
+     (torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)), (), ["b0", "h"], []),
+    ("addmm", lambda m, x, y: torch.addmm(m.p1, x, m.p0), (torch.randn(6, 8),), (torch.randn(8, 4), torch.randn(4)),
+     ["m", "n"], ["k"]),
+    ("baddbmm", lambda m, x, y: torch.baddbmm(y, x, x.transpose(1, 2)), (torch.randn(2, 4, 8), torch.randn(2, 4, 4)),
+     (), ["b", "m", "n"], ["k"]),
+    ("pad", lambda m, x, y: F.pad(x, (0, 1)), (torch.randn(4, 6),), (), ["d0"], []),
+    ("gather", lambda m, x, y: torch.gather(x, 1, y), (torch.randn(4, 6), torch.zeros(4, 2, dtype=torch.long)), (),
+     ["d0", "pick"], []),
+    ("topk", lambda m, x, y: torch.topk(x, 2, dim=-1)[0], (torch.randn(4, 6),), (), ["d0"], []),
+    ("max_pool2d", lambda m, x, y: F.max_pool2d(x, 2), (torch.randn(2, 4, 6, 6),), (), ["n", "c"], []),
+    ("adaptive_avg_pool2d", lambda m, x, y: F.adaptive_avg_pool2d(x, 1), (torch.randn(2, 4, 6, 6),), (),
+     ["n", "c"], []),
+    ("hardswish", lambda m, x, y: F.hardswish(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("hardsigmoid", lambda m, x, y: F.hardsigmoid(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
+    ("fused qkv split", lambda m, x, y: x.split(4, dim=-1)[1], (torch.randn(2, 12),), (), ["d0", "h"], []),
 ]
+
+
+def test_gqa_attention_splits_heads_only_as_far_as_the_key_heads_go():
+    node = annotation_of(lambda m, x, y: F.scaled_dot_product_attention(x, y, y, enable_gqa=True),
+                         torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8))
+    assert node.annotation.can_split("h", 2) is None and node.annotation.can_split("h", 4) is not None
+
+
+def test_routing_runs_whole_on_purpose():
+    node = annotation_of(lambda m, x, y: torch.histc(x, bins=4, min=0, max=4), torch.rand(8))
+    assert node.op == "routing" and node.annotation.splittable(2) == []
 
 
 @pytest.mark.parametrize("name, fn, inputs, params, splittable, reducible", CASES, ids=[c[0] for c in CASES])
@@ -98,6 +125,8 @@ def test_reshape_pairs_outer_axes():
     assert node.annotation.can_split("g2", 4) is None and node.annotation.can_split("g2", 8) is not None
 
 
-def test_batch_norm_training_keeps_batch_whole():
-    node = annotation_of(lambda m, x, y: F.batch_norm(x, None, None, training=True), torch.randn(4, 3))
-    assert "must not be split" in node.annotation.can_split("n", 2)
+def test_batch_norm_training_splits_the_batch_but_not_the_maps():
+    """Generated code then calls comm.batch_norm, which sums the statistics across the devices."""
+    node = annotation_of(lambda m, x, y: F.batch_norm(x, None, None, training=True), torch.randn(4, 3, 5))
+    assert node.annotation.can_split("n", 2) is None
+    assert "must not be split" in node.annotation.can_split("s0", 2)

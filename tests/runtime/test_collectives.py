@@ -42,6 +42,18 @@ def _collectives_on_ranks():
     (y * square.chunk(world, 1)[rank]).sum().backward()
     out["all_to_all"] = (y, x.grad)
 
+    # strided: rows are 3 blocks (q, k, v); a rank holds its share of each block
+    fused = torch.arange(world * 6 * 2, dtype=torch.float64).reshape(world * 6, 2)
+    heads = torch.cat([b.chunk(world, 0)[rank] for b in fused.chunk(3, 0)])
+    x = heads.clone().requires_grad_()
+    y = comm.all_gather(x, dim=0, group=group, blocks=3)
+    (y * fused).sum().backward()
+    out["all_gather_blocks"] = (y, x.grad, heads)
+    x = fused.clone().requires_grad_()
+    y = comm.chunk(x, dim=0, group=group, blocks=3)
+    y.sum().backward()
+    out["chunk_blocks"] = (y, x.grad, heads)
+
     x = full.clone().requires_grad_()
     y = comm.sum_grad(x, group=group)
     (y * (rank + 1)).sum().backward()
@@ -60,7 +72,12 @@ def test_collectives_forward_and_backward(world):
     outs = run_ranks(_collectives_on_ranks, world)
     full = torch.arange(world * 6, dtype=torch.float64).reshape(world * 2, 3)
     tri = sum(range(1, world + 1))
+    fused = torch.arange(world * 6 * 2, dtype=torch.float64).reshape(world * 6, 2)
     for r, o in enumerate(outs):
+        y, g, heads = o["all_gather_blocks"]
+        assert torch.equal(y, fused) and torch.equal(g, heads)
+        y, g, heads = o["chunk_blocks"]
+        assert torch.equal(y, heads) and torch.equal(g, torch.ones_like(fused))
         y, g = o["all_gather"]
         assert torch.equal(y, full) and torch.equal(g, full.chunk(world, 0)[r])
         y, g = o["chunk"]

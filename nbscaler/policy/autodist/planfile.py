@@ -6,7 +6,8 @@ One entry per op, in graph order, named as in the generated code::
      "ops": [{"name": "linear_3", "module": "blocks.0.mlp.fc", "target": "torch.nn.functional.linear",
               "split": "n", "stage": null}, ...]}
 
-``split`` is a dim name of the op's annotation or ``"replicate"``; ``stage`` is the pipeline stage.
+``split`` is a dim name of the op's annotation or ``"replicate"``; ``stage`` is the pipeline stage;
+``blocks`` (only where it is not 1) makes the split strided, as for a fused qkv projection.
 Editing a ``split`` and loading the file back (``pas_config={'load_plan_path': ...}``) is how a
 plan is tuned by hand; a file that does not fit the graph is refused with the first op that differs.
 """
@@ -27,7 +28,8 @@ FORMAT, VERSION = "nbscaler-autodist-plan", 1
 def save_plan(graph: IRGraph, plan_ngpus: int, path: str) -> None:
     """Write the placement of every op of ``graph`` to ``path`` (atomically)."""
     ops = [{"name": n.name, "module": n.module_path, "target": n.target,
-            "split": n.placement.split or "replicate", "stage": n.stage} for n in graph.nodes]
+            "split": n.placement.split or "replicate", "stage": n.stage,
+            **({"blocks": n.placement.blocks} if n.placement.blocks > 1 else {})} for n in graph.nodes]
     data = {"format": FORMAT, "version": VERSION, "plan_ngpus": plan_ngpus, "mode": graph.mode, "ops": ops}
     atomic_write_bytes(Path(path), json.dumps(data, indent=1).encode())
 
@@ -56,5 +58,5 @@ def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
         if split == "replicate" or len(devices) == 1:
             replicate(node, devices)
         else:
-            partition(node, split, devices)       # refuses a dim the op cannot be split along
+            partition(node, split, devices, blocks=op.get("blocks", 1))   # refuses a dim the op cannot split along
     return graph

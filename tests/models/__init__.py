@@ -1,5 +1,8 @@
 """Small real models the equivalence tests run: each builds deterministically from a seed and
-comes with a batch maker, so every rank and the single-process reference see the same thing."""
+comes with a batch maker, so every rank and the single-process reference see the same thing.
+
+``hf`` holds transformers models from tiny configs, ``vision`` convolutional networks built from
+ResNet and MobileNetV3 blocks."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbscaler import register_op
+from tests.models import hf, vision
 
 
 class MLP(nn.Module):
@@ -83,6 +87,10 @@ def batch(name: str, seed: int, n: int = 8):
     if name == "llama":
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
+    if name in hf.BUILDERS:
+        return hf.batch(name, g)
+    if name in vision.BUILDERS:
+        return vision.batch(name, g)
     if name == "cnn":
         return {"x": torch.randn(n // 2, 3, 8, 8, generator=g), "y": torch.randint(0, 4, (n // 2,), generator=g)}
     return {"x": torch.randn(n, 16, generator=g), "y": torch.randint(0, 4, (n,), generator=g)}
@@ -90,6 +98,10 @@ def batch(name: str, seed: int, n: int = 8):
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if name in hf.BUILDERS:
+        return hf.build(name)
+    if name in vision.BUILDERS:
+        return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
             "user_op": UserOp}[name]()
 
