@@ -13,8 +13,6 @@ Two parts:
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -22,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 import nbscaler
-from benchmarks.runs import MODELS, Run, measure, pipeline, predict
+from benchmarks.runs import MODELS, Run, machine, measure, parser, pipeline, predict, write_results
 from nbscaler import ComputeConfig
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
@@ -68,13 +66,9 @@ def table(results: Dict[str, Dict[Run, Dict[str, float]]]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2, choices=[2, 4])
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--skip-search", action="store_true", help="leave out the 12-layer GPT search timing")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    cli = parser(__doc__.splitlines()[0], list(MODELS), RESULTS)
+    cli.add_argument("--skip-search", action="store_true", help="leave out the 12-layer GPT search timing")
+    args = cli.parse_args(argv)
     torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
     parts = []
     if not args.skip_search:
@@ -88,12 +82,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for run in contenders(model, args.ranks):
             print(f"  {model}: {run} ...", flush=True)
             results[model][run] = step_times(run, args.steps)
-    parts.append(f"Step times on {args.ranks} CPU ranks (1 thread each), AdamW, {args.steps} steps; machine: "
-                 f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(results)}")
-    text = "\n\n".join(parts) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print("\n" + text + f"\nwritten to {args.out}")
+    parts.append(f"Step times on {machine(args.ranks, args.steps)}.\n\n{table(results)}")
+    write_results(args.out, "\n\n".join(parts) + "\n")
     return 0
 
 

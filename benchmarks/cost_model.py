@@ -15,15 +15,13 @@ slower than that, which the model does not see: read the time errors with the ma
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchmarks.runs import MODELS, ZERO, Run, measure, pipeline, predict
+from benchmarks.runs import ZERO, Run, machine, measure, parser, pipeline, predict, write_results
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 
 RESULTS = Path(__file__).parent / "results" / "cost_model.md"
@@ -75,23 +73,14 @@ def table(rows: List[Dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2, choices=[2, 4])
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
-    parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=list(MODELS))
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = parser(__doc__.splitlines()[0], ["gpt", "llama"], RESULTS).parse_args(argv)
     torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
     rows = []
     for model in args.models:
         for run in runs(model, args.ranks):
             print(f"  {model}: {run} ...", flush=True)
             rows.append(compare(run, args.steps))
-    text = (f"{len(rows)} runs on {args.ranks} CPU ranks (1 thread each), AdamW, {args.steps} steps; machine: "
-            f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print("\n" + text + f"\nwritten to {args.out}")
+    write_results(args.out, f"{len(rows)} runs on {machine(args.ranks, args.steps)}.\n\n{table(rows)}\n")
     return 0
 
 

@@ -8,11 +8,13 @@ rank, the memory of the last step by category, the median step time and the pipe
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -143,3 +145,26 @@ def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
     """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` (the median over
     the steps after the first), ``bubble`` (pipelines) and ``losses``; one thread per rank."""
     return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
+
+
+def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:
+    """The options every benchmark over ``Run``s takes: ranks, steps, models and the results file."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--ranks", type=int, default=2, choices=[2, 4])
+    p.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
+    p.add_argument("--models", nargs="+", default=models, choices=list(MODELS))
+    p.add_argument("--out", type=Path, default=out)
+    return p
+
+
+def write_results(out: Path, text: str) -> None:
+    """Write a benchmark's markdown and print it, with where it went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print("\n" + text + f"\nwritten to {out}")
+
+
+def machine(nranks: int, steps: int) -> str:
+    """One line on how the measurements were taken, with the machine's load."""
+    return (f"{nranks} CPU ranks (1 thread each), AdamW, {steps} steps; machine: {os.cpu_count()} cores, "
+            f"load average {os.getloadavg()[0]:.1f} at the end")
