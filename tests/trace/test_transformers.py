@@ -12,33 +12,23 @@ import torch
 
 from nbscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.trace import trace_module
+from tests.models import hf
+from tests.models.hf import SEQ, VOCAB
 from tests.multiprocess import assert_close, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, STEPS = 64, 8, 3
+STEPS = 3
 MODELS = ["llama", "qwen2", "mistral", "gpt2", "bert"]
 
 
 def small_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """A two-layer model of the family ``name``, without dropout (so ranks and one process agree)."""
+    """The two-layer model of family ``name`` from ``tests.models.hf``, called directly (no loss
+    wrapper) and without a key/value cache in its outputs."""
     torch.manual_seed(seed)
-    T = transformers
-    decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(**decoder))
-    if name == "qwen2":
-        return T.Qwen2ForCausalLM(T.Qwen2Config(**decoder))
-    if name == "mistral":
-        return T.MistralForCausalLM(T.MistralConfig(**decoder))
-    if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                              use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                              bos_token_id=0, eos_token_id=0))
-    return T.BertForMaskedLM(T.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, max_position_embeddings=64,
-                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = getattr(hf, name)()
+    model.config.use_cache = False
+    return model
 
 
 def sample(seed: int, mask: bool = True):
