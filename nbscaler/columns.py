@@ -9,9 +9,10 @@ notebook subtract one table from the other. The terms, fixed once:
   training step (collectives inside a unit, pipeline sends, gradient synchronisation).
 - ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once).
 - ``grad_bytes``: gradients held after the backward and the gradient synchronisation: the ``.grad``
-  of the local parameters and, with ZeRO, of the flat shards the optimizer updates.
+  of the local parameters; with ZeRO, only the gradient of this rank's shard of each flat bucket
+  (the full gradients are freed once reduce-scattered).
 - ``optimizer_bytes``: what the optimizer adds: its state (momentum, Adam's moments and step
-  counters) and, with ZeRO, the flat parameter shards it updates (copies, not the parameters).
+  counters); with ZeRO, for this rank's shard only (the shards are views of the parameters).
 - ``buffer_bytes``: the rank's buffers and captured constants (e.g. BatchNorm statistics, masks).
 - ``activation_bytes``: tensors autograd saves for the backward during one training step's forward,
   each storage counted once, parameters and buffers excluded; for a pipeline, the most that is
