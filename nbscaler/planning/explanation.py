@@ -56,11 +56,21 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
     return Explanation("\n".join(lines), rows.drop(columns=["layer", "cost_s"]))
 
 
+#: What a kept built-in placement does that the op-by-op search does not.
+_WHY_KEPT = {"tp": "it splits fused projections by heads, a strided split the search does not make",
+             "data": "it splits the batch through every op, which the search weighs one edge at a time"}
+
+
 def _search_line(info) -> str:
     how = "exact" if info["exact"] else f"the best of up to {info['states']} partial plans kept per op"
     line = f"autodist searched in {info.get('search_s', 0):.2f} s ({how})"
     if info.get("staging") and info["staging"] != "none":
         line += f"; stages cut by {info['staging']} (of {', '.join(info['stagings'])}, by the schedule simulator)"
+    if info.get("kept", "search") != "search":
+        scores = info["rival_scores"]
+        line += (f"; kept {info['kept']}'s placement, predicted at {scores[info['kept']] * 1e3:.3g} ms a step "
+                 f"against the search's {scores['search'] * 1e3:.3g} ms ({_WHY_KEPT[info['kept']]}; the table "
+                 "below is the search's)")
     if info.get("memory_limit_bytes"):
         line += (f"; memory limit {info['memory_limit_bytes'] / 2**20:.4g} MiB, predicted peak "
                  f"{info['peak_bytes'] / 2**20:.4g} MiB")

@@ -53,6 +53,8 @@ def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
                          lambda stage: geometry.stage_group(stage) if geometry and stage is not None else unit)
     start = time.perf_counter()
     searcher, info = _search_stage_counts(graph, cfg, opts)
+    if geometry is None and not opts.autodist_constraints:
+        _keep_faster_builtin(graph, cfg, opts, searcher, info)
     searcher.profiler.save()                  # op times profiled here serve the next search too
     info["search_s"] = time.perf_counter() - start
     graph.meta["autodist"] = info
@@ -61,6 +63,33 @@ def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     if opts.save_plan_path:
         save_plan(graph, cfg.plan_ngpus, opts.save_plan_path)
     return graph
+
+
+def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions, searcher: "_Searcher",
+                         info: dict) -> None:
+    """Keep a built-in placement when the step model predicts it faster than the searched one.
+
+    The search chooses each op's split from its annotation; some plans are made of moves it does not
+    take, such as ``tp``'s split of a fused q/k/v projection by heads (a strided split). Each
+    built-in that applies is placed, scored with the same step model and memory limit, and the
+    fastest plan is kept; ``info['kept']`` says which, ``info['rival_scores']`` the predicted steps.
+    """
+    from nbscaler.policy.builtin import data, tp           # the built-ins register autodist
+    rivals = {"tp": tp, "data": data}
+    scores = {"search": searcher.score()}
+    for name, rival in rivals.items():
+        try:
+            rival(graph, cfg)
+        except PolicyError:
+            continue
+        if opts.memory_limit_bytes is None or searcher.peak_bytes() <= opts.memory_limit_bytes:
+            scores[name] = searcher.score()
+    kept = min(scores, key=lambda k: (scores[k], k != "search"))
+    if kept == "search":
+        searcher.place(info["bytes_weight"])
+    else:
+        rivals[kept](graph, cfg)
+    info["kept"], info["rival_scores"] = kept, scores
 
 
 def stage_count_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
