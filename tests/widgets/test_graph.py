@@ -335,3 +335,18 @@ def test_a_long_functional_forward_opens_in_segments():
     view.select(150)
     assert view.widget.marks["selected"] == ["#150"] and "ops128-159" in view.expanded
     assert view.scene().total_bytes() == p.collectives.bytes_per_device.sum()
+
+
+def test_a_cached_layout_serves_a_scene_of_the_same_shape_with_other_keys(plan):
+    # DOT names boxes by position, so two plans (two models, say) can share one cached layout; each
+    # must get it under its own box keys.
+    from nbscaler.widgets.graph.model import GraphModel
+    from nbscaler.widgets.graph.scene import Edge, Scene
+    scene = GraphModel(plan).scene("logical", frozenset())
+    key = {k: f"{k}'" for k in scene.boxes}
+    renamed = Scene({key[k]: b for k, b in scene.boxes.items()},
+                    [Edge(key[e.src], key[e.dst], e.tensors, e.bytes, e.collectives) for e in scene.edges],
+                    {}, [key.get(k, k) for k in scene.top])
+    first, second = layout_module.layout_scenes([scene, renamed])
+    assert set(second.boxes) == set(renamed.boxes) and set(first.boxes) == set(scene.boxes)
+    assert all(second.boxes[key[k]] == first.boxes[k] for k in scene.boxes)

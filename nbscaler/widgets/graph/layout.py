@@ -25,7 +25,7 @@ Rect = Tuple[float, float, float, float]            # x, y (top left), width, he
 
 BOX_HEIGHT = {BoxKind.MODULE: 46.0, BoxKind.OP: 40.0, BoxKind.IO: 36.0}
 FRAME_LABEL_SIZE = 11
-_CACHE: "OrderedDict[str, GraphLayout]" = OrderedDict()
+_CACHE: "OrderedDict[str, Tuple[GraphLayout, List[str]]]" = OrderedDict()   # DOT text -> (layout, its box keys)
 _CACHE_SIZE = 256
 
 
@@ -90,12 +90,21 @@ def layout_scenes(scenes: Sequence[Scene]) -> List[GraphLayout]:
             out, err = proc.communicate(text)
             if proc.returncode != 0:
                 raise LayoutError(f"dot failed ({proc.returncode}): {err.strip()[:500]}")
-            _remember(text, _parse(json.loads(out), keys, scene))
+            _remember(text, _parse(json.loads(out), keys, scene), keys)
     out = []
-    for text, _ in dots:
+    for text, keys in dots:
         _CACHE.move_to_end(text)
-        out.append(_CACHE[text])
+        layout, cached_keys = _CACHE[text]
+        out.append(layout if cached_keys == keys else _rekeyed(layout, cached_keys, keys))
     return out
+
+
+def _rekeyed(layout: GraphLayout, old: List[str], new: List[str]) -> GraphLayout:
+    """A cached layout for a scene of the same shape whose boxes have other keys (the DOT text names
+    boxes by position, so two plans' op ids can share one layout)."""
+    key = dict(zip(old, new))
+    return GraphLayout(layout.width, layout.height, {key[k]: r for k, r in layout.boxes.items()}, layout.frames,
+                       {(key[a], key[b]): e for (a, b), e in layout.edges.items()})
 
 
 def _start_dot(text: str) -> subprocess.Popen:
@@ -107,8 +116,8 @@ def _start_dot(text: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _remember(text: str, layout: GraphLayout) -> None:
-    _CACHE[text] = layout
+def _remember(text: str, layout: GraphLayout, keys: List[str]) -> None:
+    _CACHE[text] = (layout, keys)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
 
