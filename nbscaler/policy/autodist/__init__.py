@@ -185,7 +185,7 @@ class _Searcher:
                 for s in range(self.geometry.schedule.nstages)]
 
     def peak_bytes(self) -> int:
-        graphs = {self.graph.mode: self.graph}
+        graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
         memory = memory_per_rank(graphs, storage_layouts([self.graph]), self.cfg, self.geometry,
                                  optimizer=self.opts.optimizer)
         return int(memory["peak_bytes"].max())
@@ -267,7 +267,7 @@ class _Searcher:
 
     def score(self) -> float:
         """The predicted step time of the current placement: the schedule simulator's makespan."""
-        graphs = {self.graph.mode: self.graph}
+        graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
         return predicted_timeline(graphs, storage_layouts([self.graph]), self.cfg, self.geometry).makespan
 
 
