@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Tuple
 
 from nbscaler.comm.layout import Layout, output_layout
+from nbscaler.columns import StrEnum
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.policy.autodist import autodist
@@ -190,13 +191,27 @@ def _column_blocks(node: IRNode, name: str, fused, n: int) -> int:
     return 1
 
 
+class BuiltinPolicy(StrEnum):
+    """The policies the planner accepts by name, in the order a user is offered them."""
+
+    DP = "dp"
+    TP = "tp"
+    DATA = "data"
+    PP = "pp"
+    HYBRID = "hybrid"
+    AUTODIST = "autodist"
+
+
+PIPELINE_POLICIES = (BuiltinPolicy.PP, BuiltinPolicy.HYBRID)
+"""Policies that always build a pipeline (they refuse a config without one)."""
+
 POLICIES: Dict[str, Policy] = {
-    "dp": dp,
-    "tp": tp,
-    "data": data,
-    "pp": pp,
-    "hybrid": hybrid,
-    "autodist": autodist,
+    BuiltinPolicy.DP: dp,
+    BuiltinPolicy.TP: tp,
+    BuiltinPolicy.DATA: data,
+    BuiltinPolicy.PP: pp,
+    BuiltinPolicy.HYBRID: hybrid,
+    BuiltinPolicy.AUTODIST: autodist,
 }
 
 

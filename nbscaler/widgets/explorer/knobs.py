@@ -14,25 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Union
 
-from nbscaler.columns import StrEnum
 from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
+from nbscaler.policy.builtin import PIPELINE_POLICIES, BuiltinPolicy
 
 Policy = Union[str, Callable[..., Any]]
-
-
-class BuiltinPolicy(StrEnum):
-    """The policies the planner accepts by name, in the order the Explorer offers them."""
-
-    DP = "dp"
-    TP = "tp"
-    DATA = "data"
-    PP = "pp"
-    HYBRID = "hybrid"
-    AUTODIST = "autodist"
-
-
-PIPELINE_POLICIES = (BuiltinPolicy.PP, BuiltinPolicy.HYBRID)
-"""Policies that always build a pipeline, whatever the stages knob says."""
 
 
 @dataclass(frozen=True)
