@@ -25,7 +25,7 @@ from typing import Callable, Dict, Optional, Tuple
 from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import ComputeConfig
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import stage_by_cost

@@ -20,7 +20,7 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import fmt_bytes
-from nbscaler.widgets.plotting import PLOTLYJS, figure_html, show_figure
+from nbscaler.widgets.plotting import FigureAndTable, PLOTLYJS, figure_html
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -81,10 +81,8 @@ class MemoryView(View):
         self._redraw()
 
     def _build_widget(self) -> widgets.VBox:
-        self.figure_output = widgets.Output()
-        show_figure(self.figure_output, self.figure)
-        self.gap_html = widgets.HTML(self.gap_table)
-        return widgets.VBox([self.figure_output, self.gap_html])
+        self._live = FigureAndTable(self.figure, self.gap_table)
+        return self._live.box
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -94,8 +92,7 @@ class MemoryView(View):
         self.figure = memory_figure(self.predicted, measured, self._title())
         self.gap_table = self._gap_table()
         if self._widget is not None:                 # redraw the live one in place
-            show_figure(self.figure_output, self.figure)
-            self.gap_html.value = self.gap_table
+            self._live.show(self.figure, self.gap_table)
 
     def _title(self) -> str:
         opt = self.optimizer.__name__

@@ -47,6 +47,20 @@ def show_figure(output: widgets.Output, figure: go.Figure) -> None:
     output.outputs = (figure_output(figure),)
 
 
+class FigureAndTable:
+    """The live form of a chart view: a plotly figure above an HTML table, redrawn in place."""
+
+    def __init__(self, figure: go.Figure, table: str) -> None:
+        self.output = widgets.Output()
+        show_figure(self.output, figure)
+        self.table = widgets.HTML(table)
+        self.box = widgets.VBox([self.output, self.table])
+
+    def show(self, figure: go.Figure, table: str) -> None:
+        show_figure(self.output, figure)
+        self.table.value = table
+
+
 def plotlyjs_script() -> str:
     """The whole of plotly.js as one inline ``<script>`` (no network)."""
     return f"<script type='text/javascript'>{get_plotlyjs()}</script>"

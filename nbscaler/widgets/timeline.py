@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
-from nbscaler.widgets.plotting import PLOTLYJS, figure_html, show_figure
+from nbscaler.widgets.plotting import FigureAndTable, PLOTLYJS, figure_html
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -88,10 +88,8 @@ class TimelineView(View):
         self._redraw()
 
     def _build_widget(self) -> widgets.VBox:
-        self.figure_output = widgets.Output()
-        show_figure(self.figure_output, self.figure)
-        self.table_html = widgets.HTML(self.bubble_table)
-        return widgets.VBox([self.figure_output, self.table_html])
+        self._live = FigureAndTable(self.figure, self.bubble_table)
+        return self._live.box
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -109,8 +107,7 @@ class TimelineView(View):
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         if self._widget is not None:                 # redraw the live one in place
-            show_figure(self.figure_output, self.figure)
-            self.table_html.value = self.bubble_table
+            self._live.show(self.figure, self.bubble_table)
 
     def _figure(self) -> go.Figure:
         pipelined = self.plan.config.use_pipeline
