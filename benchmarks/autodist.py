@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 import nbscaler
-from benchmarks.runs import MODELS, Run, machine, measure, parser, pipeline, predict, write_results
+from benchmarks.runs import MODELS, Run, calibrate_collectives, machine, measure, parser, pipeline, predict, write_results
 from nbscaler import ComputeConfig
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
@@ -80,6 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         searched = search_seconds()
         parts.append("Search time, 12-layer GPT (d=768) on 8 devices: "
                      + ", ".join(f"{k}: {v:.1f} s" for k, v in searched.items()) + ".")
+    calibrate_collectives(args.ranks)
     results: Dict[str, Dict[Run, Dict[str, float]]] = {}
     for model in args.models:
         results[model] = {}

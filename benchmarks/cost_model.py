@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchmarks.runs import ZERO, Run, machine, measure, parser, pipeline, predict, write_results
+from benchmarks.runs import ZERO, Run, calibrate_collectives, machine, measure, parser, pipeline, predict, write_results
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 
 RESULTS = Path(__file__).parent / "results" / "cost_model.md"
@@ -75,6 +75,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser(__doc__.splitlines()[0], ["gpt", "llama"], RESULTS).parse_args(argv)
     torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
+    calibrate_collectives(args.ranks)
     rows = []
     for model in args.models:
         for run in runs(model, args.ranks):

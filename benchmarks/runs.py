@@ -9,6 +9,7 @@ rank, the memory of the last step by category, the median step time and the pipe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import nbscaler
 from nbscaler import ComputeConfig, build_optimizer, parallelize
+from nbscaler.cost import comm_model
 from nbscaler.models import gpt, llama
 from nbscaler.runtime.launch import spawn
 from nbscaler.runtime.memory import MemoryMeter
@@ -125,19 +127,25 @@ def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
     pm = parallelize(build(), {"batch": sample(0)}, run.policy, run.config, gen_savedir=GEN_DIR,
                      instance_name=f"{run.model}_{run}".replace(" ", "_").replace("+", ""), reuse="override")
     opt = build_optimizer(pm, OPTIMIZER, **OPTIMIZER_KWARGS)
-    times, losses = [], []
-    for step in range(steps):
+    times, losses, bubble = [], [], None
+    # Timed steps run without the meter: its saved-tensor hooks cost Python time per saved tensor.
+    # One more step under the meter then counts the memory.
+    for step in range(steps + 1):
         samples = [sample(1000 * step + 10 * unit + m) for m in range(run.nmicros)]
+        metered = step == steps
         dist.barrier()
         start = time.perf_counter()
-        with MemoryMeter(pm, opt) as meter:
+        with MemoryMeter(pm, opt) if metered else contextlib.nullcontext() as meter:
             out = pm.train_step(samples)
             opt.step()
-        times.append(time.perf_counter() - start)
-        memory = meter.stats()           # before zero_grad, while the gradients are still held
+        if not metered:
+            times.append(time.perf_counter() - start)
+            if run.config.use_pipeline:           # the last timed step's blocks, not the metered one's
+                bubble = pm.pipeline_timeline().bubble_fraction
+        else:
+            memory = meter.stats()       # before zero_grad, while the gradients are still held
         opt.zero_grad()
         losses.append(float(sum(out)))
-    bubble = pm.pipeline_timeline().bubble_fraction if run.config.use_pipeline else None
     return {"memory": memory, "step_s": statistics.median(times[1:]), "bubble": bubble, "losses": losses}
 
 
@@ -145,6 +153,12 @@ def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
     """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` (the median over
     the steps after the first), ``bubble`` (pipelines) and ``losses``; one thread per rank."""
     return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
+
+
+def calibrate_collectives(nranks: int) -> None:
+    """Calibrate the alpha-beta model of collectives on ``nranks`` local ranks, now (the machine's
+    load decides their latency, so a cached calibration from another moment would mislead)."""
+    spawn(comm_model.ensure_calibrated, nranks, True, threads=1, timeout=300)
 
 
 def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nbscaler.cluster.engine import report
 from nbscaler.config import ComputeConfig
+from nbscaler.cost import comm_model
 from nbscaler.parallel import build_optimizer, parallelize
 from nbscaler.runtime.module import ParallelModule
 
@@ -63,7 +64,12 @@ modules: Dict[str, RankModule] = {}
 
 def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
                      compute_config: ComputeConfig, parallelize_kwargs: Dict[str, Any]) -> None:
-    """``parallelize`` on this rank (rank 0 compiles, the others load) and keep it as ``name``."""
+    """``parallelize`` on this rank (rank 0 compiles, the others load) and keep it as ``name``.
+
+    The first time a cluster of this size parallelizes, it also calibrates the time model of its
+    collectives (a fraction of a second, cached), so plans predict this cluster's step times.
+    """
+    comm_model.ensure_calibrated()
     modules[name] = RankModule(parallelize(module, dummy_forward_args, pas_policy, compute_config,
                                            load_module=True, **parallelize_kwargs))
 

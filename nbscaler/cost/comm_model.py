@@ -17,8 +17,9 @@ collective          forward (``b``: local input)     backward (its gradient)
 ==================  ==============================  ===================================
 
 ``calibrate`` times ``all_reduce`` over a group at a few sizes and fits ``alpha`` and ``beta``
-(least squares); the result is cached on disk per backend and group size, and ``load`` returns it,
-or the defaults when nothing was calibrated.
+(least squares on relative errors); the result is cached on disk per backend and group size, and
+``load`` returns it, or the defaults when nothing was calibrated. ``ensure_calibrated`` does that
+once for every group size a world can use; a cluster runs it when it first parallelizes.
 
 >>> model = CommModel(alpha_s=1e-4, beta_s_per_byte=1e-9)
 >>> round(model.forward("all_reduce", 4_000_000, 2), 6)
@@ -28,11 +29,12 @@ or the defaults when nothing was calibrated.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -95,8 +97,46 @@ def load(backend: Optional[str] = None, nranks: int = 2) -> CommModel:
     return CommModel(alpha, beta)
 
 
-def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**20, 2**22),
-              repeats: int = 5, save: bool = True) -> CommModel:
+def _timed_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup], repeats: int) -> float:
+    """Median seconds of one ``all_reduce`` of ``buf``, run back to back as a training step runs them
+    (a barrier before each would hide the waits for the slowest rank that a step pays)."""
+    dist.all_reduce(buf, group=group)                      # warm up the connection
+    dist.barrier(group=group)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit(sizes: Sequence[int], seconds: Sequence[float], n: int) -> CommModel:
+    """Fit ``alpha`` and ``beta`` to ``all_reduce`` times over ``n`` devices.
+
+    ``t = 2(n-1) alpha + 2(n-1)/n size beta`` is a line in ``size``; it is fitted by least squares
+    on relative errors (each point weighted by ``1/t^2``), so the small messages a step sends most
+    of are fitted as well as the large ones.
+
+    >>> m = fit([1000, 2000, 4000], [2.1e-4, 2.2e-4, 2.4e-4], 2)
+    >>> round(m.alpha_s * 1e6), round(1 / m.beta_s_per_byte / 1e6)
+    (100, 100)
+    """
+    w = [1 / (t * t) for t in seconds]
+    sw = sum(w)
+    mean_x = sum(wi * x for wi, x in zip(w, sizes)) / sw
+    mean_y = sum(wi * y for wi, y in zip(w, seconds)) / sw
+    var = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, sizes))
+    slope = sum(wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, sizes, seconds)) / var
+    intercept = mean_y - slope * mean_x
+    steps = 2 * max(1, n - 1)
+    return CommModel(alpha_s=max(intercept, 1e-7) / steps, beta_s_per_byte=max(slope, 1e-13) * n / steps,
+                     calibrated=True)
+
+
+def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = (2**10, 2**13, 2**16, 2**19, 2**22),
+              repeats: int = 7, save: bool = True) -> CommModel:
     """Fit ``alpha`` and ``beta`` from ``all_reduce`` timings over ``group`` (every member calls it).
 
     A few tens of milliseconds on a local machine. Rank 0 of the group writes the result to the
@@ -107,31 +147,39 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
                            "torchrun, nbscaler.runtime.launch.spawn or cluster run.")
     n = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    xs, ys = [], []
-    for size in sizes:
-        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        dist.all_reduce(buf, group=group)                  # warm up the connection
-        times = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        xs.append(size)
-        ys.append(statistics.median(times))
-    # t = 2(n-1) alpha + 2(n-1)/n size beta: a straight line in size
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    intercept = mean_y - slope * mean_x
-    steps = 2 * max(1, n - 1)
-    model = CommModel(alpha_s=max(intercept, 1e-7) / steps, beta_s_per_byte=max(slope, 1e-13) * n / steps,
-                      calibrated=True)
+    seconds = [_timed_all_reduce(torch.zeros(size // 4, dtype=torch.float32, device=device), group, repeats)
+               for size in sizes]
+    model = fit(sizes, seconds, n)
     if save and dist.get_rank(group) == 0:
         path = _path(dist.get_backend(group), n)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(model)))
         tmp.replace(path)
     return model
+
+
+def group_sizes(world_size: int) -> List[int]:
+    """The group sizes a plan on ``world_size`` ranks may run collectives over: 2, 4, ... and the world."""
+    sizes = [2 ** k for k in range(1, world_size.bit_length()) if 2 ** k < world_size]
+    return sizes + ([world_size] if world_size > 1 else [])
+
+
+def ensure_calibrated(force: bool = False) -> Dict[int, CommModel]:
+    """Calibrate every group size of the world (the first ``k`` ranks for size ``k``) that has no
+    calibration in rank 0's cache yet, or all of them with ``force``. Every rank calls it.
+
+    Rank 0 decides what to calibrate and tells the others, so ranks on hosts with other caches
+    agree. Returns the models calibrated by this call, by group size (empty when all were cached).
+    """
+    world = dist.get_world_size()
+    backend = dist.get_backend()
+    todo = [[k for k in group_sizes(world) if force or not _path(backend, k).exists()]]
+    dist.broadcast_object_list(todo, src=0)
+    out = {}
+    for k in todo[0]:
+        group = None if k == world else dist.new_group(list(range(k)))
+        if dist.get_rank() < k:
+            out[k] = calibrate(group)
+        dist.barrier()
+    return out

@@ -1,0 +1,51 @@
+"""The alpha-beta model of collectives: its fit, and its calibration on real process groups."""
+
+import pytest
+
+from nbscaler.cost import comm_model
+from nbscaler.cost.comm_model import CommModel, fit, group_sizes
+from tests.multiprocess import run_ranks
+
+
+def test_fit_recovers_alpha_and_beta_from_exact_times():
+    truth = CommModel(alpha_s=80e-6, beta_s_per_byte=1 / 3e9)
+    sizes = [2**10, 2**13, 2**16, 2**19, 2**22]
+    for n in (2, 4):
+        model = fit(sizes, [truth.forward("all_reduce", s, n) for s in sizes], n)
+        assert model.calibrated
+        assert model.alpha_s == pytest.approx(truth.alpha_s, rel=1e-9)
+        assert model.beta_s_per_byte == pytest.approx(truth.beta_s_per_byte, rel=1e-9)
+
+
+def test_the_fit_weighs_small_messages_as_much_as_large_ones():
+    # One slow large message must not turn the latency of the small ones negative.
+    sizes = [2**10, 2**13, 2**16, 2**22]
+    model = fit(sizes, [100e-6, 101e-6, 110e-6, 30e-3], 2)
+    # (an unweighted fit puts the line through the large one and the latency at zero)
+    assert model.forward("all_reduce", 2**10, 2) == pytest.approx(100e-6, rel=0.15)
+
+
+def test_group_sizes_are_powers_of_two_and_the_world():
+    assert group_sizes(1) == []
+    assert group_sizes(2) == [2]
+    assert group_sizes(4) == [2, 4]
+    assert group_sizes(6) == [2, 4, 6]
+
+
+def _calibrate_twice():
+    first = comm_model.ensure_calibrated()
+    second = comm_model.ensure_calibrated()
+    return sorted(first), sorted(second), {k: m.calibrated for k, m in first.items()}
+
+
+@pytest.mark.multiprocess
+def test_ensure_calibrated_times_each_group_size_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
+    results = run_ranks(_calibrate_twice, 4)
+    # Rank 0 belongs to every group; rank 3 only to the world.
+    assert results[0] == ([2, 4], [], {2: True, 4: True})
+    assert results[3] == ([4], [], {4: True})
+    for n in (2, 4):
+        saved = comm_model.load("gloo", n)
+        assert saved.calibrated and saved.alpha_s > 0 and saved.beta_s_per_byte > 0
+    assert not comm_model.load("gloo", 8).calibrated           # never timed: the defaults
