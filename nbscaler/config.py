@@ -125,6 +125,13 @@ class ComputeConfig:
         return self.runtime_ngpus // self.plan_ngpus
 
     @property
+    def sums_partial_grads_after_backward(self) -> bool:
+        """Whether a weight whose ops split the batch inside a unit may leave its partial gradients
+        to the reducer (bucketed, after the backward). Not under ZeRO stage 2, which reduces and
+        frees gradients during the backward: there each use sums its gradient as it is made."""
+        return not (self.use_zero and self.zero_stage == 2)
+
+    @property
     def scheduler(self) -> str:
         """The pipeline scheduler in effect (``1f1b`` when none was named)."""
         if self.pipeline_scheduler:

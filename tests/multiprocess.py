@@ -300,7 +300,7 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
         graphs[mode] = get_policy(case.policy)(graphs[mode], cfg)
         check_placements(graphs[mode], cfg)
     geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
-    return graphs, storage_layouts(graphs.values()), cfg, geometry
+    return graphs, storage_layouts(graphs.values(), cfg.sums_partial_grads_after_backward), cfg, geometry
 
 
 def predicted_memory(case: Case) -> List[Dict[str, int]]:

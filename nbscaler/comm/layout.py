@@ -115,7 +115,8 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     strided = have.blocks > 1 or want.blocks > 1
     if have.kind == "S" and want.kind == "S" and not strided:
         return [Step("all_to_all", dim=want.dim, dim2=have.dim)]
-    to_full: List[Step] = {"R": [], "S": [Step("all_gather", dim=have.dim, blocks=have.blocks)],
+    # A weight stored R* (see storage_layouts) is whole on every device: its gradient sum is the reducer's.
+    to_full: List[Step] = {"R": [], "R*": [], "S": [Step("all_gather", dim=have.dim, blocks=have.blocks)],
                            "P": [Step("all_reduce")]}[have.kind]
     if want.kind == "R":
         return to_full
@@ -145,18 +146,30 @@ def local_split_sizes(node: IRNode, args: tuple) -> tuple:
     return args
 
 
-def storage_layouts(graphs) -> dict:
-    """How each weight is stored on the devices of its consumers: ``S(d)`` when every consumer in
-    every graph wants the same slice on the same devices (a tensor-parallel weight), else ``R``
-    (whole on each device; consumers convert from there)."""
+def storage_layouts(graphs, partial_grads: bool = True) -> dict:
+    """How each weight is stored on the devices of its consumers.
+
+    - ``S(d)`` when every consumer in every graph wants the same slice on the same devices (a
+      tensor-parallel weight);
+    - ``R*`` for a parameter every consumer wants as ``R*`` on the same devices (its op splits the
+      batch, as under ``data``): each device keeps the whole parameter and a *partial* gradient,
+      which the reducer sums after the backward, bucketed with the others, rather than one
+      all-reduce per use inside it (the weight spec says ``partial_grads=True``). With
+      ``partial_grads=False`` (ZeRO stage 2) such a parameter is stored ``R``;
+    - else ``R`` (whole on each device; consumers convert from there).
+    """
     wants: dict = {}
+    params = set()
     for graph in graphs:
         for node in graph.nodes:
             for i, t in enumerate(node.inputs):
                 if t.is_weight:
                     wants.setdefault(t.name, set()).add((input_requirement(node, i), node.placement.devices))
+                    if t.kind == "param":
+                        params.add(t.name)
     layouts = {}
     for name, reqs in wants.items():
         want, _ = next(iter(reqs))
-        layouts[name] = want if len(reqs) == 1 and want.kind == "S" else Layout.replicated()
+        single = len(reqs) == 1 and (want.kind == "S" or (want.kind == "R*" and partial_grads and name in params))
+        layouts[name] = want if single else Layout.replicated()
     return layouts

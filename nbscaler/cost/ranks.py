@@ -41,6 +41,7 @@ class LocalWeight:
     shape: Tuple[int, ...]        # local shape
     dtype: torch.dtype
     trained: bool                 # read by the training graph on this rank (gets a gradient in backward)
+    partial_over: int = 1         # devices whose partial gradients the reducer sums (storage ``R*``)
 
     @property
     def numel(self) -> int:
@@ -94,7 +95,8 @@ def local_weights(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
         lay = storage.get(name, Layout.replicated())
         if lay.kind == "S":
             shape[lay.dim] //= readers[name]
-        out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained))
+        partial = readers[name] if lay.kind == "R*" else 1
+        out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, partial))
     return out
 
 

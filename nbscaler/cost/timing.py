@@ -66,9 +66,13 @@ def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
               geometry: Optional[PipelineGeometry], comm: CommModel) -> float:
-    """Seconds of the gradient synchronisation across data-parallel units (and ZeRO's gather)."""
+    """Seconds of the gradient synchronisation after the backward: partial gradients summed inside
+    the unit (parameters stored ``R*``), then across data-parallel units (and ZeRO's gather)."""
     params = [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
     total = 0.0
+    for n in sorted({p.partial_over for p in params} - {1}):
+        for bucket in buckets([p for p in params if p.partial_over == n]):
+            total += comm.forward("all_reduce", sum(p.nbytes for p in bucket), n)
     for bucket in buckets(params):
         nbytes = sum(p.nbytes for p in bucket)
         if not cfg.use_zero:

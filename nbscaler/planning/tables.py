@@ -18,6 +18,7 @@ import pandas as pd
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
+from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
 from nbscaler.units import fmt_count
@@ -112,10 +113,12 @@ def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
 def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) -> pd.DataFrame:
     """Bytes each runtime rank sends and receives in one training step.
 
-    Edge collectives come from ``plan.collectives``; with several units, each rank also
-    synchronises its gradients with the same device of the other units (a ring all-reduce, or
-    ZeRO's reduce-scatter and all-gather: ``2 (u-1)/u`` of its parameter bytes either way), which
-    needs ``param_bytes`` per rank.
+    Edge collectives come from ``plan.collectives``. After the backward, parameters whose ops split
+    the batch (stored ``R*``) sum their partial gradients over their ``n`` devices (a ring
+    all-reduce: ``2 (n-1)/n`` of their bytes); with several units, each rank also synchronises its
+    gradients with the same device of the other units (a ring all-reduce, or ZeRO's reduce-scatter
+    and all-gather: ``2 (u-1)/u`` of its parameter bytes either way), which needs ``param_bytes``
+    per rank.
     """
     cfg = plan.config
     edges = edge_traffic_per_device(plan)
@@ -124,6 +127,9 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     for r in range(cfg.runtime_ngpus):
         sent, received = edges[cfg.device_of(r)]
         sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
+        sync += sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
+                    for w in local_weights(plan.graphs, plan.storage, cfg.device_of(r), plan.geometry)
+                    if w.kind == "param")
         rows.append({C.RANK.value: r, C.BYTES_SENT.value: sent + sync, C.BYTES_RECEIVED.value: received + sync})
     return pd.DataFrame(rows)
 

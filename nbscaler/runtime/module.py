@@ -56,6 +56,7 @@ class WeightSpec:
     persistent: bool = True
     replicas: Tuple[int, ...] = ()      # plan devices holding copies whose gradients must be summed
     blocks: int = 1
+    partial_grads: bool = False         # each of ``devices`` holds part of the gradient (its ops split the batch)
 
     @property
     def copies(self) -> int:
@@ -73,13 +74,13 @@ class WeightSpec:
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
                 "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
                 "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
-                "blocks": self.blocks}
+                "blocks": self.blocks, "partial_grads": self.partial_grads}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
         return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
                    tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]),
-                   d.get("blocks", 1))
+                   d.get("blocks", 1), d.get("partial_grads", False))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -141,15 +142,26 @@ class ParallelModule(torch.nn.Module):
         if init_params:
             self.load_initial_weights()
         self.reducer = self._make_reducer()
-        # A pipeline stage held by several devices (chimera) computes partial gradients on each.
-        by_replicas: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
-        for attr, spec in self.weight_specs.items():
-            if spec.replicas and spec.kind == "param":
-                by_replicas.setdefault(spec.replicas, []).append(getattr(self, attr))
-        self.replica_reducers = [Reducer(params, self.group(*devices)) for devices, params in sorted(by_replicas.items())]
+        self.replica_reducers = self._replica_reducers()
         self.pipeline_events: List[Dict[str, Any]] = []
         self.register_load_state_dict_pre_hook(self._before_load)
         self._in_step = False
+
+    def _replica_reducers(self) -> List[Reducer]:
+        """Reducers that sum partial gradients inside the unit, bucketed, before the sum across units:
+        first over the devices of an op that split the batch (``partial_grads``), then over copies of
+        a pipeline stage (chimera) or of a tied weight (``replicas``)."""
+        partial: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
+        copies: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
+        for attr, spec in self.weight_specs.items():
+            if spec.kind != "param":
+                continue
+            if spec.partial_grads:
+                partial.setdefault(spec.devices, []).append(getattr(self, attr))
+            if spec.replicas:
+                copies.setdefault(spec.replicas, []).append(getattr(self, attr))
+        return [Reducer(params, self.group(*devices)) for sums in (partial, copies)
+                for devices, params in sorted(sums.items())]
 
     def _make_reducer(self) -> Reducer:
         cfg = self.compute_config

@@ -38,3 +38,28 @@ def test_strided_conversions_go_through_the_whole_tensor(have, want, steps):
     """A strided split (each device its share of every block) never meets a contiguous one in an
     all_to_all or reduce_scatter: the whole tensor is rebuilt in between."""
     assert conversion(have, want) == steps
+
+
+def _data_plan(**config):
+    import nbscaler
+    from nbscaler import ComputeConfig
+    from tests.models import batch, build
+    return nbscaler.plan(build("mlp"), batch("mlp", 0), "data", ComputeConfig(2, 2, **config))
+
+
+def test_parameters_of_batch_split_ops_leave_their_gradient_sum_to_the_reducer():
+    plan = _data_plan()
+    params = [name for name, t in plan.graph.weights.items() if t.kind == "param"]
+    assert params and all(plan.storage[name] == Layout("R*") for name in params)
+    assert not any(plan.collectives.tensor.isin(params))            # no all-reduce per use in the backward
+    source = plan.sources[0]
+    assert source.count("partial_grads=True") == len(params)
+    assert "comm.sum_grad(self." not in source
+
+
+def test_under_zero_stage_2_each_use_sums_its_gradient_in_the_backward():
+    plan = _data_plan(use_zero=True, zero_stage=2)
+    params = [name for name, t in plan.graph.weights.items() if t.kind == "param"]
+    assert all(plan.storage[name] == Layout.replicated() for name in params)
+    assert "partial_grads=True" not in plan.sources[0]
+    assert set(plan.collectives[plan.collectives.tensor.isin(params)].collective) == {"sum_grad", "all_reduce"}

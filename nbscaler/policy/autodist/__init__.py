@@ -26,7 +26,7 @@ from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
 from nbscaler.cost.memory import memory_per_rank
-from nbscaler.cost.timing import default_profiler, predicted_timeline
+from nbscaler.cost.timing import default_profiler, predicted_timeline, sync_time
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
 from nbscaler.policy.autodist.explain import explain_rows
@@ -158,7 +158,8 @@ class _Searcher:
     def costs_for(self, devices: Tuple[int, ...]) -> ChoiceCosts:
         if devices not in self.costs:
             comm = comm_model.load(nranks=len(devices))
-            self.costs[devices] = ChoiceCosts(self.graph, devices, self.profiler, comm, self.factor)
+            self.costs[devices] = ChoiceCosts(self.graph, devices, self.profiler, comm, self.factor,
+                                               self.cfg.sums_partial_grads_after_backward)
         return self.costs[devices]
 
     # -- one placement for a given staging and memory weight -----------------------------------
@@ -186,8 +187,7 @@ class _Searcher:
 
     def peak_bytes(self) -> int:
         graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
-        memory = memory_per_rank(graphs, storage_layouts([self.graph]), self.cfg, self.geometry,
-                                 optimizer=self.opts.optimizer)
+        memory = memory_per_rank(graphs, self._storage(), self.cfg, self.geometry, optimizer=self.opts.optimizer)
         return int(memory["peak_bytes"].max())
 
     # -- the whole run ----------------------------------------------------------------------------
@@ -266,9 +266,16 @@ class _Searcher:
         return [i for i in range(1, len(nodes)) if layer_of(nodes[i].module_path) != layer_of(nodes[i - 1].module_path)]
 
     def score(self) -> float:
-        """The predicted step time of the current placement: the schedule simulator's makespan."""
+        """The predicted step time of the current placement: the schedule simulator's makespan, then
+        the slowest device's gradient synchronisation."""
         graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
-        return predicted_timeline(graphs, storage_layouts([self.graph]), self.cfg, self.geometry).makespan
+        storage = self._storage()
+        comm = comm_model.load(nranks=max(2, self.cfg.plan_ngpus))
+        sync = max(sync_time(graphs, storage, self.cfg, d, self.geometry, comm) for d in range(self.cfg.plan_ngpus))
+        return predicted_timeline(graphs, storage, self.cfg, self.geometry).makespan + sync
+
+    def _storage(self):
+        return storage_layouts([self.graph], self.cfg.sums_partial_grads_after_backward)
 
 
 def balanced_cuts(graph: IRGraph, nstages: int, seconds: List[float], points: List[int]) -> List[int]:

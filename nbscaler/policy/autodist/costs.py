@@ -36,8 +36,9 @@ class ChoiceCosts:
     """Costs of the choices for the ops of one graph on one group of ``devices``."""
 
     def __init__(self, graph: IRGraph, devices: Sequence[int], profiler: OpProfiler, comm: CommModel,
-                 state_factor: float):
+                 state_factor: float, partial_grads: bool = True):
         self.graph, self.devices, self.profiler, self.comm = graph, tuple(devices), profiler, comm
+        self.partial_grads = partial_grads          # a parameter read R* leaves its gradient sum to the reducer
         self.n = len(self.devices)
         self.grad = requires_grad_of(graph)
         self.state_factor = state_factor            # optimizer-state bytes per parameter byte
@@ -106,6 +107,9 @@ class ChoiceCosts:
         want = input_requirement(node, index, self.place(choice))
         if want.kind == "R*" and not self.grad.get(id(t), False):
             want = Layout.replicated()
+        if want.kind == "R*" and t.kind == "param" and self.partial_grads:
+            # summed after the backward in the reducer's buckets: its bytes, no latency of its own
+            return 2 * (self.n - 1) / self.n * t.nbytes * self.comm.beta_s_per_byte
         return _conversion_seconds(self.comm, have, want, t.nbytes, self.n, self.grad.get(id(t), False))
 
     def source_layout(self, t: IRTensor, choice_of_producer: Choice) -> int:
