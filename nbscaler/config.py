@@ -184,6 +184,16 @@ class ComputeConfig:
             _fail("zero_stage", 2, "chimera_direct sums the gradients of each stage's two copies after the "
                   "backward, which ZeRO-2 has already freed by then; use zero_stage=1 with chimera_direct.")
 
+    def _validate_recompute(self) -> None:
+        names = self.pas_config.get("recompute_modules")
+        if names is None:
+            return
+        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+                isinstance(n, str) and n for n in names):
+            raise ValueError(f"ComputeConfig.pas_config['recompute_modules']={names!r} is invalid: give a list of "
+                             "module paths or class names, e.g. ['blocks'] (every layer of a ModuleList), "
+                             "['blocks.3'] or ['Block'].")
+
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
             value = getattr(self, name)
@@ -201,6 +211,7 @@ class ComputeConfig:
                 f"it must divide the number of data-parallel units ({self.units} = runtime_ngpus // plan_ngpus).",
             )
         self._validate_zero()
+        self._validate_recompute()
         if self.use_pipeline and not self.use_end2end:
             _fail("use_pipeline", True, "a pipeline needs an end2end module: set use_end2end=True as well.")
         if self.pipeline_scheduler is not None:

@@ -39,6 +39,7 @@ from nbscaler.planning import tables
 from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import get_policy
 from nbscaler.policy.checks import check_placements
+from nbscaler.policy.recompute import mark_recompute
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
 from nbscaler.trace.modes import trace_modes
 
@@ -211,6 +212,8 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
         placed[mode] = graph if out is None else out
         cfg = adopt_stage_count(placed[mode], cfg)
         check_placements(placed[mode], cfg)
+        if mode != "eval":                         # the eval forward keeps nothing for a backward
+            mark_recompute(placed[mode], cfg)
         annotate_costs(placed[mode])
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
 
