@@ -51,7 +51,7 @@ def unknown_names(graph: IRGraph, names: Iterable[str]) -> List[str]:
     return [name for name in names if not any(named_prefix(p, name, classes) for p in paths)]
 
 
-def describe_modules(graph: IRGraph, depth: int = 2, most: int = 12) -> str:
+def describe_modules(graph: IRGraph, depth: int = 3, most: int = 16) -> str:
     """The model's modules down to ``depth`` levels, as ``'blocks (ModuleList), blocks.0 (Block), ...'``,
     for error messages that list what a name could have been."""
     classes = module_classes(graph)

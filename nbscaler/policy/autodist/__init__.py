@@ -13,7 +13,8 @@ weight until the exact memory model says every device fits. With a pipeline, it 
 to cut: balanced by FLOPs, or by the searched times at the layer boundaries (or at
 ``pipeline_pivots``), whichever the schedule simulator predicts to be faster.
 
-The knobs are ``pas_config`` keys (``options``); ``planfile`` saves and loads a chosen plan;
+The knobs are ``pas_config`` keys (``options``), with ``recompute_modules`` taken as given: the
+plans it scores recompute those modules (``nbscaler.policy.recompute``); ``planfile`` saves and loads a chosen plan;
 ``explain`` records, per op, the choice against the runner-up.
 """
 
@@ -34,6 +35,7 @@ from nbscaler.policy.autodist.options import AutodistOptions
 from nbscaler.policy.autodist.planfile import load_plan, save_plan
 from nbscaler.policy.autodist.search import SearchResult, search
 from nbscaler.policy.primitives import PolicyError, partition, replicate
+from nbscaler.policy.recompute import mark_recompute
 from nbscaler.policy.staging import layer_of, stage_by_cost
 from nbscaler.schedule import PipelineGeometry
 
@@ -212,7 +214,11 @@ class _Searcher:
 
     def fit_memory(self):
         """Search with no weight on bytes; under a limit, first check that the leanest plan fits,
-        then double the weight on bytes from small until the plan fits (the fastest that does)."""
+        then double the weight on bytes from small until the plan fits (the fastest that does).
+
+        The modules of ``recompute_modules`` are recomputed in every plan scored (their regions
+        depend on the stages, so they are marked again for each staging)."""
+        mark_recompute(self.graph, self.cfg)
         results, rows = self.place(0.0)
         limit = self.opts.memory_limit_bytes
         if limit is None:
