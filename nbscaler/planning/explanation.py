@@ -88,6 +88,9 @@ def _search_line(info) -> str:
         line += (f"; kept {info['kept']}'s placement, predicted at {scores[info['kept']] * 1e3:.3g} ms a step "
                  f"against the search's {scores['search'] * 1e3:.3g} ms ({_WHY_KEPT[info['kept']]}; the table "
                  "below is the search's)")
+    if info.get("chose_recompute"):
+        line += (f"; no plan fit the memory limit without recomputation, so it recomputes every layer of "
+                 f"{', '.join(info['chose_recompute'])}")
     if info.get("memory_limit_bytes"):
         line += (f"; memory limit {info['memory_limit_bytes'] / 2**20:.4g} MiB, predicted peak "
                  f"{info['peak_bytes'] / 2**20:.4g} MiB")

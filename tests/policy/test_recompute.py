@@ -1,6 +1,7 @@
 """The recompute knob: names checked, regions marked, code written through checkpoint, costs adjusted."""
 
 import pytest
+import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
@@ -90,3 +91,18 @@ def test_autodist_keeps_the_knob():
     assert list(recomputed_regions(plan.graph)) == ["gpt.blocks.1"]
     assert "checkpoint(recompute_gpt_blocks_1" in plan.sources[0]
     assert "recomputed in the backward: gpt.blocks.1" in plan.explain()
+
+
+def test_autodist_recomputes_the_layers_when_no_plan_fits_otherwise():
+    model, args = build("gpt"), batch("gpt", 0)
+    peak = lambda p: int(p.memory(torch.optim.AdamW).peak_bytes[0])
+    plain = _plan(names=())
+    layered = _plan()
+    rebuilt = max(layered.local_runs[0][None].rebuilt.values())
+    assert peak(layered) + rebuilt < peak(plain)
+    limit = (peak(layered) + rebuilt + peak(plain)) // 2
+    cfg = ComputeConfig(1, 1, pas_config={"memory_limit_bytes": limit, "memory_optimizer": "adamw"})
+    chosen = nbscaler.plan(model, args, "autodist", cfg)
+    assert chosen.config.pas_config["recompute_modules"] == ["gpt.blocks"]
+    assert peak(chosen) == peak(layered)
+    assert "so it recomputes every layer of gpt.blocks" in chosen.explain()
