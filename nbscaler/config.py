@@ -193,6 +193,7 @@ class ComputeConfig:
             raise ValueError(f"ComputeConfig.pas_config['recompute_modules']={names!r} is invalid: give a list of "
                              "module paths or class names, e.g. ['blocks'] (every layer of a ModuleList), "
                              "['blocks.3'] or ['Block'].")
+        self.pas_config["recompute_modules"] = list(names)        # as a saved config.json reads back
 
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):

@@ -58,6 +58,9 @@ def test_each_block_is_one_checkpointed_function():
         body = source.split("def recompute_gpt_blocks_0")[1].split("= checkpoint(")[0]
         assert "comm.all_reduce(" in body          # tp's collectives run inside, again in the backward
     assert "recomputed in the backward: gpt.blocks.0, gpt.blocks.1" in plan.explain()
+    lines = plan.sources[0].splitlines()
+    fc = next(i for i, n in enumerate(plan.graph.nodes) if n.module_path == "gpt.blocks.2.mlp.fc")
+    assert any(lines[k - 1].startswith(" " * 12) and "F.linear(" in lines[k - 1] for k in plan.source_lines[0][fc])
 
 
 def test_pipeline_regions_stay_inside_their_stage():
