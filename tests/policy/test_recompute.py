@@ -68,6 +68,9 @@ def test_pipeline_regions_stay_inside_their_stage():
     regions = recomputed_regions(plan.graph)
     assert len(regions) >= 4 and all(len({n.stage for n in nodes}) == 1 for nodes in regions.values())
     assert isinstance(plan.geometry, PipelineGeometry)
+    whole = _plan("pp", names=["gpt"], use_end2end=True, use_pipeline=True, pipeline_nmicros=2)
+    assert list(recomputed_regions(whole.graph)) == ["gpt", "gpt#2"]          # one function per stage
+    assert "def recompute_gpt(" in whole.sources[0] and "def recompute_gpt_2(" in whole.sources[1]
 
 
 def test_memory_model_keeps_inputs_and_rebuilds_one_region_at_a_time():

@@ -19,6 +19,7 @@ TWO = [
     Case("gpt", "tp", 2, 2, optimizer="adamw", config=recompute("Block")),
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4) + recompute("gpt.blocks")),
     Case("llama", "tp", 2, 2, config=recompute("blocks.0", "blocks.1.mlp", "RMSNorm")),
+    Case("gpt", "pp", 2, 2, config=pipeline("gpipe", 2, 2) + recompute("gpt")),     # a whole stage each
 ]
 
 FOUR = [
