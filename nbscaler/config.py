@@ -19,6 +19,8 @@ from typing import Any, Dict, Optional
 
 TRAIN_SCHEDULERS = ("1f1b", "1f1b_plus", "gpipe", "chimera_direct")
 INFER_SCHEDULERS = ("infer_pipe",)
+#: The ``pas_config`` key naming the modules to recompute in the backward (``nbscaler.policy.recompute``).
+RECOMPUTE_MODULES = "recompute_modules"
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
 ZERO_STAGES = (1, 2)
 
@@ -185,7 +187,7 @@ class ComputeConfig:
                   "backward, which ZeRO-2 has already freed by then; use zero_stage=1 with chimera_direct.")
 
     def _validate_recompute(self) -> None:
-        names = self.pas_config.get("recompute_modules")
+        names = self.pas_config.get(RECOMPUTE_MODULES)
         if names is None:
             return
         if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
@@ -193,7 +195,7 @@ class ComputeConfig:
             raise ValueError(f"ComputeConfig.pas_config['recompute_modules']={names!r} is invalid: give a list of "
                              "module paths or class names, e.g. ['blocks'] (every layer of a ModuleList), "
                              "['blocks.3'] or ['Block'].")
-        self.pas_config["recompute_modules"] = list(names)        # as a saved config.json reads back
+        self.pas_config[RECOMPUTE_MODULES] = list(names)        # as a saved config.json reads back
 
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):

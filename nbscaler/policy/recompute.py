@@ -24,13 +24,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from nbscaler.config import ComputeConfig
+from nbscaler.config import RECOMPUTE_MODULES as RECOMPUTE_KEY, ComputeConfig
 from nbscaler.ir.graph import RECOMPUTE_REGION as REGION, IRGraph, IRNode
 from nbscaler.policy.modules import describe_modules, module_classes, named_prefix, prefixes, unknown_names
 from nbscaler.policy.primitives import PolicyError
 
-#: The ``pas_config`` key of the knob.
-RECOMPUTE_KEY = "recompute_modules"
 
 
 def recompute_names(cfg: ComputeConfig) -> List[str]:
