@@ -9,7 +9,9 @@ group or any real arithmetic:
 - the local shapes each node reads and makes (for the time model's per-op profile);
 - each collective with the bytes it moves (for the communication model);
 - which tensors autograd saves for the backward, each storage once, the way the measured
-  ``saved_tensors_hooks`` count sees them (the activation memory).
+  ``saved_tensors_hooks`` count sees them (the activation memory). The ops of a recomputed region
+  (``node.meta['recompute']``) are replayed as code generation writes them: their inputs fetched
+  first and kept, what the ops save counted apart (``LocalRun.rebuilt``), since the forward drops it.
 
 Fake tensors pretend to live on a real device type (the CPU here, CUDA where there is one), so
 ops pick the kernels they would pick there: ``scaled_dot_product_attention`` saves what the CPU
@@ -260,7 +262,7 @@ class _Replay:
         inputs = [self.fetch(t, input_requirement(n, i), n.placement.devices, n.name)
                   for n in nodes for i, t in enumerate(n.inputs) if id(t) not in made]
         kept = self.save(inputs)
-        self.region, self.region_seen = region, set()
+        self.region, self.region_seen = region, {_storage_key(x) for x in inputs}    # held anyway
         try:
             for n in nodes:
                 self.node(n)
