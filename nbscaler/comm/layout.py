@@ -130,6 +130,20 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     raise ValueError(f"no conversion from {have} to {want}")
 
 
+def local_call(node: IRNode, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """The ``(args, kwargs)`` one device calls ``node``'s function with, where a split changes a
+    number in the call: the sizes of a strided ``split`` (``local_split_sizes``) and the ``groups``
+    of a grouped convolution split in whole groups (``conv2d(..., groups=C)`` on 2 devices becomes
+    ``groups=C // 2``)."""
+    args = local_split_sizes(node, args)
+    place = node.placement
+    if node.op != "conv" or place is None or place.split != "g":
+        return args, kwargs
+    if "groups" in kwargs:
+        return args, {**kwargs, "groups": kwargs["groups"] // place.parts}
+    return args[:6] + (args[6] // place.parts,) + args[7:], kwargs
+
+
 def local_split_sizes(node: IRNode, args: tuple) -> tuple:
     """``args`` of a ``split`` whose split axis is itself split (equal blocks, strided): each
     device splits its share, so the sizes shrink by the number of parts (``qkv.split(C)`` becomes

@@ -1,8 +1,8 @@
 """Small real models the equivalence tests run: each builds deterministically from a seed and
 comes with a batch maker, so every rank and the single-process reference see the same thing.
 
-``hf`` holds transformers models from tiny configs, ``vision`` convolutional networks built from
-ResNet and MobileNetV3 blocks."""
+``hf`` holds transformers models from tiny configs, ``vision`` torchvision's ResNet-18 and
+MobileNetV3-small and a timm ViT, all small."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbscaler import register_op
-from tests.models import hf, vision
+from tests.models import hf, torchvision_ops, vision
+
+# transformers imports torchvision whenever it is installed: make that import work first.
+torchvision_ops.declare_missing_ops()
 
 
 class MLP(nn.Module):

@@ -1,7 +1,7 @@
 """Models nobody here wrote train like one process under every built-in policy.
 
-transformers' Llama, Qwen2, Mistral, Mixtral, GPT-2 and BERT (tiny configs, random weights), and
-CNNs built from ResNet and MobileNetV3 blocks, each under ``dp``, ``tp``, ``data`` and a two-stage
+transformers' Llama, Qwen2, Mistral, Mixtral, GPT-2 and BERT (tiny configs, random weights),
+torchvision's ResNet-18 and MobileNetV3-small and a timm ViT (``tests.models.vision``), each under ``dp``, ``tp``, ``data`` and a two-stage
 ``1f1b`` pipeline on 2 ranks: losses, merged gradients and final parameters over 3 steps equal
 one process's (``tests.multiprocess.check_equivalence``).
 """
@@ -11,7 +11,7 @@ import pytest
 from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
 
 TRANSFORMERS = ["hf_llama", "hf_qwen2", "hf_mistral", "hf_mixtral", "hf_gpt2", "hf_bert"]
-VISION = ["resnet", "mobilenet"]
+VISION = ["resnet", "mobilenet", "vit"]
 
 
 def cases(model: str):
