@@ -62,7 +62,7 @@ class ForwardEmitter:
         for step in conversion(have, want):
             dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
             dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
-            dims += f", blocks={step.blocks}" if step.blocks > 1 else ""
+            dims += f", blocks={step.blocks}" if step.blocks != 1 else ""
             name = f"{attr_name(t.name)}_{want.label}"
             self.lines.append(f"{name} = comm.{step.fn}({expr}{dims}, group={group})")
             expr = name

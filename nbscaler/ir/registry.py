@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
+from nbscaler.blocks import normalize
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
 
@@ -277,6 +278,11 @@ def indexing(node: IRNode) -> Optional[OpAnnotation]:
     return OpAnnotation.build([tuple(ins)], [tuple(outs)], [x.shape], [out_t.shape], frozen=frozen)
 
 
+def _same_but(shape, other, dim: int) -> bool:
+    """Whether ``shape`` equals ``other`` except along ``dim``."""
+    return len(shape) == len(other) and all(a == b for i, (a, b) in enumerate(zip(shape, other)) if i != dim)
+
+
 def split_like(node: IRNode) -> OpAnnotation:
     """split / chunk / unbind: the split axis stays whole, the others pass through to every piece."""
     x = node.inputs[0]
@@ -284,14 +290,16 @@ def split_like(node: IRNode) -> OpAnnotation:
     dim = arg(node, default_pos, "dim", 0) % x.ndim
     names = list(_fresh("d", x.ndim))
     pieces = node.output_tensors
-    if len(pieces) > 1 and all(t.shape == pieces[0].shape and t.ndim == x.ndim for t in pieces):
-        # Equal blocks (a fused qkv): each output is one block of the axis, so splitting the block
-        # axis 'h' splits every block the same way: the input strided, each output contiguously.
+    if len(pieces) > 1 and all(_same_but(t.shape, x.shape, dim) and t.shape[dim] for t in pieces):
+        # Blocks (a fused qkv; unequal with grouped-query attention): each output is one block of
+        # the axis, so splitting the block axis 'h' splits every block the same way: the input
+        # strided (``nbscaler.blocks``), each output contiguously.
         names[dim] = "h"
         sizes = dict(zip(names, x.shape))
-        sizes["h"] = pieces[0].shape[dim]
+        sizes["h"] = math.gcd(*(t.shape[dim] for t in pieces))
+        grouped = {(0, "h"): normalize([t.shape[dim] for t in pieces])}
         return OpAnnotation.build([tuple(names)], [tuple(names)] * len(pieces), [x.shape],
-                                  [t.shape for t in pieces], sizes=sizes, grouped={(0, "h"): len(pieces)})
+                                  [t.shape for t in pieces], sizes=sizes, grouped=grouped)
     names[dim] = "cut"
     outs = []
     for t in node.output_tensors:
