@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -89,6 +89,23 @@ class Placement:
         devs = ",".join(map(str, self.devices))
         strided = f" in {describe(self.blocks)}" if is_strided(self.blocks) else ""
         return f"split {self.split!r}{strided} over [{devs}]" if self.split else f"replicated on [{devs}]"
+
+
+#: ``node.meta`` key of the recomputed region an op belongs to (written by ``policy.recompute``, read
+#: by code generation and the cost model): the ops of one region run again in the backward.
+RECOMPUTE_REGION = "recompute"
+
+
+def recompute_runs(nodes: Sequence["IRNode"]) -> List[Tuple[Optional[str], List["IRNode"]]]:
+    """``nodes`` cut into consecutive runs of one recomputed region, or of no region (``None``)."""
+    out: List[Tuple[Optional[str], List[IRNode]]] = []
+    for node in nodes:
+        region = node.meta.get(RECOMPUTE_REGION)
+        if out and out[-1][0] == region:
+            out[-1][1].append(node)
+        else:
+            out.append((region, [node]))
+    return out
 
 
 @dataclass(eq=False)
