@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
-from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_shape, local_split_sizes,
+from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_call, local_shape,
                                   output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.registry import spec_of, sync_batch_norm
@@ -63,7 +63,7 @@ class ForwardEmitter:
         for step in conversion(have, want):
             dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
             dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
-            dims += f", blocks={step.blocks}" if step.blocks > 1 else ""
+            dims += f", blocks={step.blocks}" if step.blocks != 1 else ""
             name = f"{attr_name(t.name)}_{want.label}"
             self.lines.append(f"{name} = comm.{step.fn}({expr}{dims}, group={group})")
             expr = name
@@ -171,7 +171,7 @@ class ForwardEmitter:
             return
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
-        args = local_split_sizes(node, args)
+        args, kwargs = local_call(node, args, kwargs)
         spec = spec_of(node.target)
         outs = node.output_tensors
         layouts = [output_layout(node, i) for i in range(len(outs))]

@@ -215,7 +215,7 @@ def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sectio
         text = f"{name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}, devices={devices!r}"
         if lay.kind == "S":
             text += f", split_dim={lay.dim}, parts={len(devices)}, index={devices.index(view)}"
-            text += f", blocks={lay.blocks}" if lay.blocks > 1 else ""
+            text += f", blocks={lay.blocks}" if lay.blocks != 1 else ""
         if lay.kind == "R*":
             text += ", partial_grads=True"
         if geometry is not None and stage is not None:

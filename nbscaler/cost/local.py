@@ -35,7 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from nbscaler.comm.layout import Layout, conversion, input_requirement, local_split_sizes, output_layout
+from nbscaler.comm.layout import Layout, conversion, input_requirement, local_call, output_layout
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs
 from nbscaler.ir.registry import USER_OPS, spec_of
 
@@ -296,7 +296,7 @@ def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device
     as the generated code makes it."""
     it = iter(inputs)
     args, kwargs = node.map_args(lambda t: next(it))
-    args = local_split_sizes(node, args)
+    args, kwargs = local_call(node, args, kwargs)
     spec = spec_of(node.target)
     if spec is not None and spec.shape_args:
         parts = node.placement.parts if node.placement else 1

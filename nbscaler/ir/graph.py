@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from nbscaler.blocks import Blocks, describe, is_strided
 from nbscaler.ir.annotation import OpAnnotation
 
 Shape = Tuple[int, ...]
@@ -72,12 +73,13 @@ class Placement:
     ``split=None`` means every device computes the whole op (replicated); ``split='n'`` means device
     ``devices[i]`` computes slice ``i`` of ``len(devices)`` along the annotated dimension ``n``.
     ``blocks=3`` makes that slice strided: ``n`` is three equal blocks (q, k, v of a fused projection)
-    and device ``i`` computes slice ``i`` of each block.
+    and device ``i`` computes slice ``i`` of each block; ``blocks=(2, 1, 1)`` the same with unequal
+    blocks (a grouped-query qkv: ``nbscaler.blocks``).
     """
 
     devices: Tuple[int, ...]
     split: Optional[str] = None
-    blocks: int = 1
+    blocks: Blocks = 1
 
     @property
     def parts(self) -> int:
@@ -85,7 +87,7 @@ class Placement:
 
     def __str__(self) -> str:
         devs = ",".join(map(str, self.devices))
-        strided = f" in {self.blocks} blocks" if self.blocks > 1 else ""
+        strided = f" in {describe(self.blocks)}" if is_strided(self.blocks) else ""
         return f"split {self.split!r}{strided} over [{devs}]" if self.split else f"replicated on [{devs}]"
 
 
