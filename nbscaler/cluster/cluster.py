@@ -156,6 +156,14 @@ class Cluster:
         return self._running().cluster_id
 
     @property
+    def job_id(self) -> Optional[str]:
+        """The batch job the engines run in (``engines='slurm'`` and other batch launchers), else None.
+
+        ``restart()`` submits a new job, so the id changes with it.
+        """
+        return self._running().job_id
+
+    @property
     def profile_dir(self) -> str:
         """The ipyparallel profile folder: connection files (``security/``) and logs (``log/``)."""
         return self._running().profile_dir

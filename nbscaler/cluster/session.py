@@ -30,7 +30,7 @@ import ipyparallel
 import psutil
 from ipyparallel.error import RemoteError
 
-from nbscaler.cluster import engine, forkserver, watchdog
+from nbscaler.cluster import engine, forkserver, jobs, watchdog
 from nbscaler.cluster.engine import RankInfo
 from nbscaler.cluster.errors import ClusterError
 from nbscaler.cluster.launchers import launcher_options, threads_per_engine
@@ -129,6 +129,11 @@ class Session:
             self.close()
             raise
         return self
+
+    @property
+    def job_id(self) -> Optional[str]:
+        """The batch job the engines run in (Slurm and other batch launchers), else None."""
+        return jobs.job_id(self.ipp_cluster.engine_set) if self.ipp_cluster is not None else None
 
     @property
     def single_host(self) -> bool:
