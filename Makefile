@@ -3,7 +3,7 @@
 
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
-APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium
+APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium slurmctld slurmd slurm-client munge iproute2
 
 .PHONY: setup demo test test-fast lab
 
