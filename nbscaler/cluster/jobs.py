@@ -53,7 +53,7 @@ def describe_end(launcher: str, job: Optional[str]) -> str:
     """A sentence on the engines' batch job for an error message; empty when there is none."""
     if job is None:
         return ""
-    if launcher != "slurm":
+    if "slurm" not in launcher.lower():
         return f"The engines ran as {launcher} job {job}; ask the scheduler why it ended. "
     state = slurm_job_state(job)
     deadline = time.monotonic() + COMPLETING_WAIT_S
