@@ -218,6 +218,8 @@ class Session:
             log_level=logging.WARNING, shutdown_atexit=False, **options)
         self.ipp_cluster.start_controller_sync()
         self.ipp_cluster.start_engines_sync(spec.n, **self.launcher_options)
+        if self.job_id is not None:
+            watchdog.watch_job(self.watchdog, [*self.ipp_cluster.engine_set.delete_command, self.job_id])
         self.client = self.ipp_cluster.connect_client_sync()
 
     def _wait_for_engines(self) -> List[int]:

@@ -3,11 +3,13 @@
 The engines are one ``sbatch`` job of ``srun`` tasks. The tests check what a user of a Slurm site
 relies on: the job shows in ``squeue`` while the engines run, the ranks train as one process does,
 a job that Slurm ends from outside (``scancel``) is reported with its id and state, ``restart()``
-submits a new job, and ``stop()`` cancels the job. Where no Slurm can run, the ``slurm`` fixture
+submits a new job, and ``stop()``, or the death of the notebook, cancels the job. Where no Slurm can run, the ``slurm`` fixture
 gives stand-in scripts and the tests that need Slurm's own bookkeeping skip.
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -106,3 +108,28 @@ def test_stop_cancels_the_job(slurm, running):
     wait_until_gone(slurm, job)
     assert slurm.job_state(job) == "CANCELLED"
     assert cluster_processes(cluster_id) == []
+
+
+NOTEBOOK = """
+import sys
+from nbscaler.cluster import Cluster
+cl = Cluster(n=1, engines="slurm", timeout=20, name="doomed", start_timeout=120)
+print(cl.job_id, cl.cluster_id, flush=True)
+sys.stdin.read()  # a notebook kernel, busy with something else until it is killed
+"""
+
+
+def test_a_killed_notebook_leaves_no_job_behind(slurm):
+    needs_real_slurm(slurm)
+    notebook = subprocess.Popen([sys.executable, "-c", NOTEBOOK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        job, cluster_id = notebook.stdout.readline().split()  # the cluster is up once this line comes
+        assert job in slurm.queued_jobs()
+        notebook.kill()  # no atexit hook runs: the watchdog cancels the job
+        wait_until_gone(slurm, job)
+        assert slurm.job_state(job) == "CANCELLED"
+        assert cluster_processes(cluster_id) == []
+    finally:
+        notebook.kill()
+        notebook.wait()
