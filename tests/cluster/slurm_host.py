@@ -199,8 +199,11 @@ def _node_state(host: SlurmHost) -> str:
     for daemon in host.daemons:
         if daemon.poll() is not None:
             raise SlurmUnavailable(f"{daemon.args[0]} exited with code {daemon.returncode}")
-    done = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=10,
-                          env={**os.environ, **host.environment()})
+    try:
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=10,
+                              env={**os.environ, **host.environment()})
+    except subprocess.TimeoutExpired:  # something else answers on the port; the daemon's exit says so
+        return ""
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
