@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 # The torchvision release paired with TORCH_VERSION, and timm: the vision-model tests use both.
 TORCHVISION_VERSION ?= 0.28.0
 TIMM_VERSION ?= 1.0.31
-APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium
+APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium slurmctld slurmd slurm-client munge iproute2
 
 .PHONY: setup demo test test-fast lab
 
