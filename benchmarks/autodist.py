@@ -9,6 +9,10 @@ Two parts:
   the predicted step time (``plan.summary()``) of autodist and of every built-in policy (dp, tp, data,
   pp, hybrid) for the same devices, then the measured one (median of the timed steps).
 
+Plans on the same devices train different amounts per step: ``dp`` one sample per unit, a pipeline
+one per micro-batch. So they are compared by the time per sample (a step's time over the samples it
+trains, each a batch of the same size), the figure that decides how long training takes.
+
     python -m benchmarks.autodist --ranks 2           # writes benchmarks/results/autodist.md
 """
 
@@ -53,19 +57,27 @@ def contenders(model: str, n: int) -> List[Run]:
     return out
 
 
+def samples_per_step(run: Run) -> int:
+    """Samples one training step of ``run`` trains: one per micro-batch, in every unit."""
+    return run.nmicros * run.runtime_ngpus // run.plan_ngpus
+
+
 def step_times(run: Run, steps: int) -> Dict[str, float]:
     predicted = max(r[C.STEP_TIME_S] for r in predict(run)["rows"])
     return {"predicted": predicted, "measured": statistics.mean(r["step_s"] for r in measure(run, steps))}
 
 
 def table(results: Dict[str, Dict[Run, Dict[str, float]]]) -> str:
-    lines = ["| model | policy | predicted step ms | measured step ms | measured / best built-in |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| model | policy | samples / step | predicted ms / sample | measured ms / sample "
+             "| measured / best built-in | predicted / best built-in |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for model, by_run in results.items():
-        best = min(t["measured"] for run, t in by_run.items() if run.policy != "autodist")
-        for run, t in by_run.items():
-            lines.append(f"| {model} | {run} | {1e3 * t['predicted']:.1f} | {1e3 * t['measured']:.1f} "
-                         f"| {t['measured'] / best:.2f} |")
+        per = {run: {k: v / samples_per_step(run) for k, v in t.items()} for run, t in by_run.items()}
+        best = {k: min(t[k] for run, t in per.items() if run.policy != "autodist") for k in ("measured", "predicted")}
+        for run, t in per.items():
+            lines.append(f"| {model} | {run} | {samples_per_step(run)} | {1e3 * t['predicted']:.1f} "
+                         f"| {1e3 * t['measured']:.1f} | {t['measured'] / best['measured']:.2f} "
+                         f"| {t['predicted'] / best['predicted']:.2f} |")
     return "\n".join(lines)
 
 
