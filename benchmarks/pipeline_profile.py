@@ -19,13 +19,14 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from benchmarks import native_sides as sides
+from nbscaler.runtime import pipeline as executor
 from nbscaler.runtime.launch import spawn
 
 Counters = Dict[str, float]
@@ -126,7 +127,10 @@ def _profile_side(side: sides.Side, steps: int, compute_fns) -> Counters:
     return {k: v / steps for k, v in counters.items()}
 
 
-def _profile(setup: sides.Setup, scheduler: str, gen_dir: str, steps: int) -> Dict[str, Counters]:
+def _profile(setup: sides.Setup, scheduler: str, gen_dir: str, steps: int,
+             receive_ahead: Optional[int] = None) -> Dict[str, Counters]:
+    if receive_ahead is not None:
+        executor.RECEIVE_AHEAD = receive_ahead
     ours = sides.nbscaler_pipeline(setup, gen_dir, scheduler)
     stages = [n for n in dir(type(ours.module)) if n.startswith("_stage")]
     # Tensor.backward calls torch.autograd.backward: timing the latter times every backward once.
@@ -177,9 +181,10 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--scheduler", default="1f1b", choices=["1f1b", "gpipe"])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--receive-ahead", type=int, help="blocks whose receives nbscaler posts ahead")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="nbscaler-profile-") as gen_dir:
-        per_rank = spawn(_profile, args.ranks, sides.Setup(), args.scheduler, gen_dir, args.steps,
+        per_rank = spawn(_profile, args.ranks, sides.Setup(), args.scheduler, gen_dir, args.steps, args.receive_ahead,
                          timeout=1800, threads=1)
     print(f"per step, ms (times) and counts; {args.ranks} ranks, {args.scheduler}")
     print(table(per_rank))
