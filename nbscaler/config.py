@@ -19,6 +19,8 @@ from typing import Any, Dict, Optional
 
 TRAIN_SCHEDULERS = ("1f1b", "1f1b_plus", "gpipe", "chimera_direct")
 INFER_SCHEDULERS = ("infer_pipe",)
+#: The ``pas_config`` key naming the modules to recompute in the backward (``nbscaler.policy.recompute``).
+RECOMPUTE_MODULES = "recompute_modules"
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
 ZERO_STAGES = (1, 2)
 
@@ -184,6 +186,17 @@ class ComputeConfig:
             _fail("zero_stage", 2, "chimera_direct sums the gradients of each stage's two copies after the "
                   "backward, which ZeRO-2 has already freed by then; use zero_stage=1 with chimera_direct.")
 
+    def _validate_recompute(self) -> None:
+        names = self.pas_config.get(RECOMPUTE_MODULES)
+        if names is None:
+            return
+        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+                isinstance(n, str) and n for n in names):
+            raise ValueError(f"ComputeConfig.pas_config['recompute_modules']={names!r} is invalid: give a list of "
+                             "module paths or class names, e.g. ['blocks'] (every layer of a ModuleList), "
+                             "['blocks.3'] or ['Block'].")
+        self.pas_config[RECOMPUTE_MODULES] = list(names)        # as a saved config.json reads back
+
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
             value = getattr(self, name)
@@ -201,6 +214,7 @@ class ComputeConfig:
                 f"it must divide the number of data-parallel units ({self.units} = runtime_ngpus // plan_ngpus).",
             )
         self._validate_zero()
+        self._validate_recompute()
         if self.use_pipeline and not self.use_end2end:
             _fail("use_pipeline", True, "a pipeline needs an end2end module: set use_end2end=True as well.")
         if self.pipeline_scheduler is not None:

@@ -108,6 +108,11 @@ def zero(ngroups: int = 1, stage: int = 1) -> tuple:
     return (("use_zero", True), ("zero_ngroups", ngroups), ("zero_stage", stage))
 
 
+def recompute(*names: str) -> tuple:
+    """The ``Case.config`` that recomputes the named modules in the backward."""
+    return (("pas_config", (("recompute_modules", names),)),)
+
+
 def data_seed(step: int, unit: int, micro: int = 0) -> int:
     return step * 100 + unit * 10 + micro
 
@@ -292,6 +297,7 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
     from nbscaler.comm.layout import storage_layouts
     from nbscaler.policy.builtin import get_policy
     from nbscaler.policy.checks import check_placements
+    from nbscaler.policy.recompute import mark_recompute
     from nbscaler.schedule import PipelineGeometry
     from nbscaler.trace.modes import trace_modes
     cfg = case.compute_config
@@ -299,6 +305,8 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
     for mode in graphs:
         graphs[mode] = get_policy(case.policy)(graphs[mode], cfg)
         check_placements(graphs[mode], cfg)
+        if mode != "eval":
+            mark_recompute(graphs[mode], cfg)
     geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
     return graphs, storage_layouts(graphs.values()), cfg, geometry
 

@@ -30,12 +30,18 @@ checkout that is not installed, export ``PYTHONPATH`` before creating the cluste
 What every engine gets
 ----------------------
 
-- **Its rank.** Rank ``r`` is the engine with the ``r``-th smallest engine id, fixed for the life of
-  the engines. Under ``mpiexec`` that is the MPI rank. ``cl.engines`` lists rank, engine id, host,
-  pid and local rank.
+- **Its rank.** The engines of one host get consecutive ranks, in engine id order, and hosts follow
+  the order of their first engine, fixed for the life of the engines. On one host rank ``r`` is the
+  engine with the ``r``-th smallest engine id, and under ``mpiexec`` it is the MPI rank. So a unit of
+  ``plan_ngpus`` ranks sits on one host whenever ``plan_ngpus`` divides the engines per host.
+  ``cl.engines`` lists rank, engine id, host, address, interface, pid and local rank.
 - **A process group.** gloo on CPU; with CUDA, nccl, with rank ``r`` on GPU ``local_rank``.
-  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set as ``torchrun`` sets
-  them, so code written for ``torchrun`` runs unchanged.
+  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` are set as ``torchrun`` sets them, so code written for ``torchrun`` runs unchanged.
+- **Its own address.** Each engine talks on the address that routes to the controller (loopback
+  when everything is on this host), or on ``network=`` (an interface name or a subnet), and points
+  ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` at that interface unless they are already set.
+  Rank 0's address is the rendezvous (``MASTER_ADDR``); nothing assumes one host.
 - **Its share of the cores.** ``torch.set_num_threads`` and ``OMP_NUM_THREADS`` are a host's cores
   divided by its engines (``threads=`` overrides it).
 - **Its own files.** Each cluster has its own ipyparallel profile folder (a temporary one unless
@@ -138,8 +144,10 @@ Engines elsewhere: MPI and Slurm
   'account': 'me'}``. The engines then run on other hosts, so: let the controller listen on every
   interface (``cluster_options={'controller_ip': '*'}``, and ``'controller_location'`` if this host
   is reached under another name); give ``start_timeout`` for the time the job may wait in the
-  queue; make nbscaler importable on the nodes. Rank 0's host is the rendezvous; name it with
-  ``master_addr=`` if its host name does not resolve to a reachable address.
+  queue; make nbscaler importable on the nodes. Rank 0's address is the rendezvous; give
+  ``network=`` when the route to the controller is not the network the ranks should use.
+  ``cl.job_id`` is the job; if Slurm ends it (``scancel``, time limit), the next call raises
+  ``RankDied`` naming the job and the state Slurm gives it, and ``restart()`` submits a new job.
 - Any other ipyparallel launcher (``'pbs'``, ``'sge'``, ``'lsf'``, ``'ssh'``, a class) is passed on
   unchanged, with its options in ``launcher_options``.
 """

@@ -29,7 +29,7 @@ import cloudpickle
 import ipyparallel
 from ipyparallel.error import EngineError, RemoteError
 
-from nbscaler.cluster import engine
+from nbscaler.cluster import engine, jobs
 from nbscaler.cluster.engine import Outcome
 from nbscaler.cluster.errors import RankDied, RankError
 from nbscaler.cluster.session import POLL_S, EngineSlot, Session
@@ -146,10 +146,11 @@ def _values_or_raise(session: Session, outcomes: Dict[int, Outcome], dead: List[
     failures = {r: o.error for r, o in sorted(outcomes.items()) if not o.ok}
     if dead:
         first = min(dead, key=lambda s: s.rank)
+        job = jobs.describe_end(str(session.spec.engines), session.job_id)
         session.broken = f"{', '.join(map(str, dead))} died"
         raise RankDied(first.rank,
                        f"{first} died during the call: its process exited (killed, crashed or out of memory). "
-                       f"{_consequences(failures)}The other ranks cannot go on without it: call "
+                       f"{job}{_consequences(failures)}The other ranks cannot go on without it: call "
                        "restart() for fresh engines and a new process group.",
                        "", {**failures, **{s.rank: "engine process died" for s in dead}})
     if failures:

@@ -60,8 +60,12 @@ class Cluster:
         start_timeout: seconds to wait for all engines to register (a Slurm queue may need more).
         profile_dir: ipyparallel profile folder for connection files and logs; by default a fresh
             temporary folder, removed at ``stop()``. Use a shared folder for engines on other hosts.
-        master_addr: address of rank 0 for the rendezvous; by default ``127.0.0.1`` when every
-            engine is on this host, else the address rank 0's host name resolves to.
+        master_addr: address of rank 0 for the rendezvous; by default rank 0's own address (below).
+        network: where the process group talks: an interface name (``'ib0'``) or a subnet
+            (``'10.1.0.0/16'``) every host has an address on. By default each engine uses the
+            address, and interface, that routes to the controller (loopback when everything is on
+            this host). ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` are set to each engine's
+            interface unless the environment already sets them.
         launcher_options: traits of the engine launcher, e.g. ``{'mpi_args': [...]}`` for MPI or
             ``{'queue': 'gpu', 'timelimit': '1:00:00'}`` for Slurm; ``environment`` is merged.
         cluster_options: traits of ``ipyparallel.Cluster``, e.g. ``{'controller_ip': '*'}``.
@@ -71,7 +75,7 @@ class Cluster:
     def __init__(self, n: int, engines: str = "local", timeout: float = 300.0, *, name: str = "default",
                  threads: Optional[int] = None, start_timeout: float = 120.0,
                  profile_dir: Optional[str] = None, master_addr: Optional[str] = None,
-                 launcher_options: Optional[Dict[str, Any]] = None,
+                 network: Optional[str] = None, launcher_options: Optional[Dict[str, Any]] = None,
                  cluster_options: Optional[Dict[str, Any]] = None, start: bool = True):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"Cluster(n={n!r}) is invalid: n is the number of engines (ranks), a positive integer.")
@@ -79,7 +83,7 @@ class Cluster:
             raise ValueError(f"Cluster(timeout={timeout!r}) is invalid: give the collective timeout in seconds (> 0).")
         self.name = name
         self.spec = ClusterSpec(n, engines, float(timeout), threads, float(start_timeout), profile_dir,
-                                master_addr, dict(launcher_options or {}), dict(cluster_options or {}))
+                                master_addr, network, dict(launcher_options or {}), dict(cluster_options or {}))
         self._session: Optional[Session] = None
         if start:
             self.start()
@@ -154,6 +158,14 @@ class Cluster:
     def cluster_id(self) -> str:
         """The ipyparallel cluster id; every process of the cluster has it as ``$IPP_CLUSTER_ID``."""
         return self._running().cluster_id
+
+    @property
+    def job_id(self) -> Optional[str]:
+        """The batch job the engines run in (``engines='slurm'`` and other batch launchers), else None.
+
+        ``restart()`` submits a new job, so the id changes with it.
+        """
+        return self._running().job_id
 
     @property
     def profile_dir(self) -> str:

@@ -30,6 +30,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from nbscaler.cluster import network
 from nbscaler.runtime import groups
 from nbscaler.runtime.launch import init_process_group
 
@@ -46,6 +47,7 @@ class RankInfo:
     master_port: int
     timeout_s: float
     threads: int
+    interface: str = ""
 
 
 @dataclass
@@ -67,24 +69,19 @@ joins = 0
 _store: Optional[dist.TCPStore] = None
 
 
-def describe() -> Dict[str, Any]:
-    """Facts the notebook needs to place this engine: host, pid, usable cores, GPUs."""
+def describe(network_choice: Optional[str] = None) -> Dict[str, Any]:
+    """Facts the notebook needs to place this engine: host, pid, usable cores, GPUs, and the
+    address and interface its process group uses (``network.choose``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    endpoint = network.choose(network_choice, network.controller_host())
     return {
         "host": socket.gethostname(),
-        "address": _routable_address(),
+        "address": endpoint.address,
+        "interface": endpoint.interface,
         "pid": os.getpid(),
         "cores": cores or 1,
         "gpus": torch.cuda.device_count(),
     }
-
-
-def _routable_address() -> str:
-    """An address of this host that other hosts can reach (for the rendezvous on rank 0)."""
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        return socket.gethostname()
 
 
 def open_rendezvous(world_size: int, timeout_s: float) -> int:
@@ -106,8 +103,11 @@ def join_group(info: RankInfo) -> int:
     os.environ.update(
         RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
         LOCAL_WORLD_SIZE=str(info.local_world_size), OMP_NUM_THREADS=str(info.threads),
+        MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
     )
     torch.set_num_threads(info.threads)
+    if info.interface:
+        network.apply_interface(info.interface)
     if info.rank == 0:
         store, _store = _store, None
         if store is None:

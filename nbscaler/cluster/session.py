@@ -5,10 +5,11 @@ A session is made, then started, in five steps:
 1. making it starts what watches it (``watchdog``) and, for local engines, the fork server that
    imports torch and nbscaler while the rest starts (``forkserver``);
 2. ``start`` launches the controller and the engines with ipyparallel's launchers;
-3. waits for ``n`` engines and put them in rank order: rank ``r`` is the ``r``-th engine id, which
-   is also the MPI rank under ``mpiexec`` (``place_ranks``);
+3. waits for ``n`` engines and puts them in rank order, host by host, engine ids in order within a
+   host; on one host, and under ``mpiexec``, rank ``r`` is the ``r``-th engine id (``place_ranks``);
 4. forms the process group (gloo on CPU, nccl with one GPU per local rank) at a rendezvous store
-   that rank 0 opens on a port the system picks (``join_group``);
+   that rank 0 opens on a port the system picks, each engine on its own address and interface
+   (``network``) (``join_group``);
 5. points ``%px``/``%%px`` at the engines, when IPython runs.
 
 ``Session.close`` ends every process of the cluster and waits until they are gone. What a call
@@ -30,7 +31,7 @@ import ipyparallel
 import psutil
 from ipyparallel.error import RemoteError
 
-from nbscaler.cluster import engine, forkserver, watchdog
+from nbscaler.cluster import engine, forkserver, jobs, watchdog
 from nbscaler.cluster.engine import RankInfo
 from nbscaler.cluster.errors import ClusterError
 from nbscaler.cluster.launchers import launcher_options, threads_per_engine
@@ -51,6 +52,7 @@ class ClusterSpec:
     start_timeout: float = 120.0
     profile_dir: Optional[str] = None
     master_addr: Optional[str] = None
+    network: Optional[str] = None
     launcher_options: Dict[str, Any] = field(default_factory=dict)
     cluster_options: Dict[str, Any] = field(default_factory=dict)
 
@@ -63,6 +65,7 @@ class EngineSlot:
     engine_id: int
     host: str
     address: str
+    interface: str
     pid: int
     cores: int
     gpus: int
@@ -74,16 +77,25 @@ class EngineSlot:
 
 
 def place_ranks(engine_ids: Sequence[int], facts: Sequence[Dict[str, Any]]) -> List[EngineSlot]:
-    """Give engine ``engine_ids[r]`` rank ``r``; local ranks count the engines of each host in order."""
-    per_host: Dict[str, int] = {}
-    for f in facts:
-        per_host[f["host"]] = per_host.get(f["host"], 0) + 1
+    """Rank the engines host by host: each host's engines get consecutive ranks, in engine id order.
+
+    Hosts come in the order of their first engine id, so on one host (and under ``mpiexec``, whose
+    ranks fill one host before the next) rank ``r`` is the ``r``-th engine id. Keeping a host's
+    ranks together is what places a unit of ``plan_ngpus`` ranks on one host whenever
+    ``plan_ngpus`` divides the engines per host, whatever order the engines registered in.
+    Local ranks count the engines of each host.
+    """
+    order = sorted(range(len(engine_ids)), key=lambda i: engine_ids[i])
+    hosts = list(dict.fromkeys(facts[i]["host"] for i in order))
+    order.sort(key=lambda i: (hosts.index(facts[i]["host"]), engine_ids[i]))
+    per_host = {h: sum(f["host"] == h for f in facts) for h in hosts}
     seen: Dict[str, int] = {}
     slots = []
-    for rank, (eid, f) in enumerate(zip(engine_ids, facts)):
+    for rank, i in enumerate(order):
+        f = facts[i]
         local_rank = seen[f["host"]] = seen.get(f["host"], -1) + 1
-        slots.append(EngineSlot(rank, eid, f["host"], f["address"], f["pid"], f["cores"], f["gpus"],
-                                local_rank, per_host[f["host"]]))
+        slots.append(EngineSlot(rank, engine_ids[i], f["host"], f["address"], f["interface"], f["pid"], f["cores"],
+                                f["gpus"], local_rank, per_host[f["host"]]))
     return slots
 
 
@@ -121,7 +133,7 @@ class Session:
             self.view = self.client.direct_view(engine_ids)
             self.view.block = True
             self.view.use_cloudpickle()
-            facts = self.apply_each(engine_ids, engine.describe, [()] * self.spec.n)
+            facts = self.apply_each(engine_ids, engine.describe, [(self.spec.network,)] * self.spec.n)
             self.slots = place_ranks(engine_ids, facts)
             self.join_group()
             _activate_magics(self.view)
@@ -129,6 +141,11 @@ class Session:
             self.close()
             raise
         return self
+
+    @property
+    def job_id(self) -> Optional[str]:
+        """The batch job the engines run in (Slurm and other batch launchers), else None."""
+        return jobs.job_id(self.ipp_cluster.engine_set) if self.ipp_cluster is not None else None
 
     @property
     def single_host(self) -> bool:
@@ -145,15 +162,12 @@ class Session:
     def join_group(self) -> None:
         """(Re)build the process group: rank 0 opens a fresh rendezvous store, every engine joins it."""
         spec, slots = self.spec, self.slots
-        if spec.master_addr:
-            master = spec.master_addr
-        elif self.single_host:
-            master = "127.0.0.1"
-        else:
-            master = slots[0].address
+        # Rank 0's own endpoint (see ``network``): loopback when the controller is on this host,
+        # the address that reaches the controller (or the chosen network) when it is elsewhere.
+        master = spec.master_addr or slots[0].address
         port = self.apply_each([slots[0].engine_id], engine.open_rendezvous, [(spec.n, spec.timeout)])[0]
         infos = [(RankInfo(s.rank, spec.n, s.local_rank, s.local_world_size, master, port, spec.timeout,
-                           spec.threads or threads_per_engine(s.cores, s.local_world_size)),)
+                           spec.threads or threads_per_engine(s.cores, s.local_world_size), s.interface),)
                  for s in slots]
         self.apply_each([s.engine_id for s in slots], engine.join_group, infos)
         self.group_dirty = False
@@ -204,6 +218,8 @@ class Session:
             log_level=logging.WARNING, shutdown_atexit=False, **options)
         self.ipp_cluster.start_controller_sync()
         self.ipp_cluster.start_engines_sync(spec.n, **self.launcher_options)
+        if self.job_id is not None:
+            watchdog.watch_job(self.watchdog, [*self.ipp_cluster.engine_set.delete_command, self.job_id])
         self.client = self.ipp_cluster.connect_client_sync()
 
     def _wait_for_engines(self) -> List[int]:

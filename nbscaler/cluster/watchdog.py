@@ -7,8 +7,10 @@ restart that does not wait for the exit hooks). The watchdog covers those cases:
 - the notebook starts it with a pipe on its stdin and keeps the other end open;
 - it runs in a session of its own, so a signal to the notebook's process group does not reach it;
 - when the pipe reaches end-of-file without the word ``stop`` having come through it, the notebook
-  has died: the watchdog ends every process whose environment carries the cluster's
-  ``IPP_CLUSTER_ID`` (controller, engines, their nannies) and removes the temporary profile folder.
+  has died: the watchdog cancels the engines' batch job if they run as one (the notebook sends the
+  scheduler's cancel command, ``scancel 12`` say, through the pipe once the job is submitted), ends
+  every process whose environment carries the cluster's ``IPP_CLUSTER_ID`` (controller, engines,
+  their nannies) and removes the temporary profile folder.
 
 It is run as a script by its path, not as a module of the package, so that it starts in a tenth of
 a second without importing torch; it needs only psutil.
@@ -19,6 +21,7 @@ a second without importing torch; it needs only psutil.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -28,6 +31,8 @@ from typing import List, Optional
 import psutil
 
 STOP = "stop"
+CANCEL = "cancel "
+CANCEL_TIMEOUT_S = 30
 
 
 def cluster_processes(cluster_id: str) -> List[psutil.Process]:
@@ -63,6 +68,13 @@ def start(cluster_id: str, profile_dir: Optional[str]) -> subprocess.Popen:
                             start_new_session=True, text=True)
 
 
+def watch_job(watchdog: subprocess.Popen, cancel_command: List[str]) -> None:
+    """Tell the watchdog how to cancel the engines' batch job should the notebook die."""
+    with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+        watchdog.stdin.write(CANCEL + json.dumps(cancel_command) + "\n")
+        watchdog.stdin.flush()
+
+
 def dismiss(watchdog: subprocess.Popen) -> None:
     """Tell the watchdog that the cluster was stopped on purpose, and let it exit."""
     with contextlib.suppress(BrokenPipeError, OSError, ValueError):
@@ -77,9 +89,14 @@ def dismiss(watchdog: subprocess.Popen) -> None:
 
 def main(cluster_id: str, profile_dir: str) -> None:
     """Wait for the notebook's word or its death; on its death, end the cluster."""
-    told = sys.stdin.read()  # returns at end-of-file: the notebook closed the pipe, or died
-    if told.strip() == STOP:
+    told = sys.stdin.read().splitlines()  # returns at end-of-file: the notebook closed the pipe, or died
+    if STOP in told:
         return
+    for line in told:
+        if line.startswith(CANCEL):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(json.loads(line[len(CANCEL):]), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=CANCEL_TIMEOUT_S)
     reap(cluster_processes(cluster_id))
     if profile_dir:
         shutil.rmtree(profile_dir, ignore_errors=True)

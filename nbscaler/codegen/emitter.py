@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
-from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_shape, local_split_sizes,
+from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_call, local_shape,
                                   output_layout)
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.registry import spec_of, sync_batch_norm
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
@@ -41,6 +41,7 @@ class ForwardEmitter:
         self.groups: Dict[Tuple[int, ...], str] = {}
         # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
         self.spans: Dict[str, Tuple[int, int]] = {}
+        self.last_comment: Optional[str] = None     # the source comment last written
 
     # -- values ---------------------------------------------------------------------------------
     def bind(self, t: IRTensor, layout: Layout, expr: str) -> None:
@@ -62,7 +63,7 @@ class ForwardEmitter:
         for step in conversion(have, want):
             dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
             dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
-            dims += f", blocks={step.blocks}" if step.blocks > 1 else ""
+            dims += f", blocks={step.blocks}" if step.blocks != 1 else ""
             name = f"{attr_name(t.name)}_{want.label}"
             self.lines.append(f"{name} = comm.{step.fn}({expr}{dims}, group={group})")
             expr = name
@@ -91,17 +92,15 @@ class ForwardEmitter:
             self.lines.append(f"{t.name} = carry[{t.name!r}]")
             self.bind(t, Layout.replicated(), t.name)
         nodes = [n for n in self.graph.nodes if stage is None or n.stage == stage]
-        last_comment = None
-        for node in nodes:
-            if not runs_on(node, self.device, stage):
-                continue
-            comment = source_comment(node)
-            if comment != last_comment:
-                self.lines.append(comment)
-                last_comment = comment
-            first = len(self.lines)
-            self.emit_node(node)
-            self.spans[node.name] = (first, len(self.lines))
+        ran = [n for n in nodes if runs_on(n, self.device, stage)]
+        finals = carry_out if carry_out is not None else self.graph.output_tensors()
+        done = 0
+        for region, run in recompute_runs(ran):
+            done += len(run)
+            if region is None:
+                self.emit_nodes(run)
+            else:
+                self.emit_region(region, run, ran[done:], finals)
         group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
         if carry_out is not None:
             items = ", ".join(f"{t.name!r}: {self.fetch(t, Layout.replicated(), group)}" for t in carry_out)
@@ -109,6 +108,58 @@ class ForwardEmitter:
         else:
             self.lines.append(f"return {self._render_outputs(self.graph.outputs, group)}")
         return self.lines
+
+    def emit_nodes(self, nodes: Sequence[IRNode]) -> None:
+        """Nodes one after the other, each under a comment naming its module and source line."""
+        for node in nodes:
+            comment = source_comment(node)
+            if comment != self.last_comment:
+                self.lines.append(comment)
+                self.last_comment = comment
+            first = len(self.lines)
+            self.emit_node(node)
+            self.spans[node.name] = (first, len(self.lines))
+
+    def emit_region(self, region: str, nodes: Sequence[IRNode], later: Sequence[IRNode],
+                    finals: Sequence[IRTensor]) -> None:
+        """A recomputed region: one local function of the tensors it reads, run through checkpoint.
+
+        Its inputs are fetched (converted to the layouts its ops need) before the function, so the
+        collectives inside it are those between its own ops: the backward runs them again, in the
+        same order on every rank of their group, when it recomputes the region. Variables made
+        inside are out of scope after it, except those it returns (what later code reads)."""
+        made = {id(t) for n in nodes for t in n.output_tensors}
+        params: List[str] = []
+        for n in nodes:
+            for i, t in enumerate(n.inputs):
+                if id(t) not in made:
+                    expr = self.fetch(t, input_requirement(n, i), n.placement.devices)
+                    if not expr.startswith("self.") and expr not in params:
+                        params.append(expr)
+        needed = {id(t) for n in later for t in n.inputs} | {id(t) for t in finals}
+        outs = [t.name for n in nodes for t in n.output_tensors if id(t) in needed]
+        fn = f"recompute_{attr_name(region)}"
+        module = region.split("#")[0]
+        kind = self.graph.meta.get("module_classes", {}).get(module)
+        self.lines.append(f"# {module}{f' ({kind})' if kind else ''} is recomputed in the backward: "
+                          "the forward keeps only its inputs")
+        self.lines.append(f"def {fn}({', '.join(params)}):")
+        body = len(self.lines)
+        self.last_comment = None
+        self.emit_nodes(nodes)
+        self.last_comment = None
+        self.lines[body:] = ["    " + line for line in self.lines[body:]]
+        returned = ", ".join(outs) or "None"
+        self.lines.append(f"    return {returned}")
+        call = f"checkpoint({', '.join([fn] + params)}, use_reentrant=False)"
+        self.lines.append(f"{returned} = {call}" if outs else call)
+        for n in nodes:
+            for t in n.output_tensors:
+                if t.name in outs:
+                    self.vars[id(t)] = {self.have[id(t)]: t.name}
+                else:
+                    self.vars.pop(id(t), None)
+                    self.have.pop(id(t), None)
 
     def emit_node(self, node: IRNode) -> None:
         place = node.placement
@@ -120,7 +171,7 @@ class ForwardEmitter:
             return
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
-        args = local_split_sizes(node, args)
+        args, kwargs = local_call(node, args, kwargs)
         spec = spec_of(node.target)
         outs = node.output_tensors
         layouts = [output_layout(node, i) for i in range(len(outs))]

@@ -21,7 +21,7 @@ from nbscaler.codegen.emitter import ForwardEmitter, runs_on
 from nbscaler.codegen.render import CodegenError, attr_name, user_op_alias
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.ir.graph import RECOMPUTE_REGION, IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.trace.guards import GUARD_OP
@@ -129,6 +129,8 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
     w("")
     w("from nbscaler.runtime import collectives as comm")
     w("from nbscaler.runtime.module import ParallelModule, WeightSpec")
+    if any(RECOMPUTE_REGION in n.meta for g in graphs.values() for n in g.nodes):
+        w("from torch.utils.checkpoint import checkpoint")
     if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
         w("from nbscaler.runtime.guards import expect_traced")
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
@@ -213,7 +215,7 @@ def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sectio
         text = f"{name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}, devices={devices!r}"
         if lay.kind == "S":
             text += f", split_dim={lay.dim}, parts={len(devices)}, index={devices.index(view)}"
-            text += f", blocks={lay.blocks}" if lay.blocks > 1 else ""
+            text += f", blocks={lay.blocks}" if lay.blocks != 1 else ""
         if geometry is not None and stage is not None:
             replicas = _copies_of(name, graphs, geometry, stage, devices.index(view))
             if replicas:

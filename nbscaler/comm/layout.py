@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
 
 
@@ -41,14 +42,14 @@ from nbscaler.ir.graph import IRNode, Placement
 class Layout:
     kind: str                     # 'R' | 'S' | 'P' | 'R*' | 'V'
     dim: Optional[int] = None
-    blocks: int = 1               # S only: equal blocks along dim, each split across the devices
+    blocks: Blocks = 1            # S only: blocks along dim, each split across the devices
 
     @classmethod
     def replicated(cls) -> "Layout":
         return cls("R")
 
     @classmethod
-    def split(cls, dim: int, blocks: int = 1) -> "Layout":
+    def split(cls, dim: int, blocks: Blocks = 1) -> "Layout":
         return cls("S", dim, blocks)
 
     @classmethod
@@ -58,12 +59,13 @@ class Layout:
     def __str__(self) -> str:
         if self.kind != "S":
             return self.kind
-        return f"S({self.dim}, {self.blocks} blocks)" if self.blocks > 1 else f"S({self.dim})"
+        return f"S({self.dim}, {describe(self.blocks)})" if is_strided(self.blocks) else f"S({self.dim})"
 
     @property
     def label(self) -> str:
         """A suffix for variable names in generated code."""
-        strided = f"x{self.blocks}" if self.blocks > 1 else ""
+        strided = "x" + "_".join(map(str, self.blocks if isinstance(self.blocks, tuple) else [self.blocks]))
+        strided = strided if is_strided(self.blocks) else ""
         return {"R": "full", "P": "partial", "R*": "rep", "V": "first"}.get(self.kind, f"split{self.dim}{strided}")
 
 
@@ -74,7 +76,7 @@ class Step:
     fn: str
     dim: Optional[int] = None
     dim2: Optional[int] = None
-    blocks: int = 1
+    blocks: Blocks = 1
 
 
 def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
@@ -104,7 +106,7 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
         return Layout.replicated()
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:
-        return Layout.split(in_dims[index], place.blocks * node.annotation.grouped.get((index, place.split), 1))
+        return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))
     return Layout("V") if place.split in node.annotation.reduce else Layout("R*")
 
 
@@ -112,7 +114,7 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
     if have == want:
         return []
-    strided = have.blocks > 1 or want.blocks > 1
+    strided = is_strided(have.blocks) or is_strided(want.blocks)
     if have.kind == "S" and want.kind == "S" and not strided:
         return [Step("all_to_all", dim=want.dim, dim2=have.dim)]
     to_full: List[Step] = {"R": [], "S": [Step("all_gather", dim=have.dim, blocks=have.blocks)],
@@ -128,6 +130,20 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     if want.kind == "V":
         return to_full + [Step("first_only")]
     raise ValueError(f"no conversion from {have} to {want}")
+
+
+def local_call(node: IRNode, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """The ``(args, kwargs)`` one device calls ``node``'s function with, where a split changes a
+    number in the call: the sizes of a strided ``split`` (``local_split_sizes``) and the ``groups``
+    of a grouped convolution split in whole groups (``conv2d(..., groups=C)`` on 2 devices becomes
+    ``groups=C // 2``)."""
+    args = local_split_sizes(node, args)
+    place = node.placement
+    if node.op != "conv" or place is None or place.split != "g":
+        return args, kwargs
+    if "groups" in kwargs:
+        return args, {**kwargs, "groups": kwargs["groups"] // place.parts}
+    return args[:6] + (args[6] // place.parts,) + args[7:], kwargs
 
 
 def local_split_sizes(node: IRNode, args: tuple) -> tuple:

@@ -9,7 +9,9 @@ group or any real arithmetic:
 - the local shapes each node reads and makes (for the time model's per-op profile);
 - each collective with the bytes it moves (for the communication model);
 - which tensors autograd saves for the backward, each storage once, the way the measured
-  ``saved_tensors_hooks`` count sees them (the activation memory).
+  ``saved_tensors_hooks`` count sees them (the activation memory). The ops of a recomputed region
+  (``node.meta['recompute']``) are replayed as code generation writes them: their inputs fetched
+  first and kept, what the ops save counted apart (``LocalRun.rebuilt``), since the forward drops it.
 
 Fake tensors pretend to live on a real device type (the CPU here, CUDA where there is one), so
 ops pick the kernels they would pick there: ``scaled_dot_product_attention`` saves what the CPU
@@ -22,6 +24,7 @@ flash kernel saves, not what the generic math path would.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import warnings
@@ -32,8 +35,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from nbscaler.comm.layout import Layout, conversion, input_requirement, local_split_sizes, output_layout
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.comm.layout import Layout, conversion, input_requirement, local_call, output_layout
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs
 from nbscaler.ir.registry import USER_OPS, spec_of
 
 
@@ -94,6 +97,7 @@ class CollectiveCall:
     in_bytes: int               # local bytes it reads
     out_bytes: int              # local bytes it makes
     node: Optional[str] = None  # the consumer that asked for it (None: a stage or module output)
+    recomputed: bool = False    # inside a recomputed region: the backward runs its forward again
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class OpCall:
     in_shapes: Tuple[Tuple[Tuple[int, ...], torch.dtype, bool], ...]   # (shape, dtype, requires_grad)
     out_shapes: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
     saved_bytes: int            # bytes of storages this op saved that nothing before it had saved
+    recomputed: bool = False    # in a recomputed region: its saved bytes live only while the backward rebuilds it
 
 
 @dataclass
@@ -116,6 +121,7 @@ class LocalRun:
     collectives: List[CollectiveCall] = field(default_factory=list)
     saved: Dict[int, int] = field(default_factory=dict)    # storage key -> bytes, weights excluded
     exact: bool = True                                       # False when some op had to be guessed
+    rebuilt: Dict[str, int] = field(default_factory=dict)   # recomputed region -> bytes its rebuild saves
 
     @property
     def saved_bytes(self) -> int:
@@ -179,6 +185,8 @@ class _Replay:
         self.weight_keys: set = set()
         self.seen: set = set()
         self.fake_device = fake_device()
+        self.region: Optional[str] = None      # the recomputed region being replayed
+        self.region_seen: set = set()
 
     def bind(self, t: IRTensor, layout: Layout, value: torch.Tensor) -> None:
         self.have[id(t)] = layout
@@ -195,7 +203,8 @@ class _Replay:
         index = devices.index(self.device) if self.device in devices else 0
         for step in conversion(have, want):
             out = _collective(step.fn, value, step.dim, step.dim2, len(devices), index)
-            self.run.collectives.append(CollectiveCall(step.fn, t.name, devices, _nbytes(value), _nbytes(out), consumer))
+            self.run.collectives.append(CollectiveCall(step.fn, t.name, devices, _nbytes(value), _nbytes(out), consumer,
+                                                       self.region is not None))
             value = out
         known[want] = value
         return value
@@ -218,19 +227,49 @@ class _Replay:
             produced = [torch.empty(_local_shape(t.shape, lay, place.parts), dtype=t.dtype,
                                     device=self.fake_device) for t, lay in zip(outs, layouts)]
             packed = [x for x, t in zip(inputs, node.inputs) if x.is_floating_point() and self.grad.get(id(t), False)]
-        new_bytes = 0
-        for x in packed:
-            key = _storage_key(x)
-            if key in self.weight_keys or key in self.seen:
-                continue
-            self.seen.add(key)
-            nbytes = x.untyped_storage().nbytes()
-            self.run.saved[key] = nbytes
-            new_bytes += nbytes
+        new_bytes = self.save(packed)
         for t, lay, value in zip(outs, layouts, produced):
             self.bind(t, lay, value)
         self.run.ops.append(OpCall(node, tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
-                                   tuple((tuple(v.shape), v.dtype) for v in produced), new_bytes))
+                                   tuple((tuple(v.shape), v.dtype) for v in produced), new_bytes,
+                                   self.region is not None))
+
+    def save(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Count what autograd saves (each storage once, weights left out); returns the new bytes.
+
+        Inside a recomputed region the forward keeps none of it: the bytes go to the region's
+        rebuild (``LocalRun.rebuilt``) and the op reports none."""
+        new_bytes = 0
+        seen = self.region_seen if self.region is not None else self.seen
+        for x in tensors:
+            key = _storage_key(x)
+            if key in self.weight_keys or key in seen:
+                continue
+            seen.add(key)
+            nbytes = x.untyped_storage().nbytes()
+            new_bytes += nbytes
+            if self.region is None:
+                self.run.saved[key] = nbytes
+        if self.region is not None:
+            self.run.rebuilt[self.region] = self.run.rebuilt.get(self.region, 0) + new_bytes
+            return 0
+        return new_bytes
+
+    def region_nodes(self, region: str, nodes: Sequence[IRNode]) -> None:
+        """A recomputed region as code generation writes it: its inputs fetched before it (and kept
+        for the backward, as ``torch.utils.checkpoint`` keeps them), then its ops."""
+        made = {id(t) for n in nodes for t in n.output_tensors}
+        inputs = [self.fetch(t, input_requirement(n, i), n.placement.devices, n.name)
+                  for n in nodes for i, t in enumerate(n.inputs) if id(t) not in made]
+        kept = self.save(inputs)
+        self.region, self.region_seen = region, {_storage_key(x) for x in inputs}    # held anyway
+        try:
+            for n in nodes:
+                self.node(n)
+        finally:
+            self.region = None
+        first = self.run.ops[-len(nodes)]
+        self.run.ops[-len(nodes)] = dataclasses.replace(first, saved_bytes=first.saved_bytes + kept)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -257,7 +296,7 @@ def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device
     as the generated code makes it."""
     it = iter(inputs)
     args, kwargs = node.map_args(lambda t: next(it))
-    args = local_split_sizes(node, args)
+    args, kwargs = local_call(node, args, kwargs)
     spec = spec_of(node.target)
     if spec is not None and spec.shape_args:
         parts = node.placement.parts if node.placement else 1
@@ -296,9 +335,12 @@ def run_local(graph: IRGraph, device: int, storage: Dict[str, Layout], stage: Op
         for t in carry_in:
             replay.bind(t, Layout.replicated(), empty(t, True))
         nodes = [n for n in graph.nodes if stage is None or n.stage == stage]
-        for node in nodes:
-            if device in node.placement.devices:
-                replay.node(node)
+        for region, run in recompute_runs([n for n in nodes if device in n.placement.devices]):
+            if region is None:
+                for node in run:
+                    replay.node(node)
+            else:
+                replay.region_nodes(region, run)
         group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
         finals = carry_out if carry_out is not None else graph.output_tensors()
         for t in finals:

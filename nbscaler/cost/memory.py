@@ -13,7 +13,12 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
   a multiple of the ZeRO group size. A shard is a view of the flat parameters, so it adds no bytes
   of its own; the parameters include the padding;
 - **activations**: what autograd saves during the forward, from replaying the rank's code on fake
-  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline.
+  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline. A
+  recomputed module (``recompute_modules``) saves only its inputs, as ``torch.utils.checkpoint``
+  keeps them; what its ops would have saved lives again only while the backward rebuilds it, one
+  module at a time. That transient is left out of the table (the runtime's count of saved tensors
+  does not see it either) and kept per module in ``LocalRun.rebuilt``; autodist adds the largest
+  to the peak it checks against a memory limit, and ``plan.explain()`` states it.
 
 ``peak_bytes`` is their sum. Everything here is exact for the runtime as it is (the tests compare
 it with measured counts), except ops the fake replay cannot run (data-dependent shapes), whose

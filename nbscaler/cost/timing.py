@@ -7,7 +7,8 @@ The pieces, each measured or modelled once:
 - **collectives**: an alpha-beta model (``cost.comm_model``), calibrated on a process group or
   left at its defaults;
 - **a section** (a whole forward, or one pipeline stage): the sum of its ops and collectives,
-  forward and backward, the autograd engine's start-up once per backward;
+  forward and backward, the autograd engine's start-up once per backward; a recomputed region's
+  forward is counted again in the backward;
 - **the step**: without a pipeline, ``nsamples`` forwards and backwards one after the other; with
   one, the schedule simulator (``nbscaler.schedule.simulate``) plays the stage times, with a
   send/recv between devices as latency; then the gradient synchronisation (all-reduce, or ZeRO's
@@ -51,16 +52,21 @@ def default_profiler() -> OpProfiler:
 
 
 def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[float, float]:
-    """Forward and backward seconds of one section (a forward or a pipeline stage) on its device."""
+    """Forward and backward seconds of one section (a forward or a pipeline stage) on its device.
+
+    The ops and collectives of a recomputed region run their forward again inside the backward, so
+    their forward time counts twice; ``local_time_bwd_s`` includes it."""
     fwd = bwd = 0.0
     for op in run.ops:
         f, b = profiler.time(op)
+        b += f if op.recomputed else 0.0
         fwd, bwd = fwd + f, bwd + b
         op.node.meta.setdefault("local_time_fwd_s", {})[run.device] = f
         op.node.meta.setdefault("local_time_bwd_s", {})[run.device] = b
     for c in run.collectives:
-        fwd += comm.forward(c.fn, c.in_bytes, len(c.devices))
-        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices))
+        f = comm.forward(c.fn, c.in_bytes, len(c.devices))
+        fwd += f
+        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices)) + (f if c.recomputed else 0.0)
     return fwd, bwd + profiler.overhead_s
 
 

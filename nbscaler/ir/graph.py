@@ -23,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from nbscaler.blocks import Blocks, describe, is_strided
 from nbscaler.ir.annotation import OpAnnotation
 
 Shape = Tuple[int, ...]
@@ -72,12 +73,13 @@ class Placement:
     ``split=None`` means every device computes the whole op (replicated); ``split='n'`` means device
     ``devices[i]`` computes slice ``i`` of ``len(devices)`` along the annotated dimension ``n``.
     ``blocks=3`` makes that slice strided: ``n`` is three equal blocks (q, k, v of a fused projection)
-    and device ``i`` computes slice ``i`` of each block.
+    and device ``i`` computes slice ``i`` of each block; ``blocks=(2, 1, 1)`` the same with unequal
+    blocks (a grouped-query qkv: ``nbscaler.blocks``).
     """
 
     devices: Tuple[int, ...]
     split: Optional[str] = None
-    blocks: int = 1
+    blocks: Blocks = 1
 
     @property
     def parts(self) -> int:
@@ -85,8 +87,25 @@ class Placement:
 
     def __str__(self) -> str:
         devs = ",".join(map(str, self.devices))
-        strided = f" in {self.blocks} blocks" if self.blocks > 1 else ""
+        strided = f" in {describe(self.blocks)}" if is_strided(self.blocks) else ""
         return f"split {self.split!r}{strided} over [{devs}]" if self.split else f"replicated on [{devs}]"
+
+
+#: ``node.meta`` key of the recomputed region an op belongs to (written by ``policy.recompute``, read
+#: by code generation and the cost model): the ops of one region run again in the backward.
+RECOMPUTE_REGION = "recompute"
+
+
+def recompute_runs(nodes: Sequence["IRNode"]) -> List[Tuple[Optional[str], List["IRNode"]]]:
+    """``nodes`` cut into consecutive runs of one recomputed region, or of no region (``None``)."""
+    out: List[Tuple[Optional[str], List[IRNode]]] = []
+    for node in nodes:
+        region = node.meta.get(RECOMPUTE_REGION)
+        if out and out[-1][0] == region:
+            out[-1][1].append(node)
+        else:
+            out.append((region, [node]))
+    return out
 
 
 @dataclass(eq=False)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
+from nbscaler.blocks import normalize
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
 
@@ -174,7 +175,7 @@ def reshape(node: IRNode) -> OpAnnotation:
     Inner axes of a merged or split group stay whole.
     """
     a, b = node.inputs[0].shape, node.output_tensors[0].shape
-    ia, ib, names_a, names_b, sizes = 0, 0, [], [], {}
+    ia, ib, names_a, names_b, sizes, grouped = 0, 0, [], [], {}, {}
     g = 0
     while ia < len(a) or ib < len(b):
         if ia < len(a) and a[ia] == 1 and not (ib < len(b) and b[ib] == 1):
@@ -193,9 +194,38 @@ def reshape(node: IRNode) -> OpAnnotation:
                 names_a.append(f"g{g}_a{ia}"); sizes[f"g{g}_a{ia}"] = 1; pa *= a[ia]; ia += 1
             else:
                 names_b.append(f"g{g}_b{ib}"); sizes[f"g{g}_b{ib}"] = 1; pb *= b[ib]; ib += 1
+        if _fused_blocks_axis(names_a, names_b, first, b):
+            grouped[(0, first)] = _name_heads(names_b, first, b, sizes)
         g += 1
     inner = {n for n in names_a + names_b if "_a" in n or "_b" in n or n.startswith("one")}
-    return OpAnnotation.build([tuple(names_a)], [tuple(names_b)], [a], [b], frozen=inner, sizes=sizes)
+    return OpAnnotation.build([tuple(names_a)], [tuple(names_b)], [a], [b], frozen=inner, sizes=sizes,
+                              grouped=grouped)
+
+
+FUSED_BLOCKS = (2, 3)
+"""Sizes of a leading block axis that a reshape reads as fused projections (k and v, or q, k and v)."""
+
+
+def _fused_blocks_axis(names_a: List[str], names_b: List[str], first: str, b) -> bool:
+    """Whether the group ``first`` unflattens one input axis into ``(blocks, heads, head_dim...)``
+    with a small leading ``blocks`` axis: a fused qkv output viewed as ``(B, T, 3, nh, hs)``, as timm's
+    attention does before ``permute`` and ``unbind``."""
+    if names_a[-1] != first:                     # more than one input axis in the group
+        return False
+    j = names_b.index(first)
+    return (j + 2 < len(names_b) and names_b[j + 1] == f"{first}_b{j + 1}" and names_b[j + 2].startswith(first)
+            and b[j] in FUSED_BLOCKS and b[j + 1] > 1)
+
+
+def _name_heads(names_b: List[str], first: str, b, sizes: Dict[str, int]) -> int:
+    """Rename the group so that the heads axis carries its splittable name and the leading block
+    axis stays whole: splitting the heads then reads the input as ``blocks`` equal blocks, strided
+    (each device holds its own heads of q, k and v). Returns the number of blocks."""
+    j = names_b.index(first)
+    blocks = b[j]
+    names_b[j], names_b[j + 1] = f"{first}_blocks", first        # '_b': kept whole (see ``inner``)
+    sizes[f"{first}_blocks"], sizes[first] = 1, b[j + 1]
+    return blocks
 
 
 def permutation(node: IRNode) -> OpAnnotation:
@@ -248,6 +278,11 @@ def indexing(node: IRNode) -> Optional[OpAnnotation]:
     return OpAnnotation.build([tuple(ins)], [tuple(outs)], [x.shape], [out_t.shape], frozen=frozen)
 
 
+def _same_but(shape, other, dim: int) -> bool:
+    """Whether ``shape`` equals ``other`` except along ``dim``."""
+    return len(shape) == len(other) and all(a == b for i, (a, b) in enumerate(zip(shape, other)) if i != dim)
+
+
 def split_like(node: IRNode) -> OpAnnotation:
     """split / chunk / unbind: the split axis stays whole, the others pass through to every piece."""
     x = node.inputs[0]
@@ -255,14 +290,16 @@ def split_like(node: IRNode) -> OpAnnotation:
     dim = arg(node, default_pos, "dim", 0) % x.ndim
     names = list(_fresh("d", x.ndim))
     pieces = node.output_tensors
-    if len(pieces) > 1 and all(t.shape == pieces[0].shape and t.ndim == x.ndim for t in pieces):
-        # Equal blocks (a fused qkv): each output is one block of the axis, so splitting the block
-        # axis 'h' splits every block the same way: the input strided, each output contiguously.
+    if len(pieces) > 1 and all(_same_but(t.shape, x.shape, dim) and t.shape[dim] for t in pieces):
+        # Blocks (a fused qkv; unequal with grouped-query attention): each output is one block of
+        # the axis, so splitting the block axis 'h' splits every block the same way: the input
+        # strided (``nbscaler.blocks``), each output contiguously.
         names[dim] = "h"
         sizes = dict(zip(names, x.shape))
-        sizes["h"] = pieces[0].shape[dim]
+        sizes["h"] = math.gcd(*(t.shape[dim] for t in pieces))
+        grouped = {(0, "h"): normalize([t.shape[dim] for t in pieces])}
         return OpAnnotation.build([tuple(names)], [tuple(names)] * len(pieces), [x.shape],
-                                  [t.shape for t in pieces], sizes=sizes, grouped={(0, "h"): len(pieces)})
+                                  [t.shape for t in pieces], sizes=sizes, grouped=grouped)
     names[dim] = "cut"
     outs = []
     for t in node.output_tensors:
@@ -357,10 +394,13 @@ def linear(node: IRNode) -> OpAnnotation:
 
 
 def conv(node: IRNode) -> OpAnnotation:
+    """``conv1d`` / ``conv2d``: ``n c+ s^.., o c+ k^.. -> n o t^..``; grouped ones see ``grouped_conv``."""
     x, w = node.inputs[0], node.inputs[1]
     nsp = w.ndim - 2                # spatial axes, from the kernel
     groups = arg(node, 6, "groups", 1)
-    c, o = ("c^", "o^") if groups != 1 else ("c+", "o")
+    if groups != 1:
+        return grouped_conv(node, groups)
+    c, o = "c+", "o"
     sp = " ".join(f"s{i}^" for i in range(nsp))
     ks = " ".join(f"k{i}^" for i in range(nsp))
     osp = " ".join(f"t{i}^" for i in range(nsp))
@@ -368,6 +408,27 @@ def conv(node: IRNode) -> OpAnnotation:
     if x.ndim == nsp + 1:           # unbatched input
         text = text.replace("n ", "", 1).replace("-> n ", "-> ")
     return _fixed(text)(node)
+
+
+def grouped_conv(node: IRNode, groups: int) -> OpAnnotation:
+    """A convolution in ``groups`` independent groups of channels (depthwise when every channel is
+    its own group, as in MobileNet): ``n g s^.., g ci^ k^.. -> n g t^..``.
+
+    ``g`` names the channel axes of input, weight (its output channels) and output, split in whole
+    groups: ``n`` devices each convolve ``groups // n`` groups, with no partial sums, and the call
+    on a device says ``groups // n`` (``nbscaler.comm.layout.local_call``).
+    """
+    x, w, out = node.inputs[0], node.inputs[1], node.output_tensors[0]
+    nsp = w.ndim - 2
+    batched = x.ndim == nsp + 2
+    lead = ("n",) if batched else ()
+    sp, ks, osp = _fresh("s", nsp), _fresh("k", nsp), _fresh("t", nsp)
+    inputs = [lead + ("g",) + sp, ("g", "ci") + ks] + [("g",)] * (len(node.inputs) - 2)
+    sizes = {"g": groups, "ci": 1, **dict.fromkeys(sp + ks + osp, 1)}
+    if batched:
+        sizes["n"] = x.shape[0]
+    return OpAnnotation.build(inputs, [lead + ("g",) + osp], [t.shape for t in node.inputs], [out.shape],
+                              frozen={"ci", *sp, *ks, *osp}, sizes=sizes)
 
 
 def normalization(node: IRNode) -> OpAnnotation:

@@ -1,6 +1,7 @@
 """``Plan.explain()``: what the policy did and, for autodist, why, as text with a table behind it.
 
-For a built-in policy: the share of FLOPs it split, the heaviest ops and the collectives. For
+For a built-in policy: the share of FLOPs it split, the heaviest ops, the collectives and the modules
+recomputed in the backward (``recompute_modules``). For
 autodist, also the search (time, exact or not, the staging it picked), the predicted step time and
 memory per device, the ops that cost most in compute and in communication, and for the layers that
 matter most, the choice against the runner-up in the terms that decided it.
@@ -14,6 +15,7 @@ import pandas as pd
 
 from nbscaler.planning.tables import explain_text
 from nbscaler.policy.autodist.explain import reason
+from nbscaler.policy.recompute import recomputed_regions
 from nbscaler.policy.staging import layer_of
 
 if TYPE_CHECKING:
@@ -39,9 +41,9 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
     info = plan.graph.meta.get("autodist")
     if info is None:
         table = plan.ops.nlargest(top * 4, "flops_fwd")[["name", "module", "op", "split", "devices", "flops_fwd"]]
-        return Explanation(explain_text(plan), table.reset_index(drop=True))
+        return Explanation("\n".join([explain_text(plan)] + recompute_lines(plan)), table.reset_index(drop=True))
     rows = pd.DataFrame(info["rows"])
-    lines = [explain_text(plan), "", _search_line(info)]
+    lines = [explain_text(plan)] + recompute_lines(plan) + ["", _search_line(info)]
     summary = plan.summary()
     lines.append("predicted per device: step " + ", ".join(f"{t:.3g} s" for t in summary.step_time_s.round(6)) +
                  "; peak memory " + ", ".join(f"{b / 2**20:.3g} MiB" for b in summary.peak_bytes))
@@ -54,6 +56,21 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
         lines.append(f"  {layer or 'top level'} ({group * 1e3:.3g} ms): {heaviest['name']} ({heaviest['op']}) "
                      f"{reason(heaviest)}")
     return Explanation("\n".join(lines), rows.drop(columns=["layer", "cost_s"]))
+
+
+def recompute_lines(plan: "Plan", most: int = 6) -> List[str]:
+    """The modules recomputed in the backward, and the most their rebuild holds at once (or nothing)."""
+    regions = list(recomputed_regions(plan.graph))
+    if not regions:
+        return []
+    shown = ", ".join(regions[:most]) + (f", ... ({len(regions)} in all)" if len(regions) > most else "")
+    line = (f"recomputed in the backward: {shown}. Each keeps only its inputs for the backward and runs its "
+            "forward again there")
+    runs = plan.local_runs or {}
+    rebuilt = max((b for stages in runs.values() for run in stages.values() for b in run.rebuilt.values()), default=0)
+    if rebuilt:
+        line += f"; rebuilding one holds up to {rebuilt / 2**20:.3g} MiB more while its backward runs"
+    return [line + "."]
 
 
 #: What a kept built-in placement does that the op-by-op search does not.
@@ -71,6 +88,9 @@ def _search_line(info) -> str:
         line += (f"; kept {info['kept']}'s placement, predicted at {scores[info['kept']] * 1e3:.3g} ms a step "
                  f"against the search's {scores['search'] * 1e3:.3g} ms ({_WHY_KEPT[info['kept']]}; the table "
                  "below is the search's)")
+    if info.get("chose_recompute"):
+        line += (f"; no plan fit the memory limit without recomputation, so it recomputes every layer of "
+                 f"{', '.join(info['chose_recompute'])}")
     if info.get("memory_limit_bytes"):
         line += (f"; memory limit {info['memory_limit_bytes'] / 2**20:.4g} MiB, predicted peak "
                  f"{info['peak_bytes'] / 2**20:.4g} MiB")

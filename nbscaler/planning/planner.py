@@ -39,6 +39,7 @@ from nbscaler.planning import tables
 from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import get_policy
 from nbscaler.policy.checks import check_placements
+from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
 from nbscaler.trace.modes import trace_modes
 
@@ -207,21 +208,28 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
     start = time.perf_counter()
     placed = {}
     for mode, graph in graphs.items():
+        graph.meta.pop(RECOMPUTE_KEY, None)        # a choice of an earlier policy on these graphs
         out = policy(graph, cfg)
         placed[mode] = graph if out is None else out
         cfg = adopt_stage_count(placed[mode], cfg)
         check_placements(placed[mode], cfg)
+        if mode != "eval":                         # the eval forward keeps nothing for a backward
+            mark_recompute(placed[mode], cfg)
         annotate_costs(placed[mode])
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
 
 
 def adopt_stage_count(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
     """A policy that chose the number of pipeline stages (autodist's ``autodist_nstages``) says so in
-    ``graph.meta['pipeline_nstages']``; the plan's config takes it, and so do later modes' policies."""
+    ``graph.meta['pipeline_nstages']``; the plan's config takes it, and so do later modes' policies.
+    So for the modules it chose to recompute (``graph.meta['recompute_modules']``)."""
     nstages = graph.meta.get("pipeline_nstages")
-    if nstages is None or nstages == cfg.pipeline_nstages:
-        return cfg
-    return cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})
+    if nstages is not None and nstages != cfg.pipeline_nstages:
+        cfg = cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})
+    chosen = graph.meta.get(RECOMPUTE_KEY)
+    if chosen is not None and list(chosen) != recompute_names(cfg):
+        cfg = cfg.with_changes(pas_config={RECOMPUTE_KEY: list(chosen)})
+    return cfg
 
 
 def build_module(module_or_class, module_fn: Optional[Callable[[], torch.nn.Module]],

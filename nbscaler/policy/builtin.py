@@ -10,9 +10,10 @@
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
   Embeddings stay whole, so the residual stream they start stays replicated, as in Megatron.
-  A fused projection whose output is cut into equal blocks (``q, k, v = qkv(x).split(C, dim=2)``,
-  GPT-2's ``c_attn``) is split strided, so each device holds its own heads of q, k and v and
-  attention runs on local heads (``fused_blocks``).
+  A fused projection whose output is cut into blocks (``q, k, v = qkv(x).split(C, dim=2)``,
+  GPT-2's ``c_attn``, timm's ``(B, T, 3, nh, hs)`` view, or unequal blocks for grouped-query
+  attention) is split strided, so each device holds its own heads of q, k and v and attention runs
+  on local heads (``fused_blocks``).
 
 Each policy walks the graph in order, tracking the layout every tensor is left in, and places each
 node with the primitives of ``nbscaler.policy.primitives``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
 
+from nbscaler.blocks import Blocks, divide, units
 from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import ComputeConfig
@@ -45,12 +47,12 @@ def _split_layouts(graph: IRGraph):
                 layout[id(t)] = lay
 
 
-def fused_blocks(graph: IRGraph) -> Dict[int, Tuple[int, int]]:
-    """``id(tensor) -> (dim, k)`` for tensors that are later cut into ``k`` equal blocks along
+def fused_blocks(graph: IRGraph) -> Dict[int, Tuple[int, Blocks]]:
+    """``id(tensor) -> (dim, k)`` for tensors that are later cut into ``k`` blocks along
     ``dim`` (a fused qkv output split into q, k and v), followed back through reshapes to the op
     that makes them. A column-parallel linear that makes such a tensor splits it strided, so that
     each device ends up with its own heads of q, k and v, and attention runs on local heads."""
-    want: Dict[int, Tuple[int, int]] = {}
+    want: Dict[int, Tuple[int, Blocks]] = {}
     for node in reversed(graph.nodes):
         ann = node.annotation
         if ann is None:
@@ -150,7 +152,7 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage))
 
 
-def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, int]]:
+def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Blocks]]:
     """The (dimension, blocks) to split ``node`` along, or ``None`` to replicate it."""
     ann = node.annotation
     options = splittable(node, n)
@@ -161,9 +163,9 @@ def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, in
         lay = layout_of(t)
         if lay is not None and lay.kind == "S" and ann.inputs[i] is not None:
             name = ann.inputs[i][lay.dim]
-            own = ann.grouped.get((i, name), 1)
-            if lay.blocks % own == 0 and ann.can_split(name, n * lay.blocks // own) is None:
-                inherited.append((name, lay.blocks // own))
+            left = divide(lay.blocks, ann.grouped.get((i, name), 1))
+            if left is not None and ann.can_split(name, n * units(left)) is None:
+                inherited.append((name, left))
     weight_names = [name for i, t in enumerate(node.inputs) if t.kind == "param" and t.ndim >= 2
                     for name in ann.inputs[i] or () if name in options]
     if weight_names:
@@ -179,14 +181,15 @@ def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, in
     return None
 
 
-def _column_blocks(node: IRNode, name: str, fused, n: int) -> int:
-    """Blocks of a column-parallel split: ``k`` when the output is later cut into ``k`` equal
-    blocks along the split axis (``fused_blocks``), else 1 (contiguous)."""
+def _column_blocks(node: IRNode, name: str, fused, n: int) -> Blocks:
+    """Blocks of a column-parallel split: ``k`` when the output is later cut into ``k`` blocks
+    along the split axis (``fused_blocks``; unequal ones for a grouped-query qkv), else 1
+    (contiguous)."""
     out = node.annotation.outputs[0] if node.annotation.outputs else None
     if not node.output_tensors or out is None or name not in out:
         return 1
     dim, k = fused.get(id(node.output_tensors[0]), (None, 1))
-    if dim == out.index(name) and node.annotation.can_split(name, n * k) is None:
+    if dim == out.index(name) and node.annotation.can_split(name, n * units(k)) is None:
         return k
     return 1
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Union
 
+from nbscaler.blocks import Blocks, describe, is_strided, normalize, units
 from nbscaler.ir.graph import IRNode, Placement
 
 
@@ -21,14 +22,16 @@ class PolicyError(ValueError):
     """A policy asked for a placement that cannot work; the message says why."""
 
 
-def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int], blocks: int = 1) -> IRNode:
+def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int], blocks: Blocks = 1) -> IRNode:
     """Split ``node`` along its annotated dimension ``dim`` into ``len(devices)`` parts.
 
     ``dim`` is a name from the node's annotation (``'n'`` for a linear's output features), or an
     int: the dimension of the node's first input, whose name is looked up for you.
     Device ``devices[i]`` computes part ``i``. ``blocks=3`` splits strided: ``dim`` is three equal
-    blocks (q, k, v of a fused projection) and device ``devices[i]`` computes part ``i`` of each.
+    blocks (q, k, v of a fused projection) and device ``devices[i]`` computes part ``i`` of each;
+    ``blocks=(2, 1, 1)`` does the same with blocks of relative sizes 2:1:1 (``nbscaler.blocks``).
     """
+    blocks = normalize(blocks)
     devices = tuple(devices)
     if len(set(devices)) != len(devices) or not devices:
         raise PolicyError(f"partition({node.name}): devices {list(devices)} must be distinct and non-empty")
@@ -37,9 +40,9 @@ def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int], blocks
                           "replicated; register one with nbscaler.register_op")
     if isinstance(dim, int):
         dim = dim_name(node, 0, dim)
-    reason = node.annotation.can_split(dim, len(devices) * blocks)
+    reason = node.annotation.can_split(dim, len(devices) * units(blocks))
     if reason:
-        strided = f" in {blocks} blocks" if blocks > 1 else ""
+        strided = f" in {describe(blocks)}" if is_strided(blocks) else ""
         raise PolicyError(f"partition({node.name}, {dim!r}, {len(devices)} parts{strided}): {reason}. "
                           f"The op is '{node.annotation}'.")
     node.placement = Placement(devices, dim if len(devices) > 1 else None, blocks if len(devices) > 1 else 1)

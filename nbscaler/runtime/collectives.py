@@ -19,9 +19,9 @@ function            forward                            backward
 
 ``group=None`` means a group of one device, where every function is the identity.
 
-``all_gather`` and ``chunk`` take ``blocks``: the tensor is that many equal blocks along ``dim``
-(q, k and v of a fused projection), each split across the devices, so a device's slice is its
-share of every block (its own heads), not one contiguous piece.
+``all_gather`` and ``chunk`` take ``blocks`` (``nbscaler.blocks``): the tensor is that many blocks
+along ``dim`` (q, k and v of a fused projection, equal or not), each split across the devices, so a
+device's slice is its share of every block (its own heads), not one contiguous piece.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from nbscaler import blocks as strided
+from nbscaler.blocks import Blocks
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -42,22 +45,17 @@ def _size_rank(group: Group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _gather(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
     size, _ = _size_rank(group)
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    if blocks == 1:
-        return torch.cat(parts, dim=dim)
-    # parts[r] is (block 0 share r, block 1 share r, ...): regroup block by block
-    per_block = [p.chunk(blocks, dim=dim) for p in parts]
-    return torch.cat([per_block[r][b] for b in range(blocks) for r in range(size)], dim=dim)
+    # parts[r] is (block 0 share r, block 1 share r, ...): regrouped block by block
+    return strided.join(parts, dim, blocks)
 
 
-def _slice(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+def _slice(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
     size, rank = _size_rank(group)
-    if blocks == 1:
-        return x.chunk(size, dim=dim)[rank].contiguous()
-    return torch.cat([b.chunk(size, dim=dim)[rank] for b in x.chunk(blocks, dim=dim)], dim=dim)
+    return strided.take(x, dim, blocks, size, rank).contiguous()
 
 
 def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -144,12 +142,12 @@ class _FirstOnly(Function):
         return grad, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
-    """Split along ``dim`` (in ``blocks`` equal blocks) -> replicated."""
+def all_gather(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
+    """Split along ``dim`` (strided in ``blocks``) -> replicated."""
     return x if group is None else _AllGather.apply(x, dim, group, blocks)
 
 
-def chunk(x: torch.Tensor, dim: int, group: Group, blocks: int = 1) -> torch.Tensor:
+def chunk(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
     """Replicated -> this device's slice along ``dim`` (of each of ``blocks`` equal blocks); no
     communication forward."""
     return x if group is None else _Chunk.apply(x, dim, group, blocks)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from nbscaler import blocks as strided
+from nbscaler.blocks import Blocks, normalize
 from nbscaler.genfiles import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
 from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ranks, zero_ranks,
@@ -42,7 +44,8 @@ class WeightSpec:
     ``split_dim=None``: the whole tensor, a copy of which lives on each of ``devices``. Otherwise
     slice ``index`` of ``parts`` along ``split_dim``; the slices live on ``devices``. With
     ``blocks=3`` the dim is three equal blocks (a fused q, k, v projection) and the slice is part
-    ``index`` of each block, concatenated: this device's heads of q, k and v.
+    ``index`` of each block, concatenated: this device's heads of q, k and v; ``blocks=(2, 1, 1)``
+    the same with blocks of relative sizes 2:1:1 (grouped-query attention; ``nbscaler.blocks``).
     """
 
     name: str
@@ -55,7 +58,7 @@ class WeightSpec:
     index: int = 0
     persistent: bool = True
     replicas: Tuple[int, ...] = ()      # plan devices holding copies whose gradients must be summed
-    blocks: int = 1
+    blocks: Blocks = 1
 
     @property
     def copies(self) -> int:
@@ -73,13 +76,13 @@ class WeightSpec:
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
                 "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
                 "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
-                "blocks": self.blocks}
+                "blocks": self.blocks if isinstance(self.blocks, int) else list(self.blocks)}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
         return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
                    tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]),
-                   d.get("blocks", 1))
+                   normalize(d.get("blocks", 1)))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -95,15 +98,11 @@ class WeightSpec:
                              f"{tuple(self.shape)}")
         if self.split_dim is None:
             return full
-        blocks = full.chunk(self.blocks, dim=self.split_dim)
-        return torch.cat([b.chunk(self.parts, dim=self.split_dim)[self.index] for b in blocks], dim=self.split_dim)
+        return strided.take(full, self.split_dim, self.blocks, self.parts, self.index)
 
     def join(self, slices: List[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every device's slice, in index order (the inverse of ``take``)."""
-        if self.blocks == 1:
-            return torch.cat(slices, dim=self.split_dim)
-        per_slice = [s.chunk(self.blocks, dim=self.split_dim) for s in slices]
-        return torch.cat([p[b] for b in range(self.blocks) for p in per_slice], dim=self.split_dim)
+        return strided.join(slices, self.split_dim, self.blocks)
 
 
 def runtime_device() -> torch.device:

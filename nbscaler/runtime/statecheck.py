@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
+from nbscaler.blocks import describe, is_strided, normalize
+
 MODULE_FORMAT = "nbscaler.parallel_module/1"
 OPTIMIZER_FORMAT = "nbscaler.optimizer/1"
 EXTRA_STATE = "_extra_state"          # where a parallel module's layout record sits in its state dict
@@ -77,14 +79,15 @@ def _slice_identity(spec: Dict[str, Any]) -> Tuple[Any, ...]:
     """What decides whether a saved tensor fits a local one: the same slice of the same tensor
     (which devices hold it does not matter, and torch's copy converts the dtype)."""
     return (spec["name"], spec["kind"], tuple(spec["shape"]), spec["split_dim"], spec["parts"], spec["index"],
-            spec.get("blocks", 1))
+            normalize(spec.get("blocks", 1)))
 
 
 def _slice(spec: Dict[str, Any]) -> str:
     shape = tuple(spec["shape"])
     if spec["split_dim"] is None:
         return f"(whole, shape {shape})"
-    strided = f", strided in {spec['blocks']} blocks" if spec.get("blocks", 1) > 1 else ""
+    blocks = normalize(spec.get("blocks", 1))
+    strided = f", strided in {describe(blocks)}" if is_strided(blocks) else ""
     return f"(part {spec['index']} of {spec['parts']} along dim {spec['split_dim']}{strided} of shape {shape})"
 
 

@@ -339,4 +339,16 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mod
                    weights=tracer.weights, mode=mode,
                    meta={"constants": tracer.constants, "module": type(module).__qualname__,
                          "forward_params": forward_params, "non_persistent": non_persistent,
-                         "reads_training": bool(reads)})
+                         "reads_training": bool(reads), **module_tree(module)})
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def module_tree(module: torch.nn.Module) -> Dict[str, Any]:
+    """``graph.meta`` facts naming the module's sub-modules: ``module_classes`` (path -> class name,
+    ``''`` for the root) and ``module_containers`` (the paths of ModuleLists, ModuleDicts and
+    Sequentials, whose children are the layers a user means by the container's name)."""
+    modules = dict(module.named_modules())
+    return {"module_classes": {path: type(m).__name__ for path, m in modules.items()},
+            "module_containers": [path for path, m in modules.items() if path and isinstance(m, _CONTAINERS)]}

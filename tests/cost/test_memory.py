@@ -11,7 +11,7 @@ import torch
 from nbscaler.columns import MEMORY_COLUMNS
 from nbscaler.cost.memory import in_flight_peak, optimizer_state_bytes
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, run_ranks, zero
+from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_ranks, zero
 
 
 @pytest.mark.parametrize("optimizer, kwargs, expected", [
@@ -50,6 +50,8 @@ IN_PROCESS = [
     Case("gpt", "dp", 1, 1, optimizer="adamw", config=zero()),         # ZeRO with one rank
     Case("gpt", "pp", 1, 1, config=pipeline("gpipe", 1, 3)),           # three micro-batches in flight
     Case("gpt", "pp", 1, 1, optimizer="momentum", config=pipeline("1f1b", 1, 3)),
+    Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks")),          # only the blocks' inputs are kept
+    Case("gpt", "pp", 1, 1, config=pipeline("1f1b", 1, 3) + recompute("Block")),
 ]
 
 
@@ -66,6 +68,7 @@ MULTI = [
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4)),
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4) + zero()),
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
+    Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
 ]
 
 

@@ -95,6 +95,8 @@ CASES = [
     ("hardswish", lambda m, x, y: F.hardswish(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
     ("hardsigmoid", lambda m, x, y: F.hardsigmoid(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
     ("fused qkv split", lambda m, x, y: x.split(4, dim=-1)[1], (torch.randn(2, 12),), (), ["d0", "h"], []),
+    ("depthwise conv2d", lambda m, x, y: F.conv2d(x, m.p0, padding=1, groups=4), (torch.randn(2, 4, 5, 5),),
+     (torch.randn(4, 1, 3, 3),), ["n", "g"], []),
 ]
 
 
@@ -123,6 +125,20 @@ def test_reshape_pairs_outer_axes():
     node = annotation_of(lambda m, x, y: x.view(2, 4, 4, 2), torch.randn(2, 4, 8))
     assert str(node.annotation) == "g0 g1 g2 -> g0 g1 g2 g2_b3^"
     assert node.annotation.can_split("g2", 4) is None and node.annotation.can_split("g2", 8) is not None
+
+
+def test_a_fused_qkv_view_splits_the_heads_of_its_three_blocks():
+    """timm's attention views its qkv output as ``(B, T, 3, nh, hs)``: the heads carry the split,
+    and the input is read as 3 blocks (q, k, v), so a split of it must be strided."""
+    node = annotation_of(lambda m, x, y: x.reshape(2, 5, 3, 4, 8), torch.randn(2, 5, 96))
+    assert str(node.annotation) == "g0 g1 g2 -> g0 g1 g2_blocks^ g2 g2_b4^"
+    assert node.annotation.grouped == {(0, "g2"): 3} and node.annotation.can_split("g2", 4) is None
+
+
+def test_a_grouped_conv_splits_in_whole_groups():
+    node = annotation_of(lambda m, x, y: F.conv2d(x, m.p0, groups=2), torch.randn(2, 8, 5, 5),
+                         params=(torch.randn(6, 4, 3, 3),))
+    assert node.annotation.can_split("g", 2) is None and node.annotation.can_split("g", 4) is not None
 
 
 def test_batch_norm_training_splits_the_batch_but_not_the_maps():

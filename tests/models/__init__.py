@@ -1,8 +1,8 @@
 """Small real models the equivalence tests run: each builds deterministically from a seed and
 comes with a batch maker, so every rank and the single-process reference see the same thing.
 
-``hf`` holds transformers models from tiny configs, ``vision`` convolutional networks built from
-ResNet and MobileNetV3 blocks."""
+``hf`` holds transformers models from tiny configs, ``vision`` torchvision's ResNet-18 and
+MobileNetV3-small and a timm ViT, all small."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbscaler import register_op
-from tests.models import hf, vision
+from tests.models import hf, torchvision_ops, vision
+
+# transformers imports torchvision whenever it is installed: make that import work first.
+torchvision_ops.declare_missing_ops()
 
 
 class MLP(nn.Module):
@@ -49,6 +52,29 @@ class CNN(nn.Module):
         x = F.relu(self.bn1(self.conv1(x)))
         x = F.relu(self.bn2(self.conv2(x)))
         return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+
+class FusedGQA(nn.Module):
+    """Grouped-query attention behind one fused projection, as many Llama ports write it: q, k and
+    v come out of one ``Linear`` in blocks of unequal size (4 query heads, 2 key/value heads)."""
+
+    def __init__(self, d: int = 32, n_head: int = 4, n_kv_head: int = 2, classes: int = 4):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.hd = n_head, n_kv_head, d // n_head
+        self.qkv = nn.Linear(d, (n_head + 2 * n_kv_head) * self.hd)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x, y):
+        B, T, C = x.shape
+        kv = self.n_kv_head * self.hd
+        q, k, v = self.qkv(x).split([C, kv, kv], dim=-1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)               # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)            # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
+        return F.cross_entropy(self.head(h.mean(1)), y)
 
 
 class TrainingBranch(nn.Module):
@@ -91,6 +117,8 @@ def batch(name: str, seed: int, n: int = 8):
         return hf.batch(name, g)
     if name in vision.BUILDERS:
         return vision.batch(name, g)
+    if name == "fused_gqa":
+        return {"x": torch.randn(n // 2, 6, 32, generator=g), "y": torch.randint(0, 4, (n // 2,), generator=g)}
     if name == "cnn":
         return {"x": torch.randn(n // 2, 3, 8, 8, generator=g), "y": torch.randint(0, 4, (n // 2,), generator=g)}
     return {"x": torch.randn(n, 16, generator=g), "y": torch.randint(0, 4, (n,), generator=g)}
@@ -103,7 +131,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in vision.BUILDERS:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
-            "user_op": UserOp}[name]()
+            "user_op": UserOp, "fused_gqa": FusedGQA}[name]()
 
 
 class Trunk(nn.Module):

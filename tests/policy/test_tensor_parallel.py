@@ -7,7 +7,7 @@ from nbscaler import ComputeConfig
 from nbscaler.planning.planner import plan
 from tests.models import batch, build
 
-MATMUL_LIKE = {"linear", "matmul", "addmm", "baddbmm", "attention", "routing"}
+MATMUL_LIKE = {"linear", "matmul", "addmm", "baddbmm", "attention", "conv", "routing"}
 
 
 def tp_plan(model: str, ngpus: int = 2):
@@ -15,17 +15,19 @@ def tp_plan(model: str, ngpus: int = 2):
 
 
 def split_fraction(graph) -> float:
-    """The share of matmul-like ops (linear, matmul, addmm, attention, grouped expert matmuls) split."""
+    """The share of matmul-like ops (linear, matmul, bmm, addmm, baddbmm, attention, convolutions,
+    grouped expert matmuls) split."""
     heavy = [n for n in graph.nodes if n.op in MATMUL_LIKE and (n.op != "routing" or "mm" in n.target)]
     return sum(1 for n in heavy if n.placement.split is not None) / len(heavy)
 
 
-@pytest.mark.parametrize("model", ["gpt", "hf_gpt2", "hf_llama"])
+@pytest.mark.parametrize("model", ["gpt", "hf_gpt2", "hf_llama", "llama", "vit", "mobilenet"])
 def test_tp_splits_nine_tenths_of_the_matmuls(model):
     assert split_fraction(tp_plan(model).graph) >= 0.9
 
 
-@pytest.mark.parametrize("model, fused", [("gpt", "gpt.blocks.0.attn.qkv"), ("hf_gpt2", "model.transformer.h.0.attn.c_attn")])
+@pytest.mark.parametrize("model, fused", [("gpt", "gpt.blocks.0.attn.qkv"), ("hf_gpt2", "model.transformer.h.0.attn.c_attn"),
+                                          ("vit", "net.blocks.0.attn.qkv")])
 def test_a_fused_qkv_projection_is_split_by_heads(model, fused):
     """Each device holds its own heads of q, k and v (the weight rows strided in 3 blocks), so
     attention runs on local heads and only the output projection's partial sums are reduced."""
@@ -36,4 +38,19 @@ def test_a_fused_qkv_projection_is_split_by_heads(model, fused):
     assert attention and all(n.placement.split == "h" for n in attention)
     code = p.sources[1]
     assert "blocks=3" in code                                    # the weight spec says how it is cut
-    assert "all_gather" not in code.split("def _forward")[1].split("scaled_dot_product_attention")[0]
+    forward = code.split("def _forward")[1]
+    first_projection = min(forward.index(call) for call in ("linear(", "addmm(") if call in forward)
+    assert "all_gather" not in forward[first_projection:forward.index("scaled_dot_product_attention")]
+
+
+def test_a_fused_grouped_query_projection_is_split_by_heads_in_unequal_blocks():
+    """q, k, v = qkv(x).split([C, C_kv, C_kv]) with twice as many query heads as key/value heads:
+    the weight rows are cut strided in blocks 2:1:1, and attention runs on local heads."""
+    p = tp_plan("fused_gqa")
+    qkv = [n for n in p.graph.nodes if n.module_path == "qkv"][0]
+    assert qkv.placement.split == "n" and qkv.placement.blocks == (2, 1, 1)
+    assert all(n.placement.split == "h" for n in p.graph.select(op="attention"))
+    forward = p.sources[1].split("def _forward")[1]
+    assert "blocks=(2, 1, 1)" in p.sources[1]
+    assert "split([16, 8, 8]" in forward                     # each device cuts its share of each block
+    assert "all_gather" not in forward[:forward.index("scaled_dot_product_attention")]

@@ -47,3 +47,14 @@ def test_registered_user_op_is_split_and_trains_like_one_process(tmp_path):
         check_equivalence(case, [res[i] for res in per_rank])
     code = next(tmp_path.rglob("gencode1.py")).read_text()
     assert "from tests.models import project as _op_tests_models_project" in code
+
+
+@pytest.mark.multiprocess
+def test_fused_grouped_query_projection_split_by_heads_trains_like_one_process(tmp_path):
+    """One Linear makes q, k and v in blocks of unequal size (4 query heads, 2 key/value heads):
+    tp splits its weight rows strided in blocks 2:1:1, so each device holds its own query heads
+    and the key/value heads they read; checkpoints merge the slices back into one weight."""
+    cases = [Case("fused_gqa", "tp", 2, 2), Case("fused_gqa", "tp", 2, 2, optimizer="adamw")]
+    per_rank = run_ranks(train_parallel, 2, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])

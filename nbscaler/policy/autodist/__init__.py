@@ -13,7 +13,10 @@ weight until the exact memory model says every device fits. With a pipeline, it 
 to cut: balanced by FLOPs, or by the searched times at the layer boundaries (or at
 ``pipeline_pivots``), whichever the schedule simulator predicts to be faster.
 
-The knobs are ``pas_config`` keys (``options``); ``planfile`` saves and loads a chosen plan;
+The knobs are ``pas_config`` keys (``options``), with ``recompute_modules`` taken as given: the
+plans it scores recompute those modules (``nbscaler.policy.recompute``). When none are named and no
+plan fits ``memory_limit_bytes``, it recomputes every layer of the model's layer lists and searches
+again (the plan's config then names them); ``planfile`` saves and loads a chosen plan;
 ``explain`` records, per op, the choice against the runner-up.
 """
 
@@ -25,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
-from nbscaler.cost.memory import memory_per_rank
+from nbscaler.cost.memory import device_runs, memory_per_rank
 from nbscaler.cost.timing import default_profiler, predicted_timeline
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
@@ -34,6 +37,7 @@ from nbscaler.policy.autodist.options import AutodistOptions
 from nbscaler.policy.autodist.planfile import load_plan, save_plan
 from nbscaler.policy.autodist.search import SearchResult, search
 from nbscaler.policy.primitives import PolicyError, partition, replicate
+from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
 from nbscaler.policy.staging import layer_of, stage_by_cost
 from nbscaler.schedule import PipelineGeometry
 
@@ -185,10 +189,14 @@ class _Searcher:
                 for s in range(self.geometry.schedule.nstages)]
 
     def peak_bytes(self) -> int:
+        """The most bytes a device holds, with the largest rebuild of a recomputed module on top."""
         graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
-        memory = memory_per_rank(graphs, storage_layouts([self.graph]), self.cfg, self.geometry,
-                                 optimizer=self.opts.optimizer)
-        return int(memory["peak_bytes"].max())
+        storage = storage_layouts([self.graph])
+        runs = device_runs(graphs, storage, self.cfg, self.geometry)
+        memory = memory_per_rank(graphs, storage, self.cfg, self.geometry, optimizer=self.opts.optimizer, runs=runs)
+        rebuilt = max((b for stages in runs.values() for run in stages.values() for b in run.rebuilt.values()),
+                      default=0)
+        return int(memory["peak_bytes"].max()) + rebuilt
 
     # -- the whole run ----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -208,11 +216,16 @@ class _Searcher:
             results, rows, weight, peak = self.fit_memory()
         return {"rows": rows, "exact": all(r.exact for r in results), "states": max(r.states for r in results),
                 "bytes_weight": weight, "peak_bytes": peak, "memory_limit_bytes": self.opts.memory_limit_bytes,
+                "chose_recompute": self.graph.meta.get(RECOMPUTE_KEY),
                 "staging": best["staging"], "stagings": [n for n, _ in stagings]}
 
     def fit_memory(self):
         """Search with no weight on bytes; under a limit, first check that the leanest plan fits,
-        then double the weight on bytes from small until the plan fits (the fastest that does)."""
+        then double the weight on bytes from small until the plan fits (the fastest that does).
+
+        The modules of ``recompute_modules`` are recomputed in every plan scored (their regions
+        depend on the stages, so they are marked again for each staging)."""
+        mark_recompute(self.graph, self.cfg)
         results, rows = self.place(0.0)
         limit = self.opts.memory_limit_bytes
         if limit is None:
@@ -224,6 +237,8 @@ class _Searcher:
         leanest = weight * 2 ** MAX_WEIGHT_STEPS             # bytes outweigh any time saved
         self.place(leanest)
         lean_peak = self.peak_bytes()
+        if lean_peak > limit and self.recompute_layers():
+            return self.fit_memory()
         if lean_peak > limit:
             raise PolicyError(f"autodist found no plan that fits memory_limit_bytes={limit:,} per device: the "
                               f"leanest needs {lean_peak:,} bytes. Use more devices per unit (plan_ngpus), ZeRO "
@@ -236,6 +251,18 @@ class _Searcher:
             weight *= 2
         results, rows = self.place(leanest)
         return results, rows, leanest, lean_peak
+
+    def recompute_layers(self) -> bool:
+        """When no plan fits and the user named no modules to recompute: recompute every layer of the
+        model's layer lists (ModuleLists and the like) and say so in ``graph.meta``, which the planner
+        adopts into the plan's config. ``False`` when that was done already or there are none."""
+        layers = [p for p in self.graph.meta.get("module_containers", ())
+                  if any(n.module_path.startswith(p + ".") for n in self.graph.nodes)]
+        if recompute_names(self.cfg) or not layers:
+            return False
+        self.cfg = self.cfg.with_changes(pas_config={RECOMPUTE_KEY: layers})
+        self.graph.meta[RECOMPUTE_KEY] = layers
+        return True
 
     def stagings(self) -> List[Tuple[str, List[int]]]:
         """Candidate stage assignments: by FLOPs, and by searched time at the allowed cuts."""

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Type, Union
 import torch
 
 from nbscaler.config import ComputeConfig
+from nbscaler.policy.modules import prefixes
 
 OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -86,12 +87,7 @@ class AutodistOptions:
     def pin_of(self, module_path: str) -> Optional[str]:
         """The constraint on ops under ``module_path`` ('replicate', a dim name), if any."""
         for pattern, pin in self.autodist_constraints.items():
-            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in _prefixes(module_path)):
+            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes(module_path)):
                 return pin
         return None
 
-
-def _prefixes(path: str) -> List[str]:
-    """'blocks.0.mlp.fc' -> ['blocks', 'blocks.0', 'blocks.0.mlp', 'blocks.0.mlp.fc']."""
-    parts = path.split(".") if path else []
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]

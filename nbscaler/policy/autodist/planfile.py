@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Tuple
 
+from nbscaler.blocks import normalize
 from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.ir.graph import IRGraph
 from nbscaler.policy.primitives import PolicyError, partition, replicate
@@ -29,7 +30,7 @@ def save_plan(graph: IRGraph, plan_ngpus: int, path: str) -> None:
     """Write the placement of every op of ``graph`` to ``path`` (atomically)."""
     ops = [{"name": n.name, "module": n.module_path, "target": n.target,
             "split": n.placement.split or "replicate", "stage": n.stage,
-            **({"blocks": n.placement.blocks} if n.placement.blocks > 1 else {})} for n in graph.nodes]
+            **({"blocks": n.placement.blocks} if n.placement.blocks != 1 else {})} for n in graph.nodes]
     data = {"format": FORMAT, "version": VERSION, "plan_ngpus": plan_ngpus, "mode": graph.mode, "ops": ops}
     atomic_write_bytes(Path(path), json.dumps(data, indent=1).encode())
 
@@ -58,5 +59,5 @@ def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
         if split == "replicate" or len(devices) == 1:
             replicate(node, devices)
         else:
-            partition(node, split, devices, blocks=op.get("blocks", 1))   # refuses a dim the op cannot split along
+            partition(node, split, devices, blocks=normalize(op.get("blocks", 1)))   # refuses a dim the op cannot split along
     return graph

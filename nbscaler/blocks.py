@@ -1,0 +1,101 @@
+"""Strided splits: an axis that is several blocks side by side, each block split across devices.
+
+A fused projection writes q, k and v into one axis. Tensor parallelism splits it by heads, so each
+device must hold its share of *every* block (its own heads of q, of k and of v), not one contiguous
+slice. ``blocks`` says how the axis is made:
+
+- an ``int`` ``k``: ``k`` equal blocks (``qkv.split(C, dim=2)``: 3);
+- a tuple of relative sizes: unequal blocks, e.g. ``(2, 1, 1)`` for grouped-query attention with
+  twice as many query heads as key/value heads (``qkv.split([2 * C_kv, C_kv, C_kv], dim=2)``).
+
+``1`` is a plain contiguous split. A tuple whose sizes are all equal is written as its length, and
+sizes are kept in lowest terms, so one way of cutting an axis has one spelling.
+
+>>> normalize((4, 2, 2)), normalize((8, 8, 8)), block_sizes(64, (2, 1, 1))
+((2, 1, 1), 3, [32, 16, 16])
+
+This module is a leaf (torch only): the IR, the policies, code generation and the runtime all cut
+tensors the same way through it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+Blocks = Union[int, Tuple[int, ...]]
+
+
+def normalize(blocks: Union[Blocks, Sequence[int]]) -> Blocks:
+    """The one spelling of ``blocks``: an int for equal blocks, else relative sizes in lowest terms."""
+    if isinstance(blocks, int):
+        return blocks
+    sizes = tuple(int(b) for b in blocks)
+    if len(set(sizes)) <= 1:
+        return len(sizes) or 1
+    g = math.gcd(*sizes)
+    return tuple(s // g for s in sizes)
+
+
+def units(blocks: Blocks) -> int:
+    """How many equal units the axis is cut into: a strided split over ``n`` devices needs the
+    axis divisible by ``n * units(blocks)``."""
+    return blocks if isinstance(blocks, int) else sum(blocks)
+
+
+def is_strided(blocks: Blocks) -> bool:
+    return blocks != 1
+
+
+def block_sizes(length: int, blocks: Blocks) -> List[int]:
+    """The sizes of the blocks of an axis of ``length``."""
+    if isinstance(blocks, int):
+        return [length // blocks] * blocks
+    unit = length // units(blocks)
+    return [b * unit for b in blocks]
+
+
+def combine(outer: Blocks, inner: Blocks) -> Blocks:
+    """Blocks of blocks: ``outer`` blocks each made of ``inner`` blocks (only where one is plain or
+    both are equal blocks)."""
+    if outer == 1 or inner == 1:
+        return inner if outer == 1 else outer
+    if isinstance(outer, int) and isinstance(inner, int):
+        return outer * inner
+    raise ValueError(f"blocks {outer} of blocks {inner}: nested unequal blocks are not supported")
+
+
+def divide(have: Blocks, own: Blocks) -> Optional[Blocks]:
+    """The blocks left of ``have`` once an op reads ``own`` blocks of them as its pieces (``None``:
+    the two do not line up)."""
+    if own == 1:
+        return have
+    if have == own:
+        return 1
+    if isinstance(have, int) and isinstance(own, int) and have % own == 0:
+        return have // own
+    return None
+
+
+def describe(blocks: Blocks) -> str:
+    """``'3 blocks'`` or ``'blocks 2:1:1'``, for messages and plan tables."""
+    return f"{blocks} blocks" if isinstance(blocks, int) else "blocks " + ":".join(map(str, blocks))
+
+
+def take(full: torch.Tensor, dim: int, blocks: Blocks, parts: int, index: int) -> torch.Tensor:
+    """Part ``index`` of ``parts`` of each block of ``full`` along ``dim``, concatenated."""
+    if blocks == 1:
+        return full.chunk(parts, dim=dim)[index]
+    pieces = full.split(block_sizes(full.shape[dim], blocks), dim=dim)
+    return torch.cat([b.chunk(parts, dim=dim)[index] for b in pieces], dim=dim)
+
+
+def join(slices: Sequence[torch.Tensor], dim: int, blocks: Blocks) -> torch.Tensor:
+    """The full tensor from every part's slice, in part order (the inverse of ``take``)."""
+    if blocks == 1:
+        return torch.cat(list(slices), dim=dim)
+    per_slice = [s.split(block_sizes(s.shape[dim], blocks), dim=dim) for s in slices]
+    nblocks = len(per_slice[0])
+    return torch.cat([p[b] for b in range(nblocks) for p in per_slice], dim=dim)
