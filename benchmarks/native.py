@@ -5,7 +5,8 @@ q/k/v), the same weights, the same batches, AdamW. After a warm-up step it times
 repetitions of ``--steps`` optimizer steps, alternating which side goes first, with a barrier around
 every timed block so the slowest rank sets the time. It reports:
 
-- the ratio nbscaler / PyTorch of each repetition (min, median, max; below 1 means nbscaler is faster);
+- the ratio nbscaler / PyTorch of each repetition (min, median, max; below 1 means nbscaler is faster),
+  and the median ratio of CPU time summed over the ranks, steadier on a loaded machine;
 - the bytes of parameters, gradients and optimizer state each side holds per rank after a step
   (the largest rank);
 - both sides' first losses, which must agree (same weights, same data).
@@ -56,13 +57,15 @@ COMPARISONS: Dict[str, tuple] = {
 }
 
 
-def _timed(side: sides.Side, steps: int) -> float:
+def _timed(side: sides.Side, steps: int) -> tuple:
+    """(wall seconds, this rank's CPU seconds) of ``steps`` steps between barriers."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         side.step()
+    cpu = time.process_time() - cpu
     dist.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu
 
 
 def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> Dict[str, object]:
@@ -72,6 +75,7 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
     first = (ours.step(), theirs.step())                 # the first step is also the warm-up
     nbytes = (ours.nbytes(), theirs.nbytes())
     times: List[tuple] = []
+    cpu: List[tuple] = []
     for rep in range(reps):
         if rep % 2 == 0:
             a = _timed(ours, steps)
@@ -79,8 +83,9 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
         else:
             b = _timed(theirs, steps)
             a = _timed(ours, steps)
-        times.append((a / steps, b / steps))
-    return {"first": first, "bytes": nbytes, "times": times}
+        times.append((a[0] / steps, b[0] / steps))
+        cpu.append((a[1] / steps, b[1] / steps))
+    return {"first": first, "bytes": nbytes, "times": times, "cpu": cpu}
 
 
 def _run_all(names: List[str], setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> List[Dict[str, object]]:
@@ -96,12 +101,15 @@ def _first_loss(per_rank: List[Dict[str, object]], side: int) -> float:
 def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict[str, object]:
     times = per_rank[0]["times"]                          # after a barrier: the slowest rank's time
     ratios = [a / b for a, b in times]
+    # CPU time summed over the ranks: the work each side did, which the load inflates less than wall time.
+    cpu = [tuple(sum(r["cpu"][rep][side] for r in per_rank) for side in (0, 1)) for rep in range(len(times))]
     ours, theirs = _first_loss(per_rank, 0), _first_loss(per_rank, 1)
     return {
         "comparison": name, "pytorch": COMPARISONS[name][2], "ranks": nranks,
         "ours_ms": 1e3 * statistics.median(a for a, _ in times),
         "theirs_ms": 1e3 * statistics.median(b for _, b in times),
         "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
+        "cpu_ratio": statistics.median(a / b for a, b in cpu),
         "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
         "ours_loss": ours, "theirs_loss": theirs,
         "losses_agree": abs(ours - theirs) <= LOSS_RTOL * abs(theirs),
@@ -124,18 +132,20 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         f"sequence {setup.seq_len}, {setup.micro_batch} sequences per (micro-)batch, {setup.micros} micro-batches per "
         f"pipeline step; AdamW; gloo on CPU, one thread per rank. {reps} interleaved repetitions of {steps} steps.",
         "",
-        "Ratio = nbscaler time / PyTorch time per repetition (below 1: nbscaler is faster). MiB per rank = "
+        "Ratio = nbscaler time / PyTorch time per repetition (below 1: nbscaler is faster). CPU ratio = the "
+        "same for CPU time summed over the ranks (median), which the load inflates less. MiB per rank = "
         "parameters + gradients + optimizer state held after a step (the largest rank).",
         "",
-        "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | "
+        "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
         "nbscaler MiB per rank | PyTorch MiB per rank | first loss nbscaler / PyTorch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         agree = "agree" if r["losses_agree"] else "**DIFFER**"
         lines.append(
             f"| {r['comparison']} | {r['pytorch']} | {r['ranks']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} | "
-            f"{r['ratio_min']:.2f} / **{r['ratio_median']:.2f}** / {r['ratio_max']:.2f} | {_mib(r['ours_bytes'])} | "
+            f"{r['ratio_min']:.2f} / **{r['ratio_median']:.2f}** / {r['ratio_max']:.2f} | {r['cpu_ratio']:.2f} | "
+            f"{_mib(r['ours_bytes'])} | "
             f"{_mib(r['theirs_bytes'])} | {r['ours_loss']:.6f} / {r['theirs_loss']:.6f} ({agree}) |")
     return "\n".join(lines) + "\n"
 
@@ -180,7 +190,7 @@ def main(argv=None) -> None:
 
 def _row_line(r: Dict[str, object]) -> str:
     return (f"{r['comparison']:<20} {r['ranks']} ranks: ratio {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
-            f"{r['ratio_max']:.2f}  MiB {_mib(r['ours_bytes'])} vs {_mib(r['theirs_bytes'])}  "
+            f"{r['ratio_max']:.2f}  CPU {r['cpu_ratio']:.2f}  MiB {_mib(r['ours_bytes'])} vs {_mib(r['theirs_bytes'])}  "
             f"loss {r['ours_loss']:.6f} vs {r['theirs_loss']:.6f}")
 
 

@@ -10,12 +10,16 @@
 ``plan.json``       a summary of the placements, for the widgets
 ==================  =========================================================
 
+Weights files are also hard-linked into ``<gen_savedir>/_weights/`` by a key of their tensors, so
+that another module folder compiled from the same weights links the file instead of writing it.
+
 A new set of files is written to a temporary folder next to the final one and renamed into place,
 so a crash leaves either the old complete folder or the new complete one, never half of each.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -34,6 +38,8 @@ CONFIG_FILE = "config.json"
 GRAPH_FILE = "graph.pkl"
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.pt"
+WEIGHTS_STORE_DIR = "_weights"     # under gen_savedir: weights files shared by key, see weights_store()
+_SAMPLED_VALUES = 1024             # values per tensor in weights_key
 
 
 def gencode_file(rank: int) -> str:
@@ -104,28 +110,36 @@ class GenDir:
             os.rename(tmp, self.path)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
+            _prune_store(weights_store(self.path))        # entries of folders replaced or deleted
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     def write_weights(self, tmp: Path, weights: Optional[Dict[str, "torch.Tensor"]]) -> None:
-        """Put the weights file into the new folder ``tmp``, writing it only when it changed.
+        """Put the weights file into the new folder ``tmp``, writing it only when no file holds them.
 
-        ``weights=None`` keeps the current file. Otherwise, when the current file holds exactly
-        these tensors (names, dtypes, shapes and values, compared through a memory-mapped load),
-        it is hard-linked rather than written again: recompiling a large model with other
-        settings then costs no weight I/O.
+        ``weights=None`` keeps the current file. Otherwise the weights store of the save folder
+        (see :func:`weights_store`) is looked up by a key sampled from the tensors, and a file found
+        there or in the current folder that holds exactly these tensors (names, dtypes, shapes and
+        values, compared through a memory-mapped load) is hard-linked instead of written again:
+        recompiling a large model with other settings, or under another ``instance_name`` (each
+        Explorer run), costs no weight I/O. A new file is written once and linked into the store.
         """
         old = self.path / WEIGHTS_FILE
-        if old.exists() and (weights is None or _same_tensors(old, weights)):
-            try:
-                os.link(old, tmp / WEIGHTS_FILE)
-            except OSError:                   # a file system without hard links
-                shutil.copyfile(old, tmp / WEIGHTS_FILE)
-            return
         if weights is None:
-            raise FileNotFoundError(f"{old} is missing, and no module was given to write it from")
-        torch.save(weights, tmp / WEIGHTS_FILE)
+            if not old.exists():
+                raise FileNotFoundError(f"{old} is missing, and no module was given to write it from")
+            _link_or_copy(old, tmp / WEIGHTS_FILE)
+            return
+        stored = weights_store(self.path) / f"{weights_key(weights)}.pt"
+        for candidate in (stored, old):
+            if candidate.exists() and _same_tensors(candidate, weights):
+                _link_or_copy(candidate, tmp / WEIGHTS_FILE)
+                if candidate is old:
+                    _store(old, stored)
+                return
+        save_weights(weights, tmp / WEIGHTS_FILE)
+        _store(tmp / WEIGHTS_FILE, stored)
 
     def load_class(self, rank: int) -> Type:
         """Import ``gencode{rank}.py`` and return its module class, bound to this folder."""
@@ -142,6 +156,68 @@ class GenDir:
         cls.gen_dir = self.path
         cls.compute_config = self.compute_config()
         return cls
+
+
+def weights_store(module_path: Path) -> Path:
+    """The folder where every weights file written under one ``gen_savedir`` is also linked, by
+    key, so that other module folders can share it (``<gen_savedir>/_weights/``; a module folder
+    is three levels below ``gen_savedir``, see :func:`module_dir`)."""
+    return Path(module_path).parents[2] / WEIGHTS_STORE_DIR
+
+
+def weights_key(weights: Dict[str, "torch.Tensor"]) -> str:
+    """A key for a set of tensors that is cheap to compute (names, dtypes, shapes and about a
+    thousand values sampled from each tensor): equal tensors always get the same key, and two sets
+    with one key are compared in full before a file is shared, so a collision only costs a write."""
+    digest = hashlib.sha1()
+    for name in sorted(weights):
+        t = weights[name]
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        flat = t.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // _SAMPLED_VALUES)].contiguous()
+        digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_weights(weights: Dict[str, "torch.Tensor"], path: Path) -> None:
+    """``torch.save`` without the per-record CRC-32, which costs several times the write itself
+    for large weights; the file is still read with ``torch.load``."""
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(weights, path)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:                   # a file system without hard links
+        shutil.copyfile(src, dst)
+
+
+def _store(path: Path, stored: Path) -> None:
+    """Link ``path`` into the weights store as ``stored``, atomically replacing an entry with the
+    same key. Without hard links there is no store: a copy would only double the disk used."""
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    tmp = stored.with_name(f".{stored.name}.{os.getpid()}.new")
+    try:
+        os.link(path, tmp)
+        os.replace(tmp, stored)
+    except OSError:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _prune_store(store: Path) -> None:
+    """Drop the store's entries that no module folder links to any more."""
+    for entry in store.glob("*.pt"):
+        try:
+            if entry.stat().st_nlink == 1:
+                entry.unlink()
+        except OSError:               # another process removed it first
+            pass
 
 
 def _same_tensors(path: Path, weights: Dict[str, "torch.Tensor"]) -> bool:

@@ -144,6 +144,7 @@ class ParallelModule(torch.nn.Module):
         self.reducer = self._make_reducer()
         self.replica_reducers = self._replica_reducers()
         self.pipeline_events: List[Dict[str, Any]] = []
+        self._pipeline_geometries: Dict[bool, PipelineGeometry] = {}     # train -> the schedule's geometry
         self.register_load_state_dict_pre_hook(self._before_load)
         self._in_step = False
 
@@ -318,7 +319,9 @@ class ParallelModule(torch.nn.Module):
     def _run_pipeline(self, samples: List[Any], train: bool, dummy: Optional[List[bool]] = None,
                       scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:
         """One pipelined step; every rank of the unit gets the loss of every micro-batch back."""
-        geometry = PipelineGeometry.from_config(self.compute_config, train=train)
+        if train not in self._pipeline_geometries:            # built once: a step only reads it
+            self._pipeline_geometries[train] = PipelineGeometry.from_config(self.compute_config, train=train)
+        geometry = self._pipeline_geometries[train]
         check_samples(geometry.schedule, len(samples))
         mode = "any" if "any" in self.stage_carry else ("train" if self.training else "eval")
         executor = PipelineExecutor(self, geometry.schedule, mode)

@@ -100,7 +100,14 @@ class Reducer:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Sum every gradient over the group, running the hooks on each flat bucket."""
+        """Sum every gradient over the group, running the hooks on each flat bucket.
+
+        Over a single rank (no group) and with no hooks the sum is the gradient itself, so nothing
+        is copied: packing every gradient into a bucket and back would cost two passes over them
+        each step (a pipeline stage without data parallelism paid that for nothing).
+        """
+        if self.group is None and not self.pre_hooks and not self.post_hooks:
+            return
         for i, bucket in enumerate(self.buckets):
             flat = bucket.flat_grads(self._padded(bucket))
             for hook in self.pre_hooks:
