@@ -2,13 +2,14 @@
 
 The time model needs how long each op takes at the local shapes a rank runs it with. Rather than
 a roofline guess, each distinct call (target, local input shapes and dtypes, constant arguments)
-is run a few times on random tensors, forward and backward, and the fastest runs are kept in a JSON
+is run a few times on random tensors, forward and backward, and the median run is kept in a JSON
 table under the cache folder (``cost.cache``), one per device (e.g. ``cpu-x86_64-1t``: the number
 of threads matters on a CPU). A 12-layer transformer has a few dozen distinct calls, so profiling
-it takes a second or two, once. The fastest of the repeats, not their median, because other
-processes on a shared machine only ever make a run slower: the minimum is the op's own time. Each
-entry keeps the machine's load when it was timed; an entry timed on a busier machine than the
-current one is timed again, so one busy moment does not stay in the table.
+it takes a second or two, once. The median, not the fastest run: on a CPU the fastest of a few
+repeats is a quarter or so below what the same op takes inside a step (caches, allocator,
+interrupts), and a step is made of typical runs. Other processes only ever make runs slower, so
+each entry keeps the machine's load when it was timed, and an entry timed on a busier machine than
+the current one is timed again (keeping the faster time): one busy moment does not stay in the table.
 
 A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
 ``engine_overhead_s`` measures it, and it is taken out of each op's backward time.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -32,7 +34,7 @@ MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
 
 
 #: Bumped when the way ops are timed changes, so tables timed the old way are not read.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def device_key(device: Optional[torch.device] = None) -> str:
@@ -75,7 +77,7 @@ def _float_outputs(result) -> List[torch.Tensor]:
 
 
 def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
-    """Fastest forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget)."""
+    """Median forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget)."""
     fwd, bwd = [], []
     spent = 0.0
     for i in range(MAX_REPEATS + 1):
@@ -102,7 +104,7 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
             spent += end - start
             if len(fwd) >= MIN_REPEATS and spent > BUDGET_S:
                 break
-    return min(fwd), min(bwd)
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 _WARM: set = set()
@@ -133,7 +135,7 @@ def warm_up(device: torch.device, seconds: float = 0.2) -> None:
 
 
 def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
-    """The time a backward takes through one trivial op: the engine's fixed start-up."""
+    """The time a backward takes through one trivial op (median): the engine's fixed start-up."""
     times = []
     for _ in range(repeats):
         x = torch.ones(1, device=device, requires_grad=True)
@@ -143,7 +145,7 @@ def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
         y.backward()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 class OpProfiler:
@@ -228,4 +230,4 @@ def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimize
         _sync(device)
         if i:
             times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)

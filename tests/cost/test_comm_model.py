@@ -17,12 +17,12 @@ def test_fit_recovers_alpha_and_beta_from_exact_times():
         assert model.beta_s_per_byte == pytest.approx(truth.beta_s_per_byte, rel=1e-9)
 
 
-def test_the_fit_weighs_small_messages_as_much_as_large_ones():
-    # One slow large message must not turn the latency of the small ones negative.
-    sizes = [2**10, 2**13, 2**16, 2**22]
-    model = fit(sizes, [100e-6, 101e-6, 110e-6, 30e-3], 2)
-    # (an unweighted fit puts the line through the large one and the latency at zero)
-    assert model.forward("all_reduce", 2**10, 2) == pytest.approx(100e-6, rel=0.15)
+def test_an_odd_middle_size_does_not_bend_the_latency_of_small_messages():
+    # times seen on a shared 2-core machine: the 512 KiB median came out slow
+    sizes = [2**10, 2**13, 2**16, 2**19, 2**22]
+    model = fit(sizes, [0.52e-3, 0.48e-3, 0.49e-3, 3.3e-3, 3.9e-3], 2)
+    assert model.forward("all_reduce", 2**10, 2) == pytest.approx(0.52e-3, rel=0.01)
+    assert model.forward("all_reduce", 2**22, 2) == pytest.approx(3.9e-3, rel=0.01)
 
 
 def test_group_sizes_are_powers_of_two_and_the_world():
