@@ -17,11 +17,14 @@ def _ops():
 def test_an_op_timed_on_a_busy_machine_is_timed_again_when_it_is_quieter(tmp_path, monkeypatch):
     op = next(o for o in _ops() if "linear" in o.node.target)
     monkeypatch.setattr(profile, "machine_load", lambda: 0.0)
-    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
-    profiler.table[op_key(op)] = [1.0, 2.0, 6.0]              # timed once, slowly, at a load of 6
+    busy = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
+    busy.table[op_key(op)] = busy.new[op_key(op)] = [1.0, 2.0, 6.0]     # timed once, slowly, at a load of 6
+    busy.save()
+    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")   # opened on a quiet machine
     fwd, bwd = profiler.time(op)
     assert fwd < 1.0 and bwd < 2.0
     assert profiler.table[op_key(op)][2] == 0.0
+    assert profiler.time(op) == (fwd, bwd)                    # timed again once: the same from now on
     profiler.table[op_key(op)] = [1e-9, 2e-9, 0.0]            # timed quiet: kept, never timed again
     assert profiler.time(op) == (1e-9, 2e-9)
 
