@@ -60,16 +60,20 @@ class RankModule:
 
 
 modules: Dict[str, RankModule] = {}
+_calibrated = False          # whether this engine's cluster has timed its collectives yet
 
 
 def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
                      compute_config: ComputeConfig, parallelize_kwargs: Dict[str, Any]) -> None:
     """``parallelize`` on this rank (rank 0 compiles, the others load) and keep it as ``name``.
 
-    The first time a cluster of this size parallelizes, it also calibrates the time model of its
-    collectives (a fraction of a second, cached), so plans predict this cluster's step times.
+    The first time a cluster parallelizes, it also calibrates the time model of its collectives (a
+    fraction of a second, cached on disk), so later plans predict this cluster's step times as the
+    machine is now, not as it was when some earlier cluster ran.
     """
-    comm_model.ensure_calibrated()
+    global _calibrated
+    comm_model.ensure_calibrated(force=not _calibrated)
+    _calibrated = True
     modules[name] = RankModule(parallelize(module, dummy_forward_args, pas_policy, compute_config,
                                            load_module=True, **parallelize_kwargs))
 
