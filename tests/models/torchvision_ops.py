@@ -16,31 +16,29 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from typing import List
-
 import torch
 
 # The ops torchvision's ``_meta_registrations`` registers fake kernels for without asking whether
 # its C++ library loaded, as that library declares them.
-UNGUARDED_OPS = (
-    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
-_declared: List[torch.library.Library] = []      # declarations live as long as their Library object
+UNGUARDED_OPS = {
+    "torchvision::nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "torchvision::qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+}
+_declared = False
 
 
 def declare_missing_ops() -> bool:
     """Declare ``UNGUARDED_OPS`` if torchvision is installed and its C++ library cannot load.
     Returns whether they are declared (now or before). Cheap to call again."""
+    global _declared
     if _declared:
         return True
     spec = importlib.util.find_spec("torchvision")
     if spec is None or spec.origin is None or _library_loads(pathlib.Path(spec.origin).parent):
         return False
-    lib = torch.library.Library("torchvision", "DEF")
-    for schema in UNGUARDED_OPS:
-        lib.define(schema)
-    _declared.append(lib)
+    for name, schema in UNGUARDED_OPS.items():
+        torch.library.define(name, schema)          # torch keeps the declaration for the process
+    _declared = True
     return True
 
 
@@ -48,9 +46,9 @@ def _library_loads(package: pathlib.Path) -> bool:
     """Whether torchvision's C++ op library loads beside this torch (it is then loaded)."""
     if hasattr(torch.ops.torchvision, "nms"):
         return True
-    for lib in package.glob("_C*.so"):
+    for shared_object in package.glob("_C*.so"):
         try:
-            torch.ops.load_library(str(lib))
+            torch.ops.load_library(str(shared_object))
         except (OSError, RuntimeError):
             return False
         return True
