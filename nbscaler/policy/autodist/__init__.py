@@ -29,7 +29,7 @@ from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
 from nbscaler.cost.memory import device_runs, memory_per_rank
-from nbscaler.cost.timing import default_profiler, predicted_timeline, sync_time
+from nbscaler.cost.timing import StepModel, default_profiler, sync_time
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
 from nbscaler.policy.autodist.explain import explain_rows
@@ -298,9 +298,10 @@ class _Searcher:
         the slowest device's gradient synchronisation."""
         graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
         storage = self._storage()
-        comm = comm_model.load(nranks=max(2, self.cfg.plan_ngpus))
-        sync = max(sync_time(graphs, storage, self.cfg, d, self.geometry, comm) for d in range(self.cfg.plan_ngpus))
-        return predicted_timeline(graphs, storage, self.cfg, self.geometry).makespan + sync
+        model = StepModel(graphs, storage, self.cfg, self.geometry, profiler=self.profiler)
+        sync = max(sync_time(graphs, storage, self.cfg, d, self.geometry, model.comm)
+                   for d in range(self.cfg.plan_ngpus))
+        return model.timeline().makespan + sync    # a pipeline plays its schedule; else one sample
 
     def _storage(self):
         return storage_layouts([self.graph], self.cfg.sums_partial_grads_after_backward)
