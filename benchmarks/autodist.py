@@ -7,11 +7,14 @@ Two parts:
   first time on a machine (each distinct op is profiled once) and again from the cached profile;
 - **the plans it finds** for the GPT, the Llama-style decoder and a CNN on ``--ranks`` local CPU ranks:
   the predicted step time (``plan.summary()``) of autodist and of every built-in policy (dp, tp, data,
-  pp, hybrid) for the same devices, then the measured one (median of the timed steps).
+  pp, hybrid) for the same devices, then the measured one. autodist is given the devices and chooses
+  how many make a unit (``autodist_plan_ngpus='auto'``), as a user choosing among the built-ins does.
 
 Plans on the same devices train different amounts per step: ``dp`` one sample per unit, a pipeline
 one per micro-batch. So they are compared by the time per sample (a step's time over the samples it
-trains, each a batch of the same size), the figure that decides how long training takes.
+trains, each a batch of the same size), the figure that decides how long training takes. Each run
+is measured ``--reps`` times, the runs taking turns, and the median is kept: on a shared machine one
+measurement moves by 15% or more.
 
     python -m benchmarks.autodist --ranks 2           # writes benchmarks/results/autodist.md
 """
@@ -28,6 +31,7 @@ import nbscaler
 from benchmarks.runs import MODELS, Run, calibrate_collectives, machine, measure, parser, pipeline, predict, write_results
 from nbscaler import ComputeConfig
 from nbscaler.columns import SummaryColumn as C
+from nbscaler.policy.autodist import samples_per_step
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
 RESULTS = Path(__file__).parent / "results" / "autodist.md"
@@ -47,9 +51,13 @@ def search_seconds(layers: int = 12, devices: int = 8) -> Dict[str, float]:
     return out
 
 
+#: autodist chooses the unit size too: on ``n`` devices, ``dp``'s units of one are among its options.
+AUTO_UNIT = (("autodist_plan_ngpus", "auto"),)
+
+
 def contenders(model: str, n: int) -> List[Run]:
     """autodist, with and without a pipeline to place, and every built-in policy on ``n`` devices."""
-    out = [Run(model, "autodist", n, n), Run(model, "autodist", n, n, pipeline("1f1b", 2)),
+    out = [Run(model, "autodist", n, n, pas=AUTO_UNIT), Run(model, "autodist", n, n, pipeline("1f1b", 2), AUTO_UNIT),
            Run(model, "dp", 1, n), Run(model, "tp", n, n), Run(model, "data", n, n),
            Run(model, "pp", n, n, pipeline("1f1b", n))]
     if n >= 4:
@@ -57,33 +65,59 @@ def contenders(model: str, n: int) -> List[Run]:
     return out
 
 
-def samples_per_step(run: Run) -> int:
-    """Samples one training step of ``run`` trains: one per micro-batch, in every unit."""
-    return run.nmicros * run.runtime_ngpus // run.plan_ngpus
+def chosen(config: ComputeConfig) -> str:
+    """The plan's shape: devices per unit x ranks, and the stages of a pipeline."""
+    stages = f", {config.pipeline_nstages} stages" if config.use_pipeline else ""
+    return f"{config.plan_ngpus}x{config.runtime_ngpus}{stages}"
 
 
-def step_times(run: Run, steps: int) -> Dict[str, float]:
-    predicted = max(r[C.STEP_TIME_S] for r in predict(run)["rows"])
-    return {"predicted": predicted, "measured": statistics.mean(r["step_s"] for r in measure(run, steps))}
+def measure_interleaved(runs: List[Run], steps: int, reps: int) -> Dict[Run, List[float]]:
+    """Each run's measured step time (mean over ranks of their median step), ``reps`` times, the runs
+    taking turns: a slow minute of the machine then falls on every run alike, not on one."""
+    out: Dict[Run, List[float]] = {run: [] for run in runs}
+    for rep in range(reps):
+        for run in runs:
+            print(f"  repetition {rep + 1}/{reps}: {run.model} {run} ...", flush=True)
+            out[run].append(statistics.mean(r["step_s"] for r in measure(run, steps)))
+    return out
 
 
-def table(results: Dict[str, Dict[Run, Dict[str, float]]]) -> str:
-    lines = ["| model | policy | samples / step | predicted ms / sample | measured ms / sample "
-             "| measured / best built-in | predicted / best built-in |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for model, by_run in results.items():
-        per = {run: {k: v / samples_per_step(run) for k, v in t.items()} for run, t in by_run.items()}
-        best = {k: min(t[k] for run, t in per.items() if run.policy != "autodist") for k in ("measured", "predicted")}
-        for run, t in per.items():
-            lines.append(f"| {model} | {run} | {samples_per_step(run)} | {1e3 * t['predicted']:.1f} "
-                         f"| {1e3 * t['measured']:.1f} | {t['measured'] / best['measured']:.2f} "
-                         f"| {t['predicted'] / best['predicted']:.2f} |")
-    return "\n".join(lines)
+def table(model: str, rows: List[Dict]) -> List[str]:
+    """One line per run: seconds per sample predicted and measured (median of the repetitions and
+    its spread), and both over the best built-in's."""
+    best = {k: min(r[k] for r in rows if r["run"].policy != "autodist") for k in ("predicted", "measured")}
+    lines = []
+    for r in rows:
+        lo, hi = min(r["reps"]) / r["samples"], max(r["reps"]) / r["samples"]
+        lines.append(f"| {model} | {r['run']} | {r['chosen']} | {r['samples']} | {1e3 * r['predicted']:.1f} "
+                     f"| {1e3 * r['measured']:.1f} ({1e3 * lo:.1f}-{1e3 * hi:.1f}) "
+                     f"| {r['measured'] / best['measured']:.2f} | {r['predicted'] / best['predicted']:.2f} |")
+    return lines
+
+
+HEADER = ["| model | run | plan | samples / step | predicted ms / sample | measured ms / sample (min-max) "
+          "| measured / best built-in | predicted / best built-in |", "|---|---|---|---:|---:|---:|---:|---:|"]
+
+
+def compare(model: str, n: int, steps: int, reps: int) -> List[Dict]:
+    """Predicted and measured seconds per sample of every contender for ``model`` on ``n`` ranks."""
+    runs = contenders(model, n)
+    predicted = {run: predict(run) for run in runs}
+    measured = measure_interleaved(runs, steps, reps)
+    rows = []
+    for run in runs:
+        cfg = predicted[run]["config"]
+        samples = samples_per_step(cfg)
+        rows.append({"run": run, "chosen": chosen(cfg), "samples": samples, "reps": measured[run],
+                     "predicted": max(r[C.STEP_TIME_S] for r in predicted[run]["rows"]) / samples,
+                     "measured": statistics.median(measured[run]) / samples})
+    return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     cli = parser(__doc__.splitlines()[0], list(MODELS), RESULTS)
     cli.add_argument("--skip-search", action="store_true", help="leave out the 12-layer GPT search timing")
+    cli.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each run's measurement")
     args = cli.parse_args(argv)
     torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
     parts = []
@@ -93,13 +127,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         parts.append("Search time, 12-layer GPT (d=768) on 8 devices: "
                      + ", ".join(f"{k}: {v:.1f} s" for k, v in searched.items()) + ".")
     calibrate_collectives(args.ranks)
-    results: Dict[str, Dict[Run, Dict[str, float]]] = {}
+    lines = list(HEADER)
     for model in args.models:
-        results[model] = {}
-        for run in contenders(model, args.ranks):
-            print(f"  {model}: {run} ...", flush=True)
-            results[model][run] = step_times(run, args.steps)
-    parts.append(f"Step times on {machine(args.ranks, args.steps)}.\n\n{table(results)}")
+        lines += table(model, compare(model, args.ranks, args.steps, args.reps))
+    parts.append(f"Step times on {machine(args.ranks, args.steps)}; each run measured {args.reps} times, "
+                 f"taking turns, the median kept.\n\n" + "\n".join(lines))
     write_results(args.out, "\n\n".join(parts) + "\n")
     return 0
 

@@ -93,10 +93,14 @@ class Run:
     plan_ngpus: int
     runtime_ngpus: int
     extra: tuple = ()           # ComputeConfig keywords as (name, value) pairs
+    pas: tuple = ()             # pas_config entries as (key, value) pairs
 
     @property
     def config(self) -> ComputeConfig:
-        return ComputeConfig(self.plan_ngpus, self.runtime_ngpus, use_end2end=True, **dict(self.extra))
+        extra = dict(self.extra)
+        if self.pas:
+            extra["pas_config"] = {**extra.get("pas_config", {}), **dict(self.pas)}
+        return ComputeConfig(self.plan_ngpus, self.runtime_ngpus, use_end2end=True, **extra)
 
     @property
     def nmicros(self) -> int:
@@ -105,6 +109,7 @@ class Run:
     def __str__(self) -> str:
         cfg = self.config
         name = self.policy + (f" {cfg.pipeline_scheduler}" if cfg.use_pipeline else "")
+        name += "".join(f" {k}={v}" for k, v in self.pas)
         return name + (" +zero" if cfg.use_zero else "") + f" {self.plan_ngpus}x{self.runtime_ngpus}"
 
     def plan(self) -> nbscaler.Plan:
@@ -114,18 +119,19 @@ class Run:
 
 
 def predict(run: Run) -> Dict[str, Any]:
-    """The plan's rows for ``run`` (``plan.summary`` with the benchmarks' optimizer) and its bubble."""
+    """The plan's rows for ``run`` (``plan.summary`` with the benchmarks' optimizer), its config (a
+    policy may choose some of it, as autodist does the unit size) and its bubble."""
     plan = run.plan()
-    return {"rows": plan.summary(OPTIMIZER, **OPTIMIZER_KWARGS).to_dict("records"),
+    return {"rows": plan.summary(OPTIMIZER, **OPTIMIZER_KWARGS).to_dict("records"), "config": plan.config,
             "bubble": plan.timeline().bubble_fraction if run.config.use_pipeline else None}
 
 
 def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
     build, sample = MODELS[run.model]
-    unit = dist.get_rank() // run.plan_ngpus
     torch.manual_seed(0)
     pm = parallelize(build(), {"batch": sample(0)}, run.policy, run.config, gen_savedir=GEN_DIR,
-                     instance_name=f"{run.model}_{run}".replace(" ", "_").replace("+", ""), reuse="override")
+                     instance_name=f"{run.model}_{run}".replace(" ", "_").replace("+", "").replace("=", ""), reuse="override")
+    unit = pm.compute_config.unit_of(dist.get_rank())     # the compiled plan's units (autodist may choose them)
     opt = build_optimizer(pm, OPTIMIZER, **OPTIMIZER_KWARGS)
     times, losses, bubble = [], [], None
     # Timed steps run without the meter: its saved-tensor hooks cost Python time per saved tensor.

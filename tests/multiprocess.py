@@ -69,8 +69,15 @@ class Case:
         return f"{self.instance_name}_{self.optimizer}_{self.steps}steps{clip}"
 
     @property
+    def unit_ngpus(self) -> int:
+        """Devices per unit the plan runs with: ``plan_ngpus``, or the unit size autodist is told
+        to use (``autodist_plan_ngpus``)."""
+        chosen = dict(self.config).get("pas_config", {}).get("autodist_plan_ngpus")
+        return chosen if isinstance(chosen, int) else self.plan_ngpus
+
+    @property
     def units(self) -> int:
-        return self.runtime_ngpus // self.plan_ngpus
+        return self.runtime_ngpus // self.unit_ngpus
 
     @property
     def compute_config(self) -> ComputeConfig:
@@ -216,7 +223,9 @@ def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
     for case in cases:
         model = parallel_model(case, gen_dir)
         opt = case.make_optimizer(model)
-        out = parallel_steps(model, opt, case, range(case.steps), rank // case.plan_ngpus)
+        compiled = next(m for m in model.modules() if isinstance(m, ParallelModule))
+        assert compiled.compute_config.plan_ngpus == case.unit_ngpus, (case, compiled.compute_config)
+        out = parallel_steps(model, opt, case, range(case.steps), rank // case.unit_ngpus)
         results.append({**out, "eval_loss": eval_losses(model, case), "state": model.state_dict(),
                         "optimizer_bytes": optimizer_state_bytes(opt)})
     return results
@@ -245,7 +254,7 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
     ref = train_single(case)
     for step in range(case.steps):
         for rank, res in enumerate(per_rank):
-            unit = rank // case.plan_ngpus
+            unit = rank // case.unit_ngpus
             expected = torch.tensor(ref["losses"][step][unit])
             assert_close(torch.tensor(res["losses"][step]), expected, f"{case} step {step} rank {rank} loss")
         if case.clip is not None:

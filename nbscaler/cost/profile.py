@@ -31,6 +31,10 @@ from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
+#: An op whose run takes longer than this is timed by that one run (the warm-up's included): at that
+#: length a run's spread and the warm-up's extra are a few percent, and a large op (a 50k-vocabulary
+#: head) would otherwise take seconds to profile.
+LONG_RUN_S = 0.2
 
 
 #: Bumped when the way ops are timed changes, so tables timed the old way are not read.
@@ -57,17 +61,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _inputs(op: OpCall, device: torch.device) -> List[torch.Tensor]:
-    out = []
-    for shape, dtype, grad in op.in_shapes:
-        if dtype.is_floating_point:
-            t = torch.randn(shape, dtype=dtype, device=device)
-        else:
-            t = torch.zeros(shape, dtype=dtype, device=device)       # valid indices and masks
-        if grad:
-            t = t.requires_grad_().clone()      # not a leaf, so in-place ops work as at run time
-        out.append(t)
-    return out
+def _random_inputs(op: OpCall, device: torch.device) -> List[torch.Tensor]:
+    """Inputs of the op's local shapes: uniform floats (cheaper to draw than normal ones, which
+    matters for a vocabulary-sized weight), zeros for integers (valid indices and masks)."""
+    return [torch.empty(shape, dtype=dtype, device=device).uniform_(-1, 1) if dtype.is_floating_point
+            else torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, _ in op.in_shapes]
+
+
+def _fresh(inputs: List[torch.Tensor], op: OpCall) -> List[torch.Tensor]:
+    """Copies of ``inputs`` for one run: an in-place op changes only its copy, and an input that
+    takes a gradient is not a leaf, so in-place ops work on it as at run time."""
+    return [t.clone().requires_grad_().clone() if grad else t.clone()
+            for t, (_, _, grad) in zip(inputs, op.in_shapes)]
 
 
 def _float_outputs(result) -> List[torch.Tensor]:
@@ -80,9 +85,9 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
     """Median forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget)."""
     fwd, bwd = [], []
     spent = 0.0
+    drawn = _random_inputs(op, device)
     for i in range(MAX_REPEATS + 1):
-        inputs = _inputs(op, device)
-        args, kwargs = call_args(op.node, inputs, device)
+        args, kwargs = call_args(op.node, _fresh(drawn, op), device)
         _sync(device)
         start = time.perf_counter()
         result = call_node(op.node, args, kwargs)
@@ -98,11 +103,12 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
             end = time.perf_counter()
         else:
             middle2 = end = middle
-        if i:                       # the first run warms up
+        long_run = end - start > LONG_RUN_S
+        if i or long_run:           # the first run warms up, unless it is long enough to be its own time
             fwd.append(middle - start)
             bwd.append(end - middle2)
             spent += end - start
-            if len(fwd) >= MIN_REPEATS and spent > BUDGET_S:
+            if (len(fwd) >= MIN_REPEATS and spent > BUDGET_S) or long_run:
                 break
     return statistics.median(fwd), statistics.median(bwd)
 
@@ -213,9 +219,9 @@ def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimize
     ``numels`` elements."""
     if not numels:
         return 0.0
-    params = [torch.nn.Parameter(torch.randn(n, dtype=dtype, device=device)) for n in numels]
+    params = [torch.nn.Parameter(torch.full((n,), 0.5, dtype=dtype, device=device)) for n in numels]
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.grad = torch.full_like(p, 0.1)       # the step's time does not depend on the values
     opt = optimizer(params, **optimizer_kwargs)
     flat = torch.empty(sum(numels), dtype=dtype, device=device)
     times = []
@@ -235,4 +241,6 @@ def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimize
         _sync(device)
         if i:
             times.append(time.perf_counter() - start)
+            if times[-1] > LONG_RUN_S:
+                break
     return statistics.median(times)

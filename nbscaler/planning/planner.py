@@ -212,7 +212,7 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
         graph.meta.pop(RECOMPUTE_KEY, None)        # a choice of an earlier policy on these graphs
         out = policy(graph, cfg)
         placed[mode] = graph if out is None else out
-        cfg = adopt_stage_count(placed[mode], cfg)
+        cfg = adopt_policy_choices(placed[mode], cfg)
         check_placements(placed[mode], cfg)
         if mode != "eval":                         # the eval forward keeps nothing for a backward
             mark_recompute(placed[mode], cfg)
@@ -220,10 +220,14 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
 
 
-def adopt_stage_count(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
-    """A policy that chose the number of pipeline stages (autodist's ``autodist_nstages``) says so in
-    ``graph.meta['pipeline_nstages']``; the plan's config takes it, and so do later modes' policies.
-    So for the modules it chose to recompute (``graph.meta['recompute_modules']``)."""
+def adopt_policy_choices(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
+    """A policy that chose the number of devices per unit or of pipeline stages (autodist's
+    ``autodist_plan_ngpus`` and ``autodist_nstages``) says so in ``graph.meta['plan_ngpus']`` and
+    ``graph.meta['pipeline_nstages']``; the plan's config takes them, and so do later modes'
+    policies. So for the modules it chose to recompute (``graph.meta['recompute_modules']``)."""
+    plan_ngpus = graph.meta.get("plan_ngpus")
+    if plan_ngpus is not None and plan_ngpus != cfg.plan_ngpus:
+        cfg = cfg.with_changes(plan_ngpus=plan_ngpus, pas_config={"autodist_plan_ngpus": plan_ngpus})
     nstages = graph.meta.get("pipeline_nstages")
     if nstages is not None and nstages != cfg.pipeline_nstages:
         cfg = cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})

@@ -15,10 +15,12 @@ from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, tra
 AUTODIST = {
     1: [Case(m, "autodist", 1, 1) for m in ("mlp", "llama", "cnn")],
     2: [Case(m, "autodist", 2, 2) for m in ("mlp", "llama", "cnn")] +
-       [Case("gpt", "autodist", 2, 2, config=pipeline("1f1b", 2, 4))],
+       [Case("gpt", "autodist", 2, 2, config=pipeline("1f1b", 2, 4)),
+        Case("llama", "autodist", 2, 2, config=(("pas_config", {"autodist_plan_ngpus": 1}),))],
     4: [Case("mlp", "autodist", 4, 4), Case("llama", "autodist", 2, 4), Case("cnn", "autodist", 4, 4),
         Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4)),
-        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4) + (("pas_config", {"autodist_nstages": "auto"}),))],
+        Case("gpt", "autodist", 4, 4, config=pipeline("1f1b", 2, 4) + (("pas_config", {"autodist_nstages": "auto"}),)),
+        Case("cnn", "autodist", 4, 4, config=(("pas_config", {"autodist_plan_ngpus": 2}),))],
 }
 
 
@@ -104,7 +106,31 @@ def test_auto_stage_count_keeps_the_fastest_predicted_and_the_plan_adopts_it():
         nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2, pas_config={"autodist_nstages": "auto"}))
 
 
+def test_auto_unit_size_keeps_the_fastest_per_sample_and_the_plan_adopts_it(tmp_path):
+    path = tmp_path / "plan.json"
+    cfg = ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto", "save_plan_path": str(path)})
+    p = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", cfg)
+    scores = p.graph.meta["autodist"]["unit_scores"]
+    assert set(scores) == {1, 2}
+    best = min(scores, key=scores.get)
+    assert p.config.plan_ngpus == best and p.config.units == 2 // best
+    assert all(n.placement.devices == tuple(range(best)) for n in p.graph.nodes)
+    assert f"chose units of {best} device(s)" in p.explain()
+    # the saved plan loads back with its unit size where autodist may choose it, and not otherwise
+    again = nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+                          ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto", "load_plan_path": str(path)}))
+    assert again.config.plan_ngpus == best and splits(again) == splits(p)
+    if best != 2:
+        with pytest.raises(PolicyError, match=f"plan for plan_ngpus={best}, not 2.*autodist_plan_ngpus='auto'"):
+            nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+                          ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
+    with pytest.raises(PolicyError, match="autodist_plan_ngpus'\\]=3 does not divide runtime_ngpus=2"):
+        nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": 3}))
+
+
 def test_bad_options_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="autodist_plan_ngpus.*divides runtime_ngpus, or 'auto'"):
+        AutodistOptions(autodist_plan_ngpus=0)
     with pytest.raises(ValueError, match="memory_limit_bytes.*positive number of bytes"):
         AutodistOptions(memory_limit_bytes=-5)
     with pytest.raises(ValueError, match="memory_optimizer.*use one of sgd, adam, adamw"):

@@ -29,12 +29,13 @@ from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
 from nbscaler.cost.memory import device_runs, memory_per_rank
-from nbscaler.cost.timing import StepModel, default_profiler, sync_time
+from nbscaler.columns import SummaryColumn as C
+from nbscaler.cost.timing import StepModel, default_profiler
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
 from nbscaler.policy.autodist.explain import explain_rows
 from nbscaler.policy.autodist.options import AutodistOptions
-from nbscaler.policy.autodist.planfile import load_plan, save_plan
+from nbscaler.policy.autodist.planfile import load_plan, save_plan, saved_plan_ngpus
 from nbscaler.policy.autodist.search import SearchResult, search
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
@@ -50,23 +51,36 @@ MAX_WEIGHT_STEPS = 24
 def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """The autodist policy: place every node of ``graph`` as the search finds best."""
     opts = AutodistOptions.from_config(cfg)
-    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
     if opts.load_plan_path:
-        unit = tuple(range(cfg.plan_ngpus))
-        return load_plan(graph, cfg.plan_ngpus, opts.load_plan_path,
-                         lambda stage: geometry.stage_group(stage) if geometry and stage is not None else unit)
+        return _load(graph, cfg, opts)
     start = time.perf_counter()
-    searcher, info = _search_stage_counts(graph, cfg, opts)
-    if geometry is None and not opts.autodist_constraints:
-        _keep_faster_builtin(graph, cfg, opts, searcher, info)
+    searcher, info = _search_configs(graph, cfg, opts)
+    if searcher.geometry is None and not opts.autodist_constraints and searcher.cfg.plan_ngpus > 1:
+        _keep_faster_builtin(graph, searcher.cfg, opts, searcher, info)
     searcher.profiler.save()                  # op times profiled here serve the next search too
     info["search_s"] = time.perf_counter() - start
     graph.meta["autodist"] = info
     if opts.autodist_nstages is not None:
         graph.meta["pipeline_nstages"] = searcher.cfg.pipeline_nstages     # the planner adopts it
+    if searcher.cfg.plan_ngpus != cfg.plan_ngpus:
+        graph.meta["plan_ngpus"] = searcher.cfg.plan_ngpus                  # and this
     if opts.save_plan_path:
-        save_plan(graph, cfg.plan_ngpus, opts.save_plan_path)
+        save_plan(graph, searcher.cfg.plan_ngpus, opts.save_plan_path)
     return graph
+
+
+def _load(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> IRGraph:
+    """Place ``graph`` from a saved plan. Where the unit size is autodist's to choose
+    (``autodist_plan_ngpus``), the file's unit size is taken, as the search that saved it chose it."""
+    if opts.autodist_plan_ngpus is not None:
+        saved = saved_plan_ngpus(opts.load_plan_path)
+        if saved != cfg.plan_ngpus:
+            cfg = _with_unit(cfg, saved)
+            graph.meta["plan_ngpus"] = saved
+    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
+    unit = tuple(range(cfg.plan_ngpus))
+    return load_plan(graph, cfg.plan_ngpus, opts.load_plan_path,
+                     lambda stage: geometry.stage_group(stage) if geometry and stage is not None else unit)
 
 
 def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions, searcher: "_Searcher",
@@ -120,13 +134,57 @@ def stage_count_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[Compu
     return out
 
 
-def _search_stage_counts(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> Tuple["_Searcher", dict]:
-    """Search under each stage count to try; keep (place again) the one the simulator finds fastest."""
-    configs = stage_count_configs(cfg, opts)
+def unit_sizes(cfg: ComputeConfig, opts: AutodistOptions) -> List[int]:
+    """The devices per unit to search: ``plan_ngpus``, or as ``autodist_plan_ngpus`` says
+    (``'auto'``: every count that divides ``runtime_ngpus``, from 1, which is data parallelism)."""
+    wanted, total = opts.autodist_plan_ngpus, cfg.runtime_ngpus
+    if wanted is None:
+        return [cfg.plan_ngpus]
+    if wanted == "auto":
+        return [d for d in range(1, total + 1) if total % d == 0]
+    if total % wanted:
+        raise PolicyError(f"pas_config['autodist_plan_ngpus']={wanted} does not divide runtime_ngpus={total}; "
+                          f"give one of {[d for d in range(1, total + 1) if total % d == 0]}, or 'auto'.")
+    return [wanted]
+
+
+def _with_unit(cfg: ComputeConfig, plan_ngpus: int) -> ComputeConfig:
+    try:
+        return cfg.with_changes(plan_ngpus=plan_ngpus)
+    except ValueError as err:
+        raise PolicyError(f"autodist cannot use units of {plan_ngpus} devices with this config: {err}") from None
+
+
+def candidate_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
+    """Every config to search: each unit size (``unit_sizes``) with each stage count
+    (``stage_count_configs``). A unit size that cannot hold the pipeline is left out when there are
+    others to try."""
+    sizes, out, failure = unit_sizes(cfg, opts), [], None
+    for size in sizes:
+        try:
+            out += stage_count_configs(_with_unit(cfg, size) if size != cfg.plan_ngpus else cfg, opts)
+        except PolicyError as err:
+            failure = err
+    if not out:
+        raise failure
+    return out
+
+
+def samples_per_step(cfg: ComputeConfig) -> int:
+    """Batches one training step trains: one per micro-batch, in every data-parallel unit."""
+    return cfg.units * (cfg.pipeline_nmicros if cfg.use_pipeline else 1)
+
+
+def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> Tuple["_Searcher", dict]:
+    """Search under each candidate config; keep (place again) the one predicted fastest per sample.
+
+    Configs with fewer devices per unit train more samples a step (more units), so they are
+    compared by the predicted step time over the samples it trains."""
+    configs = candidate_configs(cfg, opts)
     if len(configs) == 1:
         searcher = _Searcher(graph, configs[0], opts, _geometry(configs[0]))
         return searcher, searcher.run()
-    scores: Dict[int, float] = {}
+    scores: Dict[Tuple[int, int], float] = {}          # (plan_ngpus, nstages) -> seconds per step
     failure: Optional[PolicyError] = None
     for candidate in configs:
         searcher = _Searcher(graph, candidate, opts, _geometry(candidate))
@@ -135,15 +193,25 @@ def _search_stage_counts(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptio
         except PolicyError as err:             # e.g. this stage count cannot meet the memory limit
             failure = err
             continue
-        scores[candidate.pipeline_nstages] = searcher.score()
+        scores[_key(candidate)] = searcher.score()
     if not scores:
         raise failure
-    best = min(scores, key=lambda k: (scores[k], k))
-    chosen = next(c for c in configs if c.pipeline_nstages == best)
+    by_key = {_key(c): c for c in configs}
+    per_sample = {k: s / samples_per_step(by_key[k]) for k, s in scores.items()}
+    best = min(per_sample, key=lambda k: (per_sample[k], -k[0], k))   # ties: the larger unit, fewer stages
+    chosen = by_key[best]
     searcher = _Searcher(graph, chosen, opts, _geometry(chosen))
     info = searcher.run()
-    info["nstages_scores"] = scores
+    if opts.autodist_nstages is not None:
+        info["nstages_scores"] = {k: s for (d, k), s in scores.items() if d == chosen.plan_ngpus}
+    if opts.autodist_plan_ngpus is not None:
+        info["unit_scores"] = {d: min(s for (size, _), s in per_sample.items() if size == d)
+                               for d in sorted({size for size, _ in per_sample})}
     return searcher, info
+
+
+def _key(cfg: ComputeConfig) -> Tuple[int, int]:
+    return cfg.plan_ngpus, cfg.pipeline_nstages if cfg.use_pipeline else 1
 
 
 def _geometry(cfg: ComputeConfig) -> Optional[PipelineGeometry]:
@@ -294,14 +362,13 @@ class _Searcher:
         return [i for i in range(1, len(nodes)) if layer_of(nodes[i].module_path) != layer_of(nodes[i - 1].module_path)]
 
     def score(self) -> float:
-        """The predicted step time of the current placement: the schedule simulator's makespan, then
-        the slowest device's gradient synchronisation."""
+        """The predicted step time of the current placement on its slowest rank: the schedule
+        simulator's makespan (without a pipeline, one sample), the gradient synchronisation and
+        the step of ``memory_optimizer``."""
         graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
-        storage = self._storage()
-        model = StepModel(graphs, storage, self.cfg, self.geometry, profiler=self.profiler)
-        sync = max(sync_time(graphs, storage, self.cfg, d, self.geometry, model.comm)
-                   for d in range(self.cfg.plan_ngpus))
-        return model.timeline().makespan + sync    # a pipeline plays its schedule; else one sample
+        model = StepModel(graphs, self._storage(), self.cfg, self.geometry, profiler=self.profiler)
+        nsamples = self.cfg.pipeline_nmicros if self.cfg.use_pipeline else 1
+        return float(model.step_times(nsamples, self.opts.optimizer)[C.STEP_TIME_S].max())
 
     def _storage(self):
         return storage_layouts([self.graph], self.cfg.sums_partial_grads_after_backward)

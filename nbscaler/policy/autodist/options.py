@@ -17,6 +17,10 @@
                             ``plan_ngpus`` and keep the fastest the simulator predicts
 ``autodist_max_states``     the most partial plans the search keeps per op (beyond it, the best
                             ones): exact below it
+``autodist_plan_ngpus``     devices per unit to search: ``'auto'`` tries every count that divides
+                            ``runtime_ngpus`` and keeps the fastest per sample; a number fixes
+                            it; ``None`` (the default) keeps ``plan_ngpus``. A smaller unit means
+                            more data-parallel units, each fed its own batch (see ``units``)
 ==========================  ==================================================================
 
 >>> AutodistOptions.from_config(ComputeConfig(2, 2, pas_config={"memory_limit_bytes": 2**30}))
@@ -37,7 +41,7 @@ from nbscaler.policy.modules import prefixes
 OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 KEYS = ("memory_limit_bytes", "memory_optimizer", "pipeline_pivots", "autodist_constraints", "save_plan_path",
-        "load_plan_path", "autodist_nstages", "autodist_max_states")
+        "load_plan_path", "autodist_nstages", "autodist_max_states", "autodist_plan_ngpus")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class AutodistOptions:
     load_plan_path: Optional[str] = None
     autodist_nstages: Optional[Union[int, str]] = None
     autodist_max_states: int = 4096
+    autodist_plan_ngpus: Optional[Union[int, str]] = None
 
     @classmethod
     def from_config(cls, cfg: ComputeConfig) -> "AutodistOptions":
@@ -77,6 +82,9 @@ class AutodistOptions:
             fail("autodist_nstages", nstages, "give a number of pipeline stages, or 'auto'.")
         if nstages is not None and self.load_plan_path:
             fail("autodist_nstages", nstages, "a loaded plan keeps its own stages; leave autodist_nstages out.")
+        unit = self.autodist_plan_ngpus
+        if unit is not None and unit != "auto" and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
+            fail("autodist_plan_ngpus", unit, "give a number of devices per unit that divides runtime_ngpus, or 'auto'.")
         if not isinstance(self.autodist_max_states, int) or self.autodist_max_states < 1:
             fail("autodist_max_states", self.autodist_max_states, "give a positive whole number.")
 

@@ -35,16 +35,29 @@ def save_plan(graph: IRGraph, plan_ngpus: int, path: str) -> None:
     atomic_write_bytes(Path(path), json.dumps(data, indent=1).encode())
 
 
-def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
-              devices_of_stage: Callable[[Any], Tuple[int, ...]]) -> IRGraph:
-    """Place ``graph`` as the file at ``path`` says; ``devices_of_stage(stage)`` gives each op's devices."""
+def _read(path: str) -> Dict[str, Any]:
     try:
         data: Dict[str, Any] = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise PolicyError(f"cannot read the autodist plan {path}: {err}") from None
-    if data.get("format") != FORMAT or data.get("plan_ngpus") != plan_ngpus:
-        raise PolicyError(f"{path} is not an autodist plan for plan_ngpus={plan_ngpus} (it says format="
-                          f"{data.get('format')!r}, plan_ngpus={data.get('plan_ngpus')!r}).")
+    if data.get("format") != FORMAT or not isinstance(data.get("plan_ngpus"), int):
+        raise PolicyError(f"{path} is not an autodist plan (it says format={data.get('format')!r}, "
+                          f"plan_ngpus={data.get('plan_ngpus')!r}); save one with pas_config['save_plan_path'].")
+    return data
+
+
+def saved_plan_ngpus(path: str) -> int:
+    """The devices per unit the plan at ``path`` was saved for."""
+    return _read(path)["plan_ngpus"]
+
+
+def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
+              devices_of_stage: Callable[[Any], Tuple[int, ...]]) -> IRGraph:
+    """Place ``graph`` as the file at ``path`` says; ``devices_of_stage(stage)`` gives each op's devices."""
+    data = _read(path)
+    if data["plan_ngpus"] != plan_ngpus:
+        raise PolicyError(f"{path} is an autodist plan for plan_ngpus={data['plan_ngpus']}, not {plan_ngpus}: "
+                          "set plan_ngpus to match, or let autodist take it (autodist_plan_ngpus='auto').")
     ops = data.get("ops", [])
     if len(ops) != len(graph.nodes):
         raise PolicyError(f"{path} places {len(ops)} ops, but the traced graph has {len(graph.nodes)}: it was "
