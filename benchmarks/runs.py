@@ -119,10 +119,10 @@ class Run:
 
 
 def predict(run: Run) -> Dict[str, Any]:
-    """The plan's rows for ``run`` (``plan.summary`` with the benchmarks' optimizer), its config (a
+    """The plan of ``run``, its rows (``plan.summary`` with the benchmarks' optimizer), its config (a
     policy may choose some of it, as autodist does the unit size) and its bubble."""
     plan = run.plan()
-    return {"rows": plan.summary(OPTIMIZER, **OPTIMIZER_KWARGS).to_dict("records"), "config": plan.config,
+    return {"plan": plan, "rows": plan.summary(OPTIMIZER, **OPTIMIZER_KWARGS).to_dict("records"), "config": plan.config,
             "bubble": plan.timeline().bubble_fraction if run.config.use_pipeline else None}
 
 

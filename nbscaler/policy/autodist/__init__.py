@@ -55,8 +55,6 @@ def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
         return _load(graph, cfg, opts)
     start = time.perf_counter()
     searcher, info = _search_configs(graph, cfg, opts)
-    if searcher.geometry is None and not opts.autodist_constraints and searcher.cfg.plan_ngpus > 1:
-        _keep_faster_builtin(graph, searcher.cfg, opts, searcher, info)
     searcher.profiler.save()                  # op times profiled here serve the next search too
     info["search_s"] = time.perf_counter() - start
     graph.meta["autodist"] = info
@@ -182,32 +180,40 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
     compared by the predicted step time over the samples it trains."""
     configs = candidate_configs(cfg, opts)
     if len(configs) == 1:
-        searcher = _Searcher(graph, configs[0], opts, _geometry(configs[0]))
-        return searcher, searcher.run()
+        searcher, info, _ = _search_config(graph, configs[0], opts)
+        return searcher, info
     scores: Dict[Tuple[int, int], float] = {}          # (plan_ngpus, nstages) -> seconds per step
     failure: Optional[PolicyError] = None
     for candidate in configs:
-        searcher = _Searcher(graph, candidate, opts, _geometry(candidate))
         try:
-            searcher.run()
+            scores[_key(candidate)] = _search_config(graph, candidate, opts)[2]
         except PolicyError as err:             # e.g. this stage count cannot meet the memory limit
             failure = err
-            continue
-        scores[_key(candidate)] = searcher.score()
     if not scores:
         raise failure
     by_key = {_key(c): c for c in configs}
     per_sample = {k: s / samples_per_step(by_key[k]) for k, s in scores.items()}
     best = min(per_sample, key=lambda k: (per_sample[k], -k[0], k))   # ties: the larger unit, fewer stages
     chosen = by_key[best]
-    searcher = _Searcher(graph, chosen, opts, _geometry(chosen))
-    info = searcher.run()
+    searcher, info, _ = _search_config(graph, chosen, opts)                # place the winner again
     if opts.autodist_nstages is not None:
         info["nstages_scores"] = {k: s for (d, k), s in scores.items() if d == chosen.plan_ngpus}
     if opts.autodist_plan_ngpus is not None:
         info["unit_scores"] = {d: min(s for (size, _), s in per_sample.items() if size == d)
                                for d in sorted({size for size, _ in per_sample})}
     return searcher, info
+
+
+def _search_config(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> Tuple["_Searcher", dict, float]:
+    """Place ``graph`` under one candidate config: the search, then (without a pipeline, on more
+    than one device) the built-in placements it is weighed against. Returns the searcher, the
+    record of the search and the predicted step time of the placement kept."""
+    searcher = _Searcher(graph, cfg, opts, _geometry(cfg))
+    info = searcher.run()
+    if searcher.geometry is None and not opts.autodist_constraints and cfg.plan_ngpus > 1:
+        _keep_faster_builtin(graph, cfg, opts, searcher, info)
+        return searcher, info, info["rival_scores"][info["kept"]]
+    return searcher, info, searcher.score()
 
 
 def _key(cfg: ComputeConfig) -> Tuple[int, int]:
