@@ -13,6 +13,10 @@ weight until the exact memory model says every device fits. With a pipeline, it 
 to cut: balanced by FLOPs, or by the searched times at the layer boundaries (or at
 ``pipeline_pivots``), whichever the schedule simulator predicts to be faster.
 
+It may also choose how many devices make a unit (``autodist_plan_ngpus='auto'``): a unit of one
+device replicates everything, which is data parallelism, and a step then trains one batch per unit,
+so candidates of different unit sizes (and stage counts) are compared by predicted time per batch.
+
 The knobs are ``pas_config`` keys (``options``), with ``recompute_modules`` taken as given: the
 plans it scores recompute those modules (``nbscaler.policy.recompute``). When none are named and no
 plan fits ``memory_limit_bytes``, it recomputes every layer of the model's layer lists and searches
@@ -23,7 +27,7 @@ again (the plan's config then names them); ``planfile`` saves and loads a chosen
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig
@@ -32,6 +36,7 @@ from nbscaler.cost.memory import device_runs, memory_per_rank
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.timing import StepModel, default_profiler
 from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.policy.autodist.candidates import candidate_configs, config_key, samples_per_step, with_unit
 from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
 from nbscaler.policy.autodist.explain import explain_rows
 from nbscaler.policy.autodist.options import AutodistOptions
@@ -42,7 +47,7 @@ from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_n
 from nbscaler.policy.staging import layer_of, stage_by_cost
 from nbscaler.schedule import PipelineGeometry
 
-__all__ = ["AutodistOptions", "autodist"]
+__all__ = ["AutodistOptions", "autodist", "samples_per_step"]
 
 #: How many times the memory weight may double before autodist gives up on a memory limit.
 MAX_WEIGHT_STEPS = 24
@@ -73,7 +78,7 @@ def _load(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> IRGraph:
     if opts.autodist_plan_ngpus is not None:
         saved = saved_plan_ngpus(opts.load_plan_path)
         if saved != cfg.plan_ngpus:
-            cfg = _with_unit(cfg, saved)
+            cfg = with_unit(cfg, saved)
             graph.meta["plan_ngpus"] = saved
     geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
     unit = tuple(range(cfg.plan_ngpus))
@@ -108,71 +113,6 @@ def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptio
     info["kept"], info["rival_scores"] = kept, scores
 
 
-def stage_count_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
-    """The configs to search: ``cfg`` itself, or one per pipeline stage count ``autodist_nstages`` allows
-    (``'auto'``: every divisor of ``plan_ngpus`` from 2 up, so each stage gets the same devices)."""
-    wanted = opts.autodist_nstages
-    if wanted is None:
-        return [cfg]
-    if not cfg.use_pipeline:
-        raise PolicyError(f"pas_config['autodist_nstages']={wanted!r} chooses pipeline stages, but the config has "
-                          "no pipeline; set use_pipeline=True (with use_end2end=True and pipeline_nmicros).")
-    counts = [wanted] if wanted != "auto" else [k for k in range(2, cfg.plan_ngpus + 1) if cfg.plan_ngpus % k == 0]
-    if cfg.scheduler == "chimera_direct":
-        counts = [k for k in counts if k == 4]
-    out = []
-    for k in counts:
-        try:
-            out.append(cfg.with_changes(pipeline_nstages=k))
-        except ValueError as err:
-            raise PolicyError(f"autodist_nstages={k} does not fit this config: {err}") from None
-    if not out:
-        raise PolicyError(f"no pipeline stage count to try for plan_ngpus={cfg.plan_ngpus} under {cfg.scheduler}; "
-                          "give autodist_nstages as a number of stages that divides plan_ngpus.")
-    return out
-
-
-def unit_sizes(cfg: ComputeConfig, opts: AutodistOptions) -> List[int]:
-    """The devices per unit to search: ``plan_ngpus``, or as ``autodist_plan_ngpus`` says
-    (``'auto'``: every count that divides ``runtime_ngpus``, from 1, which is data parallelism)."""
-    wanted, total = opts.autodist_plan_ngpus, cfg.runtime_ngpus
-    if wanted is None:
-        return [cfg.plan_ngpus]
-    if wanted == "auto":
-        return [d for d in range(1, total + 1) if total % d == 0]
-    if total % wanted:
-        raise PolicyError(f"pas_config['autodist_plan_ngpus']={wanted} does not divide runtime_ngpus={total}; "
-                          f"give one of {[d for d in range(1, total + 1) if total % d == 0]}, or 'auto'.")
-    return [wanted]
-
-
-def _with_unit(cfg: ComputeConfig, plan_ngpus: int) -> ComputeConfig:
-    try:
-        return cfg.with_changes(plan_ngpus=plan_ngpus)
-    except ValueError as err:
-        raise PolicyError(f"autodist cannot use units of {plan_ngpus} devices with this config: {err}") from None
-
-
-def candidate_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
-    """Every config to search: each unit size (``unit_sizes``) with each stage count
-    (``stage_count_configs``). A unit size that cannot hold the pipeline is left out when there are
-    others to try."""
-    sizes, out, failure = unit_sizes(cfg, opts), [], None
-    for size in sizes:
-        try:
-            out += stage_count_configs(_with_unit(cfg, size) if size != cfg.plan_ngpus else cfg, opts)
-        except PolicyError as err:
-            failure = err
-    if not out:
-        raise failure
-    return out
-
-
-def samples_per_step(cfg: ComputeConfig) -> int:
-    """Batches one training step trains: one per micro-batch, in every data-parallel unit."""
-    return cfg.units * (cfg.pipeline_nmicros if cfg.use_pipeline else 1)
-
-
 def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> Tuple["_Searcher", dict]:
     """Search under each candidate config; keep (place again) the one predicted fastest per sample.
 
@@ -186,12 +126,12 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
     failure: Optional[PolicyError] = None
     for candidate in configs:
         try:
-            scores[_key(candidate)] = _search_config(graph, candidate, opts)[2]
+            scores[config_key(candidate)] = _search_config(graph, candidate, opts)[2]
         except PolicyError as err:             # e.g. this stage count cannot meet the memory limit
             failure = err
     if not scores:
         raise failure
-    by_key = {_key(c): c for c in configs}
+    by_key = {config_key(c): c for c in configs}
     per_sample = {k: s / samples_per_step(by_key[k]) for k, s in scores.items()}
     best = min(per_sample, key=lambda k: (per_sample[k], -k[0], k))   # ties: the larger unit, fewer stages
     chosen = by_key[best]
@@ -214,10 +154,6 @@ def _search_config(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) ->
         _keep_faster_builtin(graph, cfg, opts, searcher, info)
         return searcher, info, info["rival_scores"][info["kept"]]
     return searcher, info, searcher.score()
-
-
-def _key(cfg: ComputeConfig) -> Tuple[int, int]:
-    return cfg.plan_ngpus, cfg.pipeline_nstages if cfg.use_pipeline else 1
 
 
 def _geometry(cfg: ComputeConfig) -> Optional[PipelineGeometry]:
