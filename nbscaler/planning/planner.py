@@ -203,13 +203,19 @@ def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], 
     return result
 
 
+#: What a policy may write into ``graph.meta`` for the planner and ``explain()``: the unit size,
+#: stage count and modules to recompute it chose (``adopt_policy_choices``), and autodist's record.
+POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", RECOMPUTE_KEY, "autodist")
+
+
 def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, name: str) -> Plan:
     """Apply the policy to traced graphs (in place), check the result and run the cost pass."""
     policy = get_policy(pas_policy)
     start = time.perf_counter()
     placed = {}
     for mode, graph in graphs.items():
-        graph.meta.pop(RECOMPUTE_KEY, None)        # a choice of an earlier policy on these graphs
+        for key in POLICY_CHOICES:                 # what an earlier policy chose on these graphs
+            graph.meta.pop(key, None)
         out = policy(graph, cfg)
         placed[mode] = graph if out is None else out
         cfg = adopt_policy_choices(placed[mode], cfg)
