@@ -1,7 +1,8 @@
 """The Explorer in a real browser: JupyterLab started on a free port, driven by Chromium.
 
 The test opens a notebook whose one cell shows ``Explorer()``, clicks Compile, expands a block in
-the graph, switches the policy to ``pp``, and checks what the page shows after each step; it
+the graph, switches the policy to ``pp`` and then to ``autodist`` (reading why in the why tab), and
+checks what the page shows after each step; it
 saves a screenshot of each (set ``NBSCALER_SCREENSHOTS=DIR`` to keep them) and checks none is blank.
 """
 
@@ -81,4 +82,15 @@ def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
         clock("policy switched to pp, timeline redrawn")
         assert re.search(r"in \d+ ms", status(page))
         lab.screenshot("4-explorer-policy-pp", EXPLORER)
+
+        policy.select_option("autodist")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Re-placed under autodist')", timeout=WAIT_MS)
+        page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('why')").first.click()
+        why = f"{EXPLORER} .nbscaler-pane-why .nbscaler-explanation"
+        page.wait_for_selector(f"{why} :text('autodist searched in')", timeout=WAIT_MS)
+        text = page.locator(why).inner_text()
+        assert "predicted per device: step" in text and "against the runner-up" in text, text[:500]
+        assert page.locator(f"{why} table.nbscaler-explanation-table tbody tr").count() >= 5
+        clock("policy switched to autodist, its explanation shown")
+        lab.screenshot("5-explorer-why-autodist", EXPLORER)
         assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]

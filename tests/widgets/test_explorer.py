@@ -85,6 +85,15 @@ def test_a_knob_change_replaces_without_tracing_and_redraws_timeline_and_memory(
     assert len(explorer.runs) == 1                                    # a knob change is not a run
 
 
+def test_the_why_pane_follows_the_policy(explorer):
+    explorer.compile()
+    why = explorer.panes.views[ViewName.WHY]
+    assert "under 'tp'" in why.text and "autodist searched in" not in why.text
+    explorer.set(policy="autodist")
+    assert explorer.error is None and why.plan is explorer.plan
+    assert "autodist searched in" in why.text and "autodist searched in" in why.widget.value
+
+
 def test_a_bad_knob_is_a_message_and_the_explorer_keeps_working(explorer):
     explorer.compile()
     before = explorer.plan

@@ -1,7 +1,7 @@
 """``Explorer``: one notebook app that ties the views to policy and knob controls and to a cluster.
 
 >>> ex = Explorer()                       # the shipped GPT; or Explorer(my_model, {'x': x})   # doctest: +SKIP
->>> ex                                    # controls, graph, plan, code, timeline, memory, losses, runs
+>>> ex                                    # controls, graph, plan, code, why, timeline, memory, losses, runs
 >>> ex.set(policy="pp", stages=2)         # what turning the knobs does: re-place, redraw timeline + memory
 >>> ex.compile(); ex.train()              # the buttons
 >>> ex.runs                               # every run so far, as a DataFrame
@@ -37,7 +37,7 @@ from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, vi
 from nbscaler.widgets.explorer.runs import Run, runs_frame
 from nbscaler.widgets.explorer.trainer import TrainOutcome, TrainSettings, train_on_cluster
 
-TABS = (ViewName.GRAPH, ViewName.PLAN, ViewName.CODE)
+TABS = (ViewName.GRAPH, ViewName.PLAN, ViewName.CODE, ViewName.WHY)
 
 
 class Explorer:
@@ -198,7 +198,7 @@ class Explorer:
             self.plan = plan
             self.knob_latency_s = time.perf_counter() - start
             self._say(f"Re-placed under {knobs.policy_label} on {config.plan_ngpus} x {config.runtime_ngpus} devices "
-                      f"in {self.knob_latency_s * 1e3:.0f} ms: timeline and memory are current; graph, plan and "
+                      f"in {self.knob_latency_s * 1e3:.0f} ms: timeline, memory and why are current; graph, plan and "
                       "code show the last compile until you press <b>Compile</b>.")
 
     def _model_changed(self) -> None:

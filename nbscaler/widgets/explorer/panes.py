@@ -1,4 +1,4 @@
-"""The five views of the current plan, each in a fixed slot of the Explorer's layout.
+"""The six views of the current plan, each in a fixed slot of the Explorer's layout.
 
 A view is built the first time there is a plan to show and updated in place afterwards
 (``View.update``), so the front end keeps its state (zoom, expanded blocks, scroll position) across
@@ -22,22 +22,24 @@ class ViewName(StrEnum):
     CODE = "code"
     TIMELINE = "timeline"
     MEMORY = "memory"
+    WHY = "why"
 
 
-PLACEMENT_VIEWS = (ViewName.TIMELINE, ViewName.MEMORY)
+PLACEMENT_VIEWS = (ViewName.TIMELINE, ViewName.MEMORY, ViewName.WHY)
 """The views a knob change redraws at once (re-placing costs milliseconds, laying out a graph more)."""
 
 
 def view_classes() -> Dict[ViewName, Type[View]]:
     """The class behind each view name."""
     from nbscaler.widgets.code import CodeView
+    from nbscaler.widgets.explanation import ExplanationView
     from nbscaler.widgets.graph import GraphView
     from nbscaler.widgets.memory import MemoryView
     from nbscaler.widgets.plan_table import PlanView
     from nbscaler.widgets.timeline import TimelineView
 
     return {ViewName.GRAPH: GraphView, ViewName.PLAN: PlanView, ViewName.CODE: CodeView,
-            ViewName.TIMELINE: TimelineView, ViewName.MEMORY: MemoryView}
+            ViewName.TIMELINE: TimelineView, ViewName.MEMORY: MemoryView, ViewName.WHY: ExplanationView}
 
 
 ViewOptions = Dict[ViewName, Dict[str, Any]]
