@@ -56,8 +56,8 @@ class ExplanationView(View):
         self.widget.value = self.to_html()
 
     def to_html(self) -> str:
-        lines = "".join(f"<div>{html.escape(line) or '&nbsp;'}</div>" for line in self.text.splitlines())
+        text = html.escape(self.text)
         table = self.table.to_html(classes="nbscaler-explanation-table", index=False, float_format=lambda v: f"{v:.3g}",
                                    na_rep="")
-        return (f"<div style='font-family:monospace;font-size:12px;white-space:pre-wrap'>{lines}</div>"
+        return (f"<pre style='font-size:12px;line-height:1.35;margin:0;white-space:pre-wrap'>{text}</pre>"
                 f"<div style='margin-top:6px;font-size:12px'>{table}</div>")
