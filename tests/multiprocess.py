@@ -72,7 +72,7 @@ class Case:
     def unit_ngpus(self) -> int:
         """Devices per unit the plan runs with: ``plan_ngpus``, or the unit size autodist is told
         to use (``autodist_plan_ngpus``)."""
-        chosen = dict(self.config).get("pas_config", {}).get("autodist_plan_ngpus")
+        chosen = self.compute_config.pas_config.get("autodist_plan_ngpus")
         return chosen if isinstance(chosen, int) else self.plan_ngpus
 
     @property
