@@ -232,7 +232,8 @@ class _Searcher:
 
     def fit_memory(self):
         """Search with no weight on bytes; under a limit, first check that the leanest plan fits,
-        then double the weight on bytes from small until the plan fits (the fastest that does).
+        then find the smallest weight on bytes (a power of two from small) whose plan fits: the
+        fastest plan that does. The weights are bisected: a heavier weight never keeps more bytes.
 
         The modules of ``recompute_modules`` are recomputed in every plan scored (their regions
         depend on the stages, so they are marked again for each staging)."""
@@ -244,9 +245,9 @@ class _Searcher:
         peak = self.peak_bytes()
         if peak <= limit:
             return results, rows, 0.0, peak
-        weight = (sum(r["op_s"] + r["comm_s"] for r in rows) or 1.0) / max(sum(r["bytes"] for r in rows), 1.0) / 16
-        leanest = weight * 2 ** MAX_WEIGHT_STEPS             # bytes outweigh any time saved
-        self.place(leanest)
+        base = (sum(r["op_s"] + r["comm_s"] for r in rows) or 1.0) / max(sum(r["bytes"] for r in rows), 1.0) / 16
+        fits = {}                                              # exponent -> (results, rows, peak) of a plan that fits
+        lean_results, lean_rows = self.place(base * 2 ** MAX_WEIGHT_STEPS)     # bytes outweigh any time saved
         lean_peak = self.peak_bytes()
         if lean_peak > limit and self.recompute_layers():
             return self.fit_memory()
@@ -254,14 +255,20 @@ class _Searcher:
             raise PolicyError(f"autodist found no plan that fits memory_limit_bytes={limit:,} per device: the "
                               f"leanest needs {lean_peak:,} bytes. Use more devices per unit (plan_ngpus), ZeRO "
                               "(use_zero=True), a pipeline, or a higher limit.")
-        while weight < leanest:
-            results, rows = self.place(weight)
+        fits[MAX_WEIGHT_STEPS] = (lean_results, lean_rows, lean_peak)
+        low, high = -1, MAX_WEIGHT_STEPS                       # low does not fit (weight 0), high does
+        while high - low > 1:
+            middle = (low + high) // 2
+            results, rows = self.place(base * 2 ** middle)
             peak = self.peak_bytes()
             if peak <= limit:
-                return results, rows, weight, peak
-            weight *= 2
-        results, rows = self.place(leanest)
-        return results, rows, leanest, lean_peak
+                high, fits[middle] = middle, (results, rows, peak)
+            else:
+                low = middle
+        if high != middle:                                     # the last plan placed did not fit
+            self.place(base * 2 ** high)
+        results, rows, peak = fits[high]
+        return results, rows, base * 2 ** high, peak
 
     def recompute_layers(self) -> bool:
         """When no plan fits and the user named no modules to recompute: recompute every layer of the
