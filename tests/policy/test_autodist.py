@@ -34,7 +34,8 @@ def test_autodist_trains_like_one_process(nranks, tmp_path):
 
 
 def splits(p):
-    return [(n.name, n.placement.split, n.stage) for n in p.graph.nodes]
+    """Each op's (name, split, stage), of a plan's graph or of one graph."""
+    return [(n.name, n.placement.split, n.stage) for n in (p.nodes if hasattr(p, "nodes") else p.graph.nodes)]
 
 
 def test_same_model_config_and_profile_give_the_same_plan():
@@ -79,8 +80,9 @@ def test_saved_plan_loads_back_and_edits_take_effect(tmp_path):
     cfg = ComputeConfig(2, 2, pas_config={"save_plan_path": str(path)})
     p = nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", cfg)
     saved = json.loads(path.read_text())
-    assert [op["name"] for op in saved["ops"]] == [n.name for n in p.graph.nodes]
-    for op in saved["ops"]:
+    ops = saved["modes"][p.graph.mode]
+    assert [op["name"] for op in ops] == [n.name for n in p.graph.nodes]
+    for op in ops:
         op["split"] = "replicate"
     path.write_text(json.dumps(saved))
     loaded = nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist",
@@ -109,7 +111,7 @@ def test_auto_stage_count_keeps_the_fastest_predicted_and_the_plan_adopts_it():
 def test_auto_unit_size_keeps_the_fastest_per_sample_and_the_plan_adopts_it(tmp_path):
     path = tmp_path / "plan.json"
     cfg = ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto", "save_plan_path": str(path)})
-    p = nbscaler.plan(build("llama"), batch("llama", 0), "autodist", cfg)
+    p = nbscaler.plan(build("cnn"), batch("cnn", 0), "autodist", cfg)
     scores = p.graph.meta["autodist"]["unit_scores"]
     assert set(scores) == {1, 2}
     best = min(scores, key=scores.get)
@@ -117,12 +119,15 @@ def test_auto_unit_size_keeps_the_fastest_per_sample_and_the_plan_adopts_it(tmp_
     assert all(n.placement.devices == tuple(range(best)) for n in p.graph.nodes)
     assert f"chose units of {best} device(s)" in p.explain()
     # the saved plan loads back with its unit size where autodist may choose it, and not otherwise
-    again = nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+    again = nbscaler.plan(build("cnn"), batch("cnn", 0), "autodist",
                           ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto", "load_plan_path": str(path)}))
     assert again.config.plan_ngpus == best and splits(again) == splits(p)
+    # BatchNorm makes the train and eval graphs differ: the file holds each, and each loads back
+    assert set(json.loads(path.read_text())["modes"]) == {g.mode for g in p.graphs.values()} == {"train", "eval"}
+    assert [splits(g) for g in again.graphs.values()] == [splits(g) for g in p.graphs.values()]
     if best != 2:
         with pytest.raises(PolicyError, match=f"plan for plan_ngpus={best}, not 2.*autodist_plan_ngpus='auto'"):
-            nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+            nbscaler.plan(build("cnn"), batch("cnn", 0), "autodist",
                           ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
     with pytest.raises(PolicyError, match="autodist_plan_ngpus'\\]=3 does not divide runtime_ngpus=2"):
         nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": 3}))

@@ -11,13 +11,13 @@ from tests.models import batch, build
 
 
 def test_the_view_shows_autodists_account_and_its_costliest_choices():
-    plan = nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+    plan = nbscaler.plan(build("cnn"), batch("cnn", 0), "autodist",
                          ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto"}))
-    view = ExplanationView(plan)
+    view = ExplanationView(plan, rows=6)
     assert view.text == str(plan.explain())
     assert "autodist searched in" in view.text and "chose units of" in view.text
     table = view.table
-    assert len(table) == ROWS and {"choice", "runner_up", "margin_s"} <= set(table.columns)
+    assert len(table) == 6 < len(plan.graph) and {"choice", "runner_up", "margin_s"} <= set(table.columns)
     costs = (table.op_s + table.comm_s).tolist()
     assert costs == sorted(costs, reverse=True)                   # the costliest ops first
     full = plan.explain().table

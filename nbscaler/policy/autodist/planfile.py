@@ -1,10 +1,11 @@
 """Save a chosen plan as readable JSON, and place a graph from such a file (edited or not).
 
-One entry per op, in graph order, named as in the generated code::
+One entry per op, in graph order, named as in the generated code, for each traced mode (``any``,
+or ``train`` and ``eval`` for a model whose modes differ, such as one with BatchNorm)::
 
-    {"format": "nbscaler-autodist-plan", "version": 1, "plan_ngpus": 2,
-     "ops": [{"name": "linear_3", "module": "blocks.0.mlp.fc", "target": "torch.nn.functional.linear",
-              "split": "n", "stage": null}, ...]}
+    {"format": "nbscaler-autodist-plan", "version": 2, "plan_ngpus": 2,
+     "modes": {"any": [{"name": "linear_3", "module": "blocks.0.mlp.fc",
+                        "target": "torch.nn.functional.linear", "split": "n", "stage": null}, ...]}}
 
 ``split`` is a dim name of the op's annotation or ``"replicate"``; ``stage`` is the pipeline stage;
 ``blocks`` (only where it is not 1) makes the split strided, as for a fused qkv projection.
@@ -23,15 +24,24 @@ from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.ir.graph import IRGraph
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
-FORMAT, VERSION = "nbscaler-autodist-plan", 1
+FORMAT, VERSION = "nbscaler-autodist-plan", 2
 
 
 def save_plan(graph: IRGraph, plan_ngpus: int, path: str) -> None:
-    """Write the placement of every op of ``graph`` to ``path`` (atomically)."""
+    """Write the placement of every op of ``graph`` to ``path`` (atomically), under its mode. The
+    other modes a file of the same unit size holds are kept: a plan places its modes one by one."""
     ops = [{"name": n.name, "module": n.module_path, "target": n.target,
             "split": n.placement.split or "replicate", "stage": n.stage,
             **({"blocks": n.placement.blocks} if n.placement.blocks != 1 else {})} for n in graph.nodes]
-    data = {"format": FORMAT, "version": VERSION, "plan_ngpus": plan_ngpus, "mode": graph.mode, "ops": ops}
+    modes = {}
+    try:
+        old = json.loads(Path(path).read_text())
+        if (old.get("format"), old.get("version"), old.get("plan_ngpus")) == (FORMAT, VERSION, plan_ngpus):
+            modes = old.get("modes", {})
+    except (OSError, ValueError):
+        pass
+    modes[graph.mode] = ops
+    data = {"format": FORMAT, "version": VERSION, "plan_ngpus": plan_ngpus, "modes": modes}
     atomic_write_bytes(Path(path), json.dumps(data, indent=1).encode())
 
 
@@ -58,7 +68,11 @@ def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
     if data["plan_ngpus"] != plan_ngpus:
         raise PolicyError(f"{path} is an autodist plan for plan_ngpus={data['plan_ngpus']}, not {plan_ngpus}: "
                           "set plan_ngpus to match, or let autodist take it (autodist_plan_ngpus='auto').")
-    ops = data.get("ops", [])
+    modes = data.get("modes", {"any": data.get("ops", [])})      # version 1 held one mode's ops
+    ops = modes.get(graph.mode, modes.get("any"))
+    if ops is None:
+        raise PolicyError(f"{path} places the modes {sorted(modes)}, not {graph.mode!r}: it was saved for a model "
+                          "whose train and eval graphs differ in another way. Search again (drop load_plan_path).")
     if len(ops) != len(graph.nodes):
         raise PolicyError(f"{path} places {len(ops)} ops, but the traced graph has {len(graph.nodes)}: it was "
                           "saved for another model or other inputs. Search again (drop load_plan_path).")
