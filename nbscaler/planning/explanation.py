@@ -83,7 +83,7 @@ def _search_line(info) -> str:
     line = f"autodist searched in {info.get('search_s', 0):.2f} s ({how})"
     if info.get("unit_scores"):
         tried = ", ".join(f"{d}: {t * 1e3:.3g} ms" for d, t in info["unit_scores"].items())
-        line += (f"; chose units of {min(info['unit_scores'], key=info['unit_scores'].get)} device(s), the fastest "
+        line += (f"; chose units of {info['plan_ngpus']} device(s), the fastest "
                  f"predicted per sample (devices per unit: step time per sample {tried})")
     if info.get("staging") and info["staging"] != "none":
         line += f"; stages cut by {info['staging']} (of {', '.join(info['stagings'])}, by the schedule simulator)"

@@ -49,7 +49,7 @@ from nbscaler.schedule import PipelineGeometry
 
 __all__ = ["AutodistOptions", "autodist", "samples_per_step"]
 
-#: How many times the memory weight may double before autodist gives up on a memory limit.
+#: The heaviest weight on bytes autodist tries under a memory limit is its first weight times 2**this.
 MAX_WEIGHT_STEPS = 24
 
 
@@ -124,21 +124,27 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
         return searcher, info
     scores: Dict[Tuple[int, int], float] = {}          # (plan_ngpus, nstages) -> seconds per step
     failure: Optional[PolicyError] = None
+    last = None                                        # the key and search of the placement the graph holds
     for candidate in configs:
         try:
-            scores[config_key(candidate)] = _search_config(graph, candidate, opts)[2]
+            searcher, info, scores[config_key(candidate)] = _search_config(graph, candidate, opts)
+            last = (config_key(candidate), searcher, info)
         except PolicyError as err:             # e.g. this stage count cannot meet the memory limit
-            failure = err
+            failure, last = err, None          # the graph may hold a part of the failed placement
     if not scores:
         raise failure
     by_key = {config_key(c): c for c in configs}
     per_sample = {k: s / samples_per_step(by_key[k]) for k, s in scores.items()}
     best = min(per_sample, key=lambda k: (per_sample[k], -k[0], k))   # ties: the larger unit, fewer stages
     chosen = by_key[best]
-    searcher, info, _ = _search_config(graph, chosen, opts)                # place the winner again
+    if last is not None and last[0] == best:
+        _, searcher, info = last
+    else:
+        searcher, info, _ = _search_config(graph, chosen, opts)            # place the winner again
     if opts.autodist_nstages is not None:
         info["nstages_scores"] = {k: s for (d, k), s in scores.items() if d == chosen.plan_ngpus}
     if opts.autodist_plan_ngpus is not None:
+        info["plan_ngpus"] = chosen.plan_ngpus
         info["unit_scores"] = {d: min(s for (size, _), s in per_sample.items() if size == d)
                                for d in sorted({size for size, _ in per_sample})}
     return searcher, info
