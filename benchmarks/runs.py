@@ -161,10 +161,17 @@ def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
     return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
 
 
-def calibrate_collectives(nranks: int) -> None:
+def calibrate_collectives(nranks: int) -> Dict[int, comm_model.CommModel]:
     """Calibrate the alpha-beta model of collectives on ``nranks`` local ranks, now (the machine's
-    load decides their latency, so a cached calibration from another moment would mislead)."""
-    spawn(comm_model.ensure_calibrated, nranks, True, threads=1, timeout=300)
+    load decides their latency, so a cached calibration from another moment would mislead);
+    returns the models by group size."""
+    return spawn(comm_model.ensure_calibrated, nranks, True, threads=1, timeout=300)[0]
+
+
+def store_mean_calibration(calibrations: List[Dict[int, comm_model.CommModel]]) -> None:
+    """Cache the mean of several calibrations per group size, for the plans that follow."""
+    for size in calibrations[0]:
+        comm_model.store(comm_model.mean_model([c[size] for c in calibrations]), "gloo", size)
 
 
 def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:

@@ -16,10 +16,11 @@ collective          forward (``b``: local input)     backward (its gradient)
 ``first_only``      nothing                          nothing
 ==================  ==============================  ===================================
 
-``calibrate`` times ``all_reduce`` over a group at a few sizes and fits ``alpha`` and ``beta``
-(a line through the smallest and largest message); the result is cached on disk per backend and group size, and
-``load`` returns it, or the defaults when nothing was calibrated. ``ensure_calibrated`` does that
-once for every group size a world can use; a cluster runs it when it first parallelizes.
+``calibrate`` times ``all_reduce`` over a group at a small and a large size, each after a little
+compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); the result is
+cached on disk per backend and group size, and ``load`` returns it, or the defaults when nothing
+was calibrated. ``ensure_calibrated`` does that once for every group size a world can use; a
+cluster runs it when it first parallelizes.
 
 >>> model = CommModel(alpha_s=1e-4, beta_s_per_byte=1e-9)
 >>> round(model.forward("all_reduce", 4_000_000, 2), 6)
@@ -97,27 +98,52 @@ def load(backend: Optional[str] = None, nranks: int = 2) -> CommModel:
     return CommModel(alpha, beta)
 
 
+def _step_like_work(scratch: torch.Tensor) -> None:
+    """About a millisecond of what a training step does between two collectives: a few small
+    matrix products and a pass over a few MB, which leave the caches cold and the peers' threads
+    asleep, as a step leaves them."""
+    a = scratch[: 256 * 256].view(256, 256)
+    for _ in range(4):
+        torch.mm(a, a).tanh_()
+    scratch.mul_(1.0)
+
+
 def _timed_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup], repeats: int) -> float:
-    """Median seconds of one ``all_reduce`` of ``buf``, run back to back as a training step runs them
-    (a barrier before each would hide the waits for the slowest rank that a step pays)."""
+    """Mean seconds of one ``all_reduce`` of ``buf`` as a training step runs it: after some compute
+    (``_step_like_work``), without a barrier before it (which would hide the waits for the slowest
+    rank that a step pays).
+
+    Timed back to back instead, a collective finds its buffer in the cache and its peer awake: on
+    a 2-core VM a 1 MB gloo ``all_reduce`` took 2 ms back to back and 4 to 5 ms after compute.
+    The mean, not the median: a step pays the sum of its collectives, and on a shared machine a
+    collective's time has a long tail (a peer not scheduled at once). There the median of a small
+    ``all_reduce`` was 0.5 ms and its mean 2 ms, and a tensor-parallel step of 16 paid the mean."""
+    scratch = torch.ones(2 ** 20, dtype=buf.dtype, device=buf.device)            # 4 MB
     for _ in range(3):                                     # warm up the connection
         dist.all_reduce(buf, group=group)
     dist.barrier(group=group)
     times = []
     for _ in range(repeats):
+        _step_like_work(scratch)
+        buf.add_(1.0)
+        _sync(buf)
         start = time.perf_counter()
         dist.all_reduce(buf, group=group)
-        if buf.is_cuda:
-            torch.cuda.synchronize(buf.device)
+        _sync(buf)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def fit(sizes: Sequence[int], seconds: Sequence[float], n: int) -> CommModel:
     """Fit ``alpha`` and ``beta`` to ``all_reduce`` times over ``n`` devices.
 
     ``t = 2(n-1) alpha + 2(n-1)/n size beta`` is a line in ``size``; it is drawn through the
-    smallest and the largest message (each already a median of many runs). A least-squares fit
+    smallest and the largest message (each already a mean of many runs). A least-squares fit
     through all of them lets one odd middle size (a shared machine's timings have them) bend the
     latency of the small messages a step sends most of by a factor of two or more.
 
@@ -133,13 +159,12 @@ def fit(sizes: Sequence[int], seconds: Sequence[float], n: int) -> CommModel:
                      calibrated=True)
 
 
-def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = (2**10, 2**13, 2**16, 2**19, 2**22),
-              repeats: int = 21, save: bool = True) -> CommModel:
+def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = (2**10, 2**22),
+              repeats: int = 40, save: bool = True) -> CommModel:
     """Fit ``alpha`` and ``beta`` from ``all_reduce`` timings over ``group`` (every member calls it).
 
-    A fraction of a second on a local machine (the median of ``repeats`` runs per size: a shared
-    machine's small-message latency varies by 2x from one run to the next). Rank 0 of the group writes the result to the
-    cache, so ``load`` finds it in later plans.
+    About a second on a local machine (the mean of ``repeats`` runs per size). Rank 0 of the group
+    writes the result to the cache, so ``load`` finds it in later plans.
     """
     if not dist.is_initialized():
         raise RuntimeError("calibrating collectives needs a process group: call it on every rank of a "
@@ -150,12 +175,28 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
                for size in sizes]
     model = fit(sizes, seconds, n)
     if save and dist.get_rank(group) == 0:
-        path = _path(dist.get_backend(group), n)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(model)))
-        tmp.replace(path)
+        store(model, dist.get_backend(group), n)
     return model
+
+
+def store(model: CommModel, backend: str, nranks: int) -> None:
+    """Write ``model`` to the cache as the calibration of ``backend`` over ``nranks`` (atomically)."""
+    path = _path(backend, nranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(model)))
+    tmp.replace(path)
+
+
+def mean_model(models: Sequence[CommModel]) -> CommModel:
+    """The model whose ``alpha`` and ``beta`` are the means of ``models``'s: several calibrations
+    spread over a while, on a machine whose collectives drift by a quarter from minute to minute.
+
+    >>> round(mean_model([CommModel(1e-4, 1e-9, True), CommModel(3e-4, 3e-9, True)]).alpha_s, 9)
+    0.0002
+    """
+    return CommModel(statistics.fmean(m.alpha_s for m in models), statistics.fmean(m.beta_s_per_byte for m in models),
+                     all(m.calibrated for m in models))
 
 
 def group_sizes(world_size: int) -> List[int]:
