@@ -3,7 +3,10 @@
 For each model (the shipped GPT and Llama-style decoder) and each built-in policy, ``nbscaler.plan``
 predicts one row per rank (``plan.summary(AdamW)``); then the same plan trains on as many local CPU
 ranks, where ``MemoryMeter`` counts one step's bytes by category, the median of the timed steps gives
-the step time, and a pipeline's recorded blocks give its bubble. The table shows both and the error.
+the step time, and a pipeline's recorded blocks give its bubble. Each run is measured ``--reps``
+times, the collectives calibrated again before each, and the prediction uses the mean of those
+calibrations: the model and the measurement see the same minutes of the machine. The table shows
+the prediction, the median measurement and the error.
 
     python -m benchmarks.cost_model --ranks 2            # writes benchmarks/results/cost_model.md
 
@@ -19,9 +22,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
 
-from benchmarks.runs import ZERO, Run, calibrate_collectives, machine, measure, parser, pipeline, predict, write_results
+from benchmarks.runs import (ZERO, Run, calibrate_collectives, machine, measure, parser, pipeline, predict,
+                            store_mean_calibration, write_results)
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 
 RESULTS = Path(__file__).parent / "results" / "cost_model.md"
@@ -41,9 +44,29 @@ def _error(predicted: float, measured: float) -> float:
     return 0.0 if predicted == measured else (predicted - measured) / measured if measured else float("inf")
 
 
-def compare(run: Run, steps: int) -> Dict[str, Any]:
+def measure_calibrated(run: Run, steps: int, reps: int) -> List[Dict[str, Any]]:
+    """Per rank, ``measure``'s row with the median step time (and bubble) of ``reps`` repetitions.
+
+    Before each repetition the collectives are calibrated again, and their mean calibration is
+    what the prediction then uses: model and measurement see the same minutes of a machine whose
+    collectives drift by a quarter from one minute to the next."""
+    calibrations, repeats = [], []
+    for _ in range(reps):
+        calibrations.append(calibrate_collectives(run.runtime_ngpus))
+        repeats.append(measure(run, steps))
+    store_mean_calibration(calibrations)
+    rows = repeats[0]
+    for rank, row in enumerate(rows):
+        row["step_s"] = statistics.median(r[rank]["step_s"] for r in repeats)
+        if row["bubble"] is not None:
+            row["bubble"] = statistics.median(r[rank]["bubble"] for r in repeats)
+    return rows
+
+
+def compare(run: Run, steps: int, reps: int) -> Dict[str, Any]:
     """One line of the table: the worst rank's memory and time errors for ``run``."""
-    pred, measured = predict(run), measure(run, steps)
+    measured = measure_calibrated(run, steps, reps)
+    pred = predict(run)
     mem_err = cat_err = 0.0
     time_err = []
     for p, m in zip(pred["rows"], measured):
@@ -73,15 +96,16 @@ def table(rows: List[Dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser(__doc__.splitlines()[0], ["gpt", "llama"], RESULTS).parse_args(argv)
-    torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
-    calibrate_collectives(args.ranks)
+    p = parser(__doc__.splitlines()[0], ["gpt", "llama"], RESULTS)
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each run, each after a calibration")
+    args = p.parse_args(argv)
     rows = []
     for model in args.models:
         for run in runs(model, args.ranks):
             print(f"  {model}: {run} ...", flush=True)
-            rows.append(compare(run, args.steps))
-    write_results(args.out, f"{len(rows)} runs on {machine(args.ranks, args.steps)}.\n\n{table(rows)}\n")
+            rows.append(compare(run, args.steps, args.reps))
+    write_results(args.out, f"{len(rows)} runs on {machine(args.ranks, args.steps)}, the median of {args.reps} "
+                            f"repetitions, collectives calibrated before each.\n\n{table(rows)}\n")
     return 0
 
 
