@@ -25,7 +25,6 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import torch
 
 import nbscaler
 from benchmarks.runs import MODELS, Run, calibrate_collectives, machine, measure, parser, pipeline, predict, write_results
@@ -130,7 +129,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     cli.add_argument("--skip-search", action="store_true", help="leave out the 12-layer GPT search timing")
     cli.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each run's measurement")
     args = cli.parse_args(argv)
-    torch.set_num_threads(1)          # as each rank runs: op times are profiled at this thread count
     parts = []
     if not args.skip_search:
         print("  searching a 12-layer GPT on 8 devices ...", flush=True)

@@ -25,6 +25,17 @@ PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeli
 ZERO_STAGES = (1, 2)
 
 
+def threads_per_rank(cores: int, ranks_on_host: int) -> int:
+    """The intra-op threads of each rank on a host: its share of the cores, so that ranks do not
+    fight over them. ``runtime.launch.spawn``, the cluster's engines and the time model (which
+    profiles ops at that thread count) all ask this.
+
+    >>> threads_per_rank(8, 4), threads_per_rank(2, 4)
+    (2, 1)
+    """
+    return max(1, cores // max(1, ranks_on_host))
+
+
 class ReuseType(str, Enum):
     """What ``parallelize`` may take from an earlier run in the same ``gen_savedir``.
 

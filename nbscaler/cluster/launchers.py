@@ -11,15 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any, Dict
 
+from nbscaler.config import threads_per_rank
+
 # Let Open MPI start more ranks than cores (a notebook on a laptop) and run as root (containers).
 # Other MPI implementations ignore these variables.
 OPEN_MPI_ENV = {"OMPI_MCA_rmaps_base_oversubscribe": "1"}
 OPEN_MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def threads_per_engine(cores: int, engines_on_host: int) -> int:
-    """Share a host's cores among its engines, so that ranks do not fight over them."""
-    return max(1, cores // max(1, engines_on_host))
 
 
 def launcher_options(engines: str, n: int, profile_dir: str, user_options: Dict[str, Any]) -> Dict[str, Any]:
@@ -31,7 +28,7 @@ def launcher_options(engines: str, n: int, profile_dir: str, user_options: Dict[
     options: Dict[str, Any] = {}
     if engines in ("local", "mpi"):
         # Engines on this host: set the OpenMP pool size before torch is even imported there.
-        threads = threads_per_engine(os.cpu_count() or 1, n)
+        threads = threads_per_rank(os.cpu_count() or 1, n)
         environment.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     if engines == "mpi":
         environment.update(OPEN_MPI_ENV)

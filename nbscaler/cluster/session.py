@@ -34,7 +34,8 @@ from ipyparallel.error import RemoteError
 from nbscaler.cluster import engine, forkserver, jobs, watchdog
 from nbscaler.cluster.engine import RankInfo
 from nbscaler.cluster.errors import ClusterError
-from nbscaler.cluster.launchers import launcher_options, threads_per_engine
+from nbscaler.cluster.launchers import launcher_options
+from nbscaler.config import threads_per_rank
 
 POLL_S = 0.05
 # The controller's heartbeat period. Ten missed beats unregister an engine on another host.
@@ -167,7 +168,7 @@ class Session:
         master = spec.master_addr or slots[0].address
         port = self.apply_each([slots[0].engine_id], engine.open_rendezvous, [(spec.n, spec.timeout)])[0]
         infos = [(RankInfo(s.rank, spec.n, s.local_rank, s.local_world_size, master, port, spec.timeout,
-                           spec.threads or threads_per_engine(s.cores, s.local_world_size), s.interface),)
+                           spec.threads or threads_per_rank(s.cores, s.local_world_size), s.interface),)
                  for s in slots]
         self.apply_each([s.engine_id for s in slots], engine.join_group, infos)
         self.group_dirty = False

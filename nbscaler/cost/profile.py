@@ -17,13 +17,14 @@ A single op's backward pays the autograd engine's start-up, which a whole backwa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -41,12 +42,26 @@ LONG_RUN_S = 0.2
 PROFILE_VERSION = 3
 
 
-def device_key(device: Optional[torch.device] = None) -> str:
-    """Names the hardware a profile is valid for."""
+def device_key(device: Optional[torch.device] = None, threads: Optional[int] = None) -> str:
+    """Names the hardware a profile is valid for: the GPU, or the CPU and its intra-op threads
+    (``threads``, this process's count by default)."""
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if device.type == "cuda":
         return "cuda-" + torch.cuda.get_device_name(device).replace(" ", "_")
-    return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
+    return f"cpu-{platform.machine()}-{threads or torch.get_num_threads()}t"
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: Optional[int]) -> Iterator[None]:
+    """Run the body with ``threads`` intra-op threads (unchanged when None), then restore them."""
+    before = torch.get_num_threads()
+    if threads and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def op_key(op: OpCall) -> str:
@@ -155,11 +170,18 @@ def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
 
 
 class OpProfiler:
-    """Op times on one device, profiled on first use and cached on disk."""
+    """Op times on one device, profiled on first use and cached on disk.
 
-    def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None):
+    On a CPU, ops are timed with ``threads`` intra-op threads (this process's count by default):
+    the count the ranks will run with, not the notebook's, which has all the cores to itself.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None,
+                 threads: Optional[int] = None):
         self.device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-        self.path = path or cache_dir() / f"ops-v{PROFILE_VERSION}-{device_key(self.device)}.json"
+        self.threads = threads if self.device.type == "cpu" else None
+        self.key = device_key(self.device, self.threads)
+        self.path = path or cache_dir() / f"ops-v{PROFILE_VERSION}-{self.key}.json"
         self.table: Dict[str, List[float]] = read_table(self.path)
         self.new: Dict[str, List[float]] = {}
         self._overhead: Optional[float] = self.table.get("__engine__", [None])[0]
@@ -172,8 +194,9 @@ class OpProfiler:
     def overhead_s(self) -> float:
         """The autograd engine's start-up per backward."""
         if self._overhead is None:
-            warm_up(self.device)
-            self._overhead = engine_overhead_s(self.device)
+            with intra_op_threads(self.threads):
+                warm_up(self.device)
+                self._overhead = engine_overhead_s(self.device)
             self.new["__engine__"] = [self._overhead]
         return self._overhead
 
@@ -189,8 +212,9 @@ class OpProfiler:
         if entry is None or key in self._stale:
             self._stale.discard(key)
             load = machine_load()
-            warm_up(self.device)
-            fwd, bwd = time_op(op, self.device)
+            with intra_op_threads(self.threads):
+                warm_up(self.device)
+                fwd, bwd = time_op(op, self.device)
             fwd, bwd = fwd, max(0.0, bwd - self.overhead_s) if bwd else 0.0
             if entry is not None:
                 fwd, bwd, load = min(fwd, entry[0]), min(bwd, entry[1]), min(load, entry[2])
@@ -202,7 +226,8 @@ class OpProfiler:
         key = f"update|{optimizer.__module__}.{optimizer.__qualname__}|{sorted(optimizer_kwargs.items())}|{dtype}|{numels}"
         key = hashlib.sha1(key.encode()).hexdigest()[:20]
         if key not in self.table:
-            self.table[key] = self.new[key] = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device)]
+            with intra_op_threads(self.threads):
+                self.table[key] = self.new[key] = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device)]
         return self.table[key][0]
 
     def save(self) -> None:
@@ -213,7 +238,7 @@ class OpProfiler:
 
 
 def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict,
-                device: torch.device, repeats: int = 5) -> float:
+                device: torch.device, repeats: int = 11) -> float:
     """Seconds of what follows the backward on one rank, without communication: the reducer's
     copies into and out of its flat buckets, and one step of ``optimizer`` over parameters of
     ``numels`` elements."""

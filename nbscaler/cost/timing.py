@@ -25,6 +25,7 @@ per device, as the memory model writes ``local_saved_bytes``.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
@@ -32,7 +33,7 @@ import torch
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.layout import Layout
-from nbscaler.config import ComputeConfig
+from nbscaler.config import ComputeConfig, threads_per_rank
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.local import LocalRun
@@ -45,10 +46,18 @@ from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
 _PROFILERS: Dict[str, OpProfiler] = {}
 
 
-def default_profiler() -> OpProfiler:
-    """One profiler per device for the process, so its table is read from disk once."""
-    probe = OpProfiler()
+def default_profiler(threads: Optional[int] = None) -> OpProfiler:
+    """One profiler per device (and CPU thread count) for the process, so its table is read from
+    disk once."""
+    probe = OpProfiler(threads=threads)
     return _PROFILERS.setdefault(str(probe.path), probe)
+
+
+def profiler_for(cfg: ComputeConfig) -> OpProfiler:
+    """The profiler that times ops as the ranks of ``cfg`` will run them: on a CPU, with the share
+    of this host's cores each rank gets (``threads_per_rank``; all ranks on this host, the notebook
+    case). A plan made in a notebook of 16 cores for 4 ranks is timed at 4 threads, not 16."""
+    return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus))
 
 
 def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[float, float]:
@@ -113,7 +122,7 @@ class StepModel:
                  geometry: Optional[PipelineGeometry], profiler: Optional[OpProfiler] = None,
                  comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None):
         self.graphs, self.storage, self.cfg, self.geometry = graphs, storage, cfg, geometry
-        self.profiler = profiler or default_profiler()
+        self.profiler = profiler or profiler_for(cfg)
         self.comm = comm or comm_model.load(nranks=max(2, cfg.plan_ngpus))
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nbscaler.config import threads_per_rank
+
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its rank and remote traceback."""
@@ -83,7 +85,7 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    threads = threads or max(1, (os.cpu_count() or 1) // nranks)
+    threads = threads or threads_per_rank(os.cpu_count() or 1, nranks)
     # The ranks meet in a file of a folder only this call uses: no port to find free, nothing to race.
     rendezvous = tempfile.TemporaryDirectory(prefix="nbscaler-spawn-")
     init_method = "file://" + os.path.join(rendezvous.name, "rendezvous")

@@ -165,10 +165,10 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
     """What the prediction rests on, in a few lines: where op and collective times come from, the
     slowest ops as timed, and each stage's forward and backward time."""
     from nbscaler.cost import comm_model
-    from nbscaler.cost.profile import device_key
+    from nbscaler.cost.timing import profiler_for
 
     comm = comm_model.load(nranks=max(2, plan.config.plan_ngpus))
-    lines = [f"Predicted: op times profiled alone on this machine ({device_key()}), summed per stage; "
+    lines = [f"Predicted: op times profiled alone on this machine ({profiler_for(plan.config).key}), summed per stage; "
              f"collectives by an alpha-beta model (alpha {comm.alpha_s * 1e6:.3g} µs, "
              f"{1 / comm.beta_s_per_byte / 1e9:.3g} GB/s, {'calibrated' if comm.calibrated else 'defaults'}); "
              "Python overhead and contention between ranks not counted."]

@@ -4,7 +4,8 @@ import pytest
 
 from nbscaler.cluster import network
 from nbscaler.cluster.session import place_ranks
-from nbscaler.cluster.launchers import launcher_options, threads_per_engine
+from nbscaler.cluster.launchers import launcher_options
+from nbscaler.config import threads_per_rank
 
 
 def facts(host, pid):
@@ -23,8 +24,8 @@ def test_on_one_host_rank_r_is_the_r_th_engine_id():
 
 
 def test_threads_share_the_cores_and_never_drop_to_zero():
-    assert threads_per_engine(8, 4) == 2
-    assert threads_per_engine(2, 4) == 1
+    assert threads_per_rank(8, 4) == 2
+    assert threads_per_rank(2, 4) == 1
 
 
 def test_user_launcher_options_win_and_environment_is_merged():

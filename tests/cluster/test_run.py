@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.cluster import report
-from nbscaler.cluster.launchers import threads_per_engine
+from nbscaler.config import threads_per_rank
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -31,7 +31,7 @@ def test_ranks_follow_engine_order_and_set_the_torchrun_environment(cluster):
 
 
 def test_threads_are_shared_out(cluster):
-    expected = threads_per_engine(os.cpu_count(), 2)
+    expected = threads_per_rank(os.cpu_count(), 2)
     assert cluster.run(lambda: (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])) == \
         [(expected, str(expected))] * 2
 

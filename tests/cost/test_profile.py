@@ -37,3 +37,19 @@ def test_profiles_are_saved_and_read_back(tmp_path, monkeypatch):
     first.save()
     again = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
     assert [again.time(op) for op in ops] == times
+
+
+def test_ops_are_timed_at_the_thread_count_each_rank_will_have(tmp_path, monkeypatch):
+    from nbscaler.cost.timing import profiler_for
+    monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profile.os, "cpu_count", lambda: 8)
+    assert profiler_for(ComputeConfig(2, 4)).key.endswith("-2t")       # 8 cores shared by 4 ranks
+    assert profiler_for(ComputeConfig(1, 1)).key.endswith("-8t")
+
+    seen = []
+    monkeypatch.setattr(profile, "time_op", lambda op, device: seen.append(torch.get_num_threads()) or (1e-3, 2e-3))
+    before = torch.get_num_threads()
+    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json", threads=before + 1)
+    profiler.time(_ops()[0])
+    assert seen == [before + 1]                     # timed at the ranks' count...
+    assert torch.get_num_threads() == before        # ...and the caller's count given back

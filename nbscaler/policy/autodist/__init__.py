@@ -34,7 +34,7 @@ from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
 from nbscaler.cost.memory import device_runs, memory_per_rank
 from nbscaler.columns import SummaryColumn as C
-from nbscaler.cost.timing import StepModel, default_profiler
+from nbscaler.cost.timing import StepModel, profiler_for
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist.candidates import candidate_configs, config_key, samples_per_step, with_unit
 from nbscaler.policy.autodist.costs import ChoiceCosts, optimizer_state_factor
@@ -171,7 +171,7 @@ class _Searcher:
 
     def __init__(self, graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions, geometry: Optional[PipelineGeometry]):
         self.graph, self.cfg, self.opts, self.geometry = graph, cfg, opts, geometry
-        self.profiler = default_profiler()
+        self.profiler = profiler_for(cfg)
         self.factor = optimizer_state_factor(opts.optimizer)
         self.costs: Dict[Tuple[int, ...], ChoiceCosts] = {}
 
