@@ -17,7 +17,8 @@ collective          forward (``b``: local input)     backward (its gradient)
 ==================  ==============================  ===================================
 
 ``calibrate`` times ``all_reduce`` over a group at a small and a large size, each after a little
-compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); the result is
+compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); a pipeline's
+sends take the latency of the small message back to back, between awake peers; the result is
 cached on disk per backend and group size, and ``load`` returns it, or the defaults when nothing
 was calibrated. ``ensure_calibrated`` does that once for every group size a world can use; a
 cluster runs it when it first parallelizes.
@@ -33,7 +34,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -49,9 +50,15 @@ over NVLink-class links. Rough on purpose; calibrate for numbers worth comparing
 
 @dataclass(frozen=True)
 class CommModel:
+    """``alpha_s`` is the latency a collective pays inside a step, waking its peers included;
+    ``p2p_alpha_s`` the latency of a pipeline's send, whose receiver is busy with another block
+    when the message arrives (its receive was posted ahead), so it pays no wake-up. ``None``: the
+    same as ``alpha_s``."""
+
     alpha_s: float
     beta_s_per_byte: float
     calibrated: bool = False
+    p2p_alpha_s: Optional[float] = None
 
     def ring(self, steps: float, nbytes: float) -> float:
         return steps * self.alpha_s + nbytes * self.beta_s_per_byte
@@ -80,8 +87,9 @@ class CommModel:
         }.get(fn, lambda: 0.0)()
 
     def p2p(self, nbytes: int) -> float:
-        """Seconds of one send/recv of ``nbytes``."""
-        return self.ring(1, nbytes)
+        """Seconds of one pipeline send/recv of ``nbytes``."""
+        alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
+        return alpha + nbytes * self.beta_s_per_byte
 
 
 def _path(backend: str, nranks: int) -> Path:
@@ -119,19 +127,34 @@ def _timed_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup], rep
     collective's time has a long tail (a peer not scheduled at once). There the median of a small
     ``all_reduce`` was 0.5 ms and its mean 2 ms, and a tensor-parallel step of 16 paid the mean."""
     scratch = torch.ones(2 ** 20, dtype=buf.dtype, device=buf.device)            # 4 MB
-    for _ in range(3):                                     # warm up the connection
-        dist.all_reduce(buf, group=group)
-    dist.barrier(group=group)
+    _warm_connection(buf, group)
     times = []
     for _ in range(repeats):
         _step_like_work(scratch)
         buf.add_(1.0)
-        _sync(buf)
-        start = time.perf_counter()
-        dist.all_reduce(buf, group=group)
-        _sync(buf)
-        times.append(time.perf_counter() - start)
+        times.append(_one_all_reduce(buf, group))
     return statistics.fmean(times)
+
+
+def _awake_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup], repeats: int) -> float:
+    """Median seconds of one ``all_reduce`` of ``buf`` run back to back: the latency between peers
+    that are awake and waiting for it, as a pipeline's receiver is."""
+    _warm_connection(buf, group)
+    return statistics.median(_one_all_reduce(buf, group) for _ in range(repeats))
+
+
+def _warm_connection(buf: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    for _ in range(3):
+        dist.all_reduce(buf, group=group)
+    dist.barrier(group=group)
+
+
+def _one_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup]) -> float:
+    _sync(buf)
+    start = time.perf_counter()
+    dist.all_reduce(buf, group=group)
+    _sync(buf)
+    return time.perf_counter() - start
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -173,7 +196,8 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     seconds = [_timed_all_reduce(torch.zeros(size // 4, dtype=torch.float32, device=device), group, repeats)
                for size in sizes]
-    model = fit(sizes, seconds, n)
+    awake = _awake_all_reduce(torch.zeros(min(sizes) // 4, dtype=torch.float32, device=device), group, repeats)
+    model = replace(fit(sizes, seconds, n), p2p_alpha_s=awake / (2 * max(1, n - 1)))
     if save and dist.get_rank(group) == 0:
         store(model, dist.get_backend(group), n)
     return model
@@ -195,8 +219,9 @@ def mean_model(models: Sequence[CommModel]) -> CommModel:
     >>> round(mean_model([CommModel(1e-4, 1e-9, True), CommModel(3e-4, 3e-9, True)]).alpha_s, 9)
     0.0002
     """
+    p2p = [m.p2p_alpha_s for m in models]
     return CommModel(statistics.fmean(m.alpha_s for m in models), statistics.fmean(m.beta_s_per_byte for m in models),
-                     all(m.calibrated for m in models))
+                     all(m.calibrated for m in models), None if None in p2p else statistics.fmean(p2p))
 
 
 def group_sizes(world_size: int) -> List[int]:

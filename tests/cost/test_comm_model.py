@@ -57,3 +57,10 @@ def test_ensure_calibrated_times_each_group_size_once(tmp_path, monkeypatch):
         saved = comm_model.load("gloo", n)
         assert saved.calibrated and saved.alpha_s > 0 and saved.beta_s_per_byte > 0
     assert not comm_model.load("gloo", 8).calibrated           # never timed: the defaults
+
+
+def test_a_pipeline_send_pays_the_latency_of_an_awake_peer():
+    model = CommModel(alpha_s=2e-3, beta_s_per_byte=1e-9, calibrated=True, p2p_alpha_s=3e-4)
+    assert model.p2p(1000) == pytest.approx(3e-4 + 1e-6)
+    assert model.forward("all_reduce", 1000, 2) == pytest.approx(2 * 2e-3 + 1e-6)     # collectives: the step's
+    assert CommModel(2e-3, 1e-9).p2p(0) == 2e-3                                       # older calibrations
