@@ -3,7 +3,7 @@ measurement on every rank.
 
 A ``Run`` is one model under one policy and ``ComputeConfig``. ``predict(run)`` is the plan's own
 per-rank summary; ``measure(run, steps)`` trains the same plan on local CPU ranks and returns, per
-rank, the memory of the last step by category, the median step time and the pipeline's bubble.
+rank, the memory of the last step by category, and the median step time and pipeline bubble.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
                      instance_name=f"{run.model}_{run}".replace(" ", "_").replace("+", "").replace("=", ""), reuse="override")
     unit = pm.compute_config.unit_of(dist.get_rank())     # the compiled plan's units (autodist may choose them)
     opt = build_optimizer(pm, OPTIMIZER, **OPTIMIZER_KWARGS)
-    times, losses, bubble = [], [], None
+    times, losses, bubbles = [], [], []
     # Timed steps run without the meter: its saved-tensor hooks cost Python time per saved tensor.
     # One more step under the meter then counts the memory.
     for step in range(steps + 1):
@@ -146,18 +146,19 @@ def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
             opt.step()
         if not metered:
             times.append(time.perf_counter() - start)
-            if run.config.use_pipeline:           # the last timed step's blocks, not the metered one's
-                bubble = pm.pipeline_timeline().bubble_fraction
+            if run.config.use_pipeline:           # the timed steps' blocks, not the metered one's
+                bubbles.append(pm.pipeline_timeline().bubble_fraction)
         else:
             memory = meter.stats()       # before zero_grad, while the gradients are still held
         opt.zero_grad()
         losses.append(float(sum(out)))
+    bubble = statistics.median(bubbles[1:]) if bubbles else None
     return {"memory": memory, "step_s": statistics.median(times[1:]), "bubble": bubble, "losses": losses}
 
 
 def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
-    """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` (the median over
-    the steps after the first), ``bubble`` (pipelines) and ``losses``; one thread per rank."""
+    """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` and ``bubble``
+    (pipelines; the medians over the steps after the first) and ``losses``; one thread per rank."""
     return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
 
 
