@@ -37,7 +37,7 @@ def declare_missing_ops() -> bool:
     if spec is None or spec.origin is None or _library_loads(pathlib.Path(spec.origin).parent):
         return False
     for name, schema in UNGUARDED_OPS.items():
-        torch.library.define(name, schema)          # from here on the op exists, so its Python registrations find it
+        torch.library.define(name, schema)          # a schema and no kernel: importing torchvision works, calling the op fails
     _declared = True
     return True
 
