@@ -172,7 +172,7 @@ def calibrate_collectives(nranks: int) -> Dict[int, comm_model.CommModel]:
 def store_mean_calibration(calibrations: List[Dict[int, comm_model.CommModel]]) -> None:
     """Cache the mean of several calibrations per group size, for the plans that follow."""
     for size in calibrations[0]:
-        comm_model.store(comm_model.mean_model([c[size] for c in calibrations]), "gloo", size)
+        comm_model.store(comm_model.mean_model([c[size] for c in calibrations]), size)
 
 
 def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:

@@ -92,13 +92,18 @@ class CommModel:
         return alpha + nbytes * self.beta_s_per_byte
 
 
+def _backend(backend: Optional[str]) -> str:
+    """``backend``, or the one a plan on this machine runs: gloo without CUDA, nccl with."""
+    return backend or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
 def _path(backend: str, nranks: int) -> Path:
     return cache_dir() / f"comm-{backend}-{nranks}.json"
 
 
 def load(backend: Optional[str] = None, nranks: int = 2) -> CommModel:
-    """The calibrated model for ``backend`` (gloo without CUDA, nccl with) and group size, else the defaults."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    """The calibrated model for ``backend`` (by default ``_backend``'s) and group size, else the defaults."""
+    backend = _backend(backend)
     path = _path(backend, nranks)
     if path.exists():
         return CommModel(**json.loads(path.read_text()))
@@ -199,13 +204,14 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
     awake = _awake_all_reduce(torch.zeros(min(sizes) // 4, dtype=torch.float32, device=device), group, repeats)
     model = replace(fit(sizes, seconds, n), p2p_alpha_s=awake / (2 * max(1, n - 1)))
     if save and dist.get_rank(group) == 0:
-        store(model, dist.get_backend(group), n)
+        store(model, n, dist.get_backend(group))
     return model
 
 
-def store(model: CommModel, backend: str, nranks: int) -> None:
-    """Write ``model`` to the cache as the calibration of ``backend`` over ``nranks`` (atomically)."""
-    path = _path(backend, nranks)
+def store(model: CommModel, nranks: int, backend: Optional[str] = None) -> None:
+    """Write ``model`` to the cache as the calibration of ``backend`` (as for ``load``) over
+    ``nranks`` (atomically)."""
+    path = _path(_backend(backend), nranks)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(model)))

@@ -28,7 +28,7 @@ def test_an_odd_middle_size_does_not_bend_the_latency_of_small_messages():
 def test_the_mean_of_calibrations_is_stored_for_later_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
     runs = [CommModel(1e-3, 1e-9, True), CommModel(2e-3, 3e-9, True)]
-    comm_model.store(comm_model.mean_model(runs), "gloo", 2)
+    comm_model.store(comm_model.mean_model(runs), 2, "gloo")
     assert comm_model.load("gloo", 2) == CommModel(pytest.approx(1.5e-3), pytest.approx(2e-9), True)
     assert not list(tmp_path.glob("*.tmp"))                    # written whole, then renamed
 
