@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 
 import nbscaler
-from benchmarks.runs import MODELS, Run, calibrate_collectives, machine, measure, parser, pipeline, predict, write_results
+from benchmarks.runs import MODELS, Run, calibrate, machine, measure, parser, pipeline, predict, write_results
 from nbscaler import ComputeConfig
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.policy.autodist import samples_per_step
@@ -135,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         searched = search_seconds()
         parts.append("Search time, 12-layer GPT (d=768) on 8 devices: "
                      + ", ".join(f"{k}: {v:.1f} s" for k, v in searched.items()) + ".")
-    calibrate_collectives(args.ranks)
+    calibrate(args.ranks)
     lines = list(HEADER)
     for model in args.models:
         lines += table(model, compare(model, args.ranks, args.steps, args.reps))

@@ -5,15 +5,16 @@ predicts one row per rank (``plan.summary(AdamW)``); then the same plan trains o
 ranks, where ``MemoryMeter`` counts one step's bytes by category, the median of the timed steps gives
 the step time, and a pipeline's recorded blocks give its bubble. Each run is measured ``--reps``
 times, the collectives calibrated again before each, and the prediction uses the mean of those
-calibrations: the model and the measurement see the same minutes of the machine. The table shows
+calibrations (collectives, and the speed the ranks compute at side by side): the model and the
+measurement see the same minutes of the machine. The table shows
 the prediction, the median measurement and the error.
 
     python -m benchmarks.cost_model --ranks 2            # writes benchmarks/results/cost_model.md
 
 Memory is counted exactly on both sides (the storages of live tensors), so its error is zero where
-the model claims exactness. Step time is a sum of op times profiled alone in one process, plus an
-alpha-beta model of the collectives; ranks that share the cores and the caches of a loaded CPU run
-slower than that, which the model does not see: read the time errors with the machine's load.
+the model claims exactness. Step time is a sum of op times profiled in one process, scaled to the
+speed the ranks measured, plus an alpha-beta model of the collectives; what it leaves out (ranks
+waiting for a peer the machine slowed, Python between ops) shows in the error.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 
-from benchmarks.runs import (ZERO, Run, calibrate_collectives, machine, measure, parser, pipeline, predict,
+from benchmarks.runs import (ZERO, Run, calibrate, machine, measure, parser, pipeline, predict,
                             store_mean_calibration, write_results)
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 
@@ -47,12 +48,13 @@ def _error(predicted: float, measured: float) -> float:
 def measure_calibrated(run: Run, steps: int, reps: int) -> List[Dict[str, Any]]:
     """Per rank, ``measure``'s row with the median step time (and bubble) of ``reps`` repetitions.
 
-    Before each repetition the collectives are calibrated again, and their mean calibration is
-    what the prediction then uses: model and measurement see the same minutes of a machine whose
-    collectives drift by a quarter from one minute to the next."""
+    Before each repetition the collectives and the ranks' compute speed are calibrated again, and
+    their mean is what the prediction then uses: model and measurement see the same minutes of a
+    machine whose collectives drift by a quarter, and its compute by a fifth, from one minute to
+    the next."""
     calibrations, repeats = [], []
     for _ in range(reps):
-        calibrations.append(calibrate_collectives(run.runtime_ngpus))
+        calibrations.append(calibrate(run.runtime_ngpus))
         repeats.append(measure(run, steps))
     store_mean_calibration(calibrations)
     rows = repeats[0]

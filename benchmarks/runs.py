@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import nbscaler
 from nbscaler import ComputeConfig, build_optimizer, parallelize
-from nbscaler.cost import comm_model
+from nbscaler.cost import comm_model, speed
 from nbscaler.models import gpt, llama
 from nbscaler.runtime.launch import spawn
 from nbscaler.runtime.memory import MemoryMeter
@@ -162,17 +162,33 @@ def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
     return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
 
 
-def calibrate_collectives(nranks: int) -> Dict[int, comm_model.CommModel]:
-    """Calibrate the alpha-beta model of collectives on ``nranks`` local ranks, now (the machine's
-    load decides their latency, so a cached calibration from another moment would mislead);
-    returns the models by group size."""
-    return spawn(comm_model.ensure_calibrated, nranks, True, threads=1, timeout=300)[0]
+@dataclass(frozen=True)
+class Calibration:
+    """What the ranks measured of the machine at one moment: the collectives' alpha-beta models by
+    group size, and the reference workload's seconds with every rank busy (``cost.speed``)."""
+    comm: Dict[int, comm_model.CommModel]
+    reference_s: float
+    nranks: int
 
 
-def store_mean_calibration(calibrations: List[Dict[int, comm_model.CommModel]]) -> None:
-    """Cache the mean of several calibrations per group size, for the plans that follow."""
-    for size in calibrations[0]:
-        comm_model.store(comm_model.mean_model([c[size] for c in calibrations]), size)
+def _calibrate_on_rank() -> Calibration:
+    comm = comm_model.ensure_calibrated(force=True)
+    return Calibration(comm, speed.calibrate(), dist.get_world_size())
+
+
+def calibrate(nranks: int) -> Calibration:
+    """Calibrate the time model on ``nranks`` local ranks of one thread, now: the machine's load
+    decides collective latencies and compute speed, so a calibration from another moment would
+    mislead."""
+    return spawn(_calibrate_on_rank, nranks, threads=1, timeout=300)[0]
+
+
+def store_mean_calibration(calibrations: List[Calibration]) -> None:
+    """Cache the mean of several calibrations, for the plans that follow."""
+    for size in calibrations[0].comm:
+        comm_model.store(comm_model.mean_model([c.comm[size] for c in calibrations]), size)
+    speed.store(statistics.fmean(c.reference_s for c in calibrations), speed.device_key(torch.device("cpu"), 1),
+                calibrations[0].nranks)
 
 
 def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nbscaler.cluster.engine import report
 from nbscaler.config import ComputeConfig
-from nbscaler.cost import comm_model
+from nbscaler.cost import comm_model, speed
 from nbscaler.parallel import build_optimizer, parallelize
 from nbscaler.runtime.module import ParallelModule
 
@@ -67,12 +67,15 @@ def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any],
                      compute_config: ComputeConfig, parallelize_kwargs: Dict[str, Any]) -> None:
     """``parallelize`` on this rank (rank 0 compiles, the others load) and keep it as ``name``.
 
-    The first time a cluster parallelizes, it also calibrates the time model of its collectives (a
-    fraction of a second, cached on disk), so later plans predict this cluster's step times as the
-    machine is now, not as it was when some earlier cluster ran.
+    The first time a cluster parallelizes, it also calibrates the time model: its collectives and
+    the speed its ranks compute at side by side (a second or so, cached on disk), so later plans
+    predict this cluster's step times as the machine is now, not as it was when some earlier
+    cluster ran.
     """
     global _calibrated
     comm_model.ensure_calibrated(force=not _calibrated)
+    if not _calibrated:
+        speed.calibrate()
     _calibrated = True
     modules[name] = RankModule(parallelize(module, dummy_forward_args, pas_policy, compute_config,
                                            load_module=True, **parallelize_kwargs))

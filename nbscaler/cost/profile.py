@@ -7,9 +7,11 @@ table under the cache folder (``cost.cache``), one per device (e.g. ``cpu-x86_64
 of threads matters on a CPU). A 12-layer transformer has a few dozen distinct calls, so profiling
 it takes a second or two, once. The median, not the fastest run: on a CPU the fastest of a few
 repeats is a quarter or so below what the same op takes inside a step (caches, allocator,
-interrupts), and a step is made of typical runs. Other processes only ever make runs slower, so
-each entry keeps the machine's load when it was timed, and an entry timed on a busier machine than
-the current one is timed again (keeping the faster time): one busy moment does not stay in the table.
+interrupts), and a step is made of typical runs.
+
+Times are stored as multiples of the reference workload timed beside them (``cost.speed``), and
+read back at the speed the ranks last measured: a profile taken in a quiet minute, alone, still
+describes ranks that run later, side by side, on a busier machine.
 
 A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
 ``engine_overhead_s`` measures it, and it is taken out of each op's backward time.
@@ -17,19 +19,18 @@ A single op's backward pays the autograd engine's start-up, which a whole backwa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from nbscaler.cost import speed
 from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
+from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
 #: An op whose run takes longer than this is timed by that one run (the warm-up's included): at that
@@ -39,29 +40,7 @@ LONG_RUN_S = 0.2
 
 
 #: Bumped when the way ops are timed changes, so tables timed the old way are not read.
-PROFILE_VERSION = 3
-
-
-def device_key(device: Optional[torch.device] = None, threads: Optional[int] = None) -> str:
-    """Names the hardware a profile is valid for: the GPU, or the CPU and its intra-op threads
-    (``threads``, this process's count by default)."""
-    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    if device.type == "cuda":
-        return "cuda-" + torch.cuda.get_device_name(device).replace(" ", "_")
-    return f"cpu-{platform.machine()}-{threads or torch.get_num_threads()}t"
-
-
-@contextlib.contextmanager
-def intra_op_threads(threads: Optional[int]) -> Iterator[None]:
-    """Run the body with ``threads`` intra-op threads (unchanged when None), then restore them."""
-    before = torch.get_num_threads()
-    if threads and threads != before:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
+PROFILE_VERSION = 4
 
 
 def op_key(op: OpCall) -> str:
@@ -69,11 +48,6 @@ def op_key(op: OpCall) -> str:
     consts = repr(op.node.map_args(lambda t: None))
     shapes = repr([(s, str(d), g) for s, d, g in op.in_shapes])
     return hashlib.sha1(f"{op.node.target}|{shapes}|{consts}".encode()).hexdigest()[:20]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _random_inputs(op: OpCall, device: torch.device) -> List[torch.Tensor]:
@@ -103,18 +77,18 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
     drawn = _random_inputs(op, device)
     for i in range(MAX_REPEATS + 1):
         args, kwargs = call_args(op.node, _fresh(drawn, op), device)
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         result = call_node(op.node, args, kwargs)
-        _sync(device)
+        sync(device)
         middle = time.perf_counter()
         outs = _float_outputs(result)
         if outs:
             grads = [torch.ones_like(o) for o in outs]
-            _sync(device)
+            sync(device)
             middle2 = time.perf_counter()
             torch.autograd.backward(outs, grads)
-            _sync(device)
+            sync(device)
             end = time.perf_counter()
         else:
             middle2 = end = middle
@@ -128,43 +102,16 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
     return statistics.median(fwd), statistics.median(bwd)
 
 
-_WARM: set = set()
-
-
-def machine_load() -> float:
-    """The load average of the last minute, less what the cores absorb: 0 on a machine with a core
-    to spare, 3 when three processes wait for one (0 where the system does not say)."""
-    try:
-        return max(0.0, os.getloadavg()[0] - (os.cpu_count() or 1))
-    except OSError:
-        return 0.0
-
-
-def warm_up(device: torch.device, seconds: float = 0.2) -> None:
-    """Run forwards and backwards for a moment, once per process and device: a fresh process's
-    first autograd calls (thread pools, allocator, kernel choice) run many times slower than later
-    ones, and would otherwise be taken for the first profiled ops' own time."""
-    if device.type + str(device.index) in _WARM:
-        return
-    x = torch.randn(64, 256, device=device, requires_grad=True)
-    w = torch.randn(256, 256, device=device, requires_grad=True)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        torch.nn.functional.linear(torch.tanh(x), w).sum().backward()
-        _sync(device)
-    _WARM.add(device.type + str(device.index))
-
-
 def engine_overhead_s(device: torch.device, repeats: int = 30) -> float:
     """The time a backward takes through one trivial op (median): the engine's fixed start-up."""
     times = []
     for _ in range(repeats):
         x = torch.ones(1, device=device, requires_grad=True)
         y = x * 1.0
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         y.backward()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -174,52 +121,77 @@ class OpProfiler:
 
     On a CPU, ops are timed with ``threads`` intra-op threads (this process's count by default):
     the count the ranks will run with, not the notebook's, which has all the cores to itself.
+    Times are read at the speed ``ranks`` ranks on this device last measured (``cost.speed``).
     """
 
+    #: Seconds after which the reference is timed again before more ops are profiled: the machine's
+    #: speed wanders over tens of seconds.
+    REFERENCE_AGE_S = 10.0
+
     def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None,
-                 threads: Optional[int] = None):
+                 threads: Optional[int] = None, ranks: int = 1):
         self.device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         self.threads = threads if self.device.type == "cpu" else None
+        self.ranks = ranks
         self.key = device_key(self.device, self.threads)
         self.path = path or cache_dir() / f"ops-v{PROFILE_VERSION}-{self.key}.json"
-        self.table: Dict[str, List[float]] = read_table(self.path)
+        self.table: Dict[str, List[float]] = read_table(self.path)       # in reference units
         self.new: Dict[str, List[float]] = {}
-        self._overhead: Optional[float] = self.table.get("__engine__", [None])[0]
-        # Entries timed on a busier machine than this one is now: each is timed again on first use.
-        # Decided once, so that every plan of a process sees the same time for the same op.
-        load = machine_load()
-        self._stale = {k for k, v in self.table.items() if isinstance(v, list) and len(v) > 2 and v[2] > load + 1.0}
+        self._reference: Optional[Tuple[float, float]] = None             # (seconds, when timed)
+        self._speed: Optional[float] = None
+        self.calibrated = False
+
+    def reference_now(self) -> float:
+        """The reference workload's seconds in this process, timed again once older than
+        ``REFERENCE_AGE_S``: what newly profiled times are divided by."""
+        if self._reference is None or time.monotonic() - self._reference[1] > self.REFERENCE_AGE_S:
+            self._reference = (speed.reference_s(self.device, self.threads), time.monotonic())
+        return self._reference[0]
+
+    @property
+    def speed_s(self) -> float:
+        """The reference's seconds that stored times are multiplied by: as the ranks last measured
+        it, else as this process first timed it (then times read as profiled). Fixed until
+        ``refresh_speed``, so the plans and searches in between compare like with like."""
+        if self._speed is None:
+            self.refresh_speed()
+        if self._speed is None:
+            self._speed = self.reference_now()
+        return self._speed
+
+    def refresh_speed(self) -> None:
+        """Read the ranks' latest calibration (``speed.load``), when there is one."""
+        measured = speed.load(self.key, self.ranks)
+        if measured is not None:
+            self._speed, self.calibrated = measured, True
+
+    def _units(self, seconds: float) -> float:
+        return seconds / self.reference_now()
+
+    def _overhead_units(self) -> float:
+        if "__engine__" not in self.table:
+            with intra_op_threads(self.threads):
+                warm_up(self.device)
+                overhead = engine_overhead_s(self.device)
+            self.table["__engine__"] = self.new["__engine__"] = [self._units(overhead)]
+        return self.table["__engine__"][0]
 
     @property
     def overhead_s(self) -> float:
         """The autograd engine's start-up per backward."""
-        if self._overhead is None:
-            with intra_op_threads(self.threads):
-                warm_up(self.device)
-                self._overhead = engine_overhead_s(self.device)
-            self.new["__engine__"] = [self._overhead]
-        return self._overhead
+        return self._overhead_units() * self.speed_s
 
     def time(self, op: OpCall) -> Tuple[float, float]:
-        """Forward and backward seconds of ``op`` (engine start-up taken out of the backward).
-
-        An entry timed while the machine was busier than when this profiler opened the table (by
-        more than a core's worth of load) is timed again once, keeping the faster of the two: a
-        profile taken on a loaded machine would otherwise overstate that op for good.
-        """
+        """Forward and backward seconds of ``op`` (engine start-up taken out of the backward)."""
         key = op_key(op)
-        entry = self.table.get(key)
-        if entry is None or key in self._stale:
-            self._stale.discard(key)
-            load = machine_load()
+        if key not in self.table:
             with intra_op_threads(self.threads):
                 warm_up(self.device)
                 fwd, bwd = time_op(op, self.device)
-            fwd, bwd = fwd, max(0.0, bwd - self.overhead_s) if bwd else 0.0
-            if entry is not None:
-                fwd, bwd, load = min(fwd, entry[0]), min(bwd, entry[1]), min(load, entry[2])
-            self.table[key] = self.new[key] = [fwd, bwd, load]
-        return self.table[key][0], self.table[key][1]
+            bwd_units = max(0.0, self._units(bwd) - self._overhead_units()) if bwd else 0.0
+            self.table[key] = self.new[key] = [self._units(fwd), bwd_units]
+        fwd, bwd = self.table[key]
+        return fwd * self.speed_s, bwd * self.speed_s
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
         """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``."""
@@ -227,8 +199,9 @@ class OpProfiler:
         key = hashlib.sha1(key.encode()).hexdigest()[:20]
         if key not in self.table:
             with intra_op_threads(self.threads):
-                self.table[key] = self.new[key] = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device)]
-        return self.table[key][0]
+                seconds = time_update(numels, dtype, optimizer, optimizer_kwargs, self.device)
+            self.table[key] = self.new[key] = [self._units(seconds)]
+        return self.table[key][0] * self.speed_s
 
     def save(self) -> None:
         """Write what was profiled since the last save."""
@@ -251,7 +224,7 @@ def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimize
     flat = torch.empty(sum(numels), dtype=dtype, device=device)
     times = []
     for i in range(repeats + 1):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         flat.zero_()
         offset = 0
@@ -263,7 +236,7 @@ def time_update(numels: List[int], dtype: torch.dtype, optimizer: type, optimize
             p.grad.copy_(flat[offset:offset + p.numel()])
             offset += p.numel()
         opt.step()
-        _sync(device)
+        sync(device)
         if i:
             times.append(time.perf_counter() - start)
             if times[-1] > LONG_RUN_S:

@@ -15,9 +15,12 @@ The pieces, each measured or modelled once:
   reduce-scatter and all-gather, per bucket) and the optimizer step (profiled, with the reducer's
   copies).
 
-What limits it: ops are timed alone, so caches are warmer and the machine quieter than inside a
-whole step; Python overhead between ops and the pipeline executor's bookkeeping are not counted;
-the alpha-beta model knows nothing of contention between ranks sharing cores.
+Op times are read at the speed the ranks last measured side by side (``cost.speed``), so a
+profile from a quieter minute, or from one process alone, is scaled to the machine as it runs them.
+
+What limits it: Python overhead between ops and the pipeline executor's bookkeeping are not
+counted; ranks are assumed in step (none waits at a collective for a slower peer); with more ranks
+than cores, the calibration sees every rank busy at once, which a pipeline's ranks are not.
 
 The pass ``annotate_times`` writes ``node.meta['local_time_fwd_s']`` and ``['local_time_bwd_s']``,
 per device, as the memory model writes ``local_saved_bytes``.
@@ -46,18 +49,21 @@ from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
 _PROFILERS: Dict[str, OpProfiler] = {}
 
 
-def default_profiler(threads: Optional[int] = None) -> OpProfiler:
-    """One profiler per device (and CPU thread count) for the process, so its table is read from
-    disk once."""
-    probe = OpProfiler(threads=threads)
-    return _PROFILERS.setdefault(str(probe.path), probe)
+def default_profiler(threads: Optional[int] = None, ranks: int = 1) -> OpProfiler:
+    """One profiler per device (and CPU thread count) and number of ranks for the process, so its
+    table is read from disk once; each call reads the ranks' latest speed calibration."""
+    probe = OpProfiler(threads=threads, ranks=ranks)
+    profiler = _PROFILERS.setdefault(f"{probe.path}|{ranks}", probe)
+    profiler.refresh_speed()
+    return profiler
 
 
 def profiler_for(cfg: ComputeConfig) -> OpProfiler:
     """The profiler that times ops as the ranks of ``cfg`` will run them: on a CPU, with the share
     of this host's cores each rank gets (``threads_per_rank``; all ranks on this host, the notebook
-    case). A plan made in a notebook of 16 cores for 4 ranks is timed at 4 threads, not 16."""
-    return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus))
+    case), read at the speed those ranks last measured side by side. A plan made in a notebook of
+    16 cores for 4 ranks is timed at 4 threads, not 16."""
+    return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus), cfg.runtime_ngpus)
 
 
 def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[float, float]:

@@ -168,10 +168,13 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
     from nbscaler.cost.timing import profiler_for
 
     comm = comm_model.load(nranks=max(2, plan.config.plan_ngpus))
-    lines = [f"Predicted: op times profiled alone on this machine ({profiler_for(plan.config).key}), summed per stage; "
+    profiler = profiler_for(plan.config)
+    speed = ("at the speed its ranks measured side by side" if profiler.calibrated
+             else "as timed alone (no ranks calibrated yet)")
+    lines = [f"Predicted: op times profiled on this machine ({profiler.key}), {speed}, summed per stage; "
              f"collectives by an alpha-beta model (alpha {comm.alpha_s * 1e6:.3g} µs, "
              f"{1 / comm.beta_s_per_byte / 1e9:.3g} GB/s, {'calibrated' if comm.calibrated else 'defaults'}); "
-             "Python overhead and contention between ranks not counted."]
+             "Python overhead and waits for a slower rank not counted."]
     timed: List[Tuple[float, str]] = []
     for n in plan.graph.nodes:
         fwd, bwd = n.meta.get("local_time_fwd_s", {}), n.meta.get("local_time_bwd_s", {})

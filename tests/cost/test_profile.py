@@ -1,11 +1,13 @@
-"""The op profiler: times cached per device, and timed again once the machine is quieter."""
+"""The op profiler: times cached per device, read at the speed the ranks last measured."""
 
+import pytest
 import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
-from nbscaler.cost import profile
+from nbscaler.cost import profile, speed
 from nbscaler.cost.profile import OpProfiler, op_key
+from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
 
 
@@ -14,23 +16,37 @@ def _ops():
     return plan.local_runs[0][None].ops
 
 
-def test_an_op_timed_on_a_busy_machine_is_timed_again_when_it_is_quieter(tmp_path, monkeypatch):
+def test_op_times_are_read_at_the_speed_the_ranks_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
     op = next(o for o in _ops() if "linear" in o.node.target)
-    monkeypatch.setattr(profile, "machine_load", lambda: 0.0)
-    busy = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
-    busy.table[op_key(op)] = busy.new[op_key(op)] = [1.0, 2.0, 6.0]     # timed once, slowly, at a load of 6
-    busy.save()
-    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")   # opened on a quiet machine
+    monkeypatch.setattr(speed, "reference_s", lambda device, threads=None: 0.5)      # a slow minute...
+    monkeypatch.setattr(profile, "time_op", lambda op, device: (2e-3, 4e-3))          # ...and the op in it
+    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json", ranks=2)
     fwd, bwd = profiler.time(op)
-    assert fwd < 1.0 and bwd < 2.0
-    assert profiler.table[op_key(op)][2] == 0.0
-    assert profiler.time(op) == (fwd, bwd)                    # timed again once: the same from now on
-    profiler.table[op_key(op)] = [1e-9, 2e-9, 0.0]            # timed quiet: kept, never timed again
-    assert profiler.time(op) == (1e-9, 2e-9)
+    assert fwd == pytest.approx(2e-3)                         # no ranks calibrated: read as profiled
+    assert profiler.table[op_key(op)][0] == pytest.approx(4e-3)       # stored as multiples of the reference
+    assert not profiler.calibrated
+
+    speed.store(0.25, profiler.key, 2)                        # two ranks side by side ran twice as fast
+    profiler.refresh_speed()
+    assert profiler.calibrated
+    assert profiler.time(op)[0] == pytest.approx(1e-3)
+    assert profiler.time(op)[1] == pytest.approx(bwd / 2)
+    speed.store(1.0, profiler.key, 4)                         # another number of ranks: not this one's
+    profiler.refresh_speed()
+    assert profiler.time(op)[0] == pytest.approx(1e-3)
+
+
+@pytest.mark.multiprocess
+def test_speed_calibration_runs_on_every_rank_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
+    means = spawn(speed.calibrate, 2, threads=1, timeout=120)
+    assert means[0] == means[1] > 0
+    assert speed.load(speed.device_key(torch.device("cpu"), 1), 2) == means[0]
 
 
 def test_profiles_are_saved_and_read_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(profile, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(speed, "reference_s", lambda device, threads=None: 1e-3)     # a machine of one speed
     ops = _ops()
     first = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
     times = [first.time(op) for op in ops]
@@ -40,9 +56,10 @@ def test_profiles_are_saved_and_read_back(tmp_path, monkeypatch):
 
 
 def test_ops_are_timed_at_the_thread_count_each_rank_will_have(tmp_path, monkeypatch):
+    from nbscaler.cost import timing
     from nbscaler.cost.timing import profiler_for
     monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(profile.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 8)
     assert profiler_for(ComputeConfig(2, 4)).key.endswith("-2t")       # 8 cores shared by 4 ranks
     assert profiler_for(ComputeConfig(1, 1)).key.endswith("-8t")
 
