@@ -23,7 +23,7 @@ import hashlib
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +45,9 @@ LONG_RUN_S = 0.2
 #: models took 1.1 to 1.2 times the sum of their ops timed so, with a spread of a fifth between
 #: profiles. After a 4 MB pass, 0.95 to 1.0 times, with half the spread.
 EVICT_BYTES = 4 * 2 ** 20
+
+#: Rounds of a profile (``OpProfiler.profile``), and the seconds of reference runs that open each.
+PASSES, ROUND_REFERENCE_S = 3, 0.04
 
 #: Bumped when the way ops are timed changes, so tables timed the old way are not read.
 PROFILE_VERSION = 5
@@ -142,8 +145,8 @@ class OpProfiler:
     Times are read at the speed ``ranks`` ranks on this device last measured (``cost.speed``).
     """
 
-    #: Seconds after which the reference is timed again before more ops are profiled: the machine's
-    #: speed wanders over tens of seconds.
+    #: Seconds after which the reference is timed again before a single op is profiled: the
+    #: machine's speed wanders over tens of seconds.
     REFERENCE_AGE_S = 10.0
 
     def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None,
@@ -183,15 +186,12 @@ class OpProfiler:
         if measured is not None:
             self._speed, self.calibrated = measured, True
 
-    def _units(self, seconds: float) -> float:
-        return seconds / self.reference_now()
-
     def _overhead_units(self) -> float:
         if "__engine__" not in self.table:
             with intra_op_threads(self.threads):
                 warm_up(self.device)
                 overhead = engine_overhead_s(self.device)
-            self.table["__engine__"] = self.new["__engine__"] = [self._units(overhead)]
+            self.table["__engine__"] = self.new["__engine__"] = [overhead / self.reference_now()]
         return self.table["__engine__"][0]
 
     @property
@@ -199,26 +199,47 @@ class OpProfiler:
         """The autograd engine's start-up per backward."""
         return self._overhead_units() * self.speed_s
 
+    def profile(self, ops: Iterable[OpCall], passes: int = PASSES) -> None:
+        """Time every op of ``ops`` not in the table yet, in ``passes`` rounds over all of them.
+
+        Each round starts with the reference workload, and an op's stored time is the median over
+        rounds of its time in reference units: a moment when the machine ran slow falls on one
+        round of every op, not on every round of one op. One round (``time`` of a single op) uses
+        the last reference instead, if younger than ``REFERENCE_AGE_S``.
+        """
+        missing = {op_key(op): op for op in ops}
+        missing = {k: op for k, op in missing.items() if k not in self.table}
+        if not missing:
+            return
+        overhead = self._overhead_units()
+        rounds: Dict[str, List[Tuple[float, float]]] = {k: [] for k in missing}
+        with intra_op_threads(self.threads):
+            warm_up(self.device)
+            for _ in range(passes):
+                reference = self.reference_now() if passes == 1 else speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S)
+                for k, op in missing.items():
+                    fwd, bwd = time_op(op, self.device)
+                    rounds[k].append((fwd / reference, max(0.0, bwd / reference - overhead) if bwd else 0.0))
+        for k, times in rounds.items():
+            self.table[k] = self.new[k] = [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
+
     def time(self, op: OpCall) -> Tuple[float, float]:
-        """Forward and backward seconds of ``op`` (engine start-up taken out of the backward)."""
-        key = op_key(op)
-        if key not in self.table:
-            with intra_op_threads(self.threads):
-                warm_up(self.device)
-                fwd, bwd = time_op(op, self.device)
-            bwd_units = max(0.0, self._units(bwd) - self._overhead_units()) if bwd else 0.0
-            self.table[key] = self.new[key] = [self._units(fwd), bwd_units]
-        fwd, bwd = self.table[key]
+        """Forward and backward seconds of ``op`` (engine start-up taken out of the backward);
+        profiled in one round when missing (``profile`` times many ops more robustly)."""
+        self.profile([op], passes=1)
+        fwd, bwd = self.table[op_key(op)]
         return fwd * self.speed_s, bwd * self.speed_s
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
-        """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``."""
+        """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``
+        (the median of ``PASSES`` rounds, each against its own reference)."""
         key = f"update|{optimizer.__module__}.{optimizer.__qualname__}|{sorted(optimizer_kwargs.items())}|{dtype}|{numels}"
         key = hashlib.sha1(key.encode()).hexdigest()[:20]
         if key not in self.table:
             with intra_op_threads(self.threads):
-                seconds = time_update(numels, dtype, optimizer, optimizer_kwargs, self.device)
-            self.table[key] = self.new[key] = [self._units(seconds)]
+                rounds = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device, repeats=5)
+                          / speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S) for _ in range(PASSES)]
+            self.table[key] = self.new[key] = [statistics.median(rounds)]
         return self.table[key][0] * self.speed_s
 
     def save(self) -> None:

@@ -132,9 +132,10 @@ class StepModel:
         self.comm = comm or comm_model.load(nranks=max(2, cfg.plan_ngpus))
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
-        for device in range(cfg.plan_ngpus):
-            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
-            self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in stages.items()}
+        stages = {d: runs[d] if runs is not None else stage_runs(graphs, storage, d, geometry) for d in range(cfg.plan_ngpus)}
+        self.profiler.profile(op for by_stage in stages.values() for run in by_stage.values() for op in run.ops)
+        for device, by_stage in stages.items():
+            self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in by_stage.items()}
         self.profiler.save()
 
     def pipeline_timeline(self) -> Timeline:

@@ -37,6 +37,24 @@ def test_op_times_are_read_at_the_speed_the_ranks_measured(tmp_path, monkeypatch
     assert profiler.time(op)[0] == pytest.approx(1e-3)
 
 
+def test_a_slow_moment_falls_on_one_round_of_every_op_not_on_one_op(tmp_path, monkeypatch):
+    ops = [o for o in _ops() if o.node.op == "call_function"][:3]
+    slowness = iter([1.0, 3.0, 1.0])                 # the machine runs 3x slower in the second round
+    factor = {}
+
+    def reference(device, threads=None, budget_s=None):
+        factor["now"] = next(slowness)
+        return 1e-3 * factor["now"]
+
+    monkeypatch.setattr(speed, "reference_s", reference)
+    monkeypatch.setattr(profile, "time_op", lambda op, device: (2e-3 * factor["now"], 4e-3 * factor["now"]))
+    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
+    profiler.table["__engine__"] = [0.0]
+    profiler.profile(ops, passes=3)
+    for op in ops:
+        assert profiler.table[op_key(op)] == [pytest.approx(2.0), pytest.approx(4.0)]     # reference units
+
+
 @pytest.mark.multiprocess
 def test_speed_calibration_runs_on_every_rank_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
