@@ -183,11 +183,12 @@ def calibrate(nranks: int) -> Calibration:
     return spawn(_calibrate_on_rank, nranks, threads=1, timeout=300)[0]
 
 
-def store_mean_calibration(calibrations: List[Calibration]) -> None:
-    """Cache the mean of several calibrations, for the plans that follow."""
+def store_median_calibration(calibrations: List[Calibration]) -> None:
+    """Cache the median of several calibrations, for the plans that follow (set beside the median
+    of as many measurements)."""
     for size in calibrations[0].comm:
-        comm_model.store(comm_model.mean_model([c.comm[size] for c in calibrations]), size)
-    speed.store(statistics.fmean(c.reference_s for c in calibrations), speed.device_key(torch.device("cpu"), 1),
+        comm_model.store(comm_model.median_model([c.comm[size] for c in calibrations]), size)
+    speed.store(statistics.median(c.reference_s for c in calibrations), speed.device_key(torch.device("cpu"), 1),
                 calibrations[0].nranks)
 
 
