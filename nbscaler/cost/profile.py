@@ -5,13 +5,13 @@ a roofline guess, each distinct call (target, local input shapes and dtypes, con
 is run a few times on random tensors, forward and backward, and the median run is kept in a JSON
 table under the cache folder (``cost.cache``), one per device (e.g. ``cpu-x86_64-1t``: the number
 of threads matters on a CPU). A 12-layer transformer has a few dozen distinct calls, so profiling
-it takes a second or two, once. The median, not the fastest run: on a CPU the fastest of a few
-repeats is a quarter or so below what the same op takes inside a step (caches, allocator,
-interrupts), and a step is made of typical runs.
+it (in three rounds, ``OpProfiler.profile``) takes a few seconds, once. The median, not the
+fastest run: on a CPU the fastest of a few repeats is a quarter or so below what the same op
+takes inside a step (caches, allocator, interrupts), and a step is made of typical runs.
 
 Times are stored as multiples of the reference workload timed beside them (``cost.speed``), and
-read back at the speed the ranks last measured: a profile taken in a quiet minute, alone, still
-describes ranks that run later, side by side, on a busier machine.
+read back at the speed the ranks last measured: a profile taken in a quiet minute still
+describes ranks that run later, on a busier machine, or more of them than there are cores.
 
 A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
 ``engine_overhead_s`` measures it, and it is taken out of each op's backward time.

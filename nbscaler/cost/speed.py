@@ -1,9 +1,9 @@
 """How fast a device runs now: timing primitives, a reference workload and its calibration on the ranks.
 
-The op profile (``cost.profile``) is taken once and cached, but a shared machine does not keep one
-speed: on a 2-core cloud VM the same small matrix product took 2.1 ms in some 3-second windows and
-2.9 ms in others a minute later, and two ranks running side by side slow each other down through
-the caches and memory they share. A profile therefore describes the minute it was taken, alone.
+The op profile (``cost.profile``) is taken once and cached, but what it describes moves: a shared
+cloud VM ran the same small matrix product in 2.1 ms in some 3-second windows and 2.9 ms in others
+a minute later, and ranks that outnumber the cores (4 ranks on 2, as a notebook teaching pipelines
+runs them) each get a share of one. A profile taken in one process, alone, describes neither.
 
 So op times are stored as multiples of ``reference_s``, the time of a small fixed forward and
 backward timed with them, and read back at the reference's time *as the ranks last measured it*:
