@@ -145,10 +145,6 @@ class OpProfiler:
     Times are read at the speed ``ranks`` ranks on this device last measured (``cost.speed``).
     """
 
-    #: Seconds after which the reference is timed again before a single op is profiled: the
-    #: machine's speed wanders over tens of seconds.
-    REFERENCE_AGE_S = 10.0
-
     def __init__(self, device: Optional[torch.device] = None, path: Optional[Path] = None,
                  threads: Optional[int] = None, ranks: int = 1):
         self.device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -158,16 +154,17 @@ class OpProfiler:
         self.path = path or cache_dir() / f"ops-v{PROFILE_VERSION}-{self.key}.json"
         self.table: Dict[str, List[float]] = read_table(self.path)       # in reference units
         self.new: Dict[str, List[float]] = {}
-        self._reference: Optional[Tuple[float, float]] = None             # (seconds, when timed)
+        self._reference: Optional[float] = None
         self._speed: Optional[float] = None
         self.calibrated = False
 
-    def reference_now(self) -> float:
-        """The reference workload's seconds in this process, timed again once older than
-        ``REFERENCE_AGE_S``: what newly profiled times are divided by."""
-        if self._reference is None or time.monotonic() - self._reference[1] > self.REFERENCE_AGE_S:
-            self._reference = (speed.reference_s(self.device, self.threads), time.monotonic())
-        return self._reference[0]
+    def process_reference_s(self) -> float:
+        """The reference workload's seconds as this profiler first timed it in this process: what
+        ops profiled one at a time (``time``) are divided by. Timed once, so that the ops a search
+        compares one by one differ by their own times, not by when the reference was taken."""
+        if self._reference is None:
+            self._reference = speed.reference_s(self.device, self.threads)
+        return self._reference
 
     @property
     def speed_s(self) -> float:
@@ -177,7 +174,7 @@ class OpProfiler:
         if self._speed is None:
             self.refresh_speed()
         if self._speed is None:
-            self._speed = self.reference_now()
+            self._speed = self.process_reference_s()
         return self._speed
 
     def refresh_speed(self) -> None:
@@ -191,7 +188,7 @@ class OpProfiler:
             with intra_op_threads(self.threads):
                 warm_up(self.device)
                 overhead = engine_overhead_s(self.device)
-            self.table["__engine__"] = self.new["__engine__"] = [overhead / self.reference_now()]
+            self.table["__engine__"] = self.new["__engine__"] = [overhead / self.process_reference_s()]
         return self.table["__engine__"][0]
 
     @property
@@ -205,7 +202,7 @@ class OpProfiler:
         Each round starts with the reference workload, and an op's stored time is the median over
         rounds of its time in reference units: a moment when the machine ran slow falls on one
         round of every op, not on every round of one op. One round (``time`` of a single op) uses
-        the last reference instead, if younger than ``REFERENCE_AGE_S``.
+        ``process_reference_s`` instead.
         """
         missing = {op_key(op): op for op in ops}
         missing = {k: op for k, op in missing.items() if k not in self.table}
@@ -216,7 +213,7 @@ class OpProfiler:
         with intra_op_threads(self.threads):
             warm_up(self.device)
             for _ in range(passes):
-                reference = self.reference_now() if passes == 1 else speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S)
+                reference = self.process_reference_s() if passes == 1 else speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S)
                 for k, op in missing.items():
                     fwd, bwd = time_op(op, self.device)
                     rounds[k].append((fwd / reference, max(0.0, bwd / reference - overhead) if bwd else 0.0))
