@@ -37,7 +37,8 @@ def declare_missing_ops() -> bool:
     if spec is None or spec.origin is None or _library_loads(pathlib.Path(spec.origin).parent):
         return False
     for name, schema in UNGUARDED_OPS.items():
-        torch.library.define(name, schema)          # a schema and no kernel: importing torchvision works, calling the op fails
+        # The schema without a kernel: torchvision's models, which never call these ops, trace; a call raises.
+        torch.library.define(name, schema)
     _declared = True
     return True
 
