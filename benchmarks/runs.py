@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import nbscaler
 from nbscaler import ComputeConfig, build_optimizer, parallelize
 from nbscaler.cost import comm_model, speed
+from nbscaler.cost.calibration import Calibration, calibrate_ranks
 from nbscaler.models import gpt, llama
 from nbscaler.runtime.launch import spawn
 from nbscaler.runtime.memory import MemoryMeter
@@ -162,25 +163,11 @@ def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
     return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """What the ranks measured of the machine at one moment: the collectives' alpha-beta models by
-    group size, and the reference workload's seconds with every rank busy (``cost.speed``)."""
-    comm: Dict[int, comm_model.CommModel]
-    reference_s: float
-    nranks: int
-
-
-def _calibrate_on_rank() -> Calibration:
-    comm = comm_model.ensure_calibrated(force=True)
-    return Calibration(comm, speed.calibrate(), dist.get_world_size())
-
-
 def calibrate(nranks: int) -> Calibration:
     """Calibrate the time model on ``nranks`` local ranks of one thread, now: the machine's load
     decides collective latencies and compute speed, so a calibration from another moment would
     mislead."""
-    return spawn(_calibrate_on_rank, nranks, threads=1, timeout=300)[0]
+    return spawn(calibrate_ranks, nranks, True, threads=1, timeout=300)[0]
 
 
 def store_median_calibration(calibrations: List[Calibration]) -> None:
@@ -188,8 +175,7 @@ def store_median_calibration(calibrations: List[Calibration]) -> None:
     of as many measurements)."""
     for size in calibrations[0].comm:
         comm_model.store(comm_model.median_model([c.comm[size] for c in calibrations]), size)
-    speed.store(statistics.median(c.reference_s for c in calibrations), speed.device_key(torch.device("cpu"), 1),
-                calibrations[0].nranks)
+    speed.store(statistics.median(c.reference_s for c in calibrations), calibrations[0].device_key, calibrations[0].nranks)
 
 
 def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nbscaler.cluster.engine import report
 from nbscaler.config import ComputeConfig
-from nbscaler.cost import comm_model, speed
+from nbscaler.cost.calibration import calibrate_ranks
 from nbscaler.parallel import build_optimizer, parallelize
 from nbscaler.runtime.module import ParallelModule
 
@@ -60,7 +60,7 @@ class RankModule:
 
 
 modules: Dict[str, RankModule] = {}
-_calibrated = False          # whether this engine's cluster has timed its collectives yet
+_calibrated = False          # whether this engine's cluster has calibrated its time model yet
 
 
 def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any], pas_policy: Any,
@@ -73,9 +73,8 @@ def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any],
     cluster ran.
     """
     global _calibrated
-    comm_model.ensure_calibrated(force=not _calibrated)
     if not _calibrated:
-        speed.calibrate()
+        calibrate_ranks(force=True)
     _calibrated = True
     modules[name] = RankModule(parallelize(module, dummy_forward_args, pas_policy, compute_config,
                                            load_module=True, **parallelize_kwargs))

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.cost.cache import cache_dir
+from nbscaler.cost.speed import rank_device, sync
 
 DEFAULTS = {"gloo": (1e-4, 1 / 2e9), "nccl": (1e-5, 1 / 5e10)}
 """(alpha seconds, beta seconds per byte) when nothing was calibrated: gloo over local TCP, nccl
@@ -155,16 +156,11 @@ def _warm_connection(buf: torch.Tensor, group: Optional[dist.ProcessGroup]) -> N
 
 
 def _one_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup]) -> float:
-    _sync(buf)
+    sync(buf.device)
     start = time.perf_counter()
     dist.all_reduce(buf, group=group)
-    _sync(buf)
+    sync(buf.device)
     return time.perf_counter() - start
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)
 
 
 def fit(sizes: Sequence[int], seconds: Sequence[float], n: int) -> CommModel:
@@ -198,7 +194,7 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
         raise RuntimeError("calibrating collectives needs a process group: call it on every rank of a "
                            "torchrun, nbscaler.runtime.launch.spawn or cluster run.")
     n = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = rank_device(group)
     seconds = [_timed_all_reduce(torch.zeros(size // 4, dtype=torch.float32, device=device), group, repeats)
                for size in sizes]
     awake = _awake_all_reduce(torch.zeros(min(sizes) // 4, dtype=torch.float32, device=device), group, repeats)

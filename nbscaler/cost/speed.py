@@ -45,6 +45,11 @@ def device_key(device: Optional[torch.device] = None, threads: Optional[int] = N
     return f"cpu-{platform.machine()}-{threads or torch.get_num_threads()}t"
 
 
+def rank_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device this rank computes on: its GPU under nccl, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU), so a clock read after it is honest."""
     if device.type == "cuda":
@@ -130,7 +135,7 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, save: bool = True) -> f
     A fraction of a second. The ranks start together after a barrier, so each is timed while the
     others are busy, as in a training step.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = rank_device(group)
     warm_up(device)
     dist.barrier(group=group)
     mine = reference_s(device)
