@@ -73,8 +73,7 @@ def parallelize_here(name: str, module: Any, dummy_forward_args: Dict[str, Any],
     cluster ran.
     """
     global _calibrated
-    if not _calibrated:
-        calibrate_ranks(force=True)
+    calibrate_ranks(force=not _calibrated)
     _calibrated = True
     modules[name] = RankModule(parallelize(module, dummy_forward_args, pas_policy, compute_config,
                                            load_module=True, **parallelize_kwargs))

@@ -5,7 +5,7 @@ measurement. One function, so both calibrate the same things."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch.distributed as dist
 
@@ -19,7 +19,7 @@ class Calibration:
     call calibrated), and the reference workload's seconds on ``device_key`` with ``nranks`` ranks
     all busy (``cost.speed``)."""
     comm: Dict[int, CommModel]
-    reference_s: float
+    reference_s: Optional[float]
     device_key: str
     nranks: int
 
@@ -28,8 +28,10 @@ def calibrate_ranks(force: bool = False) -> Calibration:
     """Calibrate on every rank (each calls it) and cache the results for later plans.
 
     Collectives: each group size not calibrated yet, or all of them with ``force``
-    (``comm_model.ensure_calibrated``). Speed: timed every call; a fraction of a second.
+    (``comm_model.ensure_calibrated``). Speed: with ``force`` as rank 0 passes it (else None).
     """
     comm = comm_model.ensure_calibrated(force=force)
-    reference = speed.calibrate()
+    timed = [force]
+    dist.broadcast_object_list(timed, src=0)          # rank 0 decides, so every rank joins or none
+    reference = speed.calibrate() if timed[0] else None
     return Calibration(comm, reference, speed.device_key(speed.rank_device()), dist.get_world_size())
