@@ -18,7 +18,8 @@ collective          forward (``b``: local input)     backward (its gradient)
 
 ``calibrate`` times ``all_reduce`` over a group at a small and a large size, each after a little
 compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); a pipeline's
-sends take the latency of the small message back to back, between awake peers; the result is
+sends take the latency of the small message back to back, between awake peers, and starting one
+(``isend`` or ``irecv``) is timed on its own, after compute as well; the result is
 cached on disk per backend and group size, and ``load`` returns it, or the defaults when nothing
 was calibrated. ``ensure_calibrated`` does that once for every group size a world can use; a
 cluster runs it when it first parallelizes.
@@ -54,12 +55,14 @@ class CommModel:
     """``alpha_s`` is the latency a collective pays inside a step, waking its peers included;
     ``p2p_alpha_s`` the latency of a pipeline's send, whose receiver is busy with another block
     when the message arrives (its receive was posted ahead), so it pays no wake-up. ``None``: the
-    same as ``alpha_s``."""
+    same as ``alpha_s``. ``p2p_post_s`` is the time a rank spends starting one tensor's ``isend``
+    or ``irecv``, on its own clock (``None``: not calibrated, counted as nothing)."""
 
     alpha_s: float
     beta_s_per_byte: float
     calibrated: bool = False
     p2p_alpha_s: Optional[float] = None
+    p2p_post_s: Optional[float] = None
 
     def ring(self, steps: float, nbytes: float) -> float:
         return steps * self.alpha_s + nbytes * self.beta_s_per_byte
@@ -91,6 +94,10 @@ class CommModel:
         """Seconds of one pipeline send/recv of ``nbytes``."""
         alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
         return alpha + nbytes * self.beta_s_per_byte
+
+    def p2p_post(self, ntensors: int) -> float:
+        """Seconds a rank spends starting the sends (or receives) of ``ntensors`` tensors."""
+        return ntensors * (self.p2p_post_s or 0.0)
 
 
 def _backend(backend: Optional[str]) -> str:
@@ -163,6 +170,31 @@ def _one_all_reduce(buf: torch.Tensor, group: Optional[dist.ProcessGroup]) -> fl
     return time.perf_counter() - start
 
 
+def _post_seconds(device: torch.device, group: Optional[dist.ProcessGroup], repeats: int) -> Optional[float]:
+    """Mean seconds to start one small ``isend`` or ``irecv`` between the group's first two ranks,
+    each after some compute (``_step_like_work``), as a pipeline's executor starts them between
+    blocks; ``None`` on the other ranks.
+
+    gloo's start is no cheap call: on a 2-core VM, 0.2 to 0.3 ms after compute, a twentieth of a
+    small model's stage. The two ranks take turns sending, so each times both kinds."""
+    me = dist.get_rank(group)
+    if me > 1:
+        return None
+    peer = dist.get_global_rank(group, 1 - me) if group is not None else 1 - me
+    scratch = torch.ones(2 ** 20, dtype=torch.float32, device=device)
+    message = torch.zeros(256, dtype=torch.float32, device=device)
+    times = []
+    for i in range(repeats):
+        _step_like_work(scratch)
+        sync(device)
+        start = time.perf_counter()
+        work = (dist.isend(message, peer, group=group, tag=i) if (i + me) % 2 == 0
+                else dist.irecv(message, peer, group=group, tag=i))
+        times.append(time.perf_counter() - start)
+        work.wait()
+    return statistics.fmean(times[2:])
+
+
 def fit(sizes: Sequence[int], seconds: Sequence[float], n: int) -> CommModel:
     """Fit ``alpha`` and ``beta`` to ``all_reduce`` times over ``n`` devices.
 
@@ -198,7 +230,8 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
     seconds = [_timed_all_reduce(torch.zeros(size // 4, dtype=torch.float32, device=device), group, repeats)
                for size in sizes]
     awake = _awake_all_reduce(torch.zeros(min(sizes) // 4, dtype=torch.float32, device=device), group, repeats)
-    model = replace(fit(sizes, seconds, n), p2p_alpha_s=awake / (2 * max(1, n - 1)))
+    post = _post_seconds(device, group, repeats)
+    model = replace(fit(sizes, seconds, n), p2p_alpha_s=awake / (2 * max(1, n - 1)), p2p_post_s=post)
     if save and dist.get_rank(group) == 0:
         store(model, n, dist.get_backend(group))
     return model
@@ -223,9 +256,12 @@ def median_model(models: Sequence[CommModel]) -> CommModel:
     >>> median_model([CommModel(1e-4, 1e-9, True), CommModel(2e-4, 2e-9, True), CommModel(9e-3, 1e-9, True)]).alpha_s
     0.0002
     """
-    p2p = [m.p2p_alpha_s for m in models]
+    def median(values: List[Optional[float]]) -> Optional[float]:
+        return None if None in values else statistics.median(values)
+
     return CommModel(statistics.median(m.alpha_s for m in models), statistics.median(m.beta_s_per_byte for m in models),
-                     all(m.calibrated for m in models), None if None in p2p else statistics.median(p2p))
+                     all(m.calibrated for m in models), median([m.p2p_alpha_s for m in models]),
+                     median([m.p2p_post_s for m in models]))
 
 
 def group_sizes(world_size: int) -> List[int]:

@@ -11,15 +11,15 @@ The pieces, each measured or modelled once:
   forward is counted again in the backward;
 - **the step**: without a pipeline, ``nsamples`` forwards and backwards one after the other; with
   one, the schedule simulator (``nbscaler.schedule.simulate``) plays the stage times, with a
-  send/recv between devices as latency; then the gradient synchronisation (all-reduce, or ZeRO's
+  send/recv between devices as latency, and the time each side spends starting it; then the gradient synchronisation (all-reduce, or ZeRO's
   reduce-scatter and all-gather, per bucket) and the optimizer step (profiled, with the reducer's
   copies).
 
 Op times are read at the speed the ranks last measured side by side (``cost.speed``), so a
 profile from a quieter minute, or from one process alone, is scaled to the machine as it runs them.
 
-What limits it: Python overhead between ops and the pipeline executor's bookkeeping are not
-counted; ranks are assumed in step (none waits at a collective for a slower peer); with more ranks
+What limits it: Python overhead between ops and the pipeline executor's bookkeeping (beyond
+starting its sends and receives) are not counted; ranks are assumed in step (none waits at a collective for a slower peer); with more ranks
 than cores, the calibration sees every rank busy at once, which a pipeline's ranks are not.
 
 The pass ``annotate_times`` writes ``node.meta['local_time_fwd_s']`` and ``['local_time_bwd_s']``,
@@ -147,9 +147,10 @@ class StepModel:
                 f, b = self.times[device][s]
                 forward[s], backward[s] = max(forward[s], f), max(backward[s], b)
         graph = train_graph(self.graphs)
-        carry = [sum(t.nbytes for t in stage_io(graph, self.geometry, s + 1)[0]) for s in range(schedule.nstages - 1)]
-        latency = self.comm.p2p(max(carry, default=0))
-        return simulate(schedule, forward, backward, latency)
+        carries = [stage_io(graph, self.geometry, s + 1)[0] for s in range(schedule.nstages - 1)]
+        latency = self.comm.p2p(max((sum(t.nbytes for t in c) for c in carries), default=0))
+        post = self.comm.p2p_post(max((len(c) for c in carries), default=0))     # one isend/irecv per tensor
+        return simulate(schedule, forward, backward, latency, post)
 
     def timeline(self, nsamples: int = 1) -> Timeline:
         """Predicted blocks of one step per runtime rank (the rows the runtime measures)."""

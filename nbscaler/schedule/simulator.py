@@ -6,6 +6,10 @@ The simulator plays the schedule the way the executor runs it:
 - a block starts when its device is free and the blocks it depends on have finished
   (see :meth:`~nbscaler.schedule.pipeline.PipelineSchedule.dependencies`), plus ``latency`` when
   the result has to travel from another device;
+- a transfer between devices also costs each side ``post`` on its own device: the sending block
+  lasts that much longer (the executor starts its sends inside the block), and the receiving block
+  starts no sooner than ``post`` after its device's previous block (the executor posts receives
+  between blocks, so that time is idle, not work);
 - a block that several devices share (a sharded stage) starts when all of them reach it, and keeps
   all of them busy for its whole duration.
 
@@ -49,7 +53,7 @@ def _per_stage(arg: str, costs: Costs, nstages: int) -> list[float]:
 
 
 def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs] = None,
-             latency: float = 0.0) -> Timeline:
+             latency: float = 0.0, post: float = 0.0) -> Timeline:
     """The predicted timeline of one step of ``schedule``.
 
     Args:
@@ -57,13 +61,16 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         forward_costs: the time of one micro-batch's forward, per stage (or one number for all).
         backward_costs: the same for the backward; twice the forward when not given.
         latency: the time a result takes to reach another device (point-to-point send/recv).
+        post: the time a device spends starting one transfer to or from another device, on each
+            side (see above).
 
     Raises:
         ValueError: a cost list does not fit the schedule.
         DeadlockError: no device can proceed before the schedule has finished.
     """
-    if latency < 0:
-        raise ValueError(f"latency={latency} is negative: use a send/recv time >= 0.")
+    for name, value in (("latency", latency), ("post", post)):
+        if value < 0:
+            raise ValueError(f"{name}={value} is negative: use a send/recv time >= 0.")
     forward = _per_stage("forward_costs", forward_costs, schedule.nstages)
     backward = ([2 * c for c in forward] if backward_costs is None
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
@@ -72,6 +79,7 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
     device_free = [0.0] * schedule.ndevices
     finished: dict[Block, float] = {}
     timed: list[TimedBlock] = []
+    sends = _blocks_sending_away(schedule)
 
     def ready_time(block: Block) -> Optional[float]:
         """When ``block`` may start, or ``None`` while a device or an input is not there yet."""
@@ -81,9 +89,9 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         inputs = schedule.dependencies(block)
         if any(dep not in finished for dep in inputs):
             return None
-        arrivals = [finished[dep] + (0.0 if set(devices) <= set(schedule.devices_of(dep.stage, dep.micro)) else latency)
-                    for dep in inputs]
-        return max([device_free[d] for d in devices] + arrivals)
+        arrivals = [finished[dep] + (latency if _crosses(schedule, dep, block) else 0.0) for dep in inputs]
+        receiving = post if any(_crosses(schedule, dep, block) for dep in inputs) else 0.0
+        return max([device_free[d] + receiving for d in devices] + arrivals)
 
     while any(queues):
         progressed = False
@@ -94,7 +102,7 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
                 if start is None:
                     break
                 cost = forward if block.phase == "F" else backward
-                end = start + cost[block.stage]
+                end = start + cost[block.stage] + (post if block in sends else 0.0)
                 for d in schedule.devices_of(block.stage, block.micro):
                     queues[d].popleft()
                     device_free[d] = end
@@ -105,6 +113,17 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
             raise DeadlockError(_describe_deadlock(schedule, queues, finished))
     timed.sort(key=lambda t: (t.rank, t.t_start))
     return Timeline(tuple(timed), schedule.ndevices)
+
+
+def _crosses(schedule: PipelineSchedule, dep: Block, block: Block) -> bool:
+    """Whether ``block`` runs on a device that did not run ``dep``, so ``dep``'s result travels."""
+    return not set(schedule.devices_of(block.stage, block.micro)) <= set(schedule.devices_of(dep.stage, dep.micro))
+
+
+def _blocks_sending_away(schedule: PipelineSchedule) -> set[Block]:
+    """The blocks whose result some block on another device depends on."""
+    return {dep for device in range(schedule.ndevices) for block in schedule.blocks_of(device)
+            for dep in schedule.dependencies(block) if _crosses(schedule, dep, block)}
 
 
 def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: dict[Block, float]) -> str:

@@ -27,9 +27,10 @@ def test_an_odd_middle_size_does_not_bend_the_latency_of_small_messages():
 
 def test_the_median_of_calibrations_is_stored_for_later_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
-    runs = [CommModel(1e-3, 1e-9, True, 2e-4), CommModel(2e-3, 3e-9, True, 4e-3), CommModel(8e-3, 2e-9, True, 3e-4)]
+    runs = [CommModel(1e-3, 1e-9, True, 2e-4, 3e-4), CommModel(2e-3, 3e-9, True, 4e-3, 9e-3),
+            CommModel(8e-3, 2e-9, True, 3e-4, 2e-4)]
     comm_model.store(comm_model.median_model(runs), 2, "gloo")
-    assert comm_model.load("gloo", 2) == CommModel(2e-3, 2e-9, True, 3e-4)      # the slow regime's outliers left out
+    assert comm_model.load("gloo", 2) == CommModel(2e-3, 2e-9, True, 3e-4, 3e-4)    # the slow regime's outliers left out
     assert not list(tmp_path.glob("*.tmp"))                    # written whole, then renamed
 
 
@@ -56,6 +57,7 @@ def test_ensure_calibrated_times_each_group_size_once(tmp_path, monkeypatch):
     for n in (2, 4):
         saved = comm_model.load("gloo", n)
         assert saved.calibrated and saved.alpha_s > 0 and saved.beta_s_per_byte > 0
+        assert 0 < saved.p2p_post_s < 0.1                        # starting a send is timed too
     assert not comm_model.load("gloo", 8).calibrated           # never timed: the defaults
 
 
@@ -64,3 +66,8 @@ def test_a_pipeline_send_pays_the_latency_of_an_awake_peer():
     assert model.p2p(1000) == pytest.approx(3e-4 + 1e-6)
     assert model.forward("all_reduce", 1000, 2) == pytest.approx(2 * 2e-3 + 1e-6)     # collectives: the step's
     assert CommModel(2e-3, 1e-9).p2p(0) == 2e-3                                       # older calibrations
+
+
+def test_starting_a_send_or_receive_costs_its_rank_per_tensor():
+    assert CommModel(2e-3, 1e-9, True, 3e-4, 2e-4).p2p_post(3) == pytest.approx(6e-4)
+    assert CommModel(2e-3, 1e-9).p2p_post(3) == 0.0                                   # not calibrated: nothing

@@ -60,6 +60,21 @@ def test_latency_is_paid_only_between_devices():
     assert starts[1, "F(s2,m0)"] == 2.5
 
 
+def test_posting_a_transfer_lengthens_the_sender_and_idles_the_receiver():
+    one_micro = simulate(build_schedule("1f1b", 2, 1), forward_costs=1.0, latency=0.5, post=0.25)
+    times = {str(t.block): (t.t_start, t.t_end) for t in one_micro.blocks}
+    # F(s0) and B(s1) send: 0.25 longer each; each result arrives 0.5 after its block ends. The
+    # receives were posted long before the data came, so their posts hide in the waits.
+    assert times == {"F(s0,m0)": (0.0, 1.25), "F(s1,m0)": (1.75, 2.75), "B(s1,m0)": (2.75, 5.0), "B(s0,m0)": (5.5, 7.5)}
+    assert one_micro.busy_time == pytest.approx(6 + 2 * 0.25)
+
+    # Back to back, device 1 waits for nothing but its own post: it idles in between.
+    line = simulate(build_schedule("gpipe", 2, 2), forward_costs=[0.1, 1.0], post=0.25)
+    f1 = [t for t in line.blocks if t.rank == 1 and t.phase == "F"]
+    assert (f1[0].t_start, f1[0].t_end) == pytest.approx((0.35, 1.35))      # after F(s0,m0): 0.1 + 0.25
+    assert f1[1].t_start == pytest.approx(1.35 + 0.25)                      # its input came at 0.7
+
+
 def test_backward_defaults_to_twice_the_forward():
     timeline = simulate(build_schedule("gpipe", 2, 2), forward_costs=[1.0, 3.0])
     assert {t.block.stage: t.duration for t in timeline.blocks if t.phase == "B"} == {0: 2.0, 1: 6.0}
@@ -72,6 +87,7 @@ def test_backward_defaults_to_twice_the_forward():
         ({"forward_costs": 1.0, "backward_costs": [1.0]}, "backward_costs has 1 entries, but the schedule has 3 stages"),
         ({"forward_costs": [1.0, -1.0, 1.0]}, "forward_costs=[1.0, -1.0, 1.0] has a negative cost"),
         ({"forward_costs": 1.0, "latency": -0.1}, "latency=-0.1 is negative"),
+        ({"forward_costs": 1.0, "post": -0.1}, "post=-0.1 is negative"),
     ],
 )
 def test_costs_that_do_not_fit_are_refused(kwargs, message):
