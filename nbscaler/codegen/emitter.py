@@ -20,7 +20,8 @@ from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, sour
 from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_call, local_shape,
                                   output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
-from nbscaler.ir.registry import spec_of, sync_batch_norm
+from nbscaler.ir.layer_rules import sync_batch_norm
+from nbscaler.ir.registry import spec_of
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
 

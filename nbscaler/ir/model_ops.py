@@ -20,7 +20,8 @@ from typing import List, Optional
 
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.registry import _fixed, _fresh, _register, arg, elementwise, indexing
+from nbscaler.ir.registry import register
+from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh, indexing
 
 
 def _addmm_like(node: IRNode, batch: bool) -> OpAnnotation:
@@ -84,7 +85,7 @@ def select_along(node: IRNode) -> OpAnnotation:
     x = node.inputs[0]
     pos = 2 if node.target.endswith("topk") else 1
     dim = arg(node, pos, "dim", -1) % x.ndim
-    names = list(_fresh("d", x.ndim))
+    names = list(fresh("d", x.ndim))
     ins, outs = list(names), list(names)
     ins[dim], outs[dim] = "within", "picked"
     return OpAnnotation.build([tuple(ins)], [tuple(outs)] * len(node.output_tensors), [x.shape],
@@ -99,7 +100,7 @@ def pooling(spatial: int):
         win = " ".join(f"s{i}^" for i in range(spatial))
         pooled = " ".join(f"t{i}^" for i in range(spatial))
         outs = ", ".join(f"{lead} {pooled}" for _ in node.output_tensors)   # max pool's indices too
-        return _fixed(f"{lead} {win} -> {outs}")(node)
+        return fixed(f"{lead} {win} -> {outs}")(node)
     return annotate
 
 
@@ -115,23 +116,23 @@ def whole(node: IRNode) -> OpAnnotation:
 
 
 def getitem(node: IRNode) -> Optional[OpAnnotation]:
-    """``x[...]``: basic indexing splits (``registry.indexing``); tensor indices run whole."""
+    """``x[...]``: basic indexing splits (``shape_rules.indexing``); tensor indices run whole."""
     return indexing(node) or whole(node)
 
 
 _ELEMENTWISE: List[str] = ["hardswish", "hardsigmoid", "relu6", "hardtanh", "softplus", "selu", "celu",
                            "silu_", "relu_", "gelu_", "logsigmoid", "tanhshrink", "softsign"]
 
-_register("torch.addmm Tensor.addmm", "addmm", addmm)
-_register("torch.baddbmm Tensor.baddbmm", "baddbmm", baddbmm)
-_register("torch.nn.functional.pad", "pad", pad)
-_register("torch.gather Tensor.gather", "gather", gather)
-_register("torch.topk Tensor.topk torch.sort Tensor.sort torch.argsort Tensor.argsort", "select", select_along)
-_register(" ".join(f"torch.nn.functional.{n}" for n in _ELEMENTWISE), "elementwise", elementwise)
+register("torch.addmm Tensor.addmm", "addmm", addmm)
+register("torch.baddbmm Tensor.baddbmm", "baddbmm", baddbmm)
+register("torch.nn.functional.pad", "pad", pad)
+register("torch.gather Tensor.gather", "gather", gather)
+register("torch.topk Tensor.topk torch.sort Tensor.sort torch.argsort Tensor.argsort", "select", select_along)
+register(" ".join(f"torch.nn.functional.{n}" for n in _ELEMENTWISE), "elementwise", elementwise)
 for _dims in (1, 2, 3):
-    _register(" ".join(f"torch.nn.functional.{kind}_pool{_dims}d" for kind in
+    register(" ".join(f"torch.nn.functional.{kind}_pool{_dims}d" for kind in
                        ("max", "avg", "adaptive_avg", "adaptive_max", "lp")), "pool", pooling(_dims))
 # Mixture-of-experts routing: replicated on purpose (see the module docstring).
-_register("torch.histc Tensor.histc torch._grouped_mm torch.bincount Tensor.bincount "
+register("torch.histc Tensor.histc torch._grouped_mm torch.bincount Tensor.bincount "
           "Tensor.__setitem__", "routing", whole)
-_register("Tensor.__getitem__", "getitem", getitem)
+register("Tensor.__getitem__", "getitem", getitem)

@@ -1,0 +1,182 @@
+"""Annotators of the layers' ops: matrix products, linear and convolution layers, normalization,
+embedding, attention and losses. Each says which axes split cleanly (batch, heads, output
+features), which leave partial sums (a split contraction), and which must stay whole (a normalised
+or attended axis). The shape-only ops and the tools these use live in ``shape_rules``.
+"""
+
+from __future__ import annotations
+
+from nbscaler.ir.annotation import OpAnnotation
+from nbscaler.ir.graph import IRNode
+from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
+
+
+def matmul(node: IRNode) -> OpAnnotation:
+    """``a @ b`` with broadcast batch axes; 1-D operands as numpy defines them."""
+    a, b = node.inputs[0], node.inputs[1]
+    out = node.output_tensors[0]
+    a_core = ("m", "k") if a.ndim >= 2 else ("k",)
+    b_core = ("k", "n") if b.ndim >= 2 else ("k",)
+    nb = max(a.ndim - len(a_core), b.ndim - len(b_core))
+    batch = fresh("b", nb)
+    frozen = set()
+
+    def side(t, core):
+        extra = t.ndim - len(core)
+        names = []
+        for j in range(extra):
+            i = nb - extra + j
+            bsz = out.shape[i] if i < out.ndim else None
+            if t.shape[j] == bsz:
+                names.append(batch[i])
+            else:
+                names.append(f"bc{id(t) % 997}_{j}"); frozen.add(names[-1])
+        return tuple(names) + core
+
+    out_names = batch + (("m",) if a.ndim >= 2 else ()) + (("n",) if b.ndim >= 2 else ())
+    return OpAnnotation.build([side(a, a_core), side(b, b_core)], [out_names], [a.shape, b.shape],
+                              [out.shape], reduce={"k"}, frozen=frozen)
+
+
+def linear(node: IRNode) -> OpAnnotation:
+    has_bias = len(node.inputs) == 3
+    return fixed("* k+, n k+" + (", n" if has_bias else "") + " -> * n")(node)
+
+
+def conv(node: IRNode) -> OpAnnotation:
+    """``conv1d`` / ``conv2d``: ``n c+ s^.., o c+ k^.. -> n o t^..``; grouped ones see ``grouped_conv``."""
+    x, w = node.inputs[0], node.inputs[1]
+    nsp = w.ndim - 2                # spatial axes, from the kernel
+    groups = arg(node, 6, "groups", 1)
+    if groups != 1:
+        return grouped_conv(node, groups)
+    c, o = "c+", "o"
+    sp = " ".join(f"s{i}^" for i in range(nsp))
+    ks = " ".join(f"k{i}^" for i in range(nsp))
+    osp = " ".join(f"t{i}^" for i in range(nsp))
+    text = f"n {c} {sp}, {o} {c} {ks}" + (f", {o}" if len(node.inputs) == 3 else "") + f" -> n {o} {osp}"
+    if x.ndim == nsp + 1:           # unbatched input
+        text = text.replace("n ", "", 1).replace("-> n ", "-> ")
+    return fixed(text)(node)
+
+
+def grouped_conv(node: IRNode, groups: int) -> OpAnnotation:
+    """A convolution in ``groups`` independent groups of channels (depthwise when every channel is
+    its own group, as in MobileNet): ``n g s^.., g ci^ k^.. -> n g t^..``.
+
+    ``g`` names the channel axes of input, weight (its output channels) and output, split in whole
+    groups: ``n`` devices each convolve ``groups // n`` groups, with no partial sums, and the call
+    on a device says ``groups // n`` (``nbscaler.comm.layout.local_call``).
+    """
+    x, w, out = node.inputs[0], node.inputs[1], node.output_tensors[0]
+    nsp = w.ndim - 2
+    batched = x.ndim == nsp + 2
+    lead = ("n",) if batched else ()
+    sp, ks, osp = fresh("s", nsp), fresh("k", nsp), fresh("t", nsp)
+    inputs = [lead + ("g",) + sp, ("g", "ci") + ks] + [("g",)] * (len(node.inputs) - 2)
+    sizes = {"g": groups, "ci": 1, **dict.fromkeys(sp + ks + osp, 1)}
+    if batched:
+        sizes["n"] = x.shape[0]
+    return OpAnnotation.build(inputs, [lead + ("g",) + osp], [t.shape for t in node.inputs], [out.shape],
+                              frozen={"ci", *sp, *ks, *osp}, sizes=sizes)
+
+
+def normalization(node: IRNode) -> OpAnnotation:
+    """layer_norm / rms_norm: the normalised trailing axes stay whole."""
+    shape = arg(node, 1, "normalized_shape")
+    nnorm = 1 if isinstance(shape, int) else len(shape)
+    tail = " ".join(f"n{i}^" for i in range(nnorm))
+    params = ", ".join([tail] * (len(node.inputs) - 1))
+    text = f"* {tail}" + (f", {params}" if params else "") + f" -> * {tail}"
+    return fixed(text)(node)
+
+
+def batch_norm(node: IRNode) -> OpAnnotation:
+    """Per-channel statistics over the batch and spatial axes. In training the spatial axes stay
+    whole; the batch axis may split, and generated code then calls ``comm.batch_norm``, which
+    computes the statistics of the whole batch across the devices (``sync_batch_norm``)."""
+    training = arg(node, 5, "training", False)
+    x = node.inputs[0]
+    mark = "^" if training else ""
+    sp = " ".join(f"s{i}{mark}" for i in range(x.ndim - 2))
+    params = "".join(", c" for _ in node.inputs[1:])
+    return fixed(f"n c {sp}{params} -> n c {sp}")(node)
+
+
+def sync_batch_norm(node: IRNode) -> bool:
+    """Whether ``node`` is a training-mode batch_norm split along its batch: its statistics must
+    then be summed across the devices."""
+    place = node.placement
+    return (node.op == "batch_norm" and bool(arg(node, 5, "training", False))
+            and place is not None and place.split == "n")
+
+
+def embedding(node: IRNode) -> OpAnnotation:
+    return fixed("*, v^ d -> * d")(node)
+
+
+def attention(node: IRNode) -> OpAnnotation:
+    """scaled_dot_product_attention: split batch or heads; sequence and head axes stay whole.
+
+    With ``enable_gqa=True`` the keys and values have fewer heads than the queries (each serves a
+    group of them): the heads still split, in as many parts as the key heads allow, since a
+    contiguous share of the query heads reads the matching share of the key heads.
+    """
+    q, k = node.inputs[0], node.inputs[1]
+    same = q.shape[-3:-2] == k.shape[-3:-2]
+    grouped = not same and bool(arg(node, 7, "enable_gqa", False)) and q.ndim >= 3
+    h = "h" if same or grouped else "h^"
+    lead = " ".join(f"b{i}" for i in range(q.ndim - 3))
+    text = f"{lead} {h} t^ d^, {lead} {h} s^ d^, {lead} {h} s^ e^"
+    if len(node.inputs) == 4:       # attn_mask broadcasts against (..., h, t, s)
+        mask = node.inputs[3]
+        full = [f"b{i}" for i in range(q.ndim - 3)] + [h.rstrip("^"), "t", "s"]
+        names = []
+        for j, size in enumerate(mask.shape):
+            i = len(full) - mask.ndim + j
+            want = (list(q.shape[:-2]) + [q.shape[-2], k.shape[-2]])[i]
+            names.append(full[i] + ("^" if full[i] in ("t", "s") or h.endswith("^") and full[i] == "h" else "")
+                         if size == want else f"m{j}^")
+        text += ", " + " ".join(names)
+    text = f"{text} -> {lead} {h} t^ e^".replace("  ", " ")
+    if not grouped:
+        return fixed(text)(node)
+    return _gqa(node, text)
+
+
+def _gqa(node: IRNode, text: str) -> OpAnnotation:
+    """The attention annotation with the heads axis ``h`` sized by the key heads (see ``attention``)."""
+    from_shapes = OpAnnotation.parse(text, [t.shape for t in node.inputs], [t.shape for t in node.output_tensors])
+    sizes = dict(from_shapes.sizes)
+    sizes["h"] = node.inputs[1].shape[-3]
+    return OpAnnotation.build(from_shapes.inputs, from_shapes.outputs, [], [], reduce=from_shapes.reduce,
+                              frozen=from_shapes.frozen - {"h"}, sizes=sizes)
+
+
+def loss(node: IRNode) -> OpAnnotation:
+    """cross_entropy / nll_loss / mse_loss: a sum splits over samples, a mean stays whole."""
+    reduction_kind = arg(node, {"torch.nn.functional.mse_loss": 4}.get(node.target, 5), "reduction", "mean")
+    x = node.inputs[0]
+    out = node.output_tensors[0]
+    if node.target == "torch.nn.functional.mse_loss":
+        if reduction_kind == "none":
+            return elementwise(node)
+        names = fresh("d", x.ndim)
+        mark = "+" if reduction_kind == "sum" else "^"
+        side = " ".join(n + mark for n in names)
+        return fixed(f"{side}, {side} -> ")(node)
+    # class-index targets: input (N, C, *) or (C,), target (N, *) or ()
+    target = node.inputs[1]
+    if x.ndim == 1 or target.ndim == x.ndim:        # unbatched, or probabilities as targets
+        return elementwise(node, frozen_dims=tuple(range(out.ndim))) if out.ndim else \
+            OpAnnotation.build([tuple(f"x{i}" for i in range(t.ndim)) for t in node.inputs], [()],
+                               [t.shape for t in node.inputs], [()],
+                               frozen={f"x{i}" for i in range(x.ndim)})
+    rest = [f"s{i}" for i in range(x.ndim - 2)]
+    mark = {"sum": "+", "none": ""}.get(reduction_kind, "^")
+    samples = " ".join(n + mark for n in ["n"] + rest)
+    weight = ", c^" if len(node.inputs) == 3 else ""
+    outs = samples if reduction_kind == "none" else ""
+    first = samples.split(" ", 1)
+    xin = " ".join([first[0], "c^"] + first[1:])
+    return fixed(f"{xin}, {samples}{weight} -> {outs}")(node)
