@@ -9,6 +9,7 @@ matter most, the choice against the runner-up in the terms that decided it.
 
 from __future__ import annotations
 
+import html
 from typing import TYPE_CHECKING, List
 
 import pandas as pd
@@ -33,7 +34,7 @@ class Explanation(str):
         return self
 
     def _repr_html_(self) -> str:
-        text = str(self).replace("&", "&amp;").replace("<", "&lt;").replace("\n", "<br>")
+        text = html.escape(str(self), quote=False).replace("\n", "<br>")
         return f"<div style='font-family:monospace'>{text}</div>" + self.table.head(20).to_html()
 
 

@@ -1,7 +1,8 @@
 """``write_report``: every view of one plan (and of a run, when there is one) in one offline HTML file.
 
 The file holds plotly.js once, in its head, then each view's ``to_html`` fragment: the plan card and
-per-rank summary, the graph and the generated code (where those views are installed), the op and
+per-rank summary, what the policy did and why (``plan.explain()``), the graph and the generated
+code (where those views are installed), the op and
 collective tables, the timeline and the memory bars, the runs table and the loss curves. It loads
 nothing from the network, so it opens from a mail attachment or a CI artifact, and it is written to
 a temporary file and renamed, so a failed report never leaves half a file.
@@ -78,7 +79,8 @@ def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFram
                     optimizer: Type[torch.optim.Optimizer]) -> List[Tuple[str, Callable[[], str]]]:
     """(title, render) per section, in page order."""
     sections: List[Tuple[str, Callable[[], str]]] = [
-        ("Plan", lambda: plan._repr_html_() + summary_html(plan, optimizer))]
+        ("Plan", lambda: plan._repr_html_() + summary_html(plan, optimizer)),
+        ("Why this plan", lambda: plan.explain()._repr_html_())]
     for title, module, name in OPTIONAL_VIEWS:
         cls = optional_view(module, name)
         if cls is not None:

@@ -1,5 +1,7 @@
 """write_report and ``nbscaler report DIR``: every view in one file that opens offline."""
 
+import html
+
 import pandas as pd
 import pytest
 import torch
@@ -15,7 +17,7 @@ from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, pipelin
 from tests.widgets.browser import LabPage, chromium, lab_page, write_notebook
 from tests.widgets.offline import external_resources
 
-SECTIONS = ("Plan", "Ops and collectives", "Timeline", "Memory")
+SECTIONS = ("Plan", "Why this plan", "Ops and collectives", "Timeline", "Memory")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,8 @@ def test_report_has_every_view_and_loads_nothing(tmp_path):
     for title in SECTIONS + ("Runs",):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<tr data-module=") == len(llama_tp().ops) + len(llama_tp().collectives)
+    why = page.split("<h2>Why this plan</h2>", 1)[1].split("</section>", 1)[0]
+    assert html.escape(llama_tp().explain().splitlines()[0], quote=False) in why     # the policy's own words
 
 
 def test_report_of_a_run_draws_measured_data_and_losses(tmp_path):
