@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from nbscaler.cost.calibration import Calibration, calibrate_ranks
 from nbscaler.models import gpt, llama
 from nbscaler.runtime.launch import spawn
 from nbscaler.runtime.memory import MemoryMeter
+from nbscaler.schedule import Timeline
 
 BATCH = 4
 OPTIMIZER = torch.optim.AdamW
@@ -134,7 +135,7 @@ def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
                      instance_name=f"{run.model}_{run}".replace(" ", "_").replace("+", "").replace("=", ""), reuse="override")
     unit = pm.compute_config.unit_of(dist.get_rank())     # the compiled plan's units (autodist may choose them)
     opt = build_optimizer(pm, OPTIMIZER, **OPTIMIZER_KWARGS)
-    times, losses, bubbles = [], [], []
+    times, losses, blocks = [], [], []
     # Timed steps run without the meter: its saved-tensor hooks cost Python time per saved tensor.
     # One more step under the meter then counts the memory.
     for step in range(steps + 1):
@@ -148,19 +149,33 @@ def _measure_on_rank(run: Run, steps: int) -> Dict[str, Any]:
         if not metered:
             times.append(time.perf_counter() - start)
             if run.config.use_pipeline:           # the timed steps' blocks, not the metered one's
-                bubbles.append(pm.pipeline_timeline().bubble_fraction)
+                blocks.append(list(pm.pipeline_events))
         else:
             memory = meter.stats()       # before zero_grad, while the gradients are still held
         opt.zero_grad()
         losses.append(float(sum(out)))
-    bubble = statistics.median(bubbles[1:]) if bubbles else None
-    return {"memory": memory, "step_s": statistics.median(times[1:]), "bubble": bubble, "losses": losses}
+    return {"memory": memory, "step_s": statistics.median(times[1:]), "blocks": blocks, "losses": losses}
+
+
+def pipeline_bubble(blocks_per_rank: List[List[List[Dict[str, Any]]]], nranks: int) -> Optional[float]:
+    """The median, over the timed steps after the first, of the bubble of every rank's blocks of a
+    step together (``blocks_per_rank[rank][step]``: rows as the executor records them), as the
+    plan's timeline predicts it; ``None`` without a pipeline. One rank's own blocks would leave out
+    the others' idle time: the late start and early end of the later stages."""
+    if not blocks_per_rank[0]:
+        return None
+    steps = zip(*blocks_per_rank)
+    bubbles = [Timeline.from_rows([row for rank in step for row in rank], nranks).bubble_fraction for step in steps]
+    return statistics.median(bubbles[1:])
 
 
 def measure(run: Run, steps: int) -> List[Dict[str, Any]]:
-    """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` and ``bubble``
-    (pipelines; the medians over the steps after the first) and ``losses``; one thread per rank."""
-    return spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
+    """Per rank: ``memory`` (``MemoryMeter.stats()`` of the last step), ``step_s`` (the median over
+    the steps after the first), the pipeline's ``bubble`` (``pipeline_bubble``, the same on every
+    rank) and ``losses``; one thread per rank."""
+    rows = spawn(_measure_on_rank, run.runtime_ngpus, run, steps, threads=1, timeout=900)
+    bubble = pipeline_bubble([row.pop("blocks") for row in rows], run.runtime_ngpus)
+    return [{**row, "bubble": bubble} for row in rows]
 
 
 def calibrate(nranks: int) -> Calibration:
