@@ -3,10 +3,11 @@
 For each model (the shipped GPT and Llama-style decoder) and each built-in policy, ``nbscaler.plan``
 predicts one row per rank (``plan.summary(AdamW)``); then the same plan trains on as many local CPU
 ranks, where ``MemoryMeter`` counts one step's bytes by category, the median of the timed steps gives
-the step time, and a pipeline's recorded blocks give its bubble. Each run is measured ``--reps``
-times, the time model calibrated again before each (collectives, and the speed the ranks compute
-at side by side), and the prediction uses the median of those calibrations, as the measurement is
-the median of the repetitions: the model and the measurement see the same minutes of the machine.
+the step time, and every rank's recorded blocks of a step together give a pipeline's bubble. Each
+run is measured ``--reps`` times, the time model calibrated again before each (collectives, and
+the speed the ranks compute at side by side), and the prediction uses the median of those
+calibrations (the speed's with the previous run's last two), as the measurement is the median of
+the repetitions: the model and the measurement see nearly the same minutes of the machine.
 The table shows the prediction, the median measurement and the error.
 
     python -m benchmarks.cost_model --ranks 2            # writes benchmarks/results/cost_model.md
@@ -25,7 +26,7 @@ from typing import Any, Dict, List, Optional
 
 
 from benchmarks.runs import (ZERO, Run, calibrate, machine, measure, parser, pipeline, predict,
-                            store_median_calibration, write_results)
+                            store_calibrations, write_results)
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 
 RESULTS = Path(__file__).parent / "results" / "cost_model.md"
@@ -49,14 +50,15 @@ def measure_calibrated(run: Run, steps: int, reps: int) -> List[Dict[str, Any]]:
     """Per rank, ``measure``'s row with the median step time (and bubble) of ``reps`` repetitions.
 
     Before each repetition the collectives and the ranks' compute speed are calibrated again, and
-    their median is what the prediction then uses: model and measurement see the same minutes of a
+    the prediction then uses the collectives' median and the median speed of the last calibrations
+    (these and the previous run's last two): model and measurement see nearly the same minutes of a
     machine whose collectives drift by a quarter, and its compute by a fifth, from one minute to
-    the next."""
+    the next, while no single calibration, one second of it, rescales the prediction alone."""
     calibrations, repeats = [], []
     for _ in range(reps):
         calibrations.append(calibrate(run.runtime_ngpus))
         repeats.append(measure(run, steps))
-    store_median_calibration(calibrations)
+    store_calibrations(calibrations)
     rows = repeats[0]
     for rank, row in enumerate(rows):
         row["step_s"] = statistics.median(r[rank]["step_s"] for r in repeats)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import nbscaler
 from nbscaler import ComputeConfig, build_optimizer, parallelize
-from nbscaler.cost import comm_model, speed
+from nbscaler.cost import comm_model
 from nbscaler.cost.calibration import Calibration, calibrate_ranks
 from nbscaler.models import gpt, llama
 from nbscaler.runtime.launch import spawn
@@ -185,12 +185,13 @@ def calibrate(nranks: int) -> Calibration:
     return spawn(calibrate_ranks, nranks, True, threads=1, timeout=300)[0]
 
 
-def store_median_calibration(calibrations: List[Calibration]) -> None:
-    """Cache the median of several calibrations, for the plans that follow (set beside the median
-    of as many measurements)."""
+def store_calibrations(calibrations: List[Calibration]) -> None:
+    """Cache what several calibrations measured, for the plans that follow: the median of their
+    collectives' models (set beside the median of as many measurements). Their speeds are in the
+    cache already, each added by the ranks that timed it; the time model reads the median of the
+    recent ones (``speed.RECENT_CALIBRATIONS``)."""
     for size in calibrations[0].comm:
         comm_model.store(comm_model.median_model([c.comm[size] for c in calibrations]), size)
-    speed.store(statistics.median(c.reference_s for c in calibrations), calibrations[0].device_key, calibrations[0].nranks)
 
 
 def parser(description: str, models: List[str], out: Path) -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.cost import profile, speed
+from nbscaler.cost.cache import read_table
 from nbscaler.cost.profile import OpProfiler, op_key
 from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
@@ -35,6 +36,17 @@ def test_op_times_are_read_at_the_speed_the_ranks_measured(tmp_path, monkeypatch
     speed.store(1.0, profiler.key, 4)                         # another number of ranks: not this one's
     profiler.refresh_speed()
     assert profiler.time(op)[0] == pytest.approx(1e-3)
+
+
+def test_the_speed_read_is_the_median_of_the_recent_calibrations(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBSCALER_CACHE_DIR", str(tmp_path))
+    for seconds in (4e-3, 4.1e-3, 5.9e-3):                    # the last one caught a slow second
+        speed.store(seconds, "cpu-test-1t", 2)
+    assert speed.load("cpu-test-1t", 2) == 4.1e-3
+    for seconds in (3e-3, 3e-3, 3e-3):                        # the machine got faster, and stayed so
+        speed.store(seconds, "cpu-test-1t", 2)
+    assert speed.load("cpu-test-1t", 2) == 3e-3
+    assert len(read_table(tmp_path / "speed-cpu-test-1t-2ranks.json")["recent"]) == speed.RECENT_CALIBRATIONS
 
 
 def test_a_slow_moment_falls_on_one_round_of_every_op_not_on_one_op(tmp_path, monkeypatch):
