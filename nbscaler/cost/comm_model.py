@@ -175,7 +175,7 @@ def _post_seconds(device: torch.device, group: Optional[dist.ProcessGroup], repe
     each after some compute (``_step_like_work``), as a pipeline's executor starts them between
     blocks; ``None`` on the other ranks.
 
-    gloo's start is no cheap call: on a 2-core VM, 0.2 to 0.3 ms after compute, a twentieth of a
+    gloo's start is no cheap call: on a 2-core VM, 0.2 to 0.4 ms after compute, a twentieth of a
     small model's stage. The two ranks take turns sending, so each times both kinds."""
     me = dist.get_rank(group)
     if me > 1:

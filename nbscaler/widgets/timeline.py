@@ -173,8 +173,10 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
              else "as timed alone (no ranks calibrated yet)")
     lines = [f"Predicted: op times profiled on this machine ({profiler.key}), {speed}, summed per stage; "
              f"collectives by an alpha-beta model (alpha {comm.alpha_s * 1e6:.3g} µs, "
-             f"{1 / comm.beta_s_per_byte / 1e9:.3g} GB/s, {'calibrated' if comm.calibrated else 'defaults'}); "
-             "Python overhead and waits for a slower rank not counted."]
+             f"{1 / comm.beta_s_per_byte / 1e9:.3g} GB/s, {'calibrated' if comm.calibrated else 'defaults'}"
+             + (f"; starting a send or a receive takes its rank {comm.p2p_post_s * 1e6:.3g} µs"
+                if plan.config.use_pipeline and comm.p2p_post_s else "")
+             + "); Python overhead and waits for a slower rank not counted."]
     timed: List[Tuple[float, str]] = []
     for n in plan.graph.nodes:
         fwd, bwd = n.meta.get("local_time_fwd_s", {}), n.meta.get("local_time_bwd_s", {})

@@ -3,6 +3,8 @@
 import pandas as pd
 import pytest
 
+from nbscaler.cost import comm_model
+from nbscaler.cost.comm_model import CommModel
 from nbscaler.widgets import Measured, TimelineView
 from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
 from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
@@ -42,6 +44,14 @@ def test_assumptions_are_stated_on_the_figure():
     text = view.figure.layout.annotations[-1].text
     assert "op times profiled" in text and "alpha-beta" in text and "Slowest ops" in text
     assert "stage 0 F" in text and "stage 1 B" in text
+
+
+def test_assumptions_say_what_starting_a_send_costs(monkeypatch):
+    calibrated = CommModel(alpha_s=1e-3, beta_s_per_byte=1e-9, calibrated=True, p2p_alpha_s=2e-4, p2p_post_s=2.5e-4)
+    monkeypatch.setattr(comm_model, "load", lambda backend=None, nranks=2: calibrated)
+    text = TimelineView(llama_pp()).figure.layout.annotations[-1].text
+    assert "starting a send or a receive takes its rank 250 µs" in text
+    assert "starting a send" not in TimelineView(llama_tp()).figure.layout.annotations[-1].text   # no pipeline
 
 
 def test_without_a_pipeline_one_forward_and_backward_per_rank():
