@@ -14,6 +14,7 @@ a temporary file and renamed, so a failed report never leaves half a file.
 from __future__ import annotations
 
 import datetime
+import html
 import importlib
 import os
 from pathlib import Path
@@ -65,6 +66,14 @@ def summary_html(plan: "Plan", optimizer: Type[torch.optim.Optimizer]) -> str:
     return shown.to_html(classes="nbs-summary", border=0)
 
 
+def explanation_html(plan: "Plan", rows: int = 20) -> str:
+    """``plan.explain()``: its text as written, then the first ``rows`` rows of its table."""
+    why = plan.explain()
+    table = why.table.head(rows).to_html(classes="nbs-summary", border=0, index=False, na_rep="",
+                                         float_format="{:.4g}".format)
+    return f"<pre style='font-size:12px;white-space:pre-wrap'>{html.escape(str(why), quote=False)}</pre>{table}"
+
+
 def losses_html(losses: pd.DataFrame) -> str:
     """Loss per step, a line per rank, from a frame with ``step``, ``rank`` and ``loss`` columns."""
     fig = go.Figure()
@@ -80,7 +89,7 @@ def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFram
     """(title, render) per section, in page order."""
     sections: List[Tuple[str, Callable[[], str]]] = [
         ("Plan", lambda: plan._repr_html_() + summary_html(plan, optimizer)),
-        ("Why this plan", lambda: plan.explain()._repr_html_())]
+        ("Why this plan", lambda: explanation_html(plan))]
     for title, module, name in OPTIONAL_VIEWS:
         cls = optional_view(module, name)
         if cls is not None:
