@@ -64,7 +64,7 @@ def demo(argv: List[str]) -> int:
     measured = Measured.from_train_result(outcome.tour.result)
     from nbscaler.demo import runs_frame
     path = write_report(outcome.tour.plan, outcome.report_path, measured, runs=runs_frame(outcome.rows))
-    print(f"\nreport of every view (graph, plan, timeline, memory, code, runs): {path.resolve()}")
+    print(f"\nreport of every view (plan and why, graph, code, timeline, memory, runs): {path.resolve()}")
     return 0 if outcome.ok else 1
 
 
