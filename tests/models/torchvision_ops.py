@@ -20,26 +20,25 @@ import torch
 
 # The ops torchvision's ``_meta_registrations`` registers fake kernels for without asking whether
 # its C++ library loaded, as that library declares them.
-UNGUARDED_OPS = {
-    "torchvision::nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "torchvision::qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-}
-_declared = False
+UNGUARDED_OPS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+_declared: list = []        # the torchvision op namespace the ops are declared in, kept alive
 
 
 def declare_missing_ops() -> bool:
     """Declare ``UNGUARDED_OPS`` if torchvision is installed and its C++ library cannot load.
     Returns whether they are declared (now or before). Cheap to call again."""
-    global _declared
     if _declared:
         return True
     spec = importlib.util.find_spec("torchvision")
     if spec is None or spec.origin is None or _library_loads(pathlib.Path(spec.origin).parent):
         return False
-    for name, schema in UNGUARDED_OPS.items():
-        # The schema without a kernel: torchvision's models, which never call these ops, trace; a call raises.
-        torch.library.define(name, schema)
-    _declared = True
+    namespace = torch.library.Library("torchvision", "FRAGMENT")
+    for signature in UNGUARDED_OPS:
+        namespace.define(signature)      # no kernel: classification models, which never call it, trace
+    _declared.append(namespace)
     return True
 
 
