@@ -131,9 +131,10 @@ def load(device_key: str, ranks: int) -> Optional[float]:
 
 
 def store(reference: float, device_key: str, ranks: int) -> None:
-    """Add ``reference`` to what ``ranks`` ranks on devices ``device_key`` measured (atomically).
+    """Add ``reference`` to what ``ranks`` ranks on devices ``device_key`` measured (atomically),
+    keeping the last ``RECENT_CALIBRATIONS``. In the cache, so not run as a doctest:
 
-    >>> for seconds in (0.004, 0.0041, 0.0059):          # doctest: +SKIP (writes the cache)
+    >>> for seconds in (0.004, 0.0041, 0.0059):          # doctest: +SKIP
     ...     store(seconds, "cpu-x86_64-1t", 2)            # the last one caught a slow second
     >>> load("cpu-x86_64-1t", 2)                          # doctest: +SKIP
     0.0041

@@ -11,16 +11,17 @@ The pieces, each measured or modelled once:
   forward is counted again in the backward;
 - **the step**: without a pipeline, ``nsamples`` forwards and backwards one after the other; with
   one, the schedule simulator (``nbscaler.schedule.simulate``) plays the stage times, with a
-  send/recv between devices as latency, and the time each side spends starting it; then the gradient synchronisation (all-reduce, or ZeRO's
-  reduce-scatter and all-gather, per bucket) and the optimizer step (profiled, with the reducer's
-  copies).
+  send/recv between devices as latency, and the time each side spends starting it; then the
+  gradient synchronisation (all-reduce, or ZeRO's reduce-scatter and all-gather, per bucket) and
+  the optimizer step (profiled, with the reducer's copies).
 
 Op times are read at the speed the ranks last measured side by side (``cost.speed``), so a
 profile from a quieter minute, or from one process alone, is scaled to the machine as it runs them.
 
 What limits it: Python overhead between ops and the pipeline executor's bookkeeping (beyond
-starting its sends and receives) are not counted; ranks are assumed in step (none waits at a collective for a slower peer); with more ranks
-than cores, the calibration sees every rank busy at once, which a pipeline's ranks are not.
+starting its sends and receives) are not counted; ranks are assumed in step (none waits at a
+collective for a slower peer); with more ranks than cores, the calibration sees every rank busy at
+once, which a pipeline's ranks are not.
 
 The pass ``annotate_times`` writes ``node.meta['local_time_fwd_s']`` and ``['local_time_bwd_s']``,
 per device, as the memory model writes ``local_saved_bytes``.

@@ -334,8 +334,15 @@ class ParallelModule(torch.nn.Module):
         return module_html(self)
 
     def pipeline_timeline(self) -> Timeline:
-        """The blocks the last pipelined step ran on this rank, timed: the measured timeline."""
-        return Timeline.from_rows(self.pipeline_events)
+        """The blocks the last pipelined step ran on this rank, timed: this rank's measured timeline.
+
+        Its ``bubble_fraction`` is this rank's idle share between its own first and last block.
+        The pipeline's bubble, as ``plan.timeline()`` predicts it, is that of every rank's rows
+        together (``Timeline.from_rows(rows_of_all_ranks, nranks)``; on a cluster,
+        ``result.timeline(step)``): the later stages also idle before their first block and after
+        their last.
+        """
+        return Timeline.from_rows(self.pipeline_events, nranks=1)
 
     def _require_end2end(self, what: str) -> None:
         if not self.compute_config.use_end2end:

@@ -89,8 +89,9 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         inputs = schedule.dependencies(block)
         if any(dep not in finished for dep in inputs):
             return None
-        arrivals = [finished[dep] + (latency if _crosses(schedule, dep, block) else 0.0) for dep in inputs]
-        receiving = post if any(_crosses(schedule, dep, block) for dep in inputs) else 0.0
+        from_afar = {dep for dep in inputs if _crosses(schedule, dep, block)}
+        arrivals = [finished[dep] + (latency if dep in from_afar else 0.0) for dep in inputs]
+        receiving = post if from_afar else 0.0
         return max([device_free[d] + receiving for d in devices] + arrivals)
 
     while any(queues):

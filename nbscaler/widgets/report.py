@@ -2,10 +2,10 @@
 
 The file holds plotly.js once, in its head, then each view's ``to_html`` fragment: the plan card and
 per-rank summary, what the policy did and why (``plan.explain()``), the graph and the generated
-code (where those views are installed), the op and
-collective tables, the timeline and the memory bars, the runs table and the loss curves. It loads
-nothing from the network, so it opens from a mail attachment or a CI artifact, and it is written to
-a temporary file and renamed, so a failed report never leaves half a file.
+code (where those views are installed), the op and collective tables, the timeline and the
+memory bars, the runs table and the loss curves. It loads nothing from the network, so it opens
+from a mail attachment or a CI artifact, and it is written to a temporary file and renamed, so a
+failed report never leaves half a file.
 
 >>> write_report(plan, "report.html", measured=Measured(timeline=..., memory=...))   # doctest: +SKIP
 ``nbscaler report DIR`` does the same from a folder ``parallelize`` wrote.

@@ -119,6 +119,8 @@ def _timeline_on_rank(gen_dir):
     assert all(float(p.grad.abs().sum()) == 0.0 for p in pm.parameters() if p.grad is not None)
     pm.train_step([batch("gpt", m)["batch"] for m in range(4)])
     assert isinstance(pm.pipeline_timeline(), Timeline)
+    own = pm.pipeline_timeline()
+    assert own.nranks == 1 and 0.0 <= own.bubble_fraction < 1.0       # this rank's idle share, no phantom peers
     return pm.pipeline_events
 
 
