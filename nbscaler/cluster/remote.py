@@ -33,8 +33,11 @@ class TrainResult:
 
     - ``steps``: one row per rank and step: ``rank, unit, step, loss, t_start, t_end, step_time``
       (wall-clock seconds). Ranks of one unit report the same loss.
-    - ``memory``: one row per rank: ``rank, device, param_bytes, grad_bytes, optimizer_bytes,
-      peak_rss_bytes, peak_device_bytes`` (the last only on GPUs).
+    - ``memory``: one row per rank: ``rank, device``, the first step's memory in the columns
+      ``plan.summary()`` predicts (``param_bytes, grad_bytes, optimizer_bytes, buffer_bytes,
+      activation_bytes, peak_bytes``, counted by ``MemoryMeter``; on CUDA also
+      ``cuda_max_allocated_bytes``), and the process's ``peak_rss_bytes, peak_device_bytes`` (the
+      last only on GPUs).
     - ``schedule``: for pipelined modules, one row per pipeline block each rank ran:
       ``rank, step, stage, micro, phase, t_start, t_end`` (phase ``F`` or ``B``; wall-clock
       seconds, from when the block's inputs had arrived). Empty without a pipeline.

@@ -19,10 +19,16 @@ one unit must see the same batch):
 Then gradients are summed across units (``optimizer.sync_shard_grad``), ``after_backward`` may look
 at them, and the optimizer steps. A pipelined module also reports the blocks of its schedule as it
 ran them, ``(rank, stage, micro, phase, t_start, t_end)`` per block.
+
+The first step of each call runs under ``MemoryMeter``, which counts its memory in the cost
+model's categories (parameters, gradients, optimizer state, buffers, activations saved for the
+backward, their sum ``peak_bytes``), the columns ``plan.summary()`` predicts. Its saved-tensor
+hooks cost Python time, which that one step's time then includes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -36,6 +42,7 @@ from nbscaler.cluster.engine import report
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.calibration import calibrate_ranks
 from nbscaler.parallel import build_optimizer, parallelize
+from nbscaler.runtime.memory import MemoryMeter
 from nbscaler.runtime.module import ParallelModule
 
 DataFn = Callable[[int, int], Any]
@@ -94,26 +101,27 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
     rows: List[Dict[str, Any]] = []
     blocks: List[Dict[str, Any]] = []
     probes: List[Any] = []
-    grad_bytes = 0
+    memory: Dict[str, Any] = {}
     for done in range(steps):
         step = held.steps_done
         t_start = time.time()
-        loss = _forward_backward(module, data(step, held.unit), loss_fn)
-        if module.compute_config.use_pipeline:
-            blocks += _pipeline_blocks(module, step)
-        optimizer.sync_shard_grad()
-        grad_bytes = max(grad_bytes, _bytes(p.grad for p in module.parameters()))
-        if after_backward is not None:
-            probes.append(after_backward(module, optimizer, step))
-        optimizer.step()
+        with MemoryMeter(module, optimizer) if done == 0 else contextlib.nullcontext() as meter:
+            loss = _forward_backward(module, data(step, held.unit), loss_fn)
+            if module.compute_config.use_pipeline:
+                blocks += _pipeline_blocks(module, step)
+            optimizer.sync_shard_grad()
+            if after_backward is not None:
+                probes.append(after_backward(module, optimizer, step))
+            optimizer.step()
+        if meter is not None:
+            memory = meter.stats()             # before zero_grad, while the gradients are held
         optimizer.zero_grad()
         t_end = time.time()
         rows.append({"rank": dist.get_rank(), "unit": held.unit, "step": step, "loss": loss,
                      "t_start": t_start, "t_end": t_end, "step_time": t_end - t_start})
         held.steps_done += 1
         report(done=done + 1, loss=loss)
-    return {"steps": rows, "schedule": blocks, "memory": _memory_row(module, optimizer, grad_bytes),
-            "probes": probes}
+    return {"steps": rows, "schedule": blocks, "memory": _memory_row(module, memory), "probes": probes}
 
 
 @torch.no_grad()
@@ -178,21 +186,16 @@ def _loss_of(output: Any) -> float:
     return float(loss)
 
 
-def _bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _memory_row(module: ParallelModule, optimizer: torch.optim.Optimizer, grad_bytes: int) -> Dict[str, Any]:
-    """Memory of this rank: its parameter shard, gradients, optimizer state, and process peaks."""
+def _memory_row(module: ParallelModule, metered: Dict[str, Any]) -> Dict[str, Any]:
+    """Memory of this rank: the metered step's categories (``MemoryMeter.stats``), and the
+    process's peaks."""
     # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     device = module.device
     return {
         "rank": dist.get_rank(),
         "device": str(device),
-        "param_bytes": _bytes(module.parameters()),
-        "grad_bytes": grad_bytes,
-        "optimizer_bytes": _bytes(v for state in optimizer.state.values() for v in state.values()),
+        **{k: v for k, v in metered.items() if k != "rank"},
         "peak_rss_bytes": peak_rss,
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }

@@ -2,11 +2,14 @@
 
 import functools
 
+import pandas as pd
 import pytest
 import torch
 
+import nbscaler
 from nbscaler.cluster import RankError
 from nbscaler.cluster.training import parallelize_here, train_here
+from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn
 from tests.models import batch, build
 from tests.multiprocess import (EVAL_SEED, Case, case_batch, check_equivalence, grad_pieces, parallelize_on,
                                 pipeline, run_ranks, train_single)
@@ -56,6 +59,14 @@ def test_a_pipeline_trains_as_under_spawn_and_reports_its_schedule(cluster, tmp_
     assert (blocks["t_end"] >= blocks["t_start"]).all()
     line = result.timeline(step=1)
     assert 0 <= line.bubble_fraction < 1 and line.makespan > 0
+
+    # The ranks count their memory in the columns the plan predicts, to the byte (SGD: no state).
+    predicted = nbscaler.plan(build(PIPELINE.model), batch(PIPELINE.model, 12345), PIPELINE.policy,
+                              PIPELINE.compute_config).summary(torch.optim.SGD, lr=0.1).set_index("rank")
+    measured = result.memory.set_index("rank")
+    columns = [str(c) for c in (*MEMORY_CATEGORIES, SummaryColumn.PEAK_BYTES)]
+    pd.testing.assert_frame_equal(measured[columns], predicted[columns], check_dtype=False)
+    assert (measured["activation_bytes"] > 0).all()
 
 
 def test_telemetry_comes_back_as_dataframes(cluster, tmp_path):

@@ -164,6 +164,9 @@ def test_runs_on_a_two_engine_cluster_match_one_process_and_compare(cluster):
         assert runs["losses_match"].tolist() == [True, True] and (runs["step_s"] > 0).all()
         assert runs.loc[2, "stages"] == 2 and 0 <= runs.loc[2, "bubble"] < 1 and pd_isna(runs.loc[1, "bubble"])
         assert len(runs.loc[2, "peak_rss_bytes"]) == 2
+        for run_id in (1, 2):                       # measured in the plan's categories: to the byte
+            assert runs.loc[run_id, "peak_bytes"] == runs.loc[run_id, "peak_bytes_predicted"]
+        assert "activations" in memory.gap.kinds.iloc[0]
 
         comparison = ex.compare(1, 2)
         assert ex.error is None and set(comparison.views) == {1, 2}
