@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import nbscaler.planning.planner as planner
 from nbscaler.cluster import Cluster
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.policy import get_policy
 from nbscaler.widgets import Explorer
@@ -126,6 +127,40 @@ def test_a_user_module_and_a_user_policy():
         assert ex.compile() is not None and ex.runs.loc[2, "model"].startswith("GPT (1 layers")
     finally:
         ex.close()
+
+
+def test_after_a_compile_the_knobs_read_the_plans_own_configuration(explorer):
+    knobs = explorer.controls
+    explorer.set(policy="pp")                       # stages 1: pp stages over every plan device
+    plan = explorer.compile()
+    assert explorer.error is None and plan.schedule.nstages == 2
+    assert knobs.stages.value == 2 and knobs.knobs().compute_config().pipeline_nstages == 2
+    assert (knobs.nmicros.value, knobs.scheduler.value) == (plan.config.pipeline_nmicros, plan.config.scheduler)
+    assert not knobs.nmicros.disabled and not knobs.scheduler.disabled
+    explorer.set(policy="tp")                       # leaving the pipeline policy leaves its stages too
+    assert explorer.error is None and explorer.plan.schedule is None and knobs.stages.value == 1
+    assert knobs.nmicros.disabled and knobs.scheduler.disabled   # no pipeline: they do not apply
+    explorer.set(policy="hybrid", plan_ngpus=4, runtime_ngpus=4)  # a re-placement reads its plan too
+    assert explorer.error is None and knobs.stages.value == explorer.plan.schedule.ndevices == 4
+
+
+def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
+    cfg = GPTConfig(vocab_size=128, seq_len=32, n_layer=4, d_model=64, n_head=4)
+    ex = Explorer(GPT(cfg), {"batch": sample_batch(cfg, 4)}, knobs=Knobs(policy="pp"))
+    mlp = Explorer(MLP(), batch("mlp", 0))
+    try:
+        knobs = ex.controls
+        assert knobs.n_layer.disabled and knobs.n_layer.layout.display == "none"   # not this model's size
+        assert knobs.policy.layout.display is None and knobs.stages.layout.display is None   # the rest shows
+        assert ex.compile().schedule.nstages == 2 and knobs.stages.value == 2
+        ex.set(model=SHIPPED_GPT)
+        assert not knobs.n_layer.disabled and knobs.n_layer.layout.display is None
+        assert mlp.controls.n_layer.disabled and mlp.controls.n_layer.layout.display == "none"
+        # a module that is not end2end cannot be pipelined: no pipeline knob applies
+        assert all(getattr(mlp.controls, name).disabled for name in ("stages", "nmicros", "scheduler"))
+    finally:
+        ex.close()
+        mlp.close()
 
 
 def test_explorer_needs_the_dummy_args_of_a_user_model():

@@ -72,6 +72,7 @@ class Explorer:
         self.controls.train_button.on_click(lambda _: self.train())
         self.controls.compare_button.on_click(lambda _: self.compare())
         self.spec: ModelSpec = self._make_spec()
+        self.controls.fit_model(self.spec.end2end)
         self.compiled: Optional[Plan] = None       # the last plan from a trace (Compile)
         self.plan: Optional[Plan] = None           # the plan the knobs describe now (a re-placement of it)
         self.knob_latency_s: Optional[float] = None
@@ -134,6 +135,7 @@ class Explorer:
             step("costing memory and time ...")
             run.predicted                                   # noqa: B018 (the cost tables, computed once)
             self.compiled = self.plan = plan
+            self.controls.show_plan(plan.config, plan.schedule)
             self.panes.show(plan, on_each=lambda name: step(f"drawing {name} ..."))
             self._say(f"Compiled run {run.id}: {knobs.policy_label} on {config.plan_ngpus} x {config.runtime_ngpus} "
                       f"devices in {plan.compile_seconds:.2f} s ({len(plan.graph)} ops).")
@@ -196,6 +198,7 @@ class Explorer:
             plan = self.compiled.replan(knobs.policy, config)
             self.panes.show(plan, PLACEMENT_VIEWS)
             self.plan = plan
+            self.controls.show_plan(plan.config, plan.schedule)
             self.knob_latency_s = time.perf_counter() - start
             self._say(f"Re-placed under {knobs.policy_label} on {config.plan_ngpus} x {config.runtime_ngpus} devices "
                       f"in {self.knob_latency_s * 1e3:.0f} ms: timeline, memory and why are current; graph, plan and "
@@ -204,6 +207,7 @@ class Explorer:
     def _model_changed(self) -> None:
         with self._reporting("choose the model"):
             self.spec = self._make_spec()
+            self.controls.fit_model(self.spec.end2end)
             self.compiled = self.plan = None
             self._say(f"Model: {self.spec.label}. Press <b>Compile</b> to trace it.")
 

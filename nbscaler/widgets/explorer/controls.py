@@ -5,16 +5,23 @@ from code (``set(policy='pp', stages=2)``, one notification for the lot), and ca
 handlers when a knob or the model changes or a button is pressed. Which values are allowed is
 decided by ``Knobs.compute_config()`` and the planner, not here: a bad combination is reported by
 the Explorer, with the planner's message.
+
+The knobs tell the truth: after a compile or a re-placement ``show_plan`` sets them to the plan's
+own configuration (a ``pp`` plan staged over every device reads its stage count, not the 1 that
+asked for it), and a knob that does not apply is hidden (GPT layers for your own module) or disabled
+(micro-batches and scheduler without a pipeline; every pipeline knob for a module that is not end2end).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import ipywidgets as w
 
-from nbscaler.config import TRAIN_SCHEDULERS
+from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
+from nbscaler.policy.builtin import PIPELINE_POLICIES
+from nbscaler.schedule import PipelineSchedule
 from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy
 
 DEVICE_CHOICES = [1, 2, 4, 8]
@@ -22,7 +29,11 @@ SHIPPED_GPT = "GPT (nbscaler.models)"
 USER_MODEL = "your module"
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero")
 
-_label = {"style": {"description_width": "120px"}, "layout": w.Layout(width="280px")}
+
+
+def _label() -> Dict[str, Any]:
+    """A labelled control's style, with a layout of its own (hiding one hides no other)."""
+    return {"style": {"description_width": "120px"}, "layout": w.Layout(width="280px")}
 
 
 class Controls:
@@ -36,20 +47,20 @@ class Controls:
         self._held = False
 
         self.model = w.Dropdown(options=[SHIPPED_GPT] + ([USER_MODEL] if user_model else []),
-                                value=USER_MODEL if user_model else SHIPPED_GPT, description="model", **_label)
-        self.n_layer = w.BoundedIntText(value=2, min=1, max=48, description="GPT layers", **_label)
-        self.policy = w.Dropdown(options=list(self._policies), value=knobs.policy_label, description="policy", **_label)
+                                value=USER_MODEL if user_model else SHIPPED_GPT, description="model", **_label())
+        self.n_layer = w.BoundedIntText(value=2, min=1, max=48, description="GPT layers", **_label())
+        self.policy = w.Dropdown(options=list(self._policies), value=knobs.policy_label, description="policy", **_label())
         self.plan_ngpus = w.Dropdown(options=DEVICE_CHOICES, value=knobs.plan_ngpus, description="plan devices",
-                                     **_label)
+                                     **_label())
         self.runtime_ngpus = w.Dropdown(options=DEVICE_CHOICES, value=knobs.runtime_ngpus,
-                                        description="runtime devices", **_label)
-        self.stages = w.Dropdown(options=[1, 2, 4, 8], value=knobs.stages, description="pipeline stages", **_label)
-        self.nmicros = w.BoundedIntText(value=knobs.nmicros, min=1, max=64, description="micro-batches", **_label)
+                                        description="runtime devices", **_label())
+        self.stages = w.Dropdown(options=[1, 2, 4, 8], value=knobs.stages, description="pipeline stages", **_label())
+        self.nmicros = w.BoundedIntText(value=knobs.nmicros, min=1, max=64, description="micro-batches", **_label())
         self.scheduler = w.Dropdown(options=list(TRAIN_SCHEDULERS), value=knobs.scheduler, description="scheduler",
-                                    **_label)
+                                    **_label())
         self.use_zero = w.Checkbox(value=knobs.use_zero, description="ZeRO", indent=False)
-        self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label)
-        self.lr = w.FloatText(value=0.05, description="learning rate", **_label)
+        self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label())
+        self.lr = w.FloatText(value=0.05, description="learning rate", **_label())
 
         self.compile_button = w.Button(description="Compile", button_style="primary", icon="cogs")
         self.train_button = w.Button(description="Train on the cluster", button_style="success", icon="play")
@@ -62,6 +73,8 @@ class Controls:
             button.layout.width = "280px"
             button.add_class(f"nbscaler-{button.description.split()[0].lower()}")
 
+        self._end2end = True
+        self._show_applicable()
         for name in KNOB_NAMES:
             getattr(self, name).observe(self._knob_changed, names="value")
         for widget in (self.model, self.n_layer):
@@ -89,13 +102,40 @@ class Controls:
         if unknown:
             raise ValueError(f"unknown knob(s) {', '.join(sorted(unknown))}: use {', '.join(KNOB_NAMES)}, "
                              "n_layer, steps, lr or model.")
-        with self._hold():
-            for name, value in values.items():
-                getattr(self, name).value = value
+        with self._hold():                   # the policy first: leaving a pipeline policy resets the stages
+            for name in sorted(values, key=lambda name: name != "policy"):
+                getattr(self, name).value = values[name]
         if set(values) & {"model", "n_layer"}:
             self.on_model()
         if set(values) & set(KNOB_NAMES):
             self.on_knobs()
+
+    def show_plan(self, config: ComputeConfig, schedule: Optional[PipelineSchedule]) -> None:
+        """Set the knobs to what a plan runs under, quietly (the plan is already on screen).
+
+        The stage count is the plan's pipeline devices, the ``pipeline_nstages`` that rebuilds it
+        (``1f1b_plus`` runs one more stage, its shared head, on the same devices).
+        """
+        with self._hold():
+            self.plan_ngpus.value, self.runtime_ngpus.value = config.plan_ngpus, config.runtime_ngpus
+            self.use_zero.value = config.use_zero
+            self.stages.value = schedule.ndevices if schedule is not None else 1
+            if schedule is not None:
+                self.nmicros.value, self.scheduler.value = config.pipeline_nmicros, config.scheduler
+        self._show_applicable()
+
+    def fit_model(self, end2end: bool) -> None:
+        """Enable the knobs that apply to the chosen model (pipelines need an end2end one)."""
+        self._end2end = end2end
+        self._show_applicable()
+
+    def _show_applicable(self) -> None:
+        gpt = self.model.value == SHIPPED_GPT
+        self.n_layer.disabled = not gpt
+        self.n_layer.layout.display = None if gpt else "none"
+        self.stages.disabled = not self._end2end
+        pipelined = self._end2end and self.knobs(self._end2end).pipelined
+        self.nmicros.disabled = self.scheduler.disabled = not pipelined
 
     def set_runs(self, run_ids: List[int]) -> None:
         """Offer these runs to the Compare pickers; preselect the last two."""
@@ -114,10 +154,15 @@ class Controls:
             self._held = held
 
     def _knob_changed(self, change: Dict[str, Any]) -> None:
+        if change["owner"] is self.policy and change["old"] in PIPELINE_POLICIES \
+                and change["new"] not in PIPELINE_POLICIES:
+            with self._hold():               # the pipeline's stages were the policy's, not the user's
+                self.stages.value = 1
+        self._show_applicable()
         if not self._held:
             self.on_knobs()
 
     def _model_changed(self, change: Dict[str, Any]) -> None:
-        self.n_layer.disabled = self.model.value != SHIPPED_GPT
+        self._show_applicable()
         if not self._held:
             self.on_model()
