@@ -119,12 +119,12 @@ class View:
         raise NotImplementedError(f"{type(self).__name__} must implement to_html")
 
     def notebook_html(self) -> str:
-        """The ``text/html`` a notebook saves: ``to_html()`` unless a view can share heavy
-        assets between outputs (the plotly charts carry plotly.js once per kernel)."""
+        """The ``text/html`` a notebook saves: ``to_html()`` unless a view has a lighter form that
+        needs no script (the chart views draw SVG; ``nbscaler.widgets.plotting.ChartView``)."""
         return self.to_html()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
-        """The widget's own bundle (live in Jupyter) plus ``text/html`` = ``to_html()`` (saved
+        """The widget's own bundle (live in Jupyter) plus ``text/html`` = ``notebook_html()`` (saved
         notebooks, GitHub, nbviewer)."""
         bundle: Dict[str, Any] = {}
         own = getattr(self.widget, "_repr_mimebundle_", None)

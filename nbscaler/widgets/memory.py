@@ -10,26 +10,23 @@ missing, not as zero, and the gap is taken over the kinds both sides have).
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Type
+import math
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type
 
-import ipywidgets as widgets
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
-from nbscaler.widgets.base import Measured, View
+from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import fmt_bytes
-from nbscaler.widgets.plotting import FigureAndTable, PLOTLYJS, figure_html
+from nbscaler.widgets.palette import MEMORY_COLOURS as COLOURS, MEMORY_LABELS as LABELS
+from nbscaler.widgets.plotting import ChartView
+from nbscaler.widgets.svgchart import Bar, BarGroup, Segment, stacked_bars_svg
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
-LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GRAD_BYTES: "gradients",
-                          C.OPTIMIZER_BYTES: "optimizer state", C.BUFFER_BYTES: "buffers",
-                          C.ACTIVATION_BYTES: "activations"}
-COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
-                           C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
 PREDICTED, MEASURED = "predicted", "measured"
 
 
@@ -46,10 +43,15 @@ def memory_gap(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
                          "kinds": ", ".join(LABELS[k] for k in kinds)}).reset_index()
 
 
+def memory_sides(predicted: pd.DataFrame, measured: Optional[pd.DataFrame]) -> List[Tuple[str, pd.DataFrame]]:
+    """(side, frame): the prediction, and the measurement when there is one."""
+    return [(PREDICTED, predicted)] + ([(MEASURED, measured)] if measured is not None else [])
+
+
 def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str) -> go.Figure:
     """Stacked bars per rank: one bar of each kind for the prediction, one beside it measured."""
     fig = go.Figure()
-    sides = [(PREDICTED, predicted)] + ([(MEASURED, measured)] if measured is not None else [])
+    sides = memory_sides(predicted, measured)
     for kind in MEMORY_CATEGORIES:
         kind = str(kind)
         for side, frame in sides:
@@ -66,7 +68,28 @@ def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], tit
     return fig
 
 
-class MemoryView(View):
+def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str) -> str:
+    """The figure's bars as SVG: per rank a stacked bar predicted and, beside it, one measured
+    (dashed edge); a kind the measurement lacks is left out of its bar, not drawn as zero."""
+    groups = []
+    for rank in predicted[str(C.RANK)]:
+        bars = []
+        for side, frame in memory_sides(predicted, measured):
+            rows = frame[frame[str(C.RANK)] == rank]
+            if not len(rows):
+                continue
+            row = rows.iloc[0]
+            segments = [Segment(float(row[k]), COLOURS[k], f"rank {rank}, {LABELS[k]} ({side}): {fmt_bytes(row[k])}")
+                        for k in map(str, MEMORY_CATEGORIES) if k in frame.columns and pd.notna(row[k])]
+            bars.append(Bar(side, segments, outlined=side == MEASURED))
+        groups.append(BarGroup(f"rank {rank}", bars))
+    legend = [(LABELS[str(k)], COLOURS[str(k)]) for k in MEMORY_CATEGORIES]
+    tallest = max((bar.total for g in groups for bar in g.bars), default=0.0)
+    unit = 1024.0 ** max(0, int(math.log(tallest, 1024))) if tallest >= 1 else 1.0    # ticks round in KiB, MiB, ...
+    return stacked_bars_svg(title, groups, legend, "bytes", fmt_bytes, unit)
+
+
+class MemoryView(ChartView):
     """Per-rank memory, predicted by the cost model and, after a run, measured.
 
     >>> view = MemoryView(plan, optimizer=torch.optim.AdamW)          # doctest: +SKIP
@@ -74,15 +97,13 @@ class MemoryView(View):
     >>> view.gap                                                       # doctest: +SKIP
     """
 
+    css_class = "nbs-memory"
+
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *,
                  optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> None:
         super().__init__(plan, measured=measured)
         self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
         self._redraw()
-
-    def _build_widget(self) -> widgets.VBox:
-        self._live = FigureAndTable(self.figure, self.gap_table)
-        return self._live.box
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -91,8 +112,7 @@ class MemoryView(View):
         self.gap = memory_gap(self.predicted, measured) if measured is not None else None
         self.figure = memory_figure(self.predicted, measured, self._title())
         self.gap_table = self._gap_table()
-        if self._widget is not None:                 # redraw the live one in place
-            self._live.show(self.figure, self.gap_table)
+        self._shown()
 
     def _title(self) -> str:
         opt = self.optimizer.__name__
@@ -117,9 +137,8 @@ class MemoryView(View):
                 f"{head}{''.join(rows)}</table>")
 
     # -- rendering --------------------------------------------------------------------------------
-    def to_html(self, include_plotlyjs: bool = True) -> str:
-        return (f"<div class='nbs-view nbs-memory'>{figure_html(self.figure, include_plotlyjs=include_plotlyjs)}"
-                f"{self.gap_table}</div>")
+    def svg(self) -> str:
+        return memory_svg(self.predicted, self.measured.memory, self._title())
 
-    def notebook_html(self) -> str:
-        return self.to_html(include_plotlyjs=PLOTLYJS.take())
+    def table_html(self) -> str:
+        return self.gap_table

@@ -1,6 +1,6 @@
-"""Plotly figures as live widgets and as offline HTML fragments.
+"""Chart views: a plotly figure live, nbscaler's own SVG where no script runs.
 
-Charts are built once, as a plain ``go.Figure``, and then shown two ways:
+A chart is built once, as a plain ``go.Figure``, and shown three ways:
 
 - live: as the one output of an ``ipywidgets.Output`` in the view's box, in plotly's own MIME type
   (``application/vnd.plotly.v1+json``, drawn by the ``jupyterlab-plotly`` renderer that ships
@@ -8,13 +8,11 @@ Charts are built once, as a plain ``go.Figure``, and then shown two ways:
   output is widget state, so a view that renders late (after "Run All") still finds the newest
   figure. (A ``go.FigureWidget`` was tried first: under load its front end sometimes drew an
   empty plot.)
-- saved: ``figure_html`` turns the figure into a ``<div>`` plus a script that needs no network.
-
-plotly.js is about 4.8 MB. A page needs it once: ``nbscaler report`` puts it in the page's head
-(``plotlyjs_script``) and the figures after it leave it out; a notebook fragment carries it only the
-first time this process renders one (``PlotlyJsOnce``), and later fragments wait for
-``window.Plotly`` to appear. Clearing that first output leaves the others blank in a saved
-notebook; ``nbscaler.widgets.plotting.PLOTLYJS.reset()`` makes the next fragment carry it again.
+- saved in a notebook: ``ChartView``'s display bundle (see there): the figure in plotly's MIME type
+  and, as ``text/html``, the same chart drawn as SVG by ``nbscaler.widgets.svgchart``, which needs
+  neither a kernel nor a script nor the network. plotly.js (about 4.8 MB) never goes into a notebook.
+- in a page: ``figure_html`` turns the figure into a ``<div>`` plus a script; ``nbscaler report``
+  puts plotly.js once in the page's head (``plotlyjs_script``), so the page works offline.
 """
 
 from __future__ import annotations
@@ -22,23 +20,30 @@ from __future__ import annotations
 import html
 import json
 import uuid
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.utils import PlotlyJSONEncoder
 
+from nbscaler.widgets.base import View
+
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
-def figure_output(figure: go.Figure) -> dict:
-    """``figure`` as one display-data output, in plotly's MIME type (plain JSON values)."""
+def figure_spec(figure: go.Figure) -> Dict[str, Any]:
+    """``figure`` as plotly's MIME type holds it: data, layout and config, plain JSON values."""
     spec = json.loads(json.dumps(figure.to_plotly_json(), cls=PlotlyJSONEncoder))
+    return {"data": spec.get("data", []), "layout": spec.get("layout", {}),
+            "config": {"displaylogo": False, "responsive": True}}
+
+
+def figure_output(figure: go.Figure) -> dict:
+    """``figure`` as one display-data output, in plotly's MIME type."""
     return {"output_type": "display_data", "metadata": {},
-            "data": {PLOTLY_MIME: {"data": spec.get("data", []), "layout": spec.get("layout", {}),
-                                   "config": {"displaylogo": False, "responsive": True}},
+            "data": {PLOTLY_MIME: figure_spec(figure),
                      "text/plain": f"<plotly figure: {figure.layout.title.text or 'untitled'}>"}}
 
 
@@ -66,24 +71,6 @@ def plotlyjs_script() -> str:
     return f"<script type='text/javascript'>{get_plotlyjs()}</script>"
 
 
-class PlotlyJsOnce:
-    """Whether this process has already put plotly.js into a notebook fragment."""
-
-    def __init__(self) -> None:
-        self.sent = False
-
-    def take(self) -> bool:
-        """True the first time (the caller inlines plotly.js), False afterwards."""
-        first, self.sent = not self.sent, True
-        return first
-
-    def reset(self) -> None:
-        self.sent = False
-
-
-PLOTLYJS = PlotlyJsOnce()
-
-
 def figure_html(figure: go.Figure, *, include_plotlyjs: bool = True, div_id: Optional[str] = None) -> str:
     """A ``<div>`` and a script that draw ``figure`` offline.
 
@@ -102,3 +89,57 @@ def figure_html(figure: go.Figure, *, include_plotlyjs: bool = True, div_id: Opt
     js = plotlyjs_script() if include_plotlyjs else ""
     return (f"{js}<div id='{html.escape(div_id)}' class='nbs-plot' style='width:100%;height:{int(height)}px'></div>"
             f"<script type='text/javascript'>{draw}</script>")
+
+
+class ChartView(View):
+    """A view drawn as one chart above a small table.
+
+    Subclasses keep ``self.figure`` (the plotly figure) current in ``_redraw`` and then call
+    ``self._shown()``; they draw the same chart as SVG in ``svg`` (same data, colours and names from
+    ``nbscaler.widgets.palette``) and write the table in ``table_html``.
+
+    The display bundle carries three renderings, and each reader takes the best it can draw:
+
+    - ``application/vnd.jupyter.widget-view+json``: the live widget, in a running kernel (JupyterLab
+      ranks it first);
+    - ``application/vnd.plotly.v1+json``: the figure, which JupyterLab's plotly renderer draws
+      interactively from a saved notebook without a kernel or the network (it ranks before HTML);
+    - ``text/html``: the SVG and the table (``notebook_html``), which nbconvert, nbviewer and GitHub
+      show: their display priority takes ``text/html`` before the others they know, and skips a widget
+      whose state the notebook did not save.
+    """
+
+    css_class = "nbs-chart-view"
+    figure: go.Figure
+
+    def _build_widget(self) -> widgets.VBox:
+        self._live = FigureAndTable(self.figure, self.table_html())
+        return self._live.box
+
+    def _shown(self) -> None:
+        """Redraw the live widget, if there is one, from the current figure and table."""
+        if self._widget is not None:
+            self._live.show(self.figure, self.table_html())
+
+    def svg(self) -> str:
+        """The chart as an ``<svg>`` element (``nbscaler.widgets.svgchart``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement svg")
+
+    def table_html(self) -> str:
+        """The figures the chart shows, as a small HTML table (readable anywhere)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement table_html")
+
+    def to_html(self, include_plotlyjs: bool = True) -> str:
+        """The interactive chart and the table; with ``include_plotlyjs=False`` the page loads
+        plotly.js itself (``nbscaler report`` does, once, in its head)."""
+        return (f"<div class='nbs-view {self.css_class}'>{figure_html(self.figure, include_plotlyjs=include_plotlyjs)}"
+                f"{self.table_html()}</div>")
+
+    def notebook_html(self) -> str:
+        """The SVG chart and the table: no script, no network, a few tens of kilobytes."""
+        return f"<div class='nbs-view {self.css_class} nbs-static'>{self.svg()}{self.table_html()}</div>"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
+        bundle = super()._repr_mimebundle_(**kwargs)
+        bundle[PLOTLY_MIME] = figure_spec(self.figure)
+        return bundle

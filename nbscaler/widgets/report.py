@@ -28,6 +28,7 @@ from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_seconds
 from nbscaler.widgets.memory import MemoryView
+from nbscaler.widgets.palette import rank_colour
 from nbscaler.widgets.plan_table import PlanView
 from nbscaler.widgets.plotting import figure_html, plotlyjs_script
 from nbscaler.widgets.timeline import TimelineView
@@ -78,7 +79,8 @@ def losses_html(losses: pd.DataFrame) -> str:
     """Loss per step, a line per rank, from a frame with ``step``, ``rank`` and ``loss`` columns."""
     fig = go.Figure()
     for rank, rows in losses.groupby("rank"):
-        fig.add_trace(go.Scatter(x=rows.step, y=rows.loss, mode="lines+markers", name=f"rank {rank}"))
+        fig.add_trace(go.Scatter(x=rows.step, y=rows.loss, mode="lines+markers", name=f"rank {rank}",
+                                 line=dict(color=rank_colour(rank))))
     fig.update_layout(title="Loss per step", xaxis_title="step", yaxis_title="loss", height=360,
                       template="plotly_white")
     return figure_html(fig, include_plotlyjs=False)

@@ -14,21 +14,21 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-import ipywidgets as widgets
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from nbscaler.widgets.base import Measured, View
+from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
-from nbscaler.widgets.plotting import FigureAndTable, PLOTLYJS, figure_html
+from nbscaler.widgets.palette import IDLE_COLOUR, OTHER_COLOUR, PHASE_COLOURS, PHASE_NAMES
+from nbscaler.widgets.plotting import ChartView
+from nbscaler.widgets.svgchart import Block, Panel, lanes_svg
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
-PHASE_COLOURS = {"F": "#4c78a8", "B": "#f58518"}
-PHASE_NAMES = {"F": "forward", "B": "backward"}
+TIME_AXIS = "time in the step (ms)"
 
 
 def normalized(frame: pd.DataFrame) -> pd.DataFrame:
@@ -68,7 +68,7 @@ def add_blocks(fig: go.Figure, frame: pd.DataFrame, labels: Dict[Tuple[int, int]
         fig.add_trace(go.Bar(
             orientation="h", base=blocks.t_start * 1e3, x=(blocks.t_end - blocks.t_start) * 1e3, y=ys,
             name=PHASE_NAMES.get(phase, str(phase)), legendgroup=str(phase), showlegend=row == 1,
-            marker=dict(color=PHASE_COLOURS.get(phase, "#999999"), line=dict(color="white", width=1)),
+            marker=dict(color=PHASE_COLOURS.get(phase, OTHER_COLOUR), line=dict(color="white", width=1)),
             text=[f"{phase}{m}" for m in blocks.micro], textposition="inside", insidetextanchor="middle",
             customdata=list(zip(blocks.micro, blocks.t_start * 1e3, blocks.t_end * 1e3)),
             hovertemplate=(f"{panel} %{{y}}<br>{PHASE_NAMES.get(phase, phase)} of micro-batch %{{customdata[0]}}"
@@ -76,20 +76,33 @@ def add_blocks(fig: go.Figure, frame: pd.DataFrame, labels: Dict[Tuple[int, int]
             row=row, col=1)
 
 
-class TimelineView(View):
+def block_hint(panel: str, lane: str, phase: str, micro: int, start_ms: float, end_ms: float) -> str:
+    """What hovering a block of the SVG says (the figure's hover text says the same)."""
+    return f"{panel} {lane}: {PHASE_NAMES.get(phase, phase)} of micro-batch {micro}, {start_ms:.3f} -> {end_ms:.3f} ms"
+
+
+def lanes_of(frame: pd.DataFrame, labels: Dict[Tuple[int, int], str], panel: str) -> Dict[str, List[Block]]:
+    """The SVG's lanes of one panel: a lane per row label (rank 0 on top), its blocks in ms."""
+    lanes: Dict[str, List[Block]] = {labels[key]: [] for key in sorted(labels)}
+    for r in frame.itertuples(index=False):
+        lane, start, end = labels[(int(r.rank), int(r.stage))], r.t_start * 1e3, r.t_end * 1e3
+        lanes[lane].append(Block(start, end, PHASE_COLOURS.get(r.phase, OTHER_COLOUR), f"{r.phase}{r.micro}",
+                                 block_hint(panel, lane, r.phase, int(r.micro), start, end)))
+    return lanes
+
+
+class TimelineView(ChartView):
     """The predicted (and, after a run, measured) timeline of one training step.
 
     >>> TimelineView(plan)                                                      # doctest: +SKIP
     >>> view.update(measured=Measured(timeline=pd.DataFrame(pm.pipeline_timeline().to_rows())))  # doctest: +SKIP
     """
 
+    css_class = "nbs-timeline"
+
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None) -> None:
         super().__init__(plan, measured=measured)
         self._redraw()
-
-    def _build_widget(self) -> widgets.VBox:
-        self._live = FigureAndTable(self.figure, self.bubble_table)
-        return self._live.box
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -106,29 +119,41 @@ class TimelineView(View):
         self.assumptions = assumptions(self.plan, self.predicted)
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
-        if self._widget is not None:                 # redraw the live one in place
-            self._live.show(self.figure, self.bubble_table)
+        self._shown()
 
-    def _figure(self) -> go.Figure:
-        pipelined = self.plan.config.use_pipeline
-        frames = [("predicted", self.predicted)] + ([("measured", self.measured_frame)]
-                                                    if self.measured_frame is not None else [])
-        labels = row_labels(pd.concat([f for _, f in frames]), pipelined)
+    def _frames(self) -> List[Tuple[str, pd.DataFrame]]:
+        """(panel name, frame): the prediction, and the measurement when there is one."""
+        return [("predicted", self.predicted)] + ([("measured", self.measured_frame)]
+                                                  if self.measured_frame is not None else [])
+
+    def _labels(self) -> Dict[Tuple[int, int], str]:
+        return row_labels(pd.concat([f for _, f in self._frames()]), self.plan.config.use_pipeline)
+
+    def _panel_titles(self) -> List[str]:
+        """Each panel's step time and bubble (the measured one against the prediction)."""
+        frames = self._frames()
         spans = {name: f.t_end.max() if len(f) else 0.0 for name, f in frames}
         titles = [f"{name}: step {fmt_seconds(spans[name])}, bubble {self._total_bubble(name, f):.0%}"
                   for name, f in frames]
         if len(frames) == 2 and spans["predicted"] > 0:
             titles[1] += f" ({spans['measured'] / spans['predicted']:.2g}x the prediction)"
+        return titles
+
+    def _title(self) -> str:
+        return f"Timeline of one training step: {self.plan.policy_name}"
+
+    def _figure(self) -> go.Figure:
+        frames, labels, titles = self._frames(), self._labels(), self._panel_titles()
         fig = make_subplots(rows=len(frames), cols=1, shared_xaxes=True, subplot_titles=titles,
                             vertical_spacing=0.12)
         for i, (name, frame) in enumerate(frames, start=1):
             add_blocks(fig, frame, labels, i, name)
             order = [labels[k] for k in sorted(labels, reverse=True)]
             fig.update_yaxes(categoryorder="array", categoryarray=order, row=i, col=1)
-        fig.update_xaxes(title_text="time in the step (ms)", row=len(frames), col=1)
+        fig.update_xaxes(title_text=TIME_AXIS, row=len(frames), col=1)
         height = 120 + len(frames) * (40 + 28 * len(labels)) + 60
         fig.update_layout(barmode="overlay", height=height, template="plotly_white",
-                          title=f"Timeline of one training step: {self.plan.policy_name}",
+                          title=self._title(),
                           margin=dict(l=130, r=20, t=80, b=120),
                           legend=dict(orientation="h", yref="container", y=0.995, x=1, xanchor="right", yanchor="top"))
         wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
@@ -153,12 +178,17 @@ class TimelineView(View):
                 f"<pre style='font-size:11px;color:#555;white-space:pre-wrap'>{ascii_html(self.assumptions)}</pre>")
 
     # -- rendering --------------------------------------------------------------------------------
-    def to_html(self, include_plotlyjs: bool = True) -> str:
-        return (f"<div class='nbs-view nbs-timeline'>{figure_html(self.figure, include_plotlyjs=include_plotlyjs)}"
-                f"{self.bubble_table}</div>")
+    def svg(self) -> str:
+        """The same panels as the figure: a lane per rank (and stage), a block per forward or
+        backward; the grey a lane shows between its blocks is its bubble."""
+        labels = self._labels()
+        panels = [Panel(title, lanes_of(frame, labels, name))
+                  for (name, frame), title in zip(self._frames(), self._panel_titles())]
+        legend = [(PHASE_NAMES[p], PHASE_COLOURS[p]) for p in PHASE_COLOURS] + [("idle (bubble)", IDLE_COLOUR)]
+        return lanes_svg(self._title(), panels, legend, TIME_AXIS)
 
-    def notebook_html(self) -> str:
-        return self.to_html(include_plotlyjs=PLOTLYJS.take())
+    def table_html(self) -> str:
+        return self.bubble_table
 
 
 def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:

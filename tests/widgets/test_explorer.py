@@ -7,6 +7,7 @@ import os
 import traceback
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +21,11 @@ from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer import Knobs
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, ViewName
+from nbscaler.widgets.explorer.losses import LossCurve
+from nbscaler.widgets.plotting import PLOTLY_MIME
 from tests.models import MLP, batch
+from tests.widgets.offline import external_resources
+from tests.widgets.svg import charts, hint, marks
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -161,6 +166,32 @@ def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
     finally:
         ex.close()
         mlp.close()
+
+
+def test_the_explorer_saves_its_knobs_charts_and_runs_as_html_without_scripts(explorer):
+    assert "press <b>Compile</b>" in explorer._repr_mimebundle_()["text/html"]
+    explorer.set(policy="pp")
+    explorer.compile()
+    bundle = explorer._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle                  # live, in a kernel
+    page = bundle["text/html"]
+    assert "<script" not in page and external_resources(page) == []
+    timeline, memory = charts(page)
+    assert len(marks(timeline, "rect", "nbs-block")) == 2 * 2 * 4 and marks(memory, "rect", "nbs-bar")
+    assert "<th style='text-align:left'>pipeline stages</th><td>2</td>" in page and "nbscaler-runs" in page
+
+
+def test_the_loss_curve_draws_each_ranks_line_in_the_figures_colour():
+    curve = LossCurve()
+    curve.start(2, "run 1: loss per rank")
+    curve.finish(pd.DataFrame({"rank": [0, 0, 1, 1], "step": [0, 1, 0, 1], "loss": [2.0, 1.5, 2.2, 1.25]}), "run 1")
+    (chart,) = charts(curve.svg())
+    lines = marks(chart, "polyline")
+    assert [line.get("stroke") for line in lines] == [trace.line.color for trace in curve.figure.data]
+    assert len(set(line.get("stroke") for line in lines)) == 2
+    assert [hint(dot) for dot in marks(chart, "circle")] == [
+        "rank 0, step 0: 2", "rank 0, step 1: 1.5", "rank 1, step 0: 2.2", "rank 1, step 1: 1.25"]
+    assert PLOTLY_MIME in curve.widget.outputs[0]["data"]                     # plotly's MIME type, no plotly.js
 
 
 def test_explorer_needs_the_dummy_args_of_a_user_model():

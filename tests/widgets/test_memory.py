@@ -6,8 +6,12 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets import Measured, MemoryView
 from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED
+from nbscaler.widgets.palette import MEMORY_COLOURS
+from nbscaler.widgets.plotting import PLOTLY_MIME
+from nbscaler.widgets.formats import fmt_bytes
 from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
 from tests.widgets.offline import external_resources
+from tests.widgets.svg import charts, hint, marks, texts
 
 
 def bars(view, side):
@@ -82,3 +86,29 @@ def test_saved_html_draws_offline():
     assert "Plotly.newPlot" in page and len(page) > 1_000_000             # plotly.js inlined
     assert external_resources(page) == []
     assert len(view.to_html(include_plotlyjs=False)) < 100_000
+
+
+def test_the_saved_form_stacks_each_ranks_kinds_as_svg_predicted_beside_measured():
+    plan = llama_tp()
+    predicted = plan.memory()
+    measured = predicted[["rank", "param_bytes", "grad_bytes"]].assign(param_bytes=lambda f: f.param_bytes * 2)
+    view = MemoryView(plan, Measured(memory=measured))
+    bundle = view._repr_mimebundle_()
+    assert PLOTLY_MIME in bundle and "<script" not in bundle["text/html"]
+    (chart,) = charts(bundle["text/html"])
+    segments = marks(chart, "rect", "nbs-bar")
+    kinds = [str(k) for k in MEMORY_CATEGORIES]
+    assert len(segments) == 4 * (len(kinds) + 2)                  # 4 ranks: every kind predicted, 2 measured
+    scale = float(segments[0].get("height")) / predicted.param_bytes[0]
+    for rank in range(4):
+        for side, frame, shown in ((PREDICTED, predicted, kinds), (MEASURED, measured, kinds[:2])):
+            for kind in shown:
+                value = frame.loc[frame["rank"] == rank, kind].iloc[0]
+                (segment,) = [s for s in segments if hint(s) == f"rank {rank}, {LABELS[kind]} ({side}): {fmt_bytes(value)}"]
+                assert segment.get("fill") == MEMORY_COLOURS[kind]
+                assert float(segment.get("height")) == pytest.approx(value * scale, abs=0.15)
+    figure_colours = {trace.name: trace.marker.color for trace in view.figure.data}
+    assert figure_colours == {LABELS[k]: MEMORY_COLOURS[k] for k in kinds}    # one palette for both
+    words = texts(chart)
+    assert {f"rank {r}" for r in range(4)} <= set(words) and words.count(MEASURED) == 4
+    assert {LABELS[k] for k in kinds} <= set(words) and view._title() in words

@@ -6,9 +6,12 @@ import pytest
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.widgets import Measured, TimelineView
+from nbscaler.widgets.palette import IDLE_COLOUR, PHASE_COLOURS
+from nbscaler.widgets.plotting import PLOTLY_MIME, figure_spec
 from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
 from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
 from tests.widgets.offline import external_resources
+from tests.widgets.svg import charts, hint, marks, texts
 
 
 def drawn_blocks(figure, panel_row):
@@ -93,3 +96,26 @@ def test_update_redraws_in_place_and_saves_offline():
     assert {t["yaxis"] for t in shown_figure(box)["data"]} == {"y"} and "measured" not in view.bubbles
     page = view.to_html()
     assert external_resources(page) == [] and "Plotly.newPlot" in page and "rank 3" in page
+
+
+def test_the_saved_form_draws_every_block_and_bubble_as_svg_beside_plotlys_figure():
+    plan = llama_pp()
+    view = TimelineView(plan, Measured(timeline=pd.DataFrame(plan.timeline().to_rows())))
+    bundle = view._repr_mimebundle_()
+    assert bundle[PLOTLY_MIME]["data"] == figure_spec(view.figure)["data"]      # live JupyterLab, no kernel
+    page = bundle["text/html"]                                                 # nbconvert, nbviewer, GitHub
+    assert "<script" not in page and external_resources(page) == [] and len(page) < 100_000
+    (chart,) = charts(page)
+    blocks = marks(chart, "rect", "nbs-block")
+    assert len(blocks) == 2 * len(view.predicted) == 2 * 2 * 2 * 4            # 2 panels x ranks x F,B x micros
+    assert {b.get("fill") for b in blocks if "forward" in hint(b)} == {PHASE_COLOURS["F"]}
+    assert {b.get("fill") for b in blocks if "backward" in hint(b)} == {PHASE_COLOURS["B"]}
+    words = texts(chart)
+    assert {"rank 0 · stage 0", "rank 1 · stage 1", "forward", "backward", "idle (bubble)"} <= set(words)
+    assert any(w.startswith("predicted: step") for w in words) and any(w.startswith("measured: step") for w in words)
+    # each lane's grey band is its panel's step; the blocks leave uncovered exactly the rank's bubble
+    bands = [r for r in marks(chart, "rect") if r.get("fill") == IDLE_COLOUR and "idle where" in hint(r)]
+    assert len(bands) == 4
+    lane = [b for b in blocks if hint(b).startswith("predicted rank 0 ")]
+    covered = sum(float(b.get("width")) for b in lane) / float(bands[0].get("width"))
+    assert covered == pytest.approx(1 - view.bubbles.predicted[0], abs=0.01)

@@ -35,6 +35,7 @@ from nbscaler.widgets.explorer.losses import LossCurve
 from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user_model
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
+from nbscaler.widgets.explorer.snapshot import snapshot_html
 from nbscaler.widgets.explorer.trainer import TrainOutcome, TrainSettings, train_on_cluster
 
 TABS = (ViewName.GRAPH, ViewName.PLAN, ViewName.CODE, ViewName.WHY)
@@ -101,9 +102,12 @@ class Explorer:
             w.HBox([self.losses.widget, self.runs_table])], layout=w.Layout(padding="6px"))
         self.widget.add_class("nbscaler-explorer")
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
+        """The live widget, and for readers without a kernel the Explorer as it stands now
+        (``snapshot_html``: knobs, charts as SVG, losses, runs)."""
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
+        bundle["text/html"] = snapshot_html(self)
+        return bundle
 
     @property
     def runs(self) -> pd.DataFrame:

@@ -15,6 +15,7 @@ asked for it), and a knob that does not apply is hidden (GPT layers for your own
 from __future__ import annotations
 
 import contextlib
+import html
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import ipywidgets as w
@@ -136,6 +137,16 @@ class Controls:
         self.stages.disabled = not self._end2end
         pipelined = self._end2end and self.knobs(self._end2end).pipelined
         self.nmicros.disabled = self.scheduler.disabled = not pipelined
+
+    def as_table(self) -> str:
+        """The model and the knobs as the controls show them, as an HTML table (for the saved
+        form of the Explorer); a knob that does not apply reads ``n/a``."""
+        shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
+                 self.nmicros, self.scheduler, self.use_zero]
+        rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
+                       f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
+                       for c in shown if c.layout.display != "none")
+        return f"<table class='nbscaler-knobs' style='border-collapse:collapse;font-size:13px'>{rows}</table>"
 
     def set_runs(self, run_ids: List[int]) -> None:
         """Offer these runs to the Compare pickers; preselect the last two."""

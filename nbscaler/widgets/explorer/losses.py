@@ -7,6 +7,7 @@ the full telemetry once training is over.
 The figure is a plain plotly ``Figure`` shown in an ``Output`` widget (plotly's own mime renderer)
 and shown again when it changes, at most every ``REDRAW_S`` seconds: several ``FigureWidget``s
 that render at the same moment can come up empty in JupyterLab, and the Explorer shows three.
+``svg()`` draws the same lines, in the same colours, for a notebook read without scripts.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any, Dict, List
 import ipywidgets as w
 import pandas as pd
 import plotly.graph_objects as go
-from IPython import get_ipython
-from IPython.display import clear_output, display
+
+from nbscaler.widgets.palette import rank_colour
+from nbscaler.widgets.plotting import show_figure
+from nbscaler.widgets.svgchart import Series, lines_svg
 
 REDRAW_S = 0.3
 
@@ -41,7 +44,8 @@ class LossCurve:
         self._seen = [0] * nranks
         self.figure.data = []
         for rank in range(nranks):
-            self.figure.add_scatter(x=[], y=[], mode="lines+markers", name=f"rank {rank}")
+            self.figure.add_scatter(x=[], y=[], mode="lines+markers", name=f"rank {rank}",
+                                    line=dict(color=rank_colour(rank)))
         self.figure.layout.title = title
         self._draw()
 
@@ -68,10 +72,12 @@ class LossCurve:
         self.figure.layout.title = title
         self._draw()
 
+    def svg(self) -> str:
+        """The figure's lines as SVG (``nbscaler.widgets.svgchart``)."""
+        series = [Series(trace.name, rank_colour(rank), list(zip(trace.x or (), trace.y or ())))
+                  for rank, trace in enumerate(self.figure.data)]
+        return lines_svg(self.figure.layout.title.text or "loss per rank", series, "step", "loss")
+
     def _draw(self) -> None:
         self._drawn_at = time.monotonic()
-        if get_ipython() is None:            # no front end to show it to (a script, a test)
-            return
-        with self.widget:
-            clear_output(wait=True)
-            display(self.figure)
+        show_figure(self.widget, self.figure)    # plotly's MIME type: never plotly.js itself

@@ -1,0 +1,35 @@
+"""The views' colours and names for what their charts draw: the one place both renderings ask.
+
+A chart view draws the same data twice, as a plotly figure (live, interactive) and as an SVG that
+nbscaler writes itself (saved notebooks, GitHub, nbviewer); both read their colours and legend
+names here, so the two always agree.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from nbscaler.columns import SummaryColumn as C
+
+PHASE_COLOURS: Dict[str, str] = {"F": "#4c78a8", "B": "#f58518"}
+"""A pipeline block's colour by phase (forward, backward)."""
+PHASE_NAMES: Dict[str, str] = {"F": "forward", "B": "backward"}
+OTHER_COLOUR = "#999999"
+"""A phase or kind the tables above do not name."""
+IDLE_COLOUR = "#eeeeee"
+"""Where a rank waits: the bubble of a timeline."""
+
+MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GRAD_BYTES: "gradients",
+                                 C.OPTIMIZER_BYTES: "optimizer state", C.BUFFER_BYTES: "buffers",
+                                 C.ACTIVATION_BYTES: "activations"}
+"""The legend name of each memory category (``nbscaler.columns.MEMORY_CATEGORIES``)."""
+MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
+                                  C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
+
+RANK_COLOURS: List[str] = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6"]
+"""One colour per rank, for charts with a line per rank (the loss curve)."""
+
+
+def rank_colour(rank: int) -> str:
+    """The colour of ``rank``'s line (the list repeats past eight ranks)."""
+    return RANK_COLOURS[int(rank) % len(RANK_COLOURS)]
