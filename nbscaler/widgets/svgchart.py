@@ -164,7 +164,7 @@ def lanes_svg(title: str, panels: Sequence[Panel], items: Legend, axis_title: st
     """Panels of lanes on one shared time axis. Each lane's grey band runs to its panel's last end:
     where no block covers it, that lane waited (the bubble of a pipeline)."""
     ends = [b.end for p in panels for blocks in p.lanes.values() for b in blocks]
-    ticks = nice_ticks(0.0, max(ends, default=0.0) or 1.0)
+    ticks = nice_ticks(0.0, max(ends, default=0.0) or 1.0, count=8)      # the axis ends near the last block
     to_x = Scale(0.0, ticks[-1], LANES_LEFT, width - 20)
     y, body = 54.0, [legend(items, LANES_LEFT, 42)]
     top = y

@@ -219,33 +219,37 @@ class LabPage:
 
     def screenshot(self, name: str, selector: Optional[str] = None) -> Path:
         """Save a PNG of the page (or of one element) and check it is not blank."""
-        path = self.screenshots / f"{name}.png"
-        target = self.page.locator(selector).first if selector else self.page
-        png = target.screenshot(path=str(path))
-        stats = self.image_stats(png)
-        assert stats["colours"] >= 8 and stats["non_background"] > 0.01, (
-            f"screenshot {path} looks blank: {stats}")
-        return path
+        return screenshot(self.page, self.screenshots / f"{name}.png", selector)
 
-    def image_stats(self, png: bytes) -> Dict[str, float]:
-        """Distinct colours and the share of pixels unlike the top-left one, decoded by the browser."""
-        return self.page.evaluate("""async (data) => {
-            const img = new Image();
-            img.src = 'data:image/png;base64,' + data;
-            await img.decode();
-            const canvas = document.createElement('canvas');
-            canvas.width = img.width; canvas.height = img.height;
-            const ctx = canvas.getContext('2d');
-            ctx.drawImage(img, 0, 0);
-            const px = ctx.getImageData(0, 0, img.width, img.height).data;
-            const colours = new Set();
-            let other = 0;
-            for (let i = 0; i < px.length; i += 4) {
-                colours.add((px[i] << 16) | (px[i + 1] << 8) | px[i + 2]);
-                if (px[i] !== px[0] || px[i + 1] !== px[1] || px[i + 2] !== px[2]) other++;
-            }
-            return {colours: colours.size, non_background: other / (px.length / 4)};
-        }""", base64.b64encode(png).decode())
+
+def screenshot(page, path: Path, selector: Optional[str] = None, full_page: bool = False) -> Path:
+    """Save a PNG of ``page`` (or of one element) at ``path`` and check it is not blank."""
+    target = page.locator(selector).first if selector else page
+    png = target.screenshot(path=str(path), **({"full_page": True} if full_page and not selector else {}))
+    stats = image_stats(page, png)
+    assert stats["colours"] >= 8 and stats["non_background"] > 0.01, f"screenshot {path} looks blank: {stats}"
+    return path
+
+
+def image_stats(page, png: bytes) -> Dict[str, float]:
+    """Distinct colours and the share of pixels unlike the top-left one, decoded by the browser."""
+    return page.evaluate("""async (data) => {
+        const img = new Image();
+        img.src = 'data:image/png;base64,' + data;
+        await img.decode();
+        const canvas = document.createElement('canvas');
+        canvas.width = img.width; canvas.height = img.height;
+        const ctx = canvas.getContext('2d');
+        ctx.drawImage(img, 0, 0);
+        const px = ctx.getImageData(0, 0, img.width, img.height).data;
+        const colours = new Set();
+        let other = 0;
+        for (let i = 0; i < px.length; i += 4) {
+            colours.add((px[i] << 16) | (px[i + 1] << 8) | px[i + 2]);
+            if (px[i] !== px[0] || px[i + 1] !== px[1] || px[i + 2] !== px[2]) other++;
+        }
+        return {colours: colours.size, non_background: other / (px.length / 4)};
+    }""", base64.b64encode(png).decode())
 
 
 @contextlib.contextmanager
