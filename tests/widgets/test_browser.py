@@ -1,8 +1,8 @@
 """The Explorer in a real browser: JupyterLab started on a free port, driven by Chromium.
 
 The test opens a notebook whose one cell shows ``Explorer()``, clicks Compile, expands a block in
-the graph, switches the policy to ``pp`` and then to ``autodist`` (reading why in the why tab), and
-checks what the page shows after each step; it
+the graph, switches the policy to ``pp`` (the stages knob then reads the plan's 2 stages) and then to
+``autodist`` (reading why in the why tab), and checks what the page shows after each step; it
 saves a screenshot of each (set ``NBSCALER_SCREENSHOTS=DIR`` to keep them) and checks none is blank.
 """
 
@@ -79,6 +79,9 @@ def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
         # the timeline's notes now time the blocks of the pipeline's second stage
         page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline :text('stage 1')", timeout=WAIT_MS)
         assert page.locator(f"{EXPLORER} .nbscaler-pane-timeline .js-plotly-plot").count() >= 1
+        stages = page.locator(f"{EXPLORER} .widget-dropdown:has(label:text-is('pipeline stages')) select")
+        page.wait_for_function("s => s.options[s.selectedIndex].text === '2'", arg=stages.element_handle(),
+                               timeout=WAIT_MS)                  # the knob reads the plan's 2 stages
         clock("policy switched to pp, timeline redrawn")
         assert re.search(r"in \d+ ms", status(page))
         lab.screenshot("4-explorer-policy-pp", EXPLORER)
