@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 from nbscaler.widgets.formats import ascii_html
 from nbscaler.widgets.palette import IDLE_COLOUR
@@ -154,7 +154,7 @@ class Panel:
     """A titled set of lanes (label -> blocks), drawn top to bottom in insertion order."""
 
     title: str
-    lanes: dict = field(default_factory=dict)
+    lanes: Dict[str, List[Block]] = field(default_factory=dict)
 
 
 LANE, LANE_GAP, LANES_LEFT = 24, 4, 150

@@ -104,7 +104,8 @@ def test_the_saved_form_stacks_each_ranks_kinds_as_svg_predicted_beside_measured
         for side, frame, shown in ((PREDICTED, predicted, kinds), (MEASURED, measured, kinds[:2])):
             for kind in shown:
                 value = frame.loc[frame["rank"] == rank, kind].iloc[0]
-                (segment,) = [s for s in segments if hint(s) == f"rank {rank}, {LABELS[kind]} ({side}): {fmt_bytes(value)}"]
+                want = f"rank {rank}, {LABELS[kind]} ({side}): {fmt_bytes(value)}"
+                (segment,) = [s for s in segments if hint(s) == want]
                 assert segment.get("fill") == MEMORY_COLOURS[kind]
                 assert float(segment.get("height")) == pytest.approx(value * scale, abs=0.15)
     figure_colours = {trace.name: trace.marker.color for trace in view.figure.data}

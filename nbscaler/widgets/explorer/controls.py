@@ -50,7 +50,8 @@ class Controls:
         self.model = w.Dropdown(options=[SHIPPED_GPT] + ([USER_MODEL] if user_model else []),
                                 value=USER_MODEL if user_model else SHIPPED_GPT, description="model", **_label())
         self.n_layer = w.BoundedIntText(value=2, min=1, max=48, description="GPT layers", **_label())
-        self.policy = w.Dropdown(options=list(self._policies), value=knobs.policy_label, description="policy", **_label())
+        self.policy = w.Dropdown(options=list(self._policies), value=knobs.policy_label, description="policy",
+                                 **_label())
         self.plan_ngpus = w.Dropdown(options=DEVICE_CHOICES, value=knobs.plan_ngpus, description="plan devices",
                                      **_label())
         self.runtime_ngpus = w.Dropdown(options=DEVICE_CHOICES, value=knobs.runtime_ngpus,
