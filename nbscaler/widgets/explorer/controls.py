@@ -31,7 +31,6 @@ USER_MODEL = "your module"
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero")
 
 
-
 def _label() -> Dict[str, Any]:
     """A labelled control's style, with a layout of its own (hiding one hides no other)."""
     return {"style": {"description_width": "120px"}, "layout": w.Layout(width="280px")}
