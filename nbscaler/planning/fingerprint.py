@@ -21,7 +21,7 @@ those, ``differences`` compares what the choice leaves alone: the traced ops, th
 FLOPs and bytes.
 
 ``plan.ops``, ``plan.collectives``, ``plan.memory()`` and ``plan.summary()`` keep theirs in the
-frame's ``attrs``, which pandas carries through slices (``plan.ops[["name", "split"]]``); in an
+frame's ``attrs`` (made when first shown), which pandas carries through slices (``plan.ops[["name", "split"]]``); in an
 IPython kernel a display hook puts it into the frame's output.
 """
 
@@ -94,9 +94,6 @@ class Fingerprint:
     tables: Mapping[str, Dict[str, Any]] = field(default_factory=dict)   # name -> {"columns", "rows"}
     chosen_by_time: bool = False       # placed by op times measured here (autodist): see the module doc
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "Fingerprint":
-        return self            # immutable: pandas deep-copies ``attrs`` on every slice
-
     def __or__(self, other: "Fingerprint") -> "Fingerprint":
         return Fingerprint(self.plan, {**self.tables, **other.tables}, self.chosen_by_time or other.chosen_by_time)
 
@@ -128,9 +125,27 @@ def frame_rows(frame: pd.DataFrame) -> Dict[str, Any]:
     return {"columns": columns, "rows": rows}
 
 
+class TableFingerprint:
+    """What a plan table keeps in its ``attrs``: the table, to make its fingerprint from the first
+    time a notebook shows it or a slice of it (a large plan has thousands of ops, mostly never shown)."""
+
+    def __init__(self, frame: pd.DataFrame, table: Table, plan: Any) -> None:
+        self._frame, self._table = frame, table
+        self._plan, self._timed = repr(plan), chosen_by_time(plan)
+        self._made: Optional[Fingerprint] = None
+
+    def get(self) -> Fingerprint:
+        if self._made is None:
+            self._made = Fingerprint(self._plan, {str(self._table): frame_rows(self._frame)}, self._timed)
+        return self._made
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "TableFingerprint":
+        return self            # pandas deep-copies ``attrs`` on every slice; this stays shared
+
+
 def tag(frame: pd.DataFrame, table: Table, plan: Any) -> pd.DataFrame:
     """Attach ``frame``'s fingerprint (as table ``table`` of ``plan``) to it and return it."""
-    frame.attrs[ATTR] = Fingerprint(repr(plan), {str(table): frame_rows(frame)}, chosen_by_time(plan))
+    frame.attrs[ATTR] = TableFingerprint(frame, table, plan)
     _show_in_notebooks()
     return frame
 
@@ -150,7 +165,7 @@ def code_fingerprint(plan: Any, rank: int) -> Fingerprint:
 
 def of_frames(*frames: pd.DataFrame) -> Optional[Fingerprint]:
     """The fingerprints ``frames`` carry, merged (``None`` when none carries one)."""
-    found = [f.attrs[ATTR] for f in frames if isinstance(f.attrs.get(ATTR), Fingerprint)]
+    found = [f.attrs[ATTR].get() for f in frames if isinstance(f.attrs.get(ATTR), TableFingerprint)]
     if not found:
         return None
     merged = found[0]

@@ -30,22 +30,22 @@ def plan():
 def test_every_plan_table_carries_its_rows_without_seconds_or_source_paths(plan):
     summary = plan.summary()
     assert "step_time_s" in summary.columns
-    fp = summary.attrs[ATTR]
+    fp = of_frames(summary)
     assert list(fp.tables) == ["summary"] and "step_time_s" not in fp.tables["summary"]["columns"]
     assert fp.tables["summary"]["rows"][0][:2] == ["0", f"{summary.flops[0]:.0f}"]
-    ops = plan.ops.attrs[ATTR].tables["ops"]
+    ops = of_frames(plan.ops).tables["ops"]
     assert len(ops["rows"]) == len(plan.ops) and {"source_file", "source_line"}.isdisjoint(ops["columns"])
-    assert list(plan.memory().attrs[ATTR].tables) == ["memory"]
-    assert list(plan.collectives.attrs[ATTR].tables) == ["collectives"]
+    assert list(of_frames(plan.memory()).tables) == ["memory"]
+    assert list(of_frames(plan.collectives).tables) == ["collectives"]
     # A slice or a derived table shows rows of the same plan table, and keeps its fingerprint.
     assert plan.ops[["name", "split"]].attrs[ATTR] is plan.ops.attrs[ATTR]
-    assert (summary.set_index("rank") / 2**20).attrs[ATTR] is fp
+    assert of_frames(summary.set_index("rank") / 2**20) is fp
 
 
 def test_the_same_code_gives_the_same_fingerprint(plan):
     again = hybrid()
     for a, b in [(plan.ops, again.ops), (plan.collectives, again.collectives), (plan.summary(), again.summary())]:
-        assert a.attrs[ATTR] == b.attrs[ATTR] and not differences(a.attrs[ATTR], b.attrs[ATTR])
+        assert of_frames(a) == of_frames(b) and not differences(of_frames(a), of_frames(b))
 
 
 def test_a_changed_plan_names_its_changed_rows(plan):
@@ -68,7 +68,7 @@ def test_another_policy_differs_in_placement_and_collectives(plan):
     tp = plan.replan("tp", ComputeConfig(plan_ngpus=4, runtime_ngpus=4))
     found = differences(of_frames(plan.ops, plan.collectives), of_frames(tp.ops, tp.collectives))
     assert [line.split(" differ")[0] for line in found] == ["collectives", "ops"]
-    assert differences(plan.memory().attrs[ATTR], tp.memory().attrs[ATTR])[0].startswith("memory differ")
+    assert differences(of_frames(plan.memory()), of_frames(tp.memory()))[0].startswith("memory differ")
 
 
 def test_a_placement_chosen_by_time_is_compared_where_the_choice_leaves_it_alone(plan):

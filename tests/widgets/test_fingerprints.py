@@ -7,7 +7,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
-from nbscaler.planning.fingerprint import ATTR, FINGERPRINT_MIME, Fingerprint, of_frames
+from nbscaler.planning.fingerprint import FINGERPRINT_MIME, Fingerprint, of_frames
 from nbscaler.widgets import CodeView, GraphView, MemoryView, PlanView, TimelineView
 
 
@@ -24,7 +24,7 @@ def shown(view) -> Fingerprint:
 def test_views_carry_the_tables_they_show(plan):
     tables = of_frames(plan.ops, plan.collectives)
     assert shown(PlanView(plan)) == tables and shown(GraphView(plan)) == tables
-    assert shown(MemoryView(plan, optimizer=torch.optim.AdamW)) == plan.memory(torch.optim.AdamW).attrs[ATTR]
+    assert shown(MemoryView(plan, optimizer=torch.optim.AdamW)) == of_frames(plan.memory(torch.optim.AdamW))
     assert shown(MemoryView(plan)) != shown(MemoryView(plan, optimizer=torch.optim.AdamW))
     code = shown(CodeView(plan, rank=1)).tables["code rank 1"]
     assert [text for _, text in code["rows"]] == plan.sources[1].splitlines()
