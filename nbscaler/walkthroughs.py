@@ -225,7 +225,9 @@ def save(nb: Any, path: Path, root: Path) -> int:
     if len(data) >= MAX_SAVED_BYTES:
         raise NotebookFailed(f"{path.name} would be {len(data):,} bytes, over the {MAX_SAVED_BYTES:,} a saved "
                              f"notebook may have; the saved file is unchanged (show less, e.g. fewer or smaller charts)")
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
     atomic_write_bytes(path, data)
+    os.chmod(path, mode)                        # the temporary file was private (mkstemp); readers are not
     return len(data)
 
 

@@ -76,6 +76,7 @@ def test_notebooks_are_chosen_by_number_or_name(tmp_path):
 def test_save_stamps_drops_widget_state_and_never_writes_an_oversized_file(plans, tmp_path, monkeypatch):
     path = tmp_path / "01_tour.ipynb"
     path.write_text("the saved notebook")
+    path.chmod(0o640)
     nb = notebook(shown(plans[0]))
     nb.cells[1].outputs[0]["data"][walkthroughs.WIDGET_VIEW_MIME] = {"model_id": "abc", "version_major": 2,
                                                                       "version_minor": 0}
@@ -89,6 +90,7 @@ def test_save_stamps_drops_widget_state_and_never_writes_an_oversized_file(plans
     back = nbformat.read(path, as_version=4)
     assert provenance_problems(back) == [] and "widgets" not in back.metadata
     assert set(back.cells[1].outputs[0]["data"]) == {"text/plain", FINGERPRINT_MIME}
+    assert path.stat().st_mode & 0o777 == 0o640              # as the saved file was
 
 
 @pytest.mark.notebook
