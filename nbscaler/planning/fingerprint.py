@@ -203,7 +203,7 @@ def table_differences(name: str, saved: Mapping[str, Any], now: Mapping[str, Any
         match = keyed.get(tuple(r[i] for i in key_at)) if key_at else None
         if match is not None and match in added:
             added.remove(match)
-            changed = [f"{c} {a or '-'} -> {b or '-'}" for c, a, b in zip(columns, r, match) if a != b]
+            changed = [f"{c} '{a or '-'}' -> '{b or '-'}'" for c, a, b in zip(columns, r, match) if a != b]
             notes.append(f"{' '.join(r[i] for i in key_at)}: {', '.join(changed)}")
         else:
             notes.append(f"saved only: {_row_text(columns, r)}")
