@@ -8,7 +8,7 @@ TORCHVISION_VERSION ?= 0.28.0
 TIMM_VERSION ?= 1.0.31
 APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium slurmctld slurmd slurm-client munge iproute2
 
-.PHONY: setup demo test test-fast lab
+.PHONY: setup demo test test-fast lab notebooks
 
 setup:
 	@# The pinned CPU build first, so that the project install does not pull a CUDA build.
@@ -42,3 +42,8 @@ test-fast:
 
 lab: setup
 	$(PYTHON) -m jupyter lab notebooks
+
+# Run every walkthrough in a fresh kernel and save it with its outputs and provenance
+# (`make notebooks ONLY="01 04"` for some).
+notebooks: setup
+	$(PYTHON) -m nbscaler.cli notebooks $(if $(ONLY),--only $(ONLY))

@@ -1,8 +1,10 @@
 """Command line: ``nbscaler demo`` runs the demo; ``nbscaler show DIR [RANK]`` prints generated code;
-``nbscaler report DIR`` writes every view of a compiled module to one offline HTML file.
+``nbscaler report DIR`` writes every view of a compiled module to one offline HTML file;
+``nbscaler notebooks [--only NN ...]`` runs the walkthroughs again and saves them with their outputs.
 
 >>> python -m nbscaler.cli demo --ranks 4          # doctest: +SKIP
 >>> nbscaler report .nbscaler/_parallel_modules/tests.models.Llama/_ -o llama.html   # doctest: +SKIP
+>>> python -m nbscaler.cli notebooks --only 01 04     # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                           help="the optimizer whose state the memory view counts")
     report_p.add_argument("--measured", help="a folder written by Measured.save (default: <path>/measured if present)")
+    nb_p = sub.add_parser("notebooks", help="run the walkthroughs in fresh kernels and save them with their outputs")
+    nb_p.add_argument("--only", nargs="+", default=[], metavar="NAME",
+                      help="these notebooks only, by number (01) or name (01_tour); default: all")
+    nb_p.add_argument("--folder", help="the folder of NN_*.ipynb notebooks (default: notebooks/ of this checkout)")
+    nb_p.add_argument("--timeout", type=int, default=600, help="seconds a cell may run (default 600)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         return demo(rest)
@@ -90,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "report":
         return report(args.path, args.out, args.optimizer, args.measured)
+    if args.command == "notebooks":
+        from nbscaler.walkthroughs import main as save_notebooks
+        return save_notebooks(args.only, args.folder, args.timeout)
     return show(args.path, args.rank)
 
 

@@ -36,6 +36,7 @@ from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
 from nbscaler.cost.timing import predicted_timeline
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
+from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import get_policy
 from nbscaler.policy.checks import check_placements
@@ -122,13 +123,13 @@ class Plan:
     @functools.cached_property
     def ops(self) -> pd.DataFrame:
         """One row per node of the training graph: placement, shapes and cost facts."""
-        return tables.ops_frame(self.graph)
+        return tag(tables.ops_frame(self.graph), Table.OPS, self)
 
     @functools.cached_property
     def collectives(self) -> pd.DataFrame:
         """One row per collective on an edge of the training graph (and per pipeline crossing)."""
         nstages = self.schedule.nstages if self.schedule is not None else None
-        return tables.collectives_frame(collective_steps(self.graph, self.storage, nstages))
+        return tag(tables.collectives_frame(collective_steps(self.graph, self.storage, nstages)), Table.COLLECTIVES, self)
 
     def traffic(self) -> pd.DataFrame:
         """Bytes each runtime rank sends and receives in one training step on the graph's edges and
@@ -137,12 +138,12 @@ class Plan:
 
     def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
         """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted."""
-        return tables.summary_frame(self, optimizer, optimizer_kwargs)
+        return tag(tables.summary_frame(self, optimizer, optimizer_kwargs), Table.SUMMARY, self)
 
     def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
         """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)."""
-        return memory_per_rank(self.graphs, self.storage, self.config, self.geometry,
-                               optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, runs=self.local_runs)
+        return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
+                                   optimizer_kwargs=optimizer_kwargs, runs=self.local_runs), Table.MEMORY, self)
 
     def timeline(self) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``."""
@@ -178,6 +179,11 @@ class Plan:
 
     def _repr_html_(self) -> str:
         return tables.plan_html(self)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
+        """Beside the HTML card: the fingerprint of the ops and collectives it sums up
+        (``nbscaler.planning.fingerprint``), which a saved notebook is checked against."""
+        return bundle(of_frames(self.ops, self.collectives))
 
     def __repr__(self) -> str:
         cfg = self.config

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import pandas as pd
 
+from nbscaler.widgets.fingerprints import view_bundle
+
 if TYPE_CHECKING:                      # views import the planner lazily: a type only
     import ipywidgets
 
@@ -134,6 +136,7 @@ class View:
             bundle.update(data or {})
         bundle["text/html"] = self.notebook_html()
         bundle.setdefault("text/plain", repr(self))
+        bundle.update(view_bundle(self))           # the plan tables shown, to check saved notebooks by
         return bundle
 
     def __repr__(self) -> str:

@@ -1,18 +1,20 @@
 """Every walkthrough in notebooks/ runs top to bottom in a fresh kernel, as a reader would run it, and
 each one checks its own numbers in its cells (an ``assert`` that fails is an error output, and fails
-the test). The saved copies, read on GitHub without a kernel, are checked without running anything."""
+the test). The saved copies, read on GitHub without a kernel, are checked without running anything:
+saved by ``python -m nbscaler.cli notebooks``, from the cells they hold; and each run compares the
+plan tables its outputs show (ops, collectives, memory, code; never seconds) with the saved ones."""
 
-import os
 import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from nbscaler.walkthroughs import (MAX_SAVED_BYTES, NOTEBOOK_PATTERN, execute, provenance_problems, rerun_command,
+                                   stale_outputs)
 
 ROOT = Path(__file__).parents[2]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-MAX_SAVED_BYTES = 5 * 10**6
+NOTEBOOKS = sorted((ROOT / "notebooks").glob(NOTEBOOK_PATTERN))
 
 
 def _needs(path: Path):
@@ -51,17 +53,21 @@ def test_saved_with_outputs_small_and_clean(path):
     assert path.stat().st_size < MAX_SAVED_BYTES, f"{path.name} is {path.stat().st_size:,} bytes"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_saved_with_provenance_from_its_cells(path):
+    problems = provenance_problems(nbformat.read(path, as_version=4))
+    assert not problems, f"{path.name}: {problems[0]}; re-run `{rerun_command(path)}`"
+
+
 @pytest.mark.notebook
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", [pytest.param(p, marks=_needs(p)) for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
-    # The kernel and the engines it starts import this checkout.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    nb = nbformat.read(path, as_version=4)
-    # Widget state is kept: nbclient routes an Output widget's captured output through it, and fails
-    # with a KeyError on the widget's id when it is not kept.
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute()                      # raises CellExecutionError at the first failing cell
+def test_notebook_runs(path):
+    saved = nbformat.read(path, as_version=4)
+    # As the saving command runs it: a fresh kernel that (with the engines it starts) imports this
+    # checkout; raises NotebookFailed at the first failing cell.
+    nb = execute(path, ROOT, timeout=300, log=lambda line: None)
     assert not _errors(nb), _errors(nb)
+    stale = stale_outputs(path, saved, nb)
+    assert not stale, "\n".join(stale)

@@ -1,0 +1,31 @@
+"""Every view that shows a plan's tables carries their fingerprint in its MIME bundle; the timeline,
+which draws seconds only, carries none."""
+
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.planning.fingerprint import FINGERPRINT_MIME, Fingerprint, of_frames
+from nbscaler.widgets import CodeView, GraphView, MemoryView, PlanView, TimelineView
+
+
+@pytest.fixture(scope="module")
+def plan():
+    cfg = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 2)}, "tp", ComputeConfig(2, 2))
+
+
+def shown(view) -> Fingerprint:
+    return Fingerprint.from_json(view._repr_mimebundle_()[FINGERPRINT_MIME])
+
+
+def test_views_carry_the_tables_they_show(plan):
+    tables = of_frames(plan.ops, plan.collectives)
+    assert shown(PlanView(plan)) == tables and shown(GraphView(plan)) == tables
+    assert shown(MemoryView(plan, optimizer=torch.optim.AdamW)) == of_frames(plan.memory(torch.optim.AdamW))
+    assert shown(MemoryView(plan)) != shown(MemoryView(plan, optimizer=torch.optim.AdamW))
+    code = shown(CodeView(plan, rank=1)).tables["code rank 1"]
+    assert [text for _, text in code["rows"]] == plan.sources[1].splitlines()
+    assert FINGERPRINT_MIME not in TimelineView(plan)._repr_mimebundle_()
