@@ -11,7 +11,7 @@ import torch
 from nbscaler.columns import MEMORY_COLUMNS
 from nbscaler.cost.memory import in_flight_peak, optimizer_state_bytes
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_ranks, zero
+from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_cases, zero
 
 
 @pytest.mark.parametrize("optimizer, kwargs, expected", [
@@ -74,8 +74,7 @@ MULTI = [
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    per_rank = run_ranks(measure_memory, 2, MULTI, str(tmp_path_factory.mktemp("gen")))
-    return {case: [res[i] for res in per_rank] for i, case in enumerate(MULTI)}
+    return run_cases(measure_memory, 2, MULTI, str(tmp_path_factory.mktemp("gen")))
 
 
 @pytest.mark.multiprocess
@@ -96,9 +95,8 @@ FOUR = [
 
 @pytest.mark.multiprocess
 def test_memory_model_is_exact_on_four_ranks(tmp_path):
-    per_rank = run_ranks(measure_memory, 4, FOUR, str(tmp_path))
-    for i, case in enumerate(FOUR):
-        _check(case, predicted_memory(case), [res[i] for res in per_rank])
+    for case, measured in run_cases(measure_memory, 4, FOUR, str(tmp_path)).items():
+        _check(case, predicted_memory(case), measured)
 
 
 # -- against a count of the tensors themselves -------------------------------------------------------
@@ -186,8 +184,7 @@ COUNTED = [
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    per_rank = run_ranks(counted_in_step, 2, COUNTED, str(tmp_path_factory.mktemp("count")))
-    return {case: [res[i] for res in per_rank] for i, case in enumerate(COUNTED)}
+    return run_cases(counted_in_step, 2, COUNTED, str(tmp_path_factory.mktemp("count")))
 
 
 @pytest.mark.multiprocess
