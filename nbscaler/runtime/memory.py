@@ -197,6 +197,8 @@ class MemoryMeter:
             self._most = max(self._most, self._grads())
 
     def _on_gradient(self, param: torch.Tensor) -> None:
+        # Autograd has no public hook for "this backward is done"; the engine runs callbacks queued
+        # during a backward once all of it has run (DDP finds the end of a backward the same way).
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)

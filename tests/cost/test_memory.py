@@ -10,6 +10,8 @@ import torch
 
 from nbscaler.columns import MEMORY_COLUMNS
 from nbscaler.cost.memory import in_flight_peak, optimizer_state_bytes
+from nbscaler.cost.moments import Gradients
+from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
 from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_cases, zero
 
@@ -32,6 +34,19 @@ def test_in_flight_activations_follow_the_schedule():
     assert in_flight_peak(saved, one_f_one_b, 0) == 200      # stage 0 of 2 holds two micro-batches
     assert in_flight_peak(saved, one_f_one_b, 1) == 10
     assert in_flight_peak({None: 7}, None, 0) == 7
+
+
+def test_gradients_follow_the_reducers():
+    """Three float parameters of 10, 20 and 30 elements in two buckets, ZeRO over 2 ranks (shards
+    of 15 elements): what each backward and step holds at most, and what they leave."""
+    w = [LocalWeight(f"w{i}", "param", (n,), torch.float32, True) for i, n in enumerate((10, 20, 30))]
+    buckets, shards = [w[:2], w[2:]], [60, 60]
+    plain, stage1, stage2 = (Gradients(buckets, shards, stage) for stage in (0, 1, 2))
+    assert (plain.backward(None), plain.step(w), plain.held) == (240, 240, 240)
+    assert (stage1.backward(None), stage1.step(w), stage1.held) == (240, 240, 120)   # all until the step
+    # Stage 2: the last bucket is made (120) and reduced (60) before the first is made (60 + 120).
+    assert (stage2.backward(None), stage2.held) == (180, 120)
+    assert (stage2.backward(None), stage2.step(w), stage2.held) == (120 + 120, 120, 120)
 
 
 def _check(case, predicted, measured):
