@@ -7,19 +7,25 @@ notebook subtract one table from the other. The terms, fixed once:
 - ``flops``: floating-point operations the rank runs in one training step, forward and backward.
 - ``bytes_sent`` / ``bytes_received``: bytes the rank sends to / receives from other ranks in one
   training step (collectives inside a unit, pipeline sends, gradient synchronisation).
-- ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once).
-- ``grad_bytes``: gradients held after the backward and the gradient synchronisation: the ``.grad``
-  of the local parameters; with ZeRO, only the gradient of this rank's shard of each flat bucket
-  (the full gradients are freed once reduce-scattered).
-- ``optimizer_bytes``: what the optimizer adds: its state (momentum, Adam's moments and step
-  counters); with ZeRO, for this rank's shard only (the shards are views of the parameters).
+- ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once;
+  with ZeRO, the flat buckets including their padding). Held at every moment of a step.
+- ``optimizer_bytes``: what the optimizer keeps between steps: its state (momentum, Adam's moments
+  and step counters); with ZeRO, for this rank's shard only (the shards are views of the
+  parameters). Created by the first ``step()`` and then held at every moment.
 - ``buffer_bytes``: the rank's buffers and captured constants (e.g. BatchNorm statistics, masks).
-- ``activation_bytes``: tensors autograd saves for the backward during one training step's forward,
-  each storage counted once, parameters and buffers excluded; for a pipeline, the most that is
-  saved at any one time over the micro-batches in flight on the rank.
-- ``peak_bytes``: the sum of the five categories above: what the rank holds at the busiest point of
-  a step, counting the gradients and the saved activations as coexisting (as they do in a pipeline
-  after its first backward). It leaves out short-lived workspace (temporaries, collective buffers),
+  Held at every moment.
+- ``grad_bytes`` and ``activation_bytes``: what the rank holds at the peak moment of a training step
+  (``StepMoment``) of gradients (the ``.grad`` of the local parameters and, with ZeRO, of the
+  optimizer's shards) and of activations (tensors autograd saved for the backward, each storage
+  once, parameters and buffers excluded). They are not each category's own maximum over the step.
+  Without a pipeline the peak is the backward: the forward's activations with every gradient, the
+  full gradients under ZeRO stage 1 too (they are reduce-scattered only when the optimizer steps).
+  With a pipeline it is the backward of the micro-batch that starts with the most in flight.
+- ``peak_bytes``: the sum of the five categories above at the peak moment, the largest such sum over
+  the moments of a step. A backward counts as holding its starting activations and its gradients
+  at once (``StepMoment.BACKWARD``), so this is the most a rank can hold, not always an instant it
+  reaches. It leaves out short-lived workspace (the gradient flowing between two ops, temporaries,
+  the reducers' packed copy of one bucket and its reduce-scattered slice, collective buffers),
   which ``cuda_max_allocated_bytes`` includes.
 - ``cuda_max_allocated_bytes``: measured only, on CUDA: ``torch.cuda.max_memory_allocated`` over the
   measured step.
@@ -28,6 +34,8 @@ notebook subtract one table from the other. The terms, fixed once:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 try:
     from enum import StrEnum
@@ -65,3 +73,45 @@ MEMORY_COLUMNS = (SummaryColumn.RANK, *MEMORY_CATEGORIES, SummaryColumn.PEAK_BYT
 
 PREDICTED_COLUMNS = tuple(c for c in SummaryColumn if c is not SummaryColumn.CUDA_MAX_ALLOCATED_BYTES)
 """The columns of ``Plan.summary()``: every one but those only a measurement has."""
+
+
+class StepMoment(StrEnum):
+    """The moments of a training step at which memory is counted (``nbscaler.columns``).
+
+    Gradients are set to ``None`` before the step (``optimizer.zero_grad()``); parameters, buffers
+    and optimizer state are held throughout, so the moments differ in gradients and activations:
+
+    - ``forward``: the end of a forward (one per micro-batch of a pipeline): the activations saved
+      so far, with the gradients earlier backwards left.
+    - ``backward``: one backward (per micro-batch), counted at its worst as one moment: the
+      activations held when it starts, with the most gradients held at any point of it. A backward
+      frees its activations as it makes its gradients, so no instant inside it holds more, and how
+      much less depends on their order: one that makes a large gradient early (a big output layer)
+      comes close; on a 4-layer Llama (vocabulary 128, d=64, dp, AdamW) no instant of the backward
+      held more activations and gradients than the end of the forward did, 657,664 bytes under
+      this count. The most gradients are those after it, except under ZeRO stage 2, where a
+      bucket's gradients are all held at once just before they are reduce-scattered into this
+      rank's shard (buckets completing in the reverse of parameter order).
+    - ``step``: the optimizer step and what it leaves: under ZeRO stage 1 it starts with every
+      gradient and frees each bucket's full gradients as it reduce-scatters them; without ZeRO the
+      synchronisation gives every parameter a gradient.
+
+    The peak is the first moment with the largest sum.
+    """
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+@dataclass(frozen=True)
+class Held:
+    """Gradient and activation bytes a rank holds at one moment of a step (predicted or measured)."""
+
+    moment: StepMoment
+    grad_bytes: int
+    activation_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad_bytes + self.activation_bytes

@@ -98,7 +98,8 @@ class ComputeConfig:
     ``zero_ngroups`` groups. ``zero_stage=1`` (the default) splits the optimizer state: the full
     gradients live until the optimizer step, which reduce-scatters them and frees them.
     ``zero_stage=2`` splits the gradients as well: each bucket of gradients is reduce-scattered
-    and freed as soon as the backward has produced it, so a rank never holds all of them at once.
+    and freed as soon as the backward has produced it, so a rank holds at once the full gradients
+    of the buckets the backward is producing only (all of them for a model in one 25 MiB bucket).
     """
 
     plan_ngpus: int

@@ -38,6 +38,13 @@ def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 
     return spawn(fn, nranks, *args, timeout=timeout)
 
 
+def run_cases(fn: Callable[..., List[Any]], nranks: int, cases: Sequence["Case"], gen_dir: str) -> Dict["Case", List[Any]]:
+    """Run ``fn(cases, gen_dir)`` (one result per case) on ``nranks`` ranks in one spawn; returns
+    each case's results in rank order."""
+    per_rank = run_ranks(fn, nranks, cases, gen_dir)
+    return {case: [res[i] for res in per_rank] for i, case in enumerate(cases)}
+
+
 # Adam's eps is large on purpose: a gradient that is zero in exact arithmetic (an attention key bias)
 # comes out as ~1e-9 of rounding noise whose sign depends on the order of the sums, and a small eps
 # would turn that noise into full-size steps that differ between any two summation orders.
@@ -282,8 +289,8 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
 
 def measure_memory(cases: Sequence[Case], gen_dir: str, steps: int = 2) -> List[Dict[str, int]]:
     """On every rank: compile each case and train ``steps`` steps; returns, per case, the memory the
-    last step measured (``nbscaler.runtime.memory.MemoryMeter``: from the forward to after
-    ``optimizer.step()``, when gradients and optimizer state are all there)."""
+    last step measured (``nbscaler.runtime.memory.MemoryMeter`` from the forward to after
+    ``optimizer.step()``: what is held at the step's peak moment)."""
     from nbscaler.runtime.memory import MemoryMeter
     rank = dist.get_rank() if dist.is_initialized() else 0
     results = []

@@ -3,9 +3,11 @@
 The categories and their names are those of ``nbscaler.columns`` (measured memory uses the same):
 
 - **parameters and buffers**: the weights the rank's generated module creates, at local shapes;
-- **gradients**: without ZeRO the gradient synchronisation gives every local parameter a gradient;
-  with ZeRO (stage 1 or 2) the full gradients are freed once reduce-scattered and only the gradient
-  of each bucket's shard stays;
+- **gradients**: the ``.grad`` of the local parameters and, with ZeRO, of the optimizer's shards,
+  as the step makes and frees them (``cost.moments``): without ZeRO and under ZeRO stage 1 every
+  gradient lives from the backward to the step (stage 1 reduce-scatters them into the shards when
+  the optimizer steps); under stage 2 a bucket's gradients are reduce-scattered as soon as the
+  backward has made them all;
 - **optimizer state**: learnt per optimizer class by stepping it once on tiny tensors (``a * numel
   + b`` bytes per optimizer parameter: 0 for SGD, ``numel`` floats for momentum, two and a step
   counter for Adam), applied to the local parameters or, with ZeRO, to the shards. Shards follow
@@ -20,9 +22,11 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
   does not see it either) and kept per module in ``LocalRun.rebuilt``; autodist adds the largest
   to the peak it checks against a memory limit, and ``plan.explain()`` states it.
 
-``peak_bytes`` is their sum. Everything here is exact for the runtime as it is (the tests compare
-it with measured counts), except ops the fake replay cannot run (data-dependent shapes), whose
-saved tensors are guessed with a warning.
+Parameters, buffers and optimizer state are held throughout a step; gradients and activations
+change with its moments (``nbscaler.columns.StepMoment``), and the table gives them at the moment
+that holds the most, ``peak_bytes`` being the sum there. Everything here is exact for the runtime
+as it is (the tests compare it with measured counts), except ops the fake replay cannot run
+(data-dependent shapes), whose saved tensors are guessed with a warning.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as
 from nbscaler.comm.layout import Layout
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.local import LocalRun, run_local
+from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry
@@ -114,23 +119,27 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
                   optimizer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, int]:
-    """Parameters, gradients, optimizer state and buffers of one rank (bytes)."""
+    """Parameters, optimizer state and buffers of one rank (bytes): what it holds at every moment."""
     params = [w for w in weights if w.kind == "param"]
     row = {C.PARAM_BYTES: sum(p.nbytes for p in params),
            C.BUFFER_BYTES: sum(w.nbytes for w in weights if w.kind != "param")}
     if cfg.inference_only:
-        return {**row, C.GRAD_BYTES: 0, C.OPTIMIZER_BYTES: 0}
+        return {**row, C.OPTIMIZER_BYTES: 0}
     slots = optimizer_params(params, cfg)
-    state = sum(optimizer_state_bytes(optimizer, optimizer_kwargs, n, dt) for n, dt in slots)
+    row[C.OPTIMIZER_BYTES] = sum(optimizer_state_bytes(optimizer, optimizer_kwargs, n, dt) for n, dt in slots)
     if cfg.use_zero:
         n = zero_group_size(cfg)
         row[C.PARAM_BYTES] = sum(numel * n * _itemsize(dt) for numel, dt in slots)     # flat, padded
-        row[C.GRAD_BYTES] = sum(numel * _itemsize(dt) for numel, dt in slots)
-        row[C.OPTIMIZER_BYTES] = state
-    else:
-        row[C.GRAD_BYTES] = row[C.PARAM_BYTES]      # the synchronisation sets every gradient
-        row[C.OPTIMIZER_BYTES] = state
     return row
+
+
+def gradients(weights: List[LocalWeight], cfg: ComputeConfig) -> Gradients:
+    """The rank's gradients at the start of a step (none), bucketed as its reducer buckets them."""
+    params = [w for w in weights if w.kind == "param"]
+    if not cfg.use_zero:
+        return Gradients(buckets(params), [], 0)
+    shards = [numel * _itemsize(dt) for numel, dt in optimizer_params(params, cfg)]
+    return Gradients(buckets(params), shards, cfg.zero_stage)
 
 
 # -- activations -------------------------------------------------------------------------------
@@ -180,7 +189,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                     optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None) -> pd.DataFrame:
-    """Predicted memory of every runtime rank during a training step, by category (bytes).
+    """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
         graphs: the placed graphs by mode ('any', or 'train' and 'eval').
@@ -193,17 +202,22 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
-        ``optimizer_bytes``, ``buffer_bytes``, ``activation_bytes``, ``peak_bytes``.
+        ``optimizer_bytes``, ``buffer_bytes``, ``activation_bytes``, ``peak_bytes``: each
+        category as held at the rank's peak moment (``nbscaler.columns``).
     """
     by_device: Dict[int, Dict[str, int]] = {}
     for device in range(cfg.plan_ngpus):
-        row = weight_memory(local_weights(graphs, storage, device, geometry), cfg, optimizer, optimizer_kwargs)
+        weights = local_weights(graphs, storage, device, geometry)
+        row = weight_memory(weights, cfg, optimizer, optimizer_kwargs)
         if cfg.inference_only:
-            row[C.ACTIVATION_BYTES] = 0
+            row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
             stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
             annotate_saved_bytes(stages)
-            row[C.ACTIVATION_BYTES] = in_flight_peak({s: r.saved_bytes for s, r in stages.items()}, geometry, device)
+            saved = {s: r.saved_bytes for s, r in stages.items()}
+            params = [w for w in weights if w.kind == "param"]
+            held = peak_moment(step_moments(gradients(weights, cfg), params, saved, geometry, device))
+            row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row
     rows = [{C.RANK: r, **by_device[cfg.device_of(r)]} for r in range(cfg.runtime_ngpus)]

@@ -42,6 +42,7 @@ class LocalWeight:
     dtype: torch.dtype
     trained: bool                 # read by the training graph on this rank (gets a gradient in backward)
     partial_over: int = 1         # devices whose partial gradients the reducer sums (storage ``R*``)
+    stages: Tuple[int, ...] = ()  # the pipeline stages whose training backward gives it a gradient
 
     @property
     def numel(self) -> int:
@@ -77,7 +78,7 @@ def local_weights(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
                   geometry: Optional[PipelineGeometry]) -> List[LocalWeight]:
     """The weights plan ``device`` stores, in the order the runtime registers them."""
     readers: Dict[str, int] = {}          # name -> devices of its first reader
-    trained: set = set()
+    trained: Dict[str, set] = {}          # name -> pipeline stages (None without one) that train it
     train = train_graph(graphs)
     for sec in sections(graphs, device, geometry):
         for n in sec.graph.nodes:
@@ -86,7 +87,7 @@ def local_weights(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
                     if t.is_weight:
                         readers.setdefault(t.name, len(n.placement.devices))
                         if sec.graph is train:
-                            trained.add(t.name)
+                            trained.setdefault(t.name, set()).add(sec.stage)
     out = []
     for name, t in next(iter(graphs.values())).weights.items():
         if name not in readers:
@@ -96,7 +97,8 @@ def local_weights(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
         if lay.kind == "S":
             shape[lay.dim] //= readers[name]
         partial = readers[name] if lay.kind == "R*" else 1
-        out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, partial))
+        stages = tuple(sorted(s for s in trained.get(name, ()) if s is not None))
+        out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, partial, stages))
     return out
 
 

@@ -4,9 +4,12 @@ On any device the live tensors are counted exactly, each storage once:
 
 - parameters, buffers, gradients and optimizer state by walking the module and the optimizer;
 - activations with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves for
-  the backward is counted when it is saved and uncounted when autograd lets go of it, so the peak
-  of the running total is the most the step ever held (for a pipeline, over the micro-batches in
-  flight). Parameters and buffers that ops save (a linear saves its weight) are not activations.
+  the backward is counted when it is saved and uncounted when autograd lets go of it (for a
+  pipeline, over the micro-batches in flight). Parameters and buffers that ops save (a linear
+  saves its weight) are not activations.
+
+``MemoryMeter`` reads them at the moments of a step (``nbscaler.columns.StepMoment``) and reports
+what is held at the worst one, as the cost model predicts it (``nbscaler.cost.moments``).
 
 On CUDA ``torch.cuda.max_memory_allocated`` over the measured block is reported as well: it also
 sees temporaries and collective buffers, which the categories leave out.
@@ -21,12 +24,13 @@ sees temporaries and collective buffers, which the categories leave out.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
+from nbscaler.columns import MEMORY_CATEGORIES, Held, StepMoment, SummaryColumn as C
+from nbscaler.runtime.reducer import Reducer
 
 
 def _key(t: torch.Tensor) -> int:
@@ -46,6 +50,16 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]], exclude: Iterable[i
     return total
 
 
+def _updated(optimizer: Optional[torch.optim.Optimizer]) -> List[torch.Tensor]:
+    return [p for g in (optimizer.param_groups if optimizer else []) for p in g["params"]]
+
+
+def gradient_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+    """Bytes of the gradients held right now: of the module's parameters and of the optimizer's
+    (ZeRO's shards), each storage once."""
+    return storage_bytes([p.grad for p in module.parameters()] + [p.grad for p in _updated(optimizer)])
+
+
 def static_memory(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
     """Parameters, gradients, optimizer state and buffers held right now (bytes, each storage once).
 
@@ -55,12 +69,11 @@ def static_memory(module: torch.nn.Module, optimizer: Optional[torch.optim.Optim
     """
     params = list(module.parameters())
     own = {_key(p) for p in params}
-    updated = [p for g in (optimizer.param_groups if optimizer else []) for p in g["params"]]
-    extra = [p for p in updated if _key(p) not in own]
+    extra = [p for p in _updated(optimizer) if _key(p) not in own]
     state = [v for s in (optimizer.state.values() if optimizer else []) for v in _tensors(s)]
     return {
         C.PARAM_BYTES: storage_bytes(params),
-        C.GRAD_BYTES: storage_bytes([p.grad for p in params] + [p.grad for p in updated]),
+        C.GRAD_BYTES: gradient_bytes(module, optimizer),
         C.OPTIMIZER_BYTES: storage_bytes(extra + state, exclude=own),
         C.BUFFER_BYTES: storage_bytes(module.buffers()),
     }
@@ -92,11 +105,13 @@ class _Saved:
 class SavedTensorMeter:
     """Counts the storages autograd saves for the backward while active: ``live`` now, ``peak`` ever.
 
-    Storages whose key is in ``exclude`` (parameters, buffers) are not counted.
+    Storages whose key is in ``exclude`` (parameters, buffers) are not counted; ``on_save(live)``
+    is called each time a new storage is counted.
     """
 
-    def __init__(self, exclude: Iterable[int] = ()):
+    def __init__(self, exclude: Iterable[int] = (), on_save: Optional[Callable[[int], None]] = None):
         self.exclude = set(exclude)
+        self.on_save = on_save
         self.refs: Dict[int, int] = {}
         self.sizes: Dict[int, int] = {}
         self.live = 0
@@ -114,6 +129,8 @@ class SavedTensorMeter:
                 self.sizes[key] = t.untyped_storage().nbytes()
                 self.live += self.sizes[key]
                 self.peak = max(self.peak, self.live)
+                if self.on_save is not None:
+                    self.on_save(self.live)
             self.refs[key] += 1
         return _Saved(t, self, key)
 
@@ -139,10 +156,15 @@ class SavedTensorMeter:
 class MemoryMeter:
     """Measure one rank's memory around a block of work (typically one training step).
 
-    ``stats()`` after the block gives the categories of ``nbscaler.columns``: parameters, gradients,
-    optimizer state and buffers as held at that point (after ``optimizer.step()`` they are all
-    there), activations as the peak saved during the block, ``peak_bytes`` their sum and, on CUDA,
-    ``cuda_max_allocated_bytes``.
+    The meter follows the moments of ``nbscaler.columns.StepMoment`` as they happen: a forward's
+    end each time autograd saves a new storage; a backward's end through a callback that the
+    first gradient of each backward queues on autograd's engine, counting the activations held
+    when it started and the most gradients held during it (ZeRO's reducer reports the instant
+    before it frees a bucket's gradients); and the end of the block, after ``optimizer.step()``.
+    ``stats()`` after the block gives the categories of ``nbscaler.columns``: parameters,
+    optimizer state and buffers as held at the end, gradients and activations as held at the
+    peak moment (``peak``), ``peak_bytes`` their sum and, on CUDA, ``cuda_max_allocated_bytes``.
+    A backward that gives no parameter a gradient is not seen; it only frees activations.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
@@ -150,23 +172,74 @@ class MemoryMeter:
         weights = list(module.parameters()) + list(module.buffers())
         if optimizer is not None:
             weights += [p for g in optimizer.param_groups for p in g["params"]]
-        self.saved = SavedTensorMeter(_key(t) for t in weights)
+        self.saved = SavedTensorMeter((_key(t) for t in weights), on_save=self._forward)
         self.cuda = next((t.device for t in weights if t.is_cuda), None)
+        self.reducers = [r for m in module.modules() for r in [getattr(m, "reducer", None)] if isinstance(r, Reducer)]
+        self.peak: Optional[Held] = None
+        self._lock = threading.Lock()
+        self._handles: List[Any] = []
 
+    # -- the moments ------------------------------------------------------------------------------
+    def _grads(self) -> int:
+        return gradient_bytes(self.module, self.optimizer)
+
+    def _count(self, moment: StepMoment, grads: int, activations: int) -> None:
+        if self.peak is None or grads + activations > self.peak.nbytes:
+            self.peak = Held(moment, grads, activations)
+
+    def _forward(self, live: int) -> None:
+        with self._lock:
+            self._started = max(self._started, live)
+            self._count(StepMoment.FORWARD, self._held, live)
+
+    def _observe(self) -> None:
+        with self._lock:
+            self._most = max(self._most, self._grads())
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        # Autograd has no public hook for "this backward is done"; the engine runs callbacks queued
+        # during a backward once all of it has run (DDP finds the end of a backward the same way).
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        with self._lock:
+            self._in_backward = False
+            self._held = self._grads()
+            self._count(StepMoment.BACKWARD, max(self._most, self._held), self._started)
+            self._started, self._most = self.saved.live, self._held
+
+    # -- the block --------------------------------------------------------------------------------
     def __enter__(self) -> "MemoryMeter":
         if self.cuda is not None:
             torch.cuda.reset_peak_memory_stats(self.cuda)
+        self.peak = None
+        self._held = self._most = self._grads()
+        self._started, self._in_backward = 0, False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient)
+                         for p in self.module.parameters() if p.requires_grad]
+        for reducer in self.reducers:
+            reducer.observers.append(self._observe)
         self.saved.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.saved.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        for reducer in self.reducers:
+            reducer.observers.remove(self._observe)
+        with self._lock:
+            self._count(StepMoment.STEP, max(self._most, self._grads()), self.saved.live)
 
     def stats(self) -> Dict[str, int]:
         """One row of measured memory for this rank (bytes)."""
+        if self.peak is None:
+            raise RuntimeError("MemoryMeter.stats() reads a measured block: run one under `with meter:` first.")
         row: Dict[str, int] = {C.RANK: dist.get_rank() if dist.is_initialized() else 0}
         row.update(static_memory(self.module, self.optimizer))
-        row[C.ACTIVATION_BYTES] = self.saved.peak
+        row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = self.peak.grad_bytes, self.peak.activation_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         if self.cuda is not None:
             row[C.CUDA_MAX_ALLOCATED_BYTES] = torch.cuda.max_memory_allocated(self.cuda)

@@ -82,6 +82,9 @@ class Reducer:
         self.group = group
         self.pre_hooks: List[GradHook] = []
         self.post_hooks: List[GradHook] = []
+        # Called when a bucket's gradients are all held, just before a reduce that frees them
+        # (ZeRO's): the most gradients a rank holds, where ``MemoryMeter`` counts them.
+        self.observers: List[Callable[[], None]] = []
         self.buckets: List[Bucket] = []
         limit, size, current = bucket_mb * 2**20, 0, []
         for p in self.params:

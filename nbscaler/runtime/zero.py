@@ -20,7 +20,10 @@ slice ``i`` of it:
 3. ``gather_params``: every rank's updated slice is all-gathered into the flat parameters.
 
 Per rank that is the parameters, ``1/N`` of the gradients (after the step) and ``1/N`` of the
-optimizer state, and no second copy of anything. Nothing here looks at which device holds which part
+optimizer state, and no second copy of anything. At its peak a rank holds more gradients than that
+(``nbscaler.columns.StepMoment``): under stage 1 all of them from the end of the backward until the
+step reduces them; under stage 2 the full gradients of the buckets the backward is producing,
+which is all of them for a model that fits in one bucket. Nothing here looks at which device holds which part
 of the model: the groups are the data-parallel ranks of one plan device, and the buckets hold
 whatever parameters that device has.
 """
@@ -104,6 +107,8 @@ class ZeroReducer(Reducer):
     def _reduce_bucket(self, index: int) -> None:
         """Reduce-scatter the bucket's gradients, add this rank's slice to its shard's gradient and
         free the full gradients."""
+        for observe in self.observers:
+            observe()
         bucket = self.buckets[index]
         flat = bucket.flat_grads(self._padded(bucket))
         for p in bucket.params:

@@ -10,8 +10,10 @@ import torch
 
 from nbscaler.columns import MEMORY_COLUMNS
 from nbscaler.cost.memory import in_flight_peak, optimizer_state_bytes
+from nbscaler.cost.moments import Gradients
+from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_ranks, zero
+from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_cases, zero
 
 
 @pytest.mark.parametrize("optimizer, kwargs, expected", [
@@ -32,6 +34,19 @@ def test_in_flight_activations_follow_the_schedule():
     assert in_flight_peak(saved, one_f_one_b, 0) == 200      # stage 0 of 2 holds two micro-batches
     assert in_flight_peak(saved, one_f_one_b, 1) == 10
     assert in_flight_peak({None: 7}, None, 0) == 7
+
+
+def test_gradients_follow_the_reducers():
+    """Three float parameters of 10, 20 and 30 elements in two buckets, ZeRO over 2 ranks (shards
+    of 15 elements): what each backward and step holds at most, and what they leave."""
+    w = [LocalWeight(f"w{i}", "param", (n,), torch.float32, True) for i, n in enumerate((10, 20, 30))]
+    buckets, shards = [w[:2], w[2:]], [60, 60]
+    plain, stage1, stage2 = (Gradients(buckets, shards, stage) for stage in (0, 1, 2))
+    assert (plain.backward(None), plain.step(w), plain.held) == (240, 240, 240)
+    assert (stage1.backward(None), stage1.step(w), stage1.held) == (240, 240, 120)   # all until the step
+    # Stage 2: the last bucket is made (120) and reduced (60) before the first is made (60 + 120).
+    assert (stage2.backward(None), stage2.held) == (180, 120)
+    assert (stage2.backward(None), stage2.step(w), stage2.held) == (120 + 120, 120, 120)
 
 
 def _check(case, predicted, measured):
@@ -74,8 +89,7 @@ MULTI = [
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    per_rank = run_ranks(measure_memory, 2, MULTI, str(tmp_path_factory.mktemp("gen")))
-    return {case: [res[i] for res in per_rank] for i, case in enumerate(MULTI)}
+    return run_cases(measure_memory, 2, MULTI, str(tmp_path_factory.mktemp("gen")))
 
 
 @pytest.mark.multiprocess
@@ -96,6 +110,133 @@ FOUR = [
 
 @pytest.mark.multiprocess
 def test_memory_model_is_exact_on_four_ranks(tmp_path):
-    per_rank = run_ranks(measure_memory, 4, FOUR, str(tmp_path))
-    for i, case in enumerate(FOUR):
-        _check(case, predicted_memory(case), [res[i] for res in per_rank])
+    for case, measured in run_cases(measure_memory, 4, FOUR, str(tmp_path)).items():
+        _check(case, predicted_memory(case), measured)
+
+
+# -- against a count of the tensors themselves -------------------------------------------------------
+
+def _nbytes(tensors) -> int:
+    """Bytes of distinct storages, counted here from the tensors (not with nbscaler's meter)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _saved_by_graph(loss, weights) -> int:
+    """Bytes of the tensors the autograd graph behind ``loss`` keeps for the backward (its nodes'
+    ``_saved_*`` attributes and custom functions' ``saved_tensors``), weights left out, and the
+    Python numbers autograd wraps into 0-d double tensors (``x / scale``), which it keeps as numbers."""
+    skip = {w.untyped_storage().data_ptr() for w in weights}
+    found, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        values = [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        values += list(getattr(node, "saved_tensors", None) or ())
+        for v in values:
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                number = isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == torch.float64
+                if isinstance(t, torch.Tensor) and not number and t.untyped_storage().data_ptr() not in skip:
+                    found.append(t)
+        todo += [fn for fn, _ in node.next_functions]
+    return _nbytes(found)
+
+
+def counted_in_step(cases, gen_dir):
+    """Per case, on this rank, the second step counted directly: activations at the end of the
+    forward (not for end2end modules, whose forward and backward run in one call), gradients at
+    the end of the backward, the most gradients held at any point of it (a tensor hook on every
+    parameter sees each gradient just before it is accumulated), and the gradients, parameters,
+    buffers and optimizer state after the step; and ``MemoryMeter``'s row of the same step."""
+    import torch.distributed as dist
+    from nbscaler.runtime.memory import MemoryMeter
+    from tests.multiprocess import parallel_model, samples, step_losses
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for case in cases:
+        model = parallel_model(case, gen_dir)
+        opt = case.make_optimizer(model)
+        params = list(model.parameters())
+        shards = [p for g in opt.param_groups for p in g["params"]]
+        grads = lambda: _nbytes([p.grad for p in params + shards])
+        most = [0]
+
+        def before_accumulating(g, p):
+            most[0] = max(most[0], grads() + (g.untyped_storage().nbytes() if p.grad is None else 0))
+        handles = [p.register_hook(lambda g, p=p: before_accumulating(g, p)) for p in params]
+        for step in range(2):
+            opt.zero_grad()
+            most[0], activations = 0, None
+            with MemoryMeter(model, opt) as meter:
+                losses = step_losses(model, case, samples(case, step, rank // case.plan_ngpus))
+                if not case.compute_config.use_end2end:
+                    activations = _saved_by_graph(sum(losses), params + list(model.buffers()))
+                    sum(losses).backward()
+                backward = grads()
+                opt.step()
+        for h in handles:
+            h.remove()
+        out.append({"meter": meter.stats(), "activations": activations, "backward": backward, "most": most[0], "step": grads(),
+                    "held": _nbytes(params) + _nbytes(model.buffers())
+                    + _nbytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))})
+    return out
+
+
+COUNTED = [
+    Case("llama", "dp", 1, 2, optimizer="adamw"),
+    Case("llama", "dp", 1, 2, optimizer="adamw", config=zero()),
+    Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
+    Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("1f1b", 2, 4)),
+    Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4)),
+    Case("gpt", "pp", 2, 2, optimizer="momentum", config=pipeline("1f1b_plus", 2, 4)),
+]
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    return run_cases(counted_in_step, 2, COUNTED, str(tmp_path_factory.mktemp("count")))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", COUNTED, ids=str)
+def test_peak_holds_what_a_count_of_the_tensors_finds(counted, case):
+    """The plan's peak against the tensors counted on the ranks. Every moment counted (the end of
+    the forward, every instant of the backward, after the step) fits under ``peak_bytes``, and the
+    gradients at the peak are the most the backward held: on the Llama, dp with AdamW on two
+    ranks, 90,752 bytes, all of them, under ZeRO stage 1 too (they are reduce-scattered only when
+    the optimizer steps) and, as the model fits in one bucket, under stage 2. Without a pipeline
+    the peak is the backward, counted as the forward's activations with those gradients."""
+    _check(case, predicted_memory(case), [c["meter"] for c in counted[case]])
+    for p, c in zip(predicted_memory(case), counted[case]):
+        always = p["param_bytes"] + p["buffer_bytes"] + p["optimizer_bytes"]
+        assert always == c["held"]
+        assert p["grad_bytes"] >= max(c["backward"], c["step"]) and p["grad_bytes"] <= c["most"]
+        assert p["peak_bytes"] >= always + max(c["most"], c["step"])
+        if not case.compute_config.use_pipeline:
+            assert p["grad_bytes"] == c["most"] == 90752, (case, p, c)
+            assert p["activation_bytes"] == c["activations"]
+            assert p["peak_bytes"] == always + c["activations"] + c["most"]
+        else:
+            assert p["grad_bytes"] == c["backward"]          # every gradient of the stage, after its first backward
+
+
+def test_zero1_plan_keeps_the_full_gradients_until_the_step():
+    """The Llama of the report (vocabulary 128, 4 layers, d=64), dp on 2 ranks with AdamW: right
+    after the backward a rank holds all 657,664 bytes of gradients; the plan said 328,832 (the
+    shard they are reduce-scattered into at the step), and a peak without the other half."""
+    import nbscaler
+    from nbscaler import ComputeConfig
+    from nbscaler.models.llama import Llama, LlamaConfig
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=128, n_layer=4, d_model=64, n_head=4, n_kv_head=2))
+    idx = torch.randint(0, 128, (4, 33))
+    plan = nbscaler.plan(model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}, "dp",
+                         ComputeConfig(1, 2, use_zero=True, zero_stage=1))
+    row = plan.summary(torch.optim.AdamW).loc[0]
+    assert row["grad_bytes"] == sum(p.numel() * 4 for p in model.parameters()) == 657664
+    assert row["peak_bytes"] == sum(row[str(c)] for c in MEMORY_COLUMNS[1:-1])

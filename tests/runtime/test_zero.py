@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from nbscaler import ComputeConfig
 from nbscaler.runtime.memory import static_memory
-from tests.multiprocess import (Case, check_equivalence, parallel_model, pipeline, run_ranks, samples, step_losses,
-                                train_parallel, zero)
+from tests.multiprocess import (Case, check_equivalence, parallel_model, pipeline, run_cases, run_ranks, samples,
+                                step_losses, train_parallel, zero)
 
 ZERO = [
     Case("mlp", "dp", 1, 4, config=zero(2)),
@@ -42,8 +42,7 @@ SMALLER = {1: [Case("llama", "dp", 1, 1, optimizer="adamw", config=zero(stage=2)
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    per_rank = run_ranks(train_parallel, 4, CASES, str(tmp_path_factory.mktemp("gen")))
-    return {case: [res[i] for res in per_rank] for i, case in enumerate(CASES)}
+    return run_cases(train_parallel, 4, CASES, str(tmp_path_factory.mktemp("gen")))
 
 
 @pytest.mark.multiprocess
@@ -56,9 +55,8 @@ def test_trains_like_single_process(trained, case):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nranks", sorted(SMALLER))
 def test_zero2_trains_like_single_process_on_fewer_ranks(nranks, tmp_path):
-    per_rank = run_ranks(train_parallel, nranks, SMALLER[nranks], str(tmp_path))
-    for i, case in enumerate(SMALLER[nranks]):
-        check_equivalence(case, [res[i] for res in per_rank])
+    for case, per_rank in run_cases(train_parallel, nranks, SMALLER[nranks], str(tmp_path)).items():
+        check_equivalence(case, per_rank)
 
 
 @pytest.mark.multiprocess
@@ -100,8 +98,9 @@ def held_during_step(cases, gen_dir):
 @pytest.mark.multiprocess
 def test_zero_holds_its_theoretical_share(tmp_path):
     """Per rank, after the step: the parameters once (plus padding), a quarter of the gradients
-    and nothing else but optimizer state; and under stage 2 the full gradients never all exist:
-    after the backward a rank holds only its quarter, where stage 1 and plain DP hold them all."""
+    and nothing else but optimizer state; and under stage 2 the full gradients are gone by the end
+    of the backward (a rank holds only its quarter), where stage 1 and plain DP hold them all until
+    the step."""
     plain, stage1, stage2 = (Case("llama", "dp", 1, 4, optimizer="adamw", config=c) for c in ((), zero(), zero(stage=2)))
     per_rank = run_ranks(held_during_step, 4, [plain, stage1, stage2], str(tmp_path))
     for held_plain, held1, held2 in per_rank:

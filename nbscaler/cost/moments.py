@@ -1,0 +1,116 @@
+"""The moments of a training step, and the gradients and activations a rank holds at each.
+
+``nbscaler.columns.StepMoment`` names the moments. This pass walks one rank's step through them:
+its blocks (one forward and one backward without a pipeline, the schedule's blocks with one), then
+the optimizer step. Activations follow the blocks: a forward adds what its stage saves, its
+backward frees it. Gradients follow the runtime's reducers (``nbscaler.runtime.reducer`` and
+``nbscaler.runtime.zero``):
+
+- without ZeRO, and under ZeRO stage 1 until the optimizer steps, a backward gives every parameter
+  it reaches a gradient, and later backwards add into it;
+- under ZeRO stage 2, a bucket's gradients are reduce-scattered into this rank's shard as soon as
+  the backward has made all of them, and freed; the backward reaches buckets in the reverse of
+  parameter order;
+- the optimizer step: under ZeRO every bucket still holding full gradients is reduce-scattered (in
+  order, each freed as its shard gets its slice); without ZeRO the synchronisation gives every
+  parameter a gradient.
+
+``MemoryMeter`` (``nbscaler.runtime.memory``) counts at the same moments on a running rank.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+from nbscaler.columns import Held, StepMoment
+from nbscaler.config import ComputeConfig
+from nbscaler.cost.ranks import LocalWeight
+from nbscaler.schedule import PipelineGeometry
+
+
+def peak_moment(moments: List[Held]) -> Held:
+    """The first moment holding the most (``max`` keeps the first of equals)."""
+    return max(moments, key=lambda held: held.nbytes)
+
+
+class Gradients:
+    """The gradient bytes of one rank as its step goes on.
+
+    Args:
+        buckets: the reducer's buckets of the rank's parameters (``cost.memory.buckets``).
+        shard_bytes: per bucket, the bytes of this rank's ZeRO shard (unused without ZeRO).
+        zero_stage: 0 without ZeRO, else 1 or 2.
+    """
+
+    def __init__(self, buckets: List[List[LocalWeight]], shard_bytes: List[int], zero_stage: int):
+        self.buckets, self.shard_bytes, self.zero_stage = buckets, shard_bytes, zero_stage
+        self.full: Dict[str, int] = {}        # parameter -> bytes of its .grad
+        self.shards: Set[int] = set()         # buckets whose shard has a gradient
+        self.held = 0
+
+    @staticmethod
+    def _reaches(w: LocalWeight, stage: Optional[int]) -> bool:
+        return w.trained and (stage is None or stage in w.stages)
+
+    def _make(self, w: LocalWeight) -> None:
+        if w.name not in self.full:           # a later backward adds into the same tensor
+            self.full[w.name] = w.nbytes
+            self.held += w.nbytes
+
+    def _reduce(self, index: int) -> None:
+        """Reduce-scatter bucket ``index``: its full gradients go, its shard's slice stays."""
+        for w in self.buckets[index]:
+            self.held -= self.full.pop(w.name, 0)
+        if index not in self.shards:
+            self.shards.add(index)
+            self.held += self.shard_bytes[index]
+
+    def backward(self, stage: Optional[int]) -> int:
+        """Run the backward of ``stage`` (``None``: the whole model); returns the most held during it."""
+        most = self.held
+        for index in reversed(range(len(self.buckets))):
+            bucket = self.buckets[index]
+            for w in bucket:
+                if self._reaches(w, stage):
+                    self._make(w)
+            most = max(most, self.held)
+            if self.zero_stage == 2 and all(w.name in self.full for w in bucket):
+                self._reduce(index)
+        return most
+
+    def step(self, all_params: List[LocalWeight]) -> int:
+        """Run the optimizer step; returns the most held during it and after it."""
+        most = self.held
+        if self.zero_stage:
+            for index, bucket in enumerate(self.buckets):
+                if self.zero_stage == 1 or any(w.name in self.full for w in bucket) or index not in self.shards:
+                    self._reduce(index)
+                    most = max(most, self.held)
+        else:
+            for w in all_params:
+                self._make(w)
+            most = max(most, self.held)
+        return most
+
+
+def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
+                 geometry: Optional[PipelineGeometry], device: int) -> List[Held]:
+    """What plan ``device`` holds at each moment of a training step, in order.
+
+    ``saved`` is what one forward of each stage saves for the backward (key ``None`` without a
+    pipeline); ``gradients`` starts the step empty (gradients set to ``None`` before it).
+    """
+    if geometry is None:
+        blocks = [(None, "F"), (None, "B")]
+    else:
+        blocks = [(b.stage, b.phase) for b in geometry.schedule.blocks_of(geometry.pipeline_device(device))]
+    live, moments = 0, []
+    for stage, phase in blocks:
+        if phase == "F":
+            live += saved[stage]
+            moments.append(Held(StepMoment.FORWARD, gradients.held, live))
+        else:
+            moments.append(Held(StepMoment.BACKWARD, gradients.backward(stage), live))
+            live -= saved[stage]
+    moments.append(Held(StepMoment.STEP, gradients.step(params), live))
+    return moments
