@@ -1,0 +1,48 @@
+"""The backend rule, as a function of the host's GPUs, its ranks and what the user asked for: no GPU
+needed to check it."""
+
+import pytest
+
+from nbscaler.runtime.backend import BACKEND_ENV, Backend, choose_backend
+
+
+@pytest.mark.parametrize("gpus, ranks", [(1, 1), (4, 4), (8, 2)])
+def test_nccl_with_a_gpu_for_every_rank(gpus, ranks):
+    choice = choose_backend(gpus, ranks)
+    assert (choice.backend, choice.on_gpu, choice.note) == (Backend.NCCL, True, "")
+    assert str(choice.device(ranks - 1)) == f"cuda:{ranks - 1}"
+
+
+def test_gloo_on_the_cpu_without_a_gpu_says_nothing():
+    choice = choose_backend(0, 4)
+    assert (choice.backend, choice.on_gpu, choice.note) == (Backend.GLOO, False, "")
+    assert str(choice.device(3)) == "cpu"
+
+
+@pytest.mark.parametrize("gpus, ranks", [(1, 2), (1, 4), (2, 4)])
+def test_more_ranks_than_gpus_run_gloo_on_the_cpu_and_say_so_in_one_line(gpus, ranks):
+    choice = choose_backend(gpus, ranks)
+    assert (choice.backend, choice.on_gpu) == (Backend.GLOO, False)
+    assert "\n" not in choice.note
+    assert f"{ranks} ranks" in choice.note and f"share {gpus} GPU" in choice.note
+    assert f"{BACKEND_ENV}=gloo" in choice.note and f"at most {gpus} ranks per host" in choice.note
+
+
+@pytest.mark.parametrize("gpus, ranks", [(0, 1), (1, 4), (4, 4)])
+def test_gloo_asked_for_runs_on_the_cpu_without_a_note(gpus, ranks):
+    assert choose_backend(gpus, ranks, "GLOO") == choose_backend(0, ranks)
+
+
+def test_nccl_asked_for_with_a_gpu_per_rank():
+    assert choose_backend(2, 2, "nccl").backend is Backend.NCCL
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_nccl_asked_for_without_a_gpu_per_rank_is_refused_with_the_fix(gpus):
+    with pytest.raises(ValueError, match=rf"nccl needs a GPU for each of the 2 ranks.*{gpus}.*{BACKEND_ENV}=gloo"):
+        choose_backend(gpus, 2, "nccl")
+
+
+def test_an_unknown_backend_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"'mpi'.*'nccl', 'gloo'"):
+        choose_backend(1, 1, "mpi")
