@@ -10,8 +10,10 @@ GPU. So the rule is
   a 4-rank demo): gloo on the CPU, said in one line (``BackendChoice.note``), since the ranks run
   slower than they could.
 
-``NBSCALER_BACKEND=nccl`` or ``=gloo`` (or a ``backend`` argument) chooses instead; nccl on too few
-GPUs is refused with what to do.
+``NBSCALER_BACKEND=nccl`` or ``=gloo`` (or a ``backend`` argument) chooses instead. nccl asked for
+runs local rank ``r`` on ``cuda:(r % GPUs)``: right where the launcher binds a GPU to each rank, so
+that each sees one (Slurm's ``--gpus-per-task=1``), which no process can tell from one shared GPU.
+nccl without any GPU is refused with what to do.
 
 >>> choose_backend(device_count=1, local_world_size=4).backend
 <Backend.GLOO: 'gloo'>
@@ -40,22 +42,27 @@ class Backend(StrEnum):
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """A backend, whether its ranks compute on GPUs, and the line to show the user ('' for none)."""
+    """A backend, the GPUs its ranks share out (0: they compute on the CPU), and the line to show
+    the user ('' for none)."""
 
     backend: Backend
-    on_gpu: bool
+    gpus: int
     note: str = ""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus > 0
 
     def device(self, local_rank: int) -> torch.device:
         """The device of the rank that is ``local_rank`` on its host."""
-        return torch.device("cuda", local_rank) if self.on_gpu else torch.device("cpu")
+        return torch.device("cuda", local_rank % self.gpus) if self.on_gpu else torch.device("cpu")
 
 
 def choose_backend(device_count: int, local_world_size: int, requested: Optional[str] = None) -> BackendChoice:
     """The backend for ``local_world_size`` ranks on a host with ``device_count`` GPUs.
 
     ``requested`` ('nccl', 'gloo', or None/'' for the rule in the module docstring) is what the
-    user asked for. Raises ``ValueError`` for an unknown backend, or nccl without a GPU per rank.
+    user asked for. Raises ``ValueError`` for an unknown backend, or nccl without a GPU.
     """
     if local_world_size < 1:
         raise ValueError(f"local_world_size must be at least 1, got {local_world_size}")
@@ -66,19 +73,18 @@ def choose_backend(device_count: int, local_world_size: int, requested: Optional
         except ValueError:
             raise ValueError(f"backend {requested!r} (from the argument or {BACKEND_ENV}) is not one of "
                              f"{', '.join(repr(b.value) for b in Backend)}") from None
-        if backend is Backend.NCCL and not enough:
-            raise ValueError(f"nccl needs a GPU for each of the {local_world_size} ranks of this host, which has "
-                             f"{device_count}: start at most {device_count} ranks per host, or use gloo "
-                             f"({BACKEND_ENV}=gloo).")
-        return BackendChoice(backend, backend is Backend.NCCL)
+        if backend is Backend.NCCL and device_count == 0:
+            raise ValueError(f"nccl needs GPUs, and this host shows none: use gloo ({BACKEND_ENV}=gloo), or "
+                             "check that CUDA and its driver are installed where the ranks run.")
+        return BackendChoice(backend, device_count if backend is Backend.NCCL else 0)
     if enough:
-        return BackendChoice(Backend.NCCL, True)
+        return BackendChoice(Backend.NCCL, device_count)
     if device_count == 0:
-        return BackendChoice(Backend.GLOO, False)
-    return BackendChoice(Backend.GLOO, False, note=(
+        return BackendChoice(Backend.GLOO, 0)
+    return BackendChoice(Backend.GLOO, 0, note=(
         f"nbscaler: {local_world_size} ranks on this host share {device_count} GPU(s), and nccl needs one per "
-        f"rank, so they run gloo on the CPU; start at most {device_count} ranks per host for nccl, or set "
-        f"{BACKEND_ENV}=gloo to choose gloo yourself."))
+        f"rank, so they run gloo on the CPU; start at most {device_count} ranks per host for nccl (or set "
+        f"{BACKEND_ENV}=nccl if each rank has a GPU of its own), or {BACKEND_ENV}=gloo to choose gloo yourself."))
 
 
 def host_backend(local_world_size: int, requested: Optional[str] = None) -> BackendChoice:

@@ -25,7 +25,8 @@ def test_more_ranks_than_gpus_run_gloo_on_the_cpu_and_say_so_in_one_line(gpus, r
     assert (choice.backend, choice.on_gpu) == (Backend.GLOO, False)
     assert "\n" not in choice.note
     assert f"{ranks} ranks" in choice.note and f"share {gpus} GPU" in choice.note
-    assert f"{BACKEND_ENV}=gloo" in choice.note and f"at most {gpus} ranks per host" in choice.note
+    assert f"at most {gpus} ranks per host" in choice.note
+    assert f"{BACKEND_ENV}=nccl" in choice.note and f"{BACKEND_ENV}=gloo" in choice.note
 
 
 @pytest.mark.parametrize("gpus, ranks", [(0, 1), (1, 4), (4, 4)])
@@ -33,14 +34,16 @@ def test_gloo_asked_for_runs_on_the_cpu_without_a_note(gpus, ranks):
     assert choose_backend(gpus, ranks, "GLOO") == choose_backend(0, ranks)
 
 
-def test_nccl_asked_for_with_a_gpu_per_rank():
-    assert choose_backend(2, 2, "nccl").backend is Backend.NCCL
+def test_nccl_asked_for_shares_out_the_gpus_each_rank_sees():
+    # A launcher that binds a GPU to each rank shows each of them one GPU: cuda:0, its own.
+    choice = choose_backend(1, 4, "nccl")
+    assert (choice.backend, choice.note, str(choice.device(3))) == (Backend.NCCL, "", "cuda:0")
+    assert str(choose_backend(2, 4, "nccl").device(3)) == "cuda:1"
 
 
-@pytest.mark.parametrize("gpus", [0, 1])
-def test_nccl_asked_for_without_a_gpu_per_rank_is_refused_with_the_fix(gpus):
-    with pytest.raises(ValueError, match=rf"nccl needs a GPU for each of the 2 ranks.*{gpus}.*{BACKEND_ENV}=gloo"):
-        choose_backend(gpus, 2, "nccl")
+def test_nccl_asked_for_without_a_gpu_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=rf"nccl needs GPUs, and this host shows none.*{BACKEND_ENV}=gloo"):
+        choose_backend(0, 2, "nccl")
 
 
 def test_an_unknown_backend_names_the_known_ones():
