@@ -1,9 +1,16 @@
 """The backend rule, as a function of the host's GPUs, its ranks and what the user asked for: no GPU
 needed to check it."""
 
+import doctest
+
 import pytest
 
+from nbscaler.runtime import backend
 from nbscaler.runtime.backend import BACKEND_ENV, Backend, choose_backend
+
+
+def test_the_docstring_examples_hold():
+    assert doctest.testmod(backend).failed == 0
 
 
 @pytest.mark.parametrize("gpus, ranks", [(1, 1), (4, 4), (8, 2)])

@@ -1,6 +1,7 @@
 """``nbscaler.init_distributed``: the environment of each launcher read without one, and the same
 training script under a real ``mpirun`` and a real one-node Slurm's ``srun``, equal to one process."""
 
+import doctest
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nbscaler.runtime import distributed, hostlist
 from nbscaler.runtime.distributed import Launcher, derived_port, read_launch_env
 from nbscaler.runtime.hostlist import expand_hostlist, expand_tasks_per_node
 from tests.multiprocess import RTOL
@@ -19,14 +21,19 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = [sys.executable, "-m", "tests.runtime.launcher_script"]
 
 
-@pytest.mark.parametrize("hostlist, hosts", [
+@pytest.mark.parametrize("module", [distributed, hostlist])
+def test_the_docstring_examples_hold(module):
+    assert doctest.testmod(module).failed == 0
+
+
+@pytest.mark.parametrize("nodes, hosts", [
     ("vm", ["vm"]),
     ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
     ("a[8-10],b,c[1,3]", ["a8", "a9", "a10", "b", "c1", "c3"]),
     ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
 ])
-def test_slurm_host_lists_expand_in_order_with_their_padding(hostlist, hosts):
-    assert expand_hostlist(hostlist) == hosts
+def test_slurm_host_lists_expand_in_order_with_their_padding(nodes, hosts):
+    assert expand_hostlist(nodes) == hosts
 
 
 @pytest.mark.parametrize("bad", ["node[1-2", "node1-2]", "node[a-b]"])
