@@ -56,3 +56,20 @@ def test_nccl_asked_for_without_a_gpu_is_refused_with_the_fix():
 def test_an_unknown_backend_names_the_known_ones():
     with pytest.raises(ValueError, match=r"'mpi'.*'nccl', 'gloo'"):
         choose_backend(1, 1, "mpi")
+
+
+def test_the_launcher_asks_the_rule_and_says_its_note_once(monkeypatch, tmp_path):
+    """One GPU (pretended) for two ranks of this host: the group is gloo and the note is a warning."""
+    import torch
+    import torch.distributed as dist
+
+    from nbscaler.runtime.launch import init_process_group
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    with pytest.warns(UserWarning, match="2 ranks on this host share 1 GPU"):
+        choice = init_process_group(0, 1, f"file://{tmp_path}/rendezvous", 30, local_world_size=2)
+    try:
+        assert (choice.backend, dist.get_backend()) == (Backend.GLOO, "gloo")
+    finally:
+        dist.destroy_process_group()
