@@ -1,5 +1,6 @@
 """Ranks end cleanly: a plain script started by ``torchrun`` that trains a parallel module and then
-destroys its process group exits 0 on every rank, run after run.
+destroys its process group exits 0 on every rank, run after run; and, what makes it so, no group
+survives ``destroy_process_group`` while the module and its optimizer are still referenced.
 
 A process group still alive when a rank's interpreter exits may abort it (SIGABRT, "terminate
 called without an active exception") after training finished: ``nbscaler.runtime.groups`` says
@@ -10,9 +11,17 @@ why. The abort is a race, so each case runs several times: while the runtime hel
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from nbscaler import ComputeConfig, build_optimizer, parallelize
+from nbscaler.models.llama import Llama, LlamaConfig, sample_batch
+from nbscaler.runtime.groups import dp_ranks, get_group
+from tests.multiprocess import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = [("dp", 1, 6), ("autodist", 2, 3)]      # (policy, plan_ngpus, runs) on 4 ranks
@@ -56,3 +65,27 @@ def test_ranks_exit_cleanly_after_training_under_torchrun(tmp_path):
                 failures.append(f"{policy} run {i}: {reason}")
     total = sum(runs for _, _, runs in CASES)
     assert not failures, f"{len(failures)} of {total} runs did not end cleanly:\n" + "\n".join(failures)
+
+
+def _groups_alive_after_destroy(gen_savedir: str) -> list:
+    """Train a step of dp on the Llama, destroy the group while the module and optimizer live on;
+    which of the groups they used are still alive."""
+    cfg = LlamaConfig()
+    torch.manual_seed(0)
+    pm = parallelize(Llama(cfg), sample_batch(cfg, 2), "dp", ComputeConfig(plan_ngpus=1, runtime_ngpus=2),
+                     gen_savedir=gen_savedir)
+    optimizer = build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    pm(**sample_batch(cfg, 2, seed=dist.get_rank())).backward()
+    optimizer.step()
+    # The world group is left out: torch's own torch.distributed.nn, imported while compiling on
+    # rank 0, binds it as a default argument value for good.
+    used = [weakref.ref(g) for g in (pm.reducer.group, get_group(dp_ranks(0, 1, 2)))]
+    dist.destroy_process_group()
+    alive = [ref() is not None for ref in used]
+    del pm, optimizer
+    return alive
+
+
+@pytest.mark.multiprocess
+def test_no_group_outlives_destroy_process_group(tmp_path):
+    assert run_ranks(_groups_alive_after_destroy, 2, str(tmp_path)) == [[False, False]] * 2

@@ -19,6 +19,10 @@ STEPS = 3
 
 
 def main(policy: str, plan_ngpus: int, gen_savedir: str) -> None:
+    # Hand the GIL to other threads only when blocking, as a busy loop of Python does: a thread of
+    # a group that outlived destroy_process_group then still waits for it when the interpreter exits,
+    # so a clean exit is not a matter of luck.
+    sys.setswitchinterval(10.0)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig()
