@@ -4,8 +4,9 @@ survives ``destroy_process_group`` while the module and its optimizer are still 
 
 A process group still alive when a rank's interpreter exits may abort it (SIGABRT, "terminate
 called without an active exception") after training finished: ``nbscaler.runtime.groups`` says
-why. The abort is a race, so each case runs several times: while the runtime held its groups, 4 of
-10 runs of the dp case aborted on a loaded 2-core machine (so 6 runs miss it about once in twenty).
+why. The abort is a race, so each case runs several times, and the script holds the GIL as long as
+it can to widen the window: while the runtime held its groups, 2 of 4 dp runs and 1 of 2 autodist
+runs aborted on a loaded 2-core machine (4 of 10 dp runs without the long switch interval).
 """
 
 import os
