@@ -9,11 +9,13 @@ from nbscaler.ir.registry import register_op
 from nbscaler.parallel import parallelize
 from nbscaler.planning import Plan, plan
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
+from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
-           "broadcast_weights", "build_optimizer", "deduped_state_dict", "load_deduped_state_dict",
-           "load_merged_state_dicts", "merge_state_dicts", "parallelize", "Plan", "plan", "register_op"]
+           "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "init_distributed",
+           "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts", "parallelize", "Plan", "plan",
+           "register_op"]
 __version__ = "0.1.0"

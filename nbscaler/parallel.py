@@ -26,13 +26,14 @@ from nbscaler.ir.graph import IRGraph
 from nbscaler.planning.planner import build_module, cast_floats, module_name, place, plan, policy_name, unplace
 from nbscaler.policy.builtin import get_policy
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
+from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
-           "broadcast_weights", "build_optimizer", "deduped_state_dict", "load_deduped_state_dict",
-           "load_merged_state_dicts", "merge_state_dicts", "parallelize"]
+           "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "init_distributed",
+           "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts", "parallelize"]
 
 
 def _enum(kind: Type[Enum], value: Any, arg: str) -> Enum:

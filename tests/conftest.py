@@ -1,4 +1,5 @@
-"""What every test session shares: a cost-model cache of its own.
+"""What every test session shares: a cost-model cache of its own, and a one-node Slurm (``slurm``)
+for the tests that start work under it (engines of a cluster, a training script under ``srun``).
 
 Plans time their ops from a profile, and clusters calibrate their collectives, into the cost
 model's cache (``nbscaler.cost.cache``). The suite keeps those in a folder of its own, made for the
@@ -11,6 +12,11 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
+from tests.cluster import slurm_host
+from tests.cluster.slurm_standin import StandInSlurm
+
 if "NBSCALER_CACHE_DIR" not in os.environ:
     # Set at import, before any test starts a rank, an engine or a kernel: they inherit it.
     _SESSION_CACHE = tempfile.mkdtemp(prefix="nbscaler-test-cache-")
@@ -22,3 +28,41 @@ else:
 def pytest_unconfigure(config):
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm(request, tmp_path_factory):
+    """A Slurm to submit engines to: a real one-node Slurm on this host (``slurm_host``).
+
+    Only where Slurm cannot run at all (not installed, or not root) do stand-in scripts take its
+    place; an installed Slurm that fails to start fails the tests instead. Which one ran is
+    printed in the test output.
+    """
+    reason = slurm_host.missing_reason()
+    with pytest.MonkeyPatch.context() as patch:
+        if reason is None:
+            host = slurm_host.start()
+            for key, value in host.environment().items():
+                patch.setenv(key, value)
+            what = f"{host.version}, one node ({slurm_host.NODE_CPUS} CPUs), configuration in {host.conf}"
+        else:
+            host = StandInSlurm(tmp_path_factory.mktemp("slurm-standin"))
+            patch.setenv("PATH", f"{host.folder}{os.pathsep}{os.environ['PATH']}")
+            what = f"{host.version}: {reason}"
+        say(request, f"slurm: {what}")
+        try:
+            yield host
+        finally:
+            if host.real:
+                jobs = host.command("squeue", "-h", "--states=all", "-o", "%i:%T", check=False).split()
+                say(request, f"slurm: jobs seen: {', '.join(sorted(jobs, key=lambda j: int(j.split(':')[0])))}")
+                slurm_host.stop(host)
+
+
+def say(request, line: str) -> None:
+    """Write a line to the test output even while output is captured (which fixtures run under)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\n{line}")

@@ -17,6 +17,7 @@ notebook side of the package.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -115,7 +116,12 @@ def join_group(info: RankInfo) -> int:
     else:
         store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
                               timeout=timedelta(seconds=info.timeout_s))
-    init_process_group(info.rank, info.world_size, None, info.timeout_s, info.local_rank, store=store)
+    init_process_group(info.rank, info.world_size, None, info.timeout_s, info.local_rank, store=store,
+                       local_world_size=info.local_world_size)
+    if joins == 0:
+        # A stopped engine exits its interpreter normally; a group still alive then may abort it
+        # (see nbscaler.runtime.groups), so it leaves first.
+        atexit.register(leave_group)
     _info = info
     joins += 1
     return joins

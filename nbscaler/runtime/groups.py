@@ -12,15 +12,51 @@ group and starts again empty instead of handing out groups that are no longer re
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-_GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+_GROUPS: Dict[Tuple[int, ...], Callable[[], Any]] = {}
 # The default group the cached groups were made from, and its collective timeout, which they share.
-_WORLD: Optional[dist.ProcessGroup] = None
+_WORLD: Optional["weakref.ref[dist.ProcessGroup]"] = None
 _TIMEOUT: Optional[timedelta] = None
+
+
+def _weak(group: Any) -> Callable[[], Any]:
+    """A weak reference to ``group``; to ``new_group``'s answer for a non-member (a plain int
+    marker, which cannot be referenced weakly and holds nothing), a function returning it."""
+    return weakref.ref(group) if isinstance(group, dist.ProcessGroup) else (lambda: group)
+
+
+class WeakGroup:
+    """An attribute that holds a process group (or None) by weak reference, for objects such as a
+    reducer that outlive the group when a script destroys it and exits (see the module docstring).
+
+    >>> class Reducer:
+    ...     group = WeakGroup()
+    >>> r = Reducer(); r.group = None; print(r.group)
+    None
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_weak_" + name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        ref = getattr(obj, self.slot)
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError("this object's process group was destroyed (destroy_process_group): "
+                               "initialise the process group again and parallelize again to use it.")
+        return group
+
+    def __set__(self, obj: Any, group: Optional[dist.ProcessGroup]) -> None:
+        setattr(obj, self.slot, None if group is None else _weak(group))
 
 
 def unit_ranks(unit: int, devices: Sequence[int], plan_ngpus: int) -> Tuple[int, ...]:
@@ -35,8 +71,10 @@ def get_group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
         return None
     _forget_groups_of_an_old_world()
     if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=_TIMEOUT)
-    return _GROUPS[ranks]
+        group = dist.new_group(list(ranks), timeout=_TIMEOUT)      # torch's registry holds it
+        _GROUPS[ranks] = _weak(group)
+        return group
+    return _GROUPS[ranks]()
 
 
 def reset() -> None:
@@ -50,9 +88,9 @@ def _forget_groups_of_an_old_world() -> None:
     """Empty the cache when the default group is not the one its groups were made from."""
     global _WORLD, _TIMEOUT
     world = dist.group.WORLD
-    if world is not _WORLD:
+    if _WORLD is None or world is not _WORLD():
         _GROUPS.clear()
-        _WORLD, _TIMEOUT = world, _timeout_of(world)
+        _WORLD, _TIMEOUT = weakref.ref(world), _timeout_of(world)
 
 
 def _timeout_of(group: dist.ProcessGroup) -> Optional[timedelta]:

@@ -18,6 +18,7 @@ import queue
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable, List, Optional
@@ -27,29 +28,35 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nbscaler.config import threads_per_rank
+from nbscaler.runtime.backend import BackendChoice, host_backend
 
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its rank and remote traceback."""
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_process_group(rank: int, world_size: int, init_method: Optional[str], timeout_s: float,
-                       local_rank: Optional[int] = None, *, store: Optional[dist.Store] = None) -> None:
-    """Join the group: nccl with one GPU per local rank where CUDA exists, gloo on CPU otherwise.
+                       local_rank: Optional[int] = None, *, store: Optional[dist.Store] = None,
+                       local_world_size: Optional[int] = None, backend: Optional[str] = None) -> BackendChoice:
+    """Join the group with the backend and device ``nbscaler.runtime.backend`` chooses for this host
+    (nccl with a GPU per local rank, else gloo on the CPU); returns that choice.
 
     The ranks meet through ``init_method`` (a URL such as ``file:///tmp/x``) or through an open
-    ``store``. ``local_rank`` (the rank among the processes of this host) picks the GPU; it defaults
-    to ``rank``, which is right when all ranks share one host.
+    ``store``. ``local_rank`` (the rank among the processes of this host) picks the GPU, and
+    ``local_world_size`` (how many ranks this host runs) decides whether there is one for each;
+    they default to ``rank`` and ``world_size``, which is right when all ranks share one host.
+    ``backend`` ('nccl' or 'gloo') overrides the choice, as ``NBSCALER_BACKEND`` does. A choice
+    worth knowing about (ranks outnumber GPUs) is said once per host, by its local rank 0.
     """
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    local_rank = rank if local_rank is None else local_rank
+    choice = host_backend(world_size if local_world_size is None else local_world_size, backend)
+    if choice.note and local_rank == 0:
+        warnings.warn(choice.note, stacklevel=2)
+    if choice.on_gpu:
+        torch.cuda.set_device(choice.device(local_rank))
+    dist.init_process_group(choice.backend.value, init_method=init_method, store=store, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return choice
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, threads: int,

@@ -17,6 +17,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from nbscaler.runtime.groups import WeakGroup
+
 GradHook = Callable[["Reducer", torch.Tensor], None]
 
 
@@ -76,6 +78,8 @@ class Bucket:
 
 
 class Reducer:
+    group = WeakGroup()          # the ranks gradients are summed over; None: this rank alone
+
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
                  bucket_mb: float = 25.0):
         self.params = [p for p in params if p.requires_grad]

@@ -35,6 +35,7 @@ from typing import List, Optional, Set
 import torch
 import torch.distributed as dist
 
+from nbscaler.runtime.groups import WeakGroup
 from nbscaler.runtime.reducer import Bucket, Reducer, Slot
 
 
@@ -65,6 +66,9 @@ class ZeroReducer(Reducer):
     Under stage 2 every data-parallel rank must run the same backwards (as with DDP): the
     reduce-scatters run inside them.
     """
+
+    zero_group = WeakGroup()
+    replica_group = WeakGroup()
 
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
                  zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
