@@ -41,13 +41,11 @@ class Precision(StrEnum):
     def of(cls, dtype: torch.dtype) -> "Precision":
         """The precision a tensor of ``dtype`` computes in (integers count as fp32: they never reach a
         tensor core in a training step's FLOPs)."""
-        if dtype in (torch.bfloat16,):
+        if dtype == torch.bfloat16:
             return cls.BF16
-        if dtype in (torch.float16,):
+        if dtype == torch.float16:
             return cls.FP16
-        if "float8" in str(dtype):
-            return cls.FP8
-        return cls.FP32
+        return cls.FP8 if "float8" in str(dtype) else cls.FP32
 
 
 _GB = 1e9
