@@ -49,12 +49,12 @@ from nbscaler.config import ComputeConfig, threads_per_rank
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.nccl import NcclModel
-from nbscaler.cost.roofline import RooflineOps
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_size
+from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import local_weights, stage_io, train_graph
+from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
 
