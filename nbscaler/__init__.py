@@ -5,6 +5,7 @@
 """
 
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
+from nbscaler.cost.hardware import Hardware, Precision
 from nbscaler.ir.registry import register_op
 from nbscaler.parallel import parallelize
 from nbscaler.planning import Plan, plan
@@ -15,7 +16,7 @@ from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
-           "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "init_distributed",
-           "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts", "parallelize", "Plan", "plan",
-           "register_op"]
+           "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "Hardware",
+           "init_distributed", "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts",
+           "parallelize", "Plan", "plan", "Precision", "register_op"]
 __version__ = "0.1.0"

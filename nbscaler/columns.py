@@ -31,6 +31,23 @@ notebook subtract one table from the other. The terms, fixed once:
   measured step.
 - ``step_time_s``: seconds of one training step on the rank (every micro-batch, the gradient
   synchronisation and the optimizer step).
+
+On a target (``plan.summary(hardware=hw)``; ``nbscaler.Hardware``), the summary adds:
+
+- ``device_memory_bytes``: the memory of one of the target's GPUs (its datasheet capacity).
+- ``fits``: ``peak_bytes <= device_memory_bytes``. The workspace ``peak_bytes`` leaves out (the
+  allocator's slack, temporaries, collective buffers) is a few GB on a real run: read a rank within
+  a few GB of its device's capacity as not fitting.
+- ``hardware_flops``: ``flops`` plus the forwards a recomputed region runs again in the backward:
+  what the GPU computes. ``flops`` itself counts each op's forward and backward once: the model FLOPs.
+- ``mfu``: model FLOPs utilisation, ``flops / (step_time_s * peak)``, with ``peak`` the GPU's dense
+  peak FLOP/s in the dtype of the model's parameters; recomputation does not count.
+- ``hfu``: hardware FLOPs utilisation, ``hardware_flops / (step_time_s * peak)``; what Megatron-LM's
+  papers report as TFLOP/s per GPU is ``hfu * peak``.
+- ``tokens_per_s``: tokens the whole job trains on per second: the traced batch's tokens (its first
+  integer input of two or more dimensions, batch times sequence) times the micro-batches of a step
+  times the data-parallel units, over the slowest rank's ``step_time_s``; the same on every row, and
+  empty when no input has a sequence.
 """
 
 from __future__ import annotations
@@ -62,6 +79,12 @@ class SummaryColumn(StrEnum):
     PEAK_BYTES = "peak_bytes"
     CUDA_MAX_ALLOCATED_BYTES = "cuda_max_allocated_bytes"
     STEP_TIME_S = "step_time_s"
+    DEVICE_MEMORY_BYTES = "device_memory_bytes"
+    FITS = "fits"
+    HARDWARE_FLOPS = "hardware_flops"
+    MFU = "mfu"
+    HFU = "hfu"
+    TOKENS_PER_S = "tokens_per_s"
 
 
 MEMORY_CATEGORIES = (SummaryColumn.PARAM_BYTES, SummaryColumn.GRAD_BYTES, SummaryColumn.OPTIMIZER_BYTES,
@@ -71,8 +94,13 @@ MEMORY_CATEGORIES = (SummaryColumn.PARAM_BYTES, SummaryColumn.GRAD_BYTES, Summar
 MEMORY_COLUMNS = (SummaryColumn.RANK, *MEMORY_CATEGORIES, SummaryColumn.PEAK_BYTES)
 """The columns of a memory table, predicted or measured."""
 
-PREDICTED_COLUMNS = tuple(c for c in SummaryColumn if c is not SummaryColumn.CUDA_MAX_ALLOCATED_BYTES)
-"""The columns of ``Plan.summary()``: every one but those only a measurement has."""
+TARGET_COLUMNS = (SummaryColumn.DEVICE_MEMORY_BYTES, SummaryColumn.FITS, SummaryColumn.HARDWARE_FLOPS,
+                  SummaryColumn.MFU, SummaryColumn.HFU, SummaryColumn.TOKENS_PER_S)
+"""The columns ``Plan.summary(hardware=...)`` adds: those only a target with a peak and a capacity has."""
+
+PREDICTED_COLUMNS = tuple(c for c in SummaryColumn
+                          if c is not SummaryColumn.CUDA_MAX_ALLOCATED_BYTES and c not in TARGET_COLUMNS)
+"""The columns of ``Plan.summary()``: every one but those only a measurement or a target has."""
 
 
 class StepMoment(StrEnum):

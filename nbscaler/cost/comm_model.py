@@ -67,8 +67,10 @@ class CommModel:
     def ring(self, steps: float, nbytes: float) -> float:
         return steps * self.alpha_s + nbytes * self.beta_s_per_byte
 
-    def forward(self, fn: str, nbytes: int, n: int) -> float:
-        """Seconds of collective ``fn`` over ``n`` devices on a local input of ``nbytes``."""
+    def forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
+        """Seconds of collective ``fn`` over ``n`` devices on a local input of ``nbytes``. The
+        calibration is of one host's links, so which ``ranks`` the group holds changes nothing
+        (``cost.nccl.NcclModel``, the same interface for a target, reads them)."""
         if n <= 1:
             return 0.0
         share = (n - 1) / n
@@ -79,7 +81,7 @@ class CommModel:
             "all_to_all": lambda: self.ring(n - 1, share * nbytes),
         }.get(fn, lambda: 0.0)()
 
-    def backward(self, fn: str, nbytes: int, n: int) -> float:
+    def backward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of the backward of ``fn`` (``nbytes``: the forward's local input)."""
         if n <= 1:
             return 0.0
@@ -90,7 +92,7 @@ class CommModel:
             "sum_grad": lambda: self.forward("all_reduce", nbytes, n),
         }.get(fn, lambda: 0.0)()
 
-    def p2p(self, nbytes: int) -> float:
+    def p2p(self, nbytes: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of one pipeline send/recv of ``nbytes``."""
         alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
         return alpha + nbytes * self.beta_s_per_byte

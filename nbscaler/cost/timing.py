@@ -18,6 +18,14 @@ The pieces, each measured or modelled once:
 Op times are read at the speed the ranks last measured side by side (``cost.speed``), so a
 profile from a quieter minute, or from one process alone, is scaled to the machine as it runs them.
 
+On a target (``StepModel(hardware=...)``), ops take their roofline time (``cost.roofline``) and
+collectives NCCL's ring/tree cost on the link their group spans (``cost.nccl``): nothing runs on
+this machine. What overlaps there: a tensor-parallel collective waits for the op before it and
+blocks the one after, so it sits on the critical path, forward and backward; a pipeline's sends
+overlap the next block except their latency; the data-parallel gradient reduction runs bucket by
+bucket during the backward's last block, as DDP does, and only its first bucket (the gradients the
+backward produces last) and what exceeds that block's time add to the step.
+
 What limits it: Python overhead between ops and the pipeline executor's bookkeeping (beyond
 starting its sends and receives) are not counted; ranks are assumed in step (none waits at a
 collective for a slower peer); with more ranks than cores, the calibration sees every rank busy at
@@ -40,10 +48,13 @@ from nbscaler.comm.layout import Layout
 from nbscaler.config import ComputeConfig, threads_per_rank
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
+from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_size
+from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import local_weights, stage_io, train_graph
+from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
 
@@ -79,32 +90,54 @@ def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[
         fwd, bwd = fwd + f, bwd + b
         op.node.meta.setdefault("local_time_fwd_s", {})[run.device] = f
         op.node.meta.setdefault("local_time_bwd_s", {})[run.device] = b
-    for c in run.collectives:
-        f = comm.forward(c.fn, c.in_bytes, len(c.devices))
+    for c in run.collectives:                  # a unit's plan devices are the ranks of unit 0
+        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
         fwd += f
-        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices)) + (f if c.recomputed else 0.0)
+        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
     return fwd, bwd + profiler.overhead_s
 
 
-def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
-              geometry: Optional[PipelineGeometry], comm: CommModel) -> float:
-    """Seconds of the gradient synchronisation after the backward: partial gradients summed inside
-    the unit (parameters stored ``R*``), then across data-parallel units (and ZeRO's gather)."""
+def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
+                 geometry: Optional[PipelineGeometry], comm: CommModel) -> List[Tuple[float, float]]:
+    """Seconds of the gradient synchronisation per bucket of plan ``device`` (unit 0), in parameter
+    order: ``(during, after)``, what may run while the backward goes on (partial gradients summed
+    inside the unit for parameters stored ``R*``, the all-reduce across data-parallel units or
+    ZeRO's reduce-scatter) and what waits for the optimizer step (ZeRO's all-gather)."""
     params = [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
-    total = 0.0
+    out: List[Tuple[float, float]] = []
     for n in sorted({p.partial_over for p in params} - {1}):
+        inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
         for bucket in buckets([p for p in params if p.partial_over == n]):
-            total += comm.forward("all_reduce", sum(p.nbytes for p in bucket), n)
+            out.append((comm.forward("all_reduce", sum(p.nbytes for p in bucket), n, ranks=inside), 0.0))
+    units = [device + u * cfg.plan_ngpus for u in range(cfg.units)]    # the same device in every unit
     for bucket in buckets(params):
         nbytes = sum(p.nbytes for p in bucket)
         if not cfg.use_zero:
-            total += comm.forward("all_reduce", nbytes, cfg.units)
+            out.append((comm.forward("all_reduce", nbytes, cfg.units, ranks=units), 0.0))
             continue
         n = zero_group_size(cfg)
         shard = -(-nbytes // n)
-        total += comm.forward("reduce_scatter", shard * n, n) + comm.forward("all_reduce", shard, cfg.zero_ngroups)
-        total += comm.forward("all_gather", shard, n)
-    return total
+        during = (comm.forward("reduce_scatter", shard * n, n, ranks=units[:n])
+                  + comm.forward("all_reduce", shard, cfg.zero_ngroups, ranks=units[::n]))
+        out.append((during, comm.forward("all_gather", shard, n, ranks=units[:n])))
+    return out
+
+
+def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
+              geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None) -> float:
+    """Seconds of the gradient synchronisation after the backward (``sync_buckets``).
+
+    ``overlap_s=None``: all of it after the backward (a CPU rank computes and communicates on the
+    same cores). Else, as DDP on a GPU: each bucket is reduced on its own stream as soon as the
+    backward has produced it, during the backward's last ``overlap_s`` seconds; the first bucket
+    (the first layers' gradients, produced last) and what does not fit in that time are exposed."""
+    times = sync_buckets(graphs, storage, cfg, device, geometry, comm)
+    if not times:
+        return 0.0
+    if overlap_s is None:
+        return sum(d + a for d, a in times)
+    hidden = sum(d for d, _ in times[1:])
+    return times[0][0] + max(0.0, hidden - overlap_s) + sum(a for _, a in times)
 
 
 def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
@@ -127,10 +160,16 @@ class StepModel:
 
     def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                  geometry: Optional[PipelineGeometry], profiler: Optional[OpProfiler] = None,
-                 comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None):
+                 comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None,
+                 hardware: Optional[Hardware] = None):
         self.graphs, self.storage, self.cfg, self.geometry = graphs, storage, cfg, geometry
-        self.profiler = profiler or profiler_for(cfg)
-        self.comm = comm or comm_model.load(nranks=max(2, cfg.plan_ngpus))
+        self.hardware = hardware
+        on_target = hardware is not None and not hardware.is_local
+        if on_target:
+            hardware.check_ranks(cfg.runtime_ngpus)
+        self.profiler = profiler or (RooflineOps(hardware) if on_target else profiler_for(cfg))
+        self.comm = comm or (NcclModel(hardware) if on_target else comm_model.load(nranks=max(2, cfg.plan_ngpus)))
+        self.overlaps_sync = on_target       # a GPU reduces gradients on its own stream, during the backward
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         stages = {d: runs[d] if runs is not None else stage_runs(graphs, storage, d, geometry) for d in range(cfg.plan_ngpus)}
@@ -149,7 +188,9 @@ class StepModel:
                 forward[s], backward[s] = max(forward[s], f), max(backward[s], b)
         graph = train_graph(self.graphs)
         carries = [stage_io(graph, self.geometry, s + 1)[0] for s in range(schedule.nstages - 1)]
-        latency = self.comm.p2p(max((sum(t.nbytes for t in c) for c in carries), default=0))
+        pairs = [(self.geometry.stage_group(s)[0], self.geometry.stage_group(s + 1)[0]) for s in range(len(carries))]
+        latency = max((self.comm.p2p(sum(t.nbytes for t in c), ranks=pair) for c, pair in zip(carries, pairs)),
+                      default=self.comm.p2p(0))
         post = self.comm.p2p_post(max((len(c) for c in carries), default=0))     # one isend/irecv per tensor
         return simulate(schedule, forward, backward, latency, post)
 
@@ -186,7 +227,8 @@ class StepModel:
         for rank in compute:
             device = self.cfg.device_of(rank)
             step = makespan if makespan is not None else ends.get(rank, 0.0)
-            step += sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm)
+            overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
+            step += sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap)
             step += update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
                                 optimizer, kwargs)
             rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step})
@@ -201,22 +243,25 @@ def _nsamples(cfg: ComputeConfig) -> int:
 def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                       optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None) -> pd.DataFrame:
+                       optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
+                       hardware: Optional[Hardware] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
 
     A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
-    without a pipeline), the gradient synchronisation and one step of ``optimizer``. Op times are
-    profiled on this machine on first use (cached); collectives use the calibrated alpha-beta
-    model, or its defaults.
+    without a pipeline), the gradient synchronisation and one step of ``optimizer``. Without
+    ``hardware`` (or with ``Hardware.local()``), op times are profiled on this machine on first use
+    (cached) and collectives use the calibrated alpha-beta model, or its defaults; with a target,
+    ops take their roofline time (``cost.roofline``) and collectives NCCL's (``cost.nccl``).
     """
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry, runs=runs).step_times(n, optimizer, optimizer_kwargs)
+    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).step_times(n, optimizer, optimizer_kwargs)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
-                       runs: Optional[DeviceRuns] = None) -> Timeline:
+                       runs: Optional[DeviceRuns] = None, hardware: Optional[Hardware] = None) -> Timeline:
     """The predicted blocks ``(rank, stage, micro, phase, t_start, t_end)`` of one training step:
-    the simulated schedule for a pipeline, else a forward and a backward per sample and rank."""
+    the simulated schedule for a pipeline, else a forward and a backward per sample and rank; on
+    ``hardware`` when given (as ``step_time_per_rank``)."""
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry, runs=runs).timeline(n)
+    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).timeline(n)

@@ -32,6 +32,7 @@ from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.annotate import annotate_costs
+from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
 from nbscaler.cost.timing import predicted_timeline
 from nbscaler.ir.graph import IRGraph
@@ -136,18 +137,26 @@ class Plan:
         pipeline crossings; ``summary()`` adds the gradient synchronisation between units."""
         return tables.traffic_per_rank(self)
 
-    def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
-        """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted."""
-        return tag(tables.summary_frame(self, optimizer, optimizer_kwargs), Table.SUMMARY, self)
+    def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *, hardware: Optional[Hardware] = None,
+                **optimizer_kwargs: Any) -> pd.DataFrame:
+        """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted.
+
+        With ``hardware`` (``nbscaler.Hardware``), the step is timed on that target from each op's
+        FLOPs and bytes and NCCL's collective costs, with nothing run on this machine, and the rows
+        add its capacity, ``fits``, ``hardware_flops``, ``mfu``, ``hfu`` and ``tokens_per_s``
+        (``nbscaler.columns``)."""
+        return tag(tables.summary_frame(self, optimizer, optimizer_kwargs, hardware), Table.SUMMARY, self)
 
     def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
         """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)."""
         return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
                                    optimizer_kwargs=optimizer_kwargs, runs=self.local_runs), Table.MEMORY, self)
 
-    def timeline(self) -> Timeline:
-        """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``."""
-        return predicted_timeline(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs)
+    def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
+        """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
+        on this machine or on ``hardware``."""
+        return predicted_timeline(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs,
+                                  hardware=hardware)
 
     @functools.cached_property
     def local_runs(self) -> Optional[DeviceRuns]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from collections import defaultdict
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pandas as pd
 
@@ -21,9 +21,11 @@ from nbscaler.comm.traffic import CommStep
 from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
+from nbscaler.planning.on_target import add_target_columns
 from nbscaler.units import fmt_count
 
 if TYPE_CHECKING:
+    from nbscaler.cost.hardware import Hardware
     from nbscaler.planning.planner import Plan
 
 OP_COLUMNS = ["id", "name", "op", "target", "module", "source_file", "source_line", "stage", "devices", "split",
@@ -57,7 +59,7 @@ def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
 
 
 # -- per rank -------------------------------------------------------------------------------------
-def _blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], int]:
+def blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], int]:
     """How often ``device`` runs each ``(stage, phase)`` in one training step."""
     if plan.geometry is None:
         return {(None, "F"): 1, (None, "B"): 1}
@@ -79,7 +81,7 @@ def flops_per_device(plan: "Plan") -> Dict[int, float]:
     out = {}
     for d in range(plan.config.plan_ngpus):
         total = 0.0
-        for (stage, phase), count in _blocks_per_stage(plan, d).items():
+        for (stage, phase), count in blocks_per_stage(plan, d).items():
             where = _stage_device(plan, stage, d)
             key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
             total += count * sum(n.meta[key] for n in plan.graph.nodes
@@ -94,7 +96,7 @@ def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
     out = {}
     for d in range(plan.config.plan_ngpus):
         sent = received = 0.0
-        for (stage, phase), count in _blocks_per_stage(plan, d).items():
+        for (stage, phase), count in blocks_per_stage(plan, d).items():
             where = _stage_device(plan, stage, d)
             rows = steps[(steps.phase == phase) & steps.devices.map(lambda g: where in g)]
             if stage is not None:
@@ -134,8 +136,10 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     return pd.DataFrame(rows)
 
 
-def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any]) -> pd.DataFrame:
-    """``Plan.summary``: one row per runtime rank, the columns of ``SummaryColumn``."""
+def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
+                  hardware: Optional["Hardware"] = None) -> pd.DataFrame:
+    """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
+    ``hardware`` those of ``TARGET_COLUMNS`` too."""
     memory = plan.memory(optimizer, **optimizer_kwargs)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
     flops = flops_per_device(plan)
@@ -143,9 +147,10 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any]) -> 
                           C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
-                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs)
+                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware)
     frame = frame.merge(steps, on=C.RANK.value)
-    return frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
+    frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
+    return add_target_columns(plan, frame, hardware) if hardware is not None else frame
 
 
 # -- saved and shown forms ------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_opens_collapsed_by_module(plan):
     # colour by placement: every block runs on both devices, split marks name the split dims
     block = scene.boxes["blocks.0"]
     assert [d for d, _ in block.shares] == [0, 1] and abs(sum(s for _, s in block.shares) - 1) < 1e-9
-    assert set(block.split.split()) <= {"n", "k+", "d2"} and "n" in block.split
+    assert set(block.split.split()) <= {"n", "k+", "d2", "h"} and "n" in block.split    # h: attention by heads
 
 
 def test_expand_and_collapse_one_level(plan):

@@ -1,0 +1,233 @@
+"""``Hardware``: what a target machine computes, holds and moves, per GPU, with a catalogue of real ones.
+
+A plan is priced on a target from a few facts per GPU: its dense peak FLOP/s in each precision, its
+memory (capacity and bandwidth), and the two links a collective can cross: the one between GPUs of
+a node (NVLink/NVSwitch) and the one between nodes (InfiniBand/RoCE), each as the bandwidth one GPU
+gets in one direction and a latency per message. ``nodes`` and ``gpus_per_node`` say how many GPUs
+the job has and where a group of ranks stops being on one node.
+
+Every peak here is *dense* (no 2:4 sparsity): vendors print the sparse figure with an asterisk, twice
+the dense one. Link bandwidths are per GPU and per direction: NVIDIA's "900 GB/s NVLink" for an H100
+is both directions of its 18 links together, 450 GB/s each way.
+
+>>> hw = Hardware.named("H100-SXM-80GB", nodes=8)
+>>> hw.ngpus, hw.peak_flops(torch.bfloat16) / 1e12
+(64, 989.4)
+>>> custom = dataclasses.replace(hw, name="H100 on 200G RoCE", inter_node_bytes_per_s=25e9)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from nbscaler.columns import StrEnum
+
+
+class Precision(StrEnum):
+    """The arithmetic a peak is quoted for; ``of`` maps a torch dtype to it."""
+
+    FP32 = "float32"            # plain fp32 FMA on CUDA cores (what torch runs unless TF32 is allowed)
+    TF32 = "tf32"               # fp32 matmuls on tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    BF16 = "bfloat16"
+    FP16 = "float16"
+    FP8 = "float8"              # e4m3 / e5m2
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> "Precision":
+        """The precision a tensor of ``dtype`` computes in (integers count as fp32: they never reach a
+        tensor core in a training step's FLOPs)."""
+        if dtype == torch.bfloat16:
+            return cls.BF16
+        if dtype == torch.float16:
+            return cls.FP16
+        return cls.FP8 if "float8" in str(dtype) else cls.FP32
+
+
+_GB = 1e9
+_TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One target: identical GPUs, ``gpus_per_node`` to a node, ``nodes`` nodes.
+
+    ``peak_flops_by_precision`` holds dense peaks in FLOP/s (a precision the GPU lacks, e.g. bf16 on
+    a T4, is absent). Bandwidths are bytes/s per GPU in one direction; latencies seconds per message.
+    ``is_local`` marks ``Hardware.local()``: this machine, whose op and collective times come from its
+    own calibration rather than from these figures.
+    """
+
+    name: str
+    peak_flops_by_precision: Mapping[Precision, float]
+    memory_bytes: float
+    memory_bytes_per_s: float
+    gpus_per_node: int
+    intra_node_bytes_per_s: float
+    intra_node_latency_s: float
+    inter_node_bytes_per_s: float
+    inter_node_latency_s: float
+    nodes: int = 1
+    is_local: bool = False
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        peaks = {Precision(k): float(v) for k, v in dict(self.peak_flops_by_precision).items()}
+        object.__setattr__(self, "peak_flops_by_precision", peaks)
+        if not peaks:
+            raise ValueError(f"Hardware {self.name!r}: peak_flops_by_precision is empty; give at least "
+                             f"{{Precision.FP32: flop_per_s}}.")
+        for key, value in peaks.items():
+            _positive(self.name, f"peak_flops_by_precision[{key.value}]", value, "a dense peak in FLOP/s")
+        for name, unit in (("memory_bytes", "bytes"), ("memory_bytes_per_s", "bytes/s"),
+                           ("intra_node_bytes_per_s", "bytes/s per GPU and direction"),
+                           ("inter_node_bytes_per_s", "bytes/s per GPU and direction")):
+            _positive(self.name, name, getattr(self, name), unit)
+        for name in ("intra_node_latency_s", "inter_node_latency_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Hardware {self.name!r}: {name}={value!r} must be a latency in seconds, >= 0.")
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Hardware {self.name!r}: {name}={value!r} must be a whole number >= 1.")
+
+    # -- what the cost model asks -----------------------------------------------------------------
+    @property
+    def ngpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def peak_flops(self, dtype: torch.dtype) -> float:
+        """Dense peak FLOP/s of one GPU for matmuls in ``dtype``."""
+        precision = Precision.of(dtype)
+        if precision not in self.peak_flops_by_precision:
+            have = ", ".join(p.value for p in self.peak_flops_by_precision)
+            raise ValueError(f"Hardware {self.name!r} has no {precision.value} peak (it has: {have}); "
+                             f"plan in one of those dtypes (module_dtype=...) or add the peak.")
+        return self.peak_flops_by_precision[precision]
+
+    def check_ranks(self, nranks: int) -> None:
+        """Raise when a job of ``nranks`` ranks needs more GPUs than the target has."""
+        if nranks > self.ngpus:
+            raise ValueError(f"the plan runs {nranks} ranks but {self.name} has {self.ngpus} GPUs "
+                             f"({self.nodes} node(s) of {self.gpus_per_node}); ask for more nodes: "
+                             f"Hardware.named({self.name!r}, nodes={-(-nranks // self.gpus_per_node)}).")
+
+    def node_of(self, rank: int) -> int:
+        """The node of global ``rank``: ranks fill a node before the next (as torchrun numbers them)."""
+        return rank // self.gpus_per_node
+
+    def link(self, ranks) -> "Link":
+        """The slowest link a group of global ``ranks`` crosses: NVLink inside one node, else the network."""
+        if len({self.node_of(r) for r in ranks}) <= 1:
+            return Link("intra-node", self.intra_node_bytes_per_s, self.intra_node_latency_s)
+        return Link("inter-node", self.inter_node_bytes_per_s, self.inter_node_latency_s)
+
+    # -- where they come from ---------------------------------------------------------------------
+    @classmethod
+    def named(cls, name: str, nodes: int = 1) -> "Hardware":
+        """A catalogued target (``Hardware.catalogue()``) with ``nodes`` nodes."""
+        if name not in CATALOGUE:
+            raise ValueError(f"no hardware named {name!r}; known: {', '.join(CATALOGUE)}. "
+                             f"Build your own with Hardware(...) or dataclasses.replace(Hardware.named(...), ...).")
+        return dataclasses.replace(CATALOGUE[name], nodes=nodes)
+
+    @staticmethod
+    def catalogue() -> Dict[str, "Hardware"]:
+        """Every catalogued target by name (one node each)."""
+        return dict(CATALOGUE)
+
+    @classmethod
+    def local(cls) -> "Hardware":
+        """This machine, as nbscaler's calibration sees it (``cost.local_hardware``)."""
+        from nbscaler.cost.local_hardware import local_hardware
+        return local_hardware()
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link a collective's group crosses: bytes/s per GPU and direction, seconds per message."""
+
+    kind: str
+    bytes_per_s: float
+    latency_s: float
+
+
+def _positive(hw: str, name: str, value, unit: str) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"Hardware {hw!r}: {name}={value!r} must be a positive number ({unit}).")
+
+
+# -- the catalogue --------------------------------------------------------------------------------
+# Per-message latencies are NCCL's own figures for one ring step with its LL128 protocol
+# (src/graph/tuning.cc, hwLat: NVLink 1.9 us, network 4.0 us; PCIe 2.0 us for a PCIe-only node).
+_NVLINK_LAT, _PCIE_LAT, _NET_LAT = 1.9e-6, 2.0e-6, 4.0e-6
+P = Precision
+
+CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
+    Hardware(
+        "H100-SXM-80GB",
+        # NVIDIA H100 Tensor Core GPU datasheet, SXM column, dense (half the starred sparse figures):
+        # FP32 67 TF, TF32 989/2, BF16/FP16 1,979/2, FP8 3,958/2.
+        {P.FP32: 66.9 * _TFLOPS, P.TF32: 494.7 * _TFLOPS, P.BF16: 989.4 * _TFLOPS, P.FP16: 989.4 * _TFLOPS,
+         P.FP8: 1978.9 * _TFLOPS},
+        memory_bytes=80 * _GB, memory_bytes_per_s=3350 * _GB,       # datasheet: 80 GB HBM3, 3.35 TB/s
+        gpus_per_node=8,                                            # DGX/HGX H100: 8 GPUs on NVSwitch
+        intra_node_bytes_per_s=450 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 4: 900 GB/s both ways
+        # DGX H100 system: 8x ConnectX-7 400 Gb/s InfiniBand, one per GPU: 50 GB/s each way.
+        inter_node_bytes_per_s=50 * _GB, inter_node_latency_s=_NET_LAT,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM); NVIDIA DGX H100 datasheet"),
+    Hardware(
+        "H200-SXM-141GB",
+        # NVIDIA H200 Tensor Core GPU datasheet: the H100's compute (same dense peaks as above).
+        {P.FP32: 66.9 * _TFLOPS, P.TF32: 494.7 * _TFLOPS, P.BF16: 989.4 * _TFLOPS, P.FP16: 989.4 * _TFLOPS,
+         P.FP8: 1978.9 * _TFLOPS},
+        memory_bytes=141 * _GB, memory_bytes_per_s=4800 * _GB,      # datasheet: 141 GB HBM3e, 4.8 TB/s
+        gpus_per_node=8,
+        intra_node_bytes_per_s=450 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 4: 900 GB/s both ways
+        inter_node_bytes_per_s=50 * _GB, inter_node_latency_s=_NET_LAT,       # DGX H200: 8x ConnectX-7 400 Gb/s
+        source="NVIDIA H200 Tensor Core GPU datasheet; NVIDIA DGX H200 datasheet"),
+    Hardware(
+        "A100-SXM-80GB",
+        # NVIDIA A100 Tensor Core GPU datasheet, dense: FP32 19.5 TF, TF32 156, BF16/FP16 312; no FP8.
+        {P.FP32: 19.5 * _TFLOPS, P.TF32: 156 * _TFLOPS, P.BF16: 312 * _TFLOPS, P.FP16: 312 * _TFLOPS},
+        memory_bytes=80 * _GB, memory_bytes_per_s=2039 * _GB,       # datasheet: 80 GB HBM2e, 2,039 GB/s
+        gpus_per_node=8,                                            # DGX A100: 8 GPUs on NVSwitch
+        intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 3: 600 GB/s both ways
+        # DGX A100 system: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU: 25 GB/s each way.
+        inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM); NVIDIA DGX A100 datasheet"),
+    Hardware(
+        "A100-SXM-40GB",
+        {P.FP32: 19.5 * _TFLOPS, P.TF32: 156 * _TFLOPS, P.BF16: 312 * _TFLOPS, P.FP16: 312 * _TFLOPS},
+        memory_bytes=40 * _GB, memory_bytes_per_s=1555 * _GB,       # datasheet: 40 GB HBM2, 1,555 GB/s
+        gpus_per_node=8,
+        intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,
+        inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,       # DGX A100 (40 GB): 8x HDR 200 Gb/s
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB); NVIDIA DGX A100 datasheet"),
+    Hardware(
+        "L4",
+        # NVIDIA L4 Tensor Core GPU datasheet, dense: FP32 30.3 TF, TF32 120/2, BF16/FP16 242/2, FP8 485/2.
+        {P.FP32: 30.3 * _TFLOPS, P.TF32: 60 * _TFLOPS, P.BF16: 121 * _TFLOPS, P.FP16: 121 * _TFLOPS,
+         P.FP8: 242.5 * _TFLOPS},
+        memory_bytes=24 * _GB, memory_bytes_per_s=300 * _GB,        # datasheet: 24 GB GDDR6, 300 GB/s
+        # No NVLink: GPUs of a node talk over PCIe Gen4 x16 (64 GB/s both ways, datasheet). A node of 8 L4
+        # with 100 Gb/s Ethernet as Google Cloud's g2-standard-96 is: 12.5 GB/s shared by 8 GPUs.
+        gpus_per_node=8, intra_node_bytes_per_s=32 * _GB, intra_node_latency_s=_PCIE_LAT,
+        inter_node_bytes_per_s=12.5 * _GB / 8, inter_node_latency_s=_NET_LAT,
+        source="NVIDIA L4 Tensor Core GPU datasheet; Google Cloud G2 machine types"),
+    Hardware(
+        "T4",
+        # NVIDIA T4 datasheet: FP32 8.1 TF, mixed FP16 65 TF (dense); Turing has no BF16, TF32 or FP8.
+        {P.FP32: 8.1 * _TFLOPS, P.FP16: 65 * _TFLOPS},
+        memory_bytes=16 * _GB, memory_bytes_per_s=320 * _GB,        # datasheet: 16 GB GDDR6, 320+ GB/s
+        # PCIe Gen3 x16 (32 GB/s both ways, datasheet). A node of 8 T4 with 100 Gb/s networking as
+        # AWS's g4dn.metal is: 12.5 GB/s shared by 8 GPUs.
+        gpus_per_node=8, intra_node_bytes_per_s=16 * _GB, intra_node_latency_s=_PCIE_LAT,
+        inter_node_bytes_per_s=12.5 * _GB / 8, inter_node_latency_s=_NET_LAT,
+        source="NVIDIA T4 Tensor Core GPU datasheet; AWS EC2 G4 instance types (g4dn.metal)"),
+)}

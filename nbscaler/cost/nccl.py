@@ -1,0 +1,97 @@
+"""Collective times on a target: NCCL's ring and tree costs on the link a group spans.
+
+A collective over a group of ``n`` ranks moves, per rank, a share of the data NCCL calls the *bus*
+bytes, over the group's slowest link (``Hardware.link``: NVLink when every rank is on one node,
+else the network, whose per-GPU bandwidth is a node's NICs shared by its GPUs), and pays that
+link's latency once per algorithm step. With ``b`` the local input's bytes, ``B`` the link's
+bandwidth per GPU and direction and ``a`` its latency per step:
+
+==================  =========================================  ============================
+collective          ring                                       tree (all-reduce only)
+==================  =========================================  ============================
+``all_reduce``      ``2(n-1) a + 2(n-1)/n b / B``               ``2 ceil(log2 n) a + 2(n-1)/n b / B``
+``all_gather``      ``(n-1) a + (n-1) b / B`` (output ``n b``)
+``reduce_scatter``  ``(n-1) a + (n-1)/n b / B``
+``all_to_all``      ``(n-1) a + (n-1)/n b / B``
+send/recv           ``a + b / B``
+==================  =========================================  ============================
+
+The bandwidth factors are those NCCL's performance notes use to turn a collective's time into bus
+bandwidth (``2(n-1)/n`` for all-reduce, ``(n-1)/n`` of the output for all-gather and of the input
+for reduce-scatter), so a link's bandwidth is what ``nccl-tests`` reports as ``busbw``. NCCL's
+double binary tree reaches about the ring's bus bandwidth and takes ``log2 n`` steps up and down
+instead of ``n - 1`` around; NCCL picks the faster, and so does ``all_reduce`` here.
+
+Where a group sits follows Megatron's rank order, which nbscaler's runtime ranks have: within a unit
+(a model copy) the tensor-parallel ranks are adjacent, then the pipeline stages; units (data
+parallelism) come last. So a tensor-parallel group of up to ``gpus_per_node`` stays on NVLink while
+the data-parallel groups of a job on several nodes, and pipeline sends between nodes, cross the network.
+
+``NcclModel`` serves the interface ``cost.comm_model.CommModel`` serves (``forward``, ``backward``,
+``p2p``, ``p2p_post``), each taking the group's global ``ranks``.
+
+>>> nccl = NcclModel(Hardware.named("H100-SXM-80GB", nodes=2))
+>>> nccl.forward("all_reduce", 2 ** 30, 8, ranks=range(8)) < nccl.forward("all_reduce", 2 ** 30, 8, ranks=range(4, 12))
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from nbscaler.cost.hardware import Hardware, Link
+
+
+@dataclass(frozen=True)
+class NcclModel:
+    """Collective seconds on ``hardware``; a group without ``ranks`` is taken as ``range(n)``."""
+
+    hardware: Hardware
+
+    def link(self, n: int, ranks: Optional[Sequence[int]]) -> Link:
+        return self.hardware.link(range(n) if ranks is None else ranks)
+
+    def ring(self, steps: float, nbytes: float, link: Link) -> float:
+        return steps * link.latency_s + nbytes / link.bytes_per_s
+
+    def all_reduce(self, nbytes: float, n: int, link: Link) -> float:
+        """The faster of NCCL's ring and tree for an all-reduce of ``nbytes`` over ``n`` ranks."""
+        bus = 2 * (n - 1) / n * nbytes
+        ring = self.ring(2 * (n - 1), bus, link)
+        tree = self.ring(2 * math.ceil(math.log2(n)), bus, link)
+        return min(ring, tree)
+
+    def forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
+        """Seconds of collective ``fn`` over ``n`` ranks (``ranks``) on a local input of ``nbytes``."""
+        if n <= 1:
+            return 0.0
+        link = self.link(n, ranks)
+        share = (n - 1) / n
+        return {
+            "all_gather": lambda: self.ring(n - 1, (n - 1) * nbytes, link),
+            "all_reduce": lambda: self.all_reduce(nbytes, n, link),
+            "reduce_scatter": lambda: self.ring(n - 1, share * nbytes, link),
+            "all_to_all": lambda: self.ring(n - 1, share * nbytes, link),
+        }.get(fn, lambda: 0.0)()
+
+    def backward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
+        """Seconds of the backward of ``fn`` (``nbytes``: the forward's local input)."""
+        if n <= 1:
+            return 0.0
+        return {
+            "chunk": lambda: self.forward("all_gather", nbytes // n, n, ranks),
+            "reduce_scatter": lambda: self.forward("all_gather", nbytes // n, n, ranks),
+            "all_to_all": lambda: self.forward("all_to_all", nbytes, n, ranks),
+            "sum_grad": lambda: self.forward("all_reduce", nbytes, n, ranks),
+        }.get(fn, lambda: 0.0)()
+
+    def p2p(self, nbytes: int, ranks: Optional[Sequence[int]] = None) -> float:
+        """Seconds of one send/recv of ``nbytes`` between ``ranks`` (two ranks; ``(0, 1)`` if None)."""
+        link = self.link(2, ranks)
+        return link.latency_s + nbytes / link.bytes_per_s
+
+    def p2p_post(self, ntensors: int) -> float:
+        """Starting a send on a GPU queues it on a stream: nothing on the rank's clock."""
+        return 0.0

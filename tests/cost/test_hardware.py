@@ -1,0 +1,66 @@
+"""Hardware: the catalogue's figures, validation that names the field, and where a group's link is."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import Hardware, Precision
+
+
+def test_catalogue_holds_dense_datasheet_peaks_and_per_direction_links():
+    names = set(Hardware.catalogue())
+    assert {"H100-SXM-80GB", "H200-SXM-141GB", "A100-SXM-80GB", "A100-SXM-40GB", "L4", "T4"} <= names
+    h100 = Hardware.named("H100-SXM-80GB", nodes=8)
+    assert h100.ngpus == 64 and h100.nodes == 8 and Hardware.named("H100-SXM-80GB").nodes == 1
+    assert h100.peak_flops(torch.bfloat16) == 989.4e12 == h100.peak_flops(torch.float16)   # 1,979 sparse / 2
+    assert h100.peak_flops(torch.float32) == pytest.approx(66.9e12)
+    assert h100.intra_node_bytes_per_s == 450e9 and h100.inter_node_bytes_per_s == 50e9      # 900 GB/s both ways; 400 Gb/s NIC
+    a100 = Hardware.named("A100-SXM-80GB")
+    assert a100.peak_flops(torch.bfloat16) == 312e12 and a100.memory_bytes == 80e9
+    assert a100.intra_node_bytes_per_s == 300e9 and a100.inter_node_bytes_per_s == 25e9      # 600 GB/s; 200 Gb/s HDR
+    assert Hardware.named("H200-SXM-141GB").memory_bytes == 141e9
+    assert nbscaler.Hardware is Hardware
+
+
+def test_a_precision_the_gpu_lacks_is_refused_with_what_it_has():
+    with pytest.raises(ValueError, match=r"T4.*no bfloat16 peak.*float32, float16"):
+        Hardware.named("T4").peak_flops(torch.bfloat16)
+    with pytest.raises(ValueError, match="no float8"):
+        Hardware.named("A100-SXM-40GB").peak_flops(torch.float8_e4m3fn)
+    assert Precision.of(torch.float8_e5m2) is Precision.FP8 and Precision.of(torch.int64) is Precision.FP32
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("inter_node_bytes_per_s", -1.0, "inter_node_bytes_per_s=-1.0 must be a positive number"),
+    ("nodes", 0, "nodes=0 must be a whole number >= 1"),
+    ("gpus_per_node", 2.5, "gpus_per_node=2.5 must be a whole number"),
+    ("intra_node_latency_s", float("nan"), "intra_node_latency_s=nan must be a latency"),
+    ("peak_flops_by_precision", {Precision.BF16: 0}, r"peak_flops_by_precision\[bfloat16\]=0.0"),
+    ("peak_flops_by_precision", {}, "is empty"),
+])
+def test_a_bad_figure_names_its_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(Hardware.named("L4"), **{field: value})
+
+
+def test_unknown_names_and_too_small_targets_say_what_to_do():
+    with pytest.raises(ValueError, match="no hardware named 'H800'.*known: H100-SXM-80GB"):
+        Hardware.named("H800")
+    with pytest.raises(ValueError, match=r"16 ranks.*8 GPUs.*nodes=2"):
+        Hardware.named("A100-SXM-80GB").check_ranks(16)
+
+
+def test_a_group_on_one_node_uses_nvlink_and_one_across_nodes_the_network():
+    hw = Hardware.named("H100-SXM-80GB", nodes=2)
+    assert hw.link(range(8)).kind == "intra-node" and hw.link(range(8)).bytes_per_s == 450e9
+    assert hw.link([7, 8]).kind == "inter-node" and hw.link([7, 8]).bytes_per_s == 50e9
+    assert hw.link([3, 11]).latency_s == hw.inter_node_latency_s
+
+
+def test_local_is_this_machine_as_measured():
+    here = Hardware.local()
+    assert here.is_local and not Hardware.named("L4").is_local
+    assert here.peak_flops(torch.float32) > 0 and here.memory_bytes > 0 and here.memory_bytes_per_s > 0
+    assert here.name.startswith("local (")

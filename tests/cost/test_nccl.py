@@ -1,0 +1,71 @@
+"""NCCL's costs on a target: the ring and tree formulas exactly, on the link the group spans."""
+
+import dataclasses
+import math
+
+import pytest
+
+from nbscaler import Hardware
+from nbscaler.cost.comm_model import CommModel
+from nbscaler.cost.nccl import NcclModel
+
+# Round figures, so each formula reads off: 100 GB/s and 1 us inside a node, 10 GB/s and 10 us across.
+HW = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=4), intra_node_bytes_per_s=100e9,
+                         intra_node_latency_s=1e-6, inter_node_bytes_per_s=10e9, inter_node_latency_s=10e-6)
+MB = 10 ** 6
+
+
+def test_ring_formulas_inside_a_node():
+    nccl = NcclModel(HW)
+    n = 4
+    assert nccl.forward("all_gather", MB, n, ranks=range(4)) == pytest.approx(3 * 1e-6 + 3 * MB / 100e9)
+    assert nccl.forward("reduce_scatter", MB, n, ranks=range(4)) == pytest.approx(3 * 1e-6 + 0.75 * MB / 100e9)
+    assert nccl.forward("all_to_all", MB, n, ranks=range(4)) == pytest.approx(3 * 1e-6 + 0.75 * MB / 100e9)
+    # all-reduce: the tree's 2 log2(4) = 4 latency steps beat the ring's 2 (4-1) = 6, same bus bytes
+    assert nccl.forward("all_reduce", MB, n, ranks=range(4)) == pytest.approx(4 * 1e-6 + 1.5 * MB / 100e9)
+    assert nccl.p2p(MB, ranks=(0, 1)) == pytest.approx(1e-6 + MB / 100e9)
+    assert nccl.forward("all_reduce", MB, 1) == 0.0 and nccl.forward("first_only", MB, 4) == 0.0
+    assert nccl.p2p_post(10) == 0.0
+
+
+def test_for_a_large_group_the_tree_saves_latency_steps():
+    nccl = NcclModel(HW)
+    link = HW.link(range(32))
+    n = 32
+    ring = 2 * (n - 1) * 10e-6 + 2 * (n - 1) / n * MB / 10e9
+    tree = 2 * math.ceil(math.log2(n)) * 10e-6 + 2 * (n - 1) / n * MB / 10e9
+    assert nccl.all_reduce(MB, n, link) == pytest.approx(min(ring, tree)) == pytest.approx(tree)
+    assert nccl.all_reduce(MB, 2, HW.link([0, 1])) == pytest.approx(2 * 1e-6 + MB / 100e9)   # 2 ranks: equal
+
+
+def test_backwards_are_the_matching_collectives():
+    nccl = NcclModel(HW)
+    assert nccl.backward("sum_grad", MB, 4, ranks=range(4)) == nccl.forward("all_reduce", MB, 4, ranks=range(4))
+    assert nccl.backward("chunk", MB, 4, ranks=range(4)) == nccl.forward("all_gather", MB // 4, 4, ranks=range(4))
+    assert nccl.backward("all_reduce", MB, 4, ranks=range(4)) == 0.0
+
+
+def test_a_group_spanning_two_nodes_costs_the_network():
+    nccl = NcclModel(HW)
+    inside = nccl.forward("all_reduce", 64 * MB, 2, ranks=(6, 7))
+    across = nccl.forward("all_reduce", 64 * MB, 2, ranks=(7, 8))
+    assert across == pytest.approx(2 * 10e-6 + 64 * MB / 10e9) and across > 5 * inside
+    assert nccl.p2p(MB, ranks=(7, 8)) == pytest.approx(10e-6 + MB / 10e9)
+    assert nccl.forward("all_gather", MB, 8) == nccl.forward("all_gather", MB, 8, ranks=range(8))   # default
+
+
+def test_more_nodes_for_data_parallelism_put_the_all_reduce_on_the_network():
+    """Megatron's order: rank = unit * plan_ngpus + device. With 4 devices per unit, the same
+    device of 2 units is on one node of 8; of 4 units, on two nodes."""
+    nccl = NcclModel(HW)
+    two_units = nccl.forward("all_reduce", 256 * MB, 2, ranks=[0, 4])
+    four_units = nccl.forward("all_reduce", 256 * MB, 4, ranks=[0, 4, 8, 12])
+    assert HW.link([0, 4]).kind == "intra-node" and HW.link([0, 4, 8, 12]).kind == "inter-node"
+    assert four_units > 5 * two_units
+
+
+def test_the_calibrated_model_serves_the_same_interface_and_ignores_where_ranks_are():
+    model = CommModel(1e-4, 1e-9)
+    assert model.forward("all_reduce", MB, 4, ranks=[0, 9, 17, 30]) == model.forward("all_reduce", MB, 4)
+    assert model.backward("sum_grad", MB, 2, ranks=(0, 1)) == model.backward("sum_grad", MB, 2)
+    assert model.p2p(MB, ranks=(0, 8)) == model.p2p(MB)

@@ -1,0 +1,82 @@
+"""The roofline: each kind of op's time on a target follows its formula exactly."""
+
+import math
+
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import ComputeConfig, Hardware
+from nbscaler.cost import roofline as R
+from nbscaler.cost.flops import attention_flops
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+
+A100 = Hardware.named("A100-SXM-40GB")
+PEAK, BW = 312e12, 1555e9
+B, T, C, H = 8, 256, 512, 8
+
+
+@pytest.fixture(scope="module")
+def ops():
+    cfg = GPTConfig(vocab_size=256, seq_len=T, n_layer=1, d_model=C, n_head=H)
+    p = nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, B)}, "data", ComputeConfig(1, 1, use_end2end=True),
+                      module_dtype=torch.bfloat16)
+    return p.local_runs[0][None].ops
+
+
+def first(ops, op):
+    return next(o for o in ops if o.node.op == op)
+
+
+def test_a_matrix_product_ramps_up_to_its_efficiency_and_its_backward_is_two_products(ops):
+    qkv = first(ops, "linear")
+    flops = 2 * B * T * C * 3 * C
+    fwd, bwd = R.RooflineOps(A100).time(qkv)
+    assert fwd == pytest.approx(flops / (PEAK * R.MATMUL_EFFICIENCY) + R.MATMUL_RAMP_S, rel=1e-12)
+    assert bwd == pytest.approx(2 * fwd, rel=1e-12)
+    assert qkv.node.meta["flops_bwd"] == 2 * flops              # the bias's gradient is a sum, not a product
+    small, large = (R.matmul_seconds(2 * n ** 3, PEAK) for n in (1024, 4096))
+    assert 2 * 1024 ** 3 / small / PEAK == pytest.approx(0.55, abs=0.01)        # the docstring's figures
+    assert 2 * 4096 ** 3 / large / PEAK == pytest.approx(0.79, abs=0.01)
+
+
+def test_attention_is_flash_attention_the_full_products_and_no_score_matrix(ops):
+    attn = first(ops, "attention")
+    flops = 2 * B * H * T * T * (C // H) * 2
+    assert attention_flops((B, H, T, C // H), (B, H, T, C // H), (B, H, T, C // H)) == flops
+    assert attn.node.meta["flops_fwd"] == flops and attn.node.meta["flops_bwd"] == 2 * flops
+    fwd, bwd = R.RooflineOps(A100).time(attn)
+    assert fwd == pytest.approx(flops / (PEAK * R.ATTENTION_EFFICIENCY), rel=1e-12)
+    assert bwd == pytest.approx(2.5 * fwd, rel=1e-12)
+
+
+def test_norms_and_elementwise_ops_are_bound_by_memory_and_views_are_free(ops):
+    norm = first(ops, "norm")
+    nbytes = 2 * (B * T * C) * 2 + 2 * C * 2                   # input and output bf16, weight and bias
+    fwd, bwd = R.RooflineOps(A100).time(norm)
+    assert fwd == pytest.approx(max(nbytes / (BW * R.MEMORY_EFFICIENCY), R.KERNEL_FLOOR_S), rel=1e-12)
+    assert fwd > R.KERNEL_FLOOR_S and bwd == 2 * fwd
+    assert R.RooflineOps(A100).time(first(ops, "reshape")) == (0.0, 0.0)
+    tiny = R.RooflineOps(Hardware.named("H200-SXM-141GB")).time(first(ops, "constructor"))
+    assert tiny == (R.KERNEL_FLOOR_S, 0.0)                     # an arange: the kernel floor, no gradient
+
+
+def test_an_embedding_reads_the_rows_it_gathers_and_its_backward_writes_the_table(ops):
+    emb = first(ops, "embedding")
+    gathered = B * T * 8 + 2 * B * T * C * 2                    # int64 indices, rows read and written
+    fwd, bwd = R.RooflineOps(A100).time(emb)
+    assert fwd == pytest.approx(gathered / (BW * R.MEMORY_EFFICIENCY), rel=1e-12)
+    assert bwd == pytest.approx((gathered + 256 * C * 2) / (BW * R.MEMORY_EFFICIENCY), rel=1e-12)
+
+
+def test_an_optimizer_step_streams_its_tensors():
+    seconds = R.RooflineOps(A100).update([1000, 24], torch.bfloat16, torch.optim.AdamW, {})
+    assert seconds == pytest.approx((7 + 4) * 1024 * 2 / (BW * R.MEMORY_EFFICIENCY))
+    sgd = R.RooflineOps(A100).update([1024], torch.float32, torch.optim.SGD, {"momentum": 0.9})
+    assert sgd == pytest.approx((5 + 4) * 1024 * 4 / (BW * R.MEMORY_EFFICIENCY))
+    assert math.isclose(R.RooflineOps(A100).update([], torch.float32, torch.optim.SGD, {}), 0.0)
+
+
+def test_a_gpu_without_the_plans_precision_is_refused(ops):
+    with pytest.raises(ValueError, match="T4.*no bfloat16"):
+        R.RooflineOps(Hardware.named("T4")).time(first(ops, "linear"))
