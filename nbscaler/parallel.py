@@ -35,7 +35,7 @@ from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dic
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
-from nbscaler.runtime.sources import ModuleWeights, check_names, describe, open_weights
+from nbscaler.runtime.sources import ModuleWeights, open_weights
 from nbscaler.trace.tracer import has_meta_tensors
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
@@ -128,7 +128,7 @@ def parallelize(
         try:
             source = None
             if per_rank:
-                source = _weights_source(module_or_module_class, weights, init_seed, check=True)
+                source = _weights_source(module_or_module_class, weights, init_seed)
             new_files = _compile(module_or_module_class, is_class, dummy_forward_args, pas_policy, compute_config,
                                  gen, reuse, module_dtype, module_fn,
                                  source.description if source is not None else {"source": WEIGHTS_FILE})
@@ -153,13 +153,12 @@ def parallelize(
     return cls(init_params=init_module_params, weights=source)
 
 
-def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]], seed: int, check: bool = False,
+def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]], seed: int,
                     constants: Optional[Path] = None) -> ModuleWeights:
-    """This rank's source of its slices: ``weights`` (checked against the module first when
-    ``check``) for what checkpoints hold, the module's own values or seeded initialisation for the rest."""
-    file = open_weights(weights) if weights is not None else None
-    if check and file is not None:
-        check_names(module, file)
+    """This rank's source of its slices: ``weights`` (its names and shapes checked against the
+    module's first) for what checkpoints hold, the module's own values or seeded initialisation
+    for the rest."""
+    file = open_weights(weights) if weights is not None else None     # ModuleWeights checks its names
     captured = {}
     if constants is not None and constants.exists():
         captured = torch.load(constants, map_location="cpu", weights_only=True)

@@ -14,8 +14,8 @@ local one holds (its ``WeightSpec``), reading about this rank's share and never 
                        (``nbscaler.runtime.initialize``) or, where it has them, its real values
 =====================  ==========================================================================
 
-``open_weights(path)`` picks the file source for a path; ``check_names`` compares a source with a
-module's state dict before anything is compiled or written.
+``open_weights(path)`` picks the file source for a path; ``stored_names`` matches a source's names
+and shapes with a module's state dict, before anything is compiled or written.
 """
 
 from __future__ import annotations
@@ -137,31 +137,49 @@ def open_weights(path: PathLike) -> WeightSource:
     return TorchFile(path)
 
 
-def check_names(module: nn.Module, source: WeightSource) -> None:
-    """Raise ``ValueError`` naming the first tensor of ``module``'s state dict that ``source``
-    lacks or holds in another shape, or the first one it holds that the module does not have.
-    Tied tensors may be stored under any one of their names."""
+def stored_names(module: nn.Module, source: WeightSource) -> Dict[str, str]:
+    """The name ``source`` stores each tensor of ``module``'s state dict under, by the tensor's
+    first name; a ``ValueError`` names the first tensor missing or in another shape, or the first
+    stored tensor the module lacks, before anything is read.
+
+    A tied tensor may be stored under any of its names. Names may lack a leading module path that
+    they all share: a folder that ``save_pretrained`` wrote for ``model`` fits ``Wrapper(model)``,
+    whose names start with ``'model.'``.
+    """
     shapes = source.shapes()
     state = module.state_dict(keep_vars=True)
-    seen = set()
-    for aliases in first_names(module).values():
-        saved = [n for n in aliases if n in state]
-        if not saved:
-            continue                                  # a non-persistent buffer: not in checkpoints
-        found = next((n for n in saved if n in shapes), None)
-        where = source.description.get("path")
+    saved = [[n for n in aliases if n in state] for aliases in first_names(module).values()]
+    saved = [names for names in saved if names]           # non-persistent buffers are in no checkpoint
+    where = source.description.get("path")
+    prefix = _common_prefix(saved[0] if saved else [], shapes)
+    out: Dict[str, str] = {}
+    for names in saved:
+        found = next((n[len(prefix):] for n in names if n.startswith(prefix) and n[len(prefix):] in shapes), None)
         if found is None:
-            raise ValueError(f"weights: '{saved[0]}' is missing from {where} ({len(shapes)} tensors, e.g. "
-                             f"'{next(iter(shapes), '')}'); it is a checkpoint of another model. Nothing was written.")
-        expected = tuple(state[saved[0]].shape)
+            raise ValueError(f"weights: '{names[0][len(prefix):]}' is missing from {where} ({len(shapes)} tensors, "
+                             f"e.g. '{next(iter(shapes), '')}'); it is a checkpoint of another model. Nothing was written.")
+        expected = tuple(state[names[0]].shape)
         if shapes[found] != expected:
-            raise ValueError(f"weights: '{found}' has shape {shapes[found]} in {where}, the module has "
-                             f"{expected}; it is a checkpoint of another configuration. Nothing was written.")
-        seen.update(aliases)
-    extra = [n for n in shapes if n not in seen]
+            raise ValueError(f"weights: '{found}' has shape {shapes[found]} in {where}, the module has {expected}; "
+                             "it is a checkpoint of another configuration. Nothing was written.")
+        out[names[0]] = found
+    extra = sorted(set(shapes) - set(out.values()))
     if extra:
-        raise ValueError(f"weights: {source.description.get('path')} holds '{extra[0]}', which the module does "
-                         f"not have ({len(extra)} such tensors); it is a checkpoint of another model. Nothing was written.")
+        raise ValueError(f"weights: {where} holds '{extra[0]}', which the module does not have ({len(extra)} such "
+                         "tensors); it is a checkpoint of another model. Nothing was written.")
+    return out
+
+
+def _common_prefix(names: List[str], stored: Dict[str, Shape]) -> str:
+    """The leading module path (``''`` or ``'model.'``, ...) to drop from the module's names so that
+    the first tensor's name is one the source stores."""
+    for name in names:
+        parts = name.split(".")
+        for depth in range(len(parts)):
+            prefix = ".".join(parts[:depth]) + ("." if depth else "")
+            if name[len(prefix):] in stored:
+                return prefix
+    return ""
 
 
 class ModuleWeights(WeightSource):
@@ -174,8 +192,7 @@ class ModuleWeights(WeightSource):
         self.constants = constants or {}
         self.tensors = {name: t for name, t in (*module.named_parameters(remove_duplicate=False),
                                                  *module.named_buffers(remove_duplicate=False))}
-        self.aliases = {alias: aliases for aliases in first_names(module).values() for alias in aliases}
-        self.file_names = set(file.shapes()) if file is not None else set()
+        self.stored = stored_names(module, file) if file is not None else {}
         self.description = describe(file, seed)
 
     def shapes(self) -> Dict[str, Shape]:
@@ -186,8 +203,8 @@ class ModuleWeights(WeightSource):
         for attr, spec in specs.items():
             if spec.kind == "constant":
                 yield attr, spec.take(self.constants[spec.name]).to(spec.dtype)
-            elif spec.saved and self.file is not None:
-                yield attr, self.file.read(self._stored_as(spec))
+            elif spec.name in self.stored:
+                yield attr, self.file.read(dataclasses.replace(spec, name=self.stored[spec.name]))
             elif not self.tensors[spec.name].is_meta:
                 yield attr, spec.take(self.tensors[spec.name].detach().cpu()).to(spec.dtype)
             else:
@@ -199,11 +216,6 @@ class ModuleWeights(WeightSource):
                 spec = specs[by_name[name]]
                 yield by_name[name], spec.take(values[owner_of(name)[1]]).to(spec.dtype)
             del values
-
-    def _stored_as(self, spec: WeightSpec) -> WeightSpec:
-        """``spec`` under the name the file stores its tensor by (a tied tensor's other name)."""
-        name = next((n for n in self.aliases.get(spec.name, [spec.name]) if n in self.file_names), spec.name)
-        return spec if name == spec.name else dataclasses.replace(spec, name=name)
 
 
 def describe(file: Optional[WeightSource], seed: int) -> Dict[str, Any]:
