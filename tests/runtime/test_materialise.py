@@ -1,8 +1,8 @@
 """Modules built on the meta device are materialised per rank, and train exactly like one process.
 
 Each case builds its model under ``torch.device('meta')`` on every rank and parallelizes it with
-``weights=`` a safetensors checkpoint (transformers' Llama saved by ``save_pretrained`` in shards
-with an index; the shipped GPT and Llama in one file) or with no weights at all (the module's own
+``weights=`` a safetensors checkpoint (transformers' Llama and Qwen2 saved by ``save_pretrained`` in
+shards with an index; the shipped GPT and Llama in one file) or with no weights at all (the module's own
 initialisation, per rank, seeded). The reference is the same model in one process, loaded from the
 same files or initialised whole by ``init_module`` with the same seed: losses, merged gradients and
 final parameters over 3 steps must agree (``tests.multiprocess.check_equivalence``). Each rank must
@@ -44,8 +44,9 @@ def check_materialised(case: Case, per_rank) -> None:
 
 @pytest.mark.multiprocess
 def test_meta_models_train_like_one_process_on_two_ranks(tmp_path):
-    files = checkpoints(tmp_path, "hf_llama", "llama", "gpt")
+    files = checkpoints(tmp_path, "hf_llama", "hf_qwen2", "llama", "gpt")
     cases = [Case("hf_llama", "tp", 2, 2, weights=files["hf_llama"]),
+             Case("hf_qwen2", "tp", 2, 2, weights=files["hf_qwen2"]),
              Case("hf_llama", "pp", 2, 2, config=pipeline("1f1b", 2, 2), weights=files["hf_llama"]),
              Case("llama", "dp", 1, 2, weights=files["llama"]),
              Case("gpt", "tp", 2, 2, weights=files["gpt"]),
