@@ -424,10 +424,18 @@ def grad_pieces(module: ParallelModule, optimizer: torch.optim.Optimizer, step: 
 
 
 def parallelize_on(cluster: Any, case: Case, gen_dir: str) -> Any:
-    """``cluster.parallelize`` the case's model with the case's policy and config."""
-    return cluster.parallelize(build(case.model), batch(case.model, 12345), case.policy, case.compute_config,
+    """``cluster.parallelize`` the case's model with the case's policy and config (built on meta,
+    and sent to the engines so, for a case with ``weights``)."""
+    kwargs: Dict[str, Any] = {}
+    if case.on_meta:
+        with torch.device("meta"):
+            model = build(case.model)
+        kwargs = {"weights": None if case.weights == INIT else case.weights, "init_seed": INIT_SEED}
+    else:
+        model = build(case.model)
+    return cluster.parallelize(model, batch(case.model, 12345), case.policy, case.compute_config,
                                gen_savedir=gen_dir, reuse="override",
-                               instance_name=f"{case.policy}_{case.plan_ngpus}_{case.runtime_ngpus}")
+                               instance_name=f"{case.policy}_{case.plan_ngpus}_{case.runtime_ngpus}", **kwargs)
 
 
 def check_on_cluster(cluster: Any, case: Case, gen_dir: str) -> None:
