@@ -193,7 +193,7 @@ class ForwardEmitter:
         elif vocab_parallel(node):      # this device's rows of the table: a masked lookup
             rows = node.inputs[1].shape[0] // place.parts
             start = place.devices.index(self.device) * rows
-            self.lines.append(f"{lhs} = comm.vocab_embedding({render(args[0])}, {render(args[1])}, {start})")
+            self.lines.append(f"{lhs} = vocab_embedding({render(args[0])}, {render(args[1])}, {start})")
         elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
             call = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call[len('F.'):-1]}, group={self.group(place.devices)})")

@@ -123,7 +123,8 @@ def embedding(node: IRNode) -> OpAnnotation:
 
 def vocab_parallel(node: IRNode) -> bool:
     """Whether ``node`` is an embedding split by vocabulary rows: every device then needs every
-    token, and generated code calls ``comm.vocab_embedding`` with the first row it holds."""
+    token, and generated code calls ``nbscaler.runtime.vocab.vocab_embedding`` with the first row
+    it holds."""
     place = node.placement
     return node.op == "embedding" and place is not None and place.split == "v"
 

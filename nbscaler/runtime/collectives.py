@@ -15,8 +15,6 @@ function            forward                            backward
 ``sum_grad``        pass through                       sum the partial gradients
 ``first_only``      the value on device 0, else zeros  pass the gradient through
 ``batch_norm``      BatchNorm with whole-batch stats   sums the statistics' gradients
-``vocab_embedding`` this device's rows' lookups, zeros into this device's rows only
-                    for other tokens (partial sums)
 ==================  =================================  ===================================
 
 ``group=None`` means a group of one device, where every function is the identity.
@@ -210,33 +208,3 @@ def batch_norm(x: torch.Tensor, running_mean: Optional[torch.Tensor], running_va
             running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
             running_var.mul_(1 - momentum).add_(var.detach() * count / max(count - 1, 1), alpha=momentum)
     return y
-
-
-class _VocabEmbedding(Function):
-    """Saves only the tokens, as ``F.embedding`` does: the masks are recomputed in the backward,
-    so a split table keeps the activations of a whole one."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
-        local = tokens - start                                               # (B, T)
-        outside = (local < 0) | (local >= weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), weight)             # (B, T, d)
-        ctx.save_for_backward(tokens)
-        ctx.start, ctx.rows = start, weight.shape[0]
-        return out.masked_fill_(outside.unsqueeze(-1), 0.0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (tokens,) = ctx.saved_tensors
-        local = tokens - ctx.start
-        inside = (local >= 0) & (local < ctx.rows)
-        grad_weight = grad.new_zeros(ctx.rows, grad.shape[-1])
-        grad_weight.index_add_(0, local[inside], grad[inside])
-        return None, grad_weight, None
-
-
-def vocab_embedding(tokens: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
-    """The lookup of ``tokens`` in rows ``start .. start + len(weight)`` of an embedding table split
-    by rows (the vocabulary) across devices: zeros for tokens held elsewhere, so the devices'
-    outputs sum to the whole lookup (an ``all_reduce`` follows). No communication of its own."""
-    return _VocabEmbedding.apply(tokens, weight, start)
