@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nbscaler.runtime.checkpoint import merge_slices
-from tests.multiprocess import (INIT, Case, assert_close, check_equivalence, pipeline, reference_model, run_ranks,
-                                save_checkpoint, train_materialised)
+from tests.multiprocess import (INIT, Case, check_equivalence, pipeline, reference_model, run_ranks, save_checkpoint,
+                                train_materialised)
 
 
 def checkpoints(tmp_path, *names):
@@ -28,9 +28,8 @@ def check_materialised(case: Case, per_rank) -> None:
     reference = reference_model(case)
     expected = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
     merged = merge_slices(piece for res in per_rank for piece in res["initial"])
-    prefix = "trunk." if case.model == "with_trunk" else ""
     for name, value in merged.items():
-        assert torch.equal(value, expected[prefix + name].detach()), f"{case}: rank slices of {name} differ"
+        assert torch.equal(value, expected[name].detach()), f"{case}: rank slices of {name} differ"
     whole = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     for rank, res in enumerate(per_rank):
         if case.weights == INIT:
