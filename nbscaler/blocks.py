@@ -84,12 +84,26 @@ def describe(blocks: Blocks) -> str:
     return f"{blocks} blocks" if isinstance(blocks, int) else "blocks " + ":".join(map(str, blocks))
 
 
+def ranges(length: int, blocks: Blocks, parts: int, index: int) -> List[Tuple[int, int]]:
+    """The ``[start, stop)`` ranges of an axis of ``length`` that part ``index`` of ``parts`` holds:
+    one per block, in order (as ``torch.chunk`` cuts each block). A file read by slices reads these.
+
+    >>> ranges(64, (2, 1, 1), 2, 1)
+    [(16, 32), (40, 48), (56, 64)]
+    """
+    out, start = [], 0
+    for size in block_sizes(length, blocks):
+        step = -(-size // parts)                  # torch.chunk's chunk size
+        lo = min(size, index * step)
+        out.append((start + lo, start + min(size, lo + step)))
+        start += size
+    return out
+
+
 def take(full: torch.Tensor, dim: int, blocks: Blocks, parts: int, index: int) -> torch.Tensor:
     """Part ``index`` of ``parts`` of each block of ``full`` along ``dim``, concatenated."""
-    if blocks == 1:
-        return full.chunk(parts, dim=dim)[index]
-    pieces = full.split(block_sizes(full.shape[dim], blocks), dim=dim)
-    return torch.cat([b.chunk(parts, dim=dim)[index] for b in pieces], dim=dim)
+    pieces = [full.narrow(dim, lo, hi - lo) for lo, hi in ranges(full.shape[dim], blocks, parts, index)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def join(slices: Sequence[torch.Tensor], dim: int, blocks: Blocks) -> torch.Tensor:

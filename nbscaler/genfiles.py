@@ -4,8 +4,11 @@
 
 ==================  =========================================================
 ``gencode{r}.py``   the readable per-rank module (one per runtime rank)
-``weights.pt``      the original module's weights, from which ranks take slices
-``config.json``     the compute config and the fingerprint that decides reuse
+``weights.pt``      the original module's weights, from which ranks take slices; not written for
+                    a module materialised per rank (built on meta, or given ``weights=``)
+``constants.pt``    only then, and only if forward captured any: the traced constants
+``config.json``     the compute config, the fingerprint that decides reuse, and (``weights``)
+                    where the ranks' weights come from, which each gencode file also states
 ``graph.pkl``       the traced graphs, for ``reuse='graph'`` and for inspection
 ``plan.json``       a summary of the placements, for the widgets
 ==================  =========================================================
@@ -38,12 +41,21 @@ CONFIG_FILE = "config.json"
 GRAPH_FILE = "graph.pkl"
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.pt"
+CONSTANTS_FILE = "constants.pt"    # constants captured by the trace, when weights.pt is not written
 WEIGHTS_STORE_DIR = "_weights"     # under gen_savedir: weights files shared by key, see weights_store()
 _SAMPLED_VALUES = 1024             # values per tensor in weights_key
 
 
 def gencode_file(rank: int) -> str:
     return f"gencode{rank}.py"
+
+
+def weights_footer(weights: Dict[str, Any]) -> str:
+    """The lines appended to every ``gencode{rank}.py`` that say where its weights come from (after
+    the code, so the line numbers a plan maps its nodes to stay right)."""
+    return ("\n# Where this module's initial weights come from (parallelize's weights= / init_seed=); each rank\n"
+            "# fills only the slices its weight_specs name (nbscaler.runtime.sources).\n"
+            f"GenModule.weights_source = {dict(sorted(weights.items()))!r}\n")
 
 
 def module_dir(module_class: type, gen_savedir, instance_name: Optional[str]) -> Path:

@@ -5,6 +5,12 @@
 
 Rank 0 compiles (or reuses an earlier compile) into ``gen_savedir``; the other ranks wait, receive
 the files the broadcast strategy names, and every rank loads its own ``gencode{rank}.py``.
+
+A module built on the meta device (``with torch.device('meta'): model = Llama(cfg)``), or any
+module given ``weights=PATH``, is materialised per rank: each rank fills only the slices it holds,
+from the checkpoint at ``PATH`` (safetensors, a Hugging Face folder, or a merged checkpoint) or
+from the module's own seeded initialisation (``nbscaler.runtime.initialize``), and no process ever
+holds the whole model; ``weights.pt`` is then neither written nor read.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import nbscaler
-from nbscaler.genfiles import (CONFIG_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir, atomic_write_bytes,
-                                    gencode_file, module_dir)
+from nbscaler.genfiles import (CONFIG_FILE, CONSTANTS_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir,
+                               atomic_write_bytes, gencode_file, module_dir, weights_footer)
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning.planner import build_module, cast_floats, module_name, place, plan, policy_name, unplace
@@ -30,6 +36,8 @@ from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
+from nbscaler.runtime.sources import ModuleWeights, open_weights
+from nbscaler.trace.tracer import has_meta_tensors
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
            "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "init_distributed",
@@ -68,6 +76,8 @@ def parallelize(
     module_fn: Optional[Callable[[], torch.nn.Module]] = None,
     init_module_params: bool = True,
     broadcast_strategy: Union[str, BroadcastGenFilesStrategy] = "none",
+    weights: Optional[Union[str, Path]] = None,
+    init_seed: int = 0,
 ) -> Union[None, ParallelModule, Type[ParallelModule]]:
     """Turn a module (or module class) into a parallel module (or parallel module class).
 
@@ -86,6 +96,13 @@ def parallelize(
         module_fn: builds the module when a class is given (default: ``cls()``).
         init_module_params: fill parameters with the traced module's values (else leave them empty).
         broadcast_strategy: which new files rank 0 sends to the other ranks.
+        weights: a checkpoint each rank reads its own slices from: a ``.safetensors`` file, a folder
+            of them (``save_pretrained(..., safe_serialization=True)``, sharded or not), or a merged
+            checkpoint (``torch.save`` of ``merge_state_dicts(...)[0]``). Its names and shapes are
+            checked against the module's before anything is written.
+        init_seed: for a module on the meta device without ``weights``: the seed of its own
+            initialisation, run per rank on the slices it holds; the values equal
+            ``nbscaler.runtime.initialize.init_module(model, init_seed)`` sliced, whatever the plan.
     """
     reuse = _enum(ReuseType, reuse, "reuse")
     strategy = _enum(BroadcastGenFilesStrategy, broadcast_strategy, "broadcast_strategy")
@@ -102,13 +119,20 @@ def parallelize(
         raise RuntimeError(f"broadcast_strategy={strategy.value!r} sends files between ranks, but torch.distributed "
                            "is not initialized; use broadcast_strategy='none' in a single process.")
     rank = dist.get_rank() if distributed else 0
+    per_rank = not is_class and (weights is not None or has_meta_tensors(module_or_module_class))
+    if is_class and weights is not None:
+        raise TypeError("weights= needs a module object (built on the meta device), not a class")
 
     new_files: List[str] = []
     error: Optional[BaseException] = None
     if rank == 0:
         try:
+            source = None
+            if per_rank:
+                source = _weights_source(module_or_module_class, weights, init_seed)
             new_files = _compile(module_or_module_class, is_class, dummy_forward_args, pas_policy, compute_config,
-                                 gen, reuse, module_dtype, module_fn)
+                                 gen, reuse, module_dtype, module_fn,
+                                 source.description if source is not None else {"source": WEIGHTS_FILE})
         except BaseException as err:      # the other ranks must hear about it, not wait forever
             error = err
     if distributed:
@@ -122,20 +146,38 @@ def parallelize(
     if not load_module:
         return None
     cls = gen.load_class(rank)
-    return cls if is_class else cls(init_params=init_module_params)
+    if is_class:
+        return cls
+    source = None
+    if per_rank and init_module_params:
+        source = _weights_source(module_or_module_class, weights, init_seed, constants=gen.path / CONSTANTS_FILE)
+    return cls(init_params=init_module_params, weights=source)
+
+
+def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]], seed: int,
+                    constants: Optional[Path] = None) -> ModuleWeights:
+    """This rank's source of its slices: ``weights`` (its names and shapes checked against the
+    module's first) for what checkpoints hold, the module's own values or seeded initialisation
+    for the rest."""
+    file = open_weights(weights) if weights is not None else None     # ModuleWeights checks its names
+    captured = {}
+    if constants is not None and constants.exists():
+        captured = torch.load(constants, map_location="cpu", weights_only=True)
+    return ModuleWeights(module, file, seed, captured)
 
 
 # ------------------------------------------------------------------------------------------------
 def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_policy, cfg: ComputeConfig,
-             gen: GenDir, reuse: ReuseType, module_dtype, module_fn) -> List[str]:
-    """Generate (or reuse) the files; returns the names of newly written files."""
+             gen: GenDir, reuse: ReuseType, module_dtype, module_fn, weights: Dict[str, Any]) -> List[str]:
+    """Generate (or reuse) the files; returns the names of newly written files. ``weights`` says
+    where the ranks' weights come from: ``weights.pt`` is written only when it is that file."""
     module_class = module_or_class if is_class else type(module_or_class)
     fingerprint = {
         "graph": {"module": module_name(module_class),
                   "args": _arg_signature(dummy_args), "dtype": str(module_dtype),
                   "user_graph": cfg.user_config.graph, "inference_only": cfg.inference_only,
                   "dynamic_shape": cfg.dynamic_shape, "version": nbscaler.__version__},
-        "code": {"compute_config": cfg.to_dict(), "policy": policy_name(pas_policy)},
+        "code": {"compute_config": cfg.to_dict(), "policy": policy_name(pas_policy), "weights": weights},
     }
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     old = gen.read_config()
@@ -154,15 +196,22 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
         module = build_module(module_or_class, module_fn, module_dtype)
         result = plan(module, cast_floats(dummy_args, module_dtype), pas_policy, cfg)
 
+    per_rank = weights["source"] != WEIGHTS_FILE
+
     def write(tmp: Path) -> None:
         for r, src in result.sources.items():
-            (tmp / gencode_file(r)).write_text(src)
-        gen.write_weights(tmp, full_weights(module, result.graphs) if module is not None else None)
+            (tmp / gencode_file(r)).write_text(src + weights_footer(weights))
+        if per_rank:                      # no whole copy: each rank reads its slices from the source
+            constants = {n: t for g in result.graphs.values() for n, t in g.meta.get("constants", {}).items()}
+            if constants:
+                torch.save(constants, tmp / CONSTANTS_FILE)
+        else:
+            gen.write_weights(tmp, full_weights(module, result.graphs) if module is not None else None)
         with open(tmp / GRAPH_FILE, "wb") as f:
             pickle.dump(result.graphs, f)
         (tmp / PLAN_FILE).write_text(json.dumps(result.to_json(), indent=1, default=str))
         (tmp / CONFIG_FILE).write_text(json.dumps({"fingerprint": fingerprint, "compute_config": result.config.to_dict(),
-                                                   "policy": result.policy_name,
+                                                   "policy": result.policy_name, "weights": weights,
                                                    "plan_seconds": result.compile_seconds},
                                                   indent=1, default=str))
 

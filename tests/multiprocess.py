@@ -25,12 +25,15 @@ import torch.distributed as dist
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.config import PIPELINE_KEYS
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
+from nbscaler.runtime.initialize import init_module
 from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
 
 DEFAULT_TIMEOUT = 240.0
 RTOL = 1e-5
 EVAL_SEED = 999
+INIT = "init"           # Case.weights: the module's own initialisation, per rank, seeded with INIT_SEED
+INIT_SEED = 7
 
 
 def run_ranks(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
@@ -70,6 +73,11 @@ class Case:
     config: tuple = ()
     optimizer: str = "sgd"
     clip: Optional[float] = None
+    weights: str = ""       # built on meta and materialised per rank: from this checkpoint, or INIT
+
+    @property
+    def on_meta(self) -> bool:
+        return bool(self.weights)
 
     def __str__(self) -> str:
         clip = f"_clip{self.clip}" if self.clip is not None else ""
@@ -96,6 +104,7 @@ class Case:
         name = f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}"
         name += "_" + cfg.scheduler if cfg.use_pipeline else ""
         name += "".join(f"_{k}{v}" for k, v in sorted(cfg.pas_config.items()) if k not in PIPELINE_KEYS)
+        name += "_init" if self.weights == INIT else ("_files" if self.weights else "")
         return name + (f"_zero{cfg.zero_ngroups}_stage{cfg.zero_stage}" if cfg.use_zero else "")
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -152,6 +161,12 @@ def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
     """The case's model with ``parallelize`` applied: to the whole model, or, for ``with_trunk``,
     only to its ``trunk`` submodule (the rest stays plain torch)."""
     cfg, name = case.compute_config, case.instance_name
+    if case.on_meta:
+        with torch.device("meta"):
+            model = build(case.model)
+        weights = None if case.weights == INIT else case.weights
+        return parallelize(model, batch(case.model, 12345), case.policy, cfg, gen_savedir=gen_dir,
+                           instance_name=name, reuse="override", weights=weights, init_seed=INIT_SEED)
     model = build(case.model)
     if case.model == "with_trunk":
         model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg,
@@ -225,25 +240,90 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 def train_parallel(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
     """On every rank: compile and train each case; returns what ``parallel_steps`` records, the
     eval losses, the final per-rank state dict and the optimizer state's size."""
-    rank = dist.get_rank()
-    results = []
-    for case in cases:
-        model = parallel_model(case, gen_dir)
-        opt = case.make_optimizer(model)
-        compiled = next(m for m in model.modules() if isinstance(m, ParallelModule))
-        assert compiled.compute_config.plan_ngpus == case.unit_ngpus, (case, compiled.compute_config)
-        out = parallel_steps(model, opt, case, range(case.steps), rank // case.unit_ngpus)
-        results.append({**out, "eval_loss": eval_losses(model, case), "state": model.state_dict(),
-                        "optimizer_bytes": optimizer_state_bytes(opt)})
-    return results
+    return [train_case(case, parallel_model(case, gen_dir)) for case in cases]
+
+
+def train_case(case: Case, model: torch.nn.Module) -> Dict[str, Any]:
+    """Train the parallelized ``model`` of ``case`` on this rank (see ``train_parallel``)."""
+    opt = case.make_optimizer(model)
+    compiled = next(m for m in model.modules() if isinstance(m, ParallelModule))
+    assert compiled.compute_config.plan_ngpus == case.unit_ngpus, (case, compiled.compute_config)
+    out = parallel_steps(model, opt, case, range(case.steps), dist.get_rank() // case.unit_ngpus)
+    return {**out, "eval_loss": eval_losses(model, case), "state": model.state_dict(),
+            "optimizer_bytes": optimizer_state_bytes(opt)}
+
+
+def train_materialised(cases: Sequence[Case], gen_dir: str) -> List[Dict[str, Any]]:
+    """``train_parallel`` for cases built on meta, adding each rank's slices as materialised
+    (``initial``), the bytes it read from the checkpoint (``read_bytes``) and the bytes of the
+    slices of checkpointed tensors it holds (``share_bytes``)."""
+    from nbscaler.runtime.sources import Safetensors
+    read, counted = Safetensors.read, [0]
+
+    def counting(self, spec):
+        out = read(self, spec)
+        counted[0] += out.numel() * out.element_size()
+        return out
+
+    Safetensors.read = counting
+    try:
+        results = []
+        for case in cases:
+            before = counted[0]
+            model = parallel_model(case, gen_dir)
+            initial = local_pieces(model)
+            share = sum(t.numel() * t.element_size() for spec, t in initial if spec.saved)
+            results.append({**train_case(case, model), "initial": initial, "read_bytes": counted[0] - before,
+                            "share_bytes": share})
+        return results
+    finally:
+        Safetensors.read = read
 
 
 def train_single(case: Case) -> Dict[str, Any]:
-    """The reference: one process, the losses of all units summed before backward."""
-    model = build(case.model)
+    """The reference: one process, the losses of all units summed before backward. A case built on
+    meta starts from its checkpoint, or from the whole module's seeded initialisation."""
+    model = reference_model(case)
     out = single_steps(model, case.make_optimizer(model), case, range(case.steps), case.units)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {**out, "eval_loss": eval_losses(model, case), "params": params}
+
+
+def reference_model(case: Case) -> torch.nn.Module:
+    """The case's model in one process, with the values its parallel run starts from."""
+    if case.weights == INIT:
+        with torch.device("meta"):
+            model = build(case.model)
+        return init_module(model, INIT_SEED)
+    model = build(case.model)
+    if case.weights:
+        load_checkpoint(model, case.weights)
+    return model
+
+
+def save_checkpoint(name: str, folder: str) -> str:
+    """Write model ``name`` (built with the harness's seed) into ``folder`` as safetensors: a
+    transformers model with ``save_pretrained`` in shards with an index, the others in one file."""
+    from safetensors.torch import save_file
+    model = build(name)
+    os.makedirs(folder, exist_ok=True)
+    if hasattr(getattr(model, "model", None), "save_pretrained"):
+        model.model.save_pretrained(folder, safe_serialization=True, max_shard_size="40KB")
+    else:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def load_checkpoint(model: torch.nn.Module, folder: str) -> None:
+    """Load every ``*.safetensors`` file in ``folder`` into ``model`` (strictly; names saved from a
+    transformers model inside its wrapper get the wrapper's ``model.`` prefix)."""
+    from safetensors.torch import load_file
+    state: Dict[str, torch.Tensor] = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            state.update(load_file(os.path.join(folder, file)))
+    prefix = "model." if hasattr(getattr(model, "model", None), "save_pretrained") else ""
+    model.load_state_dict({prefix + k: v for k, v in state.items()}, strict=True)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
@@ -351,10 +431,18 @@ def grad_pieces(module: ParallelModule, optimizer: torch.optim.Optimizer, step: 
 
 
 def parallelize_on(cluster: Any, case: Case, gen_dir: str) -> Any:
-    """``cluster.parallelize`` the case's model with the case's policy and config."""
-    return cluster.parallelize(build(case.model), batch(case.model, 12345), case.policy, case.compute_config,
+    """``cluster.parallelize`` the case's model with the case's policy and config (built on meta,
+    and sent to the engines so, for a case with ``weights``)."""
+    kwargs: Dict[str, Any] = {}
+    if case.on_meta:
+        with torch.device("meta"):
+            model = build(case.model)
+        kwargs = {"weights": None if case.weights == INIT else case.weights, "init_seed": INIT_SEED}
+    else:
+        model = build(case.model)
+    return cluster.parallelize(model, batch(case.model, 12345), case.policy, case.compute_config,
                                gen_savedir=gen_dir, reuse="override",
-                               instance_name=f"{case.policy}_{case.plan_ngpus}_{case.runtime_ngpus}")
+                               instance_name=f"{case.policy}_{case.plan_ngpus}_{case.runtime_ngpus}", **kwargs)
 
 
 def check_on_cluster(cluster: Any, case: Case, gen_dir: str) -> None:

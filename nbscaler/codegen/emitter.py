@@ -20,7 +20,7 @@ from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, sour
 from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_call, local_shape,
                                   output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
-from nbscaler.ir.layer_rules import sync_batch_norm
+from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
 from nbscaler.ir.registry import spec_of
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
@@ -190,6 +190,10 @@ class ForwardEmitter:
         elif name in INPLACE_OPERATORS and not kwargs and len(args) == 2:
             self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
+        elif vocab_parallel(node):      # this device's rows of the table: a masked lookup
+            rows = node.inputs[1].shape[0] // place.parts
+            start = place.devices.index(self.device) * rows
+            self.lines.append(f"{lhs} = vocab_embedding({render(args[0])}, {render(args[1])}, {start})")
         elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
             call = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call[len('F.'):-1]}, group={self.group(place.devices)})")

@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
+from nbscaler.ir.layer_rules import vocab_parallel
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     """What ``node`` needs of its ``index``-th tensor input (under ``place``, as above)."""
     place = place or node.placement
     if place is None or place.split is None:
+        return Layout.replicated()
+    if index == 0 and vocab_parallel(node):        # each device looks up every token in its rows
         return Layout.replicated()
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:

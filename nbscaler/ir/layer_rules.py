@@ -112,7 +112,21 @@ def sync_batch_norm(node: IRNode) -> bool:
 
 
 def embedding(node: IRNode) -> OpAnnotation:
-    return fixed("*, v^ d -> * d")(node)
+    """A lookup in a table whose rows are the vocabulary. A plain lookup (no ``padding_idx``,
+    ``max_norm``, ``scale_grad_by_freq`` or ``sparse``) may split the rows across devices: each
+    looks up the tokens its rows hold and gives zeros for the others, so the outputs are partial
+    sums (``vocab_parallel``; Megatron-LM's VocabParallelEmbedding). Otherwise the rows stay whole."""
+    plain = all(arg(node, i, name, default) == default for i, name, default in
+                ((2, "padding_idx", None), (3, "max_norm", None), (5, "scale_grad_by_freq", False), (6, "sparse", False)))
+    return fixed("*, v+ d -> * d" if plain else "*, v^ d -> * d")(node)
+
+
+def vocab_parallel(node: IRNode) -> bool:
+    """Whether ``node`` is an embedding split by vocabulary rows: every device then needs every
+    token, and generated code calls ``nbscaler.runtime.vocab.vocab_embedding`` with the first row
+    it holds."""
+    place = node.placement
+    return node.op == "embedding" and place is not None and place.split == "v"
 
 
 def attention(node: IRNode) -> OpAnnotation:

@@ -80,7 +80,8 @@ class GPT(nn.Module):
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         idx, targets = batch["idx"], batch["targets"]
         T = idx.size(1)
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = self.tok(idx)                                                   # (B, T, C)
+        x = x + self.pos(torch.arange(T, device=x.device))                  # on the weights' device, meta too
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))

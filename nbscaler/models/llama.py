@@ -40,7 +40,11 @@ class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
+        self.weight = nn.Parameter(torch.empty(d))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -61,11 +65,21 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
         self.o = nn.Linear(cfg.n_head * self.hd, cfg.d_model, bias=False)
-        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, self.hd, 2).float() / self.hd))
-        freqs = torch.outer(torch.arange(cfg.seq_len).float(), inv)       # (T, hs/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                              # (T, hs)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.seq_len, self.rope_base = cfg.seq_len, cfg.rope_base
+        self.register_buffer("cos", torch.empty(cfg.seq_len, self.hd), persistent=False)    # (T, hs)
+        self.register_buffer("sin", torch.empty(cfg.seq_len, self.hd), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Compute this module's own tensors, the rotary tables, where they live (the projections
+        reset themselves). On the meta device this does nothing, and a rank that materialises the
+        module calls it again on real memory: the tables are computed, never loaded."""
+        inv = 1.0 / (self.rope_base ** (torch.arange(0, self.hd, 2, device=self.cos.device).float() / self.hd))
+        freqs = torch.outer(torch.arange(self.seq_len, device=self.cos.device).float(), inv)   # (T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                                                  # (T, hs)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -79,7 +93,7 @@ class Attention(nn.Module):
         k = k.repeat_interleave(rep, dim=1)                                   # (B, nh, T, hs)
         v = v.repeat_interleave(rep, dim=1)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)                  # (B, nh, T, T)
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=att.device), diagonal=1)
         att = att.masked_fill(mask, float("-inf"))
         y = F.softmax(att, dim=-1) @ v                                        # (B, nh, T, hs)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))

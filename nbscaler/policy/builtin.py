@@ -156,8 +156,10 @@ def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Bl
     """The (dimension, blocks) to split ``node`` along, or ``None`` to replicate it."""
     ann = node.annotation
     options = splittable(node, n)
-    if not options or node.op == "embedding":
+    if not options:
         return None
+    if node.op == "embedding":          # vocabulary-parallel (masked lookups, summed), or whole
+        return ("v", 1) if "v" in options else None
     inherited = []            # (name, blocks) along which an input already arrives split
     for i, t in enumerate(node.inputs):
         lay = layout_of(t)

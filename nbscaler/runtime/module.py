@@ -3,7 +3,9 @@
 Generated code supplies the forward and a ``weight_specs`` table; this class does the rest:
 
 - creates the local parameters and buffers (each a slice of an original tensor) and fills them from
-  the initial weights that ``parallelize`` saved;
+  a weights source: the initial weights that ``parallelize`` saved, or for a module built on the
+  meta device its checkpoint or its own initialisation, read slice by slice
+  (``nbscaler.runtime.sources``);
 - creates the process groups the forward's collectives run in, for this rank's unit;
 - sums gradients across data-parallel units (``Reducer``, or ``ZeroReducer`` to shard the
   optimizer state) when the optimizer steps;
@@ -17,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,9 @@ from nbscaler.runtime.summary import module_html
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
 from nbscaler.runtime.zero import ZeroReducer
 from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
+
+if TYPE_CHECKING:
+    from nbscaler.runtime.sources import WeightSource
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,9 @@ class ParallelModule(torch.nn.Module):
     original_params: ClassVar[Tuple[str, ...]] = ()     # every parameter of the original module, in its order
     compute_config: ClassVar[ComputeConfig]
     gen_dir: ClassVar[Path]
+    weights_source: ClassVar[Dict[str, Any]] = {"source": WEIGHTS_FILE}   # the generated file says which
 
-    def __init__(self, init_params: bool = True):
+    def __init__(self, init_params: bool = True, weights: Optional["WeightSource"] = None):
         super().__init__()
         cfg = self.compute_config
         self.device = runtime_device()
@@ -140,7 +146,7 @@ class ParallelModule(torch.nn.Module):
             else:
                 self.register_buffer(attr, empty, persistent=spec.persistent)
         if init_params:
-            self.load_initial_weights()
+            self.load_initial_weights(weights)
         self.reducer = self._make_reducer()
         self.replica_reducers = self._replica_reducers()
         self.pipeline_events: List[Dict[str, Any]] = []
@@ -197,16 +203,21 @@ class ParallelModule(torch.nn.Module):
         return get_group(unit_ranks(self.unit, devices, self.compute_config.plan_ngpus))
 
     @torch.no_grad()
-    def load_initial_weights(self) -> None:
-        """Fill parameters and buffers with the values the module had when it was traced."""
-        path = Path(self.gen_dir) / WEIGHTS_FILE
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} is missing: this rank has no initial weights (broadcast_strategy='no_weights' or "
-                "'code'?). Construct with init_params=False and call broadcast_weights, or load a checkpoint.")
-        full = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        for attr, spec in self.weight_specs.items():
-            getattr(self, attr).copy_(spec.take(full[spec.name]))
+    def load_initial_weights(self, weights: Optional["WeightSource"] = None) -> None:
+        """Fill parameters and buffers with their slices of the original tensors, read from
+        ``weights`` (``nbscaler.runtime.sources``; for a module built on the meta device,
+        ``parallelize`` passes its checkpoint or its seeded initialisation), or by default from the
+        values the module had when it was traced (``weights.pt``)."""
+        from nbscaler.runtime.sources import TorchFile        # sources builds on WeightSpec, defined here
+        if weights is None:
+            path = Path(self.gen_dir) / WEIGHTS_FILE
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"{path} is missing: this rank has no initial weights (broadcast_strategy='no_weights' or "
+                    "'code'?). Construct with init_params=False and call broadcast_weights, or load a checkpoint.")
+            weights = TorchFile(path)
+        for attr, local in weights.read_all(self.weight_specs):
+            getattr(self, attr).copy_(local)
 
     # -- training support -----------------------------------------------------------------------
     def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:

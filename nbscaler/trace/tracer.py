@@ -83,7 +83,8 @@ def _user_frame() -> Optional[Tuple[str, int]]:
 class Tracer(TorchFunctionMode):
     """Records torch calls into nodes. Use ``trace_module``; this class is the machinery."""
 
-    def __init__(self, root: torch.nn.Module, fake: bool = True, guards: bool = True):
+    def __init__(self, root: torch.nn.Module, fake: bool = True, guards: bool = True,
+                 meta_device: torch.device = torch.device("cpu")):
         super().__init__()
         self.nodes: List[IRNode] = []
         self.by_id: Dict[int, IRTensor] = {}
@@ -94,7 +95,7 @@ class Tracer(TorchFunctionMode):
         self.module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         self.module_stack: List[str] = []
         self.failed_in: Optional[str] = None
-        self.values = TracedValues(fake)
+        self.values = TracedValues(fake, meta_device)
         self.guards = guards
         for kind, items in (("param", root.named_parameters(remove_duplicate=False)),
                             ("buffer", root.named_buffers(remove_duplicate=False))):
@@ -102,7 +103,8 @@ class Tracer(TorchFunctionMode):
                 if id(t) not in self.by_id:
                     self._bind(t, IRTensor(name, tuple(t.shape), t.dtype, kind, t.requires_grad, path=name))
                     self.weights[name] = self.by_id[id(t)]
-                    self.values.mark(t, Provenance.WEIGHTS if kind == "param" else Provenance.DATA)
+                    unknown = kind == "param" or t.is_meta          # a meta buffer has no value either
+                    self.values.mark(t, Provenance.WEIGHTS if unknown else Provenance.DATA)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _bind(self, t: torch.Tensor, ir: IRTensor) -> IRTensor:
@@ -288,13 +290,16 @@ def trace_module(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mo
     ['torch.nn.functional.linear']
     """
     check_forward_args(module, dummy_forward_args)
-    if not fake:
+    on_meta = has_meta_tensors(module)
+    if not fake and not on_meta:
         return _trace_once(module, dummy_forward_args, mode, False, guards)
     try:
         return _trace_once(module, dummy_forward_args, mode, True, guards)
     except TraceError as err:
         if err.refused:
             raise
+        if on_meta:
+            raise TraceError(meta_refusal(type(module).__name__, str(err)), refused=True) from err
         reason = str(err)
     graph = _trace_once(module, dummy_forward_args, mode, False, guards)   # a real failure raises here
     warnings.warn(f"nbscaler: {type(module).__name__} was traced on real tensors, which runs its forward "
@@ -307,7 +312,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mod
     was_training = module.training
     saved_buffers = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()
                      if not isinstance(v, torch.nn.Parameter)}
-    tracer = Tracer(module, fake=fake, guards=guards)
+    tracer = Tracer(module, fake=fake, guards=guards, meta_device=_inputs_device(dummy_forward_args))
     inputs, input_spec = tracer.bind_inputs(dummy_forward_args)
     module.train(mode == "train")
     reads: List[torch.nn.Module] = []
@@ -340,6 +345,27 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mod
                    meta={"constants": tracer.constants, "module": type(module).__qualname__,
                          "forward_params": forward_params, "non_persistent": non_persistent,
                          "reads_training": bool(reads), **module_tree(module)})
+
+
+def has_meta_tensors(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (has a shape, no values)."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def meta_refusal(module_name: str, reason: str) -> str:
+    """The message of the ``TraceError`` raised when forward needs values a meta module lacks."""
+    return (f"{module_name} is on the meta device, so its parameters and buffers have shapes but no values, "
+            f"and its forward needs values: {reason}. Keep the value a tensor in forward (torch.where instead "
+            "of `if`, no .item()), compute it in __init__ from the config, or build the module on a real "
+            "device to plan it.")
+
+
+def _inputs_device(args: Dict[str, Any]) -> torch.device:
+    """The device of the first tensor argument (the CPU when there is none, or it is meta itself)."""
+    for x in tree_flatten(args)[0]:
+        if isinstance(x, torch.Tensor) and not x.is_meta:
+            return x.device
+    return torch.device("cpu")
 
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)

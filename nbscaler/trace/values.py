@@ -13,8 +13,9 @@ built from the ``attention_mask`` argument. Each value carries a ``Provenance``:
   Python value (``if (ids == -1).any():``) is safe and costs nothing at run time;
 - ``data``: reads the input data or a buffer; a Python value read from it holds for this input
   only, so the tracer specialises on it and the generated code checks it on every call (a guard);
-- ``weights``: reads a parameter; fake during a fake trace, so its value is unknown. Reading one
-  into Python makes the tracer start again with real tensors (``NeedsRealValues``).
+- ``weights``: reads a parameter, or any tensor on the meta device; fake during a fake trace, so its
+  value is unknown. Reading one into Python makes the tracer start again with real tensors
+  (``NeedsRealValues``), which a module on the meta device cannot do (``meta_refusal``).
 
 >>> values = TracedValues(fake=True)                       # doctest: +SKIP
 >>> values.origin(torch.arange(4))                         # an unknown tensor: a constant
@@ -56,8 +57,9 @@ class NeedsRealValues(Exception):
 class TracedValues:
     """Provenance of every tensor the trace has seen, and the fake/real choice for each call."""
 
-    def __init__(self, fake: bool):
+    def __init__(self, fake: bool, meta_device: torch.device = torch.device("cpu")):
         self.fake_mode: Optional[FakeTensorMode] = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        self.meta_device = meta_device     # where a meta tensor's stand-in pretends to live (the inputs' device)
         self.provenance: Dict[int, Provenance] = {}
         self.alias: Dict[int, torch.Tensor] = {}     # id(real) -> its fake stand-in, once a call has read it
         self.keep_alive: List[Any] = []
@@ -99,7 +101,7 @@ class TracedValues:
                 return x
             fake = self.alias.get(id(x))
             if fake is None:
-                fake = self.fake_mode.from_tensor(x)
+                fake = self._fake_of(x)
                 self.alias[id(x)] = fake
                 self.mark(fake, self.origin(x))
                 on_new_fake(x, fake)
@@ -116,6 +118,13 @@ class TracedValues:
             raise NeedsRealValues(f"{getattr(func, '__name__', func)} has no shape-only implementation "
                                   f"({type(err).__name__}: {err})") from err
         return out, call_args, call_kwargs, provenance
+
+    def _fake_of(self, x: torch.Tensor) -> torch.Tensor:
+        """A stand-in for ``x``. A meta tensor's pretends to live on the inputs' device, so that a
+        module built on meta computes with the inputs and the tensors forward makes as a real one does."""
+        if x.is_meta:
+            return self.fake_mode.fake_tensor_converter.from_meta_and_device(self.fake_mode, x, self.meta_device)
+        return self.fake_mode.from_tensor(x)
 
     def demote(self, real: torch.Tensor, fake: torch.Tensor) -> None:
         """A fake call wrote into the real tensor ``real``: from now on only its stand-in is valid."""

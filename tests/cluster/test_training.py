@@ -11,8 +11,8 @@ from nbscaler.cluster import RankError
 from nbscaler.cluster.training import parallelize_here, train_here
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn
 from tests.models import batch, build
-from tests.multiprocess import (EVAL_SEED, Case, case_batch, check_equivalence, grad_pieces, parallelize_on,
-                                pipeline, run_ranks, train_single)
+from tests.multiprocess import (EVAL_SEED, Case, case_batch, check_equivalence, check_on_cluster, grad_pieces,
+                                parallelize_on, pipeline, run_ranks, save_checkpoint, train_single)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -34,6 +34,12 @@ def test_losses_and_gradients_equal_one_process(nranks, request, tmp_path):
         per_rank = [{"losses": [[loss] for loss in result.steps[result.steps["rank"] == r]["loss"]],
                      "grads": result.probes[r], "eval_loss": [eval_losses[r].item()]} for r in range(nranks)]
         check_equivalence(case, per_rank)
+
+
+def test_a_meta_model_reads_its_slices_on_the_engines(cluster, tmp_path):
+    """The notebook builds the model on meta and sends it; each engine reads its own slices."""
+    case = Case("llama", "tp", 2, 2, weights=save_checkpoint("llama", str(tmp_path / "llama")))
+    check_on_cluster(cluster, case, str(tmp_path))
 
 
 def train_with_spawn(case: Case, gen_dir: str):

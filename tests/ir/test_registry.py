@@ -37,7 +37,7 @@ CASES = [
      ["n", "o"], ["c"]),
     ("conv1d", lambda m, x, y: F.conv1d(x, m.p0), (torch.randn(2, 4, 7),), (torch.randn(4, 4, 3),), ["n", "o"], ["c"]),
     ("embedding", lambda m, x, y: F.embedding(x, m.p0), (torch.zeros(2, 6, dtype=torch.long),), (torch.randn(10, 4),),
-     ["*0", "*1", "d"], []),
+     ["*0", "*1", "d"], ["v"]),
     ("layer_norm", lambda m, x, y: F.layer_norm(x, (8,)), (torch.randn(2, 4, 8),), (), ["*0", "*1"], []),
     ("batch_norm eval", lambda m, x, y: F.batch_norm(x, torch.zeros(4), torch.ones(4), training=False),
      (torch.randn(4, 4, 6),), (), ["n", "c", "s0"], []),
@@ -146,3 +146,15 @@ def test_batch_norm_training_splits_the_batch_but_not_the_maps():
     node = annotation_of(lambda m, x, y: F.batch_norm(x, None, None, training=True), torch.randn(4, 3, 5))
     assert node.annotation.can_split("n", 2) is None
     assert "must not be split" in node.annotation.can_split("s0", 2)
+
+
+def test_an_embedding_splits_its_vocabulary_only_when_the_lookup_is_plain():
+    """Rows split across devices give partial sums of masked lookups; a padding row (whose
+    gradient is held at zero) or a max_norm renormalisation keeps the table whole."""
+    table = (torch.randn(10, 4),)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    plain = annotation_of(lambda m, x, y: F.embedding(x, m.p0), ids, params=table).annotation
+    assert plain.can_split("v", 2) is None and "v" in plain.reduce
+    for kwargs in ({"padding_idx": 0}, {"max_norm": 1.0}):
+        node = annotation_of(lambda m, x, y: F.embedding(x, m.p0, **kwargs), ids, params=table)
+        assert node.annotation.can_split("v", 2) is not None, kwargs

@@ -18,7 +18,7 @@ def test_tp_is_megatron_style_on_a_transformer():
         assert split[f"blocks.0.attn.{proj}"] == "n"          # column parallel
     assert split["blocks.0.attn.o"] == "k"                     # row parallel: partial sums
     assert split["blocks.0.mlp.w1"] == "n" and split["blocks.0.mlp.w2"] == "k"
-    assert all(n.placement.split is None for n in g.select(op="embedding"))
+    assert all(n.placement.split == "v" for n in g.select(op="embedding"))     # vocabulary-parallel
 
 
 def test_data_splits_along_the_batch():

@@ -195,7 +195,7 @@ def test_merged_checkpoint_moves_to_another_plan(runs, source, target):
 @pytest.mark.multiprocess
 def test_another_plans_per_rank_state_is_refused_unchanged(runs):
     tp_into_dp = runs["four"][0]["refuse"]
-    assert "'blocks.0.attn.q.weight' (whole, shape (32, 32)) here" in tp_into_dp["errors"][0]
+    assert "'embed.weight' (whole, shape (64, 32)) here" in tp_into_dp["errors"][0]      # split by vocabulary
     assert "part 0 of 2 along dim 0" in tp_into_dp["errors"][0] and "merge_state_dicts" in tp_into_dp["errors"][0]
     assert "optimizer parameter 0" in tp_into_dp["errors"][1]
     zero_into_plain = runs["two"][0]["refuse"]
@@ -211,7 +211,7 @@ def test_deduped_checkpoints_keep_each_copy_once(runs):
         full = [load(path(ckpt_dir, case, "full", r)) for r in range(case.runtime_ngpus)]
         deduped = [load(path(ckpt_dir, case, "deduped", r)) for r in range(case.runtime_ngpus)]
         module_keys = [{k for k, v in sd.items() if isinstance(v, torch.Tensor)} for sd, _ in deduped]
-        assert "embed_weight" in module_keys[0] and "embed_weight" not in module_keys[1]      # replicated in a unit
+        assert "norm_weight" in module_keys[0] and "norm_weight" not in module_keys[1]        # replicated in a unit
         assert "blocks_0_attn_q_weight" in module_keys[0] and "blocks_0_attn_q_weight" in module_keys[1]  # split
         if case.units > 1:
             assert module_keys[2] == set() and module_keys[3] == set()                      # unit 1 = unit 0

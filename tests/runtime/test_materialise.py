@@ -1,0 +1,68 @@
+"""Modules built on the meta device are materialised per rank, and train exactly like one process.
+
+Each case builds its model under ``torch.device('meta')`` on every rank and parallelizes it with
+``weights=`` a safetensors checkpoint (transformers' Llama and Qwen2 saved by ``save_pretrained`` in
+shards with an index; the shipped GPT and Llama in one file) or with no weights at all (the module's own
+initialisation, per rank, seeded). The reference is the same model in one process, loaded from the
+same files or initialised whole by ``init_module`` with the same seed: losses, merged gradients and
+final parameters over 3 steps must agree (``tests.multiprocess.check_equivalence``). Each rank must
+read from the checkpoint exactly the bytes of the slices it holds, and start from exactly its slices
+of the reference's values.
+"""
+
+import pytest
+import torch
+
+from nbscaler.runtime.checkpoint import merge_slices
+from tests.multiprocess import (INIT, Case, check_equivalence, pipeline, reference_model, run_ranks, save_checkpoint,
+                                train_materialised)
+
+
+def checkpoints(tmp_path, *names):
+    return {name: save_checkpoint(name, str(tmp_path / "checkpoints" / name)) for name in names}
+
+
+def check_materialised(case: Case, per_rank) -> None:
+    """Every rank started from its slices of the reference's values, reading only its share."""
+    check_equivalence(case, per_rank)
+    reference = reference_model(case)
+    expected = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    merged = merge_slices(piece for res in per_rank for piece in res["initial"])
+    for name, value in merged.items():
+        assert torch.equal(value, expected[name].detach()), f"{case}: rank slices of {name} differ"
+    whole = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    for rank, res in enumerate(per_rank):
+        if case.weights == INIT:
+            assert res["read_bytes"] == 0, f"{case}: rank {rank} read a checkpoint it was not given"
+            continue
+        assert res["read_bytes"] == res["share_bytes"], f"{case}: rank {rank} read {res['read_bytes']} bytes " \
+                                                        f"for slices of {res['share_bytes']}"
+        if case.policy != "dp":
+            assert res["share_bytes"] < whole, f"{case}: rank {rank} holds the whole model"
+
+
+@pytest.mark.multiprocess
+def test_meta_models_train_like_one_process_on_two_ranks(tmp_path):
+    files = checkpoints(tmp_path, "hf_llama", "hf_qwen2", "llama", "gpt")
+    cases = [Case("hf_llama", "tp", 2, 2, weights=files["hf_llama"]),
+             Case("hf_qwen2", "tp", 2, 2, weights=files["hf_qwen2"]),
+             Case("hf_llama", "pp", 2, 2, config=pipeline("1f1b", 2, 2), weights=files["hf_llama"]),
+             Case("llama", "dp", 1, 2, weights=files["llama"]),
+             Case("gpt", "tp", 2, 2, weights=files["gpt"]),
+             Case("llama", "tp", 2, 2, weights=INIT),
+             Case("hf_llama", "tp", 2, 2, weights=INIT)]
+    per_rank = run_ranks(train_materialised, 2, cases, str(tmp_path), timeout=600)
+    for i, case in enumerate(cases):
+        check_materialised(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+def test_meta_models_train_like_one_process_on_four_ranks(tmp_path):
+    """Two stages of 2-way tensor parallelism, and 2-way tensor parallelism in 2 data-parallel units."""
+    files = checkpoints(tmp_path, "hf_llama", "gpt")
+    cases = [Case("hf_llama", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4), weights=files["hf_llama"]),
+             Case("gpt", "tp", 2, 4, weights=files["gpt"]),
+             Case("gpt", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4), weights=INIT)]
+    per_rank = run_ranks(train_materialised, 4, cases, str(tmp_path), timeout=600)
+    for i, case in enumerate(cases):
+        check_materialised(case, [res[i] for res in per_rank])
