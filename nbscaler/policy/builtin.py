@@ -259,6 +259,9 @@ POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""
 
+SEQUENCE_PARALLEL_POLICIES = tuple(p for p, keys in POLICY_KEYS.items() if SEQUENCE_PARALLEL in keys)
+"""Policies that read ``sequence_parallel``."""
+
 PIPELINE_POLICIES = (BuiltinPolicy.PP, BuiltinPolicy.HYBRID)
 """Policies that always build a pipeline (they refuse a config without one)."""
 

@@ -55,6 +55,13 @@ def test_sequence_parallel_under_hybrid_slices_each_stage():
     assert {"reduce_scatter", "all_gather_sum_grad"} <= collectives and "all_reduce" not in collectives
 
 
+def test_autodist_weighs_the_sequence_parallel_tp_plan():
+    """autodist scores ``tp`` as a rival to its search: with the key, the sequence-parallel one."""
+    plain, sp = _plan("gpt", 2, {}, "autodist"), _plan("gpt", 2, SP, "autodist")
+    rival = lambda p: p.graph.meta["autodist"]["rival_scores"]["tp"]
+    assert rival(plain) != rival(sp)              # another placement scored: its collectives differ
+
+
 def test_the_generated_code_shows_the_collectives():
     code = _plan("gpt", 2, SP).sources[0]
     assert "comm.reduce_scatter(" in code and "comm.all_gather_sum_grad(" in code
