@@ -5,7 +5,8 @@
 - ``data``: split every op along the batch axis across the ``plan_ngpus`` devices of a unit.
 - ``pp``: pipeline stages balanced by FLOPs, one per device.
 - ``hybrid``: pipeline stages, each tensor-parallel (``tp``) over its share of the devices.
-- ``autodist``: a search over every op's split, scored by the cost model (``nbscaler.policy.autodist``).
+- ``autodist``: a search over every op's split, scored by the cost model (``nbscaler.policy.autodist``);
+  ``sequence_parallel`` makes the ``tp`` plan it weighs its search against sequence parallel.
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
@@ -14,6 +15,16 @@
   GPT-2's ``c_attn``, timm's ``(B, T, 3, nh, hs)`` view, or unequal blocks for grouped-query
   attention) is split strided, so each device holds its own heads of q, k and v and attention runs
   on local heads (``fused_blocks``).
+
+  With ``pas_config={"sequence_parallel": True}`` (``tp`` and ``hybrid``; Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models") the ops between the
+  tensor-parallel linears run on a slice of the sequence instead of on the whole of it: an op that
+  reads a row-parallel linear's partial sums (the residual add) or an embedding's output takes its
+  slice (``_sequence_choice``), and the ops after it follow, so norms, dropout and residual adds
+  keep a sequence slice. The layouts then ask for a reduce-scatter after each row-parallel linear
+  (partial -> sequence slice) and an all-gather before each column-parallel one (sequence slice ->
+  whole, its backward a reduce-scatter of the partial gradients) instead of an all-reduce, and the
+  activations those ops keep shrink by the tensor-parallel size.
 
 Each policy walks the graph in order, tracking the layout every tensor is left in, and places each
 node with the primitives of ``nbscaler.policy.primitives``.
@@ -170,7 +181,8 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 
 def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices."""
+    """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
+    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage)."""
     geometry = pipeline_geometry(cfg, "hybrid")
     stage_by_cost(graph, geometry.schedule.nstages)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))

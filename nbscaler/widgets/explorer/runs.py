@@ -23,8 +23,8 @@ from nbscaler.widgets.explorer.knobs import Knobs
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
-               "sequence_parallel", "compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted",
-               "peak_bytes", "peak_rss_bytes", "losses_match", "loss_rel_err"]
+               "sequence_parallel", "compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble",
+               "peak_bytes_predicted", "peak_bytes", "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
 @dataclass
