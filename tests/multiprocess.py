@@ -136,6 +136,11 @@ def recompute(*names: str) -> tuple:
     return (("pas_config", (("recompute_modules", names),)),)
 
 
+def sequence_parallel() -> tuple:
+    """The ``Case.config`` of tensor parallelism with sequence parallelism."""
+    return (("pas_config", (("sequence_parallel", True),)),)
+
+
 def data_seed(step: int, unit: int, micro: int = 0) -> int:
     return step * 100 + unit * 10 + micro
 

@@ -27,6 +27,8 @@ backward pass:
 [Step(fn='all_gather', dim=2)]
 >>> conversion(Layout.partial(), Layout.split(0))
 [Step(fn='reduce_scatter', dim=0)]
+>>> conversion(Layout.split(1), Layout("R*"))
+[Step(fn='all_gather_sum_grad', dim=1)]
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
             return [Step("reduce_scatter", dim=want.dim)]
         return to_full + [Step("chunk", dim=want.dim, blocks=want.blocks)]
     if want.kind == "R*":
+        if have.kind == "S":             # the gradient's sum and this device's slice of it: a reduce-scatter
+            return [Step("all_gather_sum_grad", dim=have.dim, blocks=have.blocks)]
         return to_full + [Step("sum_grad")]
     if want.kind == "V":
         return to_full + [Step("first_only")]

@@ -9,18 +9,19 @@ of a ``chunk`` is an all-gather, of a ``sum_grad`` an all-reduce), that gets a r
 Bytes are those each device of the group *sends* with ring algorithms, for a tensor of ``T`` bytes
 over ``n`` devices:
 
-==================  ==========================  =====================================
-collective          forward, per device         backward, per device
-==================  ==========================  =====================================
-``all_gather``      ``(n-1)/n * T``             none (keep the slice)
-``chunk``           0 (keep the slice)          ``(n-1)/n * T`` (all-gather)
-``all_reduce``      ``2 (n-1)/n * T``           none (pass through)
-``reduce_scatter``  ``(n-1)/n * T``             ``(n-1)/n * T`` (all-gather)
-``all_to_all``      ``(n-1)/n^2 * T``           ``(n-1)/n^2 * T``
-``sum_grad``        0 (pass through)            ``2 (n-1)/n * T`` (all-reduce)
-``first_only``      0                           none
-``send_recv``       ``T`` (to the next stage)   ``T`` (the gradient, back)
-==================  ==========================  =====================================
+=========================  ==========================  =====================================
+collective                 forward, per device         backward, per device
+=========================  ==========================  =====================================
+``all_gather``             ``(n-1)/n * T``             none (keep the slice)
+``all_gather_sum_grad``    ``(n-1)/n * T``             ``(n-1)/n * T`` (reduce-scatter)
+``chunk``                  0 (keep the slice)          ``(n-1)/n * T`` (all-gather)
+``all_reduce``             ``2 (n-1)/n * T``           none (pass through)
+``reduce_scatter``         ``(n-1)/n * T``             ``(n-1)/n * T`` (all-gather)
+``all_to_all``             ``(n-1)/n^2 * T``           ``(n-1)/n^2 * T``
+``sum_grad``               0 (pass through)            ``2 (n-1)/n * T`` (all-reduce)
+``first_only``             0                           none
+``send_recv``              ``T`` (to the next stage)   ``T`` (the gradient, back)
+=========================  ==========================  =====================================
 
 >>> steps = collective_steps(graph, storage)                      # doctest: +SKIP
 >>> steps[0]
@@ -40,6 +41,7 @@ from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 #: fraction of the whole tensor for ``n`` devices (``None``: the backward is local).
 _FORWARD_SHARE = {
     "all_gather": lambda n: (n - 1) / n,
+    "all_gather_sum_grad": lambda n: (n - 1) / n,
     "chunk": lambda n: 0.0,
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -48,6 +50,7 @@ _FORWARD_SHARE = {
     "first_only": lambda n: 0.0,
 }
 _BACKWARD = {
+    "all_gather_sum_grad": ("reduce_scatter", lambda n: (n - 1) / n),
     "chunk": ("all_gather", lambda n: (n - 1) / n),
     "reduce_scatter": ("all_gather", lambda n: (n - 1) / n),
     "all_to_all": ("all_to_all", lambda n: (n - 1) / n ** 2),

@@ -4,17 +4,18 @@ A message of ``b`` bytes costs ``alpha + b * beta``: a fixed latency and a per-b
 collectives of ``nbscaler.runtime.collectives`` run as rings over ``n`` devices, so each costs a
 number of latency steps and moves a share of the tensor through every device:
 
-==================  ==============================  ===================================
-collective          forward (``b``: local input)     backward (its gradient)
-==================  ==============================  ===================================
-``all_gather``      ``(n-1)`` steps, ``(n-1) b``     a local slice
-``chunk``           a local slice                    ``all_gather`` of the piece
-``all_reduce``      ``2(n-1)``, ``2 (n-1)/n b``      nothing (the gradient passes)
-``reduce_scatter``  ``(n-1)``, ``(n-1)/n b``         ``all_gather`` of the piece
-``all_to_all``      ``(n-1)``, ``(n-1)/n b``         ``all_to_all``
-``sum_grad``        nothing                          ``all_reduce``
-``first_only``      nothing                          nothing
-==================  ==============================  ===================================
+=========================  ==============================  ===================================
+collective                 forward (``b``: local input)    backward (its gradient)
+=========================  ==============================  ===================================
+``all_gather``             ``(n-1)`` steps, ``(n-1) b``    a local slice
+``all_gather_sum_grad``    as ``all_gather``               ``reduce_scatter`` of the whole
+``chunk``                  a local slice                   ``all_gather`` of the piece
+``all_reduce``             ``2(n-1)``, ``2 (n-1)/n b``     nothing (the gradient passes)
+``reduce_scatter``         ``(n-1)``, ``(n-1)/n b``        ``all_gather`` of the piece
+``all_to_all``             ``(n-1)``, ``(n-1)/n b``        ``all_to_all``
+``sum_grad``               nothing                         ``all_reduce``
+``first_only``             nothing                         nothing
+=========================  ==============================  ===================================
 
 ``calibrate`` times ``all_reduce`` over a group at a small and a large size, each after a little
 compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); a pipeline's
@@ -76,6 +77,7 @@ class CommModel:
         share = (n - 1) / n
         return {
             "all_gather": lambda: self.ring(n - 1, (n - 1) * nbytes),
+            "all_gather_sum_grad": lambda: self.forward("all_gather", nbytes, n),
             "all_reduce": lambda: self.ring(2 * (n - 1), 2 * share * nbytes),
             "reduce_scatter": lambda: self.ring(n - 1, share * nbytes),
             "all_to_all": lambda: self.ring(n - 1, share * nbytes),
@@ -86,6 +88,7 @@ class CommModel:
         if n <= 1:
             return 0.0
         return {
+            "all_gather_sum_grad": lambda: self.forward("reduce_scatter", nbytes * n, n),
             "chunk": lambda: self.forward("all_gather", nbytes // n, n),
             "reduce_scatter": lambda: self.forward("all_gather", nbytes // n, n),
             "all_to_all": lambda: self.forward("all_to_all", nbytes, n),

@@ -161,6 +161,7 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
     piece = lambda t, d: t.chunk(n, dim=d)[index].contiguous()
     impl = {
         "all_gather": lambda t: gather(t, dim),
+        "all_gather_sum_grad": lambda t: gather(t, dim),
         "chunk": lambda t: piece(t, dim),
         "all_reduce": lambda t: t.contiguous().clone(),
         "reduce_scatter": lambda t: piece(t.contiguous().clone(), dim),

@@ -5,7 +5,8 @@
 - ``data``: split every op along the batch axis across the ``plan_ngpus`` devices of a unit.
 - ``pp``: pipeline stages balanced by FLOPs, one per device.
 - ``hybrid``: pipeline stages, each tensor-parallel (``tp``) over its share of the devices.
-- ``autodist``: a search over every op's split, scored by the cost model (``nbscaler.policy.autodist``).
+- ``autodist``: a search over every op's split, scored by the cost model (``nbscaler.policy.autodist``);
+  ``sequence_parallel`` makes the ``tp`` plan it weighs its search against sequence parallel.
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
@@ -15,25 +16,44 @@
   attention) is split strided, so each device holds its own heads of q, k and v and attention runs
   on local heads (``fused_blocks``).
 
+  With ``pas_config={"sequence_parallel": True}`` (``tp`` and ``hybrid``; Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models") the ops between the
+  tensor-parallel linears run on a slice of the sequence instead of on the whole of it: an op that
+  reads a row-parallel linear's partial sums (the residual add) or an embedding's output takes its
+  slice (``_sequence_choice``), and the ops after it follow, so norms, dropout and residual adds
+  keep a sequence slice. The layouts then ask for a reduce-scatter after each row-parallel linear
+  (partial -> sequence slice) and an all-gather before each column-parallel one (sequence slice ->
+  whole, its backward a reduce-scatter of the partial gradients) instead of an all-reduce, and the
+  activations those ops keep shrink by the tensor-parallel size.
+
 Each policy walks the graph in order, tracking the layout every tensor is left in, and places each
 node with the primitives of ``nbscaler.policy.primitives``.
+
+A built-in policy reads the ``pas_config`` keys it declares in ``POLICY_KEYS`` (and those every
+plan reads: the pipeline settings and ``recompute_modules``), and refuses any other key with a
+``ValueError`` that names it, so a typo never passes silently; a user's own policy reads what it likes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional, Tuple
 
 from nbscaler.blocks import Blocks, divide, units
 from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
-from nbscaler.config import ComputeConfig
+from nbscaler.config import PIPELINE_KEYS, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist import autodist
+from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import stage_by_cost
 from nbscaler.schedule import PipelineGeometry
 
 Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
+
+SEQUENCE_PARALLEL = "sequence_parallel"
+"""The ``pas_config`` key of sequence parallelism (``tp``, ``hybrid`` and ``autodist``)."""
 
 
 def _split_layouts(graph: IRGraph):
@@ -107,16 +127,31 @@ def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 
 def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit."""
-    return _tensor_parallel(graph, lambda node: tuple(range(cfg.plan_ngpus)))
+    """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit (with
+    ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
+    return _tensor_parallel(graph, lambda node: tuple(range(cfg.plan_ngpus)), sequence_parallel(cfg))
 
 
-def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> IRGraph:
-    """Place each node on ``devices_of(node)``, split Megatron-style where that pays."""
+def sequence_parallel(cfg: ComputeConfig) -> bool:
+    """Whether ``cfg`` asks for sequence parallelism (``pas_config['sequence_parallel']``, a bool)."""
+    value = cfg.pas_config.get(SEQUENCE_PARALLEL, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"pas_config['{SEQUENCE_PARALLEL}']={value!r} is invalid: give True or False.")
+    return value
+
+
+def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]],
+                     sequence: bool = False) -> IRGraph:
+    """Place each node on ``devices_of(node)``, split Megatron-style where that pays; with
+    ``sequence``, the ops between the linears on a slice of the sequence."""
     fused = fused_blocks(graph)
     for node, layout_of in _split_layouts(graph):
         devices = devices_of(node)
-        choice = _tp_choice(node, layout_of, fused, len(devices)) if len(devices) > 1 else None
+        choice = None
+        if len(devices) > 1:
+            choice = _tp_choice(node, layout_of, fused, len(devices))
+            if choice is None and sequence:
+                choice = _sequence_choice(node, layout_of, len(devices))
         if choice is None:
             replicate(node, devices)
         else:
@@ -146,10 +181,11 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 
 def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices."""
+    """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
+    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage)."""
     geometry = pipeline_geometry(cfg, "hybrid")
     stage_by_cost(graph, geometry.schedule.nstages)
-    return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage))
+    return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
 
 def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Blocks]]:
@@ -183,6 +219,23 @@ def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Bl
     return None
 
 
+def _sequence_choice(node: IRNode, layout_of, n: int) -> Optional[Tuple[str, Blocks]]:
+    """Under sequence parallelism, the split of an op ``_tp_choice`` leaves whole: along the
+    sequence when it reads partial sums (the residual add after a row-parallel linear, which then
+    reduce-scatters) or an embedding's output (the stream starts sliced: the lookup itself stays
+    whole, so the embedding's gradient is whole on every device and needs no all-reduce). The
+    sequence is the axis before the last (hidden) one of the op's first output, ``(B, T, C)``; ops
+    without such a splittable axis stay whole, and their consumers then all-gather."""
+    ann = node.annotation
+    outs = ann.outputs if ann is not None else None
+    if not outs or outs[0] is None or len(outs[0]) < 2 or not node.output_tensors:
+        return None
+    starts = any((layout_of(t) is not None and layout_of(t).kind == "P")
+                 or (t.producer is not None and t.producer.op == "embedding") for t in node.inputs)
+    name = outs[0][-2]
+    return (name, 1) if starts and name in splittable(node, n) else None
+
+
 def _column_blocks(node: IRNode, name: str, fused, n: int) -> Blocks:
     """Blocks of a column-parallel split: ``k`` when the output is later cut into ``k`` blocks
     along the split axis (``fused_blocks``; unequal ones for a grouped-query qkv), else 1
@@ -207,6 +260,22 @@ class BuiltinPolicy(StrEnum):
     AUTODIST = "autodist"
 
 
+COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES,)
+"""``pas_config`` keys every plan reads, whatever its policy."""
+
+POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
+    BuiltinPolicy.DP: (),
+    BuiltinPolicy.TP: (SEQUENCE_PARALLEL,),
+    BuiltinPolicy.DATA: (),
+    BuiltinPolicy.PP: (),
+    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL,),
+    BuiltinPolicy.AUTODIST: AUTODIST_KEYS + (SEQUENCE_PARALLEL,),
+}
+"""The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""
+
+SEQUENCE_PARALLEL_POLICIES = tuple(p for p, keys in POLICY_KEYS.items() if SEQUENCE_PARALLEL in keys)
+"""Policies that read ``sequence_parallel``."""
+
 PIPELINE_POLICIES = (BuiltinPolicy.PP, BuiltinPolicy.HYBRID)
 """Policies that always build a pipeline (they refuse a config without one)."""
 
@@ -220,11 +289,32 @@ POLICIES: Dict[str, Policy] = {
 }
 
 
+def check_pas_config(policy: str, cfg: ComputeConfig) -> None:
+    """Refuse ``pas_config`` keys built-in ``policy`` does not read, naming them and the ones it reads."""
+    reads = POLICY_KEYS[policy]
+    unknown = sorted(k for k in cfg.pas_config if k not in reads and k not in COMMON_KEYS)
+    if unknown:
+        known = ", ".join(repr(k) for k in reads + COMMON_KEYS)
+        raise ValueError(f"pas_config has {', '.join(map(repr, unknown))}, which policy {policy!r} does not read "
+                         f"(a typo?): it reads {known}. Remove the key, or use a policy that reads it.")
+
+
+def _checked(name: str, fn: Policy) -> Policy:
+    """Built-in ``fn`` that first checks the config's ``pas_config`` keys (``check_pas_config``)."""
+    @functools.wraps(fn)
+    def policy(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+        check_pas_config(name, cfg)
+        return fn(graph, cfg)
+    return policy
+
+
 def get_policy(policy) -> Policy:
-    """A policy function from a built-in name or a callable."""
+    """A policy function from a built-in name or a callable. A built-in, by name or as its function,
+    refuses ``pas_config`` keys it does not read; any other callable is the user's and reads what it likes."""
+    name = next((n for n, fn in POLICIES.items() if fn is policy), None) if callable(policy) else policy
+    if isinstance(name, str) and name in POLICIES:
+        return _checked(name, POLICIES[name])
     if callable(policy):
         return policy
-    if isinstance(policy, str) and policy in POLICIES:
-        return POLICIES[policy]
     raise ValueError(f"unknown PAS policy {policy!r}: use one of {', '.join(POLICIES)}, or a function "
                      "(graph, compute_config) -> graph.")

@@ -4,18 +4,20 @@ Each function is a forward collective paired with the collective its gradient ne
 ``nbscaler.comm.layout`` for the layouts). Reading them side by side is a compact lesson in tensor
 parallelism:
 
-==================  =================================  ===================================
-function            forward                            backward
-==================  =================================  ===================================
-``all_gather``      concatenate every device's slice   keep this device's slice
-``chunk``           keep this device's slice           all-gather the slices
-``all_reduce``      sum the partial values             pass the (full) gradient through
-``reduce_scatter``  sum, then keep this device's slice all-gather
-``all_to_all``      re-split along another dim         the reverse re-split
-``sum_grad``        pass through                       sum the partial gradients
-``first_only``      the value on device 0, else zeros  pass the gradient through
-``batch_norm``      BatchNorm with whole-batch stats   sums the statistics' gradients
-==================  =================================  ===================================
+=========================  =================================  ===================================
+function                   forward                            backward
+=========================  =================================  ===================================
+``all_gather``             concatenate every device's slice   keep this device's slice
+``all_gather_sum_grad``    concatenate every device's slice   sum the partial gradients, keep this
+                                                              device's slice (a reduce-scatter)
+``chunk``                  keep this device's slice           all-gather the slices
+``all_reduce``             sum the partial values             pass the (full) gradient through
+``reduce_scatter``         sum, then keep this device's slice all-gather
+``all_to_all``             re-split along another dim         the reverse re-split
+``sum_grad``               pass through                       sum the partial gradients
+``first_only``             the value on device 0, else zeros  pass the gradient through
+``batch_norm``             BatchNorm with whole-batch stats   sums the statistics' gradients
+=========================  =================================  ===================================
 
 ``group=None`` means a group of one device, where every function is the identity.
 
@@ -73,6 +75,17 @@ class _AllGather(Function):
     @staticmethod
     def backward(ctx, grad):
         return _slice(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
+
+
+class _AllGatherSumGrad(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _gather(x, dim, group, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice(_sum(grad, ctx.group), ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _Chunk(Function):
@@ -145,6 +158,13 @@ class _FirstOnly(Function):
 def all_gather(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
     """Split along ``dim`` (strided in ``blocks``) -> replicated."""
     return x if group is None else _AllGather.apply(x, dim, group, blocks)
+
+
+def all_gather_sum_grad(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
+    """Split along ``dim`` -> replicated, for an op whose devices each make a partial gradient of the
+    whole (a column-parallel linear): the backward sums them and keeps this device's slice, a
+    reduce-scatter. Sequence parallelism's all-gather before the column-parallel linear."""
+    return x if group is None else _AllGatherSumGrad.apply(x, dim, group, blocks)
 
 
 def chunk(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:

@@ -15,7 +15,7 @@ S0, S2 = Layout.split(0), Layout.split(2)
     (P, S0, [Step("reduce_scatter", dim=0)]),
     (S2, S0, [Step("all_to_all", dim=0, dim2=2)]),
     (R, Layout("R*"), [Step("sum_grad")]),
-    (S2, Layout("R*"), [Step("all_gather", dim=2), Step("sum_grad")]),
+    (S2, Layout("R*"), [Step("all_gather_sum_grad", dim=2)]),       # its backward: a reduce-scatter
     (P, Layout("V"), [Step("all_reduce"), Step("first_only")]),
     (R, Layout("V"), [Step("first_only")]),
 ])
@@ -32,7 +32,7 @@ QKV, QKV0 = Layout.split(2, blocks=3), Layout.split(0, blocks=3)
     (QKV, R, [Step("all_gather", dim=2, blocks=3)]),
     (S2, QKV, [Step("all_gather", dim=2), Step("chunk", dim=2, blocks=3)]),
     (P, QKV0, [Step("all_reduce"), Step("chunk", dim=0, blocks=3)]),
-    (QKV, Layout("R*"), [Step("all_gather", dim=2, blocks=3), Step("sum_grad")]),
+    (QKV, Layout("R*"), [Step("all_gather_sum_grad", dim=2, blocks=3)]),
 ])
 def test_strided_conversions_go_through_the_whole_tensor(have, want, steps):
     """A strided split (each device its share of every block) never meets a contiguous one in an

@@ -13,7 +13,8 @@ from nbscaler.cost.memory import in_flight_peak, optimizer_state_bytes
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import Case, measure_memory, pipeline, predicted_memory, recompute, run_cases, zero
+from tests.multiprocess import (Case, measure_memory, pipeline, predicted_memory, recompute, run_cases,
+                                sequence_parallel, zero)
 
 
 @pytest.mark.parametrize("optimizer, kwargs, expected", [
@@ -84,6 +85,8 @@ MULTI = [
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4) + zero()),
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
+    Case("gpt", "tp", 2, 2, optimizer="adamw", config=sequence_parallel()),     # activations on a sequence slice
+    Case("llama", "tp", 2, 2, config=sequence_parallel()),
 ]
 
 
@@ -105,6 +108,7 @@ FOUR = [
     Case("llama", "tp", 2, 4, optimizer="momentum", config=zero()),
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(2, stage=2)),
     Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2)),
+    Case("gpt", "tp", 4, 4, config=sequence_parallel()),
 ]
 
 

@@ -22,6 +22,11 @@ def _collectives_on_ranks():
     (y * full).sum().backward()                          # d/dx = my slice of full
     out["all_gather"] = (y, x.grad)
 
+    x = mine.clone().requires_grad_()
+    y = comm.all_gather_sum_grad(x, dim=0, group=group)
+    (y * full * (rank + 1)).sum().backward()             # partial grads (rank + 1) * full, summed, sliced
+    out["all_gather_sum_grad"] = (y, x.grad)
+
     x = full.clone().requires_grad_()
     y = comm.chunk(x, dim=0, group=group)
     y.sum().backward()                                   # every rank's slice grads gathered
@@ -50,6 +55,10 @@ def _collectives_on_ranks():
     y = comm.all_gather(x, dim=0, group=group, blocks=3)
     (y * fused).sum().backward()
     out["all_gather_blocks"] = (y, x.grad, heads)
+    x = heads.clone().requires_grad_()
+    y = comm.all_gather_sum_grad(x, dim=0, group=group, blocks=3)
+    (y * fused * (rank + 1)).sum().backward()
+    out["all_gather_sum_grad_blocks"] = (y, x.grad, heads)
     x = fused.clone().requires_grad_()
     y = comm.chunk(x, dim=0, group=group, blocks=3)
     y.sum().backward()
@@ -77,10 +86,14 @@ def test_collectives_forward_and_backward(world):
     for r, o in enumerate(outs):
         y, g, heads = o["all_gather_blocks"]
         assert torch.equal(y, fused) and torch.equal(g, heads)
+        y, g, heads = o["all_gather_sum_grad_blocks"]
+        assert torch.equal(y, fused) and torch.equal(g, heads * tri)
         y, g, heads = o["chunk_blocks"]
         assert torch.equal(y, heads) and torch.equal(g, torch.ones_like(fused))
         y, g = o["all_gather"]
         assert torch.equal(y, full) and torch.equal(g, full.chunk(world, 0)[r])
+        y, g = o["all_gather_sum_grad"]
+        assert torch.equal(y, full) and torch.equal(g, (full * tri).chunk(world, 0)[r])
         y, g = o["chunk"]
         assert torch.equal(y, full.chunk(world, 0)[r]) and torch.equal(g, torch.ones_like(full))
         y, g = o["all_reduce"]

@@ -149,6 +149,24 @@ def test_after_a_compile_the_knobs_read_the_plans_own_configuration(explorer):
     assert explorer.error is None and knobs.stages.value == explorer.plan.schedule.ndevices == 4
 
 
+def test_the_sequence_parallel_knob_applies_to_the_policies_that_read_it(explorer):
+    knobs = explorer.controls
+    assert not knobs.sequence_parallel.value and not knobs.sequence_parallel.disabled       # tp reads it
+    plain = explorer.compile()
+    explorer.set(sequence_parallel=True)                          # a re-placement of the same trace
+    sp = explorer.plan
+    assert explorer.error is None and sp.config.pas_config["sequence_parallel"] is True
+    assert {"reduce_scatter", "all_gather_sum_grad"} <= set(sp.collectives.collective)
+    assert (sp.summary()[C.ACTIVATION_BYTES] < plain.summary()[C.ACTIVATION_BYTES]).all()
+    explorer.set(policy="dp", plan_ngpus=1)                       # dp does not read it: no refusal, and
+    assert explorer.error is None and knobs.sequence_parallel.disabled     # the knob reads the dp plan: off
+    assert "sequence_parallel" not in explorer.plan.config.pas_config and not knobs.sequence_parallel.value
+    explorer.set(policy="hybrid", plan_ngpus=4, runtime_ngpus=4, sequence_parallel=True)    # per stage
+    assert explorer.error is None and not knobs.sequence_parallel.disabled and knobs.sequence_parallel.value
+    assert explorer.plan.config.pas_config["sequence_parallel"] is True
+    assert Knobs(policy="pp", sequence_parallel=True).row()["sequence_parallel"] is False
+
+
 def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
     cfg = GPTConfig(vocab_size=128, seq_len=32, n_layer=4, d_model=64, n_head=4)
     ex = Explorer(GPT(cfg), {"batch": sample_batch(cfg, 4)}, knobs=Knobs(policy="pp"))

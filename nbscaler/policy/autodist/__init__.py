@@ -22,6 +22,10 @@ plans it scores recompute those modules (``nbscaler.policy.recompute``). When no
 plan fits ``memory_limit_bytes``, it recomputes every layer of the model's layer lists and searches
 again (the plan's config then names them); ``planfile`` saves and loads a chosen plan;
 ``explain`` records, per op, the choice against the runner-up.
+
+With ``pas_config={'sequence_parallel': True}`` the ``tp`` placement it weighs its search against
+(``_keep_faster_builtin``) is sequence parallel (``nbscaler.policy.builtin``); the search itself
+may split any op along the sequence whatever the key says, as along any axis its annotation allows.
 """
 
 from __future__ import annotations

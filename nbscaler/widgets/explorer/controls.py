@@ -9,7 +9,8 @@ the Explorer, with the planner's message.
 The knobs tell the truth: after a compile or a re-placement ``show_plan`` sets them to the plan's
 own configuration (a ``pp`` plan staged over every device reads its stage count, not the 1 that
 asked for it), and a knob that does not apply is hidden (GPT layers for your own module) or disabled
-(micro-batches and scheduler without a pipeline; every pipeline knob for a module that is not end2end).
+(micro-batches and scheduler without a pipeline; every pipeline knob for a module that is not end2end;
+sequence parallel for a policy that does not read it).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import ipywidgets as w
 
 from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
-from nbscaler.policy.builtin import PIPELINE_POLICIES
+from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL
 from nbscaler.schedule import PipelineSchedule
 from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy
 
 DEVICE_CHOICES = [1, 2, 4, 8]
 SHIPPED_GPT = "GPT (nbscaler.models)"
 USER_MODEL = "your module"
-KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero")
+KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero",
+              "sequence_parallel")
 
 
 def _label() -> Dict[str, Any]:
@@ -60,6 +62,8 @@ class Controls:
         self.scheduler = w.Dropdown(options=list(TRAIN_SCHEDULERS), value=knobs.scheduler, description="scheduler",
                                     **_label())
         self.use_zero = w.Checkbox(value=knobs.use_zero, description="ZeRO", indent=False)
+        self.sequence_parallel = w.Checkbox(value=knobs.sequence_parallel, description="sequence parallel",
+                                            indent=False)
         self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label())
         self.lr = w.FloatText(value=0.05, description="learning rate", **_label())
 
@@ -83,7 +87,7 @@ class Controls:
         self.widget = w.VBox([
             w.HTML("<b>Model</b>"), self.model, self.n_layer,
             w.HTML("<b>Policy and compute</b>"), self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
-            self.nmicros, self.scheduler, self.use_zero,
+            self.nmicros, self.scheduler, self.use_zero, self.sequence_parallel,
             self.compile_button,
             w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
             w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
@@ -95,7 +99,8 @@ class Controls:
         """The knobs as the widgets show them."""
         return Knobs(policy=self._policies[self.policy.value], plan_ngpus=self.plan_ngpus.value,
                      runtime_ngpus=self.runtime_ngpus.value, stages=self.stages.value, nmicros=self.nmicros.value,
-                     scheduler=self.scheduler.value, use_zero=self.use_zero.value, end2end=end2end)
+                     scheduler=self.scheduler.value, use_zero=self.use_zero.value, end2end=end2end,
+                     sequence_parallel=self.sequence_parallel.value)
 
     def set(self, **values: Any) -> None:
         """Set knobs from code (``set(policy='pp', stages=2)``); the owner hears one change at the end."""
@@ -120,6 +125,7 @@ class Controls:
         with self._hold():
             self.plan_ngpus.value, self.runtime_ngpus.value = config.plan_ngpus, config.runtime_ngpus
             self.use_zero.value = config.use_zero
+            self.sequence_parallel.value = bool(config.pas_config.get(SEQUENCE_PARALLEL, False))
             self.stages.value = schedule.ndevices if schedule is not None else 1
             if schedule is not None:
                 self.nmicros.value, self.scheduler.value = config.pipeline_nmicros, config.scheduler
@@ -137,12 +143,13 @@ class Controls:
         self.stages.disabled = not self._end2end
         pipelined = self._end2end and self.knobs(self._end2end).pipelined
         self.nmicros.disabled = self.scheduler.disabled = not pipelined
+        self.sequence_parallel.disabled = not self.knobs(self._end2end).sequence_parallel_applies
 
     def as_table(self) -> str:
         """The model and the knobs as the controls show them, as an HTML table (for the saved
         form of the Explorer); a knob that does not apply reads ``n/a``."""
         shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
-                 self.nmicros, self.scheduler, self.use_zero]
+                 self.nmicros, self.scheduler, self.use_zero, self.sequence_parallel]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
                        f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
                        for c in shown if c.layout.display != "none")

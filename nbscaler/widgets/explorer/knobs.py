@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Union
 
 from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
-from nbscaler.policy.builtin import PIPELINE_POLICIES, BuiltinPolicy
+from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES, BuiltinPolicy
 
 Policy = Union[str, Callable[..., Any]]
 
@@ -30,6 +30,8 @@ class Knobs:
     - ``use_zero`` / ``zero_ngroups``: ZeRO over the data-parallel units.
     - ``end2end``: the module takes the batch and returns its loss (the shipped GPT does);
       pipelines need it.
+    - ``sequence_parallel``: norms, dropout and residual adds on a sequence slice between the
+      tensor-parallel linears (``pas_config['sequence_parallel']``; policies that read it only).
     """
 
     policy: Policy = BuiltinPolicy.TP
@@ -41,6 +43,7 @@ class Knobs:
     use_zero: bool = False
     zero_ngroups: int = 1
     end2end: bool = True
+    sequence_parallel: bool = False
 
     @property
     def policy_label(self) -> str:
@@ -50,6 +53,11 @@ class Knobs:
     @property
     def pipelined(self) -> bool:
         return self.stages > 1 or self.policy in PIPELINE_POLICIES
+
+    @property
+    def sequence_parallel_applies(self) -> bool:
+        """Whether the policy reads ``sequence_parallel`` (``tp``, ``hybrid``, ``autodist``)."""
+        return self.policy in SEQUENCE_PARALLEL_POLICIES
 
     def replace(self, **changes: Any) -> "Knobs":
         return dataclasses.replace(self, **changes)
@@ -65,11 +73,14 @@ class Knobs:
         if self.pipelined:
             pipeline = dict(use_pipeline=True, pipeline_nmicros=self.nmicros, pipeline_scheduler=self.scheduler,
                             pipeline_nstages=self.stages if self.stages > 1 else -1)
+        pas_config = {SEQUENCE_PARALLEL: True} if self.sequence_parallel and self.sequence_parallel_applies else {}
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, use_zero=self.use_zero,
-                             zero_ngroups=self.zero_ngroups, use_end2end=self.end2end, **pipeline)
+                             zero_ngroups=self.zero_ngroups, use_end2end=self.end2end, pas_config=pas_config,
+                             **pipeline)
 
     def row(self) -> Dict[str, Any]:
         """The knobs as columns of the runs table."""
         return {"policy": self.policy_label, "plan_ngpus": self.plan_ngpus, "runtime_ngpus": self.runtime_ngpus,
                 "stages": self.stages if self.pipelined else 1, "nmicros": self.nmicros if self.pipelined else 1,
-                "scheduler": self.scheduler if self.pipelined else "", "zero": self.use_zero}
+                "scheduler": self.scheduler if self.pipelined else "", "zero": self.use_zero,
+                "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies}

@@ -1,0 +1,95 @@
+"""What ``pas_config={'sequence_parallel': True}`` makes of a plan, and the keys built-in policies read.
+
+Under sequence parallelism the blocks' collectives are an all-gather before each column-parallel
+linear (whose backward reduce-scatters) and a reduce-scatter after each row-parallel one (whose
+backward all-gathers): no activation is all-reduced, and the norms, residual adds and embedding sums
+keep a sequence slice, so each device saves fewer activation bytes.
+"""
+
+import re
+
+import pytest
+
+from nbscaler import ComputeConfig
+from nbscaler.planning.planner import plan
+from nbscaler.policy.builtin import POLICY_KEYS, tp
+from tests.models import batch, build
+
+SP = {"sequence_parallel": True}
+
+
+def _plan(model: str, ngpus: int, pas_config: dict, policy="tp", **config):
+    return plan(build(model), batch(model, 0), policy, ComputeConfig(ngpus, ngpus, pas_config=pas_config, **config))
+
+
+@pytest.mark.parametrize("model, ngpus", [("gpt", 2), ("llama", 2), ("gpt", 4), ("hf_llama", 2)])
+def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing(model, ngpus):
+    plain, sp = _plan(model, ngpus, {}), _plan(model, ngpus, SP)
+    rows = sp.collectives
+    forward, backward = rows[rows.phase == "F"], rows[rows.phase == "B"]
+    linears = [n for n in sp.graph.nodes if n.op == "linear" and n.placement.split is not None]
+    rows_in = {n.name for n in linears if n.placement.split in n.annotation.reduce}
+    # one reduce-scatter of the partial sums after every row-parallel linear, and its all-gather back
+    assert set(forward[forward.collective == "reduce_scatter"].producer) == rows_in
+    assert set(backward[backward.collective == "all_gather"].producer) >= rows_in
+    # an all-gather before every column-parallel linear, whose backward is a reduce-scatter
+    gathers = forward[forward.collective == "all_gather_sum_grad"]
+    assert len(gathers) >= len(rows_in) and set(gathers.want) == {"R*"}
+    assert len(backward[backward.collective == "reduce_scatter"]) == len(gathers)
+    # no activation is all-reduced in the blocks, forward or backward (the plain plan all-reduces
+    # every block); a head may still read a whole copy (transformers' Llama slices it first)
+    in_block = {n.name for n in sp.graph.nodes if re.search(r"\.\d+(\.|$)", n.module_path)}
+    assert not rows[rows.consumer.isin(in_block)].collective.isin(["all_reduce", "sum_grad"]).any()
+    assert plain.collectives.collective.isin(["all_reduce"]).sum() >= len(rows_in)
+    # the norms (LayerNorm, or RMSNorm modules written out in elementwise ops) run on a sequence slice
+    classes = sp.graph.meta["module_classes"]
+    norms = [n for n in sp.graph.nodes if n.op == "norm" or "Norm" in classes.get(n.module_path, "")]
+    assert norms and all(n.placement.split is not None for n in norms)
+    before, after = plain.summary()["activation_bytes"], sp.summary()["activation_bytes"]
+    assert (after < before).all(), f"activation bytes per rank {list(after)} not below {list(before)}"
+
+
+def test_sequence_parallel_under_hybrid_slices_each_stage():
+    p = _plan("gpt", 4, SP, "hybrid", use_end2end=True, use_pipeline=True, pipeline_nstages=2, pipeline_nmicros=4)
+    collectives = set(p.collectives.collective)
+    assert {"reduce_scatter", "all_gather_sum_grad"} <= collectives and "all_reduce" not in collectives
+
+
+def test_autodist_weighs_the_sequence_parallel_tp_plan():
+    """autodist scores ``tp`` as a rival to its search: with the key, the sequence-parallel one."""
+    plain, sp = _plan("gpt", 2, {}, "autodist"), _plan("gpt", 2, SP, "autodist")
+    rival = lambda p: p.graph.meta["autodist"]["rival_scores"]["tp"]
+    assert rival(plain) != rival(sp)              # another placement scored: its collectives differ
+
+
+def test_the_generated_code_shows_the_collectives():
+    code = _plan("gpt", 2, SP).sources[0]
+    assert "comm.reduce_scatter(" in code and "comm.all_gather_sum_grad(" in code
+    assert "comm.all_reduce(" not in code
+
+
+@pytest.mark.parametrize("policy, key", [("tp", "sequence_paralel"), ("dp", "sequence_parallel"),
+                                         ("autodist", "memory_limit"), ("pp", "recompute")])
+def test_a_builtin_policy_refuses_a_key_it_does_not_read(policy, key):
+    ngpus = 1 if policy == "dp" else 2
+    config = dict(use_end2end=True, use_pipeline=True, pipeline_nmicros=2) if policy == "pp" else {}
+    with pytest.raises(ValueError, match=rf"'{key}'.*policy '{policy}' does not read.*'recompute_modules'"):
+        _plan("gpt", ngpus, {key: True}, policy, **config)
+
+
+def test_the_refusal_names_the_keys_the_policy_reads():
+    with pytest.raises(ValueError) as err:
+        _plan("gpt", 2, {"sequence_paralel": True}, tp)            # the built-in passed as a function
+    assert all(f"'{k}'" in str(err.value) for k in POLICY_KEYS["tp"] + ("pipeline_nmicros", "recompute_modules"))
+
+
+def test_a_users_policy_reads_what_it_likes():
+    def mine(graph, cfg):
+        assert cfg.pas_config["my_knob"] == 3
+        return tp(graph, cfg)
+    assert _plan("gpt", 2, {"my_knob": 3}, mine).graph is not None
+
+
+def test_sequence_parallel_must_be_a_bool():
+    with pytest.raises(ValueError, match="sequence_parallel.*True or False"):
+        _plan("gpt", 2, {"sequence_parallel": "yes"})
