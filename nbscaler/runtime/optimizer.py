@@ -69,41 +69,82 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         plan, runtime = compute_config.plan_ngpus, compute_config.runtime_ngpus
     else:
         plan, runtime = 1, world
-    params = [p for m in parallel.values() for p in m.parameters_for_optimizer()] + list(plain.values())
-    optimizer = optimizer_fn(params, **kwargs)
-
     ensure_groups(plan, runtime)
     non_parallel = Reducer(list(plain.values()), get_group(dp_ranks(rank % plan, plan, runtime)))
-    reducers: List[Reducer] = [m.reducer for m in parallel.values()] + [non_parallel]
-    modules = list(parallel.values())
-    layout = state_layout(module, parallel, plain)
-    state = {"synced": False}
+    params = [p for m in parallel.values() for p in m.parameters_for_optimizer()] + list(plain.values())
+    optimizer = optimizer_fn(params, **kwargs)
+    patch = OptimizerPatch(optimizer, list(parallel.values()), non_parallel, plan,
+                           state_layout(module, parallel, plain))
+    patch.attach()
+    return optimizer
 
-    def sync_shard_grad() -> None:
+
+class OptimizerPatch:
+    """What ``build_optimizer`` adds to a torch optimizer, as one object: the optimizer carries its
+    bound methods (``optimizer.sync_shard_grad`` is ``patch.sync_shard_grad``) and stays an
+    instance of the user's optimizer class.
+
+    It holds the reducers that sum gradients across data-parallel units (one per parallel module,
+    and ``non_parallel`` for the parameters outside them) and whether this step's gradients have
+    been summed yet (``synced``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, modules: List[ParallelModule], non_parallel: Reducer,
+                 plan_ngpus: int, layout: Dict[str, Any]):
+        self.optimizer = optimizer
+        self.modules = modules
+        self.non_parallel = non_parallel
+        self.reducers: List[Reducer] = [m.reducer for m in modules] + [non_parallel]
+        self.plan_ngpus = plan_ngpus
+        self.layout = layout
+        self.synced = False
+        self._zero_grad = optimizer.zero_grad           # the optimizer's own, before the patch
+
+    def attach(self) -> None:
+        """Give the optimizer the patch's hooks and methods."""
+        opt = self.optimizer
+        opt.register_step_pre_hook(self._pre_step)
+        opt.register_step_post_hook(self._post_step)
+        opt.register_state_dict_post_hook(self._add_layout)
+        opt.register_load_state_dict_pre_hook(self._check_layout)
+        opt.zero_grad = self.zero_grad
+        opt.sync_shard_grad = self.sync_shard_grad
+        opt.scale_grads = self.scale_grads
+        opt.clip_gnorm = self.clip_gnorm
+        opt.register_reducer_pre_hook = self.register_reducer_pre_hook
+        opt.register_reducer_post_hook = self.register_reducer_post_hook
+        opt._non_parallel_module_reducer = self.non_parallel
+        opt._parallel_modules = self.modules
+        opt._state_layout = self.layout
+        opt._nbscaler_patch = self
+
+    # -- gradients ------------------------------------------------------------------------------
+    def sync_shard_grad(self) -> None:
         """Sum gradients across data-parallel units, once per step."""
-        if state["synced"]:
+        if self.synced:
             return
-        for m in modules:
+        for m in self.modules:
             m.sync_grads()
-        non_parallel.sync()
-        state["synced"] = True
+        self.non_parallel.sync()
+        self.synced = True
 
-    def scale_grads(factor: float) -> None:
+    def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by ``factor`` (call after ``sync_shard_grad``)."""
-        for group in optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
-    def clip_gnorm(max_norm: Optional[float] = None) -> torch.Tensor:
+    def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
         """The global gradient norm of the whole (unpartitioned) model, clipping to ``max_norm``.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model: every rank adds
         its share (a slice counts once, a copy held by several devices or ranks a fraction), and
         the shares are summed over all ranks.
         """
-        sync_shard_grad()
-        sq = sum((m.grad_sq_sum() for m in modules), non_parallel.grad_sq_sum(lambda p: 1.0 / plan))
+        self.sync_shard_grad()
+        plan = self.plan_ngpus
+        sq = sum((m.grad_sq_sum() for m in self.modules), self.non_parallel.grad_sq_sum(lambda p: 1.0 / plan))
         if dist.is_initialized():
             sq = sq.to(runtime_device())
             dist.all_reduce(sq)
@@ -111,68 +152,58 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         if max_norm is not None:
             coef = max_norm / (float(total) + 1e-6)
             if coef < 1:
-                scale_grads(coef)
+                self.scale_grads(coef)
         return total
 
-    def register_reducer_pre_hook(fn: GradHook) -> None:
-        for r in reducers:
+    def register_reducer_pre_hook(self, fn: GradHook) -> None:
+        """Run ``fn(reducer, flat)`` on each flat bucket of gradients before it is summed."""
+        for r in self.reducers:
             r.pre_hooks.append(fn)
 
-    def register_reducer_post_hook(fn: GradHook) -> None:
-        for r in reducers:
+    def register_reducer_post_hook(self, fn: GradHook) -> None:
+        """Run ``fn(reducer, flat)`` on each flat bucket of gradients after it is summed."""
+        for r in self.reducers:
             r.post_hooks.append(fn)
 
-    def pre_step(opt, args, kwargs):            # args[0] is the optimizer itself
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``, and each parallel module's gradient state reset."""
+        self._zero_grad(set_to_none)
+        for m in self.modules:
+            m.zero_grad(set_to_none)
+        self.synced = False
+
+    # -- stepping -------------------------------------------------------------------------------
+    def _pre_step(self, opt, args, kwargs):            # args[0] is the optimizer itself
+        """Sum the gradients before the update; with ``step(closure)``, after each call of it."""
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            sync_shard_grad()
+            self.sync_shard_grad()
             return None
 
         def synced_closure():
             loss = closure()
-            state["synced"] = False         # its backward made new local gradients
-            sync_shard_grad()
+            self.synced = False             # its backward made new local gradients
+            self.sync_shard_grad()
             return loss
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": synced_closure}
         return (args[0], synced_closure, *args[2:]), kwargs
 
-    def post_step(opt, args, kwargs):
-        for m in modules:
+    def _post_step(self, opt, args, kwargs) -> None:
+        """Bring every rank's parameters up to date (ZeRO) and expect new gradients."""
+        for m in self.modules:
             m.gather_params()
-        state["synced"] = False
+        self.synced = False
 
-    original_zero_grad = optimizer.zero_grad
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        original_zero_grad(set_to_none)
-        for m in modules:
-            m.zero_grad(set_to_none)
-        state["synced"] = False
-
-    def add_layout(opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        state_dict[OPTIMIZER_KEY] = copy.deepcopy(layout)
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _add_layout(self, opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        state_dict[OPTIMIZER_KEY] = copy.deepcopy(self.layout)
         return state_dict
 
-    def check_layout(opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        check_optimizer_state(layout, state_dict)
+    def _check_layout(self, opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        check_optimizer_state(self.layout, state_dict)
         return {k: v for k, v in state_dict.items() if k != OPTIMIZER_KEY}
-
-    optimizer.register_step_pre_hook(pre_step)
-    optimizer.register_step_post_hook(post_step)
-    optimizer.register_state_dict_post_hook(add_layout)
-    optimizer.register_load_state_dict_pre_hook(check_layout)
-    optimizer.zero_grad = zero_grad
-    optimizer.sync_shard_grad = sync_shard_grad
-    optimizer.scale_grads = scale_grads
-    optimizer.clip_gnorm = clip_gnorm
-    optimizer.register_reducer_pre_hook = register_reducer_pre_hook
-    optimizer.register_reducer_post_hook = register_reducer_post_hook
-    optimizer._non_parallel_module_reducer = non_parallel
-    optimizer._parallel_modules = modules
-    optimizer._state_layout = layout
-    return optimizer
 
 
 def layout_of(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
