@@ -258,6 +258,8 @@ def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDic
     with torch.no_grad():
         for dst, src in copies:
             dst.copy_(src)
+    for m in parallel.values():
+        m.reducer.refresh_masters()
     if local_state is not None:
         optimizer.load_state_dict(local_state)
 
