@@ -224,6 +224,20 @@ def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case,
     return out
 
 
+def load_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str, sd: Dict[str, Any],
+                    osd: Dict[str, Any]) -> None:
+    """Load a checkpoint of ``kind`` ('full': per rank, 'deduped' or 'merged') into a model and its
+    optimizer, the way that kind loads."""
+    from nbscaler import load_deduped_state_dict, load_merged_state_dicts
+    if kind == "full":
+        model.load_state_dict(sd)
+        opt.load_state_dict(osd)
+    elif kind == "deduped":
+        load_deduped_state_dict(model, sd, opt, osd)
+    else:
+        load_merged_state_dicts(model, sd, opt, osd)
+
+
 def eval_losses(model: torch.nn.Module, case: Case) -> List[float]:
     """Eval-mode losses: of each micro-batch for end2end modules, else of one batch."""
     end2end = case.compute_config.use_end2end

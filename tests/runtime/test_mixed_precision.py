@@ -3,7 +3,9 @@
 The recipe: the module in bf16 (``parallelize(..., module_dtype=torch.bfloat16)``), an fp32 master
 copy of each rank's parameters with fp32 AdamW state (``build_optimizer(..., master_dtype=
 torch.float32)``), gradients summed across ranks in ``grad_reduce_dtype``. The reference is that
-recipe written out plainly in one process (``reference`` below).
+recipe written out plainly in one process (``reference`` below). The cases cover dp, tp with
+recompute, data, pipelines (gpipe, 1f1b, 1f1b_plus; hybrid: stages with tp inside), ZeRO 1 and 2,
+a bf16 reduction, and clipping; then checkpoints, and fp16 loss scaling across ranks.
 
 Tolerances. bf16 keeps 8 significant bits: its unit roundoff is ``u = 2**-8`` and one ulp is at
 most ``2u`` relative. A parallel run computes the same values as the reference, but partitioned
@@ -35,11 +37,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nbscaler import deduped_state_dict, load_deduped_state_dict, load_merged_state_dicts, merge_state_dicts
+from nbscaler import build_optimizer, deduped_state_dict, merge_state_dicts
 from nbscaler.runtime.checkpoint import load, save
+from nbscaler.runtime.scaler import LossScaler
 from tests.models import build
 from tests.multiprocess import (OPTIMIZERS, Case, assert_close, parallel_model, parallel_steps, pipeline,
-                                run_ranks, samples, zero)
+                                load_checkpoint, recompute, run_ranks, samples, zero)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 U = 2.0 ** -8                        # bf16's unit roundoff
@@ -56,10 +59,12 @@ def mixed(model: str, policy: str, plan: int, runtime: int, config: tuple = (), 
 
 CASES = {
     1: [mixed("llama", "dp", 1, 1), mixed("llama", "dp", 1, 1, zero())],
-    2: [mixed("llama", "dp", 1, 2), mixed("llama", "tp", 2, 2, clip=0.5), mixed("llama", "dp", 1, 2, zero(stage=2)),
-        mixed("gpt", "pp", 2, 2, pipeline("1f1b", 2, 2))],
+    2: [mixed("llama", "dp", 1, 2), mixed("llama", "tp", 2, 2, recompute("blocks.0"), clip=0.5),
+        mixed("llama", "data", 2, 2), mixed("llama", "dp", 1, 2, zero(stage=2)),
+        mixed("gpt", "pp", 2, 2, pipeline("gpipe", 2, 2))],
     4: [mixed("llama", "dp", 1, 4, reduce=BF16), mixed("llama", "tp", 2, 4, zero(), clip=0.5),
-        mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2))],
+        mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
+        mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2))],
 }
 
 
@@ -173,20 +178,12 @@ def resume_and_move(gen_dir: str, ckpt_dir: str) -> Dict[str, Any]:
     for kind in ("full", "deduped", "merged"):
         model = parallel_model(SAVED, gen_dir)
         opt = SAVED.make_optimizer(model)
-        sd, osd = load(ckpt(ckpt_dir, kind, None if kind == "merged" else rank))
-        if kind == "full":
-            model.load_state_dict(sd)
-            opt.load_state_dict(osd)
-        elif kind == "deduped":
-            load_deduped_state_dict(model, sd, opt, osd)
-        else:
-            load_merged_state_dicts(model, sd, opt, osd)
+        load_checkpoint(model, opt, kind, *load(ckpt(ckpt_dir, kind, None if kind == "merged" else rank)))
         out[kind] = parallel_steps(model, opt, SAVED, range(K, K + M), rank // SAVED.unit_ngpus)["losses"]
     for case in (MOVED, FP32_PLAN):
         model = parallel_model(case, gen_dir)
         opt = case.make_optimizer(model)
-        sd, osd = load(ckpt(ckpt_dir, "merged"))
-        load_merged_state_dicts(model, sd, opt, osd)
+        load_checkpoint(model, opt, "merged", *load(ckpt(ckpt_dir, "merged")))
         out[case] = (model.state_dict(), opt.state_dict())
     return out
 
@@ -222,3 +219,37 @@ def test_checkpoints_keep_fp32_masters_exact_and_resume_the_same_run(tmp_path):
             assert torch.equal(moved_osd["state"][index][key], osd["state"][index][key]), (name, key)
         assert torch.equal(moved_sd[name], sd[name]), name
         assert torch.equal(fp32_sd[name], osd["state"][index]["master"]), f"{name} in the fp32 plan"
+
+
+# -- loss scaling across ranks ------------------------------------------------------------------------
+FP16_ZERO = Case("mlp", "dp", 1, 2, steps=3, config=zero(), optimizer="adamw", module_dtype=torch.float16,
+                 master_dtype=FP32)
+
+
+def overflow_on_one_rank(gen_dir: str) -> Dict[str, Any]:
+    """fp16 with ZeRO on 2 ranks; at step 1 rank 1 puts an inf into the first gradient element it
+    sends, which the reduce-scatter delivers to rank 0's shard only: both ranks must skip."""
+    rank = dist.get_rank()
+    model = parallel_model(FP16_ZERO, gen_dir)
+    scaler = LossScaler(init_scale=2.0 ** 8, growth_interval=100)
+    opt = build_optimizer(model, torch.optim.AdamW, master_dtype=FP32, scaler=scaler, lr=0.01)
+    step_of = {"now": 0}
+    opt.register_reducer_pre_hook(lambda reducer, flat: flat[0].fill_(float("inf"))
+                                  if rank == 1 and step_of["now"] == 1 else None)
+    skipped = []
+    for step in range(FP16_ZERO.steps):
+        step_of["now"] = step
+        args = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in samples(FP16_ZERO, step, rank)[0].items()}
+        scaler.scale(model(**args)).backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(scaler.skipped)
+    return {"skipped": skipped, "scale": scaler.value, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.multiprocess
+def test_an_overflow_seen_by_one_rank_skips_the_step_on_every_rank(tmp_path):
+    per_rank = run_ranks(overflow_on_one_rank, 2, str(tmp_path))
+    for res in per_rank:
+        assert res["skipped"] == [0, 1, 1] and res["scale"] == 2.0 ** 7, res
+    assert all(torch.equal(a, b) for a, b in zip(per_rank[0]["params"], per_rank[1]["params"]))
