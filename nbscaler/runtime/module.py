@@ -223,7 +223,7 @@ class ParallelModule(torch.nn.Module):
     # -- training support -----------------------------------------------------------------------
     def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:
         """The parameters this rank's optimizer updates: the trainable parameters, or with ZeRO
-        this rank's flat shards of them."""
+        this rank's flat shards of them; with master copies (``set_precision``), copies of those."""
         return [param for param, _ in self.optimizer_slots()]
 
     def optimizer_slots(self) -> List[Slot]:
