@@ -29,7 +29,7 @@ import torch
 
 from nbscaler.genfiles import atomic_write
 from nbscaler.runtime.module import ParallelModule, WeightSpec, runtime_device
-from nbscaler.runtime.optimizer import layout_of, parallel_modules
+from nbscaler.runtime.optimizer import MASTER_KEY, layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
                                          CheckpointError, check_no_extra, check_tensors)
 
@@ -206,6 +206,26 @@ def _merge_optimizer(state_dicts: List[StateDict], specs: List[Dict[str, Dict[st
     hyper = {k: v for k, v in state_dicts[0]["param_groups"][0].items() if k != "params"}
     return {"state": {index_of[name]: values for name, values in sorted(whole.items(), key=lambda kv: index_of[kv[0]])},
             "param_groups": [{**hyper, "params": list(range(len(order)))}]}
+
+
+@torch.no_grad()
+def load_master_weights(module: torch.nn.Module, optimizer_state_dict: StateDict) -> int:
+    """Copy the master weights of a merged optimizer state (a mixed-precision run's fp32 copies,
+    each saved as its parameter's state ``master``) into the original module's parameters, which
+    the merged module state dict holds only rounded to the module's dtype. Returns how many it
+    copied. Load the module state dict first; a module in fp32 then holds the masters exactly.
+    """
+    params = list(module.parameters())
+    state = optimizer_state_dict["state"]
+    if state and max(state) >= len(params):
+        raise CheckpointError(f"the optimizer state has parameter {max(state)}, the module {len(params)} parameters: "
+                              "pass the merged optimizer state of this module (merge_state_dicts).")
+    masters = {index: values for index, values in state.items() if MASTER_KEY in values}
+    for index, values in masters.items():           # all checked before anything is copied
+        check_tensors([(MASTER_KEY, f"the master of parameter {index}", tuple(params[index].shape))], values)
+    for index, values in masters.items():
+        params[index].copy_(values[MASTER_KEY])
+    return len(masters)
 
 
 # -- loading ------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler import build_optimizer, deduped_state_dict, merge_state_dicts
-from nbscaler.runtime.checkpoint import load, save
+from nbscaler.runtime.checkpoint import load, load_master_weights, save
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import build
 from tests.multiprocess import (OPTIMIZERS, Case, assert_close, parallel_model, parallel_steps, pipeline,
@@ -192,7 +192,8 @@ def resume_and_move(gen_dir: str, ckpt_dir: str) -> Dict[str, Any]:
 def test_checkpoints_keep_fp32_masters_exact_and_resume_the_same_run(tmp_path):
     """Per-rank, deduped and merged checkpoints hold the fp32 masters and state; resuming from each
     gives the losses of the run that did not stop, bit for bit; the merged masters load exactly
-    into a ZeRO plan with masters, and into an fp32 plan as its parameters."""
+    into the plain fp32 module, into a ZeRO plan with masters, and into an fp32 plan as its
+    parameters."""
     gen_dir, ckpt_dir = str(tmp_path / "gen"), str(tmp_path / "ckpt")
     Path(ckpt_dir).mkdir()
     uninterrupted = run_ranks(train_and_save, 2, gen_dir, ckpt_dir)
@@ -207,6 +208,12 @@ def test_checkpoints_keep_fp32_masters_exact_and_resume_the_same_run(tmp_path):
         assert not torch.equal(master, master.to(BF16).to(FP32)), f"{name}: the master holds no more than bf16"
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(merged["deduped"][1]["state"][index][key], osd["state"][index][key]), (name, key)
+    plain = build(SAVED.model)                       # the original module, in fp32
+    plain.load_state_dict(sd)
+    assert load_master_weights(plain, osd) == len(names)
+    torch.optim.AdamW(plain.parameters()).load_state_dict(osd)
+    for index, (name, p) in enumerate(plain.named_parameters()):
+        assert torch.equal(p, osd["state"][index]["master"]), f"{name} in the plain module"
     save(merged["full"], ckpt(ckpt_dir, "merged"))
     fresh = run_ranks(resume_and_move, 2, gen_dir, ckpt_dir)
     for rank, res in enumerate(fresh):

@@ -136,3 +136,19 @@ def test_plain_layers_around_a_parallel_trunk_get_master_copies_too(tmp_path):
     for name in ("pre.weight", "pre.bias", "head.weight", "head.bias"):
         assert trained[name].dtype == bf16 and torch.equal(trained[name], ref.get_parameter(name)), name
     assert not torch.equal(trained["pre.weight"], build("with_trunk").to(bf16).pre.weight), "pre never moved"
+
+
+def test_master_weights_of_another_model_are_refused_before_anything_is_copied():
+    from nbscaler.runtime.checkpoint import load_master_weights
+    from nbscaler.runtime.statecheck import CheckpointError
+    model = build("mlp")
+    before = [p.detach().clone() for p in model.parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    state = {"state": {i: {"master": torch.ones(shape)} for i, shape in enumerate(shapes)}, "param_groups": []}
+    state["state"][3]["master"] = torch.ones(7)
+    with pytest.raises(CheckpointError, match="master of parameter 3"):
+        load_master_weights(model, state)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    state["state"][3]["master"] = torch.ones(shapes[3])
+    assert load_master_weights(model, state) == len(shapes)
+    assert all(bool((p == 1).all()) for p in model.parameters())
