@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nbscaler import build_optimizer, deduped_state_dict, merge_state_dicts
+from nbscaler import broadcast_weights, build_optimizer, deduped_state_dict, merge_state_dicts
 from nbscaler.runtime.checkpoint import load, load_master_weights, save
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import build
@@ -260,3 +260,25 @@ def test_an_overflow_seen_by_one_rank_skips_the_step_on_every_rank(tmp_path):
     for res in per_rank:
         assert res["skipped"] == [0, 1, 1] and res["scale"] == 2.0 ** 7, res
     assert all(torch.equal(a, b) for a, b in zip(per_rank[0]["params"], per_rank[1]["params"]))
+
+
+def weights_broadcast_after_the_optimizer(gen_dir: str) -> List[torch.Tensor]:
+    """Rank 1 holds no weights (zeros) when the optimizer is built, then receives rank 0's."""
+    case = mixed("mlp", "dp", 1, 2)
+    model = parallel_model(case, gen_dir)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    opt = case.make_optimizer(model)
+    broadcast_weights(model, 1)
+    args = {k: v.to(BF16) if v.is_floating_point() else v for k, v in samples(case, 0, 0)[0].items()}
+    model(**args).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_broadcast_weights_reach_the_master_copies(tmp_path):
+    first, second = run_ranks(weights_broadcast_after_the_optimizer, 2, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
