@@ -270,7 +270,8 @@ class OptimizerPatch:
         """Check the layout, and set the master weights aside until the state has loaded."""
         check_optimizer_state(self.layout, state_dict)
         state = {index: dict(values) for index, values in state_dict.get("state", {}).items()}
-        self._loaded_masters = {index: values.pop(MASTER_KEY) for index, values in state.items() if MASTER_KEY in values}
+        self._loaded_masters = {index: values.pop(MASTER_KEY) for index, values in state.items()
+                                if MASTER_KEY in values}
         if self.scaler is not None and SCALER_KEY in state_dict:
             self.scaler.load_state_dict(state_dict[SCALER_KEY])
         return {**{k: v for k, v in state_dict.items() if k not in (OPTIMIZER_KEY, SCALER_KEY)}, "state": state}

@@ -1,7 +1,7 @@
 """``LossScaler``: dynamic loss scaling for fp16 training, as ``torch.amp.GradScaler`` does it.
 
-fp16 holds numbers up to 65504 and down to about 6e-8 (6e-5 at full precision), so small gradients
-of a bf16-free fp16 run underflow to zero. Multiplying the loss by a large ``scale`` before the
+fp16 holds numbers up to 65504 and down to about 6e-8 (6e-5 at full precision), so in fp16 small
+gradients underflow to zero (bf16 has fp32's range and rarely needs a scale). Multiplying the loss by a large ``scale`` before the
 backward lifts every gradient by the same factor; the optimizer divides it out again (in the master
 dtype) before it steps. A scale too large overflows some gradient to inf: then the step is skipped,
 on every rank alike, and the scale is lowered (``backoff_factor``); after ``growth_interval``
@@ -69,4 +69,5 @@ class LossScaler:
         return {"scale": self.value, "good_steps": self.good_steps, "skipped": self.skipped}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.value, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), int(state["skipped"])
+        self.value = float(state["scale"])
+        self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])
