@@ -4,8 +4,8 @@ The recipe: the module in bf16 (``parallelize(..., module_dtype=torch.bfloat16)`
 copy of each rank's parameters with fp32 AdamW state (``build_optimizer(..., master_dtype=
 torch.float32)``), gradients summed across ranks in ``grad_reduce_dtype``. The reference is that
 recipe written out plainly in one process (``reference`` below). The cases cover dp, tp with
-recompute, data, pipelines (gpipe, 1f1b, 1f1b_plus; hybrid: stages with tp inside), ZeRO 1 and 2,
-a bf16 reduction, and clipping; then checkpoints, and fp16 loss scaling across ranks.
+recompute, data, autodist, pipelines (gpipe, 1f1b, 1f1b_plus; hybrid: stages with tp inside),
+ZeRO 1 and 2, a bf16 reduction, and clipping; then checkpoints, and fp16 loss scaling across ranks.
 
 Tolerances. bf16 keeps 8 significant bits: its unit roundoff is ``u = 2**-8`` and one ulp is at
 most ``2u`` relative. A parallel run computes the same values as the reference, but partitioned
@@ -60,7 +60,7 @@ def mixed(model: str, policy: str, plan: int, runtime: int, config: tuple = (), 
 CASES = {
     1: [mixed("llama", "dp", 1, 1), mixed("llama", "dp", 1, 1, zero())],
     2: [mixed("llama", "dp", 1, 2), mixed("llama", "tp", 2, 2, recompute("blocks.0"), clip=0.5),
-        mixed("llama", "data", 2, 2), mixed("llama", "dp", 1, 2, zero(stage=2)),
+        mixed("llama", "data", 2, 2), mixed("llama", "autodist", 2, 2), mixed("llama", "dp", 1, 2, zero(stage=2)),
         mixed("gpt", "pp", 2, 2, pipeline("gpipe", 2, 2))],
     4: [mixed("llama", "dp", 1, 4, reduce=BF16), mixed("llama", "tp", 2, 4, zero(), clip=0.5),
         mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
