@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.config import PIPELINE_KEYS
+from nbscaler.planning.planner import cast_floats
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.initialize import init_module
 from nbscaler.runtime.launch import spawn
@@ -147,8 +148,9 @@ def data_seed(step: int, unit: int, micro: int = 0) -> int:
 
 
 def samples(case: Case, step: int, unit: int) -> List[Dict[str, Any]]:
-    """The forward arguments of each micro-batch unit ``unit`` trains on at ``step``."""
-    return [batch(case.model, data_seed(step, unit, m)) for m in range(case.micros)]
+    """The forward arguments of each micro-batch unit ``unit`` trains on at ``step`` (floating-point
+    ones in the case's ``module_dtype``)."""
+    return [cast_floats(batch(case.model, data_seed(step, unit, m)), case.module_dtype) for m in range(case.micros)]
 
 
 def step_losses(model: torch.nn.Module, case: Case, args: List[Dict[str, Any]]) -> List[Any]:

@@ -246,9 +246,7 @@ def overflow_on_one_rank(gen_dir: str) -> Dict[str, Any]:
     skipped = []
     for step in range(FP16_ZERO.steps):
         step_of["now"] = step
-        args = {k: v.to(torch.float16) if v.is_floating_point() else v
-                for k, v in samples(FP16_ZERO, step, rank)[0].items()}
-        scaler.scale(model(**args)).backward()
+        scaler.scale(model(**samples(FP16_ZERO, step, rank)[0])).backward()
         opt.step()
         opt.zero_grad()
         skipped.append(scaler.skipped)
@@ -273,8 +271,7 @@ def weights_broadcast_after_the_optimizer(gen_dir: str) -> List[torch.Tensor]:
                 p.zero_()
     opt = case.make_optimizer(model)
     broadcast_weights(model, 1)
-    args = {k: v.to(BF16) if v.is_floating_point() else v for k, v in samples(case, 0, 0)[0].items()}
-    model(**args).backward()
+    model(**samples(case, 0, 0)[0]).backward()
     opt.step()
     return [p.detach().clone() for p in model.parameters()]
 

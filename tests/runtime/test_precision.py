@@ -6,6 +6,7 @@ import torch
 
 from nbscaler import ComputeConfig, build_optimizer, parallelize
 from nbscaler.config import Precision
+from nbscaler.planning.planner import cast_floats
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import batch, build
 
@@ -48,7 +49,7 @@ def test_loss_scaler_settings_are_checked():
 
 
 def fp16_args(seed: int) -> dict:
-    return {k: v.to(FP16) if v.is_floating_point() else v for k, v in batch("mlp", seed).items()}
+    return cast_floats(batch("mlp", seed), FP16)
 
 
 def reference_fp16(steps: int, scale: float, backoff: float, interval: int):
@@ -117,7 +118,7 @@ def test_plain_layers_around_a_parallel_trunk_get_master_copies_too(tmp_path):
     masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=0.01)
     for step in range(3):
-        args = {k: v.to(bf16) if v.is_floating_point() else v for k, v in batch("mlp", step).items()}
+        args = cast_floats(batch("mlp", step), bf16)
         loss, ref_loss = model(**args), ref(**args)
         assert torch.equal(loss, ref_loss), f"step {step}"
         loss.backward()
