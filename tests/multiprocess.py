@@ -226,8 +226,8 @@ def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case,
     return out
 
 
-def load_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str, sd: Dict[str, Any],
-                    osd: Dict[str, Any]) -> None:
+def load_state_of_kind(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str, sd: Dict[str, Any],
+                       osd: Dict[str, Any]) -> None:
     """Load a checkpoint of ``kind`` ('full': per rank, 'deduped' or 'merged') into a model and its
     optimizer, the way that kind loads."""
     from nbscaler import load_deduped_state_dict, load_merged_state_dicts

@@ -22,7 +22,7 @@ from nbscaler import broadcast_weights, deduped_state_dict, merge_state_dicts, p
 from nbscaler.runtime.checkpoint import load, save
 from nbscaler.runtime.statecheck import CheckpointError
 from tests.models import batch, build
-from tests.multiprocess import (Case, assert_close, check_equivalence, load_checkpoint, parallel_model,
+from tests.multiprocess import (Case, assert_close, check_equivalence, load_state_of_kind, parallel_model,
                                 parallel_steps, pipeline, run_ranks, single_steps, zero)
 
 K, M = 2, 2                 # steps before the checkpoint, steps after it
@@ -64,7 +64,7 @@ def continue_from(case, gen_dir, kind, file):
     """A fresh model and optimizer loaded from a checkpoint of ``kind``, trained the last M steps."""
     model = parallel_model(case, gen_dir)
     opt = case.make_optimizer(model)
-    load_checkpoint(model, opt, kind, *load(file))
+    load_state_of_kind(model, opt, kind, *load(file))
     return parallel_steps(model, opt, case, range(K, K + M), dist.get_rank() // case.plan_ngpus)["losses"]
 
 

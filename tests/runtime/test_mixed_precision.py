@@ -42,7 +42,7 @@ from nbscaler.runtime.checkpoint import load, load_master_weights, save
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import build
 from tests.multiprocess import (OPTIMIZERS, Case, assert_close, parallel_model, parallel_steps, pipeline,
-                                load_checkpoint, recompute, run_ranks, samples, zero)
+                                load_state_of_kind, recompute, run_ranks, samples, zero)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 U = 2.0 ** -8                        # bf16's unit roundoff
@@ -178,12 +178,12 @@ def resume_and_move(gen_dir: str, ckpt_dir: str) -> Dict[str, Any]:
     for kind in ("full", "deduped", "merged"):
         model = parallel_model(SAVED, gen_dir)
         opt = SAVED.make_optimizer(model)
-        load_checkpoint(model, opt, kind, *load(ckpt(ckpt_dir, kind, None if kind == "merged" else rank)))
+        load_state_of_kind(model, opt, kind, *load(ckpt(ckpt_dir, kind, None if kind == "merged" else rank)))
         out[kind] = parallel_steps(model, opt, SAVED, range(K, K + M), rank // SAVED.unit_ngpus)["losses"]
     for case in (MOVED, FP32_PLAN):
         model = parallel_model(case, gen_dir)
         opt = case.make_optimizer(model)
-        load_checkpoint(model, opt, "merged", *load(ckpt(ckpt_dir, "merged")))
+        load_state_of_kind(model, opt, "merged", *load(ckpt(ckpt_dir, "merged")))
         out[case] = (model.state_dict(), opt.state_dict())
     return out
 
