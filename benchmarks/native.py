@@ -54,7 +54,15 @@ COMPARISONS: Dict[str, tuple] = {
                   "DDP + ZeroRedundancyOptimizer"),
     "dp ZeRO-2 vs FSDP2": (lambda s, g: sides.nbscaler_data(s, g, 2), lambda s: sides.torch_fsdp(s),
                            "FSDP2 fully_shard"),
+    "dp bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, mixed=True), lambda s: sides.torch_ddp_autocast(s),
+                      "DDP + bf16 autocast"),
+    "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
+                             lambda s: sides.torch_fsdp(s, mixed=True),
+                             "FSDP2 fully_shard, MixedPrecisionPolicy(bf16, reduce fp32)"),
 }
+# bf16 runs agree to bf16's precision, not fp32's: four ulps of bf16 (2**-5), as in
+# tests/runtime/test_mixed_precision.py.
+MIXED_LOSS_RTOL = 2.0 ** -5
 
 
 def _timed(side: sides.Side, steps: int) -> tuple:
@@ -112,7 +120,7 @@ def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict
         "cpu_ratio": statistics.median(a / b for a, b in cpu),
         "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
         "ours_loss": ours, "theirs_loss": theirs,
-        "losses_agree": abs(ours - theirs) <= LOSS_RTOL * abs(theirs),
+        "losses_agree": abs(ours - theirs) <= (MIXED_LOSS_RTOL if "mixed" in name else LOSS_RTOL) * abs(theirs),
     }
 
 

@@ -185,18 +185,20 @@ def _rank_world() -> Tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _compile(s: Setup, policy: str, cfg: ComputeConfig, name: str, gen_dir: str):
+def _compile(s: Setup, policy: str, cfg: ComputeConfig, name: str, gen_dir: str, dtype=None):
     sample = make_batch(s, 0, s.micro_batch)
     return parallelize(build_model(s), {"batch": sample}, policy, cfg, gen_savedir=gen_dir,
-                       instance_name=name, reuse="override")
+                       instance_name=name, reuse="override", module_dtype=dtype)
 
 
-def nbscaler_data(s: Setup, gen_dir: str, zero_stage: int = 0) -> Side:
-    """Data parallelism (``dp``), with ZeRO stage 1 or 2 when ``zero_stage`` says so."""
+def nbscaler_data(s: Setup, gen_dir: str, zero_stage: int = 0, mixed: bool = False) -> Side:
+    """Data parallelism (``dp``), with ZeRO stage 1 or 2 when ``zero_stage`` says so; ``mixed``:
+    the module in bf16, fp32 masters, state and gradient sums."""
     rank, world = _rank_world()
     zero = {"use_zero": True, "zero_stage": zero_stage} if zero_stage else {}
-    pm = _compile(s, "dp", ComputeConfig(1, world, **zero), f"dp_zero{zero_stage}_{world}", gen_dir)
-    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    dtype = torch.bfloat16 if mixed else None
+    pm = _compile(s, "dp", ComputeConfig(1, world, **zero), f"dp_zero{zero_stage}_{dtype}_{world}", gen_dir, dtype)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4, master_dtype=torch.float32 if mixed else None)
     return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 
 
@@ -211,14 +213,30 @@ def torch_ddp(s: Setup, zero: bool = False) -> Side:
     return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 
 
-def torch_fsdp(s: Setup) -> Side:
-    """FSDP2: ``fully_shard`` on every block, then on the whole model."""
-    from torch.distributed.fsdp import fully_shard
+def torch_ddp_autocast(s: Setup) -> Side:
+    """``DistributedDataParallel`` on the fp32 model, the forward under bf16 ``torch.autocast``."""
+    from torch.nn.parallel import DistributedDataParallel
+    rank, _ = _rank_world()
+    model = DistributedDataParallel(build_model(s))
+    opt = adamw(model.parameters())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def forward(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return model(batch)
+    return Side(model, opt, _plain_step(forward, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
+
+
+def torch_fsdp(s: Setup, mixed: bool = False) -> Side:
+    """FSDP2: ``fully_shard`` on every block, then on the whole model; ``mixed``: with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     rank, _ = _rank_world()
     model = build_model(s)
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     opt = adamw(model.parameters())
     return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 

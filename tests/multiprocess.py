@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.config import PIPELINE_KEYS
+from nbscaler.planning.planner import cast_floats
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.initialize import init_module
 from nbscaler.runtime.launch import spawn
@@ -63,7 +64,8 @@ OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
 class Case:
     """One training run to compare. ``config`` holds extra ComputeConfig keywords as pairs, e.g.
     ``(("use_end2end", True), ("use_pipeline", True), ("pipeline_nmicros", 4))``; ``clip`` is
-    clip_gnorm's max_norm before every step."""
+    clip_gnorm's max_norm before every step. ``module_dtype`` compiles the model in that dtype and
+    ``master_dtype``/``grad_reduce_dtype`` go to ``build_optimizer`` (mixed precision)."""
 
     model: str
     policy: Any
@@ -74,6 +76,9 @@ class Case:
     optimizer: str = "sgd"
     clip: Optional[float] = None
     weights: str = ""       # built on meta and materialised per rank: from this checkpoint, or INIT
+    module_dtype: Optional[torch.dtype] = None
+    master_dtype: Optional[torch.dtype] = None
+    grad_reduce_dtype: Optional[torch.dtype] = None
 
     @property
     def on_meta(self) -> bool:
@@ -105,13 +110,15 @@ class Case:
         name += "_" + cfg.scheduler if cfg.use_pipeline else ""
         name += "".join(f"_{k}{v}" for k, v in sorted(cfg.pas_config.items()) if k not in PIPELINE_KEYS)
         name += "_init" if self.weights == INIT else ("_files" if self.weights else "")
+        name += f"_{self.module_dtype}".replace("torch.", "") if self.module_dtype is not None else ""
         return name + (f"_zero{cfg.zero_ngroups}_stage{cfg.zero_stage}" if cfg.use_zero else "")
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The case's optimizer: patched by ``build_optimizer`` when ``model`` has parallel parts."""
         cls, kwargs = OPTIMIZERS[self.optimizer]
         if any(isinstance(m, ParallelModule) for m in model.modules()):
-            return build_optimizer(model, cls, **kwargs)
+            return build_optimizer(model, cls, master_dtype=self.master_dtype,
+                                   grad_reduce_dtype=self.grad_reduce_dtype, **kwargs)
         return cls(model.parameters(), **kwargs)
 
     @property
@@ -146,8 +153,9 @@ def data_seed(step: int, unit: int, micro: int = 0) -> int:
 
 
 def samples(case: Case, step: int, unit: int) -> List[Dict[str, Any]]:
-    """The forward arguments of each micro-batch unit ``unit`` trains on at ``step``."""
-    return [batch(case.model, data_seed(step, unit, m)) for m in range(case.micros)]
+    """The forward arguments of each micro-batch unit ``unit`` trains on at ``step`` (floating-point
+    ones in the case's ``module_dtype``)."""
+    return [cast_floats(batch(case.model, data_seed(step, unit, m)), case.module_dtype) for m in range(case.micros)]
 
 
 def step_losses(model: torch.nn.Module, case: Case, args: List[Dict[str, Any]]) -> List[Any]:
@@ -174,11 +182,11 @@ def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
                            instance_name=name, reuse="override", weights=weights, init_seed=INIT_SEED)
     model = build(case.model)
     if case.model == "with_trunk":
-        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg,
-                                  gen_savedir=gen_dir, instance_name=name, reuse="override")
+        model.trunk = parallelize(model.trunk, {"x": torch.randn(8, 16)}, case.policy, cfg, gen_savedir=gen_dir,
+                                  instance_name=name, reuse="override", module_dtype=case.module_dtype)
         return model
-    return parallelize(model, batch(case.model, 12345), case.policy, cfg,
-                       gen_savedir=gen_dir, instance_name=name, reuse="override")
+    return parallelize(model, batch(case.model, 12345), case.policy, cfg, gen_savedir=gen_dir,
+                       instance_name=name, reuse="override", module_dtype=case.module_dtype)
 
 
 def plain_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -221,6 +229,20 @@ def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case,
         opt.step()
         opt.zero_grad()
     return out
+
+
+def load_state_of_kind(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str, sd: Dict[str, Any],
+                       osd: Dict[str, Any]) -> None:
+    """Load a checkpoint of ``kind`` ('full': per rank, 'deduped' or 'merged') into a model and its
+    optimizer, the way that kind loads."""
+    from nbscaler import load_deduped_state_dict, load_merged_state_dicts
+    if kind == "full":
+        model.load_state_dict(sd)
+        opt.load_state_dict(osd)
+    elif kind == "deduped":
+        load_deduped_state_dict(model, sd, opt, osd)
+    else:
+        load_merged_state_dicts(model, sd, opt, osd)
 
 
 def eval_losses(model: torch.nn.Module, case: Case) -> List[float]:

@@ -157,6 +157,7 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
         w(f"    stage_carry = {_carry_table(graphs, geometry.schedule.nstages)!r}")
     w("")
     w("    # local parameter/buffer -> the slice of the original module's tensor it holds")
+    w(f"    # {_dtypes_held(graphs, specs)}")
     w("    weight_specs = {")
     for attr, spec in specs.items():
         w(f"        {attr!r}: WeightSpec({spec}),")
@@ -188,6 +189,17 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
                 lines.setdefault(name, []).extend(range(body_start + first + 1, body_start + end + 1))
     w("")
     return "\n".join(out)
+
+
+def _dtypes_held(graphs: Dict[str, IRGraph], specs: Dict[str, str]) -> str:
+    """What the weight table holds in which dtype, and where the optimizer's dtype is decided."""
+    held: Dict[str, set] = {}
+    for name, t in next(iter(graphs.values())).weights.items():
+        if attr_name(name) in specs:
+            held.setdefault(t.kind, set()).add(str(t.dtype).replace("torch.", ""))
+    listed = ", ".join(f"{kind}s in {'/'.join(sorted(dtypes))}" for kind, dtypes in sorted(held.items()))
+    return (f"held as compiled ({listed or 'no weights'}); the optimizer's master copies and state are in "
+            "build_optimizer's master_dtype")
 
 
 def _carry_table(graphs: Dict[str, IRGraph], nstages: int) -> Dict[str, Dict[int, List[Tuple]]]:

@@ -29,7 +29,7 @@ import torch
 
 from nbscaler.genfiles import atomic_write
 from nbscaler.runtime.module import ParallelModule, WeightSpec, runtime_device
-from nbscaler.runtime.optimizer import layout_of, parallel_modules
+from nbscaler.runtime.optimizer import MASTER_KEY, layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
                                          CheckpointError, check_no_extra, check_tensors)
 
@@ -208,6 +208,26 @@ def _merge_optimizer(state_dicts: List[StateDict], specs: List[Dict[str, Dict[st
             "param_groups": [{**hyper, "params": list(range(len(order)))}]}
 
 
+@torch.no_grad()
+def load_master_weights(module: torch.nn.Module, optimizer_state_dict: StateDict) -> int:
+    """Copy the master weights of a merged optimizer state (a mixed-precision run's fp32 copies,
+    each saved as its parameter's state ``master``) into the original module's parameters, which
+    the merged module state dict holds only rounded to the module's dtype. Returns how many it
+    copied. Load the module state dict first; a module in fp32 then holds the masters exactly.
+    """
+    params = list(module.parameters())
+    state = optimizer_state_dict["state"]
+    if state and max(state) >= len(params):
+        raise CheckpointError(f"the optimizer state has parameter {max(state)}, the module {len(params)} parameters: "
+                              "pass the merged optimizer state of this module (merge_state_dicts).")
+    masters = {index: values for index, values in state.items() if MASTER_KEY in values}
+    for index, values in masters.items():           # all checked before anything is copied
+        check_tensors([(MASTER_KEY, f"the master of parameter {index}", tuple(params[index].shape))], values)
+    for index, values in masters.items():
+        params[index].copy_(values[MASTER_KEY])
+    return len(masters)
+
+
 # -- loading ------------------------------------------------------------------------------------
 def plain_state(module: torch.nn.Module, parallel: Dict[str, ParallelModule]) -> Dict[str, torch.Tensor]:
     """The state-dict entries of ``module`` outside its parallel modules (as live tensors)."""
@@ -258,6 +278,8 @@ def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDic
     with torch.no_grad():
         for dst, src in copies:
             dst.copy_(src)
+    for m in parallel.values():
+        m.reducer.refresh_masters()
     if local_state is not None:
         optimizer.load_state_dict(local_state)
 

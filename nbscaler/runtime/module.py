@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks, normalize
 from nbscaler.genfiles import WEIGHTS_FILE
-from nbscaler.config import ComputeConfig
+from nbscaler.config import ComputeConfig, Precision
 from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ranks, zero_ranks,
                                      zero_replica_ranks)
 from nbscaler.runtime.pipeline import PipelineExecutor
@@ -152,6 +152,7 @@ class ParallelModule(torch.nn.Module):
         self.pipeline_events: List[Dict[str, Any]] = []
         self._pipeline_geometries: Dict[bool, PipelineGeometry] = {}     # train -> the schedule's geometry
         self.register_load_state_dict_pre_hook(self._before_load)
+        self.register_load_state_dict_post_hook(lambda module, keys: self.reducer.refresh_masters())
         self._in_step = False
 
     def _replica_reducers(self) -> List[Reducer]:
@@ -222,7 +223,7 @@ class ParallelModule(torch.nn.Module):
     # -- training support -----------------------------------------------------------------------
     def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:
         """The parameters this rank's optimizer updates: the trainable parameters, or with ZeRO
-        this rank's flat shards of them."""
+        this rank's flat shards of them; with master copies (``set_precision``), copies of those."""
         return [param for param, _ in self.optimizer_slots()]
 
     def optimizer_slots(self) -> List[Slot]:
@@ -233,6 +234,13 @@ class ParallelModule(torch.nn.Module):
         """Reset the gradients, with ZeRO those of the optimizer's shards as well."""
         super().zero_grad(set_to_none)
         self.reducer.zero_grad()
+
+    def set_precision(self, precision: Precision) -> None:
+        """Sum gradients in ``precision``'s reduction dtype and let the optimizer update master
+        copies where it asks for them (``build_optimizer`` calls this before reading the slots)."""
+        for reducer in self.replica_reducers:       # sums inside the unit: back into the module's grads
+            reducer.set_precision(precision, masters=False)
+        self.reducer.set_precision(precision)
 
     def sync_grads(self) -> None:
         """Sum gradients over copies of a pipeline stage, then over the data-parallel units."""

@@ -13,6 +13,12 @@ The patches, in the order a training step meets them:
 4. ``state_dict()`` adds a record of what each optimizer parameter holds (which slices of which
    original parameters), and ``load_state_dict()`` refuses a state saved under another layout.
 
+With ``master_dtype`` the optimizer's parameters are master copies of the module's (fp32 copies of
+bf16 parameters, say): the summed gradients land on them, the step updates them and the post-step
+hook copies them back, and ``state_dict()`` saves each as its parameter's state ``master``. With a
+``scaler`` (``nbscaler.runtime.scaler.LossScaler``) ``step()`` skips the update when a gradient
+overflowed. ``OptimizerPatch`` holds all of this; the optimizer carries its bound methods.
+
 It also gains ``scale_grads``, ``clip_gnorm`` and reducer hooks. Gradients are sums over units and
 micro-batches; ``optimizer.scale_grads(1 / n)`` turns a sum into a mean.
 
@@ -28,13 +34,16 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from nbscaler.config import ComputeConfig
+from nbscaler.config import ComputeConfig, Precision
 from nbscaler.runtime.groups import dp_ranks, ensure_groups, get_group
 from nbscaler.runtime.module import ParallelModule, runtime_device
 from nbscaler.runtime.reducer import GradHook, Reducer
+from nbscaler.runtime.scaler import LossScaler
 from nbscaler.runtime.statecheck import OPTIMIZER_FORMAT, OPTIMIZER_KEY, check_optimizer_state
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
+MASTER_KEY = "master"               # a master copy, saved as its optimizer parameter's state
+SCALER_KEY = "nbscaler_loss_scale"
 
 
 def _world() -> tuple:
@@ -47,14 +56,25 @@ def parallel_modules(module: torch.nn.Module) -> Dict[str, ParallelModule]:
 
 
 def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., OptimizerT],
-                    compute_config: Optional[ComputeConfig] = None, **kwargs: Any) -> OptimizerT:
+                    compute_config: Optional[ComputeConfig] = None, *, master_dtype: Optional[torch.dtype] = None,
+                    grad_reduce_dtype: Optional[torch.dtype] = None, scaler: Optional[LossScaler] = None,
+                    **kwargs: Any) -> OptimizerT:
     """Create ``optimizer_fn(params, **kwargs)`` for ``module`` and patch it for parallel training.
 
     ``module`` is a ``ParallelModule`` or any module containing some. Parameters outside parallel
     modules are replicated inside a unit and their gradients summed across units by
     ``optimizer._non_parallel_module_reducer``; ``compute_config`` tells the unit size when the
     module holds no parallel module to read it from.
+
+    Mixed precision (``nbscaler.config.Precision``): with ``master_dtype`` (e.g. ``torch.float32``
+    for a module compiled with ``module_dtype=torch.bfloat16``) the optimizer updates master copies
+    of this rank's parameters (with ZeRO, of its shards) and keeps its state in that dtype; the
+    updated values are copied back into the parameters after each step. Gradients are summed
+    across ranks in ``grad_reduce_dtype`` (default: ``master_dtype``). ``scaler``, a
+    ``LossScaler``, unscales the gradients when they are summed and skips the steps in which one
+    overflowed (fp16).
     """
+    precision = Precision(master_dtype, grad_reduce_dtype)
     parallel = parallel_modules(module)
     configs = {(m.compute_config.plan_ngpus, m.compute_config.runtime_ngpus) for m in parallel.values()}
     if len(configs) > 1:
@@ -69,41 +89,105 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         plan, runtime = compute_config.plan_ngpus, compute_config.runtime_ngpus
     else:
         plan, runtime = 1, world
-    params = [p for m in parallel.values() for p in m.parameters_for_optimizer()] + list(plain.values())
-    optimizer = optimizer_fn(params, **kwargs)
-
     ensure_groups(plan, runtime)
     non_parallel = Reducer(list(plain.values()), get_group(dp_ranks(rank % plan, plan, runtime)))
-    reducers: List[Reducer] = [m.reducer for m in parallel.values()] + [non_parallel]
-    modules = list(parallel.values())
-    layout = state_layout(module, parallel, plain)
-    state = {"synced": False}
+    for reducer in [*parallel.values(), non_parallel]:
+        reducer.set_precision(precision)
+    params = [p for m in parallel.values() for p in m.parameters_for_optimizer()]
+    params += [p for p, _ in non_parallel.optimizer_slots()]
+    optimizer = optimizer_fn(params, **kwargs)
+    patch = OptimizerPatch(optimizer, list(parallel.values()), non_parallel, plan,
+                           state_layout(module, parallel, plain), scaler)
+    patch.attach()
+    return optimizer
 
-    def sync_shard_grad() -> None:
+
+class OptimizerPatch:
+    """What ``build_optimizer`` adds to a torch optimizer, as one object: the optimizer carries its
+    bound methods (``optimizer.sync_shard_grad`` is ``patch.sync_shard_grad``) and stays an
+    instance of the user's optimizer class.
+
+    It holds the reducers that sum gradients across data-parallel units (one per parallel module,
+    and ``non_parallel`` for the parameters outside them; they also keep the master copies the
+    optimizer updates, ``masters``), whether this step's gradients have been summed yet
+    (``synced``), and the loss ``scaler`` with whether this step's gradients overflowed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, modules: List[ParallelModule], non_parallel: Reducer,
+                 plan_ngpus: int, layout: Dict[str, Any], scaler: Optional[LossScaler] = None):
+        self.optimizer = optimizer
+        self.modules = modules
+        self.non_parallel = non_parallel
+        self.reducers: List[Reducer] = [m.reducer for m in modules] + [non_parallel]
+        self.plan_ngpus = plan_ngpus
+        self.layout = layout
+        self.synced = False
+        self.scaler = scaler
+        self.overflowed = False
+        self._zero_grad = optimizer.zero_grad           # the optimizer's own, before the patch
+        self._step = optimizer.step
+        self._loaded_masters: Dict[int, torch.Tensor] = {}
+
+    @property
+    def masters(self) -> List[torch.nn.Parameter]:
+        """The master copies the optimizer updates in place of parameters (empty without them)."""
+        return [m for r in self.reducers for m in r.masters.values()]
+
+    def _params(self) -> List[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def attach(self) -> None:
+        """Give the optimizer the patch's hooks and methods."""
+        opt = self.optimizer
+        opt.register_step_pre_hook(self._pre_step)
+        opt.register_step_post_hook(self._post_step)
+        opt.register_state_dict_post_hook(self._add_layout)
+        opt.register_load_state_dict_pre_hook(self._check_layout)
+        opt.register_load_state_dict_post_hook(self._load_masters)
+        if self.scaler is not None:
+            opt.step = self.scaled_step
+            opt.scaler = self.scaler
+        opt.zero_grad = self.zero_grad
+        opt.sync_shard_grad = self.sync_shard_grad
+        opt.scale_grads = self.scale_grads
+        opt.clip_gnorm = self.clip_gnorm
+        opt.register_reducer_pre_hook = self.register_reducer_pre_hook
+        opt.register_reducer_post_hook = self.register_reducer_post_hook
+        opt._non_parallel_module_reducer = self.non_parallel
+        opt._parallel_modules = self.modules
+        opt._state_layout = self.layout
+        opt._nbscaler_patch = self
+
+    # -- gradients ------------------------------------------------------------------------------
+    def sync_shard_grad(self) -> None:
         """Sum gradients across data-parallel units, once per step."""
-        if state["synced"]:
+        if self.synced:
             return
-        for m in modules:
+        for m in self.modules:
             m.sync_grads()
-        non_parallel.sync()
-        state["synced"] = True
+        self.non_parallel.sync()
+        self.synced = True
+        if self.scaler is not None:
+            grads = [p.grad for p in self._params() if p.grad is not None]
+            self.overflowed = self.scaler.unscale(grads, runtime_device())
 
-    def scale_grads(factor: float) -> None:
+    def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by ``factor`` (call after ``sync_shard_grad``)."""
-        for group in optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
-    def clip_gnorm(max_norm: Optional[float] = None) -> torch.Tensor:
+    def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
         """The global gradient norm of the whole (unpartitioned) model, clipping to ``max_norm``.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model: every rank adds
         its share (a slice counts once, a copy held by several devices or ranks a fraction), and
         the shares are summed over all ranks.
         """
-        sync_shard_grad()
-        sq = sum((m.grad_sq_sum() for m in modules), non_parallel.grad_sq_sum(lambda p: 1.0 / plan))
+        self.sync_shard_grad()
+        plan = self.plan_ngpus
+        sq = sum((m.grad_sq_sum() for m in self.modules), self.non_parallel.grad_sq_sum(lambda p: 1.0 / plan))
         if dist.is_initialized():
             sq = sq.to(runtime_device())
             dist.all_reduce(sq)
@@ -111,68 +195,100 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         if max_norm is not None:
             coef = max_norm / (float(total) + 1e-6)
             if coef < 1:
-                scale_grads(coef)
+                self.scale_grads(coef)
         return total
 
-    def register_reducer_pre_hook(fn: GradHook) -> None:
-        for r in reducers:
+    def register_reducer_pre_hook(self, fn: GradHook) -> None:
+        """Run ``fn(reducer, flat)`` on each flat bucket of gradients before it is summed."""
+        for r in self.reducers:
             r.pre_hooks.append(fn)
 
-    def register_reducer_post_hook(fn: GradHook) -> None:
-        for r in reducers:
+    def register_reducer_post_hook(self, fn: GradHook) -> None:
+        """Run ``fn(reducer, flat)`` on each flat bucket of gradients after it is summed."""
+        for r in self.reducers:
             r.post_hooks.append(fn)
 
-    def pre_step(opt, args, kwargs):            # args[0] is the optimizer itself
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``, and each parallel module's gradient state reset."""
+        self._zero_grad(set_to_none)
+        for m in self.modules:
+            m.zero_grad(set_to_none)
+        self.synced = False
+
+    # -- stepping -------------------------------------------------------------------------------
+    def scaled_step(self, closure: None = None) -> None:
+        """``step()`` under a loss scaler: skipped on every rank when some gradient overflowed,
+        and the scale updated either way."""
+        if closure is not None:
+            raise ValueError("step(closure) is not supported with a loss scaler: run the forward and backward "
+                             "with scale_fn=optimizer.scaler.scale, then call step().")
+        self.sync_shard_grad()
+        if self.overflowed:
+            self.synced = False
+        else:
+            self._step()
+        self.scaler.update(self.overflowed)
+
+    def _pre_step(self, opt, args, kwargs):            # args[0] is the optimizer itself
+        """Sum the gradients before the update; with ``step(closure)``, after each call of it."""
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            sync_shard_grad()
+            self.sync_shard_grad()
             return None
 
         def synced_closure():
             loss = closure()
-            state["synced"] = False         # its backward made new local gradients
-            sync_shard_grad()
+            self.synced = False             # its backward made new local gradients
+            self.sync_shard_grad()
             return loss
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": synced_closure}
         return (args[0], synced_closure, *args[2:]), kwargs
 
-    def post_step(opt, args, kwargs):
-        for m in modules:
+    def _post_step(self, opt, args, kwargs) -> None:
+        """Bring every rank's parameters up to date (ZeRO, master copies) and expect new gradients."""
+        for m in self.modules:
             m.gather_params()
-        state["synced"] = False
+        self.non_parallel.gather_params()
+        self.synced = False
 
-    original_zero_grad = optimizer.zero_grad
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        original_zero_grad(set_to_none)
-        for m in modules:
-            m.zero_grad(set_to_none)
-        state["synced"] = False
-
-    def add_layout(opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        state_dict[OPTIMIZER_KEY] = copy.deepcopy(layout)
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _add_layout(self, opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """The layout record, each master copy as its parameter's state ``master`` (merged and
+        moved between plans like any per-element state), and the loss scale."""
+        state_dict[OPTIMIZER_KEY] = copy.deepcopy(self.layout)
+        masters = {id(m) for m in self.masters}
+        for index, p in enumerate(self._params()):
+            if id(p) in masters:        # a new dict: the optimizer's own per-parameter state stays as it is
+                state_dict["state"][index] = {**state_dict["state"].get(index, {}), MASTER_KEY: p.detach().clone()}
+        if self.scaler is not None:
+            state_dict[SCALER_KEY] = self.scaler.state_dict()
         return state_dict
 
-    def check_layout(opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        check_optimizer_state(layout, state_dict)
-        return {k: v for k, v in state_dict.items() if k != OPTIMIZER_KEY}
+    def _check_layout(self, opt, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """Check the layout, and set the master weights aside until the state has loaded."""
+        check_optimizer_state(self.layout, state_dict)
+        state = {index: dict(values) for index, values in state_dict.get("state", {}).items()}
+        self._loaded_masters = {index: values.pop(MASTER_KEY) for index, values in state.items()
+                                if MASTER_KEY in values}
+        if self.scaler is not None and SCALER_KEY in state_dict:
+            self.scaler.load_state_dict(state_dict[SCALER_KEY])
+        return {**{k: v for k, v in state_dict.items() if k not in (OPTIMIZER_KEY, SCALER_KEY)}, "state": state}
 
-    optimizer.register_step_pre_hook(pre_step)
-    optimizer.register_step_post_hook(post_step)
-    optimizer.register_state_dict_post_hook(add_layout)
-    optimizer.register_load_state_dict_pre_hook(check_layout)
-    optimizer.zero_grad = zero_grad
-    optimizer.sync_shard_grad = sync_shard_grad
-    optimizer.scale_grads = scale_grads
-    optimizer.clip_gnorm = clip_gnorm
-    optimizer.register_reducer_pre_hook = register_reducer_pre_hook
-    optimizer.register_reducer_post_hook = register_reducer_post_hook
-    optimizer._non_parallel_module_reducer = non_parallel
-    optimizer._parallel_modules = modules
-    optimizer._state_layout = layout
-    return optimizer
+    @torch.no_grad()
+    def _load_masters(self, opt) -> None:
+        """Saved master weights go into the optimizer's parameters (master copies, or the parameters
+        themselves in a plan without copies), and from there into the module's parameters."""
+        if not self._loaded_masters:        # the same on all ranks of a ZeRO group: they hold the same slices
+            return
+        params = self._params()
+        for index, value in self._loaded_masters.items():
+            params[index].copy_(value)
+        self._loaded_masters = {}
+        for m in self.modules:
+            m.gather_params()
+        self.non_parallel.gather_params()
 
 
 def layout_of(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

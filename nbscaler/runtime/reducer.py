@@ -7,16 +7,24 @@ the sum and back up after it, to keep fp16 gradients from overflowing.
 
 A reducer also says what the optimizer updates: here every parameter whole (``optimizer_slots``);
 ``nbscaler.runtime.zero.ZeroReducer`` hands out slices of the buckets instead.
+
+Mixed precision (``set_precision``): gradients are summed in the precision's reduction dtype, and
+where it asks for master copies (bf16 parameters, fp32 masters) the optimizer updates a copy of
+each parameter in the master dtype: the summed gradient goes to the copy, unrounded, the module's
+own gradient is freed, and ``gather_params`` copies the updated values back into the parameters.
+Gradients are accumulated over micro-batches in the module's dtype (autograd adds them into the
+parameters' ``.grad``); only the sum across ranks and everything after it is in higher precision.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from nbscaler.config import Precision
 from nbscaler.runtime.groups import WeakGroup
 
 GradHook = Callable[["Reducer", torch.Tensor], None]
@@ -47,11 +55,15 @@ class Bucket:
             self.offsets.append(self.numel)
             self.numel += p.numel()
 
-    def flat_grads(self, size: int) -> torch.Tensor:
-        """The gradients end to end, zero-padded to ``size`` elements (a missing gradient is zeros,
-        because every rank must send the same layout)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    def flat_grads(self, size: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The gradients end to end in ``dtype`` (default: the parameters'), zero-padded to ``size``
+        elements (a missing gradient is zeros, because every rank must send the same layout)."""
         first = self.params[0]
-        flat = torch.zeros(size, dtype=first.dtype, device=first.device)
+        flat = torch.zeros(size, dtype=dtype or first.dtype, device=first.device)
         for p, offset in zip(self.params, self.offsets):
             if p.grad is not None:
                 flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
@@ -89,6 +101,8 @@ class Reducer:
         # Called when a bucket's gradients are all held, just before a reduce that frees them
         # (ZeRO's): the most gradients a rank holds, where ``MemoryMeter`` counts them.
         self.observers: List[Callable[[], None]] = []
+        self.precision = Precision()
+        self.masters: Dict[int, torch.nn.Parameter] = {}     # id(param) -> its master copy
         self.buckets: List[Bucket] = []
         limit, size, current = bucket_mb * 2**20, 0, []
         for p in self.params:
@@ -100,6 +114,28 @@ class Reducer:
             size += nbytes
         if current:
             self.buckets.append(Bucket(current))
+
+    def set_precision(self, precision: Precision, masters: bool = True) -> None:
+        """Sum gradients in ``precision``'s reduction dtype and, with ``masters``, let the optimizer
+        update master copies of the parameters (call before the optimizer reads ``optimizer_slots``)."""
+        self.precision = precision
+        if masters:
+            self._make_masters()
+
+    @torch.no_grad()
+    def _make_masters(self) -> None:
+        self.masters = {id(p): torch.nn.Parameter(p.detach().to(dtype)) for p in self.params
+                        if (dtype := self.precision.master_of(p.dtype)) is not None}
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the parameters into their master copies (after new weights were loaded into them)."""
+        for p in self.params:
+            if id(p) in self.masters:
+                self.masters[id(p)].copy_(p)
+
+    def reduce_dtype(self, bucket: Bucket) -> torch.dtype:
+        return self.precision.reduce_dtype(bucket.dtype)
 
     @property
     def world_size(self) -> int:
@@ -114,9 +150,12 @@ class Reducer:
         each step (a pipeline stage without data parallelism paid that for nothing).
         """
         if self.group is None and not self.pre_hooks and not self.post_hooks:
+            for p in self.params:
+                if id(p) in self.masters and p.grad is not None:
+                    self._to_master(p, p.grad)
             return
         for i, bucket in enumerate(self.buckets):
-            flat = bucket.flat_grads(self._padded(bucket))
+            flat = bucket.flat_grads(self._padded(bucket), self.reduce_dtype(bucket))
             for hook in self.pre_hooks:
                 hook(self, flat)
             reduced = self._reduce(flat)
@@ -133,18 +172,35 @@ class Reducer:
         return flat
 
     def _deliver(self, index: int, reduced: torch.Tensor) -> None:
-        self.buckets[index].set_grads(reduced)
+        bucket = self.buckets[index]
+        if not self.masters:
+            bucket.set_grads(reduced)
+            return
+        for p, offset in zip(bucket.params, bucket.offsets):
+            self._to_master(p, reduced[offset:offset + p.numel()].view_as(p))
+
+    def _to_master(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """``grad`` becomes the master copy's gradient; the parameter's own is freed."""
+        master = self.masters[id(param)]
+        master.grad = grad.to(master.dtype)
+        param.grad = None
 
     def zero_grad(self) -> None:
-        """Forget gradient state kept outside the parameters (none here; ZeRO keeps shards)."""
+        """Forget gradient state kept outside the parameters: the master copies' gradients."""
+        for master in self.masters.values():
+            master.grad = None
 
     def optimizer_slots(self) -> List[Slot]:
         """What the optimizer updates on this rank, and which parameter elements each entry holds."""
-        return [(p, [Segment(p, 0, p.numel(), 0)]) for p in self.params]
+        return [(self.masters.get(id(p), p), [Segment(p, 0, p.numel(), 0)]) for p in self.params]
 
+    @torch.no_grad()
     def gather_params(self) -> None:
-        """After a step, bring parameters up to date from what the optimizer updated (nothing to do
-        when it updated the parameters themselves)."""
+        """After a step, bring parameters up to date from what the optimizer updated: from the
+        master copies (nothing to do when it updated the parameters themselves)."""
+        for p in self.params:
+            if id(p) in self.masters:
+                p.copy_(self.masters[id(p)])
 
     @property
     def copies(self) -> int:

@@ -201,6 +201,8 @@ def broadcast_weights(module: torch.nn.Module, stride: int) -> None:
     init_module_params=rank < stride)``: ranks ``0 .. stride-1`` have the initial weights, the
     others receive them. ``stride`` must be a multiple of ``plan_ngpus`` (so that source and
     destination play the same part of the plan) and divide the number of ranks. Collective.
+    Master copies an optimizer already keeps (``build_optimizer(master_dtype=...)``) take the
+    received values too.
     """
     rank, world = _rank_world()
     plans = sorted({m.compute_config.plan_ngpus for m in parallel_modules(module).values()})
@@ -215,3 +217,5 @@ def broadcast_weights(module: torch.nn.Module, stride: int) -> None:
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.detach(), src=rank % stride, group=group)
+    for m in parallel_modules(module).values():     # an optimizer built before keeps master copies
+        m.reducer.refresh_masters()

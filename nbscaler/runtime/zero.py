@@ -23,9 +23,13 @@ Per rank that is the parameters, ``1/N`` of the gradients (after the step) and `
 optimizer state, and no second copy of anything. At its peak a rank holds more gradients than that
 (``nbscaler.columns.StepMoment``): under stage 1 all of them from the end of the backward until the
 step reduces them; under stage 2 the full gradients of the buckets the backward is producing,
-which is all of them for a model that fits in one bucket. Nothing here looks at which device holds which part
-of the model: the groups are the data-parallel ranks of one plan device, and the buckets hold
-whatever parameters that device has.
+which is all of them for a model that fits in one bucket. With master copies (``set_precision``:
+bf16 parameters, fp32 masters) the shard is instead an fp32 copy of slice ``i``: the reduced
+gradient lands on it unrounded, the optimizer updates it, and ``gather_params`` all-gathers it
+back in the parameters' dtype; the copy is ``1/N`` of the parameters, as the state is.
+
+Nothing here looks at which device holds which part of the model: the groups are the
+data-parallel ranks of one plan device, and the buckets hold whatever parameters that device has.
 """
 
 from __future__ import annotations
@@ -75,13 +79,13 @@ class ZeroReducer(Reducer):
                  bucket_mb: float = 25.0, stage: int = 1):
         super().__init__(params, group, bucket_mb)
         self.zero_group, self.replica_group, self.stage = zero_group, replica_group, stage
-        self.zero_size, zero_rank = _size_rank(zero_group)
+        self.zero_size, self.zero_rank = _size_rank(zero_group)
         self.flats: List[torch.Tensor] = []
         self.slots: List[Slot] = []
         for bucket in self.buckets:
             flat = flatten_params(bucket, self._padded(bucket))
             length = flat.numel() // self.zero_size
-            begin = zero_rank * length
+            begin = self.zero_rank * length
             shard = torch.nn.Parameter(flat[begin:begin + length])         # a view: no copy
             self.flats.append(flat)
             self.slots.append((shard, bucket.segments(begin, begin + length)))
@@ -93,6 +97,22 @@ class ZeroReducer(Reducer):
 
     def _padded(self, bucket: Bucket) -> int:
         return -(-bucket.numel // self.zero_size) * self.zero_size
+
+    @torch.no_grad()
+    def _make_masters(self) -> None:
+        """Each shard's master copy takes its place as the optimizer's parameter."""
+        for index, (shard, segments) in enumerate(self.slots):
+            dtype = self.precision.master_of(shard.dtype)
+            if dtype is not None:
+                master = torch.nn.Parameter(shard.detach().to(dtype))
+                self.slots[index] = (master, segments)
+                self.masters[id(master)] = master
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        for flat, (shard, _) in zip(self.flats, self.slots):
+            if id(shard) in self.masters:
+                shard.copy_(flat.chunk(self.zero_size)[self.zero_rank])
 
     # -- reducing ---------------------------------------------------------------------------------
     def _on_gradient(self, index: int):
@@ -114,7 +134,7 @@ class ZeroReducer(Reducer):
         for observe in self.observers:
             observe()
         bucket = self.buckets[index]
-        flat = bucket.flat_grads(self._padded(bucket))
+        flat = bucket.flat_grads(self._padded(bucket), self.reduce_dtype(bucket))
         for p in bucket.params:
             p.grad = None
         for hook in self.pre_hooks:
@@ -123,6 +143,7 @@ class ZeroReducer(Reducer):
         for hook in self.post_hooks:
             hook(self, reduced)
         shard = self.slots[index][0]
+        reduced = reduced.to(shard.dtype)
         shard.grad = reduced if shard.grad is None else shard.grad.add_(reduced)
         self.produced[index].clear()
 
@@ -168,10 +189,13 @@ class ZeroReducer(Reducer):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        if self.zero_group is None:
-            return                           # the shard is the whole flat tensor: already in place
         for flat, (shard, _) in zip(self.flats, self.slots):
-            dist.all_gather(list(flat.chunk(self.zero_size)), shard.detach().clone(), group=self.zero_group)
+            if self.zero_group is None:
+                if id(shard) in self.masters:        # else the shard is the flat tensor: already in place
+                    flat.copy_(shard)
+                continue
+            mine = shard.detach().to(flat.dtype, copy=True)
+            dist.all_gather(list(flat.chunk(self.zero_size)), mine, group=self.zero_group)
 
     @property
     def copies(self) -> int:

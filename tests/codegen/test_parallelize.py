@@ -35,6 +35,15 @@ def test_files_on_disk(tmp_path):
     assert not any(p.name.startswith(".") for p in path.parent.iterdir())      # no temporary folders left
 
 
+def test_generated_code_says_the_dtype_of_what_it_holds(tmp_path):
+    parallelize(build("mlp"), batch("mlp", 0), "tp", ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False,
+                module_dtype=torch.bfloat16)
+    code = (gen_path(tmp_path) / "gencode0.py").read_text()
+    assert "# held as compiled (params in bfloat16); the optimizer's master copies and state are in " \
+           "build_optimizer's master_dtype" in code
+    assert "torch.float32" not in code
+
+
 def test_single_rank_module_matches_the_original(tmp_path):
     model = build("branch")
     pm = parallelize(model, batch("branch", 0), "tp", ComputeConfig(1, 1), gen_savedir=tmp_path)

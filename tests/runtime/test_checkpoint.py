@@ -18,13 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nbscaler import (broadcast_weights, deduped_state_dict, load_deduped_state_dict, load_merged_state_dicts,
-                      merge_state_dicts, parallelize)
+from nbscaler import broadcast_weights, deduped_state_dict, merge_state_dicts, parallelize
 from nbscaler.runtime.checkpoint import load, save
 from nbscaler.runtime.statecheck import CheckpointError
 from tests.models import batch, build
-from tests.multiprocess import (Case, assert_close, check_equivalence, parallel_model, parallel_steps, pipeline,
-                                run_ranks, single_steps, zero)
+from tests.multiprocess import (Case, assert_close, check_equivalence, load_state_of_kind, parallel_model,
+                                parallel_steps, pipeline, run_ranks, single_steps, zero)
 
 K, M = 2, 2                 # steps before the checkpoint, steps after it
 TP2 = Case("llama", "tp", 2, 2, optimizer="adamw")
@@ -65,14 +64,7 @@ def continue_from(case, gen_dir, kind, file):
     """A fresh model and optimizer loaded from a checkpoint of ``kind``, trained the last M steps."""
     model = parallel_model(case, gen_dir)
     opt = case.make_optimizer(model)
-    sd, osd = load(file)
-    if kind == "full":
-        model.load_state_dict(sd)
-        opt.load_state_dict(osd)
-    elif kind == "deduped":
-        load_deduped_state_dict(model, sd, opt, osd)
-    else:
-        load_merged_state_dicts(model, sd, opt, osd)
+    load_state_of_kind(model, opt, kind, *load(file))
     return parallel_steps(model, opt, case, range(K, K + M), dist.get_rank() // case.plan_ngpus)["losses"]
 
 
