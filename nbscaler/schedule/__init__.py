@@ -3,7 +3,8 @@
 A pipelined model is cut into *stages*, each on its own *pipeline device*, and a step's batch is
 cut into *micro-batches* (``pipeline_nmicros``, one per sample given to ``train_step``). A
 schedule says, for every device, in which order it runs the forward (``F``) and backward (``B``)
-of its stages on every micro-batch. One schedule object feeds three consumers:
+of its stages on every micro-batch (zero-bubble schedules split the backward into ``B``, the input
+gradients, and ``W``, the weight gradients). One schedule object feeds three consumers:
 
 - the executor, which runs the blocks in that order;
 - the simulator, which predicts the timeline and the idle share (the *bubble*) from costs;
@@ -15,8 +16,13 @@ The pieces, one module each:
 - :mod:`~nbscaler.schedule.block`: :class:`Block`, one ``(stage, micro, phase)`` unit of work.
 - :mod:`~nbscaler.schedule.pipeline`: :class:`PipelineSchedule`, the ordered blocks per device and
   where each stage lives; :func:`check_samples`.
-- :mod:`~nbscaler.schedule.schedulers`: the built-in schedulers ``1f1b``, ``1f1b_plus``,
-  ``gpipe``, ``chimera_direct`` and ``infer_pipe``, and :func:`build_schedule`.
+- :mod:`~nbscaler.schedule.schedulers`: the registry (:func:`register_scheduler`, each scheduler
+  with the rules ``ComputeConfig`` applies to it) and :func:`build_schedule`; the classic
+  schedulers ``1f1b``, ``1f1b_plus``, ``gpipe``, ``chimera_direct`` and ``infer_pipe``.
+- :mod:`~nbscaler.schedule.interleaved`: ``1f1b_interleaved``, several non-adjacent stages per
+  device.
+- :mod:`~nbscaler.schedule.zero_bubble`: ``zb_h1``, the backward split into ``B`` (input
+  gradients) and ``W`` (weight gradients) blocks, ``W`` filling the bubbles.
 - :mod:`~nbscaler.schedule.timeline`: :class:`TimedBlock` and :class:`Timeline`, rows
   ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction.
 - :mod:`~nbscaler.schedule.simulator`: :func:`simulate`.
@@ -50,7 +56,9 @@ Predicting a timeline
 from nbscaler.schedule.block import PHASES, Block, Phase
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_samples
-from nbscaler.schedule.schedulers import SCHEDULERS, build_schedule, register_scheduler
+from nbscaler.schedule.schedulers import (SCHEDULERS, SchedulerSpec, build_schedule, register_scheduler,
+                                          scheduler_spec)
+from nbscaler.schedule import interleaved, zero_bubble  # noqa: F401  (they register their schedulers)
 from nbscaler.schedule.simulator import DeadlockError, simulate
 from nbscaler.schedule.timeline import TimedBlock, Timeline
 
@@ -63,10 +71,12 @@ __all__ = [
     "PipelineSchedule",
     "Placement",
     "SCHEDULERS",
+    "SchedulerSpec",
     "TimedBlock",
     "Timeline",
     "build_schedule",
     "check_samples",
     "register_scheduler",
+    "scheduler_spec",
     "simulate",
 ]
