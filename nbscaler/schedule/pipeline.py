@@ -93,6 +93,12 @@ class PipelineSchedule:
         """Whether the backward is split into ``B`` (input gradients) and ``W`` (weight gradients)."""
         return any(block.phase == "W" for _, block in self)
 
+    @property
+    def release_phase(self) -> str:
+        """The phase whose block frees what its stage's forward saved: ``W`` when the backward is
+        split (``B`` keeps the graph for ``W``), else ``B``."""
+        return "W" if self.splits_backward else "B"
+
     def blocks_of(self, device: int) -> tuple[Block, ...]:
         """The blocks device ``device`` runs, in the order it must run them."""
         return self.device_blocks[device]

@@ -34,6 +34,13 @@ def test_in_flight_activations_follow_the_schedule():
     assert in_flight_peak({None: 7}, None, 0) == 7
 
 
+def test_split_backward_frees_activations_at_the_weight_block():
+    saved = {0: 100, 1: 10}
+    zb_h1 = PipelineGeometry(build_schedule("zb_h1", 2, 4), 2)
+    assert in_flight_peak(saved, zb_h1, 0) == 200            # as 1F1B: two micro-batches on stage 0
+    assert in_flight_peak(saved, zb_h1, 1) == 20             # its W runs one backward late
+
+
 def _check(case, predicted, measured):
     assert len(predicted) == len(measured) == case.runtime_ngpus
     for p, m in zip(predicted, measured):
@@ -69,6 +76,8 @@ MULTI = [
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4) + zero()),
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
+    Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),          # activations live until W
+    Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),
 ]
 
 

@@ -1,12 +1,12 @@
-"""Pipelines train like one process: every scheduler, 2 and 4 stages, TP inside stages, DP across
-pipelines, and inference through the pipeline."""
+"""Pipelines train like one process: every scheduler, 2 and 4 stages (8 interleaved), TP inside
+stages, DP across pipelines, and inference through the pipeline."""
 
 import pytest
 import torch
 
 from nbscaler import ComputeConfig, parallelize
 from tests.models import batch, build
-from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
+from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
 
 def halves(graph, cfg):
     """A hand-written pipeline policy: blocks 0-1 and everything before them in stage 0."""
@@ -22,12 +22,24 @@ def halves(graph, cfg):
 
 TWO_RANKS = [Case("gpt", "pp", 2, 2, config=pipeline(s, 2, 4)) for s in ("1f1b", "1f1b_plus", "gpipe")]
 TWO_RANKS += [Case("gpt", halves, 2, 2, config=pipeline("1f1b", 2, 2))]
+TWO_RANKS += [                                                             # the schedules of today
+    Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),
+    Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),    # stages 0, 2 | 1, 3
+    Case("llama_e2e", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),
+    Case("llama_e2e", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 2)),
+]
 FOUR_RANKS = [Case("gpt", "pp", 4, 4, config=pipeline(s, 4, m))
               for s, m in (("1f1b", 8), ("1f1b_plus", 4), ("gpipe", 4), ("chimera_direct", 4))]
 FOUR_RANKS += [
     Case("gpt", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4)),       # 2 stages x 2-way TP
     Case("gpt", "pp", 2, 4, config=pipeline("1f1b", 2, 4)),           # two data-parallel pipelines
     Case("gpt", "tp", 2, 4, config=(("use_end2end", True),)),          # train_step without a pipeline
+    Case("gpt", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),
+    Case("gpt", "hybrid", 4, 4, config=pipeline("zb_h1", 2, 4)),      # B and W through TP collectives
+    Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("zb_h1", 2, 4) + zero(stage=2)),  # hooks fire in W
+    Case("gpt", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 4)),
+    Case("llama_e2e", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),
+    Case("llama_e2e", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 8)),
 ]
 
 
@@ -42,6 +54,8 @@ def test_pipelines_equal_single_process(nranks, cases, tmp_path):
 @pytest.mark.parametrize("config, words", [
     (pipeline("chimera_direct", 4, 3), ["chimera"]),
     (pipeline("1f1b", 3, 4), ["pipeline_nstages", "divide plan_ngpus=4"]),
+    (pipeline("1f1b_interleaved", 8, 6), ["pipeline_nmicros=6", "multiple of 4", "pipeline_nmicros=8"]),
+    (pipeline("1f1b_interleaved", 6, 4), ["pipeline_nstages=6", "multiple of 4"]),
 ])
 def test_bad_pipelines_fail_before_running(config, words, tmp_path):
     with pytest.raises(ValueError) as err:
