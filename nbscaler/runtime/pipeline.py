@@ -8,10 +8,10 @@ For each block of its pipeline device, a rank:
 - ``B(s, m)``: starts the backward from the loss (last stage) or from the gradients that stage
   ``s + 1`` sends back, runs ``torch.autograd.backward`` through the stage, and sends the gradients
   of the tensors that came in to stage ``s - 1``;
-- with a zero-bubble schedule, ``B(s, m)`` computes only those input gradients
-  (``torch.autograd.grad``, keeping the graph) and ``W(s, m)``, later, the weights' gradients
-  (``torch.autograd.backward`` with ``inputs=`` the weights), which accumulate into ``.grad`` and
-  fire the gradient hooks (ZeRO-2's) as a whole backward does.
+- with a zero-bubble schedule, ``B(s, m)`` computes only those input gradients (the data path,
+  the graph kept) and ``W(s, m)``, later, the weights' gradients from where ``B`` left the data
+  path (:mod:`~nbscaler.runtime.split_backward`); they accumulate into ``.grad`` and fire the
+  gradient hooks (ZeRO-2's) as a whole backward does.
 
 Sends are non-blocking (``isend``). Receives are posted ahead (``irecv``) for the next
 ``RECEIVE_AHEAD`` blocks that need one, so a message lands in its buffer while this rank is still
@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from nbscaler.runtime import split_backward
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule
 
 
@@ -65,7 +66,7 @@ class PipelineExecutor:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.events: List[Dict[str, Any]] = []
         self.losses: List[Optional[torch.Tensor]] = []    # after run: every micro-batch's loss (float32)
-        self.weights_due: Dict[Tuple[int, int], Tuple[List[torch.Tensor], List[Any]]] = {}   # B done, W not yet
+        self.weights_due: Dict[Tuple[int, int], split_backward.WeightPass] = {}   # B done, W not yet
         self.weights = [p for p in module.parameters() if p.requires_grad]
 
     # -- addressing -----------------------------------------------------------------------------
@@ -153,20 +154,16 @@ class PipelineExecutor:
             if tensors:
                 torch.autograd.backward(tensors, grads)
             return {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in wanted.items()}
-        self.weights_due[key] = roots
-        if not tensors or not wanted:
-            return {n: torch.zeros_like(t) for n, t in wanted.items()}
-        found = torch.autograd.grad(tensors, list(wanted.values()), grads, retain_graph=True, allow_unused=True)
+        found, self.weights_due[key] = split_backward.split(roots, list(wanted.values()), self.weights)
         return {n: (g if g is not None else torch.zeros_like(t)) for (n, t), g in zip(wanted.items(), found)}
 
     def _weight_gradients(self, key: Tuple[int, int]) -> None:
         """The ``W`` block: accumulate the weights' gradients into ``.grad`` (their hooks fire
-        here), then let the graph go. Autograd walks again from the stage's outputs to its weights,
-        so the part of that path ``B`` already walked, collectives inside the stage included, runs
-        a second time, in the same block order on every rank of the stage."""
-        tensors, grads = self.weights_due.pop(key)
-        if tensors:
-            torch.autograd.backward(tensors, grads, inputs=self.weights)
+        here), then let the graph go. It starts where ``B`` left the data path (see
+        :mod:`nbscaler.runtime.split_backward`), so collectives on that path run once, in ``B``;
+        every rank of a stage runs the same blocks in the same order, so any collective on the
+        weights' side meets its peers in ``W``."""
+        self.weights_due.pop(key).run()
 
     # -- sharing the losses ---------------------------------------------------------------------
     def _loss_sender(self, micro: int) -> int:
