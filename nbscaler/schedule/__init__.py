@@ -21,8 +21,9 @@ The pieces, one module each:
   schedulers ``1f1b``, ``1f1b_plus``, ``gpipe``, ``chimera_direct`` and ``infer_pipe``.
 - :mod:`~nbscaler.schedule.interleaved`: ``1f1b_interleaved``, several non-adjacent stages per
   device.
-- :mod:`~nbscaler.schedule.zero_bubble`: ``zb_h1``, the backward split into ``B`` (input
-  gradients) and ``W`` (weight gradients) blocks, ``W`` filling the bubbles.
+- :mod:`~nbscaler.schedule.zero_bubble`: ``zb_h1`` and ``zbv`` (two stages per device in a V),
+  the backward split into ``B`` (input gradients) and ``W`` (weight gradients) blocks, ``W``
+  filling the bubbles.
 - :mod:`~nbscaler.schedule.timeline`: :class:`TimedBlock` and :class:`Timeline`, rows
   ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction.
 - :mod:`~nbscaler.schedule.simulator`: :func:`simulate`.
@@ -57,6 +58,7 @@ scheduler                   closed form                    idle share
 ``gpipe``, ``1f1b``         ``(p-1)/(m+p-1)``              3/11 = 0.273
 ``1f1b_interleaved``, v=2   ``(p-1)/(v*m+p-1)``            3/19 = 0.158
 ``zb_h1``                   ``(p-1)/(3m+p-1)``             3/27 = 0.111
+``zbv``                     (played, none claimed)         0.077
 ==========================  =============================  ==============
 
 Predicting a timeline

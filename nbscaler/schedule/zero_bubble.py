@@ -1,5 +1,5 @@
 """Zero-bubble schedules: the backward split into input and weight gradients (Qi et al. 2024,
-"Zero Bubble Pipeline Parallelism").
+"Zero Bubble Pipeline Parallelism"): ``zb_h1`` and ``zbv``.
 
 A stage's backward does two jobs. ``B`` computes the gradient of the stage's input, which the
 previous device waits for; ``W`` computes the gradients of the stage's weights, which nobody waits
@@ -23,6 +23,19 @@ weight-gradient block of micro-batch 2)::
        f0 f1 f2 b0 f3 b1 w0 b2 w1 b3 w2 w3
           f0 f1 b0 f2 b1 f3 b2 w0 b3 w1 w2 w3
              f0 b0 f1 b1 f2 b2 f3 b3 w0 w1 w2 w3
+
+``zbv`` cuts the model into ``2p`` stages and lays them in a V: device ``r`` holds stage ``r`` on
+the way down and stage ``2p-1-r`` on the way back up, so the first device both starts and ends
+every micro-batch, and the last device runs stages ``p-1`` and ``p`` back to back with no message
+between them. Its order is played out with unit costs, each free device running the first of: a
+``B`` whose gradient is there, an ``F`` whose activations are there while it holds fewer than
+``2p`` stage activations (1F1B's peak, in half-size stages), a pending ``W``; the later stage goes
+first. It is not the paper's handcrafted ZB-V, which reaches a zero bubble, but it idles about
+half of ZB-H1's share on the same devices and micro-batches. With ``p = 2, m = 4`` (``f2'`` is micro-batch
+2 on the device's second stage)::
+
+    f0 f1 f2 f0' b0' w0' f1' b1' b0 w1' b1 f3 w0 f2' b2' w1 w2' b2 w2 f3' b3' w3' b3 w3
+    f0 f0' f1 f1' b0' b0 w0' b1' b1 f2 w0 f2' w1' f3 b2' b2 w1 f3' w2' w2 b3' b3 w3' w3
 """
 
 from __future__ import annotations
@@ -50,3 +63,63 @@ def zb_h1(nstages: int, nmicros: int) -> PipelineSchedule:
     """ZB-H1: one stage per device, 1F1B's memory, ``W`` blocks filling the bubbles."""
     orders = [_deferred_weights_order(s, nstages, nmicros) for s in range(nstages)]
     return PipelineSchedule("zb_h1", nstages, nmicros, orders, [_line(nstages)], [0] * nmicros)
+
+
+def _v_placement(ndevices: int) -> tuple[tuple[int, ...], ...]:
+    """Stage ``s`` down the devices and back up: device ``r`` holds stages ``r`` and ``2p-1-r``."""
+    return tuple((s if s < ndevices else 2 * ndevices - 1 - s,) for s in range(2 * ndevices))
+
+
+def _played_orders(nstages: int, nmicros: int, placement, limit: int) -> list[list[Block]]:
+    """Each device's blocks when every block takes one step and a free device runs the first of:
+    a ``B`` whose gradient is there (the latest stage first), an ``F`` whose activations are there
+    while fewer than ``limit`` stage activations await their ``W`` (the latest stage first), the
+    oldest pending ``W``."""
+    ndevices = 1 + max(d for (d,) in placement)
+    stages = [[s for s in range(nstages) if placement[s] == (d,)][::-1] for d in range(ndevices)]
+    done: dict[Block, int] = {}
+    next_block = {(s, p): 0 for s in range(nstages) for p in "FBW"}
+    orders: list[list[Block]] = [[] for _ in range(ndevices)]
+    pending_w: list[list[Block]] = [[] for _ in range(ndevices)]
+    live = [0] * ndevices
+
+    def ready(block: Block, step: int) -> bool:
+        return block in done and done[block] <= step
+
+    step = 0
+    while sum(map(len, orders)) < 3 * nstages * nmicros:
+        for d in range(ndevices):
+            chosen = None
+            for s in stages[d]:
+                m = next_block[(s, "B")]
+                if m < next_block[(s, "F")] and ready(Block(s, m, "F"), step) and \
+                        (s == nstages - 1 or ready(Block(s + 1, m, "B"), step)):
+                    chosen = Block(s, m, "B")
+                    break
+            if chosen is None and live[d] < limit:
+                for s in stages[d]:
+                    m = next_block[(s, "F")]
+                    if m < nmicros and (s == 0 or ready(Block(s - 1, m, "F"), step)):
+                        chosen = Block(s, m, "F")
+                        break
+            if chosen is None and pending_w[d]:
+                chosen = pending_w[d].pop(0)
+            if chosen is None:
+                continue
+            next_block[(chosen.stage, chosen.phase)] += 1
+            live[d] += {"F": 1, "B": 0, "W": -1}[chosen.phase]
+            if chosen.phase == "B":
+                pending_w[d].append(Block(chosen.stage, chosen.micro, "W"))
+            orders[d].append(chosen)
+            done[chosen] = step + 1
+        step += 1
+    return orders
+
+
+@register_scheduler("zbv", stages_per_device=2)
+def zbv(nstages: int, nmicros: int) -> PipelineSchedule:
+    """ZB-V: two stages per device in a V, ``W`` blocks filling the bubbles."""
+    ndevices = nstages // 2
+    placement = _v_placement(ndevices)
+    orders = _played_orders(nstages, nmicros, placement, limit=2 * ndevices)
+    return PipelineSchedule("zbv", nstages, nmicros, orders, [placement], [0] * nmicros)

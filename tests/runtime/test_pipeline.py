@@ -27,6 +27,7 @@ TWO_RANKS += [                                                             # the
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),    # stages 0, 2 | 1, 3
     Case("llama_e2e", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),
     Case("llama_e2e", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 2)),
+    Case("gpt", "pp", 2, 2, config=pipeline("zbv", 4, 4)),                 # stages 0, 3 | 1, 2
 ]
 FOUR_RANKS = [Case("gpt", "pp", 4, 4, config=pipeline(s, 4, m))
               for s, m in (("1f1b", 8), ("1f1b_plus", 4), ("gpipe", 4), ("chimera_direct", 4))]
@@ -40,6 +41,8 @@ FOUR_RANKS += [
     Case("gpt", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 4)),
     Case("llama_e2e", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),
     Case("llama_e2e", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 8)),
+    Case("gpt", "pp", 4, 4, config=pipeline("zbv", 8, 4)),
+    Case("llama_e2e", "hybrid", 4, 4, config=pipeline("zbv", 4, 4)),  # a V of 2 devices x 2-way TP
 ]
 
 
