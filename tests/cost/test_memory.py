@@ -76,7 +76,6 @@ MULTI = [
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4) + zero()),
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
-    Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),          # activations live until W
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),
 ]
 

@@ -81,10 +81,15 @@ def test_custom_staging_must_flow_forward(tmp_path):
                     gen_savedir=tmp_path, load_module=False)
 
 
-def test_pp_needs_one_stage_per_device(tmp_path):
-    with pytest.raises(ValueError, match="use 'hybrid'"):
-        parallelize(build("gpt"), batch("gpt", 0), "pp", ComputeConfig(4, 4, **dict(pipeline("1f1b", 2, 4))),
+@pytest.mark.parametrize("scheduler, nstages, words", [
+    ("1f1b", 2, "must equal 1 x plan_ngpus=4 for 1f1b (got 2"),
+    ("zbv", 4, "must equal 2 x plan_ngpus=8 for zbv (got 4: 2 pipeline devices)"),
+])
+def test_pp_needs_its_own_stages_on_every_device(scheduler, nstages, words, tmp_path):
+    with pytest.raises(ValueError, match="use 'hybrid'") as err:
+        parallelize(build("gpt"), batch("gpt", 0), "pp", ComputeConfig(4, 4, **dict(pipeline(scheduler, nstages, 4))),
                     gen_savedir=tmp_path, load_module=False)
+    assert words in str(err.value)
 
 
 class CheapThenHeavy(torch.nn.Module):
