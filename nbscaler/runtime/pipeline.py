@@ -117,6 +117,8 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 roots = self._roots(s, m, outputs.pop((s, m)), grads, dummy, scale_fn)
                 in_grads = self._backward(roots, inputs.pop((s, m)), (s, m))
+                if s == last and self.schedule.splits_backward:
+                    results[m] = _detached(results[m])     # the graph is W's now: it dies after W
                 if s > 0:
                     grads_in[(s - 1, m)] = in_grads
                     pending += self._send(s, s - 1, m, "B", in_grads)
@@ -260,6 +262,11 @@ class PipelineExecutor:
         if src is None:
             return grads_in.pop((stage, micro))
         return receives.wait(("B", stage, micro))
+
+
+def _detached(output: Any) -> Any:
+    """``output`` with every tensor in it detached from the graph."""
+    return torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -37,7 +37,7 @@ class _Start:
 
     weights: List[torch.Tensor]
     node: Optional[Node] = None
-    grads: Tuple[Optional[torch.Tensor], ...] = ()
+    recorded: List[Tuple[Optional[torch.Tensor], ...]] = field(default_factory=list)    # B's hook fills it
     tensor: Optional[torch.Tensor] = None
     grad: Optional[torch.Tensor] = None
 
@@ -61,7 +61,7 @@ class WeightPass:
             if start.tensor is not None:
                 torch.autograd.backward([start.tensor], [start.grad], inputs=start.weights)
                 continue
-            edges = [(GradientEdge(start.node, i), g) for i, g in enumerate(start.grads) if g is not None]
+            edges = [(GradientEdge(start.node, i), g) for i, g in enumerate(start.recorded[-1]) if g is not None]
             if edges:
                 torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=start.weights)
         self.starts, self.roots = [], ([], [])
@@ -124,7 +124,7 @@ def split(roots: Roots, inputs: Sequence[torch.Tensor], weights: Sequence[torch.
         data = frozenset().union(*(weights_below[c] for c in _children(node) if c in on_path))
         whole = whole or bool(own & data)
         start = _Start([by_node[n] for n in by_node if id(n) in own], node=node)
-        hooks.append(node.register_prehook(_recorder(start)))
+        hooks.append(node.register_prehook(_recorder(start.recorded)))
         starts.append(start)
     for tensor, grad, node in zip(tensors, grads, root_nodes):
         if node is not None and node not in on_path and weights_below[node]:
@@ -135,12 +135,15 @@ def split(roots: Roots, inputs: Sequence[torch.Tensor], weights: Sequence[torch.
     finally:
         for hook in hooks:
             hook.remove()
-    if whole or any(s.node is not None and not s.grads for s in starts):
+    if whole or any(s.node is not None and not s.recorded for s in starts):
         return list(found), WeightPass(roots, list(weights), whole=True)
     return list(found), WeightPass(roots, list(weights), starts)
 
 
-def _recorder(start: _Start):
+def _recorder(recorded: list):
+    """A pre-hook that keeps the gradients reaching its node. It holds a plain list, not the node:
+    a hook that referred to its own node would keep the graph, and every activation saved in it,
+    alive after ``W``."""
     def record(grad_outputs):
-        start.grads = tuple(grad_outputs)
+        recorded.append(tuple(grad_outputs))
     return record
