@@ -167,12 +167,17 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
 
 def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:
     """The most bytes saved at once: one forward without a pipeline; with one, the running total
-    over the device's blocks (a forward adds its stage's bytes, the backward frees them)."""
+    over the device's blocks (a forward adds its stage's bytes, the backward frees them, or the
+    weight-gradient block when the schedule splits the backward)."""
     if geometry is None:
         return saved[None]
     live = peak = 0
-    for block in geometry.schedule.blocks_of(geometry.pipeline_device(device)):
-        live += saved[block.stage] if block.phase == "F" else -saved[block.stage]
+    schedule = geometry.schedule
+    for block in schedule.blocks_of(geometry.pipeline_device(device)):
+        if block.phase == "F":
+            live += saved[block.stage]
+        elif block.phase == schedule.release_phase:
+            live -= saved[block.stage]
         peak = max(peak, live)
     return peak
 

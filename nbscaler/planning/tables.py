@@ -60,12 +60,15 @@ def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
 
 # -- per rank -------------------------------------------------------------------------------------
 def blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], int]:
-    """How often ``device`` runs each ``(stage, phase)`` in one training step."""
+    """How often ``device`` runs each ``(stage, phase)`` in one training step. A ``W`` block is
+    the weight half of a backward its ``B`` block already counts (the graph's ops and collectives
+    are forward or backward), so only ``F`` and ``B`` are counted."""
     if plan.geometry is None:
         return {(None, "F"): 1, (None, "B"): 1}
     counts: Dict[Tuple[int | None, str], int] = defaultdict(int)
     for block in plan.schedule.blocks_of(plan.geometry.pipeline_device(device)):
-        counts[(block.stage, block.phase)] += 1
+        if block.phase != "W":
+            counts[(block.stage, block.phase)] += 1
     return counts
 
 

@@ -11,9 +11,9 @@ from typing import Dict, List
 
 from nbscaler.columns import SummaryColumn as C
 
-PHASE_COLOURS: Dict[str, str] = {"F": "#4c78a8", "B": "#f58518"}
-"""A pipeline block's colour by phase (forward, backward)."""
-PHASE_NAMES: Dict[str, str] = {"F": "forward", "B": "backward"}
+PHASE_COLOURS: Dict[str, str] = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
+"""A pipeline block's colour by phase (forward, backward, weight gradients)."""
+PHASE_NAMES: Dict[str, str] = {"F": "forward", "B": "backward", "W": "weight gradients"}
 OTHER_COLOUR = "#999999"
 """A phase or kind the tables above do not name."""
 IDLE_COLOUR = "#eeeeee"

@@ -50,6 +50,13 @@ def test_gradients_follow_the_reducers():
     assert (stage2.backward(None), stage2.step(w), stage2.held) == (120 + 120, 120, 120)
 
 
+def test_split_backward_frees_activations_at_the_weight_block():
+    saved = {0: 100, 1: 10}
+    zb_h1 = PipelineGeometry(build_schedule("zb_h1", 2, 4), 2)
+    assert in_flight_peak(saved, zb_h1, 0) == 200            # as 1F1B: two micro-batches on stage 0
+    assert in_flight_peak(saved, zb_h1, 1) == 20             # its W runs one backward late
+
+
 def _check(case, predicted, measured):
     assert len(predicted) == len(measured) == case.runtime_ngpus
     for p, m in zip(predicted, measured):
@@ -87,6 +94,7 @@ MULTI = [
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
     Case("gpt", "tp", 2, 2, optimizer="adamw", config=sequence_parallel()),     # activations on a sequence slice
     Case("llama", "tp", 2, 2, config=sequence_parallel()),
+    Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),
 ]
 
 

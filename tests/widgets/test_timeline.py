@@ -3,13 +3,15 @@
 import pandas as pd
 import pytest
 
+import nbscaler
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.widgets import Measured, TimelineView
 from nbscaler.widgets.palette import IDLE_COLOUR, PHASE_COLOURS
 from nbscaler.widgets.plotting import PLOTLY_MIME, figure_spec
 from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
-from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
+from tests.models import batch, build
+from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, pipeline_config, shown_figure
 from tests.widgets.offline import external_resources
 from tests.widgets.svg import charts, hint, marks, texts
 
@@ -119,3 +121,13 @@ def test_the_saved_form_draws_every_block_and_bubble_as_svg_beside_plotlys_figur
     lane = [b for b in blocks if hint(b).startswith("predicted rank 0 ")]
     covered = sum(float(b.get("width")) for b in lane) / float(bands[0].get("width"))
     assert covered == pytest.approx(1 - view.bubbles.predicted[0], abs=0.01)
+
+
+def test_zero_bubble_weight_blocks_are_drawn_in_their_own_colour():
+    cfg = pipeline_config(2).with_changes(pipeline_scheduler="zb_h1")
+    plan = nbscaler.plan(build("llama"), batch("llama", 0), "pp", cfg)
+    (chart,) = charts(TimelineView(plan)._repr_mimebundle_()["text/html"])
+    blocks = marks(chart, "rect", "nbs-block")
+    weights = [b for b in blocks if "weight gradients" in hint(b)]
+    assert len(weights) == 2 * 4 and {b.get("fill") for b in weights} == {PHASE_COLOURS["W"]}   # ranks x micros
+    assert "weight gradients" in texts(chart)
