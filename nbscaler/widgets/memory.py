@@ -93,12 +93,17 @@ def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], tit
             x = [[f"rank {r}" for r in frame[str(C.RANK)]], [side] * len(frame)]
             alert = [side == PREDICTED and int(r) in over for r in frame[str(C.RANK)]]
             fig.add_trace(go.Bar(
-                x=x, y=frame[kind], name=LABELS[kind], legendgroup=kind, showlegend=side == PREDICTED,
+                x=x, y=frame[kind], name=LABELS[kind], legendgroup=kind, showlegend=side == PREDICTED and not over,
                 marker=dict(color=COLOURS[kind], pattern_shape="/" if side == MEASURED else "",
                             line=dict(color=[OVER_CAPACITY_COLOUR if a else "white" for a in alert],
                                       width=[3 if a else 0 for a in alert])),
                 customdata=[fmt_bytes(v) for v in frame[kind]],
                 hovertemplate=f"{LABELS[kind]} ({side}): %{{customdata}}<extra></extra>"))
+    if over:       # a legend swatch takes its trace's first edge, which may be red: these bars of zero have none
+        first = [[f"rank {predicted[str(C.RANK)].iloc[0]}"], [PREDICTED]]
+        for kind in map(str, MEMORY_CATEGORIES):
+            fig.add_trace(go.Bar(x=first, y=[0], name=LABELS[kind], legendgroup=kind, hoverinfo="skip",
+                                 marker=dict(color=COLOURS[kind], line=dict(width=0))))
     if hardware is not None:
         add_capacity(fig, predicted, hardware, over)
     fig.update_layout(barmode="stack", title=title, yaxis=dict(title="bytes", tickformat=".3s", ticksuffix="B"), height=420, template="plotly_white",
@@ -199,11 +204,7 @@ class MemoryView(ChartView):
             head = "<tr><th>rank</th><th>predicted</th><th>measured</th><th>gap</th></tr>"
             kinds = html.escape(self.gap.kinds.iloc[0]) if len(self.gap) else ""
             rows.append(f"<tr><td colspan=4 style='font-size:smaller'>over: {kinds}</td></tr>")
-        note = ("" if self.hardware is None else
-                f"<p class='nbs-capacity' style='font-size:13px;color:"
-                f"{OVER_CAPACITY_COLOUR if self.over_capacity else CAPACITY_COLOUR}'>"
-                f"{html.escape(capacity_note(self.predicted, self.hardware))}</p>")
-        return (f"{note}<table class='nbs-memory-gap' style='border-collapse:collapse;font-size:13px'>"
+        return (f"<table class='nbs-memory-gap' style='border-collapse:collapse;font-size:13px'>"
                 f"{head}{''.join(rows)}</table>")
 
     # -- rendering --------------------------------------------------------------------------------

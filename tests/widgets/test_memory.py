@@ -8,7 +8,7 @@ import torch
 from nbscaler import Hardware
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets import Measured, MemoryView
-from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED
+from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED, capacity_note
 from nbscaler.widgets.palette import MEMORY_COLOURS, OVER_CAPACITY_COLOUR
 from nbscaler.widgets.plotting import PLOTLY_MIME
 from nbscaler.widgets.formats import fmt_bytes
@@ -126,7 +126,7 @@ def alert_edges(view):
     """rank label -> the edge colour of that rank's predicted bar in each trace of the figure."""
     out = {}
     for trace in view.figure.data:
-        if trace.type != "bar":
+        if trace.type != "bar" or trace.hoverinfo == "skip":      # the legend's own swatches: bars of zero
             continue
         ranks, sides = trace.x
         for r, s, colour, width in zip(ranks, sides, trace.marker.line.color, trace.marker.line.width):
@@ -150,12 +150,16 @@ def test_a_plan_that_does_not_fit_a_t4_is_red_on_it_and_not_on_an_h100():
     (marker,) = [t for t in view.figure.data if t.type == "scatter"]
     assert list(marker.x[0]) == ["rank 0"] and list(marker.y) == [peak[0]]
     note = f"1 of 2 ranks fit in {fmt_bytes(16e9)} (T4); the largest, rank 0, exceeds it by {fmt_bytes(peak[0] - 16e9)}"
-    assert note in view.table_html() and any(note in a.text for a in view.figure.layout.annotations)
+    assert any(note in a.text for a in view.figure.layout.annotations)
+    swatches = [t for t in view.figure.data if t.showlegend is not False and t.type == "bar"]
+    assert all(t.hoverinfo == "skip" for t in swatches)
+    assert [t.marker.color for t in swatches] == [MEMORY_COLOURS[k] for k in MEMORY_CATEGORIES]
+    assert all(t.marker.line.width == 0 and list(t.y) == [0] for t in swatches)   # no kind looks edged in red
     assert view._title().endswith("AdamW on T4")
 
     fine = MemoryView(plan, optimizer=torch.optim.AdamW, hardware=H100)
     assert summary.fits.all() and fine.over_capacity == set() and alert_edges(fine) == {}
-    assert "2 of 2 ranks fit in" in fine.table_html() and "uses" in fine.table_html()
+    assert any("2 of 2 ranks fit in" in a.text and "uses" in a.text for a in fine.figure.layout.annotations)
     assert not [t for t in fine.figure.data if t.type == "scatter" and len(t.x[0])]
 
 
@@ -175,7 +179,7 @@ def test_the_saved_svg_draws_the_capacity_at_its_height_and_the_red_edge():
     assert edge.get("x") == rank0[0].get("x")                                        # around rank 0's bar
     assert float(edge.get("height")) == pytest.approx(predicted.peak_bytes[0] * scale, abs=0.3)
     words = texts(chart)
-    assert view.table_html().split(">", 1)[1].split("<", 1)[0] in [html.unescape(w) for w in words]
+    assert capacity_note(view.predicted, T4) in [html.unescape(w) for w in words]
     assert f"T4 capacity {fmt_bytes(T4.memory_bytes)}" in words
     # without hardware nothing of it is drawn
     (plain,) = charts(MemoryView(plan, optimizer=torch.optim.AdamW).notebook_html())
