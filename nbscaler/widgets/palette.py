@@ -26,6 +26,11 @@ MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GRAD_BYTES: "gra
 MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
                                   C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
 
+CAPACITY_COLOUR = "#333333"
+"""The line at a target GPU's memory capacity."""
+OVER_CAPACITY_COLOUR = "#d00000"
+"""The outline and marks of a rank whose predicted memory exceeds that capacity."""
+
 RANK_COLOURS: List[str] = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6"]
 """One colour per rank, for charts with a line per rank (the loss curve)."""
 
