@@ -10,8 +10,14 @@ notebook subtract one table from the other. The terms, fixed once:
 - ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once;
   with ZeRO, the flat buckets including their padding). Held at every moment of a step.
 - ``optimizer_bytes``: what the optimizer keeps between steps: its state (momentum, Adam's moments
-  and step counters); with ZeRO, for this rank's shard only (the shards are views of the
-  parameters). Created by the first ``step()`` and then held at every moment.
+  and step counters) and, with mixed precision (``master_dtype``), the master copies of the
+  parameters it updates (there is no column of their own); with ZeRO, for this rank's shard only
+  (without master copies the shards are views of the parameters). The state is created by the
+  first ``step()`` and then held at every moment; the master copies by ``build_optimizer``.
+  Gradients are in the parameters' dtype until the synchronisation moves them onto the master
+  copies (in theirs), so for bf16 parameters, fp32 masters and AdamW a rank holds 2 + 2 + 4 + 8 = 16
+  bytes per parameter during the backward (parameter, gradient, master, state) and 2 + 4 + 4 + 8 =
+  18 after the step (micro-batches add into the bf16 gradients: no fp32 accumulation buffer).
 - ``buffer_bytes``: the rank's buffers and captured constants (e.g. BatchNorm statistics, masks).
   Held at every moment.
 - ``grad_bytes`` and ``activation_bytes``: what the rank holds at the peak moment of a training step
