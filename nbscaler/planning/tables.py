@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pandas as pd
+import torch
 
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
@@ -140,10 +141,10 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
 
 
 def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
-                  hardware: Optional["Hardware"] = None) -> pd.DataFrame:
+                  hardware: Optional["Hardware"] = None, master_dtype: Optional[torch.dtype] = None) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
-    ``hardware`` those of ``TARGET_COLUMNS`` too."""
-    memory = plan.memory(optimizer, **optimizer_kwargs)
+    ``hardware`` those of ``TARGET_COLUMNS`` too; memory with master copies in ``master_dtype``."""
+    memory = plan.memory(optimizer, master_dtype=master_dtype, **optimizer_kwargs)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
     flops = flops_per_device(plan)
     frame = pd.DataFrame({C.RANK.value: range(plan.config.runtime_ngpus),
