@@ -43,7 +43,7 @@ from nbscaler.config import ComputeConfig
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
-from nbscaler.ir.graph import IRGraph
+from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.schedule import PipelineGeometry
 
 BUCKET_BYTES = 25 * 2**20          # the runtime reducer's bucket size
@@ -161,8 +161,55 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 
 def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                 geometry: Optional[PipelineGeometry]) -> DeviceRuns:
-    """``stage_runs`` of every plan device, computed once for callers that need them twice."""
-    return {device: stage_runs(graphs, storage, device, geometry) for device in range(cfg.plan_ngpus)}
+    """``stage_runs`` of every plan device, computed once for callers that need them twice.
+
+    Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
+    the same nodes, each on the same group, and the same answer to "am I its first device") replay
+    the same way, so one of them is replayed and the others get its run under their own number.
+    Only uneven pieces would make them differ; a representative whose collectives cut a tensor
+    unevenly is not trusted for the others, which are then replayed each."""
+    graph = train_graph(graphs)
+    by_stage: Dict[Optional[int], List[IRNode]] = {}
+    for n in graph.nodes:
+        by_stage.setdefault(n.stage if geometry is not None else None, []).append(n)
+    replayed: Dict[Tuple, Dict[Optional[int], LocalRun]] = {}
+    out: DeviceRuns = {}
+    for device in range(cfg.plan_ngpus):
+        secs = sections({"train": graph}, device, geometry)
+        key = tuple(_program_key(by_stage.get(sec.stage, []), sec.device, sec.stage) for sec in secs)
+        twin = replayed.get(key)
+        if twin is not None and all(_even(run) for run in twin.values()):
+            views = {sec.stage: sec.device for sec in secs}
+            out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
+        else:
+            out[device] = replayed.setdefault(key, stage_runs(graphs, storage, device, geometry))
+    return out
+
+
+def _program_key(nodes: List[IRNode], device: int, stage: Optional[int]) -> Tuple:
+    """What ``run_local`` of ``device`` depends on besides its number: the nodes it runs, the group
+    of each and whether it is that group's first device (``first_only`` keeps the values there);
+    then the same for the stage's whole group, which gathers the stage's outputs."""
+    mine = tuple((i, n.placement.devices, n.placement.devices[0] == device)
+                 for i, n in enumerate(nodes) if device in n.placement.devices)
+    group = sorted({d for n in nodes for d in n.placement.devices})
+    return stage, mine, tuple(group), bool(group) and group[0] == device
+
+
+_CUTS = {"chunk": 1, "reduce_scatter": 1, "all_to_all": 0}     # collectives that keep one piece of n
+
+
+def _even(run: LocalRun) -> bool:
+    """Every piece a collective of ``run`` kept is exactly ``1/n`` of a non-empty tensor it cut (so
+    the cut dimension divides evenly and any device of the group keeps the same shape)."""
+    return all(c.in_bytes > 0 and c.out_bytes * len(c.devices) ** _CUTS[c.fn] == c.in_bytes
+               for c in run.collectives if c.fn in _CUTS and len(c.devices) > 1)
+
+
+def _renumbered(run: LocalRun, device: int) -> LocalRun:
+    """``run`` as replayed by ``device``: the same ops, collectives and saved bytes."""
+    return LocalRun(device, run.stage, list(run.ops), list(run.collectives), dict(run.saved), run.exact,
+                    dict(run.rebuilt))
 
 
 def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:

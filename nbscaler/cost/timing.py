@@ -223,15 +223,16 @@ class StepModel:
         for blk in line.blocks:
             ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
         makespan = line.makespan if self.geometry is not None else None
+        after: Dict[int, float] = {}           # plan device -> its synchronisation and update seconds
+        for device in range(self.cfg.plan_ngpus):    # both depend on the plan device alone
+            overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
+            after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap)
+                             + update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
+                                           optimizer, kwargs))
         rows = []
         for rank in compute:
-            device = self.cfg.device_of(rank)
             step = makespan if makespan is not None else ends.get(rank, 0.0)
-            overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
-            step += sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap)
-            step += update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
-                                optimizer, kwargs)
-            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step})
+            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step + after[self.cfg.device_of(rank)]})
         self.profiler.save()
         return pd.DataFrame(rows)
 
