@@ -164,46 +164,58 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     """``stage_runs`` of every plan device, computed once for callers that need them twice.
 
     Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
-    the same nodes, each on the same group, and the same answer to "am I its first device") replay
-    the same way, so one of them is replayed and the others get its run under their own number.
-    Only uneven pieces would make them differ; a representative whose collectives cut a tensor
-    unevenly is not trusted for the others, which are then replayed each."""
+    the same nodes, each on the same group) replay the same way, so one of them is replayed and the
+    others get its run under their own number. A device's place in a group changes only which piece
+    a collective keeps and whether ``first_only`` keeps its values (the first device) or makes
+    zeros (the others), so a run is shared only where its collectives cut evenly, and only between
+    devices that are first in the same ``first_only`` groups (``_shares``)."""
     graph = train_graph(graphs)
     by_stage: Dict[Optional[int], List[IRNode]] = {}
     for n in graph.nodes:
         by_stage.setdefault(n.stage if geometry is not None else None, []).append(n)
-    replayed: Dict[Tuple, Dict[Optional[int], LocalRun]] = {}
+    replayed: Dict[Tuple, List[Dict[Optional[int], LocalRun]]] = {}
     out: DeviceRuns = {}
     for device in range(cfg.plan_ngpus):
         secs = sections({"train": graph}, device, geometry)
+        views = {sec.stage: sec.device for sec in secs}
         key = tuple(_program_key(by_stage.get(sec.stage, []), sec.device, sec.stage) for sec in secs)
-        twin = replayed.get(key)
-        if twin is not None and all(_even(run) for run in twin.values()):
-            views = {sec.stage: sec.device for sec in secs}
+        twin = next((t for t in replayed.get(key, []) if all(_shares(r, views[s]) for s, r in t.items())), None)
+        if twin is not None:
             out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
         else:
-            out[device] = replayed.setdefault(key, stage_runs(graphs, storage, device, geometry))
+            out[device] = stage_runs(graphs, storage, device, geometry)
+            replayed.setdefault(key, []).append(out[device])
     return out
 
 
 def _program_key(nodes: List[IRNode], device: int, stage: Optional[int]) -> Tuple:
-    """What ``run_local`` of ``device`` depends on besides its number: the nodes it runs, the group
-    of each and whether it is that group's first device (``first_only`` keeps the values there);
-    then the same for the stage's whole group, which gathers the stage's outputs."""
-    mine = tuple((i, n.placement.devices, n.placement.devices[0] == device)
-                 for i, n in enumerate(nodes) if device in n.placement.devices)
-    group = sorted({d for n in nodes for d in n.placement.devices})
-    return stage, mine, tuple(group), bool(group) and group[0] == device
+    """What ``run_local`` of ``device`` depends on besides its place in each group: the nodes it
+    runs and the group of each, and the stage's whole group (which gathers the stage's outputs)."""
+    mine = tuple((i, n.placement.devices) for i, n in enumerate(nodes) if device in n.placement.devices)
+    return stage, mine, tuple(sorted({d for n in nodes for d in n.placement.devices}))
 
 
 _CUTS = {"chunk": 1, "reduce_scatter": 1, "all_to_all": 0}     # collectives that keep one piece of n
 
 
-def _even(run: LocalRun) -> bool:
-    """Every piece a collective of ``run`` kept is exactly ``1/n`` of a non-empty tensor it cut (so
-    the cut dimension divides evenly and any device of the group keeps the same shape)."""
-    return all(c.in_bytes > 0 and c.out_bytes * len(c.devices) ** _CUTS[c.fn] == c.in_bytes
-               for c in run.collectives if c.fn in _CUTS and len(c.devices) > 1)
+def _first(device: int, group: Tuple[int, ...]) -> bool:
+    """Whether ``device`` is at index 0 of ``group``, as the replay finds its index."""
+    return device not in group or group[0] == device
+
+
+def _shares(run: LocalRun, device: int) -> bool:
+    """Whether ``device`` would replay ``run`` (of another device of the same program) the same:
+    every piece a collective kept is exactly ``1/n`` of a non-empty tensor it cut (so the cut
+    divides evenly and all pieces have one shape), and ``device`` is first in a ``first_only``
+    group exactly where ``run.device`` is."""
+    for c in run.collectives:
+        if len(c.devices) < 2:
+            continue
+        if c.fn in _CUTS and not (c.in_bytes > 0 and c.out_bytes * len(c.devices) ** _CUTS[c.fn] == c.in_bytes):
+            return False
+        if c.fn == "first_only" and _first(device, c.devices) != _first(run.device, c.devices):
+            return False
+    return True
 
 
 def _renumbered(run: LocalRun, device: int) -> LocalRun:
