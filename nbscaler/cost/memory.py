@@ -114,7 +114,7 @@ def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tupl
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
