@@ -232,18 +232,19 @@ class StepModel:
         for blk in line.blocks:
             ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
         makespan = line.makespan if self.geometry is not None else None
-        after: Dict[int, float] = {}           # plan device -> its synchronisation and update seconds
-        for device in range(self.cfg.plan_ngpus):    # both depend on the plan device alone
+        after: Dict[int, Tuple[float, float]] = {}    # plan device -> (synchronisation s, update s)
+        for device in range(self.cfg.plan_ngpus):        # both depend on the plan device alone
             overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
             params = device_params(self.graphs, self.storage, device, self.geometry)
             after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
-                                       params)
-                             + update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
-                                           optimizer, kwargs, params))
+                                       params),
+                             update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
+                                         optimizer, kwargs, params))
         rows = []
         for rank in compute:
+            sync, update = after[self.cfg.device_of(rank)]
             step = makespan if makespan is not None else ends.get(rank, 0.0)
-            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step + after[self.cfg.device_of(rank)]})
+            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step + sync + update})
         self.profiler.save()
         return pd.DataFrame(rows)
 
