@@ -48,7 +48,7 @@ from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
-from nbscaler.ir.graph import IRGraph
+from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.schedule import PipelineGeometry
 
 BUCKET_BYTES = 25 * 2**20          # the runtime reducer's bucket size
@@ -119,7 +119,7 @@ def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tupl
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
@@ -178,8 +178,67 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 
 def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                 geometry: Optional[PipelineGeometry]) -> DeviceRuns:
-    """``stage_runs`` of every plan device, computed once for callers that need them twice."""
-    return {device: stage_runs(graphs, storage, device, geometry) for device in range(cfg.plan_ngpus)}
+    """``stage_runs`` of every plan device, computed once for callers that need them twice.
+
+    Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
+    the same nodes, each on the same group) replay the same way, so one of them is replayed and the
+    others get its run under their own number. A device's place in a group changes only which piece
+    a collective keeps and whether ``first_only`` keeps its values (the first device) or makes
+    zeros (the others), so a run is shared only where its collectives cut evenly, and only between
+    devices that are first in the same ``first_only`` groups (``_shares``)."""
+    graph = train_graph(graphs)
+    by_stage: Dict[Optional[int], List[IRNode]] = {}
+    for n in graph.nodes:
+        by_stage.setdefault(n.stage if geometry is not None else None, []).append(n)
+    replayed: Dict[Tuple, List[Dict[Optional[int], LocalRun]]] = {}
+    out: DeviceRuns = {}
+    for device in range(cfg.plan_ngpus):
+        secs = sections({"train": graph}, device, geometry)
+        views = {sec.stage: sec.device for sec in secs}
+        key = tuple(_program_key(by_stage.get(sec.stage, []), sec.device, sec.stage) for sec in secs)
+        twin = next((t for t in replayed.get(key, []) if all(_shares(r, views[s]) for s, r in t.items())), None)
+        if twin is not None:
+            out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
+        else:
+            out[device] = stage_runs(graphs, storage, device, geometry)
+            replayed.setdefault(key, []).append(out[device])
+    return out
+
+
+def _program_key(nodes: List[IRNode], device: int, stage: Optional[int]) -> Tuple:
+    """What ``run_local`` of ``device`` depends on besides its place in each group: the nodes it
+    runs and the group of each, and the stage's whole group (which gathers the stage's outputs)."""
+    mine = tuple((i, n.placement.devices) for i, n in enumerate(nodes) if device in n.placement.devices)
+    return stage, mine, tuple(sorted({d for n in nodes for d in n.placement.devices}))
+
+
+_CUTS = {"chunk": 1, "reduce_scatter": 1, "all_to_all": 0}     # collectives that keep one piece of n
+
+
+def _first(device: int, group: Tuple[int, ...]) -> bool:
+    """Whether ``device`` is at index 0 of ``group``, as the replay finds its index."""
+    return device not in group or group[0] == device
+
+
+def _shares(run: LocalRun, device: int) -> bool:
+    """Whether ``device`` would replay ``run`` (of another device of the same program) the same:
+    every piece a collective kept is exactly ``1/n`` of a non-empty tensor it cut (so the cut
+    divides evenly and all pieces have one shape), and ``device`` is first in a ``first_only``
+    group exactly where ``run.device`` is."""
+    for c in run.collectives:
+        if len(c.devices) < 2:
+            continue
+        if c.fn in _CUTS and not (c.in_bytes > 0 and c.out_bytes * len(c.devices) ** _CUTS[c.fn] == c.in_bytes):
+            return False
+        if c.fn == "first_only" and _first(device, c.devices) != _first(run.device, c.devices):
+            return False
+    return True
+
+
+def _renumbered(run: LocalRun, device: int) -> LocalRun:
+    """``run`` as replayed by ``device``: the same ops, collectives and saved bytes."""
+    return LocalRun(device, run.stage, list(run.ops), list(run.collectives), dict(run.saved), run.exact,
+                    dict(run.rebuilt))
 
 
 def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:

@@ -54,7 +54,7 @@ class LocalWeight:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:

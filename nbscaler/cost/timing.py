@@ -53,7 +53,7 @@ from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_size
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.profile import OpProfiler
-from nbscaler.cost.ranks import local_weights, stage_io, train_graph
+from nbscaler.cost.ranks import LocalWeight, local_weights, stage_io, train_graph
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
@@ -97,13 +97,21 @@ def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[
     return fwd, bwd + profiler.overhead_s
 
 
+def device_params(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
+                  geometry: Optional[PipelineGeometry]) -> List[LocalWeight]:
+    """The parameters plan ``device`` stores (``local_weights`` without buffers)."""
+    return [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
+
+
 def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
-                 geometry: Optional[PipelineGeometry], comm: CommModel) -> List[Tuple[float, float]]:
+                 geometry: Optional[PipelineGeometry], comm: CommModel,
+                 params: Optional[List[LocalWeight]] = None) -> List[Tuple[float, float]]:
     """Seconds of the gradient synchronisation per bucket of plan ``device`` (unit 0), in parameter
     order: ``(during, after)``, what may run while the backward goes on (partial gradients summed
     inside the unit for parameters stored ``R*``, the all-reduce across data-parallel units or
-    ZeRO's reduce-scatter) and what waits for the optimizer step (ZeRO's all-gather)."""
-    params = [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
+    ZeRO's reduce-scatter) and what waits for the optimizer step (ZeRO's all-gather). ``params``:
+    the device's parameters (``device_params``), when the caller has them already."""
+    params = params if params is not None else device_params(graphs, storage, device, geometry)
     out: List[Tuple[float, float]] = []
     for n in sorted({p.partial_over for p in params} - {1}):
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
@@ -124,14 +132,15 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
 
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
-              geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None) -> float:
+              geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None,
+              params: Optional[List[LocalWeight]] = None) -> float:
     """Seconds of the gradient synchronisation after the backward (``sync_buckets``).
 
     ``overlap_s=None``: all of it after the backward (a CPU rank computes and communicates on the
     same cores). Else, as DDP on a GPU: each bucket is reduced on its own stream as soon as the
     backward has produced it, during the backward's last ``overlap_s`` seconds; the first bucket
     (the first layers' gradients, produced last) and what does not fit in that time are exposed."""
-    times = sync_buckets(graphs, storage, cfg, device, geometry, comm)
+    times = sync_buckets(graphs, storage, cfg, device, geometry, comm, params)
     if not times:
         return 0.0
     if overlap_s is None:
@@ -142,9 +151,9 @@ def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Compu
 
 def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                 geometry: Optional[PipelineGeometry], profiler: OpProfiler, optimizer: Type[torch.optim.Optimizer],
-                optimizer_kwargs: Dict[str, Any]) -> float:
+                optimizer_kwargs: Dict[str, Any], params: Optional[List[LocalWeight]] = None) -> float:
     """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled)."""
-    params = [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
+    params = params if params is not None else device_params(graphs, storage, device, geometry)
     if not params:
         return 0.0
     if cfg.use_zero:
@@ -223,15 +232,19 @@ class StepModel:
         for blk in line.blocks:
             ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
         makespan = line.makespan if self.geometry is not None else None
+        after: Dict[int, Tuple[float, float]] = {}    # plan device -> (synchronisation s, update s)
+        for device in range(self.cfg.plan_ngpus):        # both depend on the plan device alone
+            overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
+            params = device_params(self.graphs, self.storage, device, self.geometry)
+            after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
+                                       params),
+                             update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
+                                         optimizer, kwargs, params))
         rows = []
         for rank in compute:
-            device = self.cfg.device_of(rank)
+            sync, update = after[self.cfg.device_of(rank)]
             step = makespan if makespan is not None else ends.get(rank, 0.0)
-            overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
-            step += sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap)
-            step += update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
-                                optimizer, kwargs)
-            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step})
+            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step + sync + update})
         self.profiler.save()
         return pd.DataFrame(rows)
 

@@ -82,36 +82,52 @@ def _stage_device(plan: "Plan", stage: int | None, device: int) -> int:
 
 def flops_per_device(plan: "Plan") -> Dict[int, float]:
     """FLOPs each plan device runs in one training step (its share of split ops)."""
+    graph_nodes = plan.graph.nodes
+    sums: Dict[Tuple[int | None, str, int], float] = {}     # (stage, phase, device) -> one block's FLOPs
+
+    def block_flops(stage: int | None, phase: str, where: int) -> float:
+        if (stage, phase, where) not in sums:
+            key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
+            sums[(stage, phase, where)] = sum(n.meta[key] for n in graph_nodes
+                                              if (stage is None or n.stage == stage) and where in n.placement.devices)
+        return sums[(stage, phase, where)]
+
     out = {}
     for d in range(plan.config.plan_ngpus):
-        total = 0.0
-        for (stage, phase), count in blocks_per_stage(plan, d).items():
-            where = _stage_device(plan, stage, d)
-            key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
-            total += count * sum(n.meta[key] for n in plan.graph.nodes
-                                 if (stage is None or n.stage == stage) and where in n.placement.devices)
-        out[d] = total
+        out[d] = sum(count * block_flops(stage, phase, _stage_device(plan, stage, d))
+                     for (stage, phase), count in blocks_per_stage(plan, d).items())
     return out
 
 
 def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
     """(bytes sent, bytes received) by each plan device on the graph's edges in one training step."""
     steps = plan.collectives
+    records = list(zip(steps.phase, steps.stage, steps.devices, steps.collective, steps.bytes_per_device))
+    ring_sr: Dict[Tuple[int | None, str, int], Tuple[float, float]] = {}
+
+    def block_bytes(stage: int | None, phase: str, where: int) -> Tuple[float, float]:
+        """One block's bytes on ring collectives and on sends, as ``where`` runs it."""
+        if (stage, phase, where) not in ring_sr:
+            rows = [(c, b) for p, s, g, c, b in records
+                    if p == phase and where in g and (stage is None or s == stage)]
+            ring_sr[(stage, phase, where)] = (float(sum(b for c, b in rows if c != "send_recv")),
+                                              float(sum(b for c, b in rows if c == "send_recv")))
+        return ring_sr[(stage, phase, where)]
+
+    incoming = defaultdict(float)          # (stage, phase) -> bytes its sends carry
+    for p, s, _, c, b in records:
+        if c == "send_recv":
+            incoming[(s, p)] += b
     out = {}
     for d in range(plan.config.plan_ngpus):
         sent = received = 0.0
         for (stage, phase), count in blocks_per_stage(plan, d).items():
-            where = _stage_device(plan, stage, d)
-            rows = steps[(steps.phase == phase) & steps.devices.map(lambda g: where in g)]
-            if stage is not None:
-                rows = rows[rows.stage == stage]
-            ring = rows[rows.collective != "send_recv"].bytes_per_device.sum()
-            sent += count * (ring + rows[rows.collective == "send_recv"].bytes_per_device.sum())
+            ring, sends = block_bytes(stage, phase, _stage_device(plan, stage, d))
+            sent += count * (ring + sends)
             received += count * ring
             if stage is not None:             # what the neighbouring stage sends this way
                 source = stage - 1 if phase == "F" else stage + 1
-                incoming = steps[(steps.collective == "send_recv") & (steps.phase == phase) & (steps.stage == source)]
-                received += count * incoming.bytes_per_device.sum()
+                received += count * incoming[(source, phase)]
         out[d] = (float(sent), float(received))
     return out
 
@@ -129,13 +145,14 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     cfg = plan.config
     edges = edge_traffic_per_device(plan)
     u = cfg.units
+    partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
+                      for w in local_weights(plan.graphs, plan.storage, d, plan.geometry) if w.kind == "param")
+               for d in range(cfg.plan_ngpus)}
     rows = []
     for r in range(cfg.runtime_ngpus):
         sent, received = edges[cfg.device_of(r)]
         sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
-        sync += sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
-                    for w in local_weights(plan.graphs, plan.storage, cfg.device_of(r), plan.geometry)
-                    if w.kind == "param")
+        sync += partial[cfg.device_of(r)]
         rows.append({C.RANK.value: r, C.BYTES_SENT.value: sent + sync, C.BYTES_RECEIVED.value: received + sync})
     return pd.DataFrame(rows)
 

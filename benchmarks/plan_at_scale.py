@@ -1,0 +1,124 @@
+"""Planning and pricing at real sizes: how long each step of the interactive loop takes.
+
+Two plans of the sizes issue-scale users ask about, both built on the meta device (no weights):
+
+- ``gpt-145.6B``: the shipped GPT at the largest row of Megatron-LM's weak-scaling table
+  (Narayanan et al. 2021, SC21: 80 layers, hidden 12288, 96 heads, vocabulary 51,200, sequence
+  2,048), bf16, every block recomputed, ``hybrid`` with tp 8 x pp 8 (64 plan devices), 1,536 GPUs,
+  1F1B over 8 micro-batches of one sequence, priced on A100-SXM-80GB nodes;
+- ``llama-70B``: Hugging Face's ``LlamaForCausalLM`` at Llama-3-70B's shape (hidden 8192,
+  intermediate 28672, 80 layers, 64 heads, 8 key-value heads, vocabulary 128,256; the values of its
+  published ``config.json``), ``hybrid`` with tp 8 x pp 8 on 64 GPUs, 8 micro-batches of one sequence
+  of 2,048, priced on H100-SXM-80GB nodes.
+
+For each it times ``plan()``, ``plan.memory()`` (the first call replays each device's program on
+fake tensors), ``plan.summary(hardware=...)``, a second ``summary`` on another hardware, and a
+``summary`` with another optimizer (nothing is re-traced or replayed: the runs are cached on the
+plan). ``summary()`` without hardware is left out: it profiles ops on this CPU at their real shapes.
+
+    python -m benchmarks.plan_at_scale                    # writes benchmarks/results/plan_at_scale.md
+    python -m benchmarks.plan_at_scale --models llama-70B --layers 8 --print
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+import nbscaler
+from nbscaler import ComputeConfig, Hardware
+
+RESULTS = Path(__file__).parent / "results" / "plan_at_scale.md"
+SEQ, MICROS = 2048, 8
+
+
+def _pipeline(gpus: int, recompute: Dict) -> ComputeConfig:
+    return ComputeConfig(64, gpus, use_end2end=True, use_pipeline=True, pipeline_nstages=8,
+                         pipeline_nmicros=MICROS, pipeline_scheduler="1f1b", pas_config=recompute)
+
+
+def gpt_145b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hardware]:
+    from nbscaler.models.gpt import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=51200, seq_len=SEQ, n_layer=layers, d_model=12288, n_head=96))
+    idx = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    args = {"batch": {"idx": idx, "targets": idx.clone()}}
+    cfg = _pipeline(1536, {"recompute_modules": ["blocks"]})
+    plan = lambda: nbscaler.plan(model, args, "hybrid", cfg, module_dtype=torch.bfloat16)
+    return plan, Hardware.named("A100-SXM-80GB", nodes=192), Hardware.named("H100-SXM-80GB", nodes=192)
+
+
+def llama_70b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hardware]:
+    from tests.models import torchvision_ops
+    torchvision_ops.declare_missing_ops()         # transformers imports torchvision, whose ops may be missing here
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
+                         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    args = {"input_ids": ids, "labels": ids.clone()}
+    plan = lambda: nbscaler.plan(model, args, "hybrid", _pipeline(64, {}))
+    return plan, Hardware.named("H100-SXM-80GB", nodes=8), Hardware.named("H200-SXM-141GB", nodes=8)
+
+
+MODELS = {"gpt-145.6B": gpt_145b, "llama-70B": llama_70b}
+
+
+def _timed(fn: Callable[[], object]) -> Tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def measure(name: str, layers: int) -> Dict[str, float]:
+    """Seconds of each step for model ``name`` at ``layers`` layers."""
+    make, hw, other = MODELS[name](layers)
+    row: Dict[str, float] = {}
+    row["plan"], plan = _timed(make)
+    row["ops"] = len(plan.graph.nodes)
+    row["memory"], _ = _timed(lambda: plan.memory(torch.optim.Adam))
+    row["summary(hardware)"], _ = _timed(lambda: plan.summary(torch.optim.Adam, hardware=hw))
+    row["again, other hardware"], _ = _timed(lambda: plan.summary(torch.optim.Adam, hardware=other))
+    row["again, other optimizer"], _ = _timed(lambda: plan.summary(torch.optim.SGD, hardware=hw))
+    return row
+
+
+COLUMNS = ["plan", "memory", "summary(hardware)", "again, other hardware", "again, other optimizer"]
+
+
+def table(rows: List[Tuple[str, int, Dict[str, float]]]) -> str:
+    lines = ["| model | layers | ops | " + " | ".join(f"{c} (s)" for c in COLUMNS) + " | plan + memory + summary (s) |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: |"]
+    for name, layers, r in rows:
+        total = r["plan"] + r["memory"] + r["summary(hardware)"]
+        lines.append(f"| {name} | {layers} | {int(r['ops'])} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS)
+                     + f" | {total:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--layers", type=int, default=80)
+    parser.add_argument("--print", action="store_true", help="print the table instead of writing the results file")
+    opts = parser.parse_args()
+    warnings.simplefilter("ignore")
+    rows = []
+    for name in opts.models:
+        rows.append((name, opts.layers, measure(name, opts.layers)))
+        print(table(rows[-1:]), flush=True)
+    text = table(rows)
+    if not opts.print:
+        RESULTS.write_text(f"# Planning and pricing at scale\n\n`python -m benchmarks.plan_at_scale`, "
+                           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{text}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
