@@ -25,6 +25,7 @@ from nbscaler.widgets.plotting import ChartView
 from nbscaler.widgets.svgchart import Block, Panel, lanes_svg
 
 if TYPE_CHECKING:
+    from nbscaler.cost.hardware import Hardware
     from nbscaler.planning import Plan
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
@@ -95,18 +96,21 @@ class TimelineView(ChartView):
     """The predicted (and, after a run, measured) timeline of one training step.
 
     >>> TimelineView(plan)                                                      # doctest: +SKIP
+    >>> TimelineView(plan, hardware=Hardware.named("H100-SXM-80GB"))  # priced there, nothing run  # doctest: +SKIP
     >>> view.update(measured=Measured(timeline=pd.DataFrame(pm.pipeline_timeline().to_rows())))  # doctest: +SKIP
     """
 
     css_class = "nbs-timeline"
 
-    def __init__(self, plan: "Plan", measured: Optional[Measured] = None) -> None:
+    def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *,
+                 hardware: Optional["Hardware"] = None) -> None:
         super().__init__(plan, measured=measured)
+        self.hardware = hardware        # None: the ops' times as profiled on this machine
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
-        line = self.plan.timeline()
+        line = self.plan.timeline(hardware=self.hardware)
         self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
         self.predicted_bubble_total = line.bubble_fraction
         measured = self.measured.timeline
