@@ -120,7 +120,7 @@ class TimelineView(ChartView):
         if self.measured_frame is not None:
             bubbles["measured"] = bubble_per_rank(self.measured_frame, nranks)
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
-        self.assumptions = assumptions(self.plan, self.predicted)
+        self.assumptions = assumptions(self.plan, self.predicted, self.hardware)
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         self._shown()
@@ -195,9 +195,25 @@ class TimelineView(ChartView):
         return self.bubble_table
 
 
-def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
+def assumptions(plan: "Plan", predicted: pd.DataFrame, hardware: Optional["Hardware"] = None) -> str:
     """What the prediction rests on, in a few lines: where op and collective times come from, the
-    slowest ops as timed, and each stage's forward and backward time."""
+    slowest ops as timed (on this machine), and each stage's forward and backward time."""
+    if hardware is not None and not hardware.is_local:
+        where = (f"Predicted on {hardware.name} ({hardware.ngpus} GPUs): ops by their roofline (FLOPs and bytes "
+                 "at its rates), collectives by NCCL's cost on the links each group spans; nothing run here.")
+        return "\n".join([where] + _block_times(predicted))
+    return "\n".join(_local_assumptions(plan) + _block_times(predicted))
+
+
+def _block_times(predicted: pd.DataFrame) -> List[str]:
+    if not len(predicted):
+        return []
+    per = (predicted.t_end - predicted.t_start).groupby([predicted.stage, predicted.phase]).mean()
+    return ["Block times: " + ", ".join(f"stage {s} {p} {fmt_seconds(t)}" for (s, p), t in per.items())]
+
+
+def _local_assumptions(plan: "Plan") -> List[str]:
+    """Op times profiled here, the collectives' alpha-beta model, and the slowest ops as timed."""
     from nbscaler.cost import comm_model
     from nbscaler.cost.timing import profiler_for
 
@@ -220,7 +236,4 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
     if slowest:
         lines.append("Slowest ops (fwd+bwd on their device): " +
                      ", ".join(f"{name} {fmt_seconds(t)}" for t, name in slowest))
-    if len(predicted):
-        per = (predicted.t_end - predicted.t_start).groupby([predicted.stage, predicted.phase]).mean()
-        lines.append("Block times: " + ", ".join(f"stage {s} {p} {fmt_seconds(t)}" for (s, p), t in per.items()))
-    return "\n".join(lines)
+    return lines
