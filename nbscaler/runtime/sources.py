@@ -82,21 +82,33 @@ class Safetensors(WeightSource):
     """A ``.safetensors`` file, or a folder of shards, read by slices."""
 
     def __init__(self, path: PathLike):
-        from safetensors import safe_open
         self.path = Path(path)
         self.description = {"source": "safetensors", "path": str(self.path)}
         self.files = _safetensors_files(self.path)
-        self._open = {f: safe_open(str(f), framework="pt") for f in sorted(set(self.files.values()))}
-        missing = [n for n, f in self.files.items() if n not in self._open[f].keys()]
+        held = {f: set(self._open(f).keys()) for f in sorted(set(self.files.values()))}
+        missing = [n for n, f in self.files.items() if n not in held[f]]
         if missing:
             raise ValueError(f"{self.path / SAFETENSORS_INDEX} maps '{missing[0]}' to {self.files[missing[0]].name}, "
                              "which does not hold it: the index and the shards are from different saves.")
 
     def shapes(self) -> Dict[str, Shape]:
-        return {name: tuple(self._open[f].get_slice(name).get_shape()) for name, f in self.files.items()}
+        shapes = {}
+        for path in sorted(set(self.files.values())):
+            file = self._open(path)
+            shapes.update({name: tuple(file.get_slice(name).get_shape()) for name, f in self.files.items() if f == path})
+        return shapes
+
+    @staticmethod
+    def _open(path: Path) -> Any:
+        """A file opened for one read. Each opening maps the file anew and closing it unmaps it: a
+        slice split along a later dimension touches every page of its tensor, and pages that stayed
+        mapped would count in the rank's resident memory until loading ends (about the whole model's
+        bytes over a checkpoint's row-parallel weights), though only its slices are kept."""
+        from safetensors import safe_open
+        return safe_open(str(path), framework="pt")
 
     def read(self, spec: WeightSpec) -> torch.Tensor:
-        part = self._open[self.files[spec.name]].get_slice(spec.name)
+        part = self._open(self.files[spec.name]).get_slice(spec.name)
         if spec.split_dim is None:
             return part[:].to(spec.dtype)
         d = spec.split_dim

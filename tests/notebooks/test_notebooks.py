@@ -40,7 +40,10 @@ def _errors(nb) -> list:
 
 
 def test_the_walkthroughs_are_all_there():
-    assert [p.stem[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(1, 11)], [p.name for p in NOTEBOOKS]
+    """Numbered from 01 on with no gap, at least the ten walkthroughs of the first release."""
+    numbers = [p.stem[:2] for p in NOTEBOOKS]
+    assert len(numbers) >= 10 and numbers == [f"{i:02d}" for i in range(1, len(numbers) + 1)], \
+        [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

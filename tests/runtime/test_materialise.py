@@ -66,3 +66,58 @@ def test_meta_models_train_like_one_process_on_four_ranks(tmp_path):
     per_rank = run_ranks(train_materialised, 4, cases, str(tmp_path), timeout=600)
     for i, case in enumerate(cases):
         check_materialised(case, [res[i] for res in per_rank])
+
+
+LOADED_LLAMA = dict(vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16)
+
+
+def _meta_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.models.hf import LossOf
+    with torch.device("meta"):
+        return LossOf(LlamaForCausalLM(LlamaConfig(**LOADED_LLAMA)))
+
+
+def load_share(folder: str, gen_dir: str) -> dict:
+    """One rank: parallelize a meta-built Llama from ``folder`` under tp; the bytes of the
+    parameters it holds, and how far its own (anonymous) memory and the checkpoint's pages it
+    held mapped (file-backed) grew while loading."""
+    import nbscaler
+    from tests.resident import MB, PeakResident, resident_mb
+    model, ids = _meta_llama(), torch.zeros(1, 8, dtype=torch.long)
+    batch = {"batch": {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}}
+    before = resident_mb()
+    with PeakResident() as loading:
+        model = nbscaler.parallelize(model, batch, "tp", nbscaler.ComputeConfig(plan_ngpus=2, runtime_ngpus=2),
+                                     gen_savedir=gen_dir, reuse="override", weights=folder)
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "growth_bytes": (loading.peak["RssAnon"] - before["RssAnon"]) * MB,
+            "mapped_bytes": (loading.peak["RssFile"] - before["RssFile"]) * MB}
+
+
+@pytest.mark.multiprocess
+def test_each_rank_holds_and_allocates_only_its_share_of_a_checkpoint(tmp_path):
+    """A 245 MB Llama loaded on 2 tp ranks: each rank's parameters are half of every matrix (the
+    embedding and the head split by vocabulary) plus the norms' vectors whole, and its own memory
+    grows by about that while loading, far from the whole model: no rank ever materialises it. Nor
+    does it keep the checkpoint's pages mapped: a slice of a row-parallel weight touches every page
+    of the tensor, and those pages count in the rank's RSS while the file stays open (with the files
+    held open for the whole load, the rank's peak RSS came within 10% of the whole model on 4 ranks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = str(tmp_path / "checkpoint")
+    torch.manual_seed(0)
+    whole_model = LlamaForCausalLM(LlamaConfig(**LOADED_LLAMA))
+    whole_model.save_pretrained(folder, safe_serialization=True, max_shard_size="100MB")
+    del whole_model
+    params = list(_meta_llama().parameters())
+    whole = sum(p.numel() * p.element_size() for p in params)
+    vectors = sum(p.numel() * p.element_size() for p in params if p.dim() == 1)
+    share = (whole - vectors) // 2 + vectors
+    for rank, res in enumerate(run_ranks(load_share, 2, folder, str(tmp_path / "gen"), timeout=600)):
+        assert res["param_bytes"] == share, f"rank {rank} holds {res['param_bytes']} bytes, its share is {share}"
+        assert res["growth_bytes"] < 0.75 * whole, \
+            f"rank {rank} grew by {res['growth_bytes'] / 2**20:.0f} MB loading a {whole / 2**20:.0f} MB model " \
+            f"(its share: {share / 2**20:.0f} MB)"
+        assert res["mapped_bytes"] < 0.25 * whole, \
+            f"rank {rank} held {res['mapped_bytes'] / 2**20:.0f} MB of the checkpoint mapped while loading"

@@ -48,6 +48,18 @@ def test_pipeline_rows_are_rank_and_stage_with_every_block():
     assert view.bubbles.predicted[0] > 0 and "bubble, predicted" in view.bubble_table
 
 
+def test_priced_on_a_target_the_view_draws_the_targets_timeline(monkeypatch):
+    """``hardware=`` prices every op by its roofline there: nothing is profiled on this machine."""
+    from nbscaler import Hardware
+    from nbscaler.cost import timing
+    plan, hw = llama_pp(), Hardware.named("H100-SXM-80GB")
+    monkeypatch.setattr(timing, "profiler_for", lambda *a, **k: pytest.fail("profiled ops on this machine"))
+    view = TimelineView(plan, hardware=hw)
+    expected = pd.DataFrame(plan.timeline(hardware=hw).to_rows(), columns=TIMELINE_COLUMNS)
+    pd.testing.assert_frame_equal(view.predicted, normalized(expected))
+    assert view.assumptions.startswith("Predicted on H100-SXM-80GB (1 node(s) of 8 GPUs): op times from a roofline")
+
+
 def test_assumptions_are_stated_on_the_figure():
     view = TimelineView(llama_pp())
     text = view.figure.layout.annotations[-1].text
