@@ -1,5 +1,6 @@
 """Command line: ``nbscaler demo`` runs the demo; ``nbscaler show DIR [RANK]`` prints generated code;
-``nbscaler report DIR`` writes every view of a compiled module to one offline HTML file;
+``nbscaler report DIR [--hardware NAME --nodes N]`` writes every view of a compiled module to one
+offline HTML file (on a catalogued target, if named);
 ``nbscaler notebooks [--only NN ...]`` runs the walkthroughs again and saves them with their outputs.
 
 >>> python -m nbscaler.cli demo --ranks 4          # doctest: +SKIP
@@ -31,11 +32,14 @@ OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 MEASURED_FOLDER = "measured"
 
 
-def report(path: str, out: Optional[str], optimizer: str, measured: Optional[str]) -> int:
+def report(path: str, out: Optional[str], optimizer: str, measured: Optional[str],
+           hardware: Optional[str] = None, nodes: int = 1) -> int:
     """Write the report of the compiled module at (or under) ``path``; a run's telemetry saved with
-    ``Measured.save`` in ``path/measured`` (or ``--measured``) is drawn beside the prediction."""
+    ``Measured.save`` in ``path/measured`` (or ``--measured``) is drawn beside the prediction. With
+    ``hardware`` (a catalogued name) the summary, timeline and memory are those of ``nodes`` such nodes."""
     import torch
 
+    from nbscaler.cost.hardware import Hardware
     from nbscaler.planning.saved import SavedPlanError, find_module_dir, load_plan
     from nbscaler.widgets.base import Measured            # widgets only for this command
     from nbscaler.widgets.report import write_report
@@ -52,8 +56,16 @@ def report(path: str, out: Optional[str], optimizer: str, measured: Optional[str
         print(f"nbscaler report: {telemetry} is not a folder of measured data (Measured.save writes one)",
               file=sys.stderr)
         return 2
+    try:
+        target_hw = Hardware.named(hardware, nodes=nodes) if hardware else None
+        if target_hw is not None:
+            target_hw.check_ranks(plan.config.runtime_ngpus)
+    except ValueError as e:
+        print(f"nbscaler report: {e}", file=sys.stderr)
+        return 2
     target = Path(out) if out else folder / "report.html"
-    written = write_report(plan, target, data, optimizer=getattr(torch.optim, OPTIMIZERS[optimizer]))
+    written = write_report(plan, target, data, optimizer=getattr(torch.optim, OPTIMIZERS[optimizer]),
+                           hardware=target_hw)
     print(written)
     return 0
 
@@ -85,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                           help="the optimizer whose state the memory view counts")
     report_p.add_argument("--measured", help="a folder written by Measured.save (default: <path>/measured if present)")
+    report_p.add_argument("--hardware", metavar="NAME",
+                          help="draw the plan on this catalogued target (nbscaler.Hardware.catalogue(), e.g. H100-SXM-80GB)")
+    report_p.add_argument("--nodes", type=int, default=1, help="nodes of --hardware (default 1)")
     nb_p = sub.add_parser("notebooks", help="run the walkthroughs in fresh kernels and save them with their outputs")
     nb_p.add_argument("--only", nargs="+", default=[], metavar="NAME",
                       help="these notebooks only, by number (01) or name (01_tour); default: all")
@@ -96,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "report":
-        return report(args.path, args.out, args.optimizer, args.measured)
+        return report(args.path, args.out, args.optimizer, args.measured, args.hardware, args.nodes)
     if args.command == "notebooks":
         from nbscaler.walkthroughs import main as save_notebooks
         return save_notebooks(args.only, args.folder, args.timeout)

@@ -10,16 +10,24 @@ notebook subtract one table from the other. The terms, fixed once:
 - ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once;
   with ZeRO, the flat buckets including their padding). Held at every moment of a step.
 - ``optimizer_bytes``: what the optimizer keeps between steps: its state (momentum, Adam's moments
-  and step counters); with ZeRO, for this rank's shard only (the shards are views of the
-  parameters). Created by the first ``step()`` and then held at every moment.
+  and step counters) and, with mixed precision (``master_dtype``), the master copies of the
+  parameters it updates (there is no column of their own); with ZeRO, for this rank's shard only
+  (without master copies the shards are views of the parameters). The state is created by the
+  first ``step()`` and then held at every moment; the master copies by ``build_optimizer``.
+  Gradients are in the parameters' dtype until the synchronisation moves them onto the master
+  copies (in theirs), so for bf16 parameters, fp32 masters and AdamW a rank holds 2 + 2 + 4 + 8 = 16
+  bytes per parameter during the backward (parameter, gradient, master, state) and 2 + 4 + 4 + 8 =
+  18 after the step (micro-batches add into the bf16 gradients: no fp32 accumulation buffer).
 - ``buffer_bytes``: the rank's buffers and captured constants (e.g. BatchNorm statistics, masks).
   Held at every moment.
 - ``grad_bytes`` and ``activation_bytes``: what the rank holds at the peak moment of a training step
-  (``StepMoment``) of gradients (the ``.grad`` of the local parameters and, with ZeRO, of the
-  optimizer's shards) and of activations (tensors autograd saved for the backward, each storage
-  once, parameters and buffers excluded). They are not each category's own maximum over the step.
-  Without a pipeline the peak is the backward: the forward's activations with every gradient, the
-  full gradients under ZeRO stage 1 too (they are reduce-scattered only when the optimizer steps).
+  (``StepMoment``) of gradients (the ``.grad`` of the local parameters and of the optimizer's
+  own parameters: ZeRO's shards, master copies) and of activations (tensors autograd saved for
+  the backward, each storage once, parameters and buffers excluded). They are not each category's
+  own maximum over the step. Without a pipeline the peak is the backward: the forward's
+  activations with every gradient, the full gradients under ZeRO stage 1 too (they are
+  reduce-scattered only when the optimizer steps); with master copies it can be the step instead,
+  where the masters' fp32 gradients may outweigh the bf16 ones with the activations.
   With a pipeline it is the backward of the micro-batch that starts with the most in flight.
 - ``peak_bytes``: the sum of the five categories above at the peak moment, the largest such sum over
   the moments of a step. A backward counts as holding its starting activations and its gradients
@@ -122,7 +130,8 @@ class StepMoment(StrEnum):
       rank's shard (buckets completing in the reverse of parameter order).
     - ``step``: the optimizer step and what it leaves: under ZeRO stage 1 it starts with every
       gradient and frees each bucket's full gradients as it reduce-scatters them; without ZeRO the
-      synchronisation gives every parameter a gradient.
+      synchronisation gives every parameter a gradient (with master copies, the masters' in their
+      dtype, in place of the parameters' own).
 
     The peak is the first moment with the largest sum.
     """

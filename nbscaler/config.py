@@ -19,8 +19,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-TRAIN_SCHEDULERS = ("1f1b", "1f1b_plus", "gpipe", "chimera_direct")
-INFER_SCHEDULERS = ("infer_pipe",)
+from nbscaler.schedule.schedulers import SCHEDULERS, scheduler_spec
+
+TRAIN_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if spec.training)
+INFER_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if not spec.training)
 #: The ``pas_config`` key naming the modules to recompute in the backward (``nbscaler.policy.recompute``).
 RECOMPUTE_MODULES = "recompute_modules"
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
@@ -221,6 +223,15 @@ class ComputeConfig:
         pas_config.update({k: v for k, v in changes.items() if k in PIPELINE_KEYS})
         return dataclasses.replace(self, **changes, pas_config=pas_config)
 
+    def _validate_scheduler_rules(self) -> None:
+        """The rules the scheduler declared where it registered (stages per device, micro-batches)."""
+        spec = scheduler_spec(self.scheduler)
+        nstages = self.pipeline_nstages if self.pipeline_nstages != -1 else spec.default_nstages(self.plan_ngpus)
+        problem = spec.problem(nstages, self.pipeline_nmicros, self.plan_ngpus)
+        if problem is not None:
+            field_name, fix = problem
+            _fail(field_name, getattr(self, field_name) if field_name != "pipeline_scheduler" else self.scheduler, fix)
+
     def _merge_pipeline_keys(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in PIPELINE_KEYS}
         for key in PIPELINE_KEYS:
@@ -290,13 +301,6 @@ class ComputeConfig:
             if not isinstance(self.pipeline_nmicros, int) or self.pipeline_nmicros < 1:
                 _fail("pipeline_nmicros", self.pipeline_nmicros,
                       "a pipeline needs the number of micro-batches per train_step: set pipeline_nmicros >= 1.")
-            if self.pipeline_nstages != -1:
-                if not isinstance(self.pipeline_nstages, int) or self.pipeline_nstages < 1:
-                    _fail("pipeline_nstages", self.pipeline_nstages, "it must be a positive integer.")
-                if self.plan_ngpus % self.pipeline_nstages:
-                    _fail("pipeline_nstages", self.pipeline_nstages,
-                          f"it must divide plan_ngpus={self.plan_ngpus} (each stage gets plan_ngpus // nstages devices).")
-            if self.scheduler == "chimera_direct" and self.pipeline_nstages not in (-1, 4):
-                _fail("pipeline_scheduler", "chimera_direct",
-                      f"chimera_direct runs exactly 4 stages, not pipeline_nstages={self.pipeline_nstages}; "
-                      "set pipeline_nstages=4 or use 1f1b/gpipe.")
+            if self.pipeline_nstages != -1 and (not isinstance(self.pipeline_nstages, int) or self.pipeline_nstages < 1):
+                _fail("pipeline_nstages", self.pipeline_nstages, "it must be a positive integer.")
+            self._validate_scheduler_rules()

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
-from nbscaler.config import PIPELINE_KEYS
-from nbscaler.planning.planner import cast_floats
+from nbscaler.config import PIPELINE_KEYS, Precision
+from nbscaler.planning.planner import build_module, cast_floats
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.initialize import init_module
 from nbscaler.runtime.launch import spawn
@@ -424,7 +424,8 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
     from nbscaler.schedule import PipelineGeometry
     from nbscaler.trace.modes import trace_modes
     cfg = case.compute_config
-    graphs = trace_modes(build(case.model), batch(case.model, 12345), cfg)
+    module = build_module(build(case.model), None, case.module_dtype)
+    graphs = trace_modes(module, cast_floats(batch(case.model, 12345), case.module_dtype), cfg)
     for mode in graphs:
         graphs[mode] = get_policy(case.policy)(graphs[mode], cfg)
         check_placements(graphs[mode], cfg)
@@ -435,10 +436,11 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
 
 
 def predicted_memory(case: Case) -> List[Dict[str, int]]:
-    """The memory model's rows for the case, with the case's optimizer."""
+    """The memory model's rows for the case, with the case's optimizer and master copies."""
     from nbscaler.cost.memory import memory_per_rank
     cls, kwargs = OPTIMIZERS[case.optimizer]
-    return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs).to_dict("records")
+    return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs,
+                           precision=Precision(case.master_dtype, case.grad_reduce_dtype)).to_dict("records")
 
 
 # -- the same checks through a notebook cluster ------------------------------------------------------

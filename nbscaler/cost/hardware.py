@@ -110,6 +110,11 @@ class Hardware:
                              f"plan in one of those dtypes (module_dtype=...) or add the peak.")
         return self.peak_flops_by_precision[precision]
 
+    def fits(self, nbytes):
+        """Whether ``nbytes`` (a number, or an array or Series of them) fits in one GPU's memory: the
+        one test of "fits" the summary's ``fits`` column and the memory view both ask."""
+        return nbytes <= self.memory_bytes
+
     def check_ranks(self, nranks: int) -> None:
         """Raise when a job of ``nranks`` ranks needs more GPUs than the target has."""
         if nranks > self.ngpus:

@@ -12,8 +12,13 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
   + b`` bytes per optimizer parameter: 0 for SGD, ``numel`` floats for momentum, two and a step
   counter for Adam), applied to the local parameters or, with ZeRO, to the shards. Shards follow
   the runtime's buckets: parameters in order, split at 25 MiB and at dtype changes, each padded to
-  a multiple of the ZeRO group size. A shard is a view of the flat parameters, so it adds no bytes
-  of its own; the parameters include the padding;
+  a multiple of the ZeRO group size. Without master copies a shard is a view of the flat
+  parameters, so it adds no bytes of its own; the parameters include the padding;
+- **mixed precision** (``nbscaler.config.Precision``, as ``build_optimizer(..., master_dtype=)``
+  runs it): the optimizer updates master copies of the local parameters (with ZeRO, of the shards)
+  in the master dtype; the copies count as optimizer state and the state is learnt in their dtype.
+  Gradients are in the parameters' dtype until the synchronisation moves them onto the masters
+  (``cost.moments``); ``nbscaler.columns`` gives the bytes per parameter this makes;
 - **activations**: what autograd saves during the forward, from replaying the rank's code on fake
   tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline. A
   recomputed module (``recompute_modules``) saves only its inputs, as ``torch.utils.checkpoint``
@@ -39,7 +44,7 @@ import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import Layout
-from nbscaler.config import ComputeConfig
+from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
@@ -118,28 +123,40 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
-                  optimizer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, int]:
-    """Parameters, optimizer state and buffers of one rank (bytes): what it holds at every moment."""
+                  optimizer_kwargs: Optional[Dict[str, Any]], precision: Precision = Precision()) -> Dict[str, int]:
+    """Parameters, optimizer state and buffers of one rank (bytes): what it holds at every moment.
+    With master copies (``precision``) the optimizer's bytes are the copies and their state."""
     params = [w for w in weights if w.kind == "param"]
     row = {C.PARAM_BYTES: sum(p.nbytes for p in params),
            C.BUFFER_BYTES: sum(w.nbytes for w in weights if w.kind != "param")}
     if cfg.inference_only:
         return {**row, C.OPTIMIZER_BYTES: 0}
     slots = optimizer_params(params, cfg)
-    row[C.OPTIMIZER_BYTES] = sum(optimizer_state_bytes(optimizer, optimizer_kwargs, n, dt) for n, dt in slots)
     if cfg.use_zero:
         n = zero_group_size(cfg)
         row[C.PARAM_BYTES] = sum(numel * n * _itemsize(dt) for numel, dt in slots)     # flat, padded
+    row[C.OPTIMIZER_BYTES] = 0
+    for numel, dt in slots:
+        master = precision.master_of(dt)
+        copy = numel * _itemsize(master) if master is not None else 0
+        row[C.OPTIMIZER_BYTES] += copy + optimizer_state_bytes(optimizer, optimizer_kwargs, numel, master or dt)
     return row
 
 
-def gradients(weights: List[LocalWeight], cfg: ComputeConfig) -> Gradients:
-    """The rank's gradients at the start of a step (none), bucketed as its reducer buckets them."""
+def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precision = Precision()) -> Gradients:
+    """The rank's gradients at the start of a step (none), bucketed as its reducer buckets them,
+    with the gradient bytes the synchronisation leaves per bucket on the optimizer's side: ZeRO's
+    shard, or the master copies' without ZeRO (nothing without either)."""
     params = [w for w in weights if w.kind == "param"]
-    if not cfg.use_zero:
-        return Gradients(buckets(params), [], 0)
-    shards = [numel * _itemsize(dt) for numel, dt in optimizer_params(params, cfg)]
-    return Gradients(buckets(params), shards, cfg.zero_stage)
+    groups = buckets(params)
+    if not cfg.use_zero and all(precision.master_of(p.dtype) is None for p in params):
+        return Gradients(groups, [], 0)
+    # Without ZeRO the optimizer's parameters are one per parameter; the bytes are summed per bucket.
+    updated = [numel * _itemsize(precision.master_of(dt) or dt) for numel, dt in optimizer_params(params, cfg)]
+    if cfg.use_zero:
+        return Gradients(groups, updated, cfg.zero_stage)
+    sizes = iter(updated)
+    return Gradients(groups, [sum(next(sizes) for _ in b) for b in groups], 0)
 
 
 # -- activations -------------------------------------------------------------------------------
@@ -167,12 +184,17 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
 
 def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:
     """The most bytes saved at once: one forward without a pipeline; with one, the running total
-    over the device's blocks (a forward adds its stage's bytes, the backward frees them)."""
+    over the device's blocks (a forward adds its stage's bytes, the backward frees them, or the
+    weight-gradient block when the schedule splits the backward)."""
     if geometry is None:
         return saved[None]
     live = peak = 0
-    for block in geometry.schedule.blocks_of(geometry.pipeline_device(device)):
-        live += saved[block.stage] if block.phase == "F" else -saved[block.stage]
+    schedule = geometry.schedule
+    for block in schedule.blocks_of(geometry.pipeline_device(device)):
+        if block.phase == "F":
+            live += saved[block.stage]
+        elif block.phase == schedule.release_phase:
+            live -= saved[block.stage]
         peak = max(peak, live)
     return peak
 
@@ -188,7 +210,8 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 # -- the table ---------------------------------------------------------------------------------
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                    optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None) -> pd.DataFrame:
+                    optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
+                    precision: Precision = Precision()) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
@@ -199,6 +222,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         optimizer: the optimizer class; its state is learnt by stepping it on tiny tensors.
         optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
         runs: ``device_runs`` of the plan, when the caller has them already.
+        precision: the optimizer's master copies (``build_optimizer(..., master_dtype=)``).
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
@@ -208,7 +232,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
     by_device: Dict[int, Dict[str, int]] = {}
     for device in range(cfg.plan_ngpus):
         weights = local_weights(graphs, storage, device, geometry)
-        row = weight_memory(weights, cfg, optimizer, optimizer_kwargs)
+        row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
@@ -216,7 +240,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
             annotate_saved_bytes(stages)
             saved = {s: r.saved_bytes for s, r in stages.items()}
             params = [w for w in weights if w.kind == "param"]
-            held = peak_moment(step_moments(gradients(weights, cfg), params, saved, geometry, device))
+            held = peak_moment(step_moments(gradients(weights, cfg, precision), params, saved, geometry, device))
             row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row

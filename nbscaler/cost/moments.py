@@ -13,7 +13,8 @@ backward frees it. Gradients follow the runtime's reducers (``nbscaler.runtime.r
   parameter order;
 - the optimizer step: under ZeRO every bucket still holding full gradients is reduce-scattered (in
   order, each freed as its shard gets its slice); without ZeRO the synchronisation gives every
-  parameter a gradient.
+  parameter a gradient and, with master copies (bf16 parameters, fp32 masters), moves each
+  bucket's gradients onto the masters in their dtype, freeing the parameters' own.
 
 ``MemoryMeter`` (``nbscaler.runtime.memory``) counts at the same moments on a running rank.
 """
@@ -38,7 +39,8 @@ class Gradients:
 
     Args:
         buckets: the reducer's buckets of the rank's parameters (``cost.memory.buckets``).
-        shard_bytes: per bucket, the bytes of this rank's ZeRO shard (unused without ZeRO).
+        shard_bytes: per bucket, the gradient bytes of what the optimizer updates in its place: this
+            rank's ZeRO shard or, without ZeRO, the master copies (empty: the parameters themselves).
         zero_stage: 0 without ZeRO, else 1 or 2.
     """
 
@@ -89,6 +91,8 @@ class Gradients:
         else:
             for w in all_params:
                 self._make(w)
+            for index in range(len(self.shard_bytes)):      # onto the master copies
+                self._reduce(index)
             most = max(most, self.held)
         return most
 

@@ -64,7 +64,7 @@ def add_target_columns(plan: "Plan", frame: pd.DataFrame, hardware: Hardware) ->
     step = frame[str(C.STEP_TIME_S)]
     frame = frame.copy()
     frame[str(C.DEVICE_MEMORY_BYTES)] = hardware.memory_bytes
-    frame[str(C.FITS)] = frame[str(C.PEAK_BYTES)] <= hardware.memory_bytes
+    frame[str(C.FITS)] = hardware.fits(frame[str(C.PEAK_BYTES)])
     frame[str(C.HARDWARE_FLOPS)] = frame[str(C.FLOPS)] + [again[cfg.device_of(r)] for r in frame[str(C.RANK)]]
     frame[str(C.MFU)] = frame[str(C.FLOPS)] / (step * peak)
     frame[str(C.HFU)] = frame[str(C.HARDWARE_FLOPS)] / (step * peak)

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 from nbscaler.codegen.rankfile import generate, sections_of
 from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.traffic import collective_steps
-from nbscaler.config import ComputeConfig
+from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
@@ -138,19 +138,29 @@ class Plan:
         return tables.traffic_per_rank(self)
 
     def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *, hardware: Optional[Hardware] = None,
-                **optimizer_kwargs: Any) -> pd.DataFrame:
+                master_dtype: Optional[torch.dtype] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
         """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted.
+
+        ``master_dtype`` is ``build_optimizer``'s: the memory counts the optimizer's master copies
+        and its state in that dtype (``memory()``).
 
         With ``hardware`` (``nbscaler.Hardware``), the step is timed on that target from each op's
         FLOPs and bytes and NCCL's collective costs, with nothing run on this machine, and the rows
         add its capacity, ``fits``, ``hardware_flops``, ``mfu``, ``hfu`` and ``tokens_per_s``
         (``nbscaler.columns``)."""
-        return tag(tables.summary_frame(self, optimizer, optimizer_kwargs, hardware), Table.SUMMARY, self)
+        return tag(tables.summary_frame(self, optimizer, optimizer_kwargs, hardware, master_dtype),
+                   Table.SUMMARY, self)
 
-    def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> pd.DataFrame:
-        """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)."""
+    def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *,
+               master_dtype: Optional[torch.dtype] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
+        """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...).
+
+        With ``master_dtype`` (``build_optimizer``'s, e.g. ``torch.float32`` for a bf16 module) the
+        optimizer updates master copies in that dtype: they count in ``optimizer_bytes`` with its
+        state, and the gradients are in that dtype after the step (``nbscaler.cost.memory``)."""
         return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
-                                   optimizer_kwargs=optimizer_kwargs, runs=self.local_runs), Table.MEMORY, self)
+                                   optimizer_kwargs=optimizer_kwargs, runs=self.local_runs,
+                                   precision=Precision(master_dtype)), Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pandas as pd
+import torch
 
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
@@ -60,12 +61,15 @@ def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
 
 # -- per rank -------------------------------------------------------------------------------------
 def blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], int]:
-    """How often ``device`` runs each ``(stage, phase)`` in one training step."""
+    """How often ``device`` runs each ``(stage, phase)`` in one training step. A ``W`` block is
+    the weight half of a backward its ``B`` block already counts (the graph's ops and collectives
+    are forward or backward), so only ``F`` and ``B`` are counted."""
     if plan.geometry is None:
         return {(None, "F"): 1, (None, "B"): 1}
     counts: Dict[Tuple[int | None, str], int] = defaultdict(int)
     for block in plan.schedule.blocks_of(plan.geometry.pipeline_device(device)):
-        counts[(block.stage, block.phase)] += 1
+        if block.phase != "W":
+            counts[(block.stage, block.phase)] += 1
     return counts
 
 
@@ -137,10 +141,10 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
 
 
 def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
-                  hardware: Optional["Hardware"] = None) -> pd.DataFrame:
+                  hardware: Optional["Hardware"] = None, master_dtype: Optional[torch.dtype] = None) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
-    ``hardware`` those of ``TARGET_COLUMNS`` too."""
-    memory = plan.memory(optimizer, **optimizer_kwargs)
+    ``hardware`` those of ``TARGET_COLUMNS`` too; memory with master copies in ``master_dtype``."""
+    memory = plan.memory(optimizer, master_dtype=master_dtype, **optimizer_kwargs)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
     flops = flops_per_device(plan)
     frame = pd.DataFrame({C.RANK.value: range(plan.config.runtime_ngpus),

@@ -168,12 +168,15 @@ def pipeline_geometry(cfg: ComputeConfig, policy: str) -> PipelineGeometry:
 
 
 def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Pipeline parallelism: one stage per device, stages balanced by the FLOPs of their ops."""
+    """Pipeline parallelism: each device runs its stages alone (one, or the scheduler's several per
+    device), stages balanced by the FLOPs of their ops."""
     geometry = pipeline_geometry(cfg, "pp")
     if geometry.tp != 1:
-        raise PolicyError(f"policy 'pp' puts one stage on each device, so pipeline_nstages must equal "
-                          f"plan_ngpus={cfg.plan_ngpus} (got {geometry.schedule.ndevices}); use 'hybrid' for "
-                          "tensor parallelism inside the stages.")
+        per_device = geometry.schedule.nstages // geometry.schedule.ndevices
+        raise PolicyError(f"policy 'pp' gives each device its own stages, so pipeline_nstages must equal "
+                          f"{per_device} x plan_ngpus={per_device * cfg.plan_ngpus} for "
+                          f"{cfg.scheduler} (got {cfg.pipeline_nstages}: {geometry.schedule.ndevices} pipeline "
+                          "devices); use 'hybrid' for tensor parallelism inside the stages.")
     stage_by_cost(graph, geometry.schedule.nstages)
     for node in graph.nodes:
         replicate(node, geometry.stage_group(node.stage))

@@ -7,7 +7,11 @@ For each block of its pipeline device, a rank:
   sends what crosses out of it to the devices that run stage ``s + 1`` for ``m``;
 - ``B(s, m)``: starts the backward from the loss (last stage) or from the gradients that stage
   ``s + 1`` sends back, runs ``torch.autograd.backward`` through the stage, and sends the gradients
-  of the tensors that came in to stage ``s - 1``.
+  of the tensors that came in to stage ``s - 1``;
+- with a zero-bubble schedule, ``B(s, m)`` computes only those input gradients (the data path,
+  the graph kept) and ``W(s, m)``, later, the weights' gradients from where ``B`` left the data
+  path (:mod:`~nbscaler.runtime.split_backward`); they accumulate into ``.grad`` and fire the
+  gradient hooks (ZeRO-2's) as a whole backward does.
 
 Sends are non-blocking (``isend``). Receives are posted ahead (``irecv``) for the next
 ``RECEIVE_AHEAD`` blocks that need one, so a message lands in its buffer while this rank is still
@@ -32,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from nbscaler.runtime import split_backward
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule
 
 
@@ -61,6 +66,8 @@ class PipelineExecutor:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.events: List[Dict[str, Any]] = []
         self.losses: List[Optional[torch.Tensor]] = []    # after run: every micro-batch's loss (float32)
+        self.weights_due: Dict[Tuple[int, int], split_backward.WeightPass] = {}   # B done, W not yet
+        self.weights = [p for p in module.parameters() if p.requires_grad]
 
     # -- addressing -----------------------------------------------------------------------------
     def _rank_of(self, pipeline_device: int) -> int:
@@ -105,25 +112,19 @@ class PipelineExecutor:
                     results[m] = out
                 else:
                     pending += self._send(s, s + 1, m, "F", out)
-            else:
+            elif block.phase == "B":
                 grads = self._receive_backward(s, m, grads_in, receives) if s < last else {}
                 start = time.perf_counter()
-                out = outputs.pop((s, m))
-                if s == last:
-                    loss = out[0] if isinstance(out, (tuple, list)) else out
-                    if dummy is not None and dummy[m]:
-                        loss = loss * 0.0            # keeps the schedule's messages, adds no gradient
-                    (scale_fn(loss) if scale_fn is not None else loss).backward()
-                else:
-                    pairs = [(out[n], grads[n]) for n in out if out[n].requires_grad and n in grads]
-                    if pairs:
-                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-                carry = inputs.pop((s, m))
+                roots = self._roots(s, m, outputs.pop((s, m)), grads, dummy, scale_fn)
+                in_grads = self._backward(roots, inputs.pop((s, m)), (s, m))
+                if s == last and self.schedule.splits_backward:
+                    results[m] = _detached(results[m])     # the graph is W's now: it dies after W
                 if s > 0:
-                    in_grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t))
-                                for n, t in carry.items() if t.requires_grad}
                     grads_in[(s - 1, m)] = in_grads
                     pending += self._send(s, s - 1, m, "B", in_grads)
+            else:
+                start = time.perf_counter()
+                self._weight_gradients((s, m))
             self.events.append({"rank": self.rank, "stage": s, "micro": m,
                                 "phase": block.phase, "t_start": start, "t_end": time.perf_counter()})
         pending += self._send_losses(results)
@@ -131,6 +132,40 @@ class PipelineExecutor:
             work.wait()
         self.losses = self._gather_losses(results, incoming)
         return results
+
+    # -- backward: whole, or split into input (B) and weight (W) gradients ----------------------
+    def _roots(self, stage: int, micro: int, out: Any, grads: Dict[str, torch.Tensor], dummy: Optional[List[bool]],
+               scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Tuple[List[torch.Tensor], List[Any]]:
+        """Where the backward of ``stage`` starts: the (scaled) loss on the last stage, else the
+        outputs whose gradients came back, with those gradients."""
+        if stage == self.schedule.nstages - 1:
+            loss = _loss_of(out)
+            if dummy is not None and dummy[micro]:
+                loss = loss * 0.0                    # keeps the schedule's messages, adds no gradient
+            return [scale_fn(loss) if scale_fn is not None else loss], [None]
+        pairs = [(out[n], grads[n]) for n in out if out[n].requires_grad and n in grads]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _backward(self, roots: Tuple[List[torch.Tensor], List[Any]], carry: Dict[str, torch.Tensor],
+                  key: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """The gradients of the stage's inputs. Without ``W`` blocks, the whole backward (weights
+        included). With them, the inputs' gradients only, the graph kept for the ``W`` block."""
+        tensors, grads = roots
+        wanted = {n: t for n, t in carry.items() if t.requires_grad}
+        if not self.schedule.splits_backward:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            return {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in wanted.items()}
+        found, self.weights_due[key] = split_backward.split(roots, list(wanted.values()), self.weights)
+        return {n: (g if g is not None else torch.zeros_like(t)) for (n, t), g in zip(wanted.items(), found)}
+
+    def _weight_gradients(self, key: Tuple[int, int]) -> None:
+        """The ``W`` block: accumulate the weights' gradients into ``.grad`` (their hooks fire
+        here), then let the graph go. It starts where ``B`` left the data path (see
+        :mod:`nbscaler.runtime.split_backward`), so collectives on that path run once, in ``B``;
+        every rank of a stage runs the same blocks in the same order, so any collective on the
+        weights' side meets its peers in ``W``."""
+        self.weights_due.pop(key).run()
 
     # -- sharing the losses ---------------------------------------------------------------------
     def _loss_sender(self, micro: int) -> int:
@@ -227,6 +262,11 @@ class PipelineExecutor:
         if src is None:
             return grads_in.pop((stage, micro))
         return receives.wait(("B", stage, micro))
+
+
+def _detached(output: Any) -> Any:
+    """``output`` with every tensor in it detached from the graph."""
+    return torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 
 
 def _loss_of(output: Any) -> torch.Tensor:

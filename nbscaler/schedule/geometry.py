@@ -26,12 +26,15 @@ class PipelineGeometry:
 
     @classmethod
     def from_config(cls, cfg, train: bool = True) -> "PipelineGeometry":
-        """The geometry a ``ComputeConfig`` asks for: its scheduler over ``pipeline_nstages`` pipeline
-        devices (all ``plan_ngpus`` when unset) and ``pipeline_nmicros`` micro-batches. With
-        ``train=False``, the same placement running forwards only."""
-        from nbscaler.schedule.schedulers import build_schedule
-        ndevices = cfg.pipeline_nstages if cfg.pipeline_nstages != -1 else cfg.plan_ngpus
-        schedule = build_schedule(cfg.scheduler, ndevices, cfg.pipeline_nmicros)
+        """The geometry a ``ComputeConfig`` asks for: its scheduler with ``pipeline_nstages`` stages
+        (when unset, as many as the scheduler puts on ``plan_ngpus`` devices) and
+        ``pipeline_nmicros`` micro-batches, on the pipeline devices the scheduler spreads them
+        over. With ``train=False``, the same placement running forwards only."""
+        from nbscaler.schedule.schedulers import build_schedule, scheduler_spec
+        spec = scheduler_spec(cfg.scheduler)
+        nstages = cfg.pipeline_nstages if cfg.pipeline_nstages != -1 else spec.default_nstages(cfg.plan_ngpus)
+        schedule = build_schedule(cfg.scheduler, nstages, cfg.pipeline_nmicros,
+                                  spec.ndevices(nstages, cfg.plan_ngpus))
         return cls(schedule if train else schedule.forward_only(), cfg.plan_ngpus)
 
     def __post_init__(self) -> None:

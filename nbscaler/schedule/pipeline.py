@@ -88,6 +88,17 @@ class PipelineSchedule:
         """Whether the schedule has backward blocks (inference schedules run forwards only)."""
         return any(block.phase == "B" for _, block in self)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward is split into ``B`` (input gradients) and ``W`` (weight gradients)."""
+        return any(block.phase == "W" for _, block in self)
+
+    @property
+    def release_phase(self) -> str:
+        """The phase whose block frees what its stage's forward saved: ``W`` when the backward is
+        split (``B`` keeps the graph for ``W``), else ``B``."""
+        return "W" if self.splits_backward else "B"
+
     def blocks_of(self, device: int) -> tuple[Block, ...]:
         """The blocks device ``device`` runs, in the order it must run them."""
         return self.device_blocks[device]
@@ -105,7 +116,8 @@ class PipelineSchedule:
 
         A forward needs the activations of the previous stage. A backward needs the gradient from
         the next stage and the activations its own forward saved; the last stage starts the
-        backward from its own forward (the loss).
+        backward from its own forward (the loss). A weight-gradient block needs its backward's
+        output gradients, which that backward leaves behind.
 
         >>> s = build_schedule("gpipe", nstages=3, nmicros=1)
         >>> [str(b) for b in s.dependencies(Block(1, 0, "B"))]
@@ -113,6 +125,8 @@ class PipelineSchedule:
         """
         if block.phase == "F":
             return (Block(block.stage - 1, block.micro, "F"),) if block.stage > 0 else ()
+        if block.phase == "W":
+            return (Block(block.stage, block.micro, "B"),)
         own_forward = Block(block.stage, block.micro, "F")
         if block.stage == self.nstages - 1:
             return (own_forward,)
@@ -133,7 +147,7 @@ class PipelineSchedule:
           device 0: F(s0,m0) F(s0,m1)
           device 1: F(s1,m0) F(s1,m1)
         """
-        blocks = [[b for b in device if b.phase == "F"] for device in self.device_blocks]
+        blocks = [[b for b in device if b.phase == "F"] for device in self.device_blocks]  # no B, no W
         return PipelineSchedule(self.name, self.nstages, self.nmicros, blocks, self.placements,
                                 self.pipeline_of_micro)
 
@@ -205,7 +219,7 @@ class PipelineSchedule:
                 self._fail(f"{block} is on device {device}, but its pipeline places stage {block.stage} "
                            f"on devices {self.devices_of(block.stage, block.micro)}.")
             runs[device, block] += 1
-        phases = ("F", "B") if self.is_training else ("F",)
+        phases = ("F", "B", "W")[:1 + self.is_training + self.splits_backward]
         for micro in range(self.nmicros):
             for stage in range(self.nstages):
                 for phase in phases:
@@ -221,6 +235,9 @@ class PipelineSchedule:
                     if block.phase == "B" and position[block] < position[Block(block.stage, block.micro, "F")]:
                         self._fail(f"device {device} runs {block} before its forward; "
                                    "a backward needs the activations its forward saves.")
+                    if block.phase == "W" and position[block] < position[Block(block.stage, block.micro, "B")]:
+                        self._fail(f"device {device} runs {block} before its backward; "
+                                   "the weight gradients need the output gradients the backward receives.")
 
 
 def check_samples(schedule: PipelineSchedule, nsamples: int) -> None:

@@ -21,39 +21,118 @@ times come from the costs (see :func:`nbscaler.schedule.simulator.simulate`).
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from nbscaler.schedule.block import Block
 from nbscaler.schedule.pipeline import PipelineSchedule, Placement
 
-Scheduler = Callable[[int, int], PipelineSchedule]
-SCHEDULERS: dict[str, Scheduler] = {}
+Scheduler = Callable[..., PipelineSchedule]
+"""``(nstages, nmicros) -> PipelineSchedule``, or ``(nstages, nmicros, ndevices)`` for a scheduler
+whose stages per device are not fixed."""
+Check = Callable[[int, int, int], Optional[str]]
+"""``(nstages, nmicros, ndevices) -> None``, or what is wrong and how to fix it."""
 
 
-def register_scheduler(name: str) -> Callable[[Scheduler], Scheduler]:
-    """Make a scheduler available to :func:`build_schedule` under ``name``."""
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """A registered scheduler and what it asks of its arguments.
+
+    Attributes:
+        name: the name it is registered under.
+        build: the scheduler function.
+        training: whether it schedules backwards (``infer_pipe`` does not).
+        stages_per_device: how many stages each pipeline device holds (``nstages`` counts
+            pipeline devices for ``1f1b_plus``, which adds a shared head stage); ``None`` when any
+            multiple goes, the devices being every plan device (``1f1b_interleaved``).
+        check: the scheduler's own rules on ``(nstages, nmicros, ndevices)``.
+    """
+
+    name: str
+    build: Scheduler
+    training: bool = True
+    stages_per_device: Optional[int] = 1
+    check: Optional[Check] = None
+
+    def default_nstages(self, plan_ngpus: int) -> int:
+        """The stages when ``pipeline_nstages`` is not set: one per plan device, times its chunks
+        (two for a scheduler whose chunks are free)."""
+        return plan_ngpus * (self.stages_per_device or 2)
+
+    def ndevices(self, nstages: int, plan_ngpus: int) -> int:
+        """The pipeline devices ``nstages`` stages go on within ``plan_ngpus`` plan devices."""
+        return plan_ngpus if self.stages_per_device is None else nstages // self.stages_per_device
+
+    def problem(self, nstages: int, nmicros: int, plan_ngpus: int) -> Optional[tuple[str, str]]:
+        """``(field, what is wrong and the fix)`` when a config's pipeline does not suit this
+        scheduler, else ``None``. ``ComputeConfig`` asks this; so does :func:`build_schedule`."""
+        per = self.stages_per_device
+        if per is not None and nstages % per:
+            return "pipeline_nstages", (f"{self.name} puts {per} stages on each device, so pipeline_nstages="
+                                        f"{nstages} must be a multiple of {per}.")
+        ndevices = self.ndevices(nstages, plan_ngpus)
+        if per is None and nstages % plan_ngpus:
+            return "pipeline_nstages", (f"{self.name} gives each of the plan_ngpus={plan_ngpus} devices the same "
+                                        f"number of stages, so pipeline_nstages={nstages} must be a multiple "
+                                        f"of {plan_ngpus}.")
+        if plan_ngpus % ndevices:
+            return "pipeline_nstages", (f"{self.name} puts pipeline_nstages={nstages} stages on {ndevices} "
+                                        f"pipeline devices, which must divide plan_ngpus={plan_ngpus} (each "
+                                        "stage gets plan_ngpus // devices devices).")
+        problem = self.check(nstages, nmicros, ndevices) if self.check else None
+        return None if problem is None else ("pipeline_scheduler", problem)
+
+    def make(self, nstages: int, nmicros: int, ndevices: int) -> PipelineSchedule:
+        if self.stages_per_device is None:
+            return self.build(nstages, nmicros, ndevices)
+        return self.build(nstages, nmicros)
+
+
+SCHEDULERS: dict[str, SchedulerSpec] = {}
+
+
+def register_scheduler(name: str, training: bool = True, stages_per_device: Optional[int] = 1,
+                       check: Optional[Check] = None) -> Callable[[Scheduler], Scheduler]:
+    """Make a scheduler available to :func:`build_schedule` under ``name``, with its rules (see
+    :class:`SchedulerSpec`), which ``ComputeConfig`` applies when it checks itself."""
 
     def register(scheduler: Scheduler) -> Scheduler:
-        SCHEDULERS[name] = scheduler
+        SCHEDULERS[name] = SchedulerSpec(name, scheduler, training, stages_per_device, check)
         return scheduler
 
     return register
 
 
-def build_schedule(name: str, nstages: int, nmicros: int) -> PipelineSchedule:
+def scheduler_spec(name: str) -> SchedulerSpec:
+    """The registered scheduler ``name``; ``ValueError`` naming the known ones otherwise."""
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown pipeline scheduler {name!r}: use one of {', '.join(SCHEDULERS)}.")
+    return SCHEDULERS[name]
+
+
+def build_schedule(name: str, nstages: int, nmicros: int, ndevices: Optional[int] = None) -> PipelineSchedule:
     """The schedule of scheduler ``name`` for ``nstages`` stages and ``nmicros`` micro-batches.
 
-    Raises ``ValueError`` naming the bad value and the fix, before anything runs.
+    ``ndevices`` (the pipeline devices) is needed only by schedulers whose stages per device are
+    free (``1f1b_interleaved``); the others derive it from ``nstages``. Raises ``ValueError`` naming
+    the bad value and the fix, before anything runs.
 
     >>> build_schedule("gpipe", nstages=4, nmicros=8).blocks_of(0)[:2]
     (Block(stage=0, micro=0, phase='F'), Block(stage=0, micro=1, phase='F'))
     """
-    if name not in SCHEDULERS:
-        raise ValueError(f"unknown pipeline scheduler {name!r}: use one of {', '.join(SCHEDULERS)}.")
+    spec = scheduler_spec(name)
     for arg, value in (("nstages", nstages), ("nmicros", nmicros)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {arg}={value!r} is invalid; it must be an integer >= 1.")
-    return SCHEDULERS[name](nstages, nmicros)
+    if ndevices is None:
+        if spec.stages_per_device is None:
+            raise ValueError(f"{name} puts any number of stages on a device: give ndevices, the pipeline "
+                             "devices the stages are spread over.")
+        ndevices = nstages // spec.stages_per_device
+    problem = spec.problem(nstages, nmicros, plan_ngpus=ndevices)   # one plan device per pipeline device
+    if problem is not None:
+        raise ValueError(problem[1])
+    return spec.make(nstages, nmicros, ndevices)
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
@@ -172,7 +251,17 @@ def gpipe(nstages: int, nmicros: int) -> PipelineSchedule:
 CHIMERA_STAGES = 4
 
 
-@register_scheduler("chimera_direct")
+def _chimera_rules(nstages: int, nmicros: int, ndevices: int) -> Optional[str]:
+    if nstages != CHIMERA_STAGES:
+        return (f"chimera_direct runs exactly {CHIMERA_STAGES} stages, not pipeline_nstages={nstages}: "
+                f"set pipeline_nstages={CHIMERA_STAGES}, or use 1f1b or gpipe.")
+    if nmicros % 2:
+        return (f"chimera_direct needs an even number of micro-batches, half per direction, not "
+                f"pipeline_nmicros={nmicros}: set pipeline_nmicros={nmicros + 1}.")
+    return None
+
+
+@register_scheduler("chimera_direct", check=_chimera_rules)
 def chimera_direct(nstages: int, nmicros: int) -> PipelineSchedule:
     """Chimera: two 4-stage pipelines in opposite directions over the same 4 devices.
 
@@ -196,16 +285,6 @@ def chimera_direct(nstages: int, nmicros: int) -> PipelineSchedule:
     With equal stages and a backward twice the forward, one group idles a quarter of the device
     time, where 1F1B on four micro-batches idles three sevenths.
     """
-    if nstages != CHIMERA_STAGES:
-        raise ValueError(
-            f"chimera_direct runs exactly {CHIMERA_STAGES} stages, not nstages={nstages}: "
-            f"set pipeline_nstages={CHIMERA_STAGES}, or use 1f1b or gpipe."
-        )
-    if nmicros % 2:
-        raise ValueError(
-            f"chimera_direct needs an even number of micro-batches, half per direction, not "
-            f"nmicros={nmicros}: set pipeline_nmicros={nmicros + 1}."
-        )
     down = _line(nstages)
     up = tuple(reversed(down))
     per_group = CHIMERA_STAGES // 2  # micro-batches per direction in one group
@@ -224,7 +303,7 @@ def chimera_direct(nstages: int, nmicros: int) -> PipelineSchedule:
                           [m % 2 for m in range(nmicros)], steps)
 
 
-@register_scheduler("infer_pipe")
+@register_scheduler("infer_pipe", training=False)
 def infer_pipe(nstages: int, nmicros: int) -> PipelineSchedule:
     """Inference: forwards only, each stage passing micro-batch ``m`` on as soon as it is done.
 

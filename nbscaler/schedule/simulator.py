@@ -53,13 +53,16 @@ def _per_stage(arg: str, costs: Costs, nstages: int) -> list[float]:
 
 
 def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs] = None,
-             latency: float = 0.0, post: float = 0.0) -> Timeline:
+             latency: float = 0.0, post: float = 0.0, weight_costs: Optional[Costs] = None) -> Timeline:
     """The predicted timeline of one step of ``schedule``.
 
     Args:
         schedule: the schedule to play.
         forward_costs: the time of one micro-batch's forward, per stage (or one number for all).
-        backward_costs: the same for the backward; twice the forward when not given.
+        backward_costs: the same for the whole backward; twice the forward when not given.
+        weight_costs: for a schedule with ``W`` blocks, the part of the backward that computes
+            the weight gradients (``W``); ``B`` takes the rest. Half the backward when not given,
+            so ``T_F = T_B = T_W`` by default.
         latency: the time a result takes to reach another device (point-to-point send/recv).
         post: the time a device spends starting one transfer to or from another device, on each
             side (see above).
@@ -74,6 +77,7 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
     forward = _per_stage("forward_costs", forward_costs, schedule.nstages)
     backward = ([2 * c for c in forward] if backward_costs is None
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
+    cost = _phase_costs(schedule, forward, backward, weight_costs)
 
     queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
     device_free = [0.0] * schedule.ndevices
@@ -102,8 +106,7 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
                 start = ready_time(block)
                 if start is None:
                     break
-                cost = forward if block.phase == "F" else backward
-                end = start + cost[block.stage] + (post if block in sends else 0.0)
+                end = start + cost[block.phase][block.stage] + (post if block in sends else 0.0)
                 for d in schedule.devices_of(block.stage, block.micro):
                     queues[d].popleft()
                     device_free[d] = end
@@ -114,6 +117,20 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
             raise DeadlockError(_describe_deadlock(schedule, queues, finished))
     timed.sort(key=lambda t: (t.rank, t.t_start))
     return Timeline(tuple(timed), schedule.ndevices)
+
+
+def _phase_costs(schedule: PipelineSchedule, forward: list[float], backward: list[float],
+                 weight_costs: Optional[Costs]) -> dict[str, list[float]]:
+    """The per-stage cost of each phase; ``B`` is the backward less its ``W`` when the schedule
+    splits it."""
+    if not schedule.splits_backward:
+        return {"F": forward, "B": backward}
+    weight = ([c / 2 for c in backward] if weight_costs is None
+              else _per_stage("weight_costs", weight_costs, schedule.nstages))
+    if any(w > b for w, b in zip(weight, backward)):
+        raise ValueError(f"weight_costs={weight} exceed backward_costs={backward}: the weight gradients are "
+                         "part of the backward; give each stage's W no more than its backward.")
+    return {"F": forward, "B": [b - w for b, w in zip(backward, weight)], "W": weight}
 
 
 def _crosses(schedule: PipelineSchedule, dep: Block, block: Block) -> bool:

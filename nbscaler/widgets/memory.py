@@ -5,24 +5,30 @@ optimizer state, buffers and saved activations (``nbscaler.columns.MEMORY_CATEGO
 memory is a frame with the same columns, one row per rank (``nbscaler.runtime.memory.MemoryMeter``,
 or the cluster's ``TrainResult.memory``, which has fewer of them: a kind it lacks is drawn as
 missing, not as zero, and the gap is taken over the kinds both sides have).
+
+On a target (``hardware=``, ``nbscaler.Hardware``) the chart adds the GPU's capacity as a dashed line,
+edges in red each predicted bar that does not fit (``Hardware.fits``, the test the summary's ``fits``
+column makes) and says in a line how many ranks fit and by how much the largest exceeds.
 """
 
 from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple, Type
 
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
+from nbscaler.cost.hardware import Hardware
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import fmt_bytes
-from nbscaler.widgets.palette import MEMORY_COLOURS as COLOURS, MEMORY_LABELS as LABELS
+from nbscaler.widgets.palette import (CAPACITY_COLOUR, MEMORY_COLOURS as COLOURS, MEMORY_LABELS as LABELS,
+                                      OVER_CAPACITY_COLOUR)
 from nbscaler.widgets.plotting import ChartView
-from nbscaler.widgets.svgchart import Bar, BarGroup, Segment, stacked_bars_svg
+from nbscaler.widgets.svgchart import Bar, BarGroup, Limit, Segment, stacked_bars_svg
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -48,29 +54,84 @@ def memory_sides(predicted: pd.DataFrame, measured: Optional[pd.DataFrame]) -> L
     return [(PREDICTED, predicted)] + ([(MEASURED, measured)] if measured is not None else [])
 
 
-def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str) -> go.Figure:
-    """Stacked bars per rank: one bar of each kind for the prediction, one beside it measured."""
+def over_capacity(predicted: pd.DataFrame, hardware: Optional[Hardware]) -> Set[int]:
+    """The ranks whose predicted peak does not fit in one of ``hardware``'s GPUs (none without one)."""
+    if hardware is None:
+        return set()
+    fits = hardware.fits(predicted[str(C.PEAK_BYTES)])
+    return {int(r) for r, ok in zip(predicted[str(C.RANK)], fits) if not ok}
+
+
+def capacity_line(hardware: Hardware) -> str:
+    return f"{hardware.name} capacity {fmt_bytes(hardware.memory_bytes)}"
+
+
+def capacity_note(predicted: pd.DataFrame, hardware: Hardware) -> str:
+    """One line: how many ranks fit in ``hardware``'s memory, and the largest rank against it."""
+    peak, cap = predicted[str(C.PEAK_BYTES)], hardware.memory_bytes
+    largest = predicted.loc[peak.idxmax()]
+    rank, most = int(largest[str(C.RANK)]), float(largest[str(C.PEAK_BYTES)])
+    nfit = len(predicted) - len(over_capacity(predicted, hardware))
+    head = f"{nfit} of {len(predicted)} ranks fit in {fmt_bytes(cap)} ({hardware.name})"
+    if hardware.fits(most):
+        return f"{head}; the largest, rank {rank}, uses {fmt_bytes(most)} ({most / cap:.0%} of it)."
+    return f"{head}; the largest, rank {rank}, exceeds it by {fmt_bytes(most - cap)} ({most / cap - 1:+.0%})."
+
+
+def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str,
+                  hardware: Optional[Hardware] = None) -> go.Figure:
+    """Stacked bars per rank: one bar of each kind for the prediction, one beside it measured; on
+    ``hardware``, its capacity as a dashed line and the predicted bars over it edged and marked red."""
     fig = go.Figure()
     sides = memory_sides(predicted, measured)
+    over = over_capacity(predicted, hardware)
     for kind in MEMORY_CATEGORIES:
         kind = str(kind)
         for side, frame in sides:
             if kind not in frame.columns:
                 continue
             x = [[f"rank {r}" for r in frame[str(C.RANK)]], [side] * len(frame)]
+            alert = [side == PREDICTED and int(r) in over for r in frame[str(C.RANK)]]
             fig.add_trace(go.Bar(
-                x=x, y=frame[kind], name=LABELS[kind], legendgroup=kind, showlegend=side == PREDICTED,
-                marker=dict(color=COLOURS[kind], pattern_shape="/" if side == MEASURED else ""),
+                x=x, y=frame[kind], name=LABELS[kind], legendgroup=kind, showlegend=side == PREDICTED and not over,
+                marker=dict(color=COLOURS[kind], pattern_shape="/" if side == MEASURED else "",
+                            line=dict(color=[OVER_CAPACITY_COLOUR if a else "white" for a in alert],
+                                      width=[3 if a else 0 for a in alert])),
                 customdata=[fmt_bytes(v) for v in frame[kind]],
                 hovertemplate=f"{LABELS[kind]} ({side}): %{{customdata}}<extra></extra>"))
+    if over:       # a legend swatch takes its trace's first edge, which may be red: these bars of zero have none
+        first = [[f"rank {predicted[str(C.RANK)].iloc[0]}"], [PREDICTED]]
+        for kind in map(str, MEMORY_CATEGORIES):
+            fig.add_trace(go.Bar(x=first, y=[0], name=LABELS[kind], legendgroup=kind, hoverinfo="skip",
+                                 marker=dict(color=COLOURS[kind], line=dict(width=0))))
+    if hardware is not None:
+        add_capacity(fig, predicted, hardware, over)
     fig.update_layout(barmode="stack", title=title, yaxis=dict(title="bytes", tickformat=".3s", ticksuffix="B"), height=420, template="plotly_white",
                       margin=dict(l=60, r=20, t=60, b=60), legend=dict(orientation="h", y=-0.2))
     return fig
 
 
-def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str) -> str:
+def add_capacity(fig: go.Figure, predicted: pd.DataFrame, hardware: Hardware, over: Set[int]) -> None:
+    """The capacity line, a red cross over each predicted bar that does not fit, and the note."""
+    fig.add_hline(y=hardware.memory_bytes, line=dict(color=CAPACITY_COLOUR, dash="dash", width=2),
+                  annotation_text=capacity_line(hardware), annotation_position="top right")
+    rows = predicted[predicted[str(C.RANK)].isin(over)]
+    fig.add_trace(go.Scatter(
+        x=[[f"rank {r}" for r in rows[str(C.RANK)]], [PREDICTED] * len(rows)], y=rows[str(C.PEAK_BYTES)],
+        mode="markers", name="does not fit", marker=dict(symbol="x", size=12, color=OVER_CAPACITY_COLOUR),
+        customdata=[fmt_bytes(v - hardware.memory_bytes) for v in rows[str(C.PEAK_BYTES)]],
+        hovertemplate="over capacity by %{customdata}<extra></extra>"))
+    fig.add_annotation(text=capacity_note(predicted, hardware), xref="paper", yref="paper", x=0, y=1.02,
+                       xanchor="left", yanchor="bottom", showarrow=False,
+                       font=dict(size=12, color=OVER_CAPACITY_COLOUR if over else CAPACITY_COLOUR))
+
+
+def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str,
+               hardware: Optional[Hardware] = None) -> str:
     """The figure's bars as SVG: per rank a stacked bar predicted and, beside it, one measured
-    (dashed edge); a kind the measurement lacks is left out of its bar, not drawn as zero."""
+    (dashed edge); a kind the measurement lacks is left out of its bar, not drawn as zero. On
+    ``hardware``, the capacity line, a red edge on each predicted bar over it, and the note."""
+    over = over_capacity(predicted, hardware)
     groups = []
     for rank in predicted[str(C.RANK)]:
         bars = []
@@ -81,18 +142,25 @@ def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title:
             row = rows.iloc[0]
             segments = [Segment(float(row[k]), COLOURS[k], f"rank {rank}, {LABELS[k]} ({side}): {fmt_bytes(row[k])}")
                         for k in map(str, MEMORY_CATEGORIES) if k in frame.columns and pd.notna(row[k])]
-            bars.append(Bar(side, segments, outlined=side == MEASURED))
+            alert = OVER_CAPACITY_COLOUR if side == PREDICTED and int(rank) in over else None
+            bars.append(Bar(side, segments, outlined=side == MEASURED, alert=alert))
         groups.append(BarGroup(f"rank {rank}", bars))
     legend = [(LABELS[str(k)], COLOURS[str(k)]) for k in MEMORY_CATEGORIES]
-    tallest = max((bar.total for g in groups for bar in g.bars), default=0.0)
+    limit, note = None, ""
+    if hardware is not None:
+        limit = Limit(hardware.memory_bytes, capacity_line(hardware), CAPACITY_COLOUR)
+        legend += [("does not fit (red edge)", OVER_CAPACITY_COLOUR)] if over else []
+        note = capacity_note(predicted, hardware)
+    tallest = max([bar.total for g in groups for bar in g.bars] + [limit.value if limit else 0.0])
     unit = 1024.0 ** max(0, int(math.log(tallest, 1024))) if tallest >= 1 else 1.0    # ticks round in KiB, MiB, ...
-    return stacked_bars_svg(title, groups, legend, "bytes", fmt_bytes, unit)
+    return stacked_bars_svg(title, groups, legend, "bytes", fmt_bytes, unit, limit=limit, note=note)
 
 
 class MemoryView(ChartView):
     """Per-rank memory, predicted by the cost model and, after a run, measured.
 
     >>> view = MemoryView(plan, optimizer=torch.optim.AdamW)          # doctest: +SKIP
+    >>> MemoryView(plan, hardware=nbscaler.Hardware.named("T4"))      # doctest: +SKIP
     >>> view.update(measured=Measured(memory=meter_rows))              # doctest: +SKIP
     >>> view.gap                                                       # doctest: +SKIP
     """
@@ -100,9 +168,10 @@ class MemoryView(ChartView):
     css_class = "nbs-memory"
 
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, **optimizer_kwargs: Any) -> None:
+                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, hardware: Optional[Hardware] = None,
+                 **optimizer_kwargs: Any) -> None:
         super().__init__(plan, measured=measured)
-        self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
+        self.optimizer, self.optimizer_kwargs, self.hardware = optimizer, optimizer_kwargs, hardware
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
@@ -110,14 +179,16 @@ class MemoryView(ChartView):
         self.predicted = self.plan.memory(self.optimizer, **self.optimizer_kwargs)
         measured = self.measured.memory
         self.gap = memory_gap(self.predicted, measured) if measured is not None else None
-        self.figure = memory_figure(self.predicted, measured, self._title())
+        self.over_capacity = over_capacity(self.predicted, self.hardware)
+        self.figure = memory_figure(self.predicted, measured, self._title(), self.hardware)
         self.gap_table = self._gap_table()
         self._shown()
 
     def _title(self) -> str:
         opt = self.optimizer.__name__
-        return f"Memory per rank: {self.plan.policy_name}, {opt}" + ("" if self.measured.memory is None
-                                                                      else " (predicted | measured)")
+        target = f" on {self.hardware.name}" if self.hardware is not None else ""
+        return f"Memory per rank: {self.plan.policy_name}, {opt}{target}" + (
+            "" if self.measured.memory is None else " (predicted | measured)")
 
     def _gap_table(self) -> str:
         """The totals per rank as a small table: always readable, even where scripts do not run."""
@@ -138,7 +209,7 @@ class MemoryView(ChartView):
 
     # -- rendering --------------------------------------------------------------------------------
     def svg(self) -> str:
-        return memory_svg(self.predicted, self.measured.memory, self._title())
+        return memory_svg(self.predicted, self.measured.memory, self._title(), self.hardware)
 
     def table_html(self) -> str:
         return self.gap_table

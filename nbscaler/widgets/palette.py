@@ -11,9 +11,9 @@ from typing import Dict, List
 
 from nbscaler.columns import SummaryColumn as C
 
-PHASE_COLOURS: Dict[str, str] = {"F": "#4c78a8", "B": "#f58518"}
-"""A pipeline block's colour by phase (forward, backward)."""
-PHASE_NAMES: Dict[str, str] = {"F": "forward", "B": "backward"}
+PHASE_COLOURS: Dict[str, str] = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
+"""A pipeline block's colour by phase (forward, backward, weight gradients)."""
+PHASE_NAMES: Dict[str, str] = {"F": "forward", "B": "backward", "W": "weight gradients"}
 OTHER_COLOUR = "#999999"
 """A phase or kind the tables above do not name."""
 IDLE_COLOUR = "#eeeeee"
@@ -25,6 +25,11 @@ MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GRAD_BYTES: "gra
 """The legend name of each memory category (``nbscaler.columns.MEMORY_CATEGORIES``)."""
 MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
                                   C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
+
+CAPACITY_COLOUR = "#333333"
+"""The line at a target GPU's memory capacity."""
+OVER_CAPACITY_COLOUR = "#d00000"
+"""The outline and marks of a rank whose predicted memory exceeds that capacity."""
 
 RANK_COLOURS: List[str] = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6"]
 """One colour per rank, for charts with a line per rank (the loss curve)."""

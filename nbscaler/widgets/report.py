@@ -24,6 +24,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from nbscaler.columns import SummaryColumn as C
+from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_seconds
@@ -58,13 +60,22 @@ def optional_view(module: str, name: str) -> Optional[type]:
         raise
 
 
-def summary_html(plan: "Plan", optimizer: Type[torch.optim.Optimizer]) -> str:
-    """``plan.summary()`` as a table, numbers written for people."""
-    frame = plan.summary(optimizer)
-    shown = pd.DataFrame({c: frame[c].map(fmt_bytes if c.endswith("_bytes") or c.startswith("bytes_")
-                                          else fmt_seconds if c.endswith("_s") else fmt_count)
-                          for c in frame.columns if c != "rank"}, index=frame["rank"])
+def summary_html(plan: "Plan", optimizer: Type[torch.optim.Optimizer], hardware: Optional[Hardware] = None) -> str:
+    """``plan.summary()`` (on ``hardware``, if given) as a table, numbers written for people."""
+    frame = plan.summary(optimizer, hardware=hardware)
+    shown = pd.DataFrame({c: frame[c].map(cell_format(c)) for c in frame.columns if c != "rank"}, index=frame["rank"])
     return shown.to_html(classes="nbs-summary", border=0)
+
+
+def cell_format(column: str) -> Callable[[object], str]:
+    """How the summary writes a column's numbers: bytes, seconds, yes/no, a share, or a count."""
+    if column == C.FITS:
+        return lambda v: "yes" if v else "no"
+    if column in (C.MFU, C.HFU):
+        return lambda v: f"{float(v):.1%}"
+    if column.endswith("_bytes") or column.startswith("bytes_"):
+        return fmt_bytes
+    return fmt_seconds if column.endswith("_time_s") else fmt_count
 
 
 def explanation_html(plan: "Plan", rows: int = 20) -> str:
@@ -87,10 +98,11 @@ def losses_html(losses: pd.DataFrame) -> str:
 
 
 def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFrame],
-                    optimizer: Type[torch.optim.Optimizer]) -> List[Tuple[str, Callable[[], str]]]:
+                    optimizer: Type[torch.optim.Optimizer],
+                    hardware: Optional[Hardware] = None) -> List[Tuple[str, Callable[[], str]]]:
     """(title, render) per section, in page order."""
     sections: List[Tuple[str, Callable[[], str]]] = [
-        ("Plan", lambda: plan._repr_html_() + summary_html(plan, optimizer)),
+        ("Plan", lambda: plan._repr_html_() + summary_html(plan, optimizer, hardware)),
         ("Why this plan", lambda: explanation_html(plan))]
     for title, module, name in OPTIONAL_VIEWS:
         cls = optional_view(module, name)
@@ -98,8 +110,10 @@ def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFram
             sections.append((title, lambda cls=cls: cls(plan).to_html()))
     sections += [
         ("Ops and collectives", lambda: PlanView(plan).to_html()),
-        ("Timeline", lambda: TimelineView(plan, measured).to_html(include_plotlyjs=False)),
-        ("Memory", lambda: MemoryView(plan, measured, optimizer=optimizer).to_html(include_plotlyjs=False)),
+        ("Timeline", lambda: TimelineView(plan, measured, hardware=hardware, optimizer=optimizer)
+         .to_html(include_plotlyjs=False)),
+        ("Memory", lambda: MemoryView(plan, measured, optimizer=optimizer, hardware=hardware)
+         .to_html(include_plotlyjs=False)),
     ]
     if runs is not None and len(runs):
         sections.append(("Runs", lambda: runs.to_html(classes="nbs-summary", border=0)))
@@ -109,16 +123,17 @@ def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFram
 
 
 def report_html(plan: "Plan", measured: Optional[Measured] = None, runs: Optional[pd.DataFrame] = None,
-                optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD) -> str:
-    """The whole report page as a string."""
+                optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, hardware: Optional[Hardware] = None) -> str:
+    """The whole report page as a string; on ``hardware``, the summary, timeline and memory are that target's."""
     measured = measured if measured is not None else Measured()
-    sections = report_sections(plan, measured, runs, optimizer)
+    sections = report_sections(plan, measured, runs, optimizer, hardware)
     anchors = [f"s{i}" for i in range(len(sections))]
     nav = "".join(f"<a href='#{a}'>{ascii_html(t)}</a>" for a, (t, _) in zip(anchors, sections))
     body = "".join(f"<section id='{a}'><h2>{ascii_html(t)}</h2>{render()}</section>"
                    for a, (t, render) in zip(anchors, sections))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    title = ascii_html(f"{plan.module_name} under {plan.policy_name}")
+    title = ascii_html(f"{plan.module_name} under {plan.policy_name}"
+                       + (f" on {hardware.name} x {hardware.ngpus}" if hardware is not None else ""))
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>nbscaler report: {title}</title>"
             f"{PAGE_STYLE}{plotlyjs_script()}</head><body><h1>nbscaler report: {title}</h1>"
             f"<p>{ascii_html(repr(plan))}; written {when}{'; with measured data' if measured else ''}.</p>"
@@ -127,13 +142,14 @@ def report_html(plan: "Plan", measured: Optional[Measured] = None, runs: Optiona
 
 def write_report(plan: "Plan", path: Union[str, Path], measured: Optional[Measured] = None,
                  runs: Optional[pd.DataFrame] = None, *,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD) -> Path:
+                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, hardware: Optional[Hardware] = None) -> Path:
     """Write every view of ``plan`` (with ``measured`` data and a ``runs`` table, if given) to one
-    self-contained HTML file at ``path``; returns the path. A folder ``path`` gets ``report.html``."""
+    self-contained HTML file at ``path``; returns the path. A folder ``path`` gets ``report.html``.
+    With ``hardware`` the summary, timeline and memory show the plan on that target."""
     path = Path(path)
     if path.is_dir():
         path = path / "report.html"
-    page = report_html(plan, measured, runs, optimizer)      # all of it first: a failure writes nothing
+    page = report_html(plan, measured, runs, optimizer, hardware)      # all of it first: a failure writes nothing
     atomic_write_bytes(path, page.encode("utf-8"))
     umask = os.umask(0)
     os.umask(umask)

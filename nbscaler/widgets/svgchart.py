@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.widgets.formats import ascii_html
 from nbscaler.widgets.palette import IDLE_COLOUR
@@ -198,11 +198,13 @@ class Segment:
 
 @dataclass
 class Bar:
-    """One stacked bar: its segments bottom up; ``outlined`` bars get a dark edge (measured ones)."""
+    """One stacked bar: its segments bottom up; ``outlined`` bars get a dark edge (measured ones),
+    ``alert`` ones a thick edge and total in ``alert`` colour (over a limit)."""
 
     label: str
     segments: List[Segment]
     outlined: bool = False
+    alert: Optional[str] = None
 
     @property
     def total(self) -> float:
@@ -215,17 +217,29 @@ class BarGroup:
     bars: List[Bar]
 
 
+@dataclass(frozen=True)
+class Limit:
+    """A horizontal line across the bars at ``value`` (a capacity), labelled at its right end."""
+
+    value: float
+    text: str
+    colour: str
+
+
 BAR, BAR_GAP, GROUP_GAP, BARS_LEFT, PLOT_HEIGHT = 58, 6, 30, 90, 260
 
 
 def stacked_bars_svg(title: str, groups: Sequence[BarGroup], items: Legend, axis_title: str,
-                     fmt: Callable[[float], str] = tick_text, unit: float = 1.0) -> str:
+                     fmt: Callable[[float], str] = tick_text, unit: float = 1.0, limit: Optional[Limit] = None,
+                     note: str = "") -> str:
     """Groups of stacked bars side by side on one value axis from zero; its ticks are round in
-    ``unit`` (1024 ** k for bytes) and written by ``fmt``."""
-    top_value = max((bar.total for g in groups for bar in g.bars), default=0.0) / unit
+    ``unit`` (1024 ** k for bytes) and written by ``fmt``. A ``limit`` is drawn as a dashed line (the
+    axis reaches it); a ``note`` is a line of text under the chart."""
+    tallest = max((bar.total for g in groups for bar in g.bars), default=0.0)
+    top_value = max(tallest, limit.value if limit is not None else 0.0) / unit
     ticks = [t * unit for t in nice_ticks(0.0, top_value or 1.0)]
     nbars = sum(len(g.bars) for g in groups)
-    width = BARS_LEFT + max(nbars * (BAR + BAR_GAP) + len(groups) * GROUP_GAP, legend_width(items)) + 20
+    width = BARS_LEFT + max(nbars * (BAR + BAR_GAP) + len(groups) * GROUP_GAP, legend_width(items), 6.5 * len(note)) + 20
     top = 70.0
     to_y = Scale(0.0, ticks[-1], top + PLOT_HEIGHT, top)
     body = [legend(items, BARS_LEFT, 42), y_axis(ticks, to_y, BARS_LEFT, width - 20, axis_title, fmt)]
@@ -241,13 +255,26 @@ def stacked_bars_svg(title: str, groups: Sequence[BarGroup], items: Legend, axis
             if bar.outlined:
                 body.append(box(x, to_y(base), BAR, to_y(0) - to_y(base), "none", stroke=INK, stroke_width=1.5,
                                 stroke_dasharray="4 2"))
-            body.append(label(x + BAR / 2, to_y(base) - 4, fmt(base), size=10, anchor="middle", colour=MUTED))
+            if bar.alert:
+                body.append(box(x, to_y(base), BAR, to_y(0) - to_y(base), "none", stroke=bar.alert, stroke_width=3,
+                                class_="nbs-alert"))
+            body.append(label(x + BAR / 2, to_y(base) - 4, fmt(base), size=10, anchor="middle",
+                              colour=bar.alert or MUTED, bold=bar.alert is not None))
             body.append(label(x + BAR / 2, top + PLOT_HEIGHT + 14, bar.label, size=10, anchor="middle",
                               colour=MUTED))
             x += BAR + BAR_GAP
         body.append(label((start + x - BAR_GAP) / 2, top + PLOT_HEIGHT + 30, group.label, size=12, anchor="middle"))
         x += GROUP_GAP
-    return document(width, top + PLOT_HEIGHT + 44, title, "".join(body), "bars")
+    if limit is not None:
+        y = to_y(limit.value)
+        body.append(element("line", tooltip(limit.text), x1=float(BARS_LEFT), x2=float(width - 20), y1=y, y2=y,
+                            stroke=limit.colour, stroke_width=2, stroke_dasharray="6 3", class_="nbs-limit"))
+        body.append(label(width - 22, y - 4, limit.text, size=10, anchor="end", colour=limit.colour))
+    height = top + PLOT_HEIGHT + 44
+    if note:
+        body.append(label(BARS_LEFT, height + 4, note, size=12, colour=INK))
+        height += 18
+    return document(width, height, title, "".join(body), "bars")
 
 
 # -- lines: a loss per rank ------------------------------------------------------------------------

@@ -7,17 +7,24 @@ a frame of the same rows, ``(rank, stage, micro, phase, t_start, t_end)``, from
 ``ParallelModule.pipeline_timeline()`` or the cluster's ``TrainResult.schedule``. Both are drawn
 from their own first start, so their lengths compare directly; each rank's bubble is the share of
 the step it spends idle.
+
+On a target (``hardware=``, ``nbscaler.Hardware``) the prediction is ``plan.timeline(hardware=hw)``
+and the title gives that hardware, the step time and MFU of ``plan.summary(hardware=hw)`` and the
+bubble; a run measured here is then drawn without a ratio to it (other hardware).
 """
 
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
+from nbscaler.columns import SummaryColumn as C
+from nbscaler.cost.hardware import Hardware
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
 from nbscaler.widgets.palette import IDLE_COLOUR, OTHER_COLOUR, PHASE_COLOURS, PHASE_NAMES
@@ -95,20 +102,25 @@ class TimelineView(ChartView):
     """The predicted (and, after a run, measured) timeline of one training step.
 
     >>> TimelineView(plan)                                                      # doctest: +SKIP
+    >>> TimelineView(plan, hardware=nbscaler.Hardware.named("H100-SXM-80GB"))  # doctest: +SKIP
     >>> view.update(measured=Measured(timeline=pd.DataFrame(pm.pipeline_timeline().to_rows())))  # doctest: +SKIP
     """
 
     css_class = "nbs-timeline"
 
-    def __init__(self, plan: "Plan", measured: Optional[Measured] = None) -> None:
+    def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *, hardware: Optional[Hardware] = None,
+                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
         super().__init__(plan, measured=measured)
+        self.hardware, self.optimizer = hardware, optimizer      # the optimizer prices the target's step
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
-        line = self.plan.timeline()
+        line = self.plan.timeline(hardware=self.hardware)
         self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
         self.predicted_bubble_total = line.bubble_fraction
+        self.target = (self.plan.summary(self.optimizer, hardware=self.hardware)
+                       if self.hardware is not None else None)
         measured = self.measured.timeline
         self.measured_frame = normalized(measured) if measured is not None and len(measured) else None
         nranks = self.plan.config.runtime_ngpus
@@ -116,7 +128,8 @@ class TimelineView(ChartView):
         if self.measured_frame is not None:
             bubbles["measured"] = bubble_per_rank(self.measured_frame, nranks)
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
-        self.assumptions = assumptions(self.plan, self.predicted)
+        self.assumptions = (target_assumptions(self.hardware, self.predicted) if self.hardware is not None
+                            else assumptions(self.plan, self.predicted))
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         self._shown()
@@ -135,12 +148,20 @@ class TimelineView(ChartView):
         spans = {name: f.t_end.max() if len(f) else 0.0 for name, f in frames}
         titles = [f"{name}: step {fmt_seconds(spans[name])}, bubble {self._total_bubble(name, f):.0%}"
                   for name, f in frames]
-        if len(frames) == 2 and spans["predicted"] > 0:
+        if self.hardware is not None:        # the step of the title adds the optimizer and what the blocks hide
+            titles[0] = (f"predicted on {self.hardware.name}: forwards and backwards "
+                         f"{fmt_seconds(spans['predicted'])}, bubble {self.predicted_bubble_total:.0%}")
+        if len(frames) == 2 and spans["predicted"] > 0 and self.hardware is None:
             titles[1] += f" ({spans['measured'] / spans['predicted']:.2g}x the prediction)"
         return titles
 
     def _title(self) -> str:
-        return f"Timeline of one training step: {self.plan.policy_name}"
+        head = f"Timeline of one training step: {self.plan.policy_name}"
+        if self.target is None:
+            return head
+        hw = self.hardware
+        return (f"{head} on {hw.name} x {hw.ngpus}: step {fmt_seconds(self.target[str(C.STEP_TIME_S)].max())}, "
+                f"bubble {self.predicted_bubble_total:.0%}, MFU {self.target[str(C.MFU)].mean():.0%}")
 
     def _figure(self) -> go.Figure:
         frames, labels, titles = self._frames(), self._labels(), self._panel_titles()
@@ -191,6 +212,24 @@ class TimelineView(ChartView):
         return self.bubble_table
 
 
+def block_times(predicted: pd.DataFrame) -> str:
+    """Each stage's mean forward and backward block, in one line."""
+    per = (predicted.t_end - predicted.t_start).groupby([predicted.stage, predicted.phase]).mean()
+    return "Block times: " + ", ".join(f"stage {s} {p} {fmt_seconds(t)}" for (s, p), t in per.items())
+
+
+def target_assumptions(hardware: Hardware, predicted: pd.DataFrame) -> str:
+    """What a prediction on ``hardware`` rests on: formulas and its datasheet, nothing timed here."""
+    lines = [f"Predicted on {hardware.name} ({hardware.nodes} node(s) of {hardware.gpus_per_node} GPUs): op "
+             f"times from a roofline of each op's FLOPs and bytes (nbscaler.cost.roofline), collectives from "
+             f"NCCL's ring and tree costs on the link each group spans (nbscaler.cost.nccl); nothing run on "
+             f"this machine. Step and MFU: plan.summary(hardware=...), the slowest rank's step and the ranks' "
+             f"mean MFU."]
+    if len(predicted):
+        lines.append(block_times(predicted))
+    return "\n".join(lines)
+
+
 def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
     """What the prediction rests on, in a few lines: where op and collective times come from, the
     slowest ops as timed, and each stage's forward and backward time."""
@@ -217,6 +256,5 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
         lines.append("Slowest ops (fwd+bwd on their device): " +
                      ", ".join(f"{name} {fmt_seconds(t)}" for t, name in slowest))
     if len(predicted):
-        per = (predicted.t_end - predicted.t_start).groupby([predicted.stage, predicted.phase]).mean()
-        lines.append("Block times: " + ", ".join(f"stage {s} {p} {fmt_seconds(t)}" for (s, p), t in per.items()))
+        lines.append(block_times(predicted))
     return "\n".join(lines)

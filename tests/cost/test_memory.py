@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nbscaler.columns import MEMORY_COLUMNS
-from nbscaler.cost.memory import in_flight_peak, optimizer_state_bytes
+from nbscaler.config import ComputeConfig, Precision
+from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_bytes, weight_memory
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
@@ -42,7 +43,7 @@ def test_gradients_follow_the_reducers():
     of 15 elements): what each backward and step holds at most, and what they leave."""
     w = [LocalWeight(f"w{i}", "param", (n,), torch.float32, True) for i, n in enumerate((10, 20, 30))]
     buckets, shards = [w[:2], w[2:]], [60, 60]
-    plain, stage1, stage2 = (Gradients(buckets, shards, stage) for stage in (0, 1, 2))
+    plain, stage1, stage2 = Gradients(buckets, [], 0), Gradients(buckets, shards, 1), Gradients(buckets, shards, 2)
     assert (plain.backward(None), plain.step(w), plain.held) == (240, 240, 240)
     assert (stage1.backward(None), stage1.step(w), stage1.held) == (240, 240, 120)   # all until the step
     # Stage 2: the last bucket is made (120) and reduced (60) before the first is made (60 + 120).
@@ -50,12 +51,51 @@ def test_gradients_follow_the_reducers():
     assert (stage2.backward(None), stage2.step(w), stage2.held) == (120 + 120, 120, 120)
 
 
-def _check(case, predicted, measured):
+def test_split_backward_frees_activations_at_the_weight_block():
+    saved = {0: 100, 1: 10}
+    zb_h1 = PipelineGeometry(build_schedule("zb_h1", 2, 4), 2)
+    assert in_flight_peak(saved, zb_h1, 0) == 200            # as 1F1B: two micro-batches on stage 0
+    assert in_flight_peak(saved, zb_h1, 1) == 20             # its W runs one backward late
+
+
+def test_mixed_precision_bytes_per_parameter():
+    """bf16 parameters, fp32 masters, AdamW, no ZeRO: 2 + 2 (bf16 gradient) + 4 (master) + 8 (state)
+    = 16 bytes per parameter during the backward and 2 + 4 + 4 + 8 = 18 after the step, where the
+    gradient is the master's fp32 one; plus AdamW's fp32 step counter (4 bytes) per parameter."""
+    n = 1000
+    w = [LocalWeight("w", "param", (n,), torch.bfloat16, True)]
+    precision = Precision(master_dtype=torch.float32)
+    row = weight_memory(w, ComputeConfig(1, 1), torch.optim.AdamW, {}, precision)
+    assert (row["param_bytes"], row["optimizer_bytes"]) == (2 * n, (4 + 8) * n + 4)
+    grads = gradients(w, ComputeConfig(1, 1), precision)
+    assert grads.backward(None) == 2 * n
+    assert row["param_bytes"] + grads.held + row["optimizer_bytes"] - 4 == 16 * n
+    assert (grads.step(w), grads.held) == (4 * n, 4 * n)
+    # Without masters (fp32 master of an fp32 module is no copy) the model is the fp32 one: 4 + 4 + 8.
+    w32 = [LocalWeight("w", "param", (n,), torch.float32, True)]
+    assert weight_memory(w32, ComputeConfig(1, 1), torch.optim.AdamW, {}, precision)["optimizer_bytes"] == 8 * n + 4
+    assert gradients(w32, ComputeConfig(1, 1), precision).shard_bytes == []
+
+
+def _equal(case, predicted, measured):
     assert len(predicted) == len(measured) == case.runtime_ngpus
     for p, m in zip(predicted, measured):
         for column in MEMORY_COLUMNS:
             assert p[column] == m[column], f"{case} rank {m['rank']}: {column} predicted {p[column]}, measured {m[column]}"
-    assert all(m["activation_bytes"] > 0 and m["param_bytes"] > 0 for m in measured)
+    assert all(m["param_bytes"] > 0 for m in measured)
+
+
+def _check(case, predicted, measured):
+    _equal(case, predicted, measured)
+    assert all(m["activation_bytes"] > 0 for m in measured)
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def mixed(model: str, policy: str, plan: int, runtime: int, config: tuple = ()) -> Case:
+    """The mixed-precision recipe: a bf16 module, fp32 masters and AdamW state."""
+    return Case(model, policy, plan, runtime, optimizer="adamw", config=config, module_dtype=BF16, master_dtype=FP32)
 
 
 IN_PROCESS = [
@@ -87,6 +127,7 @@ MULTI = [
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
     Case("gpt", "tp", 2, 2, optimizer="adamw", config=sequence_parallel()),     # activations on a sequence slice
     Case("llama", "tp", 2, 2, config=sequence_parallel()),
+    Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),
 ]
 
 
@@ -99,6 +140,31 @@ def measured(tmp_path_factory):
 @pytest.mark.parametrize("case", MULTI, ids=str)
 def test_memory_model_is_exact_on_two_ranks(measured, case):
     _check(case, predicted_memory(case), measured[case])
+
+
+MIXED = [
+    mixed("llama", "dp", 1, 2),
+    mixed("llama", "tp", 2, 2),
+    mixed("llama", "dp", 1, 2, zero()),
+    mixed("llama", "dp", 1, 2, zero(stage=2)),
+    mixed("gpt", "pp", 2, 2, pipeline("1f1b", 2, 4)),
+]
+
+
+@pytest.mark.multiprocess
+def test_memory_model_is_exact_with_mixed_precision(tmp_path):
+    """bf16 parameters, gradients and activations, fp32 masters (in ``optimizer_bytes``) and state,
+    fp32 gradients after the step: the plan equals the meter to the byte. The fp32 gradients can
+    make the step the peak moment: the pipeline's last stage (rank 1) peaks there, with 110,080
+    bytes of fp32 gradients (twice its bf16 ones) and no activations."""
+    for case, measured in run_cases(measure_memory, 2, MIXED, str(tmp_path)).items():
+        _equal(case, predicted_memory(case), measured)
+        for m in measured:
+            sharing = 2 if case.compute_config.use_zero else 1      # ranks that split the masters and state
+            assert m["optimizer_bytes"] * sharing >= (4 + 8) * m["param_bytes"] // 2, (case, m)   # per 2-byte parameter
+        assert measured[0]["activation_bytes"] > 0
+        if case.compute_config.use_pipeline:
+            assert measured[1]["grad_bytes"] == 110080 and measured[1]["activation_bytes"] == 0
 
 
 FOUR = [
@@ -244,3 +310,23 @@ def test_zero1_plan_keeps_the_full_gradients_until_the_step():
     row = plan.summary(torch.optim.AdamW).loc[0]
     assert row["grad_bytes"] == sum(p.numel() * 4 for p in model.parameters()) == 657664
     assert row["peak_bytes"] == sum(row[str(c)] for c in MEMORY_COLUMNS[1:-1])
+
+
+def test_summary_counts_the_master_copies():
+    """``plan.summary(..., master_dtype=)`` and ``plan.memory(..., master_dtype=)`` price the bf16
+    module's fp32 masters and state, as the meter counts them (the exact tests above); without
+    ``master_dtype`` the optimizer state is bf16."""
+    import nbscaler
+    from nbscaler import ComputeConfig as Config
+    from nbscaler.models.llama import Llama, LlamaConfig
+    model = Llama(LlamaConfig(vocab_size=128, n_layer=2, d_model=64, n_head=4, n_kv_head=2)).to(torch.bfloat16)
+    idx = torch.randint(0, 128, (4, 33))
+    plan = nbscaler.plan(model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}, "dp",
+                         Config(1, 1))
+    n, counters = sum(p.numel() for p in model.parameters()), 4 * len(list(model.parameters()))
+    summary = plan.summary(torch.optim.AdamW, master_dtype=torch.float32).loc[0]
+    memory = plan.memory(torch.optim.AdamW, master_dtype=torch.float32).loc[0]
+    assert all(summary[str(c)] == memory[str(c)] for c in MEMORY_COLUMNS)
+    assert (memory["param_bytes"], memory["optimizer_bytes"]) == (2 * n, (4 + 8) * n + counters)
+    assert memory["grad_bytes"] in (2 * n, 4 * n)           # bf16 in the backward, fp32 at the step
+    assert plan.memory(torch.optim.AdamW).loc[0, "optimizer_bytes"] == (2 + 2) * n + counters

@@ -104,12 +104,26 @@ class End2EndGPT(nn.Module):
         return self.gpt(batch)
 
 
+class End2EndLlama(nn.Module):
+    """The shipped Llama, small, as an end2end module: forward(batch) -> loss (4 layers, so that
+    eight pipeline stages still hold half a layer each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.llama = Llama(n_layer=4)
+
+    def forward(self, batch):
+        return self.llama(batch["idx"], batch["targets"])
+
+
 def batch(name: str, seed: int, n: int = 8):
     """A deterministic batch for model ``name`` (a dict of forward arguments)."""
     g = torch.Generator().manual_seed(seed)
     if name == "gpt":
         tokens = torch.randint(0, 64, (2, 9), generator=g)
         return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
+    if name == "llama_e2e":
+        return {"batch": batch("llama", seed, n)}
     if name == "llama":
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
@@ -131,6 +145,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in vision.BUILDERS:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
+            "llama_e2e": End2EndLlama,
             "user_op": UserOp, "fused_gqa": FusedGQA}[name]()
 
 

@@ -1,12 +1,12 @@
-"""Pipelines train like one process: every scheduler, 2 and 4 stages, TP inside stages, DP across
-pipelines, and inference through the pipeline."""
+"""Pipelines train like one process: every scheduler, 2 and 4 stages (8 interleaved), TP inside
+stages, DP across pipelines, and inference through the pipeline."""
 
 import pytest
 import torch
 
 from nbscaler import ComputeConfig, parallelize
 from tests.models import batch, build
-from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
+from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
 
 def halves(graph, cfg):
     """A hand-written pipeline policy: blocks 0-1 and everything before them in stage 0."""
@@ -22,12 +22,27 @@ def halves(graph, cfg):
 
 TWO_RANKS = [Case("gpt", "pp", 2, 2, config=pipeline(s, 2, 4)) for s in ("1f1b", "1f1b_plus", "gpipe")]
 TWO_RANKS += [Case("gpt", halves, 2, 2, config=pipeline("1f1b", 2, 2))]
+TWO_RANKS += [                                                             # the schedules of today
+    Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),
+    Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),    # stages 0, 2 | 1, 3
+    Case("llama_e2e", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),
+    Case("llama_e2e", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 2)),
+    Case("gpt", "pp", 2, 2, config=pipeline("zbv", 4, 4)),                 # stages 0, 3 | 1, 2
+]
 FOUR_RANKS = [Case("gpt", "pp", 4, 4, config=pipeline(s, 4, m))
               for s, m in (("1f1b", 8), ("1f1b_plus", 4), ("gpipe", 4), ("chimera_direct", 4))]
 FOUR_RANKS += [
     Case("gpt", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4)),       # 2 stages x 2-way TP
     Case("gpt", "pp", 2, 4, config=pipeline("1f1b", 2, 4)),           # two data-parallel pipelines
     Case("gpt", "tp", 2, 4, config=(("use_end2end", True),)),          # train_step without a pipeline
+    Case("gpt", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),
+    Case("gpt", "hybrid", 4, 4, config=pipeline("zb_h1", 2, 4)),      # B and W through TP collectives
+    Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("zb_h1", 2, 4) + zero(stage=2)),  # hooks fire in W
+    Case("gpt", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 4)),
+    Case("llama_e2e", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),
+    Case("llama_e2e", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 8)),
+    Case("gpt", "pp", 4, 4, config=pipeline("zbv", 8, 4)),
+    Case("llama_e2e", "hybrid", 4, 4, config=pipeline("zbv", 4, 4)),  # a V of 2 devices x 2-way TP
 ]
 
 
@@ -42,6 +57,8 @@ def test_pipelines_equal_single_process(nranks, cases, tmp_path):
 @pytest.mark.parametrize("config, words", [
     (pipeline("chimera_direct", 4, 3), ["chimera"]),
     (pipeline("1f1b", 3, 4), ["pipeline_nstages", "divide plan_ngpus=4"]),
+    (pipeline("1f1b_interleaved", 8, 6), ["pipeline_nmicros=6", "multiple of 4", "pipeline_nmicros=8"]),
+    (pipeline("1f1b_interleaved", 6, 4), ["pipeline_nstages=6", "multiple of 4"]),
 ])
 def test_bad_pipelines_fail_before_running(config, words, tmp_path):
     with pytest.raises(ValueError) as err:
@@ -64,10 +81,15 @@ def test_custom_staging_must_flow_forward(tmp_path):
                     gen_savedir=tmp_path, load_module=False)
 
 
-def test_pp_needs_one_stage_per_device(tmp_path):
-    with pytest.raises(ValueError, match="use 'hybrid'"):
-        parallelize(build("gpt"), batch("gpt", 0), "pp", ComputeConfig(4, 4, **dict(pipeline("1f1b", 2, 4))),
+@pytest.mark.parametrize("scheduler, nstages, words", [
+    ("1f1b", 2, "must equal 1 x plan_ngpus=4 for 1f1b (got 2"),
+    ("zbv", 4, "must equal 2 x plan_ngpus=8 for zbv (got 4: 2 pipeline devices)"),
+])
+def test_pp_needs_its_own_stages_on_every_device(scheduler, nstages, words, tmp_path):
+    with pytest.raises(ValueError, match="use 'hybrid'") as err:
+        parallelize(build("gpt"), batch("gpt", 0), "pp", ComputeConfig(4, 4, **dict(pipeline(scheduler, nstages, 4))),
                     gen_savedir=tmp_path, load_module=False)
+    assert words in str(err.value)
 
 
 class CheapThenHeavy(torch.nn.Module):

@@ -106,8 +106,8 @@ def test_chimera_idles_less_than_1f1b():
     "args, message",
     [
         (("zigzag", 4, 8), "unknown pipeline scheduler 'zigzag': use one of 1f1b, 1f1b_plus, gpipe, chimera_direct, infer_pipe"),
-        (("chimera_direct", 8, 8), "chimera_direct runs exactly 4 stages, not nstages=8: set pipeline_nstages=4, or use 1f1b or gpipe"),
-        (("chimera_direct", 4, 5), "chimera_direct needs an even number of micro-batches, half per direction, not nmicros=5: set pipeline_nmicros=6"),
+        (("chimera_direct", 8, 8), "chimera_direct runs exactly 4 stages, not pipeline_nstages=8: set pipeline_nstages=4, or use 1f1b or gpipe"),
+        (("chimera_direct", 4, 5), "chimera_direct needs an even number of micro-batches, half per direction, not pipeline_nmicros=5: set pipeline_nmicros=6"),
         (("1f1b", 4, 0), "1f1b: nmicros=0 is invalid; it must be an integer >= 1"),
         (("gpipe", 0, 4), "gpipe: nstages=0 is invalid; it must be an integer >= 1"),
         (("infer_pipe", "4", 4), "infer_pipe: nstages='4' is invalid; it must be an integer >= 1"),

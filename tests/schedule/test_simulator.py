@@ -30,7 +30,7 @@ def test_four_stages_eight_micro_batches():
 
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_timed_blocks_respect_device_order_and_data_flow(name):
-    schedule = build_schedule(name, 4, 6)
+    schedule = build_schedule(name, 4, 6, ndevices=2 if SCHEDULERS[name].stages_per_device is None else None)
     forward = [0.5 + 0.25 * s for s in range(schedule.nstages)]
     backward = [2.5 - 0.5 * s for s in range(schedule.nstages)]
     latency = 0.1
@@ -41,7 +41,9 @@ def test_timed_blocks_respect_device_order_and_data_flow(name):
         assert [t.block for t in mine] == list(schedule.blocks_of(device))
         assert all(a.t_end <= b.t_start for a, b in zip(mine, mine[1:]))
     for t in timeline.blocks:
-        cost = (forward if t.phase == "F" else backward)[t.stage]
+        cost = {"F": forward[t.stage], "B": backward[t.stage], "W": 0.0}[t.phase]
+        if schedule.splits_backward and t.phase != "F":
+            cost = backward[t.stage] / 2         # B and W share the backward equally by default
         assert t.duration == pytest.approx(cost)
         for dep in schedule.dependencies(t.block):
             assert t.t_start >= end[dep] - 1e-12

@@ -283,3 +283,15 @@ def test_a_failing_rank_is_a_message_and_the_explorer_trains_again(cluster):
 
 def pd_isna(value) -> bool:
     return value is None or value != value
+
+
+def test_on_a_target_the_explorers_timeline_and_memory_draw_it():
+    from nbscaler import Hardware
+    from nbscaler.widgets.explorer.panes import build_views, view_options
+    from tests.widgets.compiled import gpt_on_meta_pp
+
+    t4 = Hardware.named("T4")
+    assert Explorer(hardware=t4).panes.options == view_options(torch.optim.SGD, t4)
+    views = build_views(gpt_on_meta_pp(), names=PLACEMENT_VIEWS[:2], options=view_options(torch.optim.AdamW, t4))
+    assert views[ViewName.MEMORY].over_capacity == {0}
+    assert views[ViewName.TIMELINE]._title().startswith("Timeline of one training step: pp on T4 x 8: step")

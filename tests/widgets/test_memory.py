@@ -1,15 +1,18 @@
 """MemoryView: the predicted bars are plan.memory()'s numbers; measured bars and the gap come from a run."""
 
+import html
+
 import pytest
 import torch
 
+from nbscaler import Hardware
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.widgets import Measured, MemoryView
-from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED
-from nbscaler.widgets.palette import MEMORY_COLOURS
+from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED, capacity_note
+from nbscaler.widgets.palette import MEMORY_COLOURS, OVER_CAPACITY_COLOUR
 from nbscaler.widgets.plotting import PLOTLY_MIME
 from nbscaler.widgets.formats import fmt_bytes
-from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
+from tests.widgets.compiled import gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, shown_figure
 from tests.widgets.offline import external_resources
 from tests.widgets.svg import charts, hint, marks, texts
 
@@ -113,3 +116,71 @@ def test_the_saved_form_stacks_each_ranks_kinds_as_svg_predicted_beside_measured
     words = texts(chart)
     assert {f"rank {r}" for r in range(4)} <= set(words) and words.count(MEASURED) == 4
     assert {LABELS[k] for k in kinds} <= set(words) and view._title() in words
+
+
+# -- on a target ---------------------------------------------------------------------------------
+T4, H100 = Hardware.named("T4"), Hardware.named("H100-SXM-80GB")
+
+
+def alert_edges(view):
+    """rank label -> the edge colour of that rank's predicted bar in each trace of the figure."""
+    out = {}
+    for trace in view.figure.data:
+        if trace.type != "bar" or trace.hoverinfo == "skip":      # the legend's own swatches: bars of zero
+            continue
+        ranks, sides = trace.x
+        for r, s, colour, width in zip(ranks, sides, trace.marker.line.color, trace.marker.line.width):
+            if s == PREDICTED and width:
+                out.setdefault(r, set()).add(colour)
+    return out
+
+
+def test_a_plan_that_does_not_fit_a_t4_is_red_on_it_and_not_on_an_h100():
+    plan = gpt_on_meta_pp()
+    summary = plan.summary(torch.optim.AdamW, hardware=H100)
+    view = MemoryView(plan, optimizer=torch.optim.AdamW, hardware=T4)
+    peak = view.predicted.set_index("rank").peak_bytes
+    assert peak[0] > T4.memory_bytes > peak[1]                    # the first stage does not fit, the second does
+    assert view.over_capacity == {0} and alert_edges(view) == {"rank 0": {OVER_CAPACITY_COLOUR}}
+    # the one test of fitting: the summary's column on the T4 says the same
+    on_t4 = plan.summary(torch.optim.AdamW, hardware=T4)
+    assert view.over_capacity == set(on_t4["rank"][~on_t4.fits])
+    (line,) = [s for s in view.figure.layout.shapes if s.type == "line"]
+    assert line.y0 == line.y1 == T4.memory_bytes
+    (marker,) = [t for t in view.figure.data if t.type == "scatter"]
+    assert list(marker.x[0]) == ["rank 0"] and list(marker.y) == [peak[0]]
+    note = f"1 of 2 ranks fit in {fmt_bytes(16e9)} (T4); the largest, rank 0, exceeds it by {fmt_bytes(peak[0] - 16e9)}"
+    assert any(note in a.text for a in view.figure.layout.annotations)
+    swatches = [t for t in view.figure.data if t.showlegend is not False and t.type == "bar"]
+    assert all(t.hoverinfo == "skip" for t in swatches)
+    assert [t.marker.color for t in swatches] == [MEMORY_COLOURS[k] for k in MEMORY_CATEGORIES]
+    assert all(t.marker.line.width == 0 and list(t.y) == [0] for t in swatches)   # no kind looks edged in red
+    assert view._title().endswith("AdamW on T4")
+
+    fine = MemoryView(plan, optimizer=torch.optim.AdamW, hardware=H100)
+    assert summary.fits.all() and fine.over_capacity == set() and alert_edges(fine) == {}
+    assert any("2 of 2 ranks fit in" in a.text and "uses" in a.text for a in fine.figure.layout.annotations)
+    assert not [t for t in fine.figure.data if t.type == "scatter" and len(t.x[0])]
+
+
+def test_the_saved_svg_draws_the_capacity_at_its_height_and_the_red_edge():
+    plan = gpt_on_meta_pp()
+    view = MemoryView(plan, optimizer=torch.optim.AdamW, hardware=T4)
+    (chart,) = charts(view.notebook_html())
+    predicted = view.predicted.set_index("rank")
+    segments = marks(chart, "rect", "nbs-bar")
+    rank0 = [s for s in segments if hint(s).startswith("rank 0,")]
+    base = max(float(s.get("y")) + float(s.get("height")) for s in segments)          # the zero line
+    scale = (base - min(float(s.get("y")) for s in rank0)) / predicted.peak_bytes[0]  # pixels per byte
+    (limit,) = marks(chart, "line", "nbs-limit")
+    assert float(limit.get("y1")) == float(limit.get("y2")) == pytest.approx(base - T4.memory_bytes * scale, abs=0.2)
+    (edge,) = marks(chart, "rect", "nbs-alert")
+    assert edge.get("stroke") == OVER_CAPACITY_COLOUR and edge.get("fill") == "none"
+    assert edge.get("x") == rank0[0].get("x")                                        # around rank 0's bar
+    assert float(edge.get("height")) == pytest.approx(predicted.peak_bytes[0] * scale, abs=0.3)
+    words = texts(chart)
+    assert capacity_note(view.predicted, T4) in [html.unescape(w) for w in words]
+    assert f"T4 capacity {fmt_bytes(T4.memory_bytes)}" in words
+    # without hardware nothing of it is drawn
+    (plain,) = charts(MemoryView(plan, optimizer=torch.optim.AdamW).notebook_html())
+    assert not marks(plain, "line", "nbs-limit") and not marks(plain, "rect", "nbs-alert")

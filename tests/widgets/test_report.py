@@ -6,14 +6,14 @@ import pandas as pd
 import pytest
 import torch
 
-from nbscaler import ComputeConfig, parallelize
+from nbscaler import ComputeConfig, Hardware, parallelize
 from nbscaler.cli import main as cli_main
 from nbscaler.genfiles import module_dir
 from nbscaler.planning import SavedPlanError, load_plan
 from nbscaler.widgets import Measured, write_report
 from nbscaler.widgets import report as report_module
 from tests.models import batch, build
-from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, pipeline_config
+from tests.widgets.compiled import gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, pipeline_config
 from tests.widgets.browser import chromium, lab_page, screenshot, write_notebook
 from tests.widgets.offline import external_resources
 
@@ -154,3 +154,23 @@ def test_live_views_in_jupyterlab(tmp_path):
         saved_forms = lab.page.locator("svg.nbs-chart").count()     # the live widget wins over the SVG
         lab.screenshot("live-views")
     assert rows == len(llama_pp().ops) and saved_forms == 0
+
+
+def test_report_on_a_target_shows_its_summary_timeline_and_what_does_not_fit(tmp_path):
+    t4 = Hardware.named("T4")
+    page = write_report(gpt_on_meta_pp(), tmp_path / "t4.html", optimizer=torch.optim.AdamW, hardware=t4).read_text()
+    assert "under pp on T4 x 8" in page and external_resources(page) == []
+    assert "Timeline of one training step: pp on T4 x 8: step" in page
+    assert "1 of 2 ranks fit in" in page and "exceeds it by" in page
+    summary = page.split("<h2>Plan</h2>", 1)[1].split("</section>", 1)[0]
+    assert "<th>fits</th>" in summary and "<td>no</td>" in summary and "<td>yes</td>" in summary
+
+
+def test_cli_draws_the_report_on_named_hardware(compiled, tmp_path, capsys):
+    _, folder = compiled
+    out = tmp_path / "h100.html"
+    assert cli_main(["report", str(folder), "-o", str(out), "--hardware", "H100-SXM-80GB", "--nodes", "2"]) == 0
+    assert "under pp on H100-SXM-80GB x 16" in out.read_text()
+    capsys.readouterr()
+    assert cli_main(["report", str(folder), "-o", str(tmp_path / "no.html"), "--hardware", "H1OO"]) == 2
+    assert "no hardware named 'H1OO'" in capsys.readouterr().err and not (tmp_path / "no.html").exists()

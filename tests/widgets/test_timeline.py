@@ -2,14 +2,20 @@
 
 import pandas as pd
 import pytest
+import torch
 
+import nbscaler
+from nbscaler import Hardware
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.widgets import Measured, TimelineView
 from nbscaler.widgets.palette import IDLE_COLOUR, PHASE_COLOURS
+from nbscaler.widgets.formats import fmt_seconds
 from nbscaler.widgets.plotting import PLOTLY_MIME, figure_spec
 from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
-from tests.widgets.compiled import gpt_pipeline_run, llama_pp, llama_tp, shown_figure
+from tests.models import batch, build
+from tests.widgets.compiled import (gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, pipeline_config,
+                                    shown_figure)
 from tests.widgets.offline import external_resources
 from tests.widgets.svg import charts, hint, marks, texts
 
@@ -119,3 +125,39 @@ def test_the_saved_form_draws_every_block_and_bubble_as_svg_beside_plotlys_figur
     lane = [b for b in blocks if hint(b).startswith("predicted rank 0 ")]
     covered = sum(float(b.get("width")) for b in lane) / float(bands[0].get("width"))
     assert covered == pytest.approx(1 - view.bubbles.predicted[0], abs=0.01)
+
+
+def test_zero_bubble_weight_blocks_are_drawn_in_their_own_colour():
+    cfg = pipeline_config(2).with_changes(pipeline_scheduler="zb_h1")
+    plan = nbscaler.plan(build("llama"), batch("llama", 0), "pp", cfg)
+    (chart,) = charts(TimelineView(plan)._repr_mimebundle_()["text/html"])
+    blocks = marks(chart, "rect", "nbs-block")
+    weights = [b for b in blocks if "weight gradients" in hint(b)]
+    assert len(weights) == 2 * 4 and {b.get("fill") for b in weights} == {PHASE_COLOURS["W"]}   # ranks x micros
+    assert "weight gradients" in texts(chart)
+
+
+# -- on a target ---------------------------------------------------------------------------------
+def test_on_a_target_the_timeline_is_the_targets_with_its_step_bubble_and_mfu(monkeypatch):
+    from nbscaler.cost.profile import OpProfiler
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an op was profiled on this machine")
+    for name in ("profile", "time", "update"):
+        monkeypatch.setattr(OpProfiler, name, refuse)
+    plan, hw = gpt_on_meta_pp(), Hardware.named("H100-SXM-80GB")
+    view = TimelineView(plan, hardware=hw, optimizer=torch.optim.AdamW)
+    line = plan.timeline(hardware=hw)
+    pd.testing.assert_frame_equal(view.predicted, normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS)))
+    summary = plan.summary(torch.optim.AdamW, hardware=hw)
+    title = view.figure.layout.title.text
+    assert title == (f"Timeline of one training step: pp on H100-SXM-80GB x 8: "
+                     f"step {fmt_seconds(summary.step_time_s.max())}, bubble {line.bubble_fraction:.0%}, "
+                     f"MFU {summary.mfu.mean():.0%}")
+    assert summary.step_time_s.max() > line.makespan          # the step adds the optimizer to the blocks
+    assert "roofline" in view.assumptions and "profiled" not in view.assumptions
+    (chart,) = charts(view.notebook_html())
+    assert title in texts(chart)
+    monkeypatch.undo()
+    here = TimelineView(llama_pp())                            # without hardware: this machine, as before
+    assert here._title() == "Timeline of one training step: pp" and "profiled" in here.assumptions

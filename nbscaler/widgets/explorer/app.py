@@ -54,12 +54,16 @@ class Explorer:
         loss_fn: ``loss_fn(output, batch)`` for a model that does not return its loss.
         knobs: the initial ``Knobs`` (policy and compute settings).
         optimizer_fn: the optimizer class training uses (and the memory prediction assumes).
+        hardware: a target (``nbscaler.Hardware``) the timeline and memory views draw the plan on
+            (its step, bubble and MFU; its capacity and the ranks that do not fit); ``None`` for
+            this machine.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, dummy_args: Optional[Dict[str, Any]] = None,
                  cluster: Optional[Cluster] = None, *, policies: Sequence[Callable[..., Any]] = (),
                  loss_fn: Optional[LossFn] = None, knobs: Optional[Knobs] = None,
-                 optimizer_fn: Callable[..., torch.optim.Optimizer] = torch.optim.SGD):
+                 optimizer_fn: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
+                 hardware: Optional[nbscaler.Hardware] = None):
         if model is not None and dummy_args is None:
             raise ValueError("Explorer(model, dummy_args): give the model's forward arguments too, "
                              "e.g. Explorer(model, {'x': torch.randn(8, 16)}).")
@@ -82,7 +86,7 @@ class Explorer:
         self.comparison: Optional[Comparison] = None
         self._runs: List[Run] = []
         self._gen_dir = tempfile.TemporaryDirectory(prefix="nbscaler-explorer-")
-        self.panes = Panes(view_options(optimizer_fn))
+        self.panes = Panes(view_options(optimizer_fn, hardware))
         self.losses = LossCurve()
         self._build_layout()
 

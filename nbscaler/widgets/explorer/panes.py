@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, Optional, Type
 import ipywidgets as w
 
 from nbscaler.columns import StrEnum
+from nbscaler.cost.hardware import Hardware
 from nbscaler.planning import Plan
 from nbscaler.widgets.base import Measured, View
 
@@ -45,9 +46,13 @@ def view_classes() -> Dict[ViewName, Type[View]]:
 ViewOptions = Dict[ViewName, Dict[str, Any]]
 
 
-def view_options(optimizer_fn: Any) -> ViewOptions:
-    """The options views take beyond the plan: the optimizer the memory prediction assumes."""
-    return {ViewName.MEMORY: {"optimizer": optimizer_fn}}
+def view_options(optimizer_fn: Any, hardware: Optional[Hardware] = None) -> ViewOptions:
+    """The options views take beyond the plan: the optimizer the memory prediction assumes and, on a
+    target, the hardware the timeline and memory views draw (the timeline's step needs the optimizer)."""
+    if hardware is None:
+        return {ViewName.MEMORY: {"optimizer": optimizer_fn}}
+    return {ViewName.MEMORY: {"optimizer": optimizer_fn, "hardware": hardware},
+            ViewName.TIMELINE: {"optimizer": optimizer_fn, "hardware": hardware}}
 
 
 def build_views(plan: Plan, measured: Optional[Measured] = None, names: Iterable[ViewName] = tuple(ViewName),
