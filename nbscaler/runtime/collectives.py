@@ -77,11 +77,9 @@ class _AllGather(Function):
         return _slice(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
-class _AllGatherSumGrad(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, blocks):
-        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
-        return _gather(x, dim, group, blocks)
+class _AllGatherSumGrad(_AllGather):
+    """The all-gather whose backward sums the gradient over the group before slicing it (a
+    reduce-scatter): its output feeds ops that leave partial gradients, as sequence parallelism's."""
 
     @staticmethod
     def backward(ctx, grad):
