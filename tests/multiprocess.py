@@ -316,6 +316,48 @@ def train_single(case: Case) -> Dict[str, Any]:
     return {**out, "eval_loss": eval_losses(model, case), "params": params}
 
 
+def reference_loss_scaled(case: Case, init_scale: float, backoff: float, interval: int,
+                          growth: float = 2.0) -> Dict[str, Any]:
+    """fp16 with fp32 masters and dynamic loss scaling in one process, written out plainly: each
+    unit's loss times the scale backward on its own; the units' fp16 gradients summed in fp32 and
+    divided by the scale; a step whose gradients are not all finite is skipped and lowers the scale
+    by ``backoff``, and ``interval`` good steps in a row raise it by ``growth``."""
+    model = build(case.model).to(case.module_dtype)
+    params = list(model.parameters())
+    masters = [p.detach().to(case.master_dtype).requires_grad_() for p in params]
+    cls, kwargs = OPTIMIZERS[case.optimizer]
+    opt = cls(masters, **kwargs)
+    scale, good = init_scale, 0
+    out: Dict[str, List[Any]] = {"losses": [], "scales": [], "skipped": []}
+    for step in range(case.steps):
+        sums = [torch.zeros_like(m) for m in masters]
+        unit_losses = []
+        for unit in range(case.units):
+            loss = model(**samples(case, step, unit)[0])
+            (loss * scale).backward()
+            for total, p in zip(sums, params):
+                total += p.grad
+                p.grad = None
+            unit_losses.append(loss.item())
+        for master, total in zip(masters, sums):
+            master.grad = total / scale
+        overflowed = not all(torch.isfinite(m.grad).all() for m in masters)
+        out["losses"].append(unit_losses)
+        out["scales"].append(scale)
+        out["skipped"].append(overflowed)
+        if overflowed:
+            scale, good = scale * backoff, 0
+            continue
+        opt.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+        good += 1
+        if good == interval:
+            scale, good = scale * growth, 0
+    return {**out, "scale": scale, "params": [p.detach() for p in params]}
+
+
 def reference_model(case: Case) -> torch.nn.Module:
     """The case's model in one process, with the values its parallel run starts from."""
     if case.weights == INIT:

@@ -23,7 +23,7 @@ from nbscaler.cluster import training
 from nbscaler.config import ComputeConfig
 from nbscaler.schedule import Timeline
 
-STEP_COLUMNS = ["rank", "unit", "step", "loss", "t_start", "t_end", "step_time"]
+STEP_COLUMNS = ["rank", "unit", "step", "loss", "t_start", "t_end", "step_time", "loss_scale", "skipped"]
 SCHEDULE_COLUMNS = ["rank", "step", "stage", "micro", "phase", "t_start", "t_end"]
 
 
@@ -32,7 +32,9 @@ class TrainResult:
     """What ``RemoteModule.train`` brings back.
 
     - ``steps``: one row per rank and step: ``rank, unit, step, loss, t_start, t_end, step_time``
-      (wall-clock seconds). Ranks of one unit report the same loss.
+      (wall-clock seconds), ``loss_scale`` (the scale the step's backward used; NaN without a loss
+      scaler) and ``skipped`` (whether the optimizer skipped the step: a gradient overflowed, and
+      every rank skips it alike). Ranks of one unit report the same loss.
     - ``memory``: one row per rank: ``rank, device``, the first step's memory in the columns
       ``plan.summary()`` predicts (``param_bytes, grad_bytes, optimizer_bytes, buffer_bytes,
       activation_bytes, peak_bytes``, counted by ``MemoryMeter``; on CUDA also
@@ -117,7 +119,10 @@ class RemoteModule:
             steps: optimizer steps to take.
             optimizer_fn: optimizer class or factory, built with ``nbscaler.build_optimizer`` and
                 ``optimizer_kwargs``. Needed on the first call; later calls keep the optimizer
-                (and its state) unless given a new one.
+                (and its state, loss scale included) unless given a new one. Mixed precision goes
+                in these keywords: ``master_dtype=torch.float32`` for a module parallelized with
+                ``module_dtype=torch.bfloat16``; for fp16 also ``scaler=LossScaler()``
+                (``nbscaler.runtime.scaler``), whose scale each rank then applies to its losses.
             loss_fn: ``loss_fn(output, batch) -> scalar`` when the module does not return its loss.
             after_backward: ``after_backward(module, optimizer, step)`` runs on every rank once the
                 gradients are summed, before the optimizer steps; its return values come back in

@@ -17,8 +17,11 @@ one unit must see the same batch):
   single argument); the loss is the module's output, or ``loss_fn(output, batch)``.
 
 Then gradients are summed across units (``optimizer.sync_shard_grad``), ``after_backward`` may look
-at them, and the optimizer steps. A pipelined module also reports the blocks of its schedule as it
-ran them, ``(rank, stage, micro, phase, t_start, t_end)`` per block.
+at them, and the optimizer steps. An optimizer built with a loss scaler (``scaler=LossScaler(...)``
+among the optimizer's keywords, for fp16) scales each loss before its backward, and skips the steps
+whose gradients overflowed; each step's row says the scale it used and whether it was skipped. A
+pipelined module also reports the blocks of its schedule as it ran them, ``(rank, stage, micro,
+phase, t_start, t_end)`` per block.
 
 The first step of each call runs under ``MemoryMeter``, which counts its memory in the cost
 model's categories (parameters, gradients, optimizer state, buffers, activations saved for the
@@ -105,8 +108,11 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
     for done in range(steps):
         step = held.steps_done
         t_start = time.time()
+        scaler = getattr(optimizer, "scaler", None)         # set by build_optimizer(..., scaler=)
+        scale, skipped_before = (scaler.value, scaler.skipped) if scaler is not None else (float("nan"), 0)
         with MemoryMeter(module, optimizer) if done == 0 else contextlib.nullcontext() as meter:
-            loss = _forward_backward(module, data(step, held.unit), loss_fn)
+            loss = _forward_backward(module, data(step, held.unit), loss_fn,
+                                     scaler.scale if scaler is not None else None)
             if module.compute_config.use_pipeline:
                 blocks += _pipeline_blocks(module, step)
             optimizer.sync_shard_grad()
@@ -118,7 +124,8 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
         optimizer.zero_grad()
         t_end = time.time()
         rows.append({"rank": dist.get_rank(), "unit": held.unit, "step": step, "loss": loss,
-                     "t_start": t_start, "t_end": t_end, "step_time": t_end - t_start})
+                     "t_start": t_start, "t_end": t_end, "step_time": t_end - t_start, "loss_scale": scale,
+                     "skipped": scaler is not None and scaler.skipped > skipped_before})
         held.steps_done += 1
         report(done=done + 1, loss=loss)
     return {"steps": rows, "schedule": blocks, "memory": _memory_row(module, memory), "probes": probes}
@@ -159,17 +166,19 @@ def _call(module: torch.nn.Module, batch: Any) -> Any:
     return module(batch)
 
 
-def _forward_backward(module: ParallelModule, batch: Any, loss_fn: Optional[LossFn]) -> float:
-    """One step's forward and backward; returns the loss whose gradient was taken."""
+def _forward_backward(module: ParallelModule, batch: Any, loss_fn: Optional[LossFn],
+                      scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> float:
+    """One step's forward and backward (of each loss times the loss scale, with ``scale_fn``);
+    returns the loss, unscaled."""
     if module.compute_config.use_end2end:
-        outputs = module.train_step(batch if isinstance(batch, list) else [batch])
+        outputs = module.train_step(batch if isinstance(batch, list) else [batch], scale_fn=scale_fn)
         return float(sum(_loss_of(out) for out in outputs))
     output = _call(module, batch)
     loss = loss_fn(output, batch) if loss_fn is not None else output
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
         raise TypeError("training needs a scalar loss: the module returned "
                         f"{type(loss).__name__}; pass loss_fn=lambda output, batch: ... to compute one.")
-    loss.backward()
+    (scale_fn(loss) if scale_fn is not None else loss).backward()
     return loss.item()
 
 

@@ -10,9 +10,11 @@ import nbscaler
 from nbscaler.cluster import RankError
 from nbscaler.cluster.training import parallelize_here, train_here
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn
+from nbscaler.runtime.scaler import LossScaler
 from tests.models import batch, build
-from tests.multiprocess import (EVAL_SEED, Case, case_batch, check_equivalence, check_on_cluster, grad_pieces,
-                                parallelize_on, pipeline, run_ranks, save_checkpoint, train_single)
+from tests.multiprocess import (EVAL_SEED, OPTIMIZERS, Case, case_batch, check_equivalence, check_on_cluster,
+                                grad_pieces, parallelize_on, pipeline, reference_loss_scaled, run_ranks, samples,
+                                save_checkpoint, train_single)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -106,3 +108,39 @@ def test_training_without_an_optimizer_says_how_to_fix_it(cluster, tmp_path):
 def test_a_plan_for_another_world_size_is_refused_before_it_runs(cluster, tmp_path):
     with pytest.raises(ValueError, match="runtime_ngpus=2"):
         parallelize_on(cluster, Case("mlp", "dp", 1, 4), str(tmp_path))
+
+
+FP16_DP = Case("mlp", "dp", 1, 2, steps=4, optimizer="adamw", module_dtype=torch.float16, master_dtype=torch.float32)
+
+
+def test_fp16_with_loss_scaling_trains_on_the_cluster_and_reports_the_skipped_step(cluster, tmp_path):
+    """fp16 through ``train()``: the scaler goes in with the optimizer's keywords, the first scale
+    overflows (the scaled loss is inf), so every rank skips step 0 and lowers the scale; the losses,
+    scales and final weights are those of the recipe written out in one process."""
+    case = FP16_DP
+    scale, backoff, interval = 2.0 ** 20, 2.0 ** -8, 2
+    remote = cluster.parallelize(build(case.model), samples(case, 0, 0)[0], case.policy, case.compute_config,
+                                 gen_savedir=str(tmp_path), reuse="override", instance_name="fp16_dp",
+                                 module_dtype=case.module_dtype)
+    result = remote.train(functools.partial(case_batch, case), case.steps, torch.optim.AdamW,
+                          master_dtype=case.master_dtype, progress=False,
+                          scaler=LossScaler(init_scale=scale, backoff_factor=backoff, growth_interval=interval),
+                          **OPTIMIZERS[case.optimizer][1])
+    ref = reference_loss_scaled(case, scale, backoff, interval)
+    assert ref["skipped"] == [True, False, False, False]
+    for rank in range(case.runtime_ngpus):
+        steps = result.steps[result.steps["rank"] == rank]
+        assert steps["skipped"].tolist() == ref["skipped"], f"rank {rank}"
+        assert steps["loss_scale"].tolist() == ref["scales"] == [scale, scale * backoff, scale * backoff,
+                                                                  scale * backoff * 2], f"rank {rank}"
+        assert steps["loss"].tolist() == [losses[rank] for losses in ref["losses"]], f"rank {rank}"
+    for rank, params in enumerate(remote.run(lambda module: [p.detach().clone() for p in module.parameters()])):
+        assert {p.dtype for p in params} == {torch.float16}
+        assert all(torch.equal(a, b) for a, b in zip(params, ref["params"])), f"rank {rank} weights"
+
+
+def test_steps_without_a_loss_scaler_report_no_scale_and_no_skip(cluster, tmp_path):
+    case = Case("mlp", "dp", 1, 2)
+    result = parallelize_on(cluster, case, str(tmp_path)).train(functools.partial(case_batch, case), 2,
+                                                                torch.optim.SGD, lr=0.1, progress=False)
+    assert result.steps["loss_scale"].isna().all() and not result.steps["skipped"].any()

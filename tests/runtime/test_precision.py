@@ -9,6 +9,7 @@ from nbscaler.config import Precision
 from nbscaler.planning.planner import cast_floats
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import batch, build
+from tests.multiprocess import OPTIMIZERS, Case, reference_loss_scaled, samples
 
 FP16, FP32 = torch.float16, torch.float32
 
@@ -48,63 +49,37 @@ def test_loss_scaler_settings_are_checked():
         LossScaler(backoff_factor=2.0)
 
 
-def fp16_args(seed: int) -> dict:
-    return cast_floats(batch("mlp", seed), FP16)
-
-
-def reference_fp16(steps: int, scale: float, backoff: float, interval: int):
-    """fp16 training with fp32 masters and dynamic loss scaling, written out plainly."""
-    model = build("mlp").to(FP16)
-    params = list(model.parameters())
-    masters = [p.detach().float().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(masters, lr=0.01)
-    losses, skipped, good = [], 0, 0
-    for step in range(steps):
-        loss = model(**fp16_args(step))
-        (loss * scale).backward()
-        for m, p in zip(masters, params):
-            m.grad, p.grad = p.grad.float() / scale, None
-        losses.append(loss.item())
-        if not all(torch.isfinite(m.grad).all() for m in masters):
-            scale, skipped, good = scale * backoff, skipped + 1, 0
-            continue
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
-        good += 1
-        if good == interval:
-            scale, good = scale * 2, 0
-    return losses, scale, skipped, [p.detach() for p in params]
+FP16_CASE = Case("mlp", "dp", 1, 1, steps=4, optimizer="adamw", module_dtype=FP16, master_dtype=FP32)
 
 
 def test_fp16_with_loss_scaling_skips_the_overflowing_step(tmp_path):
     """The first scale overflows fp16 (the scaled loss is inf): that step changes nothing and the
     scale backs off; the next steps train as the plain recipe does, and the scale grows."""
-    steps, scale, backoff, interval = 4, 2.0 ** 20, 2.0 ** -8, 2
-    pm = parallelize(build("mlp"), fp16_args(12345), "dp", ComputeConfig(1, 1), gen_savedir=tmp_path,
+    case = FP16_CASE
+    scale, backoff, interval = 2.0 ** 20, 2.0 ** -8, 2
+    pm = parallelize(build("mlp"), samples(case, 0, 0)[0], "dp", ComputeConfig(1, 1), gen_savedir=tmp_path,
                      module_dtype=FP16)
     scaler = LossScaler(init_scale=scale, backoff_factor=backoff, growth_interval=interval)
-    opt = build_optimizer(pm, torch.optim.AdamW, master_dtype=FP32, scaler=scaler, lr=0.01)
+    opt = build_optimizer(pm, torch.optim.AdamW, master_dtype=FP32, scaler=scaler, **OPTIMIZERS["adamw"][1])
     assert isinstance(opt, torch.optim.AdamW) and opt.scaler is scaler
     before = [p.detach().clone() for p in pm.parameters()]
     losses = []
-    for step in range(steps):
-        loss = pm(**fp16_args(step))
+    for step in range(case.steps):
+        loss = pm(**samples(case, step, 0)[0])
         scaler.scale(loss).backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append([loss.item()])
         if step == 0:
             assert all(torch.equal(a, b) for a, b in zip(before, pm.parameters())), "the skipped step moved weights"
             assert not opt.state and scaler.value == scale * backoff
-    ref_losses, ref_scale, ref_skipped, ref_params = reference_fp16(steps, scale, backoff, interval)
-    assert losses == ref_losses
-    assert (scaler.value, scaler.skipped) == (ref_scale, ref_skipped) == (scale * backoff * 2, 1)
-    assert all(torch.equal(a, b) for a, b in zip(pm.parameters(), ref_params))
+    ref = reference_loss_scaled(case, scale, backoff, interval)
+    assert losses == ref["losses"]
+    assert (scaler.value, scaler.skipped) == (ref["scale"], sum(ref["skipped"])) == (scale * backoff * 2, 1)
+    assert all(torch.equal(a, b) for a, b in zip(pm.parameters(), ref["params"]))
     assert {p.dtype for p in pm.parameters()} == {FP16}
     with pytest.raises(ValueError, match="closure"):
-        opt.step(lambda: pm(**fp16_args(0)))
+        opt.step(lambda: pm(**samples(case, 0, 0)[0]))
 
 
 def test_plain_layers_around_a_parallel_trunk_get_master_copies_too(tmp_path):
