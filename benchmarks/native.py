@@ -8,7 +8,8 @@ every timed block so the slowest rank sets the time. It reports:
 - the ratio nbscaler / PyTorch of each repetition (min, median, max; below 1 means nbscaler is faster),
   and the median ratio of CPU time summed over the ranks, steadier on a loaded machine;
 - the bytes of parameters, gradients and optimizer state each side holds per rank after a step
-  (the largest rank);
+  (the largest rank), and the most bytes a rank held at once during a step, activations included,
+  counted for both sides by PyTorch's ``MemTracker`` (``native_sides.peak_step_bytes``);
 - both sides' first losses, which must agree (same weights, same data).
 
     python -m benchmarks.native                       # 2 and 4 ranks, GPT 4 layers, d=256
@@ -56,9 +57,16 @@ COMPARISONS: Dict[str, tuple] = {
                            "FSDP2 fully_shard"),
     "dp bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, mixed=True), lambda s: sides.torch_ddp_autocast(s),
                       "DDP + bf16 autocast"),
+    # The same sharding: gradients and optimizer state (with the fp32 masters) split over the
+    # ranks, the bf16 parameters whole during forward and backward. nbscaler has no ZeRO-3, so
+    # its ZeRO-2 meets FSDP2 with reshard_after_forward=False; FSDP2's default (ZeRO-3) follows
+    # as a reference, not as a like-for-like comparison.
     "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
-                             lambda s: sides.torch_fsdp(s, mixed=True),
-                             "FSDP2 fully_shard, MixedPrecisionPolicy(bf16, reduce fp32)"),
+                             lambda s: sides.torch_fsdp(s, mixed=True, reshard_after_forward=False),
+                             "FSDP2 fully_shard(reshard_after_forward=False), MixedPrecisionPolicy(bf16, reduce fp32)"),
+    "dp ZeRO-2 bf16 mixed vs ZeRO-3": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
+                                       lambda s: sides.torch_fsdp(s, mixed=True),
+                                       "FSDP2 fully_shard (ZeRO-3), MixedPrecisionPolicy(bf16, reduce fp32)"),
 }
 # bf16 runs agree to bf16's precision, not fp32's: four ulps of bf16 (2**-5), as in
 # tests/runtime/test_mixed_precision.py.
@@ -82,6 +90,7 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
     ours, theirs = make_ours(setup, gen_dir), make_theirs(setup)
     first = (ours.step(), theirs.step())                 # the first step is also the warm-up
     nbytes = (ours.nbytes(), theirs.nbytes())
+    peaks = (sides.peak_step_bytes(ours), sides.peak_step_bytes(theirs))
     times: List[tuple] = []
     cpu: List[tuple] = []
     for rep in range(reps):
@@ -93,7 +102,7 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
             a = _timed(ours, steps)
         times.append((a[0] / steps, b[0] / steps))
         cpu.append((a[1] / steps, b[1] / steps))
-    return {"first": first, "bytes": nbytes, "times": times, "cpu": cpu}
+    return {"first": first, "bytes": nbytes, "peaks": peaks, "times": times, "cpu": cpu}
 
 
 def _run_all(names: List[str], setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> List[Dict[str, object]]:
@@ -119,6 +128,7 @@ def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict
         "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
         "cpu_ratio": statistics.median(a / b for a, b in cpu),
         "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
+        "ours_peak": max(r["peaks"][0] for r in per_rank), "theirs_peak": max(r["peaks"][1] for r in per_rank),
         "ours_loss": ours, "theirs_loss": theirs,
         "losses_agree": abs(ours - theirs) <= (MIXED_LOSS_RTOL if "mixed" in name else LOSS_RTOL) * abs(theirs),
     }
@@ -142,11 +152,13 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         "",
         "Ratio = nbscaler time / PyTorch time per repetition (below 1: nbscaler is faster). CPU ratio = the "
         "same for CPU time summed over the ranks (median), which the load inflates less. MiB per rank = "
-        "parameters + gradients + optimizer state held after a step (the largest rank).",
+        "parameters + gradients + optimizer state held after a step (the largest rank). Peak MiB = the most "
+        "a rank held at once during a step, activations included, as PyTorch's MemTracker counts it for "
+        "both sides (the largest rank).",
         "",
         "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
-        "nbscaler MiB per rank | PyTorch MiB per rank | first loss nbscaler / PyTorch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | first loss nbscaler / PyTorch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         agree = "agree" if r["losses_agree"] else "**DIFFER**"
@@ -154,7 +166,8 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
             f"| {r['comparison']} | {r['pytorch']} | {r['ranks']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} | "
             f"{r['ratio_min']:.2f} / **{r['ratio_median']:.2f}** / {r['ratio_max']:.2f} | {r['cpu_ratio']:.2f} | "
             f"{_mib(r['ours_bytes'])} | "
-            f"{_mib(r['theirs_bytes'])} | {r['ours_loss']:.6f} / {r['theirs_loss']:.6f} ({agree}) |")
+            f"{_mib(r['theirs_bytes'])} | {r['ours_peak'] / MiB:.2f} / {r['theirs_peak'] / MiB:.2f} | "
+            f"{r['ours_loss']:.6f} / {r['theirs_loss']:.6f} ({agree}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -199,6 +212,7 @@ def main(argv=None) -> None:
 def _row_line(r: Dict[str, object]) -> str:
     return (f"{r['comparison']:<20} {r['ranks']} ranks: ratio {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
             f"{r['ratio_max']:.2f}  CPU {r['cpu_ratio']:.2f}  MiB {_mib(r['ours_bytes'])} vs {_mib(r['theirs_bytes'])}  "
+            f"peak {r['ours_peak'] / MiB:.2f} vs {r['theirs_peak'] / MiB:.2f}  "
             f"loss {r['ours_loss']:.6f} vs {r['theirs_loss']:.6f}")
 
 

@@ -154,6 +154,20 @@ def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[int
     return (storage_bytes(params), storage_bytes([p.grad for p in params + updated]), storage_bytes(extra + state))
 
 
+def peak_step_bytes(side: "Side") -> int:
+    """The most bytes this rank held at once during one step, as PyTorch's ``MemTracker`` counts
+    them (every tensor allocated in the step, plus the module's, the optimizer's parameters and its
+    state held from before); the same instrument for both sides, so nothing nbscaler-specific
+    decides the comparison."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    inner = getattr(side.optimizer, "optim", side.optimizer)
+    tracker = MemTracker()
+    tracker.track_external(side.module, inner, *[p for g in inner.param_groups for p in g["params"]])
+    with tracker:
+        side.step()
+    return int(sum(per_device["Total"] for per_device in tracker.get_tracker_snapshot("peak").values()))
+
+
 # -- sides -------------------------------------------------------------------------------------
 class Side:
     """One way of training the model on this rank."""
@@ -227,16 +241,20 @@ def torch_ddp_autocast(s: Setup) -> Side:
     return Side(model, opt, _plain_step(forward, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 
 
-def torch_fsdp(s: Setup, mixed: bool = False) -> Side:
+def torch_fsdp(s: Setup, mixed: bool = False, reshard_after_forward: bool = True) -> Side:
     """FSDP2: ``fully_shard`` on every block, then on the whole model; ``mixed``: with
-    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``."""
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
+
+    FSDP2 keeps only its fp32 shard of each parameter between steps (ZeRO-3). With
+    ``reshard_after_forward=False`` it keeps the gathered (bf16) parameters from the forward until
+    the backward has used them, as ZeRO-2 keeps them, and frees them after the backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     rank, _ = _rank_world()
     model = build_model(s)
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     opt = adamw(model.parameters())
     return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 
