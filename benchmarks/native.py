@@ -8,8 +8,9 @@ every timed block so the slowest rank sets the time. It reports:
 - the ratio nbscaler / PyTorch of each repetition (min, median, max; below 1 means nbscaler is faster),
   and the median ratio of CPU time summed over the ranks, steadier on a loaded machine;
 - the bytes of parameters, gradients and optimizer state each side holds per rank after a step
-  (the largest rank), and the most bytes a rank held at once during a step, activations included,
-  counted for both sides by PyTorch's ``MemTracker`` (``native_sides.peak_step_bytes``);
+  (the largest rank), and the most bytes a rank held at once during a step, activations included
+  (and the most of them that were activations), counted for both sides by PyTorch's ``MemTracker``
+  (``native_sides.peak_step_bytes``);
 - both sides' first losses, which must agree (same weights, same data).
 
     python -m benchmarks.native                       # 2 and 4 ranks, GPT 4 layers, d=256
@@ -139,6 +140,11 @@ def _mib(parts) -> str:
     return f"{p + g + o:.1f} ({p:.1f} + {g:.1f} + {o:.1f})"
 
 
+def _peak(peak) -> str:
+    total, activations = (x / MiB for x in peak)
+    return f"{total:.2f} ({activations:.2f})"
+
+
 def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[str, str], reps: int, steps: int) -> str:
     lines = [
         "# nbscaler against PyTorch native",
@@ -154,7 +160,7 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         "same for CPU time summed over the ranks (median), which the load inflates less. MiB per rank = "
         "parameters + gradients + optimizer state held after a step (the largest rank). Peak MiB = the most "
         "a rank held at once during a step, activations included, as PyTorch's MemTracker counts it for "
-        "both sides (the largest rank).",
+        "both sides (the largest rank); in brackets, the most of it that were activations.",
         "",
         "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
         "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | first loss nbscaler / PyTorch |",
@@ -166,7 +172,7 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
             f"| {r['comparison']} | {r['pytorch']} | {r['ranks']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} | "
             f"{r['ratio_min']:.2f} / **{r['ratio_median']:.2f}** / {r['ratio_max']:.2f} | {r['cpu_ratio']:.2f} | "
             f"{_mib(r['ours_bytes'])} | "
-            f"{_mib(r['theirs_bytes'])} | {r['ours_peak'] / MiB:.2f} / {r['theirs_peak'] / MiB:.2f} | "
+            f"{_mib(r['theirs_bytes'])} | {_peak(r['ours_peak'])} / {_peak(r['theirs_peak'])} | "
             f"{r['ours_loss']:.6f} / {r['theirs_loss']:.6f} ({agree}) |")
     return "\n".join(lines) + "\n"
 
@@ -212,7 +218,7 @@ def main(argv=None) -> None:
 def _row_line(r: Dict[str, object]) -> str:
     return (f"{r['comparison']:<20} {r['ranks']} ranks: ratio {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
             f"{r['ratio_max']:.2f}  CPU {r['cpu_ratio']:.2f}  MiB {_mib(r['ours_bytes'])} vs {_mib(r['theirs_bytes'])}  "
-            f"peak {r['ours_peak'] / MiB:.2f} vs {r['theirs_peak'] / MiB:.2f}  "
+            f"peak {_peak(r['ours_peak'])} vs {_peak(r['theirs_peak'])}  "
             f"loss {r['ours_loss']:.6f} vs {r['theirs_loss']:.6f}")
 
 

@@ -154,18 +154,21 @@ def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[int
     return (storage_bytes(params), storage_bytes([p.grad for p in params + updated]), storage_bytes(extra + state))
 
 
-def peak_step_bytes(side: "Side") -> int:
-    """The most bytes this rank held at once during one step, as PyTorch's ``MemTracker`` counts
-    them (every tensor allocated in the step, plus the module's, the optimizer's parameters and its
-    state held from before); the same instrument for both sides, so nothing nbscaler-specific
-    decides the comparison."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def peak_step_bytes(side: "Side") -> Tuple[int, int]:
+    """``(total, activations)``: the most bytes this rank held at once during one step, and the most
+    of them that were activations (what autograd saved in the step), as PyTorch's ``MemTracker``
+    counts them (every tensor allocated in the step, plus the module's, the optimizer's parameters
+    and its state held from before); the same instrument for both sides, so nothing
+    nbscaler-specific decides the comparison."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     inner = getattr(side.optimizer, "optim", side.optimizer)
     tracker = MemTracker()
     tracker.track_external(side.module, inner, *[p for g in inner.param_groups for p in g["params"]])
     with tracker:
         side.step()
-    return int(sum(per_device["Total"] for per_device in tracker.get_tracker_snapshot("peak").values()))
+    peak = tracker.get_tracker_snapshot("peak").values()
+    return (int(sum(per_device["Total"] for per_device in peak)),
+            int(sum(per_device[_MemRefType.ACT] for per_device in peak)))
 
 
 # -- sides -------------------------------------------------------------------------------------
