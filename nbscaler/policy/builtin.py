@@ -164,7 +164,7 @@ def pipeline_geometry(cfg: ComputeConfig, policy: str) -> PipelineGeometry:
     if not cfg.use_pipeline:
         raise PolicyError(f"policy {policy!r} builds a pipeline: set ComputeConfig(use_end2end=True, "
                           "use_pipeline=True, pipeline_nmicros=...) (and pipeline_nstages).")
-    return PipelineGeometry.from_config(cfg)
+    return cfg.grid.pipeline
 
 
 def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
