@@ -75,8 +75,8 @@ def blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], 
 
 
 def _stage_device(plan: "Plan", stage: int | None, device: int) -> int:
-    """The plan device of ``stage``'s group with the same tensor-parallel index as ``device``."""
-    return device if plan.geometry is None else plan.geometry.stage_device(stage, device)
+    """The plan device whose share of ``stage`` ``device`` runs (``PipelineGeometry.view_of``)."""
+    return device if plan.geometry is None else plan.geometry.view_of(stage, device)
 
 
 def flops_per_device(plan: "Plan") -> Dict[int, float]:

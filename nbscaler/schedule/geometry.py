@@ -15,8 +15,8 @@ way, and each plan device of a stage's group sums its gradients with the devices
 slice of the copy (:meth:`PipelineGeometry.stage_copies`).
 
 >>> chimera = PipelineGeometry(build_schedule('chimera_direct', nstages=4, nmicros=4), plan_ngpus=4)
->>> chimera.stages_of(0), chimera.stage_copies(0), chimera.copy_groups()
-((0, 3), {0: (0, 3)}, [(0, 3), (1, 2)])
+>>> chimera.stages_of(0), chimera.view_of(3, 0), chimera.stage_copies(0), chimera.copy_groups()
+((0, 3), 3, {0: (0, 3)}, [(0, 3), (1, 2)])
 """
 
 from __future__ import annotations
@@ -73,10 +73,15 @@ class PipelineGeometry:
         """The plan devices that run ``stage`` on the first pipeline (how the graph places it)."""
         return self.group_of(self.schedule.placements[0][stage])
 
-    def stage_device(self, stage: Optional[int], plan_device: int) -> int:
-        """The plan device of ``stage``'s group at ``plan_device``'s tensor-parallel position: whose
-        share of ``stage`` ``plan_device`` runs (``stage`` None: the whole graph, ``plan_device``)."""
-        return plan_device if stage is None else self.stage_group(stage)[self.tp_index(plan_device)]
+    def view_of(self, stage: Optional[int], plan_device: int) -> int:
+        """The plan device whose share of ``stage`` ``plan_device`` runs: itself when it is in the
+        stage's group (``stage`` None: the whole graph), else (chimera's view: its copy of the
+        stage belongs to the pipeline running the other way) the device at its tensor-parallel
+        position in the group that holds the stage on the first pipeline, as the graph places it."""
+        if stage is None:
+            return plan_device
+        group = self.stage_group(stage)
+        return plan_device if plan_device in group else group[self.tp_index(plan_device)]
 
     def stages_of(self, plan_device: int) -> Tuple[int, ...]:
         """The stages plan device ``plan_device`` runs (two under ``chimera_direct``)."""

@@ -57,8 +57,12 @@ CHIMERA = dict(plan_ngpus=4, runtime_ngpus=8, use_end2end=True, use_pipeline=Tru
 INTERLEAVED = dict(plan_ngpus=2, runtime_ngpus=4, use_zero=True, use_end2end=True, use_pipeline=True,
                    pipeline_scheduler="1f1b_interleaved", pipeline_nstages=4, pipeline_nmicros=4)
 
+SHARED_HEAD = dict(plan_ngpus=4, runtime_ngpus=4, use_end2end=True, use_pipeline=True,
+                   pipeline_scheduler="1f1b_plus", pipeline_nstages=2, pipeline_nmicros=4)     # stage 0 on all 4
 
-@pytest.mark.parametrize("kwargs", [HYBRID, CHIMERA, INTERLEAVED], ids=["hybrid", "chimera", "interleaved"])
+
+@pytest.mark.parametrize("kwargs", [HYBRID, CHIMERA, INTERLEAVED, SHARED_HEAD],
+                         ids=["hybrid", "chimera", "interleaved", "shared-head"])
 def test_every_answer_equals_the_old_arithmetic(kwargs):
     cfg = ComputeConfig(**kwargs)
     grid, plan, runtime = cfg.grid, cfg.plan_ngpus, cfg.runtime_ngpus
@@ -85,8 +89,11 @@ def test_every_answer_equals_the_old_arithmetic(kwargs):
     for stage in range(geometry.schedule.nstages):
         assert grid.stage_group(stage) == geometry.stage_group(stage)
         assert geometry.stage_copies(stage) == old_replica_groups(geometry, stage)
+        group = geometry.stage_group(stage)
         for device in range(plan):
-            assert geometry.stage_device(stage, device) == geometry.stage_group(stage)[device % geometry.tp]
+            old_view = device if device in group else group[device % geometry.tp]    # code generation's
+            assert geometry.view_of(stage, device) == old_view
+            assert geometry.view_of(stage, device) in group
     for device in range(plan):
         assert geometry.tp_index(device) == device % geometry.tp
         assert geometry.stages_of(device) == geometry.schedule.stages_of(device // geometry.tp)
@@ -100,6 +107,7 @@ def test_the_layouts_themselves():
     assert hybrid.zero_ranks(11) == (11, 15) and hybrid.zero_replica_ranks(11) == (3, 11)
     chimera = ComputeConfig(**CHIMERA).grid.pipeline
     assert chimera.stages_of(1) == (1, 2) and chimera.copy_groups() == [(0, 3), (1, 2)]
+    assert [chimera.view_of(s, 1) for s in chimera.stages_of(1)] == [1, 2]     # stage 2 as device 2 runs it
     interleaved = ComputeConfig(**INTERLEAVED).grid
     assert interleaved.pipeline.stages_of(0) == (0, 2) and interleaved.stage_group(3) == (1,)
     assert interleaved.pipeline.copy_groups() == []
