@@ -232,7 +232,8 @@ class ComputeConfig:
         """A validated copy with ``changes`` applied; a pipeline setting changes in both places it
         is kept (its field and ``pas_config``).
 
-        >>> ComputeConfig(4, 4, use_pipeline=True, use_end2end=True, pipeline_nmicros=4).with_changes(pipeline_nstages=2).pipeline_nstages
+        >>> cfg = ComputeConfig(4, 4, use_pipeline=True, use_end2end=True, pipeline_nmicros=4)
+        >>> cfg.with_changes(pipeline_nstages=2).pipeline_nstages
         2
         """
         pas_config = {**self.pas_config, **changes.pop("pas_config", {})}

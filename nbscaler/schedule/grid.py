@@ -69,7 +69,8 @@ class RankGrid:
                 f"use e.g. runtime_ngpus={plan_ngpus * max(1, runtime_ngpus // plan_ngpus)}.")
         units = runtime_ngpus // plan_ngpus
         if zero_ngroups is not None and units % zero_ngroups:
-            return "zero_ngroups", f"it must divide the number of data-parallel units ({units} = runtime_ngpus // plan_ngpus)."
+            return "zero_ngroups", (f"it must divide the number of data-parallel units ({units} = runtime_ngpus // "
+                                    "plan_ngpus).")
         return None
 
     def __post_init__(self) -> None:

@@ -88,7 +88,9 @@ class SchedulerSpec:
             return "pipeline_nstages", (f"{self.name} puts pipeline_nstages={nstages} stages on {ndevices} "
                                         f"pipeline devices, which must divide plan_ngpus={plan_ngpus} (each "
                                         "stage gets plan_ngpus // devices devices).")
-        problem = self._fixed_nstages_problem(nstages) or (self.check(nstages, nmicros, ndevices) if self.check else None)
+        problem = self._fixed_nstages_problem(nstages)
+        if problem is None and self.check is not None:
+            problem = self.check(nstages, nmicros, ndevices)
         return None if problem is None else ("pipeline_scheduler", problem)
 
     def _fixed_nstages_problem(self, nstages: int) -> Optional[str]:
@@ -275,8 +277,8 @@ def _chimera_rules(nstages: int, nmicros: int, ndevices: int) -> Optional[str]:
     return None
 
 
-@register_scheduler("chimera_direct", check=_chimera_rules, fixed_nstages=CHIMERA_STAGES, one_device_per_stage=True,
-                    stage_copies=2)
+@register_scheduler("chimera_direct", check=_chimera_rules, fixed_nstages=CHIMERA_STAGES,
+                    one_device_per_stage=True, stage_copies=2)
 def chimera_direct(nstages: int, nmicros: int) -> PipelineSchedule:
     """Chimera: two 4-stage pipelines in opposite directions over the same 4 devices.
 
