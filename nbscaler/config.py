@@ -8,17 +8,22 @@ instead of deep inside code generation or, worse, as a hang at run time.
 >>> cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=4)
 >>> cfg.units            # data-parallel copies of the 2-device plan
 2
+>>> cfg.grid.dp_ranks(1)  # every question of which ranks goes to its rank grid
+(1, 3)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Optional
 
 import torch
 
+from nbscaler.schedule.geometry import PipelineGeometry
+from nbscaler.schedule.grid import RankGrid
 from nbscaler.schedule.schedulers import SCHEDULERS, scheduler_spec
 
 TRAIN_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if spec.training)
@@ -121,6 +126,9 @@ class Precision:
         return None if self.master_dtype in (None, param_dtype) else self.master_dtype
 
 
+_WORDS = {2: "two", 3: "three"}
+
+
 def _fail(field_name: str, value: Any, fix: str) -> None:
     raise ValueError(f"ComputeConfig.{field_name}={value!r} is invalid: {fix}")
 
@@ -175,10 +183,17 @@ class ComputeConfig:
         self._validate()
 
     # -- derived values ---------------------------------------------------------------------
+    @functools.cached_property
+    def grid(self) -> RankGrid:
+        """Which ranks do what: units, plan devices, data-parallel and ZeRO groups and, with a
+        pipeline, where its stages sit (the training schedule's geometry)."""
+        pipeline = PipelineGeometry.from_config(self) if self.use_pipeline else None
+        return RankGrid(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups if self.use_zero else None, pipeline)
+
     @property
     def units(self) -> int:
         """Number of data-parallel copies of the plan (``runtime_ngpus // plan_ngpus``)."""
-        return self.runtime_ngpus // self.plan_ngpus
+        return self.grid.units
 
     @property
     def sums_partial_grads_after_backward(self) -> bool:
@@ -195,11 +210,12 @@ class ComputeConfig:
         return "infer_pipe" if self.inference_only else "1f1b"
 
     def unit_of(self, rank: int) -> int:
-        return rank // self.plan_ngpus
+        """The unit ``rank`` belongs to (``RankGrid.unit_of``)."""
+        return self.grid.unit_of(rank)
 
     def device_of(self, rank: int) -> int:
-        """The plan device a runtime rank plays (ranks with equal devices hold equal shards)."""
-        return rank % self.plan_ngpus
+        """The plan device a runtime rank plays (``RankGrid.device_of``)."""
+        return self.grid.device_of(rank)
 
     # -- (de)serialisation ------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -216,7 +232,8 @@ class ComputeConfig:
         """A validated copy with ``changes`` applied; a pipeline setting changes in both places it
         is kept (its field and ``pas_config``).
 
-        >>> ComputeConfig(4, 4, use_pipeline=True, use_end2end=True).with_changes(pipeline_nstages=2).pipeline_nstages
+        >>> cfg = ComputeConfig(4, 4, use_pipeline=True, use_end2end=True, pipeline_nmicros=4)
+        >>> cfg.with_changes(pipeline_nstages=2).pipeline_nstages
         2
         """
         pas_config = {**self.pas_config, **changes.pop("pas_config", {})}
@@ -252,9 +269,11 @@ class ComputeConfig:
             _fail("zero_stage", self.zero_stage, "use 1 (optimizer state sharded) or 2 (gradients sharded too).")
         if self.zero_stage != 1 and not self.use_zero:
             _fail("zero_stage", self.zero_stage, "ZeRO stages need ZeRO: set use_zero=True as well.")
-        if self.zero_stage == 2 and self.use_pipeline and self.scheduler == "chimera_direct":
-            _fail("zero_stage", 2, "chimera_direct sums the gradients of each stage's two copies after the "
-                  "backward, which ZeRO-2 has already freed by then; use zero_stage=1 with chimera_direct.")
+        copies = scheduler_spec(self.scheduler).stage_copies if self.use_pipeline else 1
+        if self.zero_stage == 2 and copies > 1:
+            _fail("zero_stage", 2, f"{self.scheduler} sums the gradients of each stage's {_WORDS.get(copies, copies)} "
+                  f"copies after the backward, which ZeRO-2 has already freed by then; use zero_stage=1 with "
+                  f"{self.scheduler}.")
 
     def _validate_recompute(self) -> None:
         names = self.pas_config.get(RECOMPUTE_MODULES)
@@ -272,17 +291,9 @@ class ComputeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "it must be a positive integer.")
-        if self.runtime_ngpus % self.plan_ngpus:
-            _fail(
-                "runtime_ngpus", self.runtime_ngpus,
-                f"it must be a multiple of plan_ngpus={self.plan_ngpus} (each unit holds one whole "
-                f"copy of the plan); use e.g. runtime_ngpus={self.plan_ngpus * max(1, self.runtime_ngpus // self.plan_ngpus)}.",
-            )
-        if self.use_zero and self.units % self.zero_ngroups:
-            _fail(
-                "zero_ngroups", self.zero_ngroups,
-                f"it must divide the number of data-parallel units ({self.units} = runtime_ngpus // plan_ngpus).",
-            )
+        problem = RankGrid.problem(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups if self.use_zero else None)
+        if problem is not None:
+            _fail(problem[0], getattr(self, problem[0]), problem[1])
         self._validate_zero()
         self._validate_recompute()
         if self.use_pipeline and not self.use_end2end:

@@ -31,6 +31,7 @@ from nbscaler.config import ComputeConfig
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from nbscaler.parallel import parallelize
 from nbscaler.planning import Plan, plan
+from nbscaler.reference import MATCH_RTOL, reference_run
 from nbscaler.runtime.launch import spawn
 from nbscaler.runtime.optimizer import build_optimizer
 
@@ -75,8 +76,7 @@ def _samples(step: int, unit: int, nmicros: int) -> List[Dict[str, torch.Tensor]
 
 
 def _train_on_rank(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
-    rank = dist.get_rank()
-    unit = rank // case.plan_ngpus
+    unit = case.config.unit_of(dist.get_rank())
     torch.manual_seed(0)
     start = time.perf_counter()
     pm = parallelize(GPT(MODEL), {"batch": sample_batch(MODEL, BATCH)}, case.policy, case.config,
@@ -100,16 +100,9 @@ def reference_losses(case: DemoCase, steps: int) -> List[List[List[float]]]:
     """Per step, per unit, per micro-batch: the losses of the same training in one process."""
     torch.manual_seed(0)
     model = GPT(MODEL)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out = []
-    units = case.runtime_ngpus // case.plan_ngpus
-    for step in range(steps):
-        per_unit = [[model(s) for s in _samples(step, u, case.nmicros)] for u in range(units)]
-        sum(l for unit in per_unit for l in unit).backward()
-        opt.step()
-        opt.zero_grad()
-        out.append([[l.item() for l in unit] for unit in per_unit])
-    return out
+    nmicros = case.nmicros
+    return reference_run(model, torch.optim.SGD(model.parameters(), lr=LR),
+                         lambda step, unit: _samples(step, unit, nmicros), steps=steps, units=case.config.units).losses
 
 
 def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
@@ -117,12 +110,12 @@ def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
     ref = reference_losses(case, steps)
     worst = 0.0
     for rank, res in enumerate(per_rank):
-        unit = rank // case.plan_ngpus
+        unit = case.config.unit_of(rank)
         for step in range(steps):
             for got, want in zip(res["losses"][step], ref[step][unit]):
                 worst = max(worst, abs(got - want) / abs(want))
     first = per_rank[0]
-    return {"case": case, "compile_s": first["compile_s"], "step_s": first["step_s"], "match": worst <= 1e-5,
+    return {"case": case, "compile_s": first["compile_s"], "step_s": first["step_s"], "match": worst <= MATCH_RTOL,
             "rel_err": worst, "gen_dir": first["gen_dir"], "final_loss": per_rank[-1]["losses"][-1][0]}
 
 
@@ -182,7 +175,7 @@ class DemoOutcome:
 
     @property
     def ok(self) -> bool:
-        return all(r["match"] for r in self.rows) and self.tour.rel_err <= 1e-5
+        return all(r["match"] for r in self.rows) and self.tour.rel_err <= MATCH_RTOL
 
 
 def run(argv: Optional[List[str]] = None) -> DemoOutcome:
@@ -208,7 +201,7 @@ def run(argv: Optional[List[str]] = None) -> DemoOutcome:
     last = cases(args.ranks)[-1]
     print(f"\ntour: {last.policy} on a local cluster of {last.runtime_ngpus} engines ...", flush=True)
     toured = tour(last, args.steps, args.gen_dir)
-    print(f"tour losses {'match' if toured.rel_err <= 1e-5 else 'DIFFER from'} one process "
+    print(f"tour losses {'match' if toured.rel_err <= MATCH_RTOL else 'DIFFER from'} one process "
           f"(worst relative error {toured.rel_err:.1e})")
     return DemoOutcome(rows, toured, args.report)
 

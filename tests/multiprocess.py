@@ -25,13 +25,14 @@ import torch.distributed as dist
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.config import PIPELINE_KEYS, Precision
 from nbscaler.planning.planner import build_module, cast_floats
+from nbscaler.reference import MATCH_RTOL, call_with_kwargs, reference_run
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
 from nbscaler.runtime.initialize import init_module
 from nbscaler.runtime.launch import spawn
 from tests.models import batch, build
 
 DEFAULT_TIMEOUT = 240.0
-RTOL = 1e-5
+RTOL = MATCH_RTOL
 EVAL_SEED = 999
 INIT = "init"           # Case.weights: the module's own initialisation, per rank, seeded with INIT_SEED
 INIT_SEED = 7
@@ -217,18 +218,11 @@ def parallel_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Cas
 
 def single_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, case: Case, steps: Iterable[int],
                  units: int) -> Dict[str, list]:
-    """The reference for ``parallel_steps``: one process, the losses of ``units`` units summed."""
-    out: Dict[str, list] = {"losses": [], "grads": [], "norms": []}
-    for step in steps:
-        per_unit = [[model(**a) for a in samples(case, step, u)] for u in range(units)]
-        sum(l for unit in per_unit for l in unit).backward()
-        out["losses"].append([[l.item() for l in unit] for unit in per_unit])
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        if case.clip is not None:
-            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).item())
-        opt.step()
-        opt.zero_grad()
-    return out
+    """The reference for ``parallel_steps`` (``nbscaler.reference.reference_run``): one process,
+    the losses of ``units`` units summed; what ``parallel_steps`` records, per unit."""
+    run = reference_run(model, opt, functools.partial(samples, case), steps=steps, units=units,
+                        loss_of=call_with_kwargs, clip=case.clip, keep_grads=True)
+    return {"losses": run.losses, "grads": run.grads, "norms": run.norms}
 
 
 def load_state_of_kind(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str, sd: Dict[str, Any],
@@ -275,7 +269,7 @@ def train_case(case: Case, model: torch.nn.Module) -> Dict[str, Any]:
     opt = case.make_optimizer(model)
     compiled = next(m for m in model.modules() if isinstance(m, ParallelModule))
     assert compiled.compute_config.plan_ngpus == case.unit_ngpus, (case, compiled.compute_config)
-    out = parallel_steps(model, opt, case, range(case.steps), dist.get_rank() // case.unit_ngpus)
+    out = parallel_steps(model, opt, case, range(case.steps), compiled.compute_config.unit_of(dist.get_rank()))
     return {**out, "eval_loss": eval_losses(model, case), "state": model.state_dict(),
             "optimizer_bytes": optimizer_state_bytes(opt)}
 

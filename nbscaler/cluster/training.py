@@ -66,7 +66,7 @@ class RankModule:
 
     @property
     def unit(self) -> int:
-        return dist.get_rank() // self.module.compute_config.plan_ngpus
+        return self.module.compute_config.unit_of(dist.get_rank())
 
 
 modules: Dict[str, RankModule] = {}

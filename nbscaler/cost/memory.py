@@ -104,17 +104,12 @@ def buckets(params: List[LocalWeight], bucket_bytes: int = BUCKET_BYTES) -> List
     return out
 
 
-def zero_group_size(cfg: ComputeConfig) -> int:
-    """How many ranks split one copy of the optimizer state under ZeRO."""
-    return cfg.units // cfg.zero_ngroups
-
-
 def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tuple[int, torch.dtype]]:
     """``(numel, dtype)`` of each parameter the rank's optimizer updates: the local parameters, or
     with ZeRO one flat shard per bucket (``ceil(numel / N)`` elements for a group of ``N``)."""
     if not cfg.use_zero:
         return [(p.numel, p.dtype) for p in params]
-    n = zero_group_size(cfg)
+    n = cfg.grid.zero_group_size
     return [(-(-sum(p.numel for p in b) // n), b[0].dtype) for b in buckets(params)]
 
 
@@ -133,7 +128,7 @@ def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Typ
         return {**row, C.OPTIMIZER_BYTES: 0}
     slots = optimizer_params(params, cfg)
     if cfg.use_zero:
-        n = zero_group_size(cfg)
+        n = cfg.grid.zero_group_size
         row[C.PARAM_BYTES] = sum(numel * n * _itemsize(dt) for numel, dt in slots)     # flat, padded
     row[C.OPTIMIZER_BYTES] = 0
     for numel, dt in slots:

@@ -50,7 +50,7 @@ from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.local import LocalRun
-from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_size
+from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, stage_io, train_graph
@@ -117,17 +117,18 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
         for bucket in buckets([p for p in params if p.partial_over == n]):
             out.append((comm.forward("all_reduce", sum(p.nbytes for p in bucket), n, ranks=inside), 0.0))
-    units = [device + u * cfg.plan_ngpus for u in range(cfg.units)]    # the same device in every unit
+    grid = cfg.grid
+    units = grid.dp_ranks(device)                  # the same device in every unit
     for bucket in buckets(params):
         nbytes = sum(p.nbytes for p in bucket)
         if not cfg.use_zero:
             out.append((comm.forward("all_reduce", nbytes, cfg.units, ranks=units), 0.0))
             continue
-        n = zero_group_size(cfg)
+        n = cfg.grid.zero_group_size
         shard = -(-nbytes // n)
-        during = (comm.forward("reduce_scatter", shard * n, n, ranks=units[:n])
-                  + comm.forward("all_reduce", shard, cfg.zero_ngroups, ranks=units[::n]))
-        out.append((during, comm.forward("all_gather", shard, n, ranks=units[:n])))
+        during = (comm.forward("reduce_scatter", shard * n, n, ranks=grid.zero_ranks(device))
+                  + comm.forward("all_reduce", shard, cfg.zero_ngroups, ranks=grid.zero_replica_ranks(device)))
+        out.append((during, comm.forward("all_gather", shard, n, ranks=grid.zero_ranks(device))))
     return out
 
 
@@ -157,7 +158,7 @@ def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     if not params:
         return 0.0
     if cfg.use_zero:
-        n = zero_group_size(cfg)
+        n = cfg.grid.zero_group_size
         numels = [-(-sum(p.numel for p in b) // n) for b in buckets(params)]
     else:
         numels = [p.numel for p in params]

@@ -74,8 +74,7 @@ class Plan:
     def __post_init__(self) -> None:
         self.storage: Dict[str, Layout] = storage_layouts(
             self.graphs.values(), self.config.sums_partial_grads_after_backward)
-        self.geometry: Optional[PipelineGeometry] = (PipelineGeometry.from_config(self.config)
-                                                     if self.config.use_pipeline else None)
+        self.geometry: Optional[PipelineGeometry] = self.config.grid.pipeline
 
     # -- what was compiled ----------------------------------------------------------------------
     @property

@@ -2,8 +2,9 @@
 
 One *training step* is what the numbers count: the traced batch once (forward and backward), or,
 with a pipeline, ``pipeline_nmicros`` micro-batches of it run by the schedule. Runtime rank ``r``
-plays plan device ``r % plan_ngpus`` of unit ``r // plan_ngpus``; ranks of different units differ
-only in the gradient synchronisation between units, and in ZeRO's share of the optimizer.
+plays plan device ``grid.device_of(r)`` of unit ``grid.unit_of(r)`` (the config's ``RankGrid``);
+ranks of different units differ only in the gradient synchronisation between units, and in ZeRO's
+share of the optimizer.
 """
 
 from __future__ import annotations
@@ -74,10 +75,8 @@ def blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], 
 
 
 def _stage_device(plan: "Plan", stage: int | None, device: int) -> int:
-    """The plan device of ``stage``'s group with the same tensor-parallel index as ``device``."""
-    if plan.geometry is None:
-        return device
-    return plan.geometry.stage_group(stage)[device % plan.geometry.tp]
+    """The plan device whose share of ``stage`` ``device`` runs (``PipelineGeometry.view_of``)."""
+    return device if plan.geometry is None else plan.geometry.view_of(stage, device)
 
 
 def flops_per_device(plan: "Plan") -> Dict[int, float]:

@@ -129,7 +129,8 @@ def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit (with
     ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
-    return _tensor_parallel(graph, lambda node: tuple(range(cfg.plan_ngpus)), sequence_parallel(cfg))
+    unit = cfg.grid.stage_group(None)
+    return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
 
 
 def sequence_parallel(cfg: ComputeConfig) -> bool:
@@ -164,7 +165,7 @@ def pipeline_geometry(cfg: ComputeConfig, policy: str) -> PipelineGeometry:
     if not cfg.use_pipeline:
         raise PolicyError(f"policy {policy!r} builds a pipeline: set ComputeConfig(use_end2end=True, "
                           "use_pipeline=True, pipeline_nmicros=...) (and pipeline_nstages).")
-    return PipelineGeometry.from_config(cfg)
+    return cfg.grid.pipeline
 
 
 def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:

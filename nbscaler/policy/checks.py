@@ -21,10 +21,10 @@ def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
     in its own or earlier stages. A parameter may be read in several stages (tied weights): each
     keeps a copy, and code generation sums their gradients.
     """
-    devices = tuple(range(cfg.plan_ngpus))
     if cfg.use_pipeline:
-        check_stages(graph, PipelineGeometry.from_config(cfg))
+        check_stages(graph, cfg.grid.pipeline)
         return
+    devices = cfg.grid.stage_group(None)
     for node in graph.nodes:
         if node.placement is None:
             replicate(node, devices)

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from nbscaler.schedule.grid import RankGrid
+
 _GROUPS: Dict[Tuple[int, ...], Callable[[], Any]] = {}
 # The default group the cached groups were made from, and its collective timeout, which they share.
 _WORLD: Optional["weakref.ref[dist.ProcessGroup]"] = None
@@ -57,11 +59,6 @@ class WeakGroup:
 
     def __set__(self, obj: Any, group: Optional[dist.ProcessGroup]) -> None:
         setattr(obj, self.slot, None if group is None else _weak(group))
-
-
-def unit_ranks(unit: int, devices: Sequence[int], plan_ngpus: int) -> Tuple[int, ...]:
-    """The runtime ranks that play plan ``devices`` in data-parallel unit ``unit``."""
-    return tuple(unit * plan_ngpus + d for d in devices)
 
 
 def get_group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
@@ -106,49 +103,14 @@ def _timeout_of(group: dist.ProcessGroup) -> Optional[timedelta]:
     return None
 
 
-def dp_ranks(device: int, plan_ngpus: int, runtime_ngpus: int) -> Tuple[int, ...]:
-    """The ranks that hold the same shard (plan ``device``) in every unit."""
-    return tuple(u * plan_ngpus + device for u in range(runtime_ngpus // plan_ngpus))
-
-
-def zero_ranks(rank: int, plan_ngpus: int, runtime_ngpus: int, zero_ngroups: int) -> Tuple[int, ...]:
-    """The ranks that split ``rank``'s optimizer state between them under ZeRO.
-
-    The data-parallel ranks of ``rank``'s plan device are cut into ``zero_ngroups`` runs of
-    consecutive units; each run shards the state once, so every run holds a whole copy.
-    """
-    same_shard = dp_ranks(rank % plan_ngpus, plan_ngpus, runtime_ngpus)
-    size = len(same_shard) // zero_ngroups
-    first = (rank // plan_ngpus) // size * size
-    return same_shard[first:first + size]
-
-
-def zero_replica_ranks(rank: int, plan_ngpus: int, runtime_ngpus: int, zero_ngroups: int) -> Tuple[int, ...]:
-    """The ranks that hold the same ZeRO shard as ``rank``: one in each of the ``zero_ngroups`` groups."""
-    same_shard = dp_ranks(rank % plan_ngpus, plan_ngpus, runtime_ngpus)
-    size = len(same_shard) // zero_ngroups
-    position = (rank // plan_ngpus) % size
-    return same_shard[position::size]
-
-
 def strided_ranks(rank: int, stride: int, world_size: int) -> Tuple[int, ...]:
     """``rank % stride`` and every ``stride``-th rank after it."""
     return tuple(range(rank % stride, world_size, stride))
 
 
-def ensure_groups(plan_ngpus: int, runtime_ngpus: int, device_sets: Sequence[Sequence[int]] = (),
-                  zero_ngroups: Optional[int] = None) -> None:
-    """Create, on every rank and in one fixed order, every group a plan can use: each device set of
-    each unit, each whole unit, each data-parallel set of ranks and, with ZeRO (``zero_ngroups``
-    given), the groups that shard optimizer state and the groups that hold the same shard."""
-    units = runtime_ngpus // plan_ngpus
-    for u in range(units):
-        for devices in device_sets:
-            get_group(unit_ranks(u, devices, plan_ngpus))
-        get_group(unit_ranks(u, range(plan_ngpus), plan_ngpus))
-    for d in range(plan_ngpus):
-        get_group(dp_ranks(d, plan_ngpus, runtime_ngpus))
-    if zero_ngroups is not None:
-        for rank in range(runtime_ngpus):
-            get_group(zero_ranks(rank, plan_ngpus, runtime_ngpus, zero_ngroups))
-            get_group(zero_replica_ranks(rank, plan_ngpus, runtime_ngpus, zero_ngroups))
+def ensure_groups(grid: RankGrid, device_sets: Sequence[Sequence[int]] = ()) -> None:
+    """Create, on every rank and in one fixed order, every group a plan can use
+    (``RankGrid.groups``: each device set of each unit, each whole unit, each data-parallel set and,
+    with ZeRO, the groups that shard optimizer state and those that hold the same shard)."""
+    for ranks in grid.groups(device_sets):
+        get_group(ranks)

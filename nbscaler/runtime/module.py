@@ -29,8 +29,7 @@ from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks, normalize
 from nbscaler.genfiles import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig, Precision
-from nbscaler.runtime.groups import (dp_ranks, ensure_groups, get_group, unit_ranks, zero_ranks,
-                                     zero_replica_ranks)
+from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
 from nbscaler.runtime.summary import module_html
@@ -136,9 +135,8 @@ class ParallelModule(torch.nn.Module):
         cfg = self.compute_config
         self.device = runtime_device()
         self.world_rank = self._check_world()
-        self.unit = self.world_rank // cfg.plan_ngpus
-        ensure_groups(cfg.plan_ngpus, cfg.runtime_ngpus, self.device_groups,
-                      cfg.zero_ngroups if cfg.use_zero else None)
+        self.unit = cfg.grid.unit_of(self.world_rank)
+        ensure_groups(cfg.grid, self.device_groups)
         for attr, spec in self.weight_specs.items():
             empty = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
             if spec.kind == "param":
@@ -172,13 +170,12 @@ class ParallelModule(torch.nn.Module):
                 for devices, params in sorted(sums.items())]
 
     def _make_reducer(self) -> Reducer:
-        cfg = self.compute_config
-        dp_group = get_group(dp_ranks(self.plan_device, cfg.plan_ngpus, cfg.runtime_ngpus))
+        cfg, grid = self.compute_config, self.compute_config.grid
+        dp_group = get_group(grid.dp_ranks(self.plan_device))
         if not cfg.use_zero:
             return Reducer(list(self.parameters()), dp_group)
-        layout = (self.world_rank, cfg.plan_ngpus, cfg.runtime_ngpus, cfg.zero_ngroups)
-        return ZeroReducer(list(self.parameters()), dp_group, get_group(zero_ranks(*layout)),
-                           get_group(zero_replica_ranks(*layout)), stage=cfg.zero_stage)
+        return ZeroReducer(list(self.parameters()), dp_group, get_group(grid.zero_ranks(self.world_rank)),
+                           get_group(grid.zero_replica_ranks(self.world_rank)), stage=cfg.zero_stage)
 
     def _check_world(self) -> int:
         cfg = self.compute_config
@@ -193,7 +190,7 @@ class ParallelModule(torch.nn.Module):
         if world != cfg.runtime_ngpus:
             raise RuntimeError(f"the plan was compiled for runtime_ngpus={cfg.runtime_ngpus}, but the process "
                                f"group has {world} ranks; compile again with runtime_ngpus={world}.")
-        if rank % cfg.plan_ngpus != self.plan_device:
+        if cfg.grid.device_of(rank) != self.plan_device:
             raise RuntimeError(f"rank {rank} loaded the code of plan device {self.plan_device} "
                                f"(gencode{self.rank}.py); load gencode{rank}.py instead.")
         return rank
@@ -201,7 +198,7 @@ class ParallelModule(torch.nn.Module):
     # -- groups and weights ---------------------------------------------------------------------
     def group(self, *devices: int) -> Optional[dist.ProcessGroup]:
         """The process group of plan ``devices`` inside this rank's unit."""
-        return get_group(unit_ranks(self.unit, devices, self.compute_config.plan_ngpus))
+        return get_group(self.compute_config.grid.unit_ranks(self.unit, devices))
 
     @torch.no_grad()
     def load_initial_weights(self, weights: Optional["WeightSource"] = None) -> None:

@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.config import ComputeConfig, Precision
-from nbscaler.runtime.groups import dp_ranks, ensure_groups, get_group
+from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.module import ParallelModule, runtime_device
 from nbscaler.runtime.reducer import GradHook, Reducer
 from nbscaler.runtime.scaler import LossScaler
 from nbscaler.runtime.statecheck import OPTIMIZER_FORMAT, OPTIMIZER_KEY, check_optimizer_state
+from nbscaler.schedule.grid import RankGrid
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 MASTER_KEY = "master"               # a master copy, saved as its optimizer parameter's state
@@ -89,8 +90,9 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         plan, runtime = compute_config.plan_ngpus, compute_config.runtime_ngpus
     else:
         plan, runtime = 1, world
-    ensure_groups(plan, runtime)
-    non_parallel = Reducer(list(plain.values()), get_group(dp_ranks(rank % plan, plan, runtime)))
+    grid = RankGrid(plan, runtime)
+    ensure_groups(grid)
+    non_parallel = Reducer(list(plain.values()), get_group(grid.dp_ranks(grid.device_of(rank))))
     for reducer in [*parallel.values(), non_parallel]:
         reducer.set_precision(precision)
     params = [p for m in parallel.values() for p in m.parameters_for_optimizer()]

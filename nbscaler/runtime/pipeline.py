@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.runtime import split_backward
-from nbscaler.schedule import PipelineGeometry, PipelineSchedule
+from nbscaler.schedule import PipelineGeometry, PipelineSchedule, scheduler_spec
 
 
 RECEIVE_AHEAD = 2     # blocks whose incoming messages are posted before their turn
@@ -55,13 +55,14 @@ class PipelineExecutor:
     def __init__(self, module, schedule: PipelineSchedule, mode: str):
         self.module = module
         self.schedule = schedule
-        self.geometry = PipelineGeometry(schedule, module.compute_config.plan_ngpus)
-        if schedule.name == "chimera_direct" and self.geometry.tp != 1:
-            raise ValueError("chimera_direct runs one device per stage: use policy 'pp' (not 'hybrid') with it.")
+        self.grid = module.compute_config.grid
+        self.geometry = PipelineGeometry(schedule, self.grid.plan_ngpus)
+        if scheduler_spec(schedule.name).one_device_per_stage and self.geometry.tp != 1:
+            raise ValueError(f"{schedule.name} runs one device per stage: use policy 'pp' (not 'hybrid') with it.")
         self.mode = mode                      # 'any', 'train' or 'eval': which generated stages to call
         self.device = self.geometry.pipeline_device(module.plan_device)
-        self.tp_index = module.plan_device % self.geometry.tp
-        self.unit_base = module.unit * module.compute_config.plan_ngpus
+        self.tp_index = self.geometry.tp_index(module.plan_device)
+        self.unit = module.unit
         self.carry_spec = module.stage_carry[mode]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.events: List[Dict[str, Any]] = []
@@ -71,7 +72,7 @@ class PipelineExecutor:
 
     # -- addressing -----------------------------------------------------------------------------
     def _rank_of(self, pipeline_device: int) -> int:
-        return self.unit_base + self.geometry.plan_device(pipeline_device, self.tp_index)
+        return self.grid.rank_of(self.unit, self.geometry.plan_device(pipeline_device, self.tp_index))
 
     def _holders(self, stage: int, micro: int) -> Tuple[int, ...]:
         return self.schedule.devices_of(stage, micro)
@@ -172,7 +173,7 @@ class PipelineExecutor:
         """The rank that sends micro-batch ``micro``'s loss: the first device holding the last
         stage for it, at tensor-parallel index 0."""
         device = min(self._holders(self.schedule.nstages - 1, micro))
-        return self.unit_base + self.geometry.plan_device(device, 0)
+        return self.grid.rank_of(self.unit, self.geometry.plan_device(device, 0))
 
     def _loss_tag(self, sender: int) -> int:
         beyond_blocks = _tag(self.schedule.nmicros, 0, "F", 0, self.schedule.nstages)    # no block uses it
@@ -202,8 +203,8 @@ class PipelineExecutor:
             return []
         last = self.schedule.nstages - 1
         losses = torch.stack([_loss_of(results[m]).detach().double() for m in micros])
-        receivers = [r for r in range(self.unit_base, self.unit_base + self.module.compute_config.plan_ngpus)
-                     if r != self.rank and self.geometry.pipeline_device(r - self.unit_base) not in
+        receivers = [r for r in self.grid.unit_ranks(self.unit)
+                     if r != self.rank and self.geometry.pipeline_device(self.grid.device_of(r)) not in
                      self._holders(last, micros[0])]
         return [(dist.isend(losses, r, tag=self._loss_tag(self.rank)), losses) for r in receivers]
 

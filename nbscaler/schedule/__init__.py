@@ -24,6 +24,10 @@ The pieces, one module each:
 - :mod:`~nbscaler.schedule.zero_bubble`: ``zb_h1`` and ``zbv`` (two stages per device in a V),
   the backward split into ``B`` (input gradients) and ``W`` (weight gradients) blocks, ``W``
   filling the bubbles.
+- :mod:`~nbscaler.schedule.geometry`: :class:`PipelineGeometry`, where the pipeline devices and
+  their stages sit among a unit's plan devices (stage groups; chimera's copies of each stage).
+- :mod:`~nbscaler.schedule.grid`: :class:`RankGrid`, which ranks form a unit, a data-parallel set,
+  a ZeRO group; ``ComputeConfig.grid`` builds it.
 - :mod:`~nbscaler.schedule.timeline`: :class:`TimedBlock` and :class:`Timeline`, rows
   ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction.
 - :mod:`~nbscaler.schedule.simulator`: :func:`simulate`.
@@ -73,6 +77,7 @@ Predicting a timeline
 
 from nbscaler.schedule.block import PHASES, Block, Phase
 from nbscaler.schedule.geometry import PipelineGeometry
+from nbscaler.schedule.grid import RankGrid
 from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_samples
 from nbscaler.schedule.schedulers import (SCHEDULERS, SchedulerSpec, build_schedule, register_scheduler,
                                           scheduler_spec)
@@ -88,6 +93,7 @@ __all__ = [
     "Phase",
     "PipelineSchedule",
     "Placement",
+    "RankGrid",
     "SCHEDULERS",
     "SchedulerSpec",
     "TimedBlock",

@@ -9,12 +9,20 @@ same index in the neighbouring stages.
 >>> g = PipelineGeometry(build_schedule('1f1b', nstages=2, nmicros=4), plan_ngpus=4)
 >>> g.tp, g.stage_group(1), g.pipeline_device(3)
 (2, (2, 3), 1)
+
+Chimera's view: under ``chimera_direct`` every stage has a copy on the pipeline running the other
+way, and each plan device of a stage's group sums its gradients with the devices holding the same
+slice of the copy (:meth:`PipelineGeometry.stage_copies`).
+
+>>> chimera = PipelineGeometry(build_schedule('chimera_direct', nstages=4, nmicros=4), plan_ngpus=4)
+>>> chimera.stages_of(0), chimera.view_of(3, 0), chimera.stage_copies(0), chimera.copy_groups()
+((0, 3), 3, {0: (0, 3)}, [(0, 3), (1, 2)])
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, List, Optional, Tuple
 
 from nbscaler.schedule.pipeline import PipelineSchedule
 
@@ -47,7 +55,12 @@ class PipelineGeometry:
         return self.plan_ngpus // self.schedule.ndevices
 
     def pipeline_device(self, plan_device: int) -> int:
+        """The pipeline device that plan device ``plan_device`` helps to play."""
         return plan_device // self.tp
+
+    def tp_index(self, plan_device: int) -> int:
+        """``plan_device``'s position inside its pipeline device's tensor-parallel group."""
+        return plan_device % self.tp
 
     def plan_device(self, pipeline_device: int, tp_index: int) -> int:
         return pipeline_device * self.tp + tp_index
@@ -59,3 +72,30 @@ class PipelineGeometry:
     def stage_group(self, stage: int) -> Tuple[int, ...]:
         """The plan devices that run ``stage`` on the first pipeline (how the graph places it)."""
         return self.group_of(self.schedule.placements[0][stage])
+
+    def view_of(self, stage: Optional[int], plan_device: int) -> int:
+        """The plan device whose share of ``stage`` ``plan_device`` runs: itself when it is in the
+        stage's group (``stage`` None: the whole graph), else (chimera's view: its copy of the
+        stage belongs to the pipeline running the other way) the device at its tensor-parallel
+        position in the group that holds the stage on the first pipeline, as the graph places it."""
+        if stage is None:
+            return plan_device
+        group = self.stage_group(stage)
+        return plan_device if plan_device in group else group[self.tp_index(plan_device)]
+
+    def stages_of(self, plan_device: int) -> Tuple[int, ...]:
+        """The stages plan device ``plan_device`` runs (two under ``chimera_direct``)."""
+        return self.schedule.stages_of(self.pipeline_device(plan_device))
+
+    def stage_copies(self, stage: int) -> Dict[int, Tuple[int, ...]]:
+        """``{position in the stage group: plan devices}`` holding copies of the same slice of
+        ``stage`` on different pipelines (``chimera_direct``): their gradients add up. Empty
+        when the stage has one copy."""
+        holders = sorted({self.group_of(p[stage]) for p in self.schedule.placements})
+        if len(holders) < 2:
+            return {}
+        return {position: tuple(sorted(h[position] for h in holders)) for position in range(len(holders[0]))}
+
+    def copy_groups(self) -> List[Tuple[int, ...]]:
+        """Every set of plan devices that holds copies of one stage slice (see :meth:`stage_copies`)."""
+        return sorted({devices for s in range(self.schedule.nstages) for devices in self.stage_copies(s).values()})

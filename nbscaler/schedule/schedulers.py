@@ -22,7 +22,7 @@ times come from the costs (see :func:`nbscaler.schedule.simulator.simulate`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from nbscaler.schedule.block import Block
 from nbscaler.schedule.pipeline import PipelineSchedule, Placement
@@ -46,6 +46,12 @@ class SchedulerSpec:
             pipeline devices for ``1f1b_plus``, which adds a shared head stage); ``None`` when any
             multiple goes, the devices being every plan device (``1f1b_interleaved``).
         check: the scheduler's own rules on ``(nstages, nmicros, ndevices)``.
+        fixed_nstages: the only stage count it runs (``chimera_direct``: 4); ``None``: any.
+        one_device_per_stage: whether each stage must run on one device alone, with no tensor
+            parallelism inside it (``chimera_direct``).
+        stage_copies: how many copies of each stage it holds (``chimera_direct``: 2, one per
+            direction); the copies sum their gradients after the backward, like data-parallel
+            replicas.
     """
 
     name: str
@@ -53,6 +59,9 @@ class SchedulerSpec:
     training: bool = True
     stages_per_device: Optional[int] = 1
     check: Optional[Check] = None
+    fixed_nstages: Optional[int] = None
+    one_device_per_stage: bool = False
+    stage_copies: int = 1
 
     def default_nstages(self, plan_ngpus: int) -> int:
         """The stages when ``pipeline_nstages`` is not set: one per plan device, times its chunks
@@ -79,8 +88,17 @@ class SchedulerSpec:
             return "pipeline_nstages", (f"{self.name} puts pipeline_nstages={nstages} stages on {ndevices} "
                                         f"pipeline devices, which must divide plan_ngpus={plan_ngpus} (each "
                                         "stage gets plan_ngpus // devices devices).")
-        problem = self.check(nstages, nmicros, ndevices) if self.check else None
+        problem = self._fixed_nstages_problem(nstages)
+        if problem is None and self.check is not None:
+            problem = self.check(nstages, nmicros, ndevices)
         return None if problem is None else ("pipeline_scheduler", problem)
+
+    def _fixed_nstages_problem(self, nstages: int) -> Optional[str]:
+        fixed = self.fixed_nstages
+        if fixed is None or nstages == fixed:
+            return None
+        return (f"{self.name} runs exactly {fixed} stages, not pipeline_nstages={nstages}: "
+                f"set pipeline_nstages={fixed}, or use 1f1b or gpipe.")
 
     def make(self, nstages: int, nmicros: int, ndevices: int) -> PipelineSchedule:
         if self.stages_per_device is None:
@@ -92,12 +110,13 @@ SCHEDULERS: dict[str, SchedulerSpec] = {}
 
 
 def register_scheduler(name: str, training: bool = True, stages_per_device: Optional[int] = 1,
-                       check: Optional[Check] = None) -> Callable[[Scheduler], Scheduler]:
+                       check: Optional[Check] = None, **rules: Any) -> Callable[[Scheduler], Scheduler]:
     """Make a scheduler available to :func:`build_schedule` under ``name``, with its rules (see
-    :class:`SchedulerSpec`), which ``ComputeConfig`` applies when it checks itself."""
+    :class:`SchedulerSpec`; ``rules`` are its other fields, such as ``fixed_nstages``), which
+    ``ComputeConfig``, autodist and the executor ask instead of knowing the scheduler by name."""
 
     def register(scheduler: Scheduler) -> Scheduler:
-        SCHEDULERS[name] = SchedulerSpec(name, scheduler, training, stages_per_device, check)
+        SCHEDULERS[name] = SchedulerSpec(name, scheduler, training, stages_per_device, check, **rules)
         return scheduler
 
     return register
@@ -252,16 +271,14 @@ CHIMERA_STAGES = 4
 
 
 def _chimera_rules(nstages: int, nmicros: int, ndevices: int) -> Optional[str]:
-    if nstages != CHIMERA_STAGES:
-        return (f"chimera_direct runs exactly {CHIMERA_STAGES} stages, not pipeline_nstages={nstages}: "
-                f"set pipeline_nstages={CHIMERA_STAGES}, or use 1f1b or gpipe.")
     if nmicros % 2:
         return (f"chimera_direct needs an even number of micro-batches, half per direction, not "
                 f"pipeline_nmicros={nmicros}: set pipeline_nmicros={nmicros + 1}.")
     return None
 
 
-@register_scheduler("chimera_direct", check=_chimera_rules)
+@register_scheduler("chimera_direct", check=_chimera_rules, fixed_nstages=CHIMERA_STAGES,
+                    one_device_per_stage=True, stage_copies=2)
 def chimera_direct(nstages: int, nmicros: int) -> PipelineSchedule:
     """Chimera: two 4-stage pipelines in opposite directions over the same 4 devices.
 

@@ -155,11 +155,11 @@ class CodeView(View):
     def to_html(self) -> str:
         """The files of the first unit's ranks, highlighted, each in a ``<details>`` (no script needed).
 
-        Ranks of other units run their plan device's code (``rank % plan_ngpus``); their files differ
+        Ranks of other units run their plan device's code (``grid.device_of(rank)``); their files differ
         only in the rank number, so they are named, not repeated.
         """
         cfg = self.plan.config
-        shown = self.rank % cfg.plan_ngpus
+        shown = cfg.device_of(self.rank)
         files = "".join(f"<details{' open' if r == shown else ''}><summary>{escape(self._same_code(r))}</summary>"
                         f'<div class="nbs-code-body">{self._source_html(r)}</div></details>'
                         for r in range(cfg.plan_ngpus))
@@ -168,8 +168,7 @@ class CodeView(View):
                 ).encode("ascii", "xmlcharrefreplace").decode("ascii")
 
     def _same_code(self, rank: int) -> str:
-        cfg = self.plan.config
-        twins = list(range(rank + cfg.plan_ngpus, cfg.runtime_ngpus, cfg.plan_ngpus))
+        twins = [r for r in self.plan.config.grid.dp_ranks(self.plan.config.device_of(rank)) if r > rank]
         also = (f" (rank {twins[0]} runs the same code)" if len(twins) == 1 else
                 f" (ranks {', '.join(map(str, twins))} run the same code)" if twins else "")
         return f"rank {rank}: gencode{rank}.py{also}"

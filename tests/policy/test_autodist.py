@@ -154,3 +154,14 @@ def test_balanced_cuts_minimise_the_slowest_stage():
     assert balanced_cuts(None, 2, [1.0, 1.0, 1.0, 5.0, 1.0, 1.0], points=[4]) == [0, 0, 0, 0, 1, 1]
     with pytest.raises(PolicyError, match="has 0 places to cut it into pipeline stages, but 3 stages need 2"):
         balanced_cuts(None, 3, [1.0] * 6, points=[])
+
+
+def test_stage_counts_to_search_keep_to_a_scheduler_with_a_fixed_count():
+    """``autodist_nstages='auto'`` tries every divisor of plan_ngpus, except where the scheduler
+    registered the one count it runs (chimera_direct: 4)."""
+    from nbscaler.policy.autodist.candidates import stage_count_configs
+    base = dict(plan_ngpus=8, runtime_ngpus=8, use_end2end=True, use_pipeline=True, pipeline_nmicros=4)
+    opts = AutodistOptions(autodist_nstages="auto")
+    assert [c.pipeline_nstages for c in stage_count_configs(ComputeConfig(**base), opts)] == [2, 4, 8]
+    chimera = ComputeConfig(**base, pipeline_scheduler="chimera_direct", pipeline_nstages=4)
+    assert [c.pipeline_nstages for c in stage_count_configs(chimera, opts)] == [4]

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from nbscaler import ComputeConfig, build_optimizer, parallelize
 from nbscaler.models.llama import Llama, LlamaConfig, sample_batch
-from nbscaler.runtime.groups import dp_ranks, get_group
+from nbscaler.runtime.groups import get_group
+from nbscaler.schedule.grid import RankGrid
 from tests.multiprocess import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +81,7 @@ def _groups_alive_after_destroy(gen_savedir: str) -> list:
     optimizer.step()
     # The world group is left out: torch's own torch.distributed.nn, imported while compiling on
     # rank 0, binds it as a default argument value for good.
-    used = [weakref.ref(g) for g in (pm.reducer.group, get_group(dp_ranks(0, 1, 2)))]
+    used = [weakref.ref(g) for g in (pm.reducer.group, get_group(RankGrid(1, 2).dp_ranks(0)))]
     dist.destroy_process_group()
     alive = [ref() is not None for ref in used]
     del pm, optimizer

@@ -7,7 +7,7 @@ import pytest
 
 import nbscaler.schedule
 
-MODULES = ["__init__", "block", "pipeline", "schedulers", "timeline", "simulator"]
+MODULES = ["__init__", "block", "pipeline", "schedulers", "timeline", "simulator", "geometry", "grid"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -84,10 +84,7 @@ def _load(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -> IRGraph:
         if saved != cfg.plan_ngpus:
             cfg = with_unit(cfg, saved)
             graph.meta["plan_ngpus"] = saved
-    geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
-    unit = tuple(range(cfg.plan_ngpus))
-    return load_plan(graph, cfg.plan_ngpus, opts.load_plan_path,
-                     lambda stage: geometry.stage_group(stage) if geometry and stage is not None else unit)
+    return load_plan(graph, cfg.plan_ngpus, opts.load_plan_path, cfg.grid.stage_group)
 
 
 def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions, searcher: "_Searcher",
@@ -158,16 +155,12 @@ def _search_config(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) ->
     """Place ``graph`` under one candidate config: the search, then (without a pipeline, on more
     than one device) the built-in placements it is weighed against. Returns the searcher, the
     record of the search and the predicted step time of the placement kept."""
-    searcher = _Searcher(graph, cfg, opts, _geometry(cfg))
+    searcher = _Searcher(graph, cfg, opts, cfg.grid.pipeline)
     info = searcher.run()
     if searcher.geometry is None and not opts.autodist_constraints and cfg.plan_ngpus > 1:
         _keep_faster_builtin(graph, cfg, opts, searcher, info)
         return searcher, info, info["rival_scores"][info["kept"]]
     return searcher, info, searcher.score()
-
-
-def _geometry(cfg: ComputeConfig) -> Optional[PipelineGeometry]:
-    return PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None
 
 
 class _Searcher:
@@ -205,7 +198,7 @@ class _Searcher:
 
     def sections(self) -> List[Tuple[Optional[int], List[IRNode], Tuple[int, ...]]]:
         if self.geometry is None:
-            return [(None, list(self.graph.nodes), tuple(range(self.cfg.plan_ngpus)))]
+            return [(None, list(self.graph.nodes), self.cfg.grid.stage_group(None))]
         return [(s, [n for n in self.graph.nodes if n.stage == s], self.geometry.stage_group(s))
                 for s in range(self.geometry.schedule.nstages)]
 

@@ -16,6 +16,7 @@ from typing import List, Tuple
 from nbscaler.config import ComputeConfig
 from nbscaler.policy.autodist.options import AutodistOptions
 from nbscaler.policy.primitives import PolicyError
+from nbscaler.schedule import scheduler_spec
 
 
 def stage_count_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
@@ -28,8 +29,9 @@ def stage_count_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[Compu
         raise PolicyError(f"pas_config['autodist_nstages']={wanted!r} chooses pipeline stages, but the config has "
                           "no pipeline; set use_pipeline=True (with use_end2end=True and pipeline_nmicros).")
     counts = [wanted] if wanted != "auto" else [k for k in range(2, cfg.plan_ngpus + 1) if cfg.plan_ngpus % k == 0]
-    if cfg.scheduler == "chimera_direct":
-        counts = [k for k in counts if k == 4]
+    fixed = scheduler_spec(cfg.scheduler).fixed_nstages         # the scheduler runs this count only
+    if fixed is not None:
+        counts = [k for k in counts if k == fixed]
     out = []
     for k in counts:
         try:

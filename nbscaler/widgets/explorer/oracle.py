@@ -9,36 +9,32 @@ share of that sum.
 from __future__ import annotations
 
 import copy
-from typing import Callable, List
+import functools
+from typing import Any, Callable, List
 
 import pandas as pd
 import torch
 
+from nbscaler.reference import MATCH_RTOL, call_model, reference_run
 from nbscaler.widgets.explorer.model import ModelSpec
 
-MATCH_RTOL = 1e-5
-"""Relative error under which a run's losses count as equal to one process's (fp32)."""
+__all__ = ["MATCH_RTOL", "single_process_losses", "worst_relative_error"]
 
 
 def single_process_losses(spec: ModelSpec, steps: int, units: int, nmicros: int,
                           optimizer_fn: Callable[..., torch.optim.Optimizer], lr: float) -> List[List[float]]:
-    """``losses[step][unit]``: each unit's loss, summed over its micro-batches, trained in this process."""
+    """``losses[step][unit]``: each unit's loss, summed over its micro-batches, trained in this
+    process (``nbscaler.reference.reference_run`` on a copy of ``spec``'s module)."""
     model = copy.deepcopy(spec.module).train()
-    optimizer = optimizer_fn(model.parameters(), lr=lr)
-    data = spec.data(nmicros)
-    losses = []
-    for step in range(steps):
-        per_unit = [_unit_loss(spec, model, data(step, unit)) for unit in range(units)]
-        torch.stack(per_unit).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append([loss.item() for loss in per_unit])
-    return losses
+    nmicros = nmicros if spec.end2end else 1
+    run = reference_run(model, optimizer_fn(model.parameters(), lr=lr),
+                        lambda step, unit: spec.batches(step, unit, nmicros), steps=steps, units=units,
+                        loss_of=call_model if spec.end2end else functools.partial(_loss_of_forward, spec))
+    return run.unit_losses()
 
 
-def _unit_loss(spec: ModelSpec, model: torch.nn.Module, batch) -> torch.Tensor:
-    if spec.end2end:
-        return torch.stack([model(micro) for micro in batch]).sum()
+def _loss_of_forward(spec: ModelSpec, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """A forward-argument module's loss: its output, or ``spec.loss_fn`` of it."""
     output = model(**batch)
     return spec.loss_fn(output, batch) if spec.loss_fn is not None else output
 

@@ -1,0 +1,154 @@
+"""The rank grid: every question of the form "which ranks?" answered in one place.
+
+A run has ``runtime_ngpus`` ranks cut into *units* of ``plan_ngpus`` consecutive ranks; each unit
+holds one whole copy of the model, and rank ``r`` plays plan device ``r % plan_ngpus`` of unit
+``r // plan_ngpus``. Ranks playing the same plan device in different units hold the same shard:
+they are data-parallel copies and sum their gradients. Under ZeRO those copies are cut into
+``zero_ngroups`` runs of consecutive units, and each run splits the optimizer state once.
+With a pipeline, :attr:`RankGrid.pipeline` says where the stages sit among a unit's plan devices
+(:class:`~nbscaler.schedule.geometry.PipelineGeometry`).
+
+Like torchtitan's ``ParallelDims``, the grid is a small frozen object that checks itself; the
+config builds it (``ComputeConfig.grid``) and the runtime, the planner and the cost model ask it.
+
+>>> grid = RankGrid(plan_ngpus=2, runtime_ngpus=8, zero_ngroups=2)
+>>> grid.units, grid.unit_of(5), grid.device_of(5)
+(4, 2, 1)
+>>> grid.dp_ranks(1)            # plan device 1 in every unit
+(1, 3, 5, 7)
+>>> grid.zero_ranks(5), grid.zero_replica_ranks(5)
+((5, 7), (1, 5))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Tuple
+
+from nbscaler.schedule.geometry import PipelineGeometry
+
+Ranks = Tuple[int, ...]
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """How ``runtime_ngpus`` ranks play the ``plan_ngpus`` devices of a plan.
+
+    Attributes:
+        plan_ngpus: devices of one copy of the model (a unit).
+        runtime_ngpus: ranks in total, a multiple of ``plan_ngpus``.
+        zero_ngroups: the groups ZeRO cuts each device's data-parallel ranks into; ``None``
+            without ZeRO.
+        pipeline: where the stages sit inside a unit; ``None`` without a pipeline.
+    """
+
+    plan_ngpus: int
+    runtime_ngpus: int
+    zero_ngroups: Optional[int] = None
+    pipeline: Optional[PipelineGeometry] = None
+
+    @staticmethod
+    def problem(plan_ngpus: int, runtime_ngpus: int, zero_ngroups: Optional[int] = None) -> Optional[Tuple[str, str]]:
+        """``(field, what is wrong and the fix)`` when these counts make no grid, else ``None``.
+        ``ComputeConfig`` asks this when it checks itself, and so does the grid.
+
+        >>> RankGrid.problem(2, 3)[0]
+        'runtime_ngpus'
+        """
+        for name, value in (("plan_ngpus", plan_ngpus), ("runtime_ngpus", runtime_ngpus),
+                            ("zero_ngroups", 1 if zero_ngroups is None else zero_ngroups)):
+            if not _positive(value):
+                return name, "it must be a positive integer."
+        if runtime_ngpus % plan_ngpus:
+            return "runtime_ngpus", (
+                f"it must be a multiple of plan_ngpus={plan_ngpus} (each unit holds one whole copy of the plan); "
+                f"use e.g. runtime_ngpus={plan_ngpus * max(1, runtime_ngpus // plan_ngpus)}.")
+        units = runtime_ngpus // plan_ngpus
+        if zero_ngroups is not None and units % zero_ngroups:
+            return "zero_ngroups", (f"it must divide the number of data-parallel units ({units} = runtime_ngpus // "
+                                    "plan_ngpus).")
+        return None
+
+    def __post_init__(self) -> None:
+        problem = self.problem(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups)
+        if problem is not None:
+            name, fix = problem
+            raise ValueError(f"RankGrid.{name}={getattr(self, name)!r} is invalid: {fix}")
+        if self.pipeline is not None and self.pipeline.plan_ngpus != self.plan_ngpus:
+            raise ValueError(f"RankGrid: the pipeline is laid out on {self.pipeline.plan_ngpus} plan devices, "
+                             f"the grid has plan_ngpus={self.plan_ngpus}; build both from one config.")
+
+    # -- units and devices --------------------------------------------------------------------
+    @property
+    def units(self) -> int:
+        """Data-parallel copies of the plan."""
+        return self.runtime_ngpus // self.plan_ngpus
+
+    def unit_of(self, rank: int) -> int:
+        """The unit (copy of the model) ``rank`` belongs to; its ranks get the same input."""
+        return rank // self.plan_ngpus
+
+    def device_of(self, rank: int) -> int:
+        """The plan device ``rank`` plays (ranks with equal devices hold equal shards)."""
+        return rank % self.plan_ngpus
+
+    def rank_of(self, unit: int, device: int) -> int:
+        """The rank that plays plan ``device`` in ``unit``."""
+        return unit * self.plan_ngpus + device
+
+    def unit_ranks(self, unit: int, devices: Optional[Iterable[int]] = None) -> Ranks:
+        """The ranks that play plan ``devices`` (by default all of them) in ``unit``."""
+        devices = range(self.plan_ngpus) if devices is None else devices
+        return tuple(self.rank_of(unit, d) for d in devices)
+
+    def stage_group(self, stage: Optional[int]) -> Ranks:
+        """The plan devices that run ``stage`` (every plan device without a pipeline, or for
+        ``stage`` None: an op outside the stages)."""
+        if self.pipeline is None or stage is None:
+            return tuple(range(self.plan_ngpus))
+        return self.pipeline.stage_group(stage)
+
+    # -- data parallelism and ZeRO ------------------------------------------------------------
+    def dp_ranks(self, device: int) -> Ranks:
+        """The ranks that hold plan ``device``'s shard, one in every unit: they sum gradients."""
+        return tuple(self.rank_of(u, device) for u in range(self.units))
+
+    @property
+    def zero_group_size(self) -> int:
+        """How many ranks split one copy of the optimizer state under ZeRO."""
+        if self.zero_ngroups is None:
+            raise ValueError("this grid has no ZeRO groups: build it with zero_ngroups (use_zero=True).")
+        return self.units // self.zero_ngroups
+
+    def zero_ranks(self, rank: int) -> Ranks:
+        """The ranks that split ``rank``'s optimizer state between them under ZeRO: the run of
+        ``zero_group_size`` consecutive units, of ``rank``'s plan device, that holds ``rank``."""
+        size = self.zero_group_size
+        first = self.unit_of(rank) // size * size
+        return self.dp_ranks(self.device_of(rank))[first:first + size]
+
+    def zero_replica_ranks(self, rank: int) -> Ranks:
+        """The ranks that hold the same ZeRO shard as ``rank``: one in each of the ``zero_ngroups`` groups."""
+        size = self.zero_group_size
+        return self.dp_ranks(self.device_of(rank))[self.unit_of(rank) % size::size]
+
+    # -- every group --------------------------------------------------------------------------
+    def groups(self, device_sets: Iterable[Iterable[int]] = ()) -> List[Ranks]:
+        """Every rank set a plan can use, in one fixed order (creating process groups is
+        collective, so every rank must create them in the same order): each device set of each
+        unit, each whole unit, each data-parallel set and, with ZeRO, each ZeRO group and each
+        set of ranks holding the same ZeRO shard."""
+        device_sets = [tuple(devices) for devices in device_sets]
+        out: List[Ranks] = []
+        for u in range(self.units):
+            out += [self.unit_ranks(u, devices) for devices in device_sets]
+            out.append(self.unit_ranks(u))
+        out += [self.dp_ranks(d) for d in range(self.plan_ngpus)]
+        if self.zero_ngroups is not None:
+            for rank in range(self.runtime_ngpus):
+                out += [self.zero_ranks(rank), self.zero_replica_ranks(rank)]
+        return out
