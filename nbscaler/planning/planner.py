@@ -35,6 +35,7 @@ from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
 from nbscaler.cost.timing import predicted_timeline
+from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
@@ -247,8 +248,15 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
         check_placements(placed[mode], cfg)
         if mode != "eval":                         # the eval forward keeps nothing for a backward
             mark_recompute(placed[mode], cfg)
+            if _splits_backward(cfg):
+                mark_backward_split(placed[mode])
         annotate_costs(placed[mode])
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
+
+
+def _splits_backward(cfg: ComputeConfig) -> bool:
+    """Whether the config's schedule splits the backward into ``B`` and ``W`` blocks (zero bubble)."""
+    return cfg.use_pipeline and not cfg.inference_only and PipelineGeometry.from_config(cfg).schedule.splits_backward
 
 
 def adopt_policy_choices(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
