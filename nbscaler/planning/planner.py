@@ -40,7 +40,7 @@ from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
-from nbscaler.policy.builtin import get_policy
+from nbscaler.policy.builtin import SEQUENCE_PARALLEL, get_policy
 from nbscaler.policy.checks import check_placements
 from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
@@ -231,7 +231,7 @@ def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], 
 
 #: What a policy may write into ``graph.meta`` for the planner and ``explain()``: the unit size,
 #: stage count and modules to recompute it chose (``adopt_policy_choices``), and autodist's record.
-POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", RECOMPUTE_KEY, "autodist")
+POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", RECOMPUTE_KEY, SEQUENCE_PARALLEL, "autodist")
 
 
 def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, name: str) -> Plan:
@@ -263,7 +263,8 @@ def adopt_policy_choices(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
     """A policy that chose the number of devices per unit or of pipeline stages (autodist's
     ``autodist_plan_ngpus`` and ``autodist_nstages``) says so in ``graph.meta['plan_ngpus']`` and
     ``graph.meta['pipeline_nstages']``; the plan's config takes them, and so do later modes'
-    policies. So for the modules it chose to recompute (``graph.meta['recompute_modules']``)."""
+    policies. So for the modules it chose to recompute (``graph.meta['recompute_modules']``) and
+    sequence parallelism (``graph.meta['sequence_parallel']``)."""
     plan_ngpus = graph.meta.get("plan_ngpus")
     if plan_ngpus is not None and plan_ngpus != cfg.plan_ngpus:
         cfg = cfg.with_changes(plan_ngpus=plan_ngpus, pas_config={"autodist_plan_ngpus": plan_ngpus})
@@ -273,6 +274,8 @@ def adopt_policy_choices(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
     chosen = graph.meta.get(RECOMPUTE_KEY)
     if chosen is not None and list(chosen) != recompute_names(cfg):
         cfg = cfg.with_changes(pas_config={RECOMPUTE_KEY: list(chosen)})
+    if graph.meta.get(SEQUENCE_PARALLEL) and not cfg.pas_config.get(SEQUENCE_PARALLEL):
+        cfg = cfg.with_changes(pas_config={SEQUENCE_PARALLEL: True})
     return cfg
 
 

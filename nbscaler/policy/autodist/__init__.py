@@ -24,8 +24,10 @@ again (the plan's config then names them); ``planfile`` saves and loads a chosen
 ``explain`` records, per op, the choice against the runner-up.
 
 With ``pas_config={'sequence_parallel': True}`` the ``tp`` placement it weighs its search against
-(``_keep_faster_builtin``) is sequence parallel (``nbscaler.policy.builtin``); the search itself
-may split any op along the sequence whatever the key says, as along any axis its annotation allows.
+(``_keep_faster_builtin``) is sequence parallel (``nbscaler.policy.builtin``), with ``False`` it is
+not, and without the key both compete: when the sequence-parallel one wins, the plan's config says
+``sequence_parallel=True``. The search itself may split any op along the sequence whatever the key
+says, as along any axis its annotation allows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ from nbscaler.policy.staging import layer_of, stage_by_cost
 from nbscaler.schedule import PipelineGeometry
 
 __all__ = ["AutodistOptions", "autodist", "samples_per_step"]
+
+#: The rival name of the sequence-parallel ``tp`` placement (``_keep_faster_builtin``).
+TP_SEQUENCE_PARALLEL = "tp sequence parallel"
 
 #: The heaviest weight on bytes autodist tries under a memory limit is its first weight times 2**this.
 MAX_WEIGHT_STEPS = 24
@@ -98,9 +103,13 @@ def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptio
     take, such as ``tp``'s split of a fused q/k/v projection by heads (a strided split). Each
     built-in that applies is placed, scored with the same step model and memory limit, and the
     fastest plan is kept; ``info['kept']`` says which, ``info['rival_scores']`` the predicted steps.
+    Unless ``pas_config`` says whether to use sequence parallelism, ``tp`` competes both without and
+    with it (``'tp sequence parallel'``).
     """
-    from nbscaler.policy.builtin import data, tp           # the built-ins register autodist
+    from nbscaler.policy.builtin import SEQUENCE_PARALLEL, data, tp     # the built-ins register autodist
     rivals = {"tp": tp, "data": data}
+    if SEQUENCE_PARALLEL not in cfg.pas_config:           # not the user's to say: autodist may choose it
+        rivals[TP_SEQUENCE_PARALLEL] = lambda g, c: tp(g, c.with_changes(pas_config={SEQUENCE_PARALLEL: True}))
     scores = {"search": searcher.score()}
     for name, rival in rivals.items():
         try:
@@ -114,6 +123,8 @@ def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptio
         searcher.place(info["bytes_weight"])
     else:
         rivals[kept](graph, cfg)
+    if kept == TP_SEQUENCE_PARALLEL:
+        graph.meta[SEQUENCE_PARALLEL] = True              # the planner adopts it into the plan's config
     info["kept"], info["rival_scores"] = kept, scores
 
 
