@@ -231,7 +231,7 @@ def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], 
 
 #: What a policy may write into ``graph.meta`` for the planner and ``explain()``: the unit size,
 #: stage count and modules to recompute it chose (``adopt_policy_choices``), and autodist's record.
-POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", RECOMPUTE_KEY, SEQUENCE_PARALLEL, "autodist")
+POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", "pipeline_scheduler", RECOMPUTE_KEY, SEQUENCE_PARALLEL, "autodist")
 
 
 def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, name: str) -> Plan:
@@ -261,15 +261,17 @@ def _splits_backward(cfg: ComputeConfig) -> bool:
 
 def adopt_policy_choices(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
     """A policy that chose the number of devices per unit or of pipeline stages (autodist's
-    ``autodist_plan_ngpus`` and ``autodist_nstages``) says so in ``graph.meta['plan_ngpus']`` and
-    ``graph.meta['pipeline_nstages']``; the plan's config takes them, and so do later modes'
+    ``autodist_plan_ngpus``, ``autodist_nstages`` and ``autodist_scheduler``) says so in
+    ``graph.meta['plan_ngpus']``, ``graph.meta['pipeline_nstages']`` and ``['pipeline_scheduler']``; the plan's config takes them, and so do later modes'
     policies. So for the modules it chose to recompute (``graph.meta['recompute_modules']``) and
     sequence parallelism (``graph.meta['sequence_parallel']``)."""
     plan_ngpus = graph.meta.get("plan_ngpus")
     if plan_ngpus is not None and plan_ngpus != cfg.plan_ngpus:
         cfg = cfg.with_changes(plan_ngpus=plan_ngpus, pas_config={"autodist_plan_ngpus": plan_ngpus})
-    nstages = graph.meta.get("pipeline_nstages")
-    if nstages is not None and nstages != cfg.pipeline_nstages:
+    nstages, scheduler = graph.meta.get("pipeline_nstages"), graph.meta.get("pipeline_scheduler")
+    if scheduler is not None and scheduler != cfg.scheduler:       # with its stages: each fits the other
+        cfg = cfg.with_changes(pipeline_scheduler=scheduler, pipeline_nstages=nstages)
+    elif nstages is not None and nstages != cfg.pipeline_nstages:
         cfg = cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})
     chosen = graph.meta.get(RECOMPUTE_KEY)
     if chosen is not None and list(chosen) != recompute_names(cfg):

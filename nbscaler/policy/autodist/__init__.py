@@ -72,8 +72,10 @@ def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     searcher.profiler.save()                  # op times profiled here serve the next search too
     info["search_s"] = time.perf_counter() - start
     graph.meta["autodist"] = info
-    if opts.autodist_nstages is not None:
+    if opts.autodist_nstages is not None or opts.schedulers:
         graph.meta["pipeline_nstages"] = searcher.cfg.pipeline_nstages     # the planner adopts it
+    if opts.schedulers and cfg.use_pipeline:
+        graph.meta["pipeline_scheduler"] = searcher.cfg.scheduler          # and this
     if searcher.cfg.plan_ngpus != cfg.plan_ngpus:
         graph.meta["plan_ngpus"] = searcher.cfg.plan_ngpus                  # and this
     if opts.save_plan_path:
@@ -137,7 +139,7 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
     if len(configs) == 1:
         searcher, info, _ = _search_config(graph, configs[0], opts)
         return searcher, info
-    scores: Dict[Tuple[int, int], float] = {}          # (plan_ngpus, nstages) -> seconds per step
+    scores: Dict[Tuple[int, int, str], float] = {}     # (plan_ngpus, nstages, scheduler) -> seconds per step
     failure: Optional[PolicyError] = None
     last = None                                        # the key and search of the placement the graph holds
     for candidate in configs:
@@ -157,11 +159,15 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
     else:
         searcher, info, _ = _search_config(graph, chosen, opts)            # place the winner again
     if opts.autodist_nstages is not None:
-        info["nstages_scores"] = {k: s for (d, k), s in scores.items() if d == chosen.plan_ngpus}
+        info["nstages_scores"] = {k: s for (d, k, sched), s in scores.items()
+                                  if d == chosen.plan_ngpus and sched == chosen.scheduler}
+    if opts.schedulers:
+        mine = [(sched, s) for (d, _, sched), s in scores.items() if d == chosen.plan_ngpus]
+        info["scheduler_scores"] = {x: min(s for sched, s in mine if sched == x) for x in dict(mine)}
     if opts.autodist_plan_ngpus is not None:
         info["plan_ngpus"] = chosen.plan_ngpus
-        info["unit_scores"] = {d: min(s for (size, _), s in per_sample.items() if size == d)
-                               for d in sorted({size for size, _ in per_sample})}
+        info["unit_scores"] = {d: min(s for (size, *_), s in per_sample.items() if size == d)
+                               for d in sorted({size for size, *_ in per_sample})}
     return searcher, info
 
 
