@@ -11,12 +11,19 @@ every timed block so the slowest rank sets the time. It reports:
   (the largest rank), and the most bytes a rank held at once during a step, activations included
   (and the most of them that were activations), counted for both sides by PyTorch's ``MemTracker``
   (``native_sides.peak_step_bytes``);
+- the most bytes autograd holds saved for the backward at once during the first step, per rank,
+  counted on both sides by one saved-tensor hook (``native_sides.counting_saved``);
 - both sides' first losses, which must agree (same weights, same data).
 
     python -m benchmarks.native                       # 2 and 4 ranks, GPT 4 layers, d=256
     python -m benchmarks.native --small --reps 3      # a few minutes on a loaded laptop
+    python -m benchmarks.native --layers 8 --only "tp sequence parallel" "pp 1f1b_interleaved" "pp zb_h1" "pp zbv" \
+        --out benchmarks/results/native_schedules.md  # 8 blocks: 4 ranks' two stages each get one
 
-The table goes to ``benchmarks/results/native.md`` with the machine it ran on.
+The table goes to ``benchmarks/results/native.md`` with the machine it ran on. The schedules with two
+stages per rank (``1f1b_interleaved``, ``zbv``) cut the model into twice as many stages as ranks on
+both sides, ``torch.distributed.pipelining`` by whole blocks, so they want ``--layers`` of at least
+twice the ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +57,15 @@ COMPARISONS: Dict[str, tuple] = {
                  "pipelining ScheduleGPipe"),
     "pp 1f1b": (lambda s, g: sides.nbscaler_pipeline(s, g, "1f1b"), lambda s: sides.torch_pipeline(s, "1f1b"),
                 "pipelining Schedule1F1B"),
+    "tp sequence parallel": (lambda s, g: sides.nbscaler_tensor(s, g, sequence_parallel=True),
+                             lambda s: sides.torch_tensor(s, sequence_parallel=True),
+                             "DTensor parallelize_module + SequenceParallel"),
+    "pp 1f1b_interleaved": (lambda s, g: sides.nbscaler_pipeline(s, g, "1f1b_interleaved"),
+                            lambda s: sides.torch_pipeline(s, "1f1b_interleaved"), "pipelining ScheduleInterleaved1F1B"),
+    "pp zb_h1": (lambda s, g: sides.nbscaler_pipeline(s, g, "zb_h1"), lambda s: sides.torch_pipeline(s, "zb_h1"),
+                 "pipelining ScheduleInterleavedZeroBubble"),
+    "pp zbv": (lambda s, g: sides.nbscaler_pipeline(s, g, "zbv"), lambda s: sides.torch_pipeline(s, "zbv"),
+               "pipelining ScheduleZBVZeroBubble"),
     "dp ZeRO-1": (lambda s, g: sides.nbscaler_data(s, g, 1), lambda s: sides.torch_ddp(s, zero=True),
                   "DDP + ZeroRedundancyOptimizer"),
     "dp ZeRO-2": (lambda s, g: sides.nbscaler_data(s, g, 2), lambda s: sides.torch_ddp(s, zero=True),
@@ -89,7 +105,9 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
     """On every rank: build both sides of ``name``, check first losses, measure bytes and time."""
     make_ours, make_theirs, _ = COMPARISONS[name]
     ours, theirs = make_ours(setup, gen_dir), make_theirs(setup)
-    first = (ours.step(), theirs.step())                 # the first step is also the warm-up
+    # The first step is also the warm-up; the saved-tensor count slows it, so it is not timed.
+    (first_ours, saved_ours), (first_theirs, saved_theirs) = sides.counting_saved(ours), sides.counting_saved(theirs)
+    first = (first_ours, first_theirs)
     nbytes = (ours.nbytes(), theirs.nbytes())
     peaks = (sides.peak_step_bytes(ours), sides.peak_step_bytes(theirs))
     times: List[tuple] = []
@@ -103,7 +121,8 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
             a = _timed(ours, steps)
         times.append((a[0] / steps, b[0] / steps))
         cpu.append((a[1] / steps, b[1] / steps))
-    return {"first": first, "bytes": nbytes, "peaks": peaks, "times": times, "cpu": cpu}
+    return {"first": first, "bytes": nbytes, "peaks": peaks, "saved": (saved_ours, saved_theirs),
+            "times": times, "cpu": cpu}
 
 
 def _run_all(names: List[str], setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> List[Dict[str, object]]:
@@ -130,6 +149,7 @@ def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict
         "cpu_ratio": statistics.median(a / b for a, b in cpu),
         "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
         "ours_peak": max(r["peaks"][0] for r in per_rank), "theirs_peak": max(r["peaks"][1] for r in per_rank),
+        "ours_saved": max(r["saved"][0] for r in per_rank), "theirs_saved": max(r["saved"][1] for r in per_rank),
         "ours_loss": ours, "theirs_loss": theirs,
         "losses_agree": abs(ours - theirs) <= (MIXED_LOSS_RTOL if "mixed" in name else LOSS_RTOL) * abs(theirs),
     }
@@ -160,11 +180,14 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         "same for CPU time summed over the ranks (median), which the load inflates less. MiB per rank = "
         "parameters + gradients + optimizer state held after a step (the largest rank). Peak MiB = the most "
         "a rank held at once during a step, activations included, as PyTorch's MemTracker counts it for "
-        "both sides (the largest rank); in brackets, the most of it that were activations.",
+        "both sides (the largest rank); in brackets, the most of it that were activations. Saved MiB = the "
+        "most bytes autograd held saved for the backward at once during the first step (the largest rank), "
+        "counted on both sides by the same saved-tensor hook.",
         "",
         "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
-        "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | first loss nbscaler / PyTorch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | "
+        "saved MiB nbscaler / PyTorch | first loss nbscaler / PyTorch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         agree = "agree" if r["losses_agree"] else "**DIFFER**"
@@ -173,6 +196,7 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
             f"{r['ratio_min']:.2f} / **{r['ratio_median']:.2f}** / {r['ratio_max']:.2f} | {r['cpu_ratio']:.2f} | "
             f"{_mib(r['ours_bytes'])} | "
             f"{_mib(r['theirs_bytes'])} | {_peak(r['ours_peak'])} / {_peak(r['theirs_peak'])} | "
+            f"{r['ours_saved'] / MiB:.2f} / {r['theirs_saved'] / MiB:.2f} | "
             f"{r['ours_loss']:.6f} / {r['theirs_loss']:.6f} ({agree}) |")
     return "\n".join(lines) + "\n"
 
@@ -190,12 +214,15 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--small", action="store_true", help="GPT 2 layers, d=64: finishes in minutes")
+    parser.add_argument("--small", action="store_true", help="GPT 4 layers, d=64: finishes in minutes")
+    parser.add_argument("--layers", type=int, help="blocks of the GPT (8 gives 4 ranks' two stages each a block)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "native.md"))
     args = parser.parse_args(argv)
     setup = sides.Setup()
     if args.small:
         setup = replace(setup, n_layer=4, d_model=64, n_head=4, vocab=128, seq_len=32, micros=4)
+    if args.layers:
+        setup = replace(setup, n_layer=args.layers)
     machine = {"cores": str(os.cpu_count()), "platform": platform.platform(terse=True), "torch": torch.__version__,
                "load_before": _uptime(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     start = time.perf_counter()
@@ -219,6 +246,7 @@ def _row_line(r: Dict[str, object]) -> str:
     return (f"{r['comparison']:<20} {r['ranks']} ranks: ratio {r['ratio_min']:.2f} / {r['ratio_median']:.2f} / "
             f"{r['ratio_max']:.2f}  CPU {r['cpu_ratio']:.2f}  MiB {_mib(r['ours_bytes'])} vs {_mib(r['theirs_bytes'])}  "
             f"peak {_peak(r['ours_peak'])} vs {_peak(r['theirs_peak'])}  "
+            f"saved {r['ours_saved'] / MiB:.2f} vs {r['theirs_saved'] / MiB:.2f}  "
             f"loss {r['ours_loss']:.6f} vs {r['theirs_loss']:.6f}")
 
 

@@ -171,6 +171,21 @@ def peak_step_bytes(side: "Side") -> Tuple[int, int]:
             int(sum(per_device[_MemRefType.ACT] for per_device in peak)))
 
 
+def counting_saved(side: "Side") -> Tuple[float, int]:
+    """One ``side.step()`` under ``SavedTensorMeter``: its loss and the most bytes autograd held saved
+    for the backward at once (DTensors by their local shard; the module's weights left out)."""
+    from nbscaler.runtime.memory import SavedTensorMeter
+
+    class LocalSavedMeter(SavedTensorMeter):
+        @staticmethod
+        def storage(t: torch.Tensor) -> torch.UntypedStorage:
+            return _local(t).untyped_storage()
+    weights = [_local(t).untyped_storage()._cdata for t in list(side.module.parameters()) + list(side.module.buffers())]
+    with LocalSavedMeter(weights) as meter:
+        loss = side.step()
+    return loss, meter.peak
+
+
 # -- sides -------------------------------------------------------------------------------------
 class Side:
     """One way of training the model on this rank."""
@@ -262,24 +277,43 @@ def torch_fsdp(s: Setup, mixed: bool = False, reshard_after_forward: bool = True
     return Side(model, opt, _plain_step(model, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 
 
-def nbscaler_tensor(s: Setup, gen_dir: str) -> Side:
-    """Tensor parallelism (``tp``) over all ranks; every rank sees the same batch."""
+def nbscaler_tensor(s: Setup, gen_dir: str, sequence_parallel: bool = False) -> Side:
+    """Tensor parallelism (``tp``) over all ranks, sequence parallel if asked; every rank sees the
+    same batch."""
     _, world = _rank_world()
-    pm = _compile(s, "tp", ComputeConfig(world, world), f"tp_{world}", gen_dir)
+    pas = {"sequence_parallel": True} if sequence_parallel else {}
+    pm = _compile(s, "tp", ComputeConfig(world, world, pas_config=pas), f"tp_sp{int(sequence_parallel)}_{world}", gen_dir)
     opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
     return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i, s.micro_batch)))
 
 
-def torch_tensor(s: Setup) -> Side:
+def torch_tensor(s: Setup, sequence_parallel: bool = False) -> Side:
     """DTensor ``parallelize_module``, Megatron-style: q, k, v and fc split by columns, o and proj
-    by rows, the rest replicated."""
+    by rows, the rest replicated. ``sequence_parallel`` (torchtitan's plan): the norms as
+    ``SequenceParallel``, the residual stream between the blocks sharded along the sequence
+    (``Shard(1)``), all-gathered before attention and fc and reduce-scattered after o and proj."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
     _, world = _rank_world()
     mesh = init_device_mesh("cpu", (world,))
     model = build_model(s)
     plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.o": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()}
+    if sequence_parallel:
+        seq = Shard(1)                                                   # (B, T/n, d) per rank
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                     "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                use_local_output=True),
+                     "attn.o": RowwiseParallel(output_layouts=seq, use_local_output=False),
+                     "fc": ColwiseParallel(input_layouts=seq),
+                     "proj": RowwiseParallel(output_layouts=seq, use_local_output=False)})
+        # The embeddings' output enters the first block as a sequence slice; the head reads it whole.
+        parallelize_module(model, mesh, {
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,)),
+            "ln_f": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True)})
     for block in model.blocks:
         parallelize_module(block, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)   # DTensors and tensors mixed
@@ -290,10 +324,23 @@ def _pipeline_batches(s: Setup, i: int) -> List[Dict[str, torch.Tensor]]:
     return [make_batch(s, 100 * i + m, s.micro_batch) for m in range(s.micros)]
 
 
+# scheduler -> (stages per rank, stages a rank holds: "loop" r, r + p, ... or "v" r, 2p - 1 - r)
+STAGES_PER_RANK = {"gpipe": (1, "loop"), "1f1b": (1, "loop"), "zb_h1": (1, "loop"),
+                   "1f1b_interleaved": (2, "loop"), "zbv": (2, "v")}
+
+
+def _local_stages(scheduler: str, rank: int, world: int) -> List[int]:
+    per, style = STAGES_PER_RANK[scheduler]
+    if style == "v":
+        return [rank, 2 * world - 1 - rank]
+    return [rank + k * world for k in range(per)]
+
+
 def nbscaler_pipeline(s: Setup, gen_dir: str, scheduler: str) -> Side:
-    """Pipeline parallelism (``pp``), one stage per rank."""
+    """Pipeline parallelism (``pp``): one stage per rank, two for ``1f1b_interleaved`` and ``zbv``."""
     _, world = _rank_world()
-    cfg = ComputeConfig(world, world, use_end2end=True, use_pipeline=True, pipeline_nstages=world,
+    cfg = ComputeConfig(world, world, use_end2end=True, use_pipeline=True,
+                        pipeline_nstages=world * STAGES_PER_RANK[scheduler][0],
                         pipeline_nmicros=s.micros, pipeline_scheduler=scheduler)
     pm = _compile(s, "pp", cfg, f"pp_{scheduler}_{world}", gen_dir)
     opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
@@ -306,32 +353,39 @@ def nbscaler_pipeline(s: Setup, gen_dir: str, scheduler: str) -> Side:
     return Side(pm, opt, step)
 
 
+# nbscaler's scheduler -> the ``torch.distributed.pipelining`` schedule compared with it
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "1f1b_interleaved": "ScheduleInterleaved1F1B",
+                   "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+
+
 def torch_pipeline(s: Setup, scheduler: str) -> Side:
-    """``torch.distributed.pipelining``: the blocks split evenly, the embeddings on the first rank,
-    the head on the last; ``ScheduleGPipe`` or ``Schedule1F1B`` with the same micro-batches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """``torch.distributed.pipelining``: the blocks split evenly over the stages, the embeddings on
+    the first, the head on the last; the schedule of ``TORCH_SCHEDULES`` on the stages
+    ``nbscaler_pipeline`` gives this rank, with the same micro-batches."""
+    from torch.distributed import pipelining
     rank, world = _rank_world()
     model = build_model(s)
-    per = math.ceil(s.n_layer / world)
-    module = StageOf(model, rank * per, min(s.n_layer, (rank + 1) * per), rank == 0, rank == world - 1)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[scheduler]
+    mine = _local_stages(scheduler, rank, world)
+    nstages = world * STAGES_PER_RANK[scheduler][0]
+    per = math.ceil(s.n_layer / nstages)
+    modules = [StageOf(model, i * per, min(s.n_layer, (i + 1) * per), i == 0, i == nstages - 1) for i in mine]
+    stages = [pipelining.PipelineStage(m, i, nstages, torch.device("cpu")) for m, i in zip(modules, mine)]
+    schedule_cls = getattr(pipelining, TORCH_SCHEDULES[scheduler])
     # Losses summed, not averaged over micro-batches, as nbscaler's train_step does.
-    schedule = schedule_cls(stage, s.micros, loss_fn=lm_loss, scale_grads=False)
-    opt = adamw(module.parameters())
+    single = issubclass(schedule_cls, pipelining.schedules.PipelineScheduleSingle)
+    schedule = schedule_cls(stages[0] if single else stages, s.micros, loss_fn=lm_loss, scale_grads=False)
+    params = [p for m in modules for p in m.parameters()]
+    opt = adamw(params)
 
     def step(i: int) -> float:
         batches = _pipeline_batches(s, i)
-        idx = torch.cat([b["idx"] for b in batches])
-        targets = torch.cat([b["targets"] for b in batches])
+        kwargs: Dict[str, object] = {}
+        args = (torch.cat([b["idx"] for b in batches]),) if 0 in mine else ()
         losses: List[torch.Tensor] = []
+        if nstages - 1 in mine:
+            kwargs = {"target": torch.cat([b["targets"] for b in batches]), "losses": losses}
         opt.zero_grad()
-        if rank == 0:
-            schedule.step(idx)
-        elif rank == world - 1:
-            schedule.step(target=targets, losses=losses)
-        else:
-            schedule.step()
+        schedule.step(*args, **kwargs)
         opt.step()
         return float(losses[0].detach()) if losses else float("nan")
-    return Side(module, opt, step)
+    return Side(nn.ModuleList(modules), opt, step)

@@ -3,7 +3,8 @@
 ``nbscaler.columns.StepMoment`` names the moments. This pass walks one rank's step through them:
 its blocks (one forward and one backward without a pipeline, the schedule's blocks with one), then
 the optimizer step. Activations follow the blocks: a forward adds what its stage saves, its
-backward frees it. Gradients follow the runtime's reducers (``nbscaler.runtime.reducer`` and
+backward frees it; when a zero-bubble schedule splits the backward, its ``B`` (input gradients)
+frees nothing and makes no weight gradient, and its ``W`` does both, as a whole backward would. Gradients follow the runtime's reducers (``nbscaler.runtime.reducer`` and
 ``nbscaler.runtime.zero``):
 
 - without ZeRO, and under ZeRO stage 1 until the optimizer steps, a backward gives every parameter
@@ -105,16 +106,19 @@ def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Op
     pipeline); ``gradients`` starts the step empty (gradients set to ``None`` before it).
     """
     if geometry is None:
-        blocks = [(None, "F"), (None, "B")]
+        blocks, release = [(None, "F"), (None, "B")], "B"
     else:
         blocks = [(b.stage, b.phase) for b in geometry.schedule.blocks_of(geometry.pipeline_device(device))]
+        release = geometry.schedule.release_phase
     live, moments = 0, []
     for stage, phase in blocks:
         if phase == "F":
             live += saved[stage]
             moments.append(Held(StepMoment.FORWARD, gradients.held, live))
-        else:
+        elif phase == release:
             moments.append(Held(StepMoment.BACKWARD, gradients.backward(stage), live))
             live -= saved[stage]
+        # else: the B of a split backward, input gradients only: no weight gets a gradient and the
+        # graph, with everything it saved, stays for the W block.
     moments.append(Held(StepMoment.STEP, gradients.step(params), live))
     return moments

@@ -35,11 +35,12 @@ from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
 from nbscaler.cost.timing import predicted_timeline
+from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
-from nbscaler.policy.builtin import get_policy
+from nbscaler.policy.builtin import SEQUENCE_PARALLEL, get_policy
 from nbscaler.policy.checks import check_placements
 from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
@@ -229,7 +230,7 @@ def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], 
 
 #: What a policy may write into ``graph.meta`` for the planner and ``explain()``: the unit size,
 #: stage count and modules to recompute it chose (``adopt_policy_choices``), and autodist's record.
-POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", RECOMPUTE_KEY, "autodist")
+POLICY_CHOICES = ("plan_ngpus", "pipeline_nstages", "pipeline_scheduler", RECOMPUTE_KEY, SEQUENCE_PARALLEL, "autodist")
 
 
 def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, name: str) -> Plan:
@@ -246,24 +247,36 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
         check_placements(placed[mode], cfg)
         if mode != "eval":                         # the eval forward keeps nothing for a backward
             mark_recompute(placed[mode], cfg)
+            if _splits_backward(cfg):
+                mark_backward_split(placed[mode])
         annotate_costs(placed[mode])
     return Plan(placed, cfg, policy_name(pas_policy), name, time.perf_counter() - start, policy=pas_policy)
 
 
+def _splits_backward(cfg: ComputeConfig) -> bool:
+    """Whether the config's schedule splits the backward into ``B`` and ``W`` blocks (zero bubble)."""
+    return cfg.use_pipeline and not cfg.inference_only and PipelineGeometry.from_config(cfg).schedule.splits_backward
+
+
 def adopt_policy_choices(graph: IRGraph, cfg: ComputeConfig) -> ComputeConfig:
     """A policy that chose the number of devices per unit or of pipeline stages (autodist's
-    ``autodist_plan_ngpus`` and ``autodist_nstages``) says so in ``graph.meta['plan_ngpus']`` and
-    ``graph.meta['pipeline_nstages']``; the plan's config takes them, and so do later modes'
-    policies. So for the modules it chose to recompute (``graph.meta['recompute_modules']``)."""
+    ``autodist_plan_ngpus``, ``autodist_nstages`` and ``autodist_scheduler``) says so in
+    ``graph.meta['plan_ngpus']``, ``graph.meta['pipeline_nstages']`` and ``['pipeline_scheduler']``; the plan's config takes them, and so do later modes'
+    policies. So for the modules it chose to recompute (``graph.meta['recompute_modules']``) and
+    sequence parallelism (``graph.meta['sequence_parallel']``)."""
     plan_ngpus = graph.meta.get("plan_ngpus")
     if plan_ngpus is not None and plan_ngpus != cfg.plan_ngpus:
         cfg = cfg.with_changes(plan_ngpus=plan_ngpus, pas_config={"autodist_plan_ngpus": plan_ngpus})
-    nstages = graph.meta.get("pipeline_nstages")
-    if nstages is not None and nstages != cfg.pipeline_nstages:
+    nstages, scheduler = graph.meta.get("pipeline_nstages"), graph.meta.get("pipeline_scheduler")
+    if scheduler is not None and scheduler != cfg.scheduler:       # with its stages: each fits the other
+        cfg = cfg.with_changes(pipeline_scheduler=scheduler, pipeline_nstages=nstages)
+    elif nstages is not None and nstages != cfg.pipeline_nstages:
         cfg = cfg.with_changes(pipeline_nstages=nstages, pas_config={"autodist_nstages": nstages})
     chosen = graph.meta.get(RECOMPUTE_KEY)
     if chosen is not None and list(chosen) != recompute_names(cfg):
         cfg = cfg.with_changes(pas_config={RECOMPUTE_KEY: list(chosen)})
+    if graph.meta.get(SEQUENCE_PARALLEL) and not cfg.pas_config.get(SEQUENCE_PARALLEL):
+        cfg = cfg.with_changes(pas_config={SEQUENCE_PARALLEL: True})
     return cfg
 
 

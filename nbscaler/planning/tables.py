@@ -22,6 +22,7 @@ from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
 from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
+from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning.on_target import add_target_columns
 from nbscaler.units import fmt_count
@@ -30,14 +31,16 @@ if TYPE_CHECKING:
     from nbscaler.cost.hardware import Hardware
     from nbscaler.planning.planner import Plan
 
-OP_COLUMNS = ["id", "name", "op", "target", "module", "source_file", "source_line", "stage", "devices", "split",
+OP_COLUMNS = ["id", "name", "op", "target", "module", "source_file", "source_line", "stage", "backward_part", "devices", "split",
               "annotation", "in_shapes", "out_shapes", "local_out_shapes", "flops_fwd", "flops_bwd", "bytes_read",
               "bytes_written", "local_flops_fwd"]
 COLLECTIVE_COLUMNS = list(CommStep.__dataclass_fields__)
 
 
 def ops_frame(graph: IRGraph) -> pd.DataFrame:
-    """One row per node: where it runs, how it is split, its shapes and its cost facts."""
+    """One row per node: where it runs, how it is split, its shapes and its cost facts; under a
+    zero-bubble schedule, ``backward_part`` says which block runs its gradient (``B``, ``W``, ``B+W``;
+    ``nbscaler.ir.backward_split``), else ``None``."""
     rows = []
     for i, n in enumerate(graph.nodes):
         place = n.placement
@@ -45,7 +48,7 @@ def ops_frame(graph: IRGraph) -> pd.DataFrame:
         rows.append({
             "id": i, "name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
             "source_file": n.source[0] if n.source else None, "source_line": n.source[1] if n.source else None,
-            "stage": n.stage, "devices": tuple(place.devices) if place else (), "split": place.split if place else None,
+            "stage": n.stage, "backward_part": n.meta.get(BACKWARD_PART), "devices": tuple(place.devices) if place else (), "split": place.split if place else None,
             "annotation": str(n.annotation) if n.annotation is not None else None,
             "in_shapes": [tuple(t.shape) for t in n.inputs], "out_shapes": [tuple(t.shape) for t in outs],
             "local_out_shapes": [local_shape(t.shape, output_layout(n, k), place.parts if place else 1)

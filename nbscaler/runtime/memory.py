@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.columns import MEMORY_CATEGORIES, Held, StepMoment, SummaryColumn as C
+from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.reducer import Reducer
 
 
@@ -119,20 +120,29 @@ class SavedTensorMeter:
         self._lock = threading.Lock()       # the backward releases from autograd's threads
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    @staticmethod
+    def storage(t: torch.Tensor) -> torch.UntypedStorage:
+        """The storage ``t``'s bytes live in (a subclass counts a tensor subclass by its own)."""
+        return t.untyped_storage()
+
     def _pack(self, t: torch.Tensor) -> Any:
-        key = _key(t)
+        storage = self.storage(t)
+        key = storage._cdata
         if key in self.exclude:
             return t
         with self._lock:
             if key not in self.refs:
                 self.refs[key] = 0
-                self.sizes[key] = t.untyped_storage().nbytes()
+                self.sizes[key] = storage.nbytes()
                 self.live += self.sizes[key]
                 self.peak = max(self.peak, self.live)
                 if self.on_save is not None:
                     self.on_save(self.live)
             self.refs[key] += 1
-        return _Saved(t, self, key)
+        # Detached: a tensor autograd saves as an output of its own node (softmax's result) would
+        # otherwise hold that node through its grad_fn, a cycle through C++ that nothing collects;
+        # a node a split backward's W never runs would then keep its saved tensors forever.
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
@@ -160,7 +170,8 @@ class MemoryMeter:
     end each time autograd saves a new storage; a backward's end through a callback that the
     first gradient of each backward queues on autograd's engine, counting the activations held
     when it started and the most gradients held during it (ZeRO's reducer reports the instant
-    before it frees a bucket's gradients); and the end of the block, after ``optimizer.step()``.
+    before it frees a bucket's gradients); a zero-bubble schedule's W block, which runs as several
+    backwards, once at its end; and the end of the block, after ``optimizer.step()``.
     ``stats()`` after the block gives the categories of ``nbscaler.columns``: parameters,
     optimizer state and buffers as held at the end, gradients and activations as held at the
     peak moment (``peak``), ``peak_bytes`` their sum and, on CUDA, ``cuda_max_allocated_bytes``.
@@ -175,6 +186,7 @@ class MemoryMeter:
         self.saved = SavedTensorMeter((_key(t) for t in weights), on_save=self._forward)
         self.cuda = next((t.device for t in weights if t.is_cuda), None)
         self.reducers = [r for m in module.modules() for r in [getattr(m, "reducer", None)] if isinstance(r, Reducer)]
+        self.pipelined = [m for m in module.modules() if isinstance(m, ParallelModule)]
         self.peak: Optional[Held] = None
         self._lock = threading.Lock()
         self._handles: List[Any] = []
@@ -206,9 +218,28 @@ class MemoryMeter:
     def _backward_end(self) -> None:
         with self._lock:
             self._in_backward = False
-            self._held = self._grads()
-            self._count(StepMoment.BACKWARD, max(self._most, self._held), self._started)
-            self._started, self._most = self.saved.live, self._held
+            if self._weight_pass is None:
+                self._count_backward()
+            else:                     # one of a W block's calls: the block's end counts them all
+                self._weight_pass = True
+                self._most = max(self._most, self._grads())
+
+    def _count_backward(self) -> None:
+        self._held = self._grads()
+        self._count(StepMoment.BACKWARD, max(self._most, self._held), self._started)
+        self._started, self._most = self.saved.live, self._held
+
+    def _on_weight_pass(self, starting: bool) -> None:
+        """A W block starts or ends (``ParallelModule.weight_pass_observers``). It runs its weight
+        branches as several backwards; like one backward, it counts once, at its end: with the
+        activations held when it started and the most gradients it held."""
+        with self._lock:
+            if starting:
+                self._weight_pass = False           # True once one of its backwards has ended
+            else:
+                if self._weight_pass:
+                    self._count_backward()
+                self._weight_pass = None
 
     # -- the block --------------------------------------------------------------------------------
     def __enter__(self) -> "MemoryMeter":
@@ -216,11 +247,13 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.cuda)
         self.peak = None
         self._held = self._most = self._grads()
-        self._started, self._in_backward = 0, False
+        self._started, self._in_backward, self._weight_pass = 0, False, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient)
                          for p in self.module.parameters() if p.requires_grad]
         for reducer in self.reducers:
             reducer.observers.append(self._observe)
+        for module in self.pipelined:
+            module.weight_pass_observers.append(self._on_weight_pass)
         self.saved.__enter__()
         return self
 
@@ -230,6 +263,8 @@ class MemoryMeter:
             handle.remove()
         for reducer in self.reducers:
             reducer.observers.remove(self._observe)
+        for module in self.pipelined:
+            module.weight_pass_observers.remove(self._on_weight_pass)
         with self._lock:
             self._count(StepMoment.STEP, max(self._most, self._grads()), self.saved.live)
 

@@ -148,6 +148,9 @@ class ParallelModule(torch.nn.Module):
         self.reducer = self._make_reducer()
         self.replica_reducers = self._replica_reducers()
         self.pipeline_events: List[Dict[str, Any]] = []
+        # Called with True before and False after each W block (a split backward's weight
+        # gradients, several calls of autograd's engine): ``MemoryMeter`` counts it as one backward.
+        self.weight_pass_observers: List[Callable[[bool], None]] = []
         self._pipeline_geometries: Dict[bool, PipelineGeometry] = {}     # train -> the schedule's geometry
         self.register_load_state_dict_pre_hook(self._before_load)
         self.register_load_state_dict_post_hook(lambda module, keys: self.reducer.refresh_masters())

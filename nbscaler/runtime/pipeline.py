@@ -106,18 +106,19 @@ class PipelineExecutor:
                 carry = self._receive_forward(s, m, outputs, receives) if s > 0 else {}
                 start = time.perf_counter()
                 inputs[(s, m)] = carry
+                # No local names for a stage's outputs or roots: a split backward's W frees the
+                # graph only when nothing else refers to it, and a name would keep it until rebound.
                 with torch.set_grad_enabled(train):
-                    out = getattr(self.module, self._fn(s))(carry, samples[m])
-                outputs[(s, m)] = out
+                    outputs[(s, m)] = getattr(self.module, self._fn(s))(carry, samples[m])
                 if s == last:
-                    results[m] = out
+                    results[m] = outputs[(s, m)]
                 else:
-                    pending += self._send(s, s + 1, m, "F", out)
+                    pending += self._send(s, s + 1, m, "F", outputs[(s, m)])
             elif block.phase == "B":
                 grads = self._receive_backward(s, m, grads_in, receives) if s < last else {}
                 start = time.perf_counter()
-                roots = self._roots(s, m, outputs.pop((s, m)), grads, dummy, scale_fn)
-                in_grads = self._backward(roots, inputs.pop((s, m)), (s, m))
+                in_grads = self._backward(self._roots(s, m, outputs.pop((s, m)), grads, dummy, scale_fn),
+                                          inputs.pop((s, m)), (s, m))
                 if s == last and self.schedule.splits_backward:
                     results[m] = _detached(results[m])     # the graph is W's now: it dies after W
                 if s > 0:
@@ -165,8 +166,16 @@ class PipelineExecutor:
         here), then let the graph go. It starts where ``B`` left the data path (see
         :mod:`nbscaler.runtime.split_backward`), so collectives on that path run once, in ``B``;
         every rank of a stage runs the same blocks in the same order, so any collective on the
-        weights' side meets its peers in ``W``."""
-        self.weights_due.pop(key).run()
+        weights' side meets its peers in ``W``. The module's ``weight_pass_observers`` hear it start
+        and end."""
+        observers = self.module.weight_pass_observers
+        for observe in observers:
+            observe(True)
+        try:
+            self.weights_due.pop(key).run()
+        finally:
+            for observe in observers:
+                observe(False)
 
     # -- sharing the losses ---------------------------------------------------------------------
     def _loss_sender(self, micro: int) -> int:

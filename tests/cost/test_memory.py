@@ -2,7 +2,8 @@
 
 On the CPU both sides are deterministic, so every category must match to the byte: parameters,
 gradients, optimizer state (by optimizer, without ZeRO and with ZeRO stages 1 and 2), buffers and the activations
-saved for the backward (per pipeline schedule, over the micro-batches in flight).
+saved for the backward (per pipeline schedule, over the micro-batches in flight, zero-bubble
+schedules holding them from the forward to the weight-gradient block).
 """
 
 import pytest
@@ -58,6 +59,22 @@ def test_split_backward_frees_activations_at_the_weight_block():
     assert in_flight_peak(saved, zb_h1, 1) == 20             # its W runs one backward late
 
 
+def test_a_split_backward_makes_gradients_and_frees_activations_at_the_weight_block():
+    """zb_h1 on 2 stages, 4 micro-batches: stage 1 (``f0 b0 f1 b1 w0 f2 ...``) holds two micro-batches'
+    activations at its peak, and its weight (40 bytes) has a gradient only once ``w0`` has run;
+    each ``B`` frees nothing and makes no gradient. Once counted as a whole backward each, B and W
+    freed a micro-batch twice and made the gradient a block early."""
+    from nbscaler.columns import StepMoment
+    from nbscaler.cost.moments import step_moments
+    w = [LocalWeight("w", "param", (10,), torch.float32, True, stages=(1,))]
+    geometry = PipelineGeometry(build_schedule("zb_h1", 2, 4), 2)
+    moments = step_moments(Gradients([w], [], 0), w, {0: 100, 1: 10}, geometry, 1)
+    held = [(m.moment, m.grad_bytes, m.activation_bytes) for m in moments]
+    assert held[:6] == [(StepMoment.FORWARD, 0, 10), (StepMoment.FORWARD, 0, 20), (StepMoment.BACKWARD, 40, 20),
+                        (StepMoment.FORWARD, 40, 20), (StepMoment.BACKWARD, 40, 20), (StepMoment.FORWARD, 40, 20)]
+    assert held[-1] == (StepMoment.STEP, 40, 0)
+
+
 def test_mixed_precision_bytes_per_parameter():
     """bf16 parameters, fp32 masters, AdamW, no ZeRO: 2 + 2 (bf16 gradient) + 4 (master) + 8 (state)
     = 16 bytes per parameter during the backward and 2 + 4 + 4 + 8 = 18 after the step, where the
@@ -108,6 +125,8 @@ IN_PROCESS = [
     Case("gpt", "pp", 1, 1, optimizer="momentum", config=pipeline("1f1b", 1, 3)),
     Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks")),          # only the blocks' inputs are kept
     Case("gpt", "pp", 1, 1, config=pipeline("1f1b", 1, 3) + recompute("Block")),
+    Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3)),            # each W frees its forward's saves
+    Case("gpt", "pp", 1, 1, optimizer="adamw", config=pipeline("zbv", 2, 3)),    # both stages of a V on one rank
 ]
 
 
@@ -128,6 +147,8 @@ MULTI = [
     Case("gpt", "tp", 2, 2, optimizer="adamw", config=sequence_parallel()),     # activations on a sequence slice
     Case("llama", "tp", 2, 2, config=sequence_parallel()),
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),
+    Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),       # activations live from F to W, not to B
+    Case("llama_e2e", "pp", 2, 2, optimizer="adamw", config=pipeline("zbv", 4, 4)),
 ]
 
 
@@ -175,6 +196,8 @@ FOUR = [
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(2, stage=2)),
     Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2)),
     Case("gpt", "tp", 4, 4, config=sequence_parallel()),
+    Case("gpt", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),
+    Case("gpt", "hybrid", 4, 4, optimizer="adamw", config=pipeline("zbv", 4, 4)),
 ]
 
 

@@ -165,3 +165,20 @@ def test_stage_counts_to_search_keep_to_a_scheduler_with_a_fixed_count():
     assert [c.pipeline_nstages for c in stage_count_configs(ComputeConfig(**base), opts)] == [2, 4, 8]
     chimera = ComputeConfig(**base, pipeline_scheduler="chimera_direct", pipeline_nstages=4)
     assert [c.pipeline_nstages for c in stage_count_configs(chimera, opts)] == [4]
+
+
+def test_auto_scheduler_keeps_the_fastest_predicted_and_the_plan_adopts_it():
+    """``autodist_scheduler='auto'`` tries 1f1b, 1f1b_interleaved, zb_h1 and zbv on the config's two
+    pipeline devices (four stages for the two-chunk ones) and keeps the one the simulator predicts
+    fastest; the plan's config and schedule are that one's."""
+    cfg = ComputeConfig(2, 2, use_end2end=True, use_pipeline=True, pipeline_nstages=2, pipeline_nmicros=4,
+                        pipeline_scheduler="gpipe", pas_config={"autodist_scheduler": "auto"})
+    p = nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg)
+    scores = p.graph.meta["autodist"]["scheduler_scores"]
+    assert set(scores) == {"gpipe", "1f1b", "1f1b_interleaved", "zb_h1", "zbv"}
+    best = min(scores, key=scores.get)
+    assert p.config.pipeline_scheduler == p.schedule.name == best
+    assert p.config.pipeline_nstages == p.schedule.nstages == (4 if best in ("1f1b_interleaved", "zbv") else 2)
+    assert sorted({n.stage for n in p.graph.nodes}) == list(range(p.schedule.nstages))
+    with pytest.raises(ValueError, match="autodist_scheduler.*training schedulers"):
+        nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg.with_changes(pas_config={"autodist_scheduler": ["infer_pipe"]}))

@@ -65,6 +65,23 @@ def test_autodist_weighs_the_sequence_parallel_tp_plan():
     assert rival(plain) != rival(sp)              # another placement scored: its collectives differ
 
 
+def test_autodist_may_choose_sequence_parallelism_unless_the_config_says():
+    """Without the key, ``tp`` with and without sequence parallelism both compete with the search;
+    the plan's config says ``sequence_parallel=True`` exactly when that one is kept, and its
+    placement is then the sequence-parallel ``tp``'s. With the key (True or False) only that ``tp``
+    competes."""
+    free = _plan("gpt", 2, {}, "autodist")
+    info = free.graph.meta["autodist"]
+    assert {"tp", "tp sequence parallel"} <= set(info["rival_scores"])
+    chose = info["kept"] == "tp sequence parallel"
+    assert free.config.pas_config.get("sequence_parallel", False) == chose
+    if chose:
+        assert [n.placement for n in free.graph.nodes] == [n.placement for n in _plan("gpt", 2, SP).graph.nodes]
+    for said in (True, False):
+        scores = _plan("gpt", 2, {"sequence_parallel": said}, "autodist").graph.meta["autodist"]["rival_scores"]
+        assert "tp sequence parallel" not in scores
+
+
 def test_the_generated_code_shows_the_collectives():
     code = _plan("gpt", 2, SP).sources[0]
     assert "comm.reduce_scatter(" in code and "comm.all_gather_sum_grad(" in code

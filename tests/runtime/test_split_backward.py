@@ -78,3 +78,28 @@ def test_a_shipped_gpt_block_splits_without_a_second_walk():
     block = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, d_model=32, n_head=4)).blocks[0]
     whole, starts, _, _ = whole_and_split(block, torch.randn(2, 8, 32, requires_grad=True), torch.randn(2, 8, 32))
     assert not whole and starts == 6      # fused qkv, attention projection, two LayerNorms, the MLP's two linears
+
+
+def test_the_meter_sees_a_split_stage_free_everything_once_w_has_run():
+    """Under ``SavedTensorMeter`` a stage whose data path saves an output (``tanh`` keeps its
+    result) is counted until its W has run and the graph is dropped, then not at all. The meter
+    once kept such a result with its ``grad_fn``, a cycle through autograd's nodes that nothing
+    collects: B leaves the data path's buffers for W, W never runs those nodes, so they were
+    counted for ever."""
+    from nbscaler.runtime.memory import SavedTensorMeter
+    torch.manual_seed(0)
+    stage = Stage()
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorMeter(_weights(stage)) as meter:
+        out = stage(x)
+        saved = meter.live
+        (_,), weights = split(([out], [torch.ones(4, 8)]), [x], list(stage.parameters()))
+        del out
+        assert meter.live == saved > 0             # B keeps the graph for W
+        weights.run()
+        del weights
+    assert meter.live == 0
+
+
+def _weights(module: nn.Module):
+    return [p.untyped_storage()._cdata for p in module.parameters()]

@@ -24,8 +24,10 @@ again (the plan's config then names them); ``planfile`` saves and loads a chosen
 ``explain`` records, per op, the choice against the runner-up.
 
 With ``pas_config={'sequence_parallel': True}`` the ``tp`` placement it weighs its search against
-(``_keep_faster_builtin``) is sequence parallel (``nbscaler.policy.builtin``); the search itself
-may split any op along the sequence whatever the key says, as along any axis its annotation allows.
+(``_keep_faster_builtin``) is sequence parallel (``nbscaler.policy.builtin``), with ``False`` it is
+not, and without the key both compete: when the sequence-parallel one wins, the plan's config says
+``sequence_parallel=True``. The search itself may split any op along the sequence whatever the key
+says, as along any axis its annotation allows.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ from nbscaler.schedule import PipelineGeometry
 
 __all__ = ["AutodistOptions", "autodist", "samples_per_step"]
 
+#: The rival name of the sequence-parallel ``tp`` placement (``_keep_faster_builtin``).
+TP_SEQUENCE_PARALLEL = "tp sequence parallel"
+
 #: The heaviest weight on bytes autodist tries under a memory limit is its first weight times 2**this.
 MAX_WEIGHT_STEPS = 24
 
@@ -67,8 +72,10 @@ def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     searcher.profiler.save()                  # op times profiled here serve the next search too
     info["search_s"] = time.perf_counter() - start
     graph.meta["autodist"] = info
-    if opts.autodist_nstages is not None:
+    if opts.autodist_nstages is not None or opts.schedulers:
         graph.meta["pipeline_nstages"] = searcher.cfg.pipeline_nstages     # the planner adopts it
+    if opts.schedulers and cfg.use_pipeline:
+        graph.meta["pipeline_scheduler"] = searcher.cfg.scheduler          # and this
     if searcher.cfg.plan_ngpus != cfg.plan_ngpus:
         graph.meta["plan_ngpus"] = searcher.cfg.plan_ngpus                  # and this
     if opts.save_plan_path:
@@ -95,9 +102,13 @@ def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptio
     take, such as ``tp``'s split of a fused q/k/v projection by heads (a strided split). Each
     built-in that applies is placed, scored with the same step model and memory limit, and the
     fastest plan is kept; ``info['kept']`` says which, ``info['rival_scores']`` the predicted steps.
+    Unless ``pas_config`` says whether to use sequence parallelism, ``tp`` competes both without and
+    with it (``'tp sequence parallel'``).
     """
-    from nbscaler.policy.builtin import data, tp           # the built-ins register autodist
+    from nbscaler.policy.builtin import SEQUENCE_PARALLEL, data, tp     # the built-ins register autodist
     rivals = {"tp": tp, "data": data}
+    if SEQUENCE_PARALLEL not in cfg.pas_config:           # not the user's to say: autodist may choose it
+        rivals[TP_SEQUENCE_PARALLEL] = lambda g, c: tp(g, c.with_changes(pas_config={SEQUENCE_PARALLEL: True}))
     scores = {"search": searcher.score()}
     for name, rival in rivals.items():
         try:
@@ -111,6 +122,8 @@ def _keep_faster_builtin(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptio
         searcher.place(info["bytes_weight"])
     else:
         rivals[kept](graph, cfg)
+    if kept == TP_SEQUENCE_PARALLEL:
+        graph.meta[SEQUENCE_PARALLEL] = True              # the planner adopts it into the plan's config
     info["kept"], info["rival_scores"] = kept, scores
 
 
@@ -123,7 +136,7 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
     if len(configs) == 1:
         searcher, info, _ = _search_config(graph, configs[0], opts)
         return searcher, info
-    scores: Dict[Tuple[int, int], float] = {}          # (plan_ngpus, nstages) -> seconds per step
+    scores: Dict[Tuple[int, int, str], float] = {}     # (plan_ngpus, nstages, scheduler) -> seconds per step
     failure: Optional[PolicyError] = None
     last = None                                        # the key and search of the placement the graph holds
     for candidate in configs:
@@ -143,11 +156,15 @@ def _search_configs(graph: IRGraph, cfg: ComputeConfig, opts: AutodistOptions) -
     else:
         searcher, info, _ = _search_config(graph, chosen, opts)            # place the winner again
     if opts.autodist_nstages is not None:
-        info["nstages_scores"] = {k: s for (d, k), s in scores.items() if d == chosen.plan_ngpus}
+        info["nstages_scores"] = {k: s for (d, k, sched), s in scores.items()
+                                  if d == chosen.plan_ngpus and sched == chosen.scheduler}
+    if opts.schedulers:
+        mine = [(sched, s) for (d, _, sched), s in scores.items() if d == chosen.plan_ngpus]
+        info["scheduler_scores"] = {x: min(s for sched, s in mine if sched == x) for x in dict(mine)}
     if opts.autodist_plan_ngpus is not None:
         info["plan_ngpus"] = chosen.plan_ngpus
-        info["unit_scores"] = {d: min(s for (size, _), s in per_sample.items() if size == d)
-                               for d in sorted({size for size, _ in per_sample})}
+        info["unit_scores"] = {d: min(s for (size, *_), s in per_sample.items() if size == d)
+                               for d in sorted({size for size, *_ in per_sample})}
     return searcher, info
 
 

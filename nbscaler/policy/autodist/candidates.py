@@ -65,14 +65,33 @@ def with_unit(cfg: ComputeConfig, plan_ngpus: int) -> ComputeConfig:
         raise PolicyError(f"autodist cannot use units of {plan_ngpus} devices with this config: {err}") from None
 
 
+def scheduler_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
+    """``cfg``, and with ``autodist_scheduler`` each scheduler it names on the same pipeline devices
+    (two stages per device for ``1f1b_interleaved`` and ``zbv``, one for the others), where it fits."""
+    if not opts.schedulers or not cfg.use_pipeline:
+        return [cfg]
+    devices = scheduler_spec(cfg.scheduler).ndevices(cfg.pipeline_nstages, cfg.plan_ngpus)
+    out = [cfg]
+    for name in opts.schedulers:
+        if name == cfg.scheduler:
+            continue
+        try:
+            out.append(cfg.with_changes(pipeline_scheduler=name,
+                                        pipeline_nstages=devices * (scheduler_spec(name).stages_per_device or 2)))
+        except ValueError:
+            continue                        # e.g. micro-batches that interleaving cannot group
+    return out
+
+
 def candidate_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[ComputeConfig]:
     """Every config to search: each unit size (``unit_sizes``) with each stage count
-    (``stage_count_configs``). A unit size that cannot hold the pipeline is left out when there are
-    others to try."""
+    (``stage_count_configs``) under each scheduler (``scheduler_configs``). A unit size that cannot
+    hold the pipeline is left out when there are others to try."""
     sizes, out, failure = unit_sizes(cfg, opts), [], None
     for size in sizes:
         try:
-            out += stage_count_configs(with_unit(cfg, size) if size != cfg.plan_ngpus else cfg, opts)
+            for staged in stage_count_configs(with_unit(cfg, size) if size != cfg.plan_ngpus else cfg, opts):
+                out += scheduler_configs(staged, opts)
         except PolicyError as err:
             failure = err
     if not out:
@@ -85,6 +104,7 @@ def samples_per_step(cfg: ComputeConfig) -> int:
     return cfg.units * (cfg.pipeline_nmicros if cfg.use_pipeline else 1)
 
 
-def config_key(cfg: ComputeConfig) -> Tuple[int, int]:
-    """What tells two candidates apart: ``(plan_ngpus, pipeline stages)``, 1 stage without a pipeline."""
-    return cfg.plan_ngpus, cfg.pipeline_nstages if cfg.use_pipeline else 1
+def config_key(cfg: ComputeConfig) -> Tuple[int, int, str]:
+    """What tells two candidates apart: ``(plan_ngpus, pipeline stages, scheduler)``, 1 stage and no
+    scheduler without a pipeline."""
+    return (cfg.plan_ngpus, cfg.pipeline_nstages, cfg.scheduler) if cfg.use_pipeline else (cfg.plan_ngpus, 1, "")

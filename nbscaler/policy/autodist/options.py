@@ -21,6 +21,9 @@
                             ``runtime_ngpus`` and keeps the fastest per sample; a number fixes
                             it; ``None`` (the default) keeps ``plan_ngpus``. A smaller unit means
                             more data-parallel units, each fed its own batch (see ``units``)
+``autodist_scheduler``      with a pipeline: ``'auto'`` also tries ``1f1b``, ``1f1b_interleaved``,
+                            ``zb_h1`` and ``zbv`` (a list: those schedulers) on the same pipeline
+                            devices, and keeps the fastest the simulator predicts
 ==========================  ==================================================================
 
 >>> AutodistOptions.from_config(ComputeConfig(2, 2, pas_config={"memory_limit_bytes": 2**30}))
@@ -41,7 +44,9 @@ from nbscaler.policy.modules import prefixes
 OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 KEYS = ("memory_limit_bytes", "memory_optimizer", "pipeline_pivots", "autodist_constraints", "save_plan_path",
-        "load_plan_path", "autodist_nstages", "autodist_max_states", "autodist_plan_ngpus")
+        "load_plan_path", "autodist_nstages", "autodist_max_states", "autodist_plan_ngpus", "autodist_scheduler")
+AUTO_SCHEDULERS = ("1f1b", "1f1b_interleaved", "zb_h1", "zbv")
+"""The schedulers ``autodist_scheduler='auto'`` tries besides the config's own."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class AutodistOptions:
     autodist_nstages: Optional[Union[int, str]] = None
     autodist_max_states: int = 4096
     autodist_plan_ngpus: Optional[Union[int, str]] = None
+    autodist_scheduler: Optional[Union[str, List[str]]] = None
 
     @classmethod
     def from_config(cls, cfg: ComputeConfig) -> "AutodistOptions":
@@ -85,8 +91,18 @@ class AutodistOptions:
         unit = self.autodist_plan_ngpus
         if unit is not None and unit != "auto" and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
             fail("autodist_plan_ngpus", unit, "give a number of devices per unit that divides runtime_ngpus, or 'auto'.")
+        schedulers = self.autodist_scheduler
+        if schedulers is not None and schedulers != "auto" and (
+                not isinstance(schedulers, (list, tuple)) or not all(_trains(x) for x in schedulers)):
+            fail("autodist_scheduler", schedulers, f"give 'auto' or a list of training schedulers, e.g. {list(AUTO_SCHEDULERS)}.")
         if not isinstance(self.autodist_max_states, int) or self.autodist_max_states < 1:
             fail("autodist_max_states", self.autodist_max_states, "give a positive whole number.")
+
+    @property
+    def schedulers(self) -> List[str]:
+        """The schedulers ``autodist_scheduler`` names (none when it is unset)."""
+        named = self.autodist_scheduler
+        return [] if named is None else list(AUTO_SCHEDULERS if named == "auto" else named)
 
     @property
     def optimizer(self) -> Type[torch.optim.Optimizer]:
@@ -99,3 +115,9 @@ class AutodistOptions:
                 return pin
         return None
 
+
+
+def _trains(name: object) -> bool:
+    """Whether ``name`` is a registered training scheduler."""
+    from nbscaler.schedule import SCHEDULERS
+    return isinstance(name, str) and name in SCHEDULERS and SCHEDULERS[name].training
