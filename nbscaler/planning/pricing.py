@@ -1,0 +1,124 @@
+"""One configuration of a sweep, priced from ``LayerFacts`` with the functions ``plan.summary`` uses.
+
+A configuration's full plan would cut the model into stages (``policy.staging``), replay each
+device's stages and add up their ops (``cost.timing``, ``cost.memory``). Here the stages are cut by
+``stage_cuts`` on the full model's op FLOPs, each stage's sums are the copy's per-op facts times how
+often each op repeats in it, and the rest is ``plan.summary``'s own code: ``schedule.simulate`` for
+the pipeline, ``cost.timing.sync_time`` and ``update_time`` for the gradient synchronisation and
+the optimizer step, ``cost.memory.weight_memory``, ``gradients`` and ``cost.moments`` for the
+memory at the peak moment, on the weights each device would store.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import numpy as np
+import torch
+
+from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
+from nbscaler.config import ComputeConfig, Precision
+from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.memory import gradients, weight_memory
+from nbscaler.cost.moments import peak_moment, step_moments
+from nbscaler.cost.ranks import LocalWeight
+from nbscaler.cost.timing import sync_time, update_time
+from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, TP_BWD, TP_FWD,
+                                           LayerFacts)
+from nbscaler.planning.stack import repeat_counts
+from nbscaler.policy.staging import stage_cuts
+from nbscaler.schedule import PipelineGeometry, simulate
+
+
+class Staged:
+    """The full model cut into ``nstages`` stages as ``stage_by_cost`` would cut it, with each
+    stage's per-op sums on each tensor-parallel index (``sums[stage][index]``, a facts vector)."""
+
+    def __init__(self, facts: LayerFacts, nstages: int):
+        self.facts = facts
+        self.cuts = stage_cuts(facts.flops, facts.expansion.layer_key, nstages)
+        bounds = [0, *self.cuts, len(facts.expansion)]
+        counts = [repeat_counts(facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
+        self.sums = [[c @ m for m in facts.matrix] for c in counts]
+        self._weights: Dict[Tuple[int, Tuple[int, ...]], List[LocalWeight]] = {}
+
+    def stage_of(self, position: int) -> int:
+        return bisect.bisect_right(self.cuts, position)
+
+    def weights(self, index: int, stages: Tuple[int, ...]) -> List[LocalWeight]:
+        """The weights a device of tensor-parallel ``index`` holding ``stages`` stores, in the
+        runtime's order, as ``cost.ranks.local_weights`` lists them for the full plan."""
+        key = (index, stages)
+        if key not in self._weights:
+            self._weights[key] = list(self._expanded(index, stages))
+        return self._weights[key]
+
+    def _expanded(self, index: int, stages: Tuple[int, ...]):
+        exp = self.facts.expansion
+        stack = exp.stack
+        for w, readers in self.facts.weights[index]:
+            layer = stack.weight_layer(w.name)
+            copies = [(w.name, None)] if layer in (None, 0) else [(stack.renamed(w.name, k), k)
+                                                                  for k in range(1, stack.depth)]
+            for name, k in copies:
+                held = {self.stage_of(v) for r in readers for v in exp.positions(r, k)} & set(stages)
+                if held:
+                    trained = tuple(sorted(held)) if w.trained else ()
+                    yield LocalWeight(name, w.kind, w.shape, w.dtype, w.trained, w.partial_over, trained)
+
+
+def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
+          optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
+          precision: Precision, staged: Optional[Staged] = None) -> Dict[str, Any]:
+    """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``."""
+    geometry = PipelineGeometry.from_config(cfg)
+    schedule, tp = geometry.schedule, geometry.tp
+    staged = staged or Staged(facts, schedule.nstages)
+    sums = staged.sums
+    time = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
+    forward = [max(time(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
+    backward = [max(time(s, i)[1] for i in range(tp)) for s in range(schedule.nstages)]
+    carried = [facts.carried(c) for c in staged.cuts]
+    pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
+    latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
+    post = comm.p2p_post(max((n for _, n in carried), default=0))
+    line = simulate(schedule, forward, backward, latency, post)
+    instant = simulate(schedule, forward, backward, 0.0, post)
+    kwargs = {"lr": 1e-3, **optimizer_kwargs}
+    worst: Tuple[float, int] = (-1.0, 0)
+    per_device = {}
+    flops = hardware_flops = peak = 0.0
+    for device in range(cfg.plan_ngpus):
+        pdev, index = geometry.pipeline_device(device), device % tp
+        stages = tuple(schedule.stages_of(pdev))
+        weights = staged.weights(index, stages)
+        params = [w for w in weights if w.kind == "param"]
+        overlap = max(time(s, index)[1] for s in stages)
+        sync = sync_time(None, None, cfg, device, geometry, comm, overlap, params)
+        update = update_time(None, None, cfg, device, geometry, profiler, optimizer, kwargs, params)
+        step = line.makespan + sync + update
+        blocks = [(b.stage, b.phase) for b in schedule.blocks_of(pdev) if b.phase != "W"]
+        f = sum(sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for s, p in blocks)
+        again = sum(sums[s][index][FLOPS_AGAIN] for s, p in blocks if p == "B")
+        flops, hardware_flops = flops + f, hardware_flops + f + again
+        tp_s = sum(sums[s][index][TP_FWD if p == "F" else TP_BWD] for s, p in blocks)
+        row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
+        saved = {s: int(sums[s][index][SAVED]) for s in stages}
+        held = peak_moment(step_moments(gradients(weights, cfg, precision), params, saved, geometry, device))
+        row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
+        peak = max(peak, sum(row[c] for c in MEMORY_CATEGORIES))
+        per_device[device] = (sync, tp_s, pdev)
+        worst = max(worst, (step, device))
+    step, device = worst
+    sync, tp_s, pdev = per_device[device]
+    busy = sum(b.t_end - b.t_start for b in instant.blocks if b.rank == pdev)
+    job_peak = hardware.peak_flops(facts.compute_dtype) * cfg.runtime_ngpus
+    units = cfg.units
+    tokens = facts.tokens * cfg.pipeline_nmicros * units if facts.tokens is not None else float("nan")
+    return {S.STEP_TIME_S: step, S.TOKENS_PER_S: tokens / step,
+            S.MFU: units * flops / (step * job_peak), S.HFU: units * hardware_flops / (step * job_peak),
+            S.PEAK_BYTES: peak, S.FITS: bool(hardware.fits(peak)),
+            S.BUBBLE: max(0.0, instant.makespan - busy) / step,
+            S.TP_COMM_SHARE: tp_s / step, S.DP_COMM_SHARE: sync / step,
+            S.PP_SEND_SHARE: (line.makespan - instant.makespan) / step}
