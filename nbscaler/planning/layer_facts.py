@@ -41,6 +41,10 @@ class LayerFacts:
 
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
+        # tensor-parallel index -> the first index whose facts and weights are the same (the
+        # members of a group differ only where a collective keeps another piece or first_only)
+        self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
+                           and self.weights[j] == self.weights[i]) for i in range(len(self.matrix))]
 
     @property
     def tp(self) -> int:

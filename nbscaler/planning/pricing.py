@@ -68,6 +68,61 @@ class Staged:
                     yield LocalWeight(name, w.kind, w.shape, w.dtype, w.trained, w.partial_over, trained)
 
 
+class _Device:
+    """One plan device's part of a step: its sync and update seconds, FLOPs, tensor-parallel
+    seconds and peak bytes. Devices of one pipeline device whose facts are alike (``LayerFacts.alike``)
+    and whose groups cross the same links get the same figures, so each is worked out once."""
+
+    def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware,
+                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Precision):
+        self.staged, self.cfg, self.geometry, self.hardware = staged, cfg, geometry, hardware
+        self.profiler, self.comm, self.optimizer, self.kwargs = profiler, comm, optimizer, optimizer_kwargs
+        self.precision = precision
+        self._memo: Dict[Tuple, Tuple[float, float, float, float, float, float]] = {}
+
+    def spans_nodes(self, ranks) -> bool:
+        return len({self.hardware.node_of(r) for r in ranks}) > 1
+
+    def figures(self, device: int, seconds) -> Tuple[float, float, float, float, float, float]:
+        """``(sync s, update s, model FLOPs, hardware FLOPs, tp s, peak bytes)`` of ``device``;
+        ``seconds(stage, index)`` gives a stage's forward and backward on a tensor-parallel index."""
+        cfg, geometry = self.cfg, self.geometry
+        pdev, index = geometry.pipeline_device(device), self.staged.facts.alike[device % geometry.tp]
+        stages = tuple(geometry.schedule.stages_of(pdev))
+        weights = self.staged.weights(index, stages)
+        params = [w for w in weights if w.kind == "param"]
+        partials = sorted({p.partial_over for p in params} - {1})
+        links = (self.spans_nodes([device + u * cfg.plan_ngpus for u in range(cfg.units)]),
+                 *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
+        key = (pdev, index, links)
+        if key not in self._memo:
+            overlap = max(seconds(s, index)[1] for s in stages)
+            kwargs = {"lr": 1e-3, **self.kwargs}
+            sync = sync_time(None, None, cfg, device, geometry, self.comm, overlap, params)
+            update = update_time(None, None, cfg, device, geometry, self.profiler, self.optimizer, kwargs, params)
+            self._memo[key] = (sync, update, *self._work(pdev, index), self._peak(weights, params, stages, index, device))
+        return self._memo[key]
+
+    def _work(self, pdev: int, index: int) -> Tuple[float, float, float]:
+        """Model FLOPs, hardware FLOPs and tensor-parallel seconds of a device's blocks."""
+        sums = self.staged.sums
+        blocks = [(b.stage, b.phase) for b in self.geometry.schedule.blocks_of(pdev) if b.phase != "W"]
+        flops = sum(sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for s, p in blocks)
+        again = sum(sums[s][index][FLOPS_AGAIN] for s, p in blocks if p == "B")
+        tp = sum(sums[s][index][TP_FWD if p == "F" else TP_BWD] for s, p in blocks)
+        return flops, flops + again, tp
+
+    def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
+              device: int) -> float:
+        """``peak_bytes`` as ``cost.memory.memory_per_rank`` adds it up."""
+        row = weight_memory(weights, self.cfg, self.optimizer, self.kwargs, self.precision)
+        saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
+        held = peak_moment(step_moments(gradients(weights, self.cfg, self.precision), params, saved, self.geometry,
+                                        device))
+        row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
+        return float(sum(row[c] for c in MEMORY_CATEGORIES))
+
+
 def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
           optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
           precision: Precision, staged: Optional[Staged] = None) -> Dict[str, Any]:
@@ -76,48 +131,27 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     schedule, tp = geometry.schedule, geometry.tp
     staged = staged or Staged(facts, schedule.nstages)
     sums = staged.sums
-    time = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
-    forward = [max(time(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
-    backward = [max(time(s, i)[1] for i in range(tp)) for s in range(schedule.nstages)]
+    seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
+    forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
+    backward = [max(seconds(s, i)[1] for i in range(tp)) for s in range(schedule.nstages)]
     carried = [facts.carried(c) for c in staged.cuts]
     pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
     latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
     post = comm.p2p_post(max((n for _, n in carried), default=0))
     line = simulate(schedule, forward, backward, latency, post)
     instant = simulate(schedule, forward, backward, 0.0, post)
-    kwargs = {"lr": 1e-3, **optimizer_kwargs}
-    worst: Tuple[float, int] = (-1.0, 0)
-    per_device = {}
-    flops = hardware_flops = peak = 0.0
-    for device in range(cfg.plan_ngpus):
-        pdev, index = geometry.pipeline_device(device), device % tp
-        stages = tuple(schedule.stages_of(pdev))
-        weights = staged.weights(index, stages)
-        params = [w for w in weights if w.kind == "param"]
-        overlap = max(time(s, index)[1] for s in stages)
-        sync = sync_time(None, None, cfg, device, geometry, comm, overlap, params)
-        update = update_time(None, None, cfg, device, geometry, profiler, optimizer, kwargs, params)
-        step = line.makespan + sync + update
-        blocks = [(b.stage, b.phase) for b in schedule.blocks_of(pdev) if b.phase != "W"]
-        f = sum(sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for s, p in blocks)
-        again = sum(sums[s][index][FLOPS_AGAIN] for s, p in blocks if p == "B")
-        flops, hardware_flops = flops + f, hardware_flops + f + again
-        tp_s = sum(sums[s][index][TP_FWD if p == "F" else TP_BWD] for s, p in blocks)
-        row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
-        saved = {s: int(sums[s][index][SAVED]) for s in stages}
-        held = peak_moment(step_moments(gradients(weights, cfg, precision), params, saved, geometry, device))
-        row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
-        peak = max(peak, sum(row[c] for c in MEMORY_CATEGORIES))
-        per_device[device] = (sync, tp_s, pdev)
-        worst = max(worst, (step, device))
-    step, device = worst
-    sync, tp_s, pdev = per_device[device]
+    devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision)
+    figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
+    step, device = max((line.makespan + f[0] + f[1], d) for d, f in figures.items())
+    sync, _, _, _, tp_s, _ = figures[device]
+    pdev = geometry.pipeline_device(device)
     busy = sum(b.t_end - b.t_start for b in instant.blocks if b.rank == pdev)
+    job_flops = [cfg.units * sum(f[k] for f in figures.values()) for k in (2, 3)]
     job_peak = hardware.peak_flops(facts.compute_dtype) * cfg.runtime_ngpus
-    units = cfg.units
-    tokens = facts.tokens * cfg.pipeline_nmicros * units if facts.tokens is not None else float("nan")
+    tokens = facts.tokens * cfg.pipeline_nmicros * cfg.units if facts.tokens is not None else float("nan")
+    peak = max(f[5] for f in figures.values())
     return {S.STEP_TIME_S: step, S.TOKENS_PER_S: tokens / step,
-            S.MFU: units * flops / (step * job_peak), S.HFU: units * hardware_flops / (step * job_peak),
+            S.MFU: job_flops[0] / (step * job_peak), S.HFU: job_flops[1] / (step * job_peak),
             S.PEAK_BYTES: peak, S.FITS: bool(hardware.fits(peak)),
             S.BUBBLE: max(0.0, instant.makespan - busy) / step,
             S.TP_COMM_SHARE: tp_s / step, S.DP_COMM_SHARE: sync / step,
