@@ -183,7 +183,7 @@ class _Pricer:
         self.args, self.stack, self.module_dtype = dummy_args, stack, module_dtype
         self.ops, self.comm = RooflineOps(hardware), NcclModel(hardware)
         self._traced: Dict[int, Any] = {}
-        self._facts: Dict[Tuple[int, int, bool], LayerFacts] = {}
+        self._facts: Dict[Tuple[int, int, bool], Any] = {}      # LayerFacts, or why not
         self._staged: Dict[Tuple, Staged] = {}
 
     def _copy_config(self, tp: int, recompute: bool) -> ComputeConfig:
@@ -192,17 +192,33 @@ class _Pricer:
                              pipeline_scheduler="1f1b", pas_config=pas)
 
     def facts(self, micro: int, tp: int, recompute: bool) -> LayerFacts:
+        """The copy's facts at ``micro`` sequences, ``tp`` and ``recompute``; a placement the
+        policy refuses (or one that splits no heads) raises, once and again from the cache."""
         key = (micro, tp, recompute)
         if key not in self._facts:
-            from nbscaler.planning.planner import plan
-            cfg = self._copy_config(tp, recompute)
-            if micro not in self._traced:
-                placed = plan(self.two, one_sequence(self.args, micro), "hybrid", cfg, module_dtype=self.module_dtype)
-                self._traced[micro] = placed
-            else:
-                placed = self._traced[micro].replan(compute_config=cfg)
-            self._facts[key] = read_facts(placed, self.stack, self.ops, self.comm)
-        return self._facts[key]
+            try:
+                self._facts[key] = read_facts(self._placed(micro, tp, recompute), self.stack, self.ops, self.comm)
+            except (ValueError, PolicyError) as err:
+                self._facts[key] = err
+        found = self._facts[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def _placed(self, micro: int, tp: int, recompute: bool):
+        from nbscaler.planning.planner import plan
+        cfg = self._copy_config(tp, recompute)
+        if micro not in self._traced:
+            placed = plan(self.two, one_sequence(self.args, micro), "hybrid", cfg, module_dtype=self.module_dtype)
+            self._traced[micro] = placed
+        else:
+            placed = self._traced[micro].replan(compute_config=cfg)
+        whole = [n for n in placed.graph.nodes if n.op == "attention" and n.placement.split is None]
+        if tp > 1 and whole:
+            heads = whole[0].inputs[0].shape[1]
+            raise ValueError(f"tp={tp} does not divide the {heads} attention heads, so every device of a group "
+                             f"would run attention whole; use a tp that divides {heads}")
+        return placed
 
     def staged(self, facts: LayerFacts, micro: int, tp: int, recompute: bool, nstages: int) -> Staged:
         key = (micro, tp, recompute, nstages)

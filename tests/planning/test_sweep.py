@@ -109,3 +109,11 @@ def test_inputs_of_more_than_one_sequence_are_refused():
 def test_a_model_without_repeated_layers_is_refused():
     with pytest.raises(ValueError, match="no nn.ModuleList"):
         nbscaler.sweep(torch.nn.Linear(4, 4), {"x": torch.zeros(1, 4)}, TARGET, global_batch=8, progress=False)
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_left_out_with_its_reason():
+    cfg = dataclasses.replace(GPT_CFG, d_model=120, n_head=3)
+    frame = nbscaler.sweep(GPT(cfg), tokens(1), TARGET, global_batch=16, tp=(1, 2), pp=(1,), micro_batch=(1,),
+                           recompute=(False,), zero_stage=(0,), progress=False)
+    assert list(frame.tp) == [1]
+    assert "tp=2 does not divide the 3 attention heads" in frame.attrs["excluded"].reason.iloc[0]
