@@ -18,6 +18,7 @@ import numpy as np
 
 from nbscaler.comm.stages import stage_carries
 from nbscaler.cost.flops import node_flops
+from nbscaler.cost.local import run_local
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.planning.stack import Expansion, Stack
 
@@ -38,9 +39,11 @@ class LayerFacts:
     graph: object                      # the copy's training graph, for what a cut carries
     tokens: Optional[int]              # tokens in one micro-batch (None: no sequence input)
     compute_dtype: object
+    replay: Tuple                      # (storage, op index, profiler, comm): for stage_start
 
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
+        self._starts: Dict[int, List[np.ndarray]] = {}
         # tensor-parallel index -> the first index whose facts and weights are the same (the
         # members of a group differ only where a collective keeps another piece or first_only)
         self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
@@ -58,6 +61,43 @@ class LayerFacts:
             self._carried[place] = _carries(self.graph, place)
         return self._carried[place]
 
+    def stage_start(self, cut: int) -> List[np.ndarray]:
+        """What a stage starting at full-model op ``cut`` adds to the sum of its ops' facts, per
+        tensor-parallel index: the tensors it receives are its own storages, so the first layer
+        after the cut saves those (Llama's rotary tables) that, in one forward, an earlier layer
+        had saved already. Read off the copy replayed from the same place with those tensors
+        received (``cost.local.run_local``), beside the copy replayed whole, over one layer's ops."""
+        place = self.expansion.copy_position(cut)
+        if place not in self._starts:
+            storage, index, profiler, comm = self.replay
+            span = slice(place, min(place + self.expansion.size, len(self.expansion.nodes)))
+            self._starts[place] = [
+                (_rows(_replay_from(self.graph, place, device, storage), index, len(self.expansion.nodes),
+                       len(self.expansion.nodes) - 1, profiler, comm) - self.matrix[device])[span].sum(axis=0)
+                for device in range(self.tp)]
+        return self._starts[place]
+
+
+def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm) -> np.ndarray:
+    """The facts of each op a device's ``run`` holds (ops x facts), as ``cost.timing.section_time``
+    and the memory model count them; a collective with no consumer (a stage's outputs) counts
+    at op ``tail``."""
+    rows = np.zeros((count, 8))
+    for op in run.ops:
+        k = index[op.node.name]
+        f, b = profiler.time(op)
+        again = op.node.meta["local_flops_fwd"] if op.recomputed else 0.0
+        rows[k, [FWD, BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN]] += (
+            f, b + (f if op.recomputed else 0.0), op.saved_bytes, op.node.meta["local_flops_fwd"],
+            op.node.meta["local_flops_bwd"], again)
+    for c in run.collectives:
+        k = index.get(c.node, tail) if c.node is not None else tail
+        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+        rows[k, TP_FWD] += f
+        rows[k, TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
+            f if c.recomputed else 0.0)
+    return rows
+
 
 def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
     """``LayerFacts`` of a placed two-layer copy (``plan``: one pipeline stage over its ``tp``
@@ -68,28 +108,11 @@ def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
     expansion = Expansion(stack, nodes)
     index = {n.name: k for k, n in enumerate(nodes)}
     tp = plan.config.plan_ngpus
-    matrix, weights = [], []
-    for device in range(tp):
-        rows = np.zeros((len(nodes), 8))
-        run = plan.local_runs[device][0]
-        for op in run.ops:
-            k = index[op.node.name]
-            f, b = profiler.time(op)
-            again = op.node.meta["local_flops_fwd"] if op.recomputed else 0.0
-            rows[k, [FWD, BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN]] += (
-                f, b + (f if op.recomputed else 0.0), op.saved_bytes, op.node.meta["local_flops_fwd"],
-                op.node.meta["local_flops_bwd"], again)
-        for c in run.collectives:
-            k = index.get(c.node, len(nodes) - 1) if c.node is not None else len(nodes) - 1
-            f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-            rows[k, TP_FWD] += f
-            rows[k, TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
-                f if c.recomputed else 0.0)
-        matrix.append(rows)
-        weights.append(_readers(graph, local_weights(plan.graphs, plan.storage, device, plan.geometry), index))
+    matrix = [_rows(plan.local_runs[d][0], index, len(nodes), len(nodes) - 1, profiler, comm) for d in range(tp)]
+    weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index) for d in range(tp)]
     flops = np.array([node_flops(n) for n in nodes])[expansion.template]
-    return LayerFacts(expansion, matrix, weights, flops, graph, tokens_per_step(plan),
-                      compute_dtype(plan))
+    return LayerFacts(expansion, matrix, weights, flops, graph, tokens_per_step(plan), compute_dtype(plan),
+                      (plan.storage, index, profiler, comm))
 
 
 def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[Tuple[LocalWeight, Tuple[int, ...]]]:
@@ -100,6 +123,19 @@ def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[T
             if t.is_weight:
                 reads.setdefault(t.name, []).append(index[n.name])
     return [(w, tuple(reads.get(w.name, ()))) for w in weights]
+
+
+def _replay_from(graph, cut: int, device: int, storage):
+    """``device``'s run of ``graph``'s ops from ``cut`` on, as a pipeline stage that receives what
+    crosses the cut (the graph's stages are put back as they were)."""
+    saved = [n.stage for n in graph.nodes]
+    try:
+        for k, n in enumerate(graph.nodes):
+            n.stage = 0 if k < cut else 1
+        return run_local(graph, device, storage, 1, stage_carries(graph, 2)[0], None)
+    finally:
+        for n, s in zip(graph.nodes, saved):
+            n.stage = s
 
 
 def _carries(graph, cut: int) -> Tuple[int, int]:

@@ -12,6 +12,7 @@ memory at the peak moment, on the weights each device would store.
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import numpy as np
@@ -41,6 +42,8 @@ class Staged:
         bounds = [0, *self.cuts, len(facts.expansion)]
         counts = [repeat_counts(facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
         self.sums = [[c @ m for m in facts.matrix] for c in counts]
+        for s, cut in enumerate(self.cuts, start=1):
+            self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
         self._weights: Dict[Tuple[int, Tuple[int, ...]], List[LocalWeight]] = {}
 
     def stage_of(self, position: int) -> int:
@@ -55,17 +58,27 @@ class Staged:
         return self._weights[key]
 
     def _expanded(self, index: int, stages: Tuple[int, ...]):
+        """The copy's weights at full depth, those the device's ``stages`` read: each run of the
+        stack's second layer's weights (its parameters, later its buffers) once per later layer,
+        layer after layer, where the run sits."""
+        stack = self.facts.expansion.stack
+        listed = self.facts.weights[index]
+        for i, (w, readers) in enumerate(listed):
+            if stack.weight_layer(w.name) != 1:
+                yield from self._held(w, readers, w.name, None, stages)
+            elif i == 0 or stack.weight_layer(listed[i - 1][0].name) != 1:
+                run = list(itertools.takewhile(lambda wr: stack.weight_layer(wr[0].name) == 1, listed[i:]))
+                for k in range(1, stack.depth):
+                    for w1, r1 in run:
+                        yield from self._held(w1, r1, stack.renamed(w1.name, k), k, stages)
+
+    def _held(self, w: LocalWeight, readers: Tuple[int, ...], name: str, layer: Optional[int],
+              stages: Tuple[int, ...]):
         exp = self.facts.expansion
-        stack = exp.stack
-        for w, readers in self.facts.weights[index]:
-            layer = stack.weight_layer(w.name)
-            copies = [(w.name, None)] if layer in (None, 0) else [(stack.renamed(w.name, k), k)
-                                                                  for k in range(1, stack.depth)]
-            for name, k in copies:
-                held = {self.stage_of(v) for r in readers for v in exp.positions(r, k)} & set(stages)
-                if held:
-                    trained = tuple(sorted(held)) if w.trained else ()
-                    yield LocalWeight(name, w.kind, w.shape, w.dtype, w.trained, w.partial_over, trained)
+        held = {self.stage_of(v) for r in readers for v in exp.positions(r, layer)} & set(stages)
+        if held:
+            trained = tuple(sorted(held)) if w.trained else ()
+            yield LocalWeight(name, w.kind, w.shape, w.dtype, w.trained, w.partial_over, trained)
 
 
 class _Device:

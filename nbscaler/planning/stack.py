@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -146,14 +146,21 @@ def repeat_counts(expansion: Expansion, start: int, end: int) -> np.ndarray:
 
 def one_sequence(args, micro_batch: int):
     """``args`` (dummy inputs of one sequence) with ``micro_batch`` sequences: every tensor repeated
-    along its first dimension."""
+    along its first dimension, a tensor passed twice still one tensor (as the trace sees it)."""
     from torch.utils._pytree import tree_map
+    grown: Dict[int, torch.Tensor] = {}
 
     def grow(t):
-        if not isinstance(t, torch.Tensor) or t.ndim == 0:
-            return t
-        if t.shape[0] != 1:
-            raise ValueError(f"sweep's dummy_args hold one sequence: every tensor's first dimension must be 1, "
-                             f"got a tensor of shape {tuple(t.shape)}; pass one row (x[:1]).")
-        return t.repeat(micro_batch, *([1] * (t.ndim - 1)))
+        if isinstance(t, torch.Tensor) and id(t) not in grown:
+            grown[id(t)] = _repeated(t, micro_batch)
+        return grown[id(t)] if isinstance(t, torch.Tensor) else t
     return tree_map(grow, args)
+
+
+def _repeated(t: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    if t.ndim == 0:
+        return t
+    if t.shape[0] != 1:
+        raise ValueError(f"sweep's dummy_args hold one sequence: every tensor's first dimension must be 1, "
+                         f"got a tensor of shape {tuple(t.shape)}; pass one row (x[:1]).")
+    return t.repeat(micro_batch, *([1] * (t.ndim - 1)))

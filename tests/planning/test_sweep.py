@@ -117,3 +117,22 @@ def test_a_tp_that_does_not_divide_the_heads_is_left_out_with_its_reason():
                            recompute=(False,), zero_stage=(0,), progress=False)
     assert list(frame.tp) == [1]
     assert "tp=2 does not divide the 3 attention heads" in frame.attrs["excluded"].reason.iloc[0]
+
+
+def test_layers_larger_than_a_bucket_keep_the_runtimes_bucket_order():
+    """Each layer of this Llama fills several of the reducer's 25 MiB buckets, so how many buckets
+    there are (ZeRO pays a reduce-scatter and an all-gather per bucket) depends on the weights being
+    listed layer after layer, as the runtime registers them."""
+    cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=2048, n_head=16, n_kv_head=4)
+    with torch.device("meta"):
+        model, whole = Llama(cfg), Llama(cfg)
+    idx = torch.zeros(1, SEQ, dtype=torch.long)
+    big = dataclasses.replace(TARGET, memory_bytes=80e9)
+    frame = nbscaler.sweep(model, {"idx": idx, "targets": idx}, big, global_batch=8, tp=(1,), pp=(1,),
+                           micro_batch=(1,), recompute=(False,), zero_stage=(1,), progress=False)
+    row = frame.iloc[0]
+    plan = nbscaler.plan(whole, {"idx": idx, "targets": idx}, "hybrid", config_of(row, big.ngpus, "blocks"),
+                         module_dtype=torch.bfloat16)
+    s = plan.summary(torch.optim.AdamW, hardware=big, master_dtype=torch.float32)
+    assert row.step_time_s == pytest.approx(s.step_time_s.max(), rel=1e-9)
+    assert row.peak_bytes == pytest.approx(s.peak_bytes.max(), rel=1e-9)
