@@ -71,10 +71,15 @@ class LayerFacts:
         if place not in self._starts:
             storage, index, profiler, comm = self.replay
             span = slice(place, min(place + self.expansion.size, len(self.expansion.nodes)))
-            self._starts[place] = [
-                (_rows(_replay_from(self.graph, place, device, storage), index, len(self.expansion.nodes),
-                       len(self.expansion.nodes) - 1, profiler, comm) - self.matrix[device])[span].sum(axis=0)
-                for device in range(self.tp)]
+            starts: List[np.ndarray] = []
+            for device in range(self.tp):
+                if self.alike[device] != device:         # its group's first alike device replays for it
+                    starts.append(starts[self.alike[device]])
+                    continue
+                run = _replay_span(self.graph, span, device, storage)
+                rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm)
+                starts.append((rows - self.matrix[device])[span].sum(axis=0))
+            self._starts[place] = starts
         return self._starts[place]
 
 
@@ -125,14 +130,15 @@ def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[T
     return [(w, tuple(reads.get(w.name, ()))) for w in weights]
 
 
-def _replay_from(graph, cut: int, device: int, storage):
-    """``device``'s run of ``graph``'s ops from ``cut`` on, as a pipeline stage that receives what
-    crosses the cut (the graph's stages are put back as they were)."""
+def _replay_span(graph, span: slice, device: int, storage):
+    """``device``'s run of ``graph``'s ops in ``span`` as a pipeline stage that receives what
+    crosses into it (the graph's stages are put back as they were)."""
     saved = [n.stage for n in graph.nodes]
     try:
         for k, n in enumerate(graph.nodes):
-            n.stage = 0 if k < cut else 1
-        return run_local(graph, device, storage, 1, stage_carries(graph, 2)[0], None)
+            n.stage = 0 if k < span.start else 1 if k < span.stop else 2
+        carries = stage_carries(graph, 3)
+        return run_local(graph, device, storage, 1, carries[0], carries[1])
     finally:
         for n, s in zip(graph.nodes, saved):
             n.stage = s
