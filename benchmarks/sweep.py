@@ -121,7 +121,7 @@ def report(frame: pd.DataFrame, seconds: float, loads: Tuple[float, float], chec
         "",
         markdown(fitting.head(10)),
         "",
-        "## tp 8 x pp 8 (the layout of the Llama 3 paper's and Megatron's recipes for 70B)",
+        "## tp 8 x pp 8 (the layout notebook 11 and `benchmarks.plan_at_scale` plan 70B with)",
         "",
         markdown(published.head(6)),
         "",
