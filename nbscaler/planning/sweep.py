@@ -10,7 +10,8 @@ the ranges given, with the predictions ``plan.summary(hardware=...)`` makes for 
 
 How it prices. Each configuration is the ``hybrid`` policy with its ``tp`` inside each of ``pp``
 stages, ``dp = GPUs / (tp * pp)`` units, a pipeline (of one stage when ``pp`` is 1: gradient
-accumulation) over ``global_batch / (dp * micro_batch)`` micro-batches, the model's repeated
+accumulation; ``pp * virtual_stages`` stages under a scheduler that interleaves) over
+``global_batch / (dp * micro_batch)`` micro-batches, the model's repeated
 layers recomputed or not, and ZeRO's stage (``config_of`` builds that ``ComputeConfig``). Planning
 each one whole (trace, place, replay every device on fake tensors) would take minutes per
 configuration at 70B; instead:
@@ -63,10 +64,11 @@ PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES,
                       S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
 
 
-def config_of(row, ngpus: int, stack_path: str, virtual_stages: int = 1) -> ComputeConfig:
+def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
+    virtual_stages = int(row[S.VIRTUAL_STAGES])
     pas = {"recompute_modules": [stack_path]} if bool(row[S.RECOMPUTE]) else {}
     return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
                          pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
@@ -78,14 +80,17 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
           zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
           master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
-          scheduler: str = "1f1b", progress: bool = True, **optimizer_kwargs: Any) -> pd.DataFrame:
+          scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
+          **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
     ``tp``, ``pp``: sizes to try (``None``: every divisor of the target's GPUs, ``pp`` at most the
     model's layers); ``micro_batch``: sequences per micro-batch (``None``: every divisor of the
     global batch); ``recompute``: the model's repeated layers recomputed or not; ``zero_stage``:
-    0 (no ZeRO), 1, 2. Returns one row per configuration with the columns of
+    0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
+    ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``;
+    ``zbv`` always has two). Returns one row per configuration with the columns of
     ``nbscaler.columns.SweepColumn``, the fitting ones first, each group fastest first;
     ``frame.attrs`` holds ``"stack"`` (the layers recomputed) and ``"excluded"`` (a frame of the
     combinations left out and why)."""
@@ -97,10 +102,10 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     pricer = _Pricer(module, dummy_args, stack, hardware, module_dtype)
     precision = Precision(master_dtype)
     rows, excluded = [], []
-    combos = list(itertools.product(*ranges))
-    for t, p, m, r, z in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+    combos = list(itertools.product(*ranges, _virtual_stages(scheduler, virtual_stages)))
+    for t, p, m, r, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
         config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
-                  S.MICRO_BATCH: m, S.RECOMPUTE: r, S.ZERO_STAGE: z, S.SCHEDULER: scheduler}
+                  S.MICRO_BATCH: m, S.RECOMPUTE: r, S.ZERO_STAGE: z, S.SCHEDULER: scheduler, S.VIRTUAL_STAGES: v}
         reason = _combination_problem(hardware, global_batch, t, p, m)
         if reason is None:
             config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
@@ -108,7 +113,6 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                 cfg = config_of(config, hardware.ngpus, stack.path)
                 facts = pricer.facts(m, t, r)
                 staged = pricer.staged(facts, m, t, r, cfg.pipeline_nstages)
-                config[S.VIRTUAL_STAGES] = cfg.pipeline_nstages // p
                 rows.append({**config, **price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer,
                                                optimizer_kwargs, precision, staged)})
                 continue
@@ -116,6 +120,18 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                 reason = str(err)
         excluded.append({**config, "reason": reason})
     return _frame(rows, excluded, stack)
+
+
+def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:
+    """The stages per pipeline device to try: the scheduler's own number where it has one."""
+    from nbscaler.schedule.schedulers import scheduler_spec
+    fixed = scheduler_spec(scheduler).stages_per_device
+    if fixed is not None:
+        return [fixed]
+    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad or not values:
+        raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
+    return list(values)
 
 
 def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame:
