@@ -13,8 +13,8 @@ stages, ``dp = GPUs / (tp * pp)`` units, a pipeline (of one stage when ``pp`` is
 accumulation; ``pp * virtual_stages`` stages under a scheduler that interleaves) over
 ``global_batch / (dp * micro_batch)`` micro-batches, the model's repeated
 layers recomputed or not, and ZeRO's stage (``config_of`` builds that ``ComputeConfig``). Planning
-each one whole (trace, place, replay every device on fake tensors) would take minutes per
-configuration at 70B; instead:
+each one whole (trace, place, replay every device on fake tensors) takes tens of seconds per
+configuration at 70B (``benchmarks/results/sweep.md``); instead:
 
 1. the model's repeated layers are found (``planning.stack``: ``model.layers``, 80 of them), and a
    copy with two layers is traced once per micro-batch size and placed once per (tp,
@@ -23,12 +23,15 @@ configuration at 70B; instead:
    its tensor-parallel collectives' NCCL time, saved bytes, FLOPs, per tensor-parallel index);
 3. per configuration, the full model's stages are cut where ``stage_by_cost`` cuts them (on the
    full depth's op FLOPs, with the second layer standing for every layer after the first), each
-   stage sums its ops' facts, and the pipeline, the gradient synchronisation, the optimizer step
+   stage sums its ops' facts (plus what a stage's first layer saves of the tensors it receives,
+   ``LayerFacts.stage_start``), and the pipeline, the gradient synchronisation, the optimizer step
    and the peak memory come from the very functions ``plan.summary`` calls (``planning.pricing``).
 
 So a row is what ``nbscaler.plan(module, ..., "hybrid", config_of(row, ...)).summary(optimizer,
 hardware=hardware, master_dtype=master_dtype)`` predicts, as long as every layer after the first
-costs what the second does in the copy (one class, one shape, called in order);
+costs what the second does in the copy (one class, one shape, called in order) and the stages are
+cut between layers (a cut inside a layer, for more stages than layers, is priced as if the layer's
+recomputed region were whole);
 ``tests/planning/test_sweep.py`` checks rows against full plans. Sequence parallelism is not swept.
 
 Bad input: a range value that cannot work on the target at all (a ``tp`` or ``pp`` that does not
