@@ -166,7 +166,8 @@ def main() -> None:
     text = table(rows)
     print(text)
     if not args.rows:
-        RESULTS.write_text(HEADER + text + "\n" + FOOTER)
+        from benchmarks.published_sweep import section       # nbscaler's own choice beside each run
+        RESULTS.write_text(HEADER + text + "\n" + FOOTER + section(RUNS, VOCAB, SEQ))
 
 
 HEADER = """# Published runs, predicted

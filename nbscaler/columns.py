@@ -152,3 +152,52 @@ class Held:
     @property
     def nbytes(self) -> int:
         return self.grad_bytes + self.activation_bytes
+
+
+class SweepColumn(StrEnum):
+    """A column of ``nbscaler.sweep``: one row per configuration of a run, priced on a target.
+
+    The configuration:
+
+    - ``tp``, ``pp``, ``dp``: tensor-parallel size (devices splitting each op of a stage), pipeline
+      stages' devices, data-parallel units; ``tp * pp * dp`` is the target's GPUs.
+    - ``micro_batch``: sequences in one micro-batch; ``micro_batches``: micro-batches per step and
+      unit, so ``micro_batch * micro_batches * dp`` is the global batch.
+    - ``recompute``: every layer of the model's stack recomputed in the backward (True) or not.
+    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too).
+    - ``scheduler``: the pipeline scheduler; ``virtual_stages``: stages per pipeline device (1
+      for ``1f1b``, more for interleaved schedulers).
+
+    The prediction, each as the summary of that configuration on the target gives it
+    (``SummaryColumn``):
+
+    - ``step_time_s``: the slowest rank's step; ``tokens_per_s``: the job's tokens over it.
+    - ``mfu`` / ``hfu``: the job's model (hardware) FLOPs per second over the peak of all its GPUs.
+    - ``peak_bytes``: the largest rank's peak; ``fits``: every rank fits its GPU's memory.
+    - ``bubble``: the share of the step the slowest pipeline device idles, waiting on the others
+      (sends left out); ``pp_send_share``: the share the pipeline's sends add to the step (the
+      simulated step less the same schedule with instant sends); ``tp_comm_share``: the share of
+      the step that device spends in tensor-parallel collectives (forward, backward and recomputed
+      forward); ``dp_comm_share``: the share of the gradient synchronisation between units
+      (all-reduce, or ZeRO's reduce-scatter and all-gather) that the backward does not hide.
+    """
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+    MICRO_BATCH = "micro_batch"
+    MICRO_BATCHES = "micro_batches"
+    RECOMPUTE = "recompute"
+    ZERO_STAGE = "zero_stage"
+    SCHEDULER = "scheduler"
+    VIRTUAL_STAGES = "virtual_stages"
+    STEP_TIME_S = "step_time_s"
+    TOKENS_PER_S = "tokens_per_s"
+    MFU = "mfu"
+    HFU = "hfu"
+    PEAK_BYTES = "peak_bytes"
+    FITS = "fits"
+    BUBBLE = "bubble"
+    TP_COMM_SHARE = "tp_comm_share"
+    DP_COMM_SHARE = "dp_comm_share"
+    PP_SEND_SHARE = "pp_send_share"

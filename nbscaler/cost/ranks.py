@@ -10,6 +10,7 @@ code generation writes into each ``gencode{rank}.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -44,11 +45,11 @@ class LocalWeight:
     partial_over: int = 1         # devices whose partial gradients the reducer sums (storage ``R*``)
     stages: Tuple[int, ...] = ()  # the pipeline stages whose training backward gives it a gradient
 
-    @property
+    @functools.cached_property            # asked per bucket and per backward of every micro-batch
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 

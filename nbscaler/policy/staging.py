@@ -14,7 +14,7 @@ stages in between by code generation; policies need not care.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, List
+from typing import Iterable, List, Sequence
 
 from nbscaler.cost.flops import node_flops
 from nbscaler.ir.graph import IRGraph, IRNode
@@ -45,20 +45,27 @@ def stage_by_cost(graph: IRGraph, nstages: int) -> List[int]:
     nodes = graph.nodes
     if nstages > len(nodes):
         raise PolicyError(f"cannot cut {len(nodes)} ops into {nstages} pipeline stages; use fewer stages.")
-    costs = [max(node_flops(n), 1.0) for n in nodes]
-    cum = list(itertools.accumulate(costs))
-    total = cum[-1]
-    # cut before node i; prefer places where the layer changes
-    layer_cuts = [i for i in range(1, len(nodes)) if layer_of(nodes[i].module_path) != layer_of(nodes[i - 1].module_path)]
-    cuts: List[int] = []
-    for k in range(1, nstages):
-        target = total * k / nstages
-        low = cuts[-1] + 1 if cuts else 1
-        high = len(nodes) - (nstages - k)          # leave at least one node per later stage
-        options = [i for i in layer_cuts if low <= i <= high] or list(range(low, high + 1))
-        cuts.append(min(options, key=lambda i: abs(cum[i - 1] - target)))
+    cuts = stage_cuts([node_flops(n) for n in nodes], [layer_of(n.module_path) for n in nodes], nstages)
     stages = []
     for i, node in enumerate(nodes):
         node.stage = sum(1 for c in cuts if i >= c)
         stages.append(node.stage)
     return stages
+
+
+def stage_cuts(flops: Sequence[float], layers: Sequence[str], nstages: int) -> List[int]:
+    """Where ``stage_by_cost`` cuts a run of ops of ``flops`` in ``layers`` (``layer_of`` their
+    modules): the index of the first op of each stage after the first. A sweep asks it for a model
+    it never builds whole, from one layer's ops repeated."""
+    cum = list(itertools.accumulate(max(f, 1.0) for f in flops))
+    total = cum[-1]
+    # cut before op i; prefer places where the layer changes
+    layer_cuts = [i for i in range(1, len(layers)) if layers[i] != layers[i - 1]]
+    cuts: List[int] = []
+    for k in range(1, nstages):
+        target = total * k / nstages
+        low = cuts[-1] + 1 if cuts else 1
+        high = len(layers) - (nstages - k)         # leave at least one op per later stage
+        options = [i for i in layer_cuts if low <= i <= high] or list(range(low, high + 1))
+        cuts.append(min(options, key=lambda i: abs(cum[i - 1] - target)))
+    return cuts

@@ -1,0 +1,158 @@
+"""The per-op facts a sweep prices configurations from, read once off a placed two-layer copy.
+
+For one micro-batch size, tensor-parallel size and recomputation, ``LayerFacts`` holds, for each
+op of the two-layer copy (``planning.stack``) and each tensor-parallel index of the devices that
+run it, what ``cost.timing.section_time`` and the memory model add up for a section: the op's
+forward and backward seconds on the target (a recomputed op's forward again in its backward),
+those of the tensor-parallel collectives before it, the bytes it saves for the backward, its
+local FLOPs (and those it runs again when recomputed). A stage of the full model sums these over
+the ops it holds (``planning.stack.repeat_counts``); nothing is traced, placed or replayed again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from nbscaler.comm.stages import stage_carries
+from nbscaler.cost.flops import node_flops
+from nbscaler.cost.local import run_local
+from nbscaler.cost.ranks import LocalWeight, local_weights
+from nbscaler.planning.stack import Expansion, Stack
+
+#: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
+FWD, BWD, TP_FWD, TP_BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN = range(8)
+
+
+@dataclass
+class LayerFacts:
+    """What one op of the copy costs on each tensor-parallel index (``matrix[i]``: ops x facts),
+    the weights each index stores (``weights[i]``, with the copy's ops that read each one), the
+    ops' FLOPs for staging, and the bytes a pipeline cut at each place of the copy carries."""
+
+    expansion: Expansion
+    matrix: List[np.ndarray]
+    weights: List[List[Tuple[LocalWeight, Tuple[int, ...]]]]
+    flops: np.ndarray                  # node_flops of every full-model op, for stage_cuts
+    graph: object                      # the copy's training graph, for what a cut carries
+    tokens: Optional[int]              # tokens in one micro-batch (None: no sequence input)
+    compute_dtype: object
+    replay: Tuple                      # (storage, op index, profiler, comm): for stage_start
+
+    def __post_init__(self) -> None:
+        self._carried: Dict[int, Tuple[int, int]] = {}
+        self._starts: Dict[int, List[np.ndarray]] = {}
+        # tensor-parallel index -> the first index whose facts and weights are the same (the
+        # members of a group differ only where a collective keeps another piece or first_only)
+        self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
+                           and self.weights[j] == self.weights[i]) for i in range(len(self.matrix))]
+
+    @property
+    def tp(self) -> int:
+        return len(self.matrix)
+
+    def carried(self, cut: int) -> Tuple[int, int]:
+        """Bytes and tensors a pipeline cut before full-model op ``cut`` sends on
+        (``comm.stages.stage_carries``), read off the same place of the copy."""
+        place = self.expansion.copy_position(cut)
+        if place not in self._carried:
+            self._carried[place] = _carries(self.graph, place)
+        return self._carried[place]
+
+    def stage_start(self, cut: int) -> List[np.ndarray]:
+        """What a stage starting at full-model op ``cut`` adds to the sum of its ops' facts, per
+        tensor-parallel index: the tensors it receives are its own storages, so the first layer
+        after the cut saves those (Llama's rotary tables) that, in one forward, an earlier layer
+        had saved already. Read off the copy replayed from the same place with those tensors
+        received (``cost.local.run_local``), beside the copy replayed whole, over one layer's ops."""
+        place = self.expansion.copy_position(cut)
+        if place not in self._starts:
+            storage, index, profiler, comm = self.replay
+            span = slice(place, min(place + self.expansion.size, len(self.expansion.nodes)))
+            starts: List[np.ndarray] = []
+            for device in range(self.tp):
+                if self.alike[device] != device:         # its group's first alike device replays for it
+                    starts.append(starts[self.alike[device]])
+                    continue
+                run = _replay_span(self.graph, span, device, storage)
+                rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm)
+                starts.append((rows - self.matrix[device])[span].sum(axis=0))
+            self._starts[place] = starts
+        return self._starts[place]
+
+
+def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm) -> np.ndarray:
+    """The facts of each op a device's ``run`` holds (ops x facts), as ``cost.timing.section_time``
+    and the memory model count them; a collective with no consumer (a stage's outputs) counts
+    at op ``tail``."""
+    rows = np.zeros((count, 8))
+    for op in run.ops:
+        k = index[op.node.name]
+        f, b = profiler.time(op)
+        again = op.node.meta["local_flops_fwd"] if op.recomputed else 0.0
+        rows[k, [FWD, BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN]] += (
+            f, b + (f if op.recomputed else 0.0), op.saved_bytes, op.node.meta["local_flops_fwd"],
+            op.node.meta["local_flops_bwd"], again)
+    for c in run.collectives:
+        k = index.get(c.node, tail) if c.node is not None else tail
+        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+        rows[k, TP_FWD] += f
+        rows[k, TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
+            f if c.recomputed else 0.0)
+    return rows
+
+
+def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
+    """``LayerFacts`` of a placed two-layer copy (``plan``: one pipeline stage over its ``tp``
+    devices) on the target whose op and collective costs are ``profiler`` and ``comm``."""
+    from nbscaler.planning.on_target import compute_dtype, tokens_per_step
+    graph = plan.graph
+    nodes = graph.nodes
+    expansion = Expansion(stack, nodes)
+    index = {n.name: k for k, n in enumerate(nodes)}
+    tp = plan.config.plan_ngpus
+    matrix = [_rows(plan.local_runs[d][0], index, len(nodes), len(nodes) - 1, profiler, comm) for d in range(tp)]
+    weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index) for d in range(tp)]
+    flops = np.array([node_flops(n) for n in nodes])[expansion.template]
+    return LayerFacts(expansion, matrix, weights, flops, graph, tokens_per_step(plan), compute_dtype(plan),
+                      (plan.storage, index, profiler, comm))
+
+
+def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[Tuple[LocalWeight, Tuple[int, ...]]]:
+    """Each weight with the ops of the copy that read it."""
+    reads: Dict[str, List[int]] = {}
+    for n in graph.nodes:
+        for t in n.inputs:
+            if t.is_weight:
+                reads.setdefault(t.name, []).append(index[n.name])
+    return [(w, tuple(reads.get(w.name, ()))) for w in weights]
+
+
+def _replay_span(graph, span: slice, device: int, storage):
+    """``device``'s run of ``graph``'s ops in ``span`` as a pipeline stage that receives what
+    crosses into it (the graph's stages are put back as they were)."""
+    saved = [n.stage for n in graph.nodes]
+    try:
+        for k, n in enumerate(graph.nodes):
+            n.stage = 0 if k < span.start else 1 if k < span.stop else 2
+        carries = stage_carries(graph, 3)
+        return run_local(graph, device, storage, 1, carries[0], carries[1])
+    finally:
+        for n, s in zip(graph.nodes, saved):
+            n.stage = s
+
+
+def _carries(graph, cut: int) -> Tuple[int, int]:
+    """The bytes and the number of tensors ``stage_carries`` sends across a cut of ``graph``
+    before op ``cut`` (the graph's stages are put back as they were)."""
+    saved = [n.stage for n in graph.nodes]
+    try:
+        for k, n in enumerate(graph.nodes):
+            n.stage = 0 if k < cut else 1
+        carried = stage_carries(graph, 2)[0]
+    finally:
+        for n, s in zip(graph.nodes, saved):
+            n.stage = s
+    return sum(t.nbytes for t in carried), len(carried)

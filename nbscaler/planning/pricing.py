@@ -1,0 +1,171 @@
+"""One configuration of a sweep, priced from ``LayerFacts`` with the functions ``plan.summary`` uses.
+
+A configuration's full plan would cut the model into stages (``policy.staging``), replay each
+device's stages and add up their ops (``cost.timing``, ``cost.memory``). Here the stages are cut by
+``stage_cuts`` on the full model's op FLOPs, each stage's sums are the copy's per-op facts times how
+often each op repeats in it, and the rest is ``plan.summary``'s own code: ``schedule.simulate`` for
+the pipeline, ``cost.timing.sync_time`` and ``update_time`` for the gradient synchronisation and
+the optimizer step, ``cost.memory.weight_memory``, ``gradients`` and ``cost.moments`` for the
+memory at the peak moment, on the weights each device would store.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import numpy as np
+import torch
+
+from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
+from nbscaler.config import ComputeConfig, Precision
+from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.memory import gradients, weight_memory
+from nbscaler.cost.moments import peak_moment, step_moments
+from nbscaler.cost.ranks import LocalWeight
+from nbscaler.cost.timing import sync_time, update_time
+from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, TP_BWD, TP_FWD,
+                                           LayerFacts)
+from nbscaler.planning.stack import repeat_counts
+from nbscaler.policy.staging import stage_cuts
+from nbscaler.schedule import PipelineGeometry, simulate
+
+
+class Staged:
+    """The full model cut into ``nstages`` stages as ``stage_by_cost`` would cut it, with each
+    stage's per-op sums on each tensor-parallel index (``sums[stage][index]``, a facts vector)."""
+
+    def __init__(self, facts: LayerFacts, nstages: int):
+        self.facts = facts
+        self.cuts = stage_cuts(facts.flops, facts.expansion.layer_key, nstages)
+        bounds = [0, *self.cuts, len(facts.expansion)]
+        counts = [repeat_counts(facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
+        self.sums = [[c @ m for m in facts.matrix] for c in counts]
+        for s, cut in enumerate(self.cuts, start=1):
+            self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
+        self._weights: Dict[Tuple[int, Tuple[int, ...]], List[LocalWeight]] = {}
+
+    def stage_of(self, position: int) -> int:
+        return bisect.bisect_right(self.cuts, position)
+
+    def weights(self, index: int, stages: Tuple[int, ...]) -> List[LocalWeight]:
+        """The weights a device of tensor-parallel ``index`` holding ``stages`` stores, in the
+        runtime's order, as ``cost.ranks.local_weights`` lists them for the full plan."""
+        key = (index, stages)
+        if key not in self._weights:
+            self._weights[key] = list(self._expanded(index, stages))
+        return self._weights[key]
+
+    def _expanded(self, index: int, stages: Tuple[int, ...]):
+        """The copy's weights at full depth, those the device's ``stages`` read: each run of the
+        stack's second layer's weights (its parameters, later its buffers) once per later layer,
+        layer after layer, where the run sits."""
+        stack = self.facts.expansion.stack
+        listed = self.facts.weights[index]
+        for i, (w, readers) in enumerate(listed):
+            if stack.weight_layer(w.name) != 1:
+                yield from self._held(w, readers, w.name, None, stages)
+            elif i == 0 or stack.weight_layer(listed[i - 1][0].name) != 1:
+                run = list(itertools.takewhile(lambda wr: stack.weight_layer(wr[0].name) == 1, listed[i:]))
+                for k in range(1, stack.depth):
+                    for w1, r1 in run:
+                        yield from self._held(w1, r1, stack.renamed(w1.name, k), k, stages)
+
+    def _held(self, w: LocalWeight, readers: Tuple[int, ...], name: str, layer: Optional[int],
+              stages: Tuple[int, ...]):
+        exp = self.facts.expansion
+        held = {self.stage_of(v) for r in readers for v in exp.positions(r, layer)} & set(stages)
+        if held:
+            trained = tuple(sorted(held)) if w.trained else ()
+            yield LocalWeight(name, w.kind, w.shape, w.dtype, w.trained, w.partial_over, trained)
+
+
+class _Device:
+    """One plan device's part of a step: its sync and update seconds, FLOPs, tensor-parallel
+    seconds and peak bytes. Devices of one pipeline device whose facts are alike (``LayerFacts.alike``)
+    and whose groups cross the same links get the same figures, so each is worked out once."""
+
+    def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware,
+                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Precision):
+        self.staged, self.cfg, self.geometry, self.hardware = staged, cfg, geometry, hardware
+        self.profiler, self.comm, self.optimizer, self.kwargs = profiler, comm, optimizer, optimizer_kwargs
+        self.precision = precision
+        self._memo: Dict[Tuple, Tuple[float, float, float, float, float, float]] = {}
+
+    def spans_nodes(self, ranks) -> bool:
+        return len({self.hardware.node_of(r) for r in ranks}) > 1
+
+    def figures(self, device: int, seconds) -> Tuple[float, float, float, float, float, float]:
+        """``(sync s, update s, model FLOPs, hardware FLOPs, tp s, peak bytes)`` of ``device``;
+        ``seconds(stage, index)`` gives a stage's forward and backward on a tensor-parallel index."""
+        cfg, geometry = self.cfg, self.geometry
+        pdev, index = geometry.pipeline_device(device), self.staged.facts.alike[device % geometry.tp]
+        stages = tuple(geometry.schedule.stages_of(pdev))
+        weights = self.staged.weights(index, stages)
+        params = [w for w in weights if w.kind == "param"]
+        partials = sorted({p.partial_over for p in params} - {1})
+        links = (self.spans_nodes([device + u * cfg.plan_ngpus for u in range(cfg.units)]),
+                 *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
+        key = (pdev, index, links)
+        if key not in self._memo:
+            overlap = max(seconds(s, index)[1] for s in stages)
+            kwargs = {"lr": 1e-3, **self.kwargs}
+            sync = sync_time(None, None, cfg, device, geometry, self.comm, overlap, params)
+            update = update_time(None, None, cfg, device, geometry, self.profiler, self.optimizer, kwargs, params)
+            self._memo[key] = (sync, update, *self._work(pdev, index), self._peak(weights, params, stages, index, device))
+        return self._memo[key]
+
+    def _work(self, pdev: int, index: int) -> Tuple[float, float, float]:
+        """Model FLOPs, hardware FLOPs and tensor-parallel seconds of a device's blocks."""
+        sums = self.staged.sums
+        blocks = [(b.stage, b.phase) for b in self.geometry.schedule.blocks_of(pdev) if b.phase != "W"]
+        flops = sum(sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for s, p in blocks)
+        again = sum(sums[s][index][FLOPS_AGAIN] for s, p in blocks if p == "B")
+        tp = sum(sums[s][index][TP_FWD if p == "F" else TP_BWD] for s, p in blocks)
+        return flops, flops + again, tp
+
+    def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
+              device: int) -> float:
+        """``peak_bytes`` as ``cost.memory.memory_per_rank`` adds it up."""
+        row = weight_memory(weights, self.cfg, self.optimizer, self.kwargs, self.precision)
+        saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
+        held = peak_moment(step_moments(gradients(weights, self.cfg, self.precision), params, saved, self.geometry,
+                                        device))
+        row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
+        return float(sum(row[c] for c in MEMORY_CATEGORIES))
+
+
+def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
+          optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
+          precision: Precision, staged: Optional[Staged] = None) -> Dict[str, Any]:
+    """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``."""
+    geometry = PipelineGeometry.from_config(cfg)
+    schedule, tp = geometry.schedule, geometry.tp
+    staged = staged or Staged(facts, schedule.nstages)
+    sums = staged.sums
+    seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
+    forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
+    backward = [max(seconds(s, i)[1] for i in range(tp)) for s in range(schedule.nstages)]
+    carried = [facts.carried(c) for c in staged.cuts]
+    pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
+    latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
+    post = comm.p2p_post(max((n for _, n in carried), default=0))
+    line = simulate(schedule, forward, backward, latency, post)
+    instant = simulate(schedule, forward, backward, 0.0, post)
+    devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision)
+    figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
+    step, device = max((line.makespan + f[0] + f[1], d) for d, f in figures.items())
+    sync, _, _, _, tp_s, _ = figures[device]
+    pdev = geometry.pipeline_device(device)
+    busy = sum(b.t_end - b.t_start for b in instant.blocks if b.rank == pdev)
+    job_flops = [cfg.units * sum(f[k] for f in figures.values()) for k in (2, 3)]
+    job_peak = hardware.peak_flops(facts.compute_dtype) * cfg.runtime_ngpus
+    tokens = facts.tokens * cfg.pipeline_nmicros * cfg.units if facts.tokens is not None else float("nan")
+    peak = max(f[5] for f in figures.values())
+    return {S.STEP_TIME_S: step, S.TOKENS_PER_S: tokens / step,
+            S.MFU: job_flops[0] / (step * job_peak), S.HFU: job_flops[1] / (step * job_peak),
+            S.PEAK_BYTES: peak, S.FITS: bool(hardware.fits(peak)),
+            S.BUBBLE: max(0.0, instant.makespan - busy) / step,
+            S.TP_COMM_SHARE: tp_s / step, S.DP_COMM_SHARE: sync / step,
+            S.PP_SEND_SHARE: (line.makespan - instant.makespan) / step}

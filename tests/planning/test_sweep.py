@@ -1,0 +1,150 @@
+"""nbscaler.sweep: each row is what the full plan of its configuration predicts on the target."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import Hardware
+from nbscaler.columns import SweepColumn
+from nbscaler.models.gpt import GPT, GPTConfig
+from nbscaler.models.llama import Llama, LlamaConfig
+from nbscaler.planning.sweep import config_of
+
+SEQ = 64
+GPT_CFG = GPTConfig(vocab_size=512, seq_len=SEQ, n_layer=6, d_model=128, n_head=4)
+# 8 GPUs, 2 to a node, slow links: collectives, sends and the all-reduce all weigh in the step
+TARGET = dataclasses.replace(Hardware.named("A100-SXM-40GB", nodes=4), name="small", gpus_per_node=2,
+                             memory_bytes=6e6, intra_node_bytes_per_s=5e9, inter_node_bytes_per_s=1e9)
+GLOBAL_BATCH = 16
+
+
+def tokens(batch: int):
+    idx = torch.zeros(batch, SEQ, dtype=torch.long)
+    return {"batch": {"idx": idx, "targets": idx.clone()}}
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1, 2), pp=(1, 2, 4),
+                          micro_batch=(1, 2), progress=False)
+
+
+def full_plan_figures(module, args, row, stack):
+    """The figures of ``row`` from ``plan.summary`` of its configuration, planned whole."""
+    plan = nbscaler.plan(module, args, "hybrid", config_of(row, TARGET.ngpus, stack), module_dtype=torch.bfloat16)
+    s = plan.summary(torch.optim.AdamW, hardware=TARGET, master_dtype=torch.float32)
+    step, peak = s.step_time_s.max(), TARGET.peak_flops(torch.bfloat16) * len(s)
+    return {"step_time_s": step, "peak_bytes": s.peak_bytes.max(), "mfu": s.flops.sum() / (step * peak),
+            "hfu": s.hardware_flops.sum() / (step * peak), "tokens_per_s": s.tokens_per_s.iloc[0],
+            "fits": bool(s.fits.all())}
+
+
+def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
+    assert list(frame.columns) == [str(c) for c in SweepColumn]
+    assert len(frame) == 2 * 3 * 2 * 2 * 3                     # tp x pp x micro-batch x recompute x ZeRO
+    assert (frame.tp * frame.pp * frame.dp == TARGET.ngpus).all()
+    assert (frame.micro_batch * frame.micro_batches * frame.dp == GLOBAL_BATCH).all()
+    assert frame.fits.any() and not frame.fits.all()
+    fits = frame[frame.fits]
+    assert frame.fits.iloc[:len(fits)].all() and fits.step_time_s.is_monotonic_increasing
+    shares = frame[["bubble", "tp_comm_share", "dp_comm_share", "pp_send_share"]]
+    assert ((shares >= 0) & (shares < 1)).all().all() and (shares.sum(axis=1) < 1).all()
+    assert (frame[frame.pp == 1].bubble == 0).all() and (frame[frame.tp == 1].tp_comm_share == 0).all()
+    assert frame.attrs["stack"] == "blocks" and frame.attrs["excluded"].empty
+
+
+@pytest.mark.parametrize("tp, pp, micro_batch, recompute, zero_stage", [
+    (2, 4, 2, True, 2),            # tp x pp, one unit: ZeRO over one rank
+    (1, 4, 1, False, 1),           # a deep pipeline over 2 units
+    (2, 2, 1, True, 0),            # stages of 3 layers, 2 units across nodes
+    (1, 1, 2, False, 2),           # gradient accumulation on 8 units
+])
+def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recompute, zero_stage):
+    row = frame[(frame.tp == tp) & (frame.pp == pp) & (frame.micro_batch == micro_batch)
+                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(micro_batch), row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_prediction():
+    cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=128, n_head=4, n_kv_head=2)
+    idx = torch.zeros(1, SEQ, dtype=torch.long)
+    frame = nbscaler.sweep(Llama(cfg), {"idx": idx, "targets": idx}, TARGET, global_batch=8, tp=(2,), pp=(2,),
+                           micro_batch=(2,), recompute=(True,), zero_stage=(1,), progress=False)
+    row = frame.iloc[0]
+    idx2 = torch.zeros(2, SEQ, dtype=torch.long)
+    expected = full_plan_figures(Llama(cfg), {"idx": idx2, "targets": idx2}, row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+def test_combinations_that_cannot_run_are_left_out_with_their_reason():
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=4, tp=(1, 2), pp=(1, 2),
+                           micro_batch=(1,), recompute=(False,), zero_stage=(0,), progress=False)
+    assert sorted(zip(frame.tp, frame.pp)) == [(1, 2), (2, 1), (2, 2)]
+    excluded = frame.attrs["excluded"]
+    assert list(zip(excluded.tp, excluded.pp)) == [(1, 1)]
+    assert "global batch 4 is not a multiple of dp x micro_batch = 8 x 1" in excluded.reason.iloc[0]
+
+
+@pytest.mark.parametrize("ranges, message", [
+    ({"tp": (3,)}, "do not divide the 8 GPUs"),
+    ({"pp": (8,)}, "more stages than the 6 layers of blocks"),
+    ({"micro_batch": (0,)}, "whole numbers >= 1"),
+    ({"zero_stage": (3,)}, "use 0 (no ZeRO), 1 or 2"),
+])
+def test_a_value_that_cannot_work_on_the_target_is_refused(ranges, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=16, progress=False, **ranges)
+
+
+def test_inputs_of_more_than_one_sequence_are_refused():
+    with pytest.raises(ValueError, match="hold one sequence"):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(2), TARGET, global_batch=16, tp=(1,), pp=(1,), progress=False)
+
+
+def test_a_model_without_repeated_layers_is_refused():
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        nbscaler.sweep(torch.nn.Linear(4, 4), {"x": torch.zeros(1, 4)}, TARGET, global_batch=8, progress=False)
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_left_out_with_its_reason():
+    cfg = dataclasses.replace(GPT_CFG, d_model=120, n_head=3)
+    frame = nbscaler.sweep(GPT(cfg), tokens(1), TARGET, global_batch=16, tp=(1, 2), pp=(1,), micro_batch=(1,),
+                           recompute=(False,), zero_stage=(0,), progress=False)
+    assert list(frame.tp) == [1]
+    assert "tp=2 does not divide the 3 attention heads" in frame.attrs["excluded"].reason.iloc[0]
+
+
+def test_layers_larger_than_a_bucket_keep_the_runtimes_bucket_order():
+    """Each layer of this Llama fills several of the reducer's 25 MiB buckets, so how many buckets
+    there are (ZeRO pays a reduce-scatter and an all-gather per bucket) depends on the weights being
+    listed layer after layer, as the runtime registers them."""
+    cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=2048, n_head=16, n_kv_head=4)
+    with torch.device("meta"):
+        model, whole = Llama(cfg), Llama(cfg)
+    idx = torch.zeros(1, SEQ, dtype=torch.long)
+    big = dataclasses.replace(TARGET, memory_bytes=80e9)
+    frame = nbscaler.sweep(model, {"idx": idx, "targets": idx}, big, global_batch=8, tp=(1,), pp=(1,),
+                           micro_batch=(1,), recompute=(False,), zero_stage=(1,), progress=False)
+    row = frame.iloc[0]
+    plan = nbscaler.plan(whole, {"idx": idx, "targets": idx}, "hybrid", config_of(row, big.ngpus, "blocks"),
+                         module_dtype=torch.bfloat16)
+    s = plan.summary(torch.optim.AdamW, hardware=big, master_dtype=torch.float32)
+    assert row.step_time_s == pytest.approx(s.step_time_s.max(), rel=1e-9)
+    assert row.peak_bytes == pytest.approx(s.peak_bytes.max(), rel=1e-9)
+
+
+@pytest.mark.parametrize("scheduler, tp, virtual_stages", [("1f1b_interleaved", 1, 3), ("zbv", 2, 2), ("gpipe", 2, 1)])
+def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, virtual_stages):
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(tp,), pp=(2,),
+                           micro_batch=(1,), recompute=(True,), zero_stage=(1,), scheduler=scheduler,
+                           virtual_stages=(3,), progress=False)
+    row = frame.iloc[0]
+    assert row.virtual_stages == virtual_stages and row.scheduler == scheduler
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
