@@ -14,7 +14,8 @@ Two plans of the sizes issue-scale users ask about, both built on the meta devic
 For each it times ``plan()``, ``plan.memory()`` (the first call replays each device's program on
 fake tensors), ``plan.summary(hardware=...)``, a second ``summary`` on another hardware, and a
 ``summary`` with another optimizer (nothing is re-traced or replayed: the runs are cached on the
-plan). ``summary()`` without hardware is left out: it profiles ops on this CPU at their real shapes.
+plan), in wall seconds, and the second summary once more in this process's CPU seconds, which a
+shared machine's load does not inflate. ``summary()`` without hardware is left out: it profiles ops on this CPU at their real shapes.
 
     python -m benchmarks.plan_at_scale                    # writes benchmarks/results/plan_at_scale.md
     python -m benchmarks.plan_at_scale --models llama-70B --layers 8 --print
@@ -76,6 +77,13 @@ def _timed(fn: Callable[[], object]) -> Tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def _cpu_timed(fn: Callable[[], object]) -> float:
+    """CPU seconds of ``fn`` in this process: what it costs whatever else the machine runs."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
 def measure(name: str, layers: int) -> Dict[str, float]:
     """Seconds of each step for model ``name`` at ``layers`` layers."""
     make, hw, other = MODELS[name](layers)
@@ -86,10 +94,12 @@ def measure(name: str, layers: int) -> Dict[str, float]:
     row["summary(hardware)"], _ = _timed(lambda: plan.summary(torch.optim.Adam, hardware=hw))
     row["again, other hardware"], _ = _timed(lambda: plan.summary(torch.optim.Adam, hardware=other))
     row["again, other optimizer"], _ = _timed(lambda: plan.summary(torch.optim.SGD, hardware=hw))
+    row["again, other hardware, CPU"] = _cpu_timed(lambda: plan.summary(torch.optim.Adam, hardware=other))
     return row
 
 
-COLUMNS = ["plan", "memory", "summary(hardware)", "again, other hardware", "again, other optimizer"]
+COLUMNS = ["plan", "memory", "summary(hardware)", "again, other hardware", "again, other optimizer",
+           "again, other hardware, CPU"]
 
 
 def table(rows: List[Tuple[str, int, Dict[str, float]]]) -> str:

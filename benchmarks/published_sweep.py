@@ -1,7 +1,7 @@
 """What ``nbscaler.sweep`` would run instead of each published run, and how much faster it predicts.
 
 For each row of ``benchmarks.published_runs`` the shipped GPT at the row's size is swept on the
-row's hardware and GPUs (``nbscaler.sweep``: tp in {1, 2, 4, 8}, pp in {1, 2, 4, 8, 16} up to the
+row's hardware, GPUs and software (``published_runs.megatron_2021``; ``nbscaler.sweep``: tp in {1, 2, 4, 8}, pp in {1, 2, 4, 8, 16} up to the
 layers, micro-batches of 1, 2, 4 or 8 sequences, recomputation on and off, no ZeRO or ZeRO-1, Adam
 with fp32 master weights as Megatron-LM keeps them). The published configuration is the sweep's
 fastest fitting row with the row's ``t`` and ``p``, full recomputation and no ZeRO (the paper gives
@@ -33,7 +33,8 @@ def sweep_run(run, vocab: int, seq: int) -> pd.DataFrame:
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=run.layers, d_model=run.hidden, n_head=run.heads))
     idx = torch.zeros(1, seq, dtype=torch.long)
-    hardware = Hardware.named(run.hardware, nodes=run.gpus // 8)
+    from benchmarks.published_runs import megatron_2021
+    hardware = megatron_2021(nodes=run.gpus // 8)       # the software the published run had, as its table prices it
     pp = tuple(p for p in (1, 2, 4, 8, 16) if p <= run.layers)
     return nbscaler.sweep(model, {"batch": {"idx": idx, "targets": idx}}, hardware, global_batch=run.batch, tp=TP, pp=pp,
                           micro_batch=MICRO, zero_stage=ZERO, optimizer=torch.optim.Adam, master_dtype=torch.float32,

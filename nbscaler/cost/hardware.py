@@ -14,6 +14,15 @@ is both directions of its 18 links together, 450 GB/s each way.
 >>> hw.ngpus, hw.peak_flops(torch.bfloat16) / 1e12
 (64, 989.4)
 >>> custom = dataclasses.replace(hw, name="H100 on 200G RoCE", inter_node_bytes_per_s=25e9)
+
+A target is also the software that runs on it, where that changes the physics: how attention is
+computed (``attention``, an ``AttentionKind``: FlashAttention by default, or the scores written to
+memory as frameworks did before it) and whether the data-parallel gradient reduction overlaps the
+backward (``overlap_grad_reduce``, as PyTorch DDP and Megatron-LM's ``--overlap-grad-reduce`` do)
+or waits for it to end (Megatron-LM before that flag, 2023). A 2021 Megatron run on A100s:
+
+>>> megatron_2021 = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=4),
+...                                     attention="materialized", overlap_grad_reduce=False)
 """
 
 from __future__ import annotations
@@ -48,6 +57,13 @@ class Precision(StrEnum):
         return cls.FP8 if "float8" in str(dtype) else cls.FP32
 
 
+class AttentionKind(StrEnum):
+    """How the target computes ``scaled_dot_product_attention`` (``cost.roofline`` prices each)."""
+
+    FLASH = "flash"                  # FlashAttention (Dao et al. 2022): scores stay on chip, recomputed in the backward
+    MATERIALIZED = "materialized"    # Q K^T written to memory (B, heads, T, T), a softmax over it, then P V
+
+
 _GB = 1e9
 _TFLOPS = 1e12
 
@@ -59,7 +75,9 @@ class Hardware:
     ``peak_flops_by_precision`` holds dense peaks in FLOP/s (a precision the GPU lacks, e.g. bf16 on
     a T4, is absent). Bandwidths are bytes/s per GPU in one direction; latencies seconds per message.
     ``is_local`` marks ``Hardware.local()``: this machine, whose op and collective times come from its
-    own calibration rather than from these figures.
+    own calibration rather than from these figures. ``matmul_efficiency`` is the fraction of the bf16
+    peak the best-shaped cuBLAS products measurably reach on this GPU (``cost.roofline``).
+    ``attention`` and ``overlap_grad_reduce`` describe the software (see the module's docstring).
     """
 
     name: str
@@ -74,8 +92,22 @@ class Hardware:
     nodes: int = 1
     is_local: bool = False
     source: str = field(default="", compare=False)
+    matmul_efficiency: float = 0.80
+    attention: AttentionKind = AttentionKind.FLASH
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
+        if self.attention not in set(AttentionKind):
+            raise ValueError(f"Hardware {self.name!r}: attention={self.attention!r} is not one of "
+                             f"{', '.join(k.value for k in AttentionKind)}.")
+        object.__setattr__(self, "attention", AttentionKind(self.attention))
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(f"Hardware {self.name!r}: overlap_grad_reduce={self.overlap_grad_reduce!r} must be "
+                             f"True (reduce during the backward) or False (after it).")
+        eff = self.matmul_efficiency
+        if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
+            raise ValueError(f"Hardware {self.name!r}: matmul_efficiency={eff!r} must be a fraction of the "
+                             f"peak in (0, 1].")
         peaks = {Precision(k): float(v) for k, v in dict(self.peak_flops_by_precision).items()}
         object.__setattr__(self, "peak_flops_by_precision", peaks)
         if not peaks:
@@ -168,9 +200,17 @@ def _positive(hw: str, name: str, value, unit: str) -> None:
 
 
 # -- the catalogue --------------------------------------------------------------------------------
-# Per-message latencies are NCCL's own figures for one ring step with its LL128 protocol
-# (src/graph/tuning.cc, hwLat: NVLink 1.9 us, network 4.0 us; PCIe 2.0 us for a PCIe-only node).
-_NVLINK_LAT, _PCIE_LAT, _NET_LAT = 1.9e-6, 2.0e-6, 4.0e-6
+# Per-message latencies are NCCL's own figures for one ring step with its LL128 protocol, the one it
+# picks for messages up to a few MB (NCCL 2.12 and later, src/graph/tuning.cc, table hwLat, Ring,
+# LL128 column: NVLink 1.9 us, PCI 2.5 us, NET 4.0 us). NCCL adds a fixed start-up per collective
+# (baseLat, 6-14 us) that is not counted here.
+_NVLINK_LAT, _PCIE_LAT, _NET_LAT = 1.9e-6, 2.5e-6, 4.0e-6
+# Measured matmul ceilings: the best bf16 cuBLAS throughput over a sweep of shapes (S. Bekman,
+# *Machine Learning Engineering*, "Maximum Achievable Matmul FLOPS comparison table", mamf-finder,
+# CUDA 12.1): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%). The H200 has
+# the H100's compute and the 40 GB A100 the 80 GB one's; the L4 and T4 have no published figure and
+# keep the default 0.80.
+_A100_MAMF, _H100_MAMF = 0.859, 0.801
 P = Precision
 
 CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
@@ -185,6 +225,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=450 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 4: 900 GB/s both ways
         # DGX H100 system: 8x ConnectX-7 400 Gb/s InfiniBand, one per GPU: 50 GB/s each way.
         inter_node_bytes_per_s=50 * _GB, inter_node_latency_s=_NET_LAT,
+        matmul_efficiency=_H100_MAMF,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM); NVIDIA DGX H100 datasheet"),
     Hardware(
         "H200-SXM-141GB",
@@ -195,6 +236,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         gpus_per_node=8,
         intra_node_bytes_per_s=450 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 4: 900 GB/s both ways
         inter_node_bytes_per_s=50 * _GB, inter_node_latency_s=_NET_LAT,       # DGX H200: 8x ConnectX-7 400 Gb/s
+        matmul_efficiency=_H100_MAMF,
         source="NVIDIA H200 Tensor Core GPU datasheet; NVIDIA DGX H200 datasheet"),
     Hardware(
         "A100-SXM-80GB",
@@ -205,6 +247,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 3: 600 GB/s both ways
         # DGX A100 system: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU: 25 GB/s each way.
         inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,
+        matmul_efficiency=_A100_MAMF,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM); NVIDIA DGX A100 datasheet"),
     Hardware(
         "A100-SXM-40GB",
@@ -213,6 +256,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         gpus_per_node=8,
         intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,
         inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,       # DGX A100 (40 GB): 8x HDR 200 Gb/s
+        matmul_efficiency=_A100_MAMF,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB); NVIDIA DGX A100 datasheet"),
     Hardware(
         "L4",

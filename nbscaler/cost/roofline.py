@@ -7,30 +7,38 @@ takes less than a kernel's minimum duration::
 
 ``eff`` depends on the kind of op:
 
-- **matrix products** (linear, matmul, conv) reach at most ``MATMUL_EFFICIENCY`` of the dense peak,
-  and less when small: filling the GPU with tiles and draining the last wave costs about
-  ``MATMUL_RAMP_S`` per product, so a product of ``f`` FLOPs takes ``f / (peak * MATMUL_EFFICIENCY)
-  + MATMUL_RAMP_S``: its efficiency ``MATMUL_EFFICIENCY * t / (t + MATMUL_RAMP_S)`` grows with its
-  size ``t`` (its time at full speed). A 1024^3 bf16 product on an A100 reaches 55% of the peak, a
-  4096^3 one 79%. Each gradient of the backward is one such product.
-- **attention** runs as FlashAttention computes it: the full ``2 (d + e)`` FLOPs per query-key pair
-  (causal masking is not subtracted, as published FLOP counts do not subtract it), never a
-  materialised T x T matrix, at ``ATTENTION_EFFICIENCY``; its backward recomputes the scores, so
-  it runs 2.5 forwards of arithmetic (the four products of the gradients and the scores again).
+- **matrix products** (linear, matmul, conv) reach at most the GPU's measured matmul ceiling
+  (``Hardware.matmul_efficiency``: the best cuBLAS bf16 throughput over a sweep of shapes, 85.9%
+  of the peak on an A100 SXM, 80.1% on an H100 SXM) and less when small: filling the GPU with
+  tiles and draining the last wave costs about ``MATMUL_RAMP_S`` per product, so a product of
+  ``f`` FLOPs takes ``f / (peak * eff) + MATMUL_RAMP_S``: its efficiency grows with its size. On
+  an A100 a 1024^3 bf16 product reaches 57% of the peak, a 4096^3 one 85%. Each gradient of the
+  backward is one such product.
+- **attention** as the target's software computes it (``Hardware.attention``):
+
+  - ``flash`` (the default): FlashAttention's full ``2 (d + e)`` FLOPs per query-key pair (causal
+    masking is not subtracted, as published FLOP counts do not subtract it), never a materialised
+    T x T matrix, at ``ATTENTION_EFFICIENCY``; its backward recomputes the scores, so it runs 2.5
+    forwards of arithmetic (the four products of the gradients and the scores again);
+  - ``materialized``: as frameworks computed it before FlashAttention (Megatron-LM in 2021), five
+    kernels in the forward and the backward each: batched products that write or read the
+    (B, heads, T, T) scores, each priced as a product *and* by the bytes it moves, whichever is
+    slower, and a fused scale-mask-softmax that reads the scores and writes the probabilities
+    (its backward reads the probabilities and their gradient and writes the scores' gradient).
 - **everything else** (elementwise, norms, softmax, losses, copies) is bound by memory: the bytes
   of its local inputs and outputs; its backward reads the output's gradient and what was saved and
   writes the inputs' gradients, twice the forward's bytes. Views (reshape, transpose, split,
   indexing) launch no kernel and cost nothing. An embedding reads the rows it gathers, not the
   whole table; its backward writes the whole table's gradient.
 
-Efficiencies and their sources:
+Constants and their sources:
 
 =======================  =======  ===========================================================
-``MATMUL_EFFICIENCY``    0.80     the largest cuBLAS bf16 products reach about 80% of the dense
-                                  peak on an H100 SXM and 85-87% on an A100 SXM (maximum achievable
-                                  matmul FLOPS, S. Bekman, *Machine Learning Engineering*, ch.
-                                  "Accelerators"); one figure for both, the lower
-``MATMUL_RAMP_S``        4 us     about one wave of tiles on an A100 or H100 at full speed
+``MATMUL_RAMP_S``        4 us     an estimate, not a measurement: the fill and drain of about
+                                  one wave of tiles at full speed (NVIDIA's *Matrix
+                                  Multiplication Background User's Guide*, "Wave Quantization",
+                                  explains why throughput grows with size; it publishes plots,
+                                  not figures to fit)
 ``ATTENTION_EFFICIENCY`` 0.55     FlashAttention-2 (Dao, 2023) reaches 50-73% of the A100's peak
                                   in the forward and less in the backward
 ``MEMORY_EFFICIENCY``    0.80     streaming kernels reach 80-90% of HBM's datasheet bandwidth
@@ -53,10 +61,9 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from nbscaler.cost.flops import attention_flops
-from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.hardware import AttentionKind, Hardware
 from nbscaler.cost.local import OpCall
 
-MATMUL_EFFICIENCY = 0.80
 MATMUL_RAMP_S = 4e-6
 ATTENTION_EFFICIENCY = 0.55
 MEMORY_EFFICIENCY = 0.80
@@ -81,9 +88,10 @@ def _bytes(shapes) -> int:
     return sum(math.prod(s[0]) * s[1].itemsize for s in shapes)
 
 
-def matmul_seconds(flops: float, peak: float) -> float:
-    """Seconds of one matrix product of ``flops`` on a GPU of dense ``peak`` FLOP/s."""
-    return flops / (peak * MATMUL_EFFICIENCY) + MATMUL_RAMP_S if flops else 0.0
+def matmul_seconds(flops: float, peak: float, efficiency: float) -> float:
+    """Seconds of one matrix product of ``flops`` on a GPU of dense ``peak`` FLOP/s whose best
+    products reach ``efficiency`` of it."""
+    return flops / (peak * efficiency) + MATMUL_RAMP_S if flops else 0.0
 
 
 def memory_seconds(nbytes: float, bandwidth: float) -> float:
@@ -113,9 +121,12 @@ class RooflineOps:
             return 0.0, 0.0
         if node.op in MATMUL_OPS:             # the backward's products: one per operand with a gradient
             fwd_flops, products = node.meta["local_flops_fwd"], node.meta["flops_bwd"] / max(node.meta["flops_fwd"], 1)
-            t = max(matmul_seconds(fwd_flops, self.hardware.peak_flops(dtype)), KERNEL_FLOOR_S)
+            t = max(self._matmul(fwd_flops, dtype), KERNEL_FLOOR_S)
             return t, products * t
         if node.op == "attention":
+            if self.hardware.attention == AttentionKind.MATERIALIZED:
+                fwd, bwd = self._materialized_attention(op, dtype)
+                return fwd, (bwd if grads else 0.0)
             (q, _, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
             flops = attention_flops(q, k, v)
             t = flops / (self.hardware.peak_flops(dtype) * ATTENTION_EFFICIENCY)
@@ -127,6 +138,37 @@ class RooflineOps:
             return t, (max(memory_seconds(table + fwd_bytes, self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
                        if grads else 0.0)
         return t, (2 * t if grads else 0.0)
+
+    def _matmul(self, flops: float, dtype: torch.dtype) -> float:
+        return matmul_seconds(flops, self.hardware.peak_flops(dtype), self.hardware.matmul_efficiency)
+
+    def _kernel(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        """One kernel: its arithmetic (as a product) or its memory traffic, whichever is slower."""
+        return max(self._matmul(flops, dtype), memory_seconds(nbytes, self.hardware.memory_bytes_per_s),
+                   KERNEL_FLOOR_S)
+
+    def _materialized_attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
+        """Forward and backward seconds of attention with the scores written to memory: ``S = Q K^T``,
+        ``P = softmax(S)``, ``O = P V``; backward ``dP = dO V^T``, ``dV = P^T dO``, ``dS`` from ``P`` and
+        ``dP``, ``dQ = dS K``, ``dK = dS^T Q``."""
+        (q, qt, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
+        *lead, t, d = q
+        s, e = k[-2], v[-1]
+        item = qt.itemsize
+        pairs = math.prod(lead) * t * s                          # (B, heads, T, S) scores
+        scores = pairs * item
+        q_b, k_b, v_b = (math.prod(x) * item for x in (q, k, v))
+        o_b = math.prod(lead) * t * e * item
+        qk, pv = 2 * pairs * d, 2 * pairs * e
+        fwd = (self._kernel(qk, q_b + k_b + scores, dtype)                     # S = Q K^T
+               + self._kernel(0, 2 * scores, dtype)                            # P = softmax(S), fused
+               + self._kernel(pv, scores + v_b + o_b, dtype))                  # O = P V
+        bwd = (self._kernel(pv, o_b + v_b + scores, dtype)                     # dP = dO V^T
+               + self._kernel(pv, scores + o_b + v_b, dtype)                   # dV = P^T dO
+               + self._kernel(0, 3 * scores, dtype)                            # dS from P and dP
+               + self._kernel(qk, scores + k_b + q_b, dtype)                   # dQ = dS K
+               + self._kernel(qk, scores + q_b + k_b, dtype))                  # dK = dS^T Q
+        return fwd, bwd
 
     @staticmethod
     def _memory_bytes(op: OpCall) -> int:

@@ -24,7 +24,9 @@ this machine. What overlaps there: a tensor-parallel collective waits for the op
 blocks the one after, so it sits on the critical path, forward and backward; a pipeline's sends
 overlap the next block except their latency; the data-parallel gradient reduction runs bucket by
 bucket during the backward's last block, as DDP does, and only its first bucket (the gradients the
-backward produces last) and what exceeds that block's time add to the step.
+backward produces last) and what exceeds that block's time add to the step; on a target whose
+software waits for the backward to end (``Hardware.overlap_grad_reduce=False``, Megatron-LM before
+2023) all of it does. Gradients are reduced in the run's reduce dtype (``config.Precision``).
 
 What limits it: Python overhead between ops and the pipeline executor's bookkeeping (beyond
 starting its sends and receives) are not counted; ranks are assumed in step (none waits at a
@@ -45,7 +47,7 @@ import torch
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.layout import Layout
-from nbscaler.config import ComputeConfig, threads_per_rank
+from nbscaler.config import ComputeConfig, Precision, threads_per_rank
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
@@ -103,24 +105,34 @@ def device_params(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
     return [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
 
 
+def _reduced_bytes(params: List[LocalWeight], precision: Optional[Precision]) -> int:
+    """Bytes of ``params``' gradients as the reduction sends them: in ``precision``'s reduce dtype
+    (fp32 for a bf16 model with fp32 masters, as Megatron-LM and ``build_optimizer`` do)."""
+    if precision is None:
+        return sum(p.nbytes for p in params)
+    return sum(p.numel * precision.reduce_dtype(p.dtype).itemsize for p in params)
+
+
 def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                  geometry: Optional[PipelineGeometry], comm: CommModel,
-                 params: Optional[List[LocalWeight]] = None) -> List[Tuple[float, float]]:
+                 params: Optional[List[LocalWeight]] = None,
+                 precision: Optional[Precision] = None) -> List[Tuple[float, float]]:
     """Seconds of the gradient synchronisation per bucket of plan ``device`` (unit 0), in parameter
     order: ``(during, after)``, what may run while the backward goes on (partial gradients summed
     inside the unit for parameters stored ``R*``, the all-reduce across data-parallel units or
     ZeRO's reduce-scatter) and what waits for the optimizer step (ZeRO's all-gather). ``params``:
-    the device's parameters (``device_params``), when the caller has them already."""
+    the device's parameters (``device_params``), when the caller has them already; ``precision``:
+    the dtype gradients are reduced in (default: the parameters')."""
     params = params if params is not None else device_params(graphs, storage, device, geometry)
     out: List[Tuple[float, float]] = []
     for n in sorted({p.partial_over for p in params} - {1}):
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
         for bucket in buckets([p for p in params if p.partial_over == n]):
-            out.append((comm.forward("all_reduce", sum(p.nbytes for p in bucket), n, ranks=inside), 0.0))
+            out.append((comm.forward("all_reduce", _reduced_bytes(bucket, precision), n, ranks=inside), 0.0))
     grid = cfg.grid
     units = grid.dp_ranks(device)                  # the same device in every unit
     for bucket in buckets(params):
-        nbytes = sum(p.nbytes for p in bucket)
+        nbytes = _reduced_bytes(bucket, precision)
         if not cfg.use_zero:
             out.append((comm.forward("all_reduce", nbytes, cfg.units, ranks=units), 0.0))
             continue
@@ -134,14 +146,14 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
               geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None,
-              params: Optional[List[LocalWeight]] = None) -> float:
+              params: Optional[List[LocalWeight]] = None, precision: Optional[Precision] = None) -> float:
     """Seconds of the gradient synchronisation after the backward (``sync_buckets``).
 
     ``overlap_s=None``: all of it after the backward (a CPU rank computes and communicates on the
     same cores). Else, as DDP on a GPU: each bucket is reduced on its own stream as soon as the
     backward has produced it, during the backward's last ``overlap_s`` seconds; the first bucket
     (the first layers' gradients, produced last) and what does not fit in that time are exposed."""
-    times = sync_buckets(graphs, storage, cfg, device, geometry, comm, params)
+    times = sync_buckets(graphs, storage, cfg, device, geometry, comm, params, precision)
     if not times:
         return 0.0
     if overlap_s is None:
@@ -152,8 +164,10 @@ def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Compu
 
 def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                 geometry: Optional[PipelineGeometry], profiler: OpProfiler, optimizer: Type[torch.optim.Optimizer],
-                optimizer_kwargs: Dict[str, Any], params: Optional[List[LocalWeight]] = None) -> float:
-    """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled)."""
+                optimizer_kwargs: Dict[str, Any], params: Optional[List[LocalWeight]] = None,
+                precision: Optional[Precision] = None) -> float:
+    """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled); with
+    master copies (``precision``) the step streams them and their state in the master dtype."""
     params = params if params is not None else device_params(graphs, storage, device, geometry)
     if not params:
         return 0.0
@@ -162,7 +176,8 @@ def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
         numels = [-(-sum(p.numel for p in b) // n) for b in buckets(params)]
     else:
         numels = [p.numel for p in params]
-    return profiler.update(numels, params[0].dtype, optimizer, optimizer_kwargs)
+    dtype = (precision.master_of(params[0].dtype) if precision is not None else None) or params[0].dtype
+    return profiler.update(numels, dtype, optimizer, optimizer_kwargs)
 
 
 class StepModel:
@@ -179,7 +194,8 @@ class StepModel:
             hardware.check_ranks(cfg.runtime_ngpus)
         self.profiler = profiler or (RooflineOps(hardware) if on_target else profiler_for(cfg))
         self.comm = comm or (NcclModel(hardware) if on_target else comm_model.load(nranks=max(2, cfg.plan_ngpus)))
-        self.overlaps_sync = on_target       # a GPU reduces gradients on its own stream, during the backward
+        # a GPU reduces gradients on its own stream, during the backward, unless the target's software waits
+        self.overlaps_sync = on_target and hardware.overlap_grad_reduce
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         stages = {d: runs[d] if runs is not None else stage_runs(graphs, storage, d, geometry) for d in range(cfg.plan_ngpus)}
@@ -224,8 +240,10 @@ class StepModel:
         return Timeline(tuple(blocks), self.cfg.runtime_ngpus)
 
     def step_times(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                   optimizer_kwargs: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
-        """Predicted seconds of one training step per runtime rank."""
+                   optimizer_kwargs: Optional[Dict[str, Any]] = None,
+                   precision: Optional[Precision] = None) -> pd.DataFrame:
+        """Predicted seconds of one training step per runtime rank (gradients reduced and the update
+        run in ``precision``'s dtypes)."""
         kwargs = {"lr": 1e-3, **(optimizer_kwargs or {})}
         line = self.timeline(nsamples)
         compute = {rank: 0.0 for rank in range(self.cfg.runtime_ngpus)}
@@ -238,9 +256,9 @@ class StepModel:
             overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
             params = device_params(self.graphs, self.storage, device, self.geometry)
             after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
-                                       params),
+                                       params, precision),
                              update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
-                                         optimizer, kwargs, params))
+                                         optimizer, kwargs, params, precision))
         rows = []
         for rank in compute:
             sync, update = after[self.cfg.device_of(rank)]
@@ -258,7 +276,7 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                        optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                       hardware: Optional[Hardware] = None) -> pd.DataFrame:
+                       hardware: Optional[Hardware] = None, precision: Optional[Precision] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
 
     A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
@@ -266,9 +284,12 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
     ``hardware`` (or with ``Hardware.local()``), op times are profiled on this machine on first use
     (cached) and collectives use the calibrated alpha-beta model, or its defaults; with a target,
     ops take their roofline time (``cost.roofline``) and collectives NCCL's (``cost.nccl``).
+    ``precision`` (``build_optimizer``'s master and reduce dtypes) sets the bytes the gradient
+    reduction sends and the optimizer step streams.
     """
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).step_times(n, optimizer, optimizer_kwargs)
+    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).step_times(
+        n, optimizer, optimizer_kwargs, precision)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,

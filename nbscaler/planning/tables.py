@@ -20,6 +20,7 @@ import torch
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
+from nbscaler.config import Precision
 from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
@@ -170,7 +171,8 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
                           C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
-                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware)
+                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
+                               precision=Precision(master_dtype))
     frame = frame.merge(steps, on=C.RANK.value)
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return add_target_columns(plan, frame, hardware) if hardware is not None else frame
