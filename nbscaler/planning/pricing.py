@@ -109,10 +109,12 @@ class _Device:
                  *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
         key = (pdev, index, links)
         if key not in self._memo:
-            overlap = max(seconds(s, index)[1] for s in stages)
+            # the reduction hides in the backward only where the target's software overlaps it
+            overlap = max(seconds(s, index)[1] for s in stages) if self.hardware.overlap_grad_reduce else None
             kwargs = {"lr": 1e-3, **self.kwargs}
-            sync = sync_time(None, None, cfg, device, geometry, self.comm, overlap, params)
-            update = update_time(None, None, cfg, device, geometry, self.profiler, self.optimizer, kwargs, params)
+            sync = sync_time(None, None, cfg, device, geometry, self.comm, overlap, params, self.precision)
+            update = update_time(None, None, cfg, device, geometry, self.profiler, self.optimizer, kwargs, params,
+                                 self.precision)
             self._memo[key] = (sync, update, *self._work(pdev, index), self._peak(weights, params, stages, index, device))
         return self._memo[key]
 

@@ -31,11 +31,11 @@ def frame():
                           micro_batch=(1, 2), progress=False)
 
 
-def full_plan_figures(module, args, row, stack):
+def full_plan_figures(module, args, row, stack, target=TARGET):
     """The figures of ``row`` from ``plan.summary`` of its configuration, planned whole."""
-    plan = nbscaler.plan(module, args, "hybrid", config_of(row, TARGET.ngpus, stack), module_dtype=torch.bfloat16)
-    s = plan.summary(torch.optim.AdamW, hardware=TARGET, master_dtype=torch.float32)
-    step, peak = s.step_time_s.max(), TARGET.peak_flops(torch.bfloat16) * len(s)
+    plan = nbscaler.plan(module, args, "hybrid", config_of(row, target.ngpus, stack), module_dtype=torch.bfloat16)
+    s = plan.summary(torch.optim.AdamW, hardware=target, master_dtype=torch.float32)
+    step, peak = s.step_time_s.max(), target.peak_flops(torch.bfloat16) * len(s)
     return {"step_time_s": step, "peak_bytes": s.peak_bytes.max(), "mfu": s.flops.sum() / (step * peak),
             "hfu": s.hardware_flops.sum() / (step * peak), "tokens_per_s": s.tokens_per_s.iloc[0],
             "fits": bool(s.fits.all())}
@@ -65,6 +65,19 @@ def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recomput
     row = frame[(frame.tp == tp) & (frame.pp == pp) & (frame.micro_batch == micro_batch)
                 & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
     expected = full_plan_figures(GPT(GPT_CFG), tokens(micro_batch), row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+def test_a_row_on_a_target_without_overlap_or_flash_attention_is_the_full_plans_prediction():
+    """The target's software (scores materialised, the reduction after the backward) prices the sweep
+    as it prices the full plan."""
+    target = dataclasses.replace(TARGET, attention="materialized", overlap_grad_reduce=False)
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), target, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
+                           micro_batch=(1,), recompute=(True,), zero_stage=(0,), progress=False)
+    row = frame.iloc[0]
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"], target)
+    assert row.dp_comm_share > 0
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
 
