@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 CODE_CLASS = "nbs-hl"
 LINE_ID = "nbs-line"                 # each line is <span id="nbs-line-N">, for marking and scrolling
+SAVED_RANKS = 8                      # the most files the saved HTML holds (to_html)
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,13 +189,16 @@ class CodeView(View):
         """The files of the first unit's ranks, highlighted, each in a ``<details>`` (no script needed).
 
         Ranks of other units run their plan device's code (``rank % plan_ngpus``); their files differ
-        only in the rank number, so they are named, not repeated.
+        only in the rank number, so they are named, not repeated. A unit of more than
+        ``SAVED_RANKS`` devices saves the shown rank's file alone (the 64 files of an 80-layer plan
+        would weigh tens of MB); the live view shows any rank.
         """
         cfg = self.plan.config
         shown = self.rank % cfg.plan_ngpus
+        ranks = range(cfg.plan_ngpus) if cfg.plan_ngpus <= SAVED_RANKS else [shown]
         files = "".join(f"<details{' open' if r == shown else ''}><summary>{escape(self._same_code(r))}</summary>"
                         f'<div class="nbs-code-body">{self._source_html(r)}</div></details>'
-                        for r in range(cfg.plan_ngpus))
+                        for r in ranks)
         return (f'<div class="nbs-codeview nbs-static"><style>{highlight_css()}</style>'
                 f'<div class="nbs-title">{escape(repr(self.plan))}</div>{files}</div>'
                 ).encode("ascii", "xmlcharrefreplace").decode("ascii")
