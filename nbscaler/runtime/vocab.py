@@ -10,7 +10,8 @@
   numbers a row), and each device's result is its part of the loss (the log of the sum on the first
   device, minus the target's logit on the device that holds it), so the ``all_reduce`` that follows
   sums the parts into the loss. The backward needs no communication: each device's gradient is its
-  columns of ``softmax - one_hot(target)``.
+  columns of ``softmax - one_hot(target)``. The plan's collectives list that ``all_reduce`` of the
+  parts, not the two inside (two numbers a row, as a synchronised BatchNorm's statistics are not listed).
 
 Generated code calls them where a plan splits an embedding by rows or a cross-entropy by classes
 (``nbscaler.ir.layer_rules.vocab_parallel``) with ``start``, the first vocabulary entry the device holds.
