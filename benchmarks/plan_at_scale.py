@@ -47,7 +47,7 @@ def gpt_145b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hard
     from nbscaler.models.gpt import GPT, GPTConfig
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=51200, seq_len=SEQ, n_layer=layers, d_model=12288, n_head=96))
-    idx = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    idx = torch.zeros(1, SEQ, dtype=torch.long)          # real (CPU) inputs: the module is on meta, they are not
     args = {"batch": {"idx": idx, "targets": idx.clone()}}
     cfg = _pipeline(1536, {"recompute_modules": ["blocks"]})
     plan = lambda: nbscaler.plan(model, args, "hybrid", cfg, module_dtype=torch.bfloat16)
@@ -60,15 +60,34 @@ def llama_70b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Har
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    from tests.models.hf import LossOf
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    args = {"input_ids": ids, "labels": ids.clone()}
+        model = LossOf(LlamaForCausalLM(config).to(torch.bfloat16))     # forward(batch) -> loss, as training calls it
+    ids = torch.zeros(1, SEQ, dtype=torch.long)          # real (CPU) inputs, as for the GPT
+    args = {"batch": {"input_ids": ids, "labels": ids.clone()}}
     plan = lambda: nbscaler.plan(model, args, "hybrid", _pipeline(64, {}))
     return plan, Hardware.named("H100-SXM-80GB", nodes=8), Hardware.named("H200-SXM-141GB", nodes=8)
 
 
-MODELS = {"gpt-145.6B": gpt_145b, "llama-70B": llama_70b}
+def llama_8b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hardware]:
+    """Hugging Face's ``LlamaForCausalLM`` at Llama-3-8B's shape (hidden 4096, intermediate 14336,
+    32 layers, 32 heads, 8 key-value heads, vocabulary 128,256), ``tp`` on the 8 GPUs of one node."""
+    from tests.models import torchvision_ops
+    torchvision_ops.declare_missing_ops()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    from tests.models.hf import LossOf
+    with torch.device("meta"):
+        model = LossOf(LlamaForCausalLM(config).to(torch.bfloat16))     # forward(batch) -> loss, as training calls it
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    args = {"batch": {"input_ids": ids, "labels": ids.clone()}}
+    plan = lambda: nbscaler.plan(model, args, "tp", ComputeConfig(8, 8))
+    return plan, Hardware.named("H100-SXM-80GB"), Hardware.named("H200-SXM-141GB")
+
+
+MODELS = {"gpt-145.6B": gpt_145b, "llama-70B": llama_70b, "llama-8B": llama_8b}
+LAYERS = {"gpt-145.6B": 80, "llama-70B": 80, "llama-8B": 32}
 
 
 def _timed(fn: Callable[[], object]) -> Tuple[float, object]:
@@ -114,14 +133,15 @@ def table(rows: List[Tuple[str, int, Dict[str, float]]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--layers", type=int, default=80)
+    parser.add_argument("--models", nargs="+", default=["gpt-145.6B", "llama-70B"], choices=list(MODELS))
+    parser.add_argument("--layers", type=int, default=None, help="layers of every model (default: its own)")
     parser.add_argument("--print", action="store_true", help="print the table instead of writing the results file")
     opts = parser.parse_args()
     warnings.simplefilter("ignore")
     rows = []
     for name in opts.models:
-        rows.append((name, opts.layers, measure(name, opts.layers)))
+        layers = opts.layers or LAYERS[name]
+        rows.append((name, layers, measure(name, layers)))
         print(table(rows[-1:]), flush=True)
     text = table(rows)
     if not opts.print:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
+from nbscaler.codegen.vocab import vocab_call
 from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_call, local_shape,
                                   output_layout)
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
@@ -190,10 +191,8 @@ class ForwardEmitter:
         elif name in INPLACE_OPERATORS and not kwargs and len(args) == 2:
             self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
-        elif vocab_parallel(node):      # this device's rows of the table: a masked lookup
-            rows = node.inputs[1].shape[0] // place.parts
-            start = place.devices.index(self.device) * rows
-            self.lines.append(f"{lhs} = vocab_embedding({render(args[0])}, {render(args[1])}, {start})")
+        elif vocab_parallel(node):      # this device's share of the vocabulary
+            self.lines.append(f"{lhs} = {vocab_call(node, args, self.device, self.group(place.devices))}")
         elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
             call = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call[len('F.'):-1]}, group={self.group(place.devices)})")

@@ -19,10 +19,10 @@ from torch.utils._pytree import keystr
 
 from nbscaler.codegen.emitter import ForwardEmitter, runs_on
 from nbscaler.codegen.render import CodegenError, attr_name, user_op_alias
+from nbscaler.codegen.vocab import vocab_imports
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import RECOMPUTE_REGION, IRGraph, IRNode, IRTensor
-from nbscaler.ir.layer_rules import vocab_parallel
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.trace.guards import GUARD_OP
@@ -134,8 +134,8 @@ def generate(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], *, rank: in
         w("from torch.utils.checkpoint import checkpoint")
     if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
         w("from nbscaler.runtime.guards import expect_traced")
-    if any(vocab_parallel(n) for g in graphs.values() for n in g.nodes):
-        w("from nbscaler.runtime.vocab import vocab_embedding")
+    if vocab_imports(graphs):
+        w(vocab_imports(graphs))
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
     for target in user_targets:
         fn = USER_OPS[target]

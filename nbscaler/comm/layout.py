@@ -107,8 +107,8 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     place = place or node.placement
     if place is None or place.split is None:
         return Layout.replicated()
-    if index == 0 and vocab_parallel(node):        # each device looks up every token in its rows
-        return Layout.replicated()
+    if vocab_parallel(node) and not node.inputs[index].dtype.is_floating_point:
+        return Layout.replicated()      # token ids: each device looks every one up in its share of the vocabulary
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:
         return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))

@@ -122,11 +122,20 @@ def embedding(node: IRNode) -> OpAnnotation:
 
 
 def vocab_parallel(node: IRNode) -> bool:
-    """Whether ``node`` is an embedding split by vocabulary rows: every device then needs every
-    token, and generated code calls ``nbscaler.runtime.vocab.vocab_embedding`` with the first row
-    it holds."""
+    """Whether ``node`` is split by vocabulary: an embedding by its table's rows, or a
+    cross-entropy by its classes (the columns of the logits a column-parallel output head leaves).
+    Every device then reads the token ids whole, and generated code calls
+    ``nbscaler.runtime.vocab.vocab_embedding`` or ``vocab_cross_entropy`` with the first vocabulary
+    entry it holds (``vocab_share``)."""
     place = node.placement
-    return node.op == "embedding" and place is not None and place.split == "v"
+    if place is None or place.split is None:
+        return False
+    return (node.op, place.split) in (("embedding", "v"), ("loss", "c"))
+
+
+def vocab_share(node: IRNode) -> int:
+    """How many vocabulary entries each device of a ``vocab_parallel`` node holds."""
+    return node.annotation.sizes[node.placement.split] // node.placement.parts
 
 
 def attention(node: IRNode) -> OpAnnotation:
@@ -167,9 +176,13 @@ def _gqa(node: IRNode, text: str) -> OpAnnotation:
                               frozen=from_shapes.frozen - {"h"}, sizes=sizes)
 
 
+CROSS_ENTROPY = "torch.nn.functional.cross_entropy"
+
+
 def loss(node: IRNode) -> OpAnnotation:
-    """cross_entropy / nll_loss / mse_loss: a sum splits over samples, a mean stays whole."""
-    reduction_kind = arg(node, {"torch.nn.functional.mse_loss": 4}.get(node.target, 5), "reduction", "mean")
+    """cross_entropy / nll_loss / mse_loss: a sum splits over samples, a mean stays whole. A plain
+    cross-entropy of ``(N, C)`` logits (``vocab_cross_entropy``) also splits its classes ``C``."""
+    reduction_kind = arg(node, {"torch.nn.functional.mse_loss": 4}.get(node.target, 6), "reduction", "mean")
     x = node.inputs[0]
     out = node.output_tensors[0]
     if node.target == "torch.nn.functional.mse_loss":
@@ -192,5 +205,17 @@ def loss(node: IRNode) -> OpAnnotation:
     weight = ", c^" if len(node.inputs) == 3 else ""
     outs = samples if reduction_kind == "none" else ""
     first = samples.split(" ", 1)
-    xin = " ".join([first[0], "c^"] + first[1:])
+    classes = "c+" if _vocab_parallel_loss(node) else "c^"
+    xin = " ".join([first[0], classes] + first[1:])
     return fixed(f"{xin}, {samples}{weight} -> {outs}")(node)
+
+
+def _vocab_parallel_loss(node: IRNode) -> bool:
+    """Whether a cross-entropy may split its classes across devices (``vocab_cross_entropy``):
+    ``(N, C)`` logits, class indices as targets, no class weights, no label smoothing and no
+    legacy ``size_average``/``reduce`` (``reduction`` is one of mean, sum, none). Each
+    device's part of the loss is then a partial sum of the whole (``+``)."""
+    x, target = node.inputs[0], node.inputs[1]
+    return (node.target == CROSS_ENTROPY and x.ndim == 2 and target.ndim == 1 and len(node.inputs) == 2
+            and not target.dtype.is_floating_point and arg(node, 7, "label_smoothing", 0.0) == 0.0
+            and arg(node, 3, "size_average") is None and arg(node, 5, "reduce") is None)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import pandas as pd
 import torch
@@ -61,6 +62,30 @@ def module_name(module_class: type) -> str:
     return f"{module_class.__module__}.{module_class.__qualname__}"
 
 
+class PerRank(Mapping):
+    """A read-only mapping ``rank -> value`` over ranks ``0 .. n - 1`` whose values are made when
+    first read (``make(rank)``) and kept."""
+
+    def __init__(self, n: int, make: Callable[[int], Any]) -> None:
+        self._n, self._make, self._made = n, make, {}
+
+    def __getitem__(self, rank: int) -> Any:
+        if rank not in self:
+            raise KeyError(rank)
+        if rank not in self._made:
+            self._made[rank] = self._make(rank)
+        return self._made[rank]
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and 0 <= rank < self._n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._n))
+
+    def __len__(self) -> int:
+        return self._n
+
+
 @dataclass(eq=False)
 class Plan:
     """A placed, checked and costed compile of one module under one policy and compute config."""
@@ -88,18 +113,18 @@ class Plan:
         return self.geometry.schedule if self.geometry is not None else None
 
     @property
-    def sources(self) -> Dict[int, str]:
-        """Runtime rank -> the text of its ``gencode{rank}.py``."""
-        return {r: text for r, (text, _) in self._generated.items()}
+    def sources(self) -> Mapping[int, str]:
+        """Runtime rank -> the text of its ``gencode{rank}.py`` (each generated when first read)."""
+        return PerRank(self.config.runtime_ngpus, lambda r: self._generated[r][0])
 
     @property
-    def source_lines(self) -> Dict[int, Dict[int, List[int]]]:
+    def source_lines(self) -> Mapping[int, Dict[int, List[int]]]:
         """Runtime rank -> node index of ``graph`` -> the lines (1-based) of ``sources[rank]`` that
         run it: its call and the collectives its inputs needed. A node a rank does not run is absent."""
         mode = next(m for m, g in self.graphs.items() if g is self.graph)
         index = {n.name: i for i, n in enumerate(self.graph.nodes)}
-        return {r: {index[name]: lines for name, lines in per_mode.get(mode, {}).items()}
-                for r, (_, per_mode) in self._generated.items()}
+        return PerRank(self.config.runtime_ngpus, lambda r: {index[name]: lines for name, lines
+                                                             in self._generated[r][1].get(mode, {}).items()})
 
     def rank_nodes(self, rank: int) -> List[int]:
         """Indexes of the nodes of ``graph`` that runtime ``rank`` runs, without generating its code."""
@@ -108,17 +133,18 @@ class Plan:
         return sorted({index[id(n)] for sec in sections if sec.graph is self.graph for n in sec.nodes()})
 
     @functools.cached_property
-    def _generated(self) -> Dict[int, Tuple[str, Dict[str, Dict[str, List[int]]]]]:
-        """Runtime rank -> (source text, mode -> node name -> line numbers), generated once."""
+    def _generated(self) -> "PerRank":
+        """Runtime rank -> (source text, mode -> node name -> line numbers), each rank generated once,
+        when first asked: a view of one rank of a 64-device plan generates one file, not 64."""
+        return PerRank(self.config.runtime_ngpus, self._generate)
+
+    def _generate(self, rank: int) -> Tuple[str, Dict[str, Dict[str, List[int]]]]:
         cfg = self.config
-        out = {}
-        for r in range(cfg.runtime_ngpus):
-            lines: Dict[str, Dict[str, List[int]]] = {}
-            text = generate(self.graphs, self.storage, rank=r, plan_ngpus=cfg.plan_ngpus,
-                            runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
-                            policy_name=self.policy_name, geometry=self.geometry, line_map=lines)
-            out[r] = (text, lines)
-        return out
+        lines: Dict[str, Dict[str, List[int]]] = {}
+        text = generate(self.graphs, self.storage, rank=rank, plan_ngpus=cfg.plan_ngpus,
+                        runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
+                        policy_name=self.policy_name, geometry=self.geometry, line_map=lines)
+        return text, lines
 
     # -- tables -----------------------------------------------------------------------------------
     @functools.cached_property

@@ -10,7 +10,10 @@
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
-  Embeddings stay whole, so the residual stream they start stays replicated, as in Megatron.
+  Both ends of a language model split by vocabulary, as in Megatron-LM: a plain embedding by its
+  table's rows (its partial lookups all-reduced, so the residual stream starts replicated), and the
+  cross-entropy by the classes the column-parallel output head leaves split
+  (``nbscaler.runtime.vocab``), so the logits are never gathered.
   A fused projection whose output is cut into blocks (``q, k, v = qkv(x).split(C, dim=2)``,
   GPT-2's ``c_attn``, timm's ``(B, T, 3, nh, hs)`` view, or unequal blocks for grouped-query
   attention) is split strided, so each device holds its own heads of q, k and v and attention runs

@@ -51,9 +51,9 @@ CASES = [
     ("sigmoid", lambda m, x, y: torch.sigmoid(x), (torch.randn(2, 8),), (), ["d0", "d1"], []),
     ("dropout", lambda m, x, y: F.dropout(x, 0.1, training=False), (torch.randn(2, 8),), (), ["d0", "d1"], []),
     ("cross_entropy sum", lambda m, x, y: F.cross_entropy(x, y, reduction="sum"),
-     (torch.randn(4, 5), torch.zeros(4, dtype=torch.long)), (), [], ["n"]),
-    ("cross_entropy mean", lambda m, x, y: F.cross_entropy(x, y), (torch.randn(4, 5), torch.zeros(4, dtype=torch.long)),
-     (), [], []),
+     (torch.randn(4, 6), torch.zeros(4, dtype=torch.long)), (), [], ["n", "c"]),
+    ("cross_entropy mean", lambda m, x, y: F.cross_entropy(x, y), (torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
+     (), [], ["c"]),
     ("mse_loss sum", lambda m, x, y: F.mse_loss(x, y, reduction="sum"), (torch.randn(4, 6), torch.randn(4, 6)), (),
      [], ["d0", "d1"]),
     ("broadcast add", lambda m, x, y: x + y, (torch.randn(2, 4, 8), torch.randn(8)), (), ["d0", "d1", "d2"], []),
@@ -158,3 +158,18 @@ def test_an_embedding_splits_its_vocabulary_only_when_the_lookup_is_plain():
     for kwargs in ({"padding_idx": 0}, {"max_norm": 1.0}):
         node = annotation_of(lambda m, x, y: F.embedding(x, m.p0, **kwargs), ids, params=table)
         assert node.annotation.can_split("v", 2) is not None, kwargs
+
+
+def test_a_cross_entropy_splits_its_classes_only_when_plain():
+    """(N, C) logits against class indices leave partial sums of the loss when the classes split
+    (the vocabulary-parallel cross-entropy); class weights, label smoothing or classes on another
+    axis than the last keep them whole."""
+    logits, target = torch.randn(4, 6), torch.zeros(4, dtype=torch.long)
+    plain = annotation_of(lambda m, x, y: F.cross_entropy(x, y, ignore_index=0), logits, target).annotation
+    assert plain.can_split("c", 2) is None and "c" in plain.reduce
+    for fn in (lambda m, x, y: F.cross_entropy(x, y, weight=torch.ones(6)),
+               lambda m, x, y: F.cross_entropy(x, y, label_smoothing=0.1),
+               lambda m, x, y: F.cross_entropy(x.view(2, 2, 6).transpose(1, 2), y.view(2, 2))):
+        ann = annotation_of(fn, logits, target).annotation
+        assert ann.can_split("c", 2) is not None, ann
+    assert annotation_of(lambda m, x, y: F.nll_loss(x, y), logits, target).annotation.can_split("c", 2) is not None

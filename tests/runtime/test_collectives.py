@@ -6,7 +6,6 @@ import torch.distributed as dist
 
 from nbscaler.runtime import collectives as comm
 from nbscaler.runtime.groups import get_group
-from nbscaler.runtime.vocab import vocab_embedding
 from tests.multiprocess import run_ranks
 
 
@@ -108,19 +107,3 @@ def test_collectives_forward_and_backward(world):
         y, g = o["first_only"]
         assert torch.equal(y, full if r == 0 else torch.zeros_like(full)) and torch.equal(g, torch.ones_like(full))
 
-
-def test_vocab_embedding_parts_sum_to_the_whole_lookup():
-    """Each device's masked lookup in its rows; the sum over devices is the lookup in the whole
-    table, and each device's gradient is the whole table's gradient restricted to its rows."""
-    table = torch.randn(12, 5, requires_grad=True)
-    tokens = torch.tensor([[0, 3, 11, 4], [7, 7, 2, 8]])
-    expected = torch.nn.functional.embedding(tokens, table)
-    upstream = torch.randn_like(expected)
-    (expected * upstream).sum().backward()
-    for parts in (2, 3, 4):
-        rows = [table.detach()[i * 12 // parts:(i + 1) * 12 // parts].clone().requires_grad_() for i in range(parts)]
-        outs = [vocab_embedding(tokens, w, i * 12 // parts) for i, w in enumerate(rows)]
-        assert torch.allclose(sum(outs), expected)
-        for w, out in zip(rows, outs):
-            (out * upstream).sum().backward()
-        assert torch.allclose(torch.cat([w.grad for w in rows]), table.grad)

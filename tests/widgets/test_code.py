@@ -102,3 +102,24 @@ def test_to_html_is_self_contained(plan):
     assert page.isascii()                                    # right under any page charset
     bundle = code._repr_mimebundle_()
     assert bundle["text/html"] == page and "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_a_view_generates_only_the_ranks_it_shows(plan):
+    """A rank's file is generated when first read: opening rank 2 of a fresh plan writes that file
+    alone (a 64-device plan's view would otherwise generate 64 files first)."""
+    fresh = plan.replan("tp", plan.config)
+    view = CodeView(fresh, rank=2)
+    assert list(fresh._generated._made) == [2]
+    assert 2 in fresh.sources and 9 not in fresh.sources and sorted(fresh.sources) == [0, 1, 2, 3]
+    view.rank = 1
+    assert sorted(fresh._generated._made) == [1, 2]
+
+
+def test_the_saved_html_of_a_wide_unit_holds_the_shown_file_alone(plan):
+    """Up to SAVED_RANKS devices every file of the unit is saved; beyond, the shown rank's alone."""
+    from nbscaler.widgets.code import SAVED_RANKS
+    assert CodeView(plan).to_html().count("<details") == plan.config.plan_ngpus <= SAVED_RANKS
+    wide = plan.replan("tp", ComputeConfig(2 * SAVED_RANKS, 2 * SAVED_RANKS))
+    page = CodeView(wide, rank=5).to_html()
+    assert page.count("<details") == 1 and "rank 5: gencode5.py" in page
+    assert list(wide._generated._made) == [5]

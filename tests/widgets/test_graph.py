@@ -108,7 +108,7 @@ def test_op_edges_carry_their_own_collectives(plan):
             checked += bool(len(mine))
     assert checked >= 3
     svg = view.widget.svgs["logical"]
-    assert re.search(r'class="nbs-edge-label"[^>]*>all_gather', svg)       # the collective named on its edge
+    assert re.search(r'class="nbs-edge-label"[^>]*>all_reduce · sum_grad', svg)   # the collectives named on their edge
 
 
 def test_selection_reveals_and_details(plan):
