@@ -1,7 +1,7 @@
 """What ``nbscaler.sweep`` would run instead of each published run, and how much faster it predicts.
 
 For each row of ``benchmarks.published_runs`` the shipped GPT at the row's size is swept on the
-row's hardware, GPUs and software (``published_runs.megatron_2021``; ``nbscaler.sweep``: tp in {1, 2, 4, 8}, pp in {1, 2, 4, 8, 16} up to the
+row's hardware, GPUs and software (``PublishedRun.hardware``; ``nbscaler.sweep``: tp in {1, 2, 4, 8}, pp in {1, 2, 4, 8, 16} up to the
 layers, micro-batches of 1, 2, 4 or 8 sequences, recomputation on and off, no ZeRO or ZeRO-1, Adam
 with fp32 master weights as Megatron-LM keeps them). The published configuration is the sweep's
 fastest fitting row with the row's ``t`` and ``p``, full recomputation and no ZeRO (the paper gives
@@ -22,7 +22,6 @@ import pandas as pd
 import torch
 
 import nbscaler
-from nbscaler import Hardware
 from nbscaler.models.gpt import GPT, GPTConfig
 
 TP, MICRO, ZERO = (1, 2, 4, 8), (1, 2, 4, 8), (0, 1)
@@ -33,8 +32,7 @@ def sweep_run(run, vocab: int, seq: int) -> pd.DataFrame:
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=run.layers, d_model=run.hidden, n_head=run.heads))
     idx = torch.zeros(1, seq, dtype=torch.long)
-    from benchmarks.published_runs import megatron_2021
-    hardware = megatron_2021(nodes=run.gpus // 8)       # the software the published run had, as its table prices it
+    hardware = run.hardware()              # with the software the published run had, as its table prices it
     pp = tuple(p for p in (1, 2, 4, 8, 16) if p <= run.layers)
     return nbscaler.sweep(model, {"batch": {"idx": idx, "targets": idx}}, hardware, global_batch=run.batch, tp=TP, pp=pp,
                           micro_batch=MICRO, zero_stage=ZERO, optimizer=torch.optim.Adam, master_dtype=torch.float32,
@@ -83,7 +81,7 @@ def table(runs: List, vocab: int, seq: int) -> str:
         frame = sweep_run(run, vocab, seq)
         seconds = time.perf_counter() - start
         best, published = frame.iloc[0], published_row(frame, run)
-        capacity = Hardware.named(run.hardware).memory_bytes
+        capacity = run.hardware().memory_bytes
         lines.append(f"| {run.params_b} | {run.gpus} | {config(published)} | {published.step_time_s:.2f} | "
                      f"{config(best)} | {best.step_time_s:.2f} | {published.step_time_s / best.step_time_s:.2f}x | "
                      f"{best.peak_bytes / 1e9:.1f} | {why(best, published, capacity)} | {seconds:.0f} |")
