@@ -9,7 +9,8 @@ every timed block so the slowest rank sets the time. It reports:
   and the median ratio of CPU time summed over the ranks, steadier on a loaded machine;
 - the bytes of parameters, gradients and optimizer state each side holds per rank after a step
   (the largest rank), and the most bytes a rank held at once during a step, activations included
-  (and the most of them that were activations), counted for both sides by PyTorch's ``MemTracker``
+  (and how many of them were activations and backward temporaries at that moment), counted for both
+  sides by PyTorch's ``MemTracker``
   (``native_sides.peak_step_bytes``);
 - the most bytes autograd holds saved for the backward at once during the first step, per rank,
   counted on both sides by one saved-tensor hook (``native_sides.counting_saved``);
@@ -161,8 +162,8 @@ def _mib(parts) -> str:
 
 
 def _peak(peak) -> str:
-    total, activations = (x / MiB for x in peak)
-    return f"{total:.2f} ({activations:.2f})"
+    total, activations, temporaries = (x / MiB for x in peak)
+    return f"{total:.2f} ({activations:.2f} / {temporaries:.2f})"
 
 
 def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[str, str], reps: int, steps: int) -> str:
@@ -180,7 +181,8 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         "same for CPU time summed over the ranks (median), which the load inflates less. MiB per rank = "
         "parameters + gradients + optimizer state held after a step (the largest rank). Peak MiB = the most "
         "a rank held at once during a step, activations included, as PyTorch's MemTracker counts it for "
-        "both sides (the largest rank); in brackets, the most of it that were activations. Saved MiB = the "
+        "both sides (the largest rank); in brackets, how much of it were activations / backward "
+        "temporaries (gradients of activations, reduction buffers) at that moment. Saved MiB = the "
         "most bytes autograd held saved for the backward at once during the first step (the largest rank), "
         "counted on both sides by the same saved-tensor hook.",
         "",

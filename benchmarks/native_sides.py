@@ -154,12 +154,13 @@ def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[int
     return (storage_bytes(params), storage_bytes([p.grad for p in params + updated]), storage_bytes(extra + state))
 
 
-def peak_step_bytes(side: "Side") -> Tuple[int, int]:
-    """``(total, activations)``: the most bytes this rank held at once during one step, and the most
-    of them that were activations (what autograd saved in the step), as PyTorch's ``MemTracker``
-    counts them (every tensor allocated in the step, plus the module's, the optimizer's parameters
-    and its state held from before); the same instrument for both sides, so nothing
-    nbscaler-specific decides the comparison."""
+def peak_step_bytes(side: "Side") -> Tuple[int, int, int]:
+    """``(total, activations, temporaries)``: the most bytes this rank held at once during one step,
+    and how many of them were activations (allocated in the forward and still alive) and backward
+    temporaries (allocated in the backward: gradients of activations, collective buffers), as
+    PyTorch's ``MemTracker`` counts them (every tensor allocated in the step, plus the module's, the
+    optimizer's parameters and its state held from before); the same instrument for both sides, so
+    nothing nbscaler-specific decides the comparison."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     inner = getattr(side.optimizer, "optim", side.optimizer)
     tracker = MemTracker()
@@ -167,8 +168,8 @@ def peak_step_bytes(side: "Side") -> Tuple[int, int]:
     with tracker:
         side.step()
     peak = tracker.get_tracker_snapshot("peak").values()
-    return (int(sum(per_device["Total"] for per_device in peak)),
-            int(sum(per_device[_MemRefType.ACT] for per_device in peak)))
+    return tuple(int(sum(per_device[key] for per_device in peak))
+                 for key in ("Total", _MemRefType.ACT, _MemRefType.TEMP))
 
 
 def counting_saved(side: "Side") -> Tuple[float, int]:

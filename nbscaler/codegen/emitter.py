@@ -15,6 +15,7 @@ from __future__ import annotations
 import linecache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from nbscaler.codegen.liveness import release_dead
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
 from nbscaler.codegen.vocab import vocab_call
@@ -109,6 +110,7 @@ class ForwardEmitter:
             self.lines.append(f"return {{{items}}}")
         else:
             self.lines.append(f"return {self._render_outputs(self.graph.outputs, group)}")
+        self.lines = release_dead(self.lines)       # each local freed after its last use
         return self.lines
 
     def emit_nodes(self, nodes: Sequence[IRNode]) -> None:
