@@ -22,6 +22,7 @@ from nbscaler.comm.layout import (Layout, conversion, input_requirement, local_c
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
 from nbscaler.ir.registry import spec_of
+from nbscaler.layouts import LayoutKind
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
 
@@ -53,7 +54,7 @@ class ForwardEmitter:
         """The variable holding ``t`` in layout ``want``, emitting the collectives on first use."""
         if id(t) not in self.have:
             raise CodegenError(f"{t.name} is used before it is computed on device {self.device}")
-        if want.kind == "R*" and not self.grad.get(id(t), False):
+        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
             want = Layout.replicated()        # no gradient to sum
         known = self.vars[id(t)]
         if want in known:

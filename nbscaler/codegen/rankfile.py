@@ -24,6 +24,7 @@ from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import RECOMPUTE_REGION, IRGraph, IRNode, IRTensor
 from nbscaler.ir.layer_rules import vocab_parallel
 from nbscaler.ir.registry import USER_OPS
+from nbscaler.layouts import LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.trace.guards import GUARD_OP
 
@@ -228,10 +229,10 @@ def _weight_specs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sectio
         lay = storage.get(name, Layout.replicated())
         devices = node.placement.devices
         text = f"{name!r}, {t.kind!r}, {tuple(t.shape)!r}, {t.dtype}, devices={devices!r}"
-        if lay.kind == "S":
+        if lay.kind == LayoutKind.SPLIT:
             text += f", split_dim={lay.dim}, parts={len(devices)}, index={devices.index(view)}"
             text += f", blocks={lay.blocks}" if lay.blocks != 1 else ""
-        if lay.kind == "R*":
+        if lay.kind == LayoutKind.SUM_GRAD:
             text += ", partial_grads=True"
         if geometry is not None and stage is not None:
             replicas = _copies_of(name, graphs, geometry, stage, devices.index(view))

@@ -7,7 +7,7 @@ generated code. Each forward step gets a row; when its backward is a collective 
 of a ``chunk`` is an all-gather, of a ``sum_grad`` an all-reduce), that gets a row of its own.
 
 Bytes are those each device of the group *sends* with ring algorithms, for a tensor of ``T`` bytes
-over ``n`` devices:
+over ``n`` devices (``nbscaler.layouts.COLLECTIVES`` holds these shares):
 
 =========================  ==========================  =====================================
 collective                 forward, per device         backward, per device
@@ -36,27 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from nbscaler.comm.layout import Layout, Step, conversion, input_requirement, output_layout
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-
-#: The collective that carries each forward step's gradient, and its bytes per device as a
-#: fraction of the whole tensor for ``n`` devices (``None``: the backward is local).
-_FORWARD_SHARE = {
-    "all_gather": lambda n: (n - 1) / n,
-    "all_gather_sum_grad": lambda n: (n - 1) / n,
-    "chunk": lambda n: 0.0,
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n ** 2,
-    "sum_grad": lambda n: 0.0,
-    "first_only": lambda n: 0.0,
-}
-_BACKWARD = {
-    "all_gather_sum_grad": ("reduce_scatter", lambda n: (n - 1) / n),
-    "chunk": ("all_gather", lambda n: (n - 1) / n),
-    "reduce_scatter": ("all_gather", lambda n: (n - 1) / n),
-    "all_to_all": ("all_to_all", lambda n: (n - 1) / n ** 2),
-    "sum_grad": ("all_reduce", lambda n: 2 * (n - 1) / n),
-}
-
+from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind
 
 @dataclass(frozen=True)
 class CommStep:
@@ -137,7 +117,7 @@ class _LayoutWalk:
                stage: Optional[int]) -> None:
         if id(t) not in self.have:
             return                                 # code generation reports the error
-        if want.kind == "R*" and not self.grad.get(id(t), False):
+        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
             want = Layout.replicated()             # no gradient to sum
         if want in self.known[id(t)]:
             return
@@ -148,21 +128,22 @@ class _LayoutWalk:
 
     def _record(self, t: IRTensor, step: Step, have: Layout, want: Layout, devices: Tuple[int, ...],
                 consumer: Optional[IRNode], stage: Optional[int]) -> None:
-        n = len(devices)
+        n, spec = len(devices), COLLECTIVES[step.fn]
         row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None,
                    consumer=consumer.name if consumer is not None else None,
                    consumer_index=self.index.get(id(consumer)) if consumer is not None else None,
                    have=str(have), want=str(want), devices=tuple(devices), tensor_bytes=t.nbytes, stage=stage)
         self.steps.append(CommStep(collective=step.fn, phase="F",
-                                   bytes_per_device=round(_FORWARD_SHARE[step.fn](n) * t.nbytes), **row))
-        if step.fn in _BACKWARD and self.grad.get(id(t), False):
-            fn, share = _BACKWARD[step.fn]
-            self.steps.append(CommStep(collective=fn, phase="B", bytes_per_device=round(share(n) * t.nbytes), **row))
+                                   bytes_per_device=round(spec.forward_share(n) * t.nbytes), **row))
+        if spec.backward is not None and self.grad.get(id(t), False):
+            self.steps.append(CommStep(collective=spec.backward, phase="B",
+                                       bytes_per_device=round(spec.backward_share(n) * t.nbytes), **row))
 
     def _send(self, t: IRTensor, group: Tuple[int, ...], next_group: Tuple[int, ...], stage: int) -> None:
         """``t`` crosses from ``stage`` to the next: each device sends it whole to its counterpart."""
         row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None, consumer=None,
-                   consumer_index=None, have="R", want="R", collective="send_recv",
+                   consumer_index=None, have=str(LayoutKind.REPLICATED), want=str(LayoutKind.REPLICATED),
+                   collective=Collective.SEND_RECV,
                    tensor_bytes=t.nbytes, bytes_per_device=t.nbytes)
         self.steps.append(CommStep(phase="F", stage=stage, devices=group, **row))
         if self.grad.get(id(t), False):            # the gradient goes back from the next stage

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 from nbscaler.comm.layout import Layout, conversion, input_requirement, local_call, output_layout
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs
 from nbscaler.ir.registry import USER_OPS, spec_of
+from nbscaler.layouts import Collective, LayoutKind
 
 
 def grad_flow(graph: IRGraph) -> Dict[int, bool]:
@@ -135,7 +136,7 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def _local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
     shape = list(shape)
-    if layout.kind == "S":
+    if layout.kind == LayoutKind.SPLIT:
         shape[layout.dim] //= parts
     return tuple(shape)
 
@@ -160,16 +161,16 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
     gather = lambda t, d: torch.cat([torch.empty_like(t) for _ in range(n)], dim=d)
     piece = lambda t, d: t.chunk(n, dim=d)[index].contiguous()
     impl = {
-        "all_gather": lambda t: gather(t, dim),
-        "all_gather_sum_grad": lambda t: gather(t, dim),
-        "chunk": lambda t: piece(t, dim),
-        "all_reduce": lambda t: t.contiguous().clone(),
-        "reduce_scatter": lambda t: piece(t.contiguous().clone(), dim),
-        "all_to_all": lambda t: piece(gather(t, dim2), dim),
-        "sum_grad": lambda t: t.view_as(t),
-        "first_only": lambda t: t.view_as(t) if index == 0 else torch.zeros_like(t),
+        Collective.ALL_GATHER: lambda t: gather(t, dim),
+        Collective.ALL_GATHER_SUM_GRAD: lambda t: gather(t, dim),
+        Collective.CHUNK: lambda t: piece(t, dim),
+        Collective.ALL_REDUCE: lambda t: t.contiguous().clone(),
+        Collective.REDUCE_SCATTER: lambda t: piece(t.contiguous().clone(), dim),
+        Collective.ALL_TO_ALL: lambda t: piece(gather(t, dim2), dim),
+        Collective.SUM_GRAD: lambda t: t.view_as(t),
+        Collective.FIRST_ONLY: lambda t: t.view_as(t) if index == 0 else torch.zeros_like(t),
     }[fn]
-    if fn == "sum_grad" and not x.requires_grad:
+    if fn == Collective.SUM_GRAD and not x.requires_grad:
         return x
     return _Apply.apply(x, impl) if x.requires_grad else impl(x)
 
@@ -194,7 +195,7 @@ class _Replay:
         self.values.setdefault(id(t), {})[layout] = value
 
     def fetch(self, t: IRTensor, want: Layout, devices: Tuple[int, ...], consumer: Optional[str]) -> torch.Tensor:
-        if want.kind == "R*" and not self.grad.get(id(t), False):
+        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
             want = Layout.replicated()
         known = self.values[id(t)]
         if want in known:

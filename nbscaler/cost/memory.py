@@ -49,6 +49,7 @@ from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
 from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
 
 BUCKET_BYTES = 25 * 2**20          # the runtime reducer's bucket size
@@ -212,7 +213,7 @@ def _program_key(nodes: List[IRNode], device: int, stage: Optional[int]) -> Tupl
     return stage, mine, tuple(sorted({d for n in nodes for d in n.placement.devices}))
 
 
-_CUTS = {"chunk": 1, "reduce_scatter": 1, "all_to_all": 0}     # collectives that keep one piece of n
+_CUTS = {Collective.CHUNK: 1, Collective.REDUCE_SCATTER: 1, Collective.ALL_TO_ALL: 0}     # collectives that keep one piece of n
 
 
 def _first(device: int, group: Tuple[int, ...]) -> bool:
@@ -230,7 +231,7 @@ def _shares(run: LocalRun, device: int) -> bool:
             continue
         if c.fn in _CUTS and not (c.in_bytes > 0 and c.out_bytes * len(c.devices) ** _CUTS[c.fn] == c.in_bytes):
             return False
-        if c.fn == "first_only" and _first(device, c.devices) != _first(run.device, c.devices):
+        if c.fn == Collective.FIRST_ONLY and _first(device, c.devices) != _first(run.device, c.devices):
             return False
     return True
 

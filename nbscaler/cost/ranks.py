@@ -19,6 +19,7 @@ import torch
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRTensor
+from nbscaler.layouts import LayoutKind
 from nbscaler.schedule import PipelineGeometry
 
 
@@ -94,9 +95,9 @@ def local_weights(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
             continue
         shape = list(t.shape)
         lay = storage.get(name, Layout.replicated())
-        if lay.kind == "S":
+        if lay.kind == LayoutKind.SPLIT:
             shape[lay.dim] //= readers[name]
-        partial = readers[name] if lay.kind == "R*" else 1
+        partial = readers[name] if lay.kind == LayoutKind.SUM_GRAD else 1
         stages = tuple(sorted(s for s in trained.get(name, ()) if s is not None))
         out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, partial, stages))
     return out

@@ -52,6 +52,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_size
 from nbscaler.cost.nccl import NcclModel
+from nbscaler.layouts import Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, stage_io, train_graph
 from nbscaler.cost.roofline import RooflineOps
@@ -116,18 +117,18 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
     for n in sorted({p.partial_over for p in params} - {1}):
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
         for bucket in buckets([p for p in params if p.partial_over == n]):
-            out.append((comm.forward("all_reduce", sum(p.nbytes for p in bucket), n, ranks=inside), 0.0))
+            out.append((comm.forward(Collective.ALL_REDUCE, sum(p.nbytes for p in bucket), n, ranks=inside), 0.0))
     units = [device + u * cfg.plan_ngpus for u in range(cfg.units)]    # the same device in every unit
     for bucket in buckets(params):
         nbytes = sum(p.nbytes for p in bucket)
         if not cfg.use_zero:
-            out.append((comm.forward("all_reduce", nbytes, cfg.units, ranks=units), 0.0))
+            out.append((comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0))
             continue
         n = zero_group_size(cfg)
         shard = -(-nbytes // n)
-        during = (comm.forward("reduce_scatter", shard * n, n, ranks=units[:n])
-                  + comm.forward("all_reduce", shard, cfg.zero_ngroups, ranks=units[::n]))
-        out.append((during, comm.forward("all_gather", shard, n, ranks=units[:n])))
+        during = (comm.forward(Collective.REDUCE_SCATTER, shard * n, n, ranks=units[:n])
+                  + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=units[::n]))
+        out.append((during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=units[:n])))
     return out
 
 

@@ -22,6 +22,7 @@ from nbscaler.comm.traffic import CommStep
 from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
+from nbscaler.layouts import Collective
 from nbscaler.planning.on_target import add_target_columns
 from nbscaler.units import fmt_count
 
@@ -110,13 +111,13 @@ def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
         if (stage, phase, where) not in ring_sr:
             rows = [(c, b) for p, s, g, c, b in records
                     if p == phase and where in g and (stage is None or s == stage)]
-            ring_sr[(stage, phase, where)] = (float(sum(b for c, b in rows if c != "send_recv")),
-                                              float(sum(b for c, b in rows if c == "send_recv")))
+            ring_sr[(stage, phase, where)] = (float(sum(b for c, b in rows if c != Collective.SEND_RECV)),
+                                              float(sum(b for c, b in rows if c == Collective.SEND_RECV)))
         return ring_sr[(stage, phase, where)]
 
     incoming = defaultdict(float)          # (stage, phase) -> bytes its sends carry
     for p, s, _, c, b in records:
-        if c == "send_recv":
+        if c == Collective.SEND_RECV:
             incoming[(s, p)] += b
     out = {}
     for d in range(plan.config.plan_ngpus):
