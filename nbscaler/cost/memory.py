@@ -44,10 +44,12 @@ import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import Layout
+from nbscaler.comm.lower import lower_device, rank_sections, train_graph
+from nbscaler.comm.program import RankProgram
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
-from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
+from nbscaler.cost.ranks import LocalWeight
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
@@ -161,16 +163,18 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
 
 
 # -- activations -------------------------------------------------------------------------------
+Programs = Dict[int, RankProgram]
+"""plan device -> its lowered program (``comm.lower``), when the caller has them already."""
+
+
 def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-               geometry: Optional[PipelineGeometry]) -> Dict[Optional[int], LocalRun]:
+               geometry: Optional[PipelineGeometry], program: Optional[RankProgram] = None
+               ) -> Dict[Optional[int], LocalRun]:
     """The training forward of plan ``device`` replayed on fake tensors, per stage it holds
     (key ``None`` without a pipeline)."""
+    program = program or lower_device(graphs, storage, device, geometry)
     graph = train_graph(graphs)
-    runs = {}
-    for sec in sections({"train": graph}, device, geometry):
-        carry_in, carry_out = stage_io(graph, geometry, sec.stage)
-        runs[sec.stage] = run_local(graph, sec.device, storage, sec.stage, carry_in, carry_out)
-    return runs
+    return {sec.stage: run_local(sec, program.weights) for sec in program.sections if sec.graph is graph}
 
 
 DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
@@ -178,7 +182,7 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 
 
 def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                geometry: Optional[PipelineGeometry]) -> DeviceRuns:
+                geometry: Optional[PipelineGeometry], programs: Optional[Programs] = None) -> DeviceRuns:
     """``stage_runs`` of every plan device, computed once for callers that need them twice.
 
     Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
@@ -194,14 +198,15 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     replayed: Dict[Tuple, List[Dict[Optional[int], LocalRun]]] = {}
     out: DeviceRuns = {}
     for device in range(cfg.plan_ngpus):
-        secs = sections({"train": graph}, device, geometry)
+        secs = rank_sections({"train": graph}, device, geometry)
         views = {sec.stage: sec.device for sec in secs}
         key = tuple(_program_key(by_stage.get(sec.stage, []), sec.device, sec.stage) for sec in secs)
         twin = next((t for t in replayed.get(key, []) if all(_shares(r, views[s]) for s, r in t.items())), None)
         if twin is not None:
             out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
         else:
-            out[device] = stage_runs(graphs, storage, device, geometry)
+            program = programs[device] if programs is not None else None
+            out[device] = stage_runs(graphs, storage, device, geometry, program)
             replayed.setdefault(key, []).append(out[device])
     return out
 
@@ -271,7 +276,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                     optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                    precision: Precision = Precision()) -> pd.DataFrame:
+                    precision: Precision = Precision(), programs: Optional[Programs] = None) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
@@ -283,6 +288,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
         runs: ``device_runs`` of the plan, when the caller has them already.
         precision: the optimizer's master copies (``build_optimizer(..., master_dtype=)``).
+        programs: each plan device's lowered program, when the caller has them already.
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
@@ -291,12 +297,13 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
     """
     by_device: Dict[int, Dict[str, int]] = {}
     for device in range(cfg.plan_ngpus):
-        weights = local_weights(graphs, storage, device, geometry)
+        program = programs[device] if programs is not None else lower_device(graphs, storage, device, geometry)
+        weights = program.weights
         row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
-            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
+            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry, program)
             annotate_saved_bytes(stages)
             saved = {s: r.saved_bytes for s, r in stages.items()}
             params = [w for w in weights if w.kind == "param"]

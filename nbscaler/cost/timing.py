@@ -45,6 +45,7 @@ import torch
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.layout import Layout
+from nbscaler.comm.stages import stage_carries
 from nbscaler.config import ComputeConfig, threads_per_rank
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
@@ -54,7 +55,7 @@ from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs, zero_group_siz
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.layouts import Collective
 from nbscaler.cost.profile import OpProfiler
-from nbscaler.cost.ranks import LocalWeight, local_weights, stage_io, train_graph
+from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
@@ -197,7 +198,7 @@ class StepModel:
                 f, b = self.times[device][s]
                 forward[s], backward[s] = max(forward[s], f), max(backward[s], b)
         graph = train_graph(self.graphs)
-        carries = [stage_io(graph, self.geometry, s + 1)[0] for s in range(schedule.nstages - 1)]
+        carries = stage_carries(graph, schedule.nstages)
         pairs = [(self.geometry.stage_group(s)[0], self.geometry.stage_group(s + 1)[0]) for s in range(len(carries))]
         latency = max((self.comm.p2p(sum(t.nbytes for t in c), ranks=pair) for c, pair in zip(carries, pairs)),
                       default=self.comm.p2p(0))

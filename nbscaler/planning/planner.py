@@ -27,8 +27,10 @@ import pandas as pd
 import torch
 from torch.utils._pytree import tree_map
 
-from nbscaler.codegen.rankfile import generate, sections_of
+from nbscaler.codegen.rankfile import generate
 from nbscaler.comm.layout import Layout, storage_layouts
+from nbscaler.comm.lower import lower, rank_sections
+from nbscaler.comm.program import RankProgram
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
@@ -104,8 +106,14 @@ class Plan:
     def rank_nodes(self, rank: int) -> List[int]:
         """Indexes of the nodes of ``graph`` that runtime ``rank`` runs, without generating its code."""
         index = {id(n): i for i, n in enumerate(self.graph.nodes)}
-        sections = sections_of(self.graphs, self.config.device_of(rank), self.geometry)
+        sections = rank_sections(self.graphs, self.config.device_of(rank), self.geometry)
         return sorted({index[id(n)] for sec in sections if sec.graph is self.graph for n in sec.nodes()})
+
+    @functools.cached_property
+    def programs(self) -> Dict[int, RankProgram]:
+        """Runtime rank -> what it runs and stores (``comm.lower``), lowered once: code generation
+        prints it, the cost model replays it and the traffic table counts its conversions."""
+        return lower(self)
 
     @functools.cached_property
     def _generated(self) -> Dict[int, Tuple[str, Dict[str, Dict[str, List[int]]]]]:
@@ -114,7 +122,7 @@ class Plan:
         out = {}
         for r in range(cfg.runtime_ngpus):
             lines: Dict[str, Dict[str, List[int]]] = {}
-            text = generate(self.graphs, self.storage, rank=r, plan_ngpus=cfg.plan_ngpus,
+            text = generate(self.programs[r], self.graphs, rank=r, plan_ngpus=cfg.plan_ngpus,
                             runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
                             policy_name=self.policy_name, geometry=self.geometry, line_map=lines)
             out[r] = (text, lines)
@@ -129,8 +137,8 @@ class Plan:
     @functools.cached_property
     def collectives(self) -> pd.DataFrame:
         """One row per collective on an edge of the training graph (and per pipeline crossing)."""
-        nstages = self.schedule.nstages if self.schedule is not None else None
-        return tag(tables.collectives_frame(collective_steps(self.graph, self.storage, nstages)), Table.COLLECTIVES, self)
+        steps = collective_steps(self.programs.values(), self.graph)
+        return tag(tables.collectives_frame(steps), Table.COLLECTIVES, self)
 
     def traffic(self) -> pd.DataFrame:
         """Bytes each runtime rank sends and receives in one training step on the graph's edges and
@@ -160,7 +168,7 @@ class Plan:
         state, and the gradients are in that dtype after the step (``nbscaler.cost.memory``)."""
         return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
                                    optimizer_kwargs=optimizer_kwargs, runs=self.local_runs,
-                                   precision=Precision(master_dtype)), Table.MEMORY, self)
+                                   precision=Precision(master_dtype), programs=self.programs), Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
@@ -174,7 +182,7 @@ class Plan:
         saved tensors): what the memory table and the step model both read; made once per plan."""
         if self.config.inference_only:
             return None
-        return device_runs(self.graphs, self.storage, self.config, self.geometry)
+        return device_runs(self.graphs, self.storage, self.config, self.geometry, self.programs)
 
     # -- again, differently -----------------------------------------------------------------------
     def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":

@@ -1,0 +1,281 @@
+"""Lower a placed plan into one program per rank: every layout rule applied once, here.
+
+For each plan device, ``lower_device`` decides which methods it has (``rank_sections``), which
+weights it stores (``weight_table``) and, walking each section's nodes in order, which value every
+input is read from and which collectives make it (``SectionLowering``). The rules:
+
+- an input is held replicated, a weight in its storage layout (``storage_layouts``), a tensor
+  received from the previous stage replicated, and a node's outputs in ``output_layout``;
+- a reader asks for ``input_requirement``; a sum-gradient request (``R*``) of a tensor that carries
+  no gradient is a plain replicated one, since there is nothing to sum;
+- a layout once made is reused by every later reader (until a recomputed region ends: only what
+  the region returns stays visible after it);
+- a stage sends its carried tensors replicated; a forward returns its outputs replicated.
+
+Code generation, the cost model and the traffic table read the result (``comm.program``) and
+never walk the placement themselves.
+
+>>> programs = lower(plan)                                         # doctest: +SKIP
+>>> [type(i).__name__ for i in programs[0].sections[0].instructions][:3]
+['Call', 'Call', 'Recompute']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from nbscaler.comm.layout import Layout, conversion, input_requirement, output_layout
+from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
+                                   Return, Section, Send, Value, Convert)
+from nbscaler.comm.stages import stage_carries
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
+from nbscaler.ir.layer_rules import sync_batch_norm
+from nbscaler.layouts import LayoutKind
+from nbscaler.schedule.geometry import PipelineGeometry
+
+
+class LoweringError(ValueError):
+    """A placed graph that no rank can run as placed (a tensor read before any device makes it)."""
+
+
+def lower(plan: Any) -> Dict[int, RankProgram]:
+    """Runtime rank -> its program, for a ``Plan`` (or anything with ``graphs``, ``storage``,
+    ``geometry`` and ``config``). Ranks that play the same plan device share one program."""
+    cfg = plan.config
+    by_device = {d: lower_device(plan.graphs, plan.storage, d, plan.geometry) for d in range(cfg.plan_ngpus)}
+    return {r: by_device[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)}
+
+
+def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
+                 geometry: Optional[PipelineGeometry]) -> RankProgram:
+    """The program of plan ``device``: its sections lowered to instructions, and its weight table."""
+    sections = rank_sections(graphs, device, geometry)
+    grads = {id(g): requires_grad_of(g) for g in graphs.values()}
+    for sec in sections:
+        SectionLowering(sec, storage, grads[id(sec.graph)]).run()
+    return RankProgram(device, sections, weight_table(graphs, storage, sections, geometry),
+                       device_groups(graphs, geometry))
+
+
+def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:
+    """The graph a training step runs."""
+    return graphs["train"] if "train" in graphs else graphs["any"]
+
+
+# -- which methods ------------------------------------------------------------------------------
+def rank_sections(graphs: Dict[str, IRGraph], device: int, geometry: Optional[PipelineGeometry]) -> List[Section]:
+    """The methods plan ``device`` has, not yet lowered: ``_forward[_mode]``, or ``_stage{s}[_mode]``
+    per stage it holds, with what each stage receives and sends on.
+
+    Under ``chimera_direct`` a device also holds a stage of the pipeline running the other way; it
+    runs that stage's code as the device that holds it in the graph.
+    """
+    suffix = lambda mode: "" if mode == "any" else f"_{mode}"
+    if geometry is None:
+        return [Section(f"_forward{suffix(mode)}", mode, g, device) for mode, g in graphs.items()]
+    out = []
+    nstages = geometry.schedule.nstages
+    for s in geometry.schedule.stages_of(geometry.pipeline_device(device)):
+        group = geometry.stage_group(s)
+        view = device if device in group else group[device % geometry.tp]
+        for mode, g in graphs.items():
+            carries = stage_carries(g, nstages)
+            out.append(Section(f"_stage{s}{suffix(mode)}", mode, g, view, s, carries[s - 1] if s else (),
+                               carries[s] if s < nstages - 1 else None))
+    return out
+
+
+# -- what each section does ------------------------------------------------------------------------
+class SectionLowering:
+    """Walks one section's nodes for its device and fills its instructions."""
+
+    def __init__(self, section: Section, storage: Dict[str, Layout], grad: Dict[int, bool]):
+        self.sec, self.storage, self.grad = section, storage, grad
+        self.have: Dict[int, Layout] = {}                  # id(tensor) -> the layout it was made in
+        self.known: Dict[int, Dict[Layout, Value]] = {}    # id(tensor) -> every layout made so far
+        self.groups: Set[Devices] = set()
+
+    def bind(self, value: Value) -> Value:
+        t = value.tensor
+        self.have[id(t)] = value.layout
+        self.known.setdefault(id(t), {})[value.layout] = value
+        return value
+
+    def fetch(self, t: IRTensor, want: Layout, devices: Devices, consumer: Optional[IRNode], position: int,
+              region: Optional[str] = None) -> Tuple[Value, Optional[Fetch]]:
+        """The value holding ``t`` in layout ``want``, and the conversion that makes it (None when held)."""
+        if id(t) not in self.have:
+            raise LoweringError(f"{t.name} is used before it is computed on device {self.sec.device}")
+        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
+            want = Layout.replicated()        # no gradient to sum
+        known = self.known[id(t)]
+        if want in known:
+            return known[want], None
+        self.groups.add(devices)
+        have = self.have[id(t)]
+        src, steps = known[have], []
+        for step in conversion(have, want):
+            dst = Value(t, want, Origin.CONVERTED)
+            steps.append(Convert(step, src, dst))
+            src = dst
+        known[want] = src
+        return src, (Fetch(t, have, want, devices, consumer, position, tuple(steps), region) if steps else None)
+
+    def run(self) -> None:
+        sec, R = self.sec, Layout.replicated()
+        sec.inputs = [self.bind(Value(t, R, Origin.INPUT)) for t in sec.graph.inputs]
+        sec.weights = [self.bind(Value(t, self.storage.get(t.name, R), Origin.WEIGHT))
+                       for t in sec.graph.weights.values()]
+        out = sec.instructions
+        out += [Receive(self.bind(Value(t, R, Origin.RECEIVED))) for t in sec.carry_in]
+        nodes = [n for n in sec.graph.nodes if sec.stage is None or n.stage == sec.stage]
+        ran = [n for n in nodes if sec.device in n.placement.devices]
+        finals = sec.carry_out if sec.carry_out is not None else sec.graph.output_tensors()
+        done = 0
+        for region, run in recompute_runs(ran):
+            done += len(run)
+            if region is None:
+                out += [self.call(n) for n in run]
+            else:
+                out.append(self.recompute(region, run, ran[done:], finals))
+        group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
+        gathered = [self.fetch(t, R, group, None, k) for k, t in enumerate(finals)]
+        if sec.carry_out is not None:
+            out += [Send(t, (f,) if f else (), v) for t, (v, f) in zip(finals, gathered)]
+        else:
+            out.append(Return(tuple(f for _, f in gathered if f), {id(t): v for t, (v, _) in zip(finals, gathered)},
+                              sec.graph.outputs))
+        sec.groups = tuple(sorted(self.groups))
+
+    def call(self, node: IRNode, region: Optional[str] = None) -> Call:
+        place = node.placement
+        fetched = [self.fetch(t, input_requirement(node, i), place.devices, node, i, region)
+                   for i, t in enumerate(node.inputs)]
+        if sync_batch_norm(node):        # statistics over the whole batch: a collective inside the op
+            self.groups.add(place.devices)
+        outputs = tuple(self.bind(Value(t, output_layout(node, i), Origin.MADE))
+                        for i, t in enumerate(node.output_tensors))
+        return Call(node, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), outputs, region)
+
+    def recompute(self, region: str, nodes: Sequence[IRNode], later: Sequence[IRNode],
+                  finals: Sequence[IRTensor]) -> Recompute:
+        """A recomputed region. Its inputs are fetched before it, so the collectives inside it are
+        those between its own ops: the backward runs them again, in the same order on every rank of
+        their group. What it makes is out of sight after it, except what later code reads."""
+        made = {id(t) for n in nodes for t in n.output_tensors}
+        fetched = [self.fetch(t, input_requirement(n, i), n.placement.devices, n, i)
+                   for n in nodes for i, t in enumerate(n.inputs) if id(t) not in made]
+        body = tuple(self.call(n, region) for n in nodes)
+        needed = {id(t) for n in later for t in n.inputs} | {id(t) for t in finals}
+        returns = tuple(t for n in nodes for t in n.output_tensors if id(t) in needed)
+        for n in nodes:
+            for t in n.output_tensors:
+                if id(t) in needed:
+                    home = self.have[id(t)]
+                    self.known[id(t)] = {home: self.known[id(t)][home]}
+                else:
+                    self.known.pop(id(t), None)
+                    self.have.pop(id(t), None)
+        return Recompute(region, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), body, returns)
+
+
+# -- what each rank stores -----------------------------------------------------------------------------
+def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sections: List[Section],
+                 geometry: Optional[PipelineGeometry]) -> List[LocalWeight]:
+    """The weights the sections read, in the order of the graph's weights (the order of
+    ``module.parameters()`` at run time), each at its local shape: the slice of its first reader."""
+    readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}     # name -> (first reader, view, stage)
+    trained: Dict[str, set] = {}          # name -> pipeline stages (None without one) that train it
+    train = train_graph(graphs)
+    for sec in sections:
+        for n in sec.nodes():
+            for t in n.inputs:
+                if t.is_weight:
+                    readers.setdefault(t.name, (n, sec.device, sec.stage))
+                    if sec.graph is train:
+                        trained.setdefault(t.name, set()).add(sec.stage)
+    any_graph = next(iter(graphs.values()))
+    non_persistent = set(any_graph.meta.get("non_persistent", ()))
+    out = []
+    for name, t in any_graph.weights.items():
+        if name not in readers:
+            continue
+        node, view, stage = readers[name]
+        devices = node.placement.devices
+        lay = storage.get(name, Layout.replicated())
+        shape = list(t.shape)
+        if lay.kind == LayoutKind.SPLIT:
+            shape[lay.dim] //= len(devices)
+        replicas = ()
+        if geometry is not None and stage is not None:
+            replicas = copies_of(name, graphs, geometry, stage, devices.index(view))
+        out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, lay, tuple(t.shape), devices,
+                               devices.index(view), tuple(sorted(s for s in trained.get(name, ()) if s is not None)),
+                               replicas, name not in non_persistent))
+    return out
+
+
+def device_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry]) -> List[Devices]:
+    """Every device set a collective or a gradient sum runs over: the same list on every rank, in
+    the order process groups are created (collectively)."""
+    groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
+    groups |= set(replica_groups(geometry)) | set(tied_groups(graphs, geometry))
+    return sorted(groups, key=lambda d: (len(d), d))
+
+
+def tied_stages(graphs: Dict[str, IRGraph]) -> Dict[str, Tuple[int, ...]]:
+    """Parameters read in more than one pipeline stage (tied embeddings): name -> those stages.
+
+    Each such stage keeps a copy; the copies' gradients are summed between the stages (as
+    Megatron does for a tied input embedding and output head), so they stay equal, and a merged
+    checkpoint holds the tensor once."""
+    stages: Dict[str, set] = {}
+    for g in graphs.values():
+        for n in g.nodes:
+            for t in n.inputs:
+                if t.kind == "param" and n.stage is not None:
+                    stages.setdefault(t.name, set()).add(n.stage)
+    return {name: tuple(sorted(s)) for name, s in stages.items() if len(s) > 1}
+
+
+def copies_of(name: str, graphs: Dict[str, IRGraph], geometry: PipelineGeometry, stage: int,
+              position: int) -> Devices:
+    """The plan devices whose copies of weight ``name`` (at ``position`` in their stage group) hold
+    gradients to sum with this one: copies of the stage (chimera) and of the other stages that
+    read a tied weight. Empty when there is no other copy."""
+    devices = set()
+    for s in tied_stages(graphs).get(name, (stage,)):
+        devices |= set(replica_groups(geometry, s).get(position, (geometry.stage_group(s)[position],)))
+    return tuple(sorted(devices)) if len(devices) > 1 else ()
+
+
+def tied_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry]) -> List[Devices]:
+    """Every device set whose tied-weight copies sum their gradients (process groups to create)."""
+    if geometry is None:
+        return []
+    found = set()
+    for name, stages in tied_stages(graphs).items():
+        for position in range(len(geometry.stage_group(stages[0]))):
+            copies = copies_of(name, graphs, geometry, stages[0], position)
+            if copies:
+                found.add(copies)
+    return sorted(found)
+
+
+def replica_groups(geometry: Optional[PipelineGeometry], stage: Optional[int] = None):
+    """Devices holding copies of the same stage slice (``chimera_direct``): their gradients add up.
+
+    For one ``stage``: ``{position in the stage group: devices}``; without: every such device set.
+    """
+    if geometry is None:
+        return {} if stage is not None else []
+    stages = [stage] if stage is not None else range(geometry.schedule.nstages)
+    found = {}
+    for s in stages:
+        holders = sorted({geometry.group_of(p[s]) for p in geometry.schedule.placements})
+        if len(holders) > 1:
+            for position in range(len(holders[0])):
+                found[(s, position)] = tuple(sorted(h[position] for h in holders))
+    if stage is not None:
+        return {position: devices for (_, position), devices in found.items()}
+    return sorted(set(found.values()))
