@@ -6,8 +6,12 @@ module only writes them out). Comments point back at the user's module and sourc
 code doubles as an explanation of what the policy did::
 
     # blocks.0.attn.q: q = self.q(x)                      (model.py:42)
-    norm_0_rep = comm.sum_grad(norm_0, group=g01)
-    linear_1 = F.linear(norm_0_rep, self.blocks_0_attn_q_weight)
+    norm_0_sum_grad: "f32[4, 8, 64]" = comm.sum_grad(norm_0, group=g0_1)
+    linear_1: "f32[4, 8, 32]" = F.linear(norm_0_sum_grad, self.blocks_0_attn_q_weight)
+
+Each assignment carries the local shape and dtype this rank holds, as ``torch.fx`` prints them: for
+a split program the local shape is the lesson. A source line gets its comment once; the next
+nodes of the same line name only their module.
 """
 
 from __future__ import annotations
@@ -22,7 +26,19 @@ from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Retu
 from nbscaler.ir.graph import IRNode, IRTensor
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
 from nbscaler.ir.registry import spec_of
+from torch.fx.graph import dtype_abbrs
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
+
+
+def shape_text(value: Value) -> str:
+    """``'f32[4, 64]'``: the dtype and local shape of ``value``, as ``torch.fx`` prints them."""
+    dtype = dtype_abbrs.get(value.tensor.dtype, str(value.tensor.dtype).replace("torch.", ""))
+    return f"{dtype}[{', '.join(map(str, value.shape))}]"
+
+
+def annotated(value: Value) -> str:
+    """The target of an assignment to ``value``: its name with its local shape."""
+    return f'{value_name(value)}: "{shape_text(value)}"'
 
 
 def value_name(value: Value) -> str:
@@ -44,13 +60,14 @@ class SectionPrinter:
         # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
         self.spans: Dict[str, Tuple[int, int]] = {}
         self.last_comment: Optional[str] = None     # the source comment last written
+        self.last_source: Optional[Tuple[str, int]] = None     # and the source line it quoted
 
     def print(self) -> List[str]:
         sends: List[Send] = []
         for ins in self.sec.instructions:
             if isinstance(ins, Receive):
                 name = ins.value.tensor.name
-                self.lines.append(f"{name} = carry[{name!r}]")
+                self.lines.append(f"{annotated(ins.value)} = carry[{name!r}]")
             elif isinstance(ins, Call):
                 self.calls([ins])
             elif isinstance(ins, Recompute):
@@ -74,15 +91,16 @@ class SectionPrinter:
                 dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
                 dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
                 dims += f", blocks={step.blocks}" if step.blocks != 1 else ""
-                self.lines.append(f"{value_name(c.dst)} = comm.{step.fn}({value_name(c.src)}{dims}, group={group})")
+                self.lines.append(f"{annotated(c.dst)} = comm.{step.fn}({value_name(c.src)}{dims}, group={group})")
 
     def calls(self, calls: Sequence[Call]) -> None:
         """Calls one after the other, each under a comment naming its module and source line."""
         for call in calls:
             comment = source_comment(call.node)
             if comment != self.last_comment:
-                self.lines.append(comment)
-                self.last_comment = comment
+                again = call.node.source is not None and call.node.source == self.last_source
+                self.lines.append(f"# {call.node.module_path or '(top level)'}" if again else comment)
+                self.last_comment, self.last_source = comment, call.node.source
             first = len(self.lines)
             self.fetches(call.fetches)
             self.call(call)
@@ -104,9 +122,9 @@ class SectionPrinter:
                           "the forward keeps only its inputs")
         self.lines.append(f"def {fn}({', '.join(params)}):")
         body = len(self.lines)
-        self.last_comment = None
+        self.last_comment = self.last_source = None
         self.calls(region.body)
-        self.last_comment = None
+        self.last_comment = self.last_source = None
         self.lines[body:] = ["    " + line for line in self.lines[body:]]
         returned = ", ".join(t.name for t in region.returns) or "None"
         self.lines.append(f"    return {returned}")
@@ -127,7 +145,7 @@ class SectionPrinter:
             out = call.outputs[0]
             args = (args[0], tuple(local_shape(out.tensor.shape, out.layout, place.parts)))
             kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
-        lhs = self._lhs(node)
+        lhs = self._lhs(node, call.outputs)
         name = node.target[len("Tensor."):] if node.target.startswith("Tensor.") else ""
         if name == "__setitem__":
             idx = args[1]
@@ -145,7 +163,10 @@ class SectionPrinter:
             call_text = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call_text[len('F.'):-1]}, group={group_var(place.devices)})")
         else:
-            self.lines.append(f"{lhs} = {render_call(node, args, kwargs)}")
+            line = f"{lhs} = {render_call(node, args, kwargs)}"
+            if not isinstance(node.outputs, IRTensor) and call.outputs:     # several: their shapes in a comment
+                line += f"    # {', '.join(shape_text(v) for v in call.outputs)}"
+            self.lines.append(line)
 
     def guard(self, node: IRNode, tensors: List[str]) -> None:
         """``expect_traced(bool(all_0), True, ...)``: the value the trace specialised on, checked."""
@@ -155,7 +176,13 @@ class SectionPrinter:
         where += f": `{code}`" if code else ""
         self.lines.append(f"expect_traced({expression}, {render(node.outputs)}, {expression!r}, {where!r})")
 
-    def _lhs(self, node: IRNode) -> str:
+    def _lhs(self, node: IRNode, values: Sequence[Value]) -> str:
+        """The assignment target: one name with its local shape, or a pattern that unpacks several."""
+        if isinstance(node.outputs, IRTensor):
+            return annotated(values[0])
+        return self._pattern(node)
+
+    def _pattern(self, node: IRNode) -> str:
         def pattern(v):
             if isinstance(v, IRTensor):
                 return v.name

@@ -65,13 +65,25 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
              runtime_ngpus: int, module_name: str, policy_name: str,
              geometry: Optional[PipelineGeometry] = None,
              line_map: Optional[Dict[str, Dict[str, List[int]]]] = None) -> str:
-    """The source of ``gencode{rank}.py`` for one runtime rank: its lowered ``program`` printed.
+    """The source of ``gencode{rank}.py`` for one runtime rank: its lowered ``program`` printed as a
+    header (docstring and imports), the class with its weight table, and one method per section.
 
     ``graphs`` maps a mode ('train', 'eval') to its placed graph; one graph under the key 'any'
     means the forward does not depend on ``self.training``. ``geometry`` is set for pipelines.
     ``line_map``, when given, is filled with ``mode -> node name -> line numbers`` (1-based): the
     lines each node's call and the collectives for its inputs take up in the returned text.
     """
+    out = header(program, graphs, rank=rank, plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus,
+                 module_name=module_name, policy_name=policy_name, geometry=geometry)
+    out += class_table(program, graphs, rank, geometry)
+    out += methods(program, graphs, len(out), line_map)
+    out.append("")
+    return "\n".join(out)
+
+
+def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_ngpus: int, runtime_ngpus: int,
+           module_name: str, policy_name: str, geometry: Optional[PipelineGeometry]) -> List[str]:
+    """The file's docstring (who runs it, under which plan) and its imports."""
     device = program.device
     out: List[str] = []
     w = out.append
@@ -107,9 +119,18 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
         w(f"from {fn.__module__} import {fn.__qualname__.split('.')[0]} as {user_op_alias(target)}")
     w("")
     w("")
+    return out
+
+
+def class_table(program: RankProgram, graphs: Dict[str, IRGraph], rank: int,
+                geometry: Optional[PipelineGeometry]) -> List[str]:
+    """The class line and its tables: process groups, stage carries, the weight table (from the
+    program's) and the original parameters' order."""
+    out: List[str] = []
+    w = out.append
     w("class GenModule(ParallelModule):")
     w(f"    rank = {rank}")
-    w(f"    plan_device = {device}")
+    w(f"    plan_device = {program.device}")
     specs = {attr_name(wt.name): _weight_spec(wt) for wt in program.weights}
     # Identical on every rank: process groups are created collectively, in this order.
     w(f"    device_groups = {program.device_groups!r}")
@@ -128,6 +149,15 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
         if t.kind == "param":
             w(f"        {name!r},")
     w("    )")
+    return out
+
+
+def methods(program: RankProgram, graphs: Dict[str, IRGraph], offset: int,
+            line_map: Optional[Dict[str, Dict[str, List[int]]]]) -> List[str]:
+    """One method per section of the program; ``offset`` is the number of lines before them (for
+    ``line_map``, filled as ``generate`` says)."""
+    out: List[str] = []
+    w = out.append
     params = next(iter(graphs.values())).meta["forward_params"]
     for sec in program.sections:
         printer = SectionPrinter(sec)
@@ -139,15 +169,14 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
         w(f"    def {sec.name}({signature}):")
         for devices in sec.groups:
             w(f"        {group_var(devices)} = self.group({', '.join(map(str, devices))})")
-        body_start = len(out) + len(_unpack_inputs(sec.graph))
+        body_start = offset + len(out) + len(_unpack_inputs(sec.graph))
         for line in _unpack_inputs(sec.graph) + body:
             w(f"        {line}" if line else "")
         if line_map is not None:
             lines = line_map.setdefault(sec.mode, {})
             for name, (first, end) in printer.spans.items():
                 lines.setdefault(name, []).extend(range(body_start + first + 1, body_start + end + 1))
-    w("")
-    return "\n".join(out)
+    return out
 
 
 def _dtypes_held(graphs: Dict[str, IRGraph], specs: Dict[str, str]) -> str:

@@ -72,10 +72,12 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """A suffix for variable names in generated code."""
+        """A suffix for variable names in generated code: what the collective made of the tensor
+        (``full``, ``split1``, ``sum_grad``: whole here, its gradient summed over the group)."""
         strided = "x" + "_".join(map(str, self.blocks if isinstance(self.blocks, tuple) else [self.blocks]))
         strided = strided if is_strided(self.blocks) else ""
-        return {R: "full", P: "partial", SUM_GRAD: "rep", FIRST_ONLY: "first"}.get(self.kind, f"split{self.dim}{strided}")
+        return {R: "full", P: "partial", SUM_GRAD: "sum_grad", FIRST_ONLY: "first_only"}.get(self.kind,
+                                                                                          f"split{self.dim}{strided}")
 
 
 @dataclass(frozen=True)

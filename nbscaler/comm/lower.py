@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from nbscaler.comm.layout import Layout, conversion, input_requirement, output_layout
+from nbscaler.comm.layout import Layout, Step, conversion, input_requirement, local_shape, output_layout
 from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.layer_rules import sync_batch_norm
-from nbscaler.layouts import LayoutKind
+from nbscaler.layouts import Collective, LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
 
 
@@ -50,11 +50,12 @@ def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device:
                  geometry: Optional[PipelineGeometry]) -> RankProgram:
     """The program of plan ``device``: its sections lowered to instructions, and its weight table."""
     sections = rank_sections(graphs, device, geometry)
+    weights = weight_table(graphs, storage, sections, geometry)
+    shapes = {w.name: w.shape for w in weights}
     grads = {id(g): requires_grad_of(g) for g in graphs.values()}
     for sec in sections:
-        SectionLowering(sec, storage, grads[id(sec.graph)]).run()
-    return RankProgram(device, sections, weight_table(graphs, storage, sections, geometry),
-                       device_groups(graphs, geometry))
+        SectionLowering(sec, storage, grads[id(sec.graph)], shapes).run()
+    return RankProgram(device, sections, weights, device_groups(graphs, geometry))
 
 
 def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:
@@ -89,8 +90,10 @@ def rank_sections(graphs: Dict[str, IRGraph], device: int, geometry: Optional[Pi
 class SectionLowering:
     """Walks one section's nodes for its device and fills its instructions."""
 
-    def __init__(self, section: Section, storage: Dict[str, Layout], grad: Dict[int, bool]):
+    def __init__(self, section: Section, storage: Dict[str, Layout], grad: Dict[int, bool],
+                 weight_shapes: Optional[Dict[str, Tuple[int, ...]]] = None):
         self.sec, self.storage, self.grad = section, storage, grad
+        self.weight_shapes = weight_shapes or {}       # local shapes of the weights the rank stores
         self.have: Dict[int, Layout] = {}                  # id(tensor) -> the layout it was made in
         self.known: Dict[int, Dict[Layout, Value]] = {}    # id(tensor) -> every layout made so far
         self.groups: Set[Devices] = set()
@@ -115,7 +118,7 @@ class SectionLowering:
         have = self.have[id(t)]
         src, steps = known[have], []
         for step in conversion(have, want):
-            dst = Value(t, want, Origin.CONVERTED)
+            dst = Value(t, want, Origin.CONVERTED, step_shape(step, src.shape, len(devices)))
             steps.append(Convert(step, src, dst))
             src = dst
         known[want] = src
@@ -123,11 +126,12 @@ class SectionLowering:
 
     def run(self) -> None:
         sec, R = self.sec, Layout.replicated()
-        sec.inputs = [self.bind(Value(t, R, Origin.INPUT)) for t in sec.graph.inputs]
-        sec.weights = [self.bind(Value(t, self.storage.get(t.name, R), Origin.WEIGHT))
+        sec.inputs = [self.bind(Value(t, R, Origin.INPUT, tuple(t.shape))) for t in sec.graph.inputs]
+        sec.weights = [self.bind(Value(t, self.storage.get(t.name, R), Origin.WEIGHT,
+                                       self.weight_shapes.get(t.name, tuple(t.shape))))
                        for t in sec.graph.weights.values()]
         out = sec.instructions
-        out += [Receive(self.bind(Value(t, R, Origin.RECEIVED))) for t in sec.carry_in]
+        out += [Receive(self.bind(Value(t, R, Origin.RECEIVED, tuple(t.shape)))) for t in sec.carry_in]
         nodes = [n for n in sec.graph.nodes if sec.stage is None or n.stage == sec.stage]
         ran = [n for n in nodes if sec.device in n.placement.devices]
         finals = sec.carry_out if sec.carry_out is not None else sec.graph.output_tensors()
@@ -153,9 +157,11 @@ class SectionLowering:
                    for i, t in enumerate(node.inputs)]
         if sync_batch_norm(node):        # statistics over the whole batch: a collective inside the op
             self.groups.add(place.devices)
-        outputs = tuple(self.bind(Value(t, output_layout(node, i), Origin.MADE))
-                        for i, t in enumerate(node.output_tensors))
-        return Call(node, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), outputs, region)
+        outputs = []
+        for i, t in enumerate(node.output_tensors):
+            lay = output_layout(node, i)
+            outputs.append(self.bind(Value(t, lay, Origin.MADE, local_shape(t.shape, lay, place.parts))))
+        return Call(node, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), tuple(outputs), region)
 
     def recompute(self, region: str, nodes: Sequence[IRNode], later: Sequence[IRNode],
                   finals: Sequence[IRTensor]) -> Recompute:
@@ -177,6 +183,18 @@ class SectionLowering:
                     self.known.pop(id(t), None)
                     self.have.pop(id(t), None)
         return Recompute(region, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), body, returns)
+
+
+def step_shape(step: Step, shape: Tuple[int, ...], n: int) -> Tuple[int, ...]:
+    """The local shape one collective over ``n`` devices makes of a local input of ``shape``."""
+    out = list(shape)
+    if step.fn in (Collective.ALL_GATHER, Collective.ALL_GATHER_SUM_GRAD):
+        out[step.dim] *= n
+    elif step.fn in (Collective.CHUNK, Collective.REDUCE_SCATTER):
+        out[step.dim] //= n
+    elif step.fn == Collective.ALL_TO_ALL:
+        out[step.dim], out[step.dim2] = out[step.dim] // n, out[step.dim2] * n
+    return tuple(out)
 
 
 # -- what each rank stores -----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Value:
     tensor: IRTensor
     layout: Layout
     origin: Origin
+    shape: Tuple[int, ...]              # the local shape this rank holds
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,7 @@ ops pick the kernels they would pick there: ``scaled_dot_product_attention`` sav
 flash kernel saves, not what the generic math path would.
 
 >>> program = plan.programs[0]                                          # doctest: +SKIP
->>> run = run_local(program.sections[0], program.weights)              # doctest: +SKIP
+>>> run = run_local(program.sections[0])                               # doctest: +SKIP
 >>> run.saved_bytes, [c.fn for c in run.collectives][:2]
 (1409024, ['sum_grad', 'all_reduce'])
 """
@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from nbscaler.comm.layout import local_call, local_shape, output_layout
-from nbscaler.comm.program import Call, Fetch, Instruction, LocalWeight, Receive, Recompute, Section, Value
+from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import USER_OPS, spec_of
 from nbscaler.layouts import Collective
@@ -301,21 +301,19 @@ def fake_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def run_local(section: Section, weights: Sequence[LocalWeight], train: bool = True) -> LocalRun:
-    """Replay one lowered ``section`` of a rank's program on fake tensors.
+def run_local(section: Section, train: bool = True) -> LocalRun:
+    """Replay one lowered ``section`` of a rank's program on fake tensors, at its local shapes.
 
-    ``weights`` is the rank's weight table (local shapes). Inputs are replicated and need no
-    gradient; tensors received from the previous stage are replicated and need one when floating,
+    Inputs are replicated and need no gradient; tensors received from the previous stage are replicated and need one when floating,
     as the pipeline executor makes them. ``train=False`` runs without autograd (nothing is saved).
     """
     replay = _Replay(section)
-    local = {w.name: w.shape for w in weights}
     with FakeTensorMode(allow_non_fake_inputs=False), torch.set_grad_enabled(train):
         for v in section.inputs:
             replay.env[v] = torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device=replay.fake_device)
         for v in section.weights:
             t = v.tensor
-            w = torch.empty(local.get(t.name, t.shape), dtype=t.dtype, device=replay.fake_device,
+            w = torch.empty(v.shape, dtype=t.dtype, device=replay.fake_device,
                             requires_grad=t.kind == "param" and t.dtype.is_floating_point)
             replay.weight_keys.add(_storage_key(w))
             replay.env[v] = w

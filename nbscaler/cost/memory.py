@@ -174,7 +174,7 @@ def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: i
     (key ``None`` without a pipeline)."""
     program = program or lower_device(graphs, storage, device, geometry)
     graph = train_graph(graphs)
-    return {sec.stage: run_local(sec, program.weights) for sec in program.sections if sec.graph is graph}
+    return {sec.stage: run_local(sec) for sec in program.sections if sec.graph is graph}
 
 
 DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]

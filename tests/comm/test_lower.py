@@ -42,8 +42,9 @@ def test_the_cost_model_replays_every_call_and_collective_of_the_program():
     p = _plan()
     program = p.programs[1]
     sec = program.sections[0]
-    run = run_local(sec, program.weights)
+    run = run_local(sec)
     assert [op.node for op in run.ops] == [c.node for c in sec.calls()]
+    assert [tuple(v.shape) for c in sec.calls() for v in c.outputs] == [s for op in run.ops for s, _ in op.out_shapes]
     assert [c.fn for c in run.collectives] == _steps(sec)
     assert run.device == 1 and run.saved_bytes > 0
 
