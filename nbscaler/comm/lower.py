@@ -22,7 +22,9 @@ never walk the placement themselves.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+import functools
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from nbscaler.comm.layout import Layout, Step, conversion, input_requirement, local_shape, output_layout
 from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
@@ -38,24 +40,97 @@ class LoweringError(ValueError):
     """A placed graph that no rank can run as placed (a tensor read before any device makes it)."""
 
 
-def lower(plan: Any) -> Dict[int, RankProgram]:
+class PlanFacts:
+    """What every rank's lowering reads of the placed graphs, worked out once per plan (lazily):
+    the tensors crossing each stage boundary, which tensors carry a gradient, the tied weights
+    and the process groups."""
+
+    def __init__(self, graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry]):
+        self.graphs, self.geometry = graphs, geometry
+        self._carries: Dict[int, List[List[IRTensor]]] = {}
+        self._grads: Dict[int, Dict[int, bool]] = {}
+
+    def stage_io(self, graph: IRGraph, stage: Optional[int]) -> Tuple[List[IRTensor], Optional[List[IRTensor]]]:
+        """What ``stage`` of ``graph`` receives and sends on (``((), None)`` without a pipeline or for
+        the last stage's sends: it returns the module's outputs)."""
+        if stage is None:
+            return [], None
+        nstages = self.geometry.schedule.nstages
+        if id(graph) not in self._carries:
+            self._carries[id(graph)] = stage_carries(graph, nstages)
+        carries = self._carries[id(graph)]
+        return (carries[stage - 1] if stage else []), (carries[stage] if stage < nstages - 1 else None)
+
+    def grad(self, graph: IRGraph) -> Dict[int, bool]:
+        if id(graph) not in self._grads:
+            self._grads[id(graph)] = requires_grad_of(graph)
+        return self._grads[id(graph)]
+
+    @functools.cached_property
+    def tied(self) -> Dict[str, Tuple[int, ...]]:
+        return tied_stages(self.graphs)
+
+    @functools.cached_property
+    def device_groups(self) -> List[Devices]:
+        return device_groups(self.graphs, self.geometry, self.tied)
+
+
+def lower(plan: Any) -> "RankPrograms":
     """Runtime rank -> its program, for a ``Plan`` (or anything with ``graphs``, ``storage``,
-    ``geometry`` and ``config``). Ranks that play the same plan device share one program."""
-    cfg = plan.config
-    by_device = {d: lower_device(plan.graphs, plan.storage, d, plan.geometry) for d in range(cfg.plan_ngpus)}
-    return {r: by_device[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)}
+    ``geometry`` and ``config``). Ranks that play the same plan device share one program, and each
+    device is lowered when first asked for."""
+    return RankPrograms(plan.graphs, plan.storage, plan.geometry, plan.config)
+
+
+class RankPrograms(Mapping):
+    """``{runtime rank: RankProgram}``, lowered per plan device on first use and kept."""
+
+    def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], geometry: Optional[PipelineGeometry],
+                 config: Any):
+        self.graphs, self.storage, self.geometry, self.config = graphs, storage, geometry, config
+        self.facts = PlanFacts(graphs, geometry)
+        self._by_device: Dict[int, RankProgram] = {}
+
+    def device(self, device: int) -> RankProgram:
+        """The program of plan ``device``."""
+        if device not in self._by_device:
+            self._by_device[device] = lower_device(self.graphs, self.storage, device, self.geometry, self.facts)
+        return self._by_device[device]
+
+    def __getitem__(self, rank: int) -> RankProgram:
+        if not 0 <= rank < self.config.runtime_ngpus:
+            raise KeyError(rank)
+        return self.device(self.config.device_of(rank))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.config.runtime_ngpus))
+
+    def __len__(self) -> int:
+        return self.config.runtime_ngpus
+
+    def distinct(self) -> List[RankProgram]:
+        """One program per set of plan devices whose sections run the same nodes (the members of a
+        tensor-parallel group): what differs between those is only each one's place in its groups."""
+        seen: Dict[Tuple, int] = {}
+        for d in range(self.config.plan_ngpus):
+            key = tuple((sec.mode, sec.stage, tuple(id(n) for n in sec.nodes()))
+                        for sec in rank_sections(self.graphs, d, self.geometry))
+            seen.setdefault(key, d)
+        return [self.device(d) for d in seen.values()]
 
 
 def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-                 geometry: Optional[PipelineGeometry]) -> RankProgram:
-    """The program of plan ``device``: its sections lowered to instructions, and its weight table."""
+                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None) -> RankProgram:
+    """The program of plan ``device``: its sections lowered to instructions, and its weight table.
+    ``facts``: the plan's, when the caller lowers several devices."""
+    facts = facts or PlanFacts(graphs, geometry)
     sections = rank_sections(graphs, device, geometry)
-    weights = weight_table(graphs, storage, sections, geometry)
+    weights = weight_table(graphs, storage, sections, geometry, facts)
     shapes = {w.name: w.shape for w in weights}
-    grads = {id(g): requires_grad_of(g) for g in graphs.values()}
     for sec in sections:
-        SectionLowering(sec, storage, grads[id(sec.graph)], shapes).run()
-    return RankProgram(device, sections, weights, device_groups(graphs, geometry))
+        sec.carry_in, sec.carry_out = facts.stage_io(sec.graph, sec.stage)
+        SectionLowering(sec, storage, facts.grad(sec.graph), shapes).run()
+    return RankProgram(device, sections, weights, facts.device_groups)
 
 
 def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:
@@ -66,7 +141,7 @@ def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:
 # -- which methods ------------------------------------------------------------------------------
 def rank_sections(graphs: Dict[str, IRGraph], device: int, geometry: Optional[PipelineGeometry]) -> List[Section]:
     """The methods plan ``device`` has, not yet lowered: ``_forward[_mode]``, or ``_stage{s}[_mode]``
-    per stage it holds, with what each stage receives and sends on.
+    per stage it holds (``lower_device`` adds what each stage receives and sends on).
 
     Under ``chimera_direct`` a device also holds a stage of the pipeline running the other way; it
     runs that stage's code as the device that holds it in the graph.
@@ -75,14 +150,10 @@ def rank_sections(graphs: Dict[str, IRGraph], device: int, geometry: Optional[Pi
     if geometry is None:
         return [Section(f"_forward{suffix(mode)}", mode, g, device) for mode, g in graphs.items()]
     out = []
-    nstages = geometry.schedule.nstages
     for s in geometry.schedule.stages_of(geometry.pipeline_device(device)):
         group = geometry.stage_group(s)
         view = device if device in group else group[device % geometry.tp]
-        for mode, g in graphs.items():
-            carries = stage_carries(g, nstages)
-            out.append(Section(f"_stage{s}{suffix(mode)}", mode, g, view, s, carries[s - 1] if s else (),
-                               carries[s] if s < nstages - 1 else None))
+        out += [Section(f"_stage{s}{suffix(mode)}", mode, g, view, s) for mode, g in graphs.items()]
     return out
 
 
@@ -199,7 +270,7 @@ def step_shape(step: Step, shape: Tuple[int, ...], n: int) -> Tuple[int, ...]:
 
 # -- what each rank stores -----------------------------------------------------------------------------
 def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sections: List[Section],
-                 geometry: Optional[PipelineGeometry]) -> List[LocalWeight]:
+                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None) -> List[LocalWeight]:
     """The weights the sections read, in the order of the graph's weights (the order of
     ``module.parameters()`` at run time), each at its local shape: the slice of its first reader."""
     readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}     # name -> (first reader, view, stage)
@@ -212,6 +283,7 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
                     readers.setdefault(t.name, (n, sec.device, sec.stage))
                     if sec.graph is train:
                         trained.setdefault(t.name, set()).add(sec.stage)
+    facts = facts or PlanFacts(graphs, geometry)
     any_graph = next(iter(graphs.values()))
     non_persistent = set(any_graph.meta.get("non_persistent", ()))
     out = []
@@ -226,18 +298,19 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
             shape[lay.dim] //= len(devices)
         replicas = ()
         if geometry is not None and stage is not None:
-            replicas = copies_of(name, graphs, geometry, stage, devices.index(view))
+            replicas = copies_of(name, facts.tied, geometry, stage, devices.index(view))
         out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, lay, tuple(t.shape), devices,
                                devices.index(view), tuple(sorted(s for s in trained.get(name, ()) if s is not None)),
                                replicas, name not in non_persistent))
     return out
 
 
-def device_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry]) -> List[Devices]:
+def device_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry],
+                  tied: Dict[str, Tuple[int, ...]]) -> List[Devices]:
     """Every device set a collective or a gradient sum runs over: the same list on every rank, in
-    the order process groups are created (collectively)."""
+    the order process groups are created (collectively). ``tied``: ``tied_stages(graphs)``."""
     groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
-    groups |= set(replica_groups(geometry)) | set(tied_groups(graphs, geometry))
+    groups |= set(replica_groups(geometry)) | set(tied_groups(tied, geometry))
     return sorted(groups, key=lambda d: (len(d), d))
 
 
@@ -256,25 +329,25 @@ def tied_stages(graphs: Dict[str, IRGraph]) -> Dict[str, Tuple[int, ...]]:
     return {name: tuple(sorted(s)) for name, s in stages.items() if len(s) > 1}
 
 
-def copies_of(name: str, graphs: Dict[str, IRGraph], geometry: PipelineGeometry, stage: int,
+def copies_of(name: str, tied: Dict[str, Tuple[int, ...]], geometry: PipelineGeometry, stage: int,
               position: int) -> Devices:
     """The plan devices whose copies of weight ``name`` (at ``position`` in their stage group) hold
     gradients to sum with this one: copies of the stage (chimera) and of the other stages that
     read a tied weight. Empty when there is no other copy."""
     devices = set()
-    for s in tied_stages(graphs).get(name, (stage,)):
+    for s in tied.get(name, (stage,)):
         devices |= set(replica_groups(geometry, s).get(position, (geometry.stage_group(s)[position],)))
     return tuple(sorted(devices)) if len(devices) > 1 else ()
 
 
-def tied_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometry]) -> List[Devices]:
+def tied_groups(tied: Dict[str, Tuple[int, ...]], geometry: Optional[PipelineGeometry]) -> List[Devices]:
     """Every device set whose tied-weight copies sum their gradients (process groups to create)."""
     if geometry is None:
         return []
     found = set()
-    for name, stages in tied_stages(graphs).items():
+    for name, stages in tied.items():
         for position in range(len(geometry.stage_group(stages[0]))):
-            copies = copies_of(name, graphs, geometry, stages[0], position)
+            copies = copies_of(name, tied, geometry, stages[0], position)
             if copies:
                 found.add(copies)
     return sorted(found)

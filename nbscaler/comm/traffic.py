@@ -22,7 +22,7 @@ collective                 forward, per device         backward, per device
 ``send_recv``              ``T`` (to the next stage)   ``T`` (the gradient, back)
 =========================  ==========================  =====================================
 
->>> steps = collective_steps(plan.programs.values(), plan.graph)   # doctest: +SKIP
+>>> steps = collective_steps(plan.programs.distinct(), plan.graph)  # doctest: +SKIP
 >>> steps[0]
 CommStep(tensor='gelu_2', producer='gelu_2', consumer='linear_3', collective='sum_grad', phase='B', ...)
 """
@@ -58,8 +58,8 @@ class CommStep:
 def collective_steps(programs: Iterable[RankProgram], graph: IRGraph) -> List[CommStep]:
     """The collectives of one placed graph, in the order generated code runs their forwards.
 
-    ``programs`` are the rank programs of the plan (``comm.lower``); their sections of ``graph``
-    hold every conversion. Each layout of a tensor is counted once per section (stage), on the
+    ``programs`` are rank programs of the plan (``comm.lower``) that run, together, every node of
+    ``graph`` (all of them, or ``RankPrograms.distinct()``); their sections hold every conversion. Each layout of a tensor is counted once per section (stage), on the
     first reader that asks for it (by graph order), with that reader's group.
     """
     by_stage: Dict[Optional[int], Dict[int, Section]] = {}

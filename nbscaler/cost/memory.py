@@ -37,7 +37,7 @@ as it is (the tests compare it with measured counts), except ops the fake replay
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
 import torch
@@ -49,7 +49,7 @@ from nbscaler.comm.program import RankProgram
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
-from nbscaler.cost.ranks import LocalWeight
+from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
@@ -163,8 +163,8 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
 
 
 # -- activations -------------------------------------------------------------------------------
-Programs = Dict[int, RankProgram]
-"""plan device -> its lowered program (``comm.lower``), when the caller has them already."""
+ProgramOf = Callable[[int], RankProgram]
+"""plan device -> its lowered program (``comm.lower``, e.g. ``plan.programs.device``)."""
 
 
 def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
@@ -182,7 +182,7 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 
 
 def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                geometry: Optional[PipelineGeometry], programs: Optional[Programs] = None) -> DeviceRuns:
+                geometry: Optional[PipelineGeometry], program_of: Optional[ProgramOf] = None) -> DeviceRuns:
     """``stage_runs`` of every plan device, computed once for callers that need them twice.
 
     Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
@@ -205,7 +205,7 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
         if twin is not None:
             out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
         else:
-            program = programs[device] if programs is not None else None
+            program = program_of(device) if program_of is not None else None
             out[device] = stage_runs(graphs, storage, device, geometry, program)
             replayed.setdefault(key, []).append(out[device])
     return out
@@ -276,7 +276,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                     optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                    precision: Precision = Precision(), programs: Optional[Programs] = None) -> pd.DataFrame:
+                    precision: Precision = Precision()) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
@@ -288,7 +288,6 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
         runs: ``device_runs`` of the plan, when the caller has them already.
         precision: the optimizer's master copies (``build_optimizer(..., master_dtype=)``).
-        programs: each plan device's lowered program, when the caller has them already.
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
@@ -297,13 +296,12 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
     """
     by_device: Dict[int, Dict[str, int]] = {}
     for device in range(cfg.plan_ngpus):
-        program = programs[device] if programs is not None else lower_device(graphs, storage, device, geometry)
-        weights = program.weights
+        weights = local_weights(graphs, storage, device, geometry)
         row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
-            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry, program)
+            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
             annotate_saved_bytes(stages)
             saved = {s: r.saved_bytes for s, r in stages.items()}
             params = [w for w in weights if w.kind == "param"]

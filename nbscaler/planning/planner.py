@@ -29,8 +29,7 @@ from torch.utils._pytree import tree_map
 
 from nbscaler.codegen.rankfile import generate
 from nbscaler.comm.layout import Layout, storage_layouts
-from nbscaler.comm.lower import lower, rank_sections
-from nbscaler.comm.program import RankProgram
+from nbscaler.comm.lower import RankPrograms, lower, rank_sections
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
@@ -110,9 +109,10 @@ class Plan:
         return sorted({index[id(n)] for sec in sections if sec.graph is self.graph for n in sec.nodes()})
 
     @functools.cached_property
-    def programs(self) -> Dict[int, RankProgram]:
-        """Runtime rank -> what it runs and stores (``comm.lower``), lowered once: code generation
-        prints it, the cost model replays it and the traffic table counts its conversions."""
+    def programs(self) -> RankPrograms:
+        """Runtime rank -> what it runs and stores (``comm.lower``), each plan device lowered once,
+        when first asked for: code generation prints it, the cost model replays it and the traffic
+        table counts its conversions."""
         return lower(self)
 
     @functools.cached_property
@@ -137,7 +137,7 @@ class Plan:
     @functools.cached_property
     def collectives(self) -> pd.DataFrame:
         """One row per collective on an edge of the training graph (and per pipeline crossing)."""
-        steps = collective_steps(self.programs.values(), self.graph)
+        steps = collective_steps(self.programs.distinct(), self.graph)
         return tag(tables.collectives_frame(steps), Table.COLLECTIVES, self)
 
     def traffic(self) -> pd.DataFrame:
@@ -168,7 +168,7 @@ class Plan:
         state, and the gradients are in that dtype after the step (``nbscaler.cost.memory``)."""
         return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
                                    optimizer_kwargs=optimizer_kwargs, runs=self.local_runs,
-                                   precision=Precision(master_dtype), programs=self.programs), Table.MEMORY, self)
+                                   precision=Precision(master_dtype)), Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
@@ -182,7 +182,7 @@ class Plan:
         saved tensors): what the memory table and the step model both read; made once per plan."""
         if self.config.inference_only:
             return None
-        return device_runs(self.graphs, self.storage, self.config, self.geometry, self.programs)
+        return device_runs(self.graphs, self.storage, self.config, self.geometry, self.programs.device)
 
     # -- again, differently -----------------------------------------------------------------------
     def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":

@@ -19,6 +19,7 @@ import torch
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
+from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
 from nbscaler.layouts import Collective
@@ -146,7 +147,7 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     edges = edge_traffic_per_device(plan)
     u = cfg.units
     partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
-                      for w in plan.programs[d].weights if w.kind == "param")
+                      for w in local_weights(plan.graphs, plan.storage, d, plan.geometry) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}
     rows = []
     for r in range(cfg.runtime_ngpus):
