@@ -90,12 +90,22 @@ class RankPrograms(Mapping):
         self.graphs, self.storage, self.geometry, self.config = graphs, storage, geometry, config
         self.facts = PlanFacts(graphs, geometry)
         self._by_device: Dict[int, RankProgram] = {}
+        self._weights: Dict[int, List[LocalWeight]] = {}
 
     def device(self, device: int) -> RankProgram:
         """The program of plan ``device``."""
         if device not in self._by_device:
-            self._by_device[device] = lower_device(self.graphs, self.storage, device, self.geometry, self.facts)
+            self._by_device[device] = lower_device(self.graphs, self.storage, device, self.geometry, self.facts,
+                                                   self.weights(device))
         return self._by_device[device]
+
+    def weights(self, device: int) -> List[LocalWeight]:
+        """The weight table of plan ``device``, without lowering its sections (what the memory and
+        time models ask of every device)."""
+        if device not in self._weights:
+            sections = rank_sections(self.graphs, device, self.geometry)
+            self._weights[device] = weight_table(self.graphs, self.storage, sections, self.geometry, self.facts)
+        return self._weights[device]
 
     def __getitem__(self, rank: int) -> RankProgram:
         if not 0 <= rank < self.config.runtime_ngpus:
@@ -120,12 +130,13 @@ class RankPrograms(Mapping):
 
 
 def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None) -> RankProgram:
+                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None,
+                 weights: Optional[List[LocalWeight]] = None) -> RankProgram:
     """The program of plan ``device``: its sections lowered to instructions, and its weight table.
-    ``facts``: the plan's, when the caller lowers several devices."""
+    ``facts`` and ``weights`` (its weight table): the plan's, when the caller has them already."""
     facts = facts or PlanFacts(graphs, geometry)
     sections = rank_sections(graphs, device, geometry)
-    weights = weight_table(graphs, storage, sections, geometry, facts)
+    weights = weights if weights is not None else weight_table(graphs, storage, sections, geometry, facts)
     shapes = {w.name: w.shape for w in weights}
     for sec in sections:
         sec.carry_in, sec.carry_out = facts.stage_io(sec.graph, sec.stage)

@@ -163,6 +163,7 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
 
 
 # -- activations -------------------------------------------------------------------------------
+WeightsOf = Callable[[int], List[LocalWeight]]
 ProgramOf = Callable[[int], RankProgram]
 """plan device -> its lowered program (``comm.lower``, e.g. ``plan.programs.device``)."""
 
@@ -276,7 +277,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                     optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                    precision: Precision = Precision()) -> pd.DataFrame:
+                    precision: Precision = Precision(), weights_of: Optional[WeightsOf] = None) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
@@ -288,6 +289,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
         runs: ``device_runs`` of the plan, when the caller has them already.
         precision: the optimizer's master copies (``build_optimizer(..., master_dtype=)``).
+        weights_of: plan device -> its weight table (``plan.programs.weights``), when the caller has them.
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
@@ -296,7 +298,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
     """
     by_device: Dict[int, Dict[str, int]] = {}
     for device in range(cfg.plan_ngpus):
-        weights = local_weights(graphs, storage, device, geometry)
+        weights = weights_of(device) if weights_of is not None else local_weights(graphs, storage, device, geometry)
         row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0

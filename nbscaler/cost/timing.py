@@ -38,7 +38,7 @@ per device, as the memory model writes ``local_saved_bytes``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
 import torch
@@ -172,8 +172,9 @@ class StepModel:
     def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                  geometry: Optional[PipelineGeometry], profiler: Optional[OpProfiler] = None,
                  comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None,
-                 hardware: Optional[Hardware] = None):
+                 hardware: Optional[Hardware] = None, weights_of: Optional[Callable[[int], List[LocalWeight]]] = None):
         self.graphs, self.storage, self.cfg, self.geometry = graphs, storage, cfg, geometry
+        self.weights_of = weights_of          # plan device -> its weight table, when the caller has them
         self.hardware = hardware
         on_target = hardware is not None and not hardware.is_local
         if on_target:
@@ -237,7 +238,8 @@ class StepModel:
         after: Dict[int, Tuple[float, float]] = {}    # plan device -> (synchronisation s, update s)
         for device in range(self.cfg.plan_ngpus):        # both depend on the plan device alone
             overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
-            params = device_params(self.graphs, self.storage, device, self.geometry)
+            params = ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
+                      else device_params(self.graphs, self.storage, device, self.geometry))
             after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
                                        params),
                              update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
@@ -259,7 +261,8 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                        optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                       hardware: Optional[Hardware] = None) -> pd.DataFrame:
+                       hardware: Optional[Hardware] = None,
+                       weights_of: Optional[Callable[[int], List[LocalWeight]]] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
 
     A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
@@ -269,7 +272,8 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
     ops take their roofline time (``cost.roofline``) and collectives NCCL's (``cost.nccl``).
     """
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).step_times(n, optimizer, optimizer_kwargs)
+    model = StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware, weights_of=weights_of)
+    return model.step_times(n, optimizer, optimizer_kwargs)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,

@@ -168,7 +168,8 @@ class Plan:
         state, and the gradients are in that dtype after the step (``nbscaler.cost.memory``)."""
         return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
                                    optimizer_kwargs=optimizer_kwargs, runs=self.local_runs,
-                                   precision=Precision(master_dtype)), Table.MEMORY, self)
+                                   precision=Precision(master_dtype), weights_of=self.programs.weights),
+                   Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,

@@ -19,7 +19,6 @@ import torch
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
-from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.graph import IRGraph
 from nbscaler.layouts import Collective
@@ -147,7 +146,7 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     edges = edge_traffic_per_device(plan)
     u = cfg.units
     partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
-                      for w in local_weights(plan.graphs, plan.storage, d, plan.geometry) if w.kind == "param")
+                      for w in plan.programs.weights(d) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}
     rows = []
     for r in range(cfg.runtime_ngpus):
@@ -169,7 +168,8 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
                           C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
-                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware)
+                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
+                               weights_of=plan.programs.weights)
     frame = frame.merge(steps, on=C.RANK.value)
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return add_target_columns(plan, frame, hardware) if hardware is not None else frame
