@@ -1,7 +1,7 @@
 """Layouts of a tensor over the devices of a group, and the collectives that change them.
 
-After partitioning, each device of a group holds some piece of every tensor. Three layouts cover
-what a producer leaves behind:
+After partitioning, each device of a group holds some piece of every tensor (the terms are
+``nbscaler.layouts.LayoutKind``'s). Three layouts cover what a producer leaves behind:
 
 - ``R``: replicated, every device holds the whole tensor;
 - ``S(d)``: split, device ``i`` holds slice ``i`` along dim ``d``; ``S(d, 3 blocks)`` is strided: dim
@@ -39,44 +39,52 @@ from typing import List, Optional, Sequence, Tuple
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
 from nbscaler.ir.layer_rules import vocab_parallel
+from nbscaler.layouts import Collective, LayoutKind
+
+R, S, P, SUM_GRAD, FIRST_ONLY = LayoutKind
 
 
 @dataclass(frozen=True)
 class Layout:
-    kind: str                     # 'R' | 'S' | 'P' | 'R*' | 'V'
+    kind: LayoutKind
     dim: Optional[int] = None
     blocks: Blocks = 1            # S only: blocks along dim, each split across the devices
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LayoutKind(self.kind))     # 'R*' given as text reads as SUM_GRAD
+
     @classmethod
     def replicated(cls) -> "Layout":
-        return cls("R")
+        return cls(R)
 
     @classmethod
     def split(cls, dim: int, blocks: Blocks = 1) -> "Layout":
-        return cls("S", dim, blocks)
+        return cls(S, dim, blocks)
 
     @classmethod
     def partial(cls) -> "Layout":
-        return cls("P")
+        return cls(P)
 
     def __str__(self) -> str:
-        if self.kind != "S":
-            return self.kind
+        if self.kind != S:
+            return str(self.kind)
         return f"S({self.dim}, {describe(self.blocks)})" if is_strided(self.blocks) else f"S({self.dim})"
 
     @property
     def label(self) -> str:
-        """A suffix for variable names in generated code."""
+        """A suffix for variable names in generated code: what the collective made of the tensor
+        (``full``, ``split1``, ``sum_grad``: whole here, its gradient summed over the group)."""
         strided = "x" + "_".join(map(str, self.blocks if isinstance(self.blocks, tuple) else [self.blocks]))
         strided = strided if is_strided(self.blocks) else ""
-        return {"R": "full", "P": "partial", "R*": "rep", "V": "first"}.get(self.kind, f"split{self.dim}{strided}")
+        return {R: "full", P: "partial", SUM_GRAD: "sum_grad", FIRST_ONLY: "first_only"}.get(self.kind,
+                                                                                          f"split{self.dim}{strided}")
 
 
 @dataclass(frozen=True)
 class Step:
     """One collective: ``fn`` names a function of ``nbscaler.runtime.collectives``."""
 
-    fn: str
+    fn: Collective
     dim: Optional[int] = None
     dim2: Optional[int] = None
     blocks: Blocks = 1
@@ -85,7 +93,7 @@ class Step:
 def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
     """The shape of one device's piece of a tensor of ``shape`` in ``layout`` over ``parts`` devices."""
     shape = list(shape)
-    if layout.kind == "S":
+    if layout.kind == S:
         shape[layout.dim] //= parts
     return tuple(shape)
 
@@ -112,7 +120,7 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:
         return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))
-    return Layout("V") if place.split in node.annotation.reduce else Layout("R*")
+    return Layout(FIRST_ONLY) if place.split in node.annotation.reduce else Layout(SUM_GRAD)
 
 
 def conversion(have: Layout, want: Layout) -> List[Step]:
@@ -120,23 +128,23 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     if have == want:
         return []
     strided = is_strided(have.blocks) or is_strided(want.blocks)
-    if have.kind == "S" and want.kind == "S" and not strided:
-        return [Step("all_to_all", dim=want.dim, dim2=have.dim)]
+    if have.kind == S and want.kind == S and not strided:
+        return [Step(Collective.ALL_TO_ALL, dim=want.dim, dim2=have.dim)]
     # A weight stored R* (see storage_layouts) is whole on every device: its gradient sum is the reducer's.
-    to_full: List[Step] = {"R": [], "R*": [], "S": [Step("all_gather", dim=have.dim, blocks=have.blocks)],
-                           "P": [Step("all_reduce")]}[have.kind]
-    if want.kind == "R":
+    to_full: List[Step] = {R: [], SUM_GRAD: [], S: [Step(Collective.ALL_GATHER, dim=have.dim, blocks=have.blocks)],
+                           P: [Step(Collective.ALL_REDUCE)]}[have.kind]
+    if want.kind == R:
         return to_full
-    if want.kind == "S":
-        if have.kind == "P" and not strided:
-            return [Step("reduce_scatter", dim=want.dim)]
-        return to_full + [Step("chunk", dim=want.dim, blocks=want.blocks)]
-    if want.kind == "R*":
-        if have.kind == "S":             # the gradient's sum and this device's slice of it: a reduce-scatter
-            return [Step("all_gather_sum_grad", dim=have.dim, blocks=have.blocks)]
-        return to_full + [Step("sum_grad")]
-    if want.kind == "V":
-        return to_full + [Step("first_only")]
+    if want.kind == S:
+        if have.kind == P and not strided:
+            return [Step(Collective.REDUCE_SCATTER, dim=want.dim)]
+        return to_full + [Step(Collective.CHUNK, dim=want.dim, blocks=want.blocks)]
+    if want.kind == SUM_GRAD:
+        if have.kind == S:             # the gradient's sum and this device's slice of it: a reduce-scatter
+            return [Step(Collective.ALL_GATHER_SUM_GRAD, dim=have.dim, blocks=have.blocks)]
+        return to_full + [Step(Collective.SUM_GRAD)]
+    if want.kind == FIRST_ONLY:
+        return to_full + [Step(Collective.FIRST_ONLY)]
     raise ValueError(f"no conversion from {have} to {want}")
 
 
@@ -193,6 +201,6 @@ def storage_layouts(graphs, partial_grads: bool = True) -> dict:
     layouts = {}
     for name, reqs in wants.items():
         want, _ = next(iter(reqs))
-        single = len(reqs) == 1 and (want.kind == "S" or (want.kind == "R*" and partial_grads and name in params))
+        single = len(reqs) == 1 and (want.kind == S or (want.kind == SUM_GRAD and partial_grads and name in params))
         layouts[name] = want if single else Layout.replicated()
     return layouts

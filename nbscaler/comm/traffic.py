@@ -1,13 +1,12 @@
 """Every collective a plan runs, with the bytes each device sends: a pass over a placed graph.
 
-Code generation turns each change of layout into ``comm.*`` calls (``nbscaler.comm.layout``). This
-pass walks the graph the same way, in the same order, and lists those calls as ``CommStep`` rows,
-so the views, the cost model and autodist can count what crosses between devices without reading
-generated code. Each forward step gets a row; when its backward is a collective too (the gradient
+Each rank's program (``comm.lower``) holds its layout conversions. This pass gathers those of
+every rank, in graph order, and lists them as ``CommStep`` rows, so the views, the cost model and
+autodist can count what crosses between devices without reading generated code. Each forward step gets a row; when its backward is a collective too (the gradient
 of a ``chunk`` is an all-gather, of a ``sum_grad`` an all-reduce), that gets a row of its own.
 
 Bytes are those each device of the group *sends* with ring algorithms, for a tensor of ``T`` bytes
-over ``n`` devices:
+over ``n`` devices (``nbscaler.layouts.COLLECTIVES`` holds these shares):
 
 =========================  ==========================  =====================================
 collective                 forward, per device         backward, per device
@@ -23,7 +22,7 @@ collective                 forward, per device         backward, per device
 ``send_recv``              ``T`` (to the next stage)   ``T`` (the gradient, back)
 =========================  ==========================  =====================================
 
->>> steps = collective_steps(graph, storage)                      # doctest: +SKIP
+>>> steps = collective_steps(plan.programs.distinct(), plan.graph)  # doctest: +SKIP
 >>> steps[0]
 CommStep(tensor='gelu_2', producer='gelu_2', consumer='linear_3', collective='sum_grad', phase='B', ...)
 """
@@ -31,32 +30,12 @@ CommStep(tensor='gelu_2', producer='gelu_2', consumer='linear_3', collective='su
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
-from nbscaler.comm.layout import Layout, Step, conversion, input_requirement, output_layout
-from nbscaler.comm.stages import stage_carries
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-
-#: The collective that carries each forward step's gradient, and its bytes per device as a
-#: fraction of the whole tensor for ``n`` devices (``None``: the backward is local).
-_FORWARD_SHARE = {
-    "all_gather": lambda n: (n - 1) / n,
-    "all_gather_sum_grad": lambda n: (n - 1) / n,
-    "chunk": lambda n: 0.0,
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n ** 2,
-    "sum_grad": lambda n: 0.0,
-    "first_only": lambda n: 0.0,
-}
-_BACKWARD = {
-    "all_gather_sum_grad": ("reduce_scatter", lambda n: (n - 1) / n),
-    "chunk": ("all_gather", lambda n: (n - 1) / n),
-    "reduce_scatter": ("all_gather", lambda n: (n - 1) / n),
-    "all_to_all": ("all_to_all", lambda n: (n - 1) / n ** 2),
-    "sum_grad": ("all_reduce", lambda n: 2 * (n - 1) / n),
-}
-
+from nbscaler.comm.layout import Step
+from nbscaler.comm.program import Fetch, RankProgram, Section, Send
+from nbscaler.ir.graph import IRGraph, IRTensor, requires_grad_of
+from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind
 
 @dataclass(frozen=True)
 class CommStep:
@@ -76,94 +55,80 @@ class CommStep:
     stage: Optional[int] = None       # pipeline stage that runs it (for send_recv: the sending stage)
 
 
-def collective_steps(graph: IRGraph, storage: Dict[str, Layout], nstages: Optional[int] = None) -> List[CommStep]:
+def collective_steps(programs: Iterable[RankProgram], graph: IRGraph) -> List[CommStep]:
     """The collectives of one placed graph, in the order generated code runs their forwards.
 
-    ``storage`` gives each weight's stored layout (``storage_layouts``); ``nstages`` is the number
-    of pipeline stages (``None`` without a pipeline).
+    ``programs`` are rank programs of the plan (``comm.lower``) that run, together, every node of
+    ``graph`` (all of them, or ``RankPrograms.distinct()``); their sections hold every conversion. Each layout of a tensor is counted once per section (stage), on the
+    first reader that asks for it (by graph order), with that reader's group.
     """
-    walk = _LayoutWalk(graph, storage)
-    if nstages is None:
-        walk.section(graph.nodes, carry_in=(), carry_out=None)
-        return walk.steps
-    carries = stage_carries(graph, nstages)
-    groups = [tuple(sorted({d for n in graph.nodes if n.stage == s for d in n.placement.devices}))
-              for s in range(nstages)]
-    for stage in range(nstages):
-        nodes = [n for n in graph.nodes if n.stage == stage]
-        last = stage == nstages - 1
-        walk.section(nodes, carry_in=carries[stage - 1] if stage else (), carry_out=None if last else carries[stage],
-                     stage=stage, next_group=None if last else groups[stage + 1])
-    return walk.steps
+    by_stage: Dict[Optional[int], Dict[int, Section]] = {}
+    for program in programs:
+        for sec in program.sections:
+            if sec.graph is graph:
+                by_stage.setdefault(sec.stage, {})[sec.device] = sec
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    stages = sorted(by_stage, key=lambda s: -1 if s is None else s)
+    groups = {s: _group(graph, s) for s in stages}
+    steps: List[CommStep] = []
+    for k, stage in enumerate(stages):
+        last = k == len(stages) - 1
+        steps += _stage_steps(list(by_stage[stage].values()), graph, index, stage,
+                              None if stage is None or last else groups[stages[k + 1]])
+    return steps
 
 
-class _LayoutWalk:
-    """Follows which layouts of each tensor exist, as ``codegen.emitter.ForwardEmitter`` does."""
+def _group(graph: IRGraph, stage: Optional[int]) -> Tuple[int, ...]:
+    return tuple(sorted({d for n in graph.nodes if stage is None or n.stage == stage for d in n.placement.devices}))
 
-    def __init__(self, graph: IRGraph, storage: Dict[str, Layout]):
-        self.graph, self.storage = graph, storage
-        self.grad = requires_grad_of(graph)
-        self.steps: List[CommStep] = []
-        self.index = {id(n): i for i, n in enumerate(graph.nodes)}
 
-    def section(self, nodes: Sequence[IRNode], carry_in: Sequence[IRTensor], carry_out: Optional[Sequence[IRTensor]],
-                stage: Optional[int] = None, next_group: Tuple[int, ...] = ()) -> None:
-        """One forward function: the whole graph, or one pipeline stage."""
-        self.have: Dict[int, Layout] = {}
-        self.known: Dict[int, set] = {}
-        for t in list(self.graph.inputs) + list(carry_in):
-            self._bind(t, Layout.replicated())
-        for t in self.graph.weights.values():
-            self._bind(t, self.storage.get(t.name, Layout.replicated()))
-        for node in nodes:
-            for i, t in enumerate(node.inputs):
-                self._fetch(t, input_requirement(node, i), node.placement.devices, node, stage)
-            for i, t in enumerate(node.output_tensors):
-                self._bind(t, output_layout(node, i))
-        group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
-        if carry_out is not None:
-            for t in carry_out:
-                self._fetch(t, Layout.replicated(), group, None, stage)
-                self._send(t, group, next_group, stage)
-        else:
-            for t in self.graph.output_tensors():
-                self._fetch(t, Layout.replicated(), group, None, stage)
+def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int], stage: Optional[int],
+                 next_group: Optional[Tuple[int, ...]]) -> List[CommStep]:
+    """The rows of one stage: every conversion of its sections in graph order, each once."""
+    grad = requires_grad_of(graph)
+    nodes = len(graph.nodes)
+    ordered = []
+    for sec in sections:
+        for f in sec.fetches():
+            at = index[id(f.consumer)] if f.consumer is not None else nodes + f.position
+            ordered.append(((at, f.position, 0), f))
+        sends = [ins for ins in sec.instructions if isinstance(ins, Send)]
+        ordered += [((nodes + k, k, 1), send) for k, send in enumerate(sends)]     # after the k-th output's fetch
+    ordered.sort(key=lambda item: item[0])
+    seen: set = set()
+    steps: List[CommStep] = []
+    for _, item in ordered:
+        if isinstance(item, Send):
+            if ("send", id(item.tensor)) not in seen:
+                seen.add(("send", id(item.tensor)))
+                steps += _send(item.tensor, _group(graph, stage), next_group, stage, grad)
+        elif (id(item.tensor), item.want) not in seen:
+            seen.add((id(item.tensor), item.want))
+            steps += [row for c in item.steps for row in _rows(item, c.step, stage, index, grad)]
+    return steps
 
-    def _bind(self, t: IRTensor, layout: Layout) -> None:
-        self.have[id(t)] = layout
-        self.known[id(t)] = {layout}
 
-    def _fetch(self, t: IRTensor, want: Layout, devices: Tuple[int, ...], consumer: Optional[IRNode],
-               stage: Optional[int]) -> None:
-        if id(t) not in self.have:
-            return                                 # code generation reports the error
-        if want.kind == "R*" and not self.grad.get(id(t), False):
-            want = Layout.replicated()             # no gradient to sum
-        if want in self.known[id(t)]:
-            return
-        have = self.have[id(t)]
-        for step in conversion(have, want):
-            self._record(t, step, have, want, devices, consumer, stage)
-        self.known[id(t)].add(want)
+def _rows(f: Fetch, step: Step, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool]) -> List[CommStep]:
+    """The forward row of one collective, and its backward's when that is a collective too."""
+    t, n, spec = f.tensor, len(f.devices), COLLECTIVES[step.fn]
+    row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None,
+               consumer=f.consumer.name if f.consumer is not None else None,
+               consumer_index=index.get(id(f.consumer)) if f.consumer is not None else None,
+               have=str(f.have), want=str(f.want), devices=tuple(f.devices), tensor_bytes=t.nbytes, stage=stage)
+    out = [CommStep(collective=step.fn, phase="F", bytes_per_device=round(spec.forward_share(n) * t.nbytes), **row)]
+    if spec.backward is not None and grad.get(id(t), False):
+        out.append(CommStep(collective=spec.backward, phase="B",
+                            bytes_per_device=round(spec.backward_share(n) * t.nbytes), **row))
+    return out
 
-    def _record(self, t: IRTensor, step: Step, have: Layout, want: Layout, devices: Tuple[int, ...],
-                consumer: Optional[IRNode], stage: Optional[int]) -> None:
-        n = len(devices)
-        row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None,
-                   consumer=consumer.name if consumer is not None else None,
-                   consumer_index=self.index.get(id(consumer)) if consumer is not None else None,
-                   have=str(have), want=str(want), devices=tuple(devices), tensor_bytes=t.nbytes, stage=stage)
-        self.steps.append(CommStep(collective=step.fn, phase="F",
-                                   bytes_per_device=round(_FORWARD_SHARE[step.fn](n) * t.nbytes), **row))
-        if step.fn in _BACKWARD and self.grad.get(id(t), False):
-            fn, share = _BACKWARD[step.fn]
-            self.steps.append(CommStep(collective=fn, phase="B", bytes_per_device=round(share(n) * t.nbytes), **row))
 
-    def _send(self, t: IRTensor, group: Tuple[int, ...], next_group: Tuple[int, ...], stage: int) -> None:
-        """``t`` crosses from ``stage`` to the next: each device sends it whole to its counterpart."""
-        row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None, consumer=None,
-                   consumer_index=None, have="R", want="R", collective="send_recv",
-                   tensor_bytes=t.nbytes, bytes_per_device=t.nbytes)
-        self.steps.append(CommStep(phase="F", stage=stage, devices=group, **row))
-        if self.grad.get(id(t), False):            # the gradient goes back from the next stage
-            self.steps.append(CommStep(phase="B", stage=stage + 1, devices=next_group, **row))
+def _send(t: IRTensor, group: Tuple[int, ...], next_group: Tuple[int, ...], stage: int,
+          grad: Dict[int, bool]) -> List[CommStep]:
+    """``t`` crosses from ``stage`` to the next: each device sends it whole to its counterpart."""
+    row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None, consumer=None,
+               consumer_index=None, have=str(LayoutKind.REPLICATED), want=str(LayoutKind.REPLICATED),
+               collective=Collective.SEND_RECV, tensor_bytes=t.nbytes, bytes_per_device=t.nbytes)
+    out = [CommStep(phase="F", stage=stage, devices=group, **row)]
+    if grad.get(id(t), False):            # the gradient goes back from the next stage
+        out.append(CommStep(phase="B", stage=stage + 1, devices=next_group, **row))
+    return out

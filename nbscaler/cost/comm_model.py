@@ -45,6 +45,23 @@ import torch.distributed as dist
 
 from nbscaler.cost.cache import cache_dir
 from nbscaler.cost.speed import rank_device, sync
+from nbscaler.layouts import COLLECTIVES, Collective
+
+def priced_as(fn: str, n: int) -> Optional[Collective]:
+    """The primitive collective the models time ``fn``'s forward as (``layouts.COLLECTIVES``);
+    ``None`` when it moves nothing (a local op, or a group of one)."""
+    spec = COLLECTIVES.get(fn)
+    return spec.priced_as if spec is not None and n > 1 else None
+
+
+def backward_time(model, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
+    """Seconds of the backward of ``fn`` on ``model`` (``nbytes``: the forward's local input): its
+    backward partner's forward, on the gradient's local bytes (``layouts.COLLECTIVES``)."""
+    spec = COLLECTIVES.get(fn)
+    if n <= 1 or spec is None or spec.backward is None:
+        return 0.0
+    return model.forward(spec.backward, spec.backward_input(nbytes, n), n, ranks)
+
 
 DEFAULTS = {"gloo": (1e-4, 1 / 2e9), "nccl": (1e-5, 1 / 5e10)}
 """(alpha seconds, beta seconds per byte) when nothing was calibrated: gloo over local TCP, nccl
@@ -72,28 +89,20 @@ class CommModel:
         """Seconds of collective ``fn`` over ``n`` devices on a local input of ``nbytes``. The
         calibration is of one host's links, so which ``ranks`` the group holds changes nothing
         (``cost.nccl.NcclModel``, the same interface for a target, reads them)."""
-        if n <= 1:
+        primitive = priced_as(fn, n)
+        if primitive is None:
             return 0.0
         share = (n - 1) / n
         return {
-            "all_gather": lambda: self.ring(n - 1, (n - 1) * nbytes),
-            "all_gather_sum_grad": lambda: self.forward("all_gather", nbytes, n),
-            "all_reduce": lambda: self.ring(2 * (n - 1), 2 * share * nbytes),
-            "reduce_scatter": lambda: self.ring(n - 1, share * nbytes),
-            "all_to_all": lambda: self.ring(n - 1, share * nbytes),
-        }.get(fn, lambda: 0.0)()
+            Collective.ALL_GATHER: lambda: self.ring(n - 1, (n - 1) * nbytes),
+            Collective.ALL_REDUCE: lambda: self.ring(2 * (n - 1), 2 * share * nbytes),
+            Collective.REDUCE_SCATTER: lambda: self.ring(n - 1, share * nbytes),
+            Collective.ALL_TO_ALL: lambda: self.ring(n - 1, share * nbytes),
+        }[primitive]()
 
     def backward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of the backward of ``fn`` (``nbytes``: the forward's local input)."""
-        if n <= 1:
-            return 0.0
-        return {
-            "all_gather_sum_grad": lambda: self.forward("reduce_scatter", nbytes * n, n),
-            "chunk": lambda: self.forward("all_gather", nbytes // n, n),
-            "reduce_scatter": lambda: self.forward("all_gather", nbytes // n, n),
-            "all_to_all": lambda: self.forward("all_to_all", nbytes, n),
-            "sum_grad": lambda: self.forward("all_reduce", nbytes, n),
-        }.get(fn, lambda: 0.0)()
+        return backward_time(self, fn, nbytes, n, ranks)
 
     def p2p(self, nbytes: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of one pipeline send/recv of ``nbytes``."""

@@ -1,10 +1,10 @@
 """Run one device's share of a placed graph on fake tensors: local shapes, collectives, saved tensors.
 
-The generated code of a rank is the graph's nodes that run on its plan device, at local shapes,
-with a collective wherever a tensor changes layout. ``run_local`` replays exactly that (the same
-conversion rules as code generation) under ``FakeTensorMode``: every tensor has the shape, strides,
-dtype and aliasing it would have at run time, but no memory. So it can say, without a process
-group or any real arithmetic:
+A rank's program (``comm.lower``) is the graph's nodes that run on its plan device, at local
+shapes, with a collective wherever a tensor changes layout; code generation prints it.
+``run_local`` runs the same program, instruction by instruction, under ``FakeTensorMode``: every
+tensor has the shape, strides, dtype and aliasing it would have at run time, but no memory. So it
+can say, without a process group or any real arithmetic:
 
 - the local shapes each node reads and makes (for the time model's per-op profile);
 - each collective with the bytes it moves (for the communication model);
@@ -17,7 +17,8 @@ Fake tensors pretend to live on a real device type (the CPU here, CUDA where the
 ops pick the kernels they would pick there: ``scaled_dot_product_attention`` saves what the CPU
 flash kernel saves, not what the generic math path would.
 
->>> run = run_local(graph, device=0, storage=storage_layouts([graph]))    # doctest: +SKIP
+>>> program = plan.programs[0]                                          # doctest: +SKIP
+>>> run = run_local(program.sections[0])                               # doctest: +SKIP
 >>> run.saved_bytes, [c.fn for c in run.collectives][:2]
 (1409024, ['sum_grad', 'all_reduce'])
 """
@@ -35,23 +36,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from nbscaler.comm.layout import Layout, conversion, input_requirement, local_call, output_layout
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs
+from nbscaler.comm.layout import local_call, local_shape, output_layout
+from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
+from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.registry import USER_OPS, spec_of
-
-
-def grad_flow(graph: IRGraph) -> Dict[int, bool]:
-    """Which tensors can carry a gradient (by ``id``): trainable parameters, float inputs, and what
-    they feed. Code generation decides with the same rule whether an ``R*`` input needs its
-    backward all-reduce."""
-    grad: Dict[int, bool] = {id(t): t.dtype.is_floating_point for t in graph.inputs}
-    for t in graph.weights.values():
-        grad[id(t)] = t.kind == "param" and t.requires_grad
-    for node in graph.nodes:
-        flows = any(grad.get(id(t), False) for t in node.inputs)
-        for t in node.output_tensors:
-            grad[id(t)] = flows and t.dtype.is_floating_point
-    return grad
+from nbscaler.layouts import Collective
 
 
 def resolve(target: str) -> Callable:
@@ -133,13 +122,6 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
-    shape = list(shape)
-    if layout.kind == "S":
-        shape[layout.dim] //= parts
-    return tuple(shape)
-
-
 class _Apply(torch.autograd.Function):
     """Stands in for a differentiable collective: its forward, and nothing saved (like the real ones)."""
 
@@ -160,62 +142,69 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
     gather = lambda t, d: torch.cat([torch.empty_like(t) for _ in range(n)], dim=d)
     piece = lambda t, d: t.chunk(n, dim=d)[index].contiguous()
     impl = {
-        "all_gather": lambda t: gather(t, dim),
-        "all_gather_sum_grad": lambda t: gather(t, dim),
-        "chunk": lambda t: piece(t, dim),
-        "all_reduce": lambda t: t.contiguous().clone(),
-        "reduce_scatter": lambda t: piece(t.contiguous().clone(), dim),
-        "all_to_all": lambda t: piece(gather(t, dim2), dim),
-        "sum_grad": lambda t: t.view_as(t),
-        "first_only": lambda t: t.view_as(t) if index == 0 else torch.zeros_like(t),
+        Collective.ALL_GATHER: lambda t: gather(t, dim),
+        Collective.ALL_GATHER_SUM_GRAD: lambda t: gather(t, dim),
+        Collective.CHUNK: lambda t: piece(t, dim),
+        Collective.ALL_REDUCE: lambda t: t.contiguous().clone(),
+        Collective.REDUCE_SCATTER: lambda t: piece(t.contiguous().clone(), dim),
+        Collective.ALL_TO_ALL: lambda t: piece(gather(t, dim2), dim),
+        Collective.SUM_GRAD: lambda t: t.view_as(t),
+        Collective.FIRST_ONLY: lambda t: t.view_as(t) if index == 0 else torch.zeros_like(t),
     }[fn]
-    if fn == "sum_grad" and not x.requires_grad:
+    if fn == Collective.SUM_GRAD and not x.requires_grad:
         return x
     return _Apply.apply(x, impl) if x.requires_grad else impl(x)
 
 
 class _Replay:
-    """Walks a section of the graph for one device, binding fake tensors the way the emitter binds names."""
+    """Runs one lowered section on fake tensors, one instruction at a time (as ``torch.fx.Interpreter``
+    runs a graph): an environment maps each value of the program to the fake tensor that holds it."""
 
-    def __init__(self, graph: IRGraph, device: int, storage: Dict[str, Layout], stage: Optional[int]):
-        self.graph, self.device, self.storage = graph, device, storage
-        self.run = LocalRun(device, stage)
-        self.values: Dict[int, Dict[Layout, torch.Tensor]] = {}
-        self.have: Dict[int, Layout] = {}
-        self.grad = grad_flow(graph)
+    def __init__(self, section: Section):
+        self.sec = section
+        self.run = LocalRun(section.device, section.stage)
+        self.env: Dict[Value, torch.Tensor] = {}
         self.weight_keys: set = set()
         self.seen: set = set()
         self.fake_device = fake_device()
         self.region: Optional[str] = None      # the recomputed region being replayed
         self.region_seen: set = set()
+        self._grad: Optional[Dict[int, bool]] = None
 
-    def bind(self, t: IRTensor, layout: Layout, value: torch.Tensor) -> None:
-        self.have[id(t)] = layout
-        self.values.setdefault(id(t), {})[layout] = value
+    def grad(self) -> Dict[int, bool]:
+        """Which tensors of the graph carry a gradient (only asked when an op could not be replayed)."""
+        if self._grad is None:
+            self._grad = requires_grad_of(self.sec.graph)
+        return self._grad
 
-    def fetch(self, t: IRTensor, want: Layout, devices: Tuple[int, ...], consumer: Optional[str]) -> torch.Tensor:
-        if want.kind == "R*" and not self.grad.get(id(t), False):
-            want = Layout.replicated()
-        known = self.values[id(t)]
-        if want in known:
-            return known[want]
-        have = self.have[id(t)]
-        value = known[have]
-        index = devices.index(self.device) if self.device in devices else 0
-        for step in conversion(have, want):
-            out = _collective(step.fn, value, step.dim, step.dim2, len(devices), index)
-            self.run.collectives.append(CollectiveCall(step.fn, t.name, devices, _nbytes(value), _nbytes(out), consumer,
-                                                       self.region is not None))
-            value = out
-        known[want] = value
-        return value
+    def instruction(self, ins: Instruction) -> None:
+        if isinstance(ins, Receive):            # as the pipeline executor makes it: requiring a gradient
+            t = ins.value.tensor
+            self.env[ins.value] = torch.empty(t.shape, dtype=t.dtype, device=self.fake_device,
+                                              requires_grad=t.dtype.is_floating_point)
+        elif isinstance(ins, Call):
+            self.call(ins)
+        elif isinstance(ins, Recompute):
+            self.recompute(ins)
+        else:                                   # Send, Return: the outputs gathered
+            self.fetches(ins.fetches)
 
-    def node(self, node: IRNode) -> None:
-        place = node.placement
-        inputs = [self.fetch(t, input_requirement(node, i), place.devices, node.name) for i, t in enumerate(node.inputs)]
+    def fetches(self, fetches: Sequence[Fetch]) -> None:
+        for f in fetches:
+            index = f.devices.index(self.sec.device) if self.sec.device in f.devices else 0
+            for c in f.steps:
+                value = self.env[c.src]
+                out = _collective(c.step.fn, value, c.step.dim, c.step.dim2, len(f.devices), index)
+                self.run.collectives.append(CollectiveCall(c.step.fn, f.tensor.name, f.devices, _nbytes(value),
+                                                           _nbytes(out), f.consumer.name if f.consumer else None,
+                                                           f.region is not None))
+                self.env[c.dst] = out
+
+    def call(self, call: Call) -> None:
+        self.fetches(call.fetches)
+        node, place = call.node, call.node.placement
+        inputs = [self.env[v] for v in call.inputs]
         args, kwargs = call_args(node, inputs, self.fake_device)
-        outs = node.output_tensors
-        layouts = [output_layout(node, i) for i in range(len(outs))]
         packed: List[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: (packed.append(x), x)[1], lambda x: x):
@@ -225,12 +214,13 @@ class _Replay:
             self.run.exact = False
             warnings.warn(f"the cost model could not replay {node.target} ({node.name}) on fake tensors "
                           f"({type(err).__name__}: {err}); it assumes the op saves its inputs.", stacklevel=4)
-            produced = [torch.empty(_local_shape(t.shape, lay, place.parts), dtype=t.dtype,
-                                    device=self.fake_device) for t, lay in zip(outs, layouts)]
-            packed = [x for x, t in zip(inputs, node.inputs) if x.is_floating_point() and self.grad.get(id(t), False)]
+            produced = [torch.empty(local_shape(v.tensor.shape, v.layout, place.parts), dtype=v.tensor.dtype,
+                                    device=self.fake_device) for v in call.outputs]
+            grad = self.grad()
+            packed = [x for x, v in zip(inputs, call.inputs) if x.is_floating_point() and grad.get(id(v.tensor), False)]
         new_bytes = self.save(packed)
-        for t, lay, value in zip(outs, layouts, produced):
-            self.bind(t, lay, value)
+        for v, value in zip(call.outputs, produced):
+            self.env[v] = value
         self.run.ops.append(OpCall(node, tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
                                    tuple((tuple(v.shape), v.dtype) for v in produced), new_bytes,
                                    self.region is not None))
@@ -256,21 +246,21 @@ class _Replay:
             return 0
         return new_bytes
 
-    def region_nodes(self, region: str, nodes: Sequence[IRNode]) -> None:
-        """A recomputed region as code generation writes it: its inputs fetched before it (and kept
-        for the backward, as ``torch.utils.checkpoint`` keeps them), then its ops."""
-        made = {id(t) for n in nodes for t in n.output_tensors}
-        inputs = [self.fetch(t, input_requirement(n, i), n.placement.devices, n.name)
-                  for n in nodes for i, t in enumerate(n.inputs) if id(t) not in made]
+    def recompute(self, region: Recompute) -> None:
+        """A recomputed region: its inputs fetched before it (and kept for the backward, as
+        ``torch.utils.checkpoint`` keeps them), then its ops."""
+        self.fetches(region.fetches)
+        inputs = [self.env[v] for v in region.inputs]
         kept = self.save(inputs)
-        self.region, self.region_seen = region, {_storage_key(x) for x in inputs}    # held anyway
+        self.region, self.region_seen = region.region, {_storage_key(x) for x in inputs}    # held anyway
         try:
-            for n in nodes:
-                self.node(n)
+            for call in region.body:
+                self.call(call)
         finally:
             self.region = None
-        first = self.run.ops[-len(nodes)]
-        self.run.ops[-len(nodes)] = dataclasses.replace(first, saved_bytes=first.saved_bytes + kept)
+        n = len(region.body)
+        first = self.run.ops[-n]
+        self.run.ops[-n] = dataclasses.replace(first, saved_bytes=first.saved_bytes + kept)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -301,7 +291,7 @@ def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device
     spec = spec_of(node.target)
     if spec is not None and spec.shape_args:
         parts = node.placement.parts if node.placement else 1
-        args = (args[0], _local_shape(node.output_tensors[0].shape, output_layout(node, 0), parts))
+        args = (args[0], local_shape(node.output_tensors[0].shape, output_layout(node, 0), parts))
         kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
     return tree_map(lambda v: device if isinstance(v, torch.device) else v, (args, kwargs))
 
@@ -311,53 +301,25 @@ def fake_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def run_local(graph: IRGraph, device: int, storage: Dict[str, Layout], stage: Optional[int] = None,
-              carry_in: Sequence[IRTensor] = (), carry_out: Optional[Sequence[IRTensor]] = None,
-              train: bool = True) -> LocalRun:
-    """Replay plan ``device``'s share of ``graph`` (of pipeline ``stage``, when given) on fake tensors.
+def run_local(section: Section, train: bool = True) -> LocalRun:
+    """Replay one lowered ``section`` of a rank's program on fake tensors, at its local shapes.
 
-    ``carry_in`` are the tensors a stage receives (replicated, requiring a gradient when floating,
-    as the pipeline executor makes them); ``carry_out`` those it sends on, gathered to replicated
-    (``None``: the module's outputs). ``train=False`` runs without autograd (nothing is saved).
+    Inputs are replicated and need no gradient; tensors received from the previous stage are replicated and need one when floating,
+    as the pipeline executor makes them. ``train=False`` runs without autograd (nothing is saved).
     """
-    replay = _Replay(graph, device, storage, stage)
-    parts = weight_parts(graph)
+    replay = _Replay(section)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.set_grad_enabled(train):
-        empty = lambda t, grad: torch.empty(t.shape, dtype=t.dtype, device=replay.fake_device,
-                                            requires_grad=grad and t.dtype.is_floating_point)
-        for t in graph.inputs:
-            replay.bind(t, Layout.replicated(), empty(t, False))
-        for t in graph.weights.values():
-            lay = storage.get(t.name, Layout.replicated())
-            w = torch.empty(_local_shape(t.shape, lay, parts.get(t.name, 1)), dtype=t.dtype, device=replay.fake_device,
+        for v in section.inputs:
+            replay.env[v] = torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device=replay.fake_device)
+        for v in section.weights:
+            t = v.tensor
+            w = torch.empty(v.shape, dtype=t.dtype, device=replay.fake_device,
                             requires_grad=t.kind == "param" and t.dtype.is_floating_point)
             replay.weight_keys.add(_storage_key(w))
-            replay.bind(t, lay, w)
-        for t in carry_in:
-            replay.bind(t, Layout.replicated(), empty(t, True))
-        nodes = [n for n in graph.nodes if stage is None or n.stage == stage]
-        for region, run in recompute_runs([n for n in nodes if device in n.placement.devices]):
-            if region is None:
-                for node in run:
-                    replay.node(node)
-            else:
-                replay.region_nodes(region, run)
-        group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
-        finals = carry_out if carry_out is not None else graph.output_tensors()
-        for t in finals:
-            if id(t) in replay.have:
-                replay.fetch(t, Layout.replicated(), group, None)
+            replay.env[v] = w
+        for ins in section.instructions:
+            replay.instruction(ins)
     return replay.run
-
-
-def weight_parts(graph: IRGraph) -> Dict[str, int]:
-    """Over how many devices each weight is stored when split: the devices of its first reader."""
-    parts: Dict[str, int] = {}
-    for node in graph.nodes:
-        for t in node.inputs:
-            if t.is_weight:
-                parts.setdefault(t.name, len(node.placement.devices))
-    return parts
 
 
 def local_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:

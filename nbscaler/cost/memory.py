@@ -37,18 +37,21 @@ as it is (the tests compare it with measured counts), except ops the fake replay
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
 import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import Layout
+from nbscaler.comm.lower import lower_device, rank_sections, train_graph
+from nbscaler.comm.program import RankProgram
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
-from nbscaler.cost.ranks import LocalWeight, local_weights, sections, stage_io, train_graph
+from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
 
 BUCKET_BYTES = 25 * 2**20          # the runtime reducer's bucket size
@@ -155,16 +158,19 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
 
 
 # -- activations -------------------------------------------------------------------------------
+WeightsOf = Callable[[int], List[LocalWeight]]
+ProgramOf = Callable[[int], RankProgram]
+"""plan device -> its lowered program (``comm.lower``, e.g. ``plan.programs.device``)."""
+
+
 def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-               geometry: Optional[PipelineGeometry]) -> Dict[Optional[int], LocalRun]:
+               geometry: Optional[PipelineGeometry], program: Optional[RankProgram] = None
+               ) -> Dict[Optional[int], LocalRun]:
     """The training forward of plan ``device`` replayed on fake tensors, per stage it holds
     (key ``None`` without a pipeline)."""
+    program = program or lower_device(graphs, storage, device, geometry)
     graph = train_graph(graphs)
-    runs = {}
-    for sec in sections({"train": graph}, device, geometry):
-        carry_in, carry_out = stage_io(graph, geometry, sec.stage)
-        runs[sec.stage] = run_local(graph, sec.device, storage, sec.stage, carry_in, carry_out)
-    return runs
+    return {sec.stage: run_local(sec) for sec in program.sections if sec.graph is graph}
 
 
 DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
@@ -172,7 +178,7 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 
 
 def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                geometry: Optional[PipelineGeometry]) -> DeviceRuns:
+                geometry: Optional[PipelineGeometry], program_of: Optional[ProgramOf] = None) -> DeviceRuns:
     """``stage_runs`` of every plan device, computed once for callers that need them twice.
 
     Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
@@ -188,14 +194,15 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     replayed: Dict[Tuple, List[Dict[Optional[int], LocalRun]]] = {}
     out: DeviceRuns = {}
     for device in range(cfg.plan_ngpus):
-        secs = sections({"train": graph}, device, geometry)
+        secs = rank_sections({"train": graph}, device, geometry)
         views = {sec.stage: sec.device for sec in secs}
         key = tuple(_program_key(by_stage.get(sec.stage, []), sec.device, sec.stage) for sec in secs)
         twin = next((t for t in replayed.get(key, []) if all(_shares(r, views[s]) for s, r in t.items())), None)
         if twin is not None:
             out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
         else:
-            out[device] = stage_runs(graphs, storage, device, geometry)
+            program = program_of(device) if program_of is not None else None
+            out[device] = stage_runs(graphs, storage, device, geometry, program)
             replayed.setdefault(key, []).append(out[device])
     return out
 
@@ -207,7 +214,7 @@ def _program_key(nodes: List[IRNode], device: int, stage: Optional[int]) -> Tupl
     return stage, mine, tuple(sorted({d for n in nodes for d in n.placement.devices}))
 
 
-_CUTS = {"chunk": 1, "reduce_scatter": 1, "all_to_all": 0}     # collectives that keep one piece of n
+_CUTS = {Collective.CHUNK: 1, Collective.REDUCE_SCATTER: 1, Collective.ALL_TO_ALL: 0}     # collectives that keep one piece of n
 
 
 def _first(device: int, group: Tuple[int, ...]) -> bool:
@@ -225,7 +232,7 @@ def _shares(run: LocalRun, device: int) -> bool:
             continue
         if c.fn in _CUTS and not (c.in_bytes > 0 and c.out_bytes * len(c.devices) ** _CUTS[c.fn] == c.in_bytes):
             return False
-        if c.fn == "first_only" and _first(device, c.devices) != _first(run.device, c.devices):
+        if c.fn == Collective.FIRST_ONLY and _first(device, c.devices) != _first(run.device, c.devices):
             return False
     return True
 
@@ -265,7 +272,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                     optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                    precision: Precision = Precision()) -> pd.DataFrame:
+                    precision: Precision = Precision(), weights_of: Optional[WeightsOf] = None) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
@@ -277,6 +284,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
         runs: ``device_runs`` of the plan, when the caller has them already.
         precision: the optimizer's master copies (``build_optimizer(..., master_dtype=)``).
+        weights_of: plan device -> its weight table (``plan.programs.weights``), when the caller has them.
 
     Returns:
         One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
@@ -285,7 +293,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
     """
     by_device: Dict[int, Dict[str, int]] = {}
     for device in range(cfg.plan_ngpus):
-        weights = local_weights(graphs, storage, device, geometry)
+        weights = weights_of(device) if weights_of is not None else local_weights(graphs, storage, device, geometry)
         row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0

@@ -41,7 +41,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from nbscaler.cost.comm_model import backward_time, priced_as
 from nbscaler.cost.hardware import Hardware, Link
+from nbscaler.layouts import Collective
 
 
 @dataclass(frozen=True)
@@ -65,27 +67,21 @@ class NcclModel:
 
     def forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of collective ``fn`` over ``n`` ranks (``ranks``) on a local input of ``nbytes``."""
-        if n <= 1:
+        primitive = priced_as(fn, n)
+        if primitive is None:
             return 0.0
         link = self.link(n, ranks)
         share = (n - 1) / n
         return {
-            "all_gather": lambda: self.ring(n - 1, (n - 1) * nbytes, link),
-            "all_reduce": lambda: self.all_reduce(nbytes, n, link),
-            "reduce_scatter": lambda: self.ring(n - 1, share * nbytes, link),
-            "all_to_all": lambda: self.ring(n - 1, share * nbytes, link),
-        }.get(fn, lambda: 0.0)()
+            Collective.ALL_GATHER: lambda: self.ring(n - 1, (n - 1) * nbytes, link),
+            Collective.ALL_REDUCE: lambda: self.all_reduce(nbytes, n, link),
+            Collective.REDUCE_SCATTER: lambda: self.ring(n - 1, share * nbytes, link),
+            Collective.ALL_TO_ALL: lambda: self.ring(n - 1, share * nbytes, link),
+        }[primitive]()
 
     def backward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of the backward of ``fn`` (``nbytes``: the forward's local input)."""
-        if n <= 1:
-            return 0.0
-        return {
-            "chunk": lambda: self.forward("all_gather", nbytes // n, n, ranks),
-            "reduce_scatter": lambda: self.forward("all_gather", nbytes // n, n, ranks),
-            "all_to_all": lambda: self.forward("all_to_all", nbytes, n, ranks),
-            "sum_grad": lambda: self.forward("all_reduce", nbytes, n, ranks),
-        }.get(fn, lambda: 0.0)()
+        return backward_time(self, fn, nbytes, n, ranks)
 
     def p2p(self, nbytes: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of one send/recv of ``nbytes`` between ``ranks`` (two ranks; ``(0, 1)`` if None)."""

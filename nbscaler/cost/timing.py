@@ -40,13 +40,14 @@ per device, as the memory model writes ``local_saved_bytes``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import pandas as pd
 import torch
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.layout import Layout
+from nbscaler.comm.stages import stage_carries
 from nbscaler.config import ComputeConfig, Precision, threads_per_rank
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
@@ -54,8 +55,9 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs
 from nbscaler.cost.nccl import NcclModel
+from nbscaler.layouts import Collective
 from nbscaler.cost.profile import OpProfiler
-from nbscaler.cost.ranks import LocalWeight, local_weights, stage_io, train_graph
+from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
@@ -128,19 +130,19 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
     for n in sorted({p.partial_over for p in params} - {1}):
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
         for bucket in buckets([p for p in params if p.partial_over == n]):
-            out.append((comm.forward("all_reduce", _reduced_bytes(bucket, precision), n, ranks=inside), 0.0))
+            out.append((comm.forward(Collective.ALL_REDUCE, _reduced_bytes(bucket, precision), n, ranks=inside), 0.0))
     grid = cfg.grid
     units = grid.dp_ranks(device)                  # the same device in every unit
     for bucket in buckets(params):
         nbytes = _reduced_bytes(bucket, precision)
         if not cfg.use_zero:
-            out.append((comm.forward("all_reduce", nbytes, cfg.units, ranks=units), 0.0))
+            out.append((comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0))
             continue
         n = cfg.grid.zero_group_size
         shard = -(-nbytes // n)
-        during = (comm.forward("reduce_scatter", shard * n, n, ranks=grid.zero_ranks(device))
-                  + comm.forward("all_reduce", shard, cfg.zero_ngroups, ranks=grid.zero_replica_ranks(device)))
-        out.append((during, comm.forward("all_gather", shard, n, ranks=grid.zero_ranks(device))))
+        during = (comm.forward(Collective.REDUCE_SCATTER, shard * n, n, ranks=grid.zero_ranks(device))
+                  + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=grid.zero_replica_ranks(device)))
+        out.append((during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=grid.zero_ranks(device))))
     return out
 
 
@@ -186,8 +188,9 @@ class StepModel:
     def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                  geometry: Optional[PipelineGeometry], profiler: Optional[OpProfiler] = None,
                  comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None,
-                 hardware: Optional[Hardware] = None):
+                 hardware: Optional[Hardware] = None, weights_of: Optional[Callable[[int], List[LocalWeight]]] = None):
         self.graphs, self.storage, self.cfg, self.geometry = graphs, storage, cfg, geometry
+        self.weights_of = weights_of          # plan device -> its weight table, when the caller has them
         self.hardware = hardware
         on_target = hardware is not None and not hardware.is_local
         if on_target:
@@ -213,7 +216,7 @@ class StepModel:
                 f, b = self.times[device][s]
                 forward[s], backward[s] = max(forward[s], f), max(backward[s], b)
         graph = train_graph(self.graphs)
-        carries = [stage_io(graph, self.geometry, s + 1)[0] for s in range(schedule.nstages - 1)]
+        carries = stage_carries(graph, schedule.nstages)
         pairs = [(self.geometry.stage_group(s)[0], self.geometry.stage_group(s + 1)[0]) for s in range(len(carries))]
         latency = max((self.comm.p2p(sum(t.nbytes for t in c), ranks=pair) for c, pair in zip(carries, pairs)),
                       default=self.comm.p2p(0))
@@ -254,7 +257,8 @@ class StepModel:
         after: Dict[int, Tuple[float, float]] = {}    # plan device -> (synchronisation s, update s)
         for device in range(self.cfg.plan_ngpus):        # both depend on the plan device alone
             overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
-            params = device_params(self.graphs, self.storage, device, self.geometry)
+            params = ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
+                      else device_params(self.graphs, self.storage, device, self.geometry))
             after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
                                        params, precision),
                              update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
@@ -276,7 +280,8 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                        optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                       hardware: Optional[Hardware] = None, precision: Optional[Precision] = None) -> pd.DataFrame:
+                       hardware: Optional[Hardware] = None, precision: Optional[Precision] = None,
+                       weights_of: Optional[Callable[[int], List[LocalWeight]]] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
 
     A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
@@ -288,8 +293,8 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
     reduction sends and the optimizer step streams.
     """
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).step_times(
-        n, optimizer, optimizer_kwargs, precision)
+    model = StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware, weights_of=weights_of)
+    return model.step_times(n, optimizer, optimizer_kwargs, precision)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,

@@ -28,8 +28,9 @@ import pandas as pd
 import torch
 from torch.utils._pytree import tree_map
 
-from nbscaler.codegen.rankfile import generate, sections_of
+from nbscaler.codegen.rankfile import generate
 from nbscaler.comm.layout import Layout, storage_layouts
+from nbscaler.comm.lower import RankPrograms, lower, rank_sections
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
@@ -129,8 +130,15 @@ class Plan:
     def rank_nodes(self, rank: int) -> List[int]:
         """Indexes of the nodes of ``graph`` that runtime ``rank`` runs, without generating its code."""
         index = {id(n): i for i, n in enumerate(self.graph.nodes)}
-        sections = sections_of(self.graphs, self.config.device_of(rank), self.geometry)
+        sections = rank_sections(self.graphs, self.config.device_of(rank), self.geometry)
         return sorted({index[id(n)] for sec in sections if sec.graph is self.graph for n in sec.nodes()})
+
+    @functools.cached_property
+    def programs(self) -> RankPrograms:
+        """Runtime rank -> what it runs and stores (``comm.lower``), each plan device lowered once,
+        when first asked for: code generation prints it, the cost model replays it and the traffic
+        table counts its conversions."""
+        return lower(self)
 
     @functools.cached_property
     def _generated(self) -> "PerRank":
@@ -141,7 +149,7 @@ class Plan:
     def _generate(self, rank: int) -> Tuple[str, Dict[str, Dict[str, List[int]]]]:
         cfg = self.config
         lines: Dict[str, Dict[str, List[int]]] = {}
-        text = generate(self.graphs, self.storage, rank=rank, plan_ngpus=cfg.plan_ngpus,
+        text = generate(self.programs[rank], self.graphs, rank=rank, plan_ngpus=cfg.plan_ngpus,
                         runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
                         policy_name=self.policy_name, geometry=self.geometry, line_map=lines)
         return text, lines
@@ -155,8 +163,8 @@ class Plan:
     @functools.cached_property
     def collectives(self) -> pd.DataFrame:
         """One row per collective on an edge of the training graph (and per pipeline crossing)."""
-        nstages = self.schedule.nstages if self.schedule is not None else None
-        return tag(tables.collectives_frame(collective_steps(self.graph, self.storage, nstages)), Table.COLLECTIVES, self)
+        steps = collective_steps(self.programs.distinct(), self.graph)
+        return tag(tables.collectives_frame(steps), Table.COLLECTIVES, self)
 
     def traffic(self) -> pd.DataFrame:
         """Bytes each runtime rank sends and receives in one training step on the graph's edges and
@@ -186,7 +194,8 @@ class Plan:
         state, and the gradients are in that dtype after the step (``nbscaler.cost.memory``)."""
         return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
                                    optimizer_kwargs=optimizer_kwargs, runs=self.local_runs,
-                                   precision=Precision(master_dtype)), Table.MEMORY, self)
+                                   precision=Precision(master_dtype), weights_of=self.programs.weights),
+                   Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
@@ -200,7 +209,7 @@ class Plan:
         saved tensors): what the memory table and the step model both read; made once per plan."""
         if self.config.inference_only:
             return None
-        return device_runs(self.graphs, self.storage, self.config, self.geometry)
+        return device_runs(self.graphs, self.storage, self.config, self.geometry, self.programs.device)
 
     # -- again, differently -----------------------------------------------------------------------
     def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":

@@ -12,6 +12,7 @@ memory at the peak moment, on the weights each device would store.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from typing import Any, Dict, List, Optional, Tuple, Type
 
@@ -78,7 +79,7 @@ class Staged:
         held = {self.stage_of(v) for r in readers for v in exp.positions(r, layer)} & set(stages)
         if held:
             trained = tuple(sorted(held)) if w.trained else ()
-            yield LocalWeight(name, w.kind, w.shape, w.dtype, w.trained, w.partial_over, trained)
+            yield dataclasses.replace(w, name=name, stages=trained)     # its layout, group and slice kept
 
 
 class _Device:

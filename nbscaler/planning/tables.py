@@ -21,10 +21,10 @@ from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
 from nbscaler.config import Precision
-from nbscaler.cost.ranks import local_weights
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph
+from nbscaler.layouts import Collective
 from nbscaler.planning.on_target import add_target_columns
 from nbscaler.units import fmt_count
 
@@ -113,13 +113,13 @@ def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
         if (stage, phase, where) not in ring_sr:
             rows = [(c, b) for p, s, g, c, b in records
                     if p == phase and where in g and (stage is None or s == stage)]
-            ring_sr[(stage, phase, where)] = (float(sum(b for c, b in rows if c != "send_recv")),
-                                              float(sum(b for c, b in rows if c == "send_recv")))
+            ring_sr[(stage, phase, where)] = (float(sum(b for c, b in rows if c != Collective.SEND_RECV)),
+                                              float(sum(b for c, b in rows if c == Collective.SEND_RECV)))
         return ring_sr[(stage, phase, where)]
 
     incoming = defaultdict(float)          # (stage, phase) -> bytes its sends carry
     for p, s, _, c, b in records:
-        if c == "send_recv":
+        if c == Collective.SEND_RECV:
             incoming[(s, p)] += b
     out = {}
     for d in range(plan.config.plan_ngpus):
@@ -149,7 +149,7 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     edges = edge_traffic_per_device(plan)
     u = cfg.units
     partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
-                      for w in local_weights(plan.graphs, plan.storage, d, plan.geometry) if w.kind == "param")
+                      for w in plan.programs.weights(d) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}
     rows = []
     for r in range(cfg.runtime_ngpus):
@@ -172,7 +172,7 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
                                optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
-                               precision=Precision(master_dtype))
+                               precision=Precision(master_dtype), weights_of=plan.programs.weights)
     frame = frame.merge(steps, on=C.RANK.value)
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return add_target_columns(plan, frame, hardware) if hardware is not None else frame

@@ -47,6 +47,7 @@ from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import PIPELINE_KEYS, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
@@ -206,7 +207,7 @@ def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Bl
     inherited = []            # (name, blocks) along which an input already arrives split
     for i, t in enumerate(node.inputs):
         lay = layout_of(t)
-        if lay is not None and lay.kind == "S" and ann.inputs[i] is not None:
+        if lay is not None and lay.kind == LayoutKind.SPLIT and ann.inputs[i] is not None:
             name = ann.inputs[i][lay.dim]
             left = divide(lay.blocks, ann.grouped.get((i, name), 1))
             if left is not None and ann.can_split(name, n * units(left)) is None:
@@ -237,7 +238,7 @@ def _sequence_choice(node: IRNode, layout_of, n: int) -> Optional[Tuple[str, Blo
     outs = ann.outputs if ann is not None else None
     if not outs or outs[0] is None or len(outs[0]) < 2 or not node.output_tensors:
         return None
-    starts = any((layout_of(t) is not None and layout_of(t).kind == "P")
+    starts = any((layout_of(t) is not None and layout_of(t).kind == LayoutKind.PARTIAL)
                  or (t.producer is not None and t.producer.op == "embedding") for t in node.inputs)
     name = outs[0][-2]
     return (name, 1) if starts and name in splittable(node, n) else None

@@ -63,3 +63,12 @@ def test_under_zero_stage_2_each_use_sums_its_gradient_in_the_backward():
     assert all(plan.storage[name] == Layout.replicated() for name in params)
     assert "partial_grads=True" not in plan.sources[0]
     assert set(plan.collectives[plan.collectives.tensor.isin(params)].collective) == {"sum_grad", "all_reduce"}
+
+
+def test_every_collective_of_the_table_is_a_function_of_the_runtime():
+    """The table names functions generated code calls as ``comm.<name>``, and their backward partners."""
+    from nbscaler.layouts import COLLECTIVES
+    from nbscaler.runtime import collectives
+    for name, spec in COLLECTIVES.items():
+        assert callable(getattr(collectives, name)), name
+        assert spec.backward is None or spec.backward in COLLECTIVES

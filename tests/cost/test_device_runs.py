@@ -30,7 +30,7 @@ def test_shared_runs_equal_each_device_replayed(recompute, monkeypatch):
     plan = _plan(recompute)
     replays = []
     real = memory.run_local
-    monkeypatch.setattr(memory, "run_local", lambda *a, **k: replays.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(memory, "run_local", lambda *a, **k: replays.append(a[0].device) or real(*a, **k))
     shared = device_runs(plan.graphs, plan.storage, plan.config, plan.geometry)
     assert len(replays) == 4         # of 8: per stage, the first of its tp group of 4 and one of the others
     for device in range(plan.config.plan_ngpus):

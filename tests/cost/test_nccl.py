@@ -69,3 +69,13 @@ def test_the_calibrated_model_serves_the_same_interface_and_ignores_where_ranks_
     assert model.forward("all_reduce", MB, 4, ranks=[0, 9, 17, 30]) == model.forward("all_reduce", MB, 4)
     assert model.backward("sum_grad", MB, 2, ranks=(0, 1)) == model.backward("sum_grad", MB, 2)
     assert model.p2p(MB, ranks=(0, 8)) == model.p2p(MB)
+
+
+@pytest.mark.parametrize("model", [NcclModel(HW), CommModel(1e-4, 1e-9)])
+def test_every_collective_of_the_table_is_priced_the_same_way_by_both_models(model):
+    """Both models read ``layouts.COLLECTIVES``: sequence parallelism's sum-gradient all-gather costs
+    an all-gather forward and a reduce-scatter of the whole backward, on a target as here."""
+    assert model.forward("all_gather_sum_grad", MB, 8) == model.forward("all_gather", MB, 8) > 0
+    assert model.backward("all_gather_sum_grad", MB, 8) == model.forward("reduce_scatter", 8 * MB, 8) > 0
+    assert model.backward("chunk", MB, 8) == model.forward("all_gather", MB // 8, 8)
+    assert model.forward("sum_grad", MB, 8) == model.backward("all_reduce", MB, 8) == 0.0

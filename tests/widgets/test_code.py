@@ -50,7 +50,7 @@ def test_show_marks_the_lines_that_run_an_op(plan):
     qkv = int(plan.ops[plan.ops.module == "blocks.1.attn.qkv"].id.iloc[0])
     code.show(qkv)
     assert code.rank == 2 and code.lines == plan.source_lines[2][qkv]
-    assert line_text(code.widget.html, code.lines[-1]).strip().startswith(plan.graph.nodes[qkv].name + " = F.linear(")
+    assert line_text(code.widget.html, code.lines[-1]).strip().startswith(plan.graph.nodes[qkv].name + ': "f32[')
     assert "comm.sum_grad" in line_text(code.widget.html, code.lines[0])   # the collective its input needed
     assert plan.graph.nodes[qkv].name in code.widget.caption
     code.show(None)

@@ -28,6 +28,7 @@ from nbscaler.cost.memory import optimizer_state_bytes
 from nbscaler.cost.local import OpCall
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, Placement, requires_grad_of
+from nbscaler.layouts import Collective, LayoutKind
 
 Choice = Optional[str]
 
@@ -105,9 +106,9 @@ class ChoiceCosts:
     def _edge_seconds(self, have: Layout, node: IRNode, index: int, choice: Choice) -> float:
         t = node.inputs[index]
         want = input_requirement(node, index, self.place(choice))
-        if want.kind == "R*" and not self.grad.get(id(t), False):
+        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
             want = Layout.replicated()
-        if want.kind == "R*" and t.kind == "param" and self.partial_grads:
+        if want.kind == LayoutKind.SUM_GRAD and t.kind == "param" and self.partial_grads:
             # summed after the backward in the reducer's buckets: its bytes, no latency of its own
             return 2 * (self.n - 1) / self.n * t.nbytes * self.comm.beta_s_per_byte
         return _conversion_seconds(self.comm, have, want, t.nbytes, self.n, self.grad.get(id(t), False))
@@ -124,7 +125,7 @@ class ChoiceCosts:
         """The most that changing the layouts of the open ops' outputs can save on their reads
         after ``after``: one all-reduce, forward and backward, per remaining read."""
         done = self.order[id(after)]
-        return sum(2 * self.comm.forward("all_reduce", nbytes, self.n)
+        return sum(2 * self.comm.forward(Collective.ALL_REDUCE, nbytes, self.n)
                    for node in open_nodes for position, nbytes in self.reads.get(id(node), ()) if position > done)
 
     def switch_seconds(self, node: IRNode, have: Tuple[int, ...], want: Tuple[int, ...], after: IRNode) -> float:
@@ -155,11 +156,11 @@ class ChoiceCosts:
         total = 0.0
         for i, t in enumerate(node.inputs):
             if t.kind == "param":
-                share = t.nbytes / (place.parts if input_requirement(node, i, place).kind == "S" else 1)
+                share = t.nbytes / (place.parts if input_requirement(node, i, place).kind == LayoutKind.SPLIT else 1)
                 total += share * (2 + self.state_factor) / self.readers[id(t)]
         for i, t in enumerate(node.output_tensors):
             if self.grad.get(id(t), False):
-                total += t.nbytes / (place.parts if output_layout(node, i, place).kind == "S" else 1)
+                total += t.nbytes / (place.parts if output_layout(node, i, place).kind == LayoutKind.SPLIT else 1)
         return total
 
 
@@ -171,7 +172,7 @@ def _steps(have: Layout, want: Layout):
 def _conversion_seconds(comm: CommModel, have: Layout, want: Layout, nbytes: int, n: int, grad: bool) -> float:
     seconds = 0.0
     for step in _steps(have, want):
-        local = nbytes // n if have.kind == "S" else nbytes
+        local = nbytes // n if have.kind == LayoutKind.SPLIT else nbytes
         seconds += comm.forward(step.fn, local, n) + (comm.backward(step.fn, local, n) if grad else 0.0)
     return seconds
 

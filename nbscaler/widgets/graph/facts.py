@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
+from nbscaler.layouts import Collective
 from nbscaler.widgets.formats import fmt_count, is_missing
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class PlanFacts:
                 src = by_name[r.producer]
             else:
                 src = GRAPH_INPUT if r.tensor in inputs else None
-            if r.collective == "send_recv":
+            if r.collective == Collective.SEND_RECV:
                 dst = self._receiver(readers[r.tensor], r.stage if r.phase == "F" else r.stage - 1)
             else:
                 dst = None if is_missing(r.consumer_index) else int(r.consumer_index)

@@ -1,0 +1,99 @@
+"""The vocabulary of layouts and of the collectives that change them, defined once.
+
+After partitioning, each device of a group holds some piece of every tensor. The words:
+
+- **replicated** (``R``): every device holds the whole tensor;
+- **split on a dim** (``S(d)``): device ``i`` holds slice ``i`` along dim ``d``;
+- **partial sum** (``P``): the tensor is the *sum* of what the devices hold (a split reduction axis);
+- **sum-gradient** (``R*``): replicated in the forward, but each device computes only part of the
+  gradient, so the backward sums it over the group (Megatron's *f* operator). A tensor that carries
+  no gradient asks for plain ``R`` instead;
+- **first-only** (``V``): the value counts on the first device only, the others hold zeros (the bias
+  of a row-parallel linear, which would otherwise be added ``n`` times).
+
+``COLLECTIVES`` says, for each collective the generated code calls, what it costs: the bytes each
+device sends forward and backward (ring algorithms, as a fraction of the whole tensor of ``T``
+bytes over ``n`` devices), the collective its backward runs, and the primitive the cost model prices
+it as. ``comm/`` turns layout changes into these names, ``runtime.collectives`` implements each as
+a function of the same name, and ``cost/`` prices them; a new collective is one row here.
+
+This module imports nothing of nbscaler but ``columns`` (for ``StrEnum``), so every layer may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+from nbscaler.columns import StrEnum
+
+
+class _Word(StrEnum):
+    """A word of the vocabulary: compares, hashes and prints as its value."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class LayoutKind(_Word):
+    """How a tensor is laid out over the devices of a group (see the module docstring)."""
+
+    REPLICATED = "R"
+    SPLIT = "S"
+    PARTIAL = "P"
+    SUM_GRAD = "R*"
+    FIRST_ONLY = "V"
+
+
+class Collective(_Word):
+    """A function of ``nbscaler.runtime.collectives`` (and ``SEND_RECV``, a pipeline crossing)."""
+
+    ALL_GATHER = "all_gather"
+    ALL_GATHER_SUM_GRAD = "all_gather_sum_grad"
+    CHUNK = "chunk"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SUM_GRAD = "sum_grad"
+    FIRST_ONLY = "first_only"
+    SEND_RECV = "send_recv"
+
+
+Share = Callable[[int], float]          # n devices -> bytes each sends, as a fraction of the tensor
+_NONE: Share = lambda n: 0.0
+_RING: Share = lambda n: (n - 1) / n
+_TWICE: Share = lambda n: 2 * (n - 1) / n
+_SQUARE: Share = lambda n: (n - 1) / n ** 2
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """What one collective does to the bytes, forward and backward.
+
+    ``priced_as`` is the primitive the cost model times the forward as (``None``: local, free);
+    the backward is ``backward`` priced on a local input of ``backward_input(nbytes, n)`` bytes,
+    where ``nbytes`` is the forward's local input."""
+
+    forward_share: Share
+    backward: Optional[Collective] = None
+    backward_share: Share = _NONE
+    priced_as: Optional[Collective] = None
+    backward_input: Callable[[int, int], int] = lambda nbytes, n: nbytes
+
+
+C = Collective
+COLLECTIVES: Dict[Collective, CollectiveSpec] = {
+    C.ALL_GATHER: CollectiveSpec(_RING, priced_as=C.ALL_GATHER),
+    C.ALL_GATHER_SUM_GRAD: CollectiveSpec(_RING, C.REDUCE_SCATTER, _RING, priced_as=C.ALL_GATHER,
+                                          backward_input=lambda nbytes, n: nbytes * n),
+    C.CHUNK: CollectiveSpec(_NONE, C.ALL_GATHER, _RING, backward_input=lambda nbytes, n: nbytes // n),
+    C.ALL_REDUCE: CollectiveSpec(_TWICE, priced_as=C.ALL_REDUCE),
+    C.REDUCE_SCATTER: CollectiveSpec(_RING, C.ALL_GATHER, _RING, priced_as=C.REDUCE_SCATTER,
+                                     backward_input=lambda nbytes, n: nbytes // n),
+    C.ALL_TO_ALL: CollectiveSpec(_SQUARE, C.ALL_TO_ALL, _SQUARE, priced_as=C.ALL_TO_ALL),
+    C.SUM_GRAD: CollectiveSpec(_NONE, C.ALL_REDUCE, _TWICE),
+    C.FIRST_ONLY: CollectiveSpec(_NONE),
+}
+"""Every layout-changing collective. ``SEND_RECV`` is not here: it moves the whole tensor ``T``
+to the next stage and its gradient back, priced by the cost model's point-to-point time."""
+del C
