@@ -16,10 +16,13 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from nbscaler.comm.lower import SectionLowering
+from nbscaler.comm.program import Section
 from nbscaler.comm.stages import stage_carries
 from nbscaler.cost.flops import node_flops
 from nbscaler.cost.local import run_local
 from nbscaler.cost.ranks import LocalWeight, local_weights
+from nbscaler.ir.graph import requires_grad_of
 from nbscaler.planning.stack import Expansion, Stack
 
 #: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
@@ -76,7 +79,8 @@ class LayerFacts:
                 if self.alike[device] != device:         # its group's first alike device replays for it
                     starts.append(starts[self.alike[device]])
                     continue
-                run = _replay_span(self.graph, span, device, storage)
+                shapes = {w.name: w.shape for w, _ in self.weights[device]}
+                run = _replay_span(self.graph, span, device, storage, shapes)
                 rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm)
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
@@ -130,15 +134,18 @@ def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[T
     return [(w, tuple(reads.get(w.name, ()))) for w in weights]
 
 
-def _replay_span(graph, span: slice, device: int, storage):
+def _replay_span(graph, span: slice, device: int, storage, shapes: Dict[str, Tuple[int, ...]]):
     """``device``'s run of ``graph``'s ops in ``span`` as a pipeline stage that receives what
-    crosses into it (the graph's stages are put back as they were)."""
+    crosses into it, lowered as a stage of a rank's program is (its weights at their local
+    ``shapes``; the graph's stages are put back as they were)."""
     saved = [n.stage for n in graph.nodes]
     try:
         for k, n in enumerate(graph.nodes):
             n.stage = 0 if k < span.start else 1 if k < span.stop else 2
         carries = stage_carries(graph, 3)
-        return run_local(graph, device, storage, 1, carries[0], carries[1])
+        section = Section("_span", "train", graph, device, 1, carries[0], carries[1])
+        SectionLowering(section, storage, requires_grad_of(graph), shapes).run()
+        return run_local(section)
     finally:
         for n, s in zip(graph.nodes, saved):
             n.stage = s

@@ -1,6 +1,7 @@
 """GraphView's state without a browser: what each pane shows after a compile, an expansion, a
 selection, a search and an update with another policy, and that its bytes are the plan's."""
 
+import html
 import re
 
 import pytest
@@ -125,7 +126,7 @@ def test_selection_reveals_and_details(plan):
     assert "gpt.py:54" in details and "self.fc(x)" in details               # the user's source line
     for rank, text in plan.sources.items():                                  # the generated line, every rank
         line = plan.source_lines[rank][fc][-1]
-        assert text.splitlines()[line - 1].strip().replace(">", "&gt;") in details
+        assert html.escape(text.splitlines()[line - 1].strip()) in details
     view.select(None)
     assert view.widget.marks["selected"] == [] and "click an op" in view.widget.details
     with pytest.raises(ValueError, match="not in this plan's graph"):
