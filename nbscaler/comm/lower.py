@@ -161,9 +161,8 @@ def rank_sections(graphs: Dict[str, IRGraph], device: int, geometry: Optional[Pi
     if geometry is None:
         return [Section(f"_forward{suffix(mode)}", mode, g, device) for mode, g in graphs.items()]
     out = []
-    for s in geometry.schedule.stages_of(geometry.pipeline_device(device)):
-        group = geometry.stage_group(s)
-        view = device if device in group else group[device % geometry.tp]
+    for s in geometry.stages_of(device):
+        view = geometry.view_of(s, device)
         out += [Section(f"_stage{s}{suffix(mode)}", mode, g, view, s) for mode, g in graphs.items()]
     return out
 
@@ -321,7 +320,7 @@ def device_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometr
     """Every device set a collective or a gradient sum runs over: the same list on every rank, in
     the order process groups are created (collectively). ``tied``: ``tied_stages(graphs)``."""
     groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
-    groups |= set(replica_groups(geometry)) | set(tied_groups(tied, geometry))
+    groups |= set(geometry.copy_groups() if geometry is not None else []) | set(tied_groups(tied, geometry))
     return sorted(groups, key=lambda d: (len(d), d))
 
 
@@ -347,7 +346,7 @@ def copies_of(name: str, tied: Dict[str, Tuple[int, ...]], geometry: PipelineGeo
     read a tied weight. Empty when there is no other copy."""
     devices = set()
     for s in tied.get(name, (stage,)):
-        devices |= set(replica_groups(geometry, s).get(position, (geometry.stage_group(s)[position],)))
+        devices |= set(geometry.stage_copies(s).get(position, (geometry.stage_group(s)[position],)))
     return tuple(sorted(devices)) if len(devices) > 1 else ()
 
 
@@ -363,21 +362,3 @@ def tied_groups(tied: Dict[str, Tuple[int, ...]], geometry: Optional[PipelineGeo
                 found.add(copies)
     return sorted(found)
 
-
-def replica_groups(geometry: Optional[PipelineGeometry], stage: Optional[int] = None):
-    """Devices holding copies of the same stage slice (``chimera_direct``): their gradients add up.
-
-    For one ``stage``: ``{position in the stage group: devices}``; without: every such device set.
-    """
-    if geometry is None:
-        return {} if stage is not None else []
-    stages = [stage] if stage is not None else range(geometry.schedule.nstages)
-    found = {}
-    for s in stages:
-        holders = sorted({geometry.group_of(p[s]) for p in geometry.schedule.placements})
-        if len(holders) > 1:
-            for position in range(len(holders[0])):
-                found[(s, position)] = tuple(sorted(h[position] for h in holders))
-    if stage is not None:
-        return {position: devices for (_, position), devices in found.items()}
-    return sorted(set(found.values()))
