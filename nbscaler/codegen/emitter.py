@@ -26,6 +26,7 @@ from nbscaler.codegen.vocab import vocab_call
 from nbscaler.comm.layout import local_call, local_shape
 from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Return, Section, Send, Value)
 from nbscaler.ir.graph import IRNode, IRTensor
+from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
 from nbscaler.ir.registry import spec_of
 from torch.fx.graph import dtype_abbrs
@@ -168,6 +169,10 @@ class SectionPrinter:
             if not isinstance(node.outputs, IRTensor) and call.outputs:     # several: their shapes in a comment
                 line += f"    # {', '.join(shape_text(v) for v in call.outputs)}"
             self.lines.append(line)
+        part = node.meta.get(BACKWARD_PART)
+        if part:                        # a zero-bubble schedule: which backward block computes its gradient
+            last = self.lines[-1]
+            self.lines[-1] = f"{last}; backward {part}" if "    # " in last else f"{last}    # backward {part}"
 
     def guard(self, node: IRNode, tensors: List[str]) -> None:
         """``expect_traced(bool(all_0), True, ...)``: the value the trace specialised on, checked."""

@@ -92,9 +92,13 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
     w("")
     w(f"Module: {module_name}    policy: {policy_name}")
     if geometry is not None:
-        stages = geometry.schedule.stages_of(geometry.pipeline_device(device))
+        stages = geometry.stages_of(device)
         w(f"Pipeline: '{geometry.schedule.name}', {geometry.schedule.nstages} stages; this rank runs stage(s) "
           f"{', '.join(map(str, stages))}.")
+        if geometry.schedule.splits_backward:
+            w("Its backward runs in two blocks: B, the gradient of each stage's input (the previous stage")
+            w("waits for it), then W, the weights' gradients, later; 'backward B', 'W' or 'B+W' beside an")
+            w("op says which block computes its gradient (an op with both gives each its part).")
     w("Each comm.* call changes how a tensor is laid out over the devices of a group; see")
     w("nbscaler.runtime.collectives for what each one does forward and backward.")
     w('"""')
