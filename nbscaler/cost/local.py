@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from nbscaler.comm.layout import local_call, local_shape, output_layout
 from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
+from nbscaler.ir.layer_rules import vocab_parallel
 from nbscaler.ir.registry import USER_OPS, spec_of
 from nbscaler.layouts import Collective
 
@@ -218,6 +219,10 @@ class _Replay:
                                     device=self.fake_device) for v in call.outputs]
             grad = self.grad()
             packed = [x for x, v in zip(inputs, call.inputs) if x.is_floating_point() and grad.get(id(v.tensor), False)]
+        if vocab_parallel(node) and node.op == "loss":
+            # the runtime's vocab_cross_entropy saves its softmax and the targets: the bytes of
+            # cross_entropy's log-softmax and targets, without nll_loss's 0-dim total weight
+            packed = [x for x in packed if x.dim() > 0]
         new_bytes = self.save(packed)
         for v, value in zip(call.outputs, produced):
             self.env[v] = value

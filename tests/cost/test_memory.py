@@ -149,6 +149,7 @@ MULTI = [
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),
     Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),       # activations live from F to W, not to B
     Case("llama_e2e", "pp", 2, 2, optimizer="adamw", config=pipeline("zbv", 4, 4)),
+    Case("llama_e2e", "tp", 2, 2, optimizer="adamw"),              # the cross-entropy split by vocabulary
 ]
 
 
@@ -169,6 +170,7 @@ MIXED = [
     mixed("llama", "dp", 1, 2, zero()),
     mixed("llama", "dp", 1, 2, zero(stage=2)),
     mixed("gpt", "pp", 2, 2, pipeline("1f1b", 2, 4)),
+    mixed("llama_e2e", "tp", 2, 2),                                  # a bf16 cross-entropy split by vocabulary
 ]
 
 
