@@ -38,7 +38,7 @@ test: setup
 
 # The edit-test loop: everything that runs in one process (under a minute).
 test-fast:
-	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook" tests
+	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook and not slow" tests
 
 lab: setup
 	$(PYTHON) -m jupyter lab notebooks

@@ -58,6 +58,7 @@ def test_explain_gives_the_search_the_prediction_and_the_reasons():
     assert (table.margin_s.dropna() >= -1e-12).all()        # the chosen one is never beaten locally
 
 
+@pytest.mark.slow                      # seven searches over the Llama's placements
 def test_a_memory_limit_dp_cannot_meet_gives_a_plan_that_fits():
     model, args = build("llama"), batch("llama", 0)
     whole = nbscaler.plan(model, args, "dp", ComputeConfig(1, 1)).memory(torch.optim.AdamW).peak_bytes.max()

@@ -120,6 +120,7 @@ def _check(ranks: list, launcher: Launcher, world_size: int) -> None:
         assert r["losses"] == pytest.approx(reference_losses(), rel=RTOL)
 
 
+@pytest.mark.slow                      # starts a Python interpreter that imports torch
 def test_without_a_launcher_the_script_is_one_process(tmp_path):
     _check(_run([], tmp_path), Launcher.NONE, 1)
 
