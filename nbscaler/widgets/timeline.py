@@ -172,14 +172,16 @@ class TimelineView(ChartView):
             order = [labels[k] for k in sorted(labels, reverse=True)]
             fig.update_yaxes(categoryorder="array", categoryarray=order, row=i, col=1)
         fig.update_xaxes(title_text=TIME_AXIS, row=len(frames), col=1)
-        height = 120 + len(frames) * (40 + 28 * len(labels)) + 60
+        wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
+        # the assumptions sit under the time axis's title, however many lines they wrap to
+        bottom = 60 + 14 * (wrapped.count("<br>") + 1)
+        height = 80 + len(frames) * (40 + 28 * len(labels)) + bottom
         fig.update_layout(barmode="overlay", height=height, template="plotly_white",
                           title=self._title(),
-                          margin=dict(l=130, r=20, t=80, b=120),
+                          margin=dict(l=130, r=20, t=80, b=bottom),
                           legend=dict(orientation="h", yref="container", y=0.995, x=1, xanchor="right", yanchor="top"))
-        wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
         fig.add_annotation(text=wrapped, xref="paper", yref="paper", x=0,
-                           y=0, yshift=-100, xanchor="left", yanchor="bottom", showarrow=False, align="left",
+                           y=0, yshift=-50, xanchor="left", yanchor="top", showarrow=False, align="left",
                            font=dict(size=10, color="#555"))
         return fig
 
