@@ -92,6 +92,8 @@ class Hardware:
     nodes: int = 1
     is_local: bool = False
     source: str = field(default="", compare=False)
+    # the best fraction of the dense peak a large product reaches; 0.80 is an estimate for GPUs without a
+    # measured figure (the A100 and H100 entries carry mamf-finder's measurements, see _A100_MAMF)
     matmul_efficiency: float = 0.80
     attention: AttentionKind = AttentionKind.FLASH
     overlap_grad_reduce: bool = True
