@@ -19,10 +19,14 @@ A target is also the software that runs on it, where that changes the physics: h
 computed (``attention``, an ``AttentionKind``: FlashAttention by default, or the scores written to
 memory as frameworks did before it) and whether the data-parallel gradient reduction overlaps the
 backward (``overlap_grad_reduce``, as PyTorch DDP and Megatron-LM's ``--overlap-grad-reduce`` do)
-or waits for it to end (Megatron-LM before that flag, 2023). A 2021 Megatron run on A100s:
+or waits for it to end (Megatron-LM before that flag, 2023), and the passes the training loop makes
+over the gradients before the optimizer step: ``clip_grad_norm`` (the global norm computed, then
+the gradients scaled) and ``loss_scaling`` (fp16's dynamic loss scaler unscales them and checks
+them for infinities). A 2021 Megatron run on A100s:
 
 >>> megatron_2021 = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=4),
-...                                     attention="materialized", overlap_grad_reduce=False)
+...                                     attention="materialized", overlap_grad_reduce=False,
+...                                     clip_grad_norm=True, loss_scaling=True)
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ class Hardware:
     ``is_local`` marks ``Hardware.local()``: this machine, whose op and collective times come from its
     own calibration rather than from these figures. ``matmul_efficiency`` is the fraction of the bf16
     peak the best-shaped cuBLAS products measurably reach on this GPU (``cost.roofline``).
-    ``attention`` and ``overlap_grad_reduce`` describe the software (see the module's docstring).
+    ``attention``, ``overlap_grad_reduce``, ``clip_grad_norm`` and ``loss_scaling`` describe the
+    software (see the module's docstring).
     """
 
     name: str
@@ -97,15 +102,19 @@ class Hardware:
     matmul_efficiency: float = 0.80
     attention: AttentionKind = AttentionKind.FLASH
     overlap_grad_reduce: bool = True
+    clip_grad_norm: bool = False
+    loss_scaling: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in set(AttentionKind):
             raise ValueError(f"Hardware {self.name!r}: attention={self.attention!r} is not one of "
                              f"{', '.join(k.value for k in AttentionKind)}.")
         object.__setattr__(self, "attention", AttentionKind(self.attention))
-        if not isinstance(self.overlap_grad_reduce, bool):
-            raise ValueError(f"Hardware {self.name!r}: overlap_grad_reduce={self.overlap_grad_reduce!r} must be "
-                             f"True (reduce during the backward) or False (after it).")
+        for flag, meaning in (("overlap_grad_reduce", "True (reduce during the backward) or False (after it)"),
+                              ("clip_grad_norm", "True (the loop clips the gradients' global norm) or False"),
+                              ("loss_scaling", "True (an fp16 loss scaler unscales and checks them) or False")):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Hardware {self.name!r}: {flag}={getattr(self, flag)!r} must be {meaning}.")
         eff = self.matmul_efficiency
         if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
             raise ValueError(f"Hardware {self.name!r}: matmul_efficiency={eff!r} must be a fraction of the "

@@ -83,6 +83,16 @@ VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
 OPTIMIZER_TENSORS = {"SGD": 3, "SGD+momentum": 5, "Adam": 7, "AdamW": 7}
 REDUCER_TENSORS = 4
 
+#: Passes over the gradients (in the optimizer's dtype) a training loop may add before the step, as
+#: tensors read or written per element. Clipping the global norm reads them for the norm and reads and
+#: writes them to scale them (``torch.nn.utils.clip_grad_norm_`` always scales; Megatron-LM's
+#: ``clip_grad_norm_fp32`` only when the norm is over the bound: counted as always). An fp16 loss scaler
+#: unscales them and checks them for infinities in one read and one write
+#: (``torch._amp_foreach_non_finite_check_and_unscale_``, which Megatron-LM's fp16 optimizer calls).
+#: Each also all-reduces one float over the model-parallel ranks: a few microseconds, not counted.
+CLIP_TENSORS = 3
+UNSCALE_TENSORS = 2
+
 
 def _bytes(shapes) -> int:
     return sum(math.prod(s[0]) * s[1].itemsize for s in shapes)
@@ -180,11 +190,13 @@ class RooflineOps:
         return _bytes(op.in_shapes) + outputs
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
-        """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``
-        (``dtype``): memory-bound passes over ``OPTIMIZER_TENSORS`` tensors per element."""
+        """Seconds of the reducer's copies, the gradient checks the target's loop makes
+        (``Hardware.clip_grad_norm``, ``Hardware.loss_scaling``) and one optimizer step over parameters
+        of ``numels`` (``dtype``): memory-bound passes over that many tensors per element."""
         name = optimizer.__name__
         if name == "SGD" and optimizer_kwargs.get("momentum"):
             name = "SGD+momentum"
-        tensors = OPTIMIZER_TENSORS.get(name, OPTIMIZER_TENSORS["Adam"]) + REDUCER_TENSORS
+        tensors = (OPTIMIZER_TENSORS.get(name, OPTIMIZER_TENSORS["Adam"]) + REDUCER_TENSORS
+                   + CLIP_TENSORS * self.hardware.clip_grad_norm + UNSCALE_TENSORS * self.hardware.loss_scaling)
         nbytes = tensors * sum(numels) * dtype.itemsize
         return memory_seconds(nbytes, self.hardware.memory_bytes_per_s) if numels else 0.0

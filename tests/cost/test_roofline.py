@@ -103,6 +103,16 @@ def test_an_optimizer_step_streams_its_tensors():
     assert math.isclose(R.RooflineOps(A100).update([], torch.float32, torch.optim.SGD, {}), 0.0)
 
 
+def test_clipping_and_loss_scaling_add_their_passes_over_the_gradients():
+    plain = R.RooflineOps(A100).update([1024], torch.float32, torch.optim.Adam, {})
+    megatron = R.RooflineOps(dataclasses.replace(A100, clip_grad_norm=True, loss_scaling=True))
+    seconds = megatron.update([1024], torch.float32, torch.optim.Adam, {})
+    assert seconds == pytest.approx((7 + 4 + 3 + 2) * 1024 * 4 / (BW * R.MEMORY_EFFICIENCY))
+    assert seconds - plain == pytest.approx((R.CLIP_TENSORS + R.UNSCALE_TENSORS) * 1024 * 4 / (BW * R.MEMORY_EFFICIENCY))
+    with pytest.raises(ValueError, match="clip_grad_norm='yes' must be True"):
+        dataclasses.replace(A100, clip_grad_norm="yes")
+
+
 def test_a_gpu_without_the_plans_precision_is_refused(ops):
     with pytest.raises(ValueError, match="T4.*no bfloat16"):
         R.RooflineOps(Hardware.named("T4")).time(first(ops, "linear"))
