@@ -57,7 +57,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.planning.layer_facts import LayerFacts, read_facts
-from nbscaler.planning.pricing import Staged, price
+from nbscaler.planning.pricing import Staged, pipeline_seconds, price, saved_floor
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.primitives import PolicyError
 
@@ -84,7 +84,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
           master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
-          **optimizer_kwargs: Any) -> pd.DataFrame:
+          prune: bool = False, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
@@ -96,7 +96,14 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     ``zbv`` always has two). Returns one row per configuration with the columns of
     ``nbscaler.columns.SweepColumn``, the fitting ones first, each group fastest first;
     ``frame.attrs`` holds ``"stack"`` (the layers recomputed) and ``"excluded"`` (a frame of the
-    combinations left out and why)."""
+    combinations left out and why).
+
+    ``prune=True`` is for a search that wants the fastest fitting row of each tp x pp layout
+    (autodist on a target): a combination is not priced when its pipeline's makespan alone
+    (``pricing.pipeline_seconds``, never more than the step) is as slow as a fitting row of its
+    layout, or when what it saves for the backward alone cannot fit (``_pruned``);
+    ``frame.attrs["pruned"]`` counts them. Each layout's fastest fitting row is as fast as the full
+    sweep's; the frame holds only the rows priced."""
     if hardware.is_local:
         raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                          "Hardware.local() would profile every op at full size on this machine.")
@@ -104,7 +111,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     ranges = _ranges(hardware, stack, global_batch, tp, pp, micro_batch, recompute, zero_stage)
     pricer = _Pricer(module, dummy_args, stack, hardware, module_dtype)
     precision = Precision(master_dtype)
-    rows, excluded = [], []
+    rows, excluded, runnable = [], [], []
     combos = list(itertools.product(*ranges, _virtual_stages(scheduler, virtual_stages)))
     for t, p, m, r, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
         config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
@@ -116,13 +123,40 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                 cfg = config_of(config, hardware.ngpus, stack.path)
                 facts = pricer.facts(m, t, r)
                 staged = pricer.staged(facts, m, t, r, cfg.pipeline_nstages)
-                rows.append({**config, **price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer,
-                                               optimizer_kwargs, precision, staged)})
+                if prune:
+                    runnable.append((pipeline_seconds(facts, cfg, pricer.comm, staged), config, cfg, facts, staged))
+                else:
+                    rows.append({**config, **price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer,
+                                                   optimizer_kwargs, precision, staged)})
                 continue
             except (ValueError, PolicyError) as err:
                 reason = str(err)
         excluded.append({**config, "reason": reason})
-    return _frame(rows, excluded, stack)
+    if prune:
+        rows += _pruned(runnable, lambda facts, cfg, staged: price(
+            facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged), hardware)
+    frame = _frame(rows, excluded, stack)
+    frame.attrs["pruned"] = len(runnable) - len(rows) if prune else 0
+    return frame
+
+
+def _pruned(runnable: List[Tuple], priced, hardware: Hardware) -> List[Dict]:
+    """The rows a pruned sweep prices: per tp x pp layout, in the order of the pipeline's makespan
+    (a floor of the step), until that floor reaches the layout's fastest fitting step; a
+    combination whose saved activations alone (``pricing.saved_floor``) overflow the target is
+    not priced either, except the one of lowest floor of all (the fastest, were memory no object)."""
+    rows: List[Dict] = []
+    fastest: Dict[Tuple[int, int], float] = {}           # per layout: its fastest fitting step so far
+    for k, (floor, config, cfg, facts, staged) in enumerate(sorted(runnable, key=lambda r: r[0])):
+        layout = (config[S.TP], config[S.PP])
+        if floor >= fastest.get(layout, float("inf")):
+            continue
+        if k > 0 and not hardware.fits(saved_floor(staged, cfg)):
+            continue
+        rows.append({**config, **priced(facts, cfg, staged)})
+        if rows[-1][S.FITS]:
+            fastest[layout] = min(fastest.get(layout, float("inf")), rows[-1][S.STEP_TIME_S])
+    return rows
 
 
 def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:

@@ -65,6 +65,10 @@ MAX_WEIGHT_STEPS = 24
 def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """The autodist policy: place every node of ``graph`` as the search finds best."""
     opts = AutodistOptions.from_config(cfg)
+    if opts.hardware is not None:
+        raise PolicyError("autodist on a target (pas_config['hardware']) chooses tp, pp and the micro-batch from "
+                          "the module, so it runs from nbscaler.plan(module, ...) or parallelize, not on a traced "
+                          "graph (replan); replan the plan it returned with policy='hybrid' instead.")
     if opts.load_plan_path:
         return _load(graph, cfg, opts)
     start = time.perf_counter()
