@@ -39,6 +39,10 @@ from nbscaler.policy.primitives import PolicyError
 #: How many configurations ``plan.explain()`` sets against the choice.
 RUNNERS_UP = 4
 
+#: The runners-up are the fastest fitting configurations of other layouts within this factor of
+#: the choice's step; slower ones are not priced (``sweep``'s ``prune``).
+WITHIN = 1.25
+
 #: The overheads a row's share columns measure, as ``explain()`` names what binds a configuration.
 OVERHEADS = {"bubble": "the pipeline bubble", "tp_comm_share": "tensor-parallel collectives",
              "dp_comm_share": "the data-parallel gradient reduction", "pp_send_share": "pipeline sends"}
@@ -60,7 +64,7 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     hardware = opts.target(cfg)
     start, cpu = time.perf_counter(), time.process_time()
     frame = sweep(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
-                  master_dtype=opts.master_dtype, module_dtype=module_dtype, progress=False, prune=True, **opts.autodist_space)
+                  master_dtype=opts.master_dtype, module_dtype=module_dtype, progress=False, prune=WITHIN, **opts.autodist_space)
     fitting = frame[frame.fits]
     if fitting.empty:
         leanest = frame.loc[frame.peak_bytes.idxmin()]
@@ -144,8 +148,9 @@ def explain_lines(info: Dict[str, Any]) -> List[str]:
              f"a global batch of {info['global_batch']} sequences, in {info['search_s']:.2f} s "
              f"({info['search_cpu_s']:.2f} s of CPU); {info['fitting']} fit"
              + (f", {info['excluded']} could not run" if info["excluded"] else "")
-             + (f"; {info['pruned']} more were not priced, their pipeline alone as slow as the choice's step"
-                if info["pruned"] else "") + ".",
+             + (f"; {info['pruned']} more were not priced: their pipeline alone is slower than a fitting one of "
+                f"their tp x pp (or {WITHIN:g} x the choice), or what they save for the backward alone overflows "
+                "the memory" if info["pruned"] else "") + ".",
              f"chose {describe(best)} ({best['micro_batches']} micro-batches a step): {figures(best, hw)}.",
              f"  of its step: {overheads(best)}.",
              f"  plan.summary({info['optimizer'].__name__}, hardware=..., master_dtype={dtype}) predicts the same.",

@@ -84,7 +84,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
           master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
-          prune: bool = False, **optimizer_kwargs: Any) -> pd.DataFrame:
+          prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
@@ -98,12 +98,13 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     ``frame.attrs`` holds ``"stack"`` (the layers recomputed) and ``"excluded"`` (a frame of the
     combinations left out and why).
 
-    ``prune=True`` is for a search that wants the fastest fitting row of each tp x pp layout
-    (autodist on a target): a combination is not priced when its pipeline's makespan alone
-    (``pricing.pipeline_seconds``, never more than the step) is as slow as a fitting row of its
-    layout, or when what it saves for the backward alone cannot fit (``_pruned``);
-    ``frame.attrs["pruned"]`` counts them. Each layout's fastest fitting row is as fast as the full
-    sweep's; the frame holds only the rows priced."""
+    ``prune`` is for a search that wants the fastest fitting rows (autodist on a target): with
+    ``prune=1.25``, the frame holds each tp x pp layout's fastest fitting row where that is within
+    25% of the fastest of all (``prune=1``: that row alone), each as fast as the full sweep's, and
+    only what was priced to find them. A combination is not priced when its pipeline's makespan
+    alone (``pricing.pipeline_seconds``, never more than the step) is already too slow, or when
+    what it saves for the backward alone cannot fit (``_pruned``); ``frame.attrs["pruned"]``
+    counts them."""
     if hardware.is_local:
         raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                          "Hardware.local() would profile every op at full size on this machine.")
@@ -123,7 +124,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                 cfg = config_of(config, hardware.ngpus, stack.path)
                 facts = pricer.facts(m, t, r)
                 staged = pricer.staged(facts, m, t, r, cfg.pipeline_nstages)
-                if prune:
+                if prune is not None:
                     runnable.append((pipeline_seconds(facts, cfg, pricer.comm, staged), config, cfg, facts, staged))
                 else:
                     rows.append({**config, **price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer,
@@ -132,24 +133,26 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
             except (ValueError, PolicyError) as err:
                 reason = str(err)
         excluded.append({**config, "reason": reason})
-    if prune:
+    if prune is not None:
         rows += _pruned(runnable, lambda facts, cfg, staged: price(
-            facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged), hardware)
+            facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged), hardware,
+            float(prune))
     frame = _frame(rows, excluded, stack)
-    frame.attrs["pruned"] = len(runnable) - len(rows) if prune else 0
+    frame.attrs["pruned"] = len(runnable) - len(rows) if prune is not None else 0
     return frame
 
 
-def _pruned(runnable: List[Tuple], priced, hardware: Hardware) -> List[Dict]:
-    """The rows a pruned sweep prices: per tp x pp layout, in the order of the pipeline's makespan
-    (a floor of the step), until that floor reaches the layout's fastest fitting step; a
-    combination whose saved activations alone (``pricing.saved_floor``) overflow the target is
-    not priced either, except the one of lowest floor of all (the fastest, were memory no object)."""
+def _pruned(runnable: List[Tuple], priced, hardware: Hardware, within: float) -> List[Dict]:
+    """The rows a pruned sweep prices, in the order of the pipeline's makespan (a floor of the
+    step): not those whose floor reaches their tp x pp layout's fastest fitting step, or
+    ``within`` times the fastest fitting step of all; not those whose saved activations alone
+    (``pricing.saved_floor``) overflow the target, but for the first (the fastest, were memory no
+    object)."""
     rows: List[Dict] = []
     fastest: Dict[Tuple[int, int], float] = {}           # per layout: its fastest fitting step so far
     for k, (floor, config, cfg, facts, staged) in enumerate(sorted(runnable, key=lambda r: r[0])):
         layout = (config[S.TP], config[S.PP])
-        if floor >= fastest.get(layout, float("inf")):
+        if floor >= min(fastest.get(layout, float("inf")), within * min(fastest.values(), default=float("inf"))):
             continue
         if k > 0 and not hardware.fits(saved_floor(staged, cfg)):
             continue
