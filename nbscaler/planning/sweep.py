@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 import pandas as pd
 import torch
@@ -108,10 +108,17 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     if hardware.is_local:
         raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                          "Hardware.local() would profile every op at full size on this machine.")
+    if prune is not None and not (isinstance(prune, (int, float)) and not isinstance(prune, bool) and prune >= 1):
+        raise ValueError(f"sweep's prune={prune!r}: give a factor >= 1 (e.g. 1.25: each layout's fastest fitting "
+                         "row within 25% of the fastest), or None to price every configuration.")
     stack = find_stack(module)
     ranges = _ranges(hardware, stack, global_batch, tp, pp, micro_batch, recompute, zero_stage)
     pricer = _Pricer(module, dummy_args, stack, hardware, module_dtype)
     precision = Precision(master_dtype)
+
+    def priced(facts: LayerFacts, cfg: ComputeConfig, staged: Staged) -> Dict[str, Any]:
+        return price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged)
+
     rows, excluded, runnable = [], [], []
     combos = list(itertools.product(*ranges, _virtual_stages(scheduler, virtual_stages)))
     for t, p, m, r, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
@@ -127,22 +134,19 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                 if prune is not None:
                     runnable.append((pipeline_seconds(facts, cfg, pricer.comm, staged), config, cfg, facts, staged))
                 else:
-                    rows.append({**config, **price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer,
-                                                   optimizer_kwargs, precision, staged)})
+                    rows.append({**config, **priced(facts, cfg, staged)})
                 continue
             except (ValueError, PolicyError) as err:
                 reason = str(err)
         excluded.append({**config, "reason": reason})
     if prune is not None:
-        rows += _pruned(runnable, lambda facts, cfg, staged: price(
-            facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged), hardware,
-            float(prune))
+        rows += _pruned(runnable, priced, hardware, float(prune))
     frame = _frame(rows, excluded, stack)
     frame.attrs["pruned"] = len(runnable) - len(rows) if prune is not None else 0
     return frame
 
 
-def _pruned(runnable: List[Tuple], priced, hardware: Hardware, within: float) -> List[Dict]:
+def _pruned(runnable: List[Tuple], priced: Callable, hardware: Hardware, within: float) -> List[Dict]:
     """The rows a pruned sweep prices, in the order of the pipeline's makespan (a floor of the
     step): not those whose floor reaches their tp x pp layout's fastest fitting step, or
     ``within`` times the fastest fitting step of all; not those whose saved activations alone

@@ -182,3 +182,10 @@ def test_a_pruned_sweep_finds_each_layouts_fastest_fitting_row_pricing_fewer(fra
                                                      suffixes=("", "_full"))
     assert len(both) == len(pruned) and (both.step_time_s == both.step_time_s_full).all()
     assert (both.peak_bytes == both.peak_bytes_full).all()
+
+
+@pytest.mark.parametrize("prune", [0.5, True, "yes"])
+def test_a_prune_factor_below_one_is_refused_with_the_fix(prune):
+    with pytest.raises(ValueError, match=r"prune=.*give a factor >= 1"):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1,), pp=(1,),
+                       micro_batch=(1,), progress=False, prune=prune)
