@@ -64,12 +64,13 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     hardware = opts.target(cfg)
     start, cpu = time.perf_counter(), time.process_time()
     frame = sweep(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
-                  master_dtype=opts.master_dtype, module_dtype=module_dtype, progress=False, prune=WITHIN, **opts.autodist_space)
+                  master_dtype=opts.master_dtype, module_dtype=module_dtype, progress=False, prune=WITHIN,
+                  **opts.autodist_space)
     fitting = frame[frame.fits]
     if fitting.empty:
         leanest = frame.loc[frame.peak_bytes.idxmin()]
-        raise PolicyError(f"no configuration of the space fits {hardware.name}'s {hardware.memory_bytes / 1e9:.0f} GB: "
-                          f"the leanest ({describe(leanest)}) needs {leanest.peak_bytes / 1e9:.1f} GB a GPU; "
+        raise PolicyError(f"no configuration of the space fits {hardware.name}'s {gigabytes(hardware.memory_bytes)}: "
+                          f"the leanest ({describe(leanest)}) needs {gigabytes(leanest.peak_bytes)} a GPU; "
                           "allow recompute=True, ZeRO 2, more pipeline stages or more nodes.")
     best = fitting.iloc[0]
     chosen = config_of(best, hardware.ngpus, frame.attrs["stack"])
@@ -77,11 +78,12 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     placed = plan(module, one_sequence(dummy_args, int(best.micro_batch)), BuiltinPolicy.HYBRID, chosen,
                   module_dtype=module_dtype)
     placed.policy_name = str(BuiltinPolicy.AUTODIST)
+    placed.compile_seconds = time.perf_counter() - start            # the search, then the whole trace
     placed.graph.meta["autodist"] = {"target": {
         **searched, "hardware": hardware, "global_batch": opts.global_batch, "optimizer": opts.optimizer,
         "master_dtype": opts.master_dtype, "priced": len(frame), "excluded": len(frame.attrs["excluded"]),
-        "pruned": frame.attrs["pruned"],
-        "chosen": best.to_dict(), "runners_up": [r.to_dict() for _, r in runners_up(frame, best).iterrows()],
+        "pruned": frame.attrs["pruned"], "chosen": best.to_dict(),
+        "runners_up": [r.to_dict() for _, r in runners_up(frame, best).iterrows()],
         "fitting": len(fitting)}}
     return placed
 

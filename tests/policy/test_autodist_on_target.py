@@ -1,5 +1,6 @@
 """autodist on a target: the sweep's fastest fitting configuration, planned whole, explained against the rest."""
 
+import dataclasses
 import re
 
 import pytest
@@ -68,8 +69,14 @@ def test_explain_sets_the_choice_against_runners_up_with_their_cost_and_what_bin
 
 
 def test_a_bad_hardware_name_lists_the_catalogue():
-    with pytest.raises(ValueError, match=r"hardware.*'H100-SXM-8GB'.*no such target; the catalogue has .*H100-SXM-80GB"):
+    with pytest.raises(ValueError, match=r"hardware.*'H100-SXM-8GB'.*no such target; the catalogue has .*H100-SXM"):
         nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target("H100-SXM-8GB"))
+
+
+def test_a_target_nothing_fits_on_says_what_the_leanest_needs():
+    tiny = dataclasses.replace(TARGET, memory_bytes=1e5)
+    with pytest.raises(PolicyError, match=r"no configuration of the space fits small's .*the leanest \(tp .*\) needs"):
+        nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(tiny), module_dtype=torch.bfloat16)
 
 
 def test_target_keys_are_checked_with_the_fix():
