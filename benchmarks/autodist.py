@@ -17,18 +17,32 @@ is measured ``--reps`` times, the runs taking turns, and the median is kept: on 
 measurement moves by 15% or more.
 
     python -m benchmarks.autodist --ranks 2           # writes benchmarks/results/autodist.md
+    python -m benchmarks.autodist --at-scale          # only its section "At scale" (below)
+
+**At scale** (``--at-scale``): autodist given a target (``pas_config={"hardware": "H100-SXM-80GB"}``)
+plans Llama-3-70B for 64 H100s (8 nodes) over the ranges of ``benchmarks.sweep`` (the model, the
+batch and the precision are that benchmark's), with nothing profiled on this machine: the wall and
+CPU seconds of ``nbscaler.plan(..., "autodist", ...)`` (the search, then the trace and placement of
+the 80 layers), its predicted step against the fastest fitting row of the full ``nbscaler.sweep``
+over the same ranges, ``summary(hardware=...)`` of the returned plan against what autodist claims,
+and ``plan.explain()``. That section of the results file is replaced; the rest is kept.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
+
+import torch
 
 
 import nbscaler
 from benchmarks.runs import MODELS, Run, calibrate, machine, measure, parser, pipeline, predict, write_results
-from nbscaler import ComputeConfig
+from nbscaler import ComputeConfig, Hardware
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.policy.autodist import samples_per_step
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
@@ -124,11 +138,63 @@ def compare(model: str, n: int, steps: int, reps: int) -> List[Dict]:
     return rows
 
 
+AT_SCALE = "## At scale: Llama-3-70B on 64 H100s, nothing profiled here"
+
+
+def at_scale() -> str:
+    """The section "At scale" of the results (see the module docstring)."""
+    from benchmarks.sweep import GLOBAL_BATCH, RANGES, llama3_70b, tokens
+    warnings.simplefilter("ignore")
+    hardware = Hardware.named("H100-SXM-80GB", nodes=8)
+    cfg = ComputeConfig(8, hardware.ngpus, pas_config={"hardware": "H100-SXM-80GB", "global_batch": GLOBAL_BATCH,
+                                                       "autodist_space": RANGES})
+    model, load = llama3_70b(), os.getloadavg()[0]
+    wall, cpu = time.perf_counter(), time.process_time()
+    plan = nbscaler.plan(model, tokens(1), "autodist", cfg, module_dtype=torch.bfloat16)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    info = plan.graph.meta["autodist"]["target"]
+    print(f"  autodist: {wall:.1f} s, {cpu:.1f} s CPU; now the full sweep ...", flush=True)
+    s = plan.summary(torch.optim.AdamW, hardware=hardware, master_dtype=torch.float32)
+    sweep_s = time.perf_counter()
+    frame = nbscaler.sweep(model, tokens(1), hardware, global_batch=GLOBAL_BATCH, progress=False, **RANGES)
+    sweep_s = time.perf_counter() - sweep_s
+    best, claim = frame[frame.fits].iloc[0], info["chosen"]
+    return "\n".join([
+        AT_SCALE, "",
+        f"`python -m benchmarks.autodist --at-scale` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on the "
+        f"shared {os.cpu_count()}-core CPU machine, load average {load:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the end (wall seconds stretch with the load; CPU seconds much less).", "",
+        f"- `nbscaler.plan(llama_70b, ..., \"autodist\", cfg)`: **{wall:.1f} s wall, {cpu:.1f} s CPU**, of which "
+        f"the search {info['search_s']:.1f} s wall, {info['search_cpu_s']:.1f} s CPU ({info['priced']} "
+        f"configurations priced, {info['pruned']} pruned, {info['excluded']} that cannot run); the rest traces "
+        f"and places the 80 layers under the chosen config.",
+        f"- chosen: tp {claim['tp']} x pp {claim['pp']} x dp {claim['dp']}, micro-batch {claim['micro_batch']}, "
+        f"recompute {claim['recompute']}, ZeRO {claim['zero_stage']}: predicted step **{claim['step_time_s']:.4f} s**, "
+        f"{claim['peak_bytes'] / 1e9:.3f} GB at the peak.",
+        f"- the returned plan's `summary(AdamW, hardware=..., master_dtype=float32)`: step "
+        f"{s.step_time_s.max():.4f} s, peak {s.peak_bytes.max() / 1e9:.3f} GB, fits {bool(s.fits.all())}.",
+        f"- the full `nbscaler.sweep` over the same ranges ({len(frame)} rows priced, {sweep_s:.1f} s wall): its "
+        f"fastest fitting row, tp {best.tp} x pp {best.pp} x dp {best.dp}, micro-batch {best.micro_batch}, "
+        f"recompute {best.recompute}, ZeRO {best.zero_stage}: {best.step_time_s:.4f} s.", "",
+        "`print(plan.explain())`:", "", "```", str(plan.explain()), "```", ""])
+
+
+def write_at_scale(out: Path) -> None:
+    """Replace the section "At scale" of ``out`` (or add it), keeping the rest."""
+    text = out.read_text() if out.exists() else ""
+    kept = text.split(AT_SCALE)[0].rstrip("\n")
+    write_results(out, (kept + "\n\n" if kept else "") + at_scale())
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     cli = parser(__doc__.splitlines()[0], list(MODELS), RESULTS)
     cli.add_argument("--skip-search", action="store_true", help="leave out the 12-layer GPT search timing")
     cli.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each run's measurement")
+    cli.add_argument("--at-scale", action="store_true", help="only the section on Llama-3-70B for 64 H100s")
     args = cli.parse_args(argv)
+    if args.at_scale:
+        write_at_scale(args.out)
+        return 0
     parts = []
     if not args.skip_search:
         print("  searching a 12-layer GPT on 8 devices ...", flush=True)

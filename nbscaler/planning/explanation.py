@@ -4,7 +4,8 @@ For a built-in policy: the share of FLOPs it split, the heaviest ops, the collec
 recomputed in the backward (``recompute_modules``). For
 autodist, also the search (time, exact or not, the staging it picked), the predicted step time and
 memory per device, the ops that cost most in compute and in communication, and for the layers that
-matter most, the choice against the runner-up in the terms that decided it.
+matter most, the choice against the runner-up in the terms that decided it. For autodist on a
+target, the configuration it chose against the runners-up (``planning.autodist_on_target``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, List
 
 import pandas as pd
 
+from nbscaler.planning.autodist_on_target import explain_lines
 from nbscaler.planning.tables import explain_text
 from nbscaler.policy.autodist.explain import reason
 from nbscaler.policy.recompute import recomputed_regions
@@ -43,6 +45,9 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
     if info is None:
         table = plan.ops.nlargest(top * 4, "flops_fwd")[["name", "module", "op", "split", "devices", "flops_fwd"]]
         return Explanation("\n".join([explain_text(plan)] + recompute_lines(plan)), table.reset_index(drop=True))
+    if "target" in info:
+        lines = [explain_text(plan)] + recompute_lines(plan) + [""] + explain_lines(info["target"])
+        return Explanation("\n".join(lines), pd.DataFrame([info["target"]["chosen"], *info["target"]["runners_up"]]))
     rows = pd.DataFrame(info["rows"])
     lines = [explain_text(plan)] + recompute_lines(plan) + ["", _search_line(info)]
     summary = plan.summary()

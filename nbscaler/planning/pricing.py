@@ -144,18 +144,9 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
           precision: Precision, staged: Optional[Staged] = None) -> Dict[str, Any]:
     """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``."""
     geometry = PipelineGeometry.from_config(cfg)
-    schedule, tp = geometry.schedule, geometry.tp
-    staged = staged or Staged(facts, schedule.nstages)
-    sums = staged.sums
-    seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
-    forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
-    backward = [max(seconds(s, i)[1] for i in range(tp)) for s in range(schedule.nstages)]
-    carried = [facts.carried(c) for c in staged.cuts]
-    pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
-    latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
-    post = comm.p2p_post(max((n for _, n in carried), default=0))
-    line = simulate(schedule, forward, backward, latency, post)
-    instant = simulate(schedule, forward, backward, 0.0, post)
+    staged = staged or Staged(facts, geometry.schedule.nstages)
+    seconds, line = _pipeline(facts, staged, geometry, comm)
+    instant = _pipeline(facts, staged, geometry, comm, sends=False)[1]
     devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision)
     figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
     step, device = max((line.makespan + f[0] + f[1], d) for d, f in figures.items())
@@ -172,3 +163,37 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
             S.BUBBLE: max(0.0, instant.makespan - busy) / step,
             S.TP_COMM_SHARE: tp_s / step, S.DP_COMM_SHARE: sync / step,
             S.PP_SEND_SHARE: (line.makespan - instant.makespan) / step}
+
+
+def pipeline_seconds(facts: LayerFacts, cfg: ComputeConfig, comm, staged: Optional[Staged] = None) -> float:
+    """The pipeline's makespan for ``cfg``: ``price``'s step time without the gradient
+    synchronisation and the optimizer step, so never more than it (a bound a search prunes with)."""
+    geometry = PipelineGeometry.from_config(cfg)
+    return _pipeline(facts, staged or Staged(facts, geometry.schedule.nstages), geometry, comm)[1].makespan
+
+
+def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, comm, sends: bool = True):
+    """Each stage's seconds on each tensor-parallel index (``seconds(stage, index)``: forward,
+    backward) and the schedule simulated on them, with the sends' latency or (``sends=False``) none."""
+    schedule, tp, sums = geometry.schedule, geometry.tp, staged.sums
+    seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
+    forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
+    backward = [max(seconds(s, i)[1] for i in range(tp)) for s in range(schedule.nstages)]
+    carried = [facts.carried(c) for c in staged.cuts]
+    pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
+    latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
+    post = comm.p2p_post(max((n for _, n in carried), default=0))
+    return seconds, simulate(schedule, forward, backward, latency if sends else 0.0, post)
+
+
+def saved_floor(staged: Staged, cfg: ComputeConfig) -> float:
+    """Bytes some device surely holds at its peak: what its forwards save before its first
+    backward releases any (``cost.moments.step_moments``'s activations at that moment), on its
+    busiest tensor-parallel index. The peak also holds weights and gradients, so is never less."""
+    schedule = PipelineGeometry.from_config(cfg).schedule
+    most = 0.0
+    for pdev in range(schedule.ndevices):
+        first = list(itertools.takewhile(lambda b: b.phase != schedule.release_phase, schedule.blocks_of(pdev)))
+        stages = [b.stage for b in first if b.phase == "F"]
+        most = max(most, *(sum(staged.sums[s][i][SAVED] for s in stages) for i in range(len(staged.sums[0]))))
+    return most

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 import pandas as pd
 import torch
@@ -57,7 +57,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.planning.layer_facts import LayerFacts, read_facts
-from nbscaler.planning.pricing import Staged, price
+from nbscaler.planning.pricing import Staged, pipeline_seconds, price, saved_floor
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.primitives import PolicyError
 
@@ -84,7 +84,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
           master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
-          **optimizer_kwargs: Any) -> pd.DataFrame:
+          prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
@@ -96,15 +96,30 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     ``zbv`` always has two). Returns one row per configuration with the columns of
     ``nbscaler.columns.SweepColumn``, the fitting ones first, each group fastest first;
     ``frame.attrs`` holds ``"stack"`` (the layers recomputed) and ``"excluded"`` (a frame of the
-    combinations left out and why)."""
+    combinations left out and why).
+
+    ``prune`` is for a search that wants the fastest fitting rows (autodist on a target): with
+    ``prune=1.25``, the frame holds each tp x pp layout's fastest fitting row where that is within
+    25% of the fastest of all (``prune=1``: that row alone), each as fast as the full sweep's, and
+    only what was priced to find them. A combination is not priced when its pipeline's makespan
+    alone (``pricing.pipeline_seconds``, never more than the step) is already too slow, or when
+    what it saves for the backward alone cannot fit (``_pruned``); ``frame.attrs["pruned"]``
+    counts them."""
     if hardware.is_local:
         raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                          "Hardware.local() would profile every op at full size on this machine.")
+    if prune is not None and not (isinstance(prune, (int, float)) and not isinstance(prune, bool) and prune >= 1):
+        raise ValueError(f"sweep's prune={prune!r}: give a factor >= 1 (e.g. 1.25: each layout's fastest fitting "
+                         "row within 25% of the fastest), or None to price every configuration.")
     stack = find_stack(module)
     ranges = _ranges(hardware, stack, global_batch, tp, pp, micro_batch, recompute, zero_stage)
     pricer = _Pricer(module, dummy_args, stack, hardware, module_dtype)
     precision = Precision(master_dtype)
-    rows, excluded = [], []
+
+    def priced(facts: LayerFacts, cfg: ComputeConfig, staged: Staged) -> Dict[str, Any]:
+        return price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged)
+
+    rows, excluded, runnable = [], [], []
     combos = list(itertools.product(*ranges, _virtual_stages(scheduler, virtual_stages)))
     for t, p, m, r, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
         config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
@@ -116,13 +131,39 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                 cfg = config_of(config, hardware.ngpus, stack.path)
                 facts = pricer.facts(m, t, r)
                 staged = pricer.staged(facts, m, t, r, cfg.pipeline_nstages)
-                rows.append({**config, **price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer,
-                                               optimizer_kwargs, precision, staged)})
+                if prune is not None:
+                    runnable.append((pipeline_seconds(facts, cfg, pricer.comm, staged), config, cfg, facts, staged))
+                else:
+                    rows.append({**config, **priced(facts, cfg, staged)})
                 continue
             except (ValueError, PolicyError) as err:
                 reason = str(err)
         excluded.append({**config, "reason": reason})
-    return _frame(rows, excluded, stack)
+    if prune is not None:
+        rows += _pruned(runnable, priced, hardware, float(prune))
+    frame = _frame(rows, excluded, stack)
+    frame.attrs["pruned"] = len(runnable) - len(rows) if prune is not None else 0
+    return frame
+
+
+def _pruned(runnable: List[Tuple], priced: Callable, hardware: Hardware, within: float) -> List[Dict]:
+    """The rows a pruned sweep prices, in the order of the pipeline's makespan (a floor of the
+    step): not those whose floor reaches their tp x pp layout's fastest fitting step, or
+    ``within`` times the fastest fitting step of all; not those whose saved activations alone
+    (``pricing.saved_floor``) overflow the target, but for the first (the fastest, were memory no
+    object)."""
+    rows: List[Dict] = []
+    fastest: Dict[Tuple[int, int], float] = {}           # per layout: its fastest fitting step so far
+    for k, (floor, config, cfg, facts, staged) in enumerate(sorted(runnable, key=lambda r: r[0])):
+        layout = (config[S.TP], config[S.PP])
+        if floor >= min(fastest.get(layout, float("inf")), within * min(fastest.values(), default=float("inf"))):
+            continue
+        if k > 0 and not hardware.fits(saved_floor(staged, cfg)):
+            continue
+        rows.append({**config, **priced(facts, cfg, staged)})
+        if rows[-1][S.FITS]:
+            fastest[layout] = min(fastest.get(layout, float("inf")), rows[-1][S.STEP_TIME_S])
+    return rows
 
 
 def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:

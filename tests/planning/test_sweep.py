@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pandas as pd
 import pytest
 import torch
 
@@ -161,3 +162,30 @@ def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, 
     expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+def test_a_pruned_sweep_finds_each_layouts_fastest_fitting_row_pricing_fewer(frame):
+    """``prune`` leaves out what cannot beat a fitting row of its layout, or is too slow against the
+    fastest: each tp x pp layout's fastest fitting step within the bound is the full sweep's, and
+    the rows it does price are the full sweep's."""
+    pruned = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1, 2), pp=(1, 2, 4),
+                            micro_batch=(1, 2), progress=False, prune=1.5)
+    assert 0 < pruned.attrs["pruned"] == len(frame) - len(pruned)
+    layouts = ["tp", "pp"]
+    best = frame[frame.fits].groupby(layouts).step_time_s.min()
+    best = best[best < 1.5 * best.min()]
+    assert len(best) > 2
+    found = pruned[pruned.fits].groupby(layouts).step_time_s.min()
+    assert (found[best.index] == best).all() and (found[~found.index.isin(best.index)] >= 1.5 * best.min()).all()
+    keys = layouts + ["micro_batch", "recompute", "zero_stage"]
+    both = pd.DataFrame(pruned.to_dict("list")).merge(pd.DataFrame(frame.to_dict("list")), on=keys,
+                                                     suffixes=("", "_full"))
+    assert len(both) == len(pruned) and (both.step_time_s == both.step_time_s_full).all()
+    assert (both.peak_bytes == both.peak_bytes_full).all()
+
+
+@pytest.mark.parametrize("prune", [0.5, True, "yes"])
+def test_a_prune_factor_below_one_is_refused_with_the_fix(prune):
+    with pytest.raises(ValueError, match=r"prune=.*give a factor >= 1"):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1,), pp=(1,),
+                       micro_batch=(1,), progress=False, prune=prune)

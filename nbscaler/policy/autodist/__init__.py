@@ -17,6 +17,10 @@ It may also choose how many devices make a unit (``autodist_plan_ngpus='auto'``)
 device replicates everything, which is data parallelism, and a step then trains one batch per unit,
 so candidates of different unit sizes (and stage counts) are compared by predicted time per batch.
 
+For a target that is not this machine (``pas_config['hardware']``), ``nbscaler.plan`` first chooses
+tp, pp, micro-batch, recomputation and ZeRO with ``nbscaler.sweep``'s prices
+(``nbscaler.planning.autodist_on_target``); this policy refuses such a config on a traced graph.
+
 The knobs are ``pas_config`` keys (``options``), with ``recompute_modules`` taken as given: the
 plans it scores recompute those modules (``nbscaler.policy.recompute``). When none are named and no
 plan fits ``memory_limit_bytes``, it recomputes every layer of the model's layer lists and searches
@@ -65,6 +69,10 @@ MAX_WEIGHT_STEPS = 24
 def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """The autodist policy: place every node of ``graph`` as the search finds best."""
     opts = AutodistOptions.from_config(cfg)
+    if opts.hardware is not None:
+        raise PolicyError("autodist on a target (pas_config['hardware']) chooses tp, pp and the micro-batch from "
+                          "the module, so it runs from nbscaler.plan(module, ...) or parallelize, not on a traced "
+                          "graph (replan); replan the plan it returned with policy='hybrid' instead.")
     if opts.load_plan_path:
         return _load(graph, cfg, opts)
     start = time.perf_counter()

@@ -1,0 +1,97 @@
+"""autodist on a target: the sweep's fastest fitting configuration, planned whole, explained against the rest."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.models.gpt import GPT
+from nbscaler.policy import PolicyError
+from nbscaler.planning.autodist_on_target import gigabytes, seconds
+from nbscaler.policy.autodist import AutodistOptions
+from tests.planning.test_sweep import GLOBAL_BATCH, GPT_CFG, TARGET, tokens
+
+SPACE = {"tp": (1, 2), "pp": (1, 2, 4), "micro_batch": (1, 2)}
+
+
+def on_target(hardware=TARGET, **more):
+    return ComputeConfig(8, 8, pas_config={"hardware": hardware, "global_batch": GLOBAL_BATCH,
+                                           "autodist_space": SPACE, **more})
+
+
+@pytest.fixture(scope="module")
+def chosen():
+    return nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(), module_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, progress=False, **SPACE)
+
+
+def test_the_plan_is_as_fast_as_the_sweeps_best_fitting_row_and_its_summary_says_what_autodist_claims(chosen, frame):
+    s = chosen.summary(torch.optim.AdamW, hardware=TARGET, master_dtype=torch.float32)
+    claimed = chosen.graph.meta["autodist"]["target"]["chosen"]
+    best = frame[frame.fits].iloc[0]
+    assert s.step_time_s.max() <= best.step_time_s * (1 + 1e-9)
+    assert s.step_time_s.max() == pytest.approx(claimed["step_time_s"], rel=1e-9)
+    assert s.peak_bytes.max() == pytest.approx(claimed["peak_bytes"], rel=1e-9) and s.fits.all()
+    assert (chosen.config.plan_ngpus, chosen.config.pipeline_nstages) == (best.tp * best.pp, best.pp)
+    assert chosen.policy_name == "autodist" and chosen.config.runtime_ngpus == TARGET.ngpus
+
+
+def test_explain_sets_the_choice_against_runners_up_with_their_cost_and_what_binds_each(chosen, frame):
+    text = str(chosen.explain())
+    info = chosen.graph.meta["autodist"]["target"]
+    assert f"autodist priced {info['priced']} configurations for small" in text
+    assert info["priced"] + info["pruned"] == len(frame) and info["pruned"] > 0
+    best = frame[frame.fits].iloc[0]
+    assert f"chose tp {best.tp} x pp {best.pp} x dp {best.dp}, micro-batch {best.micro_batch}" in text
+    runners = info["runners_up"]
+    assert len(runners) >= 2 and all(r["tp"] != best.tp or r["pp"] != best.pp or r["recompute"] != best.recompute
+                                     for r in runners)
+    lines = [line for line in text.splitlines() if "binds:" in line]
+    assert len(lines) == len(runners)
+    for row, line in zip(runners, lines):
+        assert f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}" in line
+        assert f"step {seconds(row['step_time_s'])}" in line and f"peak {gigabytes(row['peak_bytes'])}" in line
+        if row["fits"]:
+            assert row["step_time_s"] >= best.step_time_s
+            assert re.search(r"binds: (the pipeline bubble|tensor-parallel collectives|the data-parallel gradient "
+                             r"reduction|pipeline sends|compute, .*) \([0-9.e-]+ m?s more a step", line), line
+        else:
+            assert "does not fit; binds: memory" in line and row["step_time_s"] < best.step_time_s
+    assert not runners[0]["fits"]               # on this small target the fastest configuration does not fit
+    assert len(chosen.explain().table) == len(runners) + 1
+
+
+def test_a_bad_hardware_name_lists_the_catalogue():
+    with pytest.raises(ValueError, match=r"hardware.*'H100-SXM-8GB'.*no such target; the catalogue has .*H100-SXM"):
+        nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target("H100-SXM-8GB"))
+
+
+def test_a_target_nothing_fits_on_says_what_the_leanest_needs():
+    tiny = dataclasses.replace(TARGET, memory_bytes=1e5)
+    with pytest.raises(PolicyError, match=r"no configuration of the space fits small's .*the leanest \(tp .*\) needs"):
+        nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(tiny), module_dtype=torch.bfloat16)
+
+
+def test_target_keys_are_checked_with_the_fix():
+    with pytest.raises(ValueError, match="global_batch.*sequences one step trains on"):
+        AutodistOptions(hardware="H100-SXM-80GB")
+    with pytest.raises(ValueError, match="global_batch.*read only with a target"):
+        AutodistOptions(global_batch=8)
+    with pytest.raises(ValueError, match="autodist_space.*some of tp, pp, micro_batch, recompute, zero_stage"):
+        AutodistOptions(hardware="H100-SXM-80GB", global_batch=8, autodist_space={"dp": (2,)})
+    with pytest.raises(ValueError, match="runtime_ngpus=4 is not a whole number of nodes"):
+        AutodistOptions(hardware="H100-SXM-80GB", global_batch=8).target(ComputeConfig(4, 4))
+    with pytest.raises(ValueError, match="has 8 GPUs but the config runs runtime_ngpus=16"):
+        AutodistOptions(hardware=TARGET, global_batch=8).target(ComputeConfig(16, 16))
+
+
+def test_a_traced_graph_cannot_be_searched_on_a_target(chosen):
+    with pytest.raises(PolicyError, match="not on a traced graph"):
+        chosen.replan("autodist", on_target())
