@@ -76,13 +76,14 @@ COMPARISONS: Dict[str, tuple] = {
     "dp bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, mixed=True), lambda s: sides.torch_ddp_autocast(s),
                       "DDP + bf16 autocast"),
     # The same sharding: gradients and optimizer state (with the fp32 masters) split over the
-    # ranks, the bf16 parameters whole during forward and backward. nbscaler has no ZeRO-3, so
+    # ranks, the bf16 parameters whole during forward and backward, gradients reduced block by
+    # block (nbscaler's buckets sized to one block, FSDP2's unit). nbscaler has no ZeRO-3, so
     # its ZeRO-2 meets FSDP2 with reshard_after_forward=False; FSDP2's default (ZeRO-3) follows
     # as a reference, not as a like-for-like comparison.
-    "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
+    "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True, per_block=True),
                              lambda s: sides.torch_fsdp(s, mixed=True, reshard_after_forward=False),
                              "FSDP2 fully_shard(reshard_after_forward=False), MixedPrecisionPolicy(bf16, reduce fp32)"),
-    "dp ZeRO-2 bf16 mixed vs ZeRO-3": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
+    "dp ZeRO-2 bf16 mixed vs ZeRO-3": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True, per_block=True),
                                        lambda s: sides.torch_fsdp(s, mixed=True),
                                        "FSDP2 fully_shard (ZeRO-3), MixedPrecisionPolicy(bf16, reduce fp32)"),
 }
