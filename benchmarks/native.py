@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import native_sides as sides
+from nbscaler.config import DEFAULT_BUCKET_BYTES
 from nbscaler.runtime.launch import spawn
 
 MiB = 2**20
@@ -123,8 +124,9 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
             a = _timed(ours, steps)
         times.append((a[0] / steps, b[0] / steps))
         cpu.append((a[1] / steps, b[1] / steps))
+    config = getattr(ours.module, "compute_config", None)           # a parallel module's: its gradient buckets
     return {"first": first, "bytes": nbytes, "peaks": peaks, "saved": (saved_ours, saved_theirs),
-            "times": times, "cpu": cpu}
+            "times": times, "cpu": cpu, "buckets": config.reduce_bucket_bytes if config is not None else None}
 
 
 def _run_all(names: List[str], setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> List[Dict[str, object]]:
@@ -152,7 +154,7 @@ def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict
         "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
         "ours_peak": max(r["peaks"][0] for r in per_rank), "theirs_peak": max(r["peaks"][1] for r in per_rank),
         "ours_saved": max(r["saved"][0] for r in per_rank), "theirs_saved": max(r["saved"][1] for r in per_rank),
-        "ours_loss": ours, "theirs_loss": theirs,
+        "ours_loss": ours, "theirs_loss": theirs, "ours_buckets": per_rank[0]["buckets"],
         "losses_agree": abs(ours - theirs) <= (MIXED_LOSS_RTOL if "mixed" in name else LOSS_RTOL) * abs(theirs),
     }
 
@@ -187,6 +189,17 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         "most bytes autograd held saved for the backward at once during the first step (the largest rank), "
         "counted on both sides by the same saved-tensor hook.",
         "",
+    ]
+    resized = sorted({r["comparison"] for r in rows if r["ours_buckets"] not in (None, DEFAULT_BUCKET_BYTES)})
+    if resized:
+        sizes = sorted({r["ours_buckets"] for r in rows if r["comparison"] in resized})
+        lines += [
+            "nbscaler's gradient buckets (`ComputeConfig.reduce_bucket_bytes`): the default 25 MiB, as DDP's "
+            f"`bucket_cap_mb`, except in {', '.join(resized)}: {', '.join(f'{b:,}' for b in sizes)} bytes, one "
+            "block's parameters, as FSDP2 reduces one `fully_shard` unit at a time.",
+            "",
+        ]
+    lines += [
         "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
         "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | "
         "saved MiB nbscaler / PyTorch | first loss nbscaler / PyTorch |",

@@ -65,7 +65,8 @@ CASES = {
         mixed("llama", "dp", 1, 2, zero(stage=2) + buckets(16 * 1024), clip=0.5)],
     4: [mixed("llama", "dp", 1, 4, reduce=BF16), mixed("llama", "tp", 2, 4, zero(), clip=0.5),
         mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
-        mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2)), mixed("llama", "dp", 1, 4, zero() + buckets(16 * 1024))],
+        mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2)),
+        mixed("llama", "dp", 1, 4, zero() + buckets(16 * 1024))],
 }
 
 
