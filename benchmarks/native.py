@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import native_sides as sides
+from nbscaler.config import DEFAULT_BUCKET_BYTES
 from nbscaler.runtime.launch import spawn
 
 MiB = 2**20
@@ -76,13 +77,14 @@ COMPARISONS: Dict[str, tuple] = {
     "dp bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, mixed=True), lambda s: sides.torch_ddp_autocast(s),
                       "DDP + bf16 autocast"),
     # The same sharding: gradients and optimizer state (with the fp32 masters) split over the
-    # ranks, the bf16 parameters whole during forward and backward. nbscaler has no ZeRO-3, so
+    # ranks, the bf16 parameters whole during forward and backward, gradients reduced block by
+    # block (nbscaler's buckets sized to one block, FSDP2's unit). nbscaler has no ZeRO-3, so
     # its ZeRO-2 meets FSDP2 with reshard_after_forward=False; FSDP2's default (ZeRO-3) follows
     # as a reference, not as a like-for-like comparison.
-    "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
+    "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True, per_block=True),
                              lambda s: sides.torch_fsdp(s, mixed=True, reshard_after_forward=False),
                              "FSDP2 fully_shard(reshard_after_forward=False), MixedPrecisionPolicy(bf16, reduce fp32)"),
-    "dp ZeRO-2 bf16 mixed vs ZeRO-3": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True),
+    "dp ZeRO-2 bf16 mixed vs ZeRO-3": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True, per_block=True),
                                        lambda s: sides.torch_fsdp(s, mixed=True),
                                        "FSDP2 fully_shard (ZeRO-3), MixedPrecisionPolicy(bf16, reduce fp32)"),
 }
@@ -122,8 +124,9 @@ def compare(name: str, setup: sides.Setup, gen_dir: str, reps: int, steps: int) 
             a = _timed(ours, steps)
         times.append((a[0] / steps, b[0] / steps))
         cpu.append((a[1] / steps, b[1] / steps))
+    config = getattr(ours.module, "compute_config", None)           # a parallel module's: its gradient buckets
     return {"first": first, "bytes": nbytes, "peaks": peaks, "saved": (saved_ours, saved_theirs),
-            "times": times, "cpu": cpu}
+            "times": times, "cpu": cpu, "buckets": config.reduce_bucket_bytes if config is not None else None}
 
 
 def _run_all(names: List[str], setup: sides.Setup, gen_dir: str, reps: int, steps: int) -> List[Dict[str, object]]:
@@ -151,7 +154,7 @@ def summarise(name: str, nranks: int, per_rank: List[Dict[str, object]]) -> Dict
         "ours_bytes": max(r["bytes"][0] for r in per_rank), "theirs_bytes": max(r["bytes"][1] for r in per_rank),
         "ours_peak": max(r["peaks"][0] for r in per_rank), "theirs_peak": max(r["peaks"][1] for r in per_rank),
         "ours_saved": max(r["saved"][0] for r in per_rank), "theirs_saved": max(r["saved"][1] for r in per_rank),
-        "ours_loss": ours, "theirs_loss": theirs,
+        "ours_loss": ours, "theirs_loss": theirs, "ours_buckets": per_rank[0]["buckets"],
         "losses_agree": abs(ours - theirs) <= (MIXED_LOSS_RTOL if "mixed" in name else LOSS_RTOL) * abs(theirs),
     }
 
@@ -186,6 +189,17 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
         "most bytes autograd held saved for the backward at once during the first step (the largest rank), "
         "counted on both sides by the same saved-tensor hook.",
         "",
+    ]
+    resized = sorted({r["comparison"] for r in rows if r["ours_buckets"] not in (None, DEFAULT_BUCKET_BYTES)})
+    if resized:
+        sizes = sorted({r["ours_buckets"] for r in rows if r["comparison"] in resized})
+        lines += [
+            "nbscaler's gradient buckets (`ComputeConfig.reduce_bucket_bytes`): the default 25 MiB, as DDP's "
+            f"`bucket_cap_mb`, except in {', '.join(resized)}: {', '.join(f'{b:,}' for b in sizes)} bytes, one "
+            "block's parameters, as FSDP2 reduces one `fully_shard` unit at a time.",
+            "",
+        ]
+    lines += [
         "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
         "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | "
         "saved MiB nbscaler / PyTorch | first loss nbscaler / PyTorch |",

@@ -224,13 +224,25 @@ def _compile(s: Setup, policy: str, cfg: ComputeConfig, name: str, gen_dir: str,
                        instance_name=name, reuse="override", module_dtype=dtype)
 
 
-def nbscaler_data(s: Setup, gen_dir: str, zero_stage: int = 0, mixed: bool = False) -> Side:
+def block_bytes(s: Setup, dtype: torch.dtype) -> int:
+    """Bytes of one block's parameters in ``dtype``: the unit FSDP2 reduces when ``fully_shard``
+    wraps every block (``torch_fsdp``)."""
+    return sum(p.numel() for p in Block(s.d_model, s.n_head).parameters()) * dtype.itemsize
+
+
+def nbscaler_data(s: Setup, gen_dir: str, zero_stage: int = 0, mixed: bool = False,
+                  per_block: bool = False) -> Side:
     """Data parallelism (``dp``), with ZeRO stage 1 or 2 when ``zero_stage`` says so; ``mixed``:
-    the module in bf16, fp32 masters, state and gradient sums."""
+    the module in bf16, fp32 masters, state and gradient sums; ``per_block``: gradients reduced in
+    buckets of one block's bytes (``block_bytes``), as FSDP2 reduces them, else in the default
+    25 MiB buckets, as DDP does."""
     rank, world = _rank_world()
     zero = {"use_zero": True, "zero_stage": zero_stage} if zero_stage else {}
     dtype = torch.bfloat16 if mixed else None
-    pm = _compile(s, "dp", ComputeConfig(1, world, **zero), f"dp_zero{zero_stage}_{dtype}_{world}", gen_dir, dtype)
+    if per_block:
+        zero["reduce_bucket_bytes"] = block_bytes(s, dtype or torch.float32)
+    name = f"dp_zero{zero_stage}_{dtype}_{world}" + ("_per_block" if per_block else "")
+    pm = _compile(s, "dp", ComputeConfig(1, world, **zero), name, gen_dir, dtype)
     opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4, master_dtype=torch.float32 if mixed else None)
     return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 

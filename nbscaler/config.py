@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -126,6 +126,32 @@ class Precision:
         return None if self.master_dtype in (None, param_dtype) else self.master_dtype
 
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""The default ``ComputeConfig.reduce_bucket_bytes``: 25 MiB, DDP's ``bucket_cap_mb``."""
+
+
+def split_buckets(sizes: Sequence[Tuple[int, torch.dtype]], bucket_bytes: int) -> List[List[int]]:
+    """The gradient buckets of parameters of ``(nbytes, dtype)`` in order, as index lists: runs of
+    consecutive parameters of one dtype, a new bucket started where the next parameter would take
+    the current one past ``bucket_bytes`` (a parameter larger than that is a bucket of its own).
+    The reducers and the memory and time models all bucket by this one rule.
+
+    >>> split_buckets([(4, torch.float32), (4, torch.float32), (4, torch.float32)], 8)
+    [[0, 1], [2]]
+    """
+    out: List[List[int]] = []
+    size = 0
+    for index, (nbytes, dtype) in enumerate(sizes):
+        if out and (size + nbytes > bucket_bytes or dtype != sizes[out[-1][0]][1]):
+            out.append([])
+            size = 0
+        if not out:
+            out.append([])
+        out[-1].append(index)
+        size += nbytes
+    return out
+
+
 _WORDS = {2: "two", 3: "three"}
 
 
@@ -149,7 +175,14 @@ class ComputeConfig:
     gradients live until the optimizer step, which reduce-scatters them and frees them.
     ``zero_stage=2`` splits the gradients as well: each bucket of gradients is reduce-scattered
     and freed as soon as the backward has produced it, so a rank holds at once the full gradients
-    of the buckets the backward is producing only (all of them for a model in one 25 MiB bucket).
+    of the buckets the backward is producing only.
+
+    ``reduce_bucket_bytes`` (default 25 MiB, as DDP's ``bucket_cap_mb``) caps a gradient bucket:
+    gradients are packed, cast to the reduction dtype and summed one bucket at a time, so the packed
+    copy (fp32 for a bf16 model) never holds more than one bucket, and under ZeRO stage 2 a bucket
+    is reduce-scattered and freed as soon as the backward has made its gradients. Smaller buckets
+    hold fewer gradients at once and cost more, smaller collectives; a model smaller than one
+    bucket is reduced all at once (``split_buckets`` is the rule).
     """
 
     plan_ngpus: int
@@ -163,6 +196,7 @@ class ComputeConfig:
     use_zero: bool = False
     zero_ngroups: int = 1
     zero_stage: int = 1             # with use_zero: 1 shards the optimizer state, 2 the gradients too
+    reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES     # the most gradient bytes reduced as one bucket
 
     inference_only: bool = False
     use_end2end: bool = False
@@ -294,6 +328,10 @@ class ComputeConfig:
         problem = RankGrid.problem(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups if self.use_zero else None)
         if problem is not None:
             _fail(problem[0], getattr(self, problem[0]), problem[1])
+        bucket = self.reduce_bucket_bytes
+        if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 1:
+            _fail("reduce_bucket_bytes", bucket, "give the most gradient bytes summed as one bucket, a positive "
+                  "integer, e.g. 25 * 2**20 (the default).")
         self._validate_zero()
         self._validate_recompute()
         if self.use_pipeline and not self.use_end2end:

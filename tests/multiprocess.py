@@ -139,6 +139,11 @@ def zero(ngroups: int = 1, stage: int = 1) -> tuple:
     return (("use_zero", True), ("zero_ngroups", ngroups), ("zero_stage", stage))
 
 
+def buckets(nbytes: int) -> tuple:
+    """The ``Case.config`` whose reducers sum gradients in buckets of at most ``nbytes``."""
+    return (("reduce_bucket_bytes", nbytes),)
+
+
 def recompute(*names: str) -> tuple:
     """The ``Case.config`` that recomputes the named modules in the backward."""
     return (("pas_config", (("recompute_modules", names),)),)

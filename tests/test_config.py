@@ -1,7 +1,8 @@
 import pytest
+import torch
 
 from nbscaler import ComputeConfig, UserConfig
-from nbscaler.config import BroadcastGenFilesStrategy, ReuseType
+from nbscaler.config import DEFAULT_BUCKET_BYTES, BroadcastGenFilesStrategy, ReuseType, split_buckets
 
 
 def test_defaults_and_units():
@@ -15,6 +16,8 @@ def test_defaults_and_units():
     (dict(plan_ngpus=0, runtime_ngpus=1), ["plan_ngpus", "positive"]),
     (dict(plan_ngpus=2, runtime_ngpus=3), ["runtime_ngpus", "multiple of plan_ngpus=2"]),
     (dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True, zero_ngroups=3), ["zero_ngroups", "divide"]),
+    (dict(plan_ngpus=1, runtime_ngpus=2, reduce_bucket_bytes=0), ["reduce_bucket_bytes=0", "positive", "25 * 2**20"]),
+    (dict(plan_ngpus=1, runtime_ngpus=2, reduce_bucket_bytes=1.5e6), ["reduce_bucket_bytes=1500000.0", "integer"]),
     (dict(plan_ngpus=2, runtime_ngpus=2, use_pipeline=True, pipeline_nmicros=2), ["use_end2end=True"]),
     (dict(plan_ngpus=2, runtime_ngpus=2, pipeline_scheduler="zigzag"), ["pipeline_scheduler", "1f1b"]),
     (dict(plan_ngpus=2, runtime_ngpus=2, pipeline_scheduler="infer_pipe"), ["inference_only=True"]),
@@ -29,6 +32,15 @@ def test_invalid_configs_name_the_field_and_the_fix(kwargs, words):
         ComputeConfig(**kwargs)
     for word in words:
         assert word in str(err.value)
+
+
+def test_buckets_are_runs_of_one_dtype_up_to_the_cap():
+    f32, bf16 = torch.float32, torch.bfloat16
+    sizes = [(40, f32), (80, f32), (120, f32), (8, bf16), (8, bf16)]
+    assert split_buckets(sizes, 120) == [[0, 1], [2], [3, 4]]           # a dtype change starts a bucket
+    assert split_buckets(sizes, 100) == [[0], [1], [2], [3, 4]]         # 120 bytes: a bucket of its own
+    assert split_buckets(sizes, DEFAULT_BUCKET_BYTES) == [[0, 1, 2], [3, 4]]
+    assert split_buckets([], 100) == []
 
 
 def test_pipeline_settings_from_pas_config():

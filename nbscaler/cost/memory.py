@@ -11,7 +11,8 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
 - **optimizer state**: learnt per optimizer class by stepping it once on tiny tensors (``a * numel
   + b`` bytes per optimizer parameter: 0 for SGD, ``numel`` floats for momentum, two and a step
   counter for Adam), applied to the local parameters or, with ZeRO, to the shards. Shards follow
-  the runtime's buckets: parameters in order, split at 25 MiB and at dtype changes, each padded to
+  the runtime's buckets: parameters in order, split at ``ComputeConfig.reduce_bucket_bytes`` and at
+  dtype changes (``nbscaler.config.split_buckets``), each padded to
   a multiple of the ZeRO group size. Without master copies a shard is a view of the flat
   parameters, so it adds no bytes of its own; the parameters include the padding;
 - **mixed precision** (``nbscaler.config.Precision``, as ``build_optimizer(..., master_dtype=)``
@@ -46,16 +47,13 @@ from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.lower import lower_device, rank_sections, train_graph
 from nbscaler.comm.program import RankProgram
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig, Precision, split_buckets
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
-
-BUCKET_BYTES = 25 * 2**20          # the runtime reducer's bucket size
-
 
 # -- optimizer state ---------------------------------------------------------------------------
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -91,20 +89,10 @@ def optimizer_state_bytes(optimizer: Type[torch.optim.Optimizer], optimizer_kwar
 
 
 # -- gradients and optimizer parameters --------------------------------------------------------
-def buckets(params: List[LocalWeight], bucket_bytes: int = BUCKET_BYTES) -> List[List[LocalWeight]]:
-    """The reducer's buckets: consecutive parameters of one dtype, up to ``bucket_bytes`` each."""
-    out: List[List[LocalWeight]] = []
-    current: List[LocalWeight] = []
-    size = 0
-    for p in params:
-        if current and (size + p.nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            out.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.nbytes
-    if current:
-        out.append(current)
-    return out
+def buckets(params: List[LocalWeight], cfg: ComputeConfig) -> List[List[LocalWeight]]:
+    """The reducer's buckets: consecutive parameters of one dtype, up to ``cfg.reduce_bucket_bytes`` each."""
+    runs = split_buckets([(p.nbytes, p.dtype) for p in params], cfg.reduce_bucket_bytes)
+    return [[params[i] for i in run] for run in runs]
 
 
 def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tuple[int, torch.dtype]]:
@@ -113,7 +101,7 @@ def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tupl
     if not cfg.use_zero:
         return [(p.numel, p.dtype) for p in params]
     n = cfg.grid.zero_group_size
-    return [(-(-sum(p.numel for p in b) // n), b[0].dtype) for b in buckets(params)]
+    return [(-(-sum(p.numel for p in b) // n), b[0].dtype) for b in buckets(params, cfg)]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -146,7 +134,7 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
     with the gradient bytes the synchronisation leaves per bucket on the optimizer's side: ZeRO's
     shard, or the master copies' without ZeRO (nothing without either)."""
     params = [w for w in weights if w.kind == "param"]
-    groups = buckets(params)
+    groups = buckets(params, cfg)
     if not cfg.use_zero and all(precision.master_of(p.dtype) is None for p in params):
         return Gradients(groups, [], 0)
     # Without ZeRO the optimizer's parameters are one per parameter; the bytes are summed per bucket.

@@ -129,11 +129,11 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
     out: List[Tuple[float, float]] = []
     for n in sorted({p.partial_over for p in params} - {1}):
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
-        for bucket in buckets([p for p in params if p.partial_over == n]):
+        for bucket in buckets([p for p in params if p.partial_over == n], cfg):
             out.append((comm.forward(Collective.ALL_REDUCE, _reduced_bytes(bucket, precision), n, ranks=inside), 0.0))
     grid = cfg.grid
     units = grid.dp_ranks(device)                  # the same device in every unit
-    for bucket in buckets(params):
+    for bucket in buckets(params, cfg):
         nbytes = _reduced_bytes(bucket, precision)
         if not cfg.use_zero:
             out.append((comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0))
@@ -175,7 +175,7 @@ def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
         return 0.0
     if cfg.use_zero:
         n = cfg.grid.zero_group_size
-        numels = [-(-sum(p.numel for p in b) // n) for b in buckets(params)]
+        numels = [-(-sum(p.numel for p in b) // n) for b in buckets(params, cfg)]
     else:
         numels = [p.numel for p in params]
     dtype = (precision.master_of(params[0].dtype) if precision is not None else None) or params[0].dtype

@@ -169,16 +169,18 @@ class ParallelModule(torch.nn.Module):
                 partial.setdefault(spec.devices, []).append(getattr(self, attr))
             if spec.replicas:
                 copies.setdefault(spec.replicas, []).append(getattr(self, attr))
-        return [Reducer(params, self.group(*devices)) for sums in (partial, copies)
+        bucket_bytes = self.compute_config.reduce_bucket_bytes
+        return [Reducer(params, self.group(*devices), bucket_bytes) for sums in (partial, copies)
                 for devices, params in sorted(sums.items())]
 
     def _make_reducer(self) -> Reducer:
         cfg, grid = self.compute_config, self.compute_config.grid
         dp_group = get_group(grid.dp_ranks(self.plan_device))
         if not cfg.use_zero:
-            return Reducer(list(self.parameters()), dp_group)
+            return Reducer(list(self.parameters()), dp_group, cfg.reduce_bucket_bytes)
         return ZeroReducer(list(self.parameters()), dp_group, get_group(grid.zero_ranks(self.world_rank)),
-                           get_group(grid.zero_replica_ranks(self.world_rank)), stage=cfg.zero_stage)
+                           get_group(grid.zero_replica_ranks(self.world_rank)), cfg.reduce_bucket_bytes,
+                           stage=cfg.zero_stage)
 
     def _check_world(self) -> int:
         cfg = self.compute_config

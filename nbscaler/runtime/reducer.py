@@ -1,7 +1,9 @@
 """``Reducer``: sums the gradients of replicated parameters across data-parallel ranks.
 
-Gradients are packed into flat buckets of about ``bucket_mb`` megabytes, so that a model with
-hundreds of small parameters costs a few large all-reduces rather than hundreds of small ones.
+Gradients are packed into flat buckets of at most ``bucket_bytes`` (``ComputeConfig.reduce_bucket_bytes``,
+by ``nbscaler.config.split_buckets``), so that a model with hundreds of small parameters costs a few
+large all-reduces rather than hundreds of small ones, and the packed copy in the reduction dtype
+exists one bucket at a time, not for the whole model.
 Hooks see each flat bucket before and after the all-reduce; a classic use is scaling down before
 the sum and back up after it, to keep fp16 gradients from overflowing.
 
@@ -24,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nbscaler.config import Precision
+from nbscaler.config import DEFAULT_BUCKET_BYTES, Precision, split_buckets
 from nbscaler.runtime.groups import WeakGroup
 
 GradHook = Callable[["Reducer", torch.Tensor], None]
@@ -93,7 +95,7 @@ class Reducer:
     group = WeakGroup()          # the ranks gradients are summed over; None: this rank alone
 
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
-                 bucket_mb: float = 25.0):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.pre_hooks: List[GradHook] = []
@@ -103,17 +105,8 @@ class Reducer:
         self.observers: List[Callable[[], None]] = []
         self.precision = Precision()
         self.masters: Dict[int, torch.nn.Parameter] = {}     # id(param) -> its master copy
-        self.buckets: List[Bucket] = []
-        limit, size, current = bucket_mb * 2**20, 0, []
-        for p in self.params:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > limit or p.dtype != current[0].dtype):
-                self.buckets.append(Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self.buckets.append(Bucket(current))
+        sizes = [(p.numel() * p.element_size(), p.dtype) for p in self.params]
+        self.buckets = [Bucket([self.params[i] for i in run]) for run in split_buckets(sizes, bucket_bytes)]
 
     def set_precision(self, precision: Precision, masters: bool = True) -> None:
         """Sum gradients in ``precision``'s reduction dtype and, with ``masters``, let the optimizer

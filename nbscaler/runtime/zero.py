@@ -23,7 +23,8 @@ Per rank that is the parameters, ``1/N`` of the gradients (after the step) and `
 optimizer state, and no second copy of anything. At its peak a rank holds more gradients than that
 (``nbscaler.columns.StepMoment``): under stage 1 all of them from the end of the backward until the
 step reduces them; under stage 2 the full gradients of the buckets the backward is producing,
-which is all of them for a model that fits in one bucket. With master copies (``set_precision``:
+which is all of them for a model that fits in one bucket (``ComputeConfig.reduce_bucket_bytes``
+sets the size). With master copies (``set_precision``:
 bf16 parameters, fp32 masters) the shard is instead an fp32 copy of slice ``i``: the reduced
 gradient lands on it unrounded, the optimizer updates it, and ``gather_params`` all-gathers it
 back in the parameters' dtype; the copy is ``1/N`` of the parameters, as the state is.
@@ -39,6 +40,7 @@ from typing import List, Optional, Set
 import torch
 import torch.distributed as dist
 
+from nbscaler.config import DEFAULT_BUCKET_BYTES
 from nbscaler.runtime.groups import WeakGroup
 from nbscaler.runtime.reducer import Bucket, Reducer, Slot
 
@@ -76,8 +78,8 @@ class ZeroReducer(Reducer):
 
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
                  zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
-                 bucket_mb: float = 25.0, stage: int = 1):
-        super().__init__(params, group, bucket_mb)
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage: int = 1):
+        super().__init__(params, group, bucket_bytes)
         self.zero_group, self.replica_group, self.stage = zero_group, replica_group, stage
         self.zero_size, self.zero_rank = _size_rank(zero_group)
         self.flats: List[torch.Tensor] = []

@@ -15,7 +15,7 @@ from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_byte
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import (Case, measure_memory, pipeline, predicted_memory, recompute, run_cases,
+from tests.multiprocess import (Case, buckets, measure_memory, pipeline, predicted_memory, recompute, run_cases,
                                 sequence_parallel, zero)
 
 
@@ -50,6 +50,17 @@ def test_gradients_follow_the_reducers():
     # Stage 2: the last bucket is made (120) and reduced (60) before the first is made (60 + 120).
     assert (stage2.backward(None), stage2.held) == (180, 120)
     assert (stage2.backward(None), stage2.step(w), stage2.held) == (120 + 120, 120, 120)
+
+
+def test_the_model_buckets_as_the_config_says():
+    """The same three parameters (40, 80 and 120 bytes) under ZeRO-2: one bucket by default, whose
+    gradients are all held before it is reduced; in buckets of at most 120 bytes the last (120) is
+    reduced to its shard (60) before the first two (120) are made."""
+    w = [LocalWeight(f"w{i}", "param", (n,), torch.float32, True) for i, n in enumerate((10, 20, 30))]
+    whole = gradients(w, ComputeConfig(1, 2, use_zero=True, zero_stage=2))
+    split = gradients(w, ComputeConfig(1, 2, use_zero=True, zero_stage=2, reduce_bucket_bytes=120))
+    assert [[x.name for x in b] for b in split.buckets] == [["w0", "w1"], ["w2"]]
+    assert (whole.backward(None), split.backward(None)) == (240, 60 + 120)
 
 
 def test_split_backward_frees_activations_at_the_weight_block():
@@ -143,6 +154,9 @@ MULTI = [
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4)),
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("gpipe", 2, 4) + zero()),
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2)),
+    Case("llama", "dp", 1, 2, optimizer="adamw", config=zero(stage=2) + buckets(16 * 1024)),    # 7 buckets
+    Case("llama", "dp", 1, 2, optimizer="adamw", config=zero() + buckets(16 * 1024)),
+    Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2) + buckets(16 * 1024)),
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
     Case("gpt", "tp", 2, 2, optimizer="adamw", config=sequence_parallel()),     # activations on a sequence slice
     Case("llama", "tp", 2, 2, config=sequence_parallel()),
@@ -164,11 +178,25 @@ def test_memory_model_is_exact_on_two_ranks(measured, case):
     _check(case, predicted_memory(case), measured[case])
 
 
+@pytest.mark.multiprocess
+def test_zero2_in_small_buckets_holds_fewer_gradients_at_once(measured):
+    """Llama (22,688 fp32 parameters), ZeRO-2 on 2 ranks: in one 25 MiB bucket every full gradient
+    is held just before the one reduce-scatter (90,752 bytes, the peak's backward moment); in 16 KiB
+    buckets each is reduce-scattered and freed as the backward completes it, and the peak holds
+    52,608 bytes of gradients: the full gradients of the buckets in flight and the shards of those
+    already reduced."""
+    whole, small = (measured[c] for c in MULTI if c.model == "llama" and c.compute_config.zero_stage == 2)
+    assert [m["grad_bytes"] for m in whole] == [90752, 90752]
+    assert [m["grad_bytes"] for m in small] == [52608, 52608]
+
+
 MIXED = [
     mixed("llama", "dp", 1, 2),
     mixed("llama", "tp", 2, 2),
     mixed("llama", "dp", 1, 2, zero()),
     mixed("llama", "dp", 1, 2, zero(stage=2)),
+    mixed("llama", "dp", 1, 2, zero(stage=2) + buckets(16 * 1024)),
+    mixed("llama", "dp", 1, 2, buckets(16 * 1024)),                  # the fp32 copy made a bucket at a time
     mixed("gpt", "pp", 2, 2, pipeline("1f1b", 2, 4)),
     mixed("llama_e2e", "tp", 2, 2),                                  # a bf16 cross-entropy split by vocabulary
 ]
@@ -196,6 +224,7 @@ FOUR = [
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(2)),
     Case("llama", "tp", 2, 4, optimizer="momentum", config=zero()),
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(2, stage=2)),
+    Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(stage=2) + buckets(2048)),
     Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2)),
     Case("gpt", "tp", 4, 4, config=sequence_parallel()),
     Case("gpt", "pp", 4, 4, config=pipeline("zb_h1", 4, 4)),

@@ -1,4 +1,5 @@
-"""The plain Reducer over a single rank: nothing to sum, so nothing is copied unless a hook asks."""
+"""The plain Reducer over a single rank: nothing to sum, so nothing is copied unless a hook asks; and
+how it buckets the gradients."""
 
 import torch
 
@@ -30,3 +31,17 @@ def test_single_rank_sync_still_runs_hooks_on_the_flat_bucket():
     assert seen == [17]
     for p, e in zip(params, expected):
         assert torch.equal(p.grad, e)
+
+
+def test_hooks_see_one_bucket_at_a_time_in_the_reduction_dtype():
+    """48 bytes then 20 of fp32 gradients in buckets of at most 48 bytes: two flat buckets, each
+    packed in the reduction dtype when it is summed, not one copy of every gradient."""
+    from nbscaler.config import Precision
+    params = _params_with_grads()
+    reducer = Reducer(params, group=None, bucket_bytes=48)
+    reducer.set_precision(Precision(grad_reduce_dtype=torch.float64), masters=False)
+    seen = []
+    reducer.pre_hooks.append(lambda r, flat: seen.append((flat.numel(), flat.dtype)))
+    reducer.sync()
+    assert [len(b.params) for b in reducer.buckets] == [1, 1]
+    assert seen == [(12, torch.float64), (5, torch.float64)]

@@ -11,15 +11,17 @@ import torch.distributed as dist
 
 from nbscaler import ComputeConfig
 from nbscaler.runtime.memory import static_memory
-from tests.multiprocess import (Case, check_equivalence, parallel_model, pipeline, run_cases, run_ranks, samples,
-                                step_losses, train_parallel, zero)
+from tests.multiprocess import (Case, buckets, check_equivalence, parallel_model, pipeline, run_cases, run_ranks,
+                                samples, step_losses, train_parallel, zero)
 
+SMALL_BUCKETS = buckets(16 * 1024)      # Llama's fp32 gradients in 7 buckets, GPT's in 22: reduced one at a time
 ZERO = [
     Case("mlp", "dp", 1, 4, config=zero(2)),
     Case("llama", "dp", 1, 4, optimizer="adamw", config=zero()),
     Case("llama", "tp", 2, 4, optimizer="adamw", config=zero(), clip=0.5),
     Case("mlp", "dp", 1, 4, optimizer="adamw", config=zero(), clip=0.5),
     Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(), clip=0.5),
+    Case("llama", "dp", 1, 4, optimizer="adamw", config=zero() + SMALL_BUCKETS, clip=0.5),
 ]
 ZERO2 = [
     Case("llama", "dp", 1, 4, optimizer="adamw", config=zero(stage=2)),
@@ -27,12 +29,15 @@ ZERO2 = [
     Case("llama", "tp", 2, 4, optimizer="adamw", config=zero(stage=2), clip=0.5),
     Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2), clip=0.5),
     Case("gpt", "tp", 2, 4, optimizer="adamw", config=(("use_end2end", True),) + zero(stage=2)),
+    Case("llama", "dp", 1, 4, optimizer="adamw", config=zero(stage=2) + SMALL_BUCKETS, clip=0.5),
+    Case("gpt", "pp", 2, 4, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2) + SMALL_BUCKETS),
 ]
 PLAIN = [
     Case("llama", "dp", 1, 4, optimizer="adamw"),
     Case("llama", "tp", 2, 4, clip=0.5),
     Case("mlp", "dp", 1, 4, clip=0.5),
     Case("gpt", "pp", 4, 4, config=pipeline("chimera_direct", 4, 4), clip=0.5),    # stage copies on 2 devices
+    Case("llama", "dp", 1, 4, optimizer="adamw", config=SMALL_BUCKETS),
 ]
 CASES = ZERO + ZERO2 + PLAIN
 SMALLER = {1: [Case("llama", "dp", 1, 1, optimizer="adamw", config=zero(stage=2))],
