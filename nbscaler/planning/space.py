@@ -120,7 +120,7 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.set: no knob {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}.")
         before = {k: getattr(self, k) for k in ("hardware", "module_dtype", "master_dtype", "global_batch", "sequence")}
         try:
-            self.hardware = _target(self.hardware, knobs.get("hardware"), knobs.get("nodes"), knobs.get("gpus_per_node"))
+            self.hardware = retarget(self.hardware, knobs.get("hardware"), knobs.get("nodes"), knobs.get("gpus_per_node"))
             for name in ("module_dtype", "master_dtype", "global_batch", "sequence"):
                 if name in knobs:
                     setattr(self, name, knobs[name])
@@ -253,7 +253,7 @@ def _raised(found):
     return found
 
 
-def _target(hardware: Hardware, name: Union[None, str, Hardware], nodes: Optional[int],
+def retarget(hardware: Hardware, name: Union[None, str, Hardware], nodes: Optional[int],
             gpus_per_node: Optional[int]) -> Hardware:
     """``hardware`` with the knobs given changed (a catalogue name starts from its catalogue entry,
     keeping the nodes unless ``nodes`` is given)."""
