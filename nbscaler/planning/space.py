@@ -15,7 +15,8 @@ What each knob costs, from cheapest:
   global batch that ``micro_batch=None`` turns into new micro-batch sizes traces those sizes.
 - ``hardware``, ``nodes``, ``gpus_per_node``: every op's facts are read again on the new target
   (``LayerFacts``) off the placements kept; nothing is traced or placed (a new ``tp`` the new GPU
-  count allows is placed, from the trace kept).
+  count allows is placed, from the trace kept), and a configuration priced before keeps its peak
+  memory per device (it depends on the placement, not on the target's speeds).
 - ``module_dtype``, ``sequence``: the two-layer copy is traced again (its tensors' dtype or shape
   change), once per micro-batch size. What was built for earlier values is kept, so turning a knob
   back costs only the pricing.
@@ -105,6 +106,7 @@ class PlanSpace:
         self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro[, tp, recompute]) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._staged: Dict[Tuple, Staged] = {}
+        self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
         self.traces = 0
         self.last_price_s = 0.0
         self.frame = self._price(progress)
@@ -167,8 +169,10 @@ class PlanSpace:
                     cfg = config_of(config, hardware.ngpus, self.stack.path)
                     facts = self._facts_of(target, ops, comm, m, t, rec)
                     staged = self._staged_of(target, facts, m, t, rec, cfg.pipeline_nstages)
+                    peak_key = (*self._key(m, t, rec), hardware.ngpus, p, z, v, config[S.MICRO_BATCHES],
+                                self.master_dtype)
                     rows.append({**config, **price(facts, cfg, hardware, ops, comm, self.optimizer,
-                                                   self.optimizer_kwargs, precision, staged)})
+                                                   self.optimizer_kwargs, precision, staged, (self._peaks, peak_key))})
                     continue
                 except (ValueError, PolicyError) as err:
                     reason = str(err)

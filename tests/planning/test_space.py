@@ -42,6 +42,9 @@ def test_a_target_batch_or_master_dtype_change_reprices_without_tracing(space):
     target = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=2), gpus_per_node=2)
     pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
     assert space.last_price_s > 0
+    frame = space.set(hardware="A100-SXM-80GB")             # the same configurations: their peaks are kept
+    target = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=2), gpus_per_node=2)
+    pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
 
 
 def test_a_sequence_change_traces_again_and_turning_it_back_does_not(space):

@@ -58,7 +58,7 @@ class SpaceTab:
         self.ranges = dict(DEFAULT_RANGES if ranges is None else ranges)
         self.space: Optional[PlanSpace] = None
         self._held = False
-        style = {"style": {"description_width": "90px"}, "layout": w.Layout(width="230px")}
+        style = {"style": {"description_width": "100px"}, "layout": w.Layout(width="250px")}
         self.hardware = w.Dropdown(options=list(Hardware.catalogue()), value=hardware, description="target", **style)
         self.nodes = w.IntText(value=1, description="nodes", **style)
         self.gpus_per_node = w.IntText(value=Hardware.named(hardware).gpus_per_node, description="GPUs per node",
@@ -68,8 +68,9 @@ class SpaceTab:
         self.global_batch = w.IntText(value=global_batch, description="global batch", **style)
         self.sequence = w.IntText(value=0, description="sequence", **style)
         self.metric = w.ToggleButtons(options=[str(m) for m in Metric], value=str(Metric.STEP_TIME),
-                                      style={"button_width": "80px"})
+                                      style={"button_width": "90px"})
         self.sweep_button = w.Button(description="Sweep", button_style="primary", icon="th")
+        self.sweep_button.add_class("nbscaler-sweep")
         self.chart = SpaceWidget()
         self.picked = w.HTML("<i>Press <b>Sweep</b> to price every configuration; then click a point to load "
                              "its plan.</i>")
