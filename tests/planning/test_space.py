@@ -42,7 +42,7 @@ def test_a_target_batch_or_master_dtype_change_reprices_without_tracing(space):
     target = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=2), gpus_per_node=2)
     pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
     assert space.last_price_s > 0
-    frame = space.set(hardware="A100-SXM-80GB")             # the same configurations: their peaks are kept
+    frame = space.set(hardware="A100-SXM-80GB", gpus_per_node=2)     # the same configurations: peaks kept
     target = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=2), gpus_per_node=2)
     pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
 
