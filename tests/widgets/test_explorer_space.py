@@ -26,10 +26,6 @@ def explorer():
     ex.close()
 
 
-def points(svg: str):
-    return re.findall(r'<g data-row="(\d+)" class="([^"]+)"|<g class="([^"]+)" data-row="(\d+)"', svg)
-
-
 def test_the_sweep_is_drawn_every_configuration_a_mark_and_the_front_ringed(explorer):
     frame, svg = explorer.space.frame, explorer.space.chart.svg
     assert explorer.tabs.titles[explorer.tabs.selected_index] == SPACE_TAB
