@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-import numpy as np
 import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
@@ -88,10 +87,12 @@ class _Device:
     and whose groups cross the same links get the same figures, so each is worked out once."""
 
     def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware,
-                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Precision):
+                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Precision,
+                 peaks: Optional[Tuple[Dict, Tuple]] = None):
         self.staged, self.cfg, self.geometry, self.hardware = staged, cfg, geometry, hardware
         self.profiler, self.comm, self.optimizer, self.kwargs = profiler, comm, optimizer, optimizer_kwargs
         self.precision = precision
+        self.peaks, self.peak_key = peaks if peaks is not None else ({}, (object(),))
         self._memo: Dict[Tuple, Tuple[float, float, float, float, float, float]] = {}
 
     def spans_nodes(self, ranks) -> bool:
@@ -116,7 +117,10 @@ class _Device:
             sync = sync_time(None, None, cfg, device, geometry, self.comm, overlap, params, self.precision)
             update = update_time(None, None, cfg, device, geometry, self.profiler, self.optimizer, kwargs, params,
                                  self.precision)
-            self._memo[key] = (sync, update, *self._work(pdev, index), self._peak(weights, params, stages, index, device))
+            peak_key = (*self.peak_key, pdev, index)      # the peak does not depend on the target's speeds
+            if peak_key not in self.peaks:
+                self.peaks[peak_key] = self._peak(weights, params, stages, index, device)
+            self._memo[key] = (sync, update, *self._work(pdev, index), self.peaks[peak_key])
         return self._memo[key]
 
     def _work(self, pdev: int, index: int) -> Tuple[float, float, float]:
@@ -141,13 +145,18 @@ class _Device:
 
 def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
           optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-          precision: Precision, staged: Optional[Staged] = None) -> Dict[str, Any]:
-    """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``."""
+          precision: Precision, staged: Optional[Staged] = None,
+          peaks: Optional[Tuple[Dict, Tuple]] = None) -> Dict[str, Any]:
+    """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``.
+
+    ``peaks``: a cache of peak bytes per device kept across targets, and the key of everything
+    else they depend on (the placement, the stages, ``cfg``, the precision and the optimizer), so
+    that pricing the same configuration on another target reuses them."""
     geometry = PipelineGeometry.from_config(cfg)
     staged = staged or Staged(facts, geometry.schedule.nstages)
     seconds, line = _pipeline(facts, staged, geometry, comm)
     instant = _pipeline(facts, staged, geometry, comm, sends=False)[1]
-    devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision)
+    devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision, peaks)
     figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
     step, device = max((line.makespan + f[0] + f[1], d) for d, f in figures.items())
     sync, _, _, _, tp_s, _ = figures[device]

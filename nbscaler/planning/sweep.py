@@ -33,6 +33,8 @@ costs what the second does in the copy (one class, one shape, called in order) a
 cut between layers (a cut inside a layer, for more stages than layers, is priced as if the layer's
 recomputed region were whole);
 ``tests/planning/test_sweep.py`` checks rows against full plans. Sequence parallelism is not swept.
+The caches live in ``planning.space.PlanSpace``, which keeps them to re-price the whole table when
+the target, the precision, the batch or the sequence changes (the Explorer's space tab).
 
 Bad input: a range value that cannot work on the target at all (a ``tp`` or ``pp`` that does not
 divide its GPUs, more stages than the model has layers, a size below 1) raises ``ValueError``;
@@ -43,39 +45,15 @@ that ``tp`` does not divide) is left out, with its reason, in ``frame.attrs["exc
 
 from __future__ import annotations
 
-import copy
-import itertools
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Optional, Sequence, Type
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
-from nbscaler.columns import SweepColumn as S
-from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.nccl import NcclModel
-from nbscaler.cost.roofline import RooflineOps
-from nbscaler.planning.layer_facts import LayerFacts, read_facts
-from nbscaler.planning.pricing import Staged, pipeline_seconds, price, saved_floor
-from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
-from nbscaler.policy.primitives import PolicyError
+from nbscaler.planning.space import CONFIG_COLUMNS, PREDICTION_COLUMNS, PlanSpace, config_of
 
-CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.ZERO_STAGE, S.SCHEDULER,
-                  S.VIRTUAL_STAGES)
-PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
-                      S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
-
-
-def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
-    """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
-    ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
-    tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
-    virtual_stages = int(row[S.VIRTUAL_STAGES])
-    pas = {"recompute_modules": [stack_path]} if bool(row[S.RECOMPUTE]) else {}
-    return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
-                         pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
-                         use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
+__all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
 
 
 def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *, global_batch: int,
@@ -105,183 +83,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     alone (``pricing.pipeline_seconds``, never more than the step) is already too slow, or when
     what it saves for the backward alone cannot fit (``_pruned``); ``frame.attrs["pruned"]``
     counts them."""
-    if hardware.is_local:
-        raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
-                         "Hardware.local() would profile every op at full size on this machine.")
-    if prune is not None and not (isinstance(prune, (int, float)) and not isinstance(prune, bool) and prune >= 1):
-        raise ValueError(f"sweep's prune={prune!r}: give a factor >= 1 (e.g. 1.25: each layout's fastest fitting "
-                         "row within 25% of the fastest), or None to price every configuration.")
-    stack = find_stack(module)
-    ranges = _ranges(hardware, stack, global_batch, tp, pp, micro_batch, recompute, zero_stage)
-    pricer = _Pricer(module, dummy_args, stack, hardware, module_dtype)
-    precision = Precision(master_dtype)
-
-    def priced(facts: LayerFacts, cfg: ComputeConfig, staged: Staged) -> Dict[str, Any]:
-        return price(facts, cfg, hardware, pricer.ops, pricer.comm, optimizer, optimizer_kwargs, precision, staged)
-
-    rows, excluded, runnable = [], [], []
-    combos = list(itertools.product(*ranges, _virtual_stages(scheduler, virtual_stages)))
-    for t, p, m, r, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
-        config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
-                  S.MICRO_BATCH: m, S.RECOMPUTE: r, S.ZERO_STAGE: z, S.SCHEDULER: scheduler, S.VIRTUAL_STAGES: v}
-        reason = _combination_problem(hardware, global_batch, t, p, m)
-        if reason is None:
-            config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
-            try:
-                cfg = config_of(config, hardware.ngpus, stack.path)
-                facts = pricer.facts(m, t, r)
-                staged = pricer.staged(facts, m, t, r, cfg.pipeline_nstages)
-                if prune is not None:
-                    runnable.append((pipeline_seconds(facts, cfg, pricer.comm, staged), config, cfg, facts, staged))
-                else:
-                    rows.append({**config, **priced(facts, cfg, staged)})
-                continue
-            except (ValueError, PolicyError) as err:
-                reason = str(err)
-        excluded.append({**config, "reason": reason})
-    if prune is not None:
-        rows += _pruned(runnable, priced, hardware, float(prune))
-    frame = _frame(rows, excluded, stack)
-    frame.attrs["pruned"] = len(runnable) - len(rows) if prune is not None else 0
-    return frame
-
-
-def _pruned(runnable: List[Tuple], priced: Callable, hardware: Hardware, within: float) -> List[Dict]:
-    """The rows a pruned sweep prices, in the order of the pipeline's makespan (a floor of the
-    step): not those whose floor reaches their tp x pp layout's fastest fitting step, or
-    ``within`` times the fastest fitting step of all; not those whose saved activations alone
-    (``pricing.saved_floor``) overflow the target, but for the first (the fastest, were memory no
-    object)."""
-    rows: List[Dict] = []
-    fastest: Dict[Tuple[int, int], float] = {}           # per layout: its fastest fitting step so far
-    for k, (floor, config, cfg, facts, staged) in enumerate(sorted(runnable, key=lambda r: r[0])):
-        layout = (config[S.TP], config[S.PP])
-        if floor >= min(fastest.get(layout, float("inf")), within * min(fastest.values(), default=float("inf"))):
-            continue
-        if k > 0 and not hardware.fits(saved_floor(staged, cfg)):
-            continue
-        rows.append({**config, **priced(facts, cfg, staged)})
-        if rows[-1][S.FITS]:
-            fastest[layout] = min(fastest.get(layout, float("inf")), rows[-1][S.STEP_TIME_S])
-    return rows
-
-
-def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:
-    """The stages per pipeline device to try: the scheduler's own number where it has one."""
-    from nbscaler.schedule.schedulers import scheduler_spec
-    fixed = scheduler_spec(scheduler).stages_per_device
-    if fixed is not None:
-        return [fixed]
-    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad or not values:
-        raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
-    return list(values)
-
-
-def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame:
-    columns = [str(c) for c in CONFIG_COLUMNS + PREDICTION_COLUMNS]
-    if not rows:
-        reasons = "; ".join(sorted({e["reason"] for e in excluded}))
-        raise ValueError(f"no configuration of the sweep can run: {reasons}")
-    frame = pd.DataFrame([{str(k): v for k, v in r.items()} for r in rows], columns=columns)
-    frame = frame.sort_values([str(S.FITS), str(S.STEP_TIME_S)], ascending=[False, True], kind="stable")
-    frame = frame.reset_index(drop=True)
-    frame.attrs["stack"] = stack.path
-    frame.attrs["excluded"] = pd.DataFrame([{str(k): v for k, v in e.items()} for e in excluded])
-    return frame
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
-            zero_stage) -> Tuple[List, ...]:
-    """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
-    gpus = hardware.ngpus
-    tp = list(tp) if tp is not None else _divisors(gpus)
-    pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
-    micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
-    for name, values in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
-        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-        if bad or not values:
-            raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
-    for name, values in (("tp", tp), ("pp", pp)):
-        bad = [v for v in values if gpus % v]
-        if bad:
-            raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
-                             f"x {hardware.nodes} node(s); use divisors of {gpus}: {_divisors(gpus)}.")
-    if max(pp) > stack.depth:
-        raise ValueError(f"sweep's pp={max(pp)} is more stages than the {stack.depth} layers of {stack.path}; "
-                         f"use pp <= {stack.depth}.")
-    bad = [z for z in zero_stage if z not in (0, 1, 2)]
-    if bad or not zero_stage:
-        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
-    recompute = [bool(r) for r in recompute]
-    return tp, pp, micro_batch, recompute, list(zero_stage)
-
-
-def _combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:
-    """Why ``tp`` x ``pp`` with ``micro``-sequence micro-batches cannot run, or ``None``."""
-    if hardware.ngpus % (tp * pp):
-        return f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs"
-    dp = hardware.ngpus // (tp * pp)
-    if global_batch % (dp * micro):
-        return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
-    return None
-
-
-class _Pricer:
-    """The sweep's caches: one trace of the two-layer copy per micro-batch size, one placement and
-    one ``LayerFacts`` per (micro-batch, tp, recompute), one staging per number of stages."""
-
-    def __init__(self, module: torch.nn.Module, dummy_args: Dict[str, Any], stack: Stack, hardware: Hardware,
-                 module_dtype: Optional[torch.dtype]):
-        self.two = copy.deepcopy(shallow(module, stack, 2))    # its own weights: module_dtype casts them
-        self.args, self.stack, self.module_dtype = dummy_args, stack, module_dtype
-        self.ops, self.comm = RooflineOps(hardware), NcclModel(hardware)
-        self._traced: Dict[int, Any] = {}
-        self._facts: Dict[Tuple[int, int, bool], Any] = {}      # LayerFacts, or why not
-        self._staged: Dict[Tuple, Staged] = {}
-
-    def _copy_config(self, tp: int, recompute: bool) -> ComputeConfig:
-        pas = {"recompute_modules": [self.stack.path]} if recompute else {}
-        return ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
-                             pipeline_scheduler="1f1b", pas_config=pas)
-
-    def facts(self, micro: int, tp: int, recompute: bool) -> LayerFacts:
-        """The copy's facts at ``micro`` sequences, ``tp`` and ``recompute``; a placement the
-        policy refuses (or one that splits no heads) raises, once and again from the cache."""
-        key = (micro, tp, recompute)
-        if key not in self._facts:
-            try:
-                self._facts[key] = read_facts(self._placed(micro, tp, recompute), self.stack, self.ops, self.comm)
-            except (ValueError, PolicyError) as err:
-                self._facts[key] = err
-        found = self._facts[key]
-        if isinstance(found, Exception):
-            raise found
-        return found
-
-    def _placed(self, micro: int, tp: int, recompute: bool):
-        from nbscaler.planning.planner import plan
-        cfg = self._copy_config(tp, recompute)
-        if micro not in self._traced:
-            placed = plan(self.two, one_sequence(self.args, micro), "hybrid", cfg, module_dtype=self.module_dtype)
-            self._traced[micro] = placed
-        else:
-            placed = self._traced[micro].replan(compute_config=cfg)
-        whole = [n for n in placed.graph.nodes if n.op == "attention" and n.placement.split is None]
-        if tp > 1 and whole:
-            heads = whole[0].inputs[0].shape[1]
-            raise ValueError(f"tp={tp} does not divide the {heads} attention heads, so every device of a group "
-                             f"would run attention whole; use a tp that divides {heads}")
-        return placed
-
-    def staged(self, facts: LayerFacts, micro: int, tp: int, recompute: bool, nstages: int) -> Staged:
-        key = (micro, tp, recompute, nstages)
-        if key not in self._staged:
-            self._staged[key] = Staged(facts, nstages)
-        return self._staged[key]
+    return PlanSpace(module, dummy_args, hardware, global_batch=global_batch, tp=tp, pp=pp, micro_batch=micro_batch,
+                     recompute=recompute, zero_stage=zero_stage, optimizer=optimizer, master_dtype=master_dtype,
+                     module_dtype=module_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
+                     progress=progress, prune=prune, **optimizer_kwargs).frame

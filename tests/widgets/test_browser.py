@@ -97,3 +97,51 @@ def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
         clock("policy switched to autodist, its explanation shown")
         lab.screenshot("5-explorer-why-autodist", EXPLORER)
         assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]
+
+
+def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_path):
+    write_notebook(tmp_path / "space.ipynb", "from nbscaler.widgets import Explorer\n"
+                   "ex = Explorer(sweep_ranges=dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,)))\nex")
+    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
+    clock = Clock()
+    space = f"{EXPLORER} .nbscaler-space"
+    with lab_page(tmp_path, shots) as lab:
+        page = lab.page
+        lab.open_notebook("space.ipynb")
+        page.keyboard.press("Control+b")
+        lab.run_all_cells()
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-controls", timeout=WAIT_MS)
+        page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
+        page.click(f"{space} button.nbscaler-sweep")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept 14 configurations')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{space} .nbs-spaceview svg .nbs-point", timeout=WAIT_MS)
+        assert page.locator(f"{space} .nbs-point").count() == 14
+        assert page.locator(f"{space} .nbs-front-point").count() >= 2
+        assert page.locator(f"{space} .nbs-capacity").count() == 0      # a tiny GPT: the capacity is far off
+        clock("swept and drawn")
+        lab.screenshot("6-space-swept", EXPLORER)
+
+        nodes = page.locator(f"{space} .widget-inline-hbox:has(label:text-is('nodes')) input")
+        nodes.fill("2")
+        nodes.press("Enter")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('2 node(s) of 8 GPUs')", timeout=WAIT_MS)
+        assert re.search(r"Re-priced \d+ configurations .* in \d+ ms \(from cached costs, nothing traced\)",
+                         status(page)), status(page)
+        page.wait_for_selector(f"{space} svg:has-text('x 2 node(s)')", timeout=WAIT_MS)
+        clock("nodes 2: re-priced")
+
+        page.locator(f"{space} .nbs-front-point").last.click()
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Loaded tp')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{space} .nbs-selected", timeout=WAIT_MS)
+        memory = f"{EXPLORER} .nbscaler-pane-memory"
+        page.wait_for_selector(f"{memory} :text('of 16 ranks fit')", timeout=WAIT_MS)       # 2 nodes of 8, on H100
+        assert "hybrid, SGD on H100-SXM-80GB" in page.locator(memory).inner_text()
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline .js-plotly-plot", timeout=WAIT_MS)
+        page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('graph')").first.click()
+        page.wait_for_selector(f"{GRAPH} svg .nbs-box", timeout=WAIT_MS)
+        assert page.locator(f"{GRAPH} .nbs-pane-toggles input").count() == 1 + 16    # logical + each rank
+        clock("a point clicked: its plan in the panes")
+        lab.screenshot("7-space-point-loaded", EXPLORER)
+        page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
+        lab.screenshot("8-space-selected", space)
+        assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]

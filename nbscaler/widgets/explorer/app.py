@@ -5,6 +5,8 @@
 >>> ex.set(policy="pp", stages=2)         # what turning the knobs does: re-place, redraw timeline + memory
 >>> ex.compile(); ex.train()              # the buttons
 >>> ex.runs                               # every run so far, as a DataFrame
+>>> ex.sweep(); ex.space.set(nodes=2)     # the space tab: every configuration on a target, re-priced
+>>> ex.space.pick(0)                      # load the fastest one into the graph, plan, timeline, memory
 
 The Explorer holds no numbers of its own: a compile is ``nbscaler.plan``, a knob change is
 ``Plan.replan`` (the traced graphs are placed again, not traced again), a run is ``Cluster``
@@ -27,7 +29,9 @@ import torch
 
 import nbscaler
 from nbscaler.cluster import Cluster, ClusterError, RankError
+from nbscaler.columns import SweepColumn
 from nbscaler.planning import Plan
+from nbscaler.planning.stack import one_sequence
 from nbscaler.widgets.explorer.compare import Comparison
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
 from nbscaler.widgets.explorer.knobs import Knobs
@@ -36,9 +40,12 @@ from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
 from nbscaler.widgets.explorer.snapshot import snapshot_html
+from nbscaler.widgets.explorer.space import SpaceTab
+from nbscaler.widgets.space import describe
 from nbscaler.widgets.explorer.trainer import TrainOutcome, TrainSettings, train_on_cluster
 
 TABS = (ViewName.GRAPH, ViewName.PLAN, ViewName.CODE, ViewName.WHY)
+SPACE_TAB = "space"
 
 
 class Explorer:
@@ -57,13 +64,16 @@ class Explorer:
         hardware: a target (``nbscaler.Hardware``) the timeline and memory views draw the plan on
             (its step, bubble and MFU; its capacity and the ranks that do not fit); ``None`` for
             this machine.
+        sweep_ranges: what the space tab sweeps (``nbscaler.sweep``'s ``tp``, ``pp``,
+            ``micro_batch``, ``recompute``, ``zero_stage``); ``None`` for its defaults
+            (``explorer.space.DEFAULT_RANGES``).
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, dummy_args: Optional[Dict[str, Any]] = None,
                  cluster: Optional[Cluster] = None, *, policies: Sequence[Callable[..., Any]] = (),
                  loss_fn: Optional[LossFn] = None, knobs: Optional[Knobs] = None,
                  optimizer_fn: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
-                 hardware: Optional[nbscaler.Hardware] = None):
+                 hardware: Optional[nbscaler.Hardware] = None, sweep_ranges: Optional[Dict[str, Any]] = None):
         if model is not None and dummy_args is None:
             raise ValueError("Explorer(model, dummy_args): give the model's forward arguments too, "
                              "e.g. Explorer(model, {'x': torch.randn(8, 16)}).")
@@ -88,6 +98,8 @@ class Explorer:
         self._gen_dir = tempfile.TemporaryDirectory(prefix="nbscaler-explorer-")
         self.panes = Panes(view_options(optimizer_fn, hardware))
         self.losses = LossCurve()
+        self.space = SpaceTab(self._say, self._reporting, self._space_picked, ranges=sweep_ranges)
+        self.space.sweep_button.on_click(lambda _: self.sweep())
         self._build_layout()
 
     # -- what the user sees ---------------------------------------------------------------------
@@ -97,8 +109,8 @@ class Explorer:
                                                                                             visibility="hidden"))
         self.runs_table = w.HTML("<i>no runs yet</i>", layout=w.Layout(overflow="auto", flex="1 1 auto", width="0px"))
         self.compare_slot = w.VBox([w.HTML("<i>Pick two runs and press <b>Compare</b>.</i>")])
-        self.tabs = w.Tab(children=[self.panes.slots[n] for n in TABS] + [self.compare_slot],
-                          titles=[str(n) for n in TABS] + ["compare"], layout=w.Layout(flex="1 1 auto"))
+        self.tabs = w.Tab(children=[self.panes.slots[n] for n in TABS] + [self.compare_slot, self.space.widget],
+                          titles=[str(n) for n in TABS] + ["compare", SPACE_TAB], layout=w.Layout(flex="1 1 auto"))
         charts = w.HBox([self.panes.slots[ViewName.TIMELINE], self.panes.slots[ViewName.MEMORY]])
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>nbscaler Explorer</h3>"), w.HBox([self.status, self.progress]),
@@ -187,6 +199,16 @@ class Explorer:
             return self.comparison
         return None
 
+    def sweep(self) -> Optional[pd.DataFrame]:
+        """Price every configuration of the model on the space tab's target (``nbscaler.sweep``)
+        and draw them there; the tab's knobs re-price from then on."""
+        with self._reporting("sweep"):
+            self._say(f"Sweeping {self.spec.label}: tracing and placing its two-layer copy ...")
+            self.space.build(self.spec.module, self.spec.dummy_args, self.optimizer_fn)
+            self.tabs.selected_index = len(TABS) + 1
+            return self.space.frame
+        return None
+
     def close(self) -> None:
         """Stop the cluster this Explorer started (a given cluster is left running) and remove its files."""
         if self.cluster is not None and self._owns_cluster:
@@ -211,6 +233,19 @@ class Explorer:
             self._say(f"Re-placed under {knobs.policy_label} on {config.plan_ngpus} x {config.runtime_ngpus} devices "
                       f"in {self.knob_latency_s * 1e3:.0f} ms: timeline, memory and why are current; graph, plan and "
                       "code show the last compile until you press <b>Compile</b>.")
+
+    def _space_picked(self, row: pd.Series) -> None:
+        """Plan the configuration of a space row (``hybrid``, its ``config_of``) and show it in every
+        pane, the timeline and memory on the space's target. A real-size model is planned as it
+        is given: build it on the meta device, and nothing is allocated."""
+        start = time.perf_counter()
+        space = self.space.space
+        args = one_sequence(space.dummy_args, int(row[SweepColumn.MICRO_BATCH]))
+        plan = nbscaler.plan(self.spec.module, args, "hybrid", space.config(row), module_dtype=space.module_dtype)
+        self.panes.retarget(view_options(self.optimizer_fn, space.hardware, master_dtype=space.master_dtype))
+        self.panes.show(plan)
+        self.plan = plan
+        self._say(f"Loaded {describe(row)}; planned and drawn in {time.perf_counter() - start:.2f} s.")
 
     def _model_changed(self) -> None:
         with self._reporting("choose the model"):

@@ -46,12 +46,13 @@ def view_classes() -> Dict[ViewName, Type[View]]:
 ViewOptions = Dict[ViewName, Dict[str, Any]]
 
 
-def view_options(optimizer_fn: Any, hardware: Optional[Hardware] = None) -> ViewOptions:
+def view_options(optimizer_fn: Any, hardware: Optional[Hardware] = None, **memory: Any) -> ViewOptions:
     """The options views take beyond the plan: the optimizer the memory prediction assumes and, on a
-    target, the hardware the timeline and memory views draw (the timeline's step needs the optimizer)."""
+    target, the hardware the timeline and memory views draw (the timeline's step needs the optimizer);
+    ``memory`` goes to the memory view alone (``master_dtype=``, as ``plan.memory`` takes it)."""
     if hardware is None:
-        return {ViewName.MEMORY: {"optimizer": optimizer_fn}}
-    return {ViewName.MEMORY: {"optimizer": optimizer_fn, "hardware": hardware},
+        return {ViewName.MEMORY: {"optimizer": optimizer_fn, **memory}}
+    return {ViewName.MEMORY: {"optimizer": optimizer_fn, "hardware": hardware, **memory},
             ViewName.TIMELINE: {"optimizer": optimizer_fn, "hardware": hardware}}
 
 
@@ -82,6 +83,13 @@ class Panes:
             slot = w.VBox([w.HTML(f"<i>{name}: {placeholder}</i>")], layout=w.Layout(width="100%"))
             slot.add_class(f"nbscaler-pane-{name}")
             self.slots[name] = slot
+
+    def retarget(self, options: ViewOptions) -> None:
+        """Draw with ``options`` from now on: a view whose options change is built afresh on its
+        next ``show`` (a view keeps the options it was built with)."""
+        for name in [n for n in self.views if self.options.get(n) != options.get(n)]:
+            del self.views[name]
+        self.options = options
 
     def show(self, plan: Plan, names: Iterable[ViewName] = tuple(ViewName), measured: Optional[Measured] = None,
              on_each=None) -> None:

@@ -1,0 +1,382 @@
+"""``PlanSpace``: a sweep that stays alive, re-priced in milliseconds when the target or the run changes.
+
+``nbscaler.sweep`` answers "which configuration?" once. In the Explorer the user then turns the
+question's own knobs (another GPU, more nodes, bf16 or fp32, a bigger batch, longer sequences) and
+expects the answer at once. ``PlanSpace`` keeps what a sweep built and re-prices from it:
+
+>>> space = PlanSpace(model, {"input_ids": ids}, Hardware.named("H100-SXM-80GB"), global_batch=64,
+...                   micro_batch=(1, 2, 4))                                       # doctest: +SKIP
+>>> space.frame                                         # the sweep's table
+>>> space.set(hardware="A100-SXM-80GB", nodes=2)        # re-priced: no trace, no placement
+
+What each knob costs, from cheapest:
+
+- ``master_dtype``, ``global_batch``: only the pricing (``planning.pricing.price``) runs again; a
+  global batch that ``micro_batch=None`` turns into new micro-batch sizes traces those sizes.
+- ``hardware``, ``nodes``, ``gpus_per_node``: every op's facts are read again on the new target
+  (``LayerFacts``) off the placements kept; nothing is traced or placed (a new ``tp`` the new GPU
+  count allows is placed, from the trace kept), and a configuration priced before keeps its peak
+  memory per device (it depends on the placement, not on the target's speeds).
+- ``module_dtype``, ``sequence``: the two-layer copy is traced again (its tensors' dtype or shape
+  change), once per micro-batch size. What was built for earlier values is kept, so turning a knob
+  back costs only the pricing.
+
+``sweep()`` is ``PlanSpace(...).frame``: one pricing path for both.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from nbscaler.columns import SweepColumn as S
+from nbscaler.config import ComputeConfig, Precision
+from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.nccl import NcclModel
+from nbscaler.cost.roofline import RooflineOps
+from nbscaler.planning.layer_facts import LayerFacts, read_facts
+from nbscaler.planning.pricing import Staged, pipeline_seconds, price
+from nbscaler.planning.prune import check_prune, pruned_rows
+from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
+from nbscaler.policy.primitives import PolicyError
+
+CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.ZERO_STAGE, S.SCHEDULER,
+                  S.VIRTUAL_STAGES)
+PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
+                      S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
+KNOBS = ("hardware", "nodes", "gpus_per_node", "module_dtype", "master_dtype", "global_batch", "sequence")
+"""What ``PlanSpace.set`` takes."""
+
+
+def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
+    """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
+    ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
+    tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
+    virtual_stages = int(row[S.VIRTUAL_STAGES])
+    pas = {"recompute_modules": [stack_path]} if bool(row[S.RECOMPUTE]) else {}
+    return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
+                         pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
+                         use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranges:
+    """The sweep's ranges as the user gave them (``None``: every divisor, worked out per target)."""
+
+    tp: Optional[Tuple[int, ...]]
+    pp: Optional[Tuple[int, ...]]
+    micro_batch: Optional[Tuple[int, ...]]
+    recompute: Tuple[bool, ...]
+    zero_stage: Tuple[int, ...]
+    scheduler: str
+    virtual_stages: Tuple[int, ...]
+
+
+class PlanSpace:
+    """Every configuration of ``module`` on a target, priced, and re-priced when a knob changes.
+
+    Takes ``nbscaler.sweep``'s arguments (see there); ``frame`` is the sweep's table for the knobs
+    as they stand, ``set(**knobs)`` changes some (``KNOBS``) and returns the new table.
+    ``last_price_s`` is how long the last pricing took, ``traces`` how many times the two-layer
+    copy has been traced so far (what a knob that needs none must leave alone).
+    """
+
+    def __init__(self, module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *,
+                 global_batch: int, tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
+                 micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
+                 zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 master_dtype: Optional[torch.dtype] = torch.float32,
+                 module_dtype: Optional[torch.dtype] = torch.bfloat16, scheduler: str = "1f1b",
+                 virtual_stages: Sequence[int] = (1,), progress: bool = False, prune: Optional[float] = None,
+                 **optimizer_kwargs: Any):
+        check_prune(prune)
+        self.prune = prune
+        self.stack = find_stack(module)
+        self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
+                             tuple(recompute), tuple(zero_stage), scheduler, tuple(virtual_stages))
+        self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
+        self.hardware, self.global_batch = hardware, global_batch
+        self.master_dtype, self.module_dtype = master_dtype, module_dtype
+        self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
+        self._args = {_sequence_of(dummy_args): dummy_args}
+        self.sequence = _sequence_of(dummy_args)
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro[, tp, recompute]) -> Plan, or why not
+        self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
+        self._staged: Dict[Tuple, Staged] = {}
+        self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
+        self.traces = 0
+        self.last_price_s = 0.0
+        self.frame = self._price(progress)
+
+    # -- the knobs ------------------------------------------------------------------------------
+    def set(self, **knobs: Any) -> pd.DataFrame:
+        """Change knobs (``hardware``: a ``Hardware`` or a catalogue name; ``nodes``,
+        ``gpus_per_node``; ``module_dtype``, ``master_dtype``; ``global_batch``; ``sequence``:
+        tokens per sequence) and re-price. A bad value raises ``ValueError`` naming it, and the
+        space stays as it was."""
+        unknown = sorted(set(knobs) - set(KNOBS))
+        if unknown:
+            raise ValueError(f"PlanSpace.set: no knob {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}.")
+        before = {k: getattr(self, k) for k in ("hardware", "module_dtype", "master_dtype", "global_batch", "sequence")}
+        try:
+            self.hardware = retarget(self.hardware, knobs.get("hardware"), knobs.get("nodes"), knobs.get("gpus_per_node"))
+            for name in ("module_dtype", "master_dtype", "global_batch", "sequence"):
+                if name in knobs:
+                    setattr(self, name, knobs[name])
+            self._check_dtypes()
+            if "sequence" in knobs:
+                self._args_at(self.sequence)
+            self.frame = self._price(False)
+        except Exception:
+            for name, value in before.items():
+                setattr(self, name, value)
+            raise
+        return self.frame
+
+    def config(self, row) -> ComputeConfig:
+        """The ``ComputeConfig`` of one row of ``frame`` on the target as it stands."""
+        return config_of(row, self.hardware.ngpus, self.stack.path)
+
+    @property
+    def dummy_args(self) -> Dict[str, Any]:
+        """The dummy inputs (one sequence) at the current ``sequence``."""
+        return self._args_at(self.sequence)
+
+    # -- pricing --------------------------------------------------------------------------------
+    def _price(self, progress: bool) -> pd.DataFrame:
+        start = time.perf_counter()
+        hardware, global_batch = self.hardware, self.global_batch
+        if hardware.is_local:
+            raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
+                             "Hardware.local() would profile every op at full size on this machine.")
+        r = self.ranges
+        ranges = _ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute, r.zero_stage)
+        target = (repr(hardware),)
+        ops, comm, precision = RooflineOps(hardware), NcclModel(hardware), Precision(self.master_dtype)
+        rows, excluded, runnable = [], [], []
+
+        def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
+            peak_key = (*self._key(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE]), hardware.ngpus,
+                        config[S.PP], config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES],
+                        self.master_dtype)
+            return {**config, **price(facts, cfg, hardware, ops, comm, self.optimizer, self.optimizer_kwargs,
+                                      precision, staged, (self._peaks, peak_key))}
+
+        combos = list(itertools.product(*ranges, _virtual_stages(r.scheduler, r.virtual_stages)))
+        for t, p, m, rec, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+            config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
+                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.ZERO_STAGE: z, S.SCHEDULER: r.scheduler,
+                      S.VIRTUAL_STAGES: v}
+            reason = _combination_problem(hardware, global_batch, t, p, m)
+            if reason is None:
+                config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
+                try:
+                    cfg = config_of(config, hardware.ngpus, self.stack.path)
+                    facts = self._facts_of(target, ops, comm, m, t, rec)
+                    staged = self._staged_of(target, facts, m, t, rec, cfg.pipeline_nstages)
+                    if self.prune is not None:
+                        runnable.append((pipeline_seconds(facts, cfg, comm, staged), config, cfg, facts, staged))
+                    else:
+                        rows.append(priced(config, cfg, facts, staged))
+                    continue
+                except (ValueError, PolicyError) as err:
+                    reason = str(err)
+            excluded.append({**config, "reason": reason})
+        if self.prune is not None:
+            rows += pruned_rows(runnable, priced, hardware, float(self.prune))
+        frame = _frame(rows, excluded, self.stack)
+        frame.attrs["pruned"] = len(runnable) - len(rows) if self.prune is not None else 0
+        self.last_price_s = time.perf_counter() - start
+        return frame
+
+    def _key(self, *rest: Any) -> Tuple:
+        return (self.sequence, self.module_dtype, *rest)
+
+    def _facts_of(self, target: Tuple, ops, comm, micro: int, tp: int, recompute: bool) -> LayerFacts:
+        """The copy's facts on the target at ``micro`` sequences, ``tp`` and ``recompute``; a
+        placement the policy refuses (or one that splits no heads) raises, once and again from the cache."""
+        key = (*target, *self._key(micro, tp, recompute))
+        if key not in self._facts:
+            try:
+                self._facts[key] = read_facts(self._placement(micro, tp, recompute), self.stack, ops, comm)
+            except (ValueError, PolicyError) as err:
+                self._facts[key] = err
+        return _raised(self._facts[key])
+
+    def _staged_of(self, target: Tuple, facts: LayerFacts, micro: int, tp: int, recompute: bool,
+                   nstages: int) -> Staged:
+        key = (*target, *self._key(micro, tp, recompute, nstages))
+        if key not in self._staged:
+            self._staged[key] = Staged(facts, nstages)
+        return self._staged[key]
+
+    def _placement(self, micro: int, tp: int, recompute: bool):
+        """The two-layer copy placed over ``tp`` devices (traced once per micro-batch size, sequence
+        and dtype; placed again from that trace for each ``tp`` and ``recompute``)."""
+        key = self._key(micro, tp, recompute)
+        if key not in self._placed:
+            try:
+                self._placed[key] = self._place(micro, tp, recompute)
+            except (ValueError, PolicyError) as err:
+                self._placed[key] = err
+        return _raised(self._placed[key])
+
+    def _place(self, micro: int, tp: int, recompute: bool):
+        from nbscaler.planning.planner import plan
+        pas = {"recompute_modules": [self.stack.path]} if recompute else {}
+        cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
+                            pipeline_scheduler="1f1b", pas_config=pas)
+        traced = self._key(micro)
+        if traced not in self._placed:
+            args = one_sequence(self._args_at(self.sequence), micro)
+            self._placed[traced] = plan(self._two, args, "hybrid", cfg, module_dtype=self.module_dtype)
+            self.traces += 1
+            placed = self._placed[traced]
+        else:
+            placed = self._placed[traced].replan(compute_config=cfg)
+        whole = [n for n in placed.graph.nodes if n.op == "attention" and n.placement.split is None]
+        if tp > 1 and whole:
+            heads = whole[0].inputs[0].shape[1]
+            raise ValueError(f"tp={tp} does not divide the {heads} attention heads, so every device of a group "
+                             f"would run attention whole; use a tp that divides {heads}")
+        return placed
+
+    def _args_at(self, sequence: int) -> Dict[str, Any]:
+        if not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 1:
+            raise ValueError(f"sequence={sequence!r} must be a whole number of tokens >= 1.")
+        if sequence not in self._args:
+            first = next(iter(self._args))
+            self._args[sequence] = _resized(self._args[first], first, sequence)
+        return self._args[sequence]
+
+    def _check_dtypes(self) -> None:
+        for name in ("module_dtype", "master_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"{name}={value!r} must be a floating torch.dtype (torch.bfloat16, "
+                                 "torch.float16, torch.float32) or None.")
+        if self.module_dtype is not None:
+            self.hardware.peak_flops(self.module_dtype)      # raises where the target lacks that precision
+
+
+def _raised(found):
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def retarget(hardware: Hardware, name: Union[None, str, Hardware], nodes: Optional[int],
+            gpus_per_node: Optional[int]) -> Hardware:
+    """``hardware`` with the knobs given changed (a catalogue name starts from its catalogue entry,
+    keeping the nodes unless ``nodes`` is given)."""
+    if isinstance(name, Hardware):
+        hardware = name
+    elif name is not None:
+        if not isinstance(name, str):
+            raise ValueError(f"hardware={name!r}: give a catalogue name ({', '.join(Hardware.catalogue())}) "
+                             "or a Hardware.")
+        hardware = Hardware.named(name, nodes=hardware.nodes)
+    changes = {k: v for k, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if v is not None}
+    return dataclasses.replace(hardware, **changes) if changes else hardware
+
+
+def _sequence_of(args) -> Optional[int]:
+    """Tokens per sequence of ``args``: the second dimension of its first integer tensor of 2 or more
+    dimensions (``None`` where none has one)."""
+    from torch.utils._pytree import tree_leaves
+    for t in tree_leaves(args):
+        if isinstance(t, torch.Tensor) and t.ndim >= 2 and not t.is_floating_point() and t.dtype != torch.bool:
+            return int(t.shape[1])
+    return None
+
+
+def _resized(args, old: Optional[int], new: int):
+    """``args`` with every tensor whose second dimension is ``old`` tokens long made ``new`` long
+    (its tokens repeated cyclically), a tensor passed twice still one tensor."""
+    from torch.utils._pytree import tree_map
+    if old is None:
+        raise ValueError("sequence: the dummy inputs hold no token tensor (an integer tensor of shape "
+                         "(1, T, ...)), so the sequence length cannot change.")
+    done: Dict[int, torch.Tensor] = {}
+
+    def resize(t):
+        if not isinstance(t, torch.Tensor) or t.ndim < 2 or t.shape[1] != old:
+            return t
+        if id(t) not in done:
+            done[id(t)] = t[:, torch.arange(new) % old]           # (1, new, ...)
+        return done[id(t)]
+    return tree_map(resize, args)
+
+
+def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:
+    """The stages per pipeline device to try: the scheduler's own number where it has one."""
+    from nbscaler.schedule.schedulers import scheduler_spec
+    fixed = scheduler_spec(scheduler).stages_per_device
+    if fixed is not None:
+        return [fixed]
+    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad or not values:
+        raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
+    return list(values)
+
+
+def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame:
+    columns = [str(c) for c in CONFIG_COLUMNS + PREDICTION_COLUMNS]
+    if not rows:
+        reasons = "; ".join(sorted({e["reason"] for e in excluded}))
+        raise ValueError(f"no configuration of the sweep can run: {reasons}")
+    frame = pd.DataFrame([{str(k): v for k, v in r.items()} for r in rows], columns=columns)
+    frame = frame.sort_values([str(S.FITS), str(S.STEP_TIME_S)], ascending=[False, True], kind="stable")
+    frame = frame.reset_index(drop=True)
+    frame.attrs["stack"] = stack.path
+    frame.attrs["excluded"] = pd.DataFrame([{str(k): v for k, v in e.items()} for e in excluded])
+    return frame
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
+            zero_stage) -> Tuple[List, ...]:
+    """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
+    gpus = hardware.ngpus
+    tp = list(tp) if tp is not None else _divisors(gpus)
+    pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
+    micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
+    for name, values in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
+        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad or not values:
+            raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
+    for name, values in (("tp", tp), ("pp", pp)):
+        bad = [v for v in values if gpus % v]
+        if bad:
+            raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
+                             f"x {hardware.nodes} node(s); use divisors of {gpus}: {_divisors(gpus)}.")
+    if max(pp) > stack.depth:
+        raise ValueError(f"sweep's pp={max(pp)} is more stages than the {stack.depth} layers of {stack.path}; "
+                         f"use pp <= {stack.depth}.")
+    bad = [z for z in zero_stage if z not in (0, 1, 2)]
+    if bad or not zero_stage:
+        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
+    recompute = [bool(r) for r in recompute]
+    return tp, pp, micro_batch, recompute, list(zero_stage)
+
+
+def _combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:
+    """Why ``tp`` x ``pp`` with ``micro``-sequence micro-batches cannot run, or ``None``."""
+    if hardware.ngpus % (tp * pp):
+        return f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs"
+    dp = hardware.ngpus // (tp * pp)
+    if global_batch % (dp * micro):
+        return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
+    return None

@@ -1,0 +1,162 @@
+"""The plan space as a chart: every configuration of a sweep, its time against its memory per GPU.
+
+``space_svg(frame, hardware)`` draws one mark per row of ``nbscaler.sweep``'s table (or a
+``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
+capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp,
+a circle where the layers are not recomputed and a diamond where they are; the Pareto front
+(``planning.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
+``<title>`` is the configuration and its figures (the browser's hover text).
+
+``SpaceWidget`` shows that SVG live and turns a click on a mark into its row (``selected``); the
+browser side (``widgets/space.js``) only inserts the SVG and reports the click.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import anywidget
+import pandas as pd
+import traitlets
+
+from nbscaler.columns import StrEnum, SweepColumn as S
+from nbscaler.cost.hardware import Hardware
+from nbscaler.planning.pareto import pareto_front
+from nbscaler.widgets.formats import fmt_bytes
+from nbscaler.widgets.frontend import frontend_text
+from nbscaler.widgets.palette import CAPACITY_COLOUR, rank_colour
+from nbscaler.widgets.svgchart import (INK, MUTED, Scale, document, element, label, legend, legend_width,
+                                       nice_ticks, tooltip, x_axis, y_axis)
+
+WIDTH, HEIGHT = 760, 440
+LEFT, TOP, RIGHT, BOTTOM = 80.0, 76.0, 20.0, 52.0
+FRONT_COLOUR = "#000000"
+
+
+class Metric(StrEnum):
+    """What the space chart draws up: the step's seconds or the model FLOPs utilisation."""
+
+    STEP_TIME = "step time"
+    MFU = "MFU"
+
+
+METRIC_COLUMNS: Dict[Metric, str] = {Metric.STEP_TIME: S.STEP_TIME_S, Metric.MFU: S.MFU}
+
+
+def group_of(row) -> str:
+    """A row's colour group: its tensor- and pipeline-parallel sizes."""
+    return f"tp {int(row[S.TP])} x pp {int(row[S.PP])}"
+
+
+def describe(row) -> str:
+    """One configuration and its figures, as a sentence (a mark's hover text, the status line)."""
+    fits = "fits" if bool(row[S.FITS]) else "does not fit"
+    recompute = "on" if bool(row[S.RECOMPUTE]) else "off"
+    return (f"tp {int(row[S.TP])} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
+            f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}, "
+            f"ZeRO {int(row[S.ZERO_STAGE])}: step {row[S.STEP_TIME_S]:.4g} s, MFU {row[S.MFU]:.1%}, "
+            f"{fmt_bytes(row[S.PEAK_BYTES])} per GPU ({fits})")
+
+
+def _mark(x: float, y: float, recompute: bool, colour: str, ring: bool, size: float = 5.5) -> str:
+    """A circle (layers kept) or a diamond (recomputed), ringed in black on the front."""
+    stroke = dict(stroke=FRONT_COLOUR, stroke_width=2) if ring else dict(stroke="#ffffff", stroke_width=1)
+    if recompute:
+        s = size * 1.3
+        points = f"{x:.1f},{y - s:.1f} {x + s:.1f},{y:.1f} {x:.1f},{y + s:.1f} {x - s:.1f},{y:.1f}"
+        return element("polygon", points=points, fill=colour, **stroke)
+    return element("circle", cx=float(x), cy=float(y), r=float(size), fill=colour, **stroke)
+
+
+def _colours(frame: pd.DataFrame) -> Dict[str, str]:
+    pairs = sorted({(int(r[S.TP]), int(r[S.PP])) for _, r in frame.iterrows()})
+    return {f"tp {t} x pp {p}": rank_colour(i) for i, (t, p) in enumerate(pairs)}
+
+
+def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, List[float], List[float], Scale, Scale]:
+    """The x axis in the binary unit of the largest peak (KiB, MiB, GiB ...), reaching the capacity
+    where it is within three times that peak (beyond, every point fits and the line is noted);
+    the y axis from 0."""
+    most = float(frame[S.PEAK_BYTES].max())
+    reach = max(most, capacity) if capacity <= 3 * most else most
+    unit = 1024.0 ** max(0, int(math.log(reach, 1024))) if reach >= 1 else 1.0
+    x_ticks = nice_ticks(0.0, reach * 1.05 / unit)
+    ys = list(frame[column])
+    y_ticks = nice_ticks(0.0, max(ys) * 1.08 if max(ys) > 0 else 1.0)
+    to_x = Scale(x_ticks[0] * unit, x_ticks[-1] * unit, LEFT, WIDTH - RIGHT)
+    to_y = Scale(y_ticks[0], y_ticks[-1], HEIGHT - BOTTOM, TOP)
+    return unit, x_ticks, y_ticks, to_x, to_y
+
+
+def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.STEP_TIME,
+              selected: Optional[int] = None, title: str = "") -> str:
+    """The scatter of ``frame``'s configurations on ``hardware`` (see the module docstring); the
+    row ``selected`` (its position in ``frame``) is drawn larger, with a crosshair."""
+    column = METRIC_COLUMNS[Metric(metric)]
+    title = title or f"The plan space on {hardware.name} x {hardware.nodes} node(s): {len(frame)} configurations"
+    if frame.empty:
+        return document(WIDTH, 60, title, label(10, 44, "no configuration to draw", colour=MUTED), "space")
+    front = pareto_front(frame).to_numpy()
+    colours = _colours(frame)
+    unit, x_ticks, y_ticks, to_x, to_y = _scales(frame, column, hardware.memory_bytes)
+    y_title = "step time (s), lower is faster" if column == S.STEP_TIME_S else "MFU, higher is better"
+    y_fmt = (lambda v: f"{v * 100:.3g}%") if column == S.MFU else (lambda v: f"{v:.3g}")
+    body = [x_axis([t * unit for t in x_ticks], to_x, TOP, HEIGHT - BOTTOM, "peak memory per GPU", fmt_bytes),
+            y_axis(y_ticks, to_y, LEFT, WIDTH - RIGHT, "", y_fmt), label(10, TOP - 14, y_title, size=11, colour=MUTED)]
+    capacity = f"{hardware.name} capacity {fmt_bytes(hardware.memory_bytes)}"
+    if hardware.memory_bytes <= to_x.hi:
+        cap = to_x(hardware.memory_bytes)
+        body.append(element("line", tooltip(capacity), x1=cap, x2=cap, y1=TOP, y2=HEIGHT - BOTTOM,
+                            stroke=CAPACITY_COLOUR, stroke_width=2, stroke_dasharray="6 4", class_="nbs-capacity"))
+        body.append(label(cap - 4, TOP + 12, capacity, size=11, anchor="end", colour=CAPACITY_COLOUR))
+    else:
+        body.append(label(WIDTH - RIGHT, TOP - 14, f"{capacity}: off the chart, every point fits", size=11,
+                          anchor="end", colour=CAPACITY_COLOUR))
+    on_front = frame[front].sort_values(S.PEAK_BYTES, kind="stable")
+    path = " ".join(f"{to_x(r[S.PEAK_BYTES]):.1f},{to_y(r[column]):.1f}" for _, r in on_front.iterrows())
+    body.append(element("polyline", points=path, fill="none", stroke=FRONT_COLOUR, stroke_width=1.2,
+                        stroke_dasharray="3 3", class_="nbs-front"))
+    order = sorted(range(len(frame)), key=lambda i: (bool(front[i]), i == selected))   # front and pick on top
+    for i in order:
+        row = frame.iloc[i]
+        x, y = to_x(row[S.PEAK_BYTES]), to_y(row[column])
+        mark = _mark(x, y, bool(row[S.RECOMPUTE]), colours[group_of(row)], bool(front[i]),
+                     8.0 if i == selected else 5.5)
+        hint = describe(row) + (" - on the Pareto front" if front[i] else "")
+        body.append(element("g", mark + tooltip(hint), class_="nbs-point nbs-front-point" if front[i] else "nbs-point",
+                            data_row=i))
+    if selected is not None and 0 <= selected < len(frame):
+        row = frame.iloc[selected]
+        x, y = to_x(row[S.PEAK_BYTES]), to_y(row[column])
+        body.append(element("circle", cx=x, cy=y, r=12.0, fill="none", stroke="#d00000", stroke_width=2,
+                            class_="nbs-selected"))
+    body.append(_legend(colours))
+    return document(WIDTH, HEIGHT, title, "".join(body), "space")
+
+
+def _legend(colours: Dict[str, str]) -> str:
+    items = list(colours.items())
+    out = legend(items, LEFT, 42)
+    x = LEFT + legend_width(items) + 10
+    keys = [(False, False, "layers kept"), (True, False, "recomputed"), (False, True, "Pareto front")]
+    for recompute, ring, name in keys:
+        out += _mark(x + 6, 38, recompute, "#bbbbbb", ring, 5.0) + label(x + 16, 42, name, size=11, colour=INK)
+        x += 30 + 6.5 * len(name)
+    return out
+
+
+class SpaceWidget(anywidget.AnyWidget):
+    """The live chart: ``svg`` to show, ``selected`` the row of the mark last clicked."""
+
+    _esm = traitlets.Unicode(frontend_text("space.js")).tag(sync=True)
+    _css = traitlets.Unicode(frontend_text("space.css")).tag(sync=True)
+
+    svg = traitlets.Unicode("").tag(sync=True)
+    selected = traitlets.Int(None, allow_none=True).tag(sync=True)
+
+
+def front_rows(frame: pd.DataFrame) -> List[int]:
+    """The positions in ``frame`` of the rows on its Pareto front."""
+    return [i for i, on in enumerate(pareto_front(frame).to_numpy()) if on]
+

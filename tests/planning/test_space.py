@@ -1,0 +1,73 @@
+"""PlanSpace: a knob change re-prices the sweep from what it kept, and prices it as a fresh sweep would."""
+
+import dataclasses
+
+import pandas as pd
+import pytest
+import torch
+
+import nbscaler
+from nbscaler import Hardware
+from nbscaler.models.gpt import GPT, GPTConfig
+from nbscaler.planning.space import PlanSpace
+
+SEQ = 32
+CFG = GPTConfig(vocab_size=256, seq_len=2 * SEQ, n_layer=4, d_model=64, n_head=4)
+RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
+
+
+def tokens(seq: int = SEQ):
+    idx = torch.zeros(1, seq, dtype=torch.long)
+    return {"batch": {"idx": idx, "targets": idx.clone()}}
+
+
+def fresh(hardware: Hardware, seq: int = SEQ, **kw) -> pd.DataFrame:
+    kw = {"global_batch": 8, **kw}
+    return nbscaler.sweep(GPT(CFG), tokens(seq), hardware, **RANGES, progress=False, **kw)
+
+
+@pytest.fixture
+def space():
+    return PlanSpace(GPT(CFG), tokens(), Hardware.named("A100-SXM-40GB"), global_batch=8, **RANGES)
+
+
+def test_the_space_is_the_sweep(space):
+    pd.testing.assert_frame_equal(space.frame, fresh(Hardware.named("A100-SXM-40GB")))
+
+
+def test_a_target_batch_or_master_dtype_change_reprices_without_tracing(space):
+    traces = space.traces
+    frame = space.set(hardware="H100-SXM-80GB", nodes=2, gpus_per_node=2, global_batch=16, master_dtype=torch.bfloat16)
+    assert space.traces == traces
+    target = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=2), gpus_per_node=2)
+    pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
+    assert space.last_price_s > 0
+    frame = space.set(hardware="A100-SXM-80GB", gpus_per_node=2)     # the same configurations: peaks kept
+    target = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=2), gpus_per_node=2)
+    pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
+
+
+def test_a_sequence_change_traces_again_and_turning_it_back_does_not(space):
+    before, traces = space.frame, space.traces
+    frame = space.set(sequence=2 * SEQ)
+    assert space.traces == traces + 2                        # one trace per micro-batch size
+    pd.testing.assert_frame_equal(frame, fresh(Hardware.named("A100-SXM-40GB"), seq=2 * SEQ))
+    assert (frame.tokens_per_s != before.tokens_per_s).any()
+    pd.testing.assert_frame_equal(space.set(sequence=SEQ), before)
+    assert space.traces == traces + 2
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"hardware": "B300"}, "no hardware named 'B300'"),
+    ({"nodes": 0}, "nodes=0"),
+    ({"global_batch": 0}, "global_batch=0"),
+    ({"sequence": -4}, "sequence=-4"),
+    ({"module_dtype": "bf16"}, "module_dtype='bf16'"),
+    ({"hardware": "T4", "module_dtype": torch.bfloat16}, "no bfloat16 peak"),
+    ({"stages": 2}, "no knob stages"),
+])
+def test_a_bad_knob_says_which_and_leaves_the_space_as_it_was(space, knobs, message):
+    before, hardware = space.frame, space.hardware
+    with pytest.raises(ValueError, match=message):
+        space.set(**knobs)
+    assert space.frame is before and space.hardware is hardware and space.sequence == SEQ
