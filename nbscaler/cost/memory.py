@@ -37,7 +37,7 @@ as it is (the tests compare it with measured counts), except ops the fake replay
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import pandas as pd
 import torch
@@ -257,20 +257,29 @@ def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineG
 def held_for_weights(run: LocalRun, parts: Dict[str, BackwardPart]) -> int:
     """Of what a stage's forward saved, the bytes a split backward's ``B`` leaves for ``W``: those
     of the ops whose gradient ``W`` runs (a weight-side input: ``B+W`` or ``W`` in ``parts``, node
-    name -> ``ir.backward_split.backward_parts``) and of every op that feeds one, which ``W``'s starting nodes reach.
-    The ops after the stage's last weight (the loss and its log-softmax on the last stage) feed
-    none: nothing refers to them once ``B`` has run (``runtime.split_backward``), so they die
-    there. A stage whose ``W`` walks its whole graph again (a weight read twice along its data
-    path) keeps everything until ``W``; this count does not see that case."""
-    needed: set = set()
-    keys: Dict[int, None] = {}
-    for op in reversed(run.ops):
-        node = op.node
-        if parts[node.name] in (BackwardPart.W, BackwardPart.BOTH) or \
-                any(id(t) in needed for t in node.output_tensors):
-            needed.update(id(t) for t in node.inputs)
-            keys.update(dict.fromkeys(op.saved_keys))
+    name -> ``ir.backward_split.backward_parts``) and of every op that feeds one, which ``W``'s
+    starting nodes reach. The ops after the stage's last weight (the loss and its log-softmax on
+    the last stage) feed none: nothing refers to them once ``B`` has run
+    (``runtime.split_backward``), so they die there. A stage whose ``W`` walks its whole graph
+    again (a weight read twice along its data path) keeps everything until ``W``; this count does
+    not see that case."""
+    tail = feeding_no_weight([op.node for op in run.ops],
+                             lambda n: parts[n.name] in (BackwardPart.W, BackwardPart.BOTH))
+    keys = dict.fromkeys(k for op in run.ops if op.node.name not in tail for k in op.saved_keys)
     return sum(run.saved[k] for k in keys)
+
+
+def feeding_no_weight(nodes: Sequence[IRNode], reads_weight: Callable[[IRNode], bool]) -> Set[str]:
+    """The names of ``nodes`` (in forward order) whose outputs reach no node that ``reads_weight``:
+    what a split backward's ``W`` never walks."""
+    needed: Set[int] = set()
+    tail: Set[str] = set()
+    for node in reversed(nodes):
+        if reads_weight(node) or any(id(t) in needed for t in node.output_tensors):
+            needed.update(id(t) for t in node.inputs)
+        else:
+            tail.add(node.name)
+    return tail
 
 
 def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
