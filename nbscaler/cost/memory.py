@@ -20,7 +20,8 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
   Gradients are in the parameters' dtype until the synchronisation moves them onto the masters
   (``cost.moments``); ``nbscaler.columns`` gives the bytes per parameter this makes;
 - **activations**: what autograd saves during the forward, from replaying the rank's code on fake
-  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline. A
+  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline (under a
+  split backward, from ``F`` to ``W``, except what ``W`` never reads: ``held_for_weights``). A
   recomputed module (``recompute_modules``) saves only its inputs, as ``torch.utils.checkpoint``
   keeps them; what its ops would have saved lives again only while the backward rebuilds it, one
   module at a time. That transient is left out of the table (the runtime's count of saved tensors
