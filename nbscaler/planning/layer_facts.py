@@ -85,7 +85,7 @@ class LayerFacts:
                 shapes = {w.name: w.shape for w, _ in self.weights[device]}
                 run = _replay_span(self.graph, span, device, storage, shapes)
                 rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
-                             _tail(self.graph))
+                             _loss_tail(self.graph))
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
@@ -94,8 +94,8 @@ class LayerFacts:
 def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_weight: Set[str]) -> np.ndarray:
     """The facts of each op a device's ``run`` holds (ops x facts), as ``cost.timing.section_time``
     and the memory model count them; a collective with no consumer (a stage's outputs) counts
-    at op ``tail``; ``no_weight``: the ops that feed no weighted op (``_tail``)."""
-    rows = np.zeros((count, 9))
+    at op ``tail``; ``no_weight``: the ops that feed no weighted op (``_loss_tail``)."""
+    rows = np.zeros((count, SAVED_TAIL + 1))
     for op in run.ops:
         k = index[op.node.name]
         f, b = profiler.time(op)
@@ -121,7 +121,7 @@ def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
     expansion = Expansion(stack, nodes)
     index = {n.name: k for k, n in enumerate(nodes)}
     tp = plan.config.plan_ngpus
-    no_weight = _tail(graph)
+    no_weight = _loss_tail(graph)
     matrix = [_rows(plan.local_runs[d][0], index, len(nodes), len(nodes) - 1, profiler, comm, no_weight)
               for d in range(tp)]
     weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index) for d in range(tp)]
@@ -130,7 +130,7 @@ def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
                       (plan.storage, index, profiler, comm))
 
 
-def _tail(graph) -> Set[str]:
+def _loss_tail(graph) -> Set[str]:
     """The ops of ``graph`` that feed no op reading a trained weight (``cost.memory.feeding_no_weight``)."""
     grad = requires_grad_of(graph)
     return feeding_no_weight(graph.nodes, lambda n: any(t.is_weight and grad.get(id(t), False) for t in n.inputs))
