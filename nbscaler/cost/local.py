@@ -99,6 +99,7 @@ class OpCall:
     out_shapes: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
     saved_bytes: int            # bytes of storages this op saved that nothing before it had saved
     recomputed: bool = False    # in a recomputed region: its saved bytes live only while the backward rebuilds it
+    saved_keys: Tuple[int, ...] = ()    # every storage it keeps saved (keys of LocalRun.saved), new or not
 
 
 @dataclass
@@ -228,7 +229,13 @@ class _Replay:
             self.env[v] = value
         self.run.ops.append(OpCall(node, tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
                                    tuple((tuple(v.shape), v.dtype) for v in produced), new_bytes,
-                                   self.region is not None))
+                                   self.region is not None, self._kept_keys(packed)))
+
+    def _kept_keys(self, tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+        """The storages of ``tensors`` the forward keeps saved (none inside a recomputed region)."""
+        if self.region is not None:
+            return ()
+        return tuple(dict.fromkeys(k for k in map(_storage_key, tensors) if k in self.run.saved))
 
     def save(self, tensors: Sequence[torch.Tensor]) -> int:
         """Count what autograd saves (each storage once, weights left out); returns the new bytes.
@@ -265,7 +272,8 @@ class _Replay:
             self.region = None
         n = len(region.body)
         first = self.run.ops[-n]
-        self.run.ops[-n] = dataclasses.replace(first, saved_bytes=first.saved_bytes + kept)
+        self.run.ops[-n] = dataclasses.replace(first, saved_bytes=first.saved_bytes + kept,
+                                               saved_keys=self._kept_keys(inputs))
 
 
 def _nbytes(t: torch.Tensor) -> int:

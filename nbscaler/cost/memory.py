@@ -21,7 +21,8 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
   Gradients are in the parameters' dtype until the synchronisation moves them onto the masters
   (``cost.moments``); ``nbscaler.columns`` gives the bytes per parameter this makes;
 - **activations**: what autograd saves during the forward, from replaying the rank's code on fake
-  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline. A
+  tensors (``cost.local``), times the micro-batches in flight on each stage of a pipeline (under a
+  split backward, from ``F`` to ``W``, except what ``W`` never reads: ``held_for_weights``). A
   recomputed module (``recompute_modules``) saves only its inputs, as ``torch.utils.checkpoint``
   keeps them; what its ops would have saved lives again only while the backward rebuilds it, one
   module at a time. That transient is left out of the table (the runtime's count of saved tensors
@@ -38,7 +39,7 @@ as it is (the tests compare it with measured counts), except ops the fake replay
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import pandas as pd
 import torch
@@ -51,6 +52,7 @@ from nbscaler.config import ComputeConfig, Precision, split_buckets
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights
+from nbscaler.ir.backward_split import BackwardPart, backward_parts
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
@@ -231,21 +233,42 @@ def _renumbered(run: LocalRun, device: int) -> LocalRun:
                     dict(run.rebuilt))
 
 
-def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int) -> int:
+def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int,
+                   held_for_w: Optional[Dict[Optional[int], int]] = None) -> int:
     """The most bytes saved at once: one forward without a pipeline; with one, the running total
-    over the device's blocks (a forward adds its stage's bytes, the backward frees them, or the
-    weight-gradient block when the schedule splits the backward)."""
+    over the device's blocks (a forward adds its stage's bytes, the backward frees them; a split
+    backward's ``B`` frees all but ``held_for_w`` of them, default all kept, and ``W`` the rest)."""
     if geometry is None:
         return saved[None]
-    live = peak = 0
-    schedule = geometry.schedule
-    for block in schedule.blocks_of(geometry.pipeline_device(device)):
-        if block.phase == "F":
-            live += saved[block.stage]
-        elif block.phase == schedule.release_phase:
-            live -= saved[block.stage]
-        peak = max(peak, live)
-    return peak
+    return max(h.activation_bytes for h in step_moments(Gradients([], [], 0), [], saved, geometry, device, held_for_w))
+
+
+def held_for_weights(run: LocalRun, parts: Dict[str, BackwardPart]) -> int:
+    """Of what a stage's forward saved, the bytes a split backward's ``B`` leaves for ``W``: those
+    of the ops whose gradient ``W`` runs (a weight-side input: ``B+W`` or ``W`` in ``parts``, node
+    name -> ``ir.backward_split.backward_parts``) and of every op that feeds one, which ``W``'s
+    starting nodes reach. The ops after the stage's last weight (the loss and its log-softmax on
+    the last stage) feed none: nothing refers to them once ``B`` has run
+    (``runtime.split_backward``), so they die there. A stage whose ``W`` walks its whole graph
+    again (a weight read twice along its data path) keeps everything until ``W``; this count does
+    not see that case."""
+    tail = feeding_no_weight([op.node for op in run.ops],
+                             lambda n: parts[n.name] in (BackwardPart.W, BackwardPart.BOTH))
+    keys = dict.fromkeys(k for op in run.ops if op.node.name not in tail for k in op.saved_keys)
+    return sum(run.saved[k] for k in keys)
+
+
+def feeding_no_weight(nodes: Sequence[IRNode], reads_weight: Callable[[IRNode], bool]) -> Set[str]:
+    """The names of ``nodes`` (in forward order) whose outputs reach no node that ``reads_weight``:
+    what a split backward's ``W`` never walks."""
+    needed: Set[int] = set()
+    tail: Set[str] = set()
+    for node in reversed(nodes):
+        if reads_weight(node) or any(id(t) in needed for t in node.output_tensors):
+            needed.update(id(t) for t in node.inputs)
+        else:
+            tail.add(node.name)
+    return tail
 
 
 def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
@@ -280,6 +303,10 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         category as held at the rank's peak moment (``nbscaler.columns``).
     """
     by_device: Dict[int, Dict[str, int]] = {}
+    parts = None
+    if geometry is not None and geometry.schedule.splits_backward and not cfg.inference_only:
+        graph = train_graph(graphs)
+        parts = {n.name: part for n, part in zip(graph.nodes, backward_parts(graph))}
     for device in range(cfg.plan_ngpus):
         weights = weights_of(device) if weights_of is not None else local_weights(graphs, storage, device, geometry)
         row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
@@ -289,8 +316,11 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
             stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
             annotate_saved_bytes(stages)
             saved = {s: r.saved_bytes for s, r in stages.items()}
+            held_for_w = ({s: held_for_weights(r, parts) for s, r in stages.items()}
+                          if parts is not None else None)
             params = [w for w in weights if w.kind == "param"]
-            held = peak_moment(step_moments(gradients(weights, cfg, precision), params, saved, geometry, device))
+            held = peak_moment(step_moments(gradients(weights, cfg, precision), params, saved, geometry, device,
+                                            held_for_w))
             row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row

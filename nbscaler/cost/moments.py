@@ -99,11 +99,14 @@ class Gradients:
 
 
 def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
-                 geometry: Optional[PipelineGeometry], device: int) -> List[Held]:
+                 geometry: Optional[PipelineGeometry], device: int,
+                 held_for_w: Optional[Dict[Optional[int], int]] = None) -> List[Held]:
     """What plan ``device`` holds at each moment of a training step, in order.
 
     ``saved`` is what one forward of each stage saves for the backward (key ``None`` without a
-    pipeline); ``gradients`` starts the step empty (gradients set to ``None`` before it).
+    pipeline); ``held_for_w``, where the schedule splits the backward, how much of it ``B`` leaves
+    for ``W`` (``cost.memory.held_for_weights``; default all); ``gradients`` starts the step empty
+    (gradients set to ``None`` before it).
     """
     if geometry is None:
         blocks, release = [(None, "F"), (None, "B")], "B"
@@ -117,8 +120,15 @@ def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Op
             moments.append(Held(StepMoment.FORWARD, gradients.held, live))
         elif phase == release:
             moments.append(Held(StepMoment.BACKWARD, gradients.backward(stage), live))
-            live -= saved[stage]
-        # else: the B of a split backward, input gradients only: no weight gets a gradient and the
-        # graph, with everything it saved, stays for the W block.
+            live -= saved[stage] if release == "B" else _held_for_w(saved, held_for_w, stage)
+        else:
+            # the B of a split backward, input gradients only: no weight gets a gradient; it frees
+            # what W does not read, and the rest of the graph stays for the W block.
+            live -= saved[stage] - _held_for_w(saved, held_for_w, stage)
     moments.append(Held(StepMoment.STEP, gradients.step(params), live))
     return moments
+
+
+def _held_for_w(saved: Dict[Optional[int], int], held_for_w: Optional[Dict[Optional[int], int]],
+                stage: Optional[int]) -> int:
+    return saved[stage] if held_for_w is None else held_for_w[stage]

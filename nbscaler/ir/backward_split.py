@@ -25,7 +25,7 @@ Where a weight is read twice along the data path the runtime's ``W`` walks the d
 
 from __future__ import annotations
 
-from typing import Dict, Set
+from typing import Dict, List, Set
 
 from nbscaler.columns import StrEnum
 from nbscaler.ir.graph import IRGraph, requires_grad_of
@@ -46,17 +46,24 @@ class BackwardPart(StrEnum):
 def mark_backward_split(graph: IRGraph) -> None:
     """The pass: ``node.meta['backward_part']`` for every node, per the stage it is in (nodes
     without a stage form one stage: no data path, every gradient in ``W``)."""
+    for node, part in zip(graph.nodes, backward_parts(graph)):
+        node.meta[KEY] = part
+
+
+def backward_parts(graph: IRGraph) -> List[BackwardPart]:
+    """The :class:`BackwardPart` of each node of ``graph``, in node order (what the pass writes)."""
     grad = requires_grad_of(graph)
     stage_of: Dict[int, object] = {}                 # tensor id -> the stage of its producer
     on_path: Set[int] = set()                        # tensors on their stage's data path
+    parts: List[BackwardPart] = []
     for node in graph.nodes:
         path_in = [t for t in node.inputs if grad.get(id(t), False) and
                    (id(t) in on_path or stage_of.get(id(t), node.stage) != node.stage)]
         side_in = [t for t in node.inputs if grad.get(id(t), False) and t not in path_in]
-        part = (BackwardPart.BOTH if path_in and side_in else BackwardPart.B if path_in
-                else BackwardPart.W if side_in else BackwardPart.NONE)
-        node.meta[KEY] = part
+        parts.append(BackwardPart.BOTH if path_in and side_in else BackwardPart.B if path_in
+                     else BackwardPart.W if side_in else BackwardPart.NONE)
         for t in node.output_tensors:
             stage_of[id(t)] = node.stage
             if path_in and grad.get(id(t), False):
                 on_path.add(id(t))
+    return parts

@@ -12,7 +12,7 @@ the ops it holds (``planning.stack.repeat_counts``); nothing is traced, placed o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -21,12 +21,15 @@ from nbscaler.comm.program import Section
 from nbscaler.comm.stages import stage_carries
 from nbscaler.cost.flops import node_flops
 from nbscaler.cost.local import run_local
+from nbscaler.cost.memory import feeding_no_weight
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.ir.graph import requires_grad_of
 from nbscaler.planning.stack import Expansion, Stack
 
 #: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
-FWD, BWD, TP_FWD, TP_BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN = range(8)
+#: ``SAVED_TAIL``: the saved bytes of an op that feeds no weighted op (the loss at the model's
+#: end), which a split backward's ``B`` frees on any stage but the first (``cost.memory.held_for_weights``).
+FWD, BWD, TP_FWD, TP_BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN, SAVED_TAIL = range(9)
 
 
 @dataclass
@@ -81,24 +84,25 @@ class LayerFacts:
                     continue
                 shapes = {w.name: w.shape for w, _ in self.weights[device]}
                 run = _replay_span(self.graph, span, device, storage, shapes)
-                rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm)
+                rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
+                             _loss_tail(self.graph))
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
 
 
-def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm) -> np.ndarray:
+def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_weight: Set[str]) -> np.ndarray:
     """The facts of each op a device's ``run`` holds (ops x facts), as ``cost.timing.section_time``
     and the memory model count them; a collective with no consumer (a stage's outputs) counts
-    at op ``tail``."""
-    rows = np.zeros((count, 8))
+    at op ``tail``; ``no_weight``: the ops that feed no weighted op (``_loss_tail``)."""
+    rows = np.zeros((count, SAVED_TAIL + 1))
     for op in run.ops:
         k = index[op.node.name]
         f, b = profiler.time(op)
         again = op.node.meta["local_flops_fwd"] if op.recomputed else 0.0
-        rows[k, [FWD, BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN]] += (
+        rows[k, [FWD, BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN, SAVED_TAIL]] += (
             f, b + (f if op.recomputed else 0.0), op.saved_bytes, op.node.meta["local_flops_fwd"],
-            op.node.meta["local_flops_bwd"], again)
+            op.node.meta["local_flops_bwd"], again, op.saved_bytes if op.node.name in no_weight else 0)
     for c in run.collectives:
         k = index.get(c.node, tail) if c.node is not None else tail
         f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
@@ -117,11 +121,19 @@ def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
     expansion = Expansion(stack, nodes)
     index = {n.name: k for k, n in enumerate(nodes)}
     tp = plan.config.plan_ngpus
-    matrix = [_rows(plan.local_runs[d][0], index, len(nodes), len(nodes) - 1, profiler, comm) for d in range(tp)]
+    no_weight = _loss_tail(graph)
+    matrix = [_rows(plan.local_runs[d][0], index, len(nodes), len(nodes) - 1, profiler, comm, no_weight)
+              for d in range(tp)]
     weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index) for d in range(tp)]
     flops = np.array([node_flops(n) for n in nodes])[expansion.template]
     return LayerFacts(expansion, matrix, weights, flops, graph, tokens_per_step(plan), compute_dtype(plan),
                       (plan.storage, index, profiler, comm))
+
+
+def _loss_tail(graph) -> Set[str]:
+    """The ops of ``graph`` that feed no op reading a trained weight (``cost.memory.feeding_no_weight``)."""
+    grad = requires_grad_of(graph)
+    return feeding_no_weight(graph.nodes, lambda n: any(t.is_weight and grad.get(id(t), False) for t in n.inputs))
 
 
 def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[Tuple[LocalWeight, Tuple[int, ...]]]:

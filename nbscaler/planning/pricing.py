@@ -25,7 +25,7 @@ from nbscaler.cost.memory import gradients, weight_memory
 from nbscaler.cost.moments import peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.timing import sync_time, update_time
-from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, TP_BWD, TP_FWD,
+from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD,
                                            LayerFacts)
 from nbscaler.planning.stack import repeat_counts
 from nbscaler.policy.staging import stage_cuts
@@ -137,8 +137,10 @@ class _Device:
         """``peak_bytes`` as ``cost.memory.memory_per_rank`` adds it up."""
         row = weight_memory(weights, self.cfg, self.optimizer, self.kwargs, self.precision)
         saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
+        # a split backward's B frees the loss's saved bytes on the last stage, unless it is the first (no data path)
+        held_for_w = {s: saved[s] - (int(self.staged.sums[s][index][SAVED_TAIL]) if s > 0 else 0) for s in stages}
         held = peak_moment(step_moments(gradients(weights, self.cfg, self.precision), params, saved, self.geometry,
-                                        device))
+                                        device, held_for_w))
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
 

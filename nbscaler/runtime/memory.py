@@ -232,10 +232,13 @@ class MemoryMeter:
     def _on_weight_pass(self, starting: bool) -> None:
         """A W block starts or ends (``ParallelModule.weight_pass_observers``). It runs its weight
         branches as several backwards; like one backward, it counts once, at its end: with the
-        activations held when it started and the most gradients it held."""
+        activations held when it started and the most gradients it held. The ``B`` blocks before
+        it may have freed some of what the forwards saved (the loss above the last weight), so
+        the activations are read when it starts, not the most since the last count."""
         with self._lock:
             if starting:
                 self._weight_pass = False           # True once one of its backwards has ended
+                self._started = self.saved.live
             else:
                 if self._weight_pass:
                     self._count_backward()

@@ -44,7 +44,12 @@ class _Start:
 
 @dataclass
 class WeightPass:
-    """What ``W`` runs: either the recorded starts, or (``whole``) a second walk from the outputs."""
+    """What ``W`` runs: either the recorded starts, or (``whole``) a second walk from the outputs.
+
+    Only a ``whole`` pass keeps the stage's outputs (``roots``): the starts hold their nodes, and
+    through them everything below, which is all ``W`` walks. What lies above the highest start
+    (the loss and its saved log-softmax on the last stage) dies with ``B``, as nothing refers to it.
+    """
 
     roots: Roots
     weights: List[torch.Tensor]
@@ -137,7 +142,7 @@ def split(roots: Roots, inputs: Sequence[torch.Tensor], weights: Sequence[torch.
             hook.remove()
     if whole or any(s.node is not None and not s.recorded for s in starts):
         return list(found), WeightPass(roots, list(weights), whole=True)
-    return list(found), WeightPass(roots, list(weights), starts)
+    return list(found), WeightPass(([], []), list(weights), starts)
 
 
 def _recorder(recorded: list):

@@ -96,7 +96,7 @@ class PipelineSchedule:
     @property
     def release_phase(self) -> str:
         """The phase whose block frees what its stage's forward saved: ``W`` when the backward is
-        split (``B`` keeps the graph for ``W``), else ``B``."""
+        split (``B`` keeps the graph for ``W``, less the ops that feed no weight), else ``B``."""
         return "W" if self.splits_backward else "B"
 
     def blocks_of(self, device: int) -> tuple[Block, ...]:

@@ -11,7 +11,8 @@ before its first ``B``, and puts each ``W`` after a ``B``: right after it on the
 ``i`` backwards later on device ``i``, the last ``i`` at the end. Late devices, which 1F1B leaves
 idle at the end of the step, thus run their deferred ``W`` there while the gradients travel on to
 the early devices. No device holds more micro-batches' activations than 1F1B's first device,
-``p`` (a micro-batch's activations live until its ``W``), so the peak memory is 1F1B's.
+``p`` (a micro-batch's activations live until its ``W``, but for the loss above the last
+weight, which ``B`` lets go), so the peak memory is 1F1B's.
 
 With ``T_F``, ``T_B``, ``T_W`` the times of the three blocks of one stage, the paper gives 1F1B's
 idle time per device as ``(p-1)(T_F + T_B + T_W)`` and ZB-H1's as ``(p-1)(T_F + T_B - T_W)``; with

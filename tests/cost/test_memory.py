@@ -70,6 +70,31 @@ def test_split_backward_frees_activations_at_the_weight_block():
     assert in_flight_peak(saved, zb_h1, 1) == 20             # its W runs one backward late
 
 
+def test_a_split_backward_frees_what_w_does_not_read_at_b():
+    """Of stage 1's 10 bytes, W reads 6 (the loss above its last weight is the other 4): ``f0 b0 f1``
+    holds 6 + 10, where keeping everything until W held 20."""
+    saved, held_for_w = {0: 100, 1: 10}, {0: 100, 1: 6}
+    zb_h1 = PipelineGeometry(build_schedule("zb_h1", 2, 4), 2)
+    assert in_flight_peak(saved, zb_h1, 0, held_for_w) == 200
+    assert in_flight_peak(saved, zb_h1, 1, held_for_w) == 16
+
+
+def test_w_holds_what_feeds_a_weighted_op():
+    """``held_for_weights`` on a replayed GPT stage that ends with its loss: everything but the
+    loss's saved bytes (log-softmax, targets) stays for W; the ops before the head all feed it."""
+    from nbscaler.cost.memory import held_for_weights, stage_runs
+    from nbscaler.ir.backward_split import backward_parts
+    from tests.multiprocess import plan_inputs
+    case = Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4))
+    graphs, storage, _, geometry = plan_inputs(case)
+    graph = graphs.get("train", graphs.get("any"))
+    parts = {n.name: p for n, p in zip(graph.nodes, backward_parts(graph))}
+    first, last = stage_runs(graphs, storage, 0, geometry)[0], stage_runs(graphs, storage, 1, geometry)[1]
+    loss = next(op for op in last.ops if op.node.op == "loss")
+    assert held_for_weights(first, parts) == first.saved_bytes          # no data path: W walks it all
+    assert loss.saved_bytes > 0 and held_for_weights(last, parts) == last.saved_bytes - loss.saved_bytes
+
+
 def test_a_split_backward_makes_gradients_and_frees_activations_at_the_weight_block():
     """zb_h1 on 2 stages, 4 micro-batches: stage 1 (``f0 b0 f1 b1 w0 f2 ...``) holds two micro-batches'
     activations at its peak, and its weight (40 bytes) has a gradient only once ``w0`` has run;

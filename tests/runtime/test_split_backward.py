@@ -103,3 +103,30 @@ def test_the_meter_sees_a_split_stage_free_everything_once_w_has_run():
 
 def _weights(module: nn.Module):
     return [p.untyped_storage()._cdata for p in module.parameters()]
+
+
+def test_b_lets_go_of_what_lies_above_the_last_weight():
+    """A last stage's loss sits above its last weighted op, where W never walks: B drops the
+    stage's outputs, so the loss's saved log-softmax (and its targets) die with B, and W keeps
+    only what its weight branches read. Before, W held the loss as a root and with it those bytes
+    for every micro-batch waiting for its W."""
+    from nbscaler.runtime.memory import SavedTensorMeter
+    torch.manual_seed(0)
+    stage, head = Stage(), nn.Linear(8, 5)
+    params = list(stage.parameters()) + list(head.parameters())
+    x, target = torch.randn(4, 8, requires_grad=True), torch.tensor([0, 1, 2, 3])
+    expected = torch.autograd.grad(nn.functional.cross_entropy(head(stage(x)), target), [x] + params)
+    with SavedTensorMeter(_weights(stage) + _weights(head)) as meter:
+        logits = head(stage(x))
+        before_loss = meter.live
+        loss = nn.functional.cross_entropy(logits, target)       # saves its log-softmax and the targets
+        loss_bytes = meter.live - before_loss
+        del logits
+        (found_x,), weights = split(([loss], [None]), [x], params)
+        del loss
+        assert loss_bytes == 4 * 5 * 4 + 4 * 8 + 4 and meter.live == before_loss    # log-softmax, targets, total weight
+        weights.run()
+        del weights
+    assert meter.live == 0
+    assert torch.allclose(found_x, expected[0], rtol=1e-6, atol=1e-7)
+    assert all(torch.allclose(p.grad, e, rtol=1e-6, atol=1e-7) for p, e in zip(params, expected[1:]))
