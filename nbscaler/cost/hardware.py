@@ -22,11 +22,21 @@ backward (``overlap_grad_reduce``, as PyTorch DDP and Megatron-LM's ``--overlap-
 or waits for it to end (Megatron-LM before that flag, 2023), and the passes the training loop makes
 over the gradients before the optimizer step: ``clip_grad_norm`` (the global norm computed, then
 the gradients scaled) and ``loss_scaling`` (fp16's dynamic loss scaler unscales them and checks
-them for infinities). A 2021 Megatron run on A100s:
+them for infinities), and ``attention_dropout``, the probability with which the software drops
+attention probabilities (Megatron-LM's ``--attention-dropout``): it costs a pass over the scores
+when they are materialised, nothing more with FlashAttention, which drops them on chip. A 2021
+Megatron run on A100s:
 
 >>> megatron_2021 = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=4),
 ...                                     attention="materialized", overlap_grad_reduce=False,
-...                                     clip_grad_norm=True, loss_scaling=True)
+...                                     clip_grad_norm=True, loss_scaling=True, attention_dropout=0.1)
+
+The datasheets' peaks assume the boost clock; under sustained tensor-core load a GPU holds a lower
+one at its power limit. ``sustained_clock_ratio`` is that clock over the boost clock, where a source
+gives it: the A100 entries hold 1,305 of 1,410 MHz (NVIDIA's HPL clock). No comparable figure was
+found for the H100, H200, L4 or T4: they stay at their boost peaks (ratio 1). The roofline divides
+compute-bound time by the sustained rate (``sustained_flops``); MFU and HFU stay quoted against the
+datasheet's peak, as published runs quote them.
 """
 
 from __future__ import annotations
@@ -81,8 +91,10 @@ class Hardware:
     ``is_local`` marks ``Hardware.local()``: this machine, whose op and collective times come from its
     own calibration rather than from these figures. ``matmul_efficiency`` is the fraction of the bf16
     peak the best-shaped cuBLAS products measurably reach on this GPU (``cost.roofline``).
-    ``attention``, ``overlap_grad_reduce``, ``clip_grad_norm`` and ``loss_scaling`` describe the
-    software (see the module's docstring).
+    ``sustained_clock_ratio`` is the clock the GPU holds under sustained tensor-core load over the
+    boost clock its peaks assume (1 where no source gives one). ``attention``,
+    ``overlap_grad_reduce``, ``clip_grad_norm``, ``loss_scaling`` and ``attention_dropout`` describe
+    the software (see the module's docstring).
     """
 
     name: str
@@ -100,10 +112,12 @@ class Hardware:
     # the best fraction of the dense peak a large product reaches; 0.80 is an estimate for GPUs without a
     # measured figure (the A100 and H100 entries carry mamf-finder's measurements, see _A100_MAMF)
     matmul_efficiency: float = 0.80
+    sustained_clock_ratio: float = 1.0
     attention: AttentionKind = AttentionKind.FLASH
     overlap_grad_reduce: bool = True
     clip_grad_norm: bool = False
     loss_scaling: bool = False
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention not in set(AttentionKind):
@@ -115,10 +129,15 @@ class Hardware:
                               ("loss_scaling", "True (an fp16 loss scaler unscales and checks them) or False")):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Hardware {self.name!r}: {flag}={getattr(self, flag)!r} must be {meaning}.")
-        eff = self.matmul_efficiency
-        if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
-            raise ValueError(f"Hardware {self.name!r}: matmul_efficiency={eff!r} must be a fraction of the "
-                             f"peak in (0, 1].")
+        for name, meaning in (("matmul_efficiency", "a fraction of the peak"),
+                              ("sustained_clock_ratio", "the sustained clock over the boost clock")):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
+                raise ValueError(f"Hardware {self.name!r}: {name}={value!r} must be {meaning}, in (0, 1].")
+        p = self.attention_dropout
+        if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1):
+            raise ValueError(f"Hardware {self.name!r}: attention_dropout={p!r} must be a probability in [0, 1) "
+                             f"(0: the software drops no attention probabilities).")
         peaks = {Precision(k): float(v) for k, v in dict(self.peak_flops_by_precision).items()}
         object.__setattr__(self, "peak_flops_by_precision", peaks)
         if not peaks:
@@ -152,6 +171,11 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r} has no {precision.value} peak (it has: {have}); "
                              f"plan in one of those dtypes (module_dtype=...) or add the peak.")
         return self.peak_flops_by_precision[precision]
+
+    def sustained_flops(self, dtype: torch.dtype) -> float:
+        """FLOP/s of one GPU for matmuls in ``dtype`` at the clock it holds under sustained load: the
+        rate compute-bound kernels are priced at (``cost.roofline``)."""
+        return self.peak_flops(dtype) * self.sustained_clock_ratio
 
     def fits(self, nbytes):
         """Whether ``nbytes`` (a number, or an array or Series of them) fits in one GPU's memory: the
@@ -222,6 +246,12 @@ _NVLINK_LAT, _PCIE_LAT, _NET_LAT = 1.9e-6, 2.5e-6, 4.0e-6
 # the H100's compute and the 40 GB A100 the 80 GB one's; the L4 and T4 have no published figure and
 # keep the default 0.80.
 _A100_MAMF, _H100_MAMF = 0.859, 0.801
+# The A100's clock under sustained tensor-core load: NVIDIA computed its HPL peak at 1,305 MHz, the
+# clock an A100 holds at its power limit, against the 1,410 MHz boost clock of its 312 TFLOP/s
+# (G. Lockwood, "Peak FLOPS", glennklockwood.com). mamf-finder's README (S. Bekman) defines the
+# ceiling above (MAMF) as a best-of-sweep burst at the boost clock and a separate sustained figure
+# (MSMF) as what training sees, so the two are not the same loss counted twice.
+_A100_SUSTAINED_CLOCK = 1305 / 1410
 P = Precision
 
 CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
@@ -258,7 +288,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 3: 600 GB/s both ways
         # DGX A100 system: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU: 25 GB/s each way.
         inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,
-        matmul_efficiency=_A100_MAMF,
+        matmul_efficiency=_A100_MAMF, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM); NVIDIA DGX A100 datasheet"),
     Hardware(
         "A100-SXM-40GB",
@@ -267,7 +297,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         gpus_per_node=8,
         intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,
         inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,       # DGX A100 (40 GB): 8x HDR 200 Gb/s
-        matmul_efficiency=_A100_MAMF,
+        matmul_efficiency=_A100_MAMF, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB); NVIDIA DGX A100 datasheet"),
     Hardware(
         "L4",

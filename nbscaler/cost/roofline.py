@@ -3,17 +3,20 @@
 An op on a GPU is limited by its arithmetic or by its memory traffic, whichever is slower, and never
 takes less than a kernel's minimum duration::
 
-    t = max(flops / (peak(dtype) * eff), bytes / (memory_bw * MEMORY_EFFICIENCY), KERNEL_FLOOR_S)
+    t = max(flops / (peak(dtype) * clock * eff), bytes / (memory_bw * MEMORY_EFFICIENCY), KERNEL_FLOOR_S)
 
-``eff`` depends on the kind of op:
+``peak * clock`` is the rate at the clock the GPU holds under sustained load
+(``Hardware.sustained_flops``: 1,305 of 1,410 MHz on an A100, the boost clock where no sustained
+one is sourced); ``eff`` depends on the kind of op:
 
 - **matrix products** (linear, matmul, conv) reach at most the GPU's measured matmul ceiling
   (``Hardware.matmul_efficiency``: the best cuBLAS bf16 throughput over a sweep of shapes, 85.9%
-  of the peak on an A100 SXM, 80.1% on an H100 SXM) and less when small: filling the GPU with
-  tiles and draining the last wave costs about ``MATMUL_RAMP_S`` per product, so a product of
-  ``f`` FLOPs takes ``f / (peak * eff) + MATMUL_RAMP_S``: its efficiency grows with its size. On
-  an A100 a 1024^3 bf16 product reaches 57% of the peak, a 4096^3 one 85%. Each gradient of the
-  backward is one such product.
+  of the peak on an A100 SXM, 80.1% on an H100 SXM, both burst figures at the boost clock) and
+  less when small: filling the GPU with tiles and draining the last wave costs about
+  ``MATMUL_RAMP_S`` per product, so a product of ``f`` FLOPs takes
+  ``f / (peak * clock * eff) + MATMUL_RAMP_S``: its efficiency grows with its size. At the boost
+  clock a 1024^3 bf16 product reaches 57% of an A100's peak, a 4096^3 one 85%; at its sustained
+  clock 54% and 79%. Each gradient of the backward is one such product.
 - **attention** as the target's software computes it (``Hardware.attention``):
 
   - ``flash`` (the default): FlashAttention's full ``2 (d + e)`` FLOPs per query-key pair (causal
@@ -25,6 +28,11 @@ takes less than a kernel's minimum duration::
     (B, heads, T, T) scores, each priced as a product *and* by the bytes it moves, whichever is
     slower, and a fused scale-mask-softmax that reads the scores and writes the probabilities
     (its backward reads the probabilities and their gradient and writes the scores' gradient).
+    When the software drops attention probabilities (``Hardware.attention_dropout > 0``, as
+    Megatron-LM does with ``--attention-dropout 0.1``) the dropout is one more elementwise kernel:
+    its forward reads the probabilities and writes them and the mask (``DROPOUT_MASK_BYTES`` an
+    element), its backward reads the gradient and the mask and writes the gradient.
+    (FlashAttention drops them on chip, from a regenerated random state: no pass to price.)
 - **everything else** (elementwise, norms, softmax, losses, copies) is bound by memory: the bytes
   of its local inputs and outputs; its backward reads the output's gradient and what was saved and
   writes the inputs' gradients, twice the forward's bytes. Views (reshape, transpose, split,
@@ -72,6 +80,9 @@ KERNEL_FLOOR_S = 3e-6
 #: Flash attention's backward arithmetic in forwards: dV, dP, dQ and dK (two forwards) and the
 #: scores recomputed (half of one).
 FLASH_BACKWARD_FORWARDS = 2.5
+
+#: Bytes a dropout mask keeps an element: PyTorch's ``native_dropout`` saves a ``torch.bool`` mask.
+DROPOUT_MASK_BYTES = 1
 
 MATMUL_OPS = frozenset({"linear", "matmul", "conv"})
 VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
@@ -139,7 +150,7 @@ class RooflineOps:
                 return fwd, (bwd if grads else 0.0)
             (q, _, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
             flops = attention_flops(q, k, v)
-            t = flops / (self.hardware.peak_flops(dtype) * ATTENTION_EFFICIENCY)
+            t = flops / (self.hardware.sustained_flops(dtype) * ATTENTION_EFFICIENCY)
             return max(t, KERNEL_FLOOR_S), (max(FLASH_BACKWARD_FORWARDS * t, KERNEL_FLOOR_S) if grads else 0.0)
         fwd_bytes = self._memory_bytes(op)
         t = max(memory_seconds(fwd_bytes, self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
@@ -150,7 +161,7 @@ class RooflineOps:
         return t, (2 * t if grads else 0.0)
 
     def _matmul(self, flops: float, dtype: torch.dtype) -> float:
-        return matmul_seconds(flops, self.hardware.peak_flops(dtype), self.hardware.matmul_efficiency)
+        return matmul_seconds(flops, self.hardware.sustained_flops(dtype), self.hardware.matmul_efficiency)
 
     def _kernel(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
         """One kernel: its arithmetic (as a product) or its memory traffic, whichever is slower."""
@@ -160,7 +171,8 @@ class RooflineOps:
     def _materialized_attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
         """Forward and backward seconds of attention with the scores written to memory: ``S = Q K^T``,
         ``P = softmax(S)``, ``O = P V``; backward ``dP = dO V^T``, ``dV = P^T dO``, ``dS`` from ``P`` and
-        ``dP``, ``dQ = dS K``, ``dK = dS^T Q``."""
+        ``dP``, ``dQ = dS K``, ``dK = dS^T Q``; with ``Hardware.attention_dropout`` one more pass over
+        ``P`` each way."""
         (q, qt, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
         *lead, t, d = q
         s, e = k[-2], v[-1]
@@ -178,6 +190,9 @@ class RooflineOps:
                + self._kernel(0, 3 * scores, dtype)                            # dS from P and dP
                + self._kernel(qk, scores + k_b + q_b, dtype)                   # dQ = dS K
                + self._kernel(qk, scores + q_b + k_b, dtype))                  # dK = dS^T Q
+        if self.hardware.attention_dropout > 0:
+            dropout = self._kernel(0, 2 * scores + pairs * DROPOUT_MASK_BYTES, dtype)  # P, mask -> dropped P
+            fwd, bwd = fwd + dropout, bwd + dropout                                    # dP', mask -> dP
         return fwd, bwd
 
     @staticmethod

@@ -14,6 +14,7 @@ from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
 A100 = Hardware.named("A100-SXM-40GB")
 PEAK, BW = 312e12, 1555e9
+RATE = PEAK * 1305 / 1410                  # the tensor cores at the A100's sustained clock, not its boost
 B, T, C, H = 8, 256, 512, 8
 
 
@@ -34,7 +35,7 @@ def test_a_matrix_product_ramps_up_to_its_efficiency_and_its_backward_is_two_pro
     flops = 2 * B * T * C * 3 * C
     fwd, bwd = R.RooflineOps(A100).time(qkv)
     assert A100.matmul_efficiency == 0.859                     # the measured A100 ceiling, not a default
-    assert fwd == pytest.approx(flops / (PEAK * 0.859) + R.MATMUL_RAMP_S, rel=1e-12)
+    assert fwd == pytest.approx(flops / (RATE * 0.859) + R.MATMUL_RAMP_S, rel=1e-12)
     assert bwd == pytest.approx(2 * fwd, rel=1e-12)
     assert qkv.node.meta["flops_bwd"] == 2 * flops              # the bias's gradient is a sum, not a product
     small, large = (R.matmul_seconds(2 * n ** 3, PEAK, 0.859) for n in (1024, 4096))
@@ -48,27 +49,75 @@ def test_attention_is_flash_attention_the_full_products_and_no_score_matrix(ops)
     assert attention_flops((B, H, T, C // H), (B, H, T, C // H), (B, H, T, C // H)) == flops
     assert attn.node.meta["flops_fwd"] == flops and attn.node.meta["flops_bwd"] == 2 * flops
     fwd, bwd = R.RooflineOps(A100).time(attn)
-    assert fwd == pytest.approx(flops / (PEAK * R.ATTENTION_EFFICIENCY), rel=1e-12)
+    assert fwd == pytest.approx(flops / (RATE * R.ATTENTION_EFFICIENCY), rel=1e-12)
     assert bwd == pytest.approx(2.5 * fwd, rel=1e-12)
+
+
+PAIRS = B * H * T * T                                            # (B, heads, T, T) scores
+SCORES, QKV_B = PAIRS * 2, B * H * T * (C // H) * 2                # bf16
+PRODUCT = 2 * PAIRS * (C // H)                                     # Q K^T, P V and each gradient product
+
+
+def kernel(flops, nbytes):
+    return max(R.matmul_seconds(flops, RATE, 0.859), nbytes / (BW * R.MEMORY_EFFICIENCY), R.KERNEL_FLOOR_S)
 
 
 def test_materialized_attention_writes_and_reads_the_scores_in_ten_kernels(ops):
     attn = first(ops, "attention")
     eager = R.RooflineOps(dataclasses.replace(A100, attention="materialized"))
-    d, item = C // H, 2
-    pairs = B * H * T * T
-    scores, qkv_b = pairs * item, B * H * T * d * item
-    product = 2 * pairs * d                                      # Q K^T, P V and each gradient product
-
-    def kernel(flops, nbytes):
-        return max(R.matmul_seconds(flops, PEAK, 0.859), nbytes / (BW * R.MEMORY_EFFICIENCY), R.KERNEL_FLOOR_S)
-
+    scores, qkv_b, product = SCORES, QKV_B, PRODUCT
     fwd, bwd = eager.time(attn)
     assert fwd == pytest.approx(kernel(product, 2 * qkv_b + scores) + kernel(0, 2 * scores)
                                 + kernel(product, scores + 2 * qkv_b), rel=1e-12)
     assert bwd == pytest.approx(4 * kernel(product, scores + 2 * qkv_b) + kernel(0, 3 * scores), rel=1e-12)
     flash = R.RooflineOps(A100).time(attn)
     assert fwd > flash[0] and bwd > flash[1]                    # the T x T traffic costs what flash saves
+
+
+def test_attention_dropout_is_one_pass_over_the_materialized_probabilities_each_way(ops):
+    attn = first(ops, "attention")
+    eager = dataclasses.replace(A100, attention="materialized")
+    without = R.RooflineOps(eager).time(attn)
+    fwd, bwd = R.RooflineOps(dataclasses.replace(eager, attention_dropout=0.1)).time(attn)
+    dropout = kernel(0, 2 * SCORES + PAIRS * 1)                 # P in, dropped P out, a one-byte mask
+    assert dropout == pytest.approx((2 * SCORES + PAIRS) / (BW * R.MEMORY_EFFICIENCY), rel=1e-12)
+    assert fwd == pytest.approx(without[0] + dropout, rel=1e-12)
+    assert bwd == pytest.approx(without[1] + dropout, rel=1e-12)
+    flash = dataclasses.replace(A100, attention_dropout=0.1)    # FlashAttention drops on chip: no pass
+    assert R.RooflineOps(flash).time(attn) == R.RooflineOps(A100).time(attn)
+
+
+@pytest.mark.parametrize("p", [1.0, -0.1, True, "0.1"])
+def test_an_attention_dropout_that_is_not_a_probability_is_refused(p):
+    with pytest.raises(ValueError, match=r"attention_dropout=.* must be a probability in \[0, 1\)"):
+        dataclasses.replace(A100, attention_dropout=p)
+
+
+def test_compute_runs_at_the_sustained_clock_and_memory_at_the_datasheet_bandwidth(ops):
+    qkv, norm = first(ops, "linear"), first(ops, "norm")
+    flops = 2 * B * T * C * 3 * C
+    boost = dataclasses.replace(A100, sustained_clock_ratio=1.0)
+    assert A100.sustained_clock_ratio == 1305 / 1410 and A100.sustained_flops(torch.bfloat16) == RATE
+    assert A100.peak_flops(torch.bfloat16) == PEAK               # MFU and HFU stay quoted against it
+    assert R.RooflineOps(boost).time(qkv)[0] == pytest.approx(flops / (PEAK * 0.859) + R.MATMUL_RAMP_S, rel=1e-12)
+    assert R.RooflineOps(A100).time(qkv)[0] == pytest.approx(flops / (RATE * 0.859) + R.MATMUL_RAMP_S, rel=1e-12)
+    assert R.RooflineOps(A100).time(norm) == R.RooflineOps(boost).time(norm)     # bound by memory: no change
+
+
+def test_targets_without_a_sourced_clock_or_dropout_price_as_before(ops):
+    for name, hw in Hardware.catalogue().items():
+        assert hw.attention_dropout == 0.0
+        assert hw.sustained_clock_ratio == (1305 / 1410 if name.startswith("A100") else 1.0)
+    h100, qkv = Hardware.named("H100-SXM-80GB"), first(ops, "linear")
+    flops = 2 * B * T * C * 3 * C
+    assert h100.sustained_flops(torch.bfloat16) == h100.peak_flops(torch.bfloat16) == 989.4e12
+    assert R.RooflineOps(h100).time(qkv)[0] == pytest.approx(flops / (989.4e12 * 0.801) + R.MATMUL_RAMP_S, rel=1e-12)
+
+
+@pytest.mark.parametrize("ratio", [0, 1.2, True])
+def test_a_sustained_clock_above_the_boost_or_not_a_ratio_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"sustained_clock_ratio=.* must be the sustained clock over the boost"):
+        dataclasses.replace(A100, sustained_clock_ratio=ratio)
 
 
 def test_an_unknown_attention_kind_is_refused_with_the_known_ones():
