@@ -172,7 +172,8 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
                                optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
-                               precision=Precision(master_dtype), weights_of=plan.programs.weights)
+                               precision=Precision(master_dtype), weights_of=plan.programs.weights,
+                               model=plan.step_model(hardware))
     frame = frame.merge(steps, on=C.RANK.value)
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return add_target_columns(plan, frame, hardware) if hardware is not None else frame
