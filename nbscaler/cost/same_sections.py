@@ -129,14 +129,12 @@ class Replays:
 
     def __init__(self) -> None:
         self.done: Dict[Tuple, Tuple[LocalRun, SectionNames]] = {}
-        self.replayed = 0                       # sections actually replayed
 
     def run(self, section: Section) -> LocalRun:
         key, names = section_key(section)
         if key in self.done:
             return renamed(*self.done[key], names)
         run = run_local(section)
-        self.replayed += 1
         if run.exact:
             self.done[key] = (run, names)
         return run
