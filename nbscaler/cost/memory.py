@@ -36,8 +36,10 @@ as it is (the tests compare it with measured counts), except ops the fake replay
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+import gc
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 import pandas as pd
 import torch
@@ -192,6 +194,26 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
 
     The devices left to replay share again where their sections are the same but for names: the
     stages of repeated layers (``cost.same_sections``)."""
+    with paused_gc():
+        return _device_runs(graphs, storage, cfg, geometry, program_of)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cycle collector off for a while: a replay allocates many small objects, which
+    makes it walk every object of the process (a 70B plan's graphs are over half a million) several
+    times, 0.3 s or more each; what the replay leaves is collected once it is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
+                 geometry: Optional[PipelineGeometry], program_of: Optional[ProgramOf]) -> DeviceRuns:
     graph = train_graph(graphs)
     replays = Replays()
     by_stage: Dict[Optional[int], List[IRNode]] = {}

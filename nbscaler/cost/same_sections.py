@@ -26,10 +26,10 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Section, Value
 from nbscaler.cost.local import LocalRun, run_local
+from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode, IRTensor
 
 
@@ -92,20 +92,46 @@ class _Keyer:
         return tuple(self.key), self.names
 
 
-def _leaf(x: Any) -> Any:
+_PLAIN = (bool, int, str, torch.dtype)          # hashable, and equal only when the replay sees the same
+
+
+def _constant(x: Any) -> Any:
+    """A hashable stand-in for one argument of a call: a graph tensor by shape and dtype (its
+    value comes through the call's inputs), containers by their items, any other constant by its
+    type and value (a float by its repr, so that ``-0.0`` and ``0.0`` differ)."""
+    kind = type(x)
+    if x is None or kind in _PLAIN:             # the common cases first, by exact type (isinstance is slow here)
+        return kind.__name__, x
     if isinstance(x, IRTensor):
-        return ("T", tuple(x.shape), x.dtype)
+        return "T", tuple(x.shape), x.dtype
+    if isinstance(x, (tuple, list)):
+        return kind.__name__, tuple(_constant(y) for y in x)
+    if isinstance(x, dict):
+        return "dict", tuple((_constant(k), _constant(v)) for k, v in x.items())
+    if isinstance(x, (set, frozenset)):
+        return "set", frozenset(_constant(y) for y in x)
     if isinstance(x, torch.Tensor):
-        return ("constant tensor", id(x))      # values are not compared: never shared
-    return (type(x).__name__, repr(x))
+        return "constant tensor", id(x)         # values are not compared: never shared
+    return kind.__name__, repr(x)
 
 
 def node_key(node: IRNode) -> Tuple:
     """Everything the replay reads of ``node`` but its name and its devices."""
-    leaves, spec = tree_flatten((node.args, node.kwargs, node.outputs))
-    place = node.placement
-    return (node.op, node.target, node.inplace, str(spec), tuple(_leaf(x) for x in leaves),
-            None if place is None else (place.split, place.blocks, place.parts), repr(node.annotation))
+    place, a = node.placement, node.annotation
+    return (node.op, node.target, node.inplace, _constant(node.args), _constant(node.kwargs), _constant(node.outputs),
+            None if place is None else (place.split, place.blocks, place.parts),
+            annotation_key(a))
+
+
+ANNOTATION_FIELDS = ("inputs", "outputs", "reduce", "frozen", "sizes", "grouped")
+"""The fields of ``OpAnnotation`` that ``annotation_key`` reads (a test checks it reads them all)."""
+
+
+def annotation_key(a: Optional[OpAnnotation]) -> Optional[Tuple]:
+    """``a`` as a hashable tuple: dimension names, reduced and frozen names, sizes, grouped blocks."""
+    if a is None:
+        return None
+    return (tuple(a.inputs), tuple(a.outputs), a.reduce, a.frozen, tuple(a.sizes.items()), tuple(a.grouped.items()))
 
 
 def section_key(section: Section) -> Tuple[Tuple, SectionNames]:

@@ -1,6 +1,8 @@
 """``device_runs`` replays one device per group of devices whose programs are the same up to rank,
 and hands the others the same run: it must equal replaying every device."""
 
+import dataclasses
+
 import pandas.testing as pd_testing
 import pytest
 import torch
@@ -11,6 +13,7 @@ import nbscaler.cost.same_sections as same_sections
 from nbscaler import ComputeConfig
 from nbscaler.cost.local import CollectiveCall, LocalRun
 from nbscaler.cost.memory import device_runs, stage_runs
+from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
 
@@ -72,6 +75,10 @@ def test_sections_differing_beyond_names_have_different_keys():
     assert key(2, 1) == key(4, 2)                        # the first of each tp group: alike
     assert key(2, 1) != key(3, 1)                        # its tp partner: another place in the groups
     assert key(0, 0) != key(2, 1) != key(6, 3)           # the embedding and the loss stages
+
+
+def test_the_key_reads_every_field_of_an_annotation():
+    assert tuple(f.name for f in dataclasses.fields(OpAnnotation)) == same_sections.ANNOTATION_FIELDS
 
 
 def test_runs_that_depend_on_the_place_in_a_group_are_not_shared():
