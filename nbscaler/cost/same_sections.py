@@ -1,7 +1,7 @@
 """Sections that replay alike: one fake replay for every section of the same shape.
 
 The pipeline stages of a model made of repeated layers (a 70B Llama on 8 stages: stages 1 to 6
-each run 10 identical decoder layers) lower to sections that differ only in names: the nodes they
+run 10 or 11 identical decoder layers each) lower to sections that differ only in names: the nodes they
 run, the tensors they convert, the devices of their groups. ``run_local`` reads nothing else that
 differs between them, so their replays are equal up to those names. ``section_key`` writes down
 everything the replay reads, with every name replaced by its place in the section; two sections
