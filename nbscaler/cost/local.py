@@ -158,6 +158,20 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
     return _Apply.apply(x, impl) if x.requires_grad else impl(x)
 
 
+class _Env(dict):
+    """The values of a replay (``Value`` -> fake tensor); a weight is made on its first read."""
+
+    def __init__(self, make: Callable[[Value], torch.Tensor], weights: Sequence[Value]):
+        super().__init__()
+        self.make, self.weights = make, set(weights)
+
+    def __missing__(self, v: Value) -> torch.Tensor:
+        if v not in self.weights:
+            raise KeyError(v)
+        self[v] = w = self.make(v)
+        return w
+
+
 class _Replay:
     """Runs one lowered section on fake tensors, one instruction at a time (as ``torch.fx.Interpreter``
     runs a graph): an environment maps each value of the program to the fake tensor that holds it."""
@@ -165,13 +179,22 @@ class _Replay:
     def __init__(self, section: Section):
         self.sec = section
         self.run = LocalRun(section.device, section.stage)
-        self.env: Dict[Value, torch.Tensor] = {}
+        self.env = _Env(self.weight, section.weights)
         self.weight_keys: set = set()
         self.seen: set = set()
         self.fake_device = fake_device()
         self.region: Optional[str] = None      # the recomputed region being replayed
         self.region_seen: set = set()
         self._grad: Optional[Dict[int, bool]] = None
+
+    def weight(self, v: Value) -> torch.Tensor:
+        """A stored weight, made when the program first reads it (a stage reads a few of the
+        graph's weights; making them all cost more than the replay)."""
+        t = v.tensor
+        w = torch.empty(v.shape, dtype=t.dtype, device=self.fake_device,
+                        requires_grad=t.kind == "param" and t.dtype.is_floating_point)
+        self.weight_keys.add(_storage_key(w))
+        return w
 
     def grad(self) -> Dict[int, bool]:
         """Which tensors of the graph carry a gradient (only asked when an op could not be replayed)."""
@@ -324,12 +347,6 @@ def run_local(section: Section, train: bool = True) -> LocalRun:
     with FakeTensorMode(allow_non_fake_inputs=False), torch.set_grad_enabled(train):
         for v in section.inputs:
             replay.env[v] = torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device=replay.fake_device)
-        for v in section.weights:
-            t = v.tensor
-            w = torch.empty(v.shape, dtype=t.dtype, device=replay.fake_device,
-                            requires_grad=t.kind == "param" and t.dtype.is_floating_point)
-            replay.weight_keys.add(_storage_key(w))
-            replay.env[v] = w
         for ins in section.instructions:
             replay.instruction(ins)
     return replay.run

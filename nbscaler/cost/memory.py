@@ -38,8 +38,10 @@ as it is (the tests compare it with measured counts), except ops the fake replay
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
+import gc
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type
 
 import pandas as pd
 import torch
@@ -47,11 +49,12 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.lower import lower_device, rank_sections, train_graph
-from nbscaler.comm.program import RankProgram
+from nbscaler.comm.program import RankProgram, Section
 from nbscaler.config import ComputeConfig, Precision, split_buckets
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight, local_weights
+from nbscaler.cost.same_sections import Replays
 from nbscaler.ir.backward_split import BackwardPart, backward_parts
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
@@ -154,13 +157,14 @@ ProgramOf = Callable[[int], RankProgram]
 
 
 def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-               geometry: Optional[PipelineGeometry], program: Optional[RankProgram] = None
-               ) -> Dict[Optional[int], LocalRun]:
+               geometry: Optional[PipelineGeometry], program: Optional[RankProgram] = None,
+               replay: Optional[Callable[[Section], LocalRun]] = None) -> Dict[Optional[int], LocalRun]:
     """The training forward of plan ``device`` replayed on fake tensors, per stage it holds
-    (key ``None`` without a pipeline)."""
+    (key ``None`` without a pipeline), each section by ``replay`` (``run_local`` by default)."""
     program = program or lower_device(graphs, storage, device, geometry)
     graph = train_graph(graphs)
-    return {sec.stage: run_local(sec) for sec in program.sections if sec.graph is graph}
+    replay = replay or run_local
+    return {sec.stage: replay(sec) for sec in program.sections if sec.graph is graph}
 
 
 DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
@@ -176,8 +180,32 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     others get its run under their own number. A device's place in a group changes only which piece
     a collective keeps and whether ``first_only`` keeps its values (the first device) or makes
     zeros (the others), so a run is shared only where its collectives cut evenly, and only between
-    devices that are first in the same ``first_only`` groups (``_shares``)."""
+    devices that are first in the same ``first_only`` groups (``_shares``).
+
+    The devices left to replay share again where their sections are the same but for names: the
+    stages of repeated layers (``cost.same_sections``)."""
+    with paused_gc():
+        return _device_runs(graphs, storage, cfg, geometry, program_of)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cycle collector off for a while: a replay allocates many small objects, which
+    makes it walk every object of the process (a 70B plan's graphs are over half a million) several
+    times, 0.3 s or more each; what the replay leaves is collected once it is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
+                 geometry: Optional[PipelineGeometry], program_of: Optional[ProgramOf]) -> DeviceRuns:
     graph = train_graph(graphs)
+    replays = Replays()
     by_stage: Dict[Optional[int], List[IRNode]] = {}
     for n in graph.nodes:
         by_stage.setdefault(n.stage if geometry is not None else None, []).append(n)
@@ -192,7 +220,7 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
             out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
         else:
             program = program_of(device) if program_of is not None else None
-            out[device] = stage_runs(graphs, storage, device, geometry, program)
+            out[device] = stage_runs(graphs, storage, device, geometry, program, replays.run)
             replayed.setdefault(key, []).append(out[device])
     return out
 

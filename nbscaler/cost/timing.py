@@ -281,7 +281,8 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                        optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
                        hardware: Optional[Hardware] = None, precision: Optional[Precision] = None,
-                       weights_of: Optional[Callable[[int], List[LocalWeight]]] = None) -> pd.DataFrame:
+                       weights_of: Optional[Callable[[int], List[LocalWeight]]] = None,
+                       model: Optional[StepModel] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
 
     A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
@@ -290,18 +291,20 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
     (cached) and collectives use the calibrated alpha-beta model, or its defaults; with a target,
     ops take their roofline time (``cost.roofline``) and collectives NCCL's (``cost.nccl``).
     ``precision`` (``build_optimizer``'s master and reduce dtypes) sets the bytes the gradient
-    reduction sends and the optimizer step streams.
+    reduction sends and the optimizer step streams. ``model``: this plan's ``StepModel`` on
+    ``hardware``, when the caller keeps one (its section times are the slow part).
     """
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    model = StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware, weights_of=weights_of)
+    model = model or StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware, weights_of=weights_of)
     return model.step_times(n, optimizer, optimizer_kwargs, precision)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
-                       runs: Optional[DeviceRuns] = None, hardware: Optional[Hardware] = None) -> Timeline:
+                       runs: Optional[DeviceRuns] = None, hardware: Optional[Hardware] = None,
+                       model: Optional[StepModel] = None) -> Timeline:
     """The predicted blocks ``(rank, stage, micro, phase, t_start, t_end)`` of one training step:
     the simulated schedule for a pipeline, else a forward and a backward per sample and rank; on
-    ``hardware`` when given (as ``step_time_per_rank``)."""
+    ``hardware`` when given (as ``step_time_per_rank``, ``model`` too)."""
     n = nsamples if nsamples is not None else _nsamples(cfg)
-    return StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware).timeline(n)
+    return (model or StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware)).timeline(n)

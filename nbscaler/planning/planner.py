@@ -36,7 +36,7 @@ from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
-from nbscaler.cost.timing import predicted_timeline
+from nbscaler.cost.timing import StepModel, predicted_timeline
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
@@ -202,7 +202,23 @@ class Plan:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
         on this machine or on ``hardware``."""
         return predicted_timeline(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs,
-                                  hardware=hardware)
+                                  hardware=hardware, model=self.step_model(hardware))
+
+    def step_model(self, hardware: Optional[Hardware] = None) -> Optional[StepModel]:
+        """The step model (each device's section times) on target ``hardware``, made once per
+        hardware and kept: ``timeline`` and ``summary`` on one target share it. ``None`` on this
+        machine (no ``hardware``, or ``Hardware.local()``), where the op profiles and the
+        calibration can change between calls and each call builds its own."""
+        if hardware is None or hardware.is_local:
+            return None
+        models = self.__dict__.setdefault("_step_models", [])     # (hardware, its model): Hardware is unhashable
+        for known, model in models:
+            if known == hardware:
+                return model
+        model = StepModel(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs,
+                          hardware=hardware, weights_of=self.programs.weights)
+        models.append((hardware, model))
+        return model
 
     @functools.cached_property
     def local_runs(self) -> Optional[DeviceRuns]:

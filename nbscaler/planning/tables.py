@@ -23,7 +23,7 @@ from nbscaler.comm.traffic import CommStep
 from nbscaler.config import Precision
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.ir.graph import IRGraph
+from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
 from nbscaler.planning.on_target import add_target_columns
 from nbscaler.units import fmt_count
@@ -85,14 +85,17 @@ def _stage_device(plan: "Plan", stage: int | None, device: int) -> int:
 
 def flops_per_device(plan: "Plan") -> Dict[int, float]:
     """FLOPs each plan device runs in one training step (its share of split ops)."""
-    graph_nodes = plan.graph.nodes
+    by_stage: Dict[int | None, List[IRNode]] = {}          # in graph order, as one pass over it sums
+    for n in plan.graph.nodes:
+        by_stage.setdefault(n.stage, []).append(n)
+    by_stage[None] = plan.graph.nodes                        # no pipeline: every node
     sums: Dict[Tuple[int | None, str, int], float] = {}     # (stage, phase, device) -> one block's FLOPs
 
     def block_flops(stage: int | None, phase: str, where: int) -> float:
         if (stage, phase, where) not in sums:
             key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
-            sums[(stage, phase, where)] = sum(n.meta[key] for n in graph_nodes
-                                              if (stage is None or n.stage == stage) and where in n.placement.devices)
+            sums[(stage, phase, where)] = sum(n.meta[key] for n in by_stage.get(stage, [])
+                                              if where in n.placement.devices)
         return sums[(stage, phase, where)]
 
     out = {}
@@ -172,7 +175,8 @@ def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
     steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
                                optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
-                               precision=Precision(master_dtype), weights_of=plan.programs.weights)
+                               precision=Precision(master_dtype), weights_of=plan.programs.weights,
+                               model=plan.step_model(hardware))
     frame = frame.merge(steps, on=C.RANK.value)
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return add_target_columns(plan, frame, hardware) if hardware is not None else frame

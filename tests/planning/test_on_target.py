@@ -7,7 +7,8 @@ import torch
 
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
-from nbscaler.columns import PREDICTED_COLUMNS, TARGET_COLUMNS
+from nbscaler.columns import PREDICTED_COLUMNS, TARGET_COLUMNS, SummaryColumn as C
+from nbscaler.cost import timing
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.roofline import RooflineOps
@@ -130,3 +131,21 @@ def test_gradients_reduced_after_the_backward_in_fp32_cost_what_the_bytes_say(pl
     monkeypatch.setattr(timing, "sync_buckets", lambda *a: [(1e-3, 0.0), (1e-5, 0.0)])
     overlapped, after = (plan.summary(hardware=hw).step_time_s for hw in (H100, waits))
     assert after.values == pytest.approx(overlapped.values + 1e-5, rel=1e-9)   # the second bucket is no longer hidden
+
+
+def test_the_timeline_and_the_summary_on_one_target_share_one_step_model(no_profiling, monkeypatch):
+    """Their section times are the slow part at size: made once per target, equal to a fresh model's."""
+    fresh = nbscaler.plan(GPT(GPT_CFG), {"batch": sample_batch(GPT_CFG, BATCH)}, "hybrid", hybrid(),
+                          module_dtype=torch.bfloat16)
+    built = []
+    real = timing.StepModel.__init__
+    monkeypatch.setattr(timing.StepModel, "__init__", lambda self, *a, **k: built.append(1) or real(self, *a, **k))
+    line, summary = fresh.timeline(hardware=H100), fresh.summary(torch.optim.Adam, hardware=H100)
+    fresh.summary(torch.optim.SGD, hardware=dataclasses.replace(H100))       # an equal target: the same model
+    assert len(built) == 1
+    alone = timing.StepModel(fresh.graphs, fresh.storage, fresh.config, fresh.geometry, hardware=H100)
+    assert line == alone.timeline(MICROS)
+    steps = alone.step_times(MICROS, torch.optim.Adam)
+    assert list(summary[str(C.STEP_TIME_S)]) == list(steps[str(C.STEP_TIME_S)])
+    fresh.summary(torch.optim.Adam, hardware=Hardware.named("A100-SXM-80GB"))
+    assert len(built) == 3                                                     # another target, and `alone`
