@@ -39,6 +39,7 @@ per device, as the memory model writes ``local_saved_bytes``.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
@@ -131,19 +132,27 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
         inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
         for bucket in buckets([p for p in params if p.partial_over == n], cfg):
             out.append((comm.forward(Collective.ALL_REDUCE, _reduced_bytes(bucket, precision), n, ranks=inside), 0.0))
-    grid = cfg.grid
-    units = grid.dp_ranks(device)                  # the same device in every unit
-    for bucket in buckets(params, cfg):
-        nbytes = _reduced_bytes(bucket, precision)
-        if not cfg.use_zero:
-            out.append((comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0))
-            continue
-        n = cfg.grid.zero_group_size
-        shard = -(-nbytes // n)
-        during = (comm.forward(Collective.REDUCE_SCATTER, shard * n, n, ranks=grid.zero_ranks(device))
-                  + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=grid.zero_replica_ranks(device)))
-        out.append((during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=grid.zero_ranks(device))))
+    seconds = functools.lru_cache(maxsize=None)(_bucket_seconds(cfg, device, comm))   # a model's buckets repeat
+    out += [seconds(_reduced_bytes(bucket, precision)) for bucket in buckets(params, cfg)]
     return out
+
+
+def _bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel) -> Callable[[int], Tuple[float, float]]:
+    """``(during, after)`` seconds of reducing one bucket of ``nbytes`` across plan ``device``'s
+    data-parallel units: an all-reduce, or under ZeRO a reduce-scatter over its ZeRO group and an
+    all-reduce across the groups holding the same shard (during), an all-gather (after the step)."""
+    grid = cfg.grid
+    if not cfg.use_zero:
+        units = grid.dp_ranks(device)                  # the same device in every unit
+        return lambda nbytes: (comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0)
+    n, group, replicas = grid.zero_group_size, grid.zero_ranks(device), grid.zero_replica_ranks(device)
+
+    def zero(nbytes: int) -> Tuple[float, float]:
+        shard = -(-nbytes // n)
+        during = (comm.forward(Collective.REDUCE_SCATTER, shard * n, n, ranks=group)
+                  + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=replicas))
+        return during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=group)
+    return zero
 
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,

@@ -11,7 +11,7 @@ the ops it holds (``planning.stack.repeat_counts``); nothing is traced, placed o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -46,6 +46,9 @@ class LayerFacts:
     tokens: Optional[int]              # tokens in one micro-batch (None: no sequence input)
     compute_dtype: object
     replay: Tuple                      # (storage, op index, profiler, comm): for stage_start
+    shared: Dict = field(default_factory=dict)
+    """What does not depend on the target, shared by the facts of one placement on every target
+    (``read_facts``' ``shared``): the spans ``stage_start`` replays, the weights ``Staged`` expands."""
 
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
@@ -82,13 +85,22 @@ class LayerFacts:
                 if self.alike[device] != device:         # its group's first alike device replays for it
                     starts.append(starts[self.alike[device]])
                     continue
-                shapes = {w.name: w.shape for w, _ in self.weights[device]}
-                run = _replay_span(self.graph, span, device, storage, shapes)
+                run = self._replayed(span, device, storage)
                 rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
                              _loss_tail(self.graph))
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
+
+
+    def _replayed(self, span: slice, device: int, storage):
+        """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
+        ``shared``: which ops and collectives run does not depend on the target, only their seconds."""
+        key = ("span", span.start, span.stop, device)
+        if key not in self.shared:
+            shapes = {w.name: w.shape for w, _ in self.weights[device]}
+            self.shared[key] = _replay_span(self.graph, span, device, storage, shapes)
+        return self.shared[key]
 
 
 def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_weight: Set[str]) -> np.ndarray:
@@ -112,9 +124,10 @@ def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_
     return rows
 
 
-def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
+def read_facts(plan, stack: Stack, profiler, comm, shared: Optional[Dict] = None) -> LayerFacts:
     """``LayerFacts`` of a placed two-layer copy (``plan``: one pipeline stage over its ``tp``
-    devices) on the target whose op and collective costs are ``profiler`` and ``comm``."""
+    devices) on the target whose op and collective costs are ``profiler`` and ``comm``. ``shared``:
+    the ``LayerFacts.shared`` of the same placement's facts on other targets, to reuse."""
     from nbscaler.planning.on_target import compute_dtype, tokens_per_step
     graph = plan.graph
     nodes = graph.nodes
@@ -127,7 +140,7 @@ def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
     weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index) for d in range(tp)]
     flops = np.array([node_flops(n) for n in nodes])[expansion.template]
     return LayerFacts(expansion, matrix, weights, flops, graph, tokens_per_step(plan), compute_dtype(plan),
-                      (plan.storage, index, profiler, comm))
+                      (plan.storage, index, profiler, comm), {} if shared is None else shared)
 
 
 def _loss_tail(graph) -> Set[str]:

@@ -44,7 +44,19 @@ class Staged:
         self.sums = [[c @ m for m in facts.matrix] for c in counts]
         for s, cut in enumerate(self.cuts, start=1):
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
-        self._weights: Dict[Tuple[int, Tuple[int, ...]], List[LocalWeight]] = {}
+        # the weights held do not depend on the target: kept with the placement's shared facts
+        self._weights: Dict[Tuple[int, Tuple[int, ...]], List[LocalWeight]] = facts.shared.setdefault(
+            ("weights", nstages), {})
+        self._timelines: Dict[Tuple, Any] = {}
+
+    def simulated(self, schedule, forward: List[float], backward: List[float], latency: float, post: float):
+        """``schedule.simulate``'s timeline on these stage costs, once per costs: the configurations
+        that differ only in their ZeRO stage or the target's memory play the same pipeline."""
+        key = (schedule.name, schedule.nstages, schedule.nmicros, schedule.ndevices, tuple(forward),
+               tuple(backward), latency, post)
+        if key not in self._timelines:
+            self._timelines[key] = simulate(schedule, forward, backward, latency, post)
+        return self._timelines[key]
 
     def stage_of(self, position: int) -> int:
         return bisect.bisect_right(self.cuts, position)
@@ -194,7 +206,7 @@ def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, com
     pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
     latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
     post = comm.p2p_post(max((n for _, n in carried), default=0))
-    return seconds, simulate(schedule, forward, backward, latency if sends else 0.0, post)
+    return seconds, staged.simulated(schedule, forward, backward, latency if sends else 0.0, post)
 
 
 def saved_floor(staged: Staged, cfg: ComputeConfig) -> float:
