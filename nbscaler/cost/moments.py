@@ -50,7 +50,7 @@ class Gradients:
         self.full: Dict[str, int] = {}        # parameter -> bytes of its .grad
         self.shards: Set[int] = set()         # buckets whose shard has a gradient
         self.held = 0
-        self._settled: Dict[Optional[int], int] = {}   # stage -> what its backward holds at most, see backward
+        self._settled: Dict[Optional[int], int] = {}   # stage -> its backward's most (stage 2), or: it has run
 
     @staticmethod
     def _reaches(w: LocalWeight, stage: Optional[int]) -> bool:
@@ -72,9 +72,15 @@ class Gradients:
     def backward(self, stage: Optional[int]) -> int:
         """Run the backward of ``stage`` (``None``: the whole model); returns the most held during it.
 
-        A backward that leaves the gradients as it found them (every later micro-batch's, once the
-        first has made them) would do the same from there again: it is walked once, and its
-        answer kept until something changes the gradients."""
+        Without ZeRO stage 2 a backward only gives gradients, so once a stage's has run, the next
+        finds them all there and holds what is held already. Under stage 2, a backward that leaves
+        the gradients as it found them (every later micro-batch's, once the first has reduced
+        them) would do the same from there again: its answer is kept until something changes them."""
+        if self.zero_stage != 2:
+            if stage not in self._settled:
+                self._walk_backward(stage)
+                self._settled[stage] = 0
+            return self.held
         if stage in self._settled:
             return self._settled[stage]
         before = (dict(self.full), set(self.shards), self.held)

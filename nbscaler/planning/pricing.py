@@ -5,7 +5,7 @@ device's stages and add up their ops (``cost.timing``, ``cost.memory``). Here th
 ``stage_cuts`` on the full model's op FLOPs, each stage's sums are the copy's per-op facts times how
 often each op repeats in it, and the rest is ``plan.summary``'s own code: ``schedule.simulate`` for
 the pipeline, ``cost.timing.sync_time``'s and ``update_time``'s pieces for the gradient
-synchronisation and the optimizer step, ``cost.memory.weight_memory``, ``gradients`` and
+synchronisation and the optimizer step, ``cost.memory.weight_memory``, ``gradient_buckets`` and
 ``cost.moments`` for the memory at the peak moment, on the weights each device would store.
 
 A sweep prices many configurations of few placements, so what does not depend on the target or
@@ -26,8 +26,8 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.memory import gradients, weight_memory
-from nbscaler.cost.moments import peak_moment, step_moments
+from nbscaler.cost.memory import gradient_buckets, weight_memory
+from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
 from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD,
@@ -43,15 +43,19 @@ class Staged:
 
     def __init__(self, facts: LayerFacts, nstages: int):
         self.facts = facts
-        self.cuts = stage_cuts(facts.flops, facts.expansion.layer_key, nstages)
-        bounds = [0, *self.cuts, len(facts.expansion)]
-        counts = [repeat_counts(facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
-        self.sums = [[c @ m for m in facts.matrix] for c in counts]
+        # where the cuts fall and what the devices hold do not depend on the target: kept with the
+        # placement's shared facts; only the sums of the ops' seconds are the target's own
+        self._kept: Dict[Tuple, Any] = facts.shared.setdefault(("staged", nstages), {})
+        self.cuts = self.kept(("cuts",), lambda: stage_cuts(facts.flops, facts.expansion.layer_key, nstages))
+        self.sums = [[c @ m for m in facts.matrix] for c in self.kept(("counts",), lambda: self._counts(nstages))]
         for s, cut in enumerate(self.cuts, start=1):
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
-        # what the devices hold does not depend on the target: kept with the placement's shared facts
-        self._kept: Dict[Tuple, Any] = facts.shared.setdefault(("staged", nstages), {})
         self._timelines: Dict[Tuple, Any] = {}
+
+    def _counts(self, nstages: int) -> List:
+        """How often each op of the copy repeats in each stage (``planning.stack.repeat_counts``)."""
+        bounds = [0, *self.cuts, len(self.facts.expansion)]
+        return [repeat_counts(self.facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
 
     def simulated(self, schedule, forward: List[float], backward: List[float], latency: float, post: float):
         """``schedule.simulate``'s timeline on these stage costs, once per costs: the configurations
@@ -130,7 +134,7 @@ class _Device:
         pdev, index = geometry.pipeline_device(device), self.staged.facts.alike[device % geometry.tp]
         stages = tuple(geometry.schedule.stages_of(pdev))
         weights, params = self.staged.weights(index, stages), self.staged.params(index, stages)
-        partials = sorted({p.partial_over for p in params} - {1})
+        partials = self.staged.kept(("partials", index, stages), lambda: sorted({p.partial_over for p in params} - {1}))
         links = (self.spans_nodes([device + u * cfg.plan_ngpus for u in range(cfg.units)]),
                  *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
         key = (pdev, index, links)
@@ -171,12 +175,20 @@ class _Device:
     def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
               device: int) -> float:
         """``peak_bytes`` as ``cost.memory.memory_per_rank`` adds it up."""
-        row = weight_memory(weights, self.cfg, self.optimizer, self.kwargs, self.precision)
+        cfg, precision = self.cfg, self.precision
+        # what the weights and the optimizer hold, and how the gradients are bucketed: the same for
+        # every micro-batch count and schedule; of cfg they read the bucket size and ZeRO's stage and group
+        zero = (cfg.zero_stage, cfg.grid.zero_group_size) if cfg.use_zero else None
+        setting = (index, stages, cfg.reduce_bucket_bytes, cfg.inference_only, zero, precision)
+        kwargs = repr(sorted(self.kwargs.items()))
+        row = dict(self.staged.kept(("weight_memory", *setting, self.optimizer, kwargs),
+                                    lambda: weight_memory(weights, cfg, self.optimizer, self.kwargs, precision)))
+        grads = Gradients(*self.staged.kept(("gradients", *setting),
+                                            lambda: gradient_buckets(weights, cfg, precision)))
         saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
         # a split backward's B frees the loss's saved bytes on the last stage, unless it is the first (no data path)
         held_for_w = {s: saved[s] - (int(self.staged.sums[s][index][SAVED_TAIL]) if s > 0 else 0) for s in stages}
-        held = peak_moment(step_moments(gradients(weights, self.cfg, self.precision), params, saved, self.geometry,
-                                        device, held_for_w))
+        held = peak_moment(step_moments(grads, params, saved, self.geometry, device, held_for_w))
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
 
