@@ -81,7 +81,7 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
     cost = _phase_costs(schedule, forward, backward, weight_costs)
 
     device_free = [0.0] * schedule.ndevices
-    finished: dict[Block, float] = {}
+    finished: list[float] = []                 # the end of each block, in play order
     timed: list[TimedBlock] = []
     for step in _play_order(schedule):
         block = step.block
@@ -92,18 +92,19 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         for d in step.devices:
             device_free[d] = end
             timed.append(TimedBlock(d, block.stage, block.micro, block.phase, start, end))
-        finished[block] = end
+        finished.append(end)
     timed.sort(key=lambda t: (t.rank, t.t_start))
     return Timeline(tuple(timed), schedule.ndevices)
 
 
 class _Step(NamedTuple):
-    """One block as ``simulate`` times it: the devices it keeps busy, its inputs (each with whether
-    it comes from another device), whether it receives any and whether its result leaves."""
+    """One block as ``simulate`` times it: the devices it keeps busy, its inputs (each as its place
+    in the play order, with whether it comes from another device), whether it receives any and
+    whether its result leaves."""
 
     block: Block
     devices: tuple[int, ...]
-    inputs: tuple[tuple[Block, bool], ...]
+    inputs: tuple[tuple[int, bool], ...]
     receives: bool
     sends: bool
 
@@ -116,7 +117,7 @@ def _play_order(schedule: PipelineSchedule) -> tuple[_Step, ...]:
     once and each ``simulate`` times the blocks in this order (a sweep simulates one schedule on
     many costs). ``DeadlockError`` where no device can go on."""
     queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
-    done: set[Block] = set()
+    done: dict[Block, int] = {}                # block -> its place in the order
     sends = _blocks_sending_away(schedule)
     order: list[_Step] = []
 
@@ -130,12 +131,12 @@ def _play_order(schedule: PipelineSchedule) -> tuple[_Step, ...]:
         for device in range(schedule.ndevices):
             while queues[device] and ready(queues[device][0]):
                 block = queues[device][0]
-                inputs = tuple((dep, _crosses(schedule, dep, block)) for dep in schedule.dependencies(block))
+                inputs = tuple((done[dep], _crosses(schedule, dep, block)) for dep in schedule.dependencies(block))
                 devices = schedule.devices_of(block.stage, block.micro)
                 order.append(_Step(block, devices, inputs, any(far for _, far in inputs), block in sends))
                 for d in devices:
                     queues[d].popleft()
-                done.add(block)
+                done[block] = len(order) - 1
                 progressed = True
         if not progressed:
             raise DeadlockError(_describe_deadlock(schedule, queues, done))
@@ -167,7 +168,7 @@ def _blocks_sending_away(schedule: PipelineSchedule) -> set[Block]:
             for dep in schedule.dependencies(block) if _crosses(schedule, dep, block)}
 
 
-def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: set[Block]) -> str:
+def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: dict[Block, int]) -> str:
     stuck = []
     for device, queue in enumerate(queues):
         if not queue:
