@@ -48,7 +48,8 @@ class LayerFacts:
     replay: Tuple                      # (storage, op index, profiler, comm): for stage_start
     shared: Dict = field(default_factory=dict)
     """What does not depend on the target, shared by the facts of one placement on every target
-    (``read_facts``' ``shared``): the spans ``stage_start`` replays, the weights ``Staged`` expands."""
+    (``read_facts``' ``shared``): what ``read_facts`` reads off the placement, the spans
+    ``stage_start`` replays, and what ``pricing.Staged`` keeps per stage count."""
 
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
@@ -91,7 +92,6 @@ class LayerFacts:
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
-
 
     def _replayed(self, span: slice, device: int, storage):
         """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
@@ -153,6 +153,8 @@ class _Placed(NamedTuple):
 
 
 def _placement_facts(plan, stack: Stack) -> _Placed:
+    """``_Placed`` of ``plan``: its ops expanded to the stack's depth, each device's weights with the
+    ops that read them, the full model's op FLOPs (for ``stage_cuts``), the tokens of a micro-batch."""
     from nbscaler.planning.on_target import compute_dtype, tokens_per_step
     graph = plan.graph
     expansion = Expansion(stack, graph.nodes)
