@@ -139,6 +139,13 @@ def split_buckets(sizes: Sequence[Tuple[int, torch.dtype]], bucket_bytes: int) -
     >>> split_buckets([(4, torch.float32), (4, torch.float32), (4, torch.float32)], 8)
     [[0, 1], [2]]
     """
+    return [list(run) for run in _split(tuple(sizes), bucket_bytes)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(sizes: Tuple[Tuple[int, torch.dtype], ...], bucket_bytes: int) -> Tuple[Tuple[int, ...], ...]:
+    """``split_buckets``, once per parameter list: a sweep buckets the same devices' parameters for
+    each configuration's time, memory and gradients."""
     out: List[List[int]] = []
     size = 0
     for index, (nbytes, dtype) in enumerate(sizes):
@@ -149,7 +156,7 @@ def split_buckets(sizes: Sequence[Tuple[int, torch.dtype]], bucket_bytes: int) -
             out.append([])
         out[-1].append(index)
         size += nbytes
-    return out
+    return tuple(tuple(run) for run in out)
 
 
 _WORDS = {2: "two", 3: "three"}

@@ -138,16 +138,23 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
     """The rank's gradients at the start of a step (none), bucketed as its reducer buckets them,
     with the gradient bytes the synchronisation leaves per bucket on the optimizer's side: ZeRO's
     shard, or the master copies' without ZeRO (nothing without either)."""
+    return Gradients(*gradient_buckets(weights, cfg, precision))
+
+
+def gradient_buckets(weights: List[LocalWeight], cfg: ComputeConfig,
+                     precision: Precision = Precision()) -> Tuple[List[List[LocalWeight]], List[int], int]:
+    """``Gradients``' arguments for ``gradients``: what a step starts from, which a sweep keeps for
+    the configurations that share it (of ``cfg`` it reads the bucket size and ZeRO's stage and group)."""
     params = [w for w in weights if w.kind == "param"]
     groups = buckets(params, cfg)
     if not cfg.use_zero and all(precision.master_of(p.dtype) is None for p in params):
-        return Gradients(groups, [], 0)
+        return groups, [], 0
     # Without ZeRO the optimizer's parameters are one per parameter; the bytes are summed per bucket.
     updated = [numel * _itemsize(precision.master_of(dt) or dt) for numel, dt in optimizer_params(params, cfg)]
     if cfg.use_zero:
-        return Gradients(groups, updated, cfg.zero_stage)
+        return groups, updated, cfg.zero_stage
     sizes = iter(updated)
-    return Gradients(groups, [sum(next(sizes) for _ in b) for b in groups], 0)
+    return groups, [sum(next(sizes) for _ in b) for b in groups], 0
 
 
 # -- activations -------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class Gradients:
         self.full: Dict[str, int] = {}        # parameter -> bytes of its .grad
         self.shards: Set[int] = set()         # buckets whose shard has a gradient
         self.held = 0
+        self._settled: Dict[Optional[int], int] = {}   # stage -> its backward's most (stage 2), or: it has run
 
     @staticmethod
     def _reaches(w: LocalWeight, stage: Optional[int]) -> bool:
@@ -69,7 +70,28 @@ class Gradients:
             self.held += self.shard_bytes[index]
 
     def backward(self, stage: Optional[int]) -> int:
-        """Run the backward of ``stage`` (``None``: the whole model); returns the most held during it."""
+        """Run the backward of ``stage`` (``None``: the whole model); returns the most held during it.
+
+        Without ZeRO stage 2 a backward only gives gradients, so once a stage's has run, the next
+        finds them all there and holds what is held already. Under stage 2, a backward that leaves
+        the gradients as it found them (every later micro-batch's, once the first has reduced
+        them) would do the same from there again: its answer is kept until something changes them."""
+        if self.zero_stage != 2:
+            if stage not in self._settled:
+                self._walk_backward(stage)
+                self._settled[stage] = 0
+            return self.held
+        if stage in self._settled:
+            return self._settled[stage]
+        before = (dict(self.full), set(self.shards), self.held)
+        most = self._walk_backward(stage)
+        if (self.full, self.shards, self.held) == before:
+            self._settled[stage] = most
+        else:
+            self._settled.clear()
+        return most
+
+    def _walk_backward(self, stage: Optional[int]) -> int:
         most = self.held
         for index in reversed(range(len(self.buckets))):
             bucket = self.buckets[index]
@@ -83,6 +105,7 @@ class Gradients:
 
     def step(self, all_params: List[LocalWeight]) -> int:
         """Run the optimizer step; returns the most held during it and after it."""
+        self._settled.clear()
         most = self.held
         if self.zero_stage:
             for index, bucket in enumerate(self.buckets):

@@ -39,6 +39,7 @@ per device, as the memory model writes ``local_saved_bytes``.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
@@ -126,36 +127,64 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
     the device's parameters (``device_params``), when the caller has them already; ``precision``:
     the dtype gradients are reduced in (default: the parameters')."""
     params = params if params is not None else device_params(graphs, storage, device, geometry)
-    out: List[Tuple[float, float]] = []
-    for n in sorted({p.partial_over for p in params} - {1}):
-        inside = range(device - device % n, device - device % n + n)     # adjacent devices of the unit
-        for bucket in buckets([p for p in params if p.partial_over == n], cfg):
-            out.append((comm.forward(Collective.ALL_REDUCE, _reduced_bytes(bucket, precision), n, ranks=inside), 0.0))
+    return bucket_seconds(cfg, device, comm, reduced_buckets(params, cfg, precision))
+
+
+def reduced_buckets(params: List[LocalWeight], cfg: ComputeConfig,
+                    precision: Optional[Precision]) -> Tuple[List[Tuple[int, int]], List[int]]:
+    """The gradient bytes ``sync_buckets`` reduces, per bucket: ``(n, bytes)`` for each bucket of
+    the parameters whose partial gradients ``n`` adjacent devices sum first, then the bytes of each
+    bucket of all of them, reduced across the units. Of ``cfg`` it reads only the bucket size
+    (``reduce_bucket_bytes``), so a sweep keeps it for every configuration of one placement."""
+    inside = [(n, _reduced_bytes(bucket, precision))
+              for n in sorted({p.partial_over for p in params} - {1})
+              for bucket in buckets([p for p in params if p.partial_over == n], cfg)]
+    return inside, [_reduced_bytes(bucket, precision) for bucket in buckets(params, cfg)]
+
+
+def bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel,
+                   reduced: Tuple[List[Tuple[int, int]], List[int]]) -> List[Tuple[float, float]]:
+    """``sync_buckets``' seconds from the bytes ``reduced_buckets`` gives."""
+    inside, across = reduced
+    out = [(comm.forward(Collective.ALL_REDUCE, nbytes, n, ranks=range(device - device % n, device - device % n + n)),
+            0.0) for n, nbytes in inside]                 # adjacent devices of the unit
+    seconds = functools.lru_cache(maxsize=None)(_bucket_seconds(cfg, device, comm))   # a model's buckets repeat
+    return out + [seconds(nbytes) for nbytes in across]
+
+
+def _bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel) -> Callable[[int], Tuple[float, float]]:
+    """``(during, after)`` seconds of reducing one bucket of ``nbytes`` across plan ``device``'s
+    data-parallel units: an all-reduce, or under ZeRO a reduce-scatter over its ZeRO group and an
+    all-reduce across the groups holding the same shard (during), an all-gather (after the step)."""
     grid = cfg.grid
-    units = grid.dp_ranks(device)                  # the same device in every unit
-    for bucket in buckets(params, cfg):
-        nbytes = _reduced_bytes(bucket, precision)
-        if not cfg.use_zero:
-            out.append((comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0))
-            continue
-        n = cfg.grid.zero_group_size
+    if not cfg.use_zero:
+        units = grid.dp_ranks(device)                  # the same device in every unit
+        return lambda nbytes: (comm.forward(Collective.ALL_REDUCE, nbytes, cfg.units, ranks=units), 0.0)
+    n, group, replicas = grid.zero_group_size, grid.zero_ranks(device), grid.zero_replica_ranks(device)
+
+    def zero(nbytes: int) -> Tuple[float, float]:
         shard = -(-nbytes // n)
-        during = (comm.forward(Collective.REDUCE_SCATTER, shard * n, n, ranks=grid.zero_ranks(device))
-                  + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=grid.zero_replica_ranks(device)))
-        out.append((during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=grid.zero_ranks(device))))
-    return out
+        during = (comm.forward(Collective.REDUCE_SCATTER, shard * n, n, ranks=group)
+                  + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=replicas))
+        return during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=group)
+    return zero
 
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
               geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None,
               params: Optional[List[LocalWeight]] = None, precision: Optional[Precision] = None) -> float:
-    """Seconds of the gradient synchronisation after the backward (``sync_buckets``).
+    """Seconds of the gradient synchronisation after the backward (``sync_buckets``, then
+    ``exposed_sync``)."""
+    return exposed_sync(sync_buckets(graphs, storage, cfg, device, geometry, comm, params, precision), overlap_s)
+
+
+def exposed_sync(times: List[Tuple[float, float]], overlap_s: Optional[float]) -> float:
+    """What of the synchronisation's ``times`` (``sync_buckets``) the step waits for.
 
     ``overlap_s=None``: all of it after the backward (a CPU rank computes and communicates on the
     same cores). Else, as DDP on a GPU: each bucket is reduced on its own stream as soon as the
     backward has produced it, during the backward's last ``overlap_s`` seconds; the first bucket
     (the first layers' gradients, produced last) and what does not fit in that time are exposed."""
-    times = sync_buckets(graphs, storage, cfg, device, geometry, comm, params, precision)
     if not times:
         return 0.0
     if overlap_s is None:
@@ -171,14 +200,26 @@ def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled); with
     master copies (``precision``) the step streams them and their state in the master dtype."""
     params = params if params is not None else device_params(graphs, storage, device, geometry)
-    if not params:
-        return 0.0
+    return update_seconds(profiler, updated_numels(params, cfg), params[0].dtype if params else None, optimizer,
+                          optimizer_kwargs, precision)
+
+
+def updated_numels(params: List[LocalWeight], cfg: ComputeConfig) -> List[int]:
+    """The elements of each tensor the optimizer step updates: each parameter, or under ZeRO this
+    rank's shard of each bucket. Of ``cfg`` it reads the bucket size and the ZeRO group."""
     if cfg.use_zero:
         n = cfg.grid.zero_group_size
-        numels = [-(-sum(p.numel for p in b) // n) for b in buckets(params, cfg)]
-    else:
-        numels = [p.numel for p in params]
-    dtype = (precision.master_of(params[0].dtype) if precision is not None else None) or params[0].dtype
+        return [-(-sum(p.numel for p in b) // n) for b in buckets(params, cfg)]
+    return [p.numel for p in params]
+
+
+def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optional[torch.dtype],
+                   optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
+                   precision: Optional[Precision] = None) -> float:
+    """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step)."""
+    if not numels:
+        return 0.0
+    dtype = (precision.master_of(param_dtype) if precision is not None else None) or param_dtype
     return profiler.update(numels, dtype, optimizer, optimizer_kwargs)
 
 

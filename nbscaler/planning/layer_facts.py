@@ -11,8 +11,8 @@ the ops it holds (``planning.stack.repeat_counts``); nothing is traced, placed o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
@@ -46,6 +46,10 @@ class LayerFacts:
     tokens: Optional[int]              # tokens in one micro-batch (None: no sequence input)
     compute_dtype: object
     replay: Tuple                      # (storage, op index, profiler, comm): for stage_start
+    shared: Dict = field(default_factory=dict)
+    """What does not depend on the target, shared by the facts of one placement on every target
+    (``read_facts``' ``shared``): what ``read_facts`` reads off the placement, the spans
+    ``stage_start`` replays, and what ``pricing.Staged`` keeps per stage count."""
 
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
@@ -82,13 +86,21 @@ class LayerFacts:
                 if self.alike[device] != device:         # its group's first alike device replays for it
                     starts.append(starts[self.alike[device]])
                     continue
-                shapes = {w.name: w.shape for w, _ in self.weights[device]}
-                run = _replay_span(self.graph, span, device, storage, shapes)
+                run = self._replayed(span, device, storage)
                 rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
-                             _loss_tail(self.graph))
+                             self.shared["placement"].no_weight)
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
+
+    def _replayed(self, span: slice, device: int, storage):
+        """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
+        ``shared``: which ops and collectives run does not depend on the target, only their seconds."""
+        key = ("span", span.start, span.stop, device)
+        if key not in self.shared:
+            shapes = {w.name: w.shape for w, _ in self.weights[device]}
+            self.shared[key] = _replay_span(self.graph, span, device, storage, shapes)
+        return self.shared[key]
 
 
 def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_weight: Set[str]) -> np.ndarray:
@@ -112,22 +124,45 @@ def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_
     return rows
 
 
-def read_facts(plan, stack: Stack, profiler, comm) -> LayerFacts:
+def read_facts(plan, stack: Stack, profiler, comm, shared: Optional[Dict] = None) -> LayerFacts:
     """``LayerFacts`` of a placed two-layer copy (``plan``: one pipeline stage over its ``tp``
-    devices) on the target whose op and collective costs are ``profiler`` and ``comm``."""
+    devices) on the target whose op and collective costs are ``profiler`` and ``comm``. ``shared``:
+    the ``LayerFacts.shared`` of the same placement's facts on other targets, to reuse: on another
+    target only the ops' and collectives' seconds are read again."""
+    shared = {} if shared is None else shared
+    if "placement" not in shared:
+        shared["placement"] = _placement_facts(plan, stack)
+    placed: _Placed = shared["placement"]
+    count = len(placed.expansion.nodes)
+    matrix = [_rows(plan.local_runs[d][0], placed.index, count, count - 1, profiler, comm, placed.no_weight)
+              for d in range(plan.config.plan_ngpus)]
+    return LayerFacts(placed.expansion, matrix, placed.weights, placed.flops, plan.graph, placed.tokens,
+                      placed.compute_dtype, (plan.storage, placed.index, profiler, comm), shared)
+
+
+class _Placed(NamedTuple):
+    """What ``read_facts`` reads off a placement whatever the target."""
+
+    expansion: Expansion
+    index: Dict[str, int]                # op name -> its row
+    no_weight: Set[str]                  # the loss's tail (``_loss_tail``)
+    weights: List[List[Tuple[LocalWeight, Tuple[int, ...]]]]
+    flops: np.ndarray
+    tokens: Optional[int]
+    compute_dtype: object
+
+
+def _placement_facts(plan, stack: Stack) -> _Placed:
+    """``_Placed`` of ``plan``: its ops expanded to the stack's depth, each device's weights with the
+    ops that read them, the full model's op FLOPs (for ``stage_cuts``), the tokens of a micro-batch."""
     from nbscaler.planning.on_target import compute_dtype, tokens_per_step
     graph = plan.graph
-    nodes = graph.nodes
-    expansion = Expansion(stack, nodes)
-    index = {n.name: k for k, n in enumerate(nodes)}
-    tp = plan.config.plan_ngpus
-    no_weight = _loss_tail(graph)
-    matrix = [_rows(plan.local_runs[d][0], index, len(nodes), len(nodes) - 1, profiler, comm, no_weight)
-              for d in range(tp)]
-    weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index) for d in range(tp)]
-    flops = np.array([node_flops(n) for n in nodes])[expansion.template]
-    return LayerFacts(expansion, matrix, weights, flops, graph, tokens_per_step(plan), compute_dtype(plan),
-                      (plan.storage, index, profiler, comm))
+    expansion = Expansion(stack, graph.nodes)
+    index = {n.name: k for k, n in enumerate(graph.nodes)}
+    weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index)
+               for d in range(plan.config.plan_ngpus)]
+    flops = np.array([node_flops(n) for n in graph.nodes])[expansion.template]
+    return _Placed(expansion, index, _loss_tail(graph), weights, flops, tokens_per_step(plan), compute_dtype(plan))
 
 
 def _loss_tail(graph) -> Set[str]:

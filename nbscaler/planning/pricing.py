@@ -4,9 +4,14 @@ A configuration's full plan would cut the model into stages (``policy.staging``)
 device's stages and add up their ops (``cost.timing``, ``cost.memory``). Here the stages are cut by
 ``stage_cuts`` on the full model's op FLOPs, each stage's sums are the copy's per-op facts times how
 often each op repeats in it, and the rest is ``plan.summary``'s own code: ``schedule.simulate`` for
-the pipeline, ``cost.timing.sync_time`` and ``update_time`` for the gradient synchronisation and
-the optimizer step, ``cost.memory.weight_memory``, ``gradients`` and ``cost.moments`` for the
-memory at the peak moment, on the weights each device would store.
+the pipeline, ``cost.timing.sync_time``'s and ``update_time``'s pieces for the gradient
+synchronisation and the optimizer step, ``cost.memory.weight_memory``, ``gradient_buckets`` and
+``cost.moments`` for the memory at the peak moment, on the weights each device would store.
+
+A sweep prices many configurations of few placements, so what does not depend on the target or
+the configuration is worked out once: the weights each device holds and their buckets' bytes
+(``Staged.kept``), each pipeline simulated once for the ZeRO stages that share it
+(``Staged.simulated``).
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.memory import gradients, weight_memory
-from nbscaler.cost.moments import peak_moment, step_moments
+from nbscaler.cost.memory import gradient_buckets, weight_memory
+from nbscaler.cost.moments import Gradients, peak_moment, step_moments
 from nbscaler.cost.ranks import LocalWeight
-from nbscaler.cost.timing import sync_time, update_time
+from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
 from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD,
                                            LayerFacts)
 from nbscaler.planning.stack import repeat_counts
@@ -38,13 +43,28 @@ class Staged:
 
     def __init__(self, facts: LayerFacts, nstages: int):
         self.facts = facts
-        self.cuts = stage_cuts(facts.flops, facts.expansion.layer_key, nstages)
-        bounds = [0, *self.cuts, len(facts.expansion)]
-        counts = [repeat_counts(facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
-        self.sums = [[c @ m for m in facts.matrix] for c in counts]
+        # where the cuts fall and what the devices hold do not depend on the target: kept with the
+        # placement's shared facts; only the sums of the ops' seconds are the target's own
+        self._kept: Dict[Tuple, Any] = facts.shared.setdefault(("staged", nstages), {})
+        self.cuts = self.kept(("cuts",), lambda: stage_cuts(facts.flops, facts.expansion.layer_key, nstages))
+        self.sums = [[c @ m for m in facts.matrix] for c in self.kept(("counts",), lambda: self._counts(nstages))]
         for s, cut in enumerate(self.cuts, start=1):
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
-        self._weights: Dict[Tuple[int, Tuple[int, ...]], List[LocalWeight]] = {}
+        self._timelines: Dict[Tuple, Any] = {}
+
+    def _counts(self, nstages: int) -> List:
+        """How often each op of the copy repeats in each stage (``planning.stack.repeat_counts``)."""
+        bounds = [0, *self.cuts, len(self.facts.expansion)]
+        return [repeat_counts(self.facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
+
+    def simulated(self, schedule, forward: List[float], backward: List[float], latency: float, post: float):
+        """``schedule.simulate``'s timeline on these stage costs, once per costs: the configurations
+        that differ only in their ZeRO stage or the target's memory play the same pipeline."""
+        key = (schedule.name, schedule.nstages, schedule.nmicros, schedule.ndevices, tuple(forward),
+               tuple(backward), latency, post)
+        if key not in self._timelines:
+            self._timelines[key] = simulate(schedule, forward, backward, latency, post)
+        return self._timelines[key]
 
     def stage_of(self, position: int) -> int:
         return bisect.bisect_right(self.cuts, position)
@@ -52,10 +72,19 @@ class Staged:
     def weights(self, index: int, stages: Tuple[int, ...]) -> List[LocalWeight]:
         """The weights a device of tensor-parallel ``index`` holding ``stages`` stores, in the
         runtime's order, as ``cost.ranks.local_weights`` lists them for the full plan."""
-        key = (index, stages)
-        if key not in self._weights:
-            self._weights[key] = list(self._expanded(index, stages))
-        return self._weights[key]
+        return self.kept(("weights", index, stages), lambda: list(self._expanded(index, stages)))
+
+    def params(self, index: int, stages: Tuple[int, ...]) -> List[LocalWeight]:
+        """The parameters among ``weights(index, stages)``."""
+        return self.kept(("params", index, stages), lambda: [w for w in self.weights(index, stages)
+                                                              if w.kind == "param"])
+
+    def kept(self, key: Tuple, make):
+        """``make()``, once per ``key``, for every target: ``key`` must name all it depends on
+        beyond this placement and stage count."""
+        if key not in self._kept:
+            self._kept[key] = make()
+        return self._kept[key]
 
     def _expanded(self, index: int, stages: Tuple[int, ...]):
         """The copy's weights at full depth, those the device's ``stages`` read: each run of the
@@ -104,24 +133,35 @@ class _Device:
         cfg, geometry = self.cfg, self.geometry
         pdev, index = geometry.pipeline_device(device), self.staged.facts.alike[device % geometry.tp]
         stages = tuple(geometry.schedule.stages_of(pdev))
-        weights = self.staged.weights(index, stages)
-        params = [w for w in weights if w.kind == "param"]
-        partials = sorted({p.partial_over for p in params} - {1})
+        weights, params = self.staged.weights(index, stages), self.staged.params(index, stages)
+        partials = self.staged.kept(("partials", index, stages), lambda: sorted({p.partial_over for p in params} - {1}))
         links = (self.spans_nodes([device + u * cfg.plan_ngpus for u in range(cfg.units)]),
                  *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
         key = (pdev, index, links)
         if key not in self._memo:
             # the reduction hides in the backward only where the target's software overlaps it
             overlap = max(seconds(s, index)[1] for s in stages) if self.hardware.overlap_grad_reduce else None
-            kwargs = {"lr": 1e-3, **self.kwargs}
-            sync = sync_time(None, None, cfg, device, geometry, self.comm, overlap, params, self.precision)
-            update = update_time(None, None, cfg, device, geometry, self.profiler, self.optimizer, kwargs, params,
-                                 self.precision)
+            sync = exposed_sync(bucket_seconds(cfg, device, self.comm, self._reduced(index, stages, params)), overlap)
+            update = self._update(index, stages, params)
             peak_key = (*self.peak_key, pdev, index)      # the peak does not depend on the target's speeds
             if peak_key not in self.peaks:
                 self.peaks[peak_key] = self._peak(weights, params, stages, index, device)
             self._memo[key] = (sync, update, *self._work(pdev, index), self.peaks[peak_key])
         return self._memo[key]
+
+    def _reduced(self, index: int, stages: Tuple[int, ...], params: List[LocalWeight]):
+        """``cost.timing.reduced_buckets`` of the device's parameters (the bytes ``sync_time`` reduces)."""
+        return self.staged.kept(("reduced", index, stages, self.cfg.reduce_bucket_bytes, self.precision),
+                                lambda: reduced_buckets(params, self.cfg, self.precision))
+
+    def _update(self, index: int, stages: Tuple[int, ...], params: List[LocalWeight]) -> float:
+        """``cost.timing.update_time`` of the device's parameters."""
+        cfg = self.cfg
+        zero = cfg.grid.zero_group_size if cfg.use_zero else None
+        numels = self.staged.kept(("numels", index, stages, cfg.reduce_bucket_bytes, zero),
+                                  lambda: updated_numels(params, cfg))
+        return update_seconds(self.profiler, numels, params[0].dtype if params else None, self.optimizer,
+                              {"lr": 1e-3, **self.kwargs}, self.precision)
 
     def _work(self, pdev: int, index: int) -> Tuple[float, float, float]:
         """Model FLOPs, hardware FLOPs and tensor-parallel seconds of a device's blocks."""
@@ -135,12 +175,20 @@ class _Device:
     def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
               device: int) -> float:
         """``peak_bytes`` as ``cost.memory.memory_per_rank`` adds it up."""
-        row = weight_memory(weights, self.cfg, self.optimizer, self.kwargs, self.precision)
+        cfg, precision = self.cfg, self.precision
+        # what the weights and the optimizer hold, and how the gradients are bucketed: the same for
+        # every micro-batch count and schedule; of cfg they read the bucket size and ZeRO's stage and group
+        zero = (cfg.zero_stage, cfg.grid.zero_group_size) if cfg.use_zero else None
+        setting = (index, stages, cfg.reduce_bucket_bytes, cfg.inference_only, zero, precision)
+        kwargs = repr(sorted(self.kwargs.items()))
+        row = dict(self.staged.kept(("weight_memory", *setting, self.optimizer, kwargs),
+                                    lambda: weight_memory(weights, cfg, self.optimizer, self.kwargs, precision)))
+        grads = Gradients(*self.staged.kept(("gradients", *setting),
+                                            lambda: gradient_buckets(weights, cfg, precision)))
         saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
         # a split backward's B frees the loss's saved bytes on the last stage, unless it is the first (no data path)
         held_for_w = {s: saved[s] - (int(self.staged.sums[s][index][SAVED_TAIL]) if s > 0 else 0) for s in stages}
-        held = peak_moment(step_moments(gradients(weights, self.cfg, self.precision), params, saved, self.geometry,
-                                        device, held_for_w))
+        held = peak_moment(step_moments(grads, params, saved, self.geometry, device, held_for_w))
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
 
@@ -194,7 +242,7 @@ def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, com
     pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
     latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
     post = comm.p2p_post(max((n for _, n in carried), default=0))
-    return seconds, simulate(schedule, forward, backward, latency if sends else 0.0, post)
+    return seconds, staged.simulated(schedule, forward, backward, latency if sends else 0.0, post)
 
 
 def saved_floor(staged: Staged, cfg: ComputeConfig) -> float:

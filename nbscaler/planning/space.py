@@ -110,6 +110,7 @@ class PlanSpace:
         self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro[, tp, recompute]) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._staged: Dict[Tuple, Staged] = {}
+        self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
         self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
         self.traces = 0
         self.last_price_s = 0.0
@@ -205,7 +206,8 @@ class PlanSpace:
         key = (*target, *self._key(micro, tp, recompute))
         if key not in self._facts:
             try:
-                self._facts[key] = read_facts(self._placement(micro, tp, recompute), self.stack, ops, comm)
+                shared = self._shared.setdefault(self._key(micro, tp, recompute), {})
+                self._facts[key] = read_facts(self._placement(micro, tp, recompute), self.stack, ops, comm, shared)
             except (ValueError, PolicyError) as err:
                 self._facts[key] = err
         return _raised(self._facts[key])

@@ -37,6 +37,7 @@ puts one on the wrong device, or runs a backward before its forward fails at onc
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -88,7 +89,7 @@ class PipelineSchedule:
         """Whether the schedule has backward blocks (inference schedules run forwards only)."""
         return any(block.phase == "B" for _, block in self)
 
-    @property
+    @functools.cached_property              # asked per device of every configuration a sweep prices
     def splits_backward(self) -> bool:
         """Whether the backward is split into ``B`` (input gradients) and ``W`` (weight gradients)."""
         return any(block.phase == "W" for _, block in self)

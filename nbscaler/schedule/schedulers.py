@@ -21,6 +21,7 @@ times come from the costs (see :func:`nbscaler.schedule.simulator.simulate`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -151,6 +152,13 @@ def build_schedule(name: str, nstages: int, nmicros: int, ndevices: Optional[int
     problem = spec.problem(nstages, nmicros, plan_ngpus=ndevices)   # one plan device per pipeline device
     if problem is not None:
         raise ValueError(problem[1])
+    return _made(spec, nstages, nmicros, ndevices)
+
+
+@functools.lru_cache(maxsize=1024)
+def _made(spec: SchedulerSpec, nstages: int, nmicros: int, ndevices: int) -> PipelineSchedule:
+    """``spec.make``, once per arguments: a schedule is immutable, and a sweep asks for the same
+    few (each layout, each micro-batch count) once per configuration and again per target."""
     return spec.make(nstages, nmicros, ndevices)
 
 

@@ -27,8 +27,9 @@ and raises :class:`DeadlockError` naming where each device is stuck.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from nbscaler.schedule.block import Block
 from nbscaler.schedule.pipeline import PipelineSchedule
@@ -79,44 +80,67 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
     cost = _phase_costs(schedule, forward, backward, weight_costs)
 
-    queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
     device_free = [0.0] * schedule.ndevices
-    finished: dict[Block, float] = {}
+    finished: list[float] = []                 # the end of each block, in play order
     timed: list[TimedBlock] = []
-    sends = _blocks_sending_away(schedule)
+    for step in _play_order(schedule):
+        block = step.block
+        arrivals = [finished[dep] + (latency if far else 0.0) for dep, far in step.inputs]
+        receiving = post if step.receives else 0.0
+        start = max([device_free[d] + receiving for d in step.devices] + arrivals)
+        end = start + cost[block.phase][block.stage] + (post if step.sends else 0.0)
+        for d in step.devices:
+            device_free[d] = end
+            timed.append(TimedBlock(d, block.stage, block.micro, block.phase, start, end))
+        finished.append(end)
+    timed.sort(key=lambda t: (t.rank, t.t_start))
+    return Timeline(tuple(timed), schedule.ndevices)
 
-    def ready_time(block: Block) -> Optional[float]:
-        """When ``block`` may start, or ``None`` while a device or an input is not there yet."""
+
+class _Step(NamedTuple):
+    """One block as ``simulate`` times it: the devices it keeps busy, its inputs (each as its place
+    in the play order, with whether it comes from another device), whether it receives any and
+    whether its result leaves."""
+
+    block: Block
+    devices: tuple[int, ...]
+    inputs: tuple[tuple[int, bool], ...]
+    receives: bool
+    sends: bool
+
+
+@functools.lru_cache(maxsize=256)
+def _play_order(schedule: PipelineSchedule) -> tuple[_Step, ...]:
+    """The order the devices run the schedule's blocks in: sweeping the devices, each runs the
+    blocks at the head of its list while their devices are all there and their inputs are done.
+    Which block can run never depends on the costs, only when, so a schedule is played through
+    once and each ``simulate`` times the blocks in this order (a sweep simulates one schedule on
+    many costs). ``DeadlockError`` where no device can go on."""
+    queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
+    done: dict[Block, int] = {}                # block -> its place in the order
+    sends = _blocks_sending_away(schedule)
+    order: list[_Step] = []
+
+    def ready(block: Block) -> bool:
         devices = schedule.devices_of(block.stage, block.micro)
-        if any(not queues[d] or queues[d][0] != block for d in devices):
-            return None
-        inputs = schedule.dependencies(block)
-        if any(dep not in finished for dep in inputs):
-            return None
-        from_afar = {dep for dep in inputs if _crosses(schedule, dep, block)}
-        arrivals = [finished[dep] + (latency if dep in from_afar else 0.0) for dep in inputs]
-        receiving = post if from_afar else 0.0
-        return max([device_free[d] + receiving for d in devices] + arrivals)
+        return (all(queues[d] and queues[d][0] == block for d in devices)
+                and all(dep in done for dep in schedule.dependencies(block)))
 
     while any(queues):
         progressed = False
         for device in range(schedule.ndevices):
-            while queues[device]:
+            while queues[device] and ready(queues[device][0]):
                 block = queues[device][0]
-                start = ready_time(block)
-                if start is None:
-                    break
-                end = start + cost[block.phase][block.stage] + (post if block in sends else 0.0)
-                for d in schedule.devices_of(block.stage, block.micro):
+                inputs = tuple((done[dep], _crosses(schedule, dep, block)) for dep in schedule.dependencies(block))
+                devices = schedule.devices_of(block.stage, block.micro)
+                order.append(_Step(block, devices, inputs, any(far for _, far in inputs), block in sends))
+                for d in devices:
                     queues[d].popleft()
-                    device_free[d] = end
-                    timed.append(TimedBlock(d, block.stage, block.micro, block.phase, start, end))
-                finished[block] = end
+                done[block] = len(order) - 1
                 progressed = True
         if not progressed:
-            raise DeadlockError(_describe_deadlock(schedule, queues, finished))
-    timed.sort(key=lambda t: (t.rank, t.t_start))
-    return Timeline(tuple(timed), schedule.ndevices)
+            raise DeadlockError(_describe_deadlock(schedule, queues, done))
+    return tuple(order)
 
 
 def _phase_costs(schedule: PipelineSchedule, forward: list[float], backward: list[float],
@@ -144,7 +168,7 @@ def _blocks_sending_away(schedule: PipelineSchedule) -> set[Block]:
             for dep in schedule.dependencies(block) if _crosses(schedule, dep, block)}
 
 
-def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: dict[Block, float]) -> str:
+def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: dict[Block, int]) -> str:
     stuck = []
     for device, queue in enumerate(queues):
         if not queue:

@@ -14,6 +14,7 @@ compute the same numbers from either, for instance the bubble fraction.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Optional
 
@@ -67,7 +68,7 @@ class Timeline:
         """One dict per timed block, ready for ``pandas.DataFrame(timeline.to_rows())``."""
         return [asdict(b) for b in self.blocks]
 
-    @property
+    @functools.cached_property              # a sweep asks it several times per configuration
     def makespan(self) -> float:
         """Time from the first start to the last end."""
         if not self.blocks:

@@ -47,6 +47,23 @@ def test_a_target_batch_or_master_dtype_change_reprices_without_tracing(space):
     pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
 
 
+def test_a_repriced_frame_is_a_fresh_sweeps_bit_for_bit():
+    """What the space keeps across knobs (schedules, simulated pipelines shared by the ZeRO stages,
+    bucket bytes, peaks, the spans replayed) changes no figure: after turning knobs away and back,
+    and onto a target it has not priced, each frame is a fresh sweep's, to the last bit."""
+    a100, h100 = Hardware.named("A100-SXM-40GB"), Hardware.named("H100-SXM-80GB")
+    ranges = {**RANGES, "zero_stage": (0, 1, 2)}
+    space = PlanSpace(GPT(CFG), tokens(), a100, global_batch=8, **ranges)
+    first = space.frame
+    space.set(hardware=h100, global_batch=16, master_dtype=torch.bfloat16)
+    pd.testing.assert_frame_equal(space.set(hardware=a100, global_batch=8, master_dtype=torch.float32), first,
+                                  check_exact=True)
+    for hardware, batch in ((h100, 16), (dataclasses.replace(h100, nodes=2, gpus_per_node=4), 8)):
+        frame = space.set(hardware=hardware, global_batch=batch)
+        sweep = nbscaler.sweep(GPT(CFG), tokens(), hardware, global_batch=batch, progress=False, **ranges)
+        pd.testing.assert_frame_equal(frame, sweep, check_exact=True)
+
+
 def test_a_sequence_change_traces_again_and_turning_it_back_does_not(space):
     before, traces = space.frame, space.traces
     frame = space.set(sequence=2 * SEQ)
