@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from nbscaler.columns import SweepColumn as S
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.planning.layer_facts import LayerFacts, read_facts
@@ -152,7 +153,15 @@ class PlanSpace:
 
     # -- pricing --------------------------------------------------------------------------------
     def _price(self, progress: bool) -> pd.DataFrame:
+        """The frame for the knobs as they stand, with the cycle collector paused: pricing makes
+        many small objects, and each collection would walk every object the kept placements hold."""
         start = time.perf_counter()
+        with paused_gc():
+            frame = self._price_rows(progress)
+        self.last_price_s = time.perf_counter() - start
+        return frame
+
+    def _price_rows(self, progress: bool) -> pd.DataFrame:
         hardware, global_batch = self.hardware, self.global_batch
         if hardware.is_local:
             raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
@@ -194,7 +203,6 @@ class PlanSpace:
             rows += pruned_rows(runnable, priced, hardware, float(self.prune))
         frame = _frame(rows, excluded, self.stack)
         frame.attrs["pruned"] = len(runnable) - len(rows) if self.prune is not None else 0
-        self.last_price_s = time.perf_counter() - start
         return frame
 
     def _key(self, *rest: Any) -> Tuple:
