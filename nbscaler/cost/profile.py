@@ -15,10 +15,14 @@ describes ranks that run later, on a busier machine, or more of them than there 
 
 A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
 ``engine_overhead_s`` measures it, and it is taken out of each op's backward time.
+
+An op too large to run at its real shape here (a real-size model's products) is timed at a smaller
+shape and scaled (``cost.shrink``): no op over the budget is ever run at its real shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import time
@@ -30,6 +34,7 @@ import torch
 from nbscaler.cost import speed
 from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
+from nbscaler.cost.shrink import Basis, Proxy, measure_rates, rate_seconds, shrink
 from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
@@ -157,6 +162,23 @@ class OpProfiler:
         self._reference: Optional[float] = None
         self._speed: Optional[float] = None
         self.calibrated = False
+        self.proxies: Dict[str, Proxy] = {}          # op_key -> how the op is timed
+
+    def proxy(self, op: OpCall) -> Proxy:
+        """How ``op`` is timed (``cost.shrink``), worked out once per distinct op."""
+        key = op_key(op)
+        if key not in self.proxies:
+            self.proxies[key] = shrink(op)
+        return self.proxies[key]
+
+    def _rates(self) -> List[float]:
+        """Seconds per byte streamed and per FLOP of a product, in reference units (``Basis.RATES``)."""
+        if "__rates__" not in self.table:
+            with intra_op_threads(self.threads):
+                warm_up(self.device)
+                rates = measure_rates(self.device)
+            self.table["__rates__"] = self.new["__rates__"] = [r / self.process_reference_s() for r in rates]
+        return self.table["__rates__"]
 
     def process_reference_s(self) -> float:
         """The reference workload's seconds as this profiler first timed it in this process: what
@@ -204,7 +226,10 @@ class OpProfiler:
         round of every op, not on every round of one op. One round (``time`` of a single op) uses
         ``process_reference_s`` instead.
         """
-        missing = {op_key(op): op for op in ops}
+        proxies = [self.proxy(op) for op in ops]
+        if any(p.basis == Basis.RATES for p in proxies):
+            self._rates()
+        missing = {op_key(p.run): p.run for p in proxies if p.run is not None}      # what is run: each proxy
         missing = {k: op for k, op in missing.items() if k not in self.table}
         if not missing:
             return
@@ -214,17 +239,39 @@ class OpProfiler:
             warm_up(self.device)
             for _ in range(passes):
                 reference = self.process_reference_s() if passes == 1 else speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S)
-                for k, op in missing.items():
-                    fwd, bwd = time_op(op, self.device)
+                for k, op in list(missing.items()):
+                    try:
+                        fwd, bwd = time_op(op, self.device)
+                    except Exception:           # a proxy whose constant arguments spell a shrunk size
+                        if not self._give_up(k, proxies):
+                            raise
+                        del missing[k], rounds[k]
+                        continue
                     rounds[k].append((fwd / reference, max(0.0, bwd / reference - overhead) if bwd else 0.0))
         for k, times in rounds.items():
             self.table[k] = self.new[k] = [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
 
+    def _give_up(self, key: str, proxies: List[Proxy]) -> bool:
+        """Price the ops whose proxy is ``key`` from rates instead; False when ``key`` is no proxy."""
+        owners = [p for p in proxies if p.run is not None and p.basis != Basis.AS_IS and op_key(p.run) == key]
+        for p in owners:
+            self.proxies[op_key(p.op)] = dataclasses.replace(p, run=None, dims=(), factor=(1.0, 1.0), basis=Basis.RATES)
+        if owners:
+            self._rates()
+        return bool(owners)
+
     def time(self, op: OpCall) -> Tuple[float, float]:
         """Forward and backward seconds of ``op`` (engine start-up taken out of the backward);
-        profiled in one round when missing (``profile`` times many ops more robustly)."""
+        profiled in one round when missing (``profile`` times many ops more robustly). A large op
+        reads its proxy's time times the proxy's factor (``cost.shrink``)."""
         self.profile([op], passes=1)
-        fwd, bwd = self.table[op_key(op)]
+        proxy = self.proxy(op)
+        if proxy.basis == Basis.RATES:
+            fwd, bwd = rate_seconds(op, *self._rates())
+        elif proxy.basis == Basis.VIEW:
+            fwd, bwd = 0.0, 0.0
+        else:
+            fwd, bwd = (t * f for t, f in zip(self.table[op_key(proxy.run)], proxy.factor))
         return fwd * self.speed_s, bwd * self.speed_s
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
