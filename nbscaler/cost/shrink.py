@@ -16,10 +16,11 @@ of the tensors that are not weights) is run at a *proxy* shape instead:
    weight keeps the shape the device holds), and not a reduction (``k+``: a shorter reduction is a
    different product). The largest such dimension is taken: for ``linear`` (``'* k+, n k+ -> * n'``)
    the tokens, for a norm or an elementwise op the tokens too.
-2. **The size**: the largest that brings the forward under both budgets, but no smaller than
-   ``MIN_EXTENT`` (below about 64 rows a CPU product loses throughput: a bf16 (m x 8192) by
-   (8192 x 1024) product ran at 145 GFLOP/s for m = 256, 119 for 64, 79 for 16 on this project's
-   2-core machine, so a proxy that small would not time the same regime).
+2. **The size**: the largest that brings the forward under both budgets, with two floors. No
+   smaller than ``MIN_EXTENT``: below about 64 rows a CPU product loses throughput (a bf16 (m x 8192)
+   by (8192 x 1024) product ran at 145 GFLOP/s for m = 256, 119 for 64, 79 for 16 on this project's
+   2-core machine), so a smaller proxy would time another regime. And a tensor over
+   ``MIN_TENSOR_BYTES`` stays over it: a CPU allocates large tensors differently (see the constant).
 3. **The factors**, forward and backward: the op's FLOPs at the real shape over its FLOPs at the proxy
    shape for products and attention (compute-bound, and their FLOPs are exact from the annotation),
    the bytes ratio for the others (elementwise ops, norms, embeddings, losses: memory-bound, and their
@@ -69,11 +70,18 @@ from nbscaler.cost.speed import sync
 from nbscaler.ir.registry import spec_of
 
 #: Forward FLOPs and forward bytes (inputs and outputs that are not weights) an op may have and still
-#: be run at its real shape: about 10 to 20 ms of a CPU core, and a few tens of MB per copy of its inputs.
-FLOPS_BUDGET = 1e9
-BYTES_BUDGET = 32 * 2 ** 20
+#: be run at its real shape: about 30 to 80 ms of a CPU core for a product, and a few tenths of a
+#: second for a memory-bound op of that many bytes.
+FLOPS_BUDGET = 4e9
+BYTES_BUDGET = 256 * 2 ** 20
 #: The smallest a shrunk dimension is made (see the module's docstring).
 MIN_EXTENT = 64
+#: A shrunk tensor is kept at least this large when its real one is. On a CPU, glibc serves an
+#: allocation over 32 MiB with fresh pages from the kernel, faulted in on first touch, every time, and a
+#: step pays that too; a proxy of smaller tensors reuses the heap's pages and does not. Scaled from
+#: 32 MiB proxies, memory-bound ops of 64 MiB to 250 MiB came out 0.05 to 0.55 times their real time here
+#: (``benchmarks/results/shrink_accuracy.md``).
+MIN_TENSOR_BYTES = 64 * 2 ** 20
 
 #: Ops scaled by their FLOPs: products and attention (the roofline's compute-bound ones).
 COMPUTE_OPS = MATMUL_OPS | {"attention"}
@@ -167,6 +175,17 @@ def _fits(op: OpCall) -> bool:
     return not is_large(op)
 
 
+def _largest_tensor(op: OpCall) -> int:
+    weights = {i for i, t in enumerate(op.node.inputs) if t.is_weight}
+    return max([_nbytes(s, d) for i, (s, d, _) in enumerate(op.in_shapes) if i not in weights]
+               + [_nbytes(s, d) for s, d in op.out_shapes])
+
+
+def _floor_ok(op: OpCall, run: OpCall) -> bool:
+    """Whether ``run`` keeps its largest tensor over ``MIN_TENSOR_BYTES`` where ``op``'s is."""
+    return _largest_tensor(op) <= MIN_TENSOR_BYTES or _largest_tensor(run) >= MIN_TENSOR_BYTES
+
+
 def _attention_dims(op: OpCall) -> List[Tuple[str, ...]]:
     """Attention's shrinkable dimensions, in order of preference: the heads when every tensor's
     heads divide into the same groups, else the query and key lengths together."""
@@ -189,6 +208,8 @@ def _shrink_along(op: OpCall, dims: Tuple[str, ...]) -> Optional[OpCall]:
             best, lo = m, m + 1
         else:
             hi = m - 1
+    while best < n and not _floor_ok(op, _resized(op, {d: best for d in dims})):
+        best = min(n, 2 * best)            # the largest tensor back over the floor
     return _resized(op, {d: best for d in dims}) if best < n else None
 
 

@@ -100,3 +100,12 @@ def test_a_large_view_costs_nothing_and_is_not_run(small_budgets, tmp_path, monk
     view = next(o for o in _llama_ops() if o.node.op == "reshape" and is_large(o))
     profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
     assert profiler.time(view) == (0.0, 0.0)
+
+
+def test_a_large_tensor_stays_over_the_allocation_floor(small_budgets, monkeypatch):
+    op = _op(_llama_ops(), "div_0")                             # scores (2, 4, 64, 64): 128 KiB
+    assert [s for s, _, _ in shrink.shrink(op).run.in_shapes] == [(2, 4, 8, 64)]    # 16 KiB: the budget
+    monkeypatch.setattr(shrink, "MIN_TENSOR_BYTES", 2 ** 15)
+    proxy = shrink.shrink(op)
+    assert [s for s, _, _ in proxy.run.in_shapes] == [(2, 4, 16, 64)]               # 32 KiB: the floor
+    assert proxy.basis == Basis.BYTES and proxy.factor == (4.0, 4.0)
