@@ -34,7 +34,7 @@ import torch
 from nbscaler.cost import speed
 from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
-from nbscaler.cost.shrink import Basis, Proxy, measure_rates, rate_seconds, shrink
+from nbscaler.cost.shrink import Basis, Proxy, measure_rates, rate_seconds, shrink, shrink_update
 from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
@@ -276,7 +276,10 @@ class OpProfiler:
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
         """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``
-        (the median of ``PASSES`` rounds, each against its own reference)."""
+        (the median of ``PASSES`` rounds, each against its own reference). More than
+        ``shrink.UPDATE_BUDGET`` elements are timed over fewer and scaled (``shrink.shrink_update``):
+        the table keeps the time of the sizes timed."""
+        numels, factor = shrink_update(numels)
         key = f"update|{optimizer.__module__}.{optimizer.__qualname__}|{sorted(optimizer_kwargs.items())}|{dtype}|{numels}"
         key = hashlib.sha1(key.encode()).hexdigest()[:20]
         if key not in self.table:
@@ -284,7 +287,7 @@ class OpProfiler:
                 rounds = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device, repeats=5)
                           / speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S) for _ in range(PASSES)]
             self.table[key] = self.new[key] = [statistics.median(rounds)]
-        return self.table[key][0] * self.speed_s
+        return self.table[key][0] * factor * self.speed_s
 
     def save(self) -> None:
         """Write what was profiled since the last save."""

@@ -83,6 +83,11 @@ MIN_EXTENT = 64
 #: (``benchmarks/results/shrink_accuracy.md``).
 MIN_TENSOR_BYTES = 64 * 2 ** 20
 
+#: Parameter elements the optimizer step (``cost.profile.time_update``) is timed over at most: 64 MiB
+#: of each fp32 tensor it reads or writes. A real-size device's step (1.1 billion elements for a
+#: sixty-fourth of Llama-3-70B) took gigabytes and minutes to time here.
+UPDATE_BUDGET = 2 ** 24
+
 #: Ops scaled by their FLOPs: products and attention (the roofline's compute-bound ones).
 COMPUTE_OPS = MATMUL_OPS | {"attention"}
 
@@ -231,6 +236,18 @@ def shrink(op: OpCall) -> Proxy:
         factor = (memory_bytes(op) / memory_bytes(run), backward_bytes(op) / backward_bytes(run))
         return Proxy(op, run, dims, factor, Basis.BYTES)
     return Proxy(op, None, (), (1.0, 1.0), Basis.RATES)
+
+
+def shrink_update(numels: Sequence[int]) -> Tuple[List[int], float]:
+    """Parameter sizes to time an optimizer step over in place of ``numels``, and the factor its time
+    is multiplied by: every tensor scaled by the same ratio when there are more than ``UPDATE_BUDGET``
+    elements (a step reads and writes each element a fixed number of times: memory-bound, so its time
+    goes as the elements; the number of tensors, and each one's fixed cost, is kept)."""
+    total = sum(numels)
+    if total <= UPDATE_BUDGET:
+        return list(numels), 1.0
+    small = [max(1, n * UPDATE_BUDGET // total) for n in numels]
+    return small, total / sum(small)
 
 
 def measure_rates(device: torch.device, repeats: int = 5) -> Tuple[float, float]:

@@ -109,3 +109,15 @@ def test_a_large_tensor_stays_over_the_allocation_floor(small_budgets, monkeypat
     proxy = shrink.shrink(op)
     assert [s for s, _, _ in proxy.run.in_shapes] == [(2, 4, 16, 64)]               # 32 KiB: the floor
     assert proxy.basis == Basis.BYTES and proxy.factor == (4.0, 4.0)
+
+
+def test_a_large_optimizer_step_is_timed_over_fewer_elements(tmp_path, monkeypatch):
+    monkeypatch.setattr(shrink, "UPDATE_BUDGET", 1000)
+    monkeypatch.setattr(profile.speed, "reference_s", lambda device, threads=None, budget_s=None: 1.0)
+    timed = []
+    monkeypatch.setattr(profile, "time_update", lambda numels, *a, **k: (timed.append(numels), 1e-3)[1])
+    assert shrink.shrink_update([3000, 1000]) == ([750, 250], 4.0)     # every tensor a quarter: 4x the time
+    assert shrink.shrink_update([600, 400]) == ([600, 400], 1.0)       # within the budget: as it is
+    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
+    assert profiler.update([3000, 1000], torch.float32, torch.optim.Adam, {}) == pytest.approx(4e-3)
+    assert timed and all(n == [750, 250] for n in timed)               # never the real 4,000 elements
