@@ -46,8 +46,11 @@ and the factor is applied when the real op's time is read: a table entry is alwa
 at the shape its key names, so a proxy shape that also occurs for real (a smaller model, a shorter
 sequence) reads the same, true entry.
 
+The optimizer step after the backward is memory-bound over the device's parameters; over more than
+``UPDATE_BUDGET`` elements it is timed with every tensor scaled down alike (``shrink_update``).
+
 >>> proxy = shrink(op)                      # doctest: +SKIP
->>> proxy.dims, proxy.factor, proxy.basis   # the tokens of a linear at 2048 run at 64
+>>> proxy.dims, proxy.factor, proxy.basis   # 70B's output head: its 2,048 tokens run at 64
 (('*1',), (32.0, 32.0), 'flops')
 """
 
@@ -78,7 +81,7 @@ BYTES_BUDGET = 256 * 2 ** 20
 MIN_EXTENT = 64
 #: A shrunk tensor is kept at least this large when its real one is. On a CPU, glibc serves an
 #: allocation over 32 MiB with fresh pages from the kernel, faulted in on first touch, every time, and a
-#: step pays that too; a proxy of smaller tensors reuses the heap's pages and does not. Scaled from
+#: step's allocations of that size pay it too; a proxy of smaller tensors reuses the heap's pages and does not. Scaled from
 #: 32 MiB proxies, memory-bound ops of 64 MiB to 250 MiB came out 0.05 to 0.55 times their real time here
 #: (``benchmarks/results/shrink_accuracy.md``).
 MIN_TENSOR_BYTES = 64 * 2 ** 20

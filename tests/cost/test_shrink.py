@@ -121,3 +121,19 @@ def test_a_large_optimizer_step_is_timed_over_fewer_elements(tmp_path, monkeypat
     profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
     assert profiler.update([3000, 1000], torch.float32, torch.optim.Adam, {}) == pytest.approx(4e-3)
     assert timed and all(n == [750, 250] for n in timed)               # never the real 4,000 elements
+
+
+def test_a_proxy_that_fails_is_priced_from_measured_rates(small_budgets, tmp_path, monkeypatch):
+    monkeypatch.setattr(profile.speed, "reference_s", lambda device, threads=None, budget_s=None: 1.0)
+    monkeypatch.setattr(profile, "measure_rates", lambda device: (1e-9, 1e-10))      # s per byte, per FLOP
+
+    def time_op(op, device):
+        raise RuntimeError("a constant argument spells the shrunk size")
+    monkeypatch.setattr(profile, "time_op", time_op)
+    op = _op(_llama_ops(), "linear_1")
+    profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
+    assert profiler.time(op) == pytest.approx(shrink.rate_seconds(op, 1e-9, 1e-10))
+    assert profiler.proxy(op).basis == Basis.RATES
+    small = next(o for o in _llama_ops() if not is_large(o))
+    with pytest.raises(RuntimeError, match="constant argument"):     # a small op's failure is its own: raised
+        profiler.time(small)
