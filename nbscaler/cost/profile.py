@@ -163,13 +163,18 @@ class OpProfiler:
         self._speed: Optional[float] = None
         self.calibrated = False
         self.proxies: Dict[str, Proxy] = {}          # op_key -> how the op is timed
+        self.run_keys: Dict[str, Optional[str]] = {}   # op_key -> the key its proxy's time is stored under
 
-    def proxy(self, op: OpCall) -> Proxy:
-        """How ``op`` is timed (``cost.shrink``), worked out once per distinct op."""
-        key = op_key(op)
+    def proxy(self, op: OpCall, key: Optional[str] = None) -> Proxy:
+        """How ``op`` (of ``op_key`` ``key``) is timed (``cost.shrink``), worked out once per distinct op."""
+        key = key or op_key(op)
         if key not in self.proxies:
-            self.proxies[key] = shrink(op)
+            self._set_proxy(key, shrink(op))
         return self.proxies[key]
+
+    def _set_proxy(self, key: str, proxy: Proxy) -> None:
+        self.proxies[key] = proxy
+        self.run_keys[key] = None if proxy.run is None else key if proxy.run is proxy.op else op_key(proxy.run)
 
     def _rates(self) -> List[float]:
         """Seconds per byte streamed and per FLOP of a product, in reference units (``Basis.RATES``)."""
@@ -226,10 +231,11 @@ class OpProfiler:
         round of every op, not on every round of one op. One round (``time`` of a single op) uses
         ``process_reference_s`` instead.
         """
-        proxies = [self.proxy(op) for op in ops]
+        keys = {op_key(op): op for op in ops}
+        proxies = [self.proxy(op, key) for key, op in keys.items()]
         if any(p.basis == Basis.RATES for p in proxies):
             self._rates()
-        missing = {op_key(p.run): p.run for p in proxies if p.run is not None}      # what is run: each proxy
+        missing = {self.run_keys[key]: p.run for key, p in zip(keys, proxies) if p.run is not None}   # each proxy
         missing = {k: op for k, op in missing.items() if k not in self.table}
         if not missing:
             return
@@ -243,7 +249,7 @@ class OpProfiler:
                     try:
                         fwd, bwd = time_op(op, self.device)
                     except Exception:           # a proxy whose constant arguments spell a shrunk size
-                        if not self._give_up(k, proxies):
+                        if not self._give_up(k):
                             raise
                         del missing[k], rounds[k]
                         continue
@@ -251,11 +257,11 @@ class OpProfiler:
         for k, times in rounds.items():
             self.table[k] = self.new[k] = [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
 
-    def _give_up(self, key: str, proxies: List[Proxy]) -> bool:
+    def _give_up(self, key: str) -> bool:
         """Price the ops whose proxy is ``key`` from rates instead; False when ``key`` is no proxy."""
-        owners = [p for p in proxies if p.run is not None and p.basis != Basis.AS_IS and op_key(p.run) == key]
-        for p in owners:
-            self.proxies[op_key(p.op)] = dataclasses.replace(p, run=None, dims=(), factor=(1.0, 1.0), basis=Basis.RATES)
+        owners = [k for k, p in self.proxies.items() if p.basis != Basis.AS_IS and self.run_keys[k] == key]
+        for k in owners:
+            self._set_proxy(k, dataclasses.replace(self.proxies[k], run=None, dims=(), factor=(1.0, 1.0), basis=Basis.RATES))
         if owners:
             self._rates()
         return bool(owners)
@@ -264,14 +270,17 @@ class OpProfiler:
         """Forward and backward seconds of ``op`` (engine start-up taken out of the backward);
         profiled in one round when missing (``profile`` times many ops more robustly). A large op
         reads its proxy's time times the proxy's factor (``cost.shrink``)."""
-        self.profile([op], passes=1)
-        proxy = self.proxy(op)
+        key = op_key(op)
+        proxy = self.proxy(op, key)
+        if proxy.run is not None and self.run_keys[key] not in self.table:
+            self.profile([op], passes=1)
+            proxy = self.proxies[key]                 # priced from rates if its proxy could not run
         if proxy.basis == Basis.RATES:
             fwd, bwd = rate_seconds(op, *self._rates())
         elif proxy.basis == Basis.VIEW:
             fwd, bwd = 0.0, 0.0
         else:
-            fwd, bwd = (t * f for t, f in zip(self.table[op_key(proxy.run)], proxy.factor))
+            fwd, bwd = (t * f for t, f in zip(self.table[self.run_keys[key]], proxy.factor))
         return fwd * self.speed_s, bwd * self.speed_s
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
