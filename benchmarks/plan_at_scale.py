@@ -15,7 +15,7 @@ For each it times ``plan()``, ``plan.memory()`` (the first call replays each dev
 fake tensors), ``plan.summary(hardware=...)``, a second ``summary`` on another hardware, and a
 ``summary`` with another optimizer (nothing is re-traced or replayed: the runs are cached on the
 plan), in wall seconds, and the second summary once more in this process's CPU seconds, which a
-shared machine's load does not inflate. ``summary()`` without hardware is left out: it profiles ops on this CPU at their real shapes.
+shared machine's load does not inflate. ``summary()`` without hardware is left out: it profiles ops on this CPU (about a minute from an empty cache; ``benchmarks.real_size_planning`` times it).
 
     python -m benchmarks.plan_at_scale                    # writes benchmarks/results/plan_at_scale.md
     python -m benchmarks.plan_at_scale --models llama-70B --layers 8 --print

@@ -28,15 +28,23 @@ def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> flo
 
 
 def node_flops(node: IRNode) -> float:
+    """Forward FLOPs of ``node`` at its (global) shapes."""
     if node.op == "attention":
         return attention_flops(*(tuple(t.shape) for t in node.inputs[:3]))
-    out_elems = sum(math.prod(t.shape) for t in node.output_tensors)
+    return shape_flops(node, [tuple(t.shape) for t in node.inputs], [tuple(t.shape) for t in node.output_tensors])
+
+
+def shape_flops(node: IRNode, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]]) -> float:
+    """Forward FLOPs of ``node``'s op (not attention: ``attention_flops``) on inputs and outputs of
+    the given shapes (the node's own, or one device's local ones), the sizes of its reduced axes
+    read from the input that names them."""
+    out_elems = sum(math.prod(s) for s in out_shapes)
     ann = node.annotation
     if ann is None:
-        return float(out_elems + sum(math.prod(t.shape) for t in node.inputs))
-    reduced = math.prod(ann.sizes.get(name, 1) for name in ann.reduce
+        return float(out_elems + sum(math.prod(s) for s in in_shapes))
+    size = {name: n for names, s in zip(ann.inputs, in_shapes) for name, n in zip(names or (), s)}
+    reduced = math.prod(size.get(name, 1) for name in ann.reduce
                         if all(name not in (o or ()) for o in ann.outputs))
     if node.op == "conv":                      # the kernel window is a reduction too
-        w = node.inputs[1]
-        reduced = math.prod(w.shape[1:])
+        reduced = math.prod(in_shapes[1][1:])
     return float(out_elems * (2 * reduced if reduced > 1 else 1))

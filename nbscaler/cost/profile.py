@@ -15,10 +15,14 @@ describes ranks that run later, on a busier machine, or more of them than there 
 
 A single op's backward pays the autograd engine's start-up, which a whole backward pays once;
 ``engine_overhead_s`` measures it, and it is taken out of each op's backward time.
+
+An op too large to run at its real shape here (a real-size model's products) is timed at a smaller
+shape and scaled (``cost.shrink``): no op over the budget is ever run at its real shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import time
@@ -30,6 +34,7 @@ import torch
 from nbscaler.cost import speed
 from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
+from nbscaler.cost.shrink import Basis, Proxy, measure_rates, rate_seconds, shrink, shrink_update
 from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
@@ -157,6 +162,28 @@ class OpProfiler:
         self._reference: Optional[float] = None
         self._speed: Optional[float] = None
         self.calibrated = False
+        self.proxies: Dict[str, Proxy] = {}          # op_key -> how the op is timed
+        self.run_keys: Dict[str, Optional[str]] = {}   # op_key -> the key its proxy's time is stored under
+
+    def proxy(self, op: OpCall, key: Optional[str] = None) -> Proxy:
+        """How ``op`` (of ``op_key`` ``key``) is timed (``cost.shrink``), worked out once per distinct op."""
+        key = key or op_key(op)
+        if key not in self.proxies:
+            self._set_proxy(key, shrink(op))
+        return self.proxies[key]
+
+    def _set_proxy(self, key: str, proxy: Proxy) -> None:
+        self.proxies[key] = proxy
+        self.run_keys[key] = None if proxy.run is None else key if proxy.run is proxy.op else op_key(proxy.run)
+
+    def _rates(self) -> List[float]:
+        """Seconds per byte streamed and per FLOP of a product, in reference units (``Basis.RATES``)."""
+        if "__rates__" not in self.table:
+            with intra_op_threads(self.threads):
+                warm_up(self.device)
+                rates = measure_rates(self.device)
+            self.table["__rates__"] = self.new["__rates__"] = [r / self.process_reference_s() for r in rates]
+        return self.table["__rates__"]
 
     def process_reference_s(self) -> float:
         """The reference workload's seconds as this profiler first timed it in this process: what
@@ -204,7 +231,11 @@ class OpProfiler:
         round of every op, not on every round of one op. One round (``time`` of a single op) uses
         ``process_reference_s`` instead.
         """
-        missing = {op_key(op): op for op in ops}
+        keys = {op_key(op): op for op in ops}
+        proxies = [self.proxy(op, key) for key, op in keys.items()]
+        if any(p.basis == Basis.RATES for p in proxies):
+            self._rates()
+        missing = {self.run_keys[key]: p.run for key, p in zip(keys, proxies) if p.run is not None}   # each proxy
         missing = {k: op for k, op in missing.items() if k not in self.table}
         if not missing:
             return
@@ -214,22 +245,50 @@ class OpProfiler:
             warm_up(self.device)
             for _ in range(passes):
                 reference = self.process_reference_s() if passes == 1 else speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S)
-                for k, op in missing.items():
-                    fwd, bwd = time_op(op, self.device)
+                for k, op in list(missing.items()):
+                    try:
+                        fwd, bwd = time_op(op, self.device)
+                    except Exception:           # a proxy whose constant arguments spell a shrunk size
+                        if not self._give_up(k):
+                            raise
+                        del missing[k], rounds[k]
+                        continue
                     rounds[k].append((fwd / reference, max(0.0, bwd / reference - overhead) if bwd else 0.0))
         for k, times in rounds.items():
             self.table[k] = self.new[k] = [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
 
+    def _give_up(self, key: str) -> bool:
+        """Price the ops whose proxy is ``key`` from rates instead; False when ``key`` is no proxy."""
+        owners = [k for k, p in self.proxies.items() if p.basis != Basis.AS_IS and self.run_keys[k] == key]
+        for k in owners:
+            self._set_proxy(k, dataclasses.replace(self.proxies[k], run=None, dims=(), factor=(1.0, 1.0), basis=Basis.RATES))
+        if owners:
+            self._rates()
+        return bool(owners)
+
     def time(self, op: OpCall) -> Tuple[float, float]:
         """Forward and backward seconds of ``op`` (engine start-up taken out of the backward);
-        profiled in one round when missing (``profile`` times many ops more robustly)."""
-        self.profile([op], passes=1)
-        fwd, bwd = self.table[op_key(op)]
+        profiled in one round when missing (``profile`` times many ops more robustly). A large op
+        reads its proxy's time times the proxy's factor (``cost.shrink``)."""
+        key = op_key(op)
+        proxy = self.proxy(op, key)
+        if proxy.run is not None and self.run_keys[key] not in self.table:
+            self.profile([op], passes=1)
+            proxy = self.proxies[key]                 # priced from rates if its proxy could not run
+        if proxy.basis == Basis.RATES:
+            fwd, bwd = rate_seconds(op, *self._rates())
+        elif proxy.basis == Basis.VIEW:
+            fwd, bwd = 0.0, 0.0
+        else:
+            fwd, bwd = (t * f for t, f in zip(self.table[self.run_keys[key]], proxy.factor))
         return fwd * self.speed_s, bwd * self.speed_s
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
         """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``
-        (the median of ``PASSES`` rounds, each against its own reference)."""
+        (the median of ``PASSES`` rounds, each against its own reference). More than
+        ``shrink.UPDATE_BUDGET`` elements are timed over fewer and scaled (``shrink.shrink_update``):
+        the table keeps the time of the sizes timed."""
+        numels, factor = shrink_update(numels)
         key = f"update|{optimizer.__module__}.{optimizer.__qualname__}|{sorted(optimizer_kwargs.items())}|{dtype}|{numels}"
         key = hashlib.sha1(key.encode()).hexdigest()[:20]
         if key not in self.table:
@@ -237,7 +296,7 @@ class OpProfiler:
                 rounds = [time_update(numels, dtype, optimizer, optimizer_kwargs, self.device, repeats=5)
                           / speed.reference_s(self.device, budget_s=ROUND_REFERENCE_S) for _ in range(PASSES)]
             self.table[key] = self.new[key] = [statistics.median(rounds)]
-        return self.table[key][0] * self.speed_s
+        return self.table[key][0] * factor * self.speed_s
 
     def save(self) -> None:
         """Write what was profiled since the last save."""

@@ -109,6 +109,23 @@ def _bytes(shapes) -> int:
     return sum(math.prod(s[0]) * s[1].itemsize for s in shapes)
 
 
+def memory_bytes(op: OpCall) -> int:
+    """Bytes an op's forward moves: its local inputs and outputs; an embedding reads only the rows
+    it gathers (its output's worth) and the indices."""
+    outputs = _bytes(op.out_shapes)
+    if op.node.op == "embedding":
+        return _bytes(op.in_shapes[:1]) + 2 * outputs
+    return _bytes(op.in_shapes) + outputs
+
+
+def backward_bytes(op: OpCall) -> int:
+    """Bytes an op's backward moves: twice its forward's (it reads the output's gradient and what was
+    saved, and writes the inputs' gradients); an embedding's writes its whole table's gradient too."""
+    if op.node.op == "embedding":
+        return _bytes(op.in_shapes[1:2]) + memory_bytes(op)
+    return 2 * memory_bytes(op)
+
+
 def matmul_seconds(flops: float, peak: float, efficiency: float) -> float:
     """Seconds of one matrix product of ``flops`` on a GPU of dense ``peak`` FLOP/s whose best
     products reach ``efficiency`` of it."""
@@ -152,13 +169,13 @@ class RooflineOps:
             flops = attention_flops(q, k, v)
             t = flops / (self.hardware.sustained_flops(dtype) * ATTENTION_EFFICIENCY)
             return max(t, KERNEL_FLOOR_S), (max(FLASH_BACKWARD_FORWARDS * t, KERNEL_FLOOR_S) if grads else 0.0)
-        fwd_bytes = self._memory_bytes(op)
+        fwd_bytes = memory_bytes(op)
         t = max(memory_seconds(fwd_bytes, self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
         if node.op == "embedding":
-            table = _bytes(op.in_shapes[1:2])
-            return t, (max(memory_seconds(table + fwd_bytes, self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
-                       if grads else 0.0)
-        return t, (2 * t if grads else 0.0)
+            bwd = max(memory_seconds(backward_bytes(op), self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
+        else:
+            bwd = 2 * t
+        return t, (bwd if grads else 0.0)
 
     def _matmul(self, flops: float, dtype: torch.dtype) -> float:
         return matmul_seconds(flops, self.hardware.sustained_flops(dtype), self.hardware.matmul_efficiency)
@@ -194,15 +211,6 @@ class RooflineOps:
             dropout = self._kernel(0, 2 * scores + pairs * DROPOUT_MASK_BYTES, dtype)  # P, mask -> dropped P
             fwd, bwd = fwd + dropout, bwd + dropout                                    # dP', mask -> dP
         return fwd, bwd
-
-    @staticmethod
-    def _memory_bytes(op: OpCall) -> int:
-        """Bytes an op's forward moves: its local inputs and outputs; an embedding reads only the rows
-        it gathers (its output's worth) and the indices."""
-        outputs = _bytes(op.out_shapes)
-        if op.node.op == "embedding":
-            return _bytes(op.in_shapes[:1]) + 2 * outputs
-        return _bytes(op.in_shapes) + outputs
 
     def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
         """Seconds of the reducer's copies, the gradient checks the target's loop makes

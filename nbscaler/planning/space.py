@@ -165,7 +165,7 @@ class PlanSpace:
         hardware, global_batch = self.hardware, self.global_batch
         if hardware.is_local:
             raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
-                             "Hardware.local() would profile every op at full size on this machine.")
+                             "Hardware.local() would profile the ops of every configuration on this machine.")
         r = self.ranges
         ranges = _ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute, r.zero_stage)
         target = (repr(hardware),)
