@@ -107,21 +107,25 @@ def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_
     """The facts of each op a device's ``run`` holds (ops x facts), as ``cost.timing.section_time``
     and the memory model count them; a collective with no consumer (a stage's outputs) counts
     at op ``tail``; ``no_weight``: the ops that feed no weighted op (``_loss_tail``)."""
-    rows = np.zeros((count, SAVED_TAIL + 1))
+    rows = [[0.0] * (SAVED_TAIL + 1) for _ in range(count)]     # lists: numpy's per-element indexing is slow here
     for op in run.ops:
-        k = index[op.node.name]
+        row = rows[index[op.node.name]]
         f, b = profiler.time(op)
-        again = op.node.meta["local_flops_fwd"] if op.recomputed else 0.0
-        rows[k, [FWD, BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN, SAVED_TAIL]] += (
-            f, b + (f if op.recomputed else 0.0), op.saved_bytes, op.node.meta["local_flops_fwd"],
-            op.node.meta["local_flops_bwd"], again, op.saved_bytes if op.node.name in no_weight else 0)
+        flops_f = op.node.meta["local_flops_fwd"]
+        row[FWD] += f
+        row[BWD] += b + (f if op.recomputed else 0.0)
+        row[SAVED] += op.saved_bytes
+        row[FLOPS_F] += flops_f
+        row[FLOPS_B] += op.node.meta["local_flops_bwd"]
+        row[FLOPS_AGAIN] += flops_f if op.recomputed else 0.0
+        row[SAVED_TAIL] += op.saved_bytes if op.node.name in no_weight else 0
     for c in run.collectives:
-        k = index.get(c.node, tail) if c.node is not None else tail
+        row = rows[index.get(c.node, tail) if c.node is not None else tail]
         f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-        rows[k, TP_FWD] += f
-        rows[k, TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
+        row[TP_FWD] += f
+        row[TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
             f if c.recomputed else 0.0)
-    return rows
+    return np.array(rows, dtype=float).reshape(count, SAVED_TAIL + 1)
 
 
 def read_facts(plan, stack: Stack, profiler, comm, shared: Optional[Dict] = None) -> LayerFacts:
