@@ -90,7 +90,7 @@ def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], tit
         for side, frame in sides:
             if kind not in frame.columns:
                 continue
-            x = [[f"rank {r}" for r in frame[str(C.RANK)]], [side] * len(frame)]
+            x = bar_positions(frame[str(C.RANK)], side, paired=measured is not None)
             alert = [side == PREDICTED and int(r) in over for r in frame[str(C.RANK)]]
             fig.add_trace(go.Bar(
                 x=x, y=frame[kind], name=LABELS[kind], legendgroup=kind, showlegend=side == PREDICTED and not over,
@@ -100,24 +100,34 @@ def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], tit
                 customdata=[fmt_bytes(v) for v in frame[kind]],
                 hovertemplate=f"{LABELS[kind]} ({side}): %{{customdata}}<extra></extra>"))
     if over:       # a legend swatch takes its trace's first edge, which may be red: these bars of zero have none
-        first = [[f"rank {predicted[str(C.RANK)].iloc[0]}"], [PREDICTED]]
+        first = bar_positions(predicted[str(C.RANK)].iloc[:1], PREDICTED, paired=measured is not None)
         for kind in map(str, MEMORY_CATEGORIES):
             fig.add_trace(go.Bar(x=first, y=[0], name=LABELS[kind], legendgroup=kind, hoverinfo="skip",
                                  marker=dict(color=COLOURS[kind], line=dict(width=0))))
     if hardware is not None:
-        add_capacity(fig, predicted, hardware, over)
+        add_capacity(fig, predicted, hardware, over, paired=measured is not None)
     fig.update_layout(barmode="stack", title=title, yaxis=dict(title="bytes", tickformat=".3s", ticksuffix="B"), height=420, template="plotly_white",
                       margin=dict(l=60, r=20, t=60, b=60), legend=dict(orientation="h", y=-0.2))
     return fig
 
 
-def add_capacity(fig: go.Figure, predicted: pd.DataFrame, hardware: Hardware, over: Set[int]) -> None:
-    """The capacity line, a red cross over each predicted bar that does not fit, and the note."""
+def bar_positions(ranks, side: str, paired: bool):
+    """Where a side's bars stand on the x axis: ``rank r`` alone, or, beside measured bars
+    (``paired``), ``rank r`` with the side under it (plotly's two-level categories). A side's label
+    under every bar of a prediction alone only crowded the axis (sixteen ranks in a pane)."""
+    labels = [f"rank {r}" for r in ranks]
+    return [labels, [side] * len(labels)] if paired else labels
+
+
+def add_capacity(fig: go.Figure, predicted: pd.DataFrame, hardware: Hardware, over: Set[int],
+                 paired: bool = False) -> None:
+    """The capacity line, a red cross over each predicted bar that does not fit, and the note
+    (``paired``: the bars stand beside measured ones, ``bar_positions``)."""
     fig.add_hline(y=hardware.memory_bytes, line=dict(color=CAPACITY_COLOUR, dash="dash", width=2),
                   annotation_text=capacity_line(hardware), annotation_position="top right")
     rows = predicted[predicted[str(C.RANK)].isin(over)]
     fig.add_trace(go.Scatter(
-        x=[[f"rank {r}" for r in rows[str(C.RANK)]], [PREDICTED] * len(rows)], y=rows[str(C.PEAK_BYTES)],
+        x=bar_positions(rows[str(C.RANK)], PREDICTED, paired), y=rows[str(C.PEAK_BYTES)],
         mode="markers", name="does not fit", marker=dict(symbol="x", size=12, color=OVER_CAPACITY_COLOUR),
         customdata=[fmt_bytes(v - hardware.memory_bytes) for v in rows[str(C.PEAK_BYTES)]],
         hovertemplate="over capacity by %{customdata}<extra></extra>"))
