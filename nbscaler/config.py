@@ -88,6 +88,13 @@ class UserConfig:
     code: Dict[str, Any] = field(default_factory=dict)
 
 
+def check_float_dtype(name: str, value: Any) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a floating-point ``torch.dtype`` or ``None``."""
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{name}={value!r} is invalid: give a floating-point torch.dtype such as "
+                         "torch.float32 or torch.bfloat16, or None.")
+
+
 @dataclass(frozen=True)
 class Precision:
     """The dtypes of a training run beyond the module's own: the one place they are kept.
@@ -112,10 +119,7 @@ class Precision:
 
     def __post_init__(self) -> None:
         for name in ("master_dtype", "grad_reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ValueError(f"{name}={value!r} is invalid: give a floating-point torch.dtype such as "
-                                 "torch.float32 or torch.bfloat16, or None.")
+            check_float_dtype(name, getattr(self, name))
 
     def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``param_dtype`` parameters are summed in."""

@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nbscaler.columns import SweepColumn as S
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig, Precision, check_float_dtype
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
@@ -268,10 +268,7 @@ class PlanSpace:
 
     def _check_dtypes(self) -> None:
         for name in ("module_dtype", "master_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ValueError(f"{name}={value!r} must be a floating torch.dtype (torch.bfloat16, "
-                                 "torch.float16, torch.float32) or None.")
+            check_float_dtype(name, getattr(self, name))
         if self.module_dtype is not None:
             self.hardware.peak_flops(self.module_dtype)      # raises where the target lacks that precision
 
