@@ -52,7 +52,7 @@ from nbscaler.comm.lower import lower_device, rank_sections, train_graph
 from nbscaler.comm.program import RankProgram, Section
 from nbscaler.config import ComputeConfig, Precision, split_buckets
 from nbscaler.cost.local import LocalRun, run_local
-from nbscaler.cost.moments import Gradients, peak_moment, step_moments
+from nbscaler.cost.moments import Gradients, step_moments, step_peak
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.cost.same_sections import Replays
 from nbscaler.ir.backward_split import BackwardPart, backward_parts
@@ -354,8 +354,7 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
             held_for_w = ({s: held_for_weights(r, parts) for s, r in stages.items()}
                           if parts is not None else None)
             params = [w for w in weights if w.kind == "param"]
-            held = peak_moment(step_moments(gradients(weights, cfg, precision), params, saved, geometry, device,
-                                            held_for_w))
+            held = step_peak(gradients(weights, cfg, precision), params, saved, geometry, device, held_for_w)
             row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row

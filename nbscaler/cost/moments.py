@@ -22,17 +22,12 @@ frees nothing and makes no weight gradient, and its ``W`` does both, as a whole 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from nbscaler.columns import Held, StepMoment
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry
-
-
-def peak_moment(moments: List[Held]) -> Held:
-    """The first moment holding the most (``max`` keeps the first of equals)."""
-    return max(moments, key=lambda held: held.nbytes)
 
 
 class Gradients:
@@ -43,14 +38,70 @@ class Gradients:
         shard_bytes: per bucket, the gradient bytes of what the optimizer updates in its place: this
             rank's ZeRO shard or, without ZeRO, the master copies (empty: the parameters themselves).
         zero_stage: 0 without ZeRO, else 1 or 2.
+        paths: a ``GradientPaths`` to share with other steps on the same buckets (a sweep's
+            configurations of one device differ only in the order their backwards come).
     """
 
-    def __init__(self, buckets: List[List[LocalWeight]], shard_bytes: List[int], zero_stage: int):
+    def __init__(self, buckets: List[List[LocalWeight]], shard_bytes: List[int], zero_stage: int,
+                 paths: Optional["GradientPaths"] = None):
         self.buckets, self.shard_bytes, self.zero_stage = buckets, shard_bytes, zero_stage
-        self.full: Dict[str, int] = {}        # parameter -> bytes of its .grad
-        self.shards: Set[int] = set()         # buckets whose shard has a gradient
-        self.held = 0
-        self._settled: Dict[Optional[int], int] = {}   # stage -> its backward's most (stage 2), or: it has run
+        self.paths = paths if paths is not None else GradientPaths()
+        self.state = 0                        # the state reached so far (``GradientPaths.states``)
+
+    @property
+    def held(self) -> int:
+        """The gradient bytes held now."""
+        return self.paths.states[self.state][2]
+
+    def backward(self, stage: Optional[int]) -> int:
+        """Run the backward of ``stage`` (``None``: the whole model); returns the most held during it.
+
+        Without ZeRO stage 2 a backward only gives gradients: it holds the most once it has made
+        them. Under stage 2, a bucket's gradients are reduce-scattered as soon as all are made, so
+        the most comes during the backward."""
+        return self._go(stage, lambda walk: walk.backward(stage))
+
+    def step(self, all_params: List[LocalWeight]) -> int:
+        """Run the optimizer step; returns the most held during it and after it."""
+        return self._go("step", lambda walk: walk.step(all_params))
+
+    def _go(self, move, walked) -> int:
+        """Move from the current state by ``move``, walked only the first time the shared paths see it
+        from this state: every later step that reaches the same state the same way reads the answer."""
+        key = (self.state, move)
+        if key not in self.paths.moves:
+            walk = _Walk(self, *self.paths.states[self.state])
+            most = walked(walk)
+            after = (walk.full, walk.shards, walk.held)
+            same = after == self.paths.states[self.state]
+            if not same:
+                self.paths.states.append(after)
+            self.paths.moves[key] = (self.state if same else len(self.paths.states) - 1, most)
+        self.state, most = self.paths.moves[key]
+        return most
+
+
+class GradientPaths:
+    """What the steps of one set of buckets have walked: every gradient state reached
+    (``states[i]``: the parameters holding a full gradient and their bytes, the buckets whose shard
+    has one, the bytes held), state 0 the empty start, and the moves between them (``moves[(i,
+    move)]``: the state a backward of a stage, or the optimizer step, leads to from state ``i``, with
+    the most held on the way). A state is known by the moves that led to it, so equal states reached
+    by different orders are walked once each; a move that changes nothing leads back to its state."""
+
+    def __init__(self):
+        self.states: List[Tuple[Dict[str, int], Set[int], int]] = [({}, set(), 0)]
+        self.moves: Dict[Tuple[int, object], Tuple[int, int]] = {}
+
+
+class _Walk:
+    """One move of ``Gradients``, walked on copies of the state it starts from."""
+
+    def __init__(self, grads: Gradients, full: Dict[str, int], shards: Set[int], held: int):
+        self.buckets, self.shard_bytes, self.zero_stage = grads.buckets, grads.shard_bytes, grads.zero_stage
+        self.full: Dict[str, int] = dict(full)     # parameter -> bytes of its .grad
+        self.shards: Set[int] = set(shards)         # buckets whose shard has a gradient
+        self.held = held
 
     @staticmethod
     def _reaches(w: LocalWeight, stage: Optional[int]) -> bool:
@@ -70,28 +121,6 @@ class Gradients:
             self.held += self.shard_bytes[index]
 
     def backward(self, stage: Optional[int]) -> int:
-        """Run the backward of ``stage`` (``None``: the whole model); returns the most held during it.
-
-        Without ZeRO stage 2 a backward only gives gradients, so once a stage's has run, the next
-        finds them all there and holds what is held already. Under stage 2, a backward that leaves
-        the gradients as it found them (every later micro-batch's, once the first has reduced
-        them) would do the same from there again: its answer is kept until something changes them."""
-        if self.zero_stage != 2:
-            if stage not in self._settled:
-                self._walk_backward(stage)
-                self._settled[stage] = 0
-            return self.held
-        if stage in self._settled:
-            return self._settled[stage]
-        before = (dict(self.full), set(self.shards), self.held)
-        most = self._walk_backward(stage)
-        if (self.full, self.shards, self.held) == before:
-            self._settled[stage] = most
-        else:
-            self._settled.clear()
-        return most
-
-    def _walk_backward(self, stage: Optional[int]) -> int:
         most = self.held
         for index in reversed(range(len(self.buckets))):
             bucket = self.buckets[index]
@@ -101,11 +130,9 @@ class Gradients:
             most = max(most, self.held)
             if self.zero_stage == 2 and all(w.name in self.full for w in bucket):
                 self._reduce(index)
-        return most
+        return most if self.zero_stage == 2 else self.held
 
     def step(self, all_params: List[LocalWeight]) -> int:
-        """Run the optimizer step; returns the most held during it and after it."""
-        self._settled.clear()
         most = self.held
         if self.zero_stage:
             for index, bucket in enumerate(self.buckets):
@@ -131,25 +158,42 @@ def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Op
     for ``W`` (``cost.memory.held_for_weights``; default all); ``gradients`` starts the step empty
     (gradients set to ``None`` before it).
     """
+    return [Held(*m) for m in _moments(gradients, params, saved, geometry, device, held_for_w)]
+
+
+def step_peak(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
+              geometry: Optional[PipelineGeometry], device: int,
+              held_for_w: Optional[Dict[Optional[int], int]] = None) -> Held:
+    """The first of ``step_moments(...)`` holding the most, without listing every moment: a sweep asks it of every
+    device of many configurations, whose long pipelines have thousands of moments."""
+    best = None
+    for m in _moments(gradients, params, saved, geometry, device, held_for_w):
+        if best is None or m[1] + m[2] > best[1] + best[2]:
+            best = m
+    return Held(*best)
+
+
+def _moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
+             geometry: Optional[PipelineGeometry], device: int, held_for_w: Optional[Dict[Optional[int], int]]):
+    """``step_moments``' moments as ``(moment, grad bytes, activation bytes)``, in order."""
     if geometry is None:
         blocks, release = [(None, "F"), (None, "B")], "B"
     else:
         blocks = [(b.stage, b.phase) for b in geometry.schedule.blocks_of(geometry.pipeline_device(device))]
         release = geometry.schedule.release_phase
-    live, moments = 0, []
+    live = 0
     for stage, phase in blocks:
         if phase == "F":
             live += saved[stage]
-            moments.append(Held(StepMoment.FORWARD, gradients.held, live))
+            yield StepMoment.FORWARD, gradients.held, live
         elif phase == release:
-            moments.append(Held(StepMoment.BACKWARD, gradients.backward(stage), live))
+            yield StepMoment.BACKWARD, gradients.backward(stage), live
             live -= saved[stage] if release == "B" else _held_for_w(saved, held_for_w, stage)
         else:
             # the B of a split backward, input gradients only: no weight gets a gradient; it frees
             # what W does not read, and the rest of the graph stays for the W block.
             live -= saved[stage] - _held_for_w(saved, held_for_w, stage)
-    moments.append(Held(StepMoment.STEP, gradients.step(params), live))
-    return moments
+    yield StepMoment.STEP, gradients.step(params), live
 
 
 def _held_for_w(saved: Dict[Optional[int], int], held_for_w: Optional[Dict[Optional[int], int]],
