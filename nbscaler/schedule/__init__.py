@@ -30,7 +30,7 @@ The pieces, one module each:
   a ZeRO group; ``ComputeConfig.grid`` builds it.
 - :mod:`~nbscaler.schedule.timeline`: :class:`TimedBlock` and :class:`Timeline`, rows
   ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction.
-- :mod:`~nbscaler.schedule.simulator`: :func:`simulate`.
+- :mod:`~nbscaler.schedule.simulator`: :func:`simulate` (and :func:`simulate_totals`, its length and busy times alone).
 
 Using a schedule
 ----------------
@@ -82,7 +82,7 @@ from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_sample
 from nbscaler.schedule.schedulers import (SCHEDULERS, SchedulerSpec, build_schedule, register_scheduler,
                                           scheduler_spec)
 from nbscaler.schedule import interleaved, zero_bubble  # noqa: F401  (they register their schedulers)
-from nbscaler.schedule.simulator import DeadlockError, simulate
+from nbscaler.schedule.simulator import DeadlockError, StepTotals, simulate, simulate_totals
 from nbscaler.schedule.timeline import TimedBlock, Timeline
 
 __all__ = [
@@ -103,4 +103,6 @@ __all__ = [
     "register_scheduler",
     "scheduler_spec",
     "simulate",
+    "simulate_totals",
+    "StepTotals",
 ]

@@ -79,6 +79,14 @@ class PipelineSchedule:
         self._check_placements()
         self._check_blocks()
 
+    def __hash__(self) -> int:
+        # schedules key the simulator's and the sweep's caches, asked thousands of times a sweep:
+        # hashed once (the fields never change)
+        if "_hash" not in self.__dict__:
+            object.__setattr__(self, "_hash", hash((self.name, self.nstages, self.nmicros, self.device_blocks,
+                                                   self.placements, self.pipeline_of_micro)))
+        return self.__dict__["_hash"]
+
     # -- what the executor and code generation ask -------------------------------------------
     @property
     def ndevices(self) -> int:

@@ -72,6 +72,40 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         ValueError: a cost list does not fit the schedule.
         DeadlockError: no device can proceed before the schedule has finished.
     """
+    order, starts, ends = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
+    timed = [TimedBlock(d, step.block.stage, step.block.micro, step.block.phase, start, end)
+             for step, start, end in zip(order, starts, ends) for d in step.devices]
+    timed.sort(key=lambda t: (t.rank, t.t_start))
+    return Timeline(tuple(timed), schedule.ndevices)
+
+
+class StepTotals(NamedTuple):
+    """A simulated step without its timeline: its ``makespan`` and each device's ``busy`` seconds
+    (the time its blocks last), as ``Timeline.makespan`` and its per-rank sums give them."""
+
+    makespan: float
+    busy: tuple[float, ...]
+
+
+def simulate_totals(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs] = None,
+                    latency: float = 0.0, post: float = 0.0, weight_costs: Optional[Costs] = None) -> StepTotals:
+    """``simulate``'s makespan and busy time per device without building the timeline: what a
+    sweep of many configurations needs of each (the same arguments, the same errors).
+
+    >>> simulate_totals(build_schedule("1f1b", nstages=4, nmicros=8), forward_costs=1.0).makespan
+    33.0
+    """
+    order, starts, ends = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
+    busy = [0.0] * schedule.ndevices
+    for step, start, end in zip(order, starts, ends):
+        for d in step.devices:
+            busy[d] += end - start
+    return StepTotals(max(ends) - min(starts) if ends else 0.0, tuple(busy))
+
+
+def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs], latency: float,
+           post: float, weight_costs: Optional[Costs]) -> tuple[tuple["_Step", ...], list[float], list[float]]:
+    """The play order (``_play_order``) and each of its blocks' start and end, by the rules above."""
     for name, value in (("latency", latency), ("post", post)):
         if value < 0:
             raise ValueError(f"{name}={value} is negative: use a send/recv time >= 0.")
@@ -80,21 +114,24 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
     cost = _phase_costs(schedule, forward, backward, weight_costs)
 
+    order = _play_order(schedule)
     device_free = [0.0] * schedule.ndevices
-    finished: list[float] = []                 # the end of each block, in play order
-    timed: list[TimedBlock] = []
-    for step in _play_order(schedule):
+    starts: list[float] = []
+    ends: list[float] = []                     # the end of each block, in play order
+    for step in order:
         block = step.block
-        arrivals = [finished[dep] + (latency if far else 0.0) for dep, far in step.inputs]
-        receiving = post if step.receives else 0.0
-        start = max([device_free[d] + receiving for d in step.devices] + arrivals)
+        start = max(device_free[d] + post for d in step.devices) if step.receives else \
+            max(device_free[d] for d in step.devices)
+        for dep, far in step.inputs:
+            arrival = ends[dep] + latency if far else ends[dep]
+            if arrival > start:
+                start = arrival
         end = start + cost[block.phase][block.stage] + (post if step.sends else 0.0)
         for d in step.devices:
             device_free[d] = end
-            timed.append(TimedBlock(d, block.stage, block.micro, block.phase, start, end))
-        finished.append(end)
-    timed.sort(key=lambda t: (t.rank, t.t_start))
-    return Timeline(tuple(timed), schedule.ndevices)
+        starts.append(start)
+        ends.append(end)
+    return order, starts, ends
 
 
 class _Step(NamedTuple):
@@ -118,29 +155,33 @@ def _play_order(schedule: PipelineSchedule) -> tuple[_Step, ...]:
     many costs). ``DeadlockError`` where no device can go on."""
     queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
     done: dict[Block, int] = {}                # block -> its place in the order
-    sends = _blocks_sending_away(schedule)
-    order: list[_Step] = []
+    needs: dict[Block, tuple[tuple[int, ...], tuple[Block, ...]]] = {}   # block -> its devices, its inputs
 
     def ready(block: Block) -> bool:
-        devices = schedule.devices_of(block.stage, block.micro)
+        if block not in needs:
+            needs[block] = (schedule.devices_of(block.stage, block.micro), schedule.dependencies(block))
+        devices, inputs = needs[block]
         return (all(queues[d] and queues[d][0] == block for d in devices)
-                and all(dep in done for dep in schedule.dependencies(block)))
+                and all(dep in done for dep in inputs))
 
+    played: list[Block] = []
     while any(queues):
         progressed = False
         for device in range(schedule.ndevices):
             while queues[device] and ready(queues[device][0]):
                 block = queues[device][0]
-                inputs = tuple((done[dep], _crosses(schedule, dep, block)) for dep in schedule.dependencies(block))
-                devices = schedule.devices_of(block.stage, block.micro)
-                order.append(_Step(block, devices, inputs, any(far for _, far in inputs), block in sends))
-                for d in devices:
+                for d in needs[block][0]:
                     queues[d].popleft()
-                done[block] = len(order) - 1
+                done[block] = len(played)
+                played.append(block)
                 progressed = True
         if not progressed:
             raise DeadlockError(_describe_deadlock(schedule, queues, done))
-    return tuple(order)
+    inputs = [tuple((done[dep], not set(needs[block][0]) <= set(needs[dep][0])) for dep in needs[block][1])
+              for block in played]
+    sends = {dep for block_inputs in inputs for dep, far in block_inputs if far}    # results that travel
+    return tuple(_Step(block, needs[block][0], block_inputs, any(far for _, far in block_inputs), i in sends)
+                 for i, (block, block_inputs) in enumerate(zip(played, inputs)))
 
 
 def _phase_costs(schedule: PipelineSchedule, forward: list[float], backward: list[float],
@@ -155,17 +196,6 @@ def _phase_costs(schedule: PipelineSchedule, forward: list[float], backward: lis
         raise ValueError(f"weight_costs={weight} exceed backward_costs={backward}: the weight gradients are "
                          "part of the backward; give each stage's W no more than its backward.")
     return {"F": forward, "B": [b - w for b, w in zip(backward, weight)], "W": weight}
-
-
-def _crosses(schedule: PipelineSchedule, dep: Block, block: Block) -> bool:
-    """Whether ``block`` runs on a device that did not run ``dep``, so ``dep``'s result travels."""
-    return not set(schedule.devices_of(block.stage, block.micro)) <= set(schedule.devices_of(dep.stage, dep.micro))
-
-
-def _blocks_sending_away(schedule: PipelineSchedule) -> set[Block]:
-    """The blocks whose result some block on another device depends on."""
-    return {dep for device in range(schedule.ndevices) for block in schedule.blocks_of(device)
-            for dep in schedule.dependencies(block) if _crosses(schedule, dep, block)}
 
 
 def _describe_deadlock(schedule: PipelineSchedule, queues: list[deque], finished: dict[Block, int]) -> str:
