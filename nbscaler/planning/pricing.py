@@ -3,7 +3,7 @@
 A configuration's full plan would cut the model into stages (``policy.staging``), replay each
 device's stages and add up their ops (``cost.timing``, ``cost.memory``). Here the stages are cut by
 ``stage_cuts`` on the full model's op FLOPs, each stage's sums are the copy's per-op facts times how
-often each op repeats in it, and the rest is ``plan.summary``'s own code: ``schedule.simulate`` for
+often each op repeats in it, and the rest is ``plan.summary``'s own code: ``schedule.simulate_totals`` for
 the pipeline, ``cost.timing.sync_time``'s and ``update_time``'s pieces for the gradient
 synchronisation and the optimizer step, ``cost.memory.weight_memory``, ``gradient_buckets`` and
 ``cost.moments`` for the memory at the peak moment, on the weights each device would store.
@@ -17,7 +17,9 @@ the configuration is worked out once: the weights each device holds and their bu
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
+import functools
 import itertools
 from typing import Any, Dict, List, Optional, Tuple, Type
 
@@ -27,26 +29,31 @@ from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn 
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import gradient_buckets, weight_memory
-from nbscaler.cost.moments import Gradients, peak_moment, step_moments
+from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
 from nbscaler.planning.layer_facts import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD,
                                            LayerFacts)
 from nbscaler.planning.stack import repeat_counts
 from nbscaler.policy.staging import stage_cuts
-from nbscaler.schedule import PipelineGeometry, simulate
+from nbscaler.schedule import PipelineGeometry, StepTotals, simulate_totals
 
 
 class Staged:
     """The full model cut into ``nstages`` stages as ``stage_by_cost`` would cut it, with each
     stage's per-op sums on each tensor-parallel index (``sums[stage][index]``, a facts vector)."""
 
-    def __init__(self, facts: LayerFacts, nstages: int):
+    def __init__(self, facts: LayerFacts, nstages: int, alike: Optional[Dict] = None):
         self.facts = facts
         # where the cuts fall and what the devices hold do not depend on the target: kept with the
         # placement's shared facts; only the sums of the ops' seconds are the target's own
         self._kept: Dict[Tuple, Any] = facts.shared.setdefault(("staged", nstages), {})
         self.cuts = self.kept(("cuts",), lambda: stage_cuts(facts.flops, facts.expansion.layer_key, nstages))
+        # what the devices hold follows from the copy's weights, where they are read and the cuts
+        # alone: ``alike`` (a sweep's) shares it between placements that agree on those (the
+        # copy traced at other micro-batch sizes)
+        self._holds: Dict[Tuple, Any] = (self._kept if alike is None else
+                                         alike.setdefault((_weights_id(facts, alike), tuple(self.cuts)), {}))
         self.sums = [[c @ m for m in facts.matrix] for c in self.kept(("counts",), lambda: self._counts(nstages))]
         for s, cut in enumerate(self.cuts, start=1):
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
@@ -57,13 +64,14 @@ class Staged:
         bounds = [0, *self.cuts, len(self.facts.expansion)]
         return [repeat_counts(self.facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
 
-    def simulated(self, schedule, forward: List[float], backward: List[float], latency: float, post: float):
-        """``schedule.simulate``'s timeline on these stage costs, once per costs: the configurations
+    def simulated(self, schedule, forward: List[float], backward: List[float], latency: float,
+                  post: float) -> StepTotals:
+        """``schedule.simulate_totals`` on these stage costs, once per costs: the configurations
         that differ only in their ZeRO stage or the target's memory play the same pipeline."""
         key = (schedule.name, schedule.nstages, schedule.nmicros, schedule.ndevices, tuple(forward),
                tuple(backward), latency, post)
         if key not in self._timelines:
-            self._timelines[key] = simulate(schedule, forward, backward, latency, post)
+            self._timelines[key] = simulate_totals(schedule, forward, backward, latency, post)
         return self._timelines[key]
 
     def stage_of(self, position: int) -> int:
@@ -72,11 +80,11 @@ class Staged:
     def weights(self, index: int, stages: Tuple[int, ...]) -> List[LocalWeight]:
         """The weights a device of tensor-parallel ``index`` holding ``stages`` stores, in the
         runtime's order, as ``cost.ranks.local_weights`` lists them for the full plan."""
-        return self.kept(("weights", index, stages), lambda: list(self._expanded(index, stages)))
+        return self.held(("weights", index, stages), lambda: list(self._expanded(index, stages)))
 
     def params(self, index: int, stages: Tuple[int, ...]) -> List[LocalWeight]:
         """The parameters among ``weights(index, stages)``."""
-        return self.kept(("params", index, stages), lambda: [w for w in self.weights(index, stages)
+        return self.held(("params", index, stages), lambda: [w for w in self.weights(index, stages)
                                                               if w.kind == "param"])
 
     def kept(self, key: Tuple, make):
@@ -85,6 +93,13 @@ class Staged:
         if key not in self._kept:
             self._kept[key] = make()
         return self._kept[key]
+
+    def held(self, key: Tuple, make):
+        """``kept`` for what depends on the weights the devices hold and not on the placement's
+        activations: ``key`` must name all it depends on beyond those weights."""
+        if key not in self._holds:
+            self._holds[key] = make()
+        return self._holds[key]
 
     def _expanded(self, index: int, stages: Tuple[int, ...]):
         """The copy's weights at full depth, those the device's ``stages`` read: each run of the
@@ -134,7 +149,7 @@ class _Device:
         pdev, index = geometry.pipeline_device(device), self.staged.facts.alike[device % geometry.tp]
         stages = tuple(geometry.schedule.stages_of(pdev))
         weights, params = self.staged.weights(index, stages), self.staged.params(index, stages)
-        partials = self.staged.kept(("partials", index, stages), lambda: sorted({p.partial_over for p in params} - {1}))
+        partials = self.staged.held(("partials", index, stages), lambda: sorted({p.partial_over for p in params} - {1}))
         links = (self.spans_nodes([device + u * cfg.plan_ngpus for u in range(cfg.units)]),
                  *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
         key = (pdev, index, links)
@@ -151,14 +166,14 @@ class _Device:
 
     def _reduced(self, index: int, stages: Tuple[int, ...], params: List[LocalWeight]):
         """``cost.timing.reduced_buckets`` of the device's parameters (the bytes ``sync_time`` reduces)."""
-        return self.staged.kept(("reduced", index, stages, self.cfg.reduce_bucket_bytes, self.precision),
+        return self.staged.held(("reduced", index, stages, self.cfg.reduce_bucket_bytes, self.precision),
                                 lambda: reduced_buckets(params, self.cfg, self.precision))
 
     def _update(self, index: int, stages: Tuple[int, ...], params: List[LocalWeight]) -> float:
         """``cost.timing.update_time`` of the device's parameters."""
         cfg = self.cfg
         zero = cfg.grid.zero_group_size if cfg.use_zero else None
-        numels = self.staged.kept(("numels", index, stages, cfg.reduce_bucket_bytes, zero),
+        numels = self.staged.held(("numels", index, stages, cfg.reduce_bucket_bytes, zero),
                                   lambda: updated_numels(params, cfg))
         return update_seconds(self.profiler, numels, params[0].dtype if params else None, self.optimizer,
                               {"lr": 1e-3, **self.kwargs}, self.precision)
@@ -166,10 +181,10 @@ class _Device:
     def _work(self, pdev: int, index: int) -> Tuple[float, float, float]:
         """Model FLOPs, hardware FLOPs and tensor-parallel seconds of a device's blocks."""
         sums = self.staged.sums
-        blocks = [(b.stage, b.phase) for b in self.geometry.schedule.blocks_of(pdev) if b.phase != "W"]
-        flops = sum(sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for s, p in blocks)
-        again = sum(sums[s][index][FLOPS_AGAIN] for s, p in blocks if p == "B")
-        tp = sum(sums[s][index][TP_FWD if p == "F" else TP_BWD] for s, p in blocks)
+        blocks = _block_counts(self.geometry.schedule, pdev)
+        flops = sum(n * sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for (s, p), n in blocks)
+        again = sum(n * sums[s][index][FLOPS_AGAIN] for (s, p), n in blocks if p == "B")
+        tp = sum(n * sums[s][index][TP_FWD if p == "F" else TP_BWD] for (s, p), n in blocks)
         return flops, flops + again, tp
 
     def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
@@ -181,16 +196,35 @@ class _Device:
         zero = (cfg.zero_stage, cfg.grid.zero_group_size) if cfg.use_zero else None
         setting = (index, stages, cfg.reduce_bucket_bytes, cfg.inference_only, zero, precision)
         kwargs = repr(sorted(self.kwargs.items()))
-        row = dict(self.staged.kept(("weight_memory", *setting, self.optimizer, kwargs),
+        row = dict(self.staged.held(("weight_memory", *setting, self.optimizer, kwargs),
                                     lambda: weight_memory(weights, cfg, self.optimizer, self.kwargs, precision)))
-        grads = Gradients(*self.staged.kept(("gradients", *setting),
-                                            lambda: gradient_buckets(weights, cfg, precision)))
+        grads = Gradients(*self.staged.held(("gradients", *setting), lambda: gradient_buckets(weights, cfg, precision)),
+                          paths=self.staged.held(("gradient paths", *setting), GradientPaths))
         saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
         # a split backward's B frees the loss's saved bytes on the last stage, unless it is the first (no data path)
         held_for_w = {s: saved[s] - (int(self.staged.sums[s][index][SAVED_TAIL]) if s > 0 else 0) for s in stages}
-        held = peak_moment(step_moments(grads, params, saved, self.geometry, device, held_for_w))
+        held = step_peak(grads, params, saved, self.geometry, device, held_for_w)
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
+
+
+def _weights_id(facts: LayerFacts, alike: Dict) -> int:
+    """A number naming the copy's weights on each tensor-parallel index, where each is read and the
+    layers' layout: the same for placements alike in all of them (``Staged``'s ``alike``)."""
+    if "weights id" not in facts.shared:
+        e = facts.expansion
+        what = (e.stack.path, e.stack.depth, e.before, e.size, e.after, tuple(tuple(ws) for ws in facts.weights))
+        ids = alike.setdefault("ids", {})
+        facts.shared["weights id"] = ids.setdefault(what, len(ids))
+    return facts.shared["weights id"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_counts(schedule, pdev: int) -> Tuple[Tuple[Tuple[int, str], int], ...]:
+    """How many ``F`` and ``B`` blocks of each stage pipeline device ``pdev`` runs (``W`` carries
+    no FLOPs of its own here: the backward's are counted at ``B``)."""
+    counts = collections.Counter((b.stage, b.phase) for b in schedule.blocks_of(pdev) if b.phase != "W")
+    return tuple(sorted(counts.items()))
 
 
 def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
@@ -211,7 +245,7 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     step, device = max((line.makespan + f[0] + f[1], d) for d, f in figures.items())
     sync, _, _, _, tp_s, _ = figures[device]
     pdev = geometry.pipeline_device(device)
-    busy = sum(b.t_end - b.t_start for b in instant.blocks if b.rank == pdev)
+    busy = instant.busy[pdev]
     job_flops = [cfg.units * sum(f[k] for f in figures.values()) for k in (2, 3)]
     job_peak = hardware.peak_flops(facts.compute_dtype) * cfg.runtime_ngpus
     tokens = facts.tokens * cfg.pipeline_nmicros * cfg.units if facts.tokens is not None else float("nan")
@@ -233,7 +267,7 @@ def pipeline_seconds(facts: LayerFacts, cfg: ComputeConfig, comm, staged: Option
 
 def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, comm, sends: bool = True):
     """Each stage's seconds on each tensor-parallel index (``seconds(stage, index)``: forward,
-    backward) and the schedule simulated on them, with the sends' latency or (``sends=False``) none."""
+    backward) and the schedule's ``StepTotals`` on them, with the sends' latency or (``sends=False``) none."""
     schedule, tp, sums = geometry.schedule, geometry.tp, staged.sums
     seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
     forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]

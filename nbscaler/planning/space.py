@@ -113,6 +113,7 @@ class PlanSpace:
         self._staged: Dict[Tuple, Staged] = {}
         self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
         self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
+        self._alike: Dict = {}                      # what devices hold, for placements alike in weights (Staged)
         self.traces = 0
         self.last_price_s = 0.0
         self.frame = self._price(progress)
@@ -224,7 +225,7 @@ class PlanSpace:
                    nstages: int) -> Staged:
         key = (*target, *self._key(micro, tp, recompute, nstages))
         if key not in self._staged:
-            self._staged[key] = Staged(facts, nstages)
+            self._staged[key] = Staged(facts, nstages, self._alike)
         return self._staged[key]
 
     def _placement(self, micro: int, tp: int, recompute: bool):
