@@ -57,15 +57,16 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
                    module_dtype: Optional[torch.dtype]):
     """The plan of the fastest configuration that fits the target (see the module docstring).
     ``dummy_args`` hold one sequence, as ``nbscaler.sweep``'s do."""
-    from nbscaler.planning.planner import plan
+    from nbscaler.planning.planner import trace_and_place
+    from nbscaler.planning.space import PlanSpace
     from nbscaler.planning.stack import one_sequence
-    from nbscaler.planning.sweep import config_of, sweep
+    from nbscaler.planning.sweep import config_of
     opts = AutodistOptions.from_config(cfg)
     hardware = opts.target(cfg)
     start, cpu = time.perf_counter(), time.process_time()
-    frame = sweep(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
-                  master_dtype=opts.master_dtype, module_dtype=module_dtype, progress=False, prune=WITHIN,
-                  **opts.autodist_space)
+    space = PlanSpace(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
+                      master_dtype=opts.master_dtype, module_dtype=module_dtype, prune=WITHIN, **opts.autodist_space)
+    frame = space.frame
     fitting = frame[frame.fits]
     if fitting.empty:
         leanest = frame.loc[frame.peak_bytes.idxmin()]
@@ -75,8 +76,9 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     best = fitting.iloc[0]
     chosen = config_of(best, hardware.ngpus, frame.attrs["stack"])
     searched = {"search_s": time.perf_counter() - start, "search_cpu_s": time.process_time() - cpu}
-    placed = plan(module, one_sequence(dummy_args, int(best.micro_batch)), BuiltinPolicy.HYBRID, chosen,
-                  module_dtype=module_dtype)
+    # the copy showed whether training and eval mode trace alike: the 80 layers are traced once
+    placed = trace_and_place(module, one_sequence(dummy_args, int(best.micro_batch)), BuiltinPolicy.HYBRID, chosen,
+                             module_dtype, modes_agree=space.modes_agree)
     placed.policy_name = str(BuiltinPolicy.AUTODIST)
     placed.compile_seconds = time.perf_counter() - start            # the search, then the whole trace
     placed.graph.meta["autodist"] = {"target": {

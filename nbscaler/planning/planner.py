@@ -276,8 +276,16 @@ def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], 
     module = build_module(module_or_module_class, module_fn, module_dtype)
     if searches_on_target(pas_policy, compute_config):     # autodist chooses the config from the module
         return plan_on_target(module, dummy_forward_args, compute_config, module_dtype)
+    return trace_and_place(module, dummy_forward_args, pas_policy, compute_config, module_dtype)
+
+
+def trace_and_place(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], pas_policy: Policy,
+                    compute_config: ComputeConfig, module_dtype: Optional[torch.dtype],
+                    modes_agree: bool = False) -> Plan:
+    """``plan`` of a built module: trace it (``trace_modes``, with its ``modes_agree``), place it
+    and record how long that took."""
     start = time.perf_counter()
-    graphs = trace_modes(module, cast_floats(dummy_forward_args, module_dtype), compute_config)
+    graphs = trace_modes(module, cast_floats(dummy_forward_args, module_dtype), compute_config, modes_agree)
     result = place(graphs, pas_policy, compute_config, module_name(type(module)))
     result.compile_seconds = time.perf_counter() - start
     return result

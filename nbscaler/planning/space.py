@@ -108,7 +108,8 @@ class PlanSpace:
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro[, tp, recompute]) -> Plan, or why not
+        self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._staged: Dict[Tuple, Staged] = {}
         self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
@@ -146,6 +147,13 @@ class PlanSpace:
     def config(self, row) -> ComputeConfig:
         """The ``ComputeConfig`` of one row of ``frame`` on the target as it stands."""
         return config_of(row, self.hardware.ngpus, self.stack.path)
+
+    @property
+    def modes_agree(self) -> bool:
+        """Whether the two-layer copy traced the same in training and eval mode (``trace_modes``
+        made one ``'any'`` graph) at every micro-batch size traced: then the full model, whose
+        layers are the copy's, does too."""
+        return bool(self._traced) and all(set(p.graphs) == {"any"} for p in self._traced.values())
 
     @property
     def dummy_args(self) -> Dict[str, Any]:
@@ -245,13 +253,13 @@ class PlanSpace:
         cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
                             pipeline_scheduler="1f1b", pas_config=pas)
         traced = self._key(micro)
-        if traced not in self._placed:
+        if traced not in self._traced:
             args = one_sequence(self._args_at(self.sequence), micro)
-            self._placed[traced] = plan(self._two, args, "hybrid", cfg, module_dtype=self.module_dtype)
+            self._traced[traced] = plan(self._two, args, "hybrid", cfg, module_dtype=self.module_dtype)
             self.traces += 1
-            placed = self._placed[traced]
+            placed = self._traced[traced]
         else:
-            placed = self._placed[traced].replan(compute_config=cfg)
+            placed = self._traced[traced].replan(compute_config=cfg)
         whole = [n for n in placed.graph.nodes if n.op == "attention" and n.placement.split is None]
         if tp > 1 and whole:
             heads = whole[0].inputs[0].shape[1]

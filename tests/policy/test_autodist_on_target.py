@@ -95,3 +95,37 @@ def test_target_keys_are_checked_with_the_fix():
 def test_a_traced_graph_cannot_be_searched_on_a_target(chosen):
     with pytest.raises(PolicyError, match="not on a traced graph"):
         chosen.replan("autodist", on_target())
+
+
+class ScaledBlock(torch.nn.Module):
+    """A GPT block whose output is scaled by ``1 - p`` in training and left as it is in eval, read off
+    ``self.training`` as Hugging Face's Llama reads its attention dropout: with ``p = 0`` both
+    modes compute the same."""
+
+    def __init__(self, block: torch.nn.Module, p: float):
+        super().__init__()
+        self.block, self.p = block, p
+
+    def forward(self, x):
+        return self.block(x) * (1.0 - (self.p if self.training else 0.0))
+
+
+def mode_reading_gpt(p: float) -> GPT:
+    model = GPT(GPT_CFG)
+    model.blocks = torch.nn.ModuleList(ScaledBlock(b, p) for b in model.blocks)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p, modes", [(0.0, {"any"}), (0.5, {"train", "eval"})])
+def test_the_full_model_is_traced_in_eval_mode_only_where_the_copy_showed_the_modes_differ(p, modes, monkeypatch):
+    from nbscaler.trace import modes as trace_modes
+    traced, trace = [], trace_modes.trace_module
+    monkeypatch.setattr(trace_modes, "trace_module",
+                        lambda module, args, mode, **kw: traced.append((len(module.blocks), mode))
+                        or trace(module, args, mode, **kw))
+    plan = nbscaler.plan(mode_reading_gpt(p), tokens(1), "autodist", on_target(), module_dtype=torch.bfloat16)
+    assert set(plan.graphs) == modes
+    full = [mode for depth, mode in traced if depth == GPT_CFG.n_layer]
+    assert full == (["train"] if p == 0.0 else ["train", "eval"])
+    assert ("eval" in [mode for depth, mode in traced if depth == 2])     # the copy was traced in both modes
