@@ -25,7 +25,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.planning.pareto import pareto_front
 from nbscaler.widgets.formats import fmt_bytes
 from nbscaler.widgets.frontend import frontend_text
-from nbscaler.widgets.palette import CAPACITY_COLOUR, rank_colour
+from nbscaler.widgets.palette import CAPACITY_COLOUR, layout_colour
 from nbscaler.widgets.svgchart import (INK, MUTED, Scale, document, element, label, legend, legend_width,
                                        nice_ticks, tooltip, x_axis, y_axis)
 
@@ -44,9 +44,14 @@ class Metric(StrEnum):
 METRIC_COLUMNS: Dict[Metric, str] = {Metric.STEP_TIME: S.STEP_TIME_S, Metric.MFU: S.MFU}
 
 
+def group_name(tp: int, pp: int) -> str:
+    """A colour group's legend name: its tensor- and pipeline-parallel sizes."""
+    return f"tp {int(tp)} x pp {int(pp)}"
+
+
 def group_of(row) -> str:
-    """A row's colour group: its tensor- and pipeline-parallel sizes."""
-    return f"tp {int(row[S.TP])} x pp {int(row[S.PP])}"
+    """A row's colour group (``group_name`` of its tp and pp)."""
+    return group_name(row[S.TP], row[S.PP])
 
 
 def describe(row) -> str:
@@ -70,8 +75,10 @@ def _mark(x: float, y: float, recompute: bool, colour: str, ring: bool, size: fl
 
 
 def _colours(frame: pd.DataFrame) -> Dict[str, str]:
-    pairs = sorted({(int(r[S.TP]), int(r[S.PP])) for _, r in frame.iterrows()})
-    return {f"tp {t} x pp {p}": rank_colour(i) for i, (t, p) in enumerate(pairs)}
+    """Each tp x pp group of ``frame`` (the legend's order) and its colour, a function of the
+    layout alone (``palette.layout_colour``): a knob that adds or drops layouts recolours none."""
+    pairs = sorted({(int(t), int(p)) for t, p in zip(frame[S.TP], frame[S.PP])})
+    return {group_name(t, p): layout_colour(t, p) for t, p in pairs}
 
 
 def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, List[float], List[float], Scale, Scale]:

@@ -12,6 +12,8 @@ from nbscaler.planning.pareto import pareto_front
 from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
+from nbscaler.widgets.palette import layout_colour
+from tests.widgets.svg import charts, hint, marks
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
 
@@ -93,3 +95,35 @@ def test_a_bad_knob_is_a_message_and_the_space_stays(explorer, knobs, message):
 def test_an_unknown_knob_says_which_knobs_there_are(explorer):
     with pytest.raises(ValueError, match="no knob stages; its knobs are hardware"):
         explorer.space.set(stages=2)
+
+
+def layout_colours(svg):
+    """The chart's legend (group -> swatch colour) and the fills its marks of each group have."""
+    (chart,) = charts(svg)
+    legend = {hint(r): r.get("fill") for r in marks(chart, "rect") if re.fullmatch(r"tp \d+ x pp \d+", hint(r))}
+    points = {}
+    for g in marks(chart, "g"):
+        if "nbs-point" in (g.get("class") or ""):
+            group = re.match(r"tp \d+ x pp \d+", hint(g)).group(0)
+            points.setdefault(group, set()).add(g[0].get("fill"))
+    return legend, points
+
+
+def test_a_layouts_colour_is_the_same_in_every_sweep_and_the_legend_agrees(explorer):
+    legend, points = layout_colours(explorer.space.chart.svg)
+    assert set(legend) == set(points) == {"tp 1 x pp 1", "tp 1 x pp 2", "tp 2 x pp 1", "tp 2 x pp 2"}
+    assert all(points[g] == {legend[g]} for g in legend) and len(set(legend.values())) == 4
+    explorer.space.set(nodes=2)       # 16 GPUs: tp 1 x pp 1 would need dp 16 of a batch of 8, and drops out
+    after, after_points = layout_colours(explorer.space.chart.svg)
+    assert explorer.error is None and set(after) == set(legend) - {"tp 1 x pp 1"}
+    assert all(after_points[g] == {after[g]} == {legend[g]} for g in after)      # nobody took its colour
+    assert after == {g: layout_colour(*map(int, re.findall(r"\d+", g))) for g in after}
+
+
+def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart():
+    sizes = [(tp, pp) for tp in (1, 2, 4, 8, 16, 32, 64) for pp in (1, 2, 4, 8, 16, 32)]
+    colours = [layout_colour(tp, pp) for tp, pp in sizes]
+    assert len(set(colours)) == len(sizes) and colours == [layout_colour(tp, pp) for tp, pp in sizes]
+    assert len({layout_colour(tp, 1) for tp in (2, 3, 4, 6, 8, 12)}) == 6             # not only powers of two
+    with pytest.raises(ValueError, match="whole numbers >= 1"):
+        layout_colour(0, 1)
