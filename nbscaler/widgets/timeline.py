@@ -109,9 +109,11 @@ class TimelineView(ChartView):
     css_class = "nbs-timeline"
 
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *, hardware: Optional[Hardware] = None,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
+                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
+                 master_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(plan, measured=measured)
-        self.hardware, self.optimizer = hardware, optimizer      # the optimizer prices the target's step
+        # the optimizer and its master copies (build_optimizer's master_dtype) price the target's step
+        self.hardware, self.optimizer, self.master_dtype = hardware, optimizer, master_dtype
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ class TimelineView(ChartView):
         line = self.plan.timeline(hardware=self.hardware)
         self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
         self.predicted_bubble_total = line.bubble_fraction
-        self.target = (self.plan.summary(self.optimizer, hardware=self.hardware)
+        self.target = (self.plan.summary(self.optimizer, hardware=self.hardware, master_dtype=self.master_dtype)
                        if self.hardware is not None else None)
         measured = self.measured.timeline
         self.measured_frame = normalized(measured) if measured is not None and len(measured) else None

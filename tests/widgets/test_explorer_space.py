@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -127,3 +128,17 @@ def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart()
     assert len({layout_colour(tp, 1) for tp in (2, 3, 4, 6, 8, 12)}) == 6             # not only powers of two
     with pytest.raises(ValueError, match="whole numbers >= 1"):
         layout_colour(0, 1)
+
+
+@pytest.mark.parametrize("precision, master", [("bf16, fp32 master", torch.float32), ("bf16, no master copy", None)])
+def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer, precision, master):
+    explorer.space.set(precision=precision)
+    frame, space = explorer.space.frame, explorer.space.space
+    explorer.space.pick(0)
+    assert explorer.error is None and space.master_dtype is master
+    timeline, memory = explorer.panes.views[ViewName.TIMELINE], explorer.panes.views[ViewName.MEMORY]
+    assert timeline.master_dtype is master and timeline.hardware is space.hardware
+    expected = explorer.plan.summary(explorer.optimizer_fn, hardware=space.hardware, master_dtype=master)
+    pd.testing.assert_frame_equal(timeline.target, expected)
+    assert timeline.target.step_time_s.max() == pytest.approx(frame.step_time_s[0], rel=1e-9)   # the space's row
+    assert memory.predicted.peak_bytes.max() == pytest.approx(frame.peak_bytes[0], rel=1e-9)

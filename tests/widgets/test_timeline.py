@@ -173,3 +173,12 @@ def test_on_a_target_the_timeline_is_the_targets_with_its_step_bubble_and_mfu(mo
     monkeypatch.undo()
     here = TimelineView(llama_pp())                            # without hardware: this machine, as before
     assert here._title() == "Timeline of one training step: pp" and "profiled" in here.assumptions
+
+
+def test_on_a_target_the_step_counts_the_master_copies_the_memory_view_counts():
+    plan, hw = gpt_on_meta_pp(), Hardware.named("H100-SXM-80GB")
+    plain = TimelineView(plan, hardware=hw, optimizer=torch.optim.AdamW)
+    master = TimelineView(plan, hardware=hw, optimizer=torch.optim.AdamW, master_dtype=torch.float64)
+    expected = plan.summary(torch.optim.AdamW, hardware=hw, master_dtype=torch.float64)
+    pd.testing.assert_frame_equal(master.target, expected)
+    assert master.target.step_time_s.max() > plain.target.step_time_s.max()    # wider copies: a slower step
