@@ -130,6 +130,32 @@ def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart()
         layout_colour(0, 1)
 
 
+def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
+    explorer.space.set(nodes=2)                    # 16 GPUs: more than the device knobs usually offer
+    frame = explorer.space.frame
+    row = next(i for i in range(len(frame)) if frame.pp[i] == 2 and frame.recompute[i])
+    chosen, placed = frame.iloc[row], []
+    explorer.controls.on_knobs = lambda: placed.append(explorer.controls.knobs())
+    explorer.space.pick(row)
+    assert explorer.error is None and placed == []                # the knobs follow quietly: no second plan
+    knobs, config = explorer.controls, explorer.plan.config
+    assert knobs.policy.value == "hybrid" and knobs.loaded.value.startswith("<small>from the space tab: tp")
+    assert (knobs.plan_ngpus.value, knobs.runtime_ngpus.value, knobs.stages.value, knobs.nmicros.value) == \
+        (chosen.tp * chosen.pp, 16, chosen.pp, chosen.micro_batches)
+    assert (knobs.use_zero.value, knobs.zero_stage.value, knobs.recompute.value) == (True, chosen.zero_stage, True)
+    said = knobs.knobs().compute_config()
+    for field in ("plan_ngpus", "runtime_ngpus", "pipeline_nstages", "pipeline_nmicros", "scheduler", "use_zero",
+                  "zero_stage", "pas_config"):
+        assert getattr(said, field) == getattr(config, field), field
+    # a knob turned next re-places the loaded plan's own trace, keeping what the knobs say
+    explorer.controls.on_knobs = explorer._knobs_changed
+    explorer.set(scheduler="gpipe")
+    assert explorer.error is None and explorer.plan.config.scheduler == "gpipe" and knobs.loaded.value == ""
+    again = explorer.plan.config
+    assert again.pas_config["recompute_modules"] == config.pas_config["recompute_modules"] == ["blocks"]
+    assert (again.plan_ngpus, again.runtime_ngpus, again.zero_stage) == (config.plan_ngpus, 16, config.zero_stage)
+
+
 @pytest.mark.parametrize("precision, master", [("bf16, fp32 master", torch.float32), ("bf16, no master copy", None)])
 def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer, precision, master):
     explorer.space.set(precision=precision)
