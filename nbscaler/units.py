@@ -29,6 +29,12 @@ def fmt_bytes(n: Any) -> str:
     return f"{n:.3g} TiB"
 
 
+def binary_unit(n: float) -> float:
+    """The binary unit (1, 1024, 1024 ** 2 ...) an axis reaching ``n`` bytes is ticked in: the
+    largest not above ``n``, so the ticks read 20, 40, 60 GiB, not 21.5, 42.9, 64.4 GB."""
+    return 1024.0 ** max(0, int(math.log(n, 1024))) if n >= 1 else 1.0
+
+
 def fmt_count(n: Any) -> str:
     """``2.1e6`` -> ``'2.1M'``."""
     if is_missing(n):

@@ -14,7 +14,6 @@ column makes) and says in a line how many ranks fit and by how much the largest 
 from __future__ import annotations
 
 import html
-import math
 from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple, Type
 
 import pandas as pd
@@ -24,16 +23,17 @@ import torch
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
 from nbscaler.widgets.base import Measured
-from nbscaler.widgets.formats import fmt_bytes
+from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
 from nbscaler.widgets.palette import (CAPACITY_COLOUR, MEMORY_COLOURS as COLOURS, MEMORY_LABELS as LABELS,
                                       OVER_CAPACITY_COLOUR)
 from nbscaler.widgets.plotting import ChartView
-from nbscaler.widgets.svgchart import Bar, BarGroup, Limit, Segment, stacked_bars_svg
+from nbscaler.widgets.svgchart import Bar, BarGroup, Limit, Segment, nice_ticks, stacked_bars_svg
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
 PREDICTED, MEASURED = "predicted", "measured"
+MEMORY_AXIS = f"memory per rank ({BINARY_BYTES})"
 
 
 def memory_gap(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
@@ -106,9 +106,23 @@ def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], tit
                                  marker=dict(color=COLOURS[kind], line=dict(width=0))))
     if hardware is not None:
         add_capacity(fig, predicted, hardware, over, paired=measured is not None)
-    fig.update_layout(barmode="stack", title=title, yaxis=dict(title="bytes", tickformat=".3s", ticksuffix="B"), height=420, template="plotly_white",
+    fig.update_layout(barmode="stack", title=title, yaxis=bytes_axis(predicted, measured, hardware), height=420,
+                      template="plotly_white",
                       margin=dict(l=60, r=20, t=60, b=60), legend=dict(orientation="h", y=-0.2))
     return fig
+
+
+def bytes_axis(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], hardware: Optional[Hardware]) -> dict:
+    """The figure's y axis in binary units, as the SVG's, the capacity line's label and the space
+    tab write bytes (``fmt_bytes``): ticks at round numbers of KiB, MiB or GiB up to the tallest bar
+    or the capacity (plotly's own ``.3s`` would write SI gigabytes beside a capacity in GiB)."""
+    totals = [frame[[k for k in map(str, MEMORY_CATEGORIES) if k in frame.columns]].sum(axis=1).max()
+              for _, frame in memory_sides(predicted, measured)]
+    tallest = max(totals + [hardware.memory_bytes if hardware is not None else 0.0])
+    unit = binary_unit(tallest)
+    ticks = [t * unit for t in nice_ticks(0.0, (tallest or 1.0) / unit)]
+    return dict(title=MEMORY_AXIS, tickvals=ticks, ticktext=[fmt_bytes(t) for t in ticks],
+                range=[0.0, ticks[-1] * 1.02])
 
 
 def bar_positions(ranks, side: str, paired: bool):
@@ -162,8 +176,7 @@ def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title:
         legend += [("does not fit (red edge)", OVER_CAPACITY_COLOUR)] if over else []
         note = capacity_note(predicted, hardware)
     tallest = max([bar.total for g in groups for bar in g.bars] + [limit.value if limit else 0.0])
-    unit = 1024.0 ** max(0, int(math.log(tallest, 1024))) if tallest >= 1 else 1.0    # ticks round in KiB, MiB, ...
-    return stacked_bars_svg(title, groups, legend, "bytes", fmt_bytes, unit, limit=limit, note=note)
+    return stacked_bars_svg(title, groups, legend, MEMORY_AXIS, fmt_bytes, binary_unit(tallest), limit=limit, note=note)
 
 
 class MemoryView(ChartView):

@@ -7,6 +7,8 @@ names here, so the two always agree.
 
 from __future__ import annotations
 
+import colorsys
+import math
 from typing import Dict, List
 
 from nbscaler.columns import SummaryColumn as C
@@ -38,3 +40,20 @@ RANK_COLOURS: List[str] = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2"
 def rank_colour(rank: int) -> str:
     """The colour of ``rank``'s line (the list repeats past eight ranks)."""
     return RANK_COLOURS[int(rank) % len(RANK_COLOURS)]
+
+
+LAYOUT_HUES: List[float] = [215.0, 30.0, 125.0, 355.0, 275.0, 50.0, 180.0]
+"""The hue (degrees) of tensor-parallel size 1, 2, 4, 8, 16, 32, 64 in the plan space."""
+
+
+def layout_colour(tp: int, pp: int) -> str:
+    """The colour of a tp x pp layout, the same in every chart whatever else it draws: the hue
+    says the tensor-parallel size (a power of two takes its own; 3, 6, 12 ... the nearest one's,
+    turned 20 degrees), the shade the pipeline stages (darkest at 1, lighter at each doubling)."""
+    if int(tp) < 1 or int(pp) < 1:
+        raise ValueError(f"layout_colour(tp={tp}, pp={pp}): both must be whole numbers >= 1.")
+    steps = math.log2(int(tp))
+    hue = LAYOUT_HUES[round(steps) % len(LAYOUT_HUES)] + (0.0 if steps.is_integer() else 20.0)
+    lightness = min(0.34 + 0.10 * math.log2(int(pp)), 0.84)
+    r, g, b = colorsys.hls_to_rgb((hue % 360.0) / 360.0, lightness, 0.70)
+    return "#{:02x}{:02x}{:02x}".format(*(round(255 * c) for c in (r, g, b)))

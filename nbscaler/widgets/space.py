@@ -13,7 +13,6 @@ browser side (``widgets/space.js``) only inserts the SVG and reports the click.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import anywidget
@@ -23,9 +22,9 @@ import traitlets
 from nbscaler.columns import StrEnum, SweepColumn as S
 from nbscaler.cost.hardware import Hardware
 from nbscaler.planning.pareto import pareto_front
-from nbscaler.widgets.formats import fmt_bytes
+from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
 from nbscaler.widgets.frontend import frontend_text
-from nbscaler.widgets.palette import CAPACITY_COLOUR, rank_colour
+from nbscaler.widgets.palette import CAPACITY_COLOUR, layout_colour
 from nbscaler.widgets.svgchart import (INK, MUTED, Scale, document, element, label, legend, legend_width,
                                        nice_ticks, tooltip, x_axis, y_axis)
 
@@ -44,9 +43,14 @@ class Metric(StrEnum):
 METRIC_COLUMNS: Dict[Metric, str] = {Metric.STEP_TIME: S.STEP_TIME_S, Metric.MFU: S.MFU}
 
 
+def group_name(tp: int, pp: int) -> str:
+    """A colour group's legend name: its tensor- and pipeline-parallel sizes."""
+    return f"tp {int(tp)} x pp {int(pp)}"
+
+
 def group_of(row) -> str:
-    """A row's colour group: its tensor- and pipeline-parallel sizes."""
-    return f"tp {int(row[S.TP])} x pp {int(row[S.PP])}"
+    """A row's colour group (``group_name`` of its tp and pp)."""
+    return group_name(row[S.TP], row[S.PP])
 
 
 def describe(row) -> str:
@@ -70,8 +74,10 @@ def _mark(x: float, y: float, recompute: bool, colour: str, ring: bool, size: fl
 
 
 def _colours(frame: pd.DataFrame) -> Dict[str, str]:
-    pairs = sorted({(int(r[S.TP]), int(r[S.PP])) for _, r in frame.iterrows()})
-    return {f"tp {t} x pp {p}": rank_colour(i) for i, (t, p) in enumerate(pairs)}
+    """Each tp x pp group of ``frame`` (the legend's order) and its colour, a function of the
+    layout alone (``palette.layout_colour``): a knob that adds or drops layouts recolours none."""
+    pairs = sorted({(int(t), int(p)) for t, p in zip(frame[S.TP], frame[S.PP])})
+    return {group_name(t, p): layout_colour(t, p) for t, p in pairs}
 
 
 def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, List[float], List[float], Scale, Scale]:
@@ -80,7 +86,7 @@ def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, L
     the y axis from 0."""
     most = float(frame[S.PEAK_BYTES].max())
     reach = max(most, capacity) if capacity <= 3 * most else most
-    unit = 1024.0 ** max(0, int(math.log(reach, 1024))) if reach >= 1 else 1.0
+    unit = binary_unit(reach)
     x_ticks = nice_ticks(0.0, reach * 1.05 / unit)
     ys = list(frame[column])
     y_ticks = nice_ticks(0.0, max(ys) * 1.08 if max(ys) > 0 else 1.0)
@@ -102,7 +108,8 @@ def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.S
     unit, x_ticks, y_ticks, to_x, to_y = _scales(frame, column, hardware.memory_bytes)
     y_title = "step time (s), lower is faster" if column == S.STEP_TIME_S else "MFU, higher is better"
     y_fmt = (lambda v: f"{v * 100:.3g}%") if column == S.MFU else (lambda v: f"{v:.3g}")
-    body = [x_axis([t * unit for t in x_ticks], to_x, TOP, HEIGHT - BOTTOM, "peak memory per GPU", fmt_bytes),
+    x_title = f"peak memory per GPU ({BINARY_BYTES})"
+    body = [x_axis([t * unit for t in x_ticks], to_x, TOP, HEIGHT - BOTTOM, x_title, fmt_bytes),
             y_axis(y_ticks, to_y, LEFT, WIDTH - RIGHT, "", y_fmt), label(10, TOP - 14, y_title, size=11, colour=MUTED)]
     capacity = f"{hardware.name} capacity {fmt_bytes(hardware.memory_bytes)}"
     if hardware.memory_bytes <= to_x.hi:

@@ -36,6 +36,22 @@ if TYPE_CHECKING:
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
 TIME_AXIS = "time in the step (ms)"
+TITLE_CHARS = 56
+"""The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
+title font (the Explorer puts the timeline beside the memory view)."""
+
+
+def wrapped_title(parts: List[str], width: int = TITLE_CHARS) -> str:
+    """The title ``" ".join(parts)`` for plotly, in lines of at most ``width`` characters
+    (``<br>`` between them): a line breaks between parts where it can (never inside "H100-SXM-80GB
+    x 16"), and a part longer than a line between its words."""
+    lines: List[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 1 + len(part) <= width:
+            lines[-1] += " " + part
+        else:
+            lines += textwrap.wrap(part, width, break_on_hyphens=False)
+    return "<br>".join(lines)
 
 
 def normalized(frame: pd.DataFrame) -> pd.DataFrame:
@@ -109,9 +125,11 @@ class TimelineView(ChartView):
     css_class = "nbs-timeline"
 
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *, hardware: Optional[Hardware] = None,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
+                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
+                 master_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(plan, measured=measured)
-        self.hardware, self.optimizer = hardware, optimizer      # the optimizer prices the target's step
+        # the optimizer and its master copies (build_optimizer's master_dtype) price the target's step
+        self.hardware, self.optimizer, self.master_dtype = hardware, optimizer, master_dtype
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
@@ -119,7 +137,7 @@ class TimelineView(ChartView):
         line = self.plan.timeline(hardware=self.hardware)
         self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
         self.predicted_bubble_total = line.bubble_fraction
-        self.target = (self.plan.summary(self.optimizer, hardware=self.hardware)
+        self.target = (self.plan.summary(self.optimizer, hardware=self.hardware, master_dtype=self.master_dtype)
                        if self.hardware is not None else None)
         measured = self.measured.timeline
         self.measured_frame = normalized(measured) if measured is not None and len(measured) else None
@@ -155,13 +173,19 @@ class TimelineView(ChartView):
             titles[1] += f" ({spans['measured'] / spans['predicted']:.2g}x the prediction)"
         return titles
 
-    def _title(self) -> str:
+    def _title_parts(self) -> List[str]:
+        """The title in the parts a line may break between: what is drawn, on a target which
+        one, and the step's figures."""
         head = f"Timeline of one training step: {self.plan.policy_name}"
         if self.target is None:
-            return head
+            return [head]
         hw = self.hardware
-        return (f"{head} on {hw.name} x {hw.ngpus}: step {fmt_seconds(self.target[str(C.STEP_TIME_S)].max())}, "
-                f"bubble {self.predicted_bubble_total:.0%}, MFU {self.target[str(C.MFU)].mean():.0%}")
+        return [head, f"on {hw.name} x {hw.ngpus}:",
+                f"step {fmt_seconds(self.target[str(C.STEP_TIME_S)].max())}, "
+                f"bubble {self.predicted_bubble_total:.0%}, MFU {self.target[str(C.MFU)].mean():.0%}"]
+
+    def _title(self) -> str:
+        return " ".join(self._title_parts())
 
     def _figure(self) -> go.Figure:
         frames, labels, titles = self._frames(), self._labels(), self._panel_titles()
@@ -175,10 +199,12 @@ class TimelineView(ChartView):
         wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
         # the assumptions sit under the time axis's title, however many lines they wrap to
         bottom = 60 + 14 * (wrapped.count("<br>") + 1)
-        height = 80 + len(frames) * (40 + 28 * len(labels)) + bottom
+        title = wrapped_title(self._title_parts())
+        top = 62 + 22 * title.count("<br>")             # the legend sits above the title's lines
+        height = top + len(frames) * (40 + 28 * len(labels)) + bottom
         fig.update_layout(barmode="overlay", height=height, template="plotly_white",
-                          title=self._title(),
-                          margin=dict(l=130, r=20, t=80, b=bottom),
+                          title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=30)),
+                          margin=dict(l=130, r=20, t=top + 18, b=bottom),
                           legend=dict(orientation="h", yref="container", y=0.995, x=1, xanchor="right", yanchor="top"))
         fig.add_annotation(text=wrapped, xref="paper", yref="paper", x=0,
                            y=0, yshift=-50, xanchor="left", yanchor="top", showarrow=False, align="left",

@@ -99,6 +99,24 @@ def test_explorer_compiles_expands_and_switches_policy_in_jupyterlab(tmp_path):
         assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]
 
 
+LEGEND_FILLS = """sel => Object.fromEntries([...document.querySelectorAll(sel + ' svg rect')]
+    .map(r => [r.querySelector('title')?.textContent ?? '', r.getAttribute('fill')])
+    .filter(([name]) => /^tp \\d+ x pp \\d+$/.test(name)))"""
+"""The space chart's legend as the page draws it: 'tp T x pp P' -> the swatch's colour."""
+
+
+def knob_text(page, name: str) -> str:
+    """What a left-hand control shows: a dropdown's chosen text, a box's value, a checkbox's tick."""
+    controls = f"{EXPLORER} .nbscaler-controls"
+    tick = page.locator(f"{controls} .widget-checkbox:has(span:text-is('{name}')) input")
+    if tick.count():
+        return str(tick.first.is_checked())
+    control = page.locator(f"{controls} .widget-inline-hbox:has(label:text-is('{name}'))").first
+    if control.locator("select").count():
+        return control.locator("select").evaluate("s => s.options[s.selectedIndex].text")
+    return control.locator("input").input_value()
+
+
 def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_path):
     write_notebook(tmp_path / "space.ipynb", "from nbscaler.widgets import Explorer\n"
                    "ex = Explorer(sweep_ranges=dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,)))\nex")
@@ -120,6 +138,8 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         assert page.locator(f"{space} .nbs-capacity").count() == 0      # a tiny GPT: the capacity is far off
         clock("swept and drawn")
         lab.screenshot("6-space-swept", EXPLORER)
+        swept = page.evaluate(LEGEND_FILLS, space)
+        assert len(swept) == 4 and len(set(swept.values())) == 4, swept
 
         nodes = page.locator(f"{space} .widget-inline-hbox:has(label:text-is('nodes')) input")
         nodes.fill("2")
@@ -129,6 +149,8 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
                          status(page)), status(page)
         page.wait_for_selector(f"{space} svg:has-text('x 2 node(s)')", timeout=WAIT_MS)
         clock("nodes 2: re-priced")
+        repriced = page.evaluate(LEGEND_FILLS, space)       # tp 1 x pp 1 drops out; the rest keep their colours
+        assert repriced == {k: v for k, v in swept.items() if k != "tp 1 x pp 1"}, (swept, repriced)
 
         page.locator(f"{space} .nbs-front-point").last.click()
         page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Loaded tp')", timeout=WAIT_MS)
@@ -137,6 +159,20 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         page.wait_for_selector(f"{memory} :text('of 16 ranks fit')", timeout=WAIT_MS)       # 2 nodes of 8, on H100
         assert "hybrid, SGD on H100-SXM-80GB" in page.locator(memory).inner_text()
         page.wait_for_selector(f"{EXPLORER} .nbscaler-pane-timeline .js-plotly-plot", timeout=WAIT_MS)
+        # the knobs read the loaded plan (tp 2 x pp 2 x dp 4 on 16 GPUs), not the tp plan they started at
+        assert (knob_text(page, "policy"), knob_text(page, "runtime devices")) == ("hybrid", "16")
+        assert (knob_text(page, "plan devices"), knob_text(page, "pipeline stages")) == ("4", "2")
+        assert knob_text(page, "ZeRO") == "True" and knob_text(page, "recompute layers") == "True"
+        assert "from the space tab: tp 2 x pp 2" in page.locator(f"{EXPLORER} .nbscaler-controls").inner_text()
+        # the timeline's title wraps inside its pane; the memory axis ticks in GiB, as its capacity line
+        timeline = f"{EXPLORER} .nbscaler-pane-timeline"
+        pane, title = page.locator(timeline).bounding_box(), page.locator(f"{timeline} .gtitle").bounding_box()
+        assert title["x"] >= pane["x"] and title["x"] + title["width"] <= pane["x"] + pane["width"], (title, pane)
+        ticks = page.locator(f"{memory} .ytick text").evaluate_all("ts => ts.map(t => t.textContent)")
+        assert ticks and all(t.endswith(" GiB") for t in ticks[1:]) and not any("GB" in t for t in ticks), ticks
+        assert page.locator(f"{memory} :text('capacity 74.5 GiB')").count() == 1
+        lab.screenshot("7a-timeline-loaded", timeline)
+        lab.screenshot("7b-memory-loaded", memory)
         page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('graph')").first.click()
         page.wait_for_selector(f"{GRAPH} svg .nbs-box", timeout=WAIT_MS)
         assert page.locator(f"{GRAPH} .nbs-pane-toggles input").count() == 1 + 16    # logical + each rank

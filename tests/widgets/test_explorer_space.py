@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -12,6 +13,8 @@ from nbscaler.planning.pareto import pareto_front
 from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
+from nbscaler.widgets.palette import layout_colour
+from tests.widgets.svg import charts, hint, marks
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
 
@@ -93,3 +96,75 @@ def test_a_bad_knob_is_a_message_and_the_space_stays(explorer, knobs, message):
 def test_an_unknown_knob_says_which_knobs_there_are(explorer):
     with pytest.raises(ValueError, match="no knob stages; its knobs are hardware"):
         explorer.space.set(stages=2)
+
+
+def layout_colours(svg):
+    """The chart's legend (group -> swatch colour) and the fills its marks of each group have."""
+    (chart,) = charts(svg)
+    legend = {hint(r): r.get("fill") for r in marks(chart, "rect") if re.fullmatch(r"tp \d+ x pp \d+", hint(r))}
+    points = {}
+    for g in marks(chart, "g"):
+        if "nbs-point" in (g.get("class") or ""):
+            group = re.match(r"tp \d+ x pp \d+", hint(g)).group(0)
+            points.setdefault(group, set()).add(g[0].get("fill"))
+    return legend, points
+
+
+def test_a_layouts_colour_is_the_same_in_every_sweep_and_the_legend_agrees(explorer):
+    legend, points = layout_colours(explorer.space.chart.svg)
+    assert set(legend) == set(points) == {"tp 1 x pp 1", "tp 1 x pp 2", "tp 2 x pp 1", "tp 2 x pp 2"}
+    assert all(points[g] == {legend[g]} for g in legend) and len(set(legend.values())) == 4
+    explorer.space.set(nodes=2)       # 16 GPUs: tp 1 x pp 1 would need dp 16 of a batch of 8, and drops out
+    after, after_points = layout_colours(explorer.space.chart.svg)
+    assert explorer.error is None and set(after) == set(legend) - {"tp 1 x pp 1"}
+    assert all(after_points[g] == {after[g]} == {legend[g]} for g in after)      # nobody took its colour
+    assert after == {g: layout_colour(*map(int, re.findall(r"\d+", g))) for g in after}
+
+
+def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart():
+    sizes = [(tp, pp) for tp in (1, 2, 4, 8, 16, 32, 64) for pp in (1, 2, 4, 8, 16, 32)]
+    colours = [layout_colour(tp, pp) for tp, pp in sizes]
+    assert len(set(colours)) == len(sizes) and colours == [layout_colour(tp, pp) for tp, pp in sizes]
+    assert len({layout_colour(tp, 1) for tp in (2, 3, 4, 6, 8, 12)}) == 6             # not only powers of two
+    with pytest.raises(ValueError, match="whole numbers >= 1"):
+        layout_colour(0, 1)
+
+
+def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
+    explorer.space.set(nodes=2)                    # 16 GPUs: more than the device knobs usually offer
+    frame = explorer.space.frame
+    row = next(i for i in range(len(frame)) if frame.pp[i] == 2 and frame.recompute[i])
+    chosen, placed = frame.iloc[row], []
+    explorer.controls.on_knobs = lambda: placed.append(explorer.controls.knobs())
+    explorer.space.pick(row)
+    assert explorer.error is None and placed == []                # the knobs follow quietly: no second plan
+    knobs, config = explorer.controls, explorer.plan.config
+    assert knobs.policy.value == "hybrid" and knobs.loaded.value.startswith("<small>from the space tab: tp")
+    assert (knobs.plan_ngpus.value, knobs.runtime_ngpus.value, knobs.stages.value, knobs.nmicros.value) == \
+        (chosen.tp * chosen.pp, 16, chosen.pp, chosen.micro_batches)
+    assert (knobs.use_zero.value, knobs.zero_stage.value, knobs.recompute.value) == (True, chosen.zero_stage, True)
+    said = knobs.knobs().compute_config()
+    for field in ("plan_ngpus", "runtime_ngpus", "pipeline_nstages", "pipeline_nmicros", "scheduler", "use_zero",
+                  "zero_stage", "pas_config"):
+        assert getattr(said, field) == getattr(config, field), field
+    # a knob turned next re-places the loaded plan's own trace, keeping what the knobs say
+    explorer.controls.on_knobs = explorer._knobs_changed
+    explorer.set(scheduler="gpipe")
+    assert explorer.error is None and explorer.plan.config.scheduler == "gpipe" and knobs.loaded.value == ""
+    again = explorer.plan.config
+    assert again.pas_config["recompute_modules"] == config.pas_config["recompute_modules"] == ["blocks"]
+    assert (again.plan_ngpus, again.runtime_ngpus, again.zero_stage) == (config.plan_ngpus, 16, config.zero_stage)
+
+
+@pytest.mark.parametrize("precision, master", [("bf16, fp32 master", torch.float32), ("bf16, no master copy", None)])
+def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer, precision, master):
+    explorer.space.set(precision=precision)
+    frame, space = explorer.space.frame, explorer.space.space
+    explorer.space.pick(0)
+    assert explorer.error is None and space.master_dtype is master
+    timeline, memory = explorer.panes.views[ViewName.TIMELINE], explorer.panes.views[ViewName.MEMORY]
+    assert timeline.master_dtype is master and timeline.hardware is space.hardware
+    expected = explorer.plan.summary(explorer.optimizer_fn, hardware=space.hardware, master_dtype=master)
+    pd.testing.assert_frame_equal(timeline.target, expected)
+    assert timeline.target.step_time_s.max() == pytest.approx(frame.step_time_s[0], rel=1e-9)   # the space's row
+    assert memory.predicted.peak_bytes.max() == pytest.approx(frame.peak_bytes[0], rel=1e-9)

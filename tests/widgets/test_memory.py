@@ -191,3 +191,22 @@ def test_the_saved_svg_draws_the_capacity_at_its_height_and_the_red_edge():
     # without hardware nothing of it is drawn
     (plain,) = charts(MemoryView(plan, optimizer=torch.optim.AdamW).notebook_html())
     assert not marks(plain, "line", "nbs-limit") and not marks(plain, "rect", "nbs-alert")
+
+
+def test_the_axis_and_the_capacity_line_read_in_one_unit_binary_bytes():
+    """plotly's own '.3s' ticks wrote 80.0GB where the capacity line said 74.5 GiB: the axis now
+    ticks round numbers of GiB, written as the line, the hover texts and the saved SVG write bytes."""
+    plan = gpt_on_meta_pp()
+    view = MemoryView(plan, optimizer=torch.optim.AdamW, hardware=H100)
+    axis = view.figure.layout.yaxis
+    assert axis.tickformat is None and axis.ticksuffix is None and "GiB = 2^30 bytes" in axis.title.text
+    assert list(axis.ticktext) == [fmt_bytes(v) for v in axis.tickvals]
+    assert all(t.endswith(" GiB") for t in axis.ticktext[1:]) and axis.ticktext[0] == "0 B"
+    assert all((v / 2 ** 30) == round(v / 2 ** 30) for v in axis.tickvals)           # whole GiB, steps of 20
+    assert axis.tickvals[-1] >= H100.memory_bytes and axis.range[1] >= axis.tickvals[-1]   # the line is on it
+    line = [a.text for a in view.figure.layout.annotations if "capacity" in a.text]
+    assert line == [f"H100-SXM-80GB capacity {fmt_bytes(H100.memory_bytes)}"] and line[0].endswith("GiB")
+    (chart,) = charts(view.notebook_html())
+    assert any("GiB = 2^30 bytes" in w for w in texts(chart))
+    small = MemoryView(llama_tp()).figure.layout.yaxis                # without a target: the unit of its bars
+    assert all(t.endswith((" KiB", " MiB")) for t in small.ticktext[1:])

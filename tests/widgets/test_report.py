@@ -160,7 +160,7 @@ def test_report_on_a_target_shows_its_summary_timeline_and_what_does_not_fit(tmp
     t4 = Hardware.named("T4")
     page = write_report(gpt_on_meta_pp(), tmp_path / "t4.html", optimizer=torch.optim.AdamW, hardware=t4).read_text()
     assert "under pp on T4 x 8" in page and external_resources(page) == []
-    assert "Timeline of one training step: pp on T4 x 8: step" in page
+    assert "Timeline of one training step: pp on T4 x 8:<br>step" in page           # the figure's title, in lines
     assert "1 of 2 ranks fit in" in page and "exceeds it by" in page
     summary = page.split("<h2>Plan</h2>", 1)[1].split("</section>", 1)[0]
     assert "<th>fits</th>" in summary and "<td>no</td>" in summary and "<td>yes</td>" in summary

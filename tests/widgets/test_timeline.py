@@ -1,5 +1,7 @@
 """TimelineView: plan.timeline() drawn per rank (and stage), beside a measured run, with bubbles."""
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -12,7 +14,7 @@ from nbscaler.widgets import Measured, TimelineView
 from nbscaler.widgets.palette import IDLE_COLOUR, PHASE_COLOURS
 from nbscaler.widgets.formats import fmt_seconds
 from nbscaler.widgets.plotting import PLOTLY_MIME, figure_spec
-from nbscaler.widgets.timeline import TIMELINE_COLUMNS, bubble_per_rank, normalized
+from nbscaler.widgets.timeline import TIMELINE_COLUMNS, TITLE_CHARS, bubble_per_rank, normalized, wrapped_title
 from tests.models import batch, build
 from tests.widgets.compiled import (gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, pipeline_config,
                                     shown_figure)
@@ -162,10 +164,11 @@ def test_on_a_target_the_timeline_is_the_targets_with_its_step_bubble_and_mfu(mo
     line = plan.timeline(hardware=hw)
     pd.testing.assert_frame_equal(view.predicted, normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS)))
     summary = plan.summary(torch.optim.AdamW, hardware=hw)
-    title = view.figure.layout.title.text
+    title = view._title()
     assert title == (f"Timeline of one training step: pp on H100-SXM-80GB x 8: "
                      f"step {fmt_seconds(summary.step_time_s.max())}, bubble {line.bubble_fraction:.0%}, "
                      f"MFU {summary.mfu.mean():.0%}")
+    assert view.figure.layout.title.text == title.replace("x 8: step", "x 8:<br>step")   # two lines in a pane
     assert summary.step_time_s.max() > line.makespan          # the step adds the optimizer to the blocks
     assert "roofline" in view.assumptions and "profiled" not in view.assumptions
     (chart,) = charts(view.notebook_html())
@@ -173,3 +176,24 @@ def test_on_a_target_the_timeline_is_the_targets_with_its_step_bubble_and_mfu(mo
     monkeypatch.undo()
     here = TimelineView(llama_pp())                            # without hardware: this machine, as before
     assert here._title() == "Timeline of one training step: pp" and "profiled" in here.assumptions
+
+
+def test_a_long_target_name_wraps_the_title_into_lines_the_narrow_pane_shows():
+    """In the Explorer the timeline has half the width: a long target's title was cut off on the right."""
+    hw = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=8), name="H100-SXM-80GB x 8 nodes, NDR InfiniBand")
+    view = TimelineView(gpt_on_meta_pp(), hardware=hw, optimizer=torch.optim.AdamW)
+    lines = view.figure.layout.title.text.split("<br>")
+    assert len(lines) >= 3 and all(len(line) <= TITLE_CHARS for line in lines), lines
+    assert " ".join(lines) == " ".join(view._title_parts())            # nothing dropped, words whole
+    assert any(line.endswith(f"on {hw.name} x 64:") for line in lines) and lines[-1].startswith("step ")
+    assert view.figure.layout.margin.t >= 22 * len(lines) + 30          # room above the plot for every line
+    assert wrapped_title(["Timeline of one training step: pp"]) == "Timeline of one training step: pp"
+
+
+def test_on_a_target_the_step_counts_the_master_copies_the_memory_view_counts():
+    plan, hw = gpt_on_meta_pp(), Hardware.named("H100-SXM-80GB")
+    plain = TimelineView(plan, hardware=hw, optimizer=torch.optim.AdamW)
+    master = TimelineView(plan, hardware=hw, optimizer=torch.optim.AdamW, master_dtype=torch.float64)
+    expected = plan.summary(torch.optim.AdamW, hardware=hw, master_dtype=torch.float64)
+    pd.testing.assert_frame_equal(master.target, expected)
+    assert master.target.step_time_s.max() > plain.target.step_time_s.max()    # wider copies: a slower step

@@ -31,7 +31,7 @@ import nbscaler
 from nbscaler.cluster import Cluster, ClusterError, RankError
 from nbscaler.columns import SweepColumn
 from nbscaler.planning import Plan
-from nbscaler.planning.stack import one_sequence
+from nbscaler.planning.stack import find_stack, one_sequence
 from nbscaler.widgets.explorer.compare import Comparison
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
 from nbscaler.widgets.explorer.knobs import Knobs
@@ -87,7 +87,7 @@ class Explorer:
         self.controls.train_button.on_click(lambda _: self.train())
         self.controls.compare_button.on_click(lambda _: self.compare())
         self.spec: ModelSpec = self._make_spec()
-        self.controls.fit_model(self.spec.end2end)
+        self._fit_controls()
         self.compiled: Optional[Plan] = None       # the last plan from a trace (Compile)
         self.plan: Optional[Plan] = None           # the plan the knobs describe now (a re-placement of it)
         self.knob_latency_s: Optional[float] = None
@@ -236,23 +236,36 @@ class Explorer:
 
     def _space_picked(self, row: pd.Series) -> None:
         """Plan the configuration of a space row (``hybrid``, its ``config_of``) and show it in every
-        pane, the timeline and memory on the space's target. A real-size model is planned as it
-        is given: build it on the meta device, and nothing is allocated."""
+        pane, the timeline and memory on the space's target with its master copies, and in the
+        knobs (quietly: the plan is drawn already). The plan becomes the compiled one, so a knob
+        turned next re-places its trace. A real-size model is planned as it is given: build it on
+        the meta device, and nothing is allocated."""
         start = time.perf_counter()
         space = self.space.space
         args = one_sequence(space.dummy_args, int(row[SweepColumn.MICRO_BATCH]))
         plan = nbscaler.plan(self.spec.module, args, "hybrid", space.config(row), module_dtype=space.module_dtype)
         self.panes.retarget(view_options(self.optimizer_fn, space.hardware, master_dtype=space.master_dtype))
         self.panes.show(plan)
-        self.plan = plan
+        self.compiled = self.plan = plan
+        self.controls.show_plan(plan.config, plan.schedule, plan.policy_name,
+                                loaded=f"<small>from the space tab: {html.escape(describe(row))}</small>")
         self._say(f"Loaded {describe(row)}; planned and drawn in {time.perf_counter() - start:.2f} s.")
 
     def _model_changed(self) -> None:
         with self._reporting("choose the model"):
             self.spec = self._make_spec()
-            self.controls.fit_model(self.spec.end2end)
+            self._fit_controls()
             self.compiled = self.plan = None
             self._say(f"Model: {self.spec.label}. Press <b>Compile</b> to trace it.")
+
+    def _fit_controls(self) -> None:
+        """Offer the knobs that apply to the model: the recompute knob recomputes its repeated
+        layers (the stack a sweep reads its depth from), where it has some."""
+        try:
+            layers = (find_stack(self.spec.module).path,)
+        except ValueError:
+            layers = ()
+        self.controls.fit_model(self.spec.end2end, layers)
 
     def _make_spec(self) -> ModelSpec:
         if self.controls.model.value == SHIPPED_GPT or self._user_spec is None:

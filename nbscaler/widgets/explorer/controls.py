@@ -6,22 +6,24 @@ handlers when a knob or the model changes or a button is pressed. Which values a
 decided by ``Knobs.compute_config()`` and the planner, not here: a bad combination is reported by
 the Explorer, with the planner's message.
 
-The knobs tell the truth: after a compile or a re-placement ``show_plan`` sets them to the plan's
-own configuration (a ``pp`` plan staged over every device reads its stage count, not the 1 that
-asked for it), and a knob that does not apply is hidden (GPT layers for your own module) or disabled
-(micro-batches and scheduler without a pipeline; every pipeline knob for a module that is not end2end;
-sequence parallel for a policy that does not read it).
+The knobs tell the truth: after a compile, a re-placement or a plan loaded from the space tab
+``show_plan`` sets them to the plan's own configuration (a ``pp`` plan staged over every device reads
+its stage count, not the 1 that asked for it; a space row reads ``hybrid`` on its devices, stages,
+micro-batches, ZeRO stage and recompute), and a knob that does not apply is hidden (GPT layers for
+your own module) or disabled (micro-batches and scheduler without a pipeline; every pipeline knob
+for a module that is not end2end; sequence parallel for a policy that does not read it; the ZeRO
+stage without ZeRO; recompute for a module without repeated layers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import html
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import ipywidgets as w
 
-from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
+from nbscaler.config import RECOMPUTE_MODULES, TRAIN_SCHEDULERS, ZERO_STAGES, ComputeConfig
 from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL
 from nbscaler.schedule import PipelineSchedule
 from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy
@@ -29,8 +31,8 @@ from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy
 DEVICE_CHOICES = [1, 2, 4, 8]
 SHIPPED_GPT = "GPT (nbscaler.models)"
 USER_MODEL = "your module"
-KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero",
-              "sequence_parallel")
+KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero", "zero_stage",
+              "recompute", "sequence_parallel")
 
 
 def _label() -> Dict[str, Any]:
@@ -62,6 +64,12 @@ class Controls:
         self.scheduler = w.Dropdown(options=list(TRAIN_SCHEDULERS), value=knobs.scheduler, description="scheduler",
                                     **_label())
         self.use_zero = w.Checkbox(value=knobs.use_zero, description="ZeRO", indent=False)
+        self.zero_stage = w.Dropdown(options=list(ZERO_STAGES), value=knobs.zero_stage, description="ZeRO stage",
+                                     **_label())
+        self.recompute = w.Checkbox(value=bool(knobs.recompute_modules), description="recompute layers",
+                                    indent=False)
+        self._recompute_modules: Tuple[str, ...] = knobs.recompute_modules   # what ticking recompute recomputes
+        self.loaded = w.HTML("")             # where the plan shown came from, when not from these knobs
         self.sequence_parallel = w.Checkbox(value=knobs.sequence_parallel, description="sequence parallel",
                                             indent=False)
         self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label())
@@ -86,8 +94,9 @@ class Controls:
             widget.observe(self._model_changed, names="value")
         self.widget = w.VBox([
             w.HTML("<b>Model</b>"), self.model, self.n_layer,
-            w.HTML("<b>Policy and compute</b>"), self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
-            self.nmicros, self.scheduler, self.use_zero, self.sequence_parallel,
+            w.HTML("<b>Policy and compute</b>"), self.loaded, self.policy, self.plan_ngpus, self.runtime_ngpus,
+            self.stages, self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.recompute,
+            self.sequence_parallel,
             self.compile_button,
             w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
             w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
@@ -99,7 +108,8 @@ class Controls:
         """The knobs as the widgets show them."""
         return Knobs(policy=self._policies[self.policy.value], plan_ngpus=self.plan_ngpus.value,
                      runtime_ngpus=self.runtime_ngpus.value, stages=self.stages.value, nmicros=self.nmicros.value,
-                     scheduler=self.scheduler.value, use_zero=self.use_zero.value, end2end=end2end,
+                     scheduler=self.scheduler.value, use_zero=self.use_zero.value, zero_stage=self.zero_stage.value,
+                     recompute_modules=self._recompute_modules if self.recompute.value else (), end2end=end2end,
                      sequence_parallel=self.sequence_parallel.value)
 
     def set(self, **values: Any) -> None:
@@ -116,24 +126,43 @@ class Controls:
         if set(values) & set(KNOB_NAMES):
             self.on_knobs()
 
-    def show_plan(self, config: ComputeConfig, schedule: Optional[PipelineSchedule]) -> None:
-        """Set the knobs to what a plan runs under, quietly (the plan is already on screen).
+    def show_plan(self, config: ComputeConfig, schedule: Optional[PipelineSchedule], policy: Optional[str] = None,
+                  loaded: str = "") -> None:
+        """Set the knobs to what a plan runs under, quietly (the plan is already on screen): no
+        ``on_knobs``, so nothing is placed again.
 
         The stage count is the plan's pipeline devices, the ``pipeline_nstages`` that rebuilds it
-        (``1f1b_plus`` runs one more stage, its shared head, on the same devices).
+        (``1f1b_plus`` runs one more stage, its shared head, on the same devices). ``policy``, when
+        the controls offer it, is set too (a plan loaded from elsewhere ran under its own); a device
+        count beyond the usual choices (16 GPUs of two nodes) is offered. ``loaded`` says where the
+        plan came from, above the knobs, until a knob turns or the next compile.
         """
+        recompute = tuple(config.pas_config.get(RECOMPUTE_MODULES) or ())
         with self._hold():
-            self.plan_ngpus.value, self.runtime_ngpus.value = config.plan_ngpus, config.runtime_ngpus
+            if policy in self._policies:
+                self.policy.value = policy
+            for knob, value in ((self.plan_ngpus, config.plan_ngpus), (self.runtime_ngpus, config.runtime_ngpus),
+                                (self.stages, schedule.ndevices if schedule is not None else 1)):
+                if value not in knob.options:
+                    knob.options = sorted({*knob.options, value})
+                knob.value = value
             self.use_zero.value = config.use_zero
+            self.zero_stage.value = config.zero_stage
+            self.recompute.value = bool(recompute)
+            self._recompute_modules = recompute or self._recompute_modules
             self.sequence_parallel.value = bool(config.pas_config.get(SEQUENCE_PARALLEL, False))
-            self.stages.value = schedule.ndevices if schedule is not None else 1
             if schedule is not None:
                 self.nmicros.value, self.scheduler.value = config.pipeline_nmicros, config.scheduler
+        self.loaded.value = loaded
         self._show_applicable()
 
-    def fit_model(self, end2end: bool) -> None:
-        """Enable the knobs that apply to the chosen model (pipelines need an end2end one)."""
+    def fit_model(self, end2end: bool, recompute_modules: Tuple[str, ...] = ()) -> None:
+        """Enable the knobs that apply to the chosen model (pipelines need an end2end one; the
+        recompute knob recomputes ``recompute_modules``, its repeated layers, and needs some)."""
         self._end2end = end2end
+        self._recompute_modules = tuple(recompute_modules)
+        with self._hold():
+            self.recompute.value = self.recompute.value and bool(recompute_modules)
         self._show_applicable()
 
     def _show_applicable(self) -> None:
@@ -144,12 +173,14 @@ class Controls:
         pipelined = self._end2end and self.knobs(self._end2end).pipelined
         self.nmicros.disabled = self.scheduler.disabled = not pipelined
         self.sequence_parallel.disabled = not self.knobs(self._end2end).sequence_parallel_applies
+        self.zero_stage.disabled = not self.use_zero.value
+        self.recompute.disabled = not self._recompute_modules
 
     def as_table(self) -> str:
         """The model and the knobs as the controls show them, as an HTML table (for the saved
         form of the Explorer); a knob that does not apply reads ``n/a``."""
         shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
-                 self.nmicros, self.scheduler, self.use_zero, self.sequence_parallel]
+                 self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.recompute, self.sequence_parallel]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
                        f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
                        for c in shown if c.layout.display != "none")
@@ -178,6 +209,7 @@ class Controls:
                 self.stages.value = 1
         self._show_applicable()
         if not self._held:
+            self.loaded.value = ""           # the plan is the knobs' own from here
             self.on_knobs()
 
     def _model_changed(self, change: Dict[str, Any]) -> None:

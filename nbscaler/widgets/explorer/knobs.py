@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Union
+from typing import Any, Callable, Dict, Tuple, Union
 
-from nbscaler.config import TRAIN_SCHEDULERS, ComputeConfig
+from nbscaler.config import RECOMPUTE_MODULES, TRAIN_SCHEDULERS, ComputeConfig
 from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES, BuiltinPolicy
 
 Policy = Union[str, Callable[..., Any]]
@@ -27,7 +27,9 @@ class Knobs:
     - ``stages``: pipeline stages; ``1`` means no pipeline unless the policy builds one, in which
       case it stages over every plan device.
     - ``nmicros``: micro-batches per training step (pipelines only).
-    - ``use_zero`` / ``zero_ngroups``: ZeRO over the data-parallel units.
+    - ``use_zero`` / ``zero_ngroups`` / ``zero_stage``: ZeRO over the data-parallel units (stage 1
+      shards the optimizer state, 2 the gradients too).
+    - ``recompute_modules``: the modules recomputed in the backward (``pas_config['recompute_modules']``).
     - ``end2end``: the module takes the batch and returns its loss (the shipped GPT does);
       pipelines need it.
     - ``sequence_parallel``: norms, dropout and residual adds on a sequence slice between the
@@ -42,6 +44,8 @@ class Knobs:
     scheduler: str = "1f1b"
     use_zero: bool = False
     zero_ngroups: int = 1
+    zero_stage: int = 1
+    recompute_modules: Tuple[str, ...] = ()
     end2end: bool = True
     sequence_parallel: bool = False
 
@@ -73,10 +77,13 @@ class Knobs:
         if self.pipelined:
             pipeline = dict(use_pipeline=True, pipeline_nmicros=self.nmicros, pipeline_scheduler=self.scheduler,
                             pipeline_nstages=self.stages if self.stages > 1 else -1)
-        pas_config = {SEQUENCE_PARALLEL: True} if self.sequence_parallel and self.sequence_parallel_applies else {}
+        pas_config: Dict[str, Any] = {SEQUENCE_PARALLEL: True} if self.sequence_parallel and \
+            self.sequence_parallel_applies else {}
+        if self.recompute_modules:
+            pas_config[RECOMPUTE_MODULES] = list(self.recompute_modules)
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, use_zero=self.use_zero,
-                             zero_ngroups=self.zero_ngroups, use_end2end=self.end2end, pas_config=pas_config,
-                             **pipeline)
+                             zero_ngroups=self.zero_ngroups, zero_stage=self.zero_stage if self.use_zero else 1,
+                             use_end2end=self.end2end, pas_config=pas_config, **pipeline)
 
     def row(self) -> Dict[str, Any]:
         """The knobs as columns of the runs table."""

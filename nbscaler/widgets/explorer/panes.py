@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Optional, Type
 
 import ipywidgets as w
+import torch
 
 from nbscaler.columns import StrEnum
 from nbscaler.cost.hardware import Hardware
@@ -46,14 +47,17 @@ def view_classes() -> Dict[ViewName, Type[View]]:
 ViewOptions = Dict[ViewName, Dict[str, Any]]
 
 
-def view_options(optimizer_fn: Any, hardware: Optional[Hardware] = None, **memory: Any) -> ViewOptions:
-    """The options views take beyond the plan: the optimizer the memory prediction assumes and, on a
-    target, the hardware the timeline and memory views draw (the timeline's step needs the optimizer);
-    ``memory`` goes to the memory view alone (``master_dtype=``, as ``plan.memory`` takes it)."""
+def view_options(optimizer_fn: Any, hardware: Optional[Hardware] = None,
+                 master_dtype: Optional[torch.dtype] = None) -> ViewOptions:
+    """The options views take beyond the plan: the optimizer the memory prediction assumes and its
+    master copies (``master_dtype``, as ``plan.memory`` and ``plan.summary`` take it) and, on a
+    target, the hardware the timeline and memory views draw. The timeline's step on a target is
+    priced with the same optimizer and master copies as the memory, so the two panes agree."""
+    optimizer = {"optimizer": optimizer_fn, "master_dtype": master_dtype}
     if hardware is None:
-        return {ViewName.MEMORY: {"optimizer": optimizer_fn, **memory}}
-    return {ViewName.MEMORY: {"optimizer": optimizer_fn, "hardware": hardware, **memory},
-            ViewName.TIMELINE: {"optimizer": optimizer_fn, "hardware": hardware}}
+        return {ViewName.MEMORY: optimizer}
+    on_target = {**optimizer, "hardware": hardware}
+    return {ViewName.MEMORY: on_target, ViewName.TIMELINE: dict(on_target)}
 
 
 def build_views(plan: Plan, measured: Optional[Measured] = None, names: Iterable[ViewName] = tuple(ViewName),
