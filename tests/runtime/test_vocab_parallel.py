@@ -79,3 +79,34 @@ def test_only_the_vocabulary_is_split_so_the_embeddings_output_is_summed_once(mo
     assert collectives[["collective", "phase"]].values.tolist() == [["all_reduce", "F"]] * len(split), collectives
     forwards = len(plan.graphs)                                   # training and evaluation
     assert plan.sources[0].count("comm.all_reduce(embedding_") == forwards * len(split)
+
+
+@pytest.mark.parametrize("policy, ngpus, config", [("tp", 2, {}), ("tp", 4, {}),
+                                                   ("hybrid", 4, dict(use_end2end=True, use_pipeline=True,
+                                                                      pipeline_nmicros=2, pipeline_nstages=2))])
+def test_a_lookup_read_whole_by_several_consumers_is_all_reduced_once(policy, ngpus, config):
+    """A post-norm model's first attention reads the embedding directly: its column-parallel
+    projection wants the partial sums whole with summed gradients (``R*``), the residual add wants
+    them whole (``R``). One all-reduce makes the whole and ``sum_grad`` marks the projection's
+    copy, rather than an all-reduce for each (a second collective of the whole activation)."""
+    plan = nbscaler.plan(build("post_norm"), batch("post_norm", 0), policy, ComputeConfig(ngpus, ngpus, **config))
+    collectives = _embedding_collectives(plan)
+    assert collectives[["collective", "phase"]].values.tolist() == [["all_reduce", "F"], ["sum_grad", "F"],
+                                                                    ["all_reduce", "B"]], collectives
+    code = plan.sources[0]                                        # training and evaluation forwards
+    assert code.count("comm.all_reduce(embedding_0") == len(plan.graphs)
+    assert code.count("comm.sum_grad(embedding_0_full") == 1      # evaluation sums no gradient
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_a_lookup_read_by_several_consumers_trains_like_one_process(nranks, tmp_path):
+    """The one all-reduce of the lookup serves both consumers, forward and backward, on 1, 2 and 4
+    ranks, sequence parallelism included (its slice of the residual is then a chunk of that whole)."""
+    cases = {1: [Case("post_norm", "tp", 1, 1)],
+             2: [Case("post_norm", "tp", 2, 2), Case("post_norm", "tp", 2, 2, config=sequence_parallel())],
+             4: [Case("post_norm", "tp", 4, 4), Case("post_norm", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4)),
+                 Case("post_norm", "tp", 2, 4, config=sequence_parallel())]}[nranks]
+    per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path), timeout=600)
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
