@@ -196,14 +196,38 @@ class SectionLowering:
         if want in known:
             return known[want], None
         self.groups.add(devices)
-        have = self.have[id(t)]
-        src, steps = known[have], []
+        have, steps = self.have[id(t)], []
+        start = self._start(t, have, want)
+        if start not in known:                  # the whole tensor, made on the way and kept
+            self._convert(t, have, start, len(devices), steps)
+        src = self._convert(t, start, want, len(devices), steps)
+        frm = have if steps and steps[0].src is known[have] else start
+        return src, (Fetch(t, frm, want, devices, consumer, position, tuple(steps), region) if steps else None)
+
+    def _start(self, t: IRTensor, have: Layout, want: Layout) -> Layout:
+        """The layout ``t``'s conversion to ``want`` goes through: the whole tensor where it is made
+        already (any layout is a step without communication from it: a chunk, ``sum_grad`` or
+        ``first_only``), and for ``R*`` and ``V`` (the whole and one step more) where the way
+        from ``have`` passes through it (partial sums all-reduced). So one collective serves every
+        consumer of an embedding's partial sums, whichever of ``R``, ``R*``, ``V`` or a slice each wants."""
+        whole = Layout.replicated()
+        if whole in self.known[id(t)]:
+            return whole
+        if want.kind not in (LayoutKind.SUM_GRAD, LayoutKind.FIRST_ONLY):
+            return have
+        to_whole = conversion(have, whole)
+        return whole if conversion(have, want)[:len(to_whole)] == to_whole else have   # not a fused all_gather_sum_grad
+
+    def _convert(self, t: IRTensor, have: Layout, want: Layout, n: int, steps: List[Convert]) -> Value:
+        """``t`` in layout ``want``, converted from its value in ``have`` over ``n`` devices (the
+        steps appended to ``steps``), and kept for later consumers."""
+        src = self.known[id(t)][have]
         for step in conversion(have, want):
-            dst = Value(t, want, Origin.CONVERTED, step_shape(step, src.shape, len(devices)))
+            dst = Value(t, want, Origin.CONVERTED, step_shape(step, src.shape, n))
             steps.append(Convert(step, src, dst))
             src = dst
-        known[want] = src
-        return src, (Fetch(t, have, want, devices, consumer, position, tuple(steps), region) if steps else None)
+        self.known[id(t)][want] = src
+        return src
 
     def run(self) -> None:
         sec, R = self.sec, Layout.replicated()

@@ -4,9 +4,10 @@ After ``annotate_costs(graph)`` every node carries:
 
 =================  ==============================================================================
 ``flops_fwd``      forward FLOPs of the whole op (``node_flops``)
-``flops_bwd``      backward FLOPs: one forward's worth for each input that receives a gradient
-                   (a linear whose input and weight both need gradients costs two forwards back,
-                   its bias nothing); attention's gradients are four products, two forwards' worth
+``flops_bwd``      backward FLOPs (``backward_flops``): one forward's worth for each input that
+                   receives a gradient (a linear whose input and weight both need gradients costs
+                   two forwards back, its bias nothing); attention's gradients are four products,
+                   two forwards' worth; an embedding's a scatter-add, one addition an output element
 ``bytes_read``     bytes of the op's tensor inputs, whole
 ``bytes_written``  bytes of its tensor outputs, whole
 ``local_flops_fwd`` / ``local_flops_bwd``
@@ -22,13 +23,8 @@ The IR never imports this module: views, autodist and the Plan read the facts fr
 
 from __future__ import annotations
 
-from nbscaler.cost.flops import node_flops
+from nbscaler.cost.flops import backward_flops, node_flops
 from nbscaler.ir.graph import IRGraph, requires_grad_of
-
-#: Ops whose backward is one product per operand that takes a gradient, and how many operands
-#: they have: a linear's bias gets a sum over the output, not a product; attention's gradients are
-#: four products, two forwards' worth, whichever of q, k and v take one.
-PRODUCT_OPERANDS = {"linear": 2, "matmul": 2, "conv": 2, "attention": 3}
 
 COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd")
 
@@ -38,8 +34,7 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
     grad = requires_grad_of(graph)
     for node in graph.nodes:
         fwd = node_flops(node)
-        with_grad = sum(1 for t in node.inputs[:PRODUCT_OPERANDS.get(node.op)] if grad.get(id(t), False))
-        bwd = fwd * (min(with_grad, 2) if node.op == "attention" else with_grad)
+        bwd = backward_flops(node, fwd, lambda t: grad.get(id(t), False))
         parts = node.placement.parts if node.placement is not None else 1
         node.meta.update(
             flops_fwd=fwd, flops_bwd=bwd,

@@ -4,7 +4,9 @@ For an annotated op, every output element is computed from the product of the si
 it sums over: a linear ``'* k+, n k+ -> * n'`` costs ``2 * (* x n) * k``. Ops without a reduction
 cost one operation per output element; opaque ones cost what their inputs and outputs weigh.
 That is coarse, but it is what balancing stages needs: a matmul-heavy layer must weigh far more
-than a reshape. Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair
+than a reshape. An embedding is a gather, not a product with a one-hot matrix: its annotation sums
+over the table's rows (which is what lets a split table leave partial sums), but its forward
+computes nothing, and its backward adds each output element's gradient into a row of the table. Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair
 and head (``attention_flops``), the causal mask not subtracted, as published counts do.
 
 >>> node_flops(graph.select(op='linear')[0])              # doctest: +SKIP
@@ -14,9 +16,9 @@ and head (``attention_flops``), the causal mask not subtracted, as published cou
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
-from nbscaler.ir.graph import IRNode
+from nbscaler.ir.graph import IRNode, IRTensor
 
 
 def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> float:
@@ -25,6 +27,22 @@ def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> flo
     *lead, t, d = q
     s, e = k[-2], v[-1]
     return float(2 * math.prod(lead) * t * s * (d + e))
+
+
+#: Ops whose backward is one product per operand that takes a gradient, and how many operands
+#: they have: a linear's bias gets a sum over the output, not a product; attention's gradients are
+#: four products, two forwards' worth, whichever of q, k and v take one.
+PRODUCT_OPERANDS = {"linear": 2, "matmul": 2, "conv": 2, "attention": 3}
+
+
+def backward_flops(node: IRNode, forward: float, takes_grad: Callable[[IRTensor], bool]) -> float:
+    """Backward FLOPs of ``node``, whose forward costs ``forward``: one forward's worth for each
+    input that ``takes_grad`` (its products' operands only), two for attention; an embedding's is
+    the scatter-add of its output's gradient into the table (one addition an output element)."""
+    if node.op == "embedding":
+        return float(sum(math.prod(t.shape) for t in node.output_tensors)) if takes_grad(node.inputs[1]) else 0.0
+    with_grad = sum(1 for t in node.inputs[:PRODUCT_OPERANDS.get(node.op)] if takes_grad(t))
+    return forward * (min(with_grad, 2) if node.op == "attention" else with_grad)
 
 
 def node_flops(node: IRNode) -> float:
@@ -38,6 +56,8 @@ def shape_flops(node: IRNode, in_shapes: Sequence[Sequence[int]], out_shapes: Se
     """Forward FLOPs of ``node``'s op (not attention: ``attention_flops``) on inputs and outputs of
     the given shapes (the node's own, or one device's local ones), the sizes of its reduced axes
     read from the input that names them."""
+    if node.op == "embedding":                 # a gather: rows are copied, nothing is computed
+        return 0.0
     out_elems = sum(math.prod(s) for s in out_shapes)
     ann = node.annotation
     if ann is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -230,6 +230,16 @@ class IRGraph:
             place = f"  [{n.placement}]" if n.placement else ""
             lines.append(f"{repr(n)[7:-1]}{place}")
         return "\n".join(lines)
+
+
+def fed_by_inputs(graph: IRGraph) -> Set[int]:
+    """``id`` of every tensor computed from the forward's arguments (the data), as opposed to one
+    the model makes itself from constants, ``torch.arange`` or its buffers (positions, masks)."""
+    fed = {id(t) for t in graph.inputs}
+    for node in graph.nodes:
+        if any(id(t) in fed for t in node.inputs):
+            fed.update(id(t) for t in node.output_tensors)
+    return fed
 
 
 def requires_grad_of(graph: IRGraph) -> Dict[int, bool]:

@@ -6,8 +6,10 @@ or attended axis). The shape-only ops and the tools these use live in ``shape_ru
 
 from __future__ import annotations
 
+from typing import Set
+
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import IRNode
+from nbscaler.ir.graph import IRGraph, IRNode, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
 
 
@@ -119,6 +121,16 @@ def embedding(node: IRNode) -> OpAnnotation:
     plain = all(arg(node, i, name, default) == default for i, name, default in
                 ((2, "padding_idx", None), (3, "max_norm", None), (5, "scale_grad_by_freq", False), (6, "sparse", False)))
     return fixed("*, v+ d -> * d" if plain else "*, v^ d -> * d")(node)
+
+
+def vocabulary_lookups(graph: IRGraph) -> Set[str]:
+    """The embeddings of ``graph`` whose ids come from the data (the token ids): lookups in a
+    vocabulary, which a tensor-parallel plan splits by rows. A table the model indexes itself
+    (learned positions from ``torch.arange``, BERT's token types from a buffer) is small, and
+    splitting it too would leave a second partial sum to all-reduce where the stream starts; it
+    stays whole, as Megatron-LM keeps its position embedding."""
+    data = fed_by_inputs(graph)
+    return {n.name for n in graph.nodes if n.op == "embedding" and id(n.inputs[0]) in data}
 
 
 def vocab_parallel(node: IRNode) -> bool:

@@ -10,8 +10,10 @@
 - ``tp``: tensor parallelism in the Megatron style: weighted ops split their weights (a linear
   after a replicated input splits its output features, one after a split input splits its
   reduction axis and leaves partial sums), and other ops keep whatever split their input has.
-  Both ends of a language model split by vocabulary, as in Megatron-LM: a plain embedding by its
-  table's rows (its partial lookups all-reduced, so the residual stream starts replicated), and the
+  Both ends of a language model split by vocabulary, as in Megatron-LM: a plain embedding of the
+  token ids by its table's rows (its partial lookups all-reduced, so the residual stream starts
+  replicated; a table the model indexes itself, such as learned positions, stays whole, so that
+  one all-reduce follows the lookups, ``vocabulary_lookups``), and the
   cross-entropy by the classes the column-parallel output head leaves split
   (``nbscaler.runtime.vocab``), so the logits are never gathered.
   A fused projection whose output is cut into blocks (``q, k, v = qkv(x).split(C, dim=2)``,
@@ -40,13 +42,14 @@ plan reads: the pipeline settings and ``recompute_modules``), and refuses any ot
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 from nbscaler.blocks import Blocks, divide, units
 from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import PIPELINE_KEYS, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.ir.layer_rules import vocabulary_lookups
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS
@@ -149,12 +152,12 @@ def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, .
                      sequence: bool = False) -> IRGraph:
     """Place each node on ``devices_of(node)``, split Megatron-style where that pays; with
     ``sequence``, the ops between the linears on a slice of the sequence."""
-    fused = fused_blocks(graph)
+    fused, vocabulary = fused_blocks(graph), vocabulary_lookups(graph)
     for node, layout_of in _split_layouts(graph):
         devices = devices_of(node)
         choice = None
         if len(devices) > 1:
-            choice = _tp_choice(node, layout_of, fused, len(devices))
+            choice = _tp_choice(node, layout_of, fused, vocabulary, len(devices))
             if choice is None and sequence:
                 choice = _sequence_choice(node, layout_of, len(devices))
         if choice is None:
@@ -196,14 +199,15 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
 
-def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Blocks]]:
-    """The (dimension, blocks) to split ``node`` along, or ``None`` to replicate it."""
+def _tp_choice(node: IRNode, layout_of, fused, vocabulary: Set[str], n: int) -> Optional[Tuple[str, Blocks]]:
+    """The (dimension, blocks) to split ``node`` along, or ``None`` to replicate it;
+    ``vocabulary``: the embeddings that look up token ids (``vocabulary_lookups``)."""
     ann = node.annotation
     options = splittable(node, n)
     if not options:
         return None
     if node.op == "embedding":          # vocabulary-parallel (masked lookups, summed), or whole
-        return ("v", 1) if "v" in options else None
+        return ("v", 1) if "v" in options and node.name in vocabulary else None
     inherited = []            # (name, blocks) along which an input already arrives split
     for i, t in enumerate(node.inputs):
         lay = layout_of(t)
@@ -230,8 +234,8 @@ def _tp_choice(node: IRNode, layout_of, fused, n: int) -> Optional[Tuple[str, Bl
 def _sequence_choice(node: IRNode, layout_of, n: int) -> Optional[Tuple[str, Blocks]]:
     """Under sequence parallelism, the split of an op ``_tp_choice`` leaves whole: along the
     sequence when it reads partial sums (the residual add after a row-parallel linear, which then
-    reduce-scatters) or an embedding's output (the stream starts sliced: the lookup itself stays
-    whole, so the embedding's gradient is whole on every device and needs no all-reduce). The
+    reduce-scatters) or an embedding's output (the stream starts sliced: a vocabulary lookup's
+    partial sums reduce-scatter, a whole table's output is sliced). The
     sequence is the axis before the last (hidden) one of the op's first output, ``(B, T, C)``; ops
     without such a splittable axis stay whole, and their consumers then all-gather."""
     ann = node.annotation

@@ -48,9 +48,9 @@ def test_shared_runs_equal_each_device_replayed(recompute, monkeypatch):
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_stages_of_repeated_layers_share_one_replay_and_give_the_same_table(recompute, monkeypatch):
-    """6 layers on 4 stages of 2 devices: the middle stages (layers 2-3 and 4-5 here) differ only
+    """8 layers on 4 stages of 2 devices: the middle stages (layers 2-3 and 4-5 here) differ only
     in names, so one replay serves both, and the memory table is the one of replaying every device."""
-    plan = _plan(recompute, layers=6, stages=4)
+    plan = _plan(recompute, layers=8, stages=4)
     replays = []
     real = memory.run_local
     monkeypatch.setattr(same_sections, "run_local", lambda *a, **k: replays.append(a[0].stage) or real(*a, **k))
@@ -68,7 +68,7 @@ def test_stages_of_repeated_layers_share_one_replay_and_give_the_same_table(reco
 
 
 def test_sections_differing_beyond_names_have_different_keys():
-    plan = _plan(False, layers=6, stages=4)
+    plan = _plan(False, layers=8, stages=4)
     sections = {d: {s.stage: s for s in plan.programs.device(d).sections if s.graph is plan.graph}
                 for d in range(plan.config.plan_ngpus)}
     key = lambda d, s: same_sections.section_key(sections[d][s])[0]

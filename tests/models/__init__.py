@@ -104,6 +104,32 @@ class End2EndGPT(nn.Module):
         return self.gpt(batch)
 
 
+class PostNormLM(nn.Module):
+    """A post-norm decoder (the original Transformer's and BERT's order: add, then normalise), two
+    layers of the example GPT's attention and MLP: its first attention reads the token embedding
+    directly, beside the residual, so a vocabulary-parallel lookup's partial sums have consumers
+    that want them whole and whole with summed gradients."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, n_head: int = 4, layers: int = 2):
+        super().__init__()
+        from nbscaler.models.gpt import MLP as Feed, CausalSelfAttention, GPTConfig
+        cfg = GPTConfig(vocab_size=vocab, seq_len=8, n_layer=layers, d_model=d, n_head=n_head)
+        self.tok = nn.Embedding(vocab, d)
+        self.attn = nn.ModuleList(CausalSelfAttention(cfg) for _ in range(layers))
+        self.mlp = nn.ModuleList(Feed(cfg) for _ in range(layers))
+        self.norm1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.norm2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, batch):                    # one argument, so that pipelines take it (end2end)
+        idx, targets = batch["idx"], batch["targets"]
+        x = self.tok(idx)                                                   # (B, T, C)
+        for attn, mlp, norm1, norm2 in zip(self.attn, self.mlp, self.norm1, self.norm2):
+            x = norm1(x + attn(x))
+            x = norm2(x + mlp(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 class End2EndLlama(nn.Module):
     """The shipped Llama, small, as an end2end module: forward(batch) -> loss (4 layers, so that
     eight pipeline stages still hold half a layer each)."""
@@ -121,6 +147,9 @@ def batch(name: str, seed: int, n: int = 8):
     g = torch.Generator().manual_seed(seed)
     if name == "gpt":
         tokens = torch.randint(0, 64, (2, 9), generator=g)
+        return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
+    if name == "post_norm":
+        tokens = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
     if name == "llama_e2e":
         return {"batch": batch("llama", seed, n)}
@@ -145,7 +174,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in vision.BUILDERS:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
-            "llama_e2e": End2EndLlama,
+            "llama_e2e": End2EndLlama, "post_norm": PostNormLM,
             "user_op": UserOp, "fused_gqa": FusedGQA}[name]()
 
 

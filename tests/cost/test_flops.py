@@ -1,0 +1,40 @@
+"""FLOP counts of ops (``nbscaler.cost.flops``), on real models."""
+
+import math
+
+import pytest
+
+import nbscaler
+from nbscaler import ComputeConfig, Hardware
+from nbscaler.planning.tables import flops_per_device
+from tests.models import batch, build
+
+
+@pytest.mark.parametrize("policy, ngpus", [("dp", 1), ("tp", 2)])
+def test_an_embedding_lookup_is_a_gather_not_a_product_over_its_table(policy, ngpus):
+    """An embedding copies rows: nothing computed forward, and backward a scatter-add of its
+    output's gradient into the table (one addition an element), not the product with a one-hot
+    matrix its annotation reads as (``2 B T D V``: 4.3 TFLOP forward for one 2048-token sequence of
+    Llama-3-70B, as much as its output head, which made it the plan's heaviest op)."""
+    p = nbscaler.plan(build("hf_llama"), batch("hf_llama", 0), policy, ComputeConfig(ngpus, ngpus))
+    lookup = next(n for n in p.graph.nodes if n.op == "embedding")
+    elements = math.prod(lookup.output_tensors[0].shape)                      # B T D
+    assert (lookup.meta["flops_fwd"], lookup.meta["flops_bwd"]) == (0.0, elements)
+    assert (lookup.meta["local_flops_fwd"], lookup.meta["local_flops_bwd"]) == (0.0, elements / ngpus)
+    head = next(n for n in p.graph.nodes if n.module_path.endswith("lm_head"))
+    vocab = head.inputs[1].shape[0]
+    assert head.meta["flops_fwd"] == 2 * elements * vocab                     # the head is a product
+    heaviest = [line for line in p.explain().splitlines() if "heaviest op" in line]
+    assert heaviest and not any("embed_tokens" in line for line in heaviest)
+
+
+def test_model_flops_of_a_step_count_the_lookup_as_its_scatter_add():
+    """The summary's ``flops`` (the model FLOPs behind ``mfu``) of one device running all of a real
+    model: every op's forward and backward, the lookup adding only its ``B T D`` backward."""
+    p = nbscaler.plan(build("hf_llama"), batch("hf_llama", 0), "dp", ComputeConfig(1, 1))
+    lookup = next(n for n in p.graph.nodes if n.op == "embedding")
+    others = sum(n.meta["flops_fwd"] + n.meta["flops_bwd"] for n in p.graph.nodes if n is not lookup)
+    elements = math.prod(lookup.output_tensors[0].shape)
+    assert flops_per_device(p) == {0: others + elements}
+    summary = p.summary(hardware=Hardware.named("H100-SXM-80GB"))
+    assert summary.flops.tolist() == [others + elements]
