@@ -391,19 +391,25 @@ def test_zero1_plan_keeps_the_full_gradients_until_the_step():
     assert row["peak_bytes"] == sum(row[str(c)] for c in MEMORY_COLUMNS[1:-1])
 
 
-def test_summary_counts_the_master_copies():
+@pytest.mark.parametrize("hardware", [
+    "H100-SXM-80GB",
+    pytest.param(None, marks=pytest.mark.slow, id="here"),      # profiles every bf16 op on this CPU first
+])
+def test_summary_counts_the_master_copies(hardware):
     """``plan.summary(..., master_dtype=)`` and ``plan.memory(..., master_dtype=)`` price the bf16
     module's fp32 masters and state, as the meter counts them (the exact tests above); without
-    ``master_dtype`` the optimizer state is bf16."""
+    ``master_dtype`` the optimizer state is bf16. The memory columns are the same on a target
+    and on this machine, whose step time is profiled."""
     import nbscaler
-    from nbscaler import ComputeConfig as Config
+    from nbscaler import ComputeConfig as Config, Hardware
     from nbscaler.models.llama import Llama, LlamaConfig
     model = Llama(LlamaConfig(vocab_size=128, n_layer=2, d_model=64, n_head=4, n_kv_head=2)).to(torch.bfloat16)
     idx = torch.randint(0, 128, (4, 33))
     plan = nbscaler.plan(model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}, "dp",
                          Config(1, 1))
     n, counters = sum(p.numel() for p in model.parameters()), 4 * len(list(model.parameters()))
-    summary = plan.summary(torch.optim.AdamW, master_dtype=torch.float32).loc[0]
+    target = Hardware.named(hardware) if hardware else None
+    summary = plan.summary(torch.optim.AdamW, hardware=target, master_dtype=torch.float32).loc[0]
     memory = plan.memory(torch.optim.AdamW, master_dtype=torch.float32).loc[0]
     assert all(summary[str(c)] == memory[str(c)] for c in MEMORY_COLUMNS)
     assert (memory["param_bytes"], memory["optimizer_bytes"]) == (2 * n, (4 + 8) * n + counters)
