@@ -386,7 +386,7 @@ def test_zero1_plan_keeps_the_full_gradients_until_the_step():
     idx = torch.randint(0, 128, (4, 33))
     plan = nbscaler.plan(model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}, "dp",
                          ComputeConfig(1, 2, use_zero=True, zero_stage=1))
-    row = plan.summary(torch.optim.AdamW).loc[0]
+    row = plan.memory(torch.optim.AdamW).loc[0]
     assert row["grad_bytes"] == sum(p.numel() * 4 for p in model.parameters()) == 657664
     assert row["peak_bytes"] == sum(row[str(c)] for c in MEMORY_COLUMNS[1:-1])
 

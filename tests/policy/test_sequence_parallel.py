@@ -48,7 +48,7 @@ def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing(model, n
     classes = sp.graph.meta["module_classes"]
     norms = [n for n in sp.graph.nodes if n.op == "norm" or "Norm" in classes.get(n.module_path, "")]
     assert norms and all(n.placement.split is not None for n in norms)
-    before, after = plain.summary()["activation_bytes"], sp.summary()["activation_bytes"]
+    before, after = plain.memory()["activation_bytes"], sp.memory()["activation_bytes"]
     assert (after < before).all(), f"activation bytes per rank {list(after)} not below {list(before)}"
 
 
