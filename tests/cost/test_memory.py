@@ -151,17 +151,22 @@ def mixed(model: str, policy: str, plan: int, runtime: int, config: tuple = ()) 
     return Case(model, policy, plan, runtime, optimizer="adamw", config=config, module_dtype=BF16, master_dtype=FP32)
 
 
+def slow(case: Case):
+    """A case whose rule a test above checks on hand-made counts: measured in ``make test`` only."""
+    return pytest.param(case, marks=pytest.mark.slow, id=str(case))
+
+
 IN_PROCESS = [
     Case("mlp", "dp", 1, 1),
     Case("mlp", "dp", 1, 1, optimizer="momentum"),
     Case("llama", "dp", 1, 1, optimizer="adamw"),
     Case("cnn", "dp", 1, 1, optimizer="adam_amsgrad"),               # buffers, train/eval graphs
-    Case("gpt", "dp", 1, 1, optimizer="adamw", config=zero()),         # ZeRO with one rank
-    Case("gpt", "pp", 1, 1, config=pipeline("gpipe", 1, 3)),           # three micro-batches in flight
+    slow(Case("gpt", "dp", 1, 1, optimizer="adamw", config=zero())),   # ZeRO with one rank
+    slow(Case("gpt", "pp", 1, 1, config=pipeline("gpipe", 1, 3))),     # three micro-batches in flight
     Case("gpt", "pp", 1, 1, optimizer="momentum", config=pipeline("1f1b", 1, 3)),
-    Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks")),          # only the blocks' inputs are kept
+    slow(Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks"))),    # only the blocks' inputs are kept
     Case("gpt", "pp", 1, 1, config=pipeline("1f1b", 1, 3) + recompute("Block")),
-    Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3)),            # each W frees its forward's saves
+    slow(Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3))),      # each W frees its forward's saves
     Case("gpt", "pp", 1, 1, optimizer="adamw", config=pipeline("zbv", 2, 3)),    # both stages of a V on one rank
 ]
 
