@@ -102,6 +102,7 @@ def test_autodist_keeps_the_knob():
     assert "recomputed in the backward: gpt.blocks.1" in plan.explain()
 
 
+@pytest.mark.slow       # profiles the model on this CPU; test_autodist_keeps_the_knob and the memory tests stay fast
 def test_autodist_recomputes_the_layers_when_no_plan_fits_otherwise():
     model, args = build("gpt"), batch("gpt", 0)
     peak = lambda p: int(p.memory(torch.optim.AdamW).peak_bytes[0])
