@@ -36,7 +36,7 @@ test: setup
 	$(PYTHON) -m pytest -q tests
 
 
-# The edit-test loop: everything that runs in one process (under a minute).
+# The edit-test loop: everything that runs in one process (README.md gives its size and time).
 test-fast:
 	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook and not slow" tests
 

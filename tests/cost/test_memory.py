@@ -151,17 +151,22 @@ def mixed(model: str, policy: str, plan: int, runtime: int, config: tuple = ()) 
     return Case(model, policy, plan, runtime, optimizer="adamw", config=config, module_dtype=BF16, master_dtype=FP32)
 
 
+def slow(case: Case):
+    """A case whose rule a test above checks on hand-made counts: measured in ``make test`` only."""
+    return pytest.param(case, marks=pytest.mark.slow, id=str(case))
+
+
 IN_PROCESS = [
     Case("mlp", "dp", 1, 1),
     Case("mlp", "dp", 1, 1, optimizer="momentum"),
     Case("llama", "dp", 1, 1, optimizer="adamw"),
     Case("cnn", "dp", 1, 1, optimizer="adam_amsgrad"),               # buffers, train/eval graphs
-    Case("gpt", "dp", 1, 1, optimizer="adamw", config=zero()),         # ZeRO with one rank
-    Case("gpt", "pp", 1, 1, config=pipeline("gpipe", 1, 3)),           # three micro-batches in flight
+    slow(Case("gpt", "dp", 1, 1, optimizer="adamw", config=zero())),   # ZeRO with one rank
+    slow(Case("gpt", "pp", 1, 1, config=pipeline("gpipe", 1, 3))),     # three micro-batches in flight
     Case("gpt", "pp", 1, 1, optimizer="momentum", config=pipeline("1f1b", 1, 3)),
-    Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks")),          # only the blocks' inputs are kept
+    slow(Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks"))),    # only the blocks' inputs are kept
     Case("gpt", "pp", 1, 1, config=pipeline("1f1b", 1, 3) + recompute("Block")),
-    Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3)),            # each W frees its forward's saves
+    slow(Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3))),      # each W frees its forward's saves
     Case("gpt", "pp", 1, 1, optimizer="adamw", config=pipeline("zbv", 2, 3)),    # both stages of a V on one rank
 ]
 
@@ -386,24 +391,30 @@ def test_zero1_plan_keeps_the_full_gradients_until_the_step():
     idx = torch.randint(0, 128, (4, 33))
     plan = nbscaler.plan(model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}, "dp",
                          ComputeConfig(1, 2, use_zero=True, zero_stage=1))
-    row = plan.summary(torch.optim.AdamW).loc[0]
+    row = plan.memory(torch.optim.AdamW).loc[0]
     assert row["grad_bytes"] == sum(p.numel() * 4 for p in model.parameters()) == 657664
     assert row["peak_bytes"] == sum(row[str(c)] for c in MEMORY_COLUMNS[1:-1])
 
 
-def test_summary_counts_the_master_copies():
+@pytest.mark.parametrize("hardware", [
+    "H100-SXM-80GB",
+    pytest.param(None, marks=pytest.mark.slow, id="here"),      # profiles every bf16 op on this CPU first
+])
+def test_summary_counts_the_master_copies(hardware):
     """``plan.summary(..., master_dtype=)`` and ``plan.memory(..., master_dtype=)`` price the bf16
     module's fp32 masters and state, as the meter counts them (the exact tests above); without
-    ``master_dtype`` the optimizer state is bf16."""
+    ``master_dtype`` the optimizer state is bf16. The memory columns are the same on a target
+    and on this machine, whose step time is profiled."""
     import nbscaler
-    from nbscaler import ComputeConfig as Config
+    from nbscaler import ComputeConfig as Config, Hardware
     from nbscaler.models.llama import Llama, LlamaConfig
     model = Llama(LlamaConfig(vocab_size=128, n_layer=2, d_model=64, n_head=4, n_kv_head=2)).to(torch.bfloat16)
     idx = torch.randint(0, 128, (4, 33))
     plan = nbscaler.plan(model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}, "dp",
                          Config(1, 1))
     n, counters = sum(p.numel() for p in model.parameters()), 4 * len(list(model.parameters()))
-    summary = plan.summary(torch.optim.AdamW, master_dtype=torch.float32).loc[0]
+    target = Hardware.named(hardware) if hardware else None
+    summary = plan.summary(torch.optim.AdamW, hardware=target, master_dtype=torch.float32).loc[0]
     memory = plan.memory(torch.optim.AdamW, master_dtype=torch.float32).loc[0]
     assert all(summary[str(c)] == memory[str(c)] for c in MEMORY_COLUMNS)
     assert (memory["param_bytes"], memory["optimizer_bytes"]) == (2 * n, (4 + 8) * n + counters)

@@ -1,6 +1,8 @@
 """Large ops timed at a smaller shape and scaled (``cost.shrink``): the dimension, the factor, and
 that nothing over the budget is run at its real shape."""
 
+import functools
+
 import pytest
 import torch
 
@@ -26,10 +28,12 @@ def _ops(model, batch):
     return plan.local_runs[0][None].ops
 
 
+@functools.lru_cache(maxsize=1)
 def _llama_ops():
+    """The small Llama's ops, planned once: a tuple of frozen ``OpCall``s the tests only read."""
     torch.manual_seed(0)
     idx = torch.randint(0, 256, (2, 64))                       # 2 sequences of 64 tokens
-    return _ops(Llama(d_model=64, seq_len=64, vocab_size=256, n_head=4, n_kv_head=2), {"idx": idx, "targets": idx})
+    return tuple(_ops(Llama(d_model=64, seq_len=64, vocab_size=256, n_head=4, n_kv_head=2), {"idx": idx, "targets": idx}))
 
 
 def _op(ops, name):
@@ -96,6 +100,7 @@ def test_a_large_op_reads_its_proxys_time_times_the_factor(small_budgets, tmp_pa
 
 
 def test_a_large_view_costs_nothing_and_is_not_run(small_budgets, tmp_path, monkeypatch):
+    monkeypatch.setattr(profile.speed, "reference_s", lambda device, threads=None, budget_s=None: 1.0)
     monkeypatch.setattr(profile, "time_op", lambda op, device: pytest.fail(f"ran {op.node.name}"))
     view = next(o for o in _llama_ops() if o.node.op == "reshape" and is_large(o))
     profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")

@@ -26,9 +26,19 @@ def fresh(hardware: Hardware, seq: int = SEQ, **kw) -> pd.DataFrame:
     return nbscaler.sweep(GPT(CFG), tokens(seq), hardware, **RANGES, progress=False, **kw)
 
 
+def a100_space() -> PlanSpace:
+    return PlanSpace(GPT(CFG), tokens(), Hardware.named("A100-SXM-40GB"), global_batch=8, **RANGES)
+
+
 @pytest.fixture
 def space():
-    return PlanSpace(GPT(CFG), tokens(), Hardware.named("A100-SXM-40GB"), global_batch=8, **RANGES)
+    return a100_space()
+
+
+@pytest.fixture(scope="module")
+def kept_space():
+    """One space for the tests that only try knobs it must refuse, each leaving it as it was."""
+    return a100_space()
 
 
 def test_the_space_is_the_sweep(space):
@@ -83,8 +93,8 @@ def test_a_sequence_change_traces_again_and_turning_it_back_does_not(space):
     ({"hardware": "T4", "module_dtype": torch.bfloat16}, "no bfloat16 peak"),
     ({"stages": 2}, "no knob stages"),
 ])
-def test_a_bad_knob_says_which_and_leaves_the_space_as_it_was(space, knobs, message):
-    before, hardware = space.frame, space.hardware
+def test_a_bad_knob_says_which_and_leaves_the_space_as_it_was(kept_space, knobs, message):
+    before, hardware = kept_space.frame, kept_space.hardware
     with pytest.raises(ValueError, match=message):
-        space.set(**knobs)
-    assert space.frame is before and space.hardware is hardware and space.sequence == SEQ
+        kept_space.set(**knobs)
+    assert kept_space.frame is before and kept_space.hardware is hardware and kept_space.sequence == SEQ

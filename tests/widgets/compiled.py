@@ -1,4 +1,5 @@
-"""Plans and one-process runs the chart and report tests share (built once per test session)."""
+"""Plans and one-process runs the chart and report tests share (built once per test session; the
+run through the ``run`` fixture of ``tests/widgets/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ def llama_pp() -> Plan:
     return nbscaler.plan(build("llama"), batch("llama", 0), "pp", pipeline_config(2))
 
 
-@functools.lru_cache(maxsize=None)
 def gpt_pipeline_run(gen_dir: str) -> Tuple[Plan, pd.DataFrame, pd.DataFrame]:
     """A real one-process run: the GPT as a one-stage pipeline of 2 micro-batches, trained a step
     with AdamW, then a measured step. Returns the plan, the measured timeline and memory."""

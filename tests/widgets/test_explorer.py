@@ -157,7 +157,7 @@ def test_the_sequence_parallel_knob_applies_to_the_policies_that_read_it(explore
     sp = explorer.plan
     assert explorer.error is None and sp.config.pas_config["sequence_parallel"] is True
     assert {"reduce_scatter", "all_gather_sum_grad"} <= set(sp.collectives.collective)
-    assert (sp.summary()[C.ACTIVATION_BYTES] < plain.summary()[C.ACTIVATION_BYTES]).all()
+    assert (sp.memory()[C.ACTIVATION_BYTES] < plain.memory()[C.ACTIVATION_BYTES]).all()
     explorer.set(policy="dp", plan_ngpus=1)                       # dp does not read it: no refusal, and
     assert explorer.error is None and knobs.sequence_parallel.disabled     # the knob reads the dp plan: off
     assert "sequence_parallel" not in explorer.plan.config.pas_config and not knobs.sequence_parallel.value

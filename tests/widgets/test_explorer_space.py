@@ -19,12 +19,25 @@ from tests.widgets.svg import charts, hint, marks
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
 
 
-@pytest.fixture
-def explorer():
+def swept_explorer() -> Explorer:
     ex = Explorer(sweep_ranges=RANGES, optimizer_fn=torch.optim.AdamW)
     ex.space.set(global_batch=8)
     ex.sweep()
     assert ex.error is None, ex.error
+    return ex
+
+
+@pytest.fixture
+def explorer():
+    ex = swept_explorer()
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
+def kept_explorer():
+    """One Explorer for the tests of knobs it refuses, each leaving its space as it found it."""
+    ex = swept_explorer()
     yield ex
     ex.close()
 
@@ -84,7 +97,8 @@ def test_clicking_a_point_loads_its_plan_into_the_panes(explorer):
     ({"sequence": 0}, "sequence=0 must be a whole number of tokens"),
     ({"hardware": "T4", "precision": "bf16, fp32 master"}, "has no bfloat16 peak"),
 ])
-def test_a_bad_knob_is_a_message_and_the_space_stays(explorer, knobs, message):
+def test_a_bad_knob_is_a_message_and_the_space_stays(kept_explorer, knobs, message):
+    explorer = kept_explorer
     before = explorer.space.frame
     explorer.space.set(**knobs)
     assert "Could not re-price the space" in explorer.status.value and message in explorer.error
@@ -93,9 +107,9 @@ def test_a_bad_knob_is_a_message_and_the_space_stays(explorer, knobs, message):
     assert explorer.error is None and len(explorer.space.frame) == len(before)
 
 
-def test_an_unknown_knob_says_which_knobs_there_are(explorer):
+def test_an_unknown_knob_says_which_knobs_there_are(kept_explorer):
     with pytest.raises(ValueError, match="no knob stages; its knobs are hardware"):
-        explorer.space.set(stages=2)
+        kept_explorer.space.set(stages=2)
 
 
 def layout_colours(svg):

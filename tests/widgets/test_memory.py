@@ -12,7 +12,7 @@ from nbscaler.widgets.memory import LABELS, MEASURED, PREDICTED, capacity_note
 from nbscaler.widgets.palette import MEMORY_COLOURS, OVER_CAPACITY_COLOUR
 from nbscaler.widgets.plotting import PLOTLY_MIME
 from nbscaler.widgets.formats import fmt_bytes
-from tests.widgets.compiled import gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, shown_figure
+from tests.widgets.compiled import gpt_on_meta_pp, llama_pp, llama_tp, shown_figure
 from tests.widgets.offline import external_resources
 from tests.widgets.svg import charts, hint, marks, texts
 
@@ -31,11 +31,6 @@ def bars(view, side):
         ranks, sides = positions(trace.x)
         out.setdefault(trace.name, {}).update({r: y for r, s, y in zip(ranks, sides, trace.y) if s == side})
     return {k: v for k, v in out.items() if v}
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return gpt_pipeline_run(str(tmp_path_factory.mktemp("gen")))
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])

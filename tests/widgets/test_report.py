@@ -13,7 +13,7 @@ from nbscaler.planning import SavedPlanError, load_plan
 from nbscaler.widgets import Measured, write_report
 from nbscaler.widgets import report as report_module
 from tests.models import batch, build
-from tests.widgets.compiled import gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, pipeline_config
+from tests.widgets.compiled import gpt_on_meta_pp, llama_pp, llama_tp, pipeline_config
 from tests.widgets.browser import chromium, lab_page, screenshot, write_notebook
 from tests.widgets.offline import external_resources
 
@@ -42,8 +42,8 @@ def test_report_has_every_view_and_loads_nothing(tmp_path):
     assert html.escape(llama_tp().explain().splitlines()[0], quote=False) in why     # the policy's own words
 
 
-def test_report_of_a_run_draws_measured_data_and_losses(tmp_path):
-    plan, timeline, memory = gpt_pipeline_run(str(tmp_path / "gen"))
+def test_report_of_a_run_draws_measured_data_and_losses(tmp_path, run):
+    plan, timeline, memory = run
     losses = pd.DataFrame({"step": [0, 1, 0, 1], "rank": [0, 0, 1, 1], "loss": [4.2, 4.0, 4.2, 4.0]})
     page = write_report(plan, tmp_path / "run.html", Measured(timeline, memory, losses),
                         optimizer=torch.optim.AdamW).read_text()
@@ -99,10 +99,10 @@ def test_cli_names_the_problem(tmp_path, capsys):
 
 
 @pytest.mark.browser
-def test_report_renders_offline_in_chromium(tmp_path):
+def test_report_renders_offline_in_chromium(tmp_path, run):
     """Open the report of a measured run from disk; every chart draws, nothing is fetched, the module
     filter works, and the screenshot (kept next to the report) is not blank."""
-    plan, timeline, memory = gpt_pipeline_run(str(tmp_path / "gen"))
+    plan, timeline, memory = run
     path = write_report(plan, tmp_path / "report.html", Measured(timeline=timeline, memory=memory),
                         optimizer=torch.optim.AdamW)
     with chromium(viewport=(1300, 900)) as page:

@@ -16,8 +16,7 @@ from nbscaler.widgets.formats import fmt_seconds
 from nbscaler.widgets.plotting import PLOTLY_MIME, figure_spec
 from nbscaler.widgets.timeline import TIMELINE_COLUMNS, TITLE_CHARS, bubble_per_rank, normalized, wrapped_title
 from tests.models import batch, build
-from tests.widgets.compiled import (gpt_on_meta_pp, gpt_pipeline_run, llama_pp, llama_tp, pipeline_config,
-                                    shown_figure)
+from tests.widgets.compiled import gpt_on_meta_pp, llama_pp, llama_tp, pipeline_config, shown_figure
 from tests.widgets.offline import external_resources
 from tests.widgets.svg import charts, hint, marks, texts
 
@@ -26,11 +25,6 @@ def drawn_blocks(figure, panel_row):
     """(y label, text) of every bar drawn in one panel (1: predicted, 2: measured)."""
     axis = "y" if panel_row == 1 else f"y{panel_row}"
     return sorted((y, t) for trace in figure.data if trace.yaxis == axis for y, t in zip(trace.y, trace.text))
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return gpt_pipeline_run(str(tmp_path_factory.mktemp("gen")))
 
 
 def test_pipeline_rows_are_rank_and_stage_with_every_block():
