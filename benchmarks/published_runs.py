@@ -27,12 +27,18 @@ the run did, each with its source, not a fit to the table:
   gradients (``clip_grad_norm=True``, ``loss_scaling=True``); and it drops the attention
   probabilities with p = 0.1 (``--attention-dropout``, ``arguments.py``; ``attention_dropout=0.1``),
   one more pass over the materialised scores each way;
+- the model: Megatron-LM's GPT drops its hidden states with p = 0.1 after the attention's output
+  projection and after the MLP, before each residual add (``--hidden-dropout``, ``arguments.py``):
+  the shipped GPT is built with ``dropout=0.1`` (``PublishedRun.gpt``), a dropout kernel per branch
+  in every forward (recomputed too) and backward, its mask saved;
 - the GPU: matrix products at the A100's measured cuBLAS ceiling (``Hardware.matmul_efficiency``), at
   the clock an A100 holds under sustained load (1,305 of 1,410 MHz, ``Hardware.sustained_clock_ratio``;
   the catalogue gives its source).
 
 ``left_out`` sizes, on the same plan, what is still not modelled and has a figure: the tied
-embedding's all-reduce between the first and last stages.
+embedding's all-reduce between the first and last stages, and what Megatron-LM's fusion of each
+hidden dropout with its bias and residual add saves over the separate dropout and add kernels the
+shipped GPT's trace runs (``nbscaler.cost.roofline``).
 
 The paper does not give the micro-batch size: each candidate that divides a replica's share of the
 batch is planned and the fastest whose predicted memory fits is kept (and said).
@@ -45,9 +51,10 @@ planned from its published shape (Hugging Face ``LlamaForCausalLM`` on meta) as 
 with ZeRO over the 8 GPUs, fp32 masters, FlashAttention (PyTorch's SDPA on H100), the gradients'
 norm clipped (its configs' ``max_norm = 1.0``), priced on an H100-SXM with that memory.
 
-The shipped GPT differs from Megatron's in ways that move the figures: unfused bias and GELU, no
-dropout of its own (the attention dropout is priced from the target's software; Megatron's hidden
-dropouts, fused with the bias and the residual add, are not), an untied output layer. FSDP gathers each layer's parameters before its forward and backward, ZeRO-1 here does
+The shipped GPT differs from Megatron's in ways that move the figures: unfused bias and GELU, the
+hidden dropouts as kernels apart from the residual add (Megatron fuses the bias, the dropout and the
+add; ``left_out`` sizes the difference), the attention dropout priced from the target's software
+(the shipped GPT's attention has none), an untied output layer. FSDP gathers each layer's parameters before its forward and backward, ZeRO-1 here does
 not; both send the gradients once.
 
     python -m benchmarks.published_runs                 # writes benchmarks/results/published_runs.md
@@ -58,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +78,7 @@ from nbscaler import ComputeConfig, Hardware
 from nbscaler.config import Precision
 from nbscaler.cost.hardware import Precision as Prec
 from nbscaler.cost.nccl import NcclModel
+from nbscaler.cost.roofline import drops, memory_seconds
 from nbscaler.cost.timing import StepModel, sync_time
 from nbscaler.models.gpt import GPT, GPTConfig
 
@@ -77,6 +86,7 @@ RESULTS = Path(__file__).parent / "results" / "published_runs.md"
 VOCAB, SEQ = 51200, 2048
 MICROS = (1, 2, 4, 8, 16)
 RECIPE = Precision(torch.float32)            # fp32 masters, Adam state and gradient reduction
+HIDDEN_DROPOUT = 0.1                         # Megatron-LM's --hidden-dropout default (arguments.py)
 
 
 def megatron_2021(nodes: int) -> Hardware:
@@ -134,6 +144,13 @@ class PublishedRun:
     def hardware(self) -> Hardware:
         return megatron_2021(self.gpus // 8)
 
+    def gpt(self, vocab: Optional[int] = None, seq: Optional[int] = None) -> GPTConfig:
+        """The row's GPT as Megatron-LM built it: its hidden states dropped with p = 0.1 after the
+        attention's output projection and after the MLP (``--hidden-dropout`` defaults to 0.1 in
+        Megatron-LM's ``arguments.py``)."""
+        return GPTConfig(vocab_size=vocab or VOCAB, seq_len=seq or SEQ, n_layer=self.layers, d_model=self.hidden,
+                         n_head=self.heads, dropout=HIDDEN_DROPOUT)
+
 
 RUNS = [
     PublishedRun(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -172,9 +189,8 @@ def _tokens(micro: int) -> Dict[str, torch.Tensor]:
 def plan_run(run: PublishedRun, micro: int) -> "nbscaler.Plan":
     """The row's GPT on meta, placed as the row was run: 1F1B over the replica's micro-batches of
     ``micro`` sequences (one stage without pipeline parallelism: gradient accumulation)."""
-    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=run.layers, d_model=run.hidden, n_head=run.heads)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(run.gpt())
     cc = ComputeConfig(run.tp * run.pp, run.gpus, use_end2end=True, use_pipeline=True, pipeline_nstages=run.pp,
                        pipeline_nmicros=run.per_replica // micro, pipeline_scheduler="1f1b",
                        pas_config={"recompute_modules": ["blocks"]})
@@ -251,23 +267,35 @@ def ablation_table(rows: List[Dict[str, object]], key: str = "ablation") -> str:
     return "\n".join(lines)
 
 
+def unfused_dropout_s(plan: "nbscaler.Plan", hw: Hardware) -> float:
+    """Seconds rank 0's separate dropout and residual-add kernels spend over Megatron-LM's fused
+    bias-dropout-add (``nbscaler.cost.roofline``): the dropout's output written and read again,
+    ``2 * itemsize`` bytes an element in every forward, the recomputed ones too."""
+    blocks = plan.config.pipeline_nmicros if plan.config.use_pipeline else 1
+    run = next(iter(plan.local_runs[0].values()))
+    extra = sum(2 * math.prod(shape) * dtype.itemsize * (2 if op.recomputed else 1)
+                for op in run.ops if drops(op.node) for shape, dtype in op.out_shapes)
+    return blocks * memory_seconds(extra, hw.memory_bytes_per_s)
+
+
 def left_out(run: PublishedRun, plan: "nbscaler.Plan", step: float) -> Dict[str, float]:
-    """How much the effect the model leaves out would lengthen the step, sized on the same plan: the
-    tied embedding's all-reduce (the shipped GPT has no tied embedding to plan it from). A size, not a
-    correction applied."""
+    """How much the effects the model leaves out would lengthen (or, negative, shorten) the step, sized
+    on the same plan: the tied embedding's all-reduce (the shipped GPT has no tied embedding to plan it
+    from) and the hidden dropouts' fusion with the residual add (priced as separate kernels). Sizes,
+    not corrections applied."""
     hw = run.hardware()
     tied = 0.0
     if run.pp > 1:          # the first and last stages' copies of the tied embedding, fp32 gradients
         ends = [0, (run.pp - 1) * run.tp]                   # tp ranks adjacent, then pipeline stages
         tied = NcclModel(hw).all_reduce(VOCAB * run.hidden // run.tp * 4, 2, hw.link(ends))
-    return {"tied embedding all-reduce": tied / step}
+    return {"tied embedding all-reduce": tied / step, "bias-dropout-add fused": -unfused_dropout_s(plan, hw) / step}
 
 
 def left_out_table(rows: List[Dict[str, object]]) -> str:
     """Each left-out effect's share of the step, and the TFLOP/s and error the row would have with
     them (the step lengthened by their sum)."""
     names = list(rows[0]["left out"])
-    lines = ["| params (B) | " + " | ".join(names) + " | TFLOP/s per GPU with it | error |",
+    lines = ["| params (B) | " + " | ".join(names) + " | TFLOP/s per GPU with them | error |",
              "| --- |" + " --- |" * (len(names) + 2)]
     for r in rows:
         shares, run = r["left out"], r["run"]
@@ -394,7 +422,8 @@ source in `nbscaler/cost/hardware.py` and `nbscaler/cost/roofline.py`.
 Priced on `Hardware.named("A100-SXM-80GB")` with Megatron-LM's software of 2021
 (`attention="materialized"`, `overlap_grad_reduce=False`, the gradients' norm clipped and fp16's
 loss scaler: `clip_grad_norm=True`, `loss_scaling=True`, the attention probabilities dropped with
-p = 0.1: `attention_dropout=0.1`) and its recipe (fp32 master weights, gradients reduced in fp32,
+p = 0.1: `attention_dropout=0.1`), its GPT's hidden states dropped with p = 0.1 after the attention
+and the MLP (`GPTConfig(dropout=0.1)`) and its recipe (fp32 master weights, gradients reduced in fp32,
 fp32 Adam moments: `master_dtype=torch.float32`), its products and attention at the A100's
 sustained clock (1,305 of 1,410 MHz: the catalogue's `sustained_clock_ratio`). *TFLOP/s per GPU*
 counts the recomputed forward, as the paper does (`hfu` times the bf16 peak at the boost clock,
@@ -410,17 +439,18 @@ same plan (a negative figure: undoing it makes the step shorter, so the fact len
 """
 
 LEFT_OUT_HEADER = """What the model still leaves out and can be sized, on the same plan (the share by which it would
-lengthen the predicted step; not in the table above):
+lengthen the predicted step, or shorten it where negative; not in the table above):
 
 """
 
 MEGATRON_NOTES = """
-The 1.7B and 18.4B rows are within the 15% aimed at (+1% and +10%); the 145.6B row is not: 171
-against 148 TFLOP/s, +15.5%. Before the A100's sustained clock and Megatron-LM's attention dropout
-were priced the three were +17%, +19% and +25% (160, 160 and 185 TFLOP/s); before the run's recipe
-and software were (FlashAttention, a bf16 reduction hidden in the backward, Adam's state in bf16,
-matrix products at 80% of the peak), +53%, +27% and +23%. Each of these is a fact of the run with
-its own source, none fitted to the table:
+The three rows are within the 15% aimed at: +0.1%, +6.1% and +13.0% (137, 143 and 167 TFLOP/s
+against 137, 135 and 148). Before Megatron-LM's hidden dropouts were priced they were +1.0%, +9.8%
+and +15.5% (138, 148 and 171); before the A100's sustained clock and Megatron-LM's attention dropout
+were, +17%, +19% and +25% (160, 160 and 185 TFLOP/s); before the run's recipe and software were
+(FlashAttention, a bf16 reduction hidden in the backward, Adam's state in bf16, matrix products at
+80% of the peak), +53%, +27% and +23%. Each of these is a fact of the run with its own source, none
+fitted to the table:
 
 - **The clock under load.** The 312 TFLOP/s peak assumes the A100's 1,410 MHz boost clock; NVIDIA
   computed its HPL peak at 1,305 MHz, the clock an A100 holds at its power limit (G. Lockwood,
@@ -434,23 +464,42 @@ its own source, none fitted to the table:
   (`--attention-dropout`, `arguments.py`), a `torch.nn.Dropout` over the materialised (B, heads,
   2,048, 2,048) probabilities (`attention_dropout=0.1`): one more memory-bound pass in every
   forward (two under recomputation) and in the backward, each moving 5 bytes a score (bf16 in and
-  out, PyTorch's one-byte mask). The shipped GPT has no dropout; the target's software adds the
-  pass. It weighs most on the 1.7B row, whose micro-batch of 16 sequences holds 24 heads of
-  scores: 10% of its step. Megatron's hidden dropouts are fused with the bias and the residual add
-  (one more mask byte an element): smaller, and not priced.
+  out, PyTorch's one-byte mask). The shipped GPT's attention has no dropout; the target's software
+  adds the pass. It weighs most on the 1.7B row, whose micro-batch of 16 sequences holds 24 heads of
+  scores: 10% of its step.
+- **Hidden dropout.** Megatron-LM's GPT also drops its hidden states with p = 0.1
+  (`--hidden-dropout`, `arguments.py`) after the attention's output projection and after the MLP,
+  before each residual add. The shipped GPT is built with `dropout=0.1`, which traces an
+  `F.dropout` there; the roofline prices it as PyTorch's `native_dropout` on a GPU, one pass each
+  way moving 5 bytes an element (bf16 in and out, a one-byte mask), in every forward (two under
+  recomputation) and backward. With tensor parallelism the dropout runs on the whole hidden state on
+  every rank of the group, as Megatron-LM's did in 2021 (before sequence parallelism). It lengthens
+  the steps by 1.1%, 3.5% and 2.2% (3.60 to 3.64 s, 8.63 to 8.93 s, 21.52 to 22.00 s), most on the
+  18.4B row, whose 8 tensor-parallel ranks each drop the whole (16, 2,048, 6,144) hidden state.
+  Megatron fuses the bias, the dropout and the add into one kernel (`--bias-dropout-fusion`, on by
+  default; the paper's section 4.2); the separate kernels priced here write the dropout's output and
+  read it again, 4 bytes an element more in each forward: the last table below sizes that.
 
 The memory column counts what Megatron held: 18 bytes a parameter (bf16 weights and gradients, fp32
-master weights and Adam moments); the materialised scores and the dropout's mask, held while one
-block's recomputed forward is back-propagated, are not counted. The gradient clipping and loss
+master weights and Adam moments); the materialised scores and the dropouts' masks, held while one
+block's recomputed forward is back-propagated, are not counted, so the hidden dropouts leave it as
+it was. Without recomputation (the sweep's first rows, last section) the hidden dropouts' masks are
+held from the forward to the backward and counted as this machine's PyTorch keeps them, in the
+activations' dtype (2 bytes an element in bf16) where a GPU's `native_dropout` keeps one byte: that
+overstates those peaks, by about 4 GB of the 145.6B row's 41 GB (10 layers of two 2,048 x 12,288
+masks for each of the first stage's 8 micro-batches in flight). The gradient clipping and loss
 scaler's passes over the fp32 gradients (three and two tensors an element) weigh 0.1 to 0.6% of a
 step.
 
-The last table sizes the one effect still left out that has a figure: **the tied embedding's
+The last table sizes the two effects still left out that have a figure. **The tied embedding's
 all-reduce** between the first and last stages (p > 1 only), the fp32 gradient of the 51,200 x
-12,288 / 8 embedding between two nodes over InfiniBand. The shipped GPT has a separate output
+12,288 / 8 embedding between two nodes over InfiniBand: the shipped GPT has a separate output
 layer, whose gradient the data-parallel reduction already counts, so there is no tied weight to
-plan it from. It is 0.06% of the 145.6B row's step and leaves that row at +15.5%. Not sized, and
-each would lower the prediction further:
+plan it from; it is 0.06% of the 145.6B row's step. **The bias-dropout-add fusion**: the time rank
+0's separate dropout kernels spend writing their output for the add to read (4 bytes an element in
+each forward, the recomputed ones too), which Megatron's fused kernel does not; it would shorten
+the steps by 0.5%, 1.8% and 1.1%. With both the rows would be at +0.6%, +8.1% and +14.2%. Not
+sized, and each would lower the prediction further:
 
 - **The products at the models' own shapes.** The ceiling is the best shape of a sweep, and the
   ramp that makes small products slower is an estimate. No GPU was lent to time these models'

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 import nbscaler
-from nbscaler.models.gpt import GPT, GPTConfig
+from nbscaler.models.gpt import GPT
 
 TP, MICRO, ZERO = (1, 2, 4, 8), (1, 2, 4, 8), (0, 1)
 
@@ -30,7 +30,7 @@ TP, MICRO, ZERO = (1, 2, 4, 8), (1, 2, 4, 8), (0, 1)
 def sweep_run(run, vocab: int, seq: int) -> pd.DataFrame:
     """The sweep of one published run's GPT on its hardware and GPUs."""
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=run.layers, d_model=run.hidden, n_head=run.heads))
+        model = GPT(run.gpt(vocab, seq))         # the row's GPT as its table prices it, dropout included
     idx = torch.zeros(1, seq, dtype=torch.long)
     hardware = run.hardware()              # with the software the published run had, as its table prices it
     pp = tuple(p for p in (1, 2, 4, 8, 16) if p <= run.layers)

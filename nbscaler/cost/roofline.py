@@ -33,6 +33,16 @@ one is sourced); ``eff`` depends on the kind of op:
     its forward reads the probabilities and writes them and the mask (``DROPOUT_MASK_BYTES`` an
     element), its backward reads the gradient and the mask and writes the gradient.
     (FlashAttention drops them on chip, from a regenerated random state: no pass to price.)
+- **dropout** (``F.dropout`` in training, ``p > 0``) is PyTorch's fused ``native_dropout`` on a GPU:
+  its forward reads the input and writes the output and the mask (``DROPOUT_MASK_BYTES`` an
+  element), its backward reads the output's gradient and the mask and writes the input's gradient;
+  in eval mode or at ``p = 0`` it returns its input and costs nothing. A dropout traced before a
+  residual add is priced as its own kernel, then the add as its own: Megatron-LM fuses the bias,
+  the dropout and the add into one kernel (``--bias-dropout-fusion``, on by default; Narayanan et
+  al. 2021, section 4.2), whose forward reads the input and the residual and writes the sum and
+  the mask: the separate kernels move ``2 * itemsize`` bytes an element more in each forward (the
+  dropout's output written, then read by the add). In the backward the fused kernel's pass is the
+  dropout's: the add's gradient passes through to the residual.
 - **everything else** (elementwise, norms, softmax, losses, copies) is bound by memory: the bytes
   of its local inputs and outputs; its backward reads the output's gradient and what was saved and
   writes the inputs' gradients, twice the forward's bytes. Views (reshape, transpose, split,
@@ -71,6 +81,8 @@ import torch
 from nbscaler.cost.flops import attention_flops
 from nbscaler.cost.hardware import AttentionKind, Hardware
 from nbscaler.cost.local import OpCall
+from nbscaler.ir.graph import IRNode
+from nbscaler.ir.shape_rules import arg
 
 MATMUL_RAMP_S = 4e-6
 ATTENTION_EFFICIENCY = 0.55
@@ -83,6 +95,7 @@ FLASH_BACKWARD_FORWARDS = 2.5
 
 #: Bytes a dropout mask keeps an element: PyTorch's ``native_dropout`` saves a ``torch.bool`` mask.
 DROPOUT_MASK_BYTES = 1
+DROPOUT_TARGET = "torch.nn.functional.dropout"
 
 MATMUL_OPS = frozenset({"linear", "matmul", "conv"})
 VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
@@ -126,6 +139,18 @@ def backward_bytes(op: OpCall) -> int:
     return 2 * memory_bytes(op)
 
 
+def drops(node: IRNode) -> bool:
+    """Whether ``node`` is a dropout that drops: ``F.dropout`` in training with ``p > 0`` (otherwise it
+    returns its input, no kernel launched)."""
+    return node.target == DROPOUT_TARGET and arg(node, 2, "training", True) and arg(node, 1, "p", 0.5) > 0
+
+
+def dropout_bytes(elements: int, itemsize: int) -> int:
+    """Bytes one pass of ``native_dropout`` moves, forward or backward: a tensor of ``elements`` read and
+    one written, and the mask written (forward) or read (backward)."""
+    return elements * (2 * itemsize + DROPOUT_MASK_BYTES)
+
+
 def matmul_seconds(flops: float, peak: float, efficiency: float) -> float:
     """Seconds of one matrix product of ``flops`` on a GPU of dense ``peak`` FLOP/s whose best
     products reach ``efficiency`` of it."""
@@ -155,8 +180,12 @@ class RooflineOps:
         node = op.node
         dtype = next((d for _, d, _ in op.in_shapes if d.is_floating_point), torch.float32)
         grads = sum(1 for _, _, g in op.in_shapes if g)
-        if node.op in VIEW_OPS:
+        if node.op in VIEW_OPS or (node.target == DROPOUT_TARGET and not drops(node)):
             return 0.0, 0.0
+        if node.target == DROPOUT_TARGET:
+            (shape, out_dtype), = op.out_shapes
+            t = self._kernel(0, dropout_bytes(math.prod(shape), out_dtype.itemsize), dtype)
+            return t, (t if grads else 0.0)
         if node.op in MATMUL_OPS:             # the backward's products: one per operand with a gradient
             fwd_flops, products = node.meta["local_flops_fwd"], node.meta["flops_bwd"] / max(node.meta["flops_fwd"], 1)
             t = max(self._matmul(fwd_flops, dtype), KERNEL_FLOOR_S)
@@ -208,7 +237,7 @@ class RooflineOps:
                + self._kernel(qk, scores + k_b + q_b, dtype)                   # dQ = dS K
                + self._kernel(qk, scores + q_b + k_b, dtype))                  # dK = dS^T Q
         if self.hardware.attention_dropout > 0:
-            dropout = self._kernel(0, 2 * scores + pairs * DROPOUT_MASK_BYTES, dtype)  # P, mask -> dropped P
+            dropout = self._kernel(0, dropout_bytes(pairs, item), dtype)               # P -> dropped P, mask
             fwd, bwd = fwd + dropout, bwd + dropout                                    # dP', mask -> dP
         return fwd, bwd
 

@@ -4,6 +4,11 @@ Pre-norm transformer blocks (LayerNorm, causal self-attention, GELU MLP), learne
 embeddings, and the next-token loss computed inside ``forward`` so that the module is end2end: the
 first argument is the batch, the return value is the loss.
 
+``GPTConfig.dropout`` drops the attention projection's and the MLP's outputs before each residual
+add (nanoGPT's residual dropout, Megatron-LM's hidden dropout). At 0, the default, the blocks hold no
+dropout module at all: nothing reads ``self.training``, so the model traces once, to the same ops as
+a model without the option.
+
 >>> model = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4))
 >>> loss = model(sample_batch(model.config, batch_size=2))
 """
@@ -11,7 +16,7 @@ first argument is the batch, the return value is the loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -25,6 +30,18 @@ class GPTConfig:
     n_layer: int = 2
     d_model: int = 64
     n_head: int = 4
+    dropout: float = 0.0        # residual dropout after attention and MLP; 0 builds no dropout at all
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be a probability in [0, 1); "
+                             "0 turns it off")
+
+
+def residual_dropout(cfg: GPTConfig) -> Optional[nn.Dropout]:
+    """The dropout before a residual add, or ``None`` when ``cfg.dropout`` is 0: an ``nn.Dropout(0)``
+    would still read ``self.training`` and make the tracer trace the eval mode apart."""
+    return nn.Dropout(cfg.dropout) if cfg.dropout > 0 else None
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,6 +50,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.drop = residual_dropout(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -41,7 +59,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        y = self.proj(y.transpose(1, 2).reshape(B, T, C))                  # (B, T, C)
+        return y if self.drop is None else self.drop(y)
 
 
 class MLP(nn.Module):
@@ -49,9 +68,11 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop = residual_dropout(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        y = self.proj(F.gelu(self.fc(x)))
+        return y if self.drop is None else self.drop(y)
 
 
 class Block(nn.Module):

@@ -10,6 +10,7 @@ import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost import roofline as R
 from nbscaler.cost.flops import attention_flops
+from nbscaler.cost.local import fake_device
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
 A100 = Hardware.named("A100-SXM-40GB")
@@ -165,3 +166,35 @@ def test_clipping_and_loss_scaling_add_their_passes_over_the_gradients():
 def test_a_gpu_without_the_plans_precision_is_refused(ops):
     with pytest.raises(ValueError, match="T4.*no bfloat16"):
         R.RooflineOps(Hardware.named("T4")).time(first(ops, "linear"))
+
+
+@pytest.fixture(scope="module")
+def dropped():
+    """The fixture's GPT with Megatron-LM's hidden dropout (p = 0.1) before each residual add."""
+    cfg = GPTConfig(vocab_size=256, seq_len=T, n_layer=1, d_model=C, n_head=H, dropout=0.1)
+    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, B)}, "data", ComputeConfig(1, 1, use_end2end=True),
+                         module_dtype=torch.bfloat16)
+
+
+def test_a_residual_dropout_is_one_pass_each_way_and_costs_nothing_in_eval_mode(dropped):
+    drops = [o for o in dropped.local_runs[0][None].ops if o.node.target == R.DROPOUT_TARGET]
+    assert [o.node.module_path for o in drops] == ["blocks.0.attn.drop", "blocks.0.mlp.drop"]
+    one_pass = kernel(0, B * T * C * (2 * 2 + 1))                 # bf16 in, bf16 out, a one-byte mask
+    assert one_pass > R.KERNEL_FLOOR_S
+    for op in drops:
+        assert R.RooflineOps(A100).time(op) == (pytest.approx(one_pass, rel=1e-12), pytest.approx(one_pass, rel=1e-12))
+        evaluating = dataclasses.replace(op, node=dataclasses.replace(op.node, kwargs={**op.node.kwargs, "training": False}))
+        assert R.RooflineOps(A100).time(evaluating) == (0.0, 0.0)
+
+
+def test_a_plan_with_dropout_takes_its_passes_longer_and_saves_its_masks(dropped):
+    cfg = GPTConfig(vocab_size=256, seq_len=T, n_layer=1, d_model=C, n_head=H)
+    plain = nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, B)}, "data", ComputeConfig(1, 1, use_end2end=True),
+                          module_dtype=torch.bfloat16)
+    before, after = (p.summary(torch.optim.Adam, hardware=A100).iloc[0] for p in (plain, dropped))
+    one_pass = kernel(0, B * T * C * (2 * 2 + 1))
+    assert after.step_time_s - before.step_time_s == pytest.approx(2 * 2 * one_pass, rel=1e-9)   # 2 dropouts, F and B
+    # The mask autograd keeps: a bool on CUDA (native_dropout); the CPU's dropout keeps its scaled
+    # mask in the input's dtype (bf16 here).
+    mask = R.DROPOUT_MASK_BYTES if fake_device().type == "cuda" else 2
+    assert after.activation_bytes - before.activation_bytes == 2 * B * T * C * mask

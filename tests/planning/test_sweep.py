@@ -192,3 +192,18 @@ def test_a_prune_factor_below_one_is_refused_with_the_fix(prune):
     with pytest.raises(ValueError, match=r"prune=.*give a factor >= 1"):
         nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1,), pp=(1,),
                        micro_batch=(1,), progress=False, prune=prune)
+
+
+def test_a_row_of_a_gpt_with_dropout_is_the_full_plans_prediction():
+    """The two-layer copy traces the dropouts (and an eval graph apart): their passes and saved masks
+    price the row as they price the full plan."""
+    cfg = dataclasses.replace(GPT_CFG, dropout=0.1)
+    frame = nbscaler.sweep(GPT(cfg), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
+                           micro_batch=(2,), recompute=(False,), zero_stage=(1,), progress=False)
+    row = frame.iloc[0]
+    expected = full_plan_figures(GPT(cfg), tokens(2), row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+    plain = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
+                           micro_batch=(2,), recompute=(False,), zero_stage=(1,), progress=False).iloc[0]
+    assert row.step_time_s > plain.step_time_s and row.peak_bytes > plain.peak_bytes

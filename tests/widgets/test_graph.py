@@ -2,6 +2,7 @@
 selection, a search and an update with another policy, and that its bytes are the plan's."""
 
 import html
+import inspect
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
+from nbscaler.models import gpt
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from nbscaler.widgets import GraphView
 from nbscaler.widgets.graph import layout as layout_module
@@ -123,7 +125,8 @@ def test_selection_reveals_and_details(plan):
     details = view.widget.details
     assert "*0 *1 k+, n k+, n -&gt; *0 *1 n" in details and "split &#x27;n&#x27;" in details
     assert "(2, 16, 128)" in details and "(2, 16, 64)" in details           # global and local output shapes
-    assert "gpt.py:54" in details and "self.fc(x)" in details               # the user's source line
+    fc_line = next(i for i, text in enumerate(inspect.getsource(gpt).splitlines(), 1) if "self.fc(x)" in text)
+    assert f"gpt.py:{fc_line}" in details and "self.fc(x)" in details       # the user's source line
     for rank, text in plan.sources.items():                                  # the generated line, every rank
         line = plan.source_lines[rank][fc][-1]
         assert html.escape(text.splitlines()[line - 1].strip()) in details
