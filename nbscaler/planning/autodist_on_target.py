@@ -104,9 +104,11 @@ def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> 
 
 
 def describe(row) -> str:
-    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, ZeRO 2``."""
+    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, sequence parallel,
+    ZeRO 2``."""
     return (f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
-            f"{'recompute' if row['recompute'] else 'no recompute'}, ZeRO {row['zero_stage']}")
+            f"{'recompute' if row['recompute'] else 'no recompute'}"
+            f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
 
 
 def seconds(s: float) -> str:

@@ -54,6 +54,7 @@ class LayerFacts:
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
         self._starts: Dict[int, List[np.ndarray]] = {}
+        self._ends: Dict[int, List[np.ndarray]] = {}
         # tensor-parallel index -> the first index whose facts and weights are the same (the
         # members of a group differ only where a collective keeps another piece or first_only)
         self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
@@ -81,17 +82,37 @@ class LayerFacts:
         if place not in self._starts:
             storage, index, profiler, comm = self.replay
             span = slice(place, min(place + self.expansion.size, len(self.expansion.nodes)))
-            starts: List[np.ndarray] = []
-            for device in range(self.tp):
-                if self.alike[device] != device:         # its group's first alike device replays for it
-                    starts.append(starts[self.alike[device]])
-                    continue
-                run = self._replayed(span, device, storage)
+
+            def start(run, device: int) -> np.ndarray:
                 rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
                              self.shared["placement"].no_weight)
-                starts.append((rows - self.matrix[device])[span].sum(axis=0))
-            self._starts[place] = starts
+                return (rows - self.matrix[device])[span].sum(axis=0)
+            self._starts[place] = self._per_device(span, start)
         return self._starts[place]
+
+    def stage_end(self, cut: int) -> List[np.ndarray]:
+        """What a stage ending before full-model op ``cut`` adds to the sum of its ops' facts, per
+        tensor-parallel index: the collectives that make what it sends whole (under sequence
+        parallelism the residual stream leaves a stage as a slice of the sequence, all-gathered
+        before the send). Read off the copy's layer before the same place, replayed as a stage
+        that ends there: its collectives that feed no op of it."""
+        place = self.expansion.copy_position(cut)
+        if place not in self._ends:
+            comm = self.replay[3]
+            span = slice(max(0, place - self.expansion.size), place)
+            self._ends[place] = self._per_device(span, lambda run, device: _sent(run, comm))
+        return self._ends[place]
+
+    def _per_device(self, span: slice, read) -> List[np.ndarray]:
+        """``read(run, device)`` of each device's replay of ``span`` (``_replayed``); a device
+        alike its group's first (``alike``) takes that one's."""
+        found: List[np.ndarray] = []
+        for device in range(self.tp):
+            if self.alike[device] != device:
+                found.append(found[self.alike[device]])
+            else:
+                found.append(read(self._replayed(span, device, self.replay[0]), device))
+        return found
 
     def _replayed(self, span: slice, device: int, storage):
         """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
@@ -121,11 +142,27 @@ def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_
         row[SAVED_TAIL] += op.saved_bytes if op.node.name in no_weight else 0
     for c in run.collectives:
         row = rows[index.get(c.node, tail) if c.node is not None else tail]
-        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+        f, b = _collective_seconds(c, comm)
         row[TP_FWD] += f
-        row[TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
-            f if c.recomputed else 0.0)
+        row[TP_BWD] += b
     return np.array(rows, dtype=float).reshape(count, SAVED_TAIL + 1)
+
+
+def _collective_seconds(c, comm) -> Tuple[float, float]:
+    """A collective's forward and backward seconds (a recomputed one's forward again in the backward)."""
+    f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+    return f, comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
+
+
+def _sent(run, comm) -> np.ndarray:
+    """The facts of ``run``'s collectives that no op of it consumes (what its stage sends)."""
+    found = np.zeros(SAVED_TAIL + 1)
+    for c in run.collectives:
+        if c.node is None:
+            f, b = _collective_seconds(c, comm)
+            found[TP_FWD] += f
+            found[TP_BWD] += b
+    return found
 
 
 def read_facts(plan, stack: Stack, profiler, comm, shared: Optional[Dict] = None) -> LayerFacts:

@@ -30,13 +30,14 @@ import copy
 import dataclasses
 import itertools
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from nbscaler.columns import SweepColumn as S
+from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig, Precision, check_float_dtype
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
@@ -46,10 +47,11 @@ from nbscaler.planning.layer_facts import LayerFacts, read_facts
 from nbscaler.planning.pricing import Staged, pipeline_seconds, price
 from nbscaler.planning.prune import check_prune, pruned_rows
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
+from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.primitives import PolicyError
 
-CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.ZERO_STAGE, S.SCHEDULER,
-                  S.VIRTUAL_STAGES)
+CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL, S.ZERO_STAGE,
+                  S.SCHEDULER, S.VIRTUAL_STAGES)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
                       S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
 KNOBS = ("hardware", "nodes", "gpus_per_node", "module_dtype", "master_dtype", "global_batch", "sequence")
@@ -61,10 +63,33 @@ def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
     virtual_stages = int(row[S.VIRTUAL_STAGES])
-    pas = {"recompute_modules": [stack_path]} if bool(row[S.RECOMPUTE]) else {}
+    pas = _pas_config(bool(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
     return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
                          pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
                          use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
+
+
+def _pas_config(recompute: bool, sequence_parallel: bool, stack_path: str) -> Dict[str, Any]:
+    """``hybrid``'s options of a configuration: the stack recomputed, sequence parallelism."""
+    pas: Dict[str, Any] = {"recompute_modules": [stack_path]} if recompute else {}
+    if sequence_parallel:
+        pas[SEQUENCE_PARALLEL] = True
+    return pas
+
+
+class Placement(NamedTuple):
+    """What places the two-layer copy differently: one placement (and its facts) per value.
+
+    ``zero_stage_2``: ZeRO stage 2, under which a weight whose ops each see a slice of the batch
+    or the sequence (a norm's, under sequence parallelism) sums its gradient over the devices in
+    the backward rather than in the reducer (``ComputeConfig.sums_partial_grads_after_backward``).
+    It places the copy again only where the copy has such a weight (``PlanSpace._canonical``)."""
+
+    micro: int
+    tp: int
+    recompute: bool
+    sequence_parallel: bool
+    zero_stage_2: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +100,7 @@ class Ranges:
     pp: Optional[Tuple[int, ...]]
     micro_batch: Optional[Tuple[int, ...]]
     recompute: Tuple[bool, ...]
+    sequence_parallel: Tuple[bool, ...]
     zero_stage: Tuple[int, ...]
     scheduler: str
     virtual_stages: Tuple[int, ...]
@@ -92,6 +118,7 @@ class PlanSpace:
     def __init__(self, module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *,
                  global_batch: int, tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
                  micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
+                 sequence_parallel: Sequence[bool] = (False, True),
                  zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
                  master_dtype: Optional[torch.dtype] = torch.float32,
                  module_dtype: Optional[torch.dtype] = torch.bfloat16, scheduler: str = "1f1b",
@@ -101,18 +128,20 @@ class PlanSpace:
         self.prune = prune
         self.stack = find_stack(module)
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
-                             tuple(recompute), tuple(zero_stage), scheduler, tuple(virtual_stages))
+                             tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
+                             tuple(virtual_stages))
         self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
         self.hardware, self.global_batch = hardware, global_batch
         self.master_dtype, self.module_dtype = master_dtype, module_dtype
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro[, tp, recompute]) -> Plan, or why not
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro[, tp, recompute, sp]) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._staged: Dict[Tuple, Staged] = {}
         self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
         self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
+        self._partial_grads: Dict[Tuple, bool] = {}  # placement key -> whether some weight has partial gradients
         self.traces = 0
         self.last_price_s = 0.0
         self.frame = self._price(progress)
@@ -167,30 +196,34 @@ class PlanSpace:
             raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                              "Hardware.local() would profile the ops of every configuration on this machine.")
         r = self.ranges
-        ranges = _ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute, r.zero_stage)
+        ranges = _ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
+                         r.sequence_parallel, r.zero_stage)
         target = (repr(hardware),)
         ops, comm, precision = RooflineOps(hardware), NcclModel(hardware), Precision(self.master_dtype)
         rows, excluded, runnable = [], [], []
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
-            peak_key = (*self._key(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE]), hardware.ngpus,
-                        config[S.PP], config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES],
-                        self.master_dtype)
+            peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP], config[S.ZERO_STAGE],
+                        config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], self.master_dtype)
             return {**config, **price(facts, cfg, hardware, ops, comm, self.optimizer, self.optimizer_kwargs,
                                       precision, staged, (self._peaks, peak_key))}
 
-        combos = list(itertools.product(*ranges, _virtual_stages(r.scheduler, r.virtual_stages)))
-        for t, p, m, rec, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+        tp, pp, micro, recompute, sequence_parallel, zero = ranges
+        combos = [(t, p, m, rec, sp, z, v) for t, p, m, rec, z, v in itertools.product(
+                      tp, pp, micro, recompute, zero, _virtual_stages(r.scheduler, r.virtual_stages))
+                  for sp in _sequence_parallel_at(t, sequence_parallel)]
+        for t, p, m, rec, sp, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
             config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
-                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.ZERO_STAGE: z, S.SCHEDULER: r.scheduler,
-                      S.VIRTUAL_STAGES: v}
+                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.ZERO_STAGE: z,
+                      S.SCHEDULER: r.scheduler, S.VIRTUAL_STAGES: v}
             reason = _combination_problem(hardware, global_batch, t, p, m)
             if reason is None:
                 config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
                 try:
                     cfg = config_of(config, hardware.ngpus, self.stack.path)
-                    facts = self._facts_of(target, ops, comm, m, t, rec)
-                    staged = self._staged_of(target, facts, m, t, rec, cfg.pipeline_nstages)
+                    placement = self._canonical(_placement_of(config))
+                    facts = self._facts_of(target, ops, comm, placement)
+                    staged = self._staged_of(target, facts, placement, cfg.pipeline_nstages)
                     if self.prune is not None:
                         runnable.append((pipeline_seconds(facts, cfg, comm, staged), config, cfg, facts, staged))
                     else:
@@ -208,44 +241,58 @@ class PlanSpace:
     def _key(self, *rest: Any) -> Tuple:
         return (self.sequence, self.module_dtype, *rest)
 
-    def _facts_of(self, target: Tuple, ops, comm, micro: int, tp: int, recompute: bool) -> LayerFacts:
-        """The copy's facts on the target at ``micro`` sequences, ``tp`` and ``recompute``; a
-        placement the policy refuses (or one that splits no heads) raises, once and again from the cache."""
-        key = (*target, *self._key(micro, tp, recompute))
+    def _facts_of(self, target: Tuple, ops, comm, placement: Placement) -> LayerFacts:
+        """The copy's facts on the target under ``placement``; a placement the policy refuses (or
+        one that splits no heads) raises, once and again from the cache."""
+        key = (*target, *self._key(*placement))
         if key not in self._facts:
             try:
-                shared = self._shared.setdefault(self._key(micro, tp, recompute), {})
-                self._facts[key] = read_facts(self._placement(micro, tp, recompute), self.stack, ops, comm, shared)
+                shared = self._shared.setdefault(self._key(*placement), {})
+                self._facts[key] = read_facts(self._placement(placement), self.stack, ops, comm, shared)
             except (ValueError, PolicyError) as err:
                 self._facts[key] = err
         return _raised(self._facts[key])
 
-    def _staged_of(self, target: Tuple, facts: LayerFacts, micro: int, tp: int, recompute: bool,
-                   nstages: int) -> Staged:
-        key = (*target, *self._key(micro, tp, recompute, nstages))
+    def _staged_of(self, target: Tuple, facts: LayerFacts, placement: Placement, nstages: int) -> Staged:
+        key = (*target, *self._key(*placement, nstages))
         if key not in self._staged:
             self._staged[key] = Staged(facts, nstages)
         return self._staged[key]
 
-    def _placement(self, micro: int, tp: int, recompute: bool):
-        """The two-layer copy placed over ``tp`` devices (traced once per micro-batch size, sequence
-        and dtype; placed again from that trace for each ``tp`` and ``recompute``)."""
-        key = self._key(micro, tp, recompute)
+    def _canonical(self, placement: Placement) -> Placement:
+        """``placement``, or the same without ZeRO stage 2 where that stores every weight alike:
+        one placement (and one set of facts) for both."""
+        if not placement.zero_stage_2:
+            return placement
+        without = placement._replace(zero_stage_2=False)
+        key = self._key(*without)
+        if key not in self._partial_grads:
+            placed = self._placement(without)
+            self._partial_grads[key] = storage_layouts(placed.graphs.values(), False) != placed.storage
+        return placement if self._partial_grads[key] else without
+
+    def _placement(self, placement: Placement):
+        """The two-layer copy placed over ``placement.tp`` devices (traced once per micro-batch
+        size, sequence and dtype; placed again from that trace for each tp, recompute and
+        sequence parallelism)."""
+        key = self._key(*placement)
         if key not in self._placed:
             try:
-                self._placed[key] = self._place(micro, tp, recompute)
+                self._placed[key] = self._place(placement)
             except (ValueError, PolicyError) as err:
                 self._placed[key] = err
         return _raised(self._placed[key])
 
-    def _place(self, micro: int, tp: int, recompute: bool):
+    def _place(self, placement: Placement):
         from nbscaler.planning.planner import plan
-        pas = {"recompute_modules": [self.stack.path]} if recompute else {}
+        tp = placement.tp
+        pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path)
         cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
-                            pipeline_scheduler="1f1b", pas_config=pas)
-        traced = self._key(micro)
+                            pipeline_scheduler="1f1b", use_zero=placement.zero_stage_2,
+                            zero_stage=2 if placement.zero_stage_2 else 1, pas_config=pas)
+        traced = self._key(placement.micro)
         if traced not in self._placed:
-            args = one_sequence(self._args_at(self.sequence), micro)
+            args = one_sequence(self._args_at(self.sequence), placement.micro)
             self._placed[traced] = plan(self._two, args, "hybrid", cfg, module_dtype=self.module_dtype)
             self.traces += 1
             placed = self._placed[traced]
@@ -271,6 +318,17 @@ class PlanSpace:
             check_float_dtype(name, getattr(self, name))
         if self.module_dtype is not None:
             self.hardware.peak_flops(self.module_dtype)      # raises where the target lacks that precision
+
+
+def _placement_of(config: Dict) -> Placement:
+    return Placement(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
+                     config[S.ZERO_STAGE] == 2)
+
+
+def _sequence_parallel_at(tp: int, values: Sequence[bool]) -> List[bool]:
+    """The sequence parallelism to try at ``tp``: with one device there are no linears' ops to
+    slice the sequence between, so only ``False`` (never a second, identical row)."""
+    return sorted({v and tp > 1 for v in values})
 
 
 def _raised(found):
@@ -352,7 +410,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def _ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
-            zero_stage) -> Tuple[List, ...]:
+            sequence_parallel, zero_stage) -> Tuple[List, ...]:
     """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
@@ -375,8 +433,10 @@ def _ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_b
     bad = [z for z in zero_stage if z not in (0, 1, 2)]
     if bad or not zero_stage:
         raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
+    if not sequence_parallel or any(not isinstance(v, bool) for v in sequence_parallel):
+        raise ValueError(f"sweep's sequence_parallel={tuple(sequence_parallel)!r}: give True and/or False.")
     recompute = [bool(r) for r in recompute]
-    return tp, pp, micro_batch, recompute, list(zero_stage)
+    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage)
 
 
 def _combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:

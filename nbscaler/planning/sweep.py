@@ -59,7 +59,7 @@ __all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
 def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *, global_batch: int,
           tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
           micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
-          zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+          sequence_parallel: Sequence[bool] = (False, True), zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
           master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
           prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
@@ -68,7 +68,9 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
 
     ``tp``, ``pp``: sizes to try (``None``: every divisor of the target's GPUs, ``pp`` at most the
     model's layers); ``micro_batch``: sequences per micro-batch (``None``: every divisor of the
-    global batch); ``recompute``: the model's repeated layers recomputed or not; ``zero_stage``:
+    global batch); ``recompute``: the model's repeated layers recomputed or not;
+    ``sequence_parallel``: sequence parallelism or not, tried only where ``tp > 1`` (at ``tp == 1``
+    a configuration is priced once, without); ``zero_stage``:
     0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``;
     ``zbv`` always has two). Returns one row per configuration with the columns of
@@ -84,6 +86,6 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     what it saves for the backward alone cannot fit (``_pruned``); ``frame.attrs["pruned"]``
     counts them."""
     return PlanSpace(module, dummy_args, hardware, global_batch=global_batch, tp=tp, pp=pp, micro_batch=micro_batch,
-                     recompute=recompute, zero_stage=zero_stage, optimizer=optimizer, master_dtype=master_dtype,
+                     recompute=recompute, sequence_parallel=sequence_parallel, zero_stage=zero_stage, optimizer=optimizer, master_dtype=master_dtype,
                      module_dtype=module_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
                      progress=progress, prune=prune, **optimizer_kwargs).frame

@@ -53,8 +53,9 @@ def describe(row) -> str:
     """One configuration and its figures, as a sentence (a mark's hover text, the status line)."""
     fits = "fits" if bool(row[S.FITS]) else "does not fit"
     recompute = "on" if bool(row[S.RECOMPUTE]) else "off"
+    sequence = ", sequence parallel" if bool(row[S.SEQUENCE_PARALLEL]) else ""
     return (f"tp {int(row[S.TP])} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
-            f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}, "
+            f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}{sequence}, "
             f"ZeRO {int(row[S.ZERO_STAGE])}: step {row[S.STEP_TIME_S]:.4g} s, MFU {row[S.MFU]:.1%}, "
             f"{fmt_bytes(row[S.PEAK_BYTES])} per GPU ({fits})")
 
