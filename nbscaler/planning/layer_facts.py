@@ -16,6 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
+from nbscaler.comm.layout import output_layout
 from nbscaler.comm.lower import SectionLowering
 from nbscaler.comm.program import Section
 from nbscaler.comm.stages import stage_carries
@@ -24,6 +25,7 @@ from nbscaler.cost.local import run_local
 from nbscaler.cost.memory import feeding_no_weight
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.ir.graph import requires_grad_of
+from nbscaler.layouts import LayoutKind
 from nbscaler.planning.stack import Expansion, Stack
 
 #: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
@@ -82,12 +84,16 @@ class LayerFacts:
         if place not in self._starts:
             storage, index, profiler, comm = self.replay
             span = slice(place, min(place + self.expansion.size, len(self.expansion.nodes)))
-
-            def start(run, device: int) -> np.ndarray:
+            starts: List[np.ndarray] = []
+            for device in range(self.tp):
+                if self.alike[device] != device:         # its group's first alike device replays for it
+                    starts.append(starts[self.alike[device]])
+                    continue
+                run = self._replayed(span, device, storage)
                 rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
                              self.shared["placement"].no_weight)
-                return (rows - self.matrix[device])[span].sum(axis=0)
-            self._starts[place] = self._per_device(span, start)
+                starts.append((rows - self.matrix[device])[span].sum(axis=0))
+            self._starts[place] = starts
         return self._starts[place]
 
     def stage_end(self, cut: int) -> List[np.ndarray]:
@@ -95,24 +101,17 @@ class LayerFacts:
         tensor-parallel index: the collectives that make what it sends whole (under sequence
         parallelism the residual stream leaves a stage as a slice of the sequence, all-gathered
         before the send). Read off the copy's layer before the same place, replayed as a stage
-        that ends there: its collectives that feed no op of it."""
+        that ends there: its collectives that feed no op of it, the same on every device (each
+        runs on the whole stage group); none where every tensor crossing the cut is whole on the
+        devices that make it (as without sequence parallelism)."""
         place = self.expansion.copy_position(cut)
         if place not in self._ends:
-            comm = self.replay[3]
-            span = slice(max(0, place - self.expansion.size), place)
-            self._ends[place] = self._per_device(span, lambda run, device: _sent(run, comm))
+            sent = np.zeros(SAVED_TAIL + 1)
+            if not all(_made_whole(t) for t in _carried(self.graph, place)):
+                span = slice(max(0, place - self.expansion.size), place)
+                sent = _sent(self._replayed(span, 0, self.replay[0]), self.replay[3])
+            self._ends[place] = [sent] * self.tp
         return self._ends[place]
-
-    def _per_device(self, span: slice, read) -> List[np.ndarray]:
-        """``read(run, device)`` of each device's replay of ``span`` (``_replayed``); a device
-        alike its group's first (``alike``) takes that one's."""
-        found: List[np.ndarray] = []
-        for device in range(self.tp):
-            if self.alike[device] != device:
-                found.append(found[self.alike[device]])
-            else:
-                found.append(read(self._replayed(span, device, self.replay[0]), device))
-        return found
 
     def _replayed(self, span: slice, device: int, storage):
         """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
@@ -239,15 +238,26 @@ def _replay_span(graph, span: slice, device: int, storage, shapes: Dict[str, Tup
             n.stage = s
 
 
-def _carries(graph, cut: int) -> Tuple[int, int]:
-    """The bytes and the number of tensors ``stage_carries`` sends across a cut of ``graph``
-    before op ``cut`` (the graph's stages are put back as they were)."""
+def _carried(graph, cut: int) -> List:
+    """The tensors ``stage_carries`` sends across a cut of ``graph`` before op ``cut`` (the
+    graph's stages are put back as they were)."""
     saved = [n.stage for n in graph.nodes]
     try:
         for k, n in enumerate(graph.nodes):
             n.stage = 0 if k < cut else 1
-        carried = stage_carries(graph, 2)[0]
+        return stage_carries(graph, 2)[0]
     finally:
         for n, s in zip(graph.nodes, saved):
             n.stage = s
+
+
+def _carries(graph, cut: int) -> Tuple[int, int]:
+    """The bytes and the number of tensors sent across a cut of ``graph`` before op ``cut``."""
+    carried = _carried(graph, cut)
     return sum(t.nbytes for t in carried), len(carried)
+
+
+def _made_whole(t) -> bool:
+    """Whether the op that makes ``t`` leaves it whole on each of its devices."""
+    outs = [id(o) for o in t.producer.output_tensors]
+    return output_layout(t.producer, outs.index(id(t))).kind == LayoutKind.REPLICATED

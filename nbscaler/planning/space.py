@@ -203,8 +203,8 @@ class PlanSpace:
         rows, excluded, runnable = [], [], []
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
-            peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP], config[S.ZERO_STAGE],
-                        config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], self.master_dtype)
+            peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP],
+                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], self.master_dtype)
             return {**config, **price(facts, cfg, hardware, ops, comm, self.optimizer, self.optimizer_kwargs,
                                       precision, staged, (self._peaks, peak_key))}
 

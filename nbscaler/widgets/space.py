@@ -5,7 +5,8 @@
 capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp,
 a circle where the layers are not recomputed and a diamond where they are; the Pareto front
 (``planning.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
-``<title>`` is the configuration and its figures (the browser's hover text).
+``<title>`` is the configuration (``sequence parallel`` where it is) and its figures (the
+browser's hover text).
 
 ``SpaceWidget`` shows that SVG live and turns a click on a mark into its row (``selected``); the
 browser side (``widgets/space.js``) only inserts the SVG and reports the click.
