@@ -46,6 +46,8 @@ from nbscaler.cost.roofline import RooflineOps
 from nbscaler.planning.layer_facts import LayerFacts, read_facts
 from nbscaler.planning.pricing import Staged, pipeline_seconds, price
 from nbscaler.planning.prune import check_prune, pruned_rows
+from nbscaler.planning.ranges import (Ranges, checked_ranges, combination_problem, sequence_parallel_at,
+                                      virtual_stages_of)
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.primitives import PolicyError
@@ -90,20 +92,6 @@ class Placement(NamedTuple):
     recompute: bool
     sequence_parallel: bool
     zero_stage_2: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranges:
-    """The sweep's ranges as the user gave them (``None``: every divisor, worked out per target)."""
-
-    tp: Optional[Tuple[int, ...]]
-    pp: Optional[Tuple[int, ...]]
-    micro_batch: Optional[Tuple[int, ...]]
-    recompute: Tuple[bool, ...]
-    sequence_parallel: Tuple[bool, ...]
-    zero_stage: Tuple[int, ...]
-    scheduler: str
-    virtual_stages: Tuple[int, ...]
 
 
 class PlanSpace:
@@ -196,7 +184,7 @@ class PlanSpace:
             raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                              "Hardware.local() would profile the ops of every configuration on this machine.")
         r = self.ranges
-        ranges = _ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
+        ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
                          r.sequence_parallel, r.zero_stage)
         target = (repr(hardware),)
         ops, comm, precision = RooflineOps(hardware), NcclModel(hardware), Precision(self.master_dtype)
@@ -210,13 +198,13 @@ class PlanSpace:
 
         tp, pp, micro, recompute, sequence_parallel, zero = ranges
         combos = [(t, p, m, rec, sp, z, v) for t, p, m, rec, z, v in itertools.product(
-                      tp, pp, micro, recompute, zero, _virtual_stages(r.scheduler, r.virtual_stages))
-                  for sp in _sequence_parallel_at(t, sequence_parallel)]
+                      tp, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
+                  for sp in sequence_parallel_at(t, sequence_parallel)]
         for t, p, m, rec, sp, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
             config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
                       S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.ZERO_STAGE: z,
                       S.SCHEDULER: r.scheduler, S.VIRTUAL_STAGES: v}
-            reason = _combination_problem(hardware, global_batch, t, p, m)
+            reason = combination_problem(hardware, global_batch, t, p, m)
             if reason is None:
                 config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
                 try:
@@ -325,12 +313,6 @@ def _placement_of(config: Dict) -> Placement:
                      config[S.ZERO_STAGE] == 2)
 
 
-def _sequence_parallel_at(tp: int, values: Sequence[bool]) -> List[bool]:
-    """The sequence parallelism to try at ``tp``: with one device there are no linears' ops to
-    slice the sequence between, so only ``False`` (never a second, identical row)."""
-    return sorted({v and tp > 1 for v in values})
-
-
 def _raised(found):
     if isinstance(found, Exception):
         raise found
@@ -380,18 +362,6 @@ def _resized(args, old: Optional[int], new: int):
     return tree_map(resize, args)
 
 
-def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:
-    """The stages per pipeline device to try: the scheduler's own number where it has one."""
-    from nbscaler.schedule.schedulers import scheduler_spec
-    fixed = scheduler_spec(scheduler).stages_per_device
-    if fixed is not None:
-        return [fixed]
-    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad or not values:
-        raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
-    return list(values)
-
-
 def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame:
     columns = [str(c) for c in CONFIG_COLUMNS + PREDICTION_COLUMNS]
     if not rows:
@@ -403,47 +373,3 @@ def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame
     frame.attrs["stack"] = stack.path
     frame.attrs["excluded"] = pd.DataFrame([{str(k): v for k, v in e.items()} for e in excluded])
     return frame
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
-            sequence_parallel, zero_stage) -> Tuple[List, ...]:
-    """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
-    gpus = hardware.ngpus
-    tp = list(tp) if tp is not None else _divisors(gpus)
-    pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
-    micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
-    for name, values in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
-        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-        if bad or not values:
-            raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
-    for name, values in (("tp", tp), ("pp", pp)):
-        bad = [v for v in values if gpus % v]
-        if bad:
-            raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
-                             f"x {hardware.nodes} node(s); use divisors of {gpus}: {_divisors(gpus)}.")
-    if max(pp) > stack.depth:
-        raise ValueError(f"sweep's pp={max(pp)} is more stages than the {stack.depth} layers of {stack.path}; "
-                         f"use pp <= {stack.depth}.")
-    bad = [z for z in zero_stage if z not in (0, 1, 2)]
-    if bad or not zero_stage:
-        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
-    if not sequence_parallel or any(not isinstance(v, bool) for v in sequence_parallel):
-        raise ValueError(f"sweep's sequence_parallel={tuple(sequence_parallel)!r}: give True and/or False.")
-    recompute = [bool(r) for r in recompute]
-    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage)
-
-
-def _combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:
-    """Why ``tp`` x ``pp`` with ``micro``-sequence micro-batches cannot run, or ``None``."""
-    if hardware.ngpus % (tp * pp):
-        return f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs"
-    dp = hardware.ngpus // (tp * pp)
-    if global_batch % (dp * micro):
-        return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
-    return None
