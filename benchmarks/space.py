@@ -5,7 +5,8 @@ intermediate 14336, 32 layers, 32 heads, 8 key-value heads, vocabulary 128,256, 
 ``config.json``), built on the meta device; sequences of 8,192 tokens, a global batch of 64
 sequences, bf16 with fp32 master weights and AdamW, on ``Hardware.named("H100-SXM-80GB")`` (one
 node of 8). The space is what the tab sweeps by default: every tp and pp dividing the 8 GPUs,
-micro-batches of 1, 2 or 4 sequences, recomputation on and off, ZeRO 1 and 2 (120 configurations).
+micro-batches of 1, 2 or 4 sequences, recomputation on and off, sequence parallelism on and off
+where tp > 1, ZeRO 1 and 2 (192 configurations, 120 of them without sequence parallelism).
 
 ``PlanSpace`` is built once (traces and placements, timed), then each knob is turned to a new value
 and back, several times. The first turn to the new value reads the ops' facts on a new target (or
@@ -90,8 +91,8 @@ def report(built: Dict[str, float], rows, configurations: int) -> str:
              f"`python -m benchmarks.space` on this machine ({os.cpu_count()} CPU cores, shared with other work "
              "while it ran: the wall seconds carry that load, the CPU seconds do not).", "",
              f"{configurations} configurations (every tp and pp dividing 8, micro-batches 1, 2, 4, recompute on "
-             "and off, ZeRO 1 and 2), sequences of 8,192 tokens, global batch 64, bf16 with fp32 master "
-             "weights, AdamW.", "",
+             "and off, sequence parallelism on and off where tp > 1, ZeRO 1 and 2), sequences of 8,192 tokens, "
+             "global batch 64, bf16 with fp32 master weights, AdamW.", "",
              f"Building the space (the two-layer copy traced {built['traces']} times, placed and priced): "
              f"{built['wall_s']:.1f} s wall, {built['cpu_s']:.1f} s CPU.", "",
              f"Each knob turned to the value shown and back, {REPEATS} times each way: the first turn (a value "

@@ -5,8 +5,9 @@ intermediate 28672, 80 layers, 64 heads, 8 key-value heads, vocabulary 128,256, 
 ``config.json``), built on the meta device; sequences of 8,192 tokens (its training context), a
 global batch of 128 sequences (1M tokens), bf16 with fp32 master weights and AdamW, priced on
 ``Hardware.named("H100-SXM-80GB", nodes=8)``. The sweep covers tp in {1, 2, 4, 8}, pp in
-{1, 2, 4, 8}, micro-batches of 1, 2 or 4 sequences, recomputation on and off, ZeRO 1 and 2:
-192 combinations. Then the first row is planned whole (``nbscaler.plan`` of the 80-layer model
+{1, 2, 4, 8}, micro-batches of 1, 2 or 4 sequences, recomputation on and off, sequence
+parallelism on and off where tp > 1, ZeRO 1 and 2: 336 combinations (192 without sequence
+parallelism, 144 more with it). Then the first row is planned whole (``nbscaler.plan`` of the 80-layer model
 with that row's ``config_of``) and its ``summary`` set beside the row.
 
     python -m benchmarks.sweep              # writes benchmarks/results/sweep.md
@@ -31,7 +32,8 @@ from nbscaler.planning.sweep import config_of
 
 RESULTS = Path(__file__).parent / "results" / "sweep.md"
 SEQ, GLOBAL_BATCH = 8192, 128
-RANGES = dict(tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), micro_batch=(1, 2, 4), recompute=(False, True), zero_stage=(1, 2))
+RANGES = dict(tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), micro_batch=(1, 2, 4), recompute=(False, True),
+              sequence_parallel=(False, True), zero_stage=(1, 2))
 
 
 class LossOf(torch.nn.Module):
@@ -80,8 +82,8 @@ def full_plan(row: pd.Series, hardware: Hardware, stack: str) -> Tuple[Dict[str,
     return figures, time.perf_counter() - start
 
 
-SHOWN = ["tp", "pp", "dp", "micro_batch", "recompute", "zero_stage", "step_time_s", "tokens_per_s", "mfu", "peak_bytes",
-         "fits", "bubble", "tp_comm_share", "dp_comm_share", "pp_send_share"]
+SHOWN = ["tp", "pp", "dp", "micro_batch", "recompute", "sequence_parallel", "zero_stage", "step_time_s", "tokens_per_s",
+         "mfu", "peak_bytes", "fits", "bubble", "tp_comm_share", "dp_comm_share", "pp_send_share"]
 
 
 def markdown(frame: pd.DataFrame) -> str:

@@ -164,6 +164,8 @@ class SweepColumn(StrEnum):
     - ``micro_batch``: sequences in one micro-batch; ``micro_batches``: micro-batches per step and
       unit, so ``micro_batch * micro_batches * dp`` is the global batch.
     - ``recompute``: every layer of the model's stack recomputed in the backward (True) or not.
+    - ``sequence_parallel``: the ops between the tensor-parallel linears (norms, dropout, residual
+      adds) on a slice of the sequence (``pas_config['sequence_parallel']``); only where ``tp > 1``.
     - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too).
     - ``scheduler``: the pipeline scheduler; ``virtual_stages``: stages per pipeline device (1
       for ``1f1b``, more for interleaved schedulers).
@@ -188,6 +190,7 @@ class SweepColumn(StrEnum):
     MICRO_BATCH = "micro_batch"
     MICRO_BATCHES = "micro_batches"
     RECOMPUTE = "recompute"
+    SEQUENCE_PARALLEL = "sequence_parallel"
     ZERO_STAGE = "zero_stage"
     SCHEDULER = "scheduler"
     VIRTUAL_STAGES = "virtual_stages"

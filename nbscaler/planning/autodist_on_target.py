@@ -7,11 +7,12 @@
 
 On this machine autodist profiles each op and searches its placement op by op (``policy.autodist``).
 For a target the job may have thousands of GPUs that are not here, so the question is first which
-configuration: tp, pp, micro-batch, recomputation, ZeRO. ``nbscaler.sweep`` prices every one the
-ranges allow from one trace of a two-layer copy, on the target's roofline and NCCL models; autodist
-takes its fastest row that fits the target's memory, plans the model whole under that row's config
-(``planning.sweep.config_of``: ``hybrid``'s tensor-parallel placement inside each stage) and keeps
-the rows it beat for ``plan.explain()``: what each would cost and what binds it.
+configuration: tp, pp, micro-batch, recomputation, sequence parallelism, ZeRO. ``nbscaler.sweep``
+prices every one the ranges allow from one trace of a two-layer copy, on the target's roofline and
+NCCL models; autodist takes its fastest row that fits the target's memory, plans the model whole
+under that row's config (``planning.sweep.config_of``: ``hybrid``'s tensor-parallel placement
+inside each stage) and keeps the rows it beat for ``plan.explain()``: what each would cost and
+what binds it. ``pas_config['sequence_parallel']``, where given, is the only value searched.
 
 The plan's ``summary(optimizer, hardware=target, master_dtype=...)`` predicts what the chosen row
 says (the sweep's own contract, ``tests/planning/test_sweep.py``); ``graph.meta['autodist']``
@@ -33,7 +34,7 @@ import torch
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.hardware import Hardware
 from nbscaler.policy.autodist.options import AutodistOptions
-from nbscaler.policy.builtin import BuiltinPolicy
+from nbscaler.policy.builtin import SEQUENCE_PARALLEL, BuiltinPolicy, sequence_parallel
 from nbscaler.policy.primitives import PolicyError
 
 #: How many configurations ``plan.explain()`` sets against the choice.
@@ -63,9 +64,12 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     from nbscaler.planning.sweep import config_of
     opts = AutodistOptions.from_config(cfg)
     hardware = opts.target(cfg)
+    ranges = dict(opts.autodist_space)
+    if SEQUENCE_PARALLEL in cfg.pas_config:          # the user's word on it: search that alone
+        ranges.setdefault(SEQUENCE_PARALLEL, (sequence_parallel(cfg),))
     start, cpu = time.perf_counter(), time.process_time()
     space = PlanSpace(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
-                      master_dtype=opts.master_dtype, module_dtype=module_dtype, prune=WITHIN, **opts.autodist_space)
+                      master_dtype=opts.master_dtype, module_dtype=module_dtype, prune=WITHIN, **ranges)
     frame = space.frame
     fitting = frame[frame.fits]
     if fitting.empty:
@@ -106,9 +110,11 @@ def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> 
 
 
 def describe(row) -> str:
-    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, ZeRO 2``."""
+    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, sequence parallel,
+    ZeRO 2``."""
     return (f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
-            f"{'recompute' if row['recompute'] else 'no recompute'}, ZeRO {row['zero_stage']}")
+            f"{'recompute' if row['recompute'] else 'no recompute'}"
+            f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
 
 
 def seconds(s: float) -> str:

@@ -16,6 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
+from nbscaler.comm.layout import output_layout
 from nbscaler.comm.lower import SectionLowering
 from nbscaler.comm.program import Section
 from nbscaler.comm.stages import stage_carries
@@ -24,6 +25,7 @@ from nbscaler.cost.local import run_local
 from nbscaler.cost.memory import feeding_no_weight
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.ir.graph import requires_grad_of
+from nbscaler.layouts import LayoutKind
 from nbscaler.planning.stack import Expansion, Stack
 
 #: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
@@ -54,6 +56,7 @@ class LayerFacts:
     def __post_init__(self) -> None:
         self._carried: Dict[int, Tuple[int, int]] = {}
         self._starts: Dict[int, List[np.ndarray]] = {}
+        self._ends: Dict[int, List[np.ndarray]] = {}
         # tensor-parallel index -> the first index whose facts and weights are the same (the
         # members of a group differ only where a collective keeps another piece or first_only)
         self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
@@ -93,6 +96,23 @@ class LayerFacts:
             self._starts[place] = starts
         return self._starts[place]
 
+    def stage_end(self, cut: int) -> List[np.ndarray]:
+        """What a stage ending before full-model op ``cut`` adds to the sum of its ops' facts, per
+        tensor-parallel index: the collectives that make what it sends whole (under sequence
+        parallelism the residual stream leaves a stage as a slice of the sequence, all-gathered
+        before the send). Read off the copy's layer before the same place, replayed as a stage
+        that ends there: its collectives that feed no op of it, the same on every device (each
+        runs on the whole stage group); none where every tensor crossing the cut is whole on the
+        devices that make it (as without sequence parallelism)."""
+        place = self.expansion.copy_position(cut)
+        if place not in self._ends:
+            sent = np.zeros(SAVED_TAIL + 1)
+            if not all(_made_whole(t) for t in _carried(self.graph, place)):
+                span = slice(max(0, place - self.expansion.size), place)
+                sent = _sent(self._replayed(span, 0, self.replay[0]), self.replay[3])
+            self._ends[place] = [sent] * self.tp
+        return self._ends[place]
+
     def _replayed(self, span: slice, device: int, storage):
         """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
         ``shared``: which ops and collectives run does not depend on the target, only their seconds."""
@@ -121,11 +141,27 @@ def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_
         row[SAVED_TAIL] += op.saved_bytes if op.node.name in no_weight else 0
     for c in run.collectives:
         row = rows[index.get(c.node, tail) if c.node is not None else tail]
-        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+        f, b = _collective_seconds(c, comm)
         row[TP_FWD] += f
-        row[TP_BWD] += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (
-            f if c.recomputed else 0.0)
+        row[TP_BWD] += b
     return np.array(rows, dtype=float).reshape(count, SAVED_TAIL + 1)
+
+
+def _collective_seconds(c, comm) -> Tuple[float, float]:
+    """A collective's forward and backward seconds (a recomputed one's forward again in the backward)."""
+    f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+    return f, comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
+
+
+def _sent(run, comm) -> np.ndarray:
+    """The facts of ``run``'s collectives that no op of it consumes (what its stage sends)."""
+    found = np.zeros(SAVED_TAIL + 1)
+    for c in run.collectives:
+        if c.node is None:
+            f, b = _collective_seconds(c, comm)
+            found[TP_FWD] += f
+            found[TP_BWD] += b
+    return found
 
 
 def read_facts(plan, stack: Stack, profiler, comm, shared: Optional[Dict] = None) -> LayerFacts:
@@ -202,15 +238,26 @@ def _replay_span(graph, span: slice, device: int, storage, shapes: Dict[str, Tup
             n.stage = s
 
 
-def _carries(graph, cut: int) -> Tuple[int, int]:
-    """The bytes and the number of tensors ``stage_carries`` sends across a cut of ``graph``
-    before op ``cut`` (the graph's stages are put back as they were)."""
+def _carried(graph, cut: int) -> List:
+    """The tensors ``stage_carries`` sends across a cut of ``graph`` before op ``cut`` (the
+    graph's stages are put back as they were)."""
     saved = [n.stage for n in graph.nodes]
     try:
         for k, n in enumerate(graph.nodes):
             n.stage = 0 if k < cut else 1
-        carried = stage_carries(graph, 2)[0]
+        return stage_carries(graph, 2)[0]
     finally:
         for n, s in zip(graph.nodes, saved):
             n.stage = s
+
+
+def _carries(graph, cut: int) -> Tuple[int, int]:
+    """The bytes and the number of tensors sent across a cut of ``graph`` before op ``cut``."""
+    carried = _carried(graph, cut)
     return sum(t.nbytes for t in carried), len(carried)
+
+
+def _made_whole(t) -> bool:
+    """Whether the op that makes ``t`` leaves it whole on each of its devices."""
+    outs = [id(o) for o in t.producer.output_tensors]
+    return output_layout(t.producer, outs.index(id(t))).kind == LayoutKind.REPLICATED

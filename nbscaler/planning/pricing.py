@@ -57,6 +57,7 @@ class Staged:
         self.sums = [[c @ m for m in facts.matrix] for c in self.kept(("counts",), lambda: self._counts(nstages))]
         for s, cut in enumerate(self.cuts, start=1):
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
+            self.sums[s - 1] = [v + d for v, d in zip(self.sums[s - 1], facts.stage_end(cut))]
         self._timelines: Dict[Tuple, Any] = {}
 
     def _counts(self, nstages: int) -> List:

@@ -30,13 +30,14 @@ import copy
 import dataclasses
 import itertools
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from nbscaler.columns import SweepColumn as S
+from nbscaler.comm.layout import storage_layouts
 from nbscaler.config import ComputeConfig, Precision, check_float_dtype
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
@@ -45,11 +46,14 @@ from nbscaler.cost.roofline import RooflineOps
 from nbscaler.planning.layer_facts import LayerFacts, read_facts
 from nbscaler.planning.pricing import Staged, pipeline_seconds, price
 from nbscaler.planning.prune import check_prune, pruned_rows
+from nbscaler.planning.ranges import (Ranges, checked_ranges, combination_problem, sequence_parallel_at,
+                                      virtual_stages_of)
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
+from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.primitives import PolicyError
 
-CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.ZERO_STAGE, S.SCHEDULER,
-                  S.VIRTUAL_STAGES)
+CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL, S.ZERO_STAGE,
+                  S.SCHEDULER, S.VIRTUAL_STAGES)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
                       S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
 KNOBS = ("hardware", "nodes", "gpus_per_node", "module_dtype", "master_dtype", "global_batch", "sequence")
@@ -61,23 +65,33 @@ def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
     virtual_stages = int(row[S.VIRTUAL_STAGES])
-    pas = {"recompute_modules": [stack_path]} if bool(row[S.RECOMPUTE]) else {}
+    pas = _pas_config(bool(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
     return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
                          pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
                          use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
 
 
-@dataclasses.dataclass(frozen=True)
-class Ranges:
-    """The sweep's ranges as the user gave them (``None``: every divisor, worked out per target)."""
+def _pas_config(recompute: bool, sequence_parallel: bool, stack_path: str) -> Dict[str, Any]:
+    """``hybrid``'s options of a configuration: the stack recomputed, sequence parallelism."""
+    pas: Dict[str, Any] = {"recompute_modules": [stack_path]} if recompute else {}
+    if sequence_parallel:
+        pas[SEQUENCE_PARALLEL] = True
+    return pas
 
-    tp: Optional[Tuple[int, ...]]
-    pp: Optional[Tuple[int, ...]]
-    micro_batch: Optional[Tuple[int, ...]]
-    recompute: Tuple[bool, ...]
-    zero_stage: Tuple[int, ...]
-    scheduler: str
-    virtual_stages: Tuple[int, ...]
+
+class Placement(NamedTuple):
+    """What places the two-layer copy differently: one placement (and its facts) per value.
+
+    ``zero_stage_2``: ZeRO stage 2, under which a weight whose ops each see a slice of the batch
+    or the sequence (a norm's, under sequence parallelism) sums its gradient over the devices in
+    the backward rather than in the reducer (``ComputeConfig.sums_partial_grads_after_backward``).
+    It places the copy again only where the copy has such a weight (``PlanSpace._canonical``)."""
+
+    micro: int
+    tp: int
+    recompute: bool
+    sequence_parallel: bool
+    zero_stage_2: bool
 
 
 class PlanSpace:
@@ -92,6 +106,7 @@ class PlanSpace:
     def __init__(self, module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *,
                  global_batch: int, tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
                  micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
+                 sequence_parallel: Sequence[bool] = (False, True),
                  zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
                  master_dtype: Optional[torch.dtype] = torch.float32,
                  module_dtype: Optional[torch.dtype] = torch.bfloat16, scheduler: str = "1f1b",
@@ -101,7 +116,8 @@ class PlanSpace:
         self.prune = prune
         self.stack = find_stack(module)
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
-                             tuple(recompute), tuple(zero_stage), scheduler, tuple(virtual_stages))
+                             tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
+                             tuple(virtual_stages))
         self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
         self.hardware, self.global_batch = hardware, global_batch
         self.master_dtype, self.module_dtype = master_dtype, module_dtype
@@ -109,12 +125,13 @@ class PlanSpace:
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
         self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute) -> Plan, or why not
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._staged: Dict[Tuple, Staged] = {}
         self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
         self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
         self._alike: Dict = {}                      # what devices hold, for placements alike in weights (Staged)
+        self._partial_grads: Dict[Tuple, bool] = {}  # placement key -> whether some weight has partial gradients
         self.traces = 0
         self.last_price_s = 0.0
         self.frame = self._price(progress)
@@ -176,30 +193,34 @@ class PlanSpace:
             raise ValueError("sweep prices on a target: pass a Hardware such as Hardware.named('H100-SXM-80GB'); "
                              "Hardware.local() would profile the ops of every configuration on this machine.")
         r = self.ranges
-        ranges = _ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute, r.zero_stage)
+        ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
+                         r.sequence_parallel, r.zero_stage)
         target = (repr(hardware),)
         ops, comm, precision = RooflineOps(hardware), NcclModel(hardware), Precision(self.master_dtype)
         rows, excluded, runnable = [], [], []
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
-            peak_key = (*self._key(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE]), hardware.ngpus,
-                        config[S.PP], config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES],
-                        self.master_dtype)
+            peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP],
+                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], self.master_dtype)
             return {**config, **price(facts, cfg, hardware, ops, comm, self.optimizer, self.optimizer_kwargs,
                                       precision, staged, (self._peaks, peak_key))}
 
-        combos = list(itertools.product(*ranges, _virtual_stages(r.scheduler, r.virtual_stages)))
-        for t, p, m, rec, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+        tp, pp, micro, recompute, sequence_parallel, zero = ranges
+        combos = [(t, p, m, rec, sp, z, v) for t, p, m, rec, z, v in itertools.product(
+                      tp, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
+                  for sp in sequence_parallel_at(t, sequence_parallel)]
+        for t, p, m, rec, sp, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
             config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
-                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.ZERO_STAGE: z, S.SCHEDULER: r.scheduler,
-                      S.VIRTUAL_STAGES: v}
-            reason = _combination_problem(hardware, global_batch, t, p, m)
+                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.ZERO_STAGE: z,
+                      S.SCHEDULER: r.scheduler, S.VIRTUAL_STAGES: v}
+            reason = combination_problem(hardware, global_batch, t, p, m)
             if reason is None:
                 config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
                 try:
                     cfg = config_of(config, hardware.ngpus, self.stack.path)
-                    facts = self._facts_of(target, ops, comm, m, t, rec)
-                    staged = self._staged_of(target, facts, m, t, rec, cfg.pipeline_nstages)
+                    placement = self._canonical(_placement_of(config))
+                    facts = self._facts_of(target, ops, comm, placement)
+                    staged = self._staged_of(target, facts, placement, cfg.pipeline_nstages)
                     if self.prune is not None:
                         runnable.append((pipeline_seconds(facts, cfg, comm, staged), config, cfg, facts, staged))
                     else:
@@ -217,44 +238,58 @@ class PlanSpace:
     def _key(self, *rest: Any) -> Tuple:
         return (self.sequence, self.module_dtype, *rest)
 
-    def _facts_of(self, target: Tuple, ops, comm, micro: int, tp: int, recompute: bool) -> LayerFacts:
-        """The copy's facts on the target at ``micro`` sequences, ``tp`` and ``recompute``; a
-        placement the policy refuses (or one that splits no heads) raises, once and again from the cache."""
-        key = (*target, *self._key(micro, tp, recompute))
+    def _facts_of(self, target: Tuple, ops, comm, placement: Placement) -> LayerFacts:
+        """The copy's facts on the target under ``placement``; a placement the policy refuses (or
+        one that splits no heads) raises, once and again from the cache."""
+        key = (*target, *self._key(*placement))
         if key not in self._facts:
             try:
-                shared = self._shared.setdefault(self._key(micro, tp, recompute), {})
-                self._facts[key] = read_facts(self._placement(micro, tp, recompute), self.stack, ops, comm, shared)
+                shared = self._shared.setdefault(self._key(*placement), {})
+                self._facts[key] = read_facts(self._placement(placement), self.stack, ops, comm, shared)
             except (ValueError, PolicyError) as err:
                 self._facts[key] = err
         return _raised(self._facts[key])
 
-    def _staged_of(self, target: Tuple, facts: LayerFacts, micro: int, tp: int, recompute: bool,
-                   nstages: int) -> Staged:
-        key = (*target, *self._key(micro, tp, recompute, nstages))
+    def _staged_of(self, target: Tuple, facts: LayerFacts, placement: Placement, nstages: int) -> Staged:
+        key = (*target, *self._key(*placement, nstages))
         if key not in self._staged:
             self._staged[key] = Staged(facts, nstages, self._alike)
         return self._staged[key]
 
-    def _placement(self, micro: int, tp: int, recompute: bool):
-        """The two-layer copy placed over ``tp`` devices (traced once per micro-batch size, sequence
-        and dtype; placed again from that trace for each ``tp`` and ``recompute``)."""
-        key = self._key(micro, tp, recompute)
+    def _canonical(self, placement: Placement) -> Placement:
+        """``placement``, or the same without ZeRO stage 2 where that stores every weight alike:
+        one placement (and one set of facts) for both."""
+        if not placement.zero_stage_2:
+            return placement
+        without = placement._replace(zero_stage_2=False)
+        key = self._key(*without)
+        if key not in self._partial_grads:
+            placed = self._placement(without)
+            self._partial_grads[key] = storage_layouts(placed.graphs.values(), False) != placed.storage
+        return placement if self._partial_grads[key] else without
+
+    def _placement(self, placement: Placement):
+        """The two-layer copy placed over ``placement.tp`` devices (traced once per micro-batch
+        size, sequence and dtype; placed again from that trace for each tp, recompute and
+        sequence parallelism)."""
+        key = self._key(*placement)
         if key not in self._placed:
             try:
-                self._placed[key] = self._place(micro, tp, recompute)
+                self._placed[key] = self._place(placement)
             except (ValueError, PolicyError) as err:
                 self._placed[key] = err
         return _raised(self._placed[key])
 
-    def _place(self, micro: int, tp: int, recompute: bool):
+    def _place(self, placement: Placement):
         from nbscaler.planning.planner import plan
-        pas = {"recompute_modules": [self.stack.path]} if recompute else {}
+        tp = placement.tp
+        pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path)
         cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
-                            pipeline_scheduler="1f1b", pas_config=pas)
-        traced = self._key(micro)
+                            pipeline_scheduler="1f1b", use_zero=placement.zero_stage_2,
+                            zero_stage=2 if placement.zero_stage_2 else 1, pas_config=pas)
+        traced = self._key(placement.micro)
         if traced not in self._traced:
-            args = one_sequence(self._args_at(self.sequence), micro)
+            args = one_sequence(self._args_at(self.sequence), placement.micro)
             self._traced[traced] = plan(self._two, args, "hybrid", cfg, module_dtype=self.module_dtype)
             self.traces += 1
             placed = self._traced[traced]
@@ -280,6 +315,11 @@ class PlanSpace:
             check_float_dtype(name, getattr(self, name))
         if self.module_dtype is not None:
             self.hardware.peak_flops(self.module_dtype)      # raises where the target lacks that precision
+
+
+def _placement_of(config: Dict) -> Placement:
+    return Placement(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
+                     config[S.ZERO_STAGE] == 2)
 
 
 def _raised(found):
@@ -331,18 +371,6 @@ def _resized(args, old: Optional[int], new: int):
     return tree_map(resize, args)
 
 
-def _virtual_stages(scheduler: str, values: Sequence[int]) -> List[int]:
-    """The stages per pipeline device to try: the scheduler's own number where it has one."""
-    from nbscaler.schedule.schedulers import scheduler_spec
-    fixed = scheduler_spec(scheduler).stages_per_device
-    if fixed is not None:
-        return [fixed]
-    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad or not values:
-        raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
-    return list(values)
-
-
 def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame:
     columns = [str(c) for c in CONFIG_COLUMNS + PREDICTION_COLUMNS]
     if not rows:
@@ -354,45 +382,3 @@ def _frame(rows: List[Dict], excluded: List[Dict], stack: Stack) -> pd.DataFrame
     frame.attrs["stack"] = stack.path
     frame.attrs["excluded"] = pd.DataFrame([{str(k): v for k, v in e.items()} for e in excluded])
     return frame
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
-            zero_stage) -> Tuple[List, ...]:
-    """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
-    gpus = hardware.ngpus
-    tp = list(tp) if tp is not None else _divisors(gpus)
-    pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
-    micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
-    for name, values in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
-        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-        if bad or not values:
-            raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
-    for name, values in (("tp", tp), ("pp", pp)):
-        bad = [v for v in values if gpus % v]
-        if bad:
-            raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
-                             f"x {hardware.nodes} node(s); use divisors of {gpus}: {_divisors(gpus)}.")
-    if max(pp) > stack.depth:
-        raise ValueError(f"sweep's pp={max(pp)} is more stages than the {stack.depth} layers of {stack.path}; "
-                         f"use pp <= {stack.depth}.")
-    bad = [z for z in zero_stage if z not in (0, 1, 2)]
-    if bad or not zero_stage:
-        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
-    recompute = [bool(r) for r in recompute]
-    return tp, pp, micro_batch, recompute, list(zero_stage)
-
-
-def _combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:
-    """Why ``tp`` x ``pp`` with ``micro``-sequence micro-batches cannot run, or ``None``."""
-    if hardware.ngpus % (tp * pp):
-        return f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs"
-    dp = hardware.ngpus // (tp * pp)
-    if global_batch % (dp * micro):
-        return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
-    return None

@@ -1,8 +1,9 @@
 """``nbscaler.sweep``: every configuration of a training run on a target, priced, in one table.
 
 The question before a real run is not one plan but which: tp 4 or 8, how many pipeline stages,
-which micro-batch, recompute or not, ZeRO 1 or 2. ``sweep`` answers it for every combination of
-the ranges given, with the predictions ``plan.summary(hardware=...)`` makes for each, in seconds:
+which micro-batch, recompute or not, sequence parallel or not, ZeRO 1 or 2. ``sweep`` answers it
+for every combination of the ranges given, with the predictions ``plan.summary(hardware=...)``
+makes for each, in seconds:
 
 >>> frame = nbscaler.sweep(model, {"input_ids": ids}, Hardware.named("H100-SXM-80GB", nodes=8),
 ...                        global_batch=256, tp=(2, 4, 8), pp=(1, 2, 4, 8))      # doctest: +SKIP
@@ -11,36 +12,44 @@ the ranges given, with the predictions ``plan.summary(hardware=...)`` makes for 
 How it prices. Each configuration is the ``hybrid`` policy with its ``tp`` inside each of ``pp``
 stages, ``dp = GPUs / (tp * pp)`` units, a pipeline (of one stage when ``pp`` is 1: gradient
 accumulation; ``pp * virtual_stages`` stages under a scheduler that interleaves) over
-``global_batch / (dp * micro_batch)`` micro-batches, the model's repeated
-layers recomputed or not, and ZeRO's stage (``config_of`` builds that ``ComputeConfig``). Planning
-each one whole (trace, place, replay every device on fake tensors) takes tens of seconds per
-configuration at 70B (``benchmarks/results/sweep.md``); instead:
+``global_batch / (dp * micro_batch)`` micro-batches, the model's repeated layers recomputed or
+not, sequence parallelism or not where ``tp > 1`` (``pas_config={"sequence_parallel": True}``:
+norms, dropout and residual adds on a slice of the sequence, Korthikanti et al. 2022; at
+``tp == 1`` there is nothing to slice, so one row, without), and ZeRO's stage (``config_of``
+builds that ``ComputeConfig``). Planning each one whole (trace, place, replay every device on
+fake tensors) takes tens of seconds per configuration at 70B (``benchmarks/results/sweep.md``);
+instead:
 
 1. the model's repeated layers are found (``planning.stack``: ``model.layers``, 80 of them), and a
-   copy with two layers is traced once per micro-batch size and placed once per (tp,
-   recompute): a handful of small plans;
+   copy with two layers is traced once per micro-batch size and placed once per (tp, recompute,
+   sequence parallelism), and again under ZeRO stage 2 where that changes how a weight's
+   gradient is summed (a norm's, under sequence parallelism: ``space.Placement``): a handful of
+   small plans;
 2. each such plan's ops are priced once on the target (``LayerFacts``: every op's roofline time,
    its tensor-parallel collectives' NCCL time, saved bytes, FLOPs, per tensor-parallel index);
 3. per configuration, the full model's stages are cut where ``stage_by_cost`` cuts them (on the
    full depth's op FLOPs, with the second layer standing for every layer after the first), each
    stage sums its ops' facts (plus what a stage's first layer saves of the tensors it receives,
-   ``LayerFacts.stage_start``), and the pipeline, the gradient synchronisation, the optimizer step
-   and the peak memory come from the very functions ``plan.summary`` calls (``planning.pricing``).
+   ``LayerFacts.stage_start``, and the collectives that make whole what a stage sends, such as
+   sequence parallelism's all-gather, ``LayerFacts.stage_end``), and the pipeline, the gradient
+   synchronisation, the optimizer step and the peak memory come from the very functions
+   ``plan.summary`` calls (``planning.pricing``).
 
 So a row is what ``nbscaler.plan(module, ..., "hybrid", config_of(row, ...)).summary(optimizer,
 hardware=hardware, master_dtype=master_dtype)`` predicts, as long as every layer after the first
 costs what the second does in the copy (one class, one shape, called in order) and the stages are
 cut between layers (a cut inside a layer, for more stages than layers, is priced as if the layer's
-recomputed region were whole);
-``tests/planning/test_sweep.py`` checks rows against full plans. Sequence parallelism is not swept.
-The caches live in ``planning.space.PlanSpace``, which keeps them to re-price the whole table when
-the target, the precision, the batch or the sequence changes (the Explorer's space tab).
+recomputed region were whole); ``tests/planning/test_sweep.py`` checks rows against full plans,
+with and without sequence parallelism. The caches live in ``planning.space.PlanSpace``, which
+keeps them to re-price the whole table when the target, the precision, the batch or the sequence
+changes (the Explorer's space tab).
 
 Bad input: a range value that cannot work on the target at all (a ``tp`` or ``pp`` that does not
-divide its GPUs, more stages than the model has layers, a size below 1) raises ``ValueError``;
-a combination that cannot run (``tp * pp`` not dividing the GPUs, a global batch that ``dp *
-micro_batch`` does not divide, a scheduler's rule, a placement the policy refuses, e.g. heads
-that ``tp`` does not divide) is left out, with its reason, in ``frame.attrs["excluded"]``.
+divide its GPUs, more stages than the model has layers, a size below 1, a ``sequence_parallel``
+that is not a bool) raises ``ValueError``; a combination that cannot run (``tp * pp`` not
+dividing the GPUs, a global batch that ``dp * micro_batch`` does not divide, a scheduler's rule,
+a placement the policy refuses, e.g. heads that ``tp`` does not divide) is left out, with its
+reason, in ``frame.attrs["excluded"]``.
 """
 
 from __future__ import annotations
@@ -59,7 +68,8 @@ __all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
 def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *, global_batch: int,
           tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
           micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
-          zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+          sequence_parallel: Sequence[bool] = (False, True), zero_stage: Sequence[int] = (0, 1, 2),
+          optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
           master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
           prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
@@ -68,8 +78,9 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
 
     ``tp``, ``pp``: sizes to try (``None``: every divisor of the target's GPUs, ``pp`` at most the
     model's layers); ``micro_batch``: sequences per micro-batch (``None``: every divisor of the
-    global batch); ``recompute``: the model's repeated layers recomputed or not; ``zero_stage``:
-    0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
+    global batch); ``recompute``: the model's repeated layers recomputed or not;
+    ``sequence_parallel``: sequence parallelism or not, tried only where ``tp > 1`` (at ``tp == 1``
+    a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``;
     ``zbv`` always has two). Returns one row per configuration with the columns of
     ``nbscaler.columns.SweepColumn``, the fitting ones first, each group fastest first;
@@ -84,6 +95,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     what it saves for the backward alone cannot fit (``_pruned``); ``frame.attrs["pruned"]``
     counts them."""
     return PlanSpace(module, dummy_args, hardware, global_batch=global_batch, tp=tp, pp=pp, micro_batch=micro_batch,
-                     recompute=recompute, zero_stage=zero_stage, optimizer=optimizer, master_dtype=master_dtype,
+                     recompute=recompute, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                     optimizer=optimizer, master_dtype=master_dtype,
                      module_dtype=module_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
                      progress=progress, prune=prune, **optimizer_kwargs).frame

@@ -5,7 +5,8 @@
 capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp,
 a circle where the layers are not recomputed and a diamond where they are; the Pareto front
 (``planning.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
-``<title>`` is the configuration and its figures (the browser's hover text).
+``<title>`` is the configuration (``sequence parallel`` where it is) and its figures (the
+browser's hover text).
 
 ``SpaceWidget`` shows that SVG live and turns a click on a mark into its row (``selected``); the
 browser side (``widgets/space.js``) only inserts the SVG and reports the click.
@@ -57,8 +58,9 @@ def describe(row) -> str:
     """One configuration and its figures, as a sentence (a mark's hover text, the status line)."""
     fits = "fits" if bool(row[S.FITS]) else "does not fit"
     recompute = "on" if bool(row[S.RECOMPUTE]) else "off"
+    sequence = ", sequence parallel" if bool(row[S.SEQUENCE_PARALLEL]) else ""
     return (f"tp {int(row[S.TP])} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
-            f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}, "
+            f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}{sequence}, "
             f"ZeRO {int(row[S.ZERO_STAGE])}: step {row[S.STEP_TIME_S]:.4g} s, MFU {row[S.MFU]:.1%}, "
             f"{fmt_bytes(row[S.PEAK_BYTES])} per GPU ({fits})")
 

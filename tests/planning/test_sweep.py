@@ -44,7 +44,9 @@ def full_plan_figures(module, args, row, stack, target=TARGET):
 
 def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
     assert list(frame.columns) == [str(c) for c in SweepColumn]
-    assert len(frame) == 2 * 3 * 2 * 2 * 3                     # tp x pp x micro-batch x recompute x ZeRO
+    # (tp 1, tp 2 without and with sequence parallelism) x pp x micro-batch x recompute x ZeRO
+    assert len(frame) == (1 + 2) * 3 * 2 * 2 * 3
+    assert not frame[frame.tp == 1].sequence_parallel.any() and frame[frame.tp == 2].sequence_parallel.sum() == 36
     assert (frame.tp * frame.pp * frame.dp == TARGET.ngpus).all()
     assert (frame.micro_batch * frame.micro_batches * frame.dp == GLOBAL_BATCH).all()
     assert frame.fits.any() and not frame.fits.all()
@@ -56,15 +58,21 @@ def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
     assert frame.attrs["stack"] == "blocks" and frame.attrs["excluded"].empty
 
 
-@pytest.mark.parametrize("tp, pp, micro_batch, recompute, zero_stage", [
-    (2, 4, 2, True, 2),            # tp x pp, one unit: ZeRO over one rank
-    (1, 4, 1, False, 1),           # a deep pipeline over 2 units
-    (2, 2, 1, True, 0),            # stages of 3 layers, 2 units across nodes
-    (1, 1, 2, False, 2),           # gradient accumulation on 8 units
+@pytest.mark.parametrize("tp, pp, micro_batch, recompute, zero_stage, sequence_parallel", [
+    (2, 4, 2, True, 2, False),     # tp x pp, one unit: ZeRO over one rank
+    (1, 4, 1, False, 1, False),    # a deep pipeline over 2 units
+    (2, 2, 1, True, 0, False),     # stages of 3 layers, 2 units across nodes
+    (1, 1, 2, False, 2, False),    # gradient accumulation on 8 units
+    # sequence parallel: each stage all-gathers the slice it sends; under ZeRO 2 the norms'
+    # weights, each device's gradient partial over its slice, are summed in the backward
+    (2, 4, 2, True, 2, True),
+    (2, 2, 1, False, 0, True),
+    (2, 1, 2, False, 1, True),
 ])
-def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recompute, zero_stage):
+def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recompute, zero_stage, sequence_parallel):
     row = frame[(frame.tp == tp) & (frame.pp == pp) & (frame.micro_batch == micro_batch)
-                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
+                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)
+                & (frame.sequence_parallel == sequence_parallel)].iloc[0]
     expected = full_plan_figures(GPT(GPT_CFG), tokens(micro_batch), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
@@ -83,12 +91,15 @@ def test_a_row_on_a_target_without_overlap_or_flash_attention_is_the_full_plans_
         assert row[column] == pytest.approx(value, rel=1e-9), column
 
 
-def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_prediction():
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_prediction(sequence_parallel):
     cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=128, n_head=4, n_kv_head=2)
     idx = torch.zeros(1, SEQ, dtype=torch.long)
     frame = nbscaler.sweep(Llama(cfg), {"idx": idx, "targets": idx}, TARGET, global_batch=8, tp=(2,), pp=(2,),
-                           micro_batch=(2,), recompute=(True,), zero_stage=(1,), progress=False)
+                           micro_batch=(2,), recompute=(True,), sequence_parallel=(sequence_parallel,),
+                           zero_stage=(1,), progress=False)
     row = frame.iloc[0]
+    assert row.sequence_parallel == sequence_parallel
     idx2 = torch.zeros(2, SEQ, dtype=torch.long)
     expected = full_plan_figures(Llama(cfg), {"idx": idx2, "targets": idx2}, row, frame.attrs["stack"])
     for column, value in expected.items():
@@ -97,7 +108,8 @@ def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_pred
 
 def test_combinations_that_cannot_run_are_left_out_with_their_reason():
     frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=4, tp=(1, 2), pp=(1, 2),
-                           micro_batch=(1,), recompute=(False,), zero_stage=(0,), progress=False)
+                           micro_batch=(1,), recompute=(False,), sequence_parallel=(False,), zero_stage=(0,),
+                           progress=False)
     assert sorted(zip(frame.tp, frame.pp)) == [(1, 2), (2, 1), (2, 2)]
     excluded = frame.attrs["excluded"]
     assert list(zip(excluded.tp, excluded.pp)) == [(1, 1)]
@@ -109,6 +121,8 @@ def test_combinations_that_cannot_run_are_left_out_with_their_reason():
     ({"pp": (8,)}, "more stages than the 6 layers of blocks"),
     ({"micro_batch": (0,)}, "whole numbers >= 1"),
     ({"zero_stage": (3,)}, "use 0 (no ZeRO), 1 or 2"),
+    ({"sequence_parallel": ("yes",)}, "give True and/or False"),
+    ({"sequence_parallel": ()}, "give True and/or False"),
 ])
 def test_a_value_that_cannot_work_on_the_target_is_refused(ranges, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -153,15 +167,16 @@ def test_layers_larger_than_a_bucket_keep_the_runtimes_bucket_order():
 
 
 # Schedulers without virtual stages in make test: the 1F1B rows above already price a pipeline of one stage per device.
-@pytest.mark.parametrize("scheduler, tp, virtual_stages", [
-    ("1f1b_interleaved", 1, 3), ("zbv", 2, 2),
-    pytest.param("gpipe", 2, 1, marks=pytest.mark.slow), pytest.param("zb_h1", 1, 1, marks=pytest.mark.slow)])
-def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, virtual_stages):
+@pytest.mark.parametrize("scheduler, tp, virtual_stages, sequence_parallel", [
+    ("1f1b_interleaved", 1, 3, False), ("zbv", 2, 2, False), ("zbv", 2, 2, True),
+    pytest.param("gpipe", 2, 1, False, marks=pytest.mark.slow), pytest.param("zb_h1", 1, 1, False, marks=pytest.mark.slow)])
+def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, virtual_stages, sequence_parallel):
     frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(tp,), pp=(2,),
-                           micro_batch=(1,), recompute=(True,), zero_stage=(1,), scheduler=scheduler,
-                           virtual_stages=(3,), progress=False)
+                           micro_batch=(1,), recompute=(True,), sequence_parallel=(sequence_parallel,),
+                           zero_stage=(1,), scheduler=scheduler, virtual_stages=(3,), progress=False)
     row = frame.iloc[0]
     assert row.virtual_stages == virtual_stages and row.scheduler == scheduler
+    assert row.sequence_parallel == sequence_parallel
     expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
@@ -180,7 +195,7 @@ def test_a_pruned_sweep_finds_each_layouts_fastest_fitting_row_pricing_fewer(fra
     assert len(best) > 2
     found = pruned[pruned.fits].groupby(layouts).step_time_s.min()
     assert (found[best.index] == best).all() and (found[~found.index.isin(best.index)] >= 1.5 * best.min()).all()
-    keys = layouts + ["micro_batch", "recompute", "zero_stage"]
+    keys = layouts + ["micro_batch", "recompute", "sequence_parallel", "zero_stage"]
     both = pd.DataFrame(pruned.to_dict("list")).merge(pd.DataFrame(frame.to_dict("list")), on=keys,
                                                      suffixes=("", "_full"))
     assert len(both) == len(pruned) and (both.step_time_s == both.step_time_s_full).all()
@@ -207,3 +222,48 @@ def test_a_row_of_a_gpt_with_dropout_is_the_full_plans_prediction():
     plain = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
                            micro_batch=(2,), recompute=(False,), zero_stage=(1,), progress=False).iloc[0]
     assert row.step_time_s > plain.step_time_s and row.peak_bytes > plain.peak_bytes
+
+
+def saved_by_op(plan) -> dict:
+    """Op name -> the bytes it saves for the backward on device 0 (one stage, one forward)."""
+    saved: dict = {}
+    for op in plan.local_runs[0][0].ops:
+        saved[op.node.name] = saved.get(op.node.name, 0) + op.saved_bytes
+    return saved
+
+
+def test_sequence_parallelism_slices_what_the_norms_save_on_a_real_model():
+    """Hugging Face's Llama at tp 2: with sequence parallelism each row needs less memory than its
+    twin without, by what the ops between the linears save, halved (Korthikanti et al. 2022): those
+    ops (the RMS norms; the residual adds save nothing) run on half the sequence, and no other op
+    saves more or less."""
+    from tests.models import hf
+    model = hf.LossOf(hf.llama())
+    ids = torch.zeros(1, hf.SEQ, dtype=torch.long)
+    args = lambda n: {"batch": {"input_ids": ids.repeat(n, 1), "labels": ids.repeat(n, 1),
+                                "attention_mask": torch.ones(n, hf.SEQ, dtype=torch.long)}}
+    frame = nbscaler.sweep(model, args(1), TARGET, global_batch=8, tp=(2,), pp=(1, 2), micro_batch=(1, 2),
+                           recompute=(False,), zero_stage=(1,), progress=False)
+    keys = ["pp", "micro_batch"]
+    sliced, whole = (frame[frame.sequence_parallel == sp].set_index(keys).sort_index() for sp in (True, False))
+    assert len(sliced) == len(whole) == 4 and (sliced.peak_bytes < whole.peak_bytes).all()
+    twins = frame[(frame.pp == 1) & (frame.micro_batch == 2)]
+    row = {sp: twins[twins.sequence_parallel == sp].iloc[0] for sp in (False, True)}
+    plans = {sp: nbscaler.plan(model, args(2), "hybrid", config_of(r, TARGET.ngpus, frame.attrs["stack"]),
+                               module_dtype=torch.bfloat16) for sp, r in row.items()}
+    summaries = {sp: p.summary(torch.optim.AdamW, hardware=TARGET, master_dtype=torch.float32)
+                 for sp, p in plans.items()}
+    for sp in (False, True):                            # the sweep's rows are the plans' predictions
+        assert row[sp].peak_bytes == pytest.approx(summaries[sp].peak_bytes.max(), rel=1e-9)
+    split = {sp: set(p.ops.name[p.ops.split.notna()]) for sp, p in plans.items()}
+    on_slice, ops = split[True] - split[False], plans[True].ops.set_index("name")
+    saved = {sp: saved_by_op(p) for sp, p in plans.items()}
+    changed = {name for name in saved[False] if saved[True][name] != saved[False][name]}
+    assert changed and changed == {name for name in on_slice if saved[False][name]}
+    # the RMS norms' ops (pow, rsqrt, mul) save their inputs; a residual add saves nothing
+    norms = {m for m in ops.module if m.endswith("norm")}
+    assert {ops.module[name] for name in changed} == norms and len(norms) == 2 * 2 + 1    # 2 a layer, the last
+    assert all(saved[True][name] * 2 == saved[False][name] for name in changed)
+    halved = sum(saved[False][name] // 2 for name in changed)
+    drop = summaries[False].activation_bytes.max() - summaries[True].activation_bytes.max()
+    assert drop == halved and row[False].peak_bytes - row[True].peak_bytes == halved

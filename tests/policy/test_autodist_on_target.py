@@ -79,12 +79,24 @@ def test_a_target_nothing_fits_on_says_what_the_leanest_needs():
         nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(tiny), module_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_sequence_parallel_in_the_pas_config_is_the_one_value_searched(sequence_parallel):
+    plan = nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(sequence_parallel=sequence_parallel),
+                         module_dtype=torch.bfloat16)
+    info = plan.graph.meta["autodist"]["target"]
+    rows = [info["chosen"], *info["runners_up"]]
+    assert all(r["sequence_parallel"] == (sequence_parallel and r["tp"] > 1) for r in rows)
+    assert plan.config.pas_config.get("sequence_parallel", False) == info["chosen"]["sequence_parallel"]
+    if info["chosen"]["sequence_parallel"]:
+        assert ", sequence parallel, ZeRO" in str(plan.explain())
+
+
 def test_target_keys_are_checked_with_the_fix():
     with pytest.raises(ValueError, match="global_batch.*sequences one step trains on"):
         AutodistOptions(hardware="H100-SXM-80GB")
     with pytest.raises(ValueError, match="global_batch.*read only with a target"):
         AutodistOptions(global_batch=8)
-    with pytest.raises(ValueError, match="autodist_space.*some of tp, pp, micro_batch, recompute, zero_stage"):
+    with pytest.raises(ValueError, match="autodist_space.*some of tp, pp, micro_batch, recompute, sequence_parallel, zero_stage"):
         AutodistOptions(hardware="H100-SXM-80GB", global_batch=8, autodist_space={"dp": (2,)})
     with pytest.raises(ValueError, match="runtime_ngpus=4 is not a whole number of nodes"):
         AutodistOptions(hardware="H100-SXM-80GB", global_batch=8).target(ComputeConfig(4, 4))

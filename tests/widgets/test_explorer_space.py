@@ -15,6 +15,7 @@ from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
 from nbscaler.widgets.palette import layout_colour
 from tests.widgets.svg import charts, hint, marks
+from nbscaler.widgets.space import describe
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
 
@@ -45,12 +46,13 @@ def kept_explorer():
 def test_the_sweep_is_drawn_every_configuration_a_mark_and_the_front_ringed(explorer):
     frame, svg = explorer.space.frame, explorer.space.chart.svg
     assert explorer.tabs.titles[explorer.tabs.selected_index] == SPACE_TAB
-    assert svg.count('class="nbs-point') == len(frame) == 14           # tp x pp x micro x recompute, 8 GPUs
+    # tp x pp x micro x recompute on 8 GPUs (14), and the 8 of tp 2 again with sequence parallelism
+    assert svg.count('class="nbs-point') == len(frame) == 22
     front = pareto_front(frame)
     assert svg.count("nbs-front-point") == front.sum() == len(explorer.space.front) >= 2
     assert explorer.space.front == [i for i in range(len(frame)) if front.iloc[i]]
     assert "on the Pareto front" in svg and "H100-SXM-80GB capacity 74.5 GiB" in svg
-    assert "Swept 14 configurations" in explorer.status.value
+    assert "Swept 22 configurations" in explorer.status.value
 
 
 def test_a_knob_change_reprices_without_tracing_and_says_how_long(explorer):
@@ -89,6 +91,21 @@ def test_clicking_a_point_loads_its_plan_into_the_panes(explorer):
     assert memory.predicted.peak_bytes.max() == pytest.approx(chosen.peak_bytes, rel=1e-9)
     assert 'class="nbs-selected"' in explorer.space.chart.svg and "Loaded:</b> tp" in explorer.space.picked.value
     assert "Loaded tp" in explorer.status.value
+
+
+def test_a_sequence_parallel_point_says_so_and_loads_a_sequence_parallel_plan(explorer):
+    frame = explorer.space.frame
+    row = next(i for i in range(len(frame)) if frame.sequence_parallel.iloc[i])
+    chosen = frame.iloc[row]
+    assert "sequence parallel" in describe(chosen) and describe(chosen) in explorer.space.chart.svg
+    assert not any("sequence parallel" in describe(r) for _, r in frame[~frame.sequence_parallel].iterrows())
+    explorer.space.pick(row)
+    assert explorer.error is None, explorer.error
+    config = explorer.plan.config
+    assert config.pas_config["sequence_parallel"] is True and config.plan_ngpus == 2 * chosen.pp
+    memory = explorer.panes.views[ViewName.MEMORY]
+    assert memory.predicted.peak_bytes.max() == pytest.approx(chosen.peak_bytes, rel=1e-9)
+    assert "sequence parallel" in explorer.space.picked.value and "sequence parallel" in explorer.status.value
 
 
 @pytest.mark.parametrize("knobs, message", [

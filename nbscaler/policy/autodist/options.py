@@ -27,12 +27,15 @@
 ``hardware``                plan for a target instead of this machine: a ``Hardware`` with
                             ``runtime_ngpus`` GPUs, or a catalogue name (``Hardware.catalogue()``)
                             whose nodes ``runtime_ngpus`` fills; autodist then chooses tp, pp,
-                            micro-batch, recomputation and ZeRO as ``nbscaler.sweep`` prices them
+                            micro-batch, recomputation, sequence parallelism and ZeRO as
+                            ``nbscaler.sweep`` prices them
                             (``nbscaler.planning.autodist_on_target``)
 ``global_batch``            with ``hardware``: the sequences one training step trains on
 ``autodist_space``          with ``hardware``: the ranges to search, as ``nbscaler.sweep``'s
                             keywords ``tp``, ``pp``, ``micro_batch``, ``recompute``,
-                            ``zero_stage`` (a missing one: the sweep's default)
+                            ``sequence_parallel``, ``zero_stage`` (a missing one: the
+                            sweep's default; ``sequence_parallel`` missing and
+                            ``pas_config['sequence_parallel']`` given: that value alone)
 ``master_dtype``            with ``hardware``: the optimizer's master copies' dtype
                             (``build_optimizer``'s; default ``torch.float32``)
 ==========================  ==================================================================
@@ -58,7 +61,7 @@ OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
 KEYS = ("memory_limit_bytes", "memory_optimizer", "pipeline_pivots", "autodist_constraints", "save_plan_path",
         "load_plan_path", "autodist_nstages", "autodist_max_states", "autodist_plan_ngpus", "autodist_scheduler",
         "hardware", "global_batch", "autodist_space", "master_dtype")
-SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "zero_stage")
+SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage")
 """The ranges ``autodist_space`` may give: ``nbscaler.sweep``'s keywords of the same names."""
 TARGET_KEYS = ("global_batch", "autodist_space", "master_dtype")
 """The keys that only a search on a target (``hardware``) reads."""

@@ -65,7 +65,7 @@ class Explorer:
             (its step, bubble and MFU; its capacity and the ranks that do not fit); ``None`` for
             this machine.
         sweep_ranges: what the space tab sweeps (``nbscaler.sweep``'s ``tp``, ``pp``,
-            ``micro_batch``, ``recompute``, ``zero_stage``); ``None`` for its defaults
+            ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``); ``None`` for its defaults
             (``explorer.space.DEFAULT_RANGES``).
     """
 

@@ -1,7 +1,8 @@
 """The Explorer's "space" tab: every configuration of the model on a target, re-priced as knobs turn.
 
 **Sweep** builds a ``planning.space.PlanSpace`` of the Explorer's model (the two-layer copy traced
-and placed once per micro-batch size, tp and recompute) and draws it (``widgets.space``). The knobs
+once per micro-batch size, placed once per tp, recompute and sequence parallelism) and draws it
+(``widgets.space``; a mark's hover text says whether its configuration is sequence parallel). The knobs
 here are the sweep's own: the target (a catalogue name, nodes, GPUs per node), the precision
 (the module's dtype and the optimizer's master copies), the global batch and the sequence length.
 Turning one re-prices the whole space from what the ``PlanSpace`` kept and reports the time taken;
@@ -35,7 +36,8 @@ PRECISIONS: Dict[str, Tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
 """The precision knob: its label -> (module dtype, master dtype)."""
 SPACE_KNOBS = ("hardware", "nodes", "gpus_per_node", "precision", "global_batch", "sequence", "metric")
 DEFAULT_RANGES: Dict[str, Any] = {"micro_batch": (1, 2, 4), "zero_stage": (1, 2)}
-"""What the tab sweeps besides every tp and pp that divide the GPUs."""
+"""What the tab sweeps besides every tp and pp that divide the GPUs, recompute on and off, and
+sequence parallelism on and off where tp > 1 (``nbscaler.sweep``'s defaults)."""
 
 
 def one_sequence_of(dummy_args: Dict[str, Any]) -> Dict[str, Any]:

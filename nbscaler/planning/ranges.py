@@ -1,0 +1,86 @@
+"""The ranges a sweep combines (``nbscaler.sweep``'s ``tp``, ``pp``, ``micro_batch``, ...), checked
+on a target, and why a combination of them cannot run there."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
+
+from nbscaler.cost.hardware import Hardware
+from nbscaler.planning.stack import Stack
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranges:
+    """The sweep's ranges as the user gave them (``None``: every divisor, worked out per target)."""
+
+    tp: Optional[Tuple[int, ...]]
+    pp: Optional[Tuple[int, ...]]
+    micro_batch: Optional[Tuple[int, ...]]
+    recompute: Tuple[bool, ...]
+    sequence_parallel: Tuple[bool, ...]
+    zero_stage: Tuple[int, ...]
+    scheduler: str
+    virtual_stages: Tuple[int, ...]
+
+
+def sequence_parallel_at(tp: int, values: Sequence[bool]) -> List[bool]:
+    """The sequence parallelism to try at ``tp``: with one device there are no linears' ops to
+    slice the sequence between, so only ``False`` (never a second, identical row)."""
+    return sorted({v and tp > 1 for v in values})
+
+
+def virtual_stages_of(scheduler: str, values: Sequence[int]) -> List[int]:
+    """The stages per pipeline device to try: the scheduler's own number where it has one."""
+    from nbscaler.schedule.schedulers import scheduler_spec
+    fixed = scheduler_spec(scheduler).stages_per_device
+    if fixed is not None:
+        return [fixed]
+    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad or not values:
+        raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
+    return list(values)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
+            sequence_parallel, zero_stage) -> Tuple[List, ...]:
+    """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
+    gpus = hardware.ngpus
+    tp = list(tp) if tp is not None else _divisors(gpus)
+    pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
+    micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
+    for name, values in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
+        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad or not values:
+            raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
+    for name, values in (("tp", tp), ("pp", pp)):
+        bad = [v for v in values if gpus % v]
+        if bad:
+            raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
+                             f"x {hardware.nodes} node(s); use divisors of {gpus}: {_divisors(gpus)}.")
+    if max(pp) > stack.depth:
+        raise ValueError(f"sweep's pp={max(pp)} is more stages than the {stack.depth} layers of {stack.path}; "
+                         f"use pp <= {stack.depth}.")
+    bad = [z for z in zero_stage if z not in (0, 1, 2)]
+    if bad or not zero_stage:
+        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
+    if not sequence_parallel or any(not isinstance(v, bool) for v in sequence_parallel):
+        raise ValueError(f"sweep's sequence_parallel={tuple(sequence_parallel)!r}: give True and/or False.")
+    recompute = [bool(r) for r in recompute]
+    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage)
+
+
+def combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:
+    """Why ``tp`` x ``pp`` with ``micro``-sequence micro-batches cannot run, or ``None``."""
+    if hardware.ngpus % (tp * pp):
+        return f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs"
+    dp = hardware.ngpus // (tp * pp)
+    if global_batch % (dp * micro):
+        return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
+    return None
