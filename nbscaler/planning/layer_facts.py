@@ -54,7 +54,6 @@ class LayerFacts:
     ``stage_start`` replays, and what ``pricing.Staged`` keeps per stage count."""
 
     def __post_init__(self) -> None:
-        self._carried: Dict[int, Tuple[int, int]] = {}
         self._starts: Dict[int, List[np.ndarray]] = {}
         self._ends: Dict[int, List[np.ndarray]] = {}
         # tensor-parallel index -> the first index whose facts and weights are the same (the
@@ -70,9 +69,16 @@ class LayerFacts:
         """Bytes and tensors a pipeline cut before full-model op ``cut`` sends on
         (``comm.stages.stage_carries``), read off the same place of the copy."""
         place = self.expansion.copy_position(cut)
-        if place not in self._carried:
-            self._carried[place] = _carries(self.graph, place)
-        return self._carried[place]
+        tensors = self._crossing(place)
+        return sum(t.nbytes for t in tensors), len(tensors)
+
+    def _crossing(self, place: int) -> List:
+        """The tensors a cut before the copy's op ``place`` sends on (``_carried``), kept in
+        ``shared``: they do not depend on the target."""
+        key = ("carried", place)
+        if key not in self.shared:
+            self.shared[key] = _carried(self.graph, place)
+        return self.shared[key]
 
     def stage_start(self, cut: int) -> List[np.ndarray]:
         """What a stage starting at full-model op ``cut`` adds to the sum of its ops' facts, per
@@ -107,7 +113,7 @@ class LayerFacts:
         place = self.expansion.copy_position(cut)
         if place not in self._ends:
             sent = np.zeros(SAVED_TAIL + 1)
-            if not all(_made_whole(t) for t in _carried(self.graph, place)):
+            if not all(_made_whole(t) for t in self._crossing(place)):
                 span = slice(max(0, place - self.expansion.size), place)
                 sent = _sent(self._replayed(span, 0, self.replay[0]), self.replay[3])
             self._ends[place] = [sent] * self.tp
@@ -249,12 +255,6 @@ def _carried(graph, cut: int) -> List:
     finally:
         for n, s in zip(graph.nodes, saved):
             n.stage = s
-
-
-def _carries(graph, cut: int) -> Tuple[int, int]:
-    """The bytes and the number of tensors sent across a cut of ``graph`` before op ``cut``."""
-    carried = _carried(graph, cut)
-    return sum(t.nbytes for t in carried), len(carried)
 
 
 def _made_whole(t) -> bool:

@@ -118,16 +118,17 @@ def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Opt
     device_free = [0.0] * schedule.ndevices
     starts: list[float] = []
     ends: list[float] = []                     # the end of each block, in play order
-    for step in order:
-        block = step.block
-        start = max(device_free[d] + post for d in step.devices) if step.receives else \
-            max(device_free[d] for d in step.devices)
-        for dep, far in step.inputs:
+    for block, devices, inputs, receives, sends in order:       # a sweep plays thousands: kept tight
+        if len(devices) == 1:
+            start = device_free[devices[0]] + (post if receives else 0.0)
+        else:
+            start = max(device_free[d] for d in devices) + (post if receives else 0.0)
+        for dep, far in inputs:
             arrival = ends[dep] + latency if far else ends[dep]
             if arrival > start:
                 start = arrival
-        end = start + cost[block.phase][block.stage] + (post if step.sends else 0.0)
-        for d in step.devices:
+        end = start + cost[block.phase][block.stage] + (post if sends else 0.0)
+        for d in devices:
             device_free[d] = end
         starts.append(start)
         ends.append(end)
