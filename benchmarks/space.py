@@ -6,7 +6,8 @@ intermediate 14336, 32 layers, 32 heads, 8 key-value heads, vocabulary 128,256, 
 sequences, bf16 with fp32 master weights and AdamW, on ``Hardware.named("H100-SXM-80GB")`` (one
 node of 8). The space is what the tab sweeps by default: every tp and pp dividing the 8 GPUs,
 micro-batches of 1, 2 or 4 sequences, recomputation on and off, sequence parallelism on and off
-where tp > 1, ZeRO 1 and 2 (192 configurations, 120 of them without sequence parallelism).
+where tp > 1, ZeRO 1 and 2 (192 configurations). The space without sequence parallelism (120
+configurations) is measured too, beside it.
 
 ``PlanSpace`` is built once (traces and placements, timed), then each knob is turned to a new value
 and back, several times. The first turn to the new value reads the ops' facts on a new target (or
@@ -70,9 +71,10 @@ def timed_set(space: PlanSpace, knobs: Dict) -> Tuple[float, float]:
     return space.last_price_s, time.process_time() - cpu
 
 
-def measure() -> Tuple[Dict[str, float], List[Tuple[str, List[float], List[float]]], int]:
+def measure(sequence_parallel: Tuple[bool, ...]) -> Tuple[Dict[str, float], List[Tuple[str, List[float], List[float]]], int]:
     start, cpu = time.perf_counter(), time.process_time()
-    space = PlanSpace(llama3_8b(), tokens(), Hardware.named("H100-SXM-80GB"), global_batch=GLOBAL_BATCH, **RANGES)
+    space = PlanSpace(llama3_8b(), tokens(), Hardware.named("H100-SXM-80GB"), global_batch=GLOBAL_BATCH,
+                      sequence_parallel=sequence_parallel, **RANGES)
     built = {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "traces": space.traces}
     rows = []
     for name, there, back in KNOBS:
@@ -86,13 +88,23 @@ def measure() -> Tuple[Dict[str, float], List[Tuple[str, List[float], List[float
     return built, rows, len(space.frame)
 
 
-def report(built: Dict[str, float], rows, configurations: int) -> str:
+def report(spaces) -> str:
+    """The results file: a table per space measured (``(sequence_parallel, measure(...))`` pairs)."""
     lines = ["# Re-pricing the plan space when a knob turns (Llama-3-8B, 8 H100s)", "",
-             f"`python -m benchmarks.space` on this machine ({os.cpu_count()} CPU cores, shared with other work "
-             "while it ran: the wall seconds carry that load, the CPU seconds do not).", "",
-             f"{configurations} configurations (every tp and pp dividing 8, micro-batches 1, 2, 4, recompute on "
-             "and off, sequence parallelism on and off where tp > 1, ZeRO 1 and 2), sequences of 8,192 tokens, "
-             "global batch 64, bf16 with fp32 master weights, AdamW.", "",
+             f"`python -m benchmarks.space` on this machine ({os.cpu_count()} CPU cores, load average "
+             f"{os.getloadavg()[0]:.1f} at the end: the wall seconds carry the load, the CPU seconds much less).",
+             "", "Every tp and pp dividing 8, micro-batches 1, 2, 4, recompute on and off, ZeRO 1 and 2, sequences "
+             "of 8,192 tokens, global batch 64, bf16 with fp32 master weights, AdamW; the space tab's default "
+             "adds sequence parallelism on and off where tp > 1.", ""]
+    for sequence_parallel, measured in spaces:
+        name = "with sequence parallelism (the tab's default)" if True in sequence_parallel else \
+            "without sequence parallelism"
+        lines += [f"## {name}", ""] + space_table(*measured)
+    return "\n".join(lines) + "\n"
+
+
+def space_table(built: Dict[str, float], rows, configurations: int) -> List[str]:
+    lines = [f"{configurations} configurations.", "",
              f"Building the space (the two-layer copy traced {built['traces']} times, placed and priced): "
              f"{built['wall_s']:.1f} s wall, {built['cpu_s']:.1f} s CPU.", "",
              f"Each knob turned to the value shown and back, {REPEATS} times each way: the first turn (a value "
@@ -103,7 +115,7 @@ def report(built: Dict[str, float], rows, configurations: int) -> str:
     for name, walls, cpus in rows:
         lines.append(f"| {name} | {walls[0] * 1e3:.0f} | {cpus[0] * 1e3:.0f} | "
                      f"{statistics.median(walls[1:]) * 1e3:.0f} | {statistics.median(cpus[1:]) * 1e3:.0f} |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
 def main() -> None:
@@ -111,7 +123,7 @@ def main() -> None:
     parser.add_argument("--print", action="store_true", help="print the results instead of writing them")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="the cost model could not replay")
-    text = report(*measure())
+    text = report([(sp, measure(sp)) for sp in ((False,), (False, True))])
     if args.print:
         print(text)
     else:
