@@ -11,6 +11,8 @@ the ops it holds (``planning.stack.repeat_counts``); nothing is traced, placed o
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -56,10 +58,12 @@ class LayerFacts:
     def __post_init__(self) -> None:
         self._starts: Dict[int, List[np.ndarray]] = {}
         self._ends: Dict[int, List[np.ndarray]] = {}
-        # tensor-parallel index -> the first index whose facts and weights are the same (the
-        # members of a group differ only where a collective keeps another piece or first_only)
+        # tensor-parallel index -> the first index whose facts and weights are the same but for
+        # which slice of a split weight each holds (the members of a group differ only where a
+        # collective keeps another piece or first_only): what it replays and holds costs the same
+        held = [[(dataclasses.replace(w, index=0), readers) for w, readers in ws] for ws in self.weights]
         self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
-                           and self.weights[j] == self.weights[i]) for i in range(len(self.matrix))]
+                           and held[j] == held[i]) for i in range(len(self.matrix))]
 
     @property
     def tp(self) -> int:
