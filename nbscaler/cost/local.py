@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from nbscaler.comm.layout import local_call, local_shape, output_layout
 from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
+from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import vocab_parallel
 from nbscaler.ir.registry import USER_OPS, spec_of
@@ -120,10 +121,6 @@ class LocalRun:
         return sum(self.saved.values())
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 class _Apply(torch.autograd.Function):
     """Stands in for a differentiable collective: its forward, and nothing saved (like the real ones)."""
 
@@ -159,13 +156,13 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
 
 
 class _Env(dict):
-    """The values of a replay (``Value`` -> fake tensor); a weight is made on its first read."""
+    """The values of a replay (``Value`` -> ``FakeValue``); a weight is made on its first read."""
 
-    def __init__(self, make: Callable[[Value], torch.Tensor], weights: Sequence[Value]):
+    def __init__(self, make: Callable[[Value], FakeValue], weights: Sequence[Value]):
         super().__init__()
         self.make, self.weights = make, set(weights)
 
-    def __missing__(self, v: Value) -> torch.Tensor:
+    def __missing__(self, v: Value) -> FakeValue:
         if v not in self.weights:
             raise KeyError(v)
         self[v] = w = self.make(v)
@@ -173,27 +170,31 @@ class _Env(dict):
 
 
 class _Replay:
-    """Runs one lowered section on fake tensors, one instruction at a time (as ``torch.fx.Interpreter``
-    runs a graph): an environment maps each value of the program to the fake tensor that holds it."""
+    """Runs one lowered section on fake values, one instruction at a time (as ``torch.fx.Interpreter``
+    runs a graph): an environment maps each value of the program to the ``FakeValue`` that holds it,
+    and each call is made again from a remembered one or dispatched on fake tensors (``cost.fake_calls``)."""
 
-    def __init__(self, section: Section):
+    def __init__(self, section: Section, calls: Optional[FakeCalls]):
         self.sec = section
+        self.calls = calls
         self.run = LocalRun(section.device, section.stage)
         self.env = _Env(self.weight, section.weights)
         self.weight_keys: set = set()
         self.seen: set = set()
         self.fake_device = fake_device()
+        self.tensors = FakeStorages(self.fake_device)
         self.region: Optional[str] = None      # the recomputed region being replayed
         self.region_seen: set = set()
         self._grad: Optional[Dict[int, bool]] = None
 
-    def weight(self, v: Value) -> torch.Tensor:
-        """A stored weight, made when the program first reads it (a stage reads a few of the
-        graph's weights; making them all cost more than the replay)."""
+    def leaf(self, shape: Sequence[int], dtype: torch.dtype, requires_grad: bool = False) -> FakeValue:
+        return self.tensors.leaf(FakeValue.made(shape, dtype, requires_grad))
+
+    def weight(self, v: Value) -> FakeValue:
+        """A stored weight, made when the program first reads it."""
         t = v.tensor
-        w = torch.empty(v.shape, dtype=t.dtype, device=self.fake_device,
-                        requires_grad=t.kind == "param" and t.dtype.is_floating_point)
-        self.weight_keys.add(_storage_key(w))
+        w = self.leaf(v.shape, t.dtype, t.kind == "param" and t.dtype.is_floating_point)
+        self.weight_keys.add(w.storage)
         return w
 
     def grad(self) -> Dict[int, bool]:
@@ -205,8 +206,7 @@ class _Replay:
     def instruction(self, ins: Instruction) -> None:
         if isinstance(ins, Receive):            # as the pipeline executor makes it: requiring a gradient
             t = ins.value.tensor
-            self.env[ins.value] = torch.empty(t.shape, dtype=t.dtype, device=self.fake_device,
-                                              requires_grad=t.dtype.is_floating_point)
+            self.env[ins.value] = self.leaf(t.shape, t.dtype, t.dtype.is_floating_point)
         elif isinstance(ins, Call):
             self.call(ins)
         elif isinstance(ins, Recompute):
@@ -219,60 +219,93 @@ class _Replay:
             index = f.devices.index(self.sec.device) if self.sec.device in f.devices else 0
             for c in f.steps:
                 value = self.env[c.src]
-                out = _collective(c.step.fn, value, c.step.dim, c.step.dim2, len(f.devices), index)
-                self.run.collectives.append(CollectiveCall(c.step.fn, f.tensor.name, f.devices, _nbytes(value),
-                                                           _nbytes(out), f.consumer.name if f.consumer else None,
+                step, n = c.step, len(f.devices)
+                args = (step.fn, step.dim, step.dim2, n, index)
+                out = self.remembered(("collective", *args), (value,), {}, [value],
+                                      lambda x: ([_collective(args[0], x[0], *args[1:])], [], True))[0][0]
+                self.run.collectives.append(CollectiveCall(step.fn, f.tensor.name, f.devices, value.bytes, out.bytes,
+                                                           f.consumer.name if f.consumer else None,
                                                            f.region is not None))
                 self.env[c.dst] = out
 
     def call(self, call: Call) -> None:
         self.fetches(call.fetches)
-        node, place = call.node, call.node.placement
+        node = call.node
         inputs = [self.env[v] for v in call.inputs]
+        args, kwargs = call_args(node, inputs, self.fake_device)
+        produced, packed = self.remembered((node.target, _structure(node.outputs)), args, kwargs, inputs,
+                                           lambda xs: self.dispatch(call, xs))
+        for v in call.inputs:                   # an op that changed an input in place
+            self.env[v] = self.changed.get(id(self.env[v]), self.env[v])
+        if vocab_parallel(node) and node.op == "loss":
+            # the runtime's vocab_cross_entropy saves its softmax and the targets: the bytes of
+            # cross_entropy's log-softmax and targets, without nll_loss's 0-dim total weight
+            packed = [x for x in packed if x[2] > 0]
+        new_bytes = self.save(packed)
+        for v, value in zip(call.outputs, produced):
+            self.env[v] = value
+        self.run.ops.append(OpCall(node, tuple((x.shape, x.dtype, x.requires_grad) for x in inputs),
+                                   tuple((v.shape, v.dtype) for v in produced), new_bytes,
+                                   self.region is not None, self._kept_keys(packed)))
+
+    def remembered(self, target, args: Tuple, kwargs: Dict[str, Any], inputs: List[FakeValue],
+                   run: Callable[[List[torch.Tensor]], Tuple[List[torch.Tensor], List[torch.Tensor], bool]]
+                   ) -> Tuple[List[FakeValue], List[Stored]]:
+        """The values a call makes and what it saves: from the record of the same call made
+        before, else by ``run`` on the inputs' fake tensors (its outputs, the tensors autograd
+        saved, whether it ran as it would: only then is it remembered). ``changed``: the inputs
+        the call changed in place, each with its new value."""
+        self.changed: Dict[int, FakeValue] = {}
+        key = call_key(target, args, kwargs, inputs) if self.calls is not None else None
+        record = self.calls.get(key) if key is not None else None
+        if record is not None:
+            return record.rebuild(inputs)
+        tensors = [self.tensors.tensor(x) for x in inputs]
+        versions = [x._version for x in tensors]
+        produced, packed, exact = run(tensors)
+        if self.calls is not None and exact:
+            self.calls.put(key, tensors, produced, packed, versions)
+        self.changed = {id(v): self.tensors.value(t) for t, v, n in zip(tensors, inputs, versions) if t._version != n}
+        known = [(t, self.changed.get(id(v), v)) for t, v in zip(tensors, inputs)]
+        return [self.tensors.value(p, known) for p in produced], [self.tensors.stored(x) for x in packed]
+
+    def dispatch(self, call: Call, inputs: List[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor], bool]:
+        """Call the op on fake tensors: what it makes and what autograd saves; a call that cannot
+        run is guessed (it saves its inputs) and the run marked not exact."""
+        node = call.node
         args, kwargs = call_args(node, inputs, self.fake_device)
         packed: List[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: (packed.append(x), x)[1], lambda x: x):
                 result = call_node(node, args, kwargs)
-            produced = [r for r in _leaves(result, node.outputs)]
+            return _leaves(result, node.outputs), packed, True
         except Exception as err:                          # data-dependent shapes and the like
             self.run.exact = False
             warnings.warn(f"the cost model could not replay {node.target} ({node.name}) on fake tensors "
-                          f"({type(err).__name__}: {err}); it assumes the op saves its inputs.", stacklevel=4)
-            produced = [torch.empty(local_shape(v.tensor.shape, v.layout, place.parts), dtype=v.tensor.dtype,
+                          f"({type(err).__name__}: {err}); it assumes the op saves its inputs.", stacklevel=7)
+            produced = [torch.empty(local_shape(v.tensor.shape, v.layout, node.placement.parts), dtype=v.tensor.dtype,
                                     device=self.fake_device) for v in call.outputs]
             grad = self.grad()
             packed = [x for x, v in zip(inputs, call.inputs) if x.is_floating_point() and grad.get(id(v.tensor), False)]
-        if vocab_parallel(node) and node.op == "loss":
-            # the runtime's vocab_cross_entropy saves its softmax and the targets: the bytes of
-            # cross_entropy's log-softmax and targets, without nll_loss's 0-dim total weight
-            packed = [x for x in packed if x.dim() > 0]
-        new_bytes = self.save(packed)
-        for v, value in zip(call.outputs, produced):
-            self.env[v] = value
-        self.run.ops.append(OpCall(node, tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
-                                   tuple((tuple(v.shape), v.dtype) for v in produced), new_bytes,
-                                   self.region is not None, self._kept_keys(packed)))
+            return produced, packed, False
 
-    def _kept_keys(self, tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
-        """The storages of ``tensors`` the forward keeps saved (none inside a recomputed region)."""
+    def _kept_keys(self, saved: Sequence[Stored]) -> Tuple[int, ...]:
+        """The storages of ``saved`` the forward keeps saved (none inside a recomputed region)."""
         if self.region is not None:
             return ()
-        return tuple(dict.fromkeys(k for k in map(_storage_key, tensors) if k in self.run.saved))
+        return tuple(dict.fromkeys(k for k, _, _ in saved if k in self.run.saved))
 
-    def save(self, tensors: Sequence[torch.Tensor]) -> int:
+    def save(self, saved: Sequence[Stored]) -> int:
         """Count what autograd saves (each storage once, weights left out); returns the new bytes.
 
         Inside a recomputed region the forward keeps none of it: the bytes go to the region's
         rebuild (``LocalRun.rebuilt``) and the op reports none."""
         new_bytes = 0
         seen = self.region_seen if self.region is not None else self.seen
-        for x in tensors:
-            key = _storage_key(x)
+        for key, nbytes, _ in saved:
             if key in self.weight_keys or key in seen:
                 continue
             seen.add(key)
-            nbytes = x.untyped_storage().nbytes()
             new_bytes += nbytes
             if self.region is None:
                 self.run.saved[key] = nbytes
@@ -285,9 +318,9 @@ class _Replay:
         """A recomputed region: its inputs fetched before it (and kept for the backward, as
         ``torch.utils.checkpoint`` keeps them), then its ops."""
         self.fetches(region.fetches)
-        inputs = [self.env[v] for v in region.inputs]
+        inputs = [self.env[v].stored() for v in region.inputs]
         kept = self.save(inputs)
-        self.region, self.region_seen = region.region, {_storage_key(x) for x in inputs}    # held anyway
+        self.region, self.region_seen = region.region, {k for k, _, _ in inputs}    # held anyway
         try:
             for call in region.body:
                 self.call(call)
@@ -297,10 +330,6 @@ class _Replay:
         first = self.run.ops[-n]
         self.run.ops[-n] = dataclasses.replace(first, saved_bytes=first.saved_bytes + kept,
                                                saved_keys=self._kept_keys(inputs))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _leaves(result: Any, outputs: Any) -> List[torch.Tensor]:
@@ -315,6 +344,17 @@ def _leaves(result: Any, outputs: Any) -> List[torch.Tensor]:
     if isinstance(outputs, dict):
         return [x for k in outputs for x in _leaves(result[k], outputs[k])]
     return []
+
+
+def _structure(outputs: Any) -> Any:
+    """The shape of the IR's output structure, which picks what ``_leaves`` keeps of a result."""
+    if isinstance(outputs, IRTensor):
+        return "T"
+    if isinstance(outputs, (tuple, list)):
+        return tuple(_structure(o) for o in outputs)
+    if isinstance(outputs, dict):
+        return tuple((k, _structure(o)) for k, o in outputs.items())
+    return None
 
 
 def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device) -> Tuple[Tuple, Dict[str, Any]]:
@@ -337,16 +377,18 @@ def fake_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def run_local(section: Section, train: bool = True) -> LocalRun:
+def run_local(section: Section, train: bool = True, calls: Optional[FakeCalls] = CALLS) -> LocalRun:
     """Replay one lowered ``section`` of a rank's program on fake tensors, at its local shapes.
 
     Inputs are replicated and need no gradient; tensors received from the previous stage are replicated and need one when floating,
     as the pipeline executor makes them. ``train=False`` runs without autograd (nothing is saved).
+    ``calls``: the calls made before, made again from what they did (``cost.fake_calls``); ``None``
+    dispatches every call.
     """
-    replay = _Replay(section)
+    replay = _Replay(section, calls)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.set_grad_enabled(train):
         for v in section.inputs:
-            replay.env[v] = torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device=replay.fake_device)
+            replay.env[v] = replay.leaf(v.tensor.shape, v.tensor.dtype)
         for ins in section.instructions:
             replay.instruction(ins)
     return replay.run
