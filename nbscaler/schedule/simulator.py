@@ -72,7 +72,7 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         ValueError: a cost list does not fit the schedule.
         DeadlockError: no device can proceed before the schedule has finished.
     """
-    order, starts, ends = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
+    order, starts, ends, _ = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
     timed = [TimedBlock(d, step.block.stage, step.block.micro, step.block.phase, start, end)
              for step, start, end in zip(order, starts, ends) for d in step.devices]
     timed.sort(key=lambda t: (t.rank, t.t_start))
@@ -95,17 +95,15 @@ def simulate_totals(schedule: PipelineSchedule, forward_costs: Costs, backward_c
     >>> simulate_totals(build_schedule("1f1b", nstages=4, nmicros=8), forward_costs=1.0).makespan
     33.0
     """
-    order, starts, ends = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
-    busy = [0.0] * schedule.ndevices
-    for step, start, end in zip(order, starts, ends):
-        for d in step.devices:
-            busy[d] += end - start
+    _, starts, ends, busy = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
     return StepTotals(max(ends) - min(starts) if ends else 0.0, tuple(busy))
 
 
 def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs], latency: float,
-           post: float, weight_costs: Optional[Costs]) -> tuple[tuple["_Step", ...], list[float], list[float]]:
-    """The play order (``_play_order``) and each of its blocks' start and end, by the rules above."""
+           post: float, weight_costs: Optional[Costs]
+           ) -> tuple[tuple["_Step", ...], list[float], list[float], list[float]]:
+    """The play order (``_play_order``), each of its blocks' start and end by the rules above, and
+    each device's busy seconds."""
     for name, value in (("latency", latency), ("post", post)):
         if value < 0:
             raise ValueError(f"{name}={value} is negative: use a send/recv time >= 0.")
@@ -113,26 +111,65 @@ def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Opt
     backward = ([2 * c for c in forward] if backward_costs is None
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
     cost = _phase_costs(schedule, forward, backward, weight_costs)
+    flat = [c for phase in PHASES if phase in cost for c in cost[phase]]     # _Played.cost indexes it
 
-    order = _play_order(schedule)
-    device_free = [0.0] * schedule.ndevices
+    free = [0.0] * schedule.ndevices           # when each device is next free
+    busy = [0.0] * schedule.ndevices
     starts: list[float] = []
     ends: list[float] = []                     # the end of each block, in play order
-    for block, devices, inputs, receives, sends in order:       # a sweep plays thousands: kept tight
-        if len(devices) == 1:
-            start = device_free[devices[0]] + (post if receives else 0.0)
+    for device, devices, near, far, receives, sends, c in _played(schedule):   # a sweep plays thousands: kept tight
+        if device >= 0:
+            start = free[device]
         else:
-            start = max(device_free[d] for d in devices) + (post if receives else 0.0)
-        for dep, far in inputs:
-            arrival = ends[dep] + latency if far else ends[dep]
+            start = max(free[d] for d in devices)
+        if receives:
+            start += post
+        for i in near:
+            if ends[i] > start:
+                start = ends[i]
+        for i in far:
+            arrival = ends[i] + latency
             if arrival > start:
                 start = arrival
-        end = start + cost[block.phase][block.stage] + (post if sends else 0.0)
-        for d in devices:
-            device_free[d] = end
+        end = start + flat[c]
+        if sends:
+            end += post
+        if device >= 0:
+            free[device] = end
+            busy[device] += end - start
+        else:
+            for d in devices:
+                free[d] = end
+                busy[d] += end - start
         starts.append(start)
         ends.append(end)
-    return order, starts, ends
+    return _play_order(schedule), starts, ends, busy
+
+
+#: The phases in the order ``_timed`` lays out their per-stage costs.
+PHASES = ("F", "B", "W")
+
+
+class _Played(NamedTuple):
+    """One step of the play order as ``_timed`` reads it: its device (-1 where several share the
+    block), those devices, the places of its inputs from the same devices and from others, whether
+    it receives or sends, and its cost's place (``PHASES``' index times the stages, plus its stage)."""
+
+    device: int
+    devices: tuple[int, ...]
+    near: tuple[int, ...]
+    far: tuple[int, ...]
+    receives: bool
+    sends: bool
+    cost: int
+
+
+@functools.lru_cache(maxsize=256)
+def _played(schedule: PipelineSchedule) -> tuple[_Played, ...]:
+    return tuple(_Played(step.devices[0] if len(step.devices) == 1 else -1, step.devices,
+                         tuple(i for i, far in step.inputs if not far), tuple(i for i, far in step.inputs if far),
+                         step.receives, step.sends, PHASES.index(step.block.phase) * schedule.nstages + step.block.stage)
+                 for step in _play_order(schedule))
 
 
 class _Step(NamedTuple):
