@@ -38,8 +38,8 @@ True
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
 
 from nbscaler.cost.comm_model import backward_time, priced_as
 from nbscaler.cost.hardware import Hardware, Link
@@ -48,9 +48,11 @@ from nbscaler.layouts import Collective
 
 @dataclass(frozen=True)
 class NcclModel:
-    """Collective seconds on ``hardware``; a group without ``ranks`` is taken as ``range(n)``."""
+    """Collective seconds on ``hardware``; a group without ``ranks`` is taken as ``range(n)``.
+    A sweep asks for the same collectives many times: each is worked out once (``_seconds``)."""
 
     hardware: Hardware
+    _seconds: Dict[Tuple, float] = field(default_factory=dict, compare=False, repr=False)
 
     def link(self, n: int, ranks: Optional[Sequence[int]]) -> Link:
         return self.hardware.link(range(n) if ranks is None else ranks)
@@ -67,6 +69,12 @@ class NcclModel:
 
     def forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
         """Seconds of collective ``fn`` over ``n`` ranks (``ranks``) on a local input of ``nbytes``."""
+        key = (fn, nbytes, n, ranks if ranks is None or isinstance(ranks, (range, tuple)) else tuple(ranks))
+        if key not in self._seconds:
+            self._seconds[key] = self._forward(fn, nbytes, n, ranks)
+        return self._seconds[key]
+
+    def _forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]]) -> float:
         primitive = priced_as(fn, n)
         if primitive is None:
             return 0.0
