@@ -74,7 +74,7 @@ on this machine.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -176,13 +176,19 @@ class RooflineOps:
     def save(self) -> None:
         """Nothing to store."""
 
-    def time(self, op: OpCall) -> Tuple[float, float]:
-        """Forward and backward seconds of ``op`` on one GPU of the target, worked out once per
-        kind of op, local shapes, FLOPs and dropping (a sweep's placements repeat their ops)."""
+    @staticmethod
+    def key(op: OpCall) -> Tuple:
+        """All ``time`` reads of ``op``: its kind, local shapes, FLOPs and whether it drops (a
+        sweep's placements repeat their ops, so their times are worked out once per key)."""
         node = op.node
         meta = node.meta
-        key = (node.op, node.target, op.in_shapes, op.out_shapes, meta.get("local_flops_fwd"),
-               meta.get("flops_fwd"), meta.get("flops_bwd"), node.target == DROPOUT_TARGET and drops(node))
+        return (node.op, node.target, op.in_shapes, op.out_shapes, meta.get("local_flops_fwd"),
+                meta.get("flops_fwd"), meta.get("flops_bwd"), node.target == DROPOUT_TARGET and drops(node))
+
+    def time(self, op: OpCall, key: Optional[Tuple] = None) -> Tuple[float, float]:
+        """Forward and backward seconds of ``op`` on one GPU of the target, worked out once per
+        ``key`` (``self.key(op)``, which a caller that keeps it may pass)."""
+        key = self.key(op) if key is None else key
         if key not in self._times:
             self._times[key] = self._time(op)
         return self._times[key]

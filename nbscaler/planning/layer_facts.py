@@ -26,14 +26,11 @@ from nbscaler.cost.flops import node_flops
 from nbscaler.cost.local import run_local
 from nbscaler.cost.memory import feeding_no_weight
 from nbscaler.cost.ranks import LocalWeight, local_weights
+from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import requires_grad_of
 from nbscaler.layouts import LayoutKind
+from nbscaler.planning.op_ledger import SAVED_TAIL, TP_BWD, TP_FWD, Kinds, OpLedger
 from nbscaler.planning.stack import Expansion, Stack
-
-#: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
-#: ``SAVED_TAIL``: the saved bytes of an op that feeds no weighted op (the loss at the model's
-#: end), which a split backward's ``B`` frees on any stage but the first (``cost.memory.held_for_weights``).
-FWD, BWD, TP_FWD, TP_BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN, SAVED_TAIL = range(9)
 
 
 @dataclass
@@ -61,9 +58,11 @@ class LayerFacts:
         # tensor-parallel index -> the first index whose facts and weights are the same but for
         # which slice of a split weight each holds (the members of a group differ only where a
         # collective keeps another piece or first_only): what it replays and holds costs the same
-        held = [[(dataclasses.replace(w, index=0), readers) for w, readers in ws] for ws in self.weights]
-        self.alike = [next(j for j in range(i + 1) if np.array_equal(self.matrix[j], self.matrix[i])
-                           and held[j] == held[i]) for i in range(len(self.matrix))]
+        if "same weights" not in self.shared:          # not the target's: kept with the placement
+            held = [[(dataclasses.replace(w, index=0), readers) for w, readers in ws] for ws in self.weights]
+            self.shared["same weights"] = [[j for j in range(i + 1) if held[j] == held[i]] for i in range(len(held))]
+        self.alike = [next(j for j in same if np.array_equal(self.matrix[j], self.matrix[i]))
+                      for i, same in enumerate(self.shared["same weights"])]
 
     @property
     def tp(self) -> int:
@@ -99,9 +98,7 @@ class LayerFacts:
                 if self.alike[device] != device:         # its group's first alike device replays for it
                     starts.append(starts[self.alike[device]])
                     continue
-                run = self._replayed(span, device, storage)
-                rows = _rows(run, index, len(self.expansion.nodes), len(self.expansion.nodes) - 1, profiler, comm,
-                             self.shared["placement"].no_weight)
+                rows = self._ledger(span, device).rows(self.shared["kinds"], profiler, comm)
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
@@ -123,6 +120,16 @@ class LayerFacts:
             self._ends[place] = [sent] * self.tp
         return self._ends[place]
 
+    def _ledger(self, span: slice, device: int) -> OpLedger:
+        """The ``OpLedger`` of ``device``'s run of the copy from ``span``'s start, kept in ``shared``."""
+        key = ("ledger", span.start, span.stop, device)
+        if key not in self.shared:
+            storage, index, profiler, _ = self.replay
+            count = len(self.expansion.nodes)
+            self.shared[key] = OpLedger.of(self._replayed(span, device, storage), index, count, count - 1,
+                                           self.shared["kinds"], profiler.key, self.shared["placement"].no_weight)
+        return self.shared[key]
+
     def _replayed(self, span: slice, device: int, storage):
         """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
         ``shared``: which ops and collectives run does not depend on the target, only their seconds."""
@@ -131,30 +138,6 @@ class LayerFacts:
             shapes = {w.name: w.shape for w, _ in self.weights[device]}
             self.shared[key] = _replay_span(self.graph, span, device, storage, shapes)
         return self.shared[key]
-
-
-def _rows(run, index: Dict[str, int], count: int, tail: int, profiler, comm, no_weight: Set[str]) -> np.ndarray:
-    """The facts of each op a device's ``run`` holds (ops x facts), as ``cost.timing.section_time``
-    and the memory model count them; a collective with no consumer (a stage's outputs) counts
-    at op ``tail``; ``no_weight``: the ops that feed no weighted op (``_loss_tail``)."""
-    rows = [[0.0] * (SAVED_TAIL + 1) for _ in range(count)]     # lists: numpy's per-element indexing is slow here
-    for op in run.ops:
-        row = rows[index[op.node.name]]
-        f, b = profiler.time(op)
-        flops_f = op.node.meta["local_flops_fwd"]
-        row[FWD] += f
-        row[BWD] += b + (f if op.recomputed else 0.0)
-        row[SAVED] += op.saved_bytes
-        row[FLOPS_F] += flops_f
-        row[FLOPS_B] += op.node.meta["local_flops_bwd"]
-        row[FLOPS_AGAIN] += flops_f if op.recomputed else 0.0
-        row[SAVED_TAIL] += op.saved_bytes if op.node.name in no_weight else 0
-    for c in run.collectives:
-        row = rows[index.get(c.node, tail) if c.node is not None else tail]
-        f, b = _collective_seconds(c, comm)
-        row[TP_FWD] += f
-        row[TP_BWD] += b
-    return np.array(rows, dtype=float).reshape(count, SAVED_TAIL + 1)
 
 
 def _collective_seconds(c, comm) -> Tuple[float, float]:
@@ -174,18 +157,23 @@ def _sent(run, comm) -> np.ndarray:
     return found
 
 
-def read_facts(plan, stack: Stack, profiler, comm, shared: Optional[Dict] = None) -> LayerFacts:
+def read_facts(plan, stack: Stack, profiler: RooflineOps, comm, shared: Optional[Dict] = None,
+               kinds: Optional[Kinds] = None) -> LayerFacts:
     """``LayerFacts`` of a placed two-layer copy (``plan``: one pipeline stage over its ``tp``
     devices) on the target whose op and collective costs are ``profiler`` and ``comm``. ``shared``:
     the ``LayerFacts.shared`` of the same placement's facts on other targets, to reuse: on another
-    target only the ops' and collectives' seconds are read again."""
+    target only the ops' and collectives' seconds are read again. ``kinds``: the table of distinct
+    ops and collectives the ledgers of other placements share (``planning.op_ledger``)."""
     shared = {} if shared is None else shared
     if "placement" not in shared:
         shared["placement"] = _placement_facts(plan, stack)
+        shared["kinds"] = kinds if kinds is not None else Kinds()
     placed: _Placed = shared["placement"]
     count = len(placed.expansion.nodes)
-    matrix = [_rows(plan.local_runs[d][0], placed.index, count, count - 1, profiler, comm, placed.no_weight)
-              for d in range(plan.config.plan_ngpus)]
+    if "ledgers" not in shared:
+        shared["ledgers"] = [OpLedger.of(plan.local_runs[d][0], placed.index, count, count - 1, shared["kinds"],
+                                         profiler.key, placed.no_weight) for d in range(plan.config.plan_ngpus)]
+    matrix = [ledger.rows(shared["kinds"], profiler, comm) for ledger in shared["ledgers"]]
     return LayerFacts(placed.expansion, matrix, placed.weights, placed.flops, plan.graph, placed.tokens,
                       placed.compute_dtype, (plan.storage, placed.index, profiler, comm), shared)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
@@ -44,6 +45,7 @@ from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.planning.layer_facts import LayerFacts, read_facts
+from nbscaler.planning.op_ledger import Kinds
 from nbscaler.planning.pricing import Staged, pipeline_seconds, price
 from nbscaler.planning.prune import check_prune, pruned_rows
 from nbscaler.planning.ranges import (Ranges, checked_ranges, combination_problem, sequence_parallel_at,
@@ -127,6 +129,8 @@ class PlanSpace:
         self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
         self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
+        self._models: Dict[Tuple, Tuple[RooflineOps, NcclModel]] = {}
+        self._kinds = Kinds()                       # the distinct ops and collectives of every placement
         self._staged: Dict[Tuple, Staged] = {}
         self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
         self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
@@ -135,6 +139,7 @@ class PlanSpace:
         self.traces = 0
         self.last_price_s = 0.0
         self.frame = self._price(progress)
+        _settle()
 
     # -- the knobs ------------------------------------------------------------------------------
     def set(self, **knobs: Any) -> pd.DataFrame:
@@ -154,7 +159,10 @@ class PlanSpace:
             self._check_dtypes()
             if "sequence" in knobs:
                 self._args_at(self.sequence)
+            placed = len(self._placed)
             self.frame = self._price(False)
+            if len(self._placed) > placed:
+                _settle()
         except Exception:
             for name, value in before.items():
                 setattr(self, name, value)
@@ -196,7 +204,9 @@ class PlanSpace:
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
                          r.sequence_parallel, r.zero_stage)
         target = (repr(hardware),)
-        ops, comm, precision = RooflineOps(hardware), NcclModel(hardware), Precision(self.master_dtype)
+        if target not in self._models:        # op and collective times, kept per target
+            self._models[target] = RooflineOps(hardware), NcclModel(hardware)
+        (ops, comm), precision = self._models[target], Precision(self.master_dtype)
         rows, excluded, runnable = [], [], []
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
@@ -245,7 +255,7 @@ class PlanSpace:
         if key not in self._facts:
             try:
                 shared = self._shared.setdefault(self._key(*placement), {})
-                self._facts[key] = read_facts(self._placement(placement), self.stack, ops, comm, shared)
+                self._facts[key] = read_facts(self._placement(placement), self.stack, ops, comm, shared, self._kinds)
             except (ValueError, PolicyError) as err:
                 self._facts[key] = err
         return _raised(self._facts[key])
@@ -315,6 +325,14 @@ class PlanSpace:
             check_float_dtype(name, getattr(self, name))
         if self.module_dtype is not None:
             self.hardware.peak_flops(self.module_dtype)      # raises where the target lacks that precision
+
+
+def _settle() -> None:
+    """One full run of the cycle collector after tracing and placing: the hundreds of thousands of
+    objects a placement keeps are young until a collection moves them on, and the collections that
+    would (one of 0.1 s, then a full one of 0.3 s and more in a process holding PyTorch) would
+    otherwise fall inside the next knob's pricing, which makes a few thousand."""
+    gc.collect()
 
 
 def _placement_of(config: Dict) -> Placement:
