@@ -22,6 +22,8 @@ frees nothing and makes no weight gradient, and its ``W`` does both, as a whole 
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Dict, List, Optional, Set, Tuple
 
 from nbscaler.columns import Held, StepMoment
@@ -59,6 +61,10 @@ class Gradients:
         Without ZeRO stage 2 a backward only gives gradients: it holds the most once it has made
         them. Under stage 2, a bucket's gradients are reduce-scattered as soon as all are made, so
         the most comes during the backward."""
+        known = self.paths.moves.get((self.state, stage))      # asked per block of long pipelines
+        if known is not None:
+            self.state, most = known
+            return most
         return self._go(stage, lambda walk: walk.backward(stage))
 
     def step(self, all_params: List[LocalWeight]) -> int:
@@ -158,44 +164,64 @@ def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Op
     for ``W`` (``cost.memory.held_for_weights``; default all); ``gradients`` starts the step empty
     (gradients set to ``None`` before it).
     """
-    return [Held(*m) for m in _moments(gradients, params, saved, geometry, device, held_for_w)]
+    return [Held(*m) for m in zip(*_moments(gradients, params, saved, geometry, device, held_for_w))]
 
 
 def step_peak(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
               geometry: Optional[PipelineGeometry], device: int,
               held_for_w: Optional[Dict[Optional[int], int]] = None) -> Held:
-    """The first of ``step_moments(...)`` holding the most, without listing every moment: a sweep asks it of every
-    device of many configurations, whose long pipelines have thousands of moments."""
-    best = None
-    for m in _moments(gradients, params, saved, geometry, device, held_for_w):
-        if best is None or m[1] + m[2] > best[1] + best[2]:
-            best = m
-    return Held(*best)
+    """The first of ``step_moments(...)`` holding the most, without making a ``Held`` of every moment:
+    a sweep asks it of every device of many configurations, whose long pipelines have thousands."""
+    moments, grads, live = _moments(gradients, params, saved, geometry, device, held_for_w)
+    totals = list(map(operator.add, grads, live))
+    k = totals.index(max(totals))                       # the first of the largest
+    return Held(moments[k], grads[k], live[k])
+
+
+#: How a block moves the step's bytes (``_blocks``): a forward, the block that releases what its
+#: forward saved, and the ``B`` of a split backward (input gradients only).
+_FORWARD, _RELEASE, _INPUT_GRADS = range(3)
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks(geometry: Optional[PipelineGeometry], device: int) -> Tuple[Tuple[int, Optional[int]], ...]:
+    """The kind and stage of each block ``device`` runs, in order (one forward and one backward of
+    the whole model without a pipeline)."""
+    if geometry is None:
+        return (_FORWARD, None), (_RELEASE, None)
+    release = geometry.schedule.release_phase
+    return tuple((_FORWARD if b.phase == "F" else _RELEASE if b.phase == release else _INPUT_GRADS, b.stage)
+                 for b in geometry.schedule.blocks_of(geometry.pipeline_device(device)))
 
 
 def _moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
-             geometry: Optional[PipelineGeometry], device: int, held_for_w: Optional[Dict[Optional[int], int]]):
-    """``step_moments``' moments as ``(moment, grad bytes, activation bytes)``, in order."""
-    if geometry is None:
-        blocks, release = [(None, "F"), (None, "B")], "B"
-    else:
-        blocks = [(b.stage, b.phase) for b in geometry.schedule.blocks_of(geometry.pipeline_device(device))]
-        release = geometry.schedule.release_phase
-    live = 0
-    for stage, phase in blocks:
-        if phase == "F":
-            live += saved[stage]
-            yield StepMoment.FORWARD, gradients.held, live
-        elif phase == release:
-            yield StepMoment.BACKWARD, gradients.backward(stage), live
-            live -= saved[stage] if release == "B" else _held_for_w(saved, held_for_w, stage)
+             geometry: Optional[PipelineGeometry], device: int, held_for_w: Optional[Dict[Optional[int], int]]
+             ) -> Tuple[List[StepMoment], List[int], List[int]]:
+    """``step_moments``' moments as three lists, in order: the moment, its gradient bytes, its
+    activation bytes. A forward adds what its stage saves; the block that releases it (``B``, or
+    ``W`` where the backward is split) frees it, or what ``B`` left of it; a split backward's ``B``
+    frees what ``W`` does not read and marks no moment (no weight gets a gradient)."""
+    split = geometry is not None and geometry.schedule.release_phase != "B"
+    kept = saved if held_for_w is None else held_for_w
+    moments: List[StepMoment] = []
+    grads: List[int] = []
+    live: List[int] = []
+    now, held = 0, gradients.held
+    for kind, stage in _blocks(geometry, device):       # a sweep walks thousands of blocks: kept tight
+        if kind == _FORWARD:
+            now += saved[stage]
+            moments.append(StepMoment.FORWARD)
+            grads.append(held)
+            live.append(now)
+        elif kind == _RELEASE:
+            moments.append(StepMoment.BACKWARD)
+            grads.append(gradients.backward(stage))
+            live.append(now)
+            held = gradients.held
+            now -= kept[stage] if split else saved[stage]
         else:
-            # the B of a split backward, input gradients only: no weight gets a gradient; it frees
-            # what W does not read, and the rest of the graph stays for the W block.
-            live -= saved[stage] - _held_for_w(saved, held_for_w, stage)
-    yield StepMoment.STEP, gradients.step(params), live
-
-
-def _held_for_w(saved: Dict[Optional[int], int], held_for_w: Optional[Dict[Optional[int], int]],
-                stage: Optional[int]) -> int:
-    return saved[stage] if held_for_w is None else held_for_w[stage]
+            now -= saved[stage] - kept[stage]
+    moments.append(StepMoment.STEP)
+    grads.append(gradients.step(params))
+    live.append(now)
+    return moments, grads, live

@@ -30,7 +30,7 @@ def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """The ``phase`` (``'F'`` forward, ``'B'`` backward, ``'W'`` weight gradients) of pipeline stage
     ``stage`` on micro-batch ``micro``.

@@ -219,6 +219,26 @@ class PipelineSchedule:
                 self._fail(f"pipeline_of_micro[{m}]={k!r}; use a pipeline in 0..{len(self.placements) - 1}.")
 
     def _check_blocks(self) -> None:
+        if not self._blocks_as_placed():
+            self._explain_blocks()
+        if self.is_training:
+            self._check_order()
+
+    def _blocks_as_placed(self) -> bool:
+        """Whether each device runs exactly the blocks its placements give it, each once: the one
+        check of every block a sweep's many schedules pay; ``_explain_blocks`` says what is wrong."""
+        phases = ("F", "B", "W")[:1 + self.is_training + self.splits_backward]
+        expected: list[set] = [set() for _ in self.device_blocks]
+        for micro in range(self.nmicros):
+            for stage in range(self.nstages):
+                for device in self.devices_of(stage, micro):
+                    if device >= len(expected):
+                        return False
+                    expected[device].update(Block(stage, micro, phase) for phase in phases)
+        return all(len(blocks) == len(want) and set(blocks) == want
+                   for blocks, want in zip(self.device_blocks, expected))
+
+    def _explain_blocks(self) -> None:
         runs = Counter()  # (device, block) -> how often it appears
         for device, block in self:
             if block.stage >= self.nstages or block.micro >= self.nmicros:
@@ -237,16 +257,18 @@ class PipelineSchedule:
                         if runs[device, block] != 1:
                             self._fail(f"device {device} runs {block} {runs[device, block]} times; "
                                        "every block must run exactly once on each of its devices.")
-        if self.is_training:
-            for device, blocks in enumerate(self.device_blocks):
-                position = {block: i for i, block in enumerate(blocks)}
-                for block in blocks:
-                    if block.phase == "B" and position[block] < position[Block(block.stage, block.micro, "F")]:
-                        self._fail(f"device {device} runs {block} before its forward; "
-                                   "a backward needs the activations its forward saves.")
-                    if block.phase == "W" and position[block] < position[Block(block.stage, block.micro, "B")]:
-                        self._fail(f"device {device} runs {block} before its backward; "
-                                   "the weight gradients need the output gradients the backward receives.")
+
+    def _check_order(self) -> None:
+        """Every backward after its forward, every weight-gradient block after its backward."""
+        for device, blocks in enumerate(self.device_blocks):
+            position = {block: i for i, block in enumerate(blocks)}
+            for block in blocks:
+                if block.phase == "B" and position[block] < position[Block(block.stage, block.micro, "F")]:
+                    self._fail(f"device {device} runs {block} before its forward; "
+                               "a backward needs the activations its forward saves.")
+                if block.phase == "W" and position[block] < position[Block(block.stage, block.micro, "B")]:
+                    self._fail(f"device {device} runs {block} before its backward; "
+                               "the weight gradients need the output gradients the backward receives.")
 
 
 def check_samples(schedule: PipelineSchedule, nsamples: int) -> None:

@@ -31,7 +31,7 @@ import functools
 from collections import deque
 from typing import NamedTuple, Optional, Sequence, Union
 
-from nbscaler.schedule.block import Block
+from nbscaler.schedule.block import PHASES, Block
 from nbscaler.schedule.pipeline import PipelineSchedule
 from nbscaler.schedule.timeline import TimedBlock, Timeline
 
@@ -111,7 +111,7 @@ def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Opt
     backward = ([2 * c for c in forward] if backward_costs is None
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
     cost = _phase_costs(schedule, forward, backward, weight_costs)
-    flat = [c for phase in PHASES if phase in cost for c in cost[phase]]     # _Played.cost indexes it
+    flat = [c for phase in PHASES if phase in cost for c in cost[phase]]     # _Played.cost indexes it, by PHASES
 
     free = [0.0] * schedule.ndevices           # when each device is next free
     busy = [0.0] * schedule.ndevices
@@ -144,10 +144,6 @@ def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Opt
         starts.append(start)
         ends.append(end)
     return _play_order(schedule), starts, ends, busy
-
-
-#: The phases in the order ``_timed`` lays out their per-stage costs.
-PHASES = ("F", "B", "W")
 
 
 class _Played(NamedTuple):
@@ -191,35 +187,44 @@ def _play_order(schedule: PipelineSchedule) -> tuple[_Step, ...]:
     Which block can run never depends on the costs, only when, so a schedule is played through
     once and each ``simulate`` times the blocks in this order (a sweep simulates one schedule on
     many costs). ``DeadlockError`` where no device can go on."""
-    queues = [deque(schedule.blocks_of(d)) for d in range(schedule.ndevices)]
-    done: dict[Block, int] = {}                # block -> its place in the order
-    needs: dict[Block, tuple[tuple[int, ...], tuple[Block, ...]]] = {}   # block -> its devices, its inputs
-
-    def ready(block: Block) -> bool:
-        if block not in needs:
-            needs[block] = (schedule.devices_of(block.stage, block.micro), schedule.dependencies(block))
-        devices, inputs = needs[block]
-        return (all(queues[d] and queues[d][0] == block for d in devices)
-                and all(dep in done for dep in inputs))
-
-    played: list[Block] = []
-    while any(queues):
+    ids: dict[Block, int] = {}                 # blocks by number: the sweep below compares numbers
+    blocks: list[Block] = []
+    lists = []
+    for d in range(schedule.ndevices):
+        for b in schedule.blocks_of(d):
+            if b not in ids:
+                ids[b] = len(blocks)
+                blocks.append(b)
+        lists.append([ids[b] for b in schedule.blocks_of(d)])
+    devices = [schedule.devices_of(b.stage, b.micro) for b in blocks]
+    deps = [schedule.dependencies(b) for b in blocks]
+    inputs = [tuple(ids[dep] for dep in ds if dep in ids) for ds in deps]
+    waits = [len(ds) != len(i) for ds, i in zip(deps, inputs)]   # on a block that never runs: a deadlock
+    heads = [0] * schedule.ndevices
+    done: dict[int, int] = {}                  # block -> its place in the order
+    played: list[int] = []
+    while len(played) < len(blocks):
         progressed = False
-        for device in range(schedule.ndevices):
-            while queues[device] and ready(queues[device][0]):
-                block = queues[device][0]
-                for d in needs[block][0]:
-                    queues[d].popleft()
+        for device, queue in enumerate(lists):
+            while heads[device] < len(queue):
+                block = queue[heads[device]]
+                devs = devices[block]
+                if (waits[block] or any(i not in done for i in inputs[block])
+                        or (len(devs) > 1 and not all(heads[d] < len(lists[d]) and lists[d][heads[d]] == block
+                                                      for d in devs))):
+                    break
+                for d in devs:
+                    heads[d] += 1
                 done[block] = len(played)
                 played.append(block)
                 progressed = True
         if not progressed:
-            raise DeadlockError(_describe_deadlock(schedule, queues, done))
-    inputs = [tuple((done[dep], not set(needs[block][0]) <= set(needs[dep][0])) for dep in needs[block][1])
-              for block in played]
-    sends = {dep for block_inputs in inputs for dep, far in block_inputs if far}    # results that travel
-    return tuple(_Step(block, needs[block][0], block_inputs, any(far for _, far in block_inputs), i in sends)
-                 for i, (block, block_inputs) in enumerate(zip(played, inputs)))
+            queues = [deque(blocks[i] for i in q[h:]) for q, h in zip(lists, heads)]
+            raise DeadlockError(_describe_deadlock(schedule, queues, {blocks[i]: k for i, k in done.items()}))
+    steps = [tuple((done[i], not set(devices[b]) <= set(devices[i])) for i in inputs[b]) for b in played]
+    sends = {dep for step in steps for dep, far in step if far}    # results that travel
+    return tuple(_Step(blocks[b], devices[b], step, any(far for _, far in step), k in sends)
+                 for k, (b, step) in enumerate(zip(played, steps)))
 
 
 def _phase_costs(schedule: PipelineSchedule, forward: list[float], backward: list[float],
