@@ -69,6 +69,8 @@ class Staged:
                   post: float) -> StepTotals:
         """``schedule.simulate_totals`` on these stage costs, once per costs: the configurations
         that differ only in their ZeRO stage or the target's memory play the same pipeline."""
+        if schedule.ndevices == 1:          # nothing is sent: the send costs change nothing
+            latency = post = 0.0
         key = (schedule.name, schedule.nstages, schedule.nmicros, schedule.ndevices, tuple(forward),
                tuple(backward), latency, post)
         if key not in self._timelines:
