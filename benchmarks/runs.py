@@ -211,6 +211,22 @@ def write_results(out: Path, text: str) -> None:
     print("\n" + text + f"\nwritten to {out}")
 
 
+def reference_loop_ms() -> float:
+    """Milliseconds this machine takes for one fixed pure-Python loop (dict updates, the median of
+    five): planning is Python-bound, so the results files that time it give this beside their
+    figures, and figures taken on machines of different speed compare after dividing by it."""
+    def loop() -> None:
+        counts: Dict[int, int] = {}
+        for i in range(200_000):
+            counts[i % 997] = counts.get(i % 997, 0) + i
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        loop()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def machine(nranks: int, steps: int) -> str:
     """One line on how the measurements were taken, with the machine's load."""
     return (f"{nranks} CPU ranks (1 thread each), AdamW, {steps} steps; machine: {os.cpu_count()} cores, "

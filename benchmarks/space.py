@@ -9,11 +9,12 @@ micro-batches of 1, 2 or 4 sequences, recomputation on and off, sequence paralle
 where tp > 1, ZeRO 1 and 2 (192 configurations). The space without sequence parallelism (120
 configurations) is measured too, beside it.
 
-``PlanSpace`` is built once (traces and placements, timed), then each knob is turned to a new value
-and back, several times. The first turn to the new value reads the ops' facts on a new target (or
+``PlanSpace`` is built several times, each in a fresh process (``--rounds``; traces and
+placements, timed), and in each every knob is turned to a new value and back, several times. The first turn to the new value reads the ops' facts on a new target (or
 prices new micro-batch counts) for the first time; the turns after it find the configurations'
 peak memory kept (``PlanSpace`` keeps it per configuration), so both are reported: the first turn,
-and the median of the later ones. Each figure is the wall and CPU seconds of one re-pricing
+and the median of the later ones; the first turns of the rounds give their median and range, since
+one turn on a shared machine can take half as long again as the next. Each figure is the wall and CPU seconds of one re-pricing
 (``PlanSpace.last_price_s`` and this process's CPU time around ``set``); CPU seconds are what the
 re-pricing costs whatever else the machine runs.
 
@@ -24,6 +25,7 @@ re-pricing costs whatever else the machine runs.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import time
@@ -33,6 +35,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from benchmarks.runs import reference_loop_ms
 from benchmarks.sweep import LossOf
 from nbscaler import Hardware
 from nbscaler.planning.space import PlanSpace
@@ -71,31 +74,66 @@ def timed_set(space: PlanSpace, knobs: Dict) -> Tuple[float, float]:
     return space.last_price_s, time.process_time() - cpu
 
 
-def measure(sequence_parallel: Tuple[bool, ...]) -> Tuple[Dict[str, float], List[Tuple[str, List[float], List[float]]], int]:
+def measure(sequence_parallel: Tuple[bool, ...], rounds: int) -> Tuple[List[Dict[str, float]], Dict[str, "Turns"], int]:
+    """``rounds`` spaces, each built in a fresh process (nothing of a value priced before is kept
+    anywhere), each with every knob turned there and back ``REPEATS`` times: each build's seconds,
+    and per knob the first turns (one a round) and the later ones."""
+    builds: List[Dict[str, float]] = []
+    turns: Dict[str, Turns] = {name: Turns() for name, _, _ in KNOBS}
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        for build, timed, configurations in pool.map(one_round, [sequence_parallel] * rounds, chunksize=1):
+            builds.append(build)
+            for name, first, wall, cpu in timed:
+                turns[name].add(first, wall, cpu)
+    return builds, turns, configurations
+
+
+def one_round(sequence_parallel: Tuple[bool, ...]) -> Tuple[Dict[str, float], List[Tuple[str, bool, float, float]], int]:
+    """One space built and its knobs turned, in this process: the build's seconds and each turn's."""
+    warnings.filterwarnings("ignore", message="the cost model could not replay")
     start, cpu = time.perf_counter(), time.process_time()
     space = PlanSpace(llama3_8b(), tokens(), Hardware.named("H100-SXM-80GB"), global_batch=GLOBAL_BATCH,
                       sequence_parallel=sequence_parallel, **RANGES)
-    built = {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "traces": space.traces}
-    rows = []
-    for name, there, back in KNOBS:
-        walls, cpus = [], []
-        for _ in range(REPEATS):
-            for knobs in (there, back):
-                wall, cpu_s = timed_set(space, knobs)
-                walls.append(wall)
-                cpus.append(cpu_s)
-        rows.append((name, walls, cpus))
-    return built, rows, len(space.frame)
+    build = {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "traces": space.traces}
+    timed = [(name, k == 0 and knobs is there, *timed_set(space, knobs))
+             for name, there, back in KNOBS for k in range(REPEATS) for knobs in (there, back)]
+    return build, timed, len(space.frame)
 
 
-def report(spaces) -> str:
+class Turns:
+    """Wall and CPU seconds of a knob's turns: the first ones (a value never priced before) and the later."""
+
+    def __init__(self) -> None:
+        self.first: List[Tuple[float, float]] = []
+        self.later: List[Tuple[float, float]] = []
+
+    def add(self, first: bool, wall: float, cpu: float) -> None:
+        (self.first if first else self.later).append((wall, cpu))
+
+    def cells(self) -> List[str]:
+        """Median and range of the first turns, median of the later, wall and CPU, in ms."""
+        out = []
+        for seconds in (self.first, self.later):
+            for i in (0, 1):
+                values = sorted(s[i] * 1e3 for s in seconds)
+                spread = f" ({values[0]:.0f}-{values[-1]:.0f})" if seconds is self.first and len(values) > 1 else ""
+                out.append(f"{statistics.median(values):.0f}{spread}")
+        return out
+
+
+def report(spaces, rounds: int) -> str:
     """The results file: a table per space measured (``(sequence_parallel, measure(...))`` pairs)."""
     lines = ["# Re-pricing the plan space when a knob turns (Llama-3-8B, 8 H100s)", "",
              f"`python -m benchmarks.space` on this machine ({os.cpu_count()} CPU cores, load average "
-             f"{os.getloadavg()[0]:.1f} at the end: the wall seconds carry the load, the CPU seconds much less).",
+             f"{os.getloadavg()[0]:.1f} at the end: the wall seconds carry the load, the CPU seconds much less; "
+             f"its reference Python loop, `benchmarks.runs.reference_loop_ms`, took {reference_loop_ms():.1f} ms).",
              "", "Every tp and pp dividing 8, micro-batches 1, 2, 4, recompute on and off, ZeRO 1 and 2, sequences "
              "of 8,192 tokens, global batch 64, bf16 with fp32 master weights, AdamW; the space tab's default "
-             "adds sequence parallelism on and off where tp > 1.", ""]
+             "adds sequence parallelism on and off where tp > 1.", "",
+             f"Each space is built {rounds} times, each in a fresh process, and in each every knob is turned to the value shown and "
+             f"back, {REPEATS} times each way: the first turn (a value never priced before: the median of the "
+             f"{rounds} rounds, their range in brackets) and the median of the turns after it (values priced "
+             "before). None traces the model again.", ""]
     for sequence_parallel, measured in spaces:
         name = "with sequence parallelism (the tab's default)" if True in sequence_parallel else \
             "without sequence parallelism"
@@ -103,27 +141,25 @@ def report(spaces) -> str:
     return "\n".join(lines) + "\n"
 
 
-def space_table(built: Dict[str, float], rows, configurations: int) -> List[str]:
+def space_table(builds: List[Dict[str, float]], turns: Dict[str, Turns], configurations: int) -> List[str]:
+    walls = ", ".join(f"{b['wall_s']:.1f}" for b in builds)
+    cpus = ", ".join(f"{b['cpu_s']:.1f}" for b in builds)
     lines = [f"{configurations} configurations.", "",
-             f"Building the space (the two-layer copy traced {built['traces']} times, placed and priced): "
-             f"{built['wall_s']:.1f} s wall, {built['cpu_s']:.1f} s CPU.", "",
-             f"Each knob turned to the value shown and back, {REPEATS} times each way: the first turn (a value "
-             f"never priced before) and the median of the {2 * REPEATS - 1} turns after it (values priced "
-             "before). None traces the model again.", "",
+             f"Building the space (the two-layer copy traced {builds[0]['traces']} times, placed and priced), "
+             f"each round: {walls} s wall, {cpus} s CPU.", "",
              "| knob | first turn wall ms | first turn CPU ms | later turns, median wall ms | "
              "later turns, median CPU ms |", "|---|---:|---:|---:|---:|"]
-    for name, walls, cpus in rows:
-        lines.append(f"| {name} | {walls[0] * 1e3:.0f} | {cpus[0] * 1e3:.0f} | "
-                     f"{statistics.median(walls[1:]) * 1e3:.0f} | {statistics.median(cpus[1:]) * 1e3:.0f} |")
+    lines += [f"| {name} | " + " | ".join(t.cells()) + " |" for name, t in turns.items()]
     return lines + [""]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--print", action="store_true", help="print the results instead of writing them")
+    parser.add_argument("--rounds", type=int, default=3, help="spaces built afresh per table (default 3)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="the cost model could not replay")
-    text = report([(sp, measure(sp)) for sp in ((False,), (False, True))])
+    text = report([(sp, measure(sp, args.rounds)) for sp in ((False,), (False, True))], args.rounds)
     if args.print:
         print(text)
     else:
