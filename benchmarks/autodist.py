@@ -41,7 +41,8 @@ import torch
 
 
 import nbscaler
-from benchmarks.runs import MODELS, Run, calibrate, machine, measure, parser, pipeline, predict, write_results
+from benchmarks.runs import (MODELS, Run, calibrate, machine, measure, parser, pipeline, predict, reference_loop_ms,
+                            write_results)
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.policy.autodist import samples_per_step
@@ -163,7 +164,8 @@ def at_scale() -> str:
         AT_SCALE, "",
         f"`python -m benchmarks.autodist --at-scale` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on the "
         f"shared {os.cpu_count()}-core CPU machine, load average {load:.1f} at the start and "
-        f"{os.getloadavg()[0]:.1f} at the end (wall seconds stretch with the load; CPU seconds much less).", "",
+        f"{os.getloadavg()[0]:.1f} at the end (wall seconds stretch with the load; CPU seconds much less); its "
+        f"reference Python loop, `benchmarks.runs.reference_loop_ms`, took {reference_loop_ms():.1f} ms.", "",
         f"- `nbscaler.plan(llama_70b, ..., \"autodist\", cfg)`: **{wall:.1f} s wall, {cpu:.1f} s CPU**, of which "
         f"the search {info['search_s']:.1f} s wall, {info['search_cpu_s']:.1f} s CPU ({info['priced']} "
         f"configurations priced, {info['pruned']} pruned, {info['excluded']} that cannot run); the rest traces "

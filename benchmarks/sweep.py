@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 
 import nbscaler
+from benchmarks.runs import reference_loop_ms
 from nbscaler import Hardware
 from nbscaler.planning.sweep import config_of
 
@@ -108,7 +109,8 @@ def report(frame: pd.DataFrame, seconds: float, loads: Tuple[float, float], chec
         "",
         f"Written by `python -m benchmarks.sweep` (see its docstring) on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on the shared 2-core CPU machine (load average "
-        f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end).",
+        f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end; its reference Python loop, "
+        f"`benchmarks.runs.reference_loop_ms`, took {reference_loop_ms():.1f} ms).",
         "",
         f"**The sweep: {seconds:.1f} s** for {len(frame) + len(frame.attrs['excluded'])} combinations: "
         f"{len(frame)} priced ({len(fitting)} fit in 80 GB), {len(frame.attrs['excluded'])} left out "
