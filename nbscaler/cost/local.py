@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_unflatten
 
 from nbscaler.comm.layout import local_call, local_shape, output_layout
 from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
@@ -362,14 +362,16 @@ def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device
     arguments (view, reshape, expand) by the local output shape, and devices by ``device``: the call
     as the generated code makes it."""
     it = iter(inputs)
-    args, kwargs = node.map_args(lambda t: next(it))
+    leaves, structure = node.flat_args
+    args, kwargs = tree_unflatten([next(it) if isinstance(x, IRTensor) else device if isinstance(x, torch.device) else x
+                                   for x in leaves], structure)
     args, kwargs = local_call(node, args, kwargs)
     spec = spec_of(node.target)
     if spec is not None and spec.shape_args:
         parts = node.placement.parts if node.placement else 1
         args = (args[0], local_shape(node.output_tensors[0].shape, output_layout(node, 0), parts))
         kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
-    return tree_map(lambda v: device if isinstance(v, torch.device) else v, (args, kwargs))
+    return args, kwargs
 
 
 def fake_device() -> torch.device:

@@ -127,10 +127,14 @@ class IRNode:
     meta: Dict[str, Any] = field(default_factory=dict)   # facts written by analysis passes (cost/, ...)
 
     @functools.cached_property
+    def flat_args(self) -> Tuple[List[Any], Any]:
+        """``tree_flatten((args, kwargs))``: the leaves in flattened argument order and the structure."""
+        return tree_flatten((self.args, self.kwargs))
+
+    @functools.cached_property
     def inputs(self) -> List[IRTensor]:
         """Tensor arguments in flattened argument order (the annotation's input order)."""
-        leaves, _ = tree_flatten((self.args, self.kwargs))
-        return [x for x in leaves if isinstance(x, IRTensor)]
+        return [x for x in self.flat_args[0] if isinstance(x, IRTensor)]
 
     @functools.cached_property
     def output_tensors(self) -> List[IRTensor]:
