@@ -149,7 +149,7 @@ def at_scale() -> str:
     hardware = Hardware.named("H100-SXM-80GB", nodes=8)
     cfg = ComputeConfig(8, hardware.ngpus, pas_config={"hardware": "H100-SXM-80GB", "global_batch": GLOBAL_BATCH,
                                                        "autodist_space": RANGES})
-    model, load = llama3_70b(), os.getloadavg()[0]
+    model, load, loop = llama3_70b(), os.getloadavg()[0], reference_loop_ms()
     wall, cpu = time.perf_counter(), time.process_time()
     plan = nbscaler.plan(model, tokens(1), "autodist", cfg, module_dtype=torch.bfloat16)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -165,7 +165,8 @@ def at_scale() -> str:
         f"`python -m benchmarks.autodist --at-scale` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on the "
         f"shared {os.cpu_count()}-core CPU machine, load average {load:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the end (wall seconds stretch with the load; CPU seconds much less); its "
-        f"reference Python loop, `benchmarks.runs.reference_loop_ms`, took {reference_loop_ms():.1f} ms.", "",
+        f"reference Python loop, `benchmarks.runs.reference_loop_ms`, took {loop:.1f} ms before and "
+        f"{reference_loop_ms():.1f} ms after.", "",
         f"- `nbscaler.plan(llama_70b, ..., \"autodist\", cfg)`: **{wall:.1f} s wall, {cpu:.1f} s CPU**, of which "
         f"the search {info['search_s']:.1f} s wall, {info['search_cpu_s']:.1f} s CPU ({info['priced']} "
         f"configurations priced, {info['pruned']} pruned, {info['excluded']} that cannot run); the rest traces "

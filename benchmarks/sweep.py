@@ -100,7 +100,7 @@ def markdown(frame: pd.DataFrame) -> str:
 
 
 def report(frame: pd.DataFrame, seconds: float, loads: Tuple[float, float], check: Dict[str, float],
-           check_s: float) -> str:
+           check_s: float, loops: Tuple[float, float]) -> str:
     fitting = frame[frame.fits]
     first = frame.iloc[0]
     published = frame[(frame.tp == 8) & (frame.pp == 8)]
@@ -110,7 +110,7 @@ def report(frame: pd.DataFrame, seconds: float, loads: Tuple[float, float], chec
         f"Written by `python -m benchmarks.sweep` (see its docstring) on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on the shared 2-core CPU machine (load average "
         f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end; its reference Python loop, "
-        f"`benchmarks.runs.reference_loop_ms`, took {reference_loop_ms():.1f} ms).",
+        f"`benchmarks.runs.reference_loop_ms`, took {loops[0]:.1f} ms before and {loops[1]:.1f} ms after).",
         "",
         f"**The sweep: {seconds:.1f} s** for {len(frame) + len(frame.attrs['excluded'])} combinations: "
         f"{len(frame)} priced ({len(fitting)} fit in 80 GB), {len(frame.attrs['excluded'])} left out "
@@ -139,12 +139,12 @@ def main() -> None:
     opts = parser.parse_args()
     warnings.simplefilter("ignore")
     hardware = Hardware.named("H100-SXM-80GB", nodes=8)
-    load = os.getloadavg()[0]
+    load, loop = os.getloadavg()[0], reference_loop_ms()
     frame, seconds = timed_sweep(hardware)
     end_load = os.getloadavg()[0]
     print(f"sweep: {seconds:.1f} s, {len(frame)} rows", flush=True)
     check, check_s = full_plan(frame.iloc[0], hardware, frame.attrs["stack"])
-    text = report(frame, seconds, (load, end_load), check, check_s)
+    text = report(frame, seconds, (load, end_load), check, check_s, (loop, reference_loop_ms()))
     if opts.print:
         print(text)
     else:
