@@ -69,7 +69,7 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
         ranges.setdefault(SEQUENCE_PARALLEL, (sequence_parallel(cfg),))
     start, cpu = time.perf_counter(), time.process_time()
     space = PlanSpace(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
-                      master_dtype=opts.master_dtype, module_dtype=module_dtype, prune=WITHIN, **ranges)
+                      master_dtype=opts.master_dtype, module_dtype=module_dtype, prune=WITHIN, settle=False, **ranges)
     frame = space.frame
     fitting = frame[frame.fits]
     if fitting.empty:

@@ -35,7 +35,7 @@ from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank
+from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank, paused_gc
 from nbscaler.cost.timing import StepModel, predicted_timeline
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
@@ -283,10 +283,12 @@ def trace_and_place(module: torch.nn.Module, dummy_forward_args: Dict[str, Any],
                     compute_config: ComputeConfig, module_dtype: Optional[torch.dtype],
                     modes_agree: bool = False) -> Plan:
     """``plan`` of a built module: trace it (``trace_modes``, with its ``modes_agree``), place it
-    and record how long that took."""
+    and record how long that took. The cycle collector waits meanwhile: the trace of a large model
+    makes millions of objects, and each collection on the way would walk all of them again."""
     start = time.perf_counter()
-    graphs = trace_modes(module, cast_floats(dummy_forward_args, module_dtype), compute_config, modes_agree)
-    result = place(graphs, pas_policy, compute_config, module_name(type(module)))
+    with paused_gc():
+        graphs = trace_modes(module, cast_floats(dummy_forward_args, module_dtype), compute_config, modes_agree)
+        result = place(graphs, pas_policy, compute_config, module_name(type(module)))
     result.compile_seconds = time.perf_counter() - start
     return result
 

@@ -101,6 +101,8 @@ class PlanSpace:
 
     Takes ``nbscaler.sweep``'s arguments (see there); ``frame`` is the sweep's table for the knobs
     as they stand, ``set(**knobs)`` changes some (``KNOBS``) and returns the new table.
+    ``settle``: after tracing and placing, run the cycle collector once (``_settle``), for a space
+    that lives on to be re-priced; a sweep asked once (``nbscaler.sweep``, autodist) leaves it.
     ``last_price_s`` is how long the last pricing took, ``traces`` how many times the two-layer
     copy has been traced so far (what a knob that needs none must leave alone).
     """
@@ -113,7 +115,7 @@ class PlanSpace:
                  master_dtype: Optional[torch.dtype] = torch.float32,
                  module_dtype: Optional[torch.dtype] = torch.bfloat16, scheduler: str = "1f1b",
                  virtual_stages: Sequence[int] = (1,), progress: bool = False, prune: Optional[float] = None,
-                 **optimizer_kwargs: Any):
+                 settle: bool = True, **optimizer_kwargs: Any):
         check_prune(prune)
         self.prune = prune
         self.stack = find_stack(module)
@@ -139,7 +141,9 @@ class PlanSpace:
         self.traces = 0
         self.last_price_s = 0.0
         self.frame = self._price(progress)
-        _settle()
+        self.settle = settle
+        if settle:
+            _settle()
 
     # -- the knobs ------------------------------------------------------------------------------
     def set(self, **knobs: Any) -> pd.DataFrame:
@@ -161,7 +165,7 @@ class PlanSpace:
                 self._args_at(self.sequence)
             placed = len(self._placed)
             self.frame = self._price(False)
-            if len(self._placed) > placed:
+            if self.settle and len(self._placed) > placed:
                 _settle()
         except Exception:
             for name, value in before.items():

@@ -98,4 +98,4 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                      recompute=recompute, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                      optimizer=optimizer, master_dtype=master_dtype,
                      module_dtype=module_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
-                     progress=progress, prune=prune, **optimizer_kwargs).frame
+                     progress=progress, prune=prune, settle=False, **optimizer_kwargs).frame
