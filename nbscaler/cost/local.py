@@ -233,8 +233,9 @@ class _Replay:
         node = call.node
         inputs = [self.env[v] for v in call.inputs]
         args, kwargs = call_args(node, inputs, self.fake_device)
-        produced, packed = self.remembered((node.target, _structure(node.outputs)), args, kwargs, inputs,
-                                           lambda xs: self.dispatch(call, xs))
+        # a user op by its function too: registered again under its name, it is another call
+        target = (node.target, USER_OPS.get(node.target), _structure(node.outputs))
+        produced, packed = self.remembered(target, args, kwargs, inputs, lambda xs: self.dispatch(call, xs))
         for v in call.inputs:                   # an op that changed an input in place
             self.env[v] = self.changed.get(id(self.env[v]), self.env[v])
         if vocab_parallel(node) and node.op == "loss":

@@ -80,3 +80,31 @@ def test_keys_tell_apart_what_the_op_would_see():
     same = call_key("f", (x, x), {}, [x, x])
     two = call_key("f", (x, y), {}, [x, y])
     assert same != two                                 # one storage read twice, or two storages
+
+
+
+def test_a_user_op_registered_again_under_its_name_is_replayed_anew():
+    """A notebook that registers a new version of its op (the same module and name) replays the new one."""
+    from nbscaler import register_op
+
+    def widen(x):
+        return torch.cat([x, x], dim=-1)       # (B, 8) -> (B, 16)
+
+    def keep(x):
+        return x * 2.0                         # (B, 8) -> (B, 8)
+
+    class Model(nn.Module):
+        def __init__(self, op):
+            super().__init__()
+            self.fc, self.op = nn.Linear(8, 8), op
+
+        def forward(self, x):
+            return self.op(self.fc(x)).sum()
+
+    shapes = []
+    for fn in (widen, keep):
+        fn.__qualname__ = "again"                               # one name for both
+        p = nbscaler.plan(Model(register_op("b d -> b e")(fn)), {"x": torch.randn(4, 8)}, "dp", ComputeConfig(1, 1))
+        run = run_local(p.programs.device(0).sections[0])
+        shapes += [op.out_shapes[0][0] for op in run.ops if op.node.target.endswith(".again")]
+    assert shapes == [(4, 16), (4, 8)]
