@@ -152,8 +152,9 @@ class CallRecord:
 
     @staticmethod
     def of(inputs: Sequence[torch.Tensor], produced: Sequence[torch.Tensor],
-           packed: Sequence[torch.Tensor]) -> Optional["CallRecord"]:
-        """The record of a dispatched call, or ``None`` where ``rebuild`` could not make it again."""
+           packed: Sequence[torch.Tensor]) -> "CallRecord":
+        """The record of a dispatched call on fake tensors: its ``inputs``, what it ``produced``, what
+        autograd saved (``packed``)."""
         where: Dict[int, Tuple[str, int]] = {}
         for i, x in enumerate(inputs):
             where.setdefault(storage_key(x), ("input", i))
@@ -220,12 +221,9 @@ class FakeCalls:
         """Remember a call that changed none of its ``inputs`` (``versions``: their ``_version`` before it)."""
         if key is None or any(x._version != v for x, v in zip(inputs, versions)):
             return
-        record = CallRecord.of(inputs, produced, packed)
-        if record is None:
-            return
         if len(self.records) >= self.size:
             del self.records[next(iter(self.records))]
-        self.records[key] = record
+        self.records[key] = CallRecord.of(inputs, produced, packed)
 
 
 #: The calls every replay of this process shares.

@@ -27,7 +27,6 @@ import operator
 from typing import Dict, List, Optional, Set, Tuple
 
 from nbscaler.columns import Held, StepMoment
-from nbscaler.config import ComputeConfig
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry
 
