@@ -38,7 +38,7 @@ import torch
 from benchmarks.runs import reference_loop_ms
 from benchmarks.sweep import LossOf
 from nbscaler import Hardware
-from nbscaler.planning.space import PlanSpace
+from nbscaler.space.plan_space import PlanSpace
 
 RESULTS = Path(__file__).parent / "results" / "space.md"
 SEQ, GLOBAL_BATCH, REPEATS = 8192, 64, 3

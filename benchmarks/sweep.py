@@ -29,7 +29,7 @@ import torch
 import nbscaler
 from benchmarks.runs import reference_loop_ms
 from nbscaler import Hardware
-from nbscaler.planning.sweep import config_of
+from nbscaler.space.sweep import config_of
 
 RESULTS = Path(__file__).parent / "results" / "sweep.md"
 SEQ, GLOBAL_BATCH = 8192, 128

@@ -7,9 +7,9 @@
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.cost.hardware import Hardware, Precision
 from nbscaler.ir.registry import register_op
-from nbscaler.parallel import parallelize
-from nbscaler.planning import Plan, plan
-from nbscaler.planning.sweep import sweep
+from nbscaler.parallel import parallelize, plan
+from nbscaler.planning import Plan
+from nbscaler.space import PlanSpace, sweep
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.module import ParallelModule
@@ -19,5 +19,5 @@ from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, loa
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
            "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "Hardware",
            "init_distributed", "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts",
-           "parallelize", "Plan", "plan", "Precision", "register_op", "sweep"]
+           "parallelize", "Plan", "PlanSpace", "plan", "Precision", "register_op", "sweep"]
 __version__ = "0.1.0"

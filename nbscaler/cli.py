@@ -57,7 +57,7 @@ def report(path: str, out: Optional[str], optimizer: str, measured: Optional[str
               file=sys.stderr)
         return 2
     try:
-        target_hw = Hardware.named(hardware, nodes=nodes) if hardware else None
+        target_hw = Hardware.resolve(hardware, nodes=nodes) if hardware else None
         if target_hw is not None:
             target_hw.check_ranks(plan.config.runtime_ngpus)
     except ValueError as e:

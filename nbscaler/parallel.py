@@ -29,7 +29,8 @@ from nbscaler.genfiles import (CONFIG_FILE, CONSTANTS_FILE, GRAPH_FILE, PLAN_FIL
                                atomic_write_bytes, gencode_file, module_dir, weights_footer)
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.graph import IRGraph
-from nbscaler.planning.planner import build_module, cast_floats, module_name, place, plan, policy_name, unplace
+from nbscaler.planning import planner
+from nbscaler.planning.planner import Plan, Policy, build_module, cast_floats, module_name, place, policy_name, unplace
 from nbscaler.policy.builtin import get_policy
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
@@ -37,6 +38,7 @@ from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 from nbscaler.runtime.sources import ModuleWeights, open_weights
+from nbscaler.space.autodist import plan_on_target, searches_on_target
 from nbscaler.trace.tracer import has_meta_tensors
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
@@ -164,6 +166,25 @@ def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]]
     if constants is not None and constants.exists():
         captured = torch.load(constants, map_location="cpu", weights_only=True)
     return ModuleWeights(module, file, seed, captured)
+
+
+def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], dummy_forward_args: Dict[str, Any],
+         pas_policy: Policy, compute_config: ComputeConfig, *, module_dtype: Optional[torch.dtype] = None,
+         module_fn: Optional[Callable[[], torch.nn.Module]] = None) -> Plan:
+    """Trace, place, check and cost a module in memory, writing nothing; see ``nbscaler.Plan``.
+
+    Takes the first four arguments of ``parallelize`` (and its ``module_dtype`` / ``module_fn``) and
+    needs no process group. ``"autodist"`` with ``pas_config['hardware']`` first chooses the config
+    for that target from the plan space (``nbscaler.space.autodist``); any other policy compiles
+    the config given (``nbscaler.planning.planner.plan``).
+    """
+    if not searches_on_target(pas_policy, compute_config):
+        return planner.plan(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
+                            module_dtype=module_dtype, module_fn=module_fn)
+    if not isinstance(compute_config, ComputeConfig):
+        raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
+    module = build_module(module_or_module_class, module_fn, module_dtype)
+    return plan_on_target(module, dummy_forward_args, compute_config, module_dtype)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Union
 
 import torch
 
@@ -207,6 +207,34 @@ class Hardware:
             raise ValueError(f"no hardware named {name!r}; known: {', '.join(CATALOGUE)}. "
                              f"Build your own with Hardware(...) or dataclasses.replace(Hardware.named(...), ...).")
         return dataclasses.replace(CATALOGUE[name], nodes=nodes)
+
+    @classmethod
+    def resolve(cls, target: Union[str, "Hardware"], *, nodes: Optional[int] = None,
+                gpus_per_node: Optional[int] = None, ngpus: Optional[int] = None) -> "Hardware":
+        """The one way a name becomes a target: ``target`` (a catalogue name or a ``Hardware``)
+        with the ``nodes`` and ``gpus_per_node`` given changed. ``ngpus``: the GPUs the job must
+        have; a catalogue name without ``nodes`` gets as many nodes as they fill. Anything else
+        raises ``ValueError`` naming the value and the fix."""
+        if isinstance(target, str):
+            hardware = cls.named(target)
+            per_node = gpus_per_node or hardware.gpus_per_node
+            if nodes is None and ngpus is not None:
+                if ngpus % per_node:
+                    raise ValueError(f"hardware={target!r} has {per_node} GPUs a node, and {ngpus} GPUs are not a "
+                                     f"whole number of nodes; use a multiple of {per_node}, or pass "
+                                     f"Hardware.named({target!r}) with gpus_per_node changed.")
+                nodes = ngpus // per_node
+        elif isinstance(target, Hardware):
+            hardware = target
+        else:
+            raise ValueError(f"hardware={target!r}: give a Hardware or a catalogue name such as 'H100-SXM-80GB' "
+                             f"({', '.join(CATALOGUE)}).")
+        changes = {k: v for k, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if v is not None}
+        hardware = dataclasses.replace(hardware, **changes) if changes else hardware
+        if ngpus is not None and hardware.ngpus != ngpus:
+            raise ValueError(f"hardware {hardware.name} has {hardware.ngpus} GPUs but the job runs {ngpus}; make them "
+                             "equal (Hardware.named(..., nodes=...)).")
+        return hardware
 
     @staticmethod
     def catalogue() -> Dict[str, "Hardware"]:

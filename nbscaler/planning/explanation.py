@@ -5,7 +5,7 @@ recomputed in the backward (``recompute_modules``). For
 autodist, also the search (time, exact or not, the staging it picked), the predicted step time and
 memory per device, the ops that cost most in compute and in communication, and for the layers that
 matter most, the choice against the runner-up in the terms that decided it. For autodist on a
-target, the configuration it chose against the runners-up (``planning.autodist_on_target``).
+target, the configuration it chose against the runners-up (``planning.target_explanation``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, List
 
 import pandas as pd
 
-from nbscaler.planning.autodist_on_target import explain_lines
 from nbscaler.planning.tables import explain_text
+from nbscaler.planning.target_explanation import explain_lines
 from nbscaler.policy.autodist.explain import reason
 from nbscaler.policy.recompute import recomputed_regions
 from nbscaler.policy.staging import layer_of

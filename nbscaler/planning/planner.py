@@ -40,7 +40,6 @@ from nbscaler.cost.timing import StepModel, predicted_timeline
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
-from nbscaler.planning.autodist_on_target import plan_on_target, searches_on_target
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL, get_policy
@@ -268,14 +267,13 @@ def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], 
     """Trace, place, check and cost a module in memory; see ``Plan``.
 
     Takes the first four arguments of ``parallelize`` (and its ``module_dtype`` / ``module_fn``),
-    writes nothing and needs no process group. ``"autodist"`` with ``pas_config['hardware']`` first
-    chooses the config for that target (``planning.autodist_on_target``).
+    writes nothing and needs no process group. This is the compile of one config; ``nbscaler.plan``
+    also takes ``"autodist"`` with ``pas_config['hardware']``, which first chooses the config for that
+    target in the plan space (``nbscaler.space.autodist``).
     """
     if not isinstance(compute_config, ComputeConfig):
         raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
     module = build_module(module_or_module_class, module_fn, module_dtype)
-    if searches_on_target(pas_policy, compute_config):     # autodist chooses the config from the module
-        return plan_on_target(module, dummy_forward_args, compute_config, module_dtype)
     return trace_and_place(module, dummy_forward_args, pas_policy, compute_config, module_dtype)
 
 

@@ -52,7 +52,7 @@ from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.ir.layer_rules import vocabulary_lookups
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
-from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS
+from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import stage_by_cost
 from nbscaler.schedule import PipelineGeometry
@@ -281,7 +281,7 @@ POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DATA: (),
     BuiltinPolicy.PP: (),
     BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL,),
-    BuiltinPolicy.AUTODIST: AUTODIST_KEYS + (SEQUENCE_PARALLEL,),
+    BuiltinPolicy.AUTODIST: AUTODIST_KEYS + TARGET_KEYS + (SEQUENCE_PARALLEL,),
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""
 

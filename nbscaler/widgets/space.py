@@ -4,7 +4,7 @@
 ``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
 capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp,
 a circle where the layers are not recomputed and a diamond where they are; the Pareto front
-(``planning.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
+(``space.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
 ``<title>`` is the configuration (``sequence parallel`` where it is) and its figures (the
 browser's hover text).
 
@@ -22,7 +22,7 @@ import traitlets
 
 from nbscaler.columns import StrEnum, SweepColumn as S
 from nbscaler.cost.hardware import Hardware
-from nbscaler.planning.pareto import pareto_front
+from nbscaler.space.pareto import pareto_front
 from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
 from nbscaler.widgets.frontend import frontend_text
 from nbscaler.widgets.palette import CAPACITY_COLOUR, layout_colour

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from nbscaler.planning.pareto import pareto_front
+from nbscaler.space.pareto import pareto_front
 from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName

@@ -19,7 +19,7 @@ so candidates of different unit sizes (and stage counts) are compared by predict
 
 For a target that is not this machine (``pas_config['hardware']``), ``nbscaler.plan`` first chooses
 tp, pp, micro-batch, recomputation and ZeRO with ``nbscaler.sweep``'s prices
-(``nbscaler.planning.autodist_on_target``); this policy refuses such a config on a traced graph.
+(``nbscaler.space.autodist``); this policy refuses such a config on a traced graph.
 
 The knobs are ``pas_config`` keys (``options``), with ``recompute_modules`` taken as given: the
 plans it scores recompute those modules (``nbscaler.policy.recompute``). When none are named and no
@@ -69,7 +69,7 @@ MAX_WEIGHT_STEPS = 24
 def autodist(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """The autodist policy: place every node of ``graph`` as the search finds best."""
     opts = AutodistOptions.from_config(cfg)
-    if opts.hardware is not None:
+    if (cfg.pas_config or {}).get("hardware") is not None:
         raise PolicyError("autodist on a target (pas_config['hardware']) chooses tp, pp and the micro-batch from "
                           "the module, so it runs from nbscaler.plan(module, ...) or parallelize, not on a traced "
                           "graph (replan); replan the plan it returned with policy='hybrid' instead.")

@@ -1,6 +1,6 @@
 """The Explorer's "space" tab: every configuration of the model on a target, re-priced as knobs turn.
 
-**Sweep** builds a ``planning.space.PlanSpace`` of the Explorer's model (the two-layer copy traced
+**Sweep** builds a ``space.plan_space.PlanSpace`` of the Explorer's model (the two-layer copy traced
 once per micro-batch size, placed once per tp, recompute and sequence parallelism) and draws it
 (``widgets.space``; a mark's hover text says whether its configuration is sequence parallel). The knobs
 here are the sweep's own: the target (a catalogue name, nodes, GPUs per node), the precision
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from nbscaler.cost.hardware import Hardware
-from nbscaler.planning.space import PlanSpace, retarget
+from nbscaler.space.plan_space import PlanSpace
 from nbscaler.widgets.space import Metric, SpaceWidget, describe, front_rows, space_svg
 
 PRECISIONS: Dict[str, Tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
@@ -101,7 +101,7 @@ class SpaceTab:
     def build(self, module: torch.nn.Module, dummy_args: Dict[str, Any], optimizer) -> PlanSpace:
         """Sweep ``module`` under the knobs; the sequence knob takes the dummy inputs' length."""
         knobs = self.knobs()
-        target = retarget(Hardware.named(knobs["hardware"]), None, knobs["nodes"], knobs["gpus_per_node"])
+        target = Hardware.resolve(knobs["hardware"], nodes=knobs["nodes"], gpus_per_node=knobs["gpus_per_node"])
         space = PlanSpace(module, one_sequence_of(dummy_args), target, global_batch=knobs["global_batch"],
                           module_dtype=knobs["module_dtype"], master_dtype=knobs["master_dtype"], optimizer=optimizer,
                           **self.ranges)

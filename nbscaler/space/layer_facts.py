@@ -29,7 +29,8 @@ from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import requires_grad_of
 from nbscaler.layouts import LayoutKind
-from nbscaler.planning.op_ledger import SAVED_TAIL, TP_BWD, TP_FWD, Kinds, OpLedger
+from nbscaler.space.op_ledger import SAVED_TAIL, TP_BWD, TP_FWD, Kinds, OpLedger
+from nbscaler.planning.on_target import compute_dtype, tokens_per_step
 from nbscaler.planning.stack import Expansion, Stack
 
 
@@ -163,7 +164,7 @@ def read_facts(plan, stack: Stack, profiler: RooflineOps, comm, shared: Optional
     devices) on the target whose op and collective costs are ``profiler`` and ``comm``. ``shared``:
     the ``LayerFacts.shared`` of the same placement's facts on other targets, to reuse: on another
     target only the ops' and collectives' seconds are read again. ``kinds``: the table of distinct
-    ops and collectives the ledgers of other placements share (``planning.op_ledger``)."""
+    ops and collectives the ledgers of other placements share (``space.op_ledger``)."""
     shared = {} if shared is None else shared
     if "placement" not in shared:
         shared["placement"] = _placement_facts(plan, stack)
@@ -193,7 +194,6 @@ class _Placed(NamedTuple):
 def _placement_facts(plan, stack: Stack) -> _Placed:
     """``_Placed`` of ``plan``: its ops expanded to the stack's depth, each device's weights with the
     ops that read them, the full model's op FLOPs (for ``stage_cuts``), the tokens of a micro-batch."""
-    from nbscaler.planning.on_target import compute_dtype, tokens_per_step
     graph = plan.graph
     expansion = Expansion(stack, graph.nodes)
     index = {n.name: k for k, n in enumerate(graph.nodes)}

@@ -9,7 +9,7 @@ import torch
 import nbscaler
 from nbscaler import Hardware
 from nbscaler.models.gpt import GPT, GPTConfig
-from nbscaler.planning.space import PlanSpace
+from nbscaler.space.plan_space import PlanSpace
 
 SEQ = 32
 CFG = GPTConfig(vocab_size=256, seq_len=2 * SEQ, n_layer=4, d_model=64, n_head=4)

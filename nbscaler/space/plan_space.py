@@ -11,7 +11,7 @@ expects the answer at once. ``PlanSpace`` keeps what a sweep built and re-prices
 
 What each knob costs, from cheapest:
 
-- ``master_dtype``, ``global_batch``: only the pricing (``planning.pricing.price``) runs again; a
+- ``master_dtype``, ``global_batch``: only the pricing (``space.pricing.price``) runs again; a
   global batch that ``micro_batch=None`` turns into new micro-batch sizes traces those sizes.
 - ``hardware``, ``nodes``, ``gpus_per_node``: every op's facts are read again on the new target
   (``LayerFacts``) off the placements kept; nothing is traced or placed (a new ``tp`` the new GPU
@@ -44,12 +44,13 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
-from nbscaler.planning.layer_facts import LayerFacts, read_facts
-from nbscaler.planning.op_ledger import Kinds
-from nbscaler.planning.pricing import Staged, pipeline_seconds, price
-from nbscaler.planning.prune import check_prune, pruned_rows
-from nbscaler.planning.ranges import (Ranges, checked_ranges, combination_problem, sequence_parallel_at,
+from nbscaler.space.layer_facts import LayerFacts, read_facts
+from nbscaler.space.op_ledger import Kinds
+from nbscaler.space.pricing import Staged, pipeline_seconds, price
+from nbscaler.space.prune import check_prune, pruned_rows
+from nbscaler.space.ranges import (Ranges, checked_ranges, combination_problem, sequence_parallel_at,
                                       virtual_stages_of)
+from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.primitives import PolicyError
@@ -156,7 +157,11 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.set: no knob {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}.")
         before = {k: getattr(self, k) for k in ("hardware", "module_dtype", "master_dtype", "global_batch", "sequence")}
         try:
-            self.hardware = retarget(self.hardware, knobs.get("hardware"), knobs.get("nodes"), knobs.get("gpus_per_node"))
+            # a catalogue name starts from its entry, with the nodes the space has unless others are given
+            name, nodes = knobs.get("hardware"), knobs.get("nodes")
+            nodes = self.hardware.nodes if isinstance(name, str) and nodes is None else nodes
+            self.hardware = Hardware.resolve(self.hardware if name is None else name, nodes=nodes,
+                                             gpus_per_node=knobs.get("gpus_per_node"))
             for name in ("module_dtype", "master_dtype", "global_batch", "sequence"):
                 if name in knobs:
                     setattr(self, name, knobs[name])
@@ -295,7 +300,6 @@ class PlanSpace:
         return _raised(self._placed[key])
 
     def _place(self, placement: Placement):
-        from nbscaler.planning.planner import plan
         tp = placement.tp
         pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path)
         cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
@@ -348,21 +352,6 @@ def _raised(found):
     if isinstance(found, Exception):
         raise found
     return found
-
-
-def retarget(hardware: Hardware, name: Union[None, str, Hardware], nodes: Optional[int],
-            gpus_per_node: Optional[int]) -> Hardware:
-    """``hardware`` with the knobs given changed (a catalogue name starts from its catalogue entry,
-    keeping the nodes unless ``nodes`` is given)."""
-    if isinstance(name, Hardware):
-        hardware = name
-    elif name is not None:
-        if not isinstance(name, str):
-            raise ValueError(f"hardware={name!r}: give a catalogue name ({', '.join(Hardware.catalogue())}) "
-                             "or a Hardware.")
-        hardware = Hardware.named(name, nodes=hardware.nodes)
-    changes = {k: v for k, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if v is not None}
-    return dataclasses.replace(hardware, **changes) if changes else hardware
 
 
 def _sequence_of(args) -> Optional[int]:

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from nbscaler.columns import SweepColumn as S
 from nbscaler.cost.hardware import Hardware
-from nbscaler.planning.pricing import saved_floor
+from nbscaler.space.pricing import saved_floor
 
 
 def check_prune(prune: Optional[float]) -> None:

@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from nbscaler.planning.pareto import pareto_front
+from nbscaler.space.pareto import pareto_front
 
 
 def _dominated(frame: pd.DataFrame, i) -> bool:

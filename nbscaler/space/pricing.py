@@ -32,8 +32,8 @@ from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
-from nbscaler.planning.layer_facts import LayerFacts
-from nbscaler.planning.op_ledger import BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD
+from nbscaler.space.layer_facts import LayerFacts
+from nbscaler.space.op_ledger import BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD
 from nbscaler.planning.stack import repeat_counts
 from nbscaler.policy.staging import stage_cuts
 from nbscaler.schedule import PipelineGeometry, StepTotals, simulate_totals

@@ -10,9 +10,10 @@ import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.models.gpt import GPT
 from nbscaler.policy import PolicyError
-from nbscaler.planning.autodist_on_target import gigabytes, seconds
+from nbscaler.planning.target_explanation import gigabytes, seconds
 from nbscaler.policy.autodist import AutodistOptions
-from tests.planning.test_sweep import GLOBAL_BATCH, GPT_CFG, TARGET, tokens
+from nbscaler.space.autodist import TargetSearch
+from tests.space.test_sweep import GLOBAL_BATCH, GPT_CFG, TARGET, tokens
 
 SPACE = {"tp": (1, 2), "pp": (1, 2, 4), "micro_batch": (1, 2)}
 
@@ -69,7 +70,7 @@ def test_explain_sets_the_choice_against_runners_up_with_their_cost_and_what_bin
 
 
 def test_a_bad_hardware_name_lists_the_catalogue():
-    with pytest.raises(ValueError, match=r"hardware.*'H100-SXM-8GB'.*no such target; the catalogue has .*H100-SXM"):
+    with pytest.raises(ValueError, match=r"hardware.*'H100-SXM-8GB'.*no hardware named .*known: .*H100-SXM"):
         nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target("H100-SXM-8GB"))
 
 
@@ -93,15 +94,17 @@ def test_sequence_parallel_in_the_pas_config_is_the_one_value_searched(sequence_
 
 def test_target_keys_are_checked_with_the_fix():
     with pytest.raises(ValueError, match="global_batch.*sequences one step trains on"):
-        AutodistOptions(hardware="H100-SXM-80GB")
+        TargetSearch(hardware="H100-SXM-80GB")
     with pytest.raises(ValueError, match="global_batch.*read only with a target"):
-        AutodistOptions(global_batch=8)
+        AutodistOptions.from_config(ComputeConfig(2, 2, pas_config={"global_batch": 8}))
+    with pytest.raises(ValueError, match="no hardware named 'H1000'; known: .*H100-SXM-80GB"):
+        TargetSearch(hardware="H1000", global_batch=8)
     with pytest.raises(ValueError, match="autodist_space.*some of tp, pp, micro_batch, recompute, sequence_parallel, zero_stage"):
-        AutodistOptions(hardware="H100-SXM-80GB", global_batch=8, autodist_space={"dp": (2,)})
-    with pytest.raises(ValueError, match="runtime_ngpus=4 is not a whole number of nodes"):
-        AutodistOptions(hardware="H100-SXM-80GB", global_batch=8).target(ComputeConfig(4, 4))
-    with pytest.raises(ValueError, match="has 8 GPUs but the config runs runtime_ngpus=16"):
-        AutodistOptions(hardware=TARGET, global_batch=8).target(ComputeConfig(16, 16))
+        TargetSearch(hardware="H100-SXM-80GB", global_batch=8, autodist_space={"dp": (2,)})
+    with pytest.raises(ValueError, match="runtime_ngpus=4.*4 GPUs are not a whole number of nodes"):
+        TargetSearch(hardware="H100-SXM-80GB", global_batch=8).target(ComputeConfig(4, 4))
+    with pytest.raises(ValueError, match="runtime_ngpus=16.*has 8 GPUs but the job runs 16"):
+        TargetSearch(hardware=TARGET, global_batch=8).target(ComputeConfig(16, 16))
 
 
 def test_a_traced_graph_cannot_be_searched_on_a_target(chosen):

@@ -10,12 +10,12 @@ For a target the job may have thousands of GPUs that are not here, so the questi
 configuration: tp, pp, micro-batch, recomputation, sequence parallelism, ZeRO. ``nbscaler.sweep``
 prices every one the ranges allow from one trace of a two-layer copy, on the target's roofline and
 NCCL models; autodist takes its fastest row that fits the target's memory, plans the model whole
-under that row's config (``planning.sweep.config_of``: ``hybrid``'s tensor-parallel placement
+under that row's config (``space.sweep.config_of``: ``hybrid``'s tensor-parallel placement
 inside each stage) and keeps the rows it beat for ``plan.explain()``: what each would cost and
 what binds it. ``pas_config['sequence_parallel']``, where given, is the only value searched.
 
 The plan's ``summary(optimizer, hardware=target, master_dtype=...)`` predicts what the chosen row
-says (the sweep's own contract, ``tests/planning/test_sweep.py``); ``graph.meta['autodist']``
+says (the sweep's own contract, ``tests/space/test_sweep.py``); ``graph.meta['autodist']``
 records the target, the ranges, the rows and the seconds the search took.
 
 The op-by-op search is not run on a target: its costs are this machine's profiled op times, and
@@ -26,16 +26,22 @@ whenever it is predicted faster, ``_keep_faster_builtin``) is the one ``hybrid``
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Type, Union
 
 import pandas as pd
 import torch
 
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.hardware import Hardware
-from nbscaler.policy.autodist.options import AutodistOptions
+from nbscaler.planning.planner import Plan, trace_and_place
+from nbscaler.planning.stack import one_sequence
+from nbscaler.planning.target_explanation import describe, gigabytes
+from nbscaler.policy.autodist.options import OPTIMIZERS, TARGET_KEYS
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL, BuiltinPolicy, sequence_parallel
 from nbscaler.policy.primitives import PolicyError
+from nbscaler.space.plan_space import PlanSpace
+from nbscaler.space.sweep import config_of
 
 #: How many configurations ``plan.explain()`` sets against the choice.
 RUNNERS_UP = 4
@@ -44,9 +50,76 @@ RUNNERS_UP = 4
 #: the choice's step; slower ones are not priced (``sweep``'s ``prune``).
 WITHIN = 1.25
 
-#: The overheads a row's share columns measure, as ``explain()`` names what binds a configuration.
-OVERHEADS = {"bubble": "the pipeline bubble", "tp_comm_share": "tensor-parallel collectives",
-             "dp_comm_share": "the data-parallel gradient reduction", "pp_send_share": "pipeline sends"}
+#: The ranges ``autodist_space`` may give: ``nbscaler.sweep``'s keywords of the same names.
+SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage")
+
+
+@dataclass(frozen=True)
+class TargetSearch:
+    """What a search on a target reads from ``pas_config`` (``policy.autodist.options.TARGET_KEYS``),
+    checked on the spot:
+
+    ==================  ==========================================================================
+    ``hardware``        a ``Hardware`` with ``runtime_ngpus`` GPUs, or a catalogue name
+                        (``Hardware.catalogue()``) whose nodes ``runtime_ngpus`` fills
+    ``global_batch``    the sequences one training step trains on
+    ``autodist_space``  the ranges to search, as ``nbscaler.sweep``'s keywords ``tp``, ``pp``,
+                        ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage`` (a
+                        missing one: the sweep's default; ``sequence_parallel`` missing and
+                        ``pas_config['sequence_parallel']`` given: that value alone)
+    ``master_dtype``    the optimizer's master copies' dtype (``build_optimizer``'s; default
+                        ``torch.float32``)
+    ==================  ==========================================================================
+
+    The optimizer priced is autodist's ``memory_optimizer`` (``'adamw'`` by default).
+    """
+
+    hardware: Union[str, Hardware]
+    global_batch: Optional[int] = None
+    autodist_space: Dict[str, Any] = field(default_factory=dict)
+    master_dtype: Optional[torch.dtype] = torch.float32
+    memory_optimizer: str = "adamw"
+
+    @classmethod
+    def from_config(cls, cfg: ComputeConfig) -> "TargetSearch":
+        """The search ``cfg.pas_config`` asks for (it must name ``hardware``)."""
+        pas = cfg.pas_config or {}
+        keys = (*TARGET_KEYS, "memory_optimizer")
+        return cls(**{k: v for k, v in pas.items() if k in keys})
+
+    def __post_init__(self) -> None:
+        def fail(key: str, value, fix: str) -> None:
+            raise ValueError(f"pas_config[{key!r}]={value!r} is not valid for autodist on a target: {fix}")
+
+        if not isinstance(self.hardware, (str, Hardware)):
+            fail("hardware", self.hardware, "give a Hardware or a catalogue name such as 'H100-SXM-80GB'.")
+        if isinstance(self.hardware, str):
+            try:
+                Hardware.named(self.hardware)
+            except ValueError as err:                   # it names the known ones
+                fail("hardware", self.hardware, str(err))
+        batch = self.global_batch
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            fail("global_batch", batch, "a search on a target needs the sequences one step trains on, e.g. 128.")
+        space = self.autodist_space
+        if not isinstance(space, dict) or set(space) - set(SPACE_KEYS):
+            fail("autodist_space", space, f"give a dict with some of {', '.join(SPACE_KEYS)}, "
+                                          "e.g. {'tp': (2, 4, 8), 'pp': (1, 2, 4)}.")
+        if self.master_dtype is not None and not isinstance(self.master_dtype, torch.dtype):
+            fail("master_dtype", self.master_dtype, "give a torch dtype such as torch.float32, or None.")
+        if self.memory_optimizer not in OPTIMIZERS:
+            fail("memory_optimizer", self.memory_optimizer, f"use one of {', '.join(OPTIMIZERS)}.")
+
+    def target(self, cfg: ComputeConfig) -> Hardware:
+        """The target with the config's ``runtime_ngpus`` GPUs (``Hardware.resolve``)."""
+        try:
+            return Hardware.resolve(self.hardware, ngpus=cfg.runtime_ngpus)
+        except ValueError as err:
+            raise ValueError(f"pas_config['hardware'] with runtime_ngpus={cfg.runtime_ngpus}: {err}") from None
+
+    @property
+    def optimizer(self) -> Type[torch.optim.Optimizer]:
+        return OPTIMIZERS[self.memory_optimizer]
 
 
 def searches_on_target(policy: Any, cfg: ComputeConfig) -> bool:
@@ -55,21 +128,18 @@ def searches_on_target(policy: Any, cfg: ComputeConfig) -> bool:
 
 
 def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: ComputeConfig,
-                   module_dtype: Optional[torch.dtype]):
+                   module_dtype: Optional[torch.dtype]) -> Plan:
     """The plan of the fastest configuration that fits the target (see the module docstring).
     ``dummy_args`` hold one sequence, as ``nbscaler.sweep``'s do."""
-    from nbscaler.planning.planner import trace_and_place
-    from nbscaler.planning.space import PlanSpace
-    from nbscaler.planning.stack import one_sequence
-    from nbscaler.planning.sweep import config_of
-    opts = AutodistOptions.from_config(cfg)
-    hardware = opts.target(cfg)
-    ranges = dict(opts.autodist_space)
+    search = TargetSearch.from_config(cfg)
+    hardware = search.target(cfg)
+    ranges = dict(search.autodist_space)
     if SEQUENCE_PARALLEL in cfg.pas_config:          # the user's word on it: search that alone
         ranges.setdefault(SEQUENCE_PARALLEL, (sequence_parallel(cfg),))
     start, cpu = time.perf_counter(), time.process_time()
-    space = PlanSpace(module, dummy_args, hardware, global_batch=opts.global_batch, optimizer=opts.optimizer,
-                      master_dtype=opts.master_dtype, module_dtype=module_dtype, prune=WITHIN, settle=False, **ranges)
+    space = PlanSpace(module, dummy_args, hardware, global_batch=search.global_batch, optimizer=search.optimizer,
+                      master_dtype=search.master_dtype, module_dtype=module_dtype, prune=WITHIN, settle=False,
+                      **ranges)
     frame = space.frame
     fitting = frame[frame.fits]
     if fitting.empty:
@@ -86,9 +156,9 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     placed.policy_name = str(BuiltinPolicy.AUTODIST)
     placed.compile_seconds = time.perf_counter() - start            # the search, then the whole trace
     placed.graph.meta["autodist"] = {"target": {
-        **searched, "hardware": hardware, "global_batch": opts.global_batch, "optimizer": opts.optimizer,
-        "master_dtype": opts.master_dtype, "priced": len(frame), "excluded": len(frame.attrs["excluded"]),
-        "pruned": frame.attrs["pruned"], "chosen": best.to_dict(),
+        **searched, "hardware": hardware, "global_batch": search.global_batch, "optimizer": search.optimizer,
+        "master_dtype": search.master_dtype, "priced": len(frame), "excluded": len(frame.attrs["excluded"]),
+        "pruned": frame.attrs["pruned"], "within": WITHIN, "chosen": best.to_dict(),
         "runners_up": [r.to_dict() for _, r in runners_up(frame, best).iterrows()],
         "fitting": len(fitting)}}
     return placed
@@ -109,64 +179,3 @@ def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> 
     return pd.concat([faster, rows]).head(most)
 
 
-def describe(row) -> str:
-    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, sequence parallel,
-    ZeRO 2``."""
-    return (f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
-            f"{'recompute' if row['recompute'] else 'no recompute'}"
-            f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
-
-
-def seconds(s: float) -> str:
-    return f"{s:.3g} s" if abs(s) >= 1 else f"{s * 1e3:.3g} ms"
-
-
-def gigabytes(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
-
-
-def figures(row, hardware: Hardware) -> str:
-    """What a configuration costs: step, throughput, MFU, peak memory against the capacity."""
-    return (f"step {seconds(row['step_time_s'])}, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
-            f"peak {gigabytes(row['peak_bytes'])} of {gigabytes(hardware.memory_bytes)}")
-
-
-def overheads(row) -> str:
-    return ", ".join(f"{name} {row[col]:.1%}" for col, name in OVERHEADS.items())
-
-
-def binding(row, best, hardware: Hardware) -> str:
-    """What keeps ``row`` from beating ``best``: memory when it does not fit, else the overhead
-    that costs it most seconds more than ``best`` (or the compute itself when none does)."""
-    if not row["fits"]:
-        return f"memory ({gigabytes(row['peak_bytes'])} a GPU, over the {gigabytes(hardware.memory_bytes)} there are)"
-    extra = {name: row[col] * row["step_time_s"] - best[col] * best["step_time_s"] for col, name in OVERHEADS.items()}
-    name, most = max(extra.items(), key=lambda kv: kv[1])
-    work = (row["step_time_s"] - best["step_time_s"]) - sum(extra.values())
-    if work > most:
-        name = "compute, " + ("recomputing the layers" if row["recompute"] and not best["recompute"]
-                              else "in smaller, slower matmuls")
-        most = work
-    return f"{name} ({seconds(most)} more a step than the choice's)"
-
-
-def explain_lines(info: Dict[str, Any]) -> List[str]:
-    """``plan.explain()``'s text for a plan autodist chose on a target."""
-    hw, best = info["hardware"], info["chosen"]
-    dtype = str(info["master_dtype"]).replace("torch.", "") if info["master_dtype"] is not None else "no"
-    lines = [f"autodist priced {info['priced']} configurations for {hw.name} x {hw.nodes} node(s) ({hw.ngpus} GPUs), "
-             f"a global batch of {info['global_batch']} sequences, in {info['search_s']:.2f} s "
-             f"({info['search_cpu_s']:.2f} s of CPU); {info['fitting']} fit"
-             + (f", {info['excluded']} could not run" if info["excluded"] else "")
-             + (f"; {info['pruned']} more were not priced: their pipeline alone is slower than a fitting one of "
-                f"their tp x pp (or {WITHIN:g} x the choice), or what they save for the backward alone overflows "
-                "the memory" if info["pruned"] else "") + ".",
-             f"chose {describe(best)} ({best['micro_batches']} micro-batches a step): {figures(best, hw)}.",
-             f"  of its step: {overheads(best)}.",
-             f"  plan.summary({info['optimizer'].__name__}, hardware=..., master_dtype={dtype}) predicts the same.",
-             "against the runners-up (what each would cost; what binds it):"]
-    for row in info["runners_up"]:
-        slower = row["step_time_s"] / best["step_time_s"] - 1
-        lines.append(f"  {describe(row)}: {figures(row, hw)} ({slower:+.1%}); "
-                     f"{'fits' if row['fits'] else 'does not fit'}; binds: {binding(row, best, hw)}.")
-    return lines

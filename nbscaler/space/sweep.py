@@ -33,14 +33,14 @@ instead:
    ``LayerFacts.stage_start``, and the collectives that make whole what a stage sends, such as
    sequence parallelism's all-gather, ``LayerFacts.stage_end``), and the pipeline, the gradient
    synchronisation, the optimizer step and the peak memory come from the very functions
-   ``plan.summary`` calls (``planning.pricing``).
+   ``plan.summary`` calls (``space.pricing``).
 
 So a row is what ``nbscaler.plan(module, ..., "hybrid", config_of(row, ...)).summary(optimizer,
 hardware=hardware, master_dtype=master_dtype)`` predicts, as long as every layer after the first
 costs what the second does in the copy (one class, one shape, called in order) and the stages are
 cut between layers (a cut inside a layer, for more stages than layers, is priced as if the layer's
-recomputed region were whole); ``tests/planning/test_sweep.py`` checks rows against full plans,
-with and without sequence parallelism. The caches live in ``planning.space.PlanSpace``, which
+recomputed region were whole); ``tests/space/test_sweep.py`` checks rows against full plans,
+with and without sequence parallelism. The caches live in ``space.plan_space.PlanSpace``, which
 keeps them to re-price the whole table when the target, the precision, the batch or the sequence
 changes (the Explorer's space tab).
 
@@ -60,7 +60,7 @@ import pandas as pd
 import torch
 
 from nbscaler.cost.hardware import Hardware
-from nbscaler.planning.space import CONFIG_COLUMNS, PREDICTION_COLUMNS, PlanSpace, config_of
+from nbscaler.space.plan_space import CONFIG_COLUMNS, PREDICTION_COLUMNS, PlanSpace, config_of
 
 __all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
 

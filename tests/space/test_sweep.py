@@ -11,7 +11,7 @@ from nbscaler import Hardware
 from nbscaler.columns import SweepColumn
 from nbscaler.models.gpt import GPT, GPTConfig
 from nbscaler.models.llama import Llama, LlamaConfig
-from nbscaler.planning.sweep import config_of
+from nbscaler.space.sweep import config_of
 
 SEQ = 64
 GPT_CFG = GPTConfig(vocab_size=512, seq_len=SEQ, n_layer=6, d_model=128, n_head=4)

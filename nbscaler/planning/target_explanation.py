@@ -1,0 +1,78 @@
+"""``plan.explain()``'s text for a plan autodist chose on a target (``nbscaler.space.autodist``).
+
+The search records its choice, the runners-up and the ranges in ``graph.meta['autodist']['target']``;
+this module only words that record, so a plan explains itself without the plan space.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from nbscaler.cost.hardware import Hardware
+
+#: The overheads a row's share columns measure, as ``explain()`` names what binds a configuration.
+OVERHEADS = {"bubble": "the pipeline bubble", "tp_comm_share": "tensor-parallel collectives",
+             "dp_comm_share": "the data-parallel gradient reduction", "pp_send_share": "pipeline sends"}
+
+
+def describe(row) -> str:
+    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, sequence parallel,
+    ZeRO 2``."""
+    return (f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
+            f"{'recompute' if row['recompute'] else 'no recompute'}"
+            f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
+
+
+def seconds(s: float) -> str:
+    return f"{s:.3g} s" if abs(s) >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def gigabytes(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def figures(row, hardware: Hardware) -> str:
+    """What a configuration costs: step, throughput, MFU, peak memory against the capacity."""
+    return (f"step {seconds(row['step_time_s'])}, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
+            f"peak {gigabytes(row['peak_bytes'])} of {gigabytes(hardware.memory_bytes)}")
+
+
+def overheads(row) -> str:
+    return ", ".join(f"{name} {row[col]:.1%}" for col, name in OVERHEADS.items())
+
+
+def binding(row, best, hardware: Hardware) -> str:
+    """What keeps ``row`` from beating ``best``: memory when it does not fit, else the overhead
+    that costs it most seconds more than ``best`` (or the compute itself when none does)."""
+    if not row["fits"]:
+        return f"memory ({gigabytes(row['peak_bytes'])} a GPU, over the {gigabytes(hardware.memory_bytes)} there are)"
+    extra = {name: row[col] * row["step_time_s"] - best[col] * best["step_time_s"] for col, name in OVERHEADS.items()}
+    name, most = max(extra.items(), key=lambda kv: kv[1])
+    work = (row["step_time_s"] - best["step_time_s"]) - sum(extra.values())
+    if work > most:
+        name = "compute, " + ("recomputing the layers" if row["recompute"] and not best["recompute"]
+                              else "in smaller, slower matmuls")
+        most = work
+    return f"{name} ({seconds(most)} more a step than the choice's)"
+
+
+def explain_lines(info: Dict[str, Any]) -> List[str]:
+    """``plan.explain()``'s text for a plan autodist chose on a target."""
+    hw, best = info["hardware"], info["chosen"]
+    dtype = str(info["master_dtype"]).replace("torch.", "") if info["master_dtype"] is not None else "no"
+    lines = [f"autodist priced {info['priced']} configurations for {hw.name} x {hw.nodes} node(s) ({hw.ngpus} GPUs), "
+             f"a global batch of {info['global_batch']} sequences, in {info['search_s']:.2f} s "
+             f"({info['search_cpu_s']:.2f} s of CPU); {info['fitting']} fit"
+             + (f", {info['excluded']} could not run" if info["excluded"] else "")
+             + (f"; {info['pruned']} more were not priced: their pipeline alone is slower than a fitting one of "
+                f"their tp x pp (or {info['within']:g} x the choice), or what they save for the backward alone overflows "
+                "the memory" if info["pruned"] else "") + ".",
+             f"chose {describe(best)} ({best['micro_batches']} micro-batches a step): {figures(best, hw)}.",
+             f"  of its step: {overheads(best)}.",
+             f"  plan.summary({info['optimizer'].__name__}, hardware=..., master_dtype={dtype}) predicts the same.",
+             "against the runners-up (what each would cost; what binds it):"]
+    for row in info["runners_up"]:
+        slower = row["step_time_s"] / best["step_time_s"] - 1
+        lines.append(f"  {describe(row)}: {figures(row, hw)} ({slower:+.1%}); "
+                     f"{'fits' if row['fits'] else 'does not fit'}; binds: {binding(row, best, hw)}.")
+    return lines
