@@ -8,7 +8,7 @@ TORCHVISION_VERSION ?= 0.28.0
 TIMM_VERSION ?= 1.0.31
 APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium slurmctld slurmd slurm-client munge iproute2
 
-.PHONY: setup demo test test-fast lab notebooks
+.PHONY: setup demo test test-fast lab notebooks docs docs-serve
 
 setup:
 	@# The pinned CPU build first, so that the project install does not pull a CUDA build.
@@ -36,7 +36,7 @@ test: setup
 	$(PYTHON) -m pytest -q tests
 
 
-# The edit-test loop: everything that runs in one process (README.md gives its size and time).
+# The edit-test loop: everything that runs in one process (docs/getting-started.md gives its size and time).
 test-fast:
 	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook and not slow" tests
 
@@ -47,3 +47,11 @@ lab: setup
 # (`make notebooks ONLY="01 04"` for some).
 notebooks: setup
 	$(PYTHON) -m nbscaler.cli notebooks $(if $(ONLY),--only $(ONLY))
+
+# The documentation site (mkdocs.yml): built strictly, so a broken link or a page left out fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
+# The same site at http://127.0.0.1:8000, rebuilt as the pages change.
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs serve
