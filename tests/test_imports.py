@@ -1,4 +1,5 @@
-"""Import cycles inside a package: none is longer than two files, and none runs at import time.
+"""Import cycles inside a package: none is longer than two files, and none runs at import time; and
+the packages import one another only downwards (``LAYERS``).
 
 Read from the source alone (nothing is imported): every ``import nbscaler.…`` and ``from nbscaler.…
 import …`` is an arrow from its file to the file it names, wherever it stands. An arrow runs at
@@ -11,6 +12,7 @@ more. Only arrows between files of the same package count.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
@@ -20,6 +22,22 @@ ROOT = Path(__file__).resolve().parents[1] / "nbscaler"
 ALLOWED_CYCLES = {
     "planning": "being split into the plan space's own package; its cycles go with the split",
 }
+
+# The packages and top-level modules from the bottom up: each imports only from its own row and
+# the rows below. The runtime, which runs on every rank, imports only from ``RUNTIME_IMPORTS``.
+# Modules in no row (the entry points: parallel, cli, walkthroughs, ...) may import anything.
+LAYERS = [
+    ("config", "schedule", "blocks", "columns", "genfiles", "layouts", "units"),
+    ("ir",),
+    ("trace", "comm", "cost"),
+    ("policy",),
+    ("codegen",),
+    ("planning",),
+    ("runtime",),
+    ("cluster",),
+    ("widgets",),
+]
+RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units"}
 
 Arrow = Tuple[str, str]
 
@@ -80,6 +98,12 @@ def arrows(files: Dict[str, Path]) -> Dict[Arrow, bool]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def every_arrow() -> Dict[Arrow, bool]:
+    """``arrows`` of the whole of ``nbscaler``, read once per test session."""
+    return arrows(module_files())
+
+
 def package_of(module: str) -> str:
     """The top-level package a module belongs to (``nbscaler`` for the modules directly in it)."""
     parts = module.split(".")
@@ -128,7 +152,7 @@ def cycles(nodes: Set[str], edges: Set[Arrow]) -> List[List[str]]:
 def package_cycles() -> Dict[str, Tuple[List[List[str]], Dict[Arrow, bool]]]:
     """Per package, its cycles and the arrows among its modules."""
     files = module_files()
-    every = arrows(files)
+    every = every_arrow()
     result = {}
     for package in sorted({package_of(m) for m in files}):
         nodes = {m for m in files if package_of(m) == package}
@@ -154,3 +178,19 @@ def test_no_import_cycle_inside_a_package_is_longer_than_two_files_or_runs_at_im
 def test_the_allowed_packages_are_packages():
     packages = {package_of(m) for m in module_files()}
     assert set(ALLOWED_CYCLES) <= packages
+
+
+def test_packages_import_only_downwards():
+    row = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+    def top(module: str) -> str:                    # nbscaler.cost.timing -> cost, nbscaler.blocks -> blocks
+        return module.split(".")[1] if "." in module else "nbscaler"
+
+    upwards = []
+    for importer, imported in every_arrow():
+        a, b = top(importer), top(imported)
+        if a == b or a not in row or b not in row:
+            continue
+        if row[b] > row[a] or (a == "runtime" and b not in RUNTIME_IMPORTS):
+            upwards.append(f"{importer} -> {imported}")
+    assert not upwards, "imports against the order of LAYERS:\n" + "\n".join(sorted(upwards))
