@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional, Type, Union
 import torch
 import torch.distributed as dist
 
-import nbscaler
 from nbscaler.genfiles import (CONFIG_FILE, CONSTANTS_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir,
                                atomic_write_bytes, gencode_file, module_dir, weights_footer)
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
@@ -192,6 +191,7 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
              gen: GenDir, reuse: ReuseType, module_dtype, module_fn, weights: Dict[str, Any]) -> List[str]:
     """Generate (or reuse) the files; returns the names of newly written files. ``weights`` says
     where the ranks' weights come from: ``weights.pt`` is written only when it is that file."""
+    import nbscaler                    # for its version; the package imports this module
     module_class = module_or_class if is_class else type(module_or_class)
     fingerprint = {
         "graph": {"module": module_name(module_class),

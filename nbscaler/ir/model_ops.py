@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.registry import register
+from nbscaler.ir.op_specs import register
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh, indexing
 
 

@@ -5,7 +5,7 @@ Each entry maps a call target (``'torch.nn.functional.linear'``, ``'Tensor.view'
 the call's ``OpAnnotation``. Most ops use a fixed string (``'* k+, n k+ -> * n'``); shape-dependent
 ones (reshape, indexing, broadcasting arithmetic) compute it. The annotators themselves live in
 ``shape_rules`` (ops that move or combine elements) and ``layer_rules`` (the layers' ops); this
-module is the table from call targets to them.
+module fills the table from call targets to them (``op_specs``).
 
 Ops missing here still trace: they become *opaque* nodes that run replicated, with a warning.
 ``register_op`` adds your own function as a single op:
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch
@@ -29,21 +28,11 @@ from torch.utils._pytree import tree_flatten
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.layer_rules import attention, batch_norm, conv, embedding, linear, loss, matmul, normalization
-from nbscaler.ir.shape_rules import (Annotator, along_dim, concat, constructor, elementwise, fixed, indexing,
+from nbscaler.ir.op_specs import register, spec_of
+from nbscaler.ir.shape_rules import (along_dim, concat, constructor, elementwise, fixed, indexing,
                                      permutation, repeat_interleave, reduction, reshape, split_like, triangle,
                                      widen)
 
-
-@dataclass(frozen=True)
-class OpSpec:
-    """How one op partitions."""
-
-    name: str
-    annotate: Annotator
-    shape_args: bool = False      # its arguments spell out the output shape (view, reshape, expand)
-
-
-_REGISTRY: Dict[str, OpSpec] = {}
 USER_OPS: Dict[str, Callable] = {}          # target -> user function registered with register_op
 
 
@@ -74,16 +63,6 @@ def target_of(func: Callable) -> str:
             return f"{prefix}.{name}"
     module = getattr(func, "__module__", None) or "torch"
     return f"{module}.{qual or name}"
-
-
-def spec_of(target: str) -> Optional[OpSpec]:
-    return _REGISTRY.get(target)
-
-
-def register(targets, name: str, annotate: Annotator, shape_args: bool = False) -> None:
-    spec = OpSpec(name, annotate, shape_args)
-    for t in targets.split():
-        _REGISTRY[t] = spec
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,4 +185,5 @@ def annotate(node: IRNode) -> Optional[OpAnnotation]:
 
 
 # The ops of real model families (GPT-2's addmm, pooling, padding, routing, ...) live in their own module.
+# Imported last: where it names a target of the table above (``Tensor.__getitem__``), its entry wins.
 from nbscaler.ir import model_ops  # noqa: E402,F401  (registers on import)

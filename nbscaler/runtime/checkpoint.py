@@ -28,10 +28,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from nbscaler.genfiles import atomic_write
-from nbscaler.runtime.module import ParallelModule, WeightSpec, runtime_device
+from nbscaler.runtime.module import ParallelModule, runtime_device
 from nbscaler.runtime.optimizer import MASTER_KEY, layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
                                          CheckpointError, check_no_extra, check_tensors)
+from nbscaler.runtime.weight_spec import WeightSpec
 
 StateDict = Dict[str, Any]
 Device = Union[str, torch.device, None]

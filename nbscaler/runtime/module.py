@@ -17,98 +17,24 @@ Generated code supplies the forward and a ``weight_specs`` table; this class doe
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from nbscaler import blocks as strided
-from nbscaler.blocks import Blocks, normalize
 from nbscaler.genfiles import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig, Precision
 from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
+from nbscaler.runtime.sources import TorchFile, WeightSource
 from nbscaler.runtime.summary import module_html
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
+from nbscaler.runtime.weight_spec import WeightSpec        # generated code imports it from here
 from nbscaler.runtime.zero import ZeroReducer
 from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
-
-if TYPE_CHECKING:
-    from nbscaler.runtime.sources import WeightSource
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """Which part of an original parameter or buffer a local one holds.
-
-    ``split_dim=None``: the whole tensor, a copy of which lives on each of ``devices``. Otherwise
-    slice ``index`` of ``parts`` along ``split_dim``; the slices live on ``devices``. With
-    ``blocks=3`` the dim is three equal blocks (a fused q, k, v projection) and the slice is part
-    ``index`` of each block, concatenated: this device's heads of q, k and v; ``blocks=(2, 1, 1)``
-    the same with blocks of relative sizes 2:1:1 (grouped-query attention; ``nbscaler.blocks``).
-    """
-
-    name: str
-    kind: str                       # 'param' | 'buffer' | 'constant'
-    shape: Tuple[int, ...]          # the full, original shape
-    dtype: torch.dtype
-    devices: Tuple[int, ...] = (0,)
-    split_dim: Optional[int] = None
-    parts: int = 1
-    index: int = 0
-    persistent: bool = True
-    replicas: Tuple[int, ...] = ()      # plan devices holding copies whose gradients must be summed
-    blocks: Blocks = 1
-    partial_grads: bool = False         # each of ``devices`` holds part of the gradient (its ops split the batch)
-
-    @property
-    def copies(self) -> int:
-        """How many devices of a unit hold this same slice (copies of a pipeline stage included)."""
-        return len(self.devices) // self.parts * max(1, len(self.replicas))
-
-    @property
-    def saved(self) -> bool:
-        """Whether the original module's state dict has this tensor (parameters and persistent
-        buffers; not non-persistent buffers, nor constants the trace captured)."""
-        return self.kind == "param" or (self.kind == "buffer" and self.persistent)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """Plain values only, so checkpoints load with ``torch.load(..., weights_only=True)``."""
-        return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
-                "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
-                "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
-                "blocks": self.blocks if isinstance(self.blocks, int) else list(self.blocks),
-                "partial_grads": self.partial_grads}
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
-        return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
-                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]),
-                   normalize(d.get("blocks", 1)), d.get("partial_grads", False))
-
-    @property
-    def local_shape(self) -> Tuple[int, ...]:
-        shape = list(self.shape)
-        if self.split_dim is not None:
-            shape[self.split_dim] //= self.parts
-        return tuple(shape)
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This spec's slice of the full tensor."""
-        if tuple(full.shape) != tuple(self.shape):
-            raise ValueError(f"'{self.name}' has shape {tuple(full.shape)}, the parallel module expects "
-                             f"{tuple(self.shape)}")
-        if self.split_dim is None:
-            return full
-        return strided.take(full, self.split_dim, self.blocks, self.parts, self.index)
-
-    def join(self, slices: List[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every device's slice, in index order (the inverse of ``take``)."""
-        return strided.join(slices, self.split_dim, self.blocks)
 
 
 def runtime_device() -> torch.device:
@@ -130,7 +56,7 @@ class ParallelModule(torch.nn.Module):
     gen_dir: ClassVar[Path]
     weights_source: ClassVar[Dict[str, Any]] = {"source": WEIGHTS_FILE}   # the generated file says which
 
-    def __init__(self, init_params: bool = True, weights: Optional["WeightSource"] = None):
+    def __init__(self, init_params: bool = True, weights: Optional[WeightSource] = None):
         super().__init__()
         cfg = self.compute_config
         self.device = runtime_device()
@@ -206,12 +132,11 @@ class ParallelModule(torch.nn.Module):
         return get_group(self.compute_config.grid.unit_ranks(self.unit, devices))
 
     @torch.no_grad()
-    def load_initial_weights(self, weights: Optional["WeightSource"] = None) -> None:
+    def load_initial_weights(self, weights: Optional[WeightSource] = None) -> None:
         """Fill parameters and buffers with their slices of the original tensors, read from
         ``weights`` (``nbscaler.runtime.sources``; for a module built on the meta device,
         ``parallelize`` passes its checkpoint or its seeded initialisation), or by default from the
         values the module had when it was traced (``weights.pt``)."""
-        from nbscaler.runtime.sources import TorchFile        # sources builds on WeightSpec, defined here
         if weights is None:
             path = Path(self.gen_dir) / WEIGHTS_FILE
             if not path.exists():

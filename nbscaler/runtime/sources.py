@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from nbscaler import blocks as strided
 from nbscaler.runtime.initialize import first_names, initial_tensors, owner_of, owners
-from nbscaler.runtime.module import WeightSpec
+from nbscaler.runtime.weight_spec import WeightSpec
 
 PathLike = Union[str, Path]
 SAFETENSORS_INDEX = "model.safetensors.index.json"

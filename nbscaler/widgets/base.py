@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import pandas as pd
 
-from nbscaler.widgets.fingerprints import view_bundle
-
-if TYPE_CHECKING:                      # views import the planner lazily: a type only
+if TYPE_CHECKING:                      # views import the planner lazily: types only
     import ipywidgets
 
     from nbscaler.planning import Plan
+    from nbscaler.planning.fingerprint import Fingerprint
 
 
 @dataclass
@@ -125,9 +124,17 @@ class View:
         needs no script (the chart views draw SVG; ``nbscaler.widgets.plotting.ChartView``)."""
         return self.to_html()
 
+    def fingerprint(self) -> Optional["Fingerprint"]:
+        """The plan tables this view shows, which its saved output is checked by against a fresh run
+        (``nbscaler.planning.fingerprint``); ``None`` for a view that shows none (the timeline
+        draws seconds only)."""
+        return None
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
-        """The widget's own bundle (live in Jupyter) plus ``text/html`` = ``notebook_html()`` (saved
-        notebooks, GitHub, nbviewer)."""
+        """The widget's own bundle (live in Jupyter), ``text/html`` = ``notebook_html()`` (saved
+        notebooks, GitHub, nbviewer) and the ``fingerprint()`` of what it shows."""
+        from nbscaler.planning.fingerprint import bundle as fingerprint_entry
+
         bundle: Dict[str, Any] = {}
         own = getattr(self.widget, "_repr_mimebundle_", None)
         if own is not None:
@@ -136,7 +143,7 @@ class View:
             bundle.update(data or {})
         bundle["text/html"] = self.notebook_html()
         bundle.setdefault("text/plain", repr(self))
-        bundle.update(view_bundle(self))           # the plan tables shown, to check saved notebooks by
+        bundle.update(fingerprint_entry(self.fingerprint()))
         return bundle
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ from nbscaler.widgets.frontend import frontend_text
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
+    from nbscaler.planning.fingerprint import Fingerprint
     from nbscaler.widgets.graph import GraphView
 
 CODE_CLASS = "nbs-hl"
@@ -184,6 +185,11 @@ class CodeView(View):
             if w.node is not None and w.node >= len(self.plan.graph):
                 w.node = None
         self._on_rank()
+
+    def fingerprint(self) -> "Fingerprint":
+        """The shown rank's generated file, one row per line."""
+        from nbscaler.planning.fingerprint import code_fingerprint
+        return code_fingerprint(self.plan, self.rank)
 
     def to_html(self) -> str:
         """The files of the first unit's ranks, highlighted, each in a ``<details>`` (no script needed).

@@ -31,6 +31,7 @@ from nbscaler.widgets.svgchart import Bar, BarGroup, Limit, Segment, nice_ticks,
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
+    from nbscaler.planning.fingerprint import Fingerprint
 
 PREDICTED, MEASURED = "predicted", "measured"
 MEMORY_AXIS = f"memory per rank ({BINARY_BYTES})"
@@ -229,6 +230,11 @@ class MemoryView(ChartView):
             rows.append(f"<tr><td colspan=4 style='font-size:smaller'>over: {kinds}</td></tr>")
         return (f"<table class='nbs-memory-gap' style='border-collapse:collapse;font-size:13px'>"
                 f"{head}{''.join(rows)}</table>")
+
+    def fingerprint(self) -> Optional["Fingerprint"]:
+        """The predicted memory with this view's optimizer."""
+        from nbscaler.planning.fingerprint import of_frames
+        return of_frames(self.predicted)
 
     # -- rendering --------------------------------------------------------------------------------
     def svg(self) -> str:

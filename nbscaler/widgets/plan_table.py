@@ -23,6 +23,7 @@ from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
+    from nbscaler.planning.fingerprint import Fingerprint
 
 ALL_MODULES = "(all modules)"
 MAX_ROWS = 2000
@@ -180,6 +181,11 @@ class PlanView(View):
     def _shown_html(self) -> str:
         name = "nbs-ops" if self.table.value == "ops" else "nbs-collectives"
         return table_html(self.shown, name, self.limit)
+
+    def fingerprint(self) -> Optional["Fingerprint"]:
+        """The plan's ops and collectives, which this view shows."""
+        from nbscaler.planning.fingerprint import of_frames
+        return of_frames(self.plan.ops, self.plan.collectives)
 
     def to_html(self) -> str:
         options = "".join(f"<option value='{ascii_html(m)}'>{ascii_html(m)}</option>"

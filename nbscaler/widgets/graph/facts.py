@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from nbscaler.layouts import Collective
 from nbscaler.widgets.formats import fmt_count, is_missing
+from nbscaler.widgets.graph.box import Box, BoxKind
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
-    from nbscaler.widgets.graph.scene import Box
 
 INPUTS, OUTPUTS = "@inputs", "@outputs"
 GRAPH_INPUT = -1                     # ``CommRow.src`` of a tensor that is an input of the model
@@ -72,7 +72,7 @@ class PlanFacts:
         self.data_edges = self._data_edges()
         self.comm_rows = self._comm_rows()
         self._runs: Dict[int, Set[int]] = {}
-        self._boxes: Dict[Tuple[Any, Optional[int]], "Box"] = {}
+        self._boxes: Dict[Tuple[Any, Optional[int]], Box] = {}
 
     # -- gathered once ------------------------------------------------------------------------
     def _data_edges(self) -> List[Tuple[int, Optional[int]]]:
@@ -134,13 +134,13 @@ class PlanFacts:
         return split + ("+" if split in self.reduce_dims[i] else "")
 
     # -- boxes ----------------------------------------------------------------------------------
-    def op_box(self, i: int) -> "Box":
+    def op_box(self, i: int) -> Box:
         """Op ``i``'s box; drawn once per plan (a scene copies it before adding bytes)."""
         if ("op", i) not in self._boxes:
             self._boxes[("op", i)] = self._op_box(i)
         return self._boxes[("op", i)]
 
-    def module_box(self, path: str, ops: List[int], rank: Optional[int]) -> "Box":
+    def module_box(self, path: str, ops: List[int], rank: Optional[int]) -> Box:
         """A module's box for the logical pane or ``rank``'s (its share of ``ops``); drawn once.
         A rank that runs all of them shares the logical pane's box."""
         if (path, rank) not in self._boxes:
@@ -150,8 +150,7 @@ class PlanFacts:
                                          else self._module_box(path, mine))
         return self._boxes[(path, rank)]
 
-    def _op_box(self, i: int) -> "Box":
-        from nbscaler.widgets.graph.scene import Box, BoxKind
+    def _op_box(self, i: int) -> Box:
         op = self.ops[i]
         devices = list(op["devices"]) or [0]
         mark = self.split_mark(i)
@@ -160,8 +159,7 @@ class PlanFacts:
         return Box(f"#{i}", BoxKind.OP, op["name"], short_target(op["target"]), tooltip,
                    [(d, 1 / len(devices)) for d in devices], mark)
 
-    def _module_box(self, path: str, ops: List[int]) -> "Box":
-        from nbscaler.widgets.graph.scene import Box, BoxKind
+    def _module_box(self, path: str, ops: List[int]) -> Box:
         devices, local, whole = (self.ops.column(c) for c in ("devices", "local_flops_fwd", "flops_fwd"))
         weight: Dict[int, float] = defaultdict(float)
         for i in ops:
@@ -184,8 +182,7 @@ class PlanFacts:
         return Box(path, BoxKind.MODULE, title, f"{len(ops)} ops · {fmt_count(flops)} FLOPs", tooltip,
                    sorted((d, w / total) for d, w in weight.items()), split)
 
-    def io_box(self, key: str, rank: Optional[int]) -> "Box":
-        from nbscaler.widgets.graph.scene import Box, BoxKind
+    def io_box(self, key: str, rank: Optional[int]) -> Box:
         elsewhere = " · other stages" if rank is not None and self.plan.geometry is not None else ""
         if key == INPUTS:
             names = ", ".join(self.input_names)

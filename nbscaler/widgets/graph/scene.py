@@ -22,29 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
+from nbscaler.widgets.graph.box import Box, BoxKind
 from nbscaler.widgets.graph.facts import INPUTS, OUTPUTS, PlanFacts
 from nbscaler.widgets.graph.tree import ModuleTree, is_op_key, node_of
-
-
-class BoxKind:
-    MODULE = "module"
-    OP = "op"
-    IO = "io"
-
-
-@dataclass
-class Box:
-    """One box of a pane: a collapsed module, an op, or the inputs/outputs of the model."""
-
-    key: str
-    kind: str
-    title: str
-    subtitle: str
-    tooltip: str
-    shares: List[Tuple[int, float]]                  # (plan device, share), shares add up to 1
-    split: str = ""                                   # split marks, e.g. 'n', 'k+', 'n k+'
-    inside_bytes: int = 0
-    inside_collectives: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from nbscaler.widgets.formats import fmt_bytes
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
+    from nbscaler.planning.fingerprint import Fingerprint
 
 
 class GraphWidget(anywidget.AnyWidget):
@@ -214,6 +215,11 @@ class GraphView(View):
         self._on_selected()
 
     # -- saved form -------------------------------------------------------------------------------------
+    def fingerprint(self) -> Optional["Fingerprint"]:
+        """The plan's ops and collectives, which this view shows."""
+        from nbscaler.planning.fingerprint import of_frames
+        return of_frames(self.plan.ops, self.plan.collectives)
+
     def to_html(self) -> str:
         """The logical pane at the current expansion as inline SVG, with its legend and stylesheet."""
         svg = self._model.render([LOGICAL], self.expanded)[LOGICAL]

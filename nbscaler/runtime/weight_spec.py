@@ -1,0 +1,85 @@
+"""``WeightSpec``: which slice of an original tensor a rank's local parameter or buffer holds.
+
+The parallel module (``nbscaler.runtime.module``), the weight sources that fill it
+(``nbscaler.runtime.sources``) and checkpoints all read it; it reads none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from nbscaler import blocks as strided
+from nbscaler.blocks import Blocks, normalize
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Which part of an original parameter or buffer a local one holds.
+
+    ``split_dim=None``: the whole tensor, a copy of which lives on each of ``devices``. Otherwise
+    slice ``index`` of ``parts`` along ``split_dim``; the slices live on ``devices``. With
+    ``blocks=3`` the dim is three equal blocks (a fused q, k, v projection) and the slice is part
+    ``index`` of each block, concatenated: this device's heads of q, k and v; ``blocks=(2, 1, 1)``
+    the same with blocks of relative sizes 2:1:1 (grouped-query attention; ``nbscaler.blocks``).
+    """
+
+    name: str
+    kind: str                       # 'param' | 'buffer' | 'constant'
+    shape: Tuple[int, ...]          # the full, original shape
+    dtype: torch.dtype
+    devices: Tuple[int, ...] = (0,)
+    split_dim: Optional[int] = None
+    parts: int = 1
+    index: int = 0
+    persistent: bool = True
+    replicas: Tuple[int, ...] = ()      # plan devices holding copies whose gradients must be summed
+    blocks: Blocks = 1
+    partial_grads: bool = False         # each of ``devices`` holds part of the gradient (its ops split the batch)
+
+    @property
+    def copies(self) -> int:
+        """How many devices of a unit hold this same slice (copies of a pipeline stage included)."""
+        return len(self.devices) // self.parts * max(1, len(self.replicas))
+
+    @property
+    def saved(self) -> bool:
+        """Whether the original module's state dict has this tensor (parameters and persistent
+        buffers; not non-persistent buffers, nor constants the trace captured)."""
+        return self.kind == "param" or (self.kind == "buffer" and self.persistent)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain values only, so checkpoints load with ``torch.load(..., weights_only=True)``."""
+        return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
+                "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
+                "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
+                "blocks": self.blocks if isinstance(self.blocks, int) else list(self.blocks),
+                "partial_grads": self.partial_grads}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
+        return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
+                   tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]),
+                   normalize(d.get("blocks", 1)), d.get("partial_grads", False))
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        shape = list(self.shape)
+        if self.split_dim is not None:
+            shape[self.split_dim] //= self.parts
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This spec's slice of the full tensor."""
+        if tuple(full.shape) != tuple(self.shape):
+            raise ValueError(f"'{self.name}' has shape {tuple(full.shape)}, the parallel module expects "
+                             f"{tuple(self.shape)}")
+        if self.split_dim is None:
+            return full
+        return strided.take(full, self.split_dim, self.blocks, self.parts, self.index)
+
+    def join(self, slices: List[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every device's slice, in index order (the inverse of ``take``)."""
+        return strided.join(slices, self.split_dim, self.blocks)
