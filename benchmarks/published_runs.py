@@ -79,6 +79,7 @@ from nbscaler.config import Precision
 from nbscaler.cost.hardware import Precision as Prec
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import drops, memory_seconds
+from nbscaler.cost.step_figures import overlap_window
 from nbscaler.cost.timing import StepModel, sync_time
 from nbscaler.models.gpt import GPT, GPTConfig
 
@@ -208,7 +209,7 @@ def breakdown(plan: "nbscaler.Plan", hw: Hardware, step: float) -> Dict[str, flo
     compute = sum(sum(ops.time(op)) + (ops.time(op)[0] if op.recomputed else 0.0) for op in run.ops)
     tp = sum(nccl.forward(c.fn, c.in_bytes, len(c.devices), c.devices) * (2 if c.recomputed else 1)
              + nccl.backward(c.fn, c.in_bytes, len(c.devices), c.devices) for c in run.collectives)
-    overlap = max(b for _, b in model.times[0].values()) if model.overlaps_sync else None
+    overlap = overlap_window((b for _, b in model.times[0].values()), hw)
     dp = sync_time(plan.graphs, plan.storage, plan.config, 0, plan.geometry, nccl, overlap, precision=RECIPE)
     out = {"compute": blocks * compute, "tp collectives": blocks * tp, "dp all-reduce (exposed)": dp}
     out["bubble, sends, optimizer"] = step - sum(out.values())

@@ -60,6 +60,7 @@ from nbscaler.layouts import Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
+from nbscaler.cost.step_figures import DeviceStep, overlap_window
 from nbscaler.ir.graph import IRGraph
 from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
 
@@ -81,6 +82,12 @@ def profiler_for(cfg: ComputeConfig) -> OpProfiler:
     case), read at the speed those ranks last measured side by side. A plan made in a notebook of
     16 cores for 4 ranks is timed at 4 threads, not 16."""
     return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus), cfg.runtime_ngpus)
+
+
+def target_models(hardware: Hardware) -> Tuple[RooflineOps, NcclModel]:
+    """How a target prices a step's pieces: each op at its roofline time (``cost.roofline``), each
+    collective at NCCL's cost on the links its group spans (``cost.nccl``)."""
+    return RooflineOps(hardware), NcclModel(hardware)
 
 
 def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[float, float]:
@@ -236,10 +243,9 @@ class StepModel:
         on_target = hardware is not None and not hardware.is_local
         if on_target:
             hardware.check_ranks(cfg.runtime_ngpus)
-        self.profiler = profiler or (RooflineOps(hardware) if on_target else profiler_for(cfg))
-        self.comm = comm or (NcclModel(hardware) if on_target else comm_model.load(nranks=max(2, cfg.plan_ngpus)))
-        # a GPU reduces gradients on its own stream, during the backward, unless the target's software waits
-        self.overlaps_sync = on_target and hardware.overlap_grad_reduce
+        ops, collectives = target_models(hardware) if on_target else (None, None)
+        self.profiler = profiler or ops or profiler_for(cfg)
+        self.comm = comm or collectives or comm_model.load(nranks=max(2, cfg.plan_ngpus))
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         stages = {d: runs[d] if runs is not None else stage_runs(graphs, storage, d, geometry) for d in range(cfg.plan_ngpus)}
@@ -283,61 +289,44 @@ class StepModel:
             blocks += [TimedBlock(rank, b.stage, b.micro, b.phase, b.t_start, b.t_end) for b in by_device.get(pd_, [])]
         return Timeline(tuple(blocks), self.cfg.runtime_ngpus)
 
+    def device_steps(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
+                     optimizer_kwargs: Optional[Dict[str, Any]] = None,
+                     precision: Optional[Precision] = None) -> Dict[int, DeviceStep]:
+        """Per plan device, the seconds of one training step's parts (``DeviceStep``'s compute,
+        exposed synchronisation and update; FLOPs and bytes are the plan's to add), gradients
+        reduced and the update run in ``precision``'s dtypes. Compute is the pipeline's makespan,
+        or without one the device's own forwards and backwards."""
+        kwargs = {"lr": 1e-3, **(optimizer_kwargs or {})}
+        line = self.timeline(nsamples)
+        ends: Dict[int, float] = {}
+        for blk in line.blocks:
+            ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
+        out = {}
+        for device in range(self.cfg.plan_ngpus):        # unit 0's ranks are the plan devices
+            overlap = overlap_window((b for _, b in self.times[device].values()), self.hardware)
+            params = ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
+                      else device_params(self.graphs, self.storage, device, self.geometry))
+            sync = sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
+                             params, precision)
+            update = update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
+                                 optimizer, kwargs, params, precision)
+            compute = line.makespan if self.geometry is not None else ends.get(device, 0.0)
+            out[device] = DeviceStep(compute_s=compute, sync_s=sync, update_s=update)
+        self.profiler.save()
+        return out
+
     def step_times(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                    optimizer_kwargs: Optional[Dict[str, Any]] = None,
                    precision: Optional[Precision] = None) -> pd.DataFrame:
-        """Predicted seconds of one training step per runtime rank (gradients reduced and the update
-        run in ``precision``'s dtypes)."""
-        kwargs = {"lr": 1e-3, **(optimizer_kwargs or {})}
-        line = self.timeline(nsamples)
-        compute = {rank: 0.0 for rank in range(self.cfg.runtime_ngpus)}
-        ends = {}
-        for blk in line.blocks:
-            ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
-        makespan = line.makespan if self.geometry is not None else None
-        after: Dict[int, Tuple[float, float]] = {}    # plan device -> (synchronisation s, update s)
-        for device in range(self.cfg.plan_ngpus):        # both depend on the plan device alone
-            overlap = max(b for _, b in self.times[device].values()) if self.overlaps_sync else None
-            params = ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
-                      else device_params(self.graphs, self.storage, device, self.geometry))
-            after[device] = (sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
-                                       params, precision),
-                             update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
-                                         optimizer, kwargs, params, precision))
-        rows = []
-        for rank in compute:
-            sync, update = after[self.cfg.device_of(rank)]
-            step = makespan if makespan is not None else ends.get(rank, 0.0)
-            rows.append({str(C.RANK): rank, str(C.STEP_TIME_S): step + sync + update})
-        self.profiler.save()
+        """Predicted seconds of one training step per runtime rank (``device_steps`` added up)."""
+        parts = self.device_steps(nsamples, optimizer, optimizer_kwargs, precision)
+        rows = [{str(C.RANK): rank, str(C.STEP_TIME_S): parts[self.cfg.device_of(rank)].step_time_s}
+                for rank in range(self.cfg.runtime_ngpus)]
         return pd.DataFrame(rows)
 
 
 def _nsamples(cfg: ComputeConfig) -> int:
     return cfg.pipeline_nmicros if cfg.use_pipeline else 1
-
-
-def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                       geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
-                       optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                       optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                       hardware: Optional[Hardware] = None, precision: Optional[Precision] = None,
-                       weights_of: Optional[Callable[[int], List[LocalWeight]]] = None,
-                       model: Optional[StepModel] = None) -> pd.DataFrame:
-    """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).
-
-    A step is ``train_step`` on ``nsamples`` samples (the pipeline's micro-batches; one sample
-    without a pipeline), the gradient synchronisation and one step of ``optimizer``. Without
-    ``hardware`` (or with ``Hardware.local()``), op times are profiled on this machine on first use
-    (cached) and collectives use the calibrated alpha-beta model, or its defaults; with a target,
-    ops take their roofline time (``cost.roofline``) and collectives NCCL's (``cost.nccl``).
-    ``precision`` (``build_optimizer``'s master and reduce dtypes) sets the bytes the gradient
-    reduction sends and the optimizer step streams. ``model``: this plan's ``StepModel`` on
-    ``hardware``, when the caller keeps one (its section times are the slow part).
-    """
-    n = nsamples if nsamples is not None else _nsamples(cfg)
-    model = model or StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware, weights_of=weights_of)
-    return model.step_times(n, optimizer, optimizer_kwargs, precision)
 
 
 def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
@@ -346,6 +335,6 @@ def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
                        model: Optional[StepModel] = None) -> Timeline:
     """The predicted blocks ``(rank, stage, micro, phase, t_start, t_end)`` of one training step:
     the simulated schedule for a pipeline, else a forward and a backward per sample and rank; on
-    ``hardware`` when given (as ``step_time_per_rank``, ``model`` too)."""
+    ``hardware`` when given (``model``: this plan's ``StepModel`` on it, when the caller keeps one)."""
     n = nsamples if nsamples is not None else _nsamples(cfg)
     return (model or StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware)).timeline(n)

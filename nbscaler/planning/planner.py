@@ -36,10 +36,12 @@ from nbscaler.config import ComputeConfig, Precision
 from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank, paused_gc
+from nbscaler.cost.step_figures import StepFigures
 from nbscaler.cost.timing import StepModel, predicted_timeline
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
+from nbscaler.planning.step import plan_step
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL, get_policy
@@ -184,6 +186,14 @@ class Plan:
         (``nbscaler.columns``)."""
         return tag(tables.summary_frame(self, optimizer, optimizer_kwargs, hardware, master_dtype),
                    Table.SUMMARY, self)
+
+    def step_figures(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *,
+                     hardware: Optional[Hardware] = None, master_dtype: Optional[torch.dtype] = None,
+                     **optimizer_kwargs: Any) -> StepFigures:
+        """One training step, priced (``cost.step_figures.StepFigures``): each plan device's
+        compute, exposed gradient synchronisation and optimizer step, its FLOPs, and on ``hardware``
+        the job's step time, MFU, HFU and tokens/s. ``summary`` reads its step from here."""
+        return plan_step(self, optimizer, optimizer_kwargs, hardware, Precision(master_dtype))
 
     def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *,
                master_dtype: Optional[torch.dtype] = None, **optimizer_kwargs: Any) -> pd.DataFrame:

@@ -20,12 +20,10 @@ import torch
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
-from nbscaler.config import Precision
-from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
-from nbscaler.planning.on_target import add_target_columns
+from nbscaler.planning.step import blocks_per_stage, flops_per_device, stage_device, target_columns
 from nbscaler.units import fmt_count
 
 if TYPE_CHECKING:
@@ -65,46 +63,6 @@ def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
 
 
 # -- per rank -------------------------------------------------------------------------------------
-def blocks_per_stage(plan: "Plan", device: int) -> Dict[Tuple[int | None, str], int]:
-    """How often ``device`` runs each ``(stage, phase)`` in one training step. A ``W`` block is
-    the weight half of a backward its ``B`` block already counts (the graph's ops and collectives
-    are forward or backward), so only ``F`` and ``B`` are counted."""
-    if plan.geometry is None:
-        return {(None, "F"): 1, (None, "B"): 1}
-    counts: Dict[Tuple[int | None, str], int] = defaultdict(int)
-    for block in plan.schedule.blocks_of(plan.geometry.pipeline_device(device)):
-        if block.phase != "W":
-            counts[(block.stage, block.phase)] += 1
-    return counts
-
-
-def _stage_device(plan: "Plan", stage: int | None, device: int) -> int:
-    """The plan device whose share of ``stage`` ``device`` runs (``PipelineGeometry.view_of``)."""
-    return device if plan.geometry is None else plan.geometry.view_of(stage, device)
-
-
-def flops_per_device(plan: "Plan") -> Dict[int, float]:
-    """FLOPs each plan device runs in one training step (its share of split ops)."""
-    by_stage: Dict[int | None, List[IRNode]] = {}          # in graph order, as one pass over it sums
-    for n in plan.graph.nodes:
-        by_stage.setdefault(n.stage, []).append(n)
-    by_stage[None] = plan.graph.nodes                        # no pipeline: every node
-    sums: Dict[Tuple[int | None, str, int], float] = {}     # (stage, phase, device) -> one block's FLOPs
-
-    def block_flops(stage: int | None, phase: str, where: int) -> float:
-        if (stage, phase, where) not in sums:
-            key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
-            sums[(stage, phase, where)] = sum(n.meta[key] for n in by_stage.get(stage, [])
-                                              if where in n.placement.devices)
-        return sums[(stage, phase, where)]
-
-    out = {}
-    for d in range(plan.config.plan_ngpus):
-        out[d] = sum(count * block_flops(stage, phase, _stage_device(plan, stage, d))
-                     for (stage, phase), count in blocks_per_stage(plan, d).items())
-    return out
-
-
 def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
     """(bytes sent, bytes received) by each plan device on the graph's edges in one training step."""
     steps = plan.collectives
@@ -128,7 +86,7 @@ def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
     for d in range(plan.config.plan_ngpus):
         sent = received = 0.0
         for (stage, phase), count in blocks_per_stage(plan, d).items():
-            ring, sends = block_bytes(stage, phase, _stage_device(plan, stage, d))
+            ring, sends = block_bytes(stage, phase, stage_device(plan, stage, d))
             sent += count * (ring + sends)
             received += count * ring
             if stage is not None:             # what the neighbouring stage sends this way
@@ -166,20 +124,18 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
 def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
                   hardware: Optional["Hardware"] = None, master_dtype: Optional[torch.dtype] = None) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
-    ``hardware`` those of ``TARGET_COLUMNS`` too; memory with master copies in ``master_dtype``."""
+    ``hardware`` those of ``TARGET_COLUMNS`` too; memory with master copies in ``master_dtype``.
+    Its step is ``plan.step_figures``'s."""
+    cfg = plan.config
     memory = plan.memory(optimizer, master_dtype=master_dtype, **optimizer_kwargs)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
-    flops = flops_per_device(plan)
-    frame = pd.DataFrame({C.RANK.value: range(plan.config.runtime_ngpus),
-                          C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
+    step = plan.step_figures(optimizer, hardware=hardware, master_dtype=master_dtype, **optimizer_kwargs)
+    devices = [step.devices[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)]
+    frame = pd.DataFrame({C.RANK.value: range(cfg.runtime_ngpus), C.FLOPS.value: [d.flops for d in devices]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
-    steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
-                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
-                               precision=Precision(master_dtype), weights_of=plan.programs.weights,
-                               model=plan.step_model(hardware))
-    frame = frame.merge(steps, on=C.RANK.value)
+    frame[C.STEP_TIME_S.value] = [d.step_time_s for d in devices]
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
-    return add_target_columns(plan, frame, hardware) if hardware is not None else frame
+    return target_columns(plan, frame, step) if hardware is not None else frame
 
 
 # -- saved and shown forms ------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from nbscaler.cost.roofline import RooflineOps
 from nbscaler.ir.graph import requires_grad_of
 from nbscaler.layouts import LayoutKind
 from nbscaler.space.op_ledger import SAVED_TAIL, TP_BWD, TP_FWD, Kinds, OpLedger
-from nbscaler.planning.on_target import compute_dtype, tokens_per_step
+from nbscaler.planning.step import compute_dtype, micro_batch_tokens
 from nbscaler.planning.stack import Expansion, Stack
 
 
@@ -200,7 +200,7 @@ def _placement_facts(plan, stack: Stack) -> _Placed:
     weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index)
                for d in range(plan.config.plan_ngpus)]
     flops = np.array([node_flops(n) for n in graph.nodes])[expansion.template]
-    return _Placed(expansion, index, _loss_tail(graph), weights, flops, tokens_per_step(plan), compute_dtype(plan))
+    return _Placed(expansion, index, _loss_tail(graph), weights, flops, micro_batch_tokens(plan), compute_dtype(plan))
 
 
 def _loss_tail(graph) -> Set[str]:

@@ -44,6 +44,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
+from nbscaler.cost.timing import target_models
 from nbscaler.space.layer_facts import LayerFacts, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
@@ -214,7 +215,7 @@ class PlanSpace:
                          r.sequence_parallel, r.zero_stage)
         target = (repr(hardware),)
         if target not in self._models:        # op and collective times, kept per target
-            self._models[target] = RooflineOps(hardware), NcclModel(hardware)
+            self._models[target] = target_models(hardware)
         (ops, comm), precision = self._models[target], Precision(self.master_dtype)
         rows, excluded, runnable = [], [], []
 

@@ -31,6 +31,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
+from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
 from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
 from nbscaler.space.layer_facts import LayerFacts
 from nbscaler.space.op_ledger import BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD
@@ -158,7 +159,7 @@ class _Device:
         key = (pdev, index, links)
         if key not in self._memo:
             # the reduction hides in the backward only where the target's software overlaps it
-            overlap = max(seconds(s, index)[1] for s in stages) if self.hardware.overlap_grad_reduce else None
+            overlap = overlap_window((seconds(s, index)[1] for s in stages), self.hardware)
             sync = exposed_sync(bucket_seconds(cfg, device, self.comm, self._reduced(index, stages, params)), overlap)
             update = self._update(index, stages, params)
             peak_key = (*self.peak_key, pdev, index)      # the peak does not depend on the target's speeds
@@ -245,20 +246,16 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     instant = _pipeline(facts, staged, geometry, comm, sends=False)[1]
     devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision, peaks)
     figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
-    step, device = max((line.makespan + f[0] + f[1], d) for d, f in figures.items())
-    sync, _, _, _, tp_s, _ = figures[device]
-    pdev = geometry.pipeline_device(device)
-    busy = instant.busy[pdev]
-    job_flops = [cfg.units * sum(f[k] for f in figures.values()) for k in (2, 3)]
-    job_peak = hardware.peak_flops(facts.compute_dtype) * cfg.runtime_ngpus
-    tokens = facts.tokens * cfg.pipeline_nmicros * cfg.units if facts.tokens is not None else float("nan")
-    peak = max(f[5] for f in figures.values())
-    return {S.STEP_TIME_S: step, S.TOKENS_PER_S: tokens / step,
-            S.MFU: job_flops[0] / (step * job_peak), S.HFU: job_flops[1] / (step * job_peak),
-            S.PEAK_BYTES: peak, S.FITS: bool(hardware.fits(peak)),
-            S.BUBBLE: max(0.0, instant.makespan - busy) / step,
-            S.TP_COMM_SHARE: tp_s / step, S.DP_COMM_SHARE: sync / step,
-            S.PP_SEND_SHARE: (line.makespan - instant.makespan) / step}
+    parts = {d: DeviceStep(compute_s=line.makespan, sync_s=f[0], update_s=f[1], flops=f[2], hardware_flops=f[3],
+                           tp_s=f[4], peak_bytes=f[5]) for d, f in figures.items()}
+    tokens = step_tokens(facts.tokens, cfg.pipeline_nmicros, cfg.units)
+    busy = {d: instant.busy[geometry.pipeline_device(d)] for d in parts}
+    step = StepFigures(parts, cfg.units, cfg.runtime_ngpus, hardware, hardware.peak_flops(facts.compute_dtype), tokens,
+                       PipelineParts(line.makespan, instant.makespan, busy))
+    return {S.STEP_TIME_S: step.step_time_s, S.TOKENS_PER_S: step.tokens_per_s, S.MFU: step.mfu, S.HFU: step.hfu,
+            S.PEAK_BYTES: step.peak_bytes, S.FITS: step.fits, S.BUBBLE: step.bubble,
+            S.TP_COMM_SHARE: step.tp_comm_share, S.DP_COMM_SHARE: step.dp_comm_share,
+            S.PP_SEND_SHARE: step.pp_send_share}
 
 
 def pipeline_seconds(facts: LayerFacts, cfg: ComputeConfig, comm, staged: Optional[Staged] = None) -> float:
