@@ -76,10 +76,9 @@ def full_plan(row: pd.Series, hardware: Hardware, stack: str) -> Tuple[Dict[str,
     start = time.perf_counter()
     plan = nbscaler.plan(llama3_70b(), tokens(int(row.micro_batch)), "hybrid", config_of(row, hardware.ngpus, stack),
                          module_dtype=torch.bfloat16)
-    s = plan.summary(torch.optim.AdamW, hardware=hardware, master_dtype=torch.float32)
-    step, peak = s.step_time_s.max(), hardware.peak_flops(torch.bfloat16) * len(s)
-    figures = {"step_time_s": step, "tokens_per_s": s.tokens_per_s.iloc[0], "mfu": s.flops.sum() / (step * peak),
-               "peak_bytes": s.peak_bytes.max()}
+    step = plan.step_figures(torch.optim.AdamW, hardware=hardware, master_dtype=torch.float32)
+    peak = plan.summary(torch.optim.AdamW, hardware=hardware, master_dtype=torch.float32).peak_bytes.max()
+    figures = {"step_time_s": step.step_time_s, "tokens_per_s": step.tokens_per_s, "mfu": step.mfu, "peak_bytes": peak}
     return figures, time.perf_counter() - start
 
 
