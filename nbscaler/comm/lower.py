@@ -40,7 +40,7 @@ class LoweringError(ValueError):
     """A placed graph that no rank can run as placed (a tensor read before any device makes it)."""
 
 
-class PlanFacts:
+class LoweringFacts:
     """What every rank's lowering reads of the placed graphs, worked out once per plan (lazily):
     the tensors crossing each stage boundary, which tensors carry a gradient, the tied weights
     and the process groups."""
@@ -88,7 +88,7 @@ class RankPrograms(Mapping):
     def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], geometry: Optional[PipelineGeometry],
                  config: Any):
         self.graphs, self.storage, self.geometry, self.config = graphs, storage, geometry, config
-        self.facts = PlanFacts(graphs, geometry)
+        self.facts = LoweringFacts(graphs, geometry)
         self._by_device: Dict[int, RankProgram] = {}
         self._weights: Dict[int, List[LocalWeight]] = {}
 
@@ -130,11 +130,11 @@ class RankPrograms(Mapping):
 
 
 def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None,
+                 geometry: Optional[PipelineGeometry], facts: Optional[LoweringFacts] = None,
                  weights: Optional[List[LocalWeight]] = None) -> RankProgram:
     """The program of plan ``device``: its sections lowered to instructions, and its weight table.
     ``facts`` and ``weights`` (its weight table): the plan's, when the caller has them already."""
-    facts = facts or PlanFacts(graphs, geometry)
+    facts = facts or LoweringFacts(graphs, geometry)
     sections = rank_sections(graphs, device, geometry)
     weights = weights if weights is not None else weight_table(graphs, storage, sections, geometry, facts)
     shapes = {w.name: w.shape for w in weights}
@@ -304,7 +304,7 @@ def step_shape(step: Step, shape: Tuple[int, ...], n: int) -> Tuple[int, ...]:
 
 # -- what each rank stores -----------------------------------------------------------------------------
 def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sections: List[Section],
-                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None) -> List[LocalWeight]:
+                 geometry: Optional[PipelineGeometry], facts: Optional[LoweringFacts] = None) -> List[LocalWeight]:
     """The weights the sections read, in the order of the graph's weights (the order of
     ``module.parameters()`` at run time), each at its local shape: the slice of its first reader."""
     readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}     # name -> (first reader, view, stage)
@@ -317,7 +317,7 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
                     readers.setdefault(t.name, (n, sec.device, sec.stage))
                     if sec.graph is train:
                         trained.setdefault(t.name, set()).add(sec.stage)
-    facts = facts or PlanFacts(graphs, geometry)
+    facts = facts or LoweringFacts(graphs, geometry)
     any_graph = next(iter(graphs.values()))
     non_persistent = set(any_graph.meta.get("non_persistent", ()))
     out = []
