@@ -34,7 +34,7 @@ backward pass:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
@@ -123,6 +123,20 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     return Layout(FIRST_ONLY) if place.split in node.annotation.reduce else Layout(SUM_GRAD)
 
 
+def effective_requirement(want: Layout, carries_grad: bool) -> Layout:
+    """What a reader asking for ``want`` gets of a tensor that carries a gradient or not: a
+    sum-gradient request (``R*``) of a tensor without one is plain ``R``, since there is nothing
+    to sum."""
+    return Layout.replicated() if want.kind == SUM_GRAD and not carries_grad else want
+
+
+def keeps_partial_grad(want: Layout, is_param: bool, partial_grads: bool) -> bool:
+    """Whether a weight its readers want as ``want`` is stored whole with a *partial* gradient on
+    each device (``R*``), summed by the reducer after the backward rather than inside it: a
+    parameter read ``R*``, unless ``partial_grads=False`` (ZeRO stage 2)."""
+    return want.kind == SUM_GRAD and is_param and partial_grads
+
+
 def conversion(have: Layout, want: Layout) -> List[Step]:
     """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
     if have == want:
@@ -146,6 +160,38 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     if want.kind == FIRST_ONLY:
         return to_full + [Step(Collective.FIRST_ONLY)]
     raise ValueError(f"no conversion from {have} to {want}")
+
+
+class LocalStep(NamedTuple):
+    """One collective of a conversion with the local shapes it reads and makes on a device."""
+
+    step: Step
+    src_shape: Tuple[int, ...]
+    dst_shape: Tuple[int, ...]
+
+
+def local_steps(have: Layout, want: Layout, shape: Sequence[int], n: int) -> List[LocalStep]:
+    """The steps of ``conversion(have, want)`` over ``n`` devices at local shapes, from a tensor
+    whose local piece in ``have`` has ``shape``: each step reads what the one before made."""
+    out: List[LocalStep] = []
+    src = tuple(shape)
+    for step in conversion(have, want):
+        dst = step_shape(step, src, n)
+        out.append(LocalStep(step, src, dst))
+        src = dst
+    return out
+
+
+def step_shape(step: Step, shape: Sequence[int], n: int) -> Tuple[int, ...]:
+    """The local shape one collective over ``n`` devices makes of a local input of ``shape``."""
+    out = list(shape)
+    if step.fn in (Collective.ALL_GATHER, Collective.ALL_GATHER_SUM_GRAD):
+        out[step.dim] *= n
+    elif step.fn in (Collective.CHUNK, Collective.REDUCE_SCATTER):
+        out[step.dim] //= n
+    elif step.fn == Collective.ALL_TO_ALL:
+        out[step.dim], out[step.dim2] = out[step.dim] // n, out[step.dim2] * n
+    return tuple(out)
 
 
 def local_call(node: IRNode, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
@@ -201,6 +247,6 @@ def storage_layouts(graphs, partial_grads: bool = True) -> dict:
     layouts = {}
     for name, reqs in wants.items():
         want, _ = next(iter(reqs))
-        single = len(reqs) == 1 and (want.kind == S or (want.kind == SUM_GRAD and partial_grads and name in params))
+        single = len(reqs) == 1 and (want.kind == S or keeps_partial_grad(want, name in params, partial_grads))
         layouts[name] = want if single else Layout.replicated()
     return layouts

@@ -7,13 +7,15 @@ input is read from and which collectives make it (``SectionLowering``). The rule
 - an input is held replicated, a weight in its storage layout (``storage_layouts``), a tensor
   received from the previous stage replicated, and a node's outputs in ``output_layout``;
 - a reader asks for ``input_requirement``; a sum-gradient request (``R*``) of a tensor that carries
-  no gradient is a plain replicated one, since there is nothing to sum;
+  no gradient is a plain replicated one, since there is nothing to sum (``effective_requirement``);
+- a conversion's collectives each read, at local shapes, what the one before made (``local_steps``);
 - a layout once made is reused by every later reader (until a recomputed region ends: only what
   the region returns stays visible after it);
 - a stage sends its carried tensors replicated; a forward returns its outputs replicated.
 
 Code generation, the cost model and the traffic table read the result (``comm.program``) and
-never walk the placement themselves.
+never walk the placement themselves. autodist prices placements not yet made, so it has no
+program to read: it calls the same rules of ``comm.layout``.
 
 >>> programs = lower(plan)                                         # doctest: +SKIP
 >>> [type(i).__name__ for i in programs[0].sections[0].instructions][:3]
@@ -26,13 +28,14 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from nbscaler.comm.layout import Layout, Step, conversion, input_requirement, local_shape, output_layout
+from nbscaler.comm.layout import (Layout, conversion, effective_requirement, input_requirement, local_shape, local_steps,
+                                  output_layout)
 from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.layer_rules import sync_batch_norm
-from nbscaler.layouts import Collective, LayoutKind
+from nbscaler.layouts import LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
 
 
@@ -190,8 +193,7 @@ class SectionLowering:
         """The value holding ``t`` in layout ``want``, and the conversion that makes it (None when held)."""
         if id(t) not in self.have:
             raise LoweringError(f"{t.name} is used before it is computed on device {self.sec.device}")
-        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
-            want = Layout.replicated()        # no gradient to sum
+        want = effective_requirement(want, self.grad.get(id(t), False))
         known = self.known[id(t)]
         if want in known:
             return known[want], None
@@ -222,9 +224,9 @@ class SectionLowering:
         """``t`` in layout ``want``, converted from its value in ``have`` over ``n`` devices (the
         steps appended to ``steps``), and kept for later consumers."""
         src = self.known[id(t)][have]
-        for step in conversion(have, want):
-            dst = Value(t, want, Origin.CONVERTED, step_shape(step, src.shape, n))
-            steps.append(Convert(step, src, dst))
+        for step in local_steps(have, want, src.shape, n):
+            dst = Value(t, want, Origin.CONVERTED, step.dst_shape)
+            steps.append(Convert(step.step, src, dst))
             src = dst
         self.known[id(t)][want] = src
         return src
@@ -288,18 +290,6 @@ class SectionLowering:
                     self.known.pop(id(t), None)
                     self.have.pop(id(t), None)
         return Recompute(region, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), body, returns)
-
-
-def step_shape(step: Step, shape: Tuple[int, ...], n: int) -> Tuple[int, ...]:
-    """The local shape one collective over ``n`` devices makes of a local input of ``shape``."""
-    out = list(shape)
-    if step.fn in (Collective.ALL_GATHER, Collective.ALL_GATHER_SUM_GRAD):
-        out[step.dim] *= n
-    elif step.fn in (Collective.CHUNK, Collective.REDUCE_SCATTER):
-        out[step.dim] //= n
-    elif step.fn == Collective.ALL_TO_ALL:
-        out[step.dim], out[step.dim2] = out[step.dim] // n, out[step.dim2] * n
-    return tuple(out)
 
 
 # -- what each rank stores -----------------------------------------------------------------------------
