@@ -194,35 +194,6 @@ def step_shape(step: Step, shape: Sequence[int], n: int) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def local_call(node: IRNode, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-    """The ``(args, kwargs)`` one device calls ``node``'s function with, where a split changes a
-    number in the call: the sizes of a strided ``split`` (``local_split_sizes``) and the ``groups``
-    of a grouped convolution split in whole groups (``conv2d(..., groups=C)`` on 2 devices becomes
-    ``groups=C // 2``)."""
-    args = local_split_sizes(node, args)
-    place = node.placement
-    if node.op != "conv" or place is None or place.split != "g":
-        return args, kwargs
-    if "groups" in kwargs:
-        return args, {**kwargs, "groups": kwargs["groups"] // place.parts}
-    return args[:6] + (args[6] // place.parts,) + args[7:], kwargs
-
-
-def local_split_sizes(node: IRNode, args: tuple) -> tuple:
-    """``args`` of a ``split`` whose split axis is itself split (equal blocks, strided): each
-    device splits its share, so the sizes shrink by the number of parts (``qkv.split(C)`` becomes
-    ``qkv.split(C // 2)`` on 2 devices). Any other call's ``args`` come back unchanged."""
-    place = node.placement
-    if node.op != "split" or place is None or (0, place.split) not in node.annotation.grouped:
-        return args
-    sizes = args[1] if len(args) > 1 else None
-    if isinstance(sizes, int):
-        return (args[0], sizes // place.parts) + tuple(args[2:])
-    if isinstance(sizes, (list, tuple)) and node.target.endswith(".split"):
-        return (args[0], type(sizes)(s // place.parts for s in sizes)) + tuple(args[2:])
-    return args
-
-
 def storage_layouts(graphs, partial_grads: bool = True) -> dict:
     """How each weight is stored on the devices of its consumers.
 
