@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -210,3 +210,15 @@ class RankProgram:
 
     def section(self, mode: str, stage: Optional[int] = None) -> Section:
         return next(s for s in self.sections if s.mode == mode and s.stage == stage)
+
+
+def output_shapes(programs: Iterable[RankProgram], graph: IRGraph) -> Dict[int, List[Tuple[int, ...]]]:
+    """``id(node)`` -> the local shapes of its outputs, for every node of ``graph`` that a section
+    of ``programs`` calls (all of them, or ``RankPrograms.distinct()``, call every node)."""
+    shapes: Dict[int, List[Tuple[int, ...]]] = {}
+    for program in programs:
+        for sec in program.sections:
+            if sec.graph is graph:
+                for call in sec.calls():
+                    shapes.setdefault(id(call.node), [v.shape for v in call.outputs])
+    return shapes

@@ -12,7 +12,7 @@ import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.comm.layout import Layout, LocalStep, Step, effective_requirement, keeps_partial_grad, local_steps
 from nbscaler.comm.lower import LoweringError, SectionLowering, lower_device
-from nbscaler.comm.program import Call, Recompute, Return, Send
+from nbscaler.comm.program import Call, Recompute, Return, Send, output_shapes
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.local import run_local
 from nbscaler.ir.graph import Placement
@@ -132,3 +132,11 @@ def test_the_rules_lowering_and_autodist_share():
     assert local_steps(Layout.split(1), Layout.split(1, 2), (4, 4), 2) == [
         LocalStep(Step(Collective.ALL_GATHER, dim=1), (4, 4), (4, 8)),
         LocalStep(Step(Collective.CHUNK, dim=1, blocks=2), (4, 8), (4, 4))]
+
+
+def test_the_ops_table_reads_local_shapes_off_the_programs():
+    p = _plan("llama", "tp", ComputeConfig(2, 2))
+    made = {c.node.name: [v.shape for v in c.outputs] for c in p.programs[0].sections[0].calls()}
+    rows = dict(zip(p.ops.name, p.ops.local_out_shapes))
+    assert made and all(rows[name] == shapes for name, shapes in made.items())
+    assert output_shapes(p.programs.distinct(), p.graph).keys() == {id(n) for n in p.graph.nodes}
