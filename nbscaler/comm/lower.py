@@ -239,7 +239,7 @@ class SectionLowering:
                        for t in sec.graph.weights.values()]
         out = sec.instructions
         out += [Receive(self.bind(Value(t, R, Origin.RECEIVED, tuple(t.shape)))) for t in sec.carry_in]
-        nodes = [n for n in sec.graph.nodes if sec.stage is None or n.stage == sec.stage]
+        nodes = sec.stage_nodes()
         ran = [n for n in nodes if sec.device in n.placement.devices]
         finals = sec.carry_out if sec.carry_out is not None else sec.graph.output_tensors()
         done = 0
