@@ -23,12 +23,11 @@ from nbscaler.codegen.liveness import release_dead
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
 from nbscaler.codegen.vocab import vocab_call
-from nbscaler.comm.layout import local_call, local_shape
+from nbscaler.comm.arguments import local_arguments
 from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Return, Section, Send, Value)
 from nbscaler.ir.graph import IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
-from nbscaler.ir.registry import spec_of
 from torch.fx.graph import dtype_abbrs
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
@@ -143,12 +142,7 @@ class SectionPrinter:
             return
         it = iter(per_position)
         args, kwargs = node.map_args(lambda t: Code(next(it)))
-        args, kwargs = local_call(node, args, kwargs)
-        spec = spec_of(node.target)
-        if spec is not None and spec.shape_args:
-            out = call.outputs[0]
-            args = (args[0], tuple(local_shape(out.tensor.shape, out.layout, place.parts)))
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
+        args, kwargs = local_arguments(node, args, kwargs, call.outputs[0].shape if call.outputs else ())
         lhs = self._lhs(node, call.outputs)
         name = node.target[len("Tensor."):] if node.target.startswith("Tensor.") else ""
         if name == "__setitem__":

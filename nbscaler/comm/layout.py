@@ -34,7 +34,7 @@ backward pass:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
@@ -123,6 +123,20 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     return Layout(FIRST_ONLY) if place.split in node.annotation.reduce else Layout(SUM_GRAD)
 
 
+def effective_requirement(want: Layout, carries_grad: bool) -> Layout:
+    """What a reader asking for ``want`` gets of a tensor that carries a gradient or not: a
+    sum-gradient request (``R*``) of a tensor without one is plain ``R``, since there is nothing
+    to sum."""
+    return Layout.replicated() if want.kind == SUM_GRAD and not carries_grad else want
+
+
+def keeps_partial_grad(want: Layout, is_param: bool, partial_grads: bool) -> bool:
+    """Whether a weight its readers want as ``want`` is stored whole with a *partial* gradient on
+    each device (``R*``), summed by the reducer after the backward rather than inside it: a
+    parameter read ``R*``, unless ``partial_grads=False`` (ZeRO stage 2)."""
+    return want.kind == SUM_GRAD and is_param and partial_grads
+
+
 def conversion(have: Layout, want: Layout) -> List[Step]:
     """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
     if have == want:
@@ -148,33 +162,36 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     raise ValueError(f"no conversion from {have} to {want}")
 
 
-def local_call(node: IRNode, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-    """The ``(args, kwargs)`` one device calls ``node``'s function with, where a split changes a
-    number in the call: the sizes of a strided ``split`` (``local_split_sizes``) and the ``groups``
-    of a grouped convolution split in whole groups (``conv2d(..., groups=C)`` on 2 devices becomes
-    ``groups=C // 2``)."""
-    args = local_split_sizes(node, args)
-    place = node.placement
-    if node.op != "conv" or place is None or place.split != "g":
-        return args, kwargs
-    if "groups" in kwargs:
-        return args, {**kwargs, "groups": kwargs["groups"] // place.parts}
-    return args[:6] + (args[6] // place.parts,) + args[7:], kwargs
+class LocalStep(NamedTuple):
+    """One collective of a conversion with the local shapes it reads and makes on a device."""
+
+    step: Step
+    src_shape: Tuple[int, ...]
+    dst_shape: Tuple[int, ...]
 
 
-def local_split_sizes(node: IRNode, args: tuple) -> tuple:
-    """``args`` of a ``split`` whose split axis is itself split (equal blocks, strided): each
-    device splits its share, so the sizes shrink by the number of parts (``qkv.split(C)`` becomes
-    ``qkv.split(C // 2)`` on 2 devices). Any other call's ``args`` come back unchanged."""
-    place = node.placement
-    if node.op != "split" or place is None or (0, place.split) not in node.annotation.grouped:
-        return args
-    sizes = args[1] if len(args) > 1 else None
-    if isinstance(sizes, int):
-        return (args[0], sizes // place.parts) + tuple(args[2:])
-    if isinstance(sizes, (list, tuple)) and node.target.endswith(".split"):
-        return (args[0], type(sizes)(s // place.parts for s in sizes)) + tuple(args[2:])
-    return args
+def local_steps(have: Layout, want: Layout, shape: Sequence[int], n: int) -> List[LocalStep]:
+    """The steps of ``conversion(have, want)`` over ``n`` devices at local shapes, from a tensor
+    whose local piece in ``have`` has ``shape``: each step reads what the one before made."""
+    out: List[LocalStep] = []
+    src = tuple(shape)
+    for step in conversion(have, want):
+        dst = step_shape(step, src, n)
+        out.append(LocalStep(step, src, dst))
+        src = dst
+    return out
+
+
+def step_shape(step: Step, shape: Sequence[int], n: int) -> Tuple[int, ...]:
+    """The local shape one collective over ``n`` devices makes of a local input of ``shape``."""
+    out = list(shape)
+    if step.fn in (Collective.ALL_GATHER, Collective.ALL_GATHER_SUM_GRAD):
+        out[step.dim] *= n
+    elif step.fn in (Collective.CHUNK, Collective.REDUCE_SCATTER):
+        out[step.dim] //= n
+    elif step.fn == Collective.ALL_TO_ALL:
+        out[step.dim], out[step.dim2] = out[step.dim] // n, out[step.dim2] * n
+    return tuple(out)
 
 
 def storage_layouts(graphs, partial_grads: bool = True) -> dict:
@@ -201,6 +218,6 @@ def storage_layouts(graphs, partial_grads: bool = True) -> dict:
     layouts = {}
     for name, reqs in wants.items():
         want, _ = next(iter(reqs))
-        single = len(reqs) == 1 and (want.kind == S or (want.kind == SUM_GRAD and partial_grads and name in params))
+        single = len(reqs) == 1 and (want.kind == S or keeps_partial_grad(want, name in params, partial_grads))
         layouts[name] = want if single else Layout.replicated()
     return layouts

@@ -7,13 +7,15 @@ input is read from and which collectives make it (``SectionLowering``). The rule
 - an input is held replicated, a weight in its storage layout (``storage_layouts``), a tensor
   received from the previous stage replicated, and a node's outputs in ``output_layout``;
 - a reader asks for ``input_requirement``; a sum-gradient request (``R*``) of a tensor that carries
-  no gradient is a plain replicated one, since there is nothing to sum;
+  no gradient is a plain replicated one, since there is nothing to sum (``effective_requirement``);
+- a conversion's collectives each read, at local shapes, what the one before made (``local_steps``);
 - a layout once made is reused by every later reader (until a recomputed region ends: only what
   the region returns stays visible after it);
 - a stage sends its carried tensors replicated; a forward returns its outputs replicated.
 
 Code generation, the cost model and the traffic table read the result (``comm.program``) and
-never walk the placement themselves.
+never walk the placement themselves. autodist prices placements not yet made, so it has no
+program to read: it calls the same rules of ``comm.layout``.
 
 >>> programs = lower(plan)                                         # doctest: +SKIP
 >>> [type(i).__name__ for i in programs[0].sections[0].instructions][:3]
@@ -26,13 +28,14 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from nbscaler.comm.layout import Layout, Step, conversion, input_requirement, local_shape, output_layout
+from nbscaler.comm.layout import (Layout, conversion, effective_requirement, input_requirement, local_shape, local_steps,
+                                  output_layout)
 from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.layer_rules import sync_batch_norm
-from nbscaler.layouts import Collective, LayoutKind
+from nbscaler.layouts import LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
 
 
@@ -40,7 +43,7 @@ class LoweringError(ValueError):
     """A placed graph that no rank can run as placed (a tensor read before any device makes it)."""
 
 
-class PlanFacts:
+class LoweringFacts:
     """What every rank's lowering reads of the placed graphs, worked out once per plan (lazily):
     the tensors crossing each stage boundary, which tensors carry a gradient, the tied weights
     and the process groups."""
@@ -88,7 +91,7 @@ class RankPrograms(Mapping):
     def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], geometry: Optional[PipelineGeometry],
                  config: Any):
         self.graphs, self.storage, self.geometry, self.config = graphs, storage, geometry, config
-        self.facts = PlanFacts(graphs, geometry)
+        self.facts = LoweringFacts(graphs, geometry)
         self._by_device: Dict[int, RankProgram] = {}
         self._weights: Dict[int, List[LocalWeight]] = {}
 
@@ -130,11 +133,11 @@ class RankPrograms(Mapping):
 
 
 def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None,
+                 geometry: Optional[PipelineGeometry], facts: Optional[LoweringFacts] = None,
                  weights: Optional[List[LocalWeight]] = None) -> RankProgram:
     """The program of plan ``device``: its sections lowered to instructions, and its weight table.
     ``facts`` and ``weights`` (its weight table): the plan's, when the caller has them already."""
-    facts = facts or PlanFacts(graphs, geometry)
+    facts = facts or LoweringFacts(graphs, geometry)
     sections = rank_sections(graphs, device, geometry)
     weights = weights if weights is not None else weight_table(graphs, storage, sections, geometry, facts)
     shapes = {w.name: w.shape for w in weights}
@@ -190,8 +193,7 @@ class SectionLowering:
         """The value holding ``t`` in layout ``want``, and the conversion that makes it (None when held)."""
         if id(t) not in self.have:
             raise LoweringError(f"{t.name} is used before it is computed on device {self.sec.device}")
-        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
-            want = Layout.replicated()        # no gradient to sum
+        want = effective_requirement(want, self.grad.get(id(t), False))
         known = self.known[id(t)]
         if want in known:
             return known[want], None
@@ -222,9 +224,9 @@ class SectionLowering:
         """``t`` in layout ``want``, converted from its value in ``have`` over ``n`` devices (the
         steps appended to ``steps``), and kept for later consumers."""
         src = self.known[id(t)][have]
-        for step in conversion(have, want):
-            dst = Value(t, want, Origin.CONVERTED, step_shape(step, src.shape, n))
-            steps.append(Convert(step, src, dst))
+        for step in local_steps(have, want, src.shape, n):
+            dst = Value(t, want, Origin.CONVERTED, step.dst_shape)
+            steps.append(Convert(step.step, src, dst))
             src = dst
         self.known[id(t)][want] = src
         return src
@@ -237,7 +239,7 @@ class SectionLowering:
                        for t in sec.graph.weights.values()]
         out = sec.instructions
         out += [Receive(self.bind(Value(t, R, Origin.RECEIVED, tuple(t.shape)))) for t in sec.carry_in]
-        nodes = [n for n in sec.graph.nodes if sec.stage is None or n.stage == sec.stage]
+        nodes = sec.stage_nodes()
         ran = [n for n in nodes if sec.device in n.placement.devices]
         finals = sec.carry_out if sec.carry_out is not None else sec.graph.output_tensors()
         done = 0
@@ -290,21 +292,9 @@ class SectionLowering:
         return Recompute(region, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), body, returns)
 
 
-def step_shape(step: Step, shape: Tuple[int, ...], n: int) -> Tuple[int, ...]:
-    """The local shape one collective over ``n`` devices makes of a local input of ``shape``."""
-    out = list(shape)
-    if step.fn in (Collective.ALL_GATHER, Collective.ALL_GATHER_SUM_GRAD):
-        out[step.dim] *= n
-    elif step.fn in (Collective.CHUNK, Collective.REDUCE_SCATTER):
-        out[step.dim] //= n
-    elif step.fn == Collective.ALL_TO_ALL:
-        out[step.dim], out[step.dim2] = out[step.dim] // n, out[step.dim2] * n
-    return tuple(out)
-
-
 # -- what each rank stores -----------------------------------------------------------------------------
 def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], sections: List[Section],
-                 geometry: Optional[PipelineGeometry], facts: Optional[PlanFacts] = None) -> List[LocalWeight]:
+                 geometry: Optional[PipelineGeometry], facts: Optional[LoweringFacts] = None) -> List[LocalWeight]:
     """The weights the sections read, in the order of the graph's weights (the order of
     ``module.parameters()`` at run time), each at its local shape: the slice of its first reader."""
     readers: Dict[str, Tuple[IRNode, int, Optional[int]]] = {}     # name -> (first reader, view, stage)
@@ -317,7 +307,7 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
                     readers.setdefault(t.name, (n, sec.device, sec.stage))
                     if sec.graph is train:
                         trained.setdefault(t.name, set()).add(sec.stage)
-    facts = facts or PlanFacts(graphs, geometry)
+    facts = facts or LoweringFacts(graphs, geometry)
     any_graph = next(iter(graphs.values()))
     non_persistent = set(any_graph.meta.get("non_persistent", ()))
     out = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -140,11 +140,19 @@ class Section:
     weights: List[Value] = field(default_factory=list)      # every weight of the graph, as stored
     instructions: List[Instruction] = field(default_factory=list)
     groups: Tuple[Devices, ...] = ()    # the device sets its collectives run over, sorted
+    stage_of: Optional[Callable[[IRNode], int]] = None     # a node's stage, where not ``node.stage``
+
+    def stage_nodes(self) -> List[IRNode]:
+        """The nodes of its stage (every node without a pipeline), on any device, in graph order."""
+        if self.stage is None:
+            return list(self.graph.nodes)
+        if self.stage_of is None:
+            return [n for n in self.graph.nodes if n.stage == self.stage]
+        return [n for n in self.graph.nodes if self.stage_of(n) == self.stage]
 
     def nodes(self) -> List[IRNode]:
         """The nodes this section runs, in graph order."""
-        return [n for n in self.graph.nodes if (self.stage is None or n.stage == self.stage)
-                and self.device in n.placement.devices]
+        return [n for n in self.stage_nodes() if self.device in n.placement.devices]
 
     def calls(self) -> Iterator[Call]:
         for ins in self.instructions:
@@ -210,3 +218,15 @@ class RankProgram:
 
     def section(self, mode: str, stage: Optional[int] = None) -> Section:
         return next(s for s in self.sections if s.mode == mode and s.stage == stage)
+
+
+def output_shapes(programs: Iterable[RankProgram], graph: IRGraph) -> Dict[int, List[Tuple[int, ...]]]:
+    """``id(node)`` -> the local shapes of its outputs, for every node of ``graph`` that a section
+    of ``programs`` calls (all of them, or ``RankPrograms.distinct()``, call every node)."""
+    shapes: Dict[int, List[Tuple[int, ...]]] = {}
+    for program in programs:
+        for sec in program.sections:
+            if sec.graph is graph:
+                for call in sec.calls():
+                    shapes.setdefault(id(call.node), [v.shape for v in call.outputs])
+    return shapes

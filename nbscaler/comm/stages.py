@@ -12,23 +12,27 @@ Tensors cross replicated: whatever layout a stage leaves them in, it gathers the
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
-from nbscaler.ir.graph import IRGraph, IRTensor
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 
 
-def stage_carries(graph: IRGraph, nstages: int) -> List[List[IRTensor]]:
-    """For each boundary ``0 .. nstages - 2``, the activations that cross it, in a fixed order."""
+def stage_carries(graph: IRGraph, nstages: int,
+                  stage_of: Optional[Callable[[IRNode], int]] = None) -> List[List[IRTensor]]:
+    """For each boundary ``0 .. nstages - 2``, the activations that cross it, in a fixed order.
+    ``stage_of``: each node's stage, where it is not ``node.stage`` (a cut the graph is not placed
+    with, as the plan space prices one)."""
+    stage_of = stage_of or (lambda node: node.stage)
     made: Dict[int, int] = {}
     last_use: Dict[int, int] = {}
     tensors: Dict[int, IRTensor] = {}
     for node in graph.nodes:
         for t in node.output_tensors:
-            made.setdefault(id(t), node.stage)
+            made.setdefault(id(t), stage_of(node))
             tensors[id(t)] = t
         for t in node.inputs:
             if id(t) in made:
-                last_use[id(t)] = max(last_use.get(id(t), -1), node.stage)
+                last_use[id(t)] = max(last_use.get(id(t), -1), stage_of(node))
     for t in graph.output_tensors():
         if id(t) in made:
             last_use[id(t)] = nstages - 1

@@ -36,12 +36,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_unflatten
 
-from nbscaler.comm.layout import local_call, local_shape, output_layout
+from nbscaler.comm.arguments import local_arguments
 from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import vocab_parallel
-from nbscaler.ir.registry import USER_OPS, spec_of
+from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
 
 
@@ -232,7 +232,7 @@ class _Replay:
         self.fetches(call.fetches)
         node = call.node
         inputs = [self.env[v] for v in call.inputs]
-        args, kwargs = call_args(node, inputs, self.fake_device)
+        args, kwargs = call_args(node, inputs, self.fake_device, _out_shape(call))
         # a user op by its function too: registered again under its name, it is another call
         target = (node.target, USER_OPS.get(node.target), _structure(node.outputs))
         produced, packed = self.remembered(target, args, kwargs, inputs, lambda xs: self.dispatch(call, xs))
@@ -274,7 +274,7 @@ class _Replay:
         """Call the op on fake tensors: what it makes and what autograd saves; a call that cannot
         run is guessed (it saves its inputs) and the run marked not exact."""
         node = call.node
-        args, kwargs = call_args(node, inputs, self.fake_device)
+        args, kwargs = call_args(node, inputs, self.fake_device, _out_shape(call))
         packed: List[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: (packed.append(x), x)[1], lambda x: x):
@@ -284,8 +284,7 @@ class _Replay:
             self.run.exact = False
             warnings.warn(f"the cost model could not replay {node.target} ({node.name}) on fake tensors "
                           f"({type(err).__name__}: {err}); it assumes the op saves its inputs.", stacklevel=7)
-            produced = [torch.empty(local_shape(v.tensor.shape, v.layout, node.placement.parts), dtype=v.tensor.dtype,
-                                    device=self.fake_device) for v in call.outputs]
+            produced = [torch.empty(v.shape, dtype=v.tensor.dtype, device=self.fake_device) for v in call.outputs]
             grad = self.grad()
             packed = [x for x, v in zip(inputs, call.inputs) if x.is_floating_point() and grad.get(id(v.tensor), False)]
             return produced, packed, False
@@ -333,6 +332,11 @@ class _Replay:
                                                saved_keys=self._kept_keys(inputs))
 
 
+def _out_shape(call: Call) -> Tuple[int, ...]:
+    """The local shape of ``call``'s first output, as the program holds it."""
+    return call.outputs[0].shape if call.outputs else ()
+
+
 def _leaves(result: Any, outputs: Any) -> List[torch.Tensor]:
     """The tensors of ``result`` at the positions of the IR's output tensors."""
     if isinstance(outputs, IRTensor):
@@ -358,21 +362,16 @@ def _structure(outputs: Any) -> Any:
     return None
 
 
-def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device) -> Tuple[Tuple, Dict[str, Any]]:
-    """``node``'s arguments with its tensor inputs (by position) replaced by local ``inputs``, shape
-    arguments (view, reshape, expand) by the local output shape, and devices by ``device``: the call
-    as the generated code makes it."""
+def call_args(node: IRNode, inputs: Sequence[torch.Tensor], device: torch.device,
+              out_shape: Sequence[int]) -> Tuple[Tuple, Dict[str, Any]]:
+    """``node``'s arguments with its tensor inputs (by position) replaced by local ``inputs``, the
+    numbers a split changes as ``comm.arguments`` gives them (``out_shape``: the local shape of its
+    first output), and devices by ``device``: the call as the generated code makes it."""
     it = iter(inputs)
     leaves, structure = node.flat_args
     args, kwargs = tree_unflatten([next(it) if isinstance(x, IRTensor) else device if isinstance(x, torch.device) else x
                                    for x in leaves], structure)
-    args, kwargs = local_call(node, args, kwargs)
-    spec = spec_of(node.target)
-    if spec is not None and spec.shape_args:
-        parts = node.placement.parts if node.placement else 1
-        args = (args[0], local_shape(node.output_tensors[0].shape, output_layout(node, 0), parts))
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("shape", "size")}
-    return args, kwargs
+    return local_arguments(node, args, kwargs, out_shape)
 
 
 def fake_device() -> torch.device:

@@ -101,7 +101,7 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
     drawn = _random_inputs(op, device)
     scratch = torch.ones(EVICT_BYTES // 4) if device.type == "cpu" else None
     for i in range(MAX_REPEATS + 1):
-        args, kwargs = call_args(op.node, _fresh(drawn, op), device)
+        args, kwargs = call_args(op.node, _fresh(drawn, op), device, op.out_shapes[0][0] if op.out_shapes else ())
         _evict_caches(scratch)
         sync(device)
         start = time.perf_counter()

@@ -68,7 +68,7 @@ def grouped_conv(node: IRNode, groups: int) -> OpAnnotation:
 
     ``g`` names the channel axes of input, weight (its output channels) and output, split in whole
     groups: ``n`` devices each convolve ``groups // n`` groups, with no partial sums, and the call
-    on a device says ``groups // n`` (``nbscaler.comm.layout.local_call``).
+    on a device says ``groups // n`` (``nbscaler.comm.arguments.local_call``).
     """
     x, w, out = node.inputs[0], node.inputs[1], node.output_tensors[0]
     nsp = w.ndim - 2

@@ -160,7 +160,7 @@ class Plan:
     @functools.cached_property
     def ops(self) -> pd.DataFrame:
         """One row per node of the training graph: placement, shapes and cost facts."""
-        return tag(tables.ops_frame(self.graph), Table.OPS, self)
+        return tag(tables.ops_frame(self.graph, self.programs.distinct()), Table.OPS, self)
 
     @functools.cached_property
     def collectives(self) -> pd.DataFrame:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import html
 from collections import defaultdict
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 import pandas as pd
 import torch
 
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
-from nbscaler.comm.layout import local_shape, output_layout
+from nbscaler.comm.program import RankProgram, output_shapes
 from nbscaler.comm.traffic import CommStep
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph, IRNode
@@ -36,10 +36,12 @@ OP_COLUMNS = ["id", "name", "op", "target", "module", "source_file", "source_lin
 COLLECTIVE_COLUMNS = list(CommStep.__dataclass_fields__)
 
 
-def ops_frame(graph: IRGraph) -> pd.DataFrame:
-    """One row per node: where it runs, how it is split, its shapes and its cost facts; under a
-    zero-bubble schedule, ``backward_part`` says which block runs its gradient (``B``, ``W``, ``B+W``;
+def ops_frame(graph: IRGraph, programs: Iterable[RankProgram]) -> pd.DataFrame:
+    """One row per node: where it runs, how it is split, its shapes (the local ones as the rank
+    ``programs`` that run every node hold them) and its cost facts; under a zero-bubble schedule,
+    ``backward_part`` says which block runs its gradient (``B``, ``W``, ``B+W``;
     ``nbscaler.ir.backward_split``), else ``None``."""
+    local_out_shapes = output_shapes(programs, graph)
     rows = []
     for i, n in enumerate(graph.nodes):
         place = n.placement
@@ -50,8 +52,7 @@ def ops_frame(graph: IRGraph) -> pd.DataFrame:
             "stage": n.stage, "backward_part": n.meta.get(BACKWARD_PART), "devices": tuple(place.devices) if place else (), "split": place.split if place else None,
             "annotation": str(n.annotation) if n.annotation is not None else None,
             "in_shapes": [tuple(t.shape) for t in n.inputs], "out_shapes": [tuple(t.shape) for t in outs],
-            "local_out_shapes": [local_shape(t.shape, output_layout(n, k), place.parts if place else 1)
-                                 for k, t in enumerate(outs)],
+            "local_out_shapes": local_out_shapes[id(n)],
             **{key: n.meta.get(key) for key in ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written",
                                                "local_flops_fwd")},
         })

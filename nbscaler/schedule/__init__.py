@@ -78,7 +78,7 @@ Predicting a timeline
 from nbscaler.schedule.block import PHASES, Block, Phase
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.schedule.grid import RankGrid
-from nbscaler.schedule.pipeline import PipelineSchedule, Placement, check_samples
+from nbscaler.schedule.pipeline import PipelineRoute, PipelineSchedule, check_samples
 from nbscaler.schedule.schedulers import (SCHEDULERS, SchedulerSpec, build_schedule, register_scheduler,
                                           scheduler_spec)
 from nbscaler.schedule import interleaved, zero_bubble  # noqa: F401  (they register their schedulers)
@@ -92,7 +92,7 @@ __all__ = [
     "PHASES",
     "Phase",
     "PipelineSchedule",
-    "Placement",
+    "PipelineRoute",
     "RankGrid",
     "SCHEDULERS",
     "SchedulerSpec",

@@ -11,13 +11,13 @@ Devices here are *pipeline devices*, numbered ``0 .. ndevices-1`` within one cop
 Each runtime rank plays one of them; with tensor parallelism inside a stage several ranks play the
 same device and run the same blocks.
 
-Placements
-----------
-A micro-batch travels through the stages along one *pipeline*: a :data:`Placement` that gives, for
-every stage, the devices that run it. Most schedules have one pipeline, stage ``s`` on device
+Pipelines
+---------
+A micro-batch travels through the stages along one *pipeline*: a :data:`PipelineRoute` that gives,
+for every stage, the devices that run it. Most schedules have one pipeline, stage ``s`` on device
 ``s``. Bidirectional schedules (``chimera_direct``) have two, running in opposite directions over
 the same devices, and every micro-batch is given to one of them (``pipeline_of_micro``). A stage
-that a placement puts on several devices is sharded over them: its blocks appear in the order of
+that a route puts on several devices is sharded over them: its blocks appear in the order of
 every one of those devices and are run by all of them together (``1f1b_plus`` uses this).
 
 >>> one_device = PipelineSchedule(
@@ -44,8 +44,9 @@ from typing import Any, Iterator
 
 from nbscaler.schedule.block import Block
 
-Placement = tuple[tuple[int, ...], ...]
-"""``placement[stage]``: the devices that run ``stage`` (more than one for a sharded stage)."""
+PipelineRoute = tuple[tuple[int, ...], ...]
+"""The devices a micro-batch passes through, stage by stage: ``route[stage]`` are the devices
+that run ``stage`` (more than one for a sharded stage)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class PipelineSchedule:
     nstages: int
     nmicros: int
     device_blocks: tuple[tuple[Block, ...], ...]
-    placements: tuple[Placement, ...]
+    placements: tuple[PipelineRoute, ...]
     pipeline_of_micro: tuple[int, ...]
 
     def __post_init__(self) -> None:

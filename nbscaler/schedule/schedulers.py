@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nbscaler.schedule.block import Block
-from nbscaler.schedule.pipeline import PipelineSchedule, Placement
+from nbscaler.schedule.pipeline import PipelineSchedule, PipelineRoute
 
 Scheduler = Callable[..., PipelineSchedule]
 """``(nstages, nmicros) -> PipelineSchedule``, or ``(nstages, nmicros, ndevices)`` for a scheduler
@@ -163,12 +163,12 @@ def _made(spec: SchedulerSpec, nstages: int, nmicros: int, ndevices: int) -> Pip
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
-def _line(nstages: int) -> Placement:
+def _line(nstages: int) -> PipelineRoute:
     """The ordinary pipeline: stage ``s`` on device ``s``."""
     return tuple((s,) for s in range(nstages))
 
 
-def _order_by_step(name: str, nstages: int, nmicros: int, ndevices: int, placements: list[Placement],
+def _order_by_step(name: str, nstages: int, nmicros: int, ndevices: int, placements: list[PipelineRoute],
                    pipeline_of_micro: list[int], steps: dict[Block, float]) -> PipelineSchedule:
     """The schedule in which every device runs its blocks in the order of ``steps``.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from nbscaler.cost.local import run_local
 from nbscaler.cost.memory import feeding_no_weight
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.cost.roofline import RooflineOps
-from nbscaler.ir.graph import requires_grad_of
+from nbscaler.ir.graph import IRNode, requires_grad_of
 from nbscaler.layouts import LayoutKind
 from nbscaler.space.op_ledger import SAVED_TAIL, TP_BWD, TP_FWD, Kinds, OpLedger
 from nbscaler.planning.step import compute_dtype, micro_batch_tokens
@@ -222,31 +222,24 @@ def _readers(graph, weights: List[LocalWeight], index: Dict[str, int]) -> List[T
 def _replay_span(graph, span: slice, device: int, storage, shapes: Dict[str, Tuple[int, ...]]):
     """``device``'s run of ``graph``'s ops in ``span`` as a pipeline stage that receives what
     crosses into it, lowered as a stage of a rank's program is (its weights at their local
-    ``shapes``; the graph's stages are put back as they were)."""
-    saved = [n.stage for n in graph.nodes]
-    try:
-        for k, n in enumerate(graph.nodes):
-            n.stage = 0 if k < span.start else 1 if k < span.stop else 2
-        carries = stage_carries(graph, 3)
-        section = Section("_span", "train", graph, device, 1, carries[0], carries[1])
-        SectionLowering(section, storage, requires_grad_of(graph), shapes).run()
-        return run_local(section)
-    finally:
-        for n, s in zip(graph.nodes, saved):
-            n.stage = s
+    ``shapes``); the ops before the span are stage 0, those after it stage 2."""
+    stage_of = _cut_stages(graph, span.start, span.stop)
+    carries = stage_carries(graph, 3, stage_of)
+    section = Section("_span", "train", graph, device, 1, carries[0], carries[1], stage_of=stage_of)
+    SectionLowering(section, storage, requires_grad_of(graph), shapes).run()
+    return run_local(section)
 
 
 def _carried(graph, cut: int) -> List:
-    """The tensors ``stage_carries`` sends across a cut of ``graph`` before op ``cut`` (the
-    graph's stages are put back as they were)."""
-    saved = [n.stage for n in graph.nodes]
-    try:
-        for k, n in enumerate(graph.nodes):
-            n.stage = 0 if k < cut else 1
-        return stage_carries(graph, 2)[0]
-    finally:
-        for n, s in zip(graph.nodes, saved):
-            n.stage = s
+    """The tensors ``stage_carries`` sends across a cut of ``graph`` before op ``cut``."""
+    return stage_carries(graph, 2, _cut_stages(graph, cut, len(graph.nodes)))[0]
+
+
+def _cut_stages(graph, start: int, stop: int) -> Callable[[IRNode], int]:
+    """Each node's stage when ``graph`` is cut before ops ``start`` and ``stop``: 0, 1 or 2 (the
+    graph's own stages are left as they are)."""
+    position = {id(n): k for k, n in enumerate(graph.nodes)}
+    return lambda n: 0 if position[id(n)] < start else 1 if position[id(n)] < stop else 2
 
 
 def _made_whole(t) -> bool:

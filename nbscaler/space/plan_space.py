@@ -83,8 +83,9 @@ def _pas_config(recompute: bool, sequence_parallel: bool, stack_path: str) -> Di
     return pas
 
 
-class Placement(NamedTuple):
-    """What places the two-layer copy differently: one placement (and its facts) per value.
+class CopyPlacementKey(NamedTuple):
+    """The key of one placement of the two-layer copy in the space: what places the copy
+    differently, one placement (and its facts) per value.
 
     ``zero_stage_2``: ZeRO stage 2, under which a weight whose ops each see a slice of the batch
     or the sequence (a norm's, under sequence parallelism) sums its gradient over the devices in
@@ -258,7 +259,7 @@ class PlanSpace:
     def _key(self, *rest: Any) -> Tuple:
         return (self.sequence, self.module_dtype, *rest)
 
-    def _facts_of(self, target: Tuple, ops, comm, placement: Placement) -> LayerFacts:
+    def _facts_of(self, target: Tuple, ops, comm, placement: CopyPlacementKey) -> LayerFacts:
         """The copy's facts on the target under ``placement``; a placement the policy refuses (or
         one that splits no heads) raises, once and again from the cache."""
         key = (*target, *self._key(*placement))
@@ -270,13 +271,13 @@ class PlanSpace:
                 self._facts[key] = err
         return _raised(self._facts[key])
 
-    def _staged_of(self, target: Tuple, facts: LayerFacts, placement: Placement, nstages: int) -> Staged:
+    def _staged_of(self, target: Tuple, facts: LayerFacts, placement: CopyPlacementKey, nstages: int) -> Staged:
         key = (*target, *self._key(*placement, nstages))
         if key not in self._staged:
             self._staged[key] = Staged(facts, nstages, self._alike)
         return self._staged[key]
 
-    def _canonical(self, placement: Placement) -> Placement:
+    def _canonical(self, placement: CopyPlacementKey) -> CopyPlacementKey:
         """``placement``, or the same without ZeRO stage 2 where that stores every weight alike:
         one placement (and one set of facts) for both."""
         if not placement.zero_stage_2:
@@ -288,7 +289,7 @@ class PlanSpace:
             self._partial_grads[key] = storage_layouts(placed.graphs.values(), False) != placed.storage
         return placement if self._partial_grads[key] else without
 
-    def _placement(self, placement: Placement):
+    def _placement(self, placement: CopyPlacementKey):
         """The two-layer copy placed over ``placement.tp`` devices (traced once per micro-batch
         size, sequence and dtype; placed again from that trace for each tp, recompute and
         sequence parallelism)."""
@@ -300,7 +301,7 @@ class PlanSpace:
                 self._placed[key] = err
         return _raised(self._placed[key])
 
-    def _place(self, placement: Placement):
+    def _place(self, placement: CopyPlacementKey):
         tp = placement.tp
         pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path)
         cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
@@ -344,8 +345,8 @@ def _settle() -> None:
     gc.collect()
 
 
-def _placement_of(config: Dict) -> Placement:
-    return Placement(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
+def _placement_of(config: Dict) -> CopyPlacementKey:
+    return CopyPlacementKey(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
                      config[S.ZERO_STAGE] == 2)
 
 

@@ -23,8 +23,8 @@ instead:
 1. the model's repeated layers are found (``planning.stack``: ``model.layers``, 80 of them), and a
    copy with two layers is traced once per micro-batch size and placed once per (tp, recompute,
    sequence parallelism), and again under ZeRO stage 2 where that changes how a weight's
-   gradient is summed (a norm's, under sequence parallelism: ``space.Placement``): a handful of
-   small plans;
+   gradient is summed (a norm's, under sequence parallelism: ``plan_space.CopyPlacementKey``): a
+   handful of small plans;
 2. each such plan's ops are priced once on the target (``LayerFacts``: every op's roofline time,
    its tensor-parallel collectives' NCCL time, saved bytes, FLOPs, per tensor-parallel index);
 3. per configuration, the full model's stages are cut where ``stage_by_cost`` cuts them (on the

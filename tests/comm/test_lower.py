@@ -1,6 +1,7 @@
 """The lowered program: one walk of the placement that code generation, the cost model and the
 traffic table all read."""
 
+import math
 import re
 from collections import Counter
 
@@ -9,10 +10,15 @@ import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
+from nbscaler.comm.layout import Layout, LocalStep, Step, effective_requirement, keeps_partial_grad, local_steps
 from nbscaler.comm.lower import LoweringError, SectionLowering, lower_device
-from nbscaler.comm.program import Call, Recompute, Return, Send
+from nbscaler.comm.program import Call, Recompute, Return, Send, output_shapes
+from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.local import run_local
+from nbscaler.ir.graph import Placement
 from nbscaler.layouts import Collective
+from nbscaler.policy import get_policy
+from nbscaler.policy.autodist.costs import ChoiceCosts
 from tests.models import batch, build
 
 
@@ -91,3 +97,46 @@ def test_a_tensor_read_before_any_device_makes_it_is_a_clear_error():
     lowering = SectionLowering(sec, p.storage, {})
     with pytest.raises(LoweringError, match="used before it is computed on device 0"):
         lowering.fetch(p.graph.nodes[-1].output_tensors[0], sec.weights[0].layout, (0, 1), None, 0)
+
+
+def _unblocked_projection(graph, cfg):
+    """``tp``, but the fused q, k, v projection split as one block: its output is gathered whole
+    and cut again in blocks for the ``split`` that reads it."""
+    graph = get_policy("tp")(graph, cfg)
+    fused = graph.nodes[0]
+    fused.placement = Placement(fused.placement.devices, fused.placement.split)
+    return graph
+
+
+def test_autodist_prices_each_collective_on_the_local_bytes_of_the_lowered_values():
+    """An all_gather then a chunk: the chunk reads the whole tensor the gather made, so its
+    backward (an all_gather of the chunk's piece) moves half the tensor, not a quarter."""
+    p = nbscaler.plan(build("fused_gqa"), batch("fused_gqa", 0), _unblocked_projection, ComputeConfig(2, 2))
+    fetch = next(f for f in p.programs[0].sections[0].fetches() if len(f.steps) == 2)
+    assert [c.step.fn for c in fetch.steps] == [Collective.ALL_GATHER, Collective.CHUNK]
+    comm = CommModel(alpha_s=1e-4, beta_s_per_byte=1e-9)
+    local = lambda value: math.prod(value.shape) * value.tensor.dtype.itemsize
+    lowered = sum(comm.forward(c.step.fn, local(c.src), 2) + comm.backward(c.step.fn, local(c.src), 2)
+                  for c in fetch.steps)
+    costs = ChoiceCosts(p.graph, (0, 1), None, comm, state_factor=0.0)
+    reader = fetch.consumer
+    assert costs.edge_seconds(costs.layout_id(fetch.have), reader, fetch.position, reader.placement.split) == lowered
+
+
+def test_the_rules_lowering_and_autodist_share():
+    R, sum_grad = Layout.replicated(), Layout("R*")
+    assert effective_requirement(sum_grad, carries_grad=False) == R        # nothing to sum
+    assert effective_requirement(sum_grad, carries_grad=True) == sum_grad
+    assert keeps_partial_grad(sum_grad, is_param=True, partial_grads=True)
+    assert not keeps_partial_grad(sum_grad, is_param=True, partial_grads=False)     # ZeRO stage 2
+    assert local_steps(Layout.split(1), Layout.split(1, 2), (4, 4), 2) == [
+        LocalStep(Step(Collective.ALL_GATHER, dim=1), (4, 4), (4, 8)),
+        LocalStep(Step(Collective.CHUNK, dim=1, blocks=2), (4, 8), (4, 4))]
+
+
+def test_the_ops_table_reads_local_shapes_off_the_programs():
+    p = _plan("llama", "tp", ComputeConfig(2, 2))
+    made = {c.node.name: [v.shape for v in c.outputs] for c in p.programs[0].sections[0].calls()}
+    rows = dict(zip(p.ops.name, p.ops.local_out_shapes))
+    assert made and all(rows[name] == shapes for name, shapes in made.items())
+    assert output_shapes(p.programs.distinct(), p.graph).keys() == {id(n) for n in p.graph.nodes}

@@ -6,8 +6,10 @@ split it along. Its costs come from the cost model, never from a guess of its ow
 - **op time**: the profiler (``nbscaler.cost.profile``) times the op at the local shapes the choice
   gives it, forward plus backward, once per distinct call (cached on disk, so a model's repeated
   blocks are profiled once);
-- **edge time**: the producer's output layout and the consumer's requirement give the collectives
-  (``nbscaler.comm.layout.conversion``), timed by the alpha-beta model (``nbscaler.cost.comm_model``);
+- **edge time**: the producer's output layout and the consumer's requirement give the collectives,
+  each on the local bytes it reads, by the rules lowering applies (``nbscaler.comm.layout``:
+  ``effective_requirement``, ``keeps_partial_grad``, ``local_steps``), timed by the alpha-beta model
+  (``nbscaler.cost.comm_model``);
 - **bytes**: the weights the op reads, with their gradients and optimizer state, at the size the
   choice stores them, and its output, roughly what autograd saves. The search only uses these to
   trade time for memory; whether a plan fits is then checked with the exact memory model.
@@ -22,7 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from nbscaler.comm.layout import Layout, conversion, input_requirement, local_shape, output_layout
+from nbscaler.comm.layout import (Layout, LocalStep, effective_requirement, input_requirement, keeps_partial_grad,
+                                  local_shape, local_steps, output_layout)
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.memory import optimizer_state_bytes
 from nbscaler.cost.local import OpCall
@@ -105,13 +108,12 @@ class ChoiceCosts:
 
     def _edge_seconds(self, have: Layout, node: IRNode, index: int, choice: Choice) -> float:
         t = node.inputs[index]
-        want = input_requirement(node, index, self.place(choice))
-        if want.kind == LayoutKind.SUM_GRAD and not self.grad.get(id(t), False):
-            want = Layout.replicated()
-        if want.kind == LayoutKind.SUM_GRAD and t.kind == "param" and self.partial_grads:
+        grad = self.grad.get(id(t), False)
+        want = effective_requirement(input_requirement(node, index, self.place(choice)), grad)
+        if keeps_partial_grad(want, t.kind == "param", self.partial_grads):
             # summed after the backward in the reducer's buckets: its bytes, no latency of its own
             return 2 * (self.n - 1) / self.n * t.nbytes * self.comm.beta_s_per_byte
-        return _conversion_seconds(self.comm, have, want, t.nbytes, self.n, self.grad.get(id(t), False))
+        return _conversion_seconds(self.comm, have, want, t, self.n, grad)
 
     def source_layout(self, t: IRTensor, choice_of_producer: Choice) -> int:
         """The layout (id) tensor ``t`` is available in: its producer's output under its choice,
@@ -136,7 +138,7 @@ class ChoiceCosts:
             done = self.order[id(after)]
             remaining = sum(1 for position, _ in self.reads.get(id(node), ()) if position > done)
             try:
-                once = sum(_conversion_seconds(self.comm, self.layouts[a], self.layouts[b], t.nbytes, self.n,
+                once = sum(_conversion_seconds(self.comm, self.layouts[a], self.layouts[b], t, self.n,
                                                self.grad.get(id(t), False))
                            for a, b, t in zip(have, want, node.output_tensors) if a != b)
             except ValueError:                   # no collective makes ``want`` (e.g. partial sums)
@@ -165,15 +167,17 @@ class ChoiceCosts:
 
 
 @lru_cache(maxsize=None)
-def _steps(have: Layout, want: Layout):
-    return conversion(have, want)
+def _steps(have: Layout, want: Layout, shape: Tuple[int, ...], n: int) -> List[LocalStep]:
+    return local_steps(have, want, local_shape(shape, have, n), n)
 
 
-def _conversion_seconds(comm: CommModel, have: Layout, want: Layout, nbytes: int, n: int, grad: bool) -> float:
+def _conversion_seconds(comm: CommModel, have: Layout, want: Layout, t: IRTensor, n: int, grad: bool) -> float:
+    """Forward (and, for a tensor with a gradient, backward) seconds of the collectives that turn
+    ``t`` from ``have`` into ``want`` over ``n`` devices, each on the local bytes lowering gives it."""
     seconds = 0.0
-    for step in _steps(have, want):
-        local = nbytes // n if have.kind == LayoutKind.SPLIT else nbytes
-        seconds += comm.forward(step.fn, local, n) + (comm.backward(step.fn, local, n) if grad else 0.0)
+    for step in _steps(have, want, tuple(t.shape), n):
+        local = math.prod(step.src_shape) * t.dtype.itemsize
+        seconds += comm.forward(step.step.fn, local, n) + (comm.backward(step.step.fn, local, n) if grad else 0.0)
     return seconds
 
 
