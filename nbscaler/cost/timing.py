@@ -49,7 +49,8 @@ import torch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
-from nbscaler.config import ComputeConfig, Precision, threads_per_rank
+from nbscaler.config import ComputeConfig, threads_per_rank
+from nbscaler.recipe import Recipe
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
@@ -108,7 +109,7 @@ def device_params(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
     return [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
 
 
-def _reduced_bytes(params: List[LocalWeight], precision: Optional[Precision]) -> int:
+def _reduced_bytes(params: List[LocalWeight], precision: Optional[Recipe]) -> int:
     """Bytes of ``params``' gradients as the reduction sends them: in ``precision``'s reduce dtype
     (fp32 for a bf16 model with fp32 masters, as Megatron-LM and ``build_optimizer`` do)."""
     if precision is None:
@@ -119,7 +120,7 @@ def _reduced_bytes(params: List[LocalWeight], precision: Optional[Precision]) ->
 def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                  geometry: Optional[PipelineGeometry], comm: CommModel,
                  params: Optional[List[LocalWeight]] = None,
-                 precision: Optional[Precision] = None) -> List[Tuple[float, float]]:
+                 precision: Optional[Recipe] = None) -> List[Tuple[float, float]]:
     """Seconds of the gradient synchronisation per bucket of plan ``device`` (unit 0), in parameter
     order: ``(during, after)``, what may run while the backward goes on (partial gradients summed
     inside the unit for parameters stored ``R*``, the all-reduce across data-parallel units or
@@ -131,7 +132,7 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
 
 
 def reduced_buckets(params: List[LocalWeight], cfg: ComputeConfig,
-                    precision: Optional[Precision]) -> Tuple[List[Tuple[int, int]], List[int]]:
+                    precision: Optional[Recipe]) -> Tuple[List[Tuple[int, int]], List[int]]:
     """The gradient bytes ``sync_buckets`` reduces, per bucket: ``(n, bytes)`` for each bucket of
     the parameters whose partial gradients ``n`` adjacent devices sum first, then the bytes of each
     bucket of all of them, reduced across the units. Of ``cfg`` it reads only the bucket size
@@ -172,7 +173,7 @@ def _bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel) -> Callabl
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
               geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None,
-              params: Optional[List[LocalWeight]] = None, precision: Optional[Precision] = None) -> float:
+              params: Optional[List[LocalWeight]] = None, precision: Optional[Recipe] = None) -> float:
     """Seconds of the gradient synchronisation after the backward (``sync_buckets``, then
     ``exposed_sync``)."""
     return exposed_sync(sync_buckets(graphs, storage, cfg, device, geometry, comm, params, precision), overlap_s)
@@ -196,7 +197,7 @@ def exposed_sync(times: List[Tuple[float, float]], overlap_s: Optional[float]) -
 def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                 geometry: Optional[PipelineGeometry], profiler: OpProfiler, optimizer: Type[torch.optim.Optimizer],
                 optimizer_kwargs: Dict[str, Any], params: Optional[List[LocalWeight]] = None,
-                precision: Optional[Precision] = None) -> float:
+                precision: Optional[Recipe] = None) -> float:
     """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled); with
     master copies (``precision``) the step streams them and their state in the master dtype."""
     params = params if params is not None else device_params(graphs, storage, device, geometry)
@@ -215,7 +216,7 @@ def updated_numels(params: List[LocalWeight], cfg: ComputeConfig) -> List[int]:
 
 def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optional[torch.dtype],
                    optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-                   precision: Optional[Precision] = None) -> float:
+                   precision: Optional[Recipe] = None) -> float:
     """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step)."""
     if not numels:
         return 0.0
@@ -285,7 +286,7 @@ class StepModel:
 
     def step_times(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                    optimizer_kwargs: Optional[Dict[str, Any]] = None,
-                   precision: Optional[Precision] = None) -> pd.DataFrame:
+                   precision: Optional[Recipe] = None) -> pd.DataFrame:
         """Predicted seconds of one training step per runtime rank (gradients reduced and the update
         run in ``precision``'s dtypes)."""
         kwargs = {"lr": 1e-3, **(optimizer_kwargs or {})}
@@ -321,7 +322,7 @@ def step_time_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], c
                        geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
                        optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                        optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                       hardware: Optional[Hardware] = None, precision: Optional[Precision] = None,
+                       hardware: Optional[Hardware] = None, precision: Optional[Recipe] = None,
                        weights_of: Optional[Callable[[int], List[LocalWeight]]] = None,
                        model: Optional[StepModel] = None) -> pd.DataFrame:
     """Predicted seconds of one training step on every runtime rank (columns ``rank``, ``step_time_s``).

@@ -20,7 +20,7 @@ import torch
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.layout import local_shape, output_layout
 from nbscaler.comm.traffic import CommStep
-from nbscaler.config import Precision
+from nbscaler.recipe import Recipe
 from nbscaler.cost.timing import step_time_per_rank
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph, IRNode
@@ -163,19 +163,18 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     return pd.DataFrame(rows)
 
 
-def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
-                  hardware: Optional["Hardware"] = None, master_dtype: Optional[torch.dtype] = None) -> pd.DataFrame:
+def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] = None) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
-    ``hardware`` those of ``TARGET_COLUMNS`` too; memory with master copies in ``master_dtype``."""
-    memory = plan.memory(optimizer, master_dtype=master_dtype, **optimizer_kwargs)
+    ``hardware`` those of ``TARGET_COLUMNS`` too, for a run that trains with ``recipe``."""
+    memory = plan.memory(recipe=recipe)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
     flops = flops_per_device(plan)
     frame = pd.DataFrame({C.RANK.value: range(plan.config.runtime_ngpus),
                           C.FLOPS.value: [flops[plan.config.device_of(r)] for r in range(plan.config.runtime_ngpus)]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
-    steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=optimizer,
-                               optimizer_kwargs=optimizer_kwargs, runs=plan.local_runs, hardware=hardware,
-                               precision=Precision(master_dtype), weights_of=plan.programs.weights,
+    steps = step_time_per_rank(plan.graphs, plan.storage, plan.config, plan.geometry, optimizer=recipe.optimizer,
+                               optimizer_kwargs=recipe.kwargs, runs=plan.local_runs, hardware=hardware,
+                               precision=recipe, weights_of=plan.programs.weights,
                                model=plan.step_model(hardware))
     frame = frame.merge(steps, on=C.RANK.value)
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nbscaler.columns import MEMORY_COLUMNS
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig
+from nbscaler.recipe import Recipe
 from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_bytes, weight_memory
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
@@ -117,7 +118,7 @@ def test_mixed_precision_bytes_per_parameter():
     gradient is the master's fp32 one; plus AdamW's fp32 step counter (4 bytes) per parameter."""
     n = 1000
     w = [LocalWeight("w", "param", (n,), torch.bfloat16, True)]
-    precision = Precision(master_dtype=torch.float32)
+    precision = Recipe(master_dtype=torch.float32)
     row = weight_memory(w, ComputeConfig(1, 1), torch.optim.AdamW, {}, precision)
     assert (row["param_bytes"], row["optimizer_bytes"]) == (2 * n, (4 + 8) * n + 4)
     grads = gradients(w, ComputeConfig(1, 1), precision)
