@@ -212,7 +212,7 @@ class MemoryView(ChartView):
         self._shown()
 
     def _title(self) -> str:
-        opt = self.optimizer.__name__
+        opt = getattr(self.recipe.optimizer, "__name__", "optimizer")
         target = f" on {self.hardware.name}" if self.hardware is not None else ""
         return f"Memory per rank: {self.plan.policy_name}, {opt}{target}" + (
             "" if self.measured.memory is None else " (predicted | measured)")
