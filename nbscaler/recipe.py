@@ -8,7 +8,7 @@ default of every one of them: AdamW, with fp32 master copies of parameters held 
 
 >>> Recipe().reduce_dtype(torch.bfloat16), Recipe().master_of(torch.float32)
 (torch.float32, None)
->>> Recipe.of(Recipe(), master_dtype=None).master_of(torch.bfloat16) is None
+>>> Recipe.of(master_dtype=None).master_of(torch.bfloat16) is None
 True
 >>> Recipe(optimizer_kwargs={"lr": 3e-4}).describe(torch.bfloat16)
 'AdamW(lr=0.0003), module bf16, masters fp32, gradients reduced in fp32, no loss scaling, no clipping'
