@@ -5,10 +5,11 @@
 """
 
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
-from nbscaler.cost.hardware import Hardware, Precision
+from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.ir.registry import register_op
 from nbscaler.parallel import parallelize, plan
 from nbscaler.planning import Plan
+from nbscaler.recipe import LossScaling, Recipe
 from nbscaler.space import PlanSpace, sweep
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
@@ -19,5 +20,15 @@ from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, loa
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
            "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "Hardware",
            "init_distributed", "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts",
-           "parallelize", "Plan", "PlanSpace", "plan", "Precision", "register_op", "sweep"]
+           "LossScaling", "NumberFormat", "parallelize", "Plan", "PlanSpace", "plan", "Recipe", "register_op", "sweep"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``nbscaler.Precision``, the number format's former name, still resolves, with a warning."""
+    if name == "Precision":
+        import warnings
+        warnings.warn("nbscaler.Precision is now nbscaler.NumberFormat (the arithmetic a peak is quoted for); "
+                      "a run's dtypes are nbscaler.Recipe.", DeprecationWarning, stacklevel=2)
+        return NumberFormat
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

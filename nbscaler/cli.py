@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_p = sub.add_parser("report", help="write every view of a compiled module to one offline HTML file")
     report_p.add_argument("path", help="the folder parallelize wrote: <gen_savedir>/_parallel_modules/<module>/<instance>")
     report_p.add_argument("-o", "--out", help="the HTML file to write (default: report.html in that folder)")
-    report_p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+    report_p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                           help="the optimizer whose state the memory view counts")
     report_p.add_argument("--measured", help="a folder written by Measured.save (default: <path>/measured if present)")
     report_p.add_argument("--hardware", metavar="NAME",

@@ -95,41 +95,6 @@ def check_float_dtype(name: str, value: Any) -> None:
                          "torch.float32 or torch.bfloat16, or None.")
 
 
-@dataclass(frozen=True)
-class Precision:
-    """The dtypes of a training run beyond the module's own: the one place they are kept.
-
-    The module's dtype is the plan's (``parallelize(..., module_dtype=...)``, recorded in every
-    ``WeightSpec``): parameters, gradients and activations are held in it on each rank.
-    ``master_dtype`` is that of the copy of this rank's parameters (with ZeRO: of its shard) which
-    the optimizer updates, and of the optimizer state; ``None`` means no copy, the optimizer
-    updates the parameters themselves. ``grad_reduce_dtype`` is the dtype gradients are summed in
-    across ranks; ``None`` means the master dtype where there is one, else the parameters' own.
-
-    The usual recipe is bf16 compute with fp32 masters, state and reduction:
-
-    >>> Precision(master_dtype=torch.float32).reduce_dtype(torch.bfloat16)
-    torch.float32
-    >>> Precision(torch.float32, torch.bfloat16).reduce_dtype(torch.bfloat16)
-    torch.bfloat16
-    """
-
-    master_dtype: Optional[torch.dtype] = None
-    grad_reduce_dtype: Optional[torch.dtype] = None
-
-    def __post_init__(self) -> None:
-        for name in ("master_dtype", "grad_reduce_dtype"):
-            check_float_dtype(name, getattr(self, name))
-
-    def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        """The dtype gradients of ``param_dtype`` parameters are summed in."""
-        return self.grad_reduce_dtype or self.master_dtype or param_dtype
-
-    def master_of(self, param_dtype: torch.dtype) -> Optional[torch.dtype]:
-        """The master copy's dtype for ``param_dtype`` parameters; ``None``: no copy is needed."""
-        return None if self.master_dtype in (None, param_dtype) else self.master_dtype
-
-
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """The default ``ComputeConfig.reduce_bucket_bytes``: 25 MiB, DDP's ``bucket_cap_mb``."""
 

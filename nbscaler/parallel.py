@@ -19,7 +19,7 @@ import json
 import pickle
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,14 @@ from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import planner
 from nbscaler.planning.planner import Plan, Policy, build_module, cast_floats, module_name, place, policy_name, unplace
 from nbscaler.policy.builtin import get_policy
+from nbscaler.recipe import Recipe
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 from nbscaler.runtime.sources import ModuleWeights, open_weights
-from nbscaler.space.autodist import plan_on_target, searches_on_target
+from nbscaler.space.autodist import plan_on_target, searches_on_target, target_module_dtype
 from nbscaler.trace.tracer import has_meta_tensors
 
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
@@ -79,6 +80,7 @@ def parallelize(
     broadcast_strategy: Union[str, BroadcastGenFilesStrategy] = "none",
     weights: Optional[Union[str, Path]] = None,
     init_seed: int = 0,
+    recipe: Optional[Recipe] = None,
 ) -> Union[None, ParallelModule, Type[ParallelModule]]:
     """Turn a module (or module class) into a parallel module (or parallel module class).
 
@@ -104,8 +106,12 @@ def parallelize(
         init_seed: for a module on the meta device without ``weights``: the seed of its own
             initialisation, run per rank on the slices it holds; the values equal
             ``nbscaler.runtime.initialize.init_module(model, init_seed)`` sliced, whatever the plan.
+        recipe: the training recipe (``nbscaler.Recipe``) the module will be trained with: its
+            ``module_dtype`` is that of ``module_dtype`` (give either, or both alike), and each
+            generated rank file states it in a comment. Pass the same recipe to ``build_optimizer``.
     """
     reuse = _enum(ReuseType, reuse, "reuse")
+    module_dtype, recipe = module_dtype_of(module_dtype, recipe)
     strategy = _enum(BroadcastGenFilesStrategy, broadcast_strategy, "broadcast_strategy")
     if not isinstance(compute_config, ComputeConfig):
         raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
@@ -133,7 +139,7 @@ def parallelize(
                 source = _weights_source(module_or_module_class, weights, init_seed)
             new_files = _compile(module_or_module_class, is_class, dummy_forward_args, pas_policy, compute_config,
                                  gen, reuse, module_dtype, module_fn,
-                                 source.description if source is not None else {"source": WEIGHTS_FILE})
+                                 source.description if source is not None else {"source": WEIGHTS_FILE}, recipe)
         except BaseException as err:      # the other ranks must hear about it, not wait forever
             error = err
     if distributed:
@@ -167,30 +173,54 @@ def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]]
     return ModuleWeights(module, file, seed, captured)
 
 
+def module_dtype_of(module_dtype: Optional[torch.dtype],
+                    recipe: Optional[Recipe]) -> Tuple[Optional[torch.dtype], Optional[Recipe]]:
+    """The dtype to convert the module to, from ``module_dtype`` and the recipe's, and the recipe
+    with it; a ``ValueError`` where the two are given and differ."""
+    if recipe is None:
+        return module_dtype, None
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a nbscaler.Recipe, got {type(recipe).__name__}")
+    if module_dtype is not None and recipe.module_dtype is not None and module_dtype != recipe.module_dtype:
+        raise ValueError(f"module_dtype={module_dtype} and recipe.module_dtype={recipe.module_dtype} disagree: "
+                         "give one of them.")
+    dtype = module_dtype or recipe.module_dtype
+    return dtype, recipe.replace(module_dtype=dtype)
+
+
 def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], dummy_forward_args: Dict[str, Any],
          pas_policy: Policy, compute_config: ComputeConfig, *, module_dtype: Optional[torch.dtype] = None,
-         module_fn: Optional[Callable[[], torch.nn.Module]] = None) -> Plan:
+         module_fn: Optional[Callable[[], torch.nn.Module]] = None, recipe: Optional[Recipe] = None) -> Plan:
     """Trace, place, check and cost a module in memory, writing nothing; see ``nbscaler.Plan``.
 
     Takes the first four arguments of ``parallelize`` (and its ``module_dtype`` / ``module_fn``) and
     needs no process group. ``"autodist"`` with ``pas_config['hardware']`` first chooses the config
     for that target from the plan space (``nbscaler.space.autodist``); any other policy compiles
-    the config given (``nbscaler.planning.planner.plan``).
+    the config given (``nbscaler.planning.planner.plan``). ``recipe``: the training recipe
+    (``nbscaler.Recipe``), whose ``module_dtype`` may stand for ``module_dtype`` (as in
+    ``parallelize``); the plan keeps it (``Plan.recipe``) and its rank files state it.
     """
+    module_dtype, recipe = module_dtype_of(module_dtype, recipe)
     if not searches_on_target(pas_policy, compute_config):
-        return planner.plan(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
-                            module_dtype=module_dtype, module_fn=module_fn)
-    if not isinstance(compute_config, ComputeConfig):
-        raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
-    module = build_module(module_or_module_class, module_fn, module_dtype)
-    return plan_on_target(module, dummy_forward_args, compute_config, module_dtype)
+        result = planner.plan(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
+                              module_dtype=module_dtype, module_fn=module_fn)
+    else:
+        if not isinstance(compute_config, ComputeConfig):
+            raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
+        module_dtype = target_module_dtype(compute_config, module_dtype)
+        module = build_module(module_or_module_class, module_fn, module_dtype)
+        result = plan_on_target(module, dummy_forward_args, compute_config, module_dtype, recipe)
+    result.recipe = recipe
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
 def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_policy, cfg: ComputeConfig,
-             gen: GenDir, reuse: ReuseType, module_dtype, module_fn, weights: Dict[str, Any]) -> List[str]:
+             gen: GenDir, reuse: ReuseType, module_dtype, module_fn, weights: Dict[str, Any],
+             recipe: Optional[Recipe] = None) -> List[str]:
     """Generate (or reuse) the files; returns the names of newly written files. ``weights`` says
-    where the ranks' weights come from: ``weights.pt`` is written only when it is that file."""
+    where the ranks' weights come from: ``weights.pt`` is written only when it is that file.
+    ``recipe``, where given, is stated in the rank files, so it is part of what reuse compares."""
     import nbscaler                    # for its version; the package imports this module
     module_class = module_or_class if is_class else type(module_or_class)
     fingerprint = {
@@ -200,6 +230,8 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
                   "dynamic_shape": cfg.dynamic_shape, "version": nbscaler.__version__},
         "code": {"compute_config": cfg.to_dict(), "policy": policy_name(pas_policy), "weights": weights},
     }
+    if recipe is not None:             # absent otherwise, so that earlier compiles still match
+        fingerprint["code"]["recipe"] = recipe.describe()
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     old = gen.read_config()
     if old is not None and reuse in (ReuseType.MATCH, ReuseType.MOO):
@@ -212,10 +244,11 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
 
     if old is not None and reuse is ReuseType.GRAPH and old["fingerprint"]["graph"] == fingerprint["graph"]:
         result = place(unplace(gen.read_graphs()), pas_policy, cfg, fingerprint["graph"]["module"])
+        result.recipe = recipe
         module = None
     else:
         module = build_module(module_or_class, module_fn, module_dtype)
-        result = plan(module, cast_floats(dummy_args, module_dtype), pas_policy, cfg)
+        result = plan(module, cast_floats(dummy_args, module_dtype), pas_policy, cfg, recipe=recipe)
 
     per_rank = weights["source"] != WEIGHTS_FILE
 

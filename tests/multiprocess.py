@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
-from nbscaler.config import PIPELINE_KEYS, Precision
+from nbscaler.config import PIPELINE_KEYS
+from nbscaler.recipe import Recipe
 from nbscaler.planning.planner import build_module, cast_floats
 from nbscaler.reference import MATCH_RTOL, call_with_kwargs, reference_run
 from nbscaler.runtime.checkpoint import local_pieces, merge_slices
@@ -481,7 +482,8 @@ def predicted_memory(case: Case) -> List[Dict[str, int]]:
     from nbscaler.cost.memory import memory_per_rank
     cls, kwargs = OPTIMIZERS[case.optimizer]
     return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs,
-                           precision=Precision(case.master_dtype, case.grad_reduce_dtype)).to_dict("records")
+                           precision=Recipe(master_dtype=case.master_dtype,
+                                                           grad_reduce_dtype=case.grad_reduce_dtype)).to_dict("records")
 
 
 # -- the same checks through a notebook cluster ------------------------------------------------------

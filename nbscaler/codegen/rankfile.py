@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch.utils._pytree import keystr
 
 from nbscaler.codegen.emitter import SectionPrinter
@@ -24,6 +25,7 @@ from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import RECOMPUTE_REGION, IRGraph
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import LayoutKind
+from nbscaler.recipe import Recipe
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.trace.guards import GUARD_OP
 
@@ -64,7 +66,7 @@ def _signature(params: List[Tuple[str, str, bool]]) -> str:
 def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_ngpus: int,
              runtime_ngpus: int, module_name: str, policy_name: str,
              geometry: Optional[PipelineGeometry] = None,
-             line_map: Optional[Dict[str, Dict[str, List[int]]]] = None) -> str:
+             line_map: Optional[Dict[str, Dict[str, List[int]]]] = None, recipe: Optional[Recipe] = None) -> str:
     """The source of ``gencode{rank}.py`` for one runtime rank: its lowered ``program`` printed as a
     header (docstring and imports), the class with its weight table, and one method per section.
 
@@ -72,10 +74,11 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
     means the forward does not depend on ``self.training``. ``geometry`` is set for pipelines.
     ``line_map``, when given, is filled with ``mode -> node name -> line numbers`` (1-based): the
     lines each node's call and the collectives for its inputs take up in the returned text.
+    ``recipe``, the run's training recipe where it is known, is stated beside the weight table.
     """
     out = header(program, graphs, rank=rank, plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus,
                  module_name=module_name, policy_name=policy_name, geometry=geometry)
-    out += class_table(program, graphs, rank, geometry)
+    out += class_table(program, graphs, rank, geometry, recipe)
     out += methods(program, graphs, len(out), line_map)
     out.append("")
     return "\n".join(out)
@@ -127,7 +130,7 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
 
 
 def class_table(program: RankProgram, graphs: Dict[str, IRGraph], rank: int,
-                geometry: Optional[PipelineGeometry]) -> List[str]:
+                geometry: Optional[PipelineGeometry], recipe: Optional[Recipe] = None) -> List[str]:
     """The class line and its tables: process groups, stage carries, the weight table (from the
     program's) and the original parameters' order."""
     out: List[str] = []
@@ -143,6 +146,8 @@ def class_table(program: RankProgram, graphs: Dict[str, IRGraph], rank: int,
     w("")
     w("    # local parameter/buffer -> the slice of the original module's tensor it holds")
     w(f"    # {_dtypes_held(graphs, specs)}")
+    if recipe is not None:
+        w(f"    # recipe: {recipe.describe(_param_dtype(graphs))}")
     w("    weight_specs = {")
     for attr, spec in specs.items():
         w(f"        {attr!r}: WeightSpec({spec}),")
@@ -192,6 +197,12 @@ def _dtypes_held(graphs: Dict[str, IRGraph], specs: Dict[str, str]) -> str:
     listed = ", ".join(f"{kind}s in {'/'.join(sorted(dtypes))}" for kind, dtypes in sorted(held.items()))
     return (f"held as compiled ({listed or 'no weights'}); the optimizer's master copies and state are in "
             "build_optimizer's master_dtype")
+
+
+def _param_dtype(graphs: Dict[str, IRGraph]) -> Optional[torch.dtype]:
+    """The dtype the parameters are held in, where they share one."""
+    held = {t.dtype for t in next(iter(graphs.values())).weights.values() if t.kind == "param"}
+    return held.pop() if len(held) == 1 else None
 
 
 def _carry_table(graphs: Dict[str, IRGraph], nstages: int) -> Dict[str, Dict[int, List[Tuple]]]:

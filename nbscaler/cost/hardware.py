@@ -51,7 +51,7 @@ import torch
 from nbscaler.columns import StrEnum
 
 
-class Precision(StrEnum):
+class NumberFormat(StrEnum):
     """The arithmetic a peak is quoted for; ``of`` maps a torch dtype to it."""
 
     FP32 = "float32"            # plain fp32 FMA on CUDA cores (what torch runs unless TF32 is allowed)
@@ -61,7 +61,7 @@ class Precision(StrEnum):
     FP8 = "float8"              # e4m3 / e5m2
 
     @classmethod
-    def of(cls, dtype: torch.dtype) -> "Precision":
+    def of(cls, dtype: torch.dtype) -> "NumberFormat":
         """The precision a tensor of ``dtype`` computes in (integers count as fp32: they never reach a
         tensor core in a training step's FLOPs)."""
         if dtype == torch.bfloat16:
@@ -98,7 +98,7 @@ class Hardware:
     """
 
     name: str
-    peak_flops_by_precision: Mapping[Precision, float]
+    peak_flops_by_precision: Mapping[NumberFormat, float]
     memory_bytes: float
     memory_bytes_per_s: float
     gpus_per_node: int
@@ -138,11 +138,11 @@ class Hardware:
         if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1):
             raise ValueError(f"Hardware {self.name!r}: attention_dropout={p!r} must be a probability in [0, 1) "
                              f"(0: the software drops no attention probabilities).")
-        peaks = {Precision(k): float(v) for k, v in dict(self.peak_flops_by_precision).items()}
+        peaks = {NumberFormat(k): float(v) for k, v in dict(self.peak_flops_by_precision).items()}
         object.__setattr__(self, "peak_flops_by_precision", peaks)
         if not peaks:
             raise ValueError(f"Hardware {self.name!r}: peak_flops_by_precision is empty; give at least "
-                             f"{{Precision.FP32: flop_per_s}}.")
+                             f"{{NumberFormat.FP32: flop_per_s}}.")
         for key, value in peaks.items():
             _positive(self.name, f"peak_flops_by_precision[{key.value}]", value, "a dense peak in FLOP/s")
         for name, unit in (("memory_bytes", "bytes"), ("memory_bytes_per_s", "bytes/s"),
@@ -165,7 +165,7 @@ class Hardware:
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense peak FLOP/s of one GPU for matmuls in ``dtype``."""
-        precision = Precision.of(dtype)
+        precision = NumberFormat.of(dtype)
         if precision not in self.peak_flops_by_precision:
             have = ", ".join(p.value for p in self.peak_flops_by_precision)
             raise ValueError(f"Hardware {self.name!r} has no {precision.value} peak (it has: {have}); "
@@ -280,7 +280,7 @@ _A100_MAMF, _H100_MAMF = 0.859, 0.801
 # ceiling above (MAMF) as a best-of-sweep burst at the boost clock and a separate sustained figure
 # (MSMF) as what training sees, so the two are not the same loss counted twice.
 _A100_SUSTAINED_CLOCK = 1305 / 1410
-P = Precision
+P = NumberFormat
 
 CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
     Hardware(
@@ -349,3 +349,13 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         inter_node_bytes_per_s=12.5 * _GB / 8, inter_node_latency_s=_NET_LAT,
         source="NVIDIA T4 Tensor Core GPU datasheet; AWS EC2 G4 instance types (g4dn.metal)"),
 )}
+
+
+def __getattr__(name: str):
+    """``Precision``, the number format's former name, still resolves (with a DeprecationWarning)."""
+    if name == "Precision":
+        import warnings
+        warnings.warn("nbscaler.cost.hardware.Precision is now NumberFormat; the training recipe's dtypes are "
+                      "nbscaler.Recipe.", DeprecationWarning, stacklevel=2)
+        return NumberFormat
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

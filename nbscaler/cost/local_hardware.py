@@ -17,7 +17,7 @@ import time
 import torch
 
 from nbscaler.cost import comm_model
-from nbscaler.cost.hardware import Hardware, Precision
+from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.cost.speed import device_key, sync
 
 
@@ -66,7 +66,7 @@ def local_hardware() -> Hardware:
     per_node = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     return Hardware(
         name=f"local ({device_key(device)})",
-        peak_flops_by_precision={Precision.FP32: measured_matmul_flops(device)},
+        peak_flops_by_precision={NumberFormat.FP32: measured_matmul_flops(device)},
         memory_bytes=_memory_bytes(device), memory_bytes_per_s=measured_copy_bytes_per_s(device),
         gpus_per_node=per_node,
         intra_node_bytes_per_s=1 / comm.beta_s_per_byte, intra_node_latency_s=comm.alpha_s,

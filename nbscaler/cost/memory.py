@@ -15,7 +15,7 @@ The categories and their names are those of ``nbscaler.columns`` (measured memor
   dtype changes (``nbscaler.config.split_buckets``), each padded to
   a multiple of the ZeRO group size. Without master copies a shard is a view of the flat
   parameters, so it adds no bytes of its own; the parameters include the padding;
-- **mixed precision** (``nbscaler.config.Precision``, as ``build_optimizer(..., master_dtype=)``
+- **mixed precision** (``nbscaler.Recipe``, as ``build_optimizer(..., master_dtype=)``
   runs it): the optimizer updates master copies of the local parameters (with ZeRO, of the shards)
   in the master dtype; the copies count as optimizer state and the state is learnt in their dtype.
   Gradients are in the parameters' dtype until the synchronisation moves them onto the masters
@@ -50,7 +50,8 @@ from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.lower import lower_device, rank_sections, train_graph
 from nbscaler.comm.program import RankProgram, Section
-from nbscaler.config import ComputeConfig, Precision, split_buckets
+from nbscaler.config import ComputeConfig, split_buckets
+from nbscaler.recipe import AS_HELD, Recipe
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, step_moments, step_peak
 from nbscaler.cost.ranks import LocalWeight, local_weights
@@ -114,7 +115,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
-                  optimizer_kwargs: Optional[Dict[str, Any]], precision: Precision = Precision()) -> Dict[str, int]:
+                  optimizer_kwargs: Optional[Dict[str, Any]], precision: Recipe = AS_HELD) -> Dict[str, int]:
     """Parameters, optimizer state and buffers of one rank (bytes): what it holds at every moment.
     With master copies (``precision``) the optimizer's bytes are the copies and their state."""
     params = [w for w in weights if w.kind == "param"]
@@ -134,7 +135,7 @@ def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Typ
     return row
 
 
-def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precision = Precision()) -> Gradients:
+def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Recipe = AS_HELD) -> Gradients:
     """The rank's gradients at the start of a step (none), bucketed as its reducer buckets them,
     with the gradient bytes the synchronisation leaves per bucket on the optimizer's side: ZeRO's
     shard, or the master copies' without ZeRO (nothing without either)."""
@@ -142,7 +143,7 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Precisi
 
 
 def gradient_buckets(weights: List[LocalWeight], cfg: ComputeConfig,
-                     precision: Precision = Precision()) -> Tuple[List[List[LocalWeight]], List[int], int]:
+                     precision: Recipe = AS_HELD) -> Tuple[List[List[LocalWeight]], List[int], int]:
     """``Gradients``' arguments for ``gradients``: what a step starts from, which a sweep keeps for
     the configurations that share it (of ``cfg`` it reads the bucket size and ZeRO's stage and group)."""
     params = [w for w in weights if w.kind == "param"]
@@ -318,7 +319,7 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
                     geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                     optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                    precision: Precision = Precision(), weights_of: Optional[WeightsOf] = None) -> pd.DataFrame:
+                    precision: Recipe = AS_HELD, weights_of: Optional[WeightsOf] = None) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:

@@ -26,7 +26,7 @@ overlap the next block except their latency; the data-parallel gradient reductio
 bucket during the backward's last block, as DDP does, and only its first bucket (the gradients the
 backward produces last) and what exceeds that block's time add to the step; on a target whose
 software waits for the backward to end (``Hardware.overlap_grad_reduce=False``, Megatron-LM before
-2023) all of it does. Gradients are reduced in the run's reduce dtype (``config.Precision``).
+2023) all of it does. Gradients are reduced in the recipe's reduce dtype (``nbscaler.Recipe``).
 
 What limits it: Python overhead between ops and the pipeline executor's bookkeeping (beyond
 starting its sends and receives) are not counted; ranks are assumed in step (none waits at a
@@ -49,7 +49,8 @@ import torch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.layout import Layout
 from nbscaler.comm.stages import stage_carries
-from nbscaler.config import ComputeConfig, Precision, threads_per_rank
+from nbscaler.config import ComputeConfig, threads_per_rank
+from nbscaler.recipe import Recipe
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
@@ -115,7 +116,7 @@ def device_params(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device
     return [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
 
 
-def _reduced_bytes(params: List[LocalWeight], precision: Optional[Precision]) -> int:
+def _reduced_bytes(params: List[LocalWeight], precision: Optional[Recipe]) -> int:
     """Bytes of ``params``' gradients as the reduction sends them: in ``precision``'s reduce dtype
     (fp32 for a bf16 model with fp32 masters, as Megatron-LM and ``build_optimizer`` do)."""
     if precision is None:
@@ -126,7 +127,7 @@ def _reduced_bytes(params: List[LocalWeight], precision: Optional[Precision]) ->
 def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                  geometry: Optional[PipelineGeometry], comm: CommModel,
                  params: Optional[List[LocalWeight]] = None,
-                 precision: Optional[Precision] = None) -> List[Tuple[float, float]]:
+                 precision: Optional[Recipe] = None) -> List[Tuple[float, float]]:
     """Seconds of the gradient synchronisation per bucket of plan ``device`` (unit 0), in parameter
     order: ``(during, after)``, what may run while the backward goes on (partial gradients summed
     inside the unit for parameters stored ``R*``, the all-reduce across data-parallel units or
@@ -138,7 +139,7 @@ def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
 
 
 def reduced_buckets(params: List[LocalWeight], cfg: ComputeConfig,
-                    precision: Optional[Precision]) -> Tuple[List[Tuple[int, int]], List[int]]:
+                    precision: Optional[Recipe]) -> Tuple[List[Tuple[int, int]], List[int]]:
     """The gradient bytes ``sync_buckets`` reduces, per bucket: ``(n, bytes)`` for each bucket of
     the parameters whose partial gradients ``n`` adjacent devices sum first, then the bytes of each
     bucket of all of them, reduced across the units. Of ``cfg`` it reads only the bucket size
@@ -179,7 +180,7 @@ def _bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel) -> Callabl
 
 def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
               geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None,
-              params: Optional[List[LocalWeight]] = None, precision: Optional[Precision] = None) -> float:
+              params: Optional[List[LocalWeight]] = None, precision: Optional[Recipe] = None) -> float:
     """Seconds of the gradient synchronisation after the backward (``sync_buckets``, then
     ``exposed_sync``)."""
     return exposed_sync(sync_buckets(graphs, storage, cfg, device, geometry, comm, params, precision), overlap_s)
@@ -203,7 +204,7 @@ def exposed_sync(times: List[Tuple[float, float]], overlap_s: Optional[float]) -
 def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
                 geometry: Optional[PipelineGeometry], profiler: OpProfiler, optimizer: Type[torch.optim.Optimizer],
                 optimizer_kwargs: Dict[str, Any], params: Optional[List[LocalWeight]] = None,
-                precision: Optional[Precision] = None) -> float:
+                precision: Optional[Recipe] = None) -> float:
     """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled); with
     master copies (``precision``) the step streams them and their state in the master dtype."""
     params = params if params is not None else device_params(graphs, storage, device, geometry)
@@ -222,7 +223,7 @@ def updated_numels(params: List[LocalWeight], cfg: ComputeConfig) -> List[int]:
 
 def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optional[torch.dtype],
                    optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-                   precision: Optional[Precision] = None) -> float:
+                   precision: Optional[Recipe] = None) -> float:
     """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step)."""
     if not numels:
         return 0.0
@@ -291,7 +292,7 @@ class StepModel:
 
     def device_steps(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                      optimizer_kwargs: Optional[Dict[str, Any]] = None,
-                     precision: Optional[Precision] = None) -> Dict[int, DeviceStep]:
+                     precision: Optional[Recipe] = None) -> Dict[int, DeviceStep]:
         """Per plan device, the seconds of one training step's parts (``DeviceStep``'s compute,
         exposed synchronisation and update; FLOPs and bytes are the plan's to add), gradients
         reduced and the update run in ``precision``'s dtypes. Compute is the pipeline's makespan,
@@ -317,7 +318,7 @@ class StepModel:
 
     def step_times(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
                    optimizer_kwargs: Optional[Dict[str, Any]] = None,
-                   precision: Optional[Precision] = None) -> pd.DataFrame:
+                   precision: Optional[Recipe] = None) -> pd.DataFrame:
         """Predicted seconds of one training step per runtime rank (``device_steps`` added up)."""
         parts = self.device_steps(nsamples, optimizer, optimizer_kwargs, precision)
         rows = [{str(C.RANK): rank, str(C.STEP_TIME_S): parts[self.cfg.device_of(rank)].step_time_s}

@@ -32,7 +32,7 @@ from nbscaler.codegen.rankfile import generate
 from nbscaler.comm.layout import Layout, storage_layouts
 from nbscaler.comm.lower import RankPrograms, lower, rank_sections
 from nbscaler.comm.traffic import collective_steps
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig
 from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank, paused_gc
@@ -45,6 +45,7 @@ from nbscaler.planning.step import plan_step
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL, get_policy
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.policy.checks import check_placements
 from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
@@ -99,6 +100,9 @@ class Plan:
     module_name: str
     compile_seconds: float = 0.0
     policy: Optional[Policy] = field(default=None, repr=False)
+    #: the training recipe a run of this plan uses, where one was given (``parallelize(recipe=)``):
+    #: each rank file states it
+    recipe: Optional[Recipe] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.storage: Dict[str, Layout] = storage_layouts(
@@ -153,7 +157,8 @@ class Plan:
         lines: Dict[str, Dict[str, List[int]]] = {}
         text = generate(self.programs[rank], self.graphs, rank=rank, plan_ngpus=cfg.plan_ngpus,
                         runtime_ngpus=cfg.runtime_ngpus, module_name=self.module_name,
-                        policy_name=self.policy_name, geometry=self.geometry, line_map=lines)
+                        policy_name=self.policy_name, geometry=self.geometry, line_map=lines,
+                        recipe=self.recipe)
         return text, lines
 
     # -- tables -----------------------------------------------------------------------------------
@@ -173,45 +178,68 @@ class Plan:
         pipeline crossings; ``summary()`` adds the gradient synchronisation between units."""
         return tables.traffic_per_rank(self)
 
-    def summary(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *, hardware: Optional[Hardware] = None,
-                master_dtype: Optional[torch.dtype] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
-        """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted.
-
-        ``master_dtype`` is ``build_optimizer``'s: the memory counts the optimizer's master copies
-        and its state in that dtype (``memory()``).
+    def summary(self, optimizer: Any = UNSET, *, hardware: Optional[Hardware] = None, recipe: Optional[Recipe] = None,
+                master_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET, **optimizer_kwargs: Any) -> pd.DataFrame:
+        """One row per runtime rank: FLOPs, traffic, memory by kind and the step time, predicted
+        for a run that trains with ``recipe`` (``nbscaler.Recipe``; default ``Recipe()``, AdamW with
+        fp32 masters). ``optimizer``, ``master_dtype``, ``grad_reduce_dtype`` and
+        ``optimizer_kwargs`` are shorthands for its fields, as ``build_optimizer`` takes them: the
+        memory counts the master copies and the optimizer state in their dtypes (``memory()``), and
+        the gradient synchronisation sends the gradients in the recipe's reduce dtype.
 
         With ``hardware`` (``nbscaler.Hardware``), the step is timed on that target from each op's
         FLOPs and bytes and NCCL's collective costs, with nothing run on this machine, and the rows
         add its capacity, ``fits``, ``hardware_flops``, ``mfu``, ``hfu`` and ``tokens_per_s``
         (``nbscaler.columns``)."""
-        return tag(tables.summary_frame(self, optimizer, optimizer_kwargs, hardware, master_dtype),
-                   Table.SUMMARY, self)
+        chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
+                                grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
+        return tag(tables.summary_frame(self, chosen, hardware), Table.SUMMARY, self)
 
-    def step_figures(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *,
-                     hardware: Optional[Hardware] = None, master_dtype: Optional[torch.dtype] = None,
+    def step_figures(self, optimizer: Any = UNSET, *, recipe: Optional[Recipe] = None,
+                     hardware: Optional[Hardware] = None, master_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
                      **optimizer_kwargs: Any) -> StepFigures:
-        """One training step, priced (``cost.step_figures.StepFigures``): each plan device's
-        compute, exposed gradient synchronisation and optimizer step, its FLOPs, and on ``hardware``
-        the job's step time, MFU, HFU and tokens/s. ``summary`` reads its step from here."""
-        return plan_step(self, optimizer, optimizer_kwargs, hardware, Precision(master_dtype))
+        """One training step with ``recipe`` (default ``Recipe()``; the other keywords are shorthands
+        for its fields, as in ``summary``), priced (``cost.step_figures.StepFigures``): each plan
+        device's compute, exposed gradient synchronisation and optimizer step, its FLOPs, and on
+        ``hardware`` the job's step time, MFU, HFU and tokens/s. ``summary`` reads its step from here."""
+        chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
+                                grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
+        return plan_step(self, chosen, hardware)
 
-    def memory(self, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, *,
-               master_dtype: Optional[torch.dtype] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
-        """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...).
+    def memory(self, optimizer: Any = UNSET, *, recipe: Optional[Recipe] = None, master_dtype: Any = UNSET,
+               grad_reduce_dtype: Any = UNSET, **optimizer_kwargs: Any) -> pd.DataFrame:
+        """Predicted bytes per runtime rank by kind (parameters, gradients, optimizer state, ...)
+        for a run that trains with ``recipe`` (default ``Recipe()``; the other keywords are
+        shorthands for its fields, as in ``summary``).
 
-        With ``master_dtype`` (``build_optimizer``'s, e.g. ``torch.float32`` for a bf16 module) the
-        optimizer updates master copies in that dtype: they count in ``optimizer_bytes`` with its
-        state, and the gradients are in that dtype after the step (``nbscaler.cost.memory``)."""
-        return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=optimizer,
-                                   optimizer_kwargs=optimizer_kwargs, runs=self.local_runs,
-                                   precision=Precision(master_dtype), weights_of=self.programs.weights),
+        With master copies (the default's fp32 ones of a bf16 module) the optimizer updates them:
+        they count in ``optimizer_bytes`` with its state, and the gradients are in that dtype after
+        the step (``nbscaler.cost.memory``)."""
+        chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
+                                grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
+        return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=chosen.optimizer,
+                                   optimizer_kwargs=chosen.kwargs, runs=self.local_runs,
+                                   precision=chosen, weights_of=self.programs.weights),
                    Table.MEMORY, self)
 
-    def timeline(self, hardware: Optional[Hardware] = None) -> Timeline:
+    def timeline(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
-        on this machine or on ``hardware``."""
+        on this machine or on ``hardware``. Its blocks are the forwards and backwards, which no
+        field of ``recipe`` moves; it is checked against the plan as ``summary`` checks it."""
+        self.recipe_of(recipe)
         return predicted_timeline(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs,
                                   hardware=hardware, model=self.step_model(hardware))
+
+    def recipe_of(self, recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
+        """The recipe a prediction of this plan uses: ``Recipe.of(recipe, **shorthands)``, whose
+        ``module_dtype``, when it has one, must be the dtype the plan's parameters are held in."""
+        chosen = Recipe.of(recipe, **shorthands)
+        held = {t.dtype for t in self.graph.weights.values() if t.kind == "param" and t.dtype.is_floating_point}
+        if chosen.module_dtype is not None and held and held != {chosen.module_dtype}:
+            raise ValueError(f"recipe.module_dtype={chosen.module_dtype} but this plan's parameters are held in "
+                             f"{', '.join(sorted(map(str, held)))}: plan with module_dtype={chosen.module_dtype}, "
+                             "or give a recipe without module_dtype.")
+        return chosen
 
     def step_model(self, hardware: Optional[Hardware] = None) -> Optional[StepModel]:
         """The step model (each device's section times) on target ``hardware``, made once per

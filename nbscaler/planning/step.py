@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import pandas as pd
 import torch
 
 from nbscaler.columns import SummaryColumn as C
-from nbscaler.config import Precision
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.step_figures import StepFigures, step_tokens
 from nbscaler.cost.timing import StepModel
 from nbscaler.ir.graph import IRNode
+from nbscaler.recipe import Recipe
 
 if TYPE_CHECKING:
     from nbscaler.planning.planner import Plan
@@ -104,9 +104,9 @@ def tokens_per_step(plan: "Plan") -> Optional[int]:
     return step_tokens(micro_batch_tokens(plan), cfg.pipeline_nmicros if cfg.use_pipeline else 1, cfg.units)
 
 
-def plan_step(plan: "Plan", optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-              hardware: Optional[Hardware] = None, precision: Optional[Precision] = None) -> StepFigures:
-    """One training step of ``plan`` on ``hardware`` (this machine without it), priced: each plan
+def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None) -> StepFigures:
+    """One training step of ``plan`` trained with ``recipe`` on ``hardware`` (this machine without
+    it), priced: each plan
     device's compute, exposed synchronisation and update (``cost.timing.StepModel``) with its FLOPs,
     the job's tokens, and with ``hardware`` (``Hardware.local()`` too) its peak FLOP/s at the
     model's compute dtype and the FLOPs recomputed forwards add."""
@@ -115,7 +115,7 @@ def plan_step(plan: "Plan", optimizer: Type[torch.optim.Optimizer], optimizer_kw
                                                    runs=plan.local_runs, hardware=hardware,
                                                    weights_of=plan.programs.weights)
     nsamples = cfg.pipeline_nmicros if cfg.use_pipeline else 1
-    parts = model.device_steps(nsamples, optimizer, optimizer_kwargs, precision)
+    parts = model.device_steps(nsamples, recipe.optimizer, recipe.kwargs, recipe)
     flops = flops_per_device(plan)
     # utilisation needs a peak: a target's, or this machine's as Hardware.local() measures it
     again = recomputed_flops_per_device(plan) if hardware is not None else {}

@@ -20,6 +20,7 @@ import torch
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.program import RankProgram, output_shapes
 from nbscaler.comm.traffic import CommStep
+from nbscaler.recipe import Recipe
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.layouts import Collective
@@ -122,15 +123,14 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     return pd.DataFrame(rows)
 
 
-def summary_frame(plan: "Plan", optimizer, optimizer_kwargs: Dict[str, Any],
-                  hardware: Optional["Hardware"] = None, master_dtype: Optional[torch.dtype] = None) -> pd.DataFrame:
+def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] = None) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
-    ``hardware`` those of ``TARGET_COLUMNS`` too; memory with master copies in ``master_dtype``.
-    Its step is ``plan.step_figures``'s."""
+    ``hardware`` those of ``TARGET_COLUMNS`` too, for a run that trains with ``recipe``. Its step is
+    ``plan.step_figures``'s."""
     cfg = plan.config
-    memory = plan.memory(optimizer, master_dtype=master_dtype, **optimizer_kwargs)
+    memory = plan.memory(recipe=recipe)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
-    step = plan.step_figures(optimizer, hardware=hardware, master_dtype=master_dtype, **optimizer_kwargs)
+    step = plan.step_figures(recipe=recipe, hardware=hardware)
     devices = [step.devices[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)]
     frame = pd.DataFrame({C.RANK.value: range(cfg.runtime_ngpus), C.FLOPS.value: [d.flops for d in devices]})
     frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)

@@ -56,6 +56,15 @@ def binding(row, best, hardware: Hardware) -> str:
     return f"{name} ({seconds(most)} more a step than the choice's)"
 
 
+def _same(info: Dict[str, Any], dtype: str) -> str:
+    """The call that predicts what the search priced: its recipe in shorthand where that says all of it."""
+    recipe = info.get("recipe")
+    if recipe is None or (not recipe.optimizer_kwargs and recipe.grad_reduce_dtype is None
+                          and recipe.loss_scaling is None and recipe.clip_grad_norm is None):
+        return f"plan.summary({info['optimizer'].__name__}, hardware=..., master_dtype={dtype})"
+    return f"plan.summary(hardware=..., recipe=...) for the recipe {recipe.describe()}"
+
+
 def explain_lines(info: Dict[str, Any]) -> List[str]:
     """``plan.explain()``'s text for a plan autodist chose on a target."""
     hw, best = info["hardware"], info["chosen"]
@@ -69,7 +78,7 @@ def explain_lines(info: Dict[str, Any]) -> List[str]:
                 "the memory" if info["pruned"] else "") + ".",
              f"chose {describe(best)} ({best['micro_batches']} micro-batches a step): {figures(best, hw)}.",
              f"  of its step: {overheads(best)}.",
-             f"  plan.summary({info['optimizer'].__name__}, hardware=..., master_dtype={dtype}) predicts the same.",
+             f"  {_same(info, dtype)} predicts the same.",
              "against the runners-up (what each would cost; what binds it):"]
     for row in info["runners_up"]:
         slower = row["step_time_s"] / best["step_time_s"] - 1

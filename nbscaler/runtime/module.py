@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from nbscaler.genfiles import WEIGHTS_FILE
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig
+from nbscaler.recipe import Recipe
 from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
@@ -162,7 +163,7 @@ class ParallelModule(torch.nn.Module):
         super().zero_grad(set_to_none)
         self.reducer.zero_grad()
 
-    def set_precision(self, precision: Precision) -> None:
+    def set_precision(self, precision: Recipe) -> None:
         """Sum gradients in ``precision``'s reduction dtype and let the optimizer update master
         copies where it asks for them (``build_optimizer`` calls this before reading the slots)."""
         for reducer in self.replica_reducers:       # sums inside the unit: back into the module's grads

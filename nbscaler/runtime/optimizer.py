@@ -13,7 +13,8 @@ The patches, in the order a training step meets them:
 4. ``state_dict()`` adds a record of what each optimizer parameter holds (which slices of which
    original parameters), and ``load_state_dict()`` refuses a state saved under another layout.
 
-With ``master_dtype`` the optimizer's parameters are master copies of the module's (fp32 copies of
+The training recipe (``nbscaler.Recipe``) says which optimizer and dtypes. With master copies
+(``Recipe.master_dtype``) the optimizer's parameters are master copies of the module's (fp32 copies of
 bf16 parameters, say): the summed gradients land on them, the step updates them and the post-step
 hook copies them back, and ``state_dict()`` saves each as its parameter's state ``master``. With a
 ``scaler`` (``nbscaler.runtime.scaler.LossScaler``) ``step()`` skips the update when a gradient
@@ -29,12 +30,14 @@ micro-batches; ``optimizer.scale_grads(1 / n)`` turns a sum into a mean.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+import dataclasses
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.module import ParallelModule, runtime_device
 from nbscaler.runtime.reducer import GradHook, Reducer
@@ -42,7 +45,6 @@ from nbscaler.runtime.scaler import LossScaler
 from nbscaler.runtime.statecheck import OPTIMIZER_FORMAT, OPTIMIZER_KEY, check_optimizer_state
 from nbscaler.schedule.grid import RankGrid
 
-OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 MASTER_KEY = "master"               # a master copy, saved as its optimizer parameter's state
 SCALER_KEY = "nbscaler_loss_scale"
 
@@ -56,26 +58,35 @@ def parallel_modules(module: torch.nn.Module) -> Dict[str, ParallelModule]:
     return {(name + "." if name else ""): m for name, m in module.named_modules() if isinstance(m, ParallelModule)}
 
 
-def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., OptimizerT],
-                    compute_config: Optional[ComputeConfig] = None, *, master_dtype: Optional[torch.dtype] = None,
-                    grad_reduce_dtype: Optional[torch.dtype] = None, scaler: Optional[LossScaler] = None,
-                    **kwargs: Any) -> OptimizerT:
-    """Create ``optimizer_fn(params, **kwargs)`` for ``module`` and patch it for parallel training.
+def build_optimizer(module: torch.nn.Module, optimizer_fn: Any = UNSET,
+                    compute_config: Optional[ComputeConfig] = None, *, recipe: Optional[Recipe] = None,
+                    master_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
+                    scaler: Optional[LossScaler] = None, **kwargs: Any) -> torch.optim.Optimizer:
+    """Create the recipe's optimizer (``optimizer_fn(params, **kwargs)``) for ``module`` and patch
+    it for parallel training.
 
     ``module`` is a ``ParallelModule`` or any module containing some. Parameters outside parallel
     modules are replicated inside a unit and their gradients summed across units by
     ``optimizer._non_parallel_module_reducer``; ``compute_config`` tells the unit size when the
     module holds no parallel module to read it from.
 
-    Mixed precision (``nbscaler.config.Precision``): with ``master_dtype`` (e.g. ``torch.float32``
-    for a module compiled with ``module_dtype=torch.bfloat16``) the optimizer updates master copies
-    of this rank's parameters (with ZeRO, of its shards) and keeps its state in that dtype; the
-    updated values are copied back into the parameters after each step. Gradients are summed
-    across ranks in ``grad_reduce_dtype`` (default: ``master_dtype``). ``scaler``, a
-    ``LossScaler``, unscales the gradients when they are summed and skips the steps in which one
-    overflowed (fp16).
+    ``recipe`` (``nbscaler.Recipe``; default ``Recipe()``: AdamW with fp32 masters) says how to
+    train; ``optimizer_fn``, ``master_dtype``, ``grad_reduce_dtype`` and ``kwargs`` are shorthands
+    for its fields (``Recipe.of``). With master copies (``master_dtype`` wider than the
+    parameters', e.g. ``torch.float32`` for a module compiled with ``module_dtype=torch.bfloat16``)
+    the optimizer updates copies of this rank's parameters (with ZeRO, of its shards) and keeps its
+    state in that dtype; the updated values are copied back into the parameters after each step
+    (``master_dtype=None``: no copies). Gradients are summed across ranks in the recipe's
+    ``reduce_dtype``. The recipe's ``loss_scaling`` (or ``scaler``, a ``LossScaler`` of one's own)
+    unscales the gradients when they are summed and skips the steps in which one overflowed (fp16).
+    The recipe's ``clip_grad_norm`` is the default of ``optimizer.clip_gnorm()``.
     """
-    precision = Precision(master_dtype, grad_reduce_dtype)
+    precision = Recipe.of(recipe, optimizer=optimizer_fn, optimizer_kwargs=kwargs, master_dtype=master_dtype,
+                          grad_reduce_dtype=grad_reduce_dtype)
+    if scaler is not None and precision.loss_scaling is not None:
+        raise ValueError("build_optimizer got both scaler= and a recipe with loss_scaling: give one of them.")
+    if scaler is None and precision.loss_scaling is not None:
+        scaler = LossScaler(**dataclasses.asdict(precision.loss_scaling))
     parallel = parallel_modules(module)
     configs = {(m.compute_config.plan_ngpus, m.compute_config.runtime_ngpus) for m in parallel.values()}
     if len(configs) > 1:
@@ -97,9 +108,9 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., Optimiz
         reducer.set_precision(precision)
     params = [p for m in parallel.values() for p in m.parameters_for_optimizer()]
     params += [p for p, _ in non_parallel.optimizer_slots()]
-    optimizer = optimizer_fn(params, **kwargs)
+    optimizer = precision.optimizer(params, **precision.kwargs)
     patch = OptimizerPatch(optimizer, list(parallel.values()), non_parallel, plan,
-                           state_layout(module, parallel, plain), scaler)
+                           state_layout(module, parallel, plain), scaler, precision)
     patch.attach()
     return optimizer
 
@@ -116,7 +127,8 @@ class OptimizerPatch:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, modules: List[ParallelModule], non_parallel: Reducer,
-                 plan_ngpus: int, layout: Dict[str, Any], scaler: Optional[LossScaler] = None):
+                 plan_ngpus: int, layout: Dict[str, Any], scaler: Optional[LossScaler] = None,
+                 recipe: Optional[Recipe] = None):
         self.optimizer = optimizer
         self.modules = modules
         self.non_parallel = non_parallel
@@ -125,6 +137,7 @@ class OptimizerPatch:
         self.layout = layout
         self.synced = False
         self.scaler = scaler
+        self.recipe = recipe or Recipe()
         self.overflowed = False
         self._zero_grad = optimizer.zero_grad           # the optimizer's own, before the patch
         self._step = optimizer.step
@@ -180,8 +193,9 @@ class OptimizerPatch:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
-    def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
-        """The global gradient norm of the whole (unpartitioned) model, clipping to ``max_norm``.
+    def clip_gnorm(self, max_norm: Any = UNSET) -> torch.Tensor:
+        """The global gradient norm of the whole (unpartitioned) model, clipping to ``max_norm``
+        (default: the recipe's ``clip_grad_norm``; ``None``: no clipping).
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model: every rank adds
         its share (a slice counts once, a copy held by several devices or ranks a fraction), and
@@ -194,6 +208,7 @@ class OptimizerPatch:
             sq = sq.to(runtime_device())
             dist.all_reduce(sq)
         total = sq.sqrt().float().cpu()
+        max_norm = self.recipe.clip_grad_norm if max_norm is UNSET else max_norm
         if max_norm is not None:
             coef = max_norm / (float(total) + 1e-6)
             if coef < 1:

@@ -26,7 +26,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nbscaler.config import DEFAULT_BUCKET_BYTES, Precision, split_buckets
+from nbscaler.config import DEFAULT_BUCKET_BYTES, split_buckets
+from nbscaler.recipe import AS_HELD, Recipe
 from nbscaler.runtime.groups import WeakGroup
 
 GradHook = Callable[["Reducer", torch.Tensor], None]
@@ -103,12 +104,12 @@ class Reducer:
         # Called when a bucket's gradients are all held, just before a reduce that frees them
         # (ZeRO's): the most gradients a rank holds, where ``MemoryMeter`` counts them.
         self.observers: List[Callable[[], None]] = []
-        self.precision = Precision()
+        self.precision: Recipe = AS_HELD
         self.masters: Dict[int, torch.nn.Parameter] = {}     # id(param) -> its master copy
         sizes = [(p.numel() * p.element_size(), p.dtype) for p in self.params]
         self.buckets = [Bucket([self.params[i] for i in run]) for run in split_buckets(sizes, bucket_bytes)]
 
-    def set_precision(self, precision: Precision, masters: bool = True) -> None:
+    def set_precision(self, precision: Recipe, masters: bool = True) -> None:
         """Sum gradients in ``precision``'s reduction dtype and, with ``masters``, let the optimizer
         update master copies of the parameters (call before the optimizer reads ``optimizer_slots``)."""
         self.precision = precision

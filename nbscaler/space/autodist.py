@@ -14,7 +14,7 @@ under that row's config (``space.sweep.config_of``: ``hybrid``'s tensor-parallel
 inside each stage) and keeps the rows it beat for ``plan.explain()``: what each would cost and
 what binds it. ``pas_config['sequence_parallel']``, where given, is the only value searched.
 
-The plan's ``summary(optimizer, hardware=target, master_dtype=...)`` predicts what the chosen row
+The plan's ``summary(hardware=target, recipe=...)`` predicts what the chosen row
 says (the sweep's own contract, ``tests/space/test_sweep.py``); ``graph.meta['autodist']``
 records the target, the ranges, the rows and the seconds the search took.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Dict, Optional, Union
 
 import pandas as pd
 import torch
@@ -36,6 +36,7 @@ from nbscaler.config import ComputeConfig
 from nbscaler.cost.hardware import Hardware
 from nbscaler.planning.planner import Plan, trace_and_place
 from nbscaler.planning.stack import one_sequence
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.planning.target_explanation import describe, gigabytes
 from nbscaler.policy.autodist.options import OPTIMIZERS, TARGET_KEYS
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL, BuiltinPolicy, sequence_parallel
@@ -67,25 +68,34 @@ class TargetSearch:
                         ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage`` (a
                         missing one: the sweep's default; ``sequence_parallel`` missing and
                         ``pas_config['sequence_parallel']`` given: that value alone)
-    ``master_dtype``    the optimizer's master copies' dtype (``build_optimizer``'s; default
-                        ``torch.float32``)
+    ``recipe``          the training recipe priced (``nbscaler.Recipe``; default ``Recipe()``:
+                        AdamW, fp32 master copies)
+    ``master_dtype``    shorthand for the recipe's master copies' dtype (``build_optimizer``'s)
     ==================  ==========================================================================
 
-    The optimizer priced is autodist's ``memory_optimizer`` (``'adamw'`` by default).
+    autodist's ``memory_optimizer`` (``'adam'``, ``'adamw'``, ``'sgd'``) is a shorthand for the
+    recipe's optimizer; a shorthand that disagrees with the recipe is refused. ``priced`` is the
+    recipe the search prices.
     """
 
     hardware: Union[str, Hardware]
     global_batch: Optional[int] = None
     autodist_space: Dict[str, Any] = field(default_factory=dict)
-    master_dtype: Optional[torch.dtype] = torch.float32
-    memory_optimizer: str = "adamw"
+    recipe: Optional[Recipe] = None
+    master_dtype: Any = UNSET
+    memory_optimizer: Any = UNSET
+    priced: Recipe = field(init=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: ComputeConfig) -> "TargetSearch":
-        """The search ``cfg.pas_config`` asks for (it must name ``hardware``)."""
+    def from_config(cls, cfg: ComputeConfig, recipe: Optional[Recipe] = None) -> "TargetSearch":
+        """The search ``cfg.pas_config`` asks for (it must name ``hardware``); ``recipe``, that of
+        ``nbscaler.plan(recipe=)``, where ``pas_config`` gives none (else the two must be equal)."""
         pas = cfg.pas_config or {}
         keys = (*TARGET_KEYS, "memory_optimizer")
-        return cls(**{k: v for k, v in pas.items() if k in keys})
+        given = {k: v for k, v in pas.items() if k in keys}
+        if recipe is not None and given.get("recipe", recipe) != recipe:
+            raise ValueError(f"pas_config['recipe']={given['recipe']!r} and recipe={recipe!r} disagree: give one of them.")
+        return cls(**{**({"recipe": recipe} if recipe is not None else {}), **given})
 
     def __post_init__(self) -> None:
         def fail(key: str, value, fix: str) -> None:
@@ -105,10 +115,18 @@ class TargetSearch:
         if not isinstance(space, dict) or set(space) - set(SPACE_KEYS):
             fail("autodist_space", space, f"give a dict with some of {', '.join(SPACE_KEYS)}, "
                                           "e.g. {'tp': (2, 4, 8), 'pp': (1, 2, 4)}.")
-        if self.master_dtype is not None and not isinstance(self.master_dtype, torch.dtype):
+        if self.recipe is not None and not isinstance(self.recipe, Recipe):
+            fail("recipe", self.recipe, "give a nbscaler.Recipe, e.g. Recipe(master_dtype=torch.float32).")
+        if self.master_dtype not in (UNSET, None) and not isinstance(self.master_dtype, torch.dtype):
             fail("master_dtype", self.master_dtype, "give a torch dtype such as torch.float32, or None.")
-        if self.memory_optimizer not in OPTIMIZERS:
+        if self.memory_optimizer is not UNSET and self.memory_optimizer not in OPTIMIZERS:
             fail("memory_optimizer", self.memory_optimizer, f"use one of {', '.join(OPTIMIZERS)}.")
+        named = OPTIMIZERS[self.memory_optimizer] if self.memory_optimizer is not UNSET else UNSET
+        try:
+            priced = Recipe.of(self.recipe, optimizer=named, master_dtype=self.master_dtype)
+        except ValueError as err:
+            fail("recipe", self.recipe, f"{err} (memory_optimizer and master_dtype are shorthands for its fields)")
+        object.__setattr__(self, "priced", priced)
 
     def target(self, cfg: ComputeConfig) -> Hardware:
         """The target with the config's ``runtime_ngpus`` GPUs (``Hardware.resolve``)."""
@@ -118,8 +136,9 @@ class TargetSearch:
             raise ValueError(f"pas_config['hardware'] with runtime_ngpus={cfg.runtime_ngpus}: {err}") from None
 
     @property
-    def optimizer(self) -> Type[torch.optim.Optimizer]:
-        return OPTIMIZERS[self.memory_optimizer]
+    def optimizer(self) -> Any:
+        """The optimizer priced (the recipe's)."""
+        return self.priced.optimizer
 
 
 def searches_on_target(policy: Any, cfg: ComputeConfig) -> bool:
@@ -128,18 +147,19 @@ def searches_on_target(policy: Any, cfg: ComputeConfig) -> bool:
 
 
 def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: ComputeConfig,
-                   module_dtype: Optional[torch.dtype]) -> Plan:
+                   module_dtype: Optional[torch.dtype], recipe: Optional[Recipe] = None) -> Plan:
     """The plan of the fastest configuration that fits the target (see the module docstring).
-    ``dummy_args`` hold one sequence, as ``nbscaler.sweep``'s do."""
-    search = TargetSearch.from_config(cfg)
+    ``dummy_args`` hold one sequence, as ``nbscaler.sweep``'s do; ``module``, already in
+    ``module_dtype`` (``target_module_dtype``); ``recipe``: ``nbscaler.plan``'s, if any."""
+    search = TargetSearch.from_config(cfg, recipe)
     hardware = search.target(cfg)
     ranges = dict(search.autodist_space)
     if SEQUENCE_PARALLEL in cfg.pas_config:          # the user's word on it: search that alone
         ranges.setdefault(SEQUENCE_PARALLEL, (sequence_parallel(cfg),))
     start, cpu = time.perf_counter(), time.process_time()
-    space = PlanSpace(module, dummy_args, hardware, global_batch=search.global_batch, optimizer=search.optimizer,
-                      master_dtype=search.master_dtype, module_dtype=module_dtype, prune=WITHIN, settle=False,
-                      **ranges)
+    space = PlanSpace(module, dummy_args, hardware, global_batch=search.global_batch,
+                      recipe=search.priced.replace(module_dtype=module_dtype), module_dtype=module_dtype,
+                      prune=WITHIN, settle=False, **ranges)
     frame = space.frame
     fitting = frame[frame.fits]
     if fitting.empty:
@@ -157,11 +177,22 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     placed.compile_seconds = time.perf_counter() - start            # the search, then the whole trace
     placed.graph.meta["autodist"] = {"target": {
         **searched, "hardware": hardware, "global_batch": search.global_batch, "optimizer": search.optimizer,
-        "master_dtype": search.master_dtype, "priced": len(frame), "excluded": len(frame.attrs["excluded"]),
+        "master_dtype": search.priced.master_dtype, "recipe": space.recipe, "priced": len(frame), "excluded": len(frame.attrs["excluded"]),
         "pruned": frame.attrs["pruned"], "within": WITHIN, "chosen": best.to_dict(),
         "runners_up": [r.to_dict() for _, r in runners_up(frame, best).iterrows()],
         "fitting": len(fitting)}}
     return placed
+
+
+def target_module_dtype(cfg: ComputeConfig, module_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype a search on a target builds the module in: ``module_dtype``, or where that is
+    ``None`` the one ``pas_config['recipe']`` names (the two must agree where both are given)."""
+    named = (cfg.pas_config or {}).get("recipe")
+    named = named.module_dtype if isinstance(named, Recipe) else None
+    if module_dtype is not None and named is not None and named != module_dtype:
+        raise ValueError(f"module_dtype={module_dtype} and pas_config['recipe'].module_dtype={named} disagree: "
+                         "give one of them.")
+    return module_dtype or named
 
 
 def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> pd.DataFrame:

@@ -11,13 +11,13 @@ expects the answer at once. ``PlanSpace`` keeps what a sweep built and re-prices
 
 What each knob costs, from cheapest:
 
-- ``master_dtype``, ``global_batch``: only the pricing (``space.pricing.price``) runs again; a
+- ``recipe`` (or ``master_dtype``, ``grad_reduce_dtype``), ``global_batch``: only the pricing (``space.pricing.price``) runs again; a
   global batch that ``micro_batch=None`` turns into new micro-batch sizes traces those sizes.
 - ``hardware``, ``nodes``, ``gpus_per_node``: every op's facts are read again on the new target
   (``LayerFacts``) off the placements kept; nothing is traced or placed (a new ``tp`` the new GPU
   count allows is placed, from the trace kept), and a configuration priced before keeps its peak
   memory per device (it depends on the placement, not on the target's speeds).
-- ``module_dtype``, ``sequence``: the two-layer copy is traced again (its tensors' dtype or shape
+- ``module_dtype`` (the recipe's), ``sequence``: the two-layer copy is traced again (its tensors' dtype or shape
   change), once per micro-batch size. What was built for earlier values is kept, so turning a knob
   back costs only the pricing.
 
@@ -31,7 +31,7 @@ import dataclasses
 import gc
 import itertools
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import pandas as pd
 import torch
@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from nbscaler.columns import SweepColumn as S
 from nbscaler.comm.layout import storage_layouts
-from nbscaler.config import ComputeConfig, Precision, check_float_dtype
+from nbscaler.config import ComputeConfig
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
@@ -55,12 +55,18 @@ from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.primitives import PolicyError
+from nbscaler.recipe import UNSET, Recipe
 
 CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL, S.ZERO_STAGE,
                   S.SCHEDULER, S.VIRTUAL_STAGES)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
                       S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
-KNOBS = ("hardware", "nodes", "gpus_per_node", "module_dtype", "master_dtype", "global_batch", "sequence")
+KNOBS = ("hardware", "nodes", "gpus_per_node", "recipe", "module_dtype", "master_dtype", "grad_reduce_dtype",
+         "global_batch", "sequence")
+#: The knobs that change a field of the recipe (``PlanSpace.set``).
+RECIPE_KNOBS = ("module_dtype", "master_dtype", "grad_reduce_dtype")
+#: The dtype a space computes in when neither its recipe nor ``module_dtype=`` says: a sweep plans real runs.
+SWEEP_MODULE_DTYPE = torch.bfloat16
 """What ``PlanSpace.set`` takes."""
 
 
@@ -114,20 +120,20 @@ class PlanSpace:
                  global_batch: int, tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
                  micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
                  sequence_parallel: Sequence[bool] = (False, True),
-                 zero_stage: Sequence[int] = (0, 1, 2), optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 master_dtype: Optional[torch.dtype] = torch.float32,
-                 module_dtype: Optional[torch.dtype] = torch.bfloat16, scheduler: str = "1f1b",
-                 virtual_stages: Sequence[int] = (1,), progress: bool = False, prune: Optional[float] = None,
-                 settle: bool = True, **optimizer_kwargs: Any):
+                 zero_stage: Sequence[int] = (0, 1, 2), recipe: Optional[Recipe] = None, optimizer: Any = UNSET,
+                 master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
+                 scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = False,
+                 prune: Optional[float] = None, settle: bool = True, **optimizer_kwargs: Any):
         check_prune(prune)
+        self.recipe = space_recipe(recipe, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                                   master_dtype=master_dtype, module_dtype=module_dtype,
+                                   grad_reduce_dtype=grad_reduce_dtype)
         self.prune = prune
         self.stack = find_stack(module)
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
                              tuple(virtual_stages))
-        self.optimizer, self.optimizer_kwargs = optimizer, optimizer_kwargs
         self.hardware, self.global_batch = hardware, global_batch
-        self.master_dtype, self.module_dtype = master_dtype, module_dtype
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
@@ -151,20 +157,24 @@ class PlanSpace:
     # -- the knobs ------------------------------------------------------------------------------
     def set(self, **knobs: Any) -> pd.DataFrame:
         """Change knobs (``hardware``: a ``Hardware`` or a catalogue name; ``nodes``,
-        ``gpus_per_node``; ``module_dtype``, ``master_dtype``; ``global_batch``; ``sequence``:
-        tokens per sequence) and re-price. A bad value raises ``ValueError`` naming it, and the
-        space stays as it was."""
+        ``gpus_per_node``; ``recipe``, or one field of it: ``module_dtype``, ``master_dtype``,
+        ``grad_reduce_dtype``; ``global_batch``; ``sequence``: tokens per sequence) and re-price.
+        A bad value raises ``ValueError`` naming it, and the space stays as it was."""
         unknown = sorted(set(knobs) - set(KNOBS))
         if unknown:
             raise ValueError(f"PlanSpace.set: no knob {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}.")
-        before = {k: getattr(self, k) for k in ("hardware", "module_dtype", "master_dtype", "global_batch", "sequence")}
+        before = {k: getattr(self, k) for k in ("hardware", "recipe", "global_batch", "sequence")}
         try:
             # a catalogue name starts from its entry, with the nodes the space has unless others are given
             name, nodes = knobs.get("hardware"), knobs.get("nodes")
             nodes = self.hardware.nodes if isinstance(name, str) and nodes is None else nodes
             self.hardware = Hardware.resolve(self.hardware if name is None else name, nodes=nodes,
                                              gpus_per_node=knobs.get("gpus_per_node"))
-            for name in ("module_dtype", "master_dtype", "global_batch", "sequence"):
+            recipe = Recipe.of(knobs["recipe"]) if "recipe" in knobs else self.recipe
+            changes = {k: knobs[k] for k in RECIPE_KNOBS if k in knobs}
+            if changes or "recipe" in knobs:
+                self.recipe = space_recipe(recipe.replace(**changes), module_dtype=changes.get("module_dtype", UNSET))
+            for name in ("global_batch", "sequence"):
                 if name in knobs:
                     setattr(self, name, knobs[name])
             self._check_dtypes()
@@ -217,13 +227,13 @@ class PlanSpace:
         target = (repr(hardware),)
         if target not in self._models:        # op and collective times, kept per target
             self._models[target] = target_models(hardware)
-        (ops, comm), precision = self._models[target], Precision(self.master_dtype)
+        (ops, comm), precision = self._models[target], self.recipe
         rows, excluded, runnable = [], [], []
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
             peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP],
-                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], self.master_dtype)
-            return {**config, **price(facts, cfg, hardware, ops, comm, self.optimizer, self.optimizer_kwargs,
+                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], precision)
+            return {**config, **price(facts, cfg, hardware, ops, comm, precision.optimizer, precision.kwargs,
                                       precision, staged, (self._peaks, peak_key))}
 
         tp, pp, micro, recompute, sequence_parallel, zero = ranges
@@ -330,11 +340,39 @@ class PlanSpace:
             self._args[sequence] = _resized(self._args[first], first, sequence)
         return self._args[sequence]
 
+    @property
+    def module_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the module computes in (the recipe's)."""
+        return self.recipe.module_dtype
+
+    @property
+    def master_dtype(self) -> Optional[torch.dtype]:
+        """The master copies' dtype (the recipe's)."""
+        return self.recipe.master_dtype
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer priced (the recipe's)."""
+        return self.recipe.optimizer
+
+    @property
+    def optimizer_kwargs(self) -> Dict[str, Any]:
+        """Its keywords (the recipe's)."""
+        return self.recipe.kwargs
+
     def _check_dtypes(self) -> None:
-        for name in ("module_dtype", "master_dtype"):
-            check_float_dtype(name, getattr(self, name))
         if self.module_dtype is not None:
             self.hardware.peak_flops(self.module_dtype)      # raises where the target lacks that precision
+
+
+def space_recipe(recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
+    """The recipe a space prices: ``Recipe.of(recipe, **shorthands)``, computing in bf16
+    (``SWEEP_MODULE_DTYPE``) where neither it nor ``module_dtype=`` names a dtype
+    (``module_dtype=None``: the module's own)."""
+    chosen = Recipe.of(recipe, **shorthands)
+    if chosen.module_dtype is None and shorthands.get("module_dtype", UNSET) is UNSET:
+        chosen = chosen.replace(module_dtype=SWEEP_MODULE_DTYPE)
+    return chosen
 
 
 def _settle() -> None:

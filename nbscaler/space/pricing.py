@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig
+from nbscaler.recipe import Recipe
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
@@ -135,7 +136,7 @@ class _Device:
     and whose groups cross the same links get the same figures, so each is worked out once."""
 
     def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware,
-                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Precision,
+                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Recipe,
                  peaks: Optional[Tuple[Dict, Tuple]] = None):
         self.staged, self.cfg, self.geometry, self.hardware = staged, cfg, geometry, hardware
         self.profiler, self.comm, self.optimizer, self.kwargs = profiler, comm, optimizer, optimizer_kwargs
@@ -233,7 +234,7 @@ def _block_counts(schedule, pdev: int) -> Tuple[Tuple[Tuple[int, str], int], ...
 
 def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
           optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-          precision: Precision, staged: Optional[Staged] = None,
+          precision: Recipe, staged: Optional[Staged] = None,
           peaks: Optional[Tuple[Dict, Tuple]] = None) -> Dict[str, Any]:
     """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``.
 

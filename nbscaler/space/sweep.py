@@ -35,8 +35,8 @@ instead:
    synchronisation, the optimizer step and the peak memory come from the very functions
    ``plan.summary`` calls (``space.pricing``).
 
-So a row is what ``nbscaler.plan(module, ..., "hybrid", config_of(row, ...)).summary(optimizer,
-hardware=hardware, master_dtype=master_dtype)`` predicts, as long as every layer after the first
+So a row is what ``nbscaler.plan(module, ..., "hybrid", config_of(row, ...)).summary(recipe=recipe,
+hardware=hardware)`` predicts, as long as every layer after the first
 costs what the second does in the copy (one class, one shape, called in order) and the stages are
 cut between layers (a cut inside a layer, for more stages than layers, is priced as if the layer's
 recomputed region were whole); ``tests/space/test_sweep.py`` checks rows against full plans,
@@ -54,12 +54,13 @@ reason, in ``frame.attrs["excluded"]``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Type
+from typing import Any, Dict, Optional, Sequence
 
 import pandas as pd
 import torch
 
 from nbscaler.cost.hardware import Hardware
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.space.plan_space import CONFIG_COLUMNS, PREDICTION_COLUMNS, PlanSpace, config_of
 
 __all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
@@ -69,9 +70,8 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
           micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
           sequence_parallel: Sequence[bool] = (False, True), zero_stage: Sequence[int] = (0, 1, 2),
-          optimizer: Type[torch.optim.Optimizer] = torch.optim.AdamW,
-          master_dtype: Optional[torch.dtype] = torch.float32, module_dtype: Optional[torch.dtype] = torch.bfloat16,
-          scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
+          recipe: Optional[Recipe] = None, optimizer: Any = UNSET, master_dtype: Any = UNSET,
+          module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET, scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
           prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
@@ -93,9 +93,15 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     only what was priced to find them. A combination is not priced when its pipeline's makespan
     alone (``pricing.pipeline_seconds``, never more than the step) is already too slow, or when
     what it saves for the backward alone cannot fit (``_pruned``); ``frame.attrs["pruned"]``
-    counts them."""
+    counts them.
+
+    Each configuration is priced for a run that trains with ``recipe`` (``nbscaler.Recipe``;
+    default ``Recipe()``: AdamW, fp32 master copies, gradients summed in fp32), computing in the
+    recipe's ``module_dtype``, or bf16 where it names none; ``optimizer``, ``master_dtype``,
+    ``module_dtype`` (``None``: the module's own), ``grad_reduce_dtype`` and ``optimizer_kwargs``
+    are shorthands for its fields."""
     return PlanSpace(module, dummy_args, hardware, global_batch=global_batch, tp=tp, pp=pp, micro_batch=micro_batch,
                      recompute=recompute, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-                     optimizer=optimizer, master_dtype=master_dtype,
-                     module_dtype=module_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
+                     recipe=recipe, optimizer=optimizer, master_dtype=master_dtype, module_dtype=module_dtype,
+                     grad_reduce_dtype=grad_reduce_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
                      progress=progress, prune=prune, settle=False, **optimizer_kwargs).frame

@@ -14,7 +14,7 @@ column makes) and says in a line how many ranks fit and by how much the largest 
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple, Type
+from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -22,6 +22,7 @@ import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
 from nbscaler.widgets.palette import (CAPACITY_COLOUR, MEMORY_COLOURS as COLOURS, MEMORY_LABELS as LABELS,
@@ -192,15 +193,18 @@ class MemoryView(ChartView):
     css_class = "nbs-memory"
 
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, hardware: Optional[Hardware] = None,
-                 **optimizer_kwargs: Any) -> None:
+                 recipe: Optional[Recipe] = None, optimizer: Any = UNSET, hardware: Optional[Hardware] = None,
+                 master_dtype: Any = UNSET, **optimizer_kwargs: Any) -> None:
         super().__init__(plan, measured=measured)
-        self.optimizer, self.optimizer_kwargs, self.hardware = optimizer, optimizer_kwargs, hardware
+        # the training recipe the prediction assumes (``plan.memory``'s; the other keywords are its shorthands)
+        self.recipe = plan.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
+                                     optimizer_kwargs=optimizer_kwargs)
+        self.hardware = hardware
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
-        self.predicted = self.plan.memory(self.optimizer, **self.optimizer_kwargs)
+        self.predicted = self.plan.memory(recipe=self.recipe)
         measured = self.measured.memory
         self.gap = memory_gap(self.predicted, measured) if measured is not None else None
         self.over_capacity = over_capacity(self.predicted, self.hardware)
@@ -209,7 +213,7 @@ class MemoryView(ChartView):
         self._shown()
 
     def _title(self) -> str:
-        opt = self.optimizer.__name__
+        opt = getattr(self.recipe.optimizer, "__name__", "optimizer")
         target = f" on {self.hardware.name}" if self.hardware is not None else ""
         return f"Memory per rank: {self.plan.policy_name}, {opt}{target}" + (
             "" if self.measured.memory is None else " (predicted | measured)")

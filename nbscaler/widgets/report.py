@@ -18,7 +18,7 @@ import html
 import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -27,6 +27,7 @@ import torch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import atomic_write_bytes
+from nbscaler.recipe import UNSET
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_seconds
 from nbscaler.widgets.memory import MemoryView
@@ -60,7 +61,7 @@ def optional_view(module: str, name: str) -> Optional[type]:
         raise
 
 
-def summary_html(plan: "Plan", optimizer: Type[torch.optim.Optimizer], hardware: Optional[Hardware] = None) -> str:
+def summary_html(plan: "Plan", optimizer: Any = UNSET, hardware: Optional[Hardware] = None) -> str:
     """``plan.summary()`` (on ``hardware``, if given) as a table, numbers written for people."""
     frame = plan.summary(optimizer, hardware=hardware)
     shown = pd.DataFrame({c: frame[c].map(cell_format(c)) for c in frame.columns if c != "rank"}, index=frame["rank"])
@@ -98,7 +99,7 @@ def losses_html(losses: pd.DataFrame) -> str:
 
 
 def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFrame],
-                    optimizer: Type[torch.optim.Optimizer],
+                    optimizer: Any,
                     hardware: Optional[Hardware] = None) -> List[Tuple[str, Callable[[], str]]]:
     """(title, render) per section, in page order."""
     sections: List[Tuple[str, Callable[[], str]]] = [
@@ -123,7 +124,7 @@ def report_sections(plan: "Plan", measured: Measured, runs: Optional[pd.DataFram
 
 
 def report_html(plan: "Plan", measured: Optional[Measured] = None, runs: Optional[pd.DataFrame] = None,
-                optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, hardware: Optional[Hardware] = None) -> str:
+                optimizer: Any = UNSET, hardware: Optional[Hardware] = None) -> str:
     """The whole report page as a string; on ``hardware``, the summary, timeline and memory are that target's."""
     measured = measured if measured is not None else Measured()
     sections = report_sections(plan, measured, runs, optimizer, hardware)
@@ -142,7 +143,7 @@ def report_html(plan: "Plan", measured: Optional[Measured] = None, runs: Optiona
 
 def write_report(plan: "Plan", path: Union[str, Path], measured: Optional[Measured] = None,
                  runs: Optional[pd.DataFrame] = None, *,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD, hardware: Optional[Hardware] = None) -> Path:
+                 optimizer: Any = UNSET, hardware: Optional[Hardware] = None) -> Path:
     """Write every view of ``plan`` (with ``measured`` data and a ``runs`` table, if given) to one
     self-contained HTML file at ``path``; returns the path. A folder ``path`` gets ``report.html``.
     With ``hardware`` the summary, timeline and memory show the plan on that target."""

@@ -16,7 +16,7 @@ bubble; a run measured here is then drawn without a ratio to it (other hardware)
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -25,6 +25,7 @@ from plotly.subplots import make_subplots
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
 from nbscaler.widgets.palette import IDLE_COLOUR, OTHER_COLOUR, PHASE_COLOURS, PHASE_NAMES
@@ -125,19 +126,19 @@ class TimelineView(ChartView):
     css_class = "nbs-timeline"
 
     def __init__(self, plan: "Plan", measured: Optional[Measured] = None, *, hardware: Optional[Hardware] = None,
-                 optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                 master_dtype: Optional[torch.dtype] = None) -> None:
+                 recipe: Optional[Recipe] = None, optimizer: Any = UNSET, master_dtype: Any = UNSET) -> None:
         super().__init__(plan, measured=measured)
-        # the optimizer and its master copies (build_optimizer's master_dtype) price the target's step
-        self.hardware, self.optimizer, self.master_dtype = hardware, optimizer, master_dtype
+        # the training recipe prices the target's step (``plan.summary``'s; the others are its shorthands)
+        self.hardware = hardware
+        self.recipe = plan.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype)
         self._redraw()
 
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
-        line = self.plan.timeline(hardware=self.hardware)
+        line = self.plan.timeline(hardware=self.hardware, recipe=self.recipe)
         self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
         self.predicted_bubble_total = line.bubble_fraction
-        self.target = (self.plan.summary(self.optimizer, hardware=self.hardware, master_dtype=self.master_dtype)
+        self.target = (self.plan.summary(hardware=self.hardware, recipe=self.recipe)
                        if self.hardware is not None else None)
         measured = self.measured.timeline
         self.measured_frame = normalized(measured) if measured is not None and len(measured) else None

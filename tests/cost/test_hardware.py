@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nbscaler
-from nbscaler import Hardware, Precision
+from nbscaler import Hardware, NumberFormat
 
 
 def test_catalogue_holds_dense_datasheet_peaks_and_per_direction_links():
@@ -29,7 +29,7 @@ def test_a_precision_the_gpu_lacks_is_refused_with_what_it_has():
         Hardware.named("T4").peak_flops(torch.bfloat16)
     with pytest.raises(ValueError, match="no float8"):
         Hardware.named("A100-SXM-40GB").peak_flops(torch.float8_e4m3fn)
-    assert Precision.of(torch.float8_e5m2) is Precision.FP8 and Precision.of(torch.int64) is Precision.FP32
+    assert NumberFormat.of(torch.float8_e5m2) is NumberFormat.FP8 and NumberFormat.of(torch.int64) is NumberFormat.FP32
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -37,7 +37,7 @@ def test_a_precision_the_gpu_lacks_is_refused_with_what_it_has():
     ("nodes", 0, "nodes=0 must be a whole number >= 1"),
     ("gpus_per_node", 2.5, "gpus_per_node=2.5 must be a whole number"),
     ("intra_node_latency_s", float("nan"), "intra_node_latency_s=nan must be a latency"),
-    ("peak_flops_by_precision", {Precision.BF16: 0}, r"peak_flops_by_precision\[bfloat16\]=0.0"),
+    ("peak_flops_by_precision", {NumberFormat.BF16: 0}, r"peak_flops_by_precision\[bfloat16\]=0.0"),
     ("peak_flops_by_precision", {}, "is empty"),
 ])
 def test_a_bad_figure_names_its_field(field, value, message):

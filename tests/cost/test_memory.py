@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nbscaler.columns import MEMORY_COLUMNS
-from nbscaler.config import ComputeConfig, Precision
+from nbscaler.config import ComputeConfig
+from nbscaler.recipe import Recipe
 from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_bytes, weight_memory
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
@@ -117,7 +118,7 @@ def test_mixed_precision_bytes_per_parameter():
     gradient is the master's fp32 one; plus AdamW's fp32 step counter (4 bytes) per parameter."""
     n = 1000
     w = [LocalWeight("w", "param", (n,), torch.bfloat16, True)]
-    precision = Precision(master_dtype=torch.float32)
+    precision = Recipe(master_dtype=torch.float32)
     row = weight_memory(w, ComputeConfig(1, 1), torch.optim.AdamW, {}, precision)
     assert (row["param_bytes"], row["optimizer_bytes"]) == (2 * n, (4 + 8) * n + 4)
     grads = gradients(w, ComputeConfig(1, 1), precision)
@@ -402,8 +403,8 @@ def test_zero1_plan_keeps_the_full_gradients_until_the_step():
 ])
 def test_summary_counts_the_master_copies(hardware):
     """``plan.summary(..., master_dtype=)`` and ``plan.memory(..., master_dtype=)`` price the bf16
-    module's fp32 masters and state, as the meter counts them (the exact tests above); without
-    ``master_dtype`` the optimizer state is bf16. The memory columns are the same on a target
+    module's fp32 masters and state, as the meter counts them (the exact tests above), as the
+    default recipe does; with ``master_dtype=None`` the optimizer state is bf16. The memory columns are the same on a target
     and on this machine, whose step time is profiled."""
     import nbscaler
     from nbscaler import ComputeConfig as Config, Hardware
@@ -419,4 +420,5 @@ def test_summary_counts_the_master_copies(hardware):
     assert all(summary[str(c)] == memory[str(c)] for c in MEMORY_COLUMNS)
     assert (memory["param_bytes"], memory["optimizer_bytes"]) == (2 * n, (4 + 8) * n + counters)
     assert memory["grad_bytes"] in (2 * n, 4 * n)           # bf16 in the backward, fp32 at the step
-    assert plan.memory(torch.optim.AdamW).loc[0, "optimizer_bytes"] == (2 + 2) * n + counters
+    assert plan.memory(torch.optim.AdamW, master_dtype=None).loc[0, "optimizer_bytes"] == (2 + 2) * n + counters
+    assert plan.memory().equals(plan.memory(torch.optim.AdamW, master_dtype=torch.float32))   # the one default

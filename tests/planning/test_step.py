@@ -119,14 +119,14 @@ def test_this_machine_is_priced_by_its_profile_against_its_measured_peak():
 def test_gradients_reduced_after_the_backward_in_fp32_cost_what_the_bytes_say(plan, no_profiling, monkeypatch):
     """Megatron-LM in 2021: the whole reduction after the backward; fp32 master copies double the
     bytes it sends over bf16 gradients, and the optimizer streams fp32 state."""
-    from nbscaler.config import Precision
+    from nbscaler.recipe import Recipe
     from nbscaler.cost import timing
     no_latency = dataclasses.replace(H100, intra_node_latency_s=0.0, inter_node_latency_s=0.0)
     args = (plan.graphs, plan.storage, plan.config, 0, plan.geometry, NcclModel(no_latency))
     bf16 = timing.sync_time(*args)
-    assert bf16 > 0 and timing.sync_time(*args, precision=Precision(torch.float32)) == pytest.approx(2 * bf16)
+    assert bf16 > 0 and timing.sync_time(*args, precision=Recipe(master_dtype=torch.float32)) == pytest.approx(2 * bf16)
     assert (plan.summary(torch.optim.Adam, hardware=H100, master_dtype=torch.float32).step_time_s
-            > plan.summary(torch.optim.Adam, hardware=H100).step_time_s).all()
+            > plan.summary(torch.optim.Adam, hardware=H100, master_dtype=None).step_time_s).all()
     waits = dataclasses.replace(H100, overlap_grad_reduce=False)
     monkeypatch.setattr(timing, "sync_buckets", lambda *a: [(1e-3, 0.0), (1e-5, 0.0)])
     overlapped, after = (plan.summary(hardware=hw).step_time_s for hw in (H100, waits))
@@ -140,7 +140,7 @@ def test_the_timeline_and_the_summary_on_one_target_share_one_step_model(no_prof
     built = []
     real = timing.StepModel.__init__
     monkeypatch.setattr(timing.StepModel, "__init__", lambda self, *a, **k: built.append(1) or real(self, *a, **k))
-    line, summary = fresh.timeline(hardware=H100), fresh.summary(torch.optim.Adam, hardware=H100)
+    line, summary = fresh.timeline(hardware=H100), fresh.summary(torch.optim.Adam, hardware=H100, master_dtype=None)
     fresh.summary(torch.optim.SGD, hardware=dataclasses.replace(H100))       # an equal target: the same model
     assert len(built) == 1
     alone = timing.StepModel(fresh.graphs, fresh.storage, fresh.config, fresh.geometry, hardware=H100)

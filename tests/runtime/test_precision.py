@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nbscaler import ComputeConfig, build_optimizer, parallelize
-from nbscaler.config import Precision
+from nbscaler.recipe import AS_HELD, Recipe
 from nbscaler.planning.planner import cast_floats
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import batch, build
@@ -18,14 +18,14 @@ FP16, FP32 = torch.float16, torch.float32
                                            ({"grad_reduce_dtype": "bf16"}, "grad_reduce_dtype")])
 def test_precision_refuses_what_is_not_a_float_dtype(kwargs, words):
     with pytest.raises(ValueError, match=words):
-        Precision(**kwargs)
+        Recipe(**kwargs)
 
 
 def test_precision_reduces_in_the_master_dtype_unless_told():
-    assert Precision().reduce_dtype(torch.bfloat16) == torch.bfloat16
-    assert Precision(FP32).reduce_dtype(torch.bfloat16) == FP32
-    assert Precision(FP32, torch.bfloat16).reduce_dtype(torch.bfloat16) == torch.bfloat16
-    assert Precision(FP32).master_of(FP32) is None           # an fp32 module needs no copy
+    assert AS_HELD.reduce_dtype(torch.bfloat16) == torch.bfloat16
+    assert Recipe(master_dtype=FP32).reduce_dtype(torch.bfloat16) == FP32
+    assert Recipe(master_dtype=FP32, grad_reduce_dtype=torch.bfloat16).reduce_dtype(torch.bfloat16) == torch.bfloat16
+    assert Recipe(master_dtype=FP32).master_of(FP32) is None           # an fp32 module needs no copy
 
 
 def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps():

@@ -36,10 +36,10 @@ def test_single_rank_sync_still_runs_hooks_on_the_flat_bucket():
 def test_hooks_see_one_bucket_at_a_time_in_the_reduction_dtype():
     """48 bytes then 20 of fp32 gradients in buckets of at most 48 bytes: two flat buckets, each
     packed in the reduction dtype when it is summed, not one copy of every gradient."""
-    from nbscaler.config import Precision
+    from nbscaler.recipe import Recipe
     params = _params_with_grads()
     reducer = Reducer(params, group=None, bucket_bytes=48)
-    reducer.set_precision(Precision(grad_reduce_dtype=torch.float64), masters=False)
+    reducer.set_precision(Recipe(master_dtype=None, grad_reduce_dtype=torch.float64), masters=False)
     seen = []
     reducer.pre_hooks.append(lambda r, flat: seen.append((flat.numel(), flat.dtype)))
     reducer.sync()

@@ -291,7 +291,12 @@ def test_on_a_target_the_explorers_timeline_and_memory_draw_it():
     from tests.widgets.compiled import gpt_on_meta_pp
 
     t4 = Hardware.named("T4")
-    assert Explorer(hardware=t4).panes.options == view_options(torch.optim.SGD, t4)
-    views = build_views(gpt_on_meta_pp(), names=PLACEMENT_VIEWS[:2], options=view_options(torch.optim.AdamW, t4))
+    from nbscaler import Recipe
+    from nbscaler.widgets.explorer.runs import EXPLORER_RECIPE
+
+    assert EXPLORER_RECIPE == Recipe(torch.optim.SGD)
+    assert Explorer(hardware=t4).panes.options == view_options(EXPLORER_RECIPE, t4)
+    views = build_views(gpt_on_meta_pp(), names=PLACEMENT_VIEWS[:2],
+                        options=view_options(Recipe(torch.optim.AdamW, master_dtype=None), t4))
     assert views[ViewName.MEMORY].over_capacity == {0}
     assert views[ViewName.TIMELINE]._title().startswith("Timeline of one training step: pp on T4 x 8: step")

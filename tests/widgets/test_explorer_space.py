@@ -194,7 +194,8 @@ def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer
     explorer.space.pick(0)
     assert explorer.error is None and space.master_dtype is master
     timeline, memory = explorer.panes.views[ViewName.TIMELINE], explorer.panes.views[ViewName.MEMORY]
-    assert timeline.master_dtype is master and timeline.hardware is space.hardware
+    assert timeline.recipe.master_dtype is master and timeline.hardware is space.hardware
+    assert timeline.recipe == memory.recipe == space.recipe
     expected = explorer.plan.summary(explorer.optimizer_fn, hardware=space.hardware, master_dtype=master)
     pd.testing.assert_frame_equal(timeline.target, expected)
     assert timeline.target.step_time_s.max() == pytest.approx(frame.step_time_s[0], rel=1e-9)   # the space's row

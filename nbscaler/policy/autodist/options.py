@@ -27,7 +27,7 @@
 ==========================  ==================================================================
 
 The keys of a search on a target (``hardware``, ``global_batch``, ``autodist_space``,
-``master_dtype``) are read by the plan space (``nbscaler.space.autodist.TargetSearch``), since
+``recipe``, ``master_dtype``) are read by the plan space (``nbscaler.space.autodist.TargetSearch``), since
 ``nbscaler.plan`` hands such a search to it before any policy runs; on a traced graph this policy
 refuses them.
 
@@ -50,7 +50,7 @@ OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 KEYS = ("memory_limit_bytes", "memory_optimizer", "pipeline_pivots", "autodist_constraints", "save_plan_path",
         "load_plan_path", "autodist_nstages", "autodist_max_states", "autodist_plan_ngpus", "autodist_scheduler")
-TARGET_KEYS = ("hardware", "global_batch", "autodist_space", "master_dtype")
+TARGET_KEYS = ("hardware", "global_batch", "autodist_space", "recipe", "master_dtype")
 """The keys of a search on a target, which the plan space reads (``nbscaler.space.autodist``)."""
 AUTO_SCHEDULERS = ("1f1b", "1f1b_interleaved", "zb_h1", "zbv")
 """The schedulers ``autodist_scheduler='auto'`` tries besides the config's own."""

@@ -32,13 +32,14 @@ from nbscaler.cluster import Cluster, ClusterError, RankError
 from nbscaler.columns import SweepColumn
 from nbscaler.planning import Plan
 from nbscaler.planning.stack import find_stack, one_sequence
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.widgets.explorer.compare import Comparison
 from nbscaler.widgets.explorer.controls import SHIPPED_GPT, Controls
 from nbscaler.widgets.explorer.knobs import Knobs
 from nbscaler.widgets.explorer.losses import LossCurve
 from nbscaler.widgets.explorer.model import LossFn, ModelSpec, shipped_gpt, user_model
 from nbscaler.widgets.explorer.panes import PLACEMENT_VIEWS, Panes, ViewName, view_options
-from nbscaler.widgets.explorer.runs import Run, runs_frame
+from nbscaler.widgets.explorer.runs import EXPLORER_RECIPE, Run, runs_frame
 from nbscaler.widgets.explorer.snapshot import snapshot_html
 from nbscaler.widgets.explorer.space import SpaceTab
 from nbscaler.widgets.space import describe
@@ -60,7 +61,9 @@ class Explorer:
             built-in ones.
         loss_fn: ``loss_fn(output, batch)`` for a model that does not return its loss.
         knobs: the initial ``Knobs`` (policy and compute settings).
-        optimizer_fn: the optimizer class training uses (and the memory prediction assumes).
+        recipe: the training recipe the predictions assume (``nbscaler.Recipe``; default
+            ``EXPLORER_RECIPE``, plain SGD, which training uses too, as the single-process oracle does).
+        optimizer_fn: the optimizer class training uses: a shorthand for the recipe's.
         hardware: a target (``nbscaler.Hardware``) the timeline and memory views draw the plan on
             (its step, bubble and MFU; its capacity and the ranks that do not fit); ``None`` for
             this machine.
@@ -72,7 +75,7 @@ class Explorer:
     def __init__(self, model: Optional[torch.nn.Module] = None, dummy_args: Optional[Dict[str, Any]] = None,
                  cluster: Optional[Cluster] = None, *, policies: Sequence[Callable[..., Any]] = (),
                  loss_fn: Optional[LossFn] = None, knobs: Optional[Knobs] = None,
-                 optimizer_fn: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
+                 recipe: Optional[Recipe] = None, optimizer_fn: Any = UNSET,
                  hardware: Optional[nbscaler.Hardware] = None, sweep_ranges: Optional[Dict[str, Any]] = None):
         if model is not None and dummy_args is None:
             raise ValueError("Explorer(model, dummy_args): give the model's forward arguments too, "
@@ -80,7 +83,10 @@ class Explorer:
         self._user_spec = user_model(model, dummy_args, loss_fn) if model is not None else None
         self.cluster = cluster
         self._owns_cluster = False                 # True once this Explorer started the cluster itself
-        self.optimizer_fn = optimizer_fn
+        self.recipe = (Recipe.of(recipe, optimizer=optimizer_fn) if recipe is not None
+                       else EXPLORER_RECIPE.replace(optimizer=optimizer_fn) if optimizer_fn is not UNSET
+                       else EXPLORER_RECIPE)
+        self.optimizer_fn = self.recipe.optimizer
         self.controls = Controls(knobs or Knobs(), policies, user_model=model is not None)
         self.controls.on_knobs, self.controls.on_model = self._knobs_changed, self._model_changed
         self.controls.compile_button.on_click(lambda _: self.compile())
@@ -96,7 +102,7 @@ class Explorer:
         self.comparison: Optional[Comparison] = None
         self._runs: List[Run] = []
         self._gen_dir = tempfile.TemporaryDirectory(prefix="nbscaler-explorer-")
-        self.panes = Panes(view_options(optimizer_fn, hardware))
+        self.panes = Panes(view_options(self.recipe, hardware))
         self.losses = LossCurve()
         self.space = SpaceTab(self._say, self._reporting, self._space_picked, ranges=sweep_ranges)
         self.space.sweep_button.on_click(lambda _: self.sweep())
@@ -204,7 +210,7 @@ class Explorer:
         and draw them there; the tab's knobs re-price from then on."""
         with self._reporting("sweep"):
             self._say(f"Sweeping {self.spec.label}: tracing and placing its two-layer copy ...")
-            self.space.build(self.spec.module, self.spec.dummy_args, self.optimizer_fn)
+            self.space.build(self.spec.module, self.spec.dummy_args, self.recipe)
             self.tabs.selected_index = len(TABS) + 1
             return self.space.frame
         return None
@@ -244,7 +250,7 @@ class Explorer:
         space = self.space.space
         args = one_sequence(space.dummy_args, int(row[SweepColumn.MICRO_BATCH]))
         plan = nbscaler.plan(self.spec.module, args, "hybrid", space.config(row), module_dtype=space.module_dtype)
-        self.panes.retarget(view_options(self.optimizer_fn, space.hardware, master_dtype=space.master_dtype))
+        self.panes.retarget(view_options(space.recipe, space.hardware))
         self.panes.show(plan)
         self.compiled = self.plan = plan
         self.controls.show_plan(plan.config, plan.schedule, plan.policy_name,
@@ -274,7 +280,7 @@ class Explorer:
 
     # -- runs and the cluster ---------------------------------------------------------------------
     def _add_run(self, knobs: Knobs, plan: Plan, compile_s: float) -> Run:
-        run = Run(len(self._runs) + 1, self.spec.label, knobs, plan, compile_s, self.optimizer_fn)
+        run = Run(len(self._runs) + 1, self.spec.label, knobs, plan, compile_s, self.optimizer_fn, self.recipe)
         self._runs.append(run)
         self._refresh_runs()
         return run

@@ -12,6 +12,7 @@ import ipywidgets as w
 import pandas as pd
 
 from nbscaler.widgets.base import View
+from nbscaler.recipe import Recipe
 from nbscaler.widgets.explorer.panes import ViewName, build_views, view_options
 from nbscaler.widgets.explorer.runs import Run, runs_frame
 
@@ -23,7 +24,7 @@ class Comparison:
         self.runs = (a, b)
         self.views: Dict[int, Dict[ViewName, View]] = {
             run.id: build_views(run.plan, run.outcome.measured if run.outcome else None,
-                                options=view_options(run.optimizer_fn)) for run in self.runs}
+                                options=view_options(run.recipe or Recipe(optimizer=run.optimizer_fn))) for run in self.runs}
         self.table: pd.DataFrame = runs_frame(list(self.runs)).T
         tabs = w.Tab(children=[self._side_by_side(name) for name in ViewName],
                      titles=[str(name) for name in ViewName])

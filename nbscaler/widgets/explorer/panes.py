@@ -15,6 +15,7 @@ import torch
 from nbscaler.columns import StrEnum
 from nbscaler.cost.hardware import Hardware
 from nbscaler.planning import Plan
+from nbscaler.recipe import Recipe
 from nbscaler.widgets.base import Measured, View
 
 
@@ -47,13 +48,12 @@ def view_classes() -> Dict[ViewName, Type[View]]:
 ViewOptions = Dict[ViewName, Dict[str, Any]]
 
 
-def view_options(optimizer_fn: Any, hardware: Optional[Hardware] = None,
-                 master_dtype: Optional[torch.dtype] = None) -> ViewOptions:
-    """The options views take beyond the plan: the optimizer the memory prediction assumes and its
-    master copies (``master_dtype``, as ``plan.memory`` and ``plan.summary`` take it) and, on a
-    target, the hardware the timeline and memory views draw. The timeline's step on a target is
-    priced with the same optimizer and master copies as the memory, so the two panes agree."""
-    optimizer = {"optimizer": optimizer_fn, "master_dtype": master_dtype}
+def view_options(recipe: Recipe, hardware: Optional[Hardware] = None) -> ViewOptions:
+    """The options views take beyond the plan: the training recipe the memory prediction assumes
+    (``nbscaler.Recipe``, as ``plan.memory`` and ``plan.summary`` take it) and, on a target, the
+    hardware the timeline and memory views draw. The timeline's step on a target is priced with the
+    same recipe as the memory, so the two panes agree."""
+    optimizer = {"recipe": recipe}
     if hardware is None:
         return {ViewName.MEMORY: optimizer}
     on_target = {**optimizer, "hardware": hardware}

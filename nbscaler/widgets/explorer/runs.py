@@ -19,12 +19,18 @@ import torch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.planning import Plan
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
+from nbscaler.recipe import Recipe
 from nbscaler.widgets.explorer.knobs import Knobs
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
                "sequence_parallel", "compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble",
                "peak_bytes_predicted", "peak_bytes", "peak_rss_bytes", "losses_match", "loss_rel_err"]
+
+
+EXPLORER_RECIPE = Recipe(optimizer=torch.optim.SGD)
+"""The Explorer's recipe unless given one: it trains small models against a single-process oracle
+with plain SGD (``oracle.single_process_losses``), and predicts for what it trains."""
 
 
 @dataclass
@@ -37,13 +43,14 @@ class Run:
     plan: Plan
     compile_s: float
     optimizer_fn: Any = torch.optim.SGD
+    recipe: Optional[Recipe] = None              # what the prediction assumes (default: optimizer_fn's)
     outcome: Optional[TrainOutcome] = None
 
     @functools.cached_property
     def predicted(self) -> Dict[str, Any]:
         """The plan's own figures: compute settings, step time, bubble and peak memory per rank."""
         plan = self.plan
-        summary = plan.summary(self.optimizer_fn)
+        summary = plan.summary(recipe=self.recipe or Recipe(optimizer=self.optimizer_fn))
         schedule = plan.schedule
         return {
             "plan_ngpus": plan.config.plan_ngpus, "runtime_ngpus": plan.config.runtime_ngpus,

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 
 from nbscaler.cost.hardware import Hardware
+from nbscaler.recipe import Recipe
 from nbscaler.space.plan_space import PlanSpace
 from nbscaler.widgets.space import Metric, SpaceWidget, describe, front_rows, space_svg
 
@@ -92,18 +93,20 @@ class SpaceTab:
         return self.space.frame if self.space is not None else None
 
     def knobs(self) -> Dict[str, Any]:
-        """What the knobs say, as ``PlanSpace.set`` takes it."""
+        """What the knobs say, as ``PlanSpace.set`` takes it: the precision knob is a change of the
+        recipe's ``module_dtype`` and ``master_dtype``."""
         module_dtype, master_dtype = PRECISIONS[self.precision.value]
         return {"hardware": self.hardware.value, "nodes": self.nodes.value, "gpus_per_node": self.gpus_per_node.value,
                 "module_dtype": module_dtype, "master_dtype": master_dtype, "global_batch": self.global_batch.value,
                 "sequence": self.sequence.value}
 
-    def build(self, module: torch.nn.Module, dummy_args: Dict[str, Any], optimizer) -> PlanSpace:
-        """Sweep ``module`` under the knobs; the sequence knob takes the dummy inputs' length."""
+    def build(self, module: torch.nn.Module, dummy_args: Dict[str, Any], recipe: Recipe) -> PlanSpace:
+        """Sweep ``module`` under the knobs for a run that trains with ``recipe``, its dtypes those
+        of the precision knob; the sequence knob takes the dummy inputs' length."""
         knobs = self.knobs()
         target = Hardware.resolve(knobs["hardware"], nodes=knobs["nodes"], gpus_per_node=knobs["gpus_per_node"])
         space = PlanSpace(module, one_sequence_of(dummy_args), target, global_batch=knobs["global_batch"],
-                          module_dtype=knobs["module_dtype"], master_dtype=knobs["master_dtype"], optimizer=optimizer,
+                          recipe=recipe.replace(module_dtype=knobs["module_dtype"], master_dtype=knobs["master_dtype"]),
                           **self.ranges)
         self.space = space
         with self._holding():
