@@ -14,18 +14,19 @@ their letters (one multiply when nothing is summed). ``...`` stands for the broa
 from __future__ import annotations
 
 import math
+import string
 from typing import Dict, List, Sequence, Tuple
 
 EINSUM_TARGET = "torch.einsum"
-_ELLIPSIS_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"      # stand-ins for the axes "..." spans (upper case is free)
 
 
-def _expand(term: str, ndim: int, span: int) -> str:
-    """``term`` with ``...`` replaced by the last ``ndim - (letters)`` of ``span`` stand-in letters."""
+def _expand(term: str, ndim: int, spare: str) -> str:
+    """``term`` with ``...`` replaced by the last of the ``spare`` letters it spans (broadcasting
+    aligns the axes ``...`` stands for from the right)."""
     if "..." not in term:
         return term
     own = ndim - (len(term) - 3)
-    return term.replace("...", _ELLIPSIS_LETTERS[span - own:span])
+    return term.replace("...", spare[len(spare) - own:])
 
 
 def einsum_axes(equation: str, shapes: Sequence[Sequence[int]]) -> Tuple[List[str], str, Dict[str, int]]:
@@ -35,16 +36,17 @@ def einsum_axes(equation: str, shapes: Sequence[Sequence[int]]) -> Tuple[List[st
     lhs, _, rhs = eq.partition("->")
     terms = lhs.split(",")
     span = max((len(s) - (len(t) - 3) for t, s in zip(terms, shapes) if "..." in t), default=0)
-    inputs = [_expand(t, len(s), span) for t, s in zip(terms, shapes)]
+    spare = "".join(c for c in string.ascii_letters if c not in eq)[:span]      # letters "..." stands for
+    inputs = [_expand(t, len(s), spare) for t, s in zip(terms, shapes)]
     sizes: Dict[str, int] = {}
     for term, shape in zip(inputs, shapes):
         for letter, n in zip(term, shape):
             sizes[letter] = max(sizes.get(letter, 1), n)
     if "->" in eq:
-        output = rhs.replace("...", _ELLIPSIS_LETTERS[:span])
+        output = rhs.replace("...", spare)
     else:                           # numpy's rule: the letters seen once, in alphabetical order
-        once = sorted(c for c in set("".join(inputs)) if "".join(inputs).count(c) == 1 and c.islower())
-        output = _ELLIPSIS_LETTERS[:span] + "".join(once)
+        letters = lhs.replace("...", "").replace(",", "")
+        output = spare + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
     return inputs, output, sizes
 
 

@@ -66,7 +66,7 @@ def test_an_einsum_counts_its_contractions(nodes):
 
 def test_einsum_equations():
     assert einsum_axes("ij,jk", [(3, 4), (4, 5)])[1] == "ik"                 # implicit output
-    assert einsum_axes("...k,hkn->...hn", [(2, 8, 32), (4, 32, 8)])[0] == ["ABk", "hkn"]
+    assert einsum_axes("...k,hkn->...hn", [(2, 8, 32), (4, 32, 8)])[0] == ["abk", "hkn"]          # "..." spelt out
     assert einsum_flops("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)]) == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5   # left to right
     assert einsum_flops("bhqd->bhdq", [(2, 3, 4, 5)]) == 120                # one operand: one FLOP an element
     assert einsum_contracts("bik,bkj->bij", [(2, 3, 4), (2, 4, 5)])
