@@ -12,6 +12,8 @@ After ``annotate_costs(graph)`` every node carries:
 ``bytes_written``  bytes of its tensor outputs, whole
 ``local_flops_fwd`` / ``local_flops_bwd``
                    the same per device that runs it, once the node is placed (a split op's share)
+``product``        whether its FLOPs are a matrix product's (``cost.products``), which a GPU runs
+                   at its matmul rate; the others run at its vector rate (``cost.roofline``)
 =================  ==============================================================================
 
 The IR never imports this module: views, autodist and the Plan read the facts from ``node.meta``.
@@ -24,9 +26,11 @@ The IR never imports this module: views, autodist and the Plan read the facts fr
 from __future__ import annotations
 
 from nbscaler.cost.flops import backward_flops, node_flops
+from nbscaler.cost.products import is_product
 from nbscaler.ir.graph import IRGraph, requires_grad_of
 
-COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd")
+COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd",
+             "product")
 
 
 def annotate_costs(graph: IRGraph) -> IRGraph:
@@ -40,5 +44,5 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
             flops_fwd=fwd, flops_bwd=bwd,
             bytes_read=sum(t.nbytes for t in node.inputs),
             bytes_written=sum(t.nbytes for t in node.output_tensors),
-            local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts)
+            local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts, product=is_product(node))
     return graph

@@ -6,8 +6,10 @@ cost one operation per output element; opaque ones cost what their inputs and ou
 That is coarse, but it is what balancing stages needs: a matmul-heavy layer must weigh far more
 than a reshape. An embedding is a gather, not a product with a one-hot matrix: its annotation sums
 over the table's rows (which is what lets a split table leave partial sums), but its forward
-computes nothing, and its backward adds each output element's gradient into a row of the table. Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair
-and head (``attention_flops``), the causal mask not subtracted, as published counts do.
+computes nothing, and its backward adds each output element's gradient into a row of the table.
+Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair and head
+(``attention_flops``), the causal mask not subtracted, as published counts do. An ``einsum`` is
+counted from its equation (``cost.einsum``): it has no annotation.
 
 >>> node_flops(graph.select(op='linear')[0])              # doctest: +SKIP
 2 * 8 * 64 * 256
@@ -18,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
+from nbscaler.cost.products import product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
 
 
@@ -29,20 +33,18 @@ def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> flo
     return float(2 * math.prod(lead) * t * s * (d + e))
 
 
-#: Ops whose backward is one product per operand that takes a gradient, and how many operands
-#: they have: a linear's bias gets a sum over the output, not a product; attention's gradients are
-#: four products, two forwards' worth, whichever of q, k and v take one.
-PRODUCT_OPERANDS = {"linear": 2, "matmul": 2, "conv": 2, "attention": 3}
-
-
 def backward_flops(node: IRNode, forward: float, takes_grad: Callable[[IRTensor], bool]) -> float:
     """Backward FLOPs of ``node``, whose forward costs ``forward``: one forward's worth for each
-    input that ``takes_grad`` (its products' operands only), two for attention; an embedding's is
-    the scatter-add of its output's gradient into the table (one addition an output element)."""
+    input that ``takes_grad``, of a product only its operands (``cost.products``: a bias added to
+    a linear or an ``addmm`` gets a sum, not a product); attention's gradients are four products, two
+    forwards' worth, whichever of q, k and v take one; an embedding's is the scatter-add of its
+    output's gradient into the table (one addition an output element)."""
     if node.op == "embedding":
         return float(sum(math.prod(t.shape) for t in node.output_tensors)) if takes_grad(node.inputs[1]) else 0.0
-    with_grad = sum(1 for t in node.inputs[:PRODUCT_OPERANDS.get(node.op)] if takes_grad(t))
-    return forward * (min(with_grad, 2) if node.op == "attention" else with_grad)
+    if node.op == "attention":
+        return forward * min(sum(1 for t in node.inputs[:3] if takes_grad(t)), 2)
+    operands = product_operands(node) or range(len(node.inputs))
+    return forward * sum(1 for i in operands if takes_grad(node.inputs[i]))
 
 
 def node_flops(node: IRNode) -> float:
@@ -58,6 +60,8 @@ def shape_flops(node: IRNode, in_shapes: Sequence[Sequence[int]], out_shapes: Se
     read from the input that names them."""
     if node.op == "embedding":                 # a gather: rows are copied, nothing is computed
         return 0.0
+    if node.target == EINSUM_TARGET:
+        return einsum_flops(node.args[0], in_shapes)
     out_elems = sum(math.prod(s) for s in out_shapes)
     ann = node.annotation
     if ann is None:

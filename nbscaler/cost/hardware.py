@@ -177,6 +177,15 @@ class Hardware:
         rate compute-bound kernels are priced at (``cost.roofline``)."""
         return self.peak_flops(dtype) * self.sustained_clock_ratio
 
+    def vector_flops(self) -> float:
+        """FLOP/s of one GPU's vector units (not its tensor cores) at the clock it holds under sustained
+        load: the rate of every op that is not a matrix product (``cost.roofline``). PyTorch computes
+        half-precision elementwise ops, norms and reductions in fp32 (``at::opmath_type``, ATen's
+        ``OpMathType.h``), so this is the datasheet's fp32 peak; a target that gives none is held to
+        its slowest peak, never faster than any."""
+        peaks = self.peak_flops_by_precision
+        return peaks.get(Precision.FP32, min(peaks.values())) * self.sustained_clock_ratio
+
     def fits(self, nbytes):
         """Whether ``nbytes`` (a number, or an array or Series of them) fits in one GPU's memory: the
         one test of "fits" the summary's ``fits`` column and the memory view both ask."""

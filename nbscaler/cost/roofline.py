@@ -1,28 +1,39 @@
 """Op times on a target GPU from each op's FLOPs and bytes: a roofline with efficiencies.
 
-An op on a GPU is limited by its arithmetic or by its memory traffic, whichever is slower, and never
-takes less than a kernel's minimum duration::
+Every op, whatever its kind, is limited by its arithmetic or by its memory traffic, whichever is
+slower, and never takes less than a kernel's minimum duration::
 
-    t = max(flops / (peak(dtype) * clock * eff), bytes / (memory_bw * MEMORY_EFFICIENCY), KERNEL_FLOOR_S)
+    t = max(flops / rate, bytes / (memory_bw * MEMORY_EFFICIENCY), KERNEL_FLOOR_S)
+
+Its FLOPs are those the cost pass wrote on its node (``cost.annotate``), so an op with FLOPs is
+always bound by them; only the rate depends on its class:
+
+- a **matrix product** (``node.meta["product"]``, ``cost.products``: linear, matmul, bmm,
+  ``addmm``, ``baddbmm``, convolutions, a contracting ``einsum``, a registered user op whose
+  annotation contracts) runs at ``peak(dtype) * clock * eff``, ``eff`` as below;
+- **attention** at ``peak(dtype) * clock * ATTENTION_EFFICIENCY`` (flash), or as its kernels;
+- **everything else** at the vector rate, ``Hardware.vector_flops``: the fp32 peak of the CUDA
+  cores, where PyTorch computes elementwise ops, norms and reductions of half-precision tensors.
 
 ``peak * clock`` is the rate at the clock the GPU holds under sustained load
 (``Hardware.sustained_flops``: 1,305 of 1,410 MHz on an A100, the boost clock where no sustained
-one is sourced); ``eff`` depends on the kind of op:
+one is sourced):
 
-- **matrix products** (linear, matmul, conv) reach at most the GPU's measured matmul ceiling
+- **matrix products** reach at most the GPU's measured matmul ceiling
   (``Hardware.matmul_efficiency``: the best cuBLAS bf16 throughput over a sweep of shapes, 85.9%
   of the peak on an A100 SXM, 80.1% on an H100 SXM, both burst figures at the boost clock) and
   less when small: filling the GPU with tiles and draining the last wave costs about
   ``MATMUL_RAMP_S`` per product, so a product of ``f`` FLOPs takes
   ``f / (peak * clock * eff) + MATMUL_RAMP_S``: its efficiency grows with its size. At the boost
   clock a 1024^3 bf16 product reaches 57% of an A100's peak, a 4096^3 one 85%; at its sustained
-  clock 54% and 79%. Each gradient of the backward is one such product.
+  clock 54% and 79%. Each gradient of the backward is one such product, moving the forward's bytes.
 - **attention** as the target's software computes it (``Hardware.attention``):
 
   - ``flash`` (the default): FlashAttention's full ``2 (d + e)`` FLOPs per query-key pair (causal
     masking is not subtracted, as published FLOP counts do not subtract it), never a materialised
     T x T matrix, at ``ATTENTION_EFFICIENCY``; its backward recomputes the scores, so it runs 2.5
-    forwards of arithmetic (the four products of the gradients and the scores again);
+    forwards of arithmetic (the four products of the gradients and the scores again); it moves
+    q, k, v and the output, and twice that in the backward;
   - ``materialized``: as frameworks computed it before FlashAttention (Megatron-LM in 2021), five
     kernels in the forward and the backward each: batched products that write or read the
     (B, heads, T, T) scores, each priced as a product *and* by the bytes it moves, whichever is
@@ -43,9 +54,10 @@ one is sourced); ``eff`` depends on the kind of op:
   the mask: the separate kernels move ``2 * itemsize`` bytes an element more in each forward (the
   dropout's output written, then read by the add). In the backward the fused kernel's pass is the
   dropout's: the add's gradient passes through to the residual.
-- **everything else** (elementwise, norms, softmax, losses, copies) is bound by memory: the bytes
-  of its local inputs and outputs; its backward reads the output's gradient and what was saved and
-  writes the inputs' gradients, twice the forward's bytes. Views (reshape, transpose, split,
+- **everything else** (elementwise, norms, softmax, losses, copies) moves the bytes of its local
+  inputs and outputs (far more time than its FLOPs at the vector rate on every catalogued GPU); its
+  backward reads the output's gradient and what was saved and writes the inputs' gradients, twice
+  the forward's bytes, or its own FLOPs at the vector rate if slower. Views (reshape, transpose, split,
   indexing) launch no kernel and cost nothing. An embedding reads the rows it gathers, not the
   whole table; its backward writes the whole table's gradient.
 
@@ -97,7 +109,6 @@ FLASH_BACKWARD_FORWARDS = 2.5
 DROPOUT_MASK_BYTES = 1
 DROPOUT_TARGET = "torch.nn.functional.dropout"
 
-MATMUL_OPS = frozenset({"linear", "matmul", "conv"})
 VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
 
 #: Tensors an optimizer step reads and writes per parameter element, the gradient included:
@@ -183,7 +194,8 @@ class RooflineOps:
         node = op.node
         meta = node.meta
         return (node.op, node.target, op.in_shapes, op.out_shapes, meta.get("local_flops_fwd"),
-                meta.get("flops_fwd"), meta.get("flops_bwd"), node.target == DROPOUT_TARGET and drops(node))
+                meta.get("local_flops_bwd"), meta.get("flops_fwd"), meta.get("flops_bwd"), meta.get("product"),
+                node.target == DROPOUT_TARGET and drops(node))
 
     def time(self, op: OpCall, key: Optional[Tuple] = None) -> Tuple[float, float]:
         """Forward and backward seconds of ``op`` on one GPU of the target, worked out once per
@@ -194,42 +206,57 @@ class RooflineOps:
         return self._times[key]
 
     def _time(self, op: OpCall) -> Tuple[float, float]:
+        """Every op by one rule: its arithmetic at its class's rate, its memory traffic or a kernel's
+        floor, whichever is slowest, each pass (``_pass``); only the class and the bytes differ."""
         node = op.node
         dtype = next((d for _, d, _ in op.in_shapes if d.is_floating_point), torch.float32)
-        grads = sum(1 for _, _, g in op.in_shapes if g)
+        grads = any(g for _, _, g in op.in_shapes)
         if node.op in VIEW_OPS or (node.target == DROPOUT_TARGET and not drops(node)):
             return 0.0, 0.0
-        if node.target == DROPOUT_TARGET:
-            (shape, out_dtype), = op.out_shapes
-            t = self._kernel(0, dropout_bytes(math.prod(shape), out_dtype.itemsize), dtype)
-            return t, (t if grads else 0.0)
-        if node.op in MATMUL_OPS:             # the backward's products: one per operand with a gradient
-            fwd_flops, products = node.meta["local_flops_fwd"], node.meta["flops_bwd"] / max(node.meta["flops_fwd"], 1)
-            t = max(self._matmul(fwd_flops, dtype), KERNEL_FLOOR_S)
-            return t, products * t
         if node.op == "attention":
-            if self.hardware.attention == AttentionKind.MATERIALIZED:
-                fwd, bwd = self._materialized_attention(op, dtype)
-                return fwd, (bwd if grads else 0.0)
-            (q, _, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
-            flops = attention_flops(q, k, v)
-            t = flops / (self.hardware.sustained_flops(dtype) * ATTENTION_EFFICIENCY)
-            return max(t, KERNEL_FLOOR_S), (max(FLASH_BACKWARD_FORWARDS * t, KERNEL_FLOOR_S) if grads else 0.0)
-        fwd_bytes = memory_bytes(op)
-        t = max(memory_seconds(fwd_bytes, self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
+            fwd, bwd = self._attention(op, dtype)
+            return fwd, (bwd if grads else 0.0)
+        meta = node.meta
+        fwd_flops, bwd_flops = meta["local_flops_fwd"], meta["local_flops_bwd"]
+        if meta["product"]:                   # the backward's products: one per operand with a gradient
+            t = self._pass(fwd_flops, memory_bytes(op), dtype, product=True)
+            return t, (meta["flops_bwd"] / meta["flops_fwd"] * t if meta["flops_fwd"] else 0.0)
+        if node.target == DROPOUT_TARGET:     # one pass each way, the mask written, then read
+            (shape, out_dtype), = op.out_shapes
+            t = self._pass(fwd_flops, dropout_bytes(math.prod(shape), out_dtype.itemsize), dtype)
+            return t, (t if grads else 0.0)
+        t = self._pass(fwd_flops, memory_bytes(op), dtype)
         if node.op == "embedding":
-            bwd = max(memory_seconds(backward_bytes(op), self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
-        else:
-            bwd = 2 * t
+            bwd = self._pass(bwd_flops, backward_bytes(op), dtype)
+        else:                                 # reads the output's gradient and what was saved, writes the inputs'
+            bwd = max(2 * t, self._pass(bwd_flops, 0, dtype))
         return t, (bwd if grads else 0.0)
+
+    def _pass(self, flops: float, nbytes: float, dtype: torch.dtype, product: bool = False) -> float:
+        """Seconds of one kernel: ``flops`` at the matmul rate (``product``) or the vector rate, or its
+        memory traffic, or the floor, whichever is slowest."""
+        arithmetic = self._matmul(flops, dtype) if product else flops / self.hardware.vector_flops()
+        return max(arithmetic, memory_seconds(nbytes, self.hardware.memory_bytes_per_s), KERNEL_FLOOR_S)
 
     def _matmul(self, flops: float, dtype: torch.dtype) -> float:
         return matmul_seconds(flops, self.hardware.sustained_flops(dtype), self.hardware.matmul_efficiency)
 
     def _kernel(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        """One kernel: its arithmetic (as a product) or its memory traffic, whichever is slower."""
-        return max(self._matmul(flops, dtype), memory_seconds(nbytes, self.hardware.memory_bytes_per_s),
-                   KERNEL_FLOOR_S)
+        """One kernel of products (or of none): ``_pass`` at the matmul rate."""
+        return self._pass(flops, nbytes, dtype, product=True)
+
+    def _attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
+        """Forward and backward seconds of attention as the target's software computes it: flash's
+        fused kernel (its backward 2.5 forwards of arithmetic over twice the forward's bytes), or
+        the scores written to memory (``_materialized_attention``)."""
+        if self.hardware.attention == AttentionKind.MATERIALIZED:
+            return self._materialized_attention(op, dtype)
+        (q, _, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
+        rate = self.hardware.sustained_flops(dtype) * ATTENTION_EFFICIENCY
+        arithmetic, bw = attention_flops(q, k, v) / rate, self.hardware.memory_bytes_per_s
+        fwd = max(arithmetic, memory_seconds(memory_bytes(op), bw), KERNEL_FLOOR_S)
+        bwd = max(FLASH_BACKWARD_FORWARDS * arithmetic, memory_seconds(backward_bytes(op), bw), KERNEL_FLOOR_S)
+        return fwd, bwd
 
     def _materialized_attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
         """Forward and backward seconds of attention with the scores written to memory: ``S = Q K^T``,

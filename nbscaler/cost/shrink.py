@@ -68,7 +68,8 @@ import torch
 
 from nbscaler.cost.flops import attention_flops, shape_flops
 from nbscaler.cost.local import OpCall
-from nbscaler.cost.roofline import MATMUL_OPS, VIEW_OPS, backward_bytes, memory_bytes
+from nbscaler.cost.products import is_product
+from nbscaler.cost.roofline import VIEW_OPS, backward_bytes, memory_bytes
 from nbscaler.cost.speed import sync
 from nbscaler.ir.registry import spec_of
 
@@ -91,8 +92,9 @@ MIN_TENSOR_BYTES = 64 * 2 ** 20
 #: sixty-fourth of Llama-3-70B) took gigabytes and minutes to time here.
 UPDATE_BUDGET = 2 ** 24
 
-#: Ops scaled by their FLOPs: products and attention (the roofline's compute-bound ones).
-COMPUTE_OPS = MATMUL_OPS | {"attention"}
+def compute_bound(op: OpCall) -> bool:
+    """Whether ``op`` is scaled by its FLOPs: a matrix product (``cost.products``) or attention."""
+    return op.node.op == "attention" or is_product(op.node)
 
 
 class Basis(StrEnum):
@@ -138,7 +140,7 @@ def activation_bytes(op: OpCall) -> int:
 def is_large(op: OpCall) -> bool:
     """Whether running ``op`` at its real shape is over the budgets (FLOPs counted for the
     compute-bound ops only: an embedding's annotation sums over its table, which it does not compute)."""
-    return (op.node.op in COMPUTE_OPS and op_flops(op) > FLOPS_BUDGET) or activation_bytes(op) > BYTES_BUDGET
+    return (compute_bound(op) and op_flops(op) > FLOPS_BUDGET) or activation_bytes(op) > BYTES_BUDGET
 
 
 def free_dims(op: OpCall) -> List[str]:
@@ -233,7 +235,7 @@ def shrink(op: OpCall) -> Proxy:
         run = _shrink_along(op, dims)
         if run is None:
             continue
-        if op.node.op in COMPUTE_OPS:
+        if compute_bound(op):
             ratio = op_flops(op) / op_flops(run)
             return Proxy(op, run, dims, (ratio, ratio), Basis.FLOPS)
         factor = (memory_bytes(op) / memory_bytes(run), backward_bytes(op) / backward_bytes(run))

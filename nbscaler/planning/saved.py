@@ -17,7 +17,7 @@ import pickle
 from pathlib import Path
 from typing import List, Union
 
-from nbscaler.cost.annotate import annotate_costs
+from nbscaler.cost.annotate import COST_KEYS, annotate_costs
 from nbscaler.genfiles import CONFIG_FILE, GRAPH_FILE, GenDir
 from nbscaler.planning.planner import Plan
 from nbscaler.policy.builtin import POLICIES
@@ -69,7 +69,7 @@ def load_plan(path: Union[str, Path]) -> Plan:
         raise SavedPlanError(f"{folder / GRAPH_FILE} cannot be read ({e!r}): it was written by another version "
                              "of nbscaler, or is damaged; compile again with reuse='override'.") from e
     for graph in graphs.values():
-        if any("flops_fwd" not in n.meta for n in graph.nodes):
+        if any(key not in n.meta for n in graph.nodes for key in COST_KEYS):      # written before a fact was added
             annotate_costs(graph)
     return Plan(graphs, cfg, policy, module, saved.get("plan_seconds", 0.0),
                 policy=policy if policy in POLICIES else None)

@@ -10,6 +10,7 @@ import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost import roofline as R
 from nbscaler.cost.flops import attention_flops
+from nbscaler.cost.hardware import Precision
 from nbscaler.cost.local import fake_device
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
@@ -198,3 +199,44 @@ def test_a_plan_with_dropout_takes_its_passes_longer_and_saves_its_masks(dropped
     # mask in the input's dtype (bf16 here).
     mask = R.DROPOUT_MASK_BYTES if fake_device().type == "cuda" else 2
     assert after.activation_bytes - before.activation_bytes == 2 * B * T * C * mask
+
+
+class Conv1D(torch.nn.Module):
+    """GPT-2's projection: ``addmm(bias, x, weight)`` with the weight stored (in, out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(C, 3 * C))
+        self.bias = torch.nn.Parameter(torch.zeros(3 * C))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, C), self.weight).sum()
+
+
+def test_gpt2s_addmm_is_priced_as_the_linear_it_is(ops):
+    p = nbscaler.plan(Conv1D(), {"x": torch.randn(B, T, C)}, "dp", ComputeConfig(1, 1), module_dtype=torch.bfloat16)
+    addmm = first(p.local_runs[0][None].ops, "addmm")
+    assert R.RooflineOps(A100).time(addmm) == R.RooflineOps(A100).time(first(ops, "linear"))
+    assert addmm.node.meta["flops_bwd"] == 2 * addmm.node.meta["flops_fwd"]
+
+
+def test_a_product_that_moves_more_than_it_computes_is_bound_by_its_memory(ops):
+    """A product reads its operands and writes its output: on a GPU with slow memory (or a narrow
+    product, as a key projection with one head per GPU) that, not its arithmetic, sets its time."""
+    qkv = first(ops, "linear")
+    slow = dataclasses.replace(A100, memory_bytes_per_s=1e11)
+    fwd, bwd = R.RooflineOps(slow).time(qkv)
+    assert fwd == pytest.approx(R.memory_bytes(qkv) / (1e11 * R.MEMORY_EFFICIENCY), rel=1e-12)
+    assert fwd > R.RooflineOps(A100).time(qkv)[0] and bwd == pytest.approx(2 * fwd, rel=1e-12)
+
+
+def test_an_op_that_is_no_product_runs_its_flops_at_the_vector_rate(ops):
+    norm = first(ops, "norm")
+    assert A100.vector_flops() == 19.5e12 * 1305 / 1410                # the datasheet's fp32, at the sustained clock
+    slow = dataclasses.replace(A100, peak_flops_by_precision={**A100.peak_flops_by_precision, Precision.FP32: 1e9})
+    fwd, bwd = R.RooflineOps(slow).time(norm)
+    assert fwd == pytest.approx(norm.node.meta["local_flops_fwd"] / slow.vector_flops(), rel=1e-12)
+    assert bwd == pytest.approx(norm.node.meta["local_flops_bwd"] / slow.vector_flops(), rel=1e-12)
+    assert R.RooflineOps(A100).time(norm)[0] < fwd                     # on the real A100, memory binds
+    no_fp32 = dataclasses.replace(A100, peak_flops_by_precision={Precision.BF16: 312e12, Precision.TF32: 156e12})
+    assert no_fp32.vector_flops() == 156e12 * 1305 / 1410              # without one: its slowest peak
