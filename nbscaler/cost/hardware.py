@@ -184,7 +184,7 @@ class Hardware:
         ``OpMathType.h``), so this is the datasheet's fp32 peak; a target that gives none is held to
         its slowest peak, never faster than any."""
         peaks = self.peak_flops_by_precision
-        return peaks.get(Precision.FP32, min(peaks.values())) * self.sustained_clock_ratio
+        return peaks.get(NumberFormat.FP32, min(peaks.values())) * self.sustained_clock_ratio
 
     def fits(self, nbytes):
         """Whether ``nbytes`` (a number, or an array or Series of them) fits in one GPU's memory: the

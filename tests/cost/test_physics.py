@@ -27,7 +27,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost import roofline
-from nbscaler.cost.hardware import Precision
+from nbscaler.cost.hardware import NumberFormat
 from nbscaler.cost.step_figures import StepFigures
 from tests.models import batch, build
 
@@ -65,7 +65,7 @@ def targets(dtype: torch.dtype) -> Iterator[Tuple[str, Hardware, bool]]:
     """Every catalogued target that computes in ``dtype``, as it is and as its arithmetic-only twin
     (its memory and links made unbounded and instant here, its floors removed when it is priced)."""
     for name, hw in Hardware.catalogue().items():
-        if Precision.of(dtype) in hw.peak_flops_by_precision:
+        if NumberFormat.of(dtype) in hw.peak_flops_by_precision:
             yield name, hw, False
             yield f"{name} (arithmetic only)", dataclasses.replace(hw, **INSTANT), True
 

@@ -10,7 +10,7 @@ import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost import roofline as R
 from nbscaler.cost.flops import attention_flops
-from nbscaler.cost.hardware import Precision
+from nbscaler.cost.hardware import NumberFormat
 from nbscaler.cost.local import fake_device
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
@@ -233,10 +233,10 @@ def test_a_product_that_moves_more_than_it_computes_is_bound_by_its_memory(ops):
 def test_an_op_that_is_no_product_runs_its_flops_at_the_vector_rate(ops):
     norm = first(ops, "norm")
     assert A100.vector_flops() == 19.5e12 * 1305 / 1410                # the datasheet's fp32, at the sustained clock
-    slow = dataclasses.replace(A100, peak_flops_by_precision={**A100.peak_flops_by_precision, Precision.FP32: 1e9})
+    slow = dataclasses.replace(A100, peak_flops_by_precision={**A100.peak_flops_by_precision, NumberFormat.FP32: 1e9})
     fwd, bwd = R.RooflineOps(slow).time(norm)
     assert fwd == pytest.approx(norm.node.meta["local_flops_fwd"] / slow.vector_flops(), rel=1e-12)
     assert bwd == pytest.approx(norm.node.meta["local_flops_bwd"] / slow.vector_flops(), rel=1e-12)
     assert R.RooflineOps(A100).time(norm)[0] < fwd                     # on the real A100, memory binds
-    no_fp32 = dataclasses.replace(A100, peak_flops_by_precision={Precision.BF16: 312e12, Precision.TF32: 156e12})
+    no_fp32 = dataclasses.replace(A100, peak_flops_by_precision={NumberFormat.BF16: 312e12, NumberFormat.TF32: 156e12})
     assert no_fp32.vector_flops() == 156e12 * 1305 / 1410              # without one: its slowest peak
