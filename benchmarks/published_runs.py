@@ -202,7 +202,7 @@ def breakdown(plan: "nbscaler.Plan", hw: Hardware, step: float) -> Dict[str, flo
     """Seconds of rank 0's step by cause: its ops (forward, recomputed forward and backward), its tp
     collectives, the part of the data-parallel reduction the backward does not hide, and the rest
     (the pipeline's bubble and sends, the optimizer step)."""
-    model = StepModel(plan.graphs, plan.storage, plan.config, plan.geometry, runs=plan.local_runs, hardware=hw)
+    model = StepModel(plan.placed, runs=plan.local_runs, hardware=hw)
     ops, nccl = model.profiler, model.comm
     blocks = plan.config.pipeline_nmicros if plan.config.use_pipeline else 1
     run = next(iter(plan.local_runs[0].values()))
@@ -210,7 +210,7 @@ def breakdown(plan: "nbscaler.Plan", hw: Hardware, step: float) -> Dict[str, flo
     tp = sum(nccl.forward(c.fn, c.in_bytes, len(c.devices), c.devices) * (2 if c.recomputed else 1)
              + nccl.backward(c.fn, c.in_bytes, len(c.devices), c.devices) for c in run.collectives)
     overlap = overlap_window((b for _, b in model.times[0].values()), hw)
-    dp = sync_time(plan.graphs, plan.storage, plan.config, 0, plan.geometry, nccl, overlap, precision=RECIPE)
+    dp = sync_time(plan.placed, 0, nccl, RECIPE, overlap)
     out = {"compute": blocks * compute, "tp collectives": blocks * tp, "dp all-reduce (exposed)": dp}
     out["bubble, sends, optimizer"] = step - sum(out.values())
     return out

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from nbscaler import ComputeConfig, ParallelModule, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.config import PIPELINE_KEYS
+from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.recipe import Recipe
 from nbscaler.planning.planner import build_module, cast_floats
 from nbscaler.reference import MATCH_RTOL, call_with_kwargs, reference_run
@@ -481,9 +482,8 @@ def predicted_memory(case: Case) -> List[Dict[str, int]]:
     """The memory model's rows for the case, with the case's optimizer and master copies."""
     from nbscaler.cost.memory import memory_per_rank
     cls, kwargs = OPTIMIZERS[case.optimizer]
-    return memory_per_rank(*plan_inputs(case), optimizer=cls, optimizer_kwargs=kwargs,
-                           precision=Recipe(master_dtype=case.master_dtype,
-                                                           grad_reduce_dtype=case.grad_reduce_dtype)).to_dict("records")
+    recipe = Recipe(cls, kwargs, master_dtype=case.master_dtype, grad_reduce_dtype=case.grad_reduce_dtype)
+    return memory_per_rank(PlacedGraphs(*plan_inputs(case)), recipe).to_dict("records")
 
 
 # -- the same checks through a notebook cluster ------------------------------------------------------

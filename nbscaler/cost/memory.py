@@ -47,17 +47,17 @@ import pandas as pd
 import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, MEMORY_COLUMNS, SummaryColumn as C
-from nbscaler.comm.layout import Layout
 from nbscaler.comm.lower import lower_device, rank_sections, train_graph
+from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.comm.program import RankProgram, Section
 from nbscaler.config import ComputeConfig, split_buckets
-from nbscaler.recipe import AS_HELD, Recipe
+from nbscaler.recipe import Recipe
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.cost.moments import Gradients, step_moments, step_peak
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.cost.same_sections import Replays
 from nbscaler.ir.backward_split import BackwardPart, backward_parts
-from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.ir.graph import IRNode
 from nbscaler.layouts import Collective
 from nbscaler.schedule import PipelineGeometry
 
@@ -114,10 +114,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Type[torch.optim.Optimizer],
-                  optimizer_kwargs: Optional[Dict[str, Any]], precision: Recipe = AS_HELD) -> Dict[str, int]:
-    """Parameters, optimizer state and buffers of one rank (bytes): what it holds at every moment.
-    With master copies (``precision``) the optimizer's bytes are the copies and their state."""
+def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, recipe: Recipe) -> Dict[str, int]:
+    """Parameters, optimizer state and buffers of one rank (bytes): what it holds at every moment,
+    training with ``recipe``: with master copies the optimizer's bytes are the copies and their state."""
     params = [w for w in weights if w.kind == "param"]
     row = {C.PARAM_BYTES: sum(p.nbytes for p in params),
            C.BUFFER_BYTES: sum(w.nbytes for w in weights if w.kind != "param")}
@@ -129,29 +128,29 @@ def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, optimizer: Typ
         row[C.PARAM_BYTES] = sum(numel * n * _itemsize(dt) for numel, dt in slots)     # flat, padded
     row[C.OPTIMIZER_BYTES] = 0
     for numel, dt in slots:
-        master = precision.master_of(dt)
+        master = recipe.master_of(dt)
         copy = numel * _itemsize(master) if master is not None else 0
-        row[C.OPTIMIZER_BYTES] += copy + optimizer_state_bytes(optimizer, optimizer_kwargs, numel, master or dt)
+        row[C.OPTIMIZER_BYTES] += copy + optimizer_state_bytes(recipe.optimizer, recipe.kwargs, numel, master or dt)
     return row
 
 
-def gradients(weights: List[LocalWeight], cfg: ComputeConfig, precision: Recipe = AS_HELD) -> Gradients:
+def gradients(weights: List[LocalWeight], cfg: ComputeConfig, recipe: Recipe) -> Gradients:
     """The rank's gradients at the start of a step (none), bucketed as its reducer buckets them,
     with the gradient bytes the synchronisation leaves per bucket on the optimizer's side: ZeRO's
     shard, or the master copies' without ZeRO (nothing without either)."""
-    return Gradients(*gradient_buckets(weights, cfg, precision))
+    return Gradients(*gradient_buckets(weights, cfg, recipe))
 
 
 def gradient_buckets(weights: List[LocalWeight], cfg: ComputeConfig,
-                     precision: Recipe = AS_HELD) -> Tuple[List[List[LocalWeight]], List[int], int]:
+                     recipe: Recipe) -> Tuple[List[List[LocalWeight]], List[int], int]:
     """``Gradients``' arguments for ``gradients``: what a step starts from, which a sweep keeps for
     the configurations that share it (of ``cfg`` it reads the bucket size and ZeRO's stage and group)."""
     params = [w for w in weights if w.kind == "param"]
     groups = buckets(params, cfg)
-    if not cfg.use_zero and all(precision.master_of(p.dtype) is None for p in params):
+    if not cfg.use_zero and all(recipe.master_of(p.dtype) is None for p in params):
         return groups, [], 0
     # Without ZeRO the optimizer's parameters are one per parameter; the bytes are summed per bucket.
-    updated = [numel * _itemsize(precision.master_of(dt) or dt) for numel, dt in optimizer_params(params, cfg)]
+    updated = [numel * _itemsize(recipe.master_of(dt) or dt) for numel, dt in optimizer_params(params, cfg)]
     if cfg.use_zero:
         return groups, updated, cfg.zero_stage
     sizes = iter(updated)
@@ -164,13 +163,12 @@ ProgramOf = Callable[[int], RankProgram]
 """plan device -> its lowered program (``comm.lower``, e.g. ``plan.programs.device``)."""
 
 
-def stage_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-               geometry: Optional[PipelineGeometry], program: Optional[RankProgram] = None,
+def stage_runs(placed: PlacedGraphs, device: int, program: Optional[RankProgram] = None,
                replay: Optional[Callable[[Section], LocalRun]] = None) -> Dict[Optional[int], LocalRun]:
     """The training forward of plan ``device`` replayed on fake tensors, per stage it holds
     (key ``None`` without a pipeline), each section by ``replay`` (``run_local`` by default)."""
-    program = program or lower_device(graphs, storage, device, geometry)
-    graph = train_graph(graphs)
+    program = program or lower_device(placed.graphs, placed.storage, device, placed.geometry)
+    graph = train_graph(placed.graphs)
     replay = replay or run_local
     return {sec.stage: replay(sec) for sec in program.sections if sec.graph is graph}
 
@@ -179,8 +177,7 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 """plan device -> its ``stage_runs``: what the memory table and the step model both replay."""
 
 
-def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                geometry: Optional[PipelineGeometry], program_of: Optional[ProgramOf] = None) -> DeviceRuns:
+def device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf] = None) -> DeviceRuns:
     """``stage_runs`` of every plan device, computed once for callers that need them twice.
 
     Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
@@ -193,7 +190,7 @@ def device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Com
     The devices left to replay share again where their sections are the same but for names: the
     stages of repeated layers (``cost.same_sections``)."""
     with paused_gc():
-        return _device_runs(graphs, storage, cfg, geometry, program_of)
+        return _device_runs(placed, program_of)
 
 
 @contextlib.contextmanager
@@ -210,9 +207,9 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                 geometry: Optional[PipelineGeometry], program_of: Optional[ProgramOf]) -> DeviceRuns:
-    graph = train_graph(graphs)
+def _device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf]) -> DeviceRuns:
+    cfg, geometry = placed.config, placed.geometry
+    graph = train_graph(placed.graphs)
     replays = Replays()
     by_stage: Dict[Optional[int], List[IRNode]] = {}
     for n in graph.nodes:
@@ -228,7 +225,7 @@ def _device_runs(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: Co
             out[device] = {s: _renumbered(run, views[s]) for s, run in twin.items()}
         else:
             program = program_of(device) if program_of is not None else None
-            out[device] = stage_runs(graphs, storage, device, geometry, program, replays.run)
+            out[device] = stage_runs(placed, device, program, replays.run)
             replayed.setdefault(key, []).append(out[device])
     return out
 
@@ -316,21 +313,17 @@ def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
 
 
 # -- the table ---------------------------------------------------------------------------------
-def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                    geometry: Optional[PipelineGeometry], optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                    optimizer_kwargs: Optional[Dict[str, Any]] = None, runs: Optional[DeviceRuns] = None,
-                    precision: Recipe = AS_HELD, weights_of: Optional[WeightsOf] = None) -> pd.DataFrame:
+def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceRuns] = None,
+                    weights_of: Optional[WeightsOf] = None) -> pd.DataFrame:
     """Predicted memory of every runtime rank at the peak of a training step, by category (bytes).
 
     Args:
-        graphs: the placed graphs by mode ('any', or 'train' and 'eval').
-        storage: how each weight is stored (``comm.layout.storage_layouts``).
-        cfg: the compute config (ZeRO, units, pipeline).
-        geometry: the pipeline geometry, or ``None`` without a pipeline.
-        optimizer: the optimizer class; its state is learnt by stepping it on tiny tensors.
-        optimizer_kwargs: its keyword arguments (``momentum``, ``amsgrad``, ... change the state).
+        placed: the placed graphs, how each weight is stored, the config (ZeRO, units, pipeline)
+            and the pipeline geometry.
+        recipe: how the run trains: the optimizer (its state is learnt by stepping it on tiny
+            tensors), its keywords (``momentum``, ``amsgrad``, ... change the state) and the
+            master copies (``build_optimizer``'s).
         runs: ``device_runs`` of the plan, when the caller has them already.
-        precision: the optimizer's master copies (``build_optimizer(..., master_dtype=)``).
         weights_of: plan device -> its weight table (``plan.programs.weights``), when the caller has them.
 
     Returns:
@@ -338,24 +331,25 @@ def memory_per_rank(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg:
         ``optimizer_bytes``, ``buffer_bytes``, ``activation_bytes``, ``peak_bytes``: each
         category as held at the rank's peak moment (``nbscaler.columns``).
     """
+    cfg, geometry = placed.config, placed.geometry
     by_device: Dict[int, Dict[str, int]] = {}
     parts = None
     if geometry is not None and geometry.schedule.splits_backward and not cfg.inference_only:
-        graph = train_graph(graphs)
+        graph = train_graph(placed.graphs)
         parts = {n.name: part for n, part in zip(graph.nodes, backward_parts(graph))}
     for device in range(cfg.plan_ngpus):
-        weights = weights_of(device) if weights_of is not None else local_weights(graphs, storage, device, geometry)
-        row = weight_memory(weights, cfg, optimizer, optimizer_kwargs, precision)
+        weights = weights_of(device) if weights_of is not None else local_weights(placed, device)
+        row = weight_memory(weights, cfg, recipe)
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
-            stages = runs[device] if runs is not None else stage_runs(graphs, storage, device, geometry)
+            stages = runs[device] if runs is not None else stage_runs(placed, device)
             annotate_saved_bytes(stages)
             saved = {s: r.saved_bytes for s, r in stages.items()}
             held_for_w = ({s: held_for_weights(r, parts) for s, r in stages.items()}
                           if parts is not None else None)
             params = [w for w in weights if w.kind == "param"]
-            held = step_peak(gradients(weights, cfg, precision), params, saved, geometry, device, held_for_w)
+            held = step_peak(gradients(weights, cfg, recipe), params, saved, geometry, device, held_for_w)
             row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row

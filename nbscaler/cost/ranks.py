@@ -8,18 +8,16 @@ files and the cost model alike; this module is the cost model's door to it.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List
 
-from nbscaler.comm.layout import Layout
 from nbscaler.comm.lower import rank_sections, train_graph, weight_table
+from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.comm.program import LocalWeight
-from nbscaler.ir.graph import IRGraph
-from nbscaler.schedule import PipelineGeometry
 
 __all__ = ["LocalWeight", "local_weights", "train_graph"]
 
 
-def local_weights(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-                  geometry: Optional[PipelineGeometry]) -> List[LocalWeight]:
+def local_weights(placed: PlacedGraphs, device: int) -> List[LocalWeight]:
     """The weights plan ``device`` stores, in the order the runtime registers them."""
-    return weight_table(graphs, storage, rank_sections(graphs, device, geometry), geometry)
+    graphs, geometry = placed.graphs, placed.geometry
+    return weight_table(graphs, placed.storage, rank_sections(graphs, device, geometry), geometry)

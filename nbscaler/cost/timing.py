@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pandas as pd
 import torch
 
 from nbscaler.columns import SummaryColumn as C
-from nbscaler.comm.layout import Layout
+from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.comm.stages import stage_carries
 from nbscaler.config import ComputeConfig, threads_per_rank
 from nbscaler.recipe import Recipe
@@ -62,8 +62,7 @@ from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.cost.step_figures import DeviceStep, overlap_window
-from nbscaler.ir.graph import IRGraph
-from nbscaler.schedule import PipelineGeometry, TimedBlock, Timeline, simulate
+from nbscaler.schedule import TimedBlock, Timeline, simulate
 
 _PROFILERS: Dict[str, OpProfiler] = {}
 
@@ -110,44 +109,39 @@ def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[
     return fwd, bwd + profiler.overhead_s
 
 
-def device_params(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device: int,
-                  geometry: Optional[PipelineGeometry]) -> List[LocalWeight]:
+def device_params(placed: PlacedGraphs, device: int) -> List[LocalWeight]:
     """The parameters plan ``device`` stores (``local_weights`` without buffers)."""
-    return [w for w in local_weights(graphs, storage, device, geometry) if w.kind == "param"]
+    return [w for w in local_weights(placed, device) if w.kind == "param"]
 
 
-def _reduced_bytes(params: List[LocalWeight], precision: Optional[Recipe]) -> int:
-    """Bytes of ``params``' gradients as the reduction sends them: in ``precision``'s reduce dtype
+def _reduced_bytes(params: List[LocalWeight], recipe: Recipe) -> int:
+    """Bytes of ``params``' gradients as the reduction sends them: in ``recipe``'s reduce dtype
     (fp32 for a bf16 model with fp32 masters, as Megatron-LM and ``build_optimizer`` do)."""
-    if precision is None:
-        return sum(p.nbytes for p in params)
-    return sum(p.numel * precision.reduce_dtype(p.dtype).itemsize for p in params)
+    return sum(p.numel * recipe.reduce_dtype(p.dtype).itemsize for p in params)
 
 
-def sync_buckets(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
-                 geometry: Optional[PipelineGeometry], comm: CommModel,
-                 params: Optional[List[LocalWeight]] = None,
-                 precision: Optional[Recipe] = None) -> List[Tuple[float, float]]:
+def sync_buckets(placed: PlacedGraphs, device: int, comm: CommModel, recipe: Recipe,
+                 params: Optional[List[LocalWeight]] = None) -> List[Tuple[float, float]]:
     """Seconds of the gradient synchronisation per bucket of plan ``device`` (unit 0), in parameter
     order: ``(during, after)``, what may run while the backward goes on (partial gradients summed
     inside the unit for parameters stored ``R*``, the all-reduce across data-parallel units or
     ZeRO's reduce-scatter) and what waits for the optimizer step (ZeRO's all-gather). ``params``:
-    the device's parameters (``device_params``), when the caller has them already; ``precision``:
-    the dtype gradients are reduced in (default: the parameters')."""
-    params = params if params is not None else device_params(graphs, storage, device, geometry)
-    return bucket_seconds(cfg, device, comm, reduced_buckets(params, cfg, precision))
+    the device's parameters (``device_params``), when the caller has them already. Gradients are
+    reduced in ``recipe``'s reduce dtype."""
+    params = params if params is not None else device_params(placed, device)
+    return bucket_seconds(placed.config, device, comm, reduced_buckets(params, placed.config, recipe))
 
 
 def reduced_buckets(params: List[LocalWeight], cfg: ComputeConfig,
-                    precision: Optional[Recipe]) -> Tuple[List[Tuple[int, int]], List[int]]:
+                    recipe: Recipe) -> Tuple[List[Tuple[int, int]], List[int]]:
     """The gradient bytes ``sync_buckets`` reduces, per bucket: ``(n, bytes)`` for each bucket of
     the parameters whose partial gradients ``n`` adjacent devices sum first, then the bytes of each
     bucket of all of them, reduced across the units. Of ``cfg`` it reads only the bucket size
     (``reduce_bucket_bytes``), so a sweep keeps it for every configuration of one placement."""
-    inside = [(n, _reduced_bytes(bucket, precision))
+    inside = [(n, _reduced_bytes(bucket, recipe))
               for n in sorted({p.partial_over for p in params} - {1})
               for bucket in buckets([p for p in params if p.partial_over == n], cfg)]
-    return inside, [_reduced_bytes(bucket, precision) for bucket in buckets(params, cfg)]
+    return inside, [_reduced_bytes(bucket, recipe) for bucket in buckets(params, cfg)]
 
 
 def bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel,
@@ -178,12 +172,11 @@ def _bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel) -> Callabl
     return zero
 
 
-def sync_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
-              geometry: Optional[PipelineGeometry], comm: CommModel, overlap_s: Optional[float] = None,
-              params: Optional[List[LocalWeight]] = None, precision: Optional[Recipe] = None) -> float:
+def sync_time(placed: PlacedGraphs, device: int, comm: CommModel, recipe: Recipe, overlap_s: Optional[float] = None,
+              params: Optional[List[LocalWeight]] = None) -> float:
     """Seconds of the gradient synchronisation after the backward (``sync_buckets``, then
     ``exposed_sync``)."""
-    return exposed_sync(sync_buckets(graphs, storage, cfg, device, geometry, comm, params, precision), overlap_s)
+    return exposed_sync(sync_buckets(placed, device, comm, recipe, params), overlap_s)
 
 
 def exposed_sync(times: List[Tuple[float, float]], overlap_s: Optional[float]) -> float:
@@ -201,15 +194,12 @@ def exposed_sync(times: List[Tuple[float, float]], overlap_s: Optional[float]) -
     return times[0][0] + max(0.0, hidden - overlap_s) + sum(a for _, a in times)
 
 
-def update_time(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig, device: int,
-                geometry: Optional[PipelineGeometry], profiler: OpProfiler, optimizer: Type[torch.optim.Optimizer],
-                optimizer_kwargs: Dict[str, Any], params: Optional[List[LocalWeight]] = None,
-                precision: Optional[Recipe] = None) -> float:
+def update_time(placed: PlacedGraphs, device: int, profiler: OpProfiler, recipe: Recipe,
+                params: Optional[List[LocalWeight]] = None) -> float:
     """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled); with
-    master copies (``precision``) the step streams them and their state in the master dtype."""
-    params = params if params is not None else device_params(graphs, storage, device, geometry)
-    return update_seconds(profiler, updated_numels(params, cfg), params[0].dtype if params else None, optimizer,
-                          optimizer_kwargs, precision)
+    ``recipe``'s master copies the step streams them and their state in the master dtype."""
+    params = params if params is not None else device_params(placed, device)
+    return update_seconds(profiler, updated_numels(params, placed.config), params[0].dtype if params else None, recipe)
 
 
 def updated_numels(params: List[LocalWeight], cfg: ComputeConfig) -> List[int]:
@@ -222,23 +212,23 @@ def updated_numels(params: List[LocalWeight], cfg: ComputeConfig) -> List[int]:
 
 
 def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optional[torch.dtype],
-                   optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-                   precision: Optional[Recipe] = None) -> float:
-    """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step)."""
+                   recipe: Recipe) -> float:
+    """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step).
+    The optimizer is timed at ``lr=1e-3`` unless the recipe sets one: a rate's value costs nothing."""
     if not numels:
         return 0.0
-    dtype = (precision.master_of(param_dtype) if precision is not None else None) or param_dtype
-    return profiler.update(numels, dtype, optimizer, optimizer_kwargs)
+    dtype = recipe.master_of(param_dtype) or param_dtype
+    return profiler.update(numels, dtype, recipe.optimizer, {"lr": 1e-3, **recipe.kwargs})
 
 
 class StepModel:
     """Per-device section times and the schedule, from which step times and timelines follow."""
 
-    def __init__(self, graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                 geometry: Optional[PipelineGeometry], profiler: Optional[OpProfiler] = None,
+    def __init__(self, placed: PlacedGraphs, profiler: Optional[OpProfiler] = None,
                  comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None,
                  hardware: Optional[Hardware] = None, weights_of: Optional[Callable[[int], List[LocalWeight]]] = None):
-        self.graphs, self.storage, self.cfg, self.geometry = graphs, storage, cfg, geometry
+        self.placed, cfg = placed, placed.config
+        self.graphs, self.cfg, self.geometry = placed.graphs, cfg, placed.geometry
         self.weights_of = weights_of          # plan device -> its weight table, when the caller has them
         self.hardware = hardware
         on_target = hardware is not None and not hardware.is_local
@@ -249,7 +239,7 @@ class StepModel:
         self.comm = comm or collectives or comm_model.load(nranks=max(2, cfg.plan_ngpus))
         # device -> stage (None without a pipeline) -> (forward s, backward s)
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
-        stages = {d: runs[d] if runs is not None else stage_runs(graphs, storage, d, geometry) for d in range(cfg.plan_ngpus)}
+        stages = {d: runs[d] if runs is not None else stage_runs(placed, d) for d in range(cfg.plan_ngpus)}
         self.profiler.profile(op for by_stage in stages.values() for run in by_stage.values() for op in run.ops)
         for device, by_stage in stages.items():
             self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in by_stage.items()}
@@ -290,14 +280,11 @@ class StepModel:
             blocks += [TimedBlock(rank, b.stage, b.micro, b.phase, b.t_start, b.t_end) for b in by_device.get(pd_, [])]
         return Timeline(tuple(blocks), self.cfg.runtime_ngpus)
 
-    def device_steps(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                     optimizer_kwargs: Optional[Dict[str, Any]] = None,
-                     precision: Optional[Recipe] = None) -> Dict[int, DeviceStep]:
+    def device_steps(self, nsamples: int, recipe: Recipe) -> Dict[int, DeviceStep]:
         """Per plan device, the seconds of one training step's parts (``DeviceStep``'s compute,
         exposed synchronisation and update; FLOPs and bytes are the plan's to add), gradients
-        reduced and the update run in ``precision``'s dtypes. Compute is the pipeline's makespan,
-        or without one the device's own forwards and backwards."""
-        kwargs = {"lr": 1e-3, **(optimizer_kwargs or {})}
+        reduced and the update run as ``recipe`` says. Compute is the pipeline's makespan, or
+        without one the device's own forwards and backwards."""
         line = self.timeline(nsamples)
         ends: Dict[int, float] = {}
         for blk in line.blocks:
@@ -306,21 +293,17 @@ class StepModel:
         for device in range(self.cfg.plan_ngpus):        # unit 0's ranks are the plan devices
             overlap = overlap_window((b for _, b in self.times[device].values()), self.hardware)
             params = ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
-                      else device_params(self.graphs, self.storage, device, self.geometry))
-            sync = sync_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.comm, overlap,
-                             params, precision)
-            update = update_time(self.graphs, self.storage, self.cfg, device, self.geometry, self.profiler,
-                                 optimizer, kwargs, params, precision)
+                      else device_params(self.placed, device))
+            sync = sync_time(self.placed, device, self.comm, recipe, overlap, params)
+            update = update_time(self.placed, device, self.profiler, recipe, params)
             compute = line.makespan if self.geometry is not None else ends.get(device, 0.0)
             out[device] = DeviceStep(compute_s=compute, sync_s=sync, update_s=update)
         self.profiler.save()
         return out
 
-    def step_times(self, nsamples: int = 1, optimizer: Type[torch.optim.Optimizer] = torch.optim.SGD,
-                   optimizer_kwargs: Optional[Dict[str, Any]] = None,
-                   precision: Optional[Recipe] = None) -> pd.DataFrame:
+    def step_times(self, nsamples: int, recipe: Recipe) -> pd.DataFrame:
         """Predicted seconds of one training step per runtime rank (``device_steps`` added up)."""
-        parts = self.device_steps(nsamples, optimizer, optimizer_kwargs, precision)
+        parts = self.device_steps(nsamples, recipe)
         rows = [{str(C.RANK): rank, str(C.STEP_TIME_S): parts[self.cfg.device_of(rank)].step_time_s}
                 for rank in range(self.cfg.runtime_ngpus)]
         return pd.DataFrame(rows)
@@ -330,12 +313,10 @@ def _nsamples(cfg: ComputeConfig) -> int:
     return cfg.pipeline_nmicros if cfg.use_pipeline else 1
 
 
-def predicted_timeline(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], cfg: ComputeConfig,
-                       geometry: Optional[PipelineGeometry], *, nsamples: Optional[int] = None,
-                       runs: Optional[DeviceRuns] = None, hardware: Optional[Hardware] = None,
-                       model: Optional[StepModel] = None) -> Timeline:
+def predicted_timeline(placed: PlacedGraphs, *, nsamples: Optional[int] = None, runs: Optional[DeviceRuns] = None,
+                       hardware: Optional[Hardware] = None, model: Optional[StepModel] = None) -> Timeline:
     """The predicted blocks ``(rank, stage, micro, phase, t_start, t_end)`` of one training step:
     the simulated schedule for a pipeline, else a forward and a backward per sample and rank; on
     ``hardware`` when given (``model``: this plan's ``StepModel`` on it, when the caller keeps one)."""
-    n = nsamples if nsamples is not None else _nsamples(cfg)
-    return (model or StepModel(graphs, storage, cfg, geometry, runs=runs, hardware=hardware)).timeline(n)
+    n = nsamples if nsamples is not None else _nsamples(placed.config)
+    return (model or StepModel(placed, runs=runs, hardware=hardware)).timeline(n)

@@ -35,6 +35,7 @@ from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.annotate import annotate_costs
 from nbscaler.cost.hardware import Hardware
+from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank, paused_gc
 from nbscaler.cost.step_figures import StepFigures
 from nbscaler.cost.timing import StepModel, predicted_timeline
@@ -114,6 +115,11 @@ class Plan:
     def graph(self) -> IRGraph:
         """The training graph (the only one when both modes trace the same)."""
         return self.graphs.get("train", self.graphs.get("any", next(iter(self.graphs.values()))))
+
+    @property
+    def placed(self) -> PlacedGraphs:
+        """The graphs, the weights' storage, the config and the geometry, as the cost model reads them."""
+        return PlacedGraphs(self.graphs, self.storage, self.config, self.geometry)
 
     @property
     def schedule(self) -> Optional[PipelineSchedule]:
@@ -217,9 +223,7 @@ class Plan:
         the step (``nbscaler.cost.memory``)."""
         chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
                                 grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
-        return tag(memory_per_rank(self.graphs, self.storage, self.config, self.geometry, optimizer=chosen.optimizer,
-                                   optimizer_kwargs=chosen.kwargs, runs=self.local_runs,
-                                   precision=chosen, weights_of=self.programs.weights),
+        return tag(memory_per_rank(self.placed, chosen, runs=self.local_runs, weights_of=self.programs.weights),
                    Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> Timeline:
@@ -227,8 +231,7 @@ class Plan:
         on this machine or on ``hardware``. Its blocks are the forwards and backwards, which no
         field of ``recipe`` moves; it is checked against the plan as ``summary`` checks it."""
         self.recipe_of(recipe)
-        return predicted_timeline(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs,
-                                  hardware=hardware, model=self.step_model(hardware))
+        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware))
 
     def recipe_of(self, recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
         """The recipe a prediction of this plan uses: ``Recipe.of(recipe, **shorthands)``, whose
@@ -252,8 +255,7 @@ class Plan:
         for known, model in models:
             if known == hardware:
                 return model
-        model = StepModel(self.graphs, self.storage, self.config, self.geometry, runs=self.local_runs,
-                          hardware=hardware, weights_of=self.programs.weights)
+        model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights)
         models.append((hardware, model))
         return model
 
@@ -263,7 +265,7 @@ class Plan:
         saved tensors): what the memory table and the step model both read; made once per plan."""
         if self.config.inference_only:
             return None
-        return device_runs(self.graphs, self.storage, self.config, self.geometry, self.programs.device)
+        return device_runs(self.placed, self.programs.device)
 
     # -- again, differently -----------------------------------------------------------------------
     def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":

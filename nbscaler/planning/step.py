@@ -111,11 +111,10 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None)
     the job's tokens, and with ``hardware`` (``Hardware.local()`` too) its peak FLOP/s at the
     model's compute dtype and the FLOPs recomputed forwards add."""
     cfg = plan.config
-    model = plan.step_model(hardware) or StepModel(plan.graphs, plan.storage, cfg, plan.geometry,
-                                                   runs=plan.local_runs, hardware=hardware,
+    model = plan.step_model(hardware) or StepModel(plan.placed, runs=plan.local_runs, hardware=hardware,
                                                    weights_of=plan.programs.weights)
     nsamples = cfg.pipeline_nmicros if cfg.use_pipeline else 1
-    parts = model.device_steps(nsamples, recipe.optimizer, recipe.kwargs, recipe)
+    parts = model.device_steps(nsamples, recipe)
     flops = flops_per_device(plan)
     # utilisation needs a peak: a target's, or this machine's as Hardware.local() measures it
     again = recomputed_flops_per_device(plan) if hardware is not None else {}

@@ -15,16 +15,15 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 import pandas as pd
-import torch
 
 from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.program import RankProgram, output_shapes
 from nbscaler.comm.traffic import CommStep
 from nbscaler.recipe import Recipe
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.ir.graph import IRGraph
 from nbscaler.layouts import Collective
-from nbscaler.planning.step import blocks_per_stage, flops_per_device, stage_device, target_columns
+from nbscaler.planning.step import blocks_per_stage, stage_device, target_columns
 from nbscaler.units import fmt_count
 
 if TYPE_CHECKING:

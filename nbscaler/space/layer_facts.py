@@ -197,7 +197,7 @@ def _placement_facts(plan, stack: Stack) -> _Placed:
     graph = plan.graph
     expansion = Expansion(stack, graph.nodes)
     index = {n.name: k for k, n in enumerate(graph.nodes)}
-    weights = [_readers(graph, local_weights(plan.graphs, plan.storage, d, plan.geometry), index)
+    weights = [_readers(graph, local_weights(plan.placed, d), index)
                for d in range(plan.config.plan_ngpus)]
     flops = np.array([node_flops(n) for n in graph.nodes])[expansion.template]
     return _Placed(expansion, index, _loss_tail(graph), weights, flops, micro_batch_tokens(plan), compute_dtype(plan))

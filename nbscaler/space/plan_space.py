@@ -27,11 +27,10 @@ What each knob costs, from cheapest:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import itertools
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import pandas as pd
 import torch
@@ -227,14 +226,13 @@ class PlanSpace:
         target = (repr(hardware),)
         if target not in self._models:        # op and collective times, kept per target
             self._models[target] = target_models(hardware)
-        (ops, comm), precision = self._models[target], self.recipe
+        (ops, comm), recipe = self._models[target], self.recipe
         rows, excluded, runnable = [], [], []
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
             peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP],
-                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], precision)
-            return {**config, **price(facts, cfg, hardware, ops, comm, precision.optimizer, precision.kwargs,
-                                      precision, staged, (self._peaks, peak_key))}
+                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], recipe)
+            return {**config, **price(facts, cfg, hardware, ops, comm, recipe, staged, (self._peaks, peak_key))}
 
         tp, pp, micro, recompute, sequence_parallel, zero = ranges
         combos = [(t, p, m, rec, sp, z, v) for t, p, m, rec, z, v in itertools.product(

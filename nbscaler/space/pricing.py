@@ -21,9 +21,8 @@ import collections
 import dataclasses
 import functools
 import itertools
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
 from nbscaler.config import ComputeConfig
@@ -136,11 +135,10 @@ class _Device:
     and whose groups cross the same links get the same figures, so each is worked out once."""
 
     def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware,
-                 profiler, comm, optimizer, optimizer_kwargs: Dict[str, Any], precision: Recipe,
+                 profiler, comm, recipe: Recipe,
                  peaks: Optional[Tuple[Dict, Tuple]] = None):
         self.staged, self.cfg, self.geometry, self.hardware = staged, cfg, geometry, hardware
-        self.profiler, self.comm, self.optimizer, self.kwargs = profiler, comm, optimizer, optimizer_kwargs
-        self.precision = precision
+        self.profiler, self.comm, self.recipe = profiler, comm, recipe
         self.peaks, self.peak_key = peaks if peaks is not None else ({}, (object(),))
         self._memo: Dict[Tuple, Tuple[float, float, float, float, float, float]] = {}
 
@@ -171,8 +169,8 @@ class _Device:
 
     def _reduced(self, index: int, stages: Tuple[int, ...], params: List[LocalWeight]):
         """``cost.timing.reduced_buckets`` of the device's parameters (the bytes ``sync_time`` reduces)."""
-        return self.staged.held(("reduced", index, stages, self.cfg.reduce_bucket_bytes, self.precision),
-                                lambda: reduced_buckets(params, self.cfg, self.precision))
+        return self.staged.held(("reduced", index, stages, self.cfg.reduce_bucket_bytes, self.recipe),
+                                lambda: reduced_buckets(params, self.cfg, self.recipe))
 
     def _update(self, index: int, stages: Tuple[int, ...], params: List[LocalWeight]) -> float:
         """``cost.timing.update_time`` of the device's parameters."""
@@ -180,8 +178,7 @@ class _Device:
         zero = cfg.grid.zero_group_size if cfg.use_zero else None
         numels = self.staged.held(("numels", index, stages, cfg.reduce_bucket_bytes, zero),
                                   lambda: updated_numels(params, cfg))
-        return update_seconds(self.profiler, numels, params[0].dtype if params else None, self.optimizer,
-                              {"lr": 1e-3, **self.kwargs}, self.precision)
+        return update_seconds(self.profiler, numels, params[0].dtype if params else None, self.recipe)
 
     def _work(self, pdev: int, index: int) -> Tuple[float, float, float]:
         """Model FLOPs, hardware FLOPs and tensor-parallel seconds of a device's blocks."""
@@ -195,15 +192,13 @@ class _Device:
     def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
               device: int) -> float:
         """``peak_bytes`` as ``cost.memory.memory_per_rank`` adds it up."""
-        cfg, precision = self.cfg, self.precision
+        cfg, recipe = self.cfg, self.recipe
         # what the weights and the optimizer hold, and how the gradients are bucketed: the same for
         # every micro-batch count and schedule; of cfg they read the bucket size and ZeRO's stage and group
         zero = (cfg.zero_stage, cfg.grid.zero_group_size) if cfg.use_zero else None
-        setting = (index, stages, cfg.reduce_bucket_bytes, cfg.inference_only, zero, precision)
-        kwargs = repr(sorted(self.kwargs.items()))
-        row = dict(self.staged.held(("weight_memory", *setting, self.optimizer, kwargs),
-                                    lambda: weight_memory(weights, cfg, self.optimizer, self.kwargs, precision)))
-        grads = Gradients(*self.staged.held(("gradients", *setting), lambda: gradient_buckets(weights, cfg, precision)),
+        setting = (index, stages, cfg.reduce_bucket_bytes, cfg.inference_only, zero, recipe)
+        row = dict(self.staged.held(("weight_memory", *setting), lambda: weight_memory(weights, cfg, recipe)))
+        grads = Gradients(*self.staged.held(("gradients", *setting), lambda: gradient_buckets(weights, cfg, recipe)),
                           paths=self.staged.held(("gradient paths", *setting), GradientPaths))
         saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
         # a split backward's B frees the loss's saved bytes on the last stage, unless it is the first (no data path)
@@ -232,20 +227,19 @@ def _block_counts(schedule, pdev: int) -> Tuple[Tuple[Tuple[int, str], int], ...
     return tuple(sorted(counts.items()))
 
 
-def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm,
-          optimizer: Type[torch.optim.Optimizer], optimizer_kwargs: Dict[str, Any],
-          precision: Recipe, staged: Optional[Staged] = None,
-          peaks: Optional[Tuple[Dict, Tuple]] = None) -> Dict[str, Any]:
-    """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``.
+def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, comm, recipe: Recipe,
+          staged: Optional[Staged] = None, peaks: Optional[Tuple[Dict, Tuple]] = None) -> Dict[str, Any]:
+    """The sweep columns of the predictions (``SweepColumn``) for configuration ``cfg``, trained
+    with ``recipe``.
 
     ``peaks``: a cache of peak bytes per device kept across targets, and the key of everything
-    else they depend on (the placement, the stages, ``cfg``, the precision and the optimizer), so
+    else they depend on (the placement, the stages, ``cfg`` and the recipe), so
     that pricing the same configuration on another target reuses them."""
     geometry = PipelineGeometry.from_config(cfg)
     staged = staged or Staged(facts, geometry.schedule.nstages)
     seconds, line = _pipeline(facts, staged, geometry, comm)
     instant = _pipeline(facts, staged, geometry, comm, sends=False)[1]
-    devices = _Device(staged, cfg, geometry, hardware, profiler, comm, optimizer, optimizer_kwargs, precision, peaks)
+    devices = _Device(staged, cfg, geometry, hardware, profiler, comm, recipe, peaks)
     figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
     parts = {d: DeviceStep(compute_s=line.makespan, sync_s=f[0], update_s=f[1], flops=f[2], hardware_flops=f[3],
                            tp_s=f[4], peak_bytes=f[5]) for d, f in figures.items()}

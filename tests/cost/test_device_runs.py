@@ -15,6 +15,7 @@ from nbscaler.cost.local import CollectiveCall, LocalRun
 from nbscaler.cost.memory import device_runs, stage_runs
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.recipe import Recipe
 
 
 def _plan(recompute: bool, layers: int = 2, stages: int = 2) -> "nbscaler.Plan":
@@ -36,10 +37,10 @@ def test_shared_runs_equal_each_device_replayed(recompute, monkeypatch):
     replays = []
     real = memory.run_local
     monkeypatch.setattr(same_sections, "run_local", lambda *a, **k: replays.append(a[0].device) or real(*a, **k))
-    shared = device_runs(plan.graphs, plan.storage, plan.config, plan.geometry)
+    shared = device_runs(plan.placed)
     assert len(replays) == 4         # of 8: per stage, the first of its tp group of 4 and one of the others
     for device in range(plan.config.plan_ngpus):
-        alone = stage_runs(plan.graphs, plan.storage, device, plan.geometry)
+        alone = stage_runs(plan.placed, device)
         assert alone.keys() == shared[device].keys()
         for stage in alone:
             assert _facts(shared[device][stage]) == _facts(alone[stage])
@@ -54,15 +55,15 @@ def test_stages_of_repeated_layers_share_one_replay_and_give_the_same_table(reco
     replays = []
     real = memory.run_local
     monkeypatch.setattr(same_sections, "run_local", lambda *a, **k: replays.append(a[0].stage) or real(*a, **k))
-    shared = device_runs(plan.graphs, plan.storage, plan.config, plan.geometry)
+    shared = device_runs(plan.placed)
     assert sorted(replays) == [0, 0, 1, 1, 3, 3]     # the first of each tp group and one other; none of stage 2
-    alone = {d: stage_runs(plan.graphs, plan.storage, d, plan.geometry) for d in range(plan.config.plan_ngpus)}
+    alone = {d: stage_runs(plan.placed, d) for d in range(plan.config.plan_ngpus)}
     for device, runs in alone.items():
         assert runs.keys() == shared[device].keys()
         for stage in runs:
             assert _facts(shared[device][stage]) == _facts(runs[stage])
     for optimizer in (torch.optim.SGD, torch.optim.Adam):
-        args = (plan.graphs, plan.storage, plan.config, plan.geometry, optimizer)
+        args = (plan.placed, Recipe(optimizer))
         pd_testing.assert_frame_equal(memory.memory_per_rank(*args, runs=shared), memory.memory_per_rank(*args, runs=alone))
         pd_testing.assert_frame_equal(plan.memory(optimizer), memory.memory_per_rank(*args))
 

@@ -6,7 +6,7 @@ import pytest
 
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
-from nbscaler.planning.tables import flops_per_device
+from nbscaler.planning.step import flops_per_device
 from tests.models import batch, build
 
 

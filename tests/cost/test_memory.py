@@ -11,7 +11,7 @@ import torch
 
 from nbscaler.columns import MEMORY_COLUMNS
 from nbscaler.config import ComputeConfig
-from nbscaler.recipe import Recipe
+from nbscaler.recipe import AS_HELD, Recipe
 from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_bytes, weight_memory
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
@@ -58,8 +58,8 @@ def test_the_model_buckets_as_the_config_says():
     gradients are all held before it is reduced; in buckets of at most 120 bytes the last (120) is
     reduced to its shard (60) before the first two (120) are made."""
     w = [LocalWeight(f"w{i}", "param", (n,), torch.float32, True) for i, n in enumerate((10, 20, 30))]
-    whole = gradients(w, ComputeConfig(1, 2, use_zero=True, zero_stage=2))
-    split = gradients(w, ComputeConfig(1, 2, use_zero=True, zero_stage=2, reduce_bucket_bytes=120))
+    whole = gradients(w, ComputeConfig(1, 2, use_zero=True, zero_stage=2), AS_HELD)
+    split = gradients(w, ComputeConfig(1, 2, use_zero=True, zero_stage=2, reduce_bucket_bytes=120), AS_HELD)
     assert [[x.name for x in b] for b in split.buckets] == [["w0", "w1"], ["w2"]]
     assert (whole.backward(None), split.backward(None)) == (240, 60 + 120)
 
@@ -83,14 +83,15 @@ def test_a_split_backward_frees_what_w_does_not_read_at_b():
 def test_w_holds_what_feeds_a_weighted_op():
     """``held_for_weights`` on a replayed GPT stage that ends with its loss: everything but the
     loss's saved bytes (log-softmax, targets) stays for W; the ops before the head all feed it."""
+    from nbscaler.comm.placed import PlacedGraphs
     from nbscaler.cost.memory import held_for_weights, stage_runs
     from nbscaler.ir.backward_split import backward_parts
     from tests.multiprocess import plan_inputs
     case = Case("gpt", "pp", 2, 2, config=pipeline("zb_h1", 2, 4))
-    graphs, storage, _, geometry = plan_inputs(case)
-    graph = graphs.get("train", graphs.get("any"))
+    placed = PlacedGraphs(*plan_inputs(case))
+    graph = placed.graphs.get("train", placed.graphs.get("any"))
     parts = {n.name: p for n, p in zip(graph.nodes, backward_parts(graph))}
-    first, last = stage_runs(graphs, storage, 0, geometry)[0], stage_runs(graphs, storage, 1, geometry)[1]
+    first, last = stage_runs(placed, 0)[0], stage_runs(placed, 1)[1]
     loss = next(op for op in last.ops if op.node.op == "loss")
     assert held_for_weights(first, parts) == first.saved_bytes          # no data path: W walks it all
     assert loss.saved_bytes > 0 and held_for_weights(last, parts) == last.saved_bytes - loss.saved_bytes
@@ -119,7 +120,7 @@ def test_mixed_precision_bytes_per_parameter():
     n = 1000
     w = [LocalWeight("w", "param", (n,), torch.bfloat16, True)]
     precision = Recipe(master_dtype=torch.float32)
-    row = weight_memory(w, ComputeConfig(1, 1), torch.optim.AdamW, {}, precision)
+    row = weight_memory(w, ComputeConfig(1, 1), precision)
     assert (row["param_bytes"], row["optimizer_bytes"]) == (2 * n, (4 + 8) * n + 4)
     grads = gradients(w, ComputeConfig(1, 1), precision)
     assert grads.backward(None) == 2 * n
@@ -127,7 +128,7 @@ def test_mixed_precision_bytes_per_parameter():
     assert (grads.step(w), grads.held) == (4 * n, 4 * n)
     # Without masters (fp32 master of an fp32 module is no copy) the model is the fp32 one: 4 + 4 + 8.
     w32 = [LocalWeight("w", "param", (n,), torch.float32, True)]
-    assert weight_memory(w32, ComputeConfig(1, 1), torch.optim.AdamW, {}, precision)["optimizer_bytes"] == 8 * n + 4
+    assert weight_memory(w32, ComputeConfig(1, 1), precision)["optimizer_bytes"] == 8 * n + 4
     assert gradients(w32, ComputeConfig(1, 1), precision).shard_bytes == []
 
 

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from nbscaler import Hardware
 from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
 from tests.planning.test_step import H100, plan  # noqa: F401  (the module-scoped plan fixture)
 

@@ -72,7 +72,7 @@ def test_ops_table_and_cost_facts():
 
 def test_single_device_flops_are_the_whole_model():
     p = nbscaler.plan(build("mlp"), batch("mlp", 0), "dp", ComputeConfig(1, 2))
-    from nbscaler.planning.tables import flops_per_device
+    from nbscaler.planning.step import flops_per_device
     assert flops_per_device(p) == {0: p.ops.flops_fwd.sum() + p.ops.flops_bwd.sum()}
     assert p.collectives.empty
 

@@ -12,6 +12,7 @@ from nbscaler.cost import timing
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.roofline import RooflineOps
+from nbscaler.recipe import Recipe
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
 GPT_CFG = GPTConfig(vocab_size=1024, seq_len=256, n_layer=4, d_model=512, n_head=8)
@@ -96,7 +97,7 @@ def test_more_nodes_put_the_data_parallel_all_reduce_on_the_network(no_profiling
 
 def test_the_data_parallel_reduction_overlaps_the_backward_but_its_first_bucket(plan, monkeypatch):
     from nbscaler.cost import timing
-    args = (plan.graphs, plan.storage, plan.config, 0, plan.geometry, NcclModel(H100))
+    args = (plan.placed, 0, NcclModel(H100), Recipe(master_dtype=None))
     (alone,) = timing.sync_buckets(*args)                 # one bucket: nothing to overlap it with
     assert alone[0] > 0 and timing.sync_time(*args, overlap_s=1.0) == timing.sync_time(*args) == alone[0]
     # buckets in parameter order: the first holds the first layers, whose gradients come last
@@ -122,9 +123,9 @@ def test_gradients_reduced_after_the_backward_in_fp32_cost_what_the_bytes_say(pl
     from nbscaler.recipe import Recipe
     from nbscaler.cost import timing
     no_latency = dataclasses.replace(H100, intra_node_latency_s=0.0, inter_node_latency_s=0.0)
-    args = (plan.graphs, plan.storage, plan.config, 0, plan.geometry, NcclModel(no_latency))
-    bf16 = timing.sync_time(*args)
-    assert bf16 > 0 and timing.sync_time(*args, precision=Recipe(master_dtype=torch.float32)) == pytest.approx(2 * bf16)
+    args = (plan.placed, 0, NcclModel(no_latency))
+    bf16 = timing.sync_time(*args, Recipe(master_dtype=None))
+    assert bf16 > 0 and timing.sync_time(*args, Recipe(master_dtype=torch.float32)) == pytest.approx(2 * bf16)
     assert (plan.summary(torch.optim.Adam, hardware=H100, master_dtype=torch.float32).step_time_s
             > plan.summary(torch.optim.Adam, hardware=H100, master_dtype=None).step_time_s).all()
     waits = dataclasses.replace(H100, overlap_grad_reduce=False)
@@ -143,9 +144,9 @@ def test_the_timeline_and_the_summary_on_one_target_share_one_step_model(no_prof
     line, summary = fresh.timeline(hardware=H100), fresh.summary(torch.optim.Adam, hardware=H100, master_dtype=None)
     fresh.summary(torch.optim.SGD, hardware=dataclasses.replace(H100))       # an equal target: the same model
     assert len(built) == 1
-    alone = timing.StepModel(fresh.graphs, fresh.storage, fresh.config, fresh.geometry, hardware=H100)
+    alone = timing.StepModel(fresh.placed, hardware=H100)
     assert line == alone.timeline(MICROS)
-    steps = alone.step_times(MICROS, torch.optim.Adam)
+    steps = alone.step_times(MICROS, Recipe(torch.optim.Adam, master_dtype=None))
     assert list(summary[str(C.STEP_TIME_S)]) == list(steps[str(C.STEP_TIME_S)])
     fresh.summary(torch.optim.Adam, hardware=Hardware.named("A100-SXM-80GB"))
     assert len(built) == 3                                                     # another target, and `alone`

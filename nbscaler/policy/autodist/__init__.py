@@ -40,10 +40,10 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from nbscaler.comm.layout import storage_layouts
+from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.config import ComputeConfig
 from nbscaler.cost import comm_model
 from nbscaler.cost.memory import device_runs, memory_per_rank
-from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.timing import StepModel, profiler_for
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.autodist.candidates import candidate_configs, config_key, samples_per_step, with_unit
@@ -229,10 +229,9 @@ class _Searcher:
 
     def peak_bytes(self) -> int:
         """The most bytes a device holds, with the largest rebuild of a recomputed module on top."""
-        graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
-        storage = self._storage()
-        runs = device_runs(graphs, storage, self.cfg, self.geometry)
-        memory = memory_per_rank(graphs, storage, self.cfg, self.geometry, optimizer=self.opts.optimizer, runs=runs)
+        placed = self._placed()
+        runs = device_runs(placed)
+        memory = memory_per_rank(placed, self.opts.recipe, runs=runs)
         rebuilt = max((b for stages in runs.values() for run in stages.values() for b in run.rebuilt.values()),
                       default=0)
         return int(memory["peak_bytes"].max()) + rebuilt
@@ -342,10 +341,14 @@ class _Searcher:
         """The predicted step time of the current placement on its slowest rank: the schedule
         simulator's makespan (without a pipeline, one sample), the gradient synchronisation and
         the step of ``memory_optimizer``."""
-        graphs = {"any": self.graph}             # scored as the one graph of a step, whatever its mode
-        model = StepModel(graphs, self._storage(), self.cfg, self.geometry, profiler=self.profiler)
+        model = StepModel(self._placed(), profiler=self.profiler)
         nsamples = self.cfg.pipeline_nmicros if self.cfg.use_pipeline else 1
-        return float(model.step_times(nsamples, self.opts.optimizer)[C.STEP_TIME_S].max())
+        return max(d.step_time_s for d in model.device_steps(nsamples, self.opts.recipe).values())
+
+    def _placed(self) -> PlacedGraphs:
+        """The current placement as the cost model reads it: scored as the one graph of a step,
+        whatever its mode."""
+        return PlacedGraphs({"any": self.graph}, self._storage(), self.cfg, self.geometry)
 
     def _storage(self):
         return storage_layouts([self.graph], self.cfg.sums_partial_grads_after_backward)

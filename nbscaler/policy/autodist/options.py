@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Type, Union
+from typing import Dict, List, Optional, Type, Union
 
 import torch
 
 from nbscaler.config import ComputeConfig
 from nbscaler.policy.modules import prefixes
+from nbscaler.recipe import Recipe
 
 OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -122,6 +123,12 @@ class AutodistOptions:
     @property
     def optimizer(self) -> Type[torch.optim.Optimizer]:
         return OPTIMIZERS[self.memory_optimizer]
+
+    @property
+    def recipe(self) -> Recipe:
+        """What the search prices a step and its memory with: ``memory_optimizer`` with no master
+        copies (its scores compare placements; the recipe's dtypes move them alike)."""
+        return Recipe(self.optimizer, master_dtype=None)
 
     def pin_of(self, module_path: str) -> Optional[str]:
         """The constraint on ops under ``module_path`` ('replicate', a dim name), if any."""
