@@ -21,8 +21,8 @@ function                   forward                            backward
 
 ``group=None`` means a group of one device, where every function is the identity.
 
-A reduce-scatter and an all-to-all run as ``torch.distributed``'s own (``reduce_scatter_tensor``,
-``all_to_all_single``) unless ``nbscaler.layouts.EMULATED`` says the group's backend has no call
+A reduce-scatter and an all-to-all run as ``torch.distributed``'s own (``reduce_scatter_single``,
+once ``reduce_scatter_tensor``, and ``all_to_all_single``) unless ``nbscaler.layouts.EMULATED`` says the group's backend has no call
 for one, in which case an all-reduce or an all-gather runs and each device keeps its slice: what
 runs is what the cost model prices.
 
@@ -85,7 +85,8 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> Non
         _, rank = _size_rank(group)
         out.copy_(_sum(x, group).narrow(0, rank * out.shape[0], out.shape[0]))
     else:
-        dist.reduce_scatter_tensor(out, x, group=group)
+        # torch 2.13 names reduce_scatter_tensor reduce_scatter_single, and the old name warns
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
 
 
 def _pieces_first(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
