@@ -67,6 +67,29 @@ def _each_collective(dtype: torch.dtype) -> Dict[str, Tuple[float, int]]:
     return out
 
 
+def _storages() -> Dict[str, Tuple[int, int]]:
+    """Bytes of the storage a reduce-scatter and an all-to-all return on this rank, and of what
+    the fake replay (``cost.local``) makes for them: the memory model counts the same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nbscaler.cost.local import _collective
+    group, rank = get_group(range(N)), dist.get_rank()
+    made = {"reduce_scatter": comm.reduce_scatter(torch.ones(4 * N, 6), 0, group),
+            "all_to_all": comm.all_to_all(torch.ones(4, 2 * N), 1, 0, group)}
+    with FakeTensorMode():
+        fake = {"reduce_scatter": _collective("reduce_scatter", torch.ones(4 * N, 6), 0, None, N, rank),
+                "all_to_all": _collective("all_to_all", torch.ones(4, 2 * N), 1, 0, N, rank)}
+    return {fn: (t.untyped_storage().nbytes(), fake[fn].untyped_storage().nbytes()) for fn, t in made.items()}
+
+
+@pytest.mark.multiprocess
+def test_the_fake_replay_holds_what_the_collectives_return():
+    """A dim-0 reduce-scatter returns a slice of its own, not a view of a whole summed tensor (as
+    the all-reduce it replaced did), and the memory model counts that."""
+    for per_rank in run_ranks(_storages, N):
+        assert all(real == fake for real, fake in per_rank.values()), per_rank
+        assert per_rank["reduce_scatter"][0] == 4 * 6 * 4          # its slice, fp32
+
+
 def _priced(fn: str, tensor_bytes: int, backend: str) -> float:
     """The traffic table's bytes (``comm.traffic``) for ``fn``'s forward and backward on ``backend``."""
     spec = COLLECTIVES[fn]
