@@ -17,6 +17,9 @@ collective                 forward (``b``: local input)    backward (its gradien
 ``first_only``             nothing                         nothing
 =========================  ==============================  ===================================
 
+A backend that runs one of them as another (``layouts.EMULATED``: torch's gloo runs a
+reduce-scatter as an all-reduce) is priced as what it runs: ``CommModel.backend`` says which.
+
 ``calibrate`` times ``all_reduce`` over a group at a small and a large size, each after a little
 compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); a pipeline's
 sends take the latency of the small message back to back, between awake peers, and starting one
