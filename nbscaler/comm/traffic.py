@@ -27,7 +27,7 @@ Those are the bytes of the ideal collectives. A backend that runs one as another
 runs instead, so for a ``backend`` each row's bytes are those of what it runs, which ``runs`` names.
 
 >>> steps = collective_steps(plan.programs.distinct(), plan.graph, "nccl")  # doctest: +SKIP
->>> steps[0]
+>>> steps[0]                                                      # doctest: +SKIP
 CommStep(tensor='gelu_2', producer='gelu_2', consumer='linear_3', collective='sum_grad', phase='B', ...)
 """
 
