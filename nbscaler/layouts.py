@@ -17,13 +17,17 @@ bytes over ``n`` devices), the collective its backward runs, and the primitive t
 it as. ``comm/`` turns layout changes into these names, ``runtime.collectives`` implements each as
 a function of the same name, and ``cost/`` prices them; a new collective is one row here.
 
+``EMULATED`` says which primitive a backend does not run as itself, and what it runs instead:
+the runtime (its calls), the traffic table (its bytes), the cost models (their times) and
+generated code (its comments) all ask ``runs``, so a new backend fact is one row here.
+
 This module imports nothing of nbscaler but ``columns`` (for ``StrEnum``), so every layer may import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from nbscaler.columns import StrEnum
 
@@ -97,3 +101,69 @@ COLLECTIVES: Dict[Collective, CollectiveSpec] = {
 """Every layout-changing collective. ``SEND_RECV`` is not here: it moves the whole tensor ``T``
 to the next stage and its gradient back, priced by the cost model's point-to-point time."""
 del C
+
+
+class Backend(StrEnum):
+    """A ``torch.distributed`` backend the runtime runs on (``runtime.backend`` chooses one)."""
+
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
+#: Bytes each device sends per byte of its local input, for each primitive, with ring algorithms.
+WIRE_SHARE: Dict[Collective, Share] = {
+    Collective.ALL_GATHER: lambda n: n - 1,
+    Collective.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+    Collective.REDUCE_SCATTER: _RING,
+    Collective.ALL_TO_ALL: _RING,
+}
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How a backend runs a primitive it has no algorithm of its own for: ``runs`` crosses the
+    links instead, on the same local input, and each device keeps its slice of the result.
+    ``in_backend``: the backend's own call does this (the runtime still calls it); else the
+    runtime calls ``runs`` itself."""
+
+    runs: Collective
+    in_backend: bool
+    why: str
+
+
+EMULATED: Dict[Tuple[Backend, Collective], Emulation] = {
+    (Backend.GLOO, Collective.REDUCE_SCATTER): Emulation(
+        Collective.ALL_REDUCE, in_backend=True,
+        why="torch's gloo runs reduce_scatter_tensor as an all-reduce of the whole input, then keeps its slice"),
+}
+"""Every (backend, primitive) that does not run as itself; a pair not here runs as named. In torch
+2.13 nccl runs all four primitives natively; gloo runs all-gather and all-to-all natively (the
+latter for contiguous tensors only, which the runtime gives it) and reduce-scatter as above."""
+
+
+def emulation(backend: Optional[str], primitive: Optional[Collective]) -> Optional[Emulation]:
+    """How ``backend`` emulates ``primitive`` (``None``: it runs it as itself, or the backend is
+    unknown or not given, which means the ideal collective)."""
+    try:
+        return EMULATED.get((Backend(backend), primitive)) if backend is not None else None
+    except ValueError:
+        return None
+
+
+def runs(backend: Optional[str], primitive: Optional[Collective]) -> Optional[Collective]:
+    """The primitive whose bytes cross the links when ``backend`` runs ``primitive``."""
+    found = emulation(backend, primitive)
+    return primitive if found is None else found.runs
+
+
+def wire_factor(backend: Optional[str], primitive: Optional[Collective], n: int) -> float:
+    """How many times the ideal ``primitive``'s bytes over ``n`` devices ``backend`` sends."""
+    ran = runs(backend, primitive)
+    if ran == primitive or n <= 1:
+        return 1.0
+    return WIRE_SHARE[ran](n) / WIRE_SHARE[primitive](n)
+
+
+def emulations(primitive: Optional[Collective]) -> List[Tuple[Backend, Emulation]]:
+    """Every backend that emulates ``primitive``, with how (for comments in generated code)."""
+    return [(backend, e) for (backend, p), e in EMULATED.items() if p == primitive]

@@ -28,8 +28,20 @@ from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Retu
 from nbscaler.ir.graph import IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
+from nbscaler.layouts import COLLECTIVES, emulations
 from torch.fx.graph import dtype_abbrs
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
+
+
+def emulation_notes(fn: str) -> List[str]:
+    """A line for each backend that runs collective ``fn``'s forward or backward as another
+    collective (``nbscaler.layouts.EMULATED``): what that backend sends, and is priced."""
+    spec = COLLECTIVES[fn]
+    backward = COLLECTIVES[spec.backward].priced_as if spec.backward is not None else None
+    return [f"on {backend} {where}{str(primitive).replace('_', '-')} runs as an {str(e.runs).replace('_', '-')}, "
+            "and is priced as one"
+            for where, primitive in (("this ", spec.priced_as), ("its backward's ", backward))
+            for backend, e in emulations(primitive)]
 
 
 def shape_text(value: Value) -> str:
@@ -94,6 +106,7 @@ class SectionPrinter:
                 dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
                 dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
                 dims += f", blocks={step.blocks}" if step.blocks != 1 else ""
+                self.lines += [f"# {note}" for note in emulation_notes(step.fn)]
                 self.lines.append(f"{annotated(c.dst)} = comm.{step.fn}({value_name(c.src)}{dims}, group={group})")
 
     def calls(self, calls: Sequence[Call]) -> None:

@@ -22,8 +22,12 @@ collective                 forward, per device         backward, per device
 ``send_recv``              ``T`` (to the next stage)   ``T`` (the gradient, back)
 =========================  ==========================  =====================================
 
->>> steps = collective_steps(plan.programs.distinct(), plan.graph)  # doctest: +SKIP
->>> steps[0]
+Those are the bytes of the ideal collectives. A backend that runs one as another
+(``nbscaler.layouts.EMULATED``: torch's gloo runs a reduce-scatter as an all-reduce) sends what it
+runs instead, so for a ``backend`` each row's bytes are those of what it runs, which ``runs`` names.
+
+>>> steps = collective_steps(plan.programs.distinct(), plan.graph, "nccl")  # doctest: +SKIP
+>>> steps[0]                                                      # doctest: +SKIP
 CommStep(tensor='gelu_2', producer='gelu_2', consumer='linear_3', collective='sum_grad', phase='B', ...)
 """
 
@@ -35,7 +39,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from nbscaler.comm.layout import Step
 from nbscaler.comm.program import Fetch, RankProgram, Section, Send
 from nbscaler.ir.graph import IRGraph, IRTensor, requires_grad_of
-from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind
+from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)
 class CommStep:
@@ -53,10 +57,13 @@ class CommStep:
     tensor_bytes: int                 # the whole tensor
     bytes_per_device: int             # what each device of the group sends
     stage: Optional[int] = None       # pipeline stage that runs it (for send_recv: the sending stage)
+    runs: Optional[str] = None        # the primitive that crosses the links as the backend runs it; None: local
 
 
-def collective_steps(programs: Iterable[RankProgram], graph: IRGraph) -> List[CommStep]:
-    """The collectives of one placed graph, in the order generated code runs their forwards.
+def collective_steps(programs: Iterable[RankProgram], graph: IRGraph,
+                     backend: Optional[str] = None) -> List[CommStep]:
+    """The collectives of one placed graph, in the order generated code runs their forwards, with
+    the bytes ``backend`` sends for each (``None``: the ideal collectives').
 
     ``programs`` are rank programs of the plan (``comm.lower``) that run, together, every node of
     ``graph`` (all of them, or ``RankPrograms.distinct()``); their sections hold every conversion. Each layout of a tensor is counted once per section (stage), on the
@@ -74,7 +81,7 @@ def collective_steps(programs: Iterable[RankProgram], graph: IRGraph) -> List[Co
     for k, stage in enumerate(stages):
         last = k == len(stages) - 1
         steps += _stage_steps(list(by_stage[stage].values()), graph, index, stage,
-                              None if stage is None or last else groups[stages[k + 1]])
+                              None if stage is None or last else groups[stages[k + 1]], backend)
     return steps
 
 
@@ -83,7 +90,7 @@ def _group(graph: IRGraph, stage: Optional[int]) -> Tuple[int, ...]:
 
 
 def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int], stage: Optional[int],
-                 next_group: Optional[Tuple[int, ...]]) -> List[CommStep]:
+                 next_group: Optional[Tuple[int, ...]], backend: Optional[str]) -> List[CommStep]:
     """The rows of one stage: every conversion of its sections in graph order, each once."""
     grad = requires_grad_of(graph)
     nodes = len(graph.nodes)
@@ -104,22 +111,33 @@ def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int],
                 steps += _send(item.tensor, _group(graph, stage), next_group, stage, grad)
         elif (id(item.tensor), item.want) not in seen:
             seen.add((id(item.tensor), item.want))
-            steps += [row for c in item.steps for row in _rows(item, c.step, stage, index, grad)]
+            steps += [row for c in item.steps for row in _rows(item, c.step, stage, index, grad, backend)]
     return steps
 
 
-def _rows(f: Fetch, step: Step, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool]) -> List[CommStep]:
+def _rows(f: Fetch, step: Step, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
+          backend: Optional[str]) -> List[CommStep]:
     """The forward row of one collective, and its backward's when that is a collective too."""
     t, n, spec = f.tensor, len(f.devices), COLLECTIVES[step.fn]
     row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None,
                consumer=f.consumer.name if f.consumer is not None else None,
                consumer_index=index.get(id(f.consumer)) if f.consumer is not None else None,
                have=str(f.have), want=str(f.want), devices=tuple(f.devices), tensor_bytes=t.nbytes, stage=stage)
-    out = [CommStep(collective=step.fn, phase="F", bytes_per_device=round(spec.forward_share(n) * t.nbytes), **row)]
+    out = [CommStep(collective=step.fn, phase="F", **_sent(spec.forward_share(n) * t.nbytes, spec.priced_as, n, backend),
+                    **row)]
     if spec.backward is not None and grad.get(id(t), False):
+        primitive = COLLECTIVES[spec.backward].priced_as
         out.append(CommStep(collective=spec.backward, phase="B",
-                            bytes_per_device=round(spec.backward_share(n) * t.nbytes), **row))
+                            **_sent(spec.backward_share(n) * t.nbytes, primitive, n, backend), **row))
     return out
+
+
+def _sent(ideal: float, primitive: Optional[Collective], n: int, backend: Optional[str]) -> Dict[str, object]:
+    """A row's ``bytes_per_device`` and ``runs``: the ``ideal`` bytes of ``primitive`` (``None``:
+    local), or those of what ``backend`` runs for it."""
+    if primitive is None or n <= 1:
+        return dict(bytes_per_device=round(ideal), runs=None)
+    return dict(bytes_per_device=round(ideal * wire_factor(backend, primitive, n)), runs=str(runs(backend, primitive)))
 
 
 def _send(t: IRTensor, group: Tuple[int, ...], next_group: Tuple[int, ...], stage: int,
@@ -127,7 +145,8 @@ def _send(t: IRTensor, group: Tuple[int, ...], next_group: Tuple[int, ...], stag
     """``t`` crosses from ``stage`` to the next: each device sends it whole to its counterpart."""
     row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None, consumer=None,
                consumer_index=None, have=str(LayoutKind.REPLICATED), want=str(LayoutKind.REPLICATED),
-               collective=Collective.SEND_RECV, tensor_bytes=t.nbytes, bytes_per_device=t.nbytes)
+               collective=Collective.SEND_RECV, tensor_bytes=t.nbytes, bytes_per_device=t.nbytes,
+               runs=str(Collective.SEND_RECV))
     out = [CommStep(phase="F", stage=stage, devices=group, **row)]
     if grad.get(id(t), False):            # the gradient goes back from the next stage
         out.append(CommStep(phase="B", stage=stage + 1, devices=next_group, **row))

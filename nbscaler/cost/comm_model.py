@@ -17,6 +17,9 @@ collective                 forward (``b``: local input)    backward (its gradien
 ``first_only``             nothing                         nothing
 =========================  ==============================  ===================================
 
+A backend that runs one of them as another (``layouts.EMULATED``: torch's gloo runs a
+reduce-scatter as an all-reduce) is priced as what it runs: ``CommModel.backend`` says which.
+
 ``calibrate`` times ``all_reduce`` over a group at a small and a large size, each after a little
 compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the two); a pipeline's
 sends take the latency of the small message back to back, between awake peers, and starting one
@@ -45,13 +48,14 @@ import torch.distributed as dist
 
 from nbscaler.cost.cache import cache_dir
 from nbscaler.cost.speed import rank_device, sync
-from nbscaler.layouts import COLLECTIVES, Collective
+from nbscaler.layouts import COLLECTIVES, Backend, Collective, runs
 
-def priced_as(fn: str, n: int) -> Optional[Collective]:
-    """The primitive collective the models time ``fn``'s forward as (``layouts.COLLECTIVES``);
-    ``None`` when it moves nothing (a local op, or a group of one)."""
+def priced_as(fn: str, n: int, backend: Optional[str] = None) -> Optional[Collective]:
+    """The primitive collective the models time ``fn``'s forward as: the one ``layouts.COLLECTIVES``
+    names, or what ``backend`` runs for it (``layouts.runs``); ``None`` when it moves nothing (a
+    local op, or a group of one)."""
     spec = COLLECTIVES.get(fn)
-    return spec.priced_as if spec is not None and n > 1 else None
+    return runs(backend, spec.priced_as) if spec is not None and n > 1 else None
 
 
 def backward_time(model, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
@@ -74,13 +78,15 @@ class CommModel:
     ``p2p_alpha_s`` the latency of a pipeline's send, whose receiver is busy with another block
     when the message arrives (its receive was posted ahead), so it pays no wake-up. ``None``: the
     same as ``alpha_s``. ``p2p_post_s`` is the time a rank spends starting one tensor's ``isend``
-    or ``irecv``, on its own clock (``None``: not calibrated, counted as nothing)."""
+    or ``irecv``, on its own clock (``None``: not calibrated, counted as nothing). ``backend`` is
+    the one the model times: a collective it emulates is priced as what it runs instead."""
 
     alpha_s: float
     beta_s_per_byte: float
     calibrated: bool = False
     p2p_alpha_s: Optional[float] = None
     p2p_post_s: Optional[float] = None
+    backend: str = Backend.GLOO
 
     def ring(self, steps: float, nbytes: float) -> float:
         return steps * self.alpha_s + nbytes * self.beta_s_per_byte
@@ -89,7 +95,7 @@ class CommModel:
         """Seconds of collective ``fn`` over ``n`` devices on a local input of ``nbytes``. The
         calibration is of one host's links, so which ``ranks`` the group holds changes nothing
         (``cost.nccl.NcclModel``, the same interface for a target, reads them)."""
-        primitive = priced_as(fn, n)
+        primitive = priced_as(fn, n, self.backend)
         if primitive is None:
             return 0.0
         share = (n - 1) / n
@@ -119,6 +125,11 @@ def _backend(backend: Optional[str]) -> str:
     return backend or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def local_backend() -> Backend:
+    """The backend a plan on this machine is priced for (``_backend``'s)."""
+    return Backend(_backend(None))
+
+
 def _path(backend: str, nranks: int) -> Path:
     return cache_dir() / f"comm-{backend}-{nranks}.json"
 
@@ -128,9 +139,9 @@ def load(backend: Optional[str] = None, nranks: int = 2) -> CommModel:
     backend = _backend(backend)
     path = _path(backend, nranks)
     if path.exists():
-        return CommModel(**json.loads(path.read_text()))
+        return replace(CommModel(**json.loads(path.read_text())), backend=backend)
     alpha, beta = DEFAULTS.get(backend, DEFAULTS["gloo"])
-    return CommModel(alpha, beta)
+    return CommModel(alpha, beta, backend=backend)
 
 
 def _step_like_work(scratch: torch.Tensor) -> None:
@@ -245,7 +256,8 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, sizes: Sequence[int] = 
                for size in sizes]
     awake = _awake_all_reduce(torch.zeros(min(sizes) // 4, dtype=torch.float32, device=device), group, repeats)
     post = _post_seconds(device, group, repeats)
-    model = replace(fit(sizes, seconds, n), p2p_alpha_s=awake / (2 * max(1, n - 1)), p2p_post_s=post)
+    model = replace(fit(sizes, seconds, n), p2p_alpha_s=awake / (2 * max(1, n - 1)), p2p_post_s=post,
+                    backend=dist.get_backend(group))
     if save and dist.get_rank(group) == 0:
         store(model, n, dist.get_backend(group))
     return model
@@ -275,7 +287,7 @@ def median_model(models: Sequence[CommModel]) -> CommModel:
 
     return CommModel(statistics.median(m.alpha_s for m in models), statistics.median(m.beta_s_per_byte for m in models),
                      all(m.calibrated for m in models), median([m.p2p_alpha_s for m in models]),
-                     median([m.p2p_post_s for m in models]))
+                     median([m.p2p_post_s for m in models]), models[0].backend)
 
 
 def group_sizes(world_size: int) -> List[int]:

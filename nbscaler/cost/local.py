@@ -145,8 +145,8 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
         Collective.ALL_GATHER_SUM_GRAD: lambda t: gather(t, dim),
         Collective.CHUNK: lambda t: piece(t, dim),
         Collective.ALL_REDUCE: lambda t: t.contiguous().clone(),
-        Collective.REDUCE_SCATTER: lambda t: piece(t.contiguous().clone(), dim),
-        Collective.ALL_TO_ALL: lambda t: piece(gather(t, dim2), dim),
+        Collective.REDUCE_SCATTER: lambda t: t.chunk(n, dim=dim)[index].clone(memory_format=torch.contiguous_format),
+        Collective.ALL_TO_ALL: lambda t: torch.cat([t.chunk(n, dim=dim)[index]] * n, dim=dim2),
         Collective.SUM_GRAD: lambda t: t.view_as(t),
         Collective.FIRST_ONLY: lambda t: t.view_as(t) if index == 0 else torch.zeros_like(t),
     }[fn]

@@ -43,7 +43,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from nbscaler.cost.comm_model import backward_time, priced_as
 from nbscaler.cost.hardware import Hardware, Link
-from nbscaler.layouts import Collective
+from nbscaler.layouts import Backend, Collective
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class NcclModel:
         return self._seconds[key]
 
     def _forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]]) -> float:
-        primitive = priced_as(fn, n)
+        primitive = priced_as(fn, n, Backend.NCCL)
         if primitive is None:
             return 0.0
         link = self.link(n, ranks)

@@ -57,7 +57,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs
 from nbscaler.cost.nccl import NcclModel
-from nbscaler.layouts import Collective
+from nbscaler.layouts import Backend, Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
@@ -88,6 +88,12 @@ def target_models(hardware: Hardware) -> Tuple[RooflineOps, NcclModel]:
     """How a target prices a step's pieces: each op at its roofline time (``cost.roofline``), each
     collective at NCCL's cost on the links its group spans (``cost.nccl``)."""
     return RooflineOps(hardware), NcclModel(hardware)
+
+
+def backend_on(hardware: Optional[Hardware]) -> Backend:
+    """The backend whose collectives are priced on ``hardware``: nccl on a target, on this machine
+    (``None`` or ``Hardware.local()``) the one its runs use (``comm_model.local_backend``)."""
+    return Backend.NCCL if hardware is not None and not hardware.is_local else comm_model.local_backend()
 
 
 def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[float, float]:

@@ -34,11 +34,12 @@ from nbscaler.comm.lower import RankPrograms, lower, rank_sections
 from nbscaler.comm.traffic import collective_steps
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.annotate import annotate_costs
+from nbscaler.cost.comm_model import local_backend
 from nbscaler.cost.hardware import Hardware
 from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank, paused_gc
 from nbscaler.cost.step_figures import StepFigures
-from nbscaler.cost.timing import StepModel, predicted_timeline
+from nbscaler.cost.timing import StepModel, backend_on, predicted_timeline
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
@@ -173,16 +174,26 @@ class Plan:
         """One row per node of the training graph: placement, shapes and cost facts."""
         return tag(tables.ops_frame(self.graph, self.programs.distinct()), Table.OPS, self)
 
-    @functools.cached_property
+    @property
     def collectives(self) -> pd.DataFrame:
-        """One row per collective on an edge of the training graph (and per pipeline crossing)."""
-        steps = collective_steps(self.programs.distinct(), self.graph)
-        return tag(tables.collectives_frame(steps), Table.COLLECTIVES, self)
+        """One row per collective on an edge of the training graph (and per pipeline crossing),
+        with the bytes the backend a run on this machine uses sends (``collectives_on``)."""
+        return self.collectives_on(local_backend())
 
-    def traffic(self) -> pd.DataFrame:
+    def collectives_on(self, backend: Optional[str]) -> pd.DataFrame:
+        """``collectives`` with the bytes ``backend`` sends for each (``None``: the ideal
+        collectives'); its ``runs`` column names what crosses the links (``layouts.EMULATED``)."""
+        frames = self.__dict__.setdefault("_collectives", {})
+        if backend not in frames:
+            steps = collective_steps(self.programs.distinct(), self.graph, backend)
+            frames[backend] = tag(tables.collectives_frame(steps), Table.COLLECTIVES, self)
+        return frames[backend]
+
+    def traffic(self, hardware: Optional[Hardware] = None) -> pd.DataFrame:
         """Bytes each runtime rank sends and receives in one training step on the graph's edges and
-        pipeline crossings; ``summary()`` adds the gradient synchronisation between units."""
-        return tables.traffic_per_rank(self)
+        pipeline crossings, as the backend on ``hardware`` (default: this machine) runs them;
+        ``summary()`` adds the gradient synchronisation between units."""
+        return tables.traffic_per_rank(self, backend=backend_on(hardware))
 
     def summary(self, optimizer: Any = UNSET, *, hardware: Optional[Hardware] = None, recipe: Optional[Recipe] = None,
                 master_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET, **optimizer_kwargs: Any) -> pd.DataFrame:

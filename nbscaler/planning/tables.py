@@ -20,9 +20,12 @@ from nbscaler.columns import PREDICTED_COLUMNS, SummaryColumn as C
 from nbscaler.comm.program import RankProgram, output_shapes
 from nbscaler.comm.traffic import CommStep
 from nbscaler.recipe import Recipe
+from nbscaler.config import ComputeConfig
+from nbscaler.cost.comm_model import local_backend
+from nbscaler.cost.timing import backend_on
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph
-from nbscaler.layouts import Collective
+from nbscaler.layouts import Collective, wire_factor
 from nbscaler.planning.step import blocks_per_stage, stage_device, target_columns
 from nbscaler.units import fmt_count
 
@@ -64,9 +67,10 @@ def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
 
 
 # -- per rank -------------------------------------------------------------------------------------
-def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
-    """(bytes sent, bytes received) by each plan device on the graph's edges in one training step."""
-    steps = plan.collectives
+def edge_traffic_per_device(plan: "Plan", backend: Optional[str] = None) -> Dict[int, Tuple[float, float]]:
+    """(bytes sent, bytes received) by each plan device on the graph's edges in one training step,
+    as ``backend`` runs the collectives (default: this machine's, ``plan.collectives``)."""
+    steps = plan.collectives if backend is None else plan.collectives_on(backend)
     records = list(zip(steps.phase, steps.stage, steps.devices, steps.collective, steps.bytes_per_device))
     ring_sr: Dict[Tuple[int | None, str, int], Tuple[float, float]] = {}
 
@@ -97,18 +101,20 @@ def edge_traffic_per_device(plan: "Plan") -> Dict[int, Tuple[float, float]]:
     return out
 
 
-def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) -> pd.DataFrame:
-    """Bytes each runtime rank sends and receives in one training step.
+def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
+                     backend: Optional[str] = None) -> pd.DataFrame:
+    """Bytes each runtime rank sends and receives in one training step, as ``backend`` runs the
+    collectives (default: the backend of this machine's runs).
 
-    Edge collectives come from ``plan.collectives``. After the backward, parameters whose ops split
+    Edge collectives come from ``plan.collectives_on(backend)``. After the backward, parameters whose ops split
     the batch (stored ``R*``) sum their partial gradients over their ``n`` devices (a ring
     all-reduce: ``2 (n-1)/n`` of their bytes); with several units, each rank also synchronises its
     gradients with the same device of the other units (a ring all-reduce, or ZeRO's reduce-scatter
-    and all-gather: ``2 (u-1)/u`` of its parameter bytes either way), which needs ``param_bytes``
-    per rank.
+    and all-gather: ``2 (u-1)/u`` of its parameter bytes either way, more where the backend
+    emulates the reduce-scatter: ``zero_extra_share``), which needs ``param_bytes`` per rank.
     """
     cfg = plan.config
-    edges = edge_traffic_per_device(plan)
+    edges = edge_traffic_per_device(plan, backend)
     u = cfg.units
     partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
                       for w in plan.programs.weights(d) if w.kind == "param")
@@ -117,9 +123,20 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None) 
     for r in range(cfg.runtime_ngpus):
         sent, received = edges[cfg.device_of(r)]
         sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
+        sync += zero_extra_share(cfg, backend) * param_bytes[r] if param_bytes is not None else 0.0
         sync += partial[cfg.device_of(r)]
         rows.append({C.RANK.value: r, C.BYTES_SENT.value: sent + sync, C.BYTES_RECEIVED.value: received + sync})
     return pd.DataFrame(rows)
+
+
+def zero_extra_share(cfg: ComputeConfig, backend: Optional[str]) -> float:
+    """What ZeRO's reduce-scatter over its group of ``z`` sends beyond its ideal ``(z-1)/z`` of the
+    parameter bytes where ``backend`` runs it as another collective (0 without ZeRO, or on nccl)."""
+    if not cfg.use_zero:
+        return 0.0
+    z = cfg.grid.zero_group_size
+    factor = wire_factor(backend or local_backend(), Collective.REDUCE_SCATTER, z)
+    return (factor - 1) * (z - 1) / z if factor != 1 else 0.0
 
 
 def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] = None) -> pd.DataFrame:
@@ -132,7 +149,7 @@ def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] =
     step = plan.step_figures(recipe=recipe, hardware=hardware)
     devices = [step.devices[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)]
     frame = pd.DataFrame({C.RANK.value: range(cfg.runtime_ngpus), C.FLOPS.value: [d.flops for d in devices]})
-    frame = frame.merge(traffic_per_rank(plan, params), on=C.RANK.value).merge(memory, on=C.RANK.value)
+    frame = frame.merge(traffic_per_rank(plan, params, backend_on(hardware)), on=C.RANK.value).merge(memory, on=C.RANK.value)
     frame[C.STEP_TIME_S.value] = [d.step_time_s for d in devices]
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return target_columns(plan, frame, step) if hardware is not None else frame

@@ -29,15 +29,10 @@ from typing import Optional
 
 import torch
 
-from nbscaler.columns import StrEnum
+from nbscaler.layouts import Backend
 
 #: The environment variable that chooses the backend, overriding the rule.
 BACKEND_ENV = "NBSCALER_BACKEND"
-
-
-class Backend(StrEnum):
-    NCCL = "nccl"
-    GLOO = "gloo"
 
 
 @dataclass(frozen=True)

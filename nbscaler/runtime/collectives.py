@@ -21,6 +21,11 @@ function                   forward                            backward
 
 ``group=None`` means a group of one device, where every function is the identity.
 
+A reduce-scatter and an all-to-all run as ``torch.distributed``'s own (``reduce_scatter_single``,
+once ``reduce_scatter_tensor``, and ``all_to_all_single``) unless ``nbscaler.layouts.EMULATED`` says the group's backend has no call
+for one, in which case an all-reduce or an all-gather runs and each device keeps its slice: what
+runs is what the cost model prices.
+
 ``all_gather`` and ``chunk`` take ``blocks`` (``nbscaler.blocks``): the tensor is that many blocks
 along ``dim`` (q, k and v of a fused projection, equal or not), each split across the devices, so a
 device's slice is its share of every block (its own heads), not one contiguous piece.
@@ -37,6 +42,7 @@ from torch.autograd import Function
 
 from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks
+from nbscaler.layouts import Collective, emulation
 
 Group = Optional[dist.ProcessGroup]
 
@@ -66,6 +72,52 @@ def _sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def _runtime_emulates(primitive: Collective, group: Group) -> bool:
+    """Whether the group's backend has no call for ``primitive``, so the runtime emulates it."""
+    found = emulation(dist.get_backend(group), primitive)
+    return found is not None and not found.in_backend
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
+    """Sum ``x`` (contiguous, dim 0 ``n`` times ``out``'s) over the group into this device's
+    slice ``out``: the backend's reduce-scatter, or where it has none an all-reduce and a copy."""
+    if _runtime_emulates(Collective.REDUCE_SCATTER, group):
+        _, rank = _size_rank(group)
+        out.copy_(_sum(x, group).narrow(0, rank * out.shape[0], out.shape[0]))
+    else:
+        # torch 2.13 names reduce_scatter_tensor reduce_scatter_single, and the old name warns
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def _pieces_first(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` cut into ``size`` equal pieces along ``dim``, stacked on a new dim 0, contiguous (as
+    the backends need it; no copy for dim 0)."""
+    return x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()
+
+
+def _scatter_sum(x: torch.Tensor, dim: int, group: Group, blocks: Blocks = 1) -> torch.Tensor:
+    """This device's slice along ``dim`` (its share of each of ``blocks``) of the sum over the group."""
+    size, rank = _size_rank(group)
+    parts = [strided.take(x, dim, blocks, size, r) for r in range(size)]     # rank r's share, in order
+    if len({p.shape for p in parts}) > 1:          # an axis that does not divide: no equal pieces to scatter
+        return _slice(_sum(x, group), dim, group, blocks)
+    out = torch.empty((1,) + parts[0].shape, dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, torch.stack(parts) if strided.is_strided(blocks) else _pieces_first(x, dim, size), group)
+    return out[0]
+
+
+def _exchange(x: torch.Tensor, split_dim: int, gather_dim: int, group: Group) -> torch.Tensor:
+    """Split along ``gather_dim`` -> split along ``split_dim``: piece ``j`` of ``x`` along
+    ``split_dim`` goes to device ``j``, and the pieces received are joined along ``gather_dim``."""
+    size, _ = _size_rank(group)
+    if _runtime_emulates(Collective.ALL_TO_ALL, group) or x.shape[split_dim] % size:
+        return _slice(_gather(x, gather_dim, group), split_dim, group)
+    send = _pieces_first(x, split_dim, size)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
 class _AllGather(Function):
     @staticmethod
     def forward(ctx, x, dim, group, blocks):
@@ -83,7 +135,7 @@ class _AllGatherSumGrad(_AllGather):
 
     @staticmethod
     def backward(ctx, grad):
-        return _slice(_sum(grad, ctx.group), ctx.dim, ctx.group, ctx.blocks), None, None, None
+        return _scatter_sum(grad, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _Chunk(Function):
@@ -111,8 +163,7 @@ class _ReduceScatter(Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        # gloo has no reduce_scatter; a sum followed by a local slice gives the same values.
-        return _slice(_sum(x, group), dim, group)
+        return _scatter_sum(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,12 +174,12 @@ class _AllToAll(Function):
     @staticmethod
     def forward(ctx, x, split_dim, gather_dim, group):
         ctx.dims, ctx.group = (split_dim, gather_dim), group
-        return _slice(_gather(x, gather_dim, group), split_dim, group)
+        return _exchange(x, split_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
         split_dim, gather_dim = ctx.dims
-        return _slice(_gather(grad, split_dim, ctx.group), gather_dim, ctx.group), None, None, None
+        return _exchange(grad, gather_dim, split_dim, ctx.group), None, None, None
 
 
 class _SumGrad(Function):

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.config import DEFAULT_BUCKET_BYTES
+from nbscaler.runtime.collectives import reduce_scatter_into
 from nbscaler.runtime.groups import WeakGroup
 from nbscaler.runtime.reducer import Bucket, Reducer, Slot
 
@@ -173,7 +174,7 @@ class ZeroReducer(Reducer):
             piece = flat
         else:
             piece = torch.empty(flat.numel() // self.zero_size, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter(piece, list(flat.chunk(self.zero_size)), group=self.zero_group)
+            reduce_scatter_into(piece, flat, self.zero_group)
         if self.replica_group is not None:
             dist.all_reduce(piece, group=self.replica_group)
         return piece

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple
 
 import pandas as pd
 import plotly.graph_objects as go
-import torch
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C
 from nbscaler.cost.hardware import Hardware

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 import pandas as pd
 import plotly.graph_objects as go
-import torch
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.hardware import Hardware

@@ -6,7 +6,6 @@ its share of the largest activation of a language model. Training still equals o
 """
 
 import pytest
-import torch
 
 import nbscaler
 from nbscaler import ComputeConfig

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Optional, Type
 
 import ipywidgets as w
-import torch
 
 from nbscaler.columns import StrEnum
 from nbscaler.cost.hardware import Hardware
