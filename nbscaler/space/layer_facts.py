@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
@@ -48,10 +48,8 @@ class LayerFacts:
     tokens: Optional[int]              # tokens in one micro-batch (None: no sequence input)
     compute_dtype: object
     replay: Tuple                      # (storage, op index, profiler, comm): for stage_start
-    shared: Dict = field(default_factory=dict)
-    """What does not depend on the target, shared by the facts of one placement on every target
-    (``read_facts``' ``shared``): what ``read_facts`` reads off the placement, the spans
-    ``stage_start`` replays, and what ``pricing.Staged`` keeps per stage count."""
+    memo: "PlacementMemo"
+    """What does not depend on the target, kept with the placement for its facts on every target."""
 
     def __post_init__(self) -> None:
         self._starts: Dict[int, List[np.ndarray]] = {}
@@ -59,11 +57,11 @@ class LayerFacts:
         # tensor-parallel index -> the first index whose facts and weights are the same but for
         # which slice of a split weight each holds (the members of a group differ only where a
         # collective keeps another piece or first_only): what it replays and holds costs the same
-        if "same weights" not in self.shared:          # not the target's: kept with the placement
+        if self.memo.same_weights is None:              # not the target's: kept with the placement
             held = [[(dataclasses.replace(w, index=0), readers) for w, readers in ws] for ws in self.weights]
-            self.shared["same weights"] = [[j for j in range(i + 1) if held[j] == held[i]] for i in range(len(held))]
+            self.memo.same_weights = [[j for j in range(i + 1) if held[j] == held[i]] for i in range(len(held))]
         self.alike = [next(j for j in same if np.array_equal(self.matrix[j], self.matrix[i]))
-                      for i, same in enumerate(self.shared["same weights"])]
+                      for i, same in enumerate(self.memo.same_weights)]
 
     @property
     def tp(self) -> int:
@@ -78,11 +76,11 @@ class LayerFacts:
 
     def _crossing(self, place: int) -> List:
         """The tensors a cut before the copy's op ``place`` sends on (``_carried``), kept in
-        ``shared``: they do not depend on the target."""
-        key = ("carried", place)
-        if key not in self.shared:
-            self.shared[key] = _carried(self.graph, place)
-        return self.shared[key]
+        the placement's memo: they do not depend on the target."""
+        crossing = self.memo.crossing
+        if place not in crossing:
+            crossing[place] = _carried(self.graph, place)
+        return crossing[place]
 
     def stage_start(self, cut: int) -> List[np.ndarray]:
         """What a stage starting at full-model op ``cut`` adds to the sum of its ops' facts, per
@@ -99,7 +97,7 @@ class LayerFacts:
                 if self.alike[device] != device:         # its group's first alike device replays for it
                     starts.append(starts[self.alike[device]])
                     continue
-                rows = self._ledger(span, device).rows(self.shared["kinds"], profiler, comm)
+                rows = self._ledger(span, device).rows(self.memo.kinds, profiler, comm)
                 starts.append((rows - self.matrix[device])[span].sum(axis=0))
             self._starts[place] = starts
         return self._starts[place]
@@ -122,23 +120,25 @@ class LayerFacts:
         return self._ends[place]
 
     def _ledger(self, span: slice, device: int) -> OpLedger:
-        """The ``OpLedger`` of ``device``'s run of the copy from ``span``'s start, kept in ``shared``."""
-        key = ("ledger", span.start, span.stop, device)
-        if key not in self.shared:
+        """The ``OpLedger`` of ``device``'s run of the copy from ``span``'s start, kept in the memo."""
+        key = (span.start, span.stop, device)
+        ledgers = self.memo.span_ledgers
+        if key not in ledgers:
             storage, index, profiler, _ = self.replay
             count = len(self.expansion.nodes)
-            self.shared[key] = OpLedger.of(self._replayed(span, device, storage), index, count, count - 1,
-                                           self.shared["kinds"], profiler.key, self.shared["placement"].no_weight)
-        return self.shared[key]
+            ledgers[key] = OpLedger.of(self._replayed(span, device, storage), index, count, count - 1,
+                                       self.memo.kinds, profiler.key, self.memo.placed.no_weight)
+        return ledgers[key]
 
     def _replayed(self, span: slice, device: int, storage):
         """``device``'s run of the copy from ``span``'s start as a stage (``_replay_span``), kept in
-        ``shared``: which ops and collectives run does not depend on the target, only their seconds."""
-        key = ("span", span.start, span.stop, device)
-        if key not in self.shared:
+        the memo: which ops and collectives run does not depend on the target, only their seconds."""
+        key = (span.start, span.stop, device)
+        spans = self.memo.spans
+        if key not in spans:
             shapes = {w.name: w.shape for w, _ in self.weights[device]}
-            self.shared[key] = _replay_span(self.graph, span, device, storage, shapes)
-        return self.shared[key]
+            spans[key] = _replay_span(self.graph, span, device, storage, shapes)
+        return spans[key]
 
 
 def _collective_seconds(c, comm) -> Tuple[float, float]:
@@ -158,25 +158,24 @@ def _sent(run, comm) -> np.ndarray:
     return found
 
 
-def read_facts(plan, stack: Stack, profiler: RooflineOps, comm, shared: Optional[Dict] = None,
+def read_facts(plan, stack: Stack, profiler: RooflineOps, comm, memo: Optional["PlacementMemo"] = None,
                kinds: Optional[Kinds] = None) -> LayerFacts:
     """``LayerFacts`` of a placed two-layer copy (``plan``: one pipeline stage over its ``tp``
-    devices) on the target whose op and collective costs are ``profiler`` and ``comm``. ``shared``:
-    the ``LayerFacts.shared`` of the same placement's facts on other targets, to reuse: on another
+    devices) on the target whose op and collective costs are ``profiler`` and ``comm``. ``memo``:
+    the ``LayerFacts.memo`` of the same placement's facts on another target, to reuse: on another
     target only the ops' and collectives' seconds are read again. ``kinds``: the table of distinct
     ops and collectives the ledgers of other placements share (``space.op_ledger``)."""
-    shared = {} if shared is None else shared
-    if "placement" not in shared:
-        shared["placement"] = _placement_facts(plan, stack)
-        shared["kinds"] = kinds if kinds is not None else Kinds()
-    placed: _Placed = shared["placement"]
-    count = len(placed.expansion.nodes)
-    if "ledgers" not in shared:
-        shared["ledgers"] = [OpLedger.of(plan.local_runs[d][0], placed.index, count, count - 1, shared["kinds"],
-                                         profiler.key, placed.no_weight) for d in range(plan.config.plan_ngpus)]
-    matrix = [ledger.rows(shared["kinds"], profiler, comm) for ledger in shared["ledgers"]]
+    if memo is None:
+        placed = _placement_facts(plan, stack)
+        kinds = kinds if kinds is not None else Kinds()
+        count = len(placed.expansion.nodes)
+        ledgers = [OpLedger.of(plan.local_runs[d][0], placed.index, count, count - 1, kinds, profiler.key,
+                               placed.no_weight) for d in range(plan.config.plan_ngpus)]
+        memo = PlacementMemo(placed, kinds, ledgers)
+    placed = memo.placed
+    matrix = [ledger.rows(memo.kinds, profiler, comm) for ledger in memo.ledgers]
     return LayerFacts(placed.expansion, matrix, placed.weights, placed.flops, plan.graph, placed.tokens,
-                      placed.compute_dtype, (plan.storage, placed.index, profiler, comm), shared)
+                      placed.compute_dtype, (plan.storage, placed.index, profiler, comm), memo)
 
 
 class _Placed(NamedTuple):
@@ -189,6 +188,28 @@ class _Placed(NamedTuple):
     flops: np.ndarray
     tokens: Optional[int]
     compute_dtype: object
+
+
+@dataclass(eq=False)
+class PlacementMemo:
+    """What one placement of the copy knows whatever the target, kept for its facts on every
+    target: what ``read_facts`` reads off it (``placed``), the table of distinct op and collective
+    kinds its ledgers share (``kinds``) and each device's ledger of the copy (``ledgers``); filled
+    as they are first asked for, the tensor-parallel indexes alike in their weights
+    (``same_weights``), the tensors a cut at each place of the copy sends (``crossing``), the copy
+    replayed from a place as a stage (``spans``, with their ``span_ledgers``), what
+    ``pricing.Staged`` keeps per stage count (``staged``) and the number naming the weights the
+    devices hold (``weights_id``)."""
+
+    placed: "_Placed"
+    kinds: Kinds
+    ledgers: List[OpLedger]
+    same_weights: Optional[List[List[int]]] = None
+    crossing: Dict[int, List] = field(default_factory=dict)
+    spans: Dict[Tuple[int, int, int], Any] = field(default_factory=dict)
+    span_ledgers: Dict[Tuple[int, int, int], OpLedger] = field(default_factory=dict)
+    staged: Dict[int, Dict[Tuple, Any]] = field(default_factory=dict)
+    weights_id: Optional[int] = None
 
 
 def _placement_facts(plan, stack: Stack) -> _Placed:

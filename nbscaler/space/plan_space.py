@@ -44,7 +44,7 @@ from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.cost.timing import target_models
-from nbscaler.space.layer_facts import LayerFacts, read_facts
+from nbscaler.space.layer_facts import LayerFacts, PlacementMemo, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
 from nbscaler.space.prune import check_prune, pruned_rows
@@ -142,7 +142,7 @@ class PlanSpace:
         self._models: Dict[Tuple, Tuple[RooflineOps, NcclModel]] = {}
         self._kinds = Kinds()                       # the distinct ops and collectives of every placement
         self._staged: Dict[Tuple, Staged] = {}
-        self._shared: Dict[Tuple, Dict] = {}       # placement key -> LayerFacts.shared, on every target
+        self._memos: Dict[Tuple, PlacementMemo] = {}   # placement key -> what its facts keep on every target
         self._peaks: Dict[Tuple, float] = {}        # peak bytes per device of a configuration, on any target
         self._alike: Dict = {}                      # what devices hold, for placements alike in weights (Staged)
         self._partial_grads: Dict[Tuple, bool] = {}  # placement key -> whether some weight has partial gradients
@@ -273,8 +273,9 @@ class PlanSpace:
         key = (*target, *self._key(*placement))
         if key not in self._facts:
             try:
-                shared = self._shared.setdefault(self._key(*placement), {})
-                self._facts[key] = read_facts(self._placement(placement), self.stack, ops, comm, shared, self._kinds)
+                memo = self._memos.get(self._key(*placement))
+                self._facts[key] = read_facts(self._placement(placement), self.stack, ops, comm, memo, self._kinds)
+                self._memos[self._key(*placement)] = self._facts[key].memo
             except (ValueError, PolicyError) as err:
                 self._facts[key] = err
         return _raised(self._facts[key])

@@ -47,8 +47,8 @@ class Staged:
     def __init__(self, facts: LayerFacts, nstages: int, alike: Optional[Dict] = None):
         self.facts = facts
         # where the cuts fall and what the devices hold do not depend on the target: kept with the
-        # placement's shared facts; only the sums of the ops' seconds are the target's own
-        self._kept: Dict[Tuple, Any] = facts.shared.setdefault(("staged", nstages), {})
+        # placement's memo (LayerFacts.memo); only the sums of the ops' seconds are the target's own
+        self._kept: Dict[Tuple, Any] = facts.memo.staged.setdefault(nstages, {})
         self.cuts = self.kept(("cuts",), lambda: stage_cuts(facts.flops, facts.expansion.layer_key, nstages))
         # what the devices hold follows from the copy's weights, where they are read and the cuts
         # alone: ``alike`` (a sweep's) shares it between placements that agree on those (the
@@ -211,12 +211,12 @@ class _Device:
 def _weights_id(facts: LayerFacts, alike: Dict) -> int:
     """A number naming the copy's weights on each tensor-parallel index, where each is read and the
     layers' layout: the same for placements alike in all of them (``Staged``'s ``alike``)."""
-    if "weights id" not in facts.shared:
+    if facts.memo.weights_id is None:
         e = facts.expansion
         what = (e.stack.path, e.stack.depth, e.before, e.size, e.after, tuple(tuple(ws) for ws in facts.weights))
         ids = alike.setdefault("ids", {})
-        facts.shared["weights id"] = ids.setdefault(what, len(ids))
-    return facts.shared["weights id"]
+        facts.memo.weights_id = ids.setdefault(what, len(ids))
+    return facts.memo.weights_id
 
 
 @functools.lru_cache(maxsize=1024)
