@@ -104,12 +104,14 @@ def tokens_per_step(plan: "Plan") -> Optional[int]:
     return step_tokens(micro_batch_tokens(plan), cfg.pipeline_nmicros if cfg.use_pipeline else 1, cfg.units)
 
 
-def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None) -> StepFigures:
+def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None,
+              memory: Optional[pd.DataFrame] = None) -> StepFigures:
     """One training step of ``plan`` trained with ``recipe`` on ``hardware`` (this machine without
-    it), priced: each plan
-    device's compute, exposed synchronisation and update (``cost.timing.StepModel``) with its FLOPs,
-    the job's tokens, and with ``hardware`` (``Hardware.local()`` too) its peak FLOP/s at the
-    model's compute dtype and the FLOPs recomputed forwards add."""
+    it), priced: each plan device's compute, exposed synchronisation and update
+    (``cost.timing.StepModel``), its FLOPs and its peak bytes (the most any of its ranks holds in
+    ``memory``, ``plan.memory(recipe=recipe)`` unless given), the job's tokens, and with
+    ``hardware`` (``Hardware.local()`` too) its peak FLOP/s at the model's compute dtype and the
+    FLOPs recomputed forwards add."""
     cfg = plan.config
     model = plan.step_model(hardware) or StepModel(plan.placed, runs=plan.local_runs, hardware=hardware,
                                                    weights_of=plan.programs.weights)
@@ -118,8 +120,10 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None)
     flops = flops_per_device(plan)
     # utilisation needs a peak: a target's, or this machine's as Hardware.local() measures it
     again = recomputed_flops_per_device(plan) if hardware is not None else {}
-    devices = {d: dataclasses.replace(p, flops=flops[d], hardware_flops=flops[d] + again[d] if again else math.nan)
-               for d, p in parts.items()}
+    memory = memory if memory is not None else plan.memory(recipe=recipe)
+    peaks = memory.groupby(memory[str(C.RANK)].map(cfg.device_of))[str(C.PEAK_BYTES)].max()
+    devices = {d: dataclasses.replace(p, flops=flops[d], hardware_flops=flops[d] + again[d] if again else math.nan,
+                                      peak_bytes=float(peaks[d])) for d, p in parts.items()}
     return StepFigures(devices, cfg.units, cfg.runtime_ngpus, hardware,
                        hardware.peak_flops(compute_dtype(plan)) if hardware is not None else None, tokens_per_step(plan))
 

@@ -26,7 +26,7 @@ from nbscaler.cost.timing import backend_on
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph
 from nbscaler.layouts import Collective, wire_factor
-from nbscaler.planning.step import blocks_per_stage, stage_device, target_columns
+from nbscaler.planning.step import blocks_per_stage, plan_step, stage_device, target_columns
 from nbscaler.units import fmt_count
 
 if TYPE_CHECKING:
@@ -142,11 +142,11 @@ def zero_extra_share(cfg: ComputeConfig, backend: Optional[str]) -> float:
 def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] = None) -> pd.DataFrame:
     """``Plan.summary``: one row per runtime rank, the columns of ``PREDICTED_COLUMNS``, and on
     ``hardware`` those of ``TARGET_COLUMNS`` too, for a run that trains with ``recipe``. Its step is
-    ``plan.step_figures``'s."""
+    ``plan.step_figures``'s (``planning.step.plan_step``), priced on the memory it shows."""
     cfg = plan.config
     memory = plan.memory(recipe=recipe)
     params = dict(zip(memory[C.RANK.value], memory[C.PARAM_BYTES.value]))
-    step = plan.step_figures(recipe=recipe, hardware=hardware)
+    step = plan_step(plan, recipe, hardware, memory)
     devices = [step.devices[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)]
     frame = pd.DataFrame({C.RANK.value: range(cfg.runtime_ngpus), C.FLOPS.value: [d.flops for d in devices]})
     frame = frame.merge(traffic_per_rank(plan, params, backend_on(hardware)), on=C.RANK.value).merge(memory, on=C.RANK.value)

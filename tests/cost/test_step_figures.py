@@ -40,3 +40,12 @@ def test_the_summary_reads_its_step_from_step_figures(plan):  # noqa: F811
     assert figures.flops == sum(s.flops)             # every rank's FLOPs: units x unit 0's devices
     local = plan.step_figures(torch.optim.AdamW)
     assert local.hardware is None and local.peak_flops is None and set(local.devices) == set(figures.devices)
+
+
+def test_each_device_peak_is_the_most_its_ranks_hold_in_the_memory_table(plan):  # noqa: F811
+    figures = plan.step_figures(torch.optim.AdamW, hardware=H100)
+    memory = plan.memory(torch.optim.AdamW)
+    for device, d in figures.devices.items():
+        ranks = [r for r in memory["rank"] if plan.config.device_of(r) == device]
+        assert d.peak_bytes == max(memory.peak_bytes[memory["rank"].isin(ranks)])
+    assert figures.peak_bytes == memory.peak_bytes.max() and figures.fits
