@@ -1,18 +1,32 @@
-"""What every test session shares: a cost-model cache of its own, and a one-node Slurm (``slurm``)
-for the tests that start work under it (engines of a cluster, a training script under ``srun``).
+"""What every test session shares: a cost-model cache of its own, a one-node Slurm (``slurm``)
+for the tests that start work under it (engines of a cluster, a training script under ``srun``),
+one intra-op thread and a cycle collector that walks each object once.
 
 Plans time their ops from a profile, and clusters calibrate their collectives, into the cost
 model's cache (``nbscaler.cost.cache``). The suite keeps those in a folder of its own, made for the
 session and removed after it, so that it neither reads what an earlier run or a user's notebook
 left in ``~/.cache/nbscaler`` nor writes there. Set ``NBSCALER_CACHE_DIR`` yourself to keep one
 across runs (a faster edit-test loop); it is then left as it is.
+
+The tests' own tensors are small, and on a machine of few cores whose other cores are busy, two
+intra-op threads wait for each other at every op: a one-rank Llama's training step took up to
+1.7 s at two threads and a millisecond at one. The session runs at one thread, as the demo does.
+What the cost model times is not affected: the profiler sets the thread count of the ranks it
+prices around each of its measurements (``cost.speed.intra_op_threads``).
+
+The session's process ends up holding over a million objects (imports, and what each module's
+plans keep), and every full run of the cycle collector walks all of them: 37 of them cost 18 s of
+the fast subset. So what is alive after collection, and after each test module, is collected once
+and frozen (``gc.freeze``): later runs walk only what was made since.
 """
 
+import gc
 import os
 import shutil
 import tempfile
 
 import pytest
+import torch
 
 from tests.cluster import slurm_host
 from tests.cluster.slurm_standin import StandInSlurm
@@ -23,6 +37,22 @@ if "NBSCALER_CACHE_DIR" not in os.environ:
     os.environ["NBSCALER_CACHE_DIR"] = _SESSION_CACHE
 else:
     _SESSION_CACHE = None
+
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if nextitem is None or nextitem.path != item.path:       # its module's fixtures are gone
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_unconfigure(config):
