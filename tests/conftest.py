@@ -1,6 +1,7 @@
 """What every test session shares: a cost-model cache of its own, a one-node Slurm (``slurm``)
 for the tests that start work under it (engines of a cluster, a training script under ``srun``),
-one intra-op thread and a cycle collector that walks each object once.
+one intra-op thread, a cycle collector that walks each object once, and the plans of the test
+models (``gpt_plan``, ``model_plan``, and the ``plan`` fixture of a module that names one).
 
 Plans time their ops from a profile, and clusters calibrate their collectives, into the cost
 model's cache (``nbscaler.cost.cache``). The suite keeps those in a folder of its own, made for the
@@ -25,11 +26,17 @@ import os
 import shutil
 import tempfile
 
+from typing import Optional
+
 import pytest
 import torch
 
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from tests.cluster import slurm_host
 from tests.cluster.slurm_standin import StandInSlurm
+from tests.models import batch as model_batch, build
 
 if "NBSCALER_CACHE_DIR" not in os.environ:
     # Set at import, before any test starts a rank, an engine or a kernel: they inherit it.
@@ -53,6 +60,30 @@ def pytest_runtest_protocol(item, nextitem):
     if nextitem is None or nextitem.path != item.path:       # its module's fixtures are gone
         gc.collect()
         gc.freeze()
+
+
+#: The shipped GPT at the smallest sizes the tests plan it at; ``gpt_plan`` changes what it is given.
+SMALL_GPT = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2)
+
+
+def gpt_plan(policy, config: ComputeConfig, *, model: GPTConfig = SMALL_GPT, batch: int = 2,
+             module_dtype: Optional[torch.dtype] = None, **plan_kwargs) -> "nbscaler.Plan":
+    """``nbscaler.plan`` of the shipped GPT of ``model`` on ``sample_batch(model, batch)``."""
+    return nbscaler.plan(GPT(model), {"batch": sample_batch(model, batch)}, policy, config,
+                         module_dtype=module_dtype, **plan_kwargs)
+
+
+def model_plan(name: str, policy, config: ComputeConfig, *, seed: int = 0) -> "nbscaler.Plan":
+    """``nbscaler.plan`` of the test model ``name`` (``tests.models.build``) on its batch ``seed``."""
+    return nbscaler.plan(build(name), model_batch(name, seed), policy, config)
+
+
+@pytest.fixture(scope="module")
+def plan(request):
+    """The plan the tests of a module share, each leaving it as it found it: ``model_plan(**PLAN)``
+    of the module's ``PLAN`` where it names a test model, else ``gpt_plan(**PLAN)``; once per module."""
+    spec = request.module.PLAN
+    return model_plan(**spec) if "name" in spec else gpt_plan(**spec)
 
 
 def pytest_unconfigure(config):

@@ -25,10 +25,7 @@ def hybrid(units=2, **pas):
                          pipeline_scheduler="1f1b", pipeline_nstages=2, pas_config=pas)
 
 
-@pytest.fixture(scope="module")
-def plan():
-    return nbscaler.plan(GPT(GPT_CFG), {"batch": sample_batch(GPT_CFG, BATCH)}, "hybrid", hybrid(),
-                         module_dtype=torch.bfloat16)
+PLAN = dict(policy="hybrid", config=hybrid(), model=GPT_CFG, batch=BATCH, module_dtype=torch.bfloat16)
 
 
 @pytest.fixture
