@@ -36,7 +36,8 @@ test: setup
 	$(PYTHON) -m pytest -q tests
 
 
-# The edit-test loop: everything that runs in one process (docs/getting-started.md gives its size and time).
+# The edit-test loop: everything that runs in one process and takes less than seconds on its own
+# (docs/getting-started.md gives its size and time; `python -m benchmarks.test_suite` measures it and `make test`).
 test-fast:
 	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook and not slow" tests
 

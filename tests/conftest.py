@@ -1,21 +1,44 @@
-"""What every test session shares: a cost-model cache of its own, and a one-node Slurm (``slurm``)
-for the tests that start work under it (engines of a cluster, a training script under ``srun``).
+"""What every test session shares: a cost-model cache of its own, a one-node Slurm (``slurm``)
+for the tests that start work under it (engines of a cluster, a training script under ``srun``),
+one intra-op thread, a cycle collector that walks each object once, and the plans of the test
+models (``gpt_plan``, ``model_plan``, and the ``plan`` fixture of a module that names one).
 
 Plans time their ops from a profile, and clusters calibrate their collectives, into the cost
 model's cache (``nbscaler.cost.cache``). The suite keeps those in a folder of its own, made for the
 session and removed after it, so that it neither reads what an earlier run or a user's notebook
 left in ``~/.cache/nbscaler`` nor writes there. Set ``NBSCALER_CACHE_DIR`` yourself to keep one
 across runs (a faster edit-test loop); it is then left as it is.
+
+The tests' own tensors are small, and on a machine of few cores whose other cores are busy, two
+intra-op threads wait for each other at every op: a one-rank Llama's training step took up to
+1.7 s at two threads and a millisecond at one. The session runs at one thread, as the demo does.
+What the cost model times is not affected: the profiler sets the thread count of the ranks it
+prices around each of its measurements (``cost.speed.intra_op_threads``).
+
+The session's process ends up holding over a million objects (imports, and what each module's
+plans keep), and every full run of the cycle collector walks all of them: 37 of them cost 18 s of
+the fast subset. So what is alive after collection, and after each test module, is collected once
+and frozen (``gc.freeze``): later runs walk only what was made since. The collector's thresholds are
+(10,000, 20, 10) rather than (700, 10, 10): a plan's trace and pricing make many objects that live
+for a test, which each collection of the older generations on the way walks again (7.6 s of
+collecting in the fast subset, 5.9 s so).
 """
 
+import gc
 import os
 import shutil
 import tempfile
+from typing import Optional
 
 import pytest
+import torch
 
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from tests.cluster import slurm_host
 from tests.cluster.slurm_standin import StandInSlurm
+from tests.models import batch as model_batch, build
 
 if "NBSCALER_CACHE_DIR" not in os.environ:
     # Set at import, before any test starts a rank, an engine or a kernel: they inherit it.
@@ -23,6 +46,49 @@ if "NBSCALER_CACHE_DIR" not in os.environ:
     os.environ["NBSCALER_CACHE_DIR"] = _SESSION_CACHE
 else:
     _SESSION_CACHE = None
+
+
+torch.set_num_threads(1)
+
+
+gc.set_threshold(10_000, 20, 10)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if nextitem is None or nextitem.path != item.path:       # its module's fixtures are gone
+        gc.collect()
+        gc.freeze()
+
+
+#: The shipped GPT at the smallest sizes the tests plan it at; ``gpt_plan`` changes what it is given.
+SMALL_GPT = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2)
+
+
+def gpt_plan(policy, config: ComputeConfig, *, model: GPTConfig = SMALL_GPT, batch: int = 2,
+             module_dtype: Optional[torch.dtype] = None, **plan_kwargs) -> "nbscaler.Plan":
+    """``nbscaler.plan`` of the shipped GPT of ``model`` on ``sample_batch(model, batch)``."""
+    return nbscaler.plan(GPT(model), {"batch": sample_batch(model, batch)}, policy, config,
+                         module_dtype=module_dtype, **plan_kwargs)
+
+
+def model_plan(name: str, policy, config: ComputeConfig, *, seed: int = 0) -> "nbscaler.Plan":
+    """``nbscaler.plan`` of the test model ``name`` (``tests.models.build``) on its batch ``seed``."""
+    return nbscaler.plan(build(name), model_batch(name, seed), policy, config)
+
+
+@pytest.fixture(scope="module")
+def plan(request):
+    """The plan the tests of a module share, each leaving it as it found it: ``model_plan(**PLAN)``
+    of the module's ``PLAN`` where it names a test model, else ``gpt_plan(**PLAN)``; once per module."""
+    spec = request.module.PLAN
+    return model_plan(**spec) if "name" in spec else gpt_plan(**spec)
 
 
 def pytest_unconfigure(config):

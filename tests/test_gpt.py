@@ -9,13 +9,14 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from tests.conftest import gpt_plan
 
 CFG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
 DROPOUT = "torch.nn.functional.dropout"
 
 
 def plan(cfg: GPTConfig) -> "nbscaler.Plan":
-    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 2)}, "data", ComputeConfig(1, 1, use_end2end=True))
+    return gpt_plan("data", ComputeConfig(1, 1, use_end2end=True), model=cfg)
 
 
 def test_without_dropout_the_model_holds_none_and_traces_once_to_the_same_ops():

@@ -19,33 +19,33 @@ from nbscaler.ir.graph import Placement
 from nbscaler.layouts import Collective
 from nbscaler.policy import get_policy
 from nbscaler.policy.autodist.costs import ChoiceCosts
+from tests.conftest import model_plan
 from tests.models import batch, build
 
 
-def _plan(model="llama", policy="tp", cfg=ComputeConfig(2, 4)):
-    return nbscaler.plan(build(model), batch(model, 0), policy, cfg)
+PLAN = dict(name="llama", policy="tp", config=ComputeConfig(2, 4))      # the tests below only read it
 
 
 def _steps(section):
     return [c.step.fn for f in section.fetches() for c in f.steps]
 
 
-def test_ranks_playing_one_device_share_its_program_and_it_is_lowered_once():
-    p = _plan()
+def test_ranks_playing_one_device_share_its_program_and_it_is_lowered_once(plan):
+    p = plan
     assert p.programs[0] is p.programs[2] and p.programs[1] is p.programs[3]
     assert p.programs is p.programs and p.programs[1].device == 1
 
 
-def test_the_rank_file_calls_exactly_the_collectives_of_the_program():
-    p = _plan()
+def test_the_rank_file_calls_exactly_the_collectives_of_the_program(plan):
+    p = plan
     for rank in (0, 1):
         printed = Counter(re.findall(r"= comm\.(\w+)\(", p.sources[rank]))
         lowered = Counter(str(fn) for sec in p.programs[rank].sections for fn in _steps(sec))
         assert printed == lowered and lowered[Collective.SUM_GRAD] > 0
 
 
-def test_the_cost_model_replays_every_call_and_collective_of_the_program():
-    p = _plan()
+def test_the_cost_model_replays_every_call_and_collective_of_the_program(plan):
+    p = plan
     program = p.programs[1]
     sec = program.sections[0]
     run = run_local(sec)
@@ -55,9 +55,9 @@ def test_the_cost_model_replays_every_call_and_collective_of_the_program():
     assert run.device == 1 and run.saved_bytes > 0
 
 
-def test_a_sum_gradient_request_of_a_tensor_without_gradient_is_plain_replicated():
+def test_a_sum_gradient_request_of_a_tensor_without_gradient_is_plain_replicated(plan):
     """The token ids reach the tensor-parallel embedding without a gradient: no ``sum_grad`` for them."""
-    p = _plan()
+    p = plan
     sec = p.programs[0].sections[0]
     ids = sec.graph.inputs[0]
     assert not ids.dtype.is_floating_point
@@ -65,8 +65,8 @@ def test_a_sum_gradient_request_of_a_tensor_without_gradient_is_plain_replicated
     assert any(f.want.kind == "R*" for f in sec.fetches())
 
 
-def test_weight_table_holds_local_shapes_and_the_slice_of_the_original():
-    p = _plan()
+def test_weight_table_holds_local_shapes_and_the_slice_of_the_original(plan):
+    p = plan
     table = {w.name: w for w in p.programs[1].weights}
     split = [w for w in table.values() if w.layout.kind == "S"]
     assert split, "tp splits some weights"
@@ -90,7 +90,7 @@ def test_a_pipeline_stage_receives_and_sends_and_a_recomputed_region_is_one_inst
 
 
 def test_a_tensor_read_before_any_device_makes_it_is_a_clear_error():
-    p = _plan("mlp", "tp", ComputeConfig(2, 2))
+    p = model_plan("mlp", "tp", ComputeConfig(2, 2))
     program = lower_device(p.graphs, p.storage, 0, None)
     sec = program.sections[0]
     sec.instructions.clear()
@@ -135,7 +135,7 @@ def test_the_rules_lowering_and_autodist_share():
 
 
 def test_the_ops_table_reads_local_shapes_off_the_programs():
-    p = _plan("llama", "tp", ComputeConfig(2, 2))
+    p = model_plan("llama", "tp", ComputeConfig(2, 2))
     made = {c.node.name: [v.shape for v in c.outputs] for c in p.programs[0].sections[0].calls()}
     rows = dict(zip(p.ops.name, p.ops.local_out_shapes))
     assert made and all(rows[name] == shapes for name, shapes in made.items())

@@ -14,16 +14,16 @@ from nbscaler import ComputeConfig
 from nbscaler.cost.local import CollectiveCall, LocalRun
 from nbscaler.cost.memory import device_runs, stage_runs
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.models.gpt import GPTConfig
 from nbscaler.recipe import Recipe
+from tests.conftest import gpt_plan
 
 
 def _plan(recompute: bool, layers: int = 2, stages: int = 2) -> "nbscaler.Plan":
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=layers, d_model=32, n_head=4))
     cfg = ComputeConfig(8, 8, use_end2end=True, use_pipeline=True, pipeline_nstages=stages, pipeline_nmicros=2,
                         pipeline_scheduler="1f1b", pas_config={"recompute_modules": ["blocks"]} if recompute else {})
-    return nbscaler.plan(model, {"batch": sample_batch(model.config, 2)}, "hybrid", cfg)
+    return gpt_plan("hybrid", cfg, model=GPTConfig(vocab_size=64, seq_len=8, n_layer=layers, d_model=32, n_head=4))
 
 
 def _facts(run: LocalRun):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
-from tests.planning.test_step import H100, plan  # noqa: F401  (the module-scoped plan fixture)
+from tests.planning.test_step import H100, PLAN  # noqa: F401  (conftest's plan fixture plans it)
 
 
 def test_the_reduction_hides_in_the_backward_only_where_the_target_overlaps_it():
@@ -30,7 +30,7 @@ def test_the_job_figures_follow_from_the_devices():
     assert math.isnan(StepFigures(devices, 1, 2, tokens=None).tokens_per_s)
 
 
-def test_the_summary_reads_its_step_from_step_figures(plan):  # noqa: F811
+def test_the_summary_reads_its_step_from_step_figures(plan):
     figures = plan.step_figures(torch.optim.AdamW, hardware=H100)
     s = plan.summary(torch.optim.AdamW, hardware=H100)
     devices = [figures.devices[plan.config.device_of(r)] for r in s["rank"]]
@@ -42,7 +42,7 @@ def test_the_summary_reads_its_step_from_step_figures(plan):  # noqa: F811
     assert local.hardware is None and local.peak_flops is None and set(local.devices) == set(figures.devices)
 
 
-def test_each_device_peak_is_the_most_its_ranks_hold_in_the_memory_table(plan):  # noqa: F811
+def test_each_device_peak_is_the_most_its_ranks_hold_in_the_memory_table(plan):
     figures = plan.step_figures(torch.optim.AdamW, hardware=H100)
     memory = plan.memory(torch.optim.AdamW)
     for device, d in figures.devices.items():

@@ -1,9 +1,9 @@
 """The IR says which ops' gradients a split backward runs in B, in W, or in both."""
 
-import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.ir.backward_split import BackwardPart, mark_backward_split
 from nbscaler.models import gpt
+from tests.conftest import gpt_plan
 
 CFG = gpt.GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
 
@@ -11,7 +11,7 @@ CFG = gpt.GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
 def _plan(scheduler: str, nstages: int = 2):
     cfg = ComputeConfig(2, 2, use_end2end=True, use_pipeline=True, pipeline_scheduler=scheduler,
                         pipeline_nstages=nstages, pipeline_nmicros=2)
-    return nbscaler.plan(gpt.GPT(CFG), {"batch": gpt.sample_batch(CFG, 2, 0)}, "pp", cfg)
+    return gpt_plan("pp", cfg, model=CFG)
 
 
 def test_zb_h1_labels_the_data_path_b_and_its_weighted_ops_both():

@@ -4,27 +4,24 @@ names its changed rows, and an IPython kernel puts it beside a displayed table's
 import copy
 from types import SimpleNamespace
 
-import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-import nbscaler
 from nbscaler import ComputeConfig
-from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.models.gpt import GPTConfig
 from nbscaler.planning.fingerprint import (ATTR, FINGERPRINT_MIME, Fingerprint, Table, chosen_by_time, differences,
                                            of_frames)
+from tests.conftest import gpt_plan
 
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2)
 TOUR = ComputeConfig(plan_ngpus=4, runtime_ngpus=4, use_end2end=True, use_pipeline=True, pipeline_nstages=2,
                      pipeline_nmicros=2, pipeline_scheduler="1f1b")
 
 
+PLAN = dict(policy="hybrid", config=TOUR, model=MODEL)
+
+
 def hybrid():
-    return nbscaler.plan(GPT(MODEL), {"batch": sample_batch(MODEL, 2)}, "hybrid", TOUR)
-
-
-@pytest.fixture(scope="module")
-def plan():
-    return hybrid()
+    return gpt_plan(**PLAN)
 
 
 def test_every_plan_table_carries_its_rows_without_seconds_or_source_paths(plan):

@@ -26,10 +26,7 @@ def hybrid(units=2, **pas):
                          pipeline_scheduler="1f1b", pipeline_nstages=2, pas_config=pas)
 
 
-@pytest.fixture(scope="module")
-def plan():
-    return nbscaler.plan(GPT(GPT_CFG), {"batch": sample_batch(GPT_CFG, BATCH)}, "hybrid", hybrid(),
-                         module_dtype=torch.bfloat16)
+PLAN = dict(policy="hybrid", config=hybrid(), model=GPT_CFG, batch=BATCH, module_dtype=torch.bfloat16)
 
 
 @pytest.fixture
@@ -107,6 +104,7 @@ def test_the_data_parallel_reduction_overlaps_the_backward_but_its_first_bucket(
     assert timing.sync_time(*args, overlap_s=5.0) == 3.0 + 1.0 + 0.5       # 6 s to hide in 5
 
 
+@pytest.mark.slow                      # profiles the GPT's ops on this CPU and measures its peak
 def test_this_machine_is_priced_by_its_profile_against_its_measured_peak():
     tiny = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2)
     p = nbscaler.plan(GPT(tiny), {"batch": sample_batch(tiny, 2)}, "data", ComputeConfig(1, 1, use_end2end=True))

@@ -8,6 +8,7 @@ from nbscaler import ComputeConfig, Hardware
 from nbscaler.policy import PolicyError
 from nbscaler.policy.recompute import recomputed_regions, region_module
 from nbscaler.schedule import PipelineGeometry
+from tests.conftest import model_plan
 from tests.models import batch, build
 
 CLASSES = {"gpt": "GPT", "gpt.blocks": "ModuleList", "gpt.blocks.0": "Block", "gpt.blocks.0.mlp": "MLP",
@@ -30,7 +31,7 @@ def test_region_of_an_op(path, names, region):
 def _plan(policy="dp", names=("gpt.blocks",), **config):
     plan_ngpus = 1 if policy == "dp" else 2
     cfg = ComputeConfig(plan_ngpus, plan_ngpus, pas_config={"recompute_modules": list(names)} if names else {}, **config)
-    return nbscaler.plan(build("gpt"), batch("gpt", 0), policy, cfg)
+    return model_plan("gpt", policy, cfg)
 
 
 @pytest.mark.parametrize("value", ["gpt.blocks", [""], [3], {"gpt.blocks": True}])

@@ -11,15 +11,14 @@ import re
 import pytest
 
 from nbscaler import ComputeConfig
-from nbscaler.planning.planner import plan
 from nbscaler.policy.builtin import POLICY_KEYS, tp
-from tests.models import batch, build
+from tests.conftest import model_plan
 
 SP = {"sequence_parallel": True}
 
 
 def _plan(model: str, ngpus: int, pas_config: dict, policy="tp", **config):
-    return plan(build(model), batch(model, 0), policy, ComputeConfig(ngpus, ngpus, pas_config=pas_config, **config))
+    return model_plan(model, policy, ComputeConfig(ngpus, ngpus, pas_config=pas_config, **config))
 
 
 # The GPT on 2 devices in the edit-test loop; the other models and widths in make test.

@@ -5,16 +5,13 @@ import re
 
 import pytest
 
-import nbscaler
 from nbscaler import ComputeConfig
-from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.models.gpt import GPTConfig
 from nbscaler.widgets import CodeView, GraphView
 
 
-@pytest.fixture(scope="module")
-def plan():
-    cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
-    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 2)}, "tp", ComputeConfig(2, 4))
+PLAN = dict(policy="tp", config=ComputeConfig(2, 4),
+            model=GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64))
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,16 @@
 """Every view that shows a plan's tables carries their fingerprint in its MIME bundle; the timeline,
 which draws seconds only, carries none."""
 
-import pytest
 import torch
 
-import nbscaler
 from nbscaler import ComputeConfig
-from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.models.gpt import GPTConfig
 from nbscaler.planning.fingerprint import FINGERPRINT_MIME, Fingerprint, of_frames
 from nbscaler.widgets import CodeView, GraphView, MemoryView, PlanView, TimelineView
 
 
-@pytest.fixture(scope="module")
-def plan():
-    cfg = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, vocab_size=64)
-    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 2)}, "tp", ComputeConfig(2, 2))
+PLAN = dict(policy="tp", config=ComputeConfig(2, 2),
+            model=GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, vocab_size=64))
 
 
 def shown(view) -> Fingerprint:

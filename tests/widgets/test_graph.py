@@ -11,7 +11,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.models import gpt
-from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+from nbscaler.models.gpt import GPTConfig
 from nbscaler.widgets import GraphView
 from nbscaler.widgets.graph import layout as layout_module
 from nbscaler.widgets.graph.facts import INPUTS, OUTPUTS
@@ -21,11 +21,9 @@ from tests.models import batch, build
 N_LAYER = 24
 
 
-@pytest.fixture(scope="module")
-def plan():
-    """A 24-layer GPT (small widths: tracing is the slow part) under tp on 2 devices, 2 units."""
-    cfg = GPTConfig(n_layer=N_LAYER, d_model=32, n_head=2, seq_len=16, vocab_size=64)
-    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 2)}, "tp", ComputeConfig(2, 4))
+# A 24-layer GPT (small widths: tracing is the slow part) under tp on 2 devices, 2 units.
+PLAN = dict(policy="tp", config=ComputeConfig(2, 4),
+            model=GPTConfig(n_layer=N_LAYER, d_model=32, n_head=2, seq_len=16, vocab_size=64))
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ def test_report_has_every_view_and_loads_nothing(tmp_path):
     assert html.escape(llama_tp().explain().splitlines()[0], quote=False) in why     # the policy's own words
 
 
+@pytest.mark.slow                      # prices the run on this CPU: profiles the GPT's ops first
 def test_report_of_a_run_draws_measured_data_and_losses(tmp_path, run):
     plan, timeline, memory = run
     losses = pd.DataFrame({"step": [0, 1, 0, 1], "rank": [0, 0, 1, 1], "loss": [4.2, 4.0, 4.2, 4.0]})

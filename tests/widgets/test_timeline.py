@@ -78,6 +78,7 @@ def test_without_a_pipeline_one_forward_and_backward_per_rank():
     assert (view.bubbles.predicted == 0).all()
 
 
+@pytest.mark.slow                      # prices the run on this CPU: profiles the GPT's ops first
 def test_measured_run_on_the_same_axis(run):
     plan, measured, _ = run
     view = TimelineView(plan, Measured(timeline=measured))
