@@ -52,7 +52,13 @@ def call_every_rank(session: Session, fn: Callable[..., Any], args: Sequence[Any
                     on_report: Optional[ReportHandler] = None) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank; element ``r`` of the result is rank ``r``'s value."""
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
-    pending = [session.client[s.engine_id].apply_async(engine.call, payload) for s in session.slots]
+    pending: List[ipyparallel.AsyncResult] = []
+    try:
+        for s in session.slots:
+            pending.append(session.client[s.engine_id].apply_async(engine.call, payload))
+    except KeyboardInterrupt:           # the ranks sent the call already run it: stop them too
+        _interrupt(session, list(session.slots[:len(pending)]), pending)
+        raise
     outcomes, dead = _gather(session, pending, on_report)
     return _values_or_raise(session, outcomes, dead)
 
