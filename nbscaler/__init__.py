@@ -25,10 +25,6 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``nbscaler.Precision``, the number format's former name, still resolves, with a warning."""
-    if name == "Precision":
-        import warnings
-        warnings.warn("nbscaler.Precision is now nbscaler.NumberFormat (the arithmetic a peak is quoted for); "
-                      "a run's dtypes are nbscaler.Recipe.", DeprecationWarning, stacklevel=2)
-        return NumberFormat
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """Former names that still resolve, with a warning (``nbscaler.cost.hardware.FORMER_NAMES``)."""
+    from nbscaler.cost.hardware import former_name
+    return former_name(name, __name__)

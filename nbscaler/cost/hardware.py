@@ -360,11 +360,20 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
 )}
 
 
+#: Former names that still resolve, each with a DeprecationWarning: name -> (today's name, why).
+FORMER_NAMES = {"Precision": ("NumberFormat", "the arithmetic a peak is quoted for; a run's dtypes are nbscaler.Recipe")}
+
+
+def former_name(name: str, module: str):
+    """What ``module``'s former ``name`` is now (``FORMER_NAMES``), with a DeprecationWarning; an
+    ``AttributeError`` for any other name."""
+    if name not in FORMER_NAMES:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    import warnings
+    now, why = FORMER_NAMES[name]
+    warnings.warn(f"{module}.{name} is now {module}.{now} ({why}).", DeprecationWarning, stacklevel=3)
+    return globals()[now]
+
+
 def __getattr__(name: str):
-    """``Precision``, the number format's former name, still resolves (with a DeprecationWarning)."""
-    if name == "Precision":
-        import warnings
-        warnings.warn("nbscaler.cost.hardware.Precision is now NumberFormat; the training recipe's dtypes are "
-                      "nbscaler.Recipe.", DeprecationWarning, stacklevel=2)
-        return NumberFormat
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return former_name(name, __name__)

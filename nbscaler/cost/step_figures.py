@@ -156,8 +156,11 @@ class StepFigures:
     # -- the step's parts, as shares of it -------------------------------------------------------
     @property
     def bubble(self) -> float:
-        """The share of the step the slowest device's pipeline device idles in its schedule."""
+        """The share of the step the slowest device's pipeline device idles in its schedule (none
+        without a pipeline)."""
         p = self.pipeline
+        if p is None:
+            return 0.0
         return max(0.0, p.instant_s - p.busy_s[self.slowest[1]]) / self.step_time_s
 
     @property
@@ -170,6 +173,7 @@ class StepFigures:
 
     @property
     def pp_send_share(self) -> float:
+        """The share of the step the pipeline's sends add to its makespan (none without a pipeline)."""
         p = self.pipeline
-        return (p.makespan_s - p.instant_s) / self.step_time_s
+        return 0.0 if p is None else (p.makespan_s - p.instant_s) / self.step_time_s
 

@@ -61,8 +61,8 @@ from nbscaler.layouts import Backend, Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
-from nbscaler.cost.step_figures import DeviceStep, overlap_window
-from nbscaler.schedule import TimedBlock, Timeline, simulate
+from nbscaler.cost.step_figures import DeviceStep, PipelineParts, overlap_window
+from nbscaler.schedule import TimedBlock, Timeline, simulate, simulate_totals
 
 _PROFILERS: Dict[str, OpProfiler] = {}
 
@@ -94,6 +94,18 @@ def backend_on(hardware: Optional[Hardware]) -> Backend:
     """The backend whose collectives are priced on ``hardware``: nccl on a target, on this machine
     (``None`` or ``Hardware.local()``) the one its runs use (``comm_model.local_backend``)."""
     return Backend.NCCL if hardware is not None and not hardware.is_local else comm_model.local_backend()
+
+
+def collective_time(run: LocalRun, comm: CommModel) -> Tuple[float, float]:
+    """Forward and backward seconds of one section's collectives (the tensor-parallel ones: a
+    section's collectives are its ops' layout changes), a recomputed one's forward again in the
+    backward: the part of ``section_time`` a step spends in them."""
+    fwd = bwd = 0.0
+    for c in run.collectives:
+        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
+        fwd += f
+        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
+    return fwd, bwd
 
 
 def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[float, float]:
@@ -243,16 +255,36 @@ class StepModel:
         ops, collectives = target_models(hardware) if on_target else (None, None)
         self.profiler = profiler or ops or profiler_for(cfg)
         self.comm = comm or collectives or comm_model.load(nranks=max(2, cfg.plan_ngpus))
-        # device -> stage (None without a pipeline) -> (forward s, backward s)
+        # device -> stage (None without a pipeline) -> (forward s, backward s), all of it and its collectives'
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
+        self.collective_times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         stages = {d: runs[d] if runs is not None else stage_runs(placed, d) for d in range(cfg.plan_ngpus)}
         self.profiler.profile(op for by_stage in stages.values() for run in by_stage.values() for op in run.ops)
         for device, by_stage in stages.items():
             self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in by_stage.items()}
+            self.collective_times[device] = {s: collective_time(r, self.comm) for s, r in by_stage.items()}
         self.profiler.save()
 
     def pipeline_timeline(self) -> Timeline:
         """The simulated step, one row per pipeline device."""
+        return simulate(self.geometry.schedule, *self._stage_costs())
+
+    def pipeline_parts(self) -> Optional[PipelineParts]:
+        """The pipeline's makespan with its sends' latency and without, and each plan device's
+        busy seconds without it (``PipelineParts``): what the bubble and the sends' share of a step
+        are read from. ``None`` without a pipeline."""
+        if self.geometry is None:
+            return None
+        forward, backward, latency, post = self._stage_costs()
+        schedule = self.geometry.schedule
+        line = simulate_totals(schedule, forward, backward, latency, post)
+        instant = simulate_totals(schedule, forward, backward, 0.0, post)
+        busy = {d: instant.busy[self.geometry.pipeline_device(d)] for d in range(self.cfg.plan_ngpus)}
+        return PipelineParts(line.makespan, instant.makespan, busy)
+
+    def _stage_costs(self) -> Tuple[List[float], List[float], float, float]:
+        """Each stage's forward and backward seconds (its slowest device's), a send's latency and
+        the time a rank spends starting its sends and receives, as the simulator takes them."""
         schedule = self.geometry.schedule
         forward, backward = [0.0] * schedule.nstages, [0.0] * schedule.nstages
         for s in range(schedule.nstages):
@@ -265,7 +297,20 @@ class StepModel:
         latency = max((self.comm.p2p(sum(t.nbytes for t in c), ranks=pair) for c, pair in zip(carries, pairs)),
                       default=self.comm.p2p(0))
         post = self.comm.p2p_post(max((len(c) for c in carries), default=0))     # one isend/irecv per tensor
-        return simulate(schedule, forward, backward, latency, post)
+        return forward, backward, latency, post
+
+    def collective_seconds(self, device: int, nsamples: int) -> float:
+        """Seconds plan ``device`` spends in its sections' collectives in one step: each stage's
+        forward and backward collectives times how often the schedule runs its blocks (a ``W``
+        block's are its ``B``'s), or without a pipeline ``nsamples`` forwards and backwards."""
+        times = self.collective_times[device]
+        if self.geometry is None:
+            f, b = times[None]
+            return nsamples * (f + b)
+        blocks = self.geometry.schedule.blocks_of(self.geometry.pipeline_device(device))
+        view = {s: self.geometry.view_of(s, device) for s in range(self.geometry.schedule.nstages)}
+        return sum(self.collective_times[view[blk.stage]][blk.stage][0 if blk.phase == "F" else 1]
+                   for blk in blocks if blk.phase != "W")
 
     def timeline(self, nsamples: int = 1) -> Timeline:
         """Predicted blocks of one step per runtime rank (the rows the runtime measures)."""
@@ -303,7 +348,8 @@ class StepModel:
             sync = sync_time(self.placed, device, self.comm, recipe, overlap, params)
             update = update_time(self.placed, device, self.profiler, recipe, params)
             compute = line.makespan if self.geometry is not None else ends.get(device, 0.0)
-            out[device] = DeviceStep(compute_s=compute, sync_s=sync, update_s=update)
+            out[device] = DeviceStep(compute_s=compute, sync_s=sync, update_s=update,
+                                     tp_s=self.collective_seconds(device, nsamples))
         self.profiler.save()
         return out
 

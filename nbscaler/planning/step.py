@@ -125,7 +125,8 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None,
     devices = {d: dataclasses.replace(p, flops=flops[d], hardware_flops=flops[d] + again[d] if again else math.nan,
                                       peak_bytes=float(peaks[d])) for d, p in parts.items()}
     return StepFigures(devices, cfg.units, cfg.runtime_ngpus, hardware,
-                       hardware.peak_flops(compute_dtype(plan)) if hardware is not None else None, tokens_per_step(plan))
+                       hardware.peak_flops(compute_dtype(plan)) if hardware is not None else None, tokens_per_step(plan),
+                       model.pipeline_parts())
 
 
 def target_columns(plan: "Plan", frame: pd.DataFrame, step: StepFigures) -> pd.DataFrame:

@@ -49,3 +49,4 @@ def test_each_device_peak_is_the_most_its_ranks_hold_in_the_memory_table(plan):
         ranks = [r for r in memory["rank"] if plan.config.device_of(r) == device]
         assert d.peak_bytes == max(memory.peak_bytes[memory["rank"].isin(ranks)])
     assert figures.peak_bytes == memory.peak_bytes.max() and figures.fits
+

@@ -37,9 +37,11 @@ def full_plan_figures(module, args, row, stack, target=TARGET):
     plan = nbscaler.plan(module, args, "hybrid", config_of(row, target.ngpus, stack), module_dtype=torch.bfloat16)
     s = plan.summary(torch.optim.AdamW, hardware=target, master_dtype=torch.float32)
     step, peak = s.step_time_s.max(), target.peak_flops(torch.bfloat16) * len(s)
+    parts = plan.step_figures(torch.optim.AdamW, hardware=target, master_dtype=torch.float32)
     return {"step_time_s": step, "peak_bytes": s.peak_bytes.max(), "mfu": s.flops.sum() / (step * peak),
             "hfu": s.hardware_flops.sum() / (step * peak), "tokens_per_s": s.tokens_per_s.iloc[0],
-            "fits": bool(s.fits.all())}
+            "fits": bool(s.fits.all()), "bubble": parts.bubble, "tp_comm_share": parts.tp_comm_share,
+            "dp_comm_share": parts.dp_comm_share, "pp_send_share": parts.pp_send_share}
 
 
 def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
