@@ -55,8 +55,8 @@ def gpt_145b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hard
 
 
 def llama_70b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hardware]:
-    from tests.models import torchvision_ops
-    torchvision_ops.declare_missing_ops()         # transformers imports torchvision, whose ops may be missing here
+    from nbscaler.models import torchvision_compat
+    torchvision_compat.declare_missing_ops()         # transformers imports torchvision, whose ops may be missing here
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
@@ -72,8 +72,8 @@ def llama_70b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Har
 def llama_8b(layers: int) -> Tuple[Callable[[], "nbscaler.Plan"], Hardware, Hardware]:
     """Hugging Face's ``LlamaForCausalLM`` at Llama-3-8B's shape (hidden 4096, intermediate 14336,
     32 layers, 32 heads, 8 key-value heads, vocabulary 128,256), ``tp`` on the 8 GPUs of one node."""
-    from tests.models import torchvision_ops
-    torchvision_ops.declare_missing_ops()
+    from nbscaler.models import torchvision_compat
+    torchvision_compat.declare_missing_ops()
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)

@@ -316,8 +316,8 @@ def predict(run: PublishedRun, micros: Optional[List[int]] = None) -> Dict[str, 
 
 def hf_llama(run: PublishedLlamaRun) -> torch.nn.Module:
     """Hugging Face's ``LlamaForCausalLM`` at a Llama-3 shape (8 key-value heads, vocabulary 128,256), on meta."""
-    from tests.models import torchvision_ops
-    torchvision_ops.declare_missing_ops()         # transformers imports torchvision, whose ops may be missing here
+    from nbscaler.models import torchvision_compat
+    torchvision_compat.declare_missing_ops()         # transformers imports torchvision, whose ops may be missing here
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=run.hidden, intermediate_size=run.intermediate, num_hidden_layers=run.layers,
                          num_attention_heads=run.heads, num_key_value_heads=8, vocab_size=128256,

@@ -34,11 +34,11 @@ from typing import Dict, List
 import torch
 import torch.multiprocessing as mp
 
-from tests.models import torchvision_ops
+from nbscaler.models import torchvision_compat
 from tests.models.hf import LossOf
 from tests.resident import MB, PeakResident, peak_mb, resident_mb
 
-torchvision_ops.declare_missing_ops()   # transformers imports torchvision, whose C++ ops may not load here
+torchvision_compat.declare_missing_ops()   # transformers imports torchvision, whose C++ ops may not load here
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  (outside any meta context)
 
 SEQ = 32

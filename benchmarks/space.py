@@ -52,8 +52,8 @@ KNOBS: List[Tuple[str, Dict, Dict]] = [
 
 
 def llama3_8b() -> torch.nn.Module:
-    from tests.models import torchvision_ops
-    torchvision_ops.declare_missing_ops()      # transformers imports torchvision, whose ops may be missing here
+    from nbscaler.models import torchvision_compat
+    torchvision_compat.declare_missing_ops()      # transformers imports torchvision, whose ops may be missing here
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)

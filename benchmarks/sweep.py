@@ -49,8 +49,8 @@ class LossOf(torch.nn.Module):
 
 
 def llama3_70b(layers: int = 80) -> torch.nn.Module:
-    from tests.models import torchvision_ops
-    torchvision_ops.declare_missing_ops()      # transformers imports torchvision, whose ops may be missing here
+    from nbscaler.models import torchvision_compat
+    torchvision_compat.declare_missing_ops()      # transformers imports torchvision, whose ops may be missing here
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers, num_attention_heads=64,
                          num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)

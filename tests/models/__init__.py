@@ -12,10 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbscaler import register_op
-from tests.models import hf, torchvision_ops, vision
+from nbscaler.models import torchvision_compat
+from tests.models import hf, vision
 
 # transformers imports torchvision whenever it is installed: make that import work first.
-torchvision_ops.declare_missing_ops()
+torchvision_compat.declare_missing_ops()
 
 
 class MLP(nn.Module):

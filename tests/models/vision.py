@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import torchvision_ops
+from nbscaler.models import torchvision_compat
 
 CLASSES = 4
 IMAGE = 32
@@ -35,7 +35,7 @@ def import_torchvision() -> ModuleType:
     if importlib.util.find_spec("torchvision") is None:
         raise ImportError("torchvision is not installed: run `make setup` (torchvision and timm for the "
                           "vision-model tests, with the CPU torch kept).")
-    torchvision_ops.declare_missing_ops()
+    torchvision_compat.declare_missing_ops()
     import torchvision
     return torchvision
 

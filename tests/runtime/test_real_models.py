@@ -9,7 +9,7 @@ one process's (``tests.multiprocess.check_equivalence``).
 import pytest
 import torch
 
-from tests.models import torchvision_ops
+from nbscaler.models import torchvision_compat
 from tests.models.vision import import_torchvision
 from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
 
@@ -44,5 +44,5 @@ def test_torchvision_ops_are_declared_only_where_its_library_does_not_load():
     """A torchvision built for this torch keeps its own ops; one built for another (PyPI's CUDA
     wheel beside the CPU torch) gets the two declarations its import needs, and nothing else."""
     torchvision = import_torchvision()
-    assert torchvision_ops.declare_missing_ops() == (not torchvision.extension._has_ops())
+    assert torchvision_compat.declare_missing_ops() == (not torchvision.extension._has_ops())
     assert torchvision.models.resnet18(num_classes=2)(torch.randn(2, 3, 32, 32)).shape == (2, 2)

@@ -6,10 +6,11 @@ except that importing it still registers fake kernels for ``nms`` and ``qnms`` (
 registrations first ask whether the library loaded), which fails because those ops were never
 declared. transformers and timm import torchvision whenever it is installed, so they fail too.
 
-Only detection models call those ops; the classification models the tests use are plain Python
-over torch ops. So where the library does not load, ``declare_missing_ops`` declares the two ops
-(with the schemas the library gives them, and no kernel: calling them still fails) before anything
-imports torchvision. Where torchvision matches torch its library loads and nothing is declared.
+Only detection models call those ops; the classification models and the language models nbscaler
+plans are plain Python over torch ops. So where the library does not load, ``declare_missing_ops``
+declares the two ops (with the schemas the library gives them, and no kernel: calling them still
+fails) before anything imports torchvision. Where torchvision matches torch its library loads and
+nothing is declared.
 """
 
 from __future__ import annotations
