@@ -6,7 +6,6 @@ MobileNetV3-small and a timm ViT, all small."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
