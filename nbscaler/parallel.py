@@ -31,7 +31,7 @@ from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import planner
 from nbscaler.planning.planner import Plan, Policy, build_module, cast_floats, module_name, place, policy_name, unplace
 from nbscaler.policy.builtin import get_policy
-from nbscaler.recipe import Recipe
+from nbscaler.recipe import UNSET, Recipe
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.module import ParallelModule
@@ -176,16 +176,11 @@ def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]]
 def module_dtype_of(module_dtype: Optional[torch.dtype],
                     recipe: Optional[Recipe]) -> Tuple[Optional[torch.dtype], Optional[Recipe]]:
     """The dtype to convert the module to, from ``module_dtype`` and the recipe's, and the recipe
-    with it; a ``ValueError`` where the two are given and differ."""
+    with it (``Recipe.of``: a ``ValueError`` where the two are given and differ)."""
     if recipe is None:
         return module_dtype, None
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a nbscaler.Recipe, got {type(recipe).__name__}")
-    if module_dtype is not None and recipe.module_dtype is not None and module_dtype != recipe.module_dtype:
-        raise ValueError(f"module_dtype={module_dtype} and recipe.module_dtype={recipe.module_dtype} disagree: "
-                         "give one of them.")
-    dtype = module_dtype or recipe.module_dtype
-    return dtype, recipe.replace(module_dtype=dtype)
+    recipe = Recipe.of(recipe, module_dtype=UNSET if module_dtype is None else module_dtype)
+    return recipe.module_dtype, recipe
 
 
 def plan(module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]], dummy_forward_args: Dict[str, Any],

@@ -183,7 +183,7 @@ def test_parallelize_states_the_recipe_in_each_rank_file_and_takes_its_module_dt
     assert "bfloat16" in files[0].read_text()                     # the module was compiled in the recipe's dtype
     plain = nbscaler.plan(build("mlp"), x, "tp", ComputeConfig(2, 2))
     assert "# recipe:" not in plain.sources[0]
-    with pytest.raises(ValueError, match=r"module_dtype=torch\.float16 and recipe\.module_dtype=torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"recipe\.module_dtype=torch\.bfloat16 and module_dtype=torch\.float16 disagree"):
         parallelize(build("mlp"), x, "tp", ComputeConfig(2, 2), gen_savedir=tmp_path, load_module=False,
                     module_dtype=FP16, recipe=recipe, reuse="override")
 

@@ -186,13 +186,12 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
 
 def target_module_dtype(cfg: ComputeConfig, module_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
     """The dtype a search on a target builds the module in: ``module_dtype``, or where that is
-    ``None`` the one ``pas_config['recipe']`` names (the two must agree where both are given)."""
+    ``None`` the one ``pas_config['recipe']`` names (``Recipe.of``: the two must agree where both
+    are given)."""
     named = (cfg.pas_config or {}).get("recipe")
-    named = named.module_dtype if isinstance(named, Recipe) else None
-    if module_dtype is not None and named is not None and named != module_dtype:
-        raise ValueError(f"module_dtype={module_dtype} and pas_config['recipe'].module_dtype={named} disagree: "
-                         "give one of them.")
-    return module_dtype or named
+    if not isinstance(named, Recipe):
+        return module_dtype
+    return Recipe.of(named, module_dtype=UNSET if module_dtype is None else module_dtype).module_dtype
 
 
 def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> pd.DataFrame:
