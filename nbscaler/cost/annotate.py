@@ -14,6 +14,10 @@ After ``annotate_costs(graph)`` every node carries:
                    the same per device that runs it, once the node is placed (a split op's share)
 ``product``        whether its FLOPs are a matrix product's (``cost.products``), which a GPU runs
                    at its matmul rate; the others run at its vector rate (``cost.roofline``)
+``causal_fraction`` the share of an attention's FLOPs a causal kernel performs
+                   (``flops.attention_causal_fraction``; 1.0 for every other op)
+``into_add``       whether the op's one output is read by a residual add alone (a dropout there
+                   fuses with the add where the software fuses bias-dropout-add)
 =================  ==============================================================================
 
 The IR never imports this module: views, autodist and the Plan read the facts from ``node.meta``.
@@ -25,18 +29,22 @@ The IR never imports this module: views, autodist and the Plan read the facts fr
 
 from __future__ import annotations
 
-from nbscaler.cost.flops import backward_flops, node_flops
+from nbscaler.cost.flops import attention_causal_fraction, backward_flops, node_flops
 from nbscaler.cost.products import is_product
 from nbscaler.ir.graph import IRGraph, requires_grad_of
 
 COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd",
-             "product")
+             "product", "causal_fraction", "into_add")
+ADD_TARGETS = frozenset({"Tensor.add", "Tensor.__add__", "Tensor.__radd__", "torch.add", "_operator.add"})
 
 
 def annotate_costs(graph: IRGraph) -> IRGraph:
     """Write the cost facts above onto every node of ``graph`` (placed or not); returns ``graph``."""
     grad = requires_grad_of(graph)
+    readers = graph.consumers()
     for node in graph.nodes:
+        outs = node.output_tensors
+        read_by = readers.get(id(outs[0]), []) if len(outs) == 1 else []
         fwd = node_flops(node)
         bwd = backward_flops(node, fwd, lambda t: grad.get(id(t), False))
         parts = node.placement.parts if node.placement is not None else 1
@@ -44,5 +52,7 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
             flops_fwd=fwd, flops_bwd=bwd,
             bytes_read=sum(t.nbytes for t in node.inputs),
             bytes_written=sum(t.nbytes for t in node.output_tensors),
-            local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts, product=is_product(node))
+            local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts, product=is_product(node),
+            causal_fraction=attention_causal_fraction(node),
+            into_add=len(read_by) == 1 and read_by[0].target in ADD_TARGETS)
     return graph

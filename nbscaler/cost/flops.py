@@ -8,7 +8,9 @@ than a reshape. An embedding is a gather, not a product with a one-hot matrix: i
 over the table's rows (which is what lets a split table leave partial sums), but its forward
 computes nothing, and its backward adds each output element's gradient into a row of the table.
 Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair and head
-(``attention_flops``), the causal mask not subtracted, as published counts do. An ``einsum`` is
+(``attention_flops``), the causal mask not subtracted: these are the *model* FLOPs, as published
+counts (Megatron-LM's, PaLM's, torchtitan's) and so MFU count them. A causal kernel that skips the
+masked blocks performs only ``causal_fraction`` of them (``cost.roofline`` prices and counts that). An ``einsum`` is
 counted from its equation (``cost.einsum``): it has no annotation.
 
 >>> node_flops(graph.select(op='linear')[0])              # doctest: +SKIP
@@ -23,6 +25,7 @@ from typing import Callable, Sequence
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
 from nbscaler.cost.products import product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
+from nbscaler.ir.shape_rules import arg
 
 
 def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> float:
@@ -31,6 +34,22 @@ def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> flo
     *lead, t, d = q
     s, e = k[-2], v[-1]
     return float(2 * math.prod(lead) * t * s * (d + e))
+
+
+def causal_fraction(t: int, s: int) -> float:
+    """The share of the ``t x s`` query-key pairs a causal mask keeps (PyTorch's ``is_causal``: the
+    lower triangle aligned to the top-left corner): about half when ``t == s``."""
+    kept = t * (t + 1) / 2 if t <= s else s * (s + 1) / 2 + (t - s) * s
+    return kept / (t * s)
+
+
+def attention_causal_fraction(node: IRNode) -> float:
+    """``causal_fraction`` of an attention node called with ``is_causal=True`` and no mask; 1.0 for
+    any other op (an explicit mask tensor hides its shape from the kernel, which computes every pair)."""
+    if node.op != "attention" or not arg(node, 5, "is_causal", False) or arg(node, 3, "attn_mask", None) is not None:
+        return 1.0
+    q, k = (tuple(t.shape) for t in node.inputs[:2])
+    return causal_fraction(q[-2], k[-2])
 
 
 def backward_flops(node: IRNode, forward: float, takes_grad: Callable[[IRTensor], bool]) -> float:

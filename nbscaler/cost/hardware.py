@@ -15,21 +15,13 @@ is both directions of its 18 links together, 450 GB/s each way.
 (64, 989.4)
 >>> custom = dataclasses.replace(hw, name="H100 on 200G RoCE", inter_node_bytes_per_s=25e9)
 
-A target is also the software that runs on it, where that changes the physics: how attention is
-computed (``attention``, an ``AttentionKind``: FlashAttention by default, or the scores written to
-memory as frameworks did before it) and whether the data-parallel gradient reduction overlaps the
-backward (``overlap_grad_reduce``, as PyTorch DDP and Megatron-LM's ``--overlap-grad-reduce`` do)
-or waits for it to end (Megatron-LM before that flag, 2023), and the passes the training loop makes
-over the gradients before the optimizer step: ``clip_grad_norm`` (the global norm computed, then
-the gradients scaled) and ``loss_scaling`` (fp16's dynamic loss scaler unscales them and checks
-them for infinities), and ``attention_dropout``, the probability with which the software drops
-attention probabilities (Megatron-LM's ``--attention-dropout``): it costs a pass over the scores
-when they are materialised, nothing more with FlashAttention, which drops them on chip. A 2021
-Megatron run on A100s:
+A target also runs software, where that changes the physics: ``software`` (``cost.software.Software``)
+says how attention is computed, which kernels are fused and whether the gradient reduction overlaps
+the backward. A 2021 Megatron-LM run on A100s:
 
->>> megatron_2021 = dataclasses.replace(Hardware.named("A100-SXM-80GB", nodes=4),
-...                                     attention="materialized", overlap_grad_reduce=False,
-...                                     clip_grad_norm=True, loss_scaling=True, attention_dropout=0.1)
+>>> megatron_2021 = Hardware.named("A100-SXM-80GB", nodes=4).running(
+...     Software(attention="materialized", attention_dropout=0.1, fused_bias_dropout_add=True,
+...              overlap_grad_reduce=False, name="Megatron-LM 2021"))
 
 The datasheets' peaks assume the boost clock; under sustained tensor-core load a GPU holds a lower
 one at its power limit. ``sustained_clock_ratio`` is that clock over the boost clock, where a source
@@ -49,6 +41,9 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 
 from nbscaler.columns import StrEnum
+from nbscaler.cost.software import AttentionKind, Software
+
+__all__ = ["Hardware", "Link", "NumberFormat", "AttentionKind", "Software", "CATALOGUE"]
 
 
 class NumberFormat(StrEnum):
@@ -71,12 +66,6 @@ class NumberFormat(StrEnum):
         return cls.FP8 if "float8" in str(dtype) else cls.FP32
 
 
-class AttentionKind(StrEnum):
-    """How the target computes ``scaled_dot_product_attention`` (``cost.roofline`` prices each)."""
-
-    FLASH = "flash"                  # FlashAttention (Dao et al. 2022): scores stay on chip, recomputed in the backward
-    MATERIALIZED = "materialized"    # Q K^T written to memory (B, heads, T, T), a softmax over it, then P V
-
 
 _GB = 1e9
 _TFLOPS = 1e12
@@ -92,9 +81,8 @@ class Hardware:
     own calibration rather than from these figures. ``matmul_efficiency`` is the fraction of the bf16
     peak the best-shaped cuBLAS products measurably reach on this GPU (``cost.roofline``).
     ``sustained_clock_ratio`` is the clock the GPU holds under sustained tensor-core load over the
-    boost clock its peaks assume (1 where no source gives one). ``attention``,
-    ``overlap_grad_reduce``, ``clip_grad_norm``, ``loss_scaling`` and ``attention_dropout`` describe
-    the software (see the module's docstring).
+    boost clock its peaks assume (1 where no source gives one). ``software`` is what the target runs
+    (``cost.software.Software``).
     """
 
     name: str
@@ -113,31 +101,17 @@ class Hardware:
     # measured figure (the A100 and H100 entries carry mamf-finder's measurements, see _A100_MAMF)
     matmul_efficiency: float = 0.80
     sustained_clock_ratio: float = 1.0
-    attention: AttentionKind = AttentionKind.FLASH
-    overlap_grad_reduce: bool = True
-    clip_grad_norm: bool = False
-    loss_scaling: bool = False
-    attention_dropout: float = 0.0
+    software: Software = Software()
 
     def __post_init__(self) -> None:
-        if self.attention not in set(AttentionKind):
-            raise ValueError(f"Hardware {self.name!r}: attention={self.attention!r} is not one of "
-                             f"{', '.join(k.value for k in AttentionKind)}.")
-        object.__setattr__(self, "attention", AttentionKind(self.attention))
-        for flag, meaning in (("overlap_grad_reduce", "True (reduce during the backward) or False (after it)"),
-                              ("clip_grad_norm", "True (the loop clips the gradients' global norm) or False"),
-                              ("loss_scaling", "True (an fp16 loss scaler unscales and checks them) or False")):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"Hardware {self.name!r}: {flag}={getattr(self, flag)!r} must be {meaning}.")
+        if not isinstance(self.software, Software):
+            raise ValueError(f"Hardware {self.name!r}: software={self.software!r} must be a nbscaler Software "
+                             f"(e.g. Software(attention='materialized')).")
         for name, meaning in (("matmul_efficiency", "a fraction of the peak"),
                               ("sustained_clock_ratio", "the sustained clock over the boost clock")):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
                 raise ValueError(f"Hardware {self.name!r}: {name}={value!r} must be {meaning}, in (0, 1].")
-        p = self.attention_dropout
-        if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1):
-            raise ValueError(f"Hardware {self.name!r}: attention_dropout={p!r} must be a probability in [0, 1) "
-                             f"(0: the software drops no attention probabilities).")
         peaks = {NumberFormat(k): float(v) for k, v in dict(self.peak_flops_by_precision).items()}
         object.__setattr__(self, "peak_flops_by_precision", peaks)
         if not peaks:
@@ -207,6 +181,10 @@ class Hardware:
         if len({self.node_of(r) for r in ranks}) <= 1:
             return Link("intra-node", self.intra_node_bytes_per_s, self.intra_node_latency_s)
         return Link("inter-node", self.inter_node_bytes_per_s, self.inter_node_latency_s)
+
+    def running(self, software: Software) -> "Hardware":
+        """This target running ``software`` instead of its own."""
+        return dataclasses.replace(self, software=software)
 
     # -- where they come from ---------------------------------------------------------------------
     @classmethod

@@ -36,6 +36,7 @@ from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
 from nbscaler.cost.shrink import Basis, Proxy, measure_rates, rate_seconds, shrink, shrink_update
 from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
+from nbscaler.recipe import Recipe
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
 #: An op whose run takes longer than this is timed by that one run (the warm-up's included): at that
@@ -283,12 +284,13 @@ class OpProfiler:
             fwd, bwd = (t * f for t, f in zip(self.table[self.run_keys[key]], proxy.factor))
         return fwd * self.speed_s, bwd * self.speed_s
 
-    def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
-        """Seconds of the reducer's copies and one optimizer step over parameters of ``numels``
+    def update(self, numels: List[int], dtype: torch.dtype, recipe: Recipe) -> float:
+        """Seconds of the reducer's copies and one step of ``recipe``'s optimizer over parameters of ``numels``
         (the median of ``PASSES`` rounds, each against its own reference). More than
         ``shrink.UPDATE_BUDGET`` elements are timed over fewer and scaled (``shrink.shrink_update``):
         the table keeps the time of the sizes timed."""
         numels, factor = shrink_update(numels)
+        optimizer, optimizer_kwargs = recipe.optimizer, recipe.kwargs
         key = f"update|{optimizer.__module__}.{optimizer.__qualname__}|{sorted(optimizer_kwargs.items())}|{dtype}|{numels}"
         key = hashlib.sha1(key.encode()).hexdigest()[:20]
         if key not in self.table:

@@ -11,7 +11,7 @@ always bound by them; only the rate depends on its class:
 - a **matrix product** (``node.meta["product"]``, ``cost.products``: linear, matmul, bmm,
   ``addmm``, ``baddbmm``, convolutions, a contracting ``einsum``, a registered user op whose
   annotation contracts) runs at ``peak(dtype) * clock * eff``, ``eff`` as below;
-- **attention** at ``peak(dtype) * clock * ATTENTION_EFFICIENCY`` (flash), or as its kernels;
+- **attention** at ``peak(dtype) * ATTENTION_EFFICIENCY`` (flash), or as its kernels;
 - **everything else** at the vector rate, ``Hardware.vector_flops``: the fp32 peak of the CUDA
   cores, where PyTorch computes elementwise ops, norms and reductions of half-precision tensors.
 
@@ -27,19 +27,25 @@ one is sourced):
   ``f / (peak * clock * eff) + MATMUL_RAMP_S``: its efficiency grows with its size. At the boost
   clock a 1024^3 bf16 product reaches 57% of an A100's peak, a 4096^3 one 85%; at its sustained
   clock 54% and 79%. Each gradient of the backward is one such product, moving the forward's bytes.
-- **attention** as the target's software computes it (``Hardware.attention``):
+- **attention** as the target's software computes it (``Software.attention``):
 
-  - ``flash`` (the default): FlashAttention's full ``2 (d + e)`` FLOPs per query-key pair (causal
-    masking is not subtracted, as published FLOP counts do not subtract it), never a materialised
-    T x T matrix, at ``ATTENTION_EFFICIENCY``; its backward recomputes the scores, so it runs 2.5
-    forwards of arithmetic (the four products of the gradients and the scores again); it moves
-    q, k, v and the output, and twice that in the backward;
+  - ``flash`` (the default): the FLOPs FlashAttention's kernel performs, ``2 (d + e)`` per
+    query-key pair it computes: a causal kernel skips the blocks above the diagonal, so it performs
+    ``causal_fraction`` of the pairs (about half; ``node.meta["causal_fraction"]``), never a
+    materialised T x T matrix, at ``ATTENTION_EFFICIENCY`` of the boost-clock peak: that figure was
+    measured on real GPUs at whatever clock they held, and on FLOPs that count causal work as half,
+    so neither the clock nor the mask is counted again. Its backward recomputes the scores, so it
+    runs 2.5 forwards of arithmetic (the four products of the gradients and the scores again); it
+    moves q, k, v and the output, and twice that in the backward. MFU still counts the model's
+    FLOPs, every pair (``cost.flops``); HFU counts what the kernels perform (``performed_flops``);
   - ``materialized``: as frameworks computed it before FlashAttention (Megatron-LM in 2021), five
     kernels in the forward and the backward each: batched products that write or read the
     (B, heads, T, T) scores, each priced as a product *and* by the bytes it moves, whichever is
     slower, and a fused scale-mask-softmax that reads the scores and writes the probabilities
-    (its backward reads the probabilities and their gradient and writes the scores' gradient).
-    When the software drops attention probabilities (``Hardware.attention_dropout > 0``, as
+    (its backward reads the probabilities and their gradient and writes the scores' gradient);
+    without that fusion (``Software.fused_softmax=False``) the scale, the mask and the softmax
+    are three passes over the scores each way. Every pair is computed, masked or not.
+    When the software drops attention probabilities (``Software.attention_dropout > 0``, as
     Megatron-LM does with ``--attention-dropout 0.1``) the dropout is one more elementwise kernel:
     its forward reads the probabilities and writes them and the mask (``DROPOUT_MASK_BYTES`` an
     element), its backward reads the gradient and the mask and writes the gradient.
@@ -48,12 +54,13 @@ one is sourced):
   its forward reads the input and writes the output and the mask (``DROPOUT_MASK_BYTES`` an
   element), its backward reads the output's gradient and the mask and writes the input's gradient;
   in eval mode or at ``p = 0`` it returns its input and costs nothing. A dropout traced before a
-  residual add is priced as its own kernel, then the add as its own: Megatron-LM fuses the bias,
-  the dropout and the add into one kernel (``--bias-dropout-fusion``, on by default; Narayanan et
-  al. 2021, section 4.2), whose forward reads the input and the residual and writes the sum and
-  the mask: the separate kernels move ``2 * itemsize`` bytes an element more in each forward (the
-  dropout's output written, then read by the add). In the backward the fused kernel's pass is the
-  dropout's: the add's gradient passes through to the residual.
+  residual add (``node.meta["into_add"]``) is its own kernel, then the add its own, unless the
+  software fuses them (``Software.fused_bias_dropout_add``, Megatron-LM's ``--bias-dropout-fusion``,
+  on by default; Narayanan et al. 2021, section 4.2): the fused kernel reads the input and the
+  residual and writes the sum and the mask, ``2 * itemsize`` bytes an element fewer than the two
+  kernels (the dropout's output written, then read by the add). The add is priced as it stands;
+  the fused dropout adds only its mask, and no launch of its own. In the backward the fused
+  kernel's pass is the dropout's: the add's gradient passes through to the residual.
 - **everything else** (elementwise, norms, softmax, losses, copies) moves the bytes of its local
   inputs and outputs (far more time than its FLOPs at the vector rate on every catalogued GPU); its
   backward reads the output's gradient and what was saved and writes the inputs' gradients, twice
@@ -91,10 +98,12 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from nbscaler.cost.flops import attention_flops
-from nbscaler.cost.hardware import AttentionKind, Hardware
+from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.shape_rules import arg
+from nbscaler.recipe import Recipe
 
 MATMUL_RAMP_S = 4e-6
 ATTENTION_EFFICIENCY = 0.55
@@ -162,6 +171,19 @@ def dropout_bytes(elements: int, itemsize: int) -> int:
     return elements * (2 * itemsize + DROPOUT_MASK_BYTES)
 
 
+def skips_masked_pairs(hardware: Hardware) -> bool:
+    """Whether ``hardware``'s attention kernel skips the pairs a causal mask hides (FlashAttention
+    does; materialised scores compute every pair, then mask them). Where it does, an op's performed
+    FLOPs are its model FLOPs less ``masked_flops``: HFU counts those, MFU every pair."""
+    return hardware.software.attention == AttentionKind.FLASH
+
+
+def masked_flops(meta: Dict, flops: float) -> float:
+    """Of ``flops`` counted for an op (its ``node.meta``), those a causal mask hides (zero unless a
+    causal attention)."""
+    return flops * (1.0 - meta.get("causal_fraction", 1.0))
+
+
 def matmul_seconds(flops: float, peak: float, efficiency: float) -> float:
     """Seconds of one matrix product of ``flops`` on a GPU of dense ``peak`` FLOP/s whose best
     products reach ``efficiency`` of it."""
@@ -195,7 +217,8 @@ class RooflineOps:
         meta = node.meta
         return (node.op, node.target, op.in_shapes, op.out_shapes, meta.get("local_flops_fwd"),
                 meta.get("local_flops_bwd"), meta.get("flops_fwd"), meta.get("flops_bwd"), meta.get("product"),
-                node.target == DROPOUT_TARGET and drops(node))
+                node.target == DROPOUT_TARGET and drops(node), meta.get("causal_fraction", 1.0),
+                meta.get("into_add", False))
 
     def time(self, op: OpCall, key: Optional[Tuple] = None) -> Tuple[float, float]:
         """Forward and backward seconds of ``op`` on one GPU of the target, worked out once per
@@ -223,8 +246,12 @@ class RooflineOps:
             return t, (meta["flops_bwd"] / meta["flops_fwd"] * t if meta["flops_fwd"] else 0.0)
         if node.target == DROPOUT_TARGET:     # one pass each way, the mask written, then read
             (shape, out_dtype), = op.out_shapes
-            t = self._pass(fwd_flops, dropout_bytes(math.prod(shape), out_dtype.itemsize), dtype)
-            return t, (t if grads else 0.0)
+            elements, item = math.prod(shape), out_dtype.itemsize
+            back = self._pass(fwd_flops, dropout_bytes(elements, item), dtype)
+            if self.hardware.software.fused_bias_dropout_add and meta.get("into_add", False):
+                fwd = memory_seconds(elements * DROPOUT_MASK_BYTES, self.hardware.memory_bytes_per_s)
+                return fwd, (back if grads else 0.0)
+            return back, (back if grads else 0.0)
         t = self._pass(fwd_flops, memory_bytes(op), dtype)
         if node.op == "embedding":
             bwd = self._pass(bwd_flops, backward_bytes(op), dtype)
@@ -249,11 +276,12 @@ class RooflineOps:
         """Forward and backward seconds of attention as the target's software computes it: flash's
         fused kernel (its backward 2.5 forwards of arithmetic over twice the forward's bytes), or
         the scores written to memory (``_materialized_attention``)."""
-        if self.hardware.attention == AttentionKind.MATERIALIZED:
+        if self.hardware.software.attention == AttentionKind.MATERIALIZED:
             return self._materialized_attention(op, dtype)
         (q, _, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
-        rate = self.hardware.sustained_flops(dtype) * ATTENTION_EFFICIENCY
-        arithmetic, bw = attention_flops(q, k, v) / rate, self.hardware.memory_bytes_per_s
+        rate = self.hardware.peak_flops(dtype) * ATTENTION_EFFICIENCY      # measured: clock and mask included
+        performed = attention_flops(q, k, v) * op.node.meta.get("causal_fraction", 1.0)
+        arithmetic, bw = performed / rate, self.hardware.memory_bytes_per_s
         fwd = max(arithmetic, memory_seconds(memory_bytes(op), bw), KERNEL_FLOOR_S)
         bwd = max(FLASH_BACKWARD_FORWARDS * arithmetic, memory_seconds(backward_bytes(op), bw), KERNEL_FLOOR_S)
         return fwd, bwd
@@ -262,7 +290,7 @@ class RooflineOps:
         """Forward and backward seconds of attention with the scores written to memory: ``S = Q K^T``,
         ``P = softmax(S)``, ``O = P V``; backward ``dP = dO V^T``, ``dV = P^T dO``, ``dS`` from ``P`` and
         ``dP``, ``dQ = dS K``, ``dK = dS^T Q``; with ``Hardware.attention_dropout`` one more pass over
-        ``P`` each way."""
+        ``P`` each way; without ``Software.fused_softmax`` the scale and the mask are passes of their own."""
         (q, qt, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
         *lead, t, d = q
         s, e = k[-2], v[-1]
@@ -272,27 +300,31 @@ class RooflineOps:
         q_b, k_b, v_b = (math.prod(x) * item for x in (q, k, v))
         o_b = math.prod(lead) * t * e * item
         qk, pv = 2 * pairs * d, 2 * pairs * e
+        software = self.hardware.software
+        apart = 0.0 if software.fused_softmax else 2 * self._kernel(0, 2 * scores, dtype)  # scale, mask
         fwd = (self._kernel(qk, q_b + k_b + scores, dtype)                     # S = Q K^T
-               + self._kernel(0, 2 * scores, dtype)                            # P = softmax(S), fused
+               + self._kernel(0, 2 * scores, dtype) + apart                    # P = softmax(S)
                + self._kernel(pv, scores + v_b + o_b, dtype))                  # O = P V
         bwd = (self._kernel(pv, o_b + v_b + scores, dtype)                     # dP = dO V^T
                + self._kernel(pv, scores + o_b + v_b, dtype)                   # dV = P^T dO
                + self._kernel(0, 3 * scores, dtype)                            # dS from P and dP
                + self._kernel(qk, scores + k_b + q_b, dtype)                   # dQ = dS K
-               + self._kernel(qk, scores + q_b + k_b, dtype))                  # dK = dS^T Q
-        if self.hardware.attention_dropout > 0:
+               + self._kernel(qk, scores + q_b + k_b, dtype)                   # dK = dS^T Q
+               + apart)                                                        # through the mask, the scale
+        if software.attention_dropout > 0:
             dropout = self._kernel(0, dropout_bytes(pairs, item), dtype)               # P -> dropped P, mask
             fwd, bwd = fwd + dropout, bwd + dropout                                    # dP', mask -> dP
         return fwd, bwd
 
-    def update(self, numels: List[int], dtype: torch.dtype, optimizer: type, optimizer_kwargs: Dict) -> float:
-        """Seconds of the reducer's copies, the gradient checks the target's loop makes
-        (``Hardware.clip_grad_norm``, ``Hardware.loss_scaling``) and one optimizer step over parameters
-        of ``numels`` (``dtype``): memory-bound passes over that many tensors per element."""
-        name = optimizer.__name__
-        if name == "SGD" and optimizer_kwargs.get("momentum"):
+    def update(self, numels: List[int], dtype: torch.dtype, recipe: Recipe) -> float:
+        """Seconds of the reducer's copies, the passes over the gradients ``recipe``'s loop makes
+        (``Recipe.clip_grad_norm``, ``Recipe.loss_scaling``) and one step of its optimizer over
+        parameters of ``numels`` (``dtype``): memory-bound passes over that many tensors per element."""
+        name = recipe.optimizer.__name__
+        if name == "SGD" and recipe.kwargs.get("momentum"):
             name = "SGD+momentum"
         tensors = (OPTIMIZER_TENSORS.get(name, OPTIMIZER_TENSORS["Adam"]) + REDUCER_TENSORS
-                   + CLIP_TENSORS * self.hardware.clip_grad_norm + UNSCALE_TENSORS * self.hardware.loss_scaling)
+                   + CLIP_TENSORS * (recipe.clip_grad_norm is not None)
+                   + UNSCALE_TENSORS * (recipe.loss_scaling is not None))
         nbytes = tensors * sum(numels) * dtype.itemsize
         return memory_seconds(nbytes, self.hardware.memory_bytes_per_s) if numels else 0.0

@@ -30,7 +30,7 @@ def overlap_window(backward_s: Iterable[float], hardware: Optional[Hardware]) ->
     backward block on a target whose software reduces on its own stream during the backward (DDP,
     Megatron-LM's ``--overlap-grad-reduce``); ``None`` (all of it waits for the backward's end) on a
     target that does not, and on this machine, whose ranks compute and communicate on the same cores."""
-    if hardware is None or hardware.is_local or not hardware.overlap_grad_reduce:
+    if hardware is None or hardware.is_local or not hardware.software.overlap_grad_reduce:
         return None
     return max(backward_s)
 

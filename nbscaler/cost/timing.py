@@ -25,7 +25,7 @@ blocks the one after, so it sits on the critical path, forward and backward; a p
 overlap the next block except their latency; the data-parallel gradient reduction runs bucket by
 bucket during the backward's last block, as DDP does, and only its first bucket (the gradients the
 backward produces last) and what exceeds that block's time add to the step; on a target whose
-software waits for the backward to end (``Hardware.overlap_grad_reduce=False``, Megatron-LM before
+software waits for the backward to end (``Software(overlap_grad_reduce=False)``, Megatron-LM before
 2023) all of it does. Gradients are reduced in the recipe's reduce dtype (``nbscaler.Recipe``).
 
 What limits it: Python overhead between ops and the pipeline executor's bookkeeping (beyond
@@ -236,7 +236,7 @@ def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optiona
     if not numels:
         return 0.0
     dtype = recipe.master_of(param_dtype) or param_dtype
-    return profiler.update(numels, dtype, recipe.optimizer, {"lr": 1e-3, **recipe.kwargs})
+    return profiler.update(numels, dtype, recipe.replace(optimizer_kwargs={"lr": 1e-3, **recipe.kwargs}))
 
 
 class StepModel:

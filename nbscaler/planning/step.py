@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import pandas as pd
 import torch
 
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.roofline import masked_flops, skips_masked_pairs
 from nbscaler.cost.step_figures import StepFigures, step_tokens
 from nbscaler.cost.timing import StepModel
 from nbscaler.ir.graph import IRNode
@@ -54,8 +55,10 @@ def stage_device(plan: "Plan", stage: int | None, device: int) -> int:
     return device if plan.geometry is None else plan.geometry.view_of(stage, device)
 
 
-def flops_per_device(plan: "Plan") -> Dict[int, float]:
-    """FLOPs each plan device runs in one training step (its share of split ops)."""
+def flops_per_device(plan: "Plan", value: Optional[Callable[[IRNode, str], float]] = None) -> Dict[int, float]:
+    """FLOPs each plan device runs in one training step (its share of split ops); ``value(node,
+    phase)`` counts something else of each op's forward (``"F"``) or backward (``"B"``) instead."""
+    value = value or (lambda n, phase: n.meta["local_flops_fwd" if phase == "F" else "local_flops_bwd"])
     by_stage: Dict[int | None, List[IRNode]] = {}          # in graph order, as one pass over it sums
     for n in plan.graph.nodes:
         by_stage.setdefault(n.stage, []).append(n)
@@ -64,8 +67,7 @@ def flops_per_device(plan: "Plan") -> Dict[int, float]:
 
     def block_flops(stage: int | None, phase: str, where: int) -> float:
         if (stage, phase, where) not in sums:
-            key = "local_flops_fwd" if phase == "F" else "local_flops_bwd"
-            sums[(stage, phase, where)] = sum(n.meta[key] for n in by_stage.get(stage, [])
+            sums[(stage, phase, where)] = sum(value(n, phase) for n in by_stage.get(stage, [])
                                               if where in n.placement.devices)
         return sums[(stage, phase, where)]
 
@@ -76,17 +78,25 @@ def flops_per_device(plan: "Plan") -> Dict[int, float]:
     return out
 
 
-def recomputed_flops_per_device(plan: "Plan") -> Dict[int, float]:
-    """FLOPs of the forwards each plan device runs again in its backwards (recomputed regions)."""
+def hardware_flops_per_device(plan: "Plan", hardware: Hardware) -> Dict[int, float]:
+    """FLOPs each plan device's kernels perform in one step on ``hardware``: the model's, with the
+    forwards recomputed regions run again in their backwards, less the pairs a causal attention
+    kernel skips where the target's does (``cost.roofline.skips_masked_pairs``)."""
+    flops = flops_per_device(plan)
+    skips = skips_masked_pairs(hardware)
+    masked = flops_per_device(plan, lambda n, phase: masked_flops(
+        n.meta, n.meta["local_flops_fwd" if phase == "F" else "local_flops_bwd"])) if skips else {}
     runs = plan.local_runs or {}
     out = {}
     for d in range(plan.config.plan_ngpus):
-        total = 0.0
+        again = 0.0                                          # forwards run again, less what they mask
         for (stage, phase), count in blocks_per_stage(plan, d).items():
             run = runs.get(d, {}).get(stage)
             if phase == "B" and run is not None:
-                total += count * sum(op.node.meta["local_flops_fwd"] for op in run.ops if op.recomputed)
-        out[d] = total
+                fwd = [op.node for op in run.ops if op.recomputed]
+                again += count * sum(n.meta["local_flops_fwd"] - (masked_flops(n.meta, n.meta["local_flops_fwd"])
+                                                                  if skips else 0.0) for n in fwd)
+        out[d] = flops[d] - masked.get(d, 0.0) + again
     return out
 
 
@@ -119,10 +129,10 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None,
     parts = model.device_steps(nsamples, recipe)
     flops = flops_per_device(plan)
     # utilisation needs a peak: a target's, or this machine's as Hardware.local() measures it
-    again = recomputed_flops_per_device(plan) if hardware is not None else {}
+    performed = hardware_flops_per_device(plan, hardware) if hardware is not None else {}
     memory = memory if memory is not None else plan.memory(recipe=recipe)
     peaks = memory.groupby(memory[str(C.RANK)].map(cfg.device_of))[str(C.PEAK_BYTES)].max()
-    devices = {d: dataclasses.replace(p, flops=flops[d], hardware_flops=flops[d] + again[d] if again else math.nan,
+    devices = {d: dataclasses.replace(p, flops=flops[d], hardware_flops=performed.get(d, math.nan),
                                       peak_bytes=float(peaks[d])) for d, p in parts.items()}
     return StepFigures(devices, cfg.units, cfg.runtime_ngpus, hardware,
                        hardware.peak_flops(compute_dtype(plan)) if hardware is not None else None, tokens_per_step(plan),

@@ -17,11 +17,15 @@ from typing import Dict, List, NamedTuple, Set, Tuple
 
 import numpy as np
 
+from nbscaler.cost.roofline import masked_flops
+
 
 #: The columns of ``LayerFacts.matrix``: seconds, bytes and FLOPs of one op on one device.
 #: ``SAVED_TAIL``: the saved bytes of an op that feeds no weighted op (the loss at the model's
 #: end), which a split backward's ``B`` frees on any stage but the first (``cost.memory.held_for_weights``).
-FWD, BWD, TP_FWD, TP_BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN, SAVED_TAIL = range(9)
+#: ``MASKED_F`` / ``MASKED_B``: the FLOPs of those a causal mask hides in a forward, and in a backward
+#: with its recomputed forward (``cost.roofline.masked_flops``), which a kernel that skips them does not run.
+FWD, BWD, TP_FWD, TP_BWD, SAVED, FLOPS_F, FLOPS_B, FLOPS_AGAIN, MASKED_F, MASKED_B, SAVED_TAIL = range(11)
 
 
 class Kinds:
@@ -83,11 +87,14 @@ class OpLedger(NamedTuple):
         for op in run.ops:
             r = index[op.node.name]
             row = fixed[r]
-            flops_f = op.node.meta["local_flops_fwd"]
+            meta = op.node.meta
+            flops_f, flops_b = meta["local_flops_fwd"], meta["local_flops_bwd"]
             row[SAVED] += op.saved_bytes
             row[FLOPS_F] += flops_f
-            row[FLOPS_B] += op.node.meta["local_flops_bwd"]
+            row[FLOPS_B] += flops_b
             row[FLOPS_AGAIN] += flops_f if op.recomputed else 0.0
+            row[MASKED_F] += masked_flops(meta, flops_f)
+            row[MASKED_B] += masked_flops(meta, flops_b + (flops_f if op.recomputed else 0.0))
             row[SAVED_TAIL] += op.saved_bytes if op.node.name in no_weight else 0
             op_rows.append(r)
             op_kinds.append(kinds.op(key(op), op))

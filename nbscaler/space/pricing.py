@@ -31,10 +31,12 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
+from nbscaler.cost.roofline import skips_masked_pairs
 from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
 from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
 from nbscaler.space.layer_facts import LayerFacts
-from nbscaler.space.op_ledger import BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, SAVED, SAVED_TAIL, TP_BWD, TP_FWD
+from nbscaler.space.op_ledger import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, MASKED_B, MASKED_F, SAVED, SAVED_TAIL,
+                                     TP_BWD, TP_FWD)
 from nbscaler.planning.stack import repeat_counts
 from nbscaler.policy.staging import stage_cuts
 from nbscaler.schedule import PipelineGeometry, StepTotals, simulate_totals
@@ -186,8 +188,10 @@ class _Device:
         blocks = _block_counts(self.geometry.schedule, pdev)
         flops = sum(n * sums[s][index][FLOPS_F if p == "F" else FLOPS_B] for (s, p), n in blocks)
         again = sum(n * sums[s][index][FLOPS_AGAIN] for (s, p), n in blocks if p == "B")
+        masked = (sum(n * sums[s][index][MASKED_F if p == "F" else MASKED_B] for (s, p), n in blocks)
+                  if skips_masked_pairs(self.hardware) else 0.0)
         tp = sum(n * sums[s][index][TP_FWD if p == "F" else TP_BWD] for (s, p), n in blocks)
-        return flops, flops + again, tp
+        return flops, flops + again - masked, tp
 
     def _peak(self, weights: List[LocalWeight], params: List[LocalWeight], stages: Tuple[int, ...], index: int,
               device: int) -> float:

@@ -9,12 +9,15 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost import roofline as R
-from nbscaler.cost.flops import attention_flops
+from nbscaler.cost.flops import attention_flops, causal_fraction
+from nbscaler.cost.software import Software
+from nbscaler.recipe import LossScaling, Recipe
 from nbscaler.cost.hardware import NumberFormat
 from nbscaler.cost.local import fake_device
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 
 A100 = Hardware.named("A100-SXM-40GB")
+EAGER = A100.running(Software(attention="materialized"))
 PEAK, BW = 312e12, 1555e9
 RATE = PEAK * 1305 / 1410                  # the tensor cores at the A100's sustained clock, not its boost
 B, T, C, H = 8, 256, 512, 8
@@ -45,14 +48,25 @@ def test_a_matrix_product_ramps_up_to_its_efficiency_and_its_backward_is_two_pro
     assert 2 * 4096 ** 3 / large / PEAK == pytest.approx(0.85, abs=0.01)
 
 
-def test_attention_is_flash_attention_the_full_products_and_no_score_matrix(ops):
+def test_causal_flash_attention_performs_the_pairs_below_the_diagonal_at_its_measured_rate(ops):
+    """The model's FLOPs count every pair (as MFU does); the causal kernel performs (T + 1) / 2T of
+    them, at ATTENTION_EFFICIENCY of the boost peak: the measured rate already holds the clock."""
     attn = first(ops, "attention")
     flops = 2 * B * H * T * T * (C // H) * 2
     assert attention_flops((B, H, T, C // H), (B, H, T, C // H), (B, H, T, C // H)) == flops
     assert attn.node.meta["flops_fwd"] == flops and attn.node.meta["flops_bwd"] == 2 * flops
-    fwd, bwd = R.RooflineOps(A100).time(attn)
-    assert fwd == pytest.approx(flops / (RATE * R.ATTENTION_EFFICIENCY), rel=1e-12)
+    assert attn.node.meta["causal_fraction"] == causal_fraction(T, T) == (T + 1) / (2 * T)
+    fwd, bwd = R.RooflineOps(dataclasses.replace(A100, memory_bytes_per_s=1e30)).time(attn)
+    assert fwd == pytest.approx(flops * (T + 1) / (2 * T) / (PEAK * R.ATTENTION_EFFICIENCY), rel=1e-12)
     assert bwd == pytest.approx(2.5 * fwd, rel=1e-12)
+    fwd, bwd = R.RooflineOps(A100).time(attn)                   # at these shapes q, k, v and the output's bytes bind
+    assert fwd == pytest.approx(R.memory_bytes(attn) / (BW * R.MEMORY_EFFICIENCY), rel=1e-12)
+
+
+@pytest.mark.parametrize("t, s, kept", [(4, 4, 10), (2, 4, 3), (4, 2, 7), (1, 5, 1)])
+def test_the_causal_fraction_counts_the_top_left_triangle(t, s, kept):
+    mask = torch.ones(t, s, dtype=torch.bool).tril()            # what is_causal=True keeps in PyTorch
+    assert int(mask.sum()) == kept and causal_fraction(t, s) == pytest.approx(kept / (t * s))
 
 
 PAIRS = B * H * T * T                                            # (B, heads, T, T) scores
@@ -66,7 +80,7 @@ def kernel(flops, nbytes):
 
 def test_materialized_attention_writes_and_reads_the_scores_in_ten_kernels(ops):
     attn = first(ops, "attention")
-    eager = R.RooflineOps(dataclasses.replace(A100, attention="materialized"))
+    eager = R.RooflineOps(EAGER)
     scores, qkv_b, product = SCORES, QKV_B, PRODUCT
     fwd, bwd = eager.time(attn)
     assert fwd == pytest.approx(kernel(product, 2 * qkv_b + scores) + kernel(0, 2 * scores)
@@ -74,25 +88,27 @@ def test_materialized_attention_writes_and_reads_the_scores_in_ten_kernels(ops):
     assert bwd == pytest.approx(4 * kernel(product, scores + 2 * qkv_b) + kernel(0, 3 * scores), rel=1e-12)
     flash = R.RooflineOps(A100).time(attn)
     assert fwd > flash[0] and bwd > flash[1]                    # the T x T traffic costs what flash saves
+    apart = R.RooflineOps(A100.running(Software(attention="materialized", fused_softmax=False))).time(attn)
+    assert apart[0] == pytest.approx(fwd + 2 * kernel(0, 2 * scores), rel=1e-12)     # the scale and the mask
+    assert apart[1] == pytest.approx(bwd + 2 * kernel(0, 2 * scores), rel=1e-12)
 
 
 def test_attention_dropout_is_one_pass_over_the_materialized_probabilities_each_way(ops):
     attn = first(ops, "attention")
-    eager = dataclasses.replace(A100, attention="materialized")
-    without = R.RooflineOps(eager).time(attn)
-    fwd, bwd = R.RooflineOps(dataclasses.replace(eager, attention_dropout=0.1)).time(attn)
+    without = R.RooflineOps(EAGER).time(attn)
+    fwd, bwd = R.RooflineOps(A100.running(Software(attention="materialized", attention_dropout=0.1))).time(attn)
     dropout = kernel(0, 2 * SCORES + PAIRS * 1)                 # P in, dropped P out, a one-byte mask
     assert dropout == pytest.approx((2 * SCORES + PAIRS) / (BW * R.MEMORY_EFFICIENCY), rel=1e-12)
     assert fwd == pytest.approx(without[0] + dropout, rel=1e-12)
     assert bwd == pytest.approx(without[1] + dropout, rel=1e-12)
-    flash = dataclasses.replace(A100, attention_dropout=0.1)    # FlashAttention drops on chip: no pass
+    flash = A100.running(Software(attention_dropout=0.1))      # FlashAttention drops on chip: no pass
     assert R.RooflineOps(flash).time(attn) == R.RooflineOps(A100).time(attn)
 
 
 @pytest.mark.parametrize("p", [1.0, -0.1, True, "0.1"])
 def test_an_attention_dropout_that_is_not_a_probability_is_refused(p):
-    with pytest.raises(ValueError, match=r"attention_dropout=.* must be a probability in \[0, 1\)"):
-        dataclasses.replace(A100, attention_dropout=p)
+    with pytest.raises(ValueError, match=r"attention_dropout=.* is invalid: give a probability in \[0, 1\)"):
+        Software(attention_dropout=p)
 
 
 def test_compute_runs_at_the_sustained_clock_and_memory_at_the_datasheet_bandwidth(ops):
@@ -108,7 +124,7 @@ def test_compute_runs_at_the_sustained_clock_and_memory_at_the_datasheet_bandwid
 
 def test_targets_without_a_sourced_clock_or_dropout_price_as_before(ops):
     for name, hw in Hardware.catalogue().items():
-        assert hw.attention_dropout == 0.0
+        assert hw.software == Software()                           # today's PyTorch: flash, overlapped, unfused
         assert hw.sustained_clock_ratio == (1305 / 1410 if name.startswith("A100") else 1.0)
     h100, qkv = Hardware.named("H100-SXM-80GB"), first(ops, "linear")
     flops = 2 * B * T * C * 3 * C
@@ -124,7 +140,7 @@ def test_a_sustained_clock_above_the_boost_or_not_a_ratio_is_refused(ratio):
 
 def test_an_unknown_attention_kind_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="flash, materialized"):
-        dataclasses.replace(A100, attention="xformers")
+        Software(attention="xformers")
 
 
 def test_norms_and_elementwise_ops_are_bound_by_memory_and_views_are_free(ops):
@@ -147,21 +163,20 @@ def test_an_embedding_reads_the_rows_it_gathers_and_its_backward_writes_the_tabl
 
 
 def test_an_optimizer_step_streams_its_tensors():
-    seconds = R.RooflineOps(A100).update([1000, 24], torch.bfloat16, torch.optim.AdamW, {})
+    seconds = R.RooflineOps(A100).update([1000, 24], torch.bfloat16, Recipe(torch.optim.AdamW))
     assert seconds == pytest.approx((7 + 4) * 1024 * 2 / (BW * R.MEMORY_EFFICIENCY))
-    sgd = R.RooflineOps(A100).update([1024], torch.float32, torch.optim.SGD, {"momentum": 0.9})
+    sgd = R.RooflineOps(A100).update([1024], torch.float32, Recipe(torch.optim.SGD, optimizer_kwargs={"momentum": 0.9}))
     assert sgd == pytest.approx((5 + 4) * 1024 * 4 / (BW * R.MEMORY_EFFICIENCY))
-    assert math.isclose(R.RooflineOps(A100).update([], torch.float32, torch.optim.SGD, {}), 0.0)
+    assert math.isclose(R.RooflineOps(A100).update([], torch.float32, Recipe(torch.optim.SGD)), 0.0)
 
 
 def test_clipping_and_loss_scaling_add_their_passes_over_the_gradients():
-    plain = R.RooflineOps(A100).update([1024], torch.float32, torch.optim.Adam, {})
-    megatron = R.RooflineOps(dataclasses.replace(A100, clip_grad_norm=True, loss_scaling=True))
-    seconds = megatron.update([1024], torch.float32, torch.optim.Adam, {})
+    """The recipe's loop, not the target, says whether the gradients are clipped and unscaled."""
+    plain = R.RooflineOps(A100).update([1024], torch.float32, Recipe(torch.optim.Adam))
+    megatron = Recipe(torch.optim.Adam, clip_grad_norm=1.0, loss_scaling=LossScaling())
+    seconds = R.RooflineOps(A100).update([1024], torch.float32, megatron)
     assert seconds == pytest.approx((7 + 4 + 3 + 2) * 1024 * 4 / (BW * R.MEMORY_EFFICIENCY))
     assert seconds - plain == pytest.approx((R.CLIP_TENSORS + R.UNSCALE_TENSORS) * 1024 * 4 / (BW * R.MEMORY_EFFICIENCY))
-    with pytest.raises(ValueError, match="clip_grad_norm='yes' must be True"):
-        dataclasses.replace(A100, clip_grad_norm="yes")
 
 
 def test_a_gpu_without_the_plans_precision_is_refused(ops):
@@ -183,7 +198,11 @@ def test_a_residual_dropout_is_one_pass_each_way_and_costs_nothing_in_eval_mode(
     one_pass = kernel(0, B * T * C * (2 * 2 + 1))                 # bf16 in, bf16 out, a one-byte mask
     assert one_pass > R.KERNEL_FLOOR_S
     for op in drops:
+        assert op.node.meta["into_add"]                               # each feeds a residual add
         assert R.RooflineOps(A100).time(op) == (pytest.approx(one_pass, rel=1e-12), pytest.approx(one_pass, rel=1e-12))
+        fused = R.RooflineOps(A100.running(Software(fused_bias_dropout_add=True))).time(op)
+        assert fused == (pytest.approx(B * T * C * 1 / (BW * R.MEMORY_EFFICIENCY), rel=1e-12),   # its mask alone
+                         pytest.approx(one_pass, rel=1e-12))
         evaluating = dataclasses.replace(op, node=dataclasses.replace(op.node, kwargs={**op.node.kwargs, "training": False}))
         assert R.RooflineOps(A100).time(evaluating) == (0.0, 0.0)
 

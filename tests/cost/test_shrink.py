@@ -11,6 +11,7 @@ from nbscaler import ComputeConfig
 from nbscaler.cost import profile, shrink
 from nbscaler.cost.profile import OpProfiler, op_key
 from nbscaler.cost.shrink import Basis, is_large
+from nbscaler.recipe import Recipe
 from nbscaler.models.gpt import GPT, GPTConfig
 from tests.models import Llama
 
@@ -124,7 +125,7 @@ def test_a_large_optimizer_step_is_timed_over_fewer_elements(tmp_path, monkeypat
     assert shrink.shrink_update([3000, 1000]) == ([750, 250], 4.0)     # every tensor a quarter: 4x the time
     assert shrink.shrink_update([600, 400]) == ([600, 400], 1.0)       # within the budget: as it is
     profiler = OpProfiler(torch.device("cpu"), tmp_path / "ops.json")
-    assert profiler.update([3000, 1000], torch.float32, torch.optim.Adam, {}) == pytest.approx(4e-3)
+    assert profiler.update([3000, 1000], torch.float32, Recipe(torch.optim.Adam)) == pytest.approx(4e-3)
     assert timed and all(n == [750, 250] for n in timed)               # never the real 4,000 elements
 
 

@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
+from nbscaler.cost.software import Software
 from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
 from tests.planning.test_step import H100, PLAN  # noqa: F401  (conftest's plan fixture plans it)
 
 
 def test_the_reduction_hides_in_the_backward_only_where_the_target_overlaps_it():
     assert overlap_window([0.2, 0.5], H100) == 0.5
-    assert overlap_window([0.2, 0.5], dataclasses.replace(H100, overlap_grad_reduce=False)) is None
+    assert overlap_window([0.2, 0.5], H100.running(Software(overlap_grad_reduce=False))) is None
     assert overlap_window([0.2, 0.5], None) is None                   # this machine: the same cores
 
 

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import nbscaler
+from nbscaler.cost.roofline import masked_flops
+from nbscaler.cost.software import Software
+from nbscaler.planning.step import flops_per_device
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.columns import PREDICTED_COLUMNS, TARGET_COLUMNS, SummaryColumn as C
 from nbscaler.cost import timing
@@ -43,7 +46,13 @@ def test_the_summary_on_a_target_adds_its_columns_and_profiles_nothing(plan, no_
     assert list(s.columns) == [str(c) for c in PREDICTED_COLUMNS + TARGET_COLUMNS]
     step = s.step_time_s
     assert (s.mfu == s.flops / (step * 989.4e12)).all()
-    assert (s.hfu == s.mfu).all() and (s.hardware_flops == s.flops).all()        # nothing recomputed
+    # nothing recomputed: the kernels perform the model's FLOPs less the pairs causal flash skips
+    masked = flops_per_device(plan, lambda n, phase: masked_flops(
+        n.meta, n.meta["local_flops_fwd" if phase == "F" else "local_flops_bwd"]))
+    assert 0 < masked[0] < s.flops.iloc[0] / 10
+    assert s.hardware_flops.tolist() == pytest.approx([f - masked[plan.config.device_of(r)]
+                                                       for f, r in zip(s.flops, s["rank"])], rel=1e-12)
+    assert (s.hfu == s.hardware_flops / (step * 989.4e12)).all()
     assert (s.device_memory_bytes == 80e9).all() and s.fits.all()
     tokens = BATCH * GPT_CFG.seq_len * MICROS * 2                                # micro-batches x 2 units
     assert (s.tokens_per_s == tokens / step.max()).all()
@@ -66,7 +75,7 @@ def test_a_stage_block_is_its_ops_roofline_and_its_collectives_nccl_cost(plan, n
 def test_recomputation_counts_in_hfu_not_in_mfu(no_profiling):
     p = nbscaler.plan(GPT(GPT_CFG), {"batch": sample_batch(GPT_CFG, BATCH)}, "hybrid",
                       hybrid(recompute_modules=["blocks"]), module_dtype=torch.bfloat16)
-    s = p.summary(hardware=H100)
+    s = p.summary(hardware=H100.running(Software(attention="materialized")))    # every pair computed
     again = s.hardware_flops - s.flops
     assert (again > 0).all() and (s.hfu > s.mfu).all()
     forward_blocks = sum(n.meta["local_flops_fwd"] for n in p.graph.nodes
@@ -126,7 +135,7 @@ def test_gradients_reduced_after_the_backward_in_fp32_cost_what_the_bytes_say(pl
     assert bf16 > 0 and timing.sync_time(*args, Recipe(master_dtype=torch.float32)) == pytest.approx(2 * bf16)
     assert (plan.summary(torch.optim.Adam, hardware=H100, master_dtype=torch.float32).step_time_s
             > plan.summary(torch.optim.Adam, hardware=H100, master_dtype=None).step_time_s).all()
-    waits = dataclasses.replace(H100, overlap_grad_reduce=False)
+    waits = H100.running(Software(overlap_grad_reduce=False))
     monkeypatch.setattr(timing, "sync_buckets", lambda *a: [(1e-3, 0.0), (1e-5, 0.0)])
     overlapped, after = (plan.summary(hardware=hw).step_time_s for hw in (H100, waits))
     assert after.values == pytest.approx(overlapped.values + 1e-5, rel=1e-9)   # the second bucket is no longer hidden

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nbscaler
+from nbscaler.cost.software import Software
 from nbscaler import Hardware
 from nbscaler.columns import SweepColumn
 from nbscaler.models.gpt import GPT, GPTConfig
@@ -83,7 +84,7 @@ def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recomput
 def test_a_row_on_a_target_without_overlap_or_flash_attention_is_the_full_plans_prediction():
     """The target's software (scores materialised, the reduction after the backward) prices the sweep
     as it prices the full plan."""
-    target = dataclasses.replace(TARGET, attention="materialized", overlap_grad_reduce=False)
+    target = TARGET.running(Software(attention="materialized", overlap_grad_reduce=False))
     frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), target, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
                            micro_batch=(1,), recompute=(True,), zero_stage=(0,), progress=False)
     row = frame.iloc[0]

@@ -1,0 +1,88 @@
+"""``Software``: the kernels and overlap a target's training framework runs, where they change the physics.
+
+Two runs on the same GPUs differ by their software as much as by anything else: how attention is
+computed, which elementwise kernels are fused, whether the gradient reduction hides behind the
+backward. A target (``Hardware``) carries one ``Software``; the catalogue's is today's PyTorch
+(FlashAttention through ``scaled_dot_product_attention``, DDP's overlapped reduction, no fused
+bias-dropout-add). The recipe (``nbscaler.Recipe``) says the rest of how a run trains: its dtypes,
+optimizer, loss scaling and gradient clipping.
+
+- ``attention``: an ``AttentionKind``. FlashAttention by default; ``materialized`` writes the
+  (B, heads, T, S) scores to memory, as frameworks did before it (Megatron-LM in 2021).
+- ``attention_dropout``: the probability with which the framework drops attention probabilities
+  (Megatron-LM's ``--attention-dropout``). It costs a pass over the scores when they are
+  materialised; FlashAttention drops them on chip, from a regenerated random state, for nothing.
+- ``fused_softmax``: with materialised scores, the scale, the causal mask and the softmax run as one
+  kernel (Megatron-LM's ``--masked-softmax-fusion``, on by default) instead of three passes over the
+  scores.
+- ``fused_bias_dropout_add``: a dropout before a residual add runs fused with the add, one kernel
+  (Megatron-LM's ``--bias-dropout-fusion``, on by default): the dropout's output is never written
+  and read again.
+- ``overlap_grad_reduce``: the data-parallel reduction runs during the backward on its own stream
+  (PyTorch DDP, FSDP, Megatron-LM's ``--overlap-grad-reduce`` since 2023), or waits for its end.
+
+>>> megatron_2021 = Software(attention="materialized", attention_dropout=0.1, fused_bias_dropout_add=True,
+...                          overlap_grad_reduce=False, name="Megatron-LM 2021")
+>>> megatron_2021.describe()
+'Megatron-LM 2021: attention materialized (fused scale-mask-softmax), attention dropout 0.1, bias-dropout-add fused, gradient reduction after the backward'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nbscaler.columns import StrEnum
+
+
+class AttentionKind(StrEnum):
+    """How the target computes ``scaled_dot_product_attention`` (``cost.roofline`` prices each)."""
+
+    FLASH = "flash"                  # FlashAttention (Dao et al. 2022): scores stay on chip, recomputed in the backward
+    MATERIALIZED = "materialized"    # Q K^T written to memory (B, heads, T, T), a softmax over it, then P V
+
+
+_FLAGS = {"fused_softmax": "True (scale, mask and softmax in one kernel) or False (three passes)",
+          "fused_bias_dropout_add": "True (dropout and residual add in one kernel) or False",
+          "overlap_grad_reduce": "True (reduce during the backward) or False (after it)"}
+
+
+@dataclass(frozen=True)
+class Software:
+    """A target's training software; see the module docstring. Checks itself on construction."""
+
+    attention: AttentionKind = AttentionKind.FLASH
+    attention_dropout: float = 0.0
+    fused_softmax: bool = True
+    fused_bias_dropout_add: bool = False
+    overlap_grad_reduce: bool = True
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in set(AttentionKind):
+            raise ValueError(f"Software(attention={self.attention!r}) is invalid: give one of "
+                             f"{', '.join(k.value for k in AttentionKind)}.")
+        object.__setattr__(self, "attention", AttentionKind(self.attention))
+        for flag, meaning in _FLAGS.items():
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Software({flag}={getattr(self, flag)!r}) is invalid: give {meaning}.")
+        p = self.attention_dropout
+        if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1):
+            raise ValueError(f"Software(attention_dropout={p!r}) is invalid: give a probability in [0, 1) "
+                             f"(0: no attention probabilities dropped).")
+
+    def replace(self, **changes) -> "Software":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line a summary or a results table can print."""
+        materialized = self.attention == AttentionKind.MATERIALIZED
+        parts = [f"attention {self.attention.value}"
+                 + ((" (fused scale-mask-softmax)" if self.fused_softmax else " (scale, mask, softmax apart)")
+                    if materialized else "")]
+        if self.attention_dropout:
+            parts.append(f"attention dropout {self.attention_dropout:g}")
+        parts.append("bias-dropout-add fused" if self.fused_bias_dropout_add else "dropout and add apart")
+        parts.append("gradient reduction " + ("during" if self.overlap_grad_reduce else "after") + " the backward")
+        return (f"{self.name}: " if self.name else "") + ", ".join(parts)
