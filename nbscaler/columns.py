@@ -46,12 +46,18 @@ On a target (``plan.summary(hardware=hw)``; ``nbscaler.Hardware``), the summary 
 - ``fits``: ``peak_bytes <= device_memory_bytes``. The workspace ``peak_bytes`` leaves out (the
   allocator's slack, temporaries, collective buffers) is a few GB on a real run: read a rank within
   a few GB of its device's capacity as not fitting.
-- ``hardware_flops``: ``flops`` plus the forwards a recomputed region runs again in the backward:
-  what the GPU computes. ``flops`` itself counts each op's forward and backward once: the model FLOPs.
+- ``hardware_flops``: the FLOPs the target's kernels perform: ``flops`` plus the forwards a
+  recomputed region runs again in the backward, less the query-key pairs a causal FlashAttention
+  kernel skips (``cost.roofline.skips_masked_pairs``). ``flops`` itself counts each op's forward and
+  backward once, attention over every pair: the model FLOPs, as published counts (Megatron-LM's,
+  PaLM's, torchtitan's) count them.
 - ``mfu``: model FLOPs utilisation, ``flops / (step_time_s * peak)``, with ``peak`` the GPU's dense
-  peak FLOP/s in the dtype of the model's parameters; recomputation does not count.
-- ``hfu``: hardware FLOPs utilisation, ``hardware_flops / (step_time_s * peak)``; what Megatron-LM's
-  papers report as TFLOP/s per GPU is ``hfu * peak``.
+  peak FLOP/s in the dtype of the model's parameters: the published convention (recomputation does
+  not count; a causal attention's masked pairs do).
+- ``hfu``: hardware FLOPs utilisation, ``hardware_flops / (step_time_s * peak)``, never above 1.
+  What Megatron-LM's papers report as TFLOP/s per GPU counts the recomputed forward but every
+  attention pair: ``(hardware_flops + skipped pairs) / step_time_s``, i.e. ``hfu * peak`` wherever
+  attention's scores are materialised, as they were in 2021.
 - ``tokens_per_s``: tokens the whole job trains on per second: the traced batch's tokens (its first
   integer input of two or more dimensions, batch times sequence) times the micro-batches of a step
   times the data-parallel units, over the slowest rank's ``step_time_s``; the same on every row, and
