@@ -3,7 +3,8 @@
 - ``dp``: the whole model on one device per unit (``plan_ngpus=1``); data parallelism comes from
   running ``runtime_ngpus`` units, whose gradients are summed.
 - ``data``: split every op along the batch axis across the ``plan_ngpus`` devices of a unit.
-- ``pp``: pipeline stages balanced by FLOPs, one per device.
+- ``pp``: pipeline stages balanced by FLOPs, one per device (``pas_config={"pipeline_split":
+  "layers"}``: the same number of repeated layers in each, as Megatron-LM splits a model).
 - ``hybrid``: pipeline stages, each tensor-parallel (``tp``) over its share of the devices.
 - ``autodist``: a search over every op's split, scored by the cost model (``nbscaler.policy.autodist``);
   ``sequence_parallel`` makes the ``tp`` plan it weighs its search against sequence parallel.
@@ -54,13 +55,15 @@ from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
-from nbscaler.policy.staging import stage_by_cost
+from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
 
 Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
 
 SEQUENCE_PARALLEL = "sequence_parallel"
 """The ``pas_config`` key of sequence parallelism (``tp``, ``hybrid`` and ``autodist``)."""
+PIPELINE_SPLIT = "pipeline_split"
+"""The ``pas_config`` key of how ``pp`` and ``hybrid`` cut the model into stages (``PipelineSplit``)."""
 
 
 def _split_layouts(graph: IRGraph):
@@ -167,6 +170,15 @@ def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, .
     return graph
 
 
+def pipeline_split(cfg: ComputeConfig) -> PipelineSplit:
+    """How ``cfg`` asks the pipeline to be cut (``pas_config['pipeline_split']``, ``flops`` unless given)."""
+    value = cfg.pas_config.get(PIPELINE_SPLIT, PipelineSplit.FLOPS)
+    if value not in set(PipelineSplit):
+        raise ValueError(f"pas_config['{PIPELINE_SPLIT}']={value!r} is invalid: give one of "
+                         f"{', '.join(s.value for s in PipelineSplit)}.")
+    return PipelineSplit(value)
+
+
 def pipeline_geometry(cfg: ComputeConfig, policy: str) -> PipelineGeometry:
     """The schedule and device layout a pipeline policy stages the graph for."""
     if not cfg.use_pipeline:
@@ -185,7 +197,7 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
                           f"{per_device} x plan_ngpus={per_device * cfg.plan_ngpus} for "
                           f"{cfg.scheduler} (got {cfg.pipeline_nstages}: {geometry.schedule.ndevices} pipeline "
                           "devices); use 'hybrid' for tensor parallelism inside the stages.")
-    stage_by_cost(graph, geometry.schedule.nstages)
+    stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
     for node in graph.nodes:
         replicate(node, geometry.stage_group(node.stage))
     return graph
@@ -195,7 +207,7 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
     (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage)."""
     geometry = pipeline_geometry(cfg, "hybrid")
-    stage_by_cost(graph, geometry.schedule.nstages)
+    stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
 
@@ -279,8 +291,8 @@ POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DP: (),
     BuiltinPolicy.TP: (SEQUENCE_PARALLEL,),
     BuiltinPolicy.DATA: (),
-    BuiltinPolicy.PP: (),
-    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL,),
+    BuiltinPolicy.PP: (PIPELINE_SPLIT,),
+    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT),
     BuiltinPolicy.AUTODIST: AUTODIST_KEYS + TARGET_KEYS + (SEQUENCE_PARALLEL,),
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""

@@ -6,6 +6,10 @@ number, and prefers to cut where the top-level module changes (between ``blocks.
 ``blocks.4``) so that a layer is not torn in half. Tensors that skip stages are carried through the
 stages in between by code generation; policies need not care.
 
+``stage_by_layers`` instead gives every stage the same number of the model's repeated layers, the
+ops before them to the first stage and those after them to the last, as Megatron-LM splits a
+model (``pas_config={"pipeline_split": "layers"}`` for ``pp`` and ``hybrid``; ``PipelineSplit``).
+
 >>> stage_by_cost(graph, 4)                             # doctest: +SKIP
 [0, 0, ..., 3]
 >>> set_stage(graph.select(module='head'), 3)           # doctest: +SKIP
@@ -16,6 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, List, Sequence
 
+from nbscaler.columns import StrEnum
 from nbscaler.cost.flops import node_flops
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.policy.primitives import PolicyError
@@ -35,6 +40,39 @@ def layer_of(path: str) -> str:
         if part.isdigit():
             return ".".join(parts[:i + 1])
     return parts[0]
+
+
+class PipelineSplit(StrEnum):
+    """How a pipeline policy cuts the model into stages (``pas_config["pipeline_split"]``)."""
+
+    FLOPS = "flops"        # each stage about 1 / nstages of the FLOPs, cut between layers (the default)
+    LAYERS = "layers"      # each stage the same number of repeated layers (Megatron-LM's split)
+
+
+def stage_by(split: str, graph: IRGraph, nstages: int) -> List[int]:
+    """``stage_by_cost`` or ``stage_by_layers``, as ``split`` (a ``PipelineSplit``) says."""
+    return stage_by_layers(graph, nstages) if PipelineSplit(split) == PipelineSplit.LAYERS else stage_by_cost(graph, nstages)
+
+
+def stage_by_layers(graph: IRGraph, nstages: int) -> List[int]:
+    """Assign every node a stage so that each stage holds ``L / nstages`` of the model's ``L``
+    repeated layers (paths with a list index, ``layer_of``); the ops before the first layer go to
+    the first stage, those after the last to the last. Raises ``PolicyError`` when ``nstages`` does
+    not divide ``L``."""
+    layers = [layer_of(n.module_path) for n in graph.nodes]
+    order = list(dict.fromkeys(x for x in layers if x.rsplit(".", 1)[-1].isdigit()))
+    if not order or len(order) % nstages:
+        raise PolicyError(f"pipeline_split='layers' gives each of the {nstages} stages the same number of repeated "
+                          f"layers, but the model has {len(order)}; use a number of stages that divides it, or "
+                          f"pipeline_split='flops'.")
+    per_stage, index = len(order) // nstages, {layer: i for i, layer in enumerate(order)}
+    stages, current = [], 0
+    for node, layer in zip(graph.nodes, layers):
+        if layer in index:                           # between layers, and after the last, an op stays
+            current = index[layer] // per_stage      # with the layer before it
+        node.stage = current
+        stages.append(current)
+    return stages
 
 
 def stage_by_cost(graph: IRGraph, nstages: int) -> List[int]:
