@@ -5,9 +5,8 @@ What is pinned, each on targets only (nothing here is timed on this machine):
 
 - the Llama-3-8B plan space of ``benchmarks.space`` (192 configurations on 8 H100s): its frame,
   and its frame after each of that benchmark's knob turns there and back;
-- every figure ``benchmarks.published_runs`` computes for its rows (the chosen micro-batch's
-  summary, the breakdown, the ablations, the left-out effects, the torchtitan rows) and the section
-  ``benchmarks.published_sweep`` writes.
+- every figure ``benchmarks.published`` computes for its rows (the chosen micro-batch's step, its
+  shares, the ablations, the torchtitan rows) and the section ``benchmarks.published_sweep`` writes.
 
 Floats are stored by ``repr``, which reads back to the same bits.
 
@@ -66,23 +65,29 @@ def space() -> Dict[str, Any]:
 
 
 def published() -> Dict[str, Any]:
-    """Every figure ``benchmarks.published_runs`` and ``published_sweep`` compute."""
-    from benchmarks import published_runs as pr
+    """Every figure ``benchmarks.published`` and ``published_sweep`` compute."""
+    from benchmarks.published.predict import predict
+    from benchmarks.published.runs import NARAYANAN_2021
+    from benchmarks.published.torchtitan import LLAMA_RUNS, predict_llama
     from benchmarks.published_sweep import section
     out: Dict[str, Any] = {}
-    for run in pr.RUNS:
-        best = pr.predict(run)
-        out[f"{run.params_b}B"] = _plain({"best": best,
-                                          "breakdown": pr.breakdown(best["plan"], run.hardware(), best["step_s"]),
-                                          "ablation": pr.ablation(run, best["plan"], best["step_s"]),
-                                          "left out": pr.left_out(run, best["plan"], best["step_s"])})
-    for run in pr.LLAMA_RUNS:
-        rows = pr.predict_llama(run)
-        for r in rows:
-            r["breakdown"] = pr.breakdown(r["plan"], r["hardware"], r["step_s"])
-        out[run.name] = _plain(rows)
-    out["sweep section"] = untimed(section(pr.RUNS, pr.VOCAB, pr.SEQ))
+    for run in NARAYANAN_2021:
+        row = predict(run, log=lambda *_: None)
+        best = row["best"]
+        out[f"{run.params_b}B"] = _plain({"micro": best.micro, "step": _figures(best.step), "shares": row["shares"],
+                                          "ablation": row["ablation"]})
+    for run in LLAMA_RUNS:
+        out[run.name] = _plain([{**{k: v for k, v in r.items() if k != "step"}, "step": _figures(r["step"])}
+                                for r in predict_llama(run, log=lambda *_: None)])
+    out["sweep section"] = untimed(section(NARAYANAN_2021))
     return out
+
+
+def _figures(step) -> Dict[str, Any]:
+    """What a ``StepFigures`` says of a step."""
+    return {"step_time_s": step.step_time_s, "peak_bytes": step.peak_bytes, "fits": step.fits, "mfu": step.mfu,
+            "hfu": step.hfu, "bubble": step.bubble, "tp": step.tp_comm_share, "dp": step.dp_comm_share,
+            "sends": step.pp_send_share}
 
 
 def untimed(section: str) -> str:
