@@ -21,6 +21,7 @@ from benchmarks.published.runs import NARAYANAN_2021
 from benchmarks.published.torchtitan import LLAMA_RUNS, predict_llama, section as llama_section
 
 RESULTS = Path(__file__).parent / "results" / "published_runs.md"
+SUMMARIES = [Path(__file__).parent.parent / "README.md", Path(__file__).parent.parent / "docs" / "targets.md"]
 
 
 def results(rows: Optional[List[float]] = None, micros: Optional[List[int]] = None, llama: bool = True,
@@ -34,6 +35,9 @@ def results(rows: Optional[List[float]] = None, micros: Optional[List[int]] = No
         predicted.append(predict(run, micros))
         print(f"{run.params_b:g}B: {report.error(predicted[-1]):+.1%} in {time.perf_counter() - start:.0f} s", flush=True)
     text = report.header() + report.megatron_section(predicted) + "\n" + report.H100_2024
+    if rows is None and micros is None:
+        for path in SUMMARIES:
+            report.write_block(path, report.summary_block(predicted))
     if llama:
         for run in LLAMA_RUNS:
             text += "\n" + llama_section(run, predict_llama(run))

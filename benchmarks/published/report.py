@@ -165,3 +165,27 @@ only as an image (`images/model_table.png`): the rows' hidden sizes, layers, hea
 layouts and batches, which a prediction needs, are not published as text anywhere this project can
 read them, and are not guessed here.
 """
+
+
+#: The README and the targets page carry the summary between these markers, rewritten with the results.
+START, END = "<!-- published-runs: written by python -m benchmarks.published_runs -->", "<!-- /published-runs -->"
+
+
+def summary_block(rows: List[Dict]) -> str:
+    """The short table and verdict the README and docs/targets.md show."""
+    lines = ["| params (B) | t x p | GPUs | micro-batch | TFLOP/s per GPU, predicted | published | error | "
+             "the step, by cause |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        run = r["run"]
+        lines.append(f"| {run.params_b:g} | {run.tp} x {run.pp} | {run.gpus} | {r['best'].micro} | "
+                     f"{predicted_tflops(r):.0f} | {run.tflops_per_gpu:.0f} | {error(r):+.1%} | {_shares(r['shares'])} |")
+    return "\n".join(lines) + "\n\n" + verdict(rows)
+
+
+def write_block(path, block: str) -> None:
+    """Replace what lies between ``START`` and ``END`` in the file at ``path`` with ``block``."""
+    text = path.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{path} has no {START} ... {END} block to write the published runs' summary into.")
+    head, rest = text.split(START, 1)
+    path.write_text(head + START + "\n" + block + "\n" + END + rest.split(END, 1)[1])
