@@ -16,7 +16,8 @@ from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_byte
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import (Case, buckets, granular, measure_memory, pipeline, predicted_memory, recompute, run_cases,
+from tests.multiprocess import (Case, buckets, granular, measure_memory, pipeline, predicted_memory, recompute,
+                                run_cases,
                                 sequence_parallel, zero)
 
 
