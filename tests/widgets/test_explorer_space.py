@@ -165,7 +165,7 @@ def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart()
 def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
     explorer.space.set(nodes=2)                    # 16 GPUs: more than the device knobs usually offer
     frame = explorer.space.frame
-    row = next(i for i in range(len(frame)) if frame.pp[i] == 2 and frame.recompute[i])
+    row = next(i for i in range(len(frame)) if frame.pp[i] == 2 and frame.recompute[i] == "full")
     chosen, placed = frame.iloc[row], []
     explorer.controls.on_knobs = lambda: placed.append(explorer.controls.knobs())
     explorer.space.pick(row)
