@@ -4,7 +4,7 @@
 >>> pm = parallelize(model, {'x': x}, 'tp', ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
 """
 
-from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
+from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, RecomputeGranularity, ReuseType, UserConfig
 from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.cost.software import AttentionKind, Software
 from nbscaler.ir.registry import register_op
@@ -18,7 +18,7 @@ from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 
-__all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
+__all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "RecomputeGranularity", "ReuseType", "UserConfig",
            "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "Hardware",
            "init_distributed", "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts",
            "LossScaling", "NumberFormat", "parallelize", "Plan", "PlanSpace", "plan", "Recipe", "register_op", "sweep",

@@ -169,7 +169,8 @@ class SweepColumn(StrEnum):
       stages' devices, data-parallel units; ``tp * pp * dp`` is the target's GPUs.
     - ``micro_batch``: sequences in one micro-batch; ``micro_batches``: micro-batches per step and
       unit, so ``micro_batch * micro_batches * dp`` is the global batch.
-    - ``recompute``: every layer of the model's stack recomputed in the backward (True) or not.
+    - ``recompute``: what runs again in the backward: ``none``, ``selective`` (each layer's attention
+      core) or ``full`` (every layer of the model's stack).
     - ``sequence_parallel``: the ops between the tensor-parallel linears (norms, dropout, residual
       adds) on a slice of the sequence (``pas_config['sequence_parallel']``); only where ``tp > 1``.
     - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too).

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from nbscaler.columns import StrEnum
 from nbscaler.schedule.geometry import PipelineGeometry
 from nbscaler.schedule.grid import RankGrid
 from nbscaler.schedule.schedulers import SCHEDULERS, scheduler_spec
@@ -30,6 +31,8 @@ TRAIN_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if spec.train
 INFER_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if not spec.training)
 #: The ``pas_config`` key naming the modules to recompute in the backward (``nbscaler.policy.recompute``).
 RECOMPUTE_MODULES = "recompute_modules"
+#: The ``pas_config`` key choosing how much of each layer to recompute (``RecomputeGranularity``).
+RECOMPUTE = "recompute"
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
 ZERO_STAGES = (1, 2)
 
@@ -43,6 +46,25 @@ def threads_per_rank(cores: int, ranks_on_host: int) -> int:
     (2, 1)
     """
     return max(1, cores // max(1, ranks_on_host))
+
+
+class RecomputeGranularity(StrEnum):
+    """What ``pas_config={'recompute': ...}`` recomputes in the backward (Megatron-LM's
+    ``--recompute-granularity``; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models"):
+
+    - ``none``: nothing; every op keeps what it saves;
+    - ``selective``: the attention core of each layer only (the scores Q·Kᵀ, their scale and mask,
+      the softmax, the attention dropout and the product with V, or one
+      ``scaled_dot_product_attention``): the tensors of size sequence², cheap to compute again;
+    - ``full``: each layer of the model's repeated layers, whole: each keeps only its input.
+
+    ``nbscaler.policy.recompute`` finds the regions; ``recompute_modules`` names modules instead.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
 
 
 class ReuseType(str, Enum):
@@ -286,6 +308,19 @@ class ComputeConfig:
                   f"{self.scheduler}.")
 
     def _validate_recompute(self) -> None:
+        if RECOMPUTE in self.pas_config:
+            granularity = self.pas_config[RECOMPUTE]
+            allowed = [g.value for g in RecomputeGranularity]
+            if not isinstance(granularity, str) or granularity not in allowed:
+                raise ValueError(f"ComputeConfig.pas_config['recompute']={granularity!r} is invalid: use one of "
+                                 f"{', '.join(repr(a) for a in allowed)} (nothing, the attention core of each "
+                                 "layer, or each whole layer of the model's repeated layers).")
+            if self.pas_config.get(RECOMPUTE_MODULES) is not None:
+                raise ValueError(f"ComputeConfig.pas_config has both 'recompute'={granularity!r} and "
+                                 f"'recompute_modules'={self.pas_config[RECOMPUTE_MODULES]!r}: they say the same "
+                                 "thing two ways; give 'recompute' (none, selective or full) or name the modules "
+                                 "with 'recompute_modules', not both.")
+            self.pas_config[RECOMPUTE] = RecomputeGranularity(granularity).value   # a plain str, as JSON reads back
         names = self.pas_config.get(RECOMPUTE_MODULES)
         if names is None:
             return

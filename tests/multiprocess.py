@@ -151,6 +151,13 @@ def recompute(*names: str) -> tuple:
     return (("pas_config", (("recompute_modules", names),)),)
 
 
+def granular(granularity: str, sequence_parallel: bool = False) -> tuple:
+    """The ``Case.config`` of ``pas_config['recompute']`` (none, selective or full), with sequence
+    parallelism too when asked."""
+    return (("pas_config", (("recompute", granularity),) + ((("sequence_parallel", True),) if sequence_parallel
+                                                             else ())),)
+
+
 def sequence_parallel() -> tuple:
     """The ``Case.config`` of tensor parallelism with sequence parallelism."""
     return (("pas_config", (("sequence_parallel", True),)),)

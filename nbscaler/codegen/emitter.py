@@ -25,7 +25,7 @@ from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, sour
 from nbscaler.codegen.vocab import vocab_call
 from nbscaler.comm.arguments import local_arguments
 from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Return, Section, Send, Value)
-from nbscaler.ir.graph import IRNode, IRTensor
+from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
 from nbscaler.layouts import COLLECTIVES, emulations
@@ -133,9 +133,11 @@ class SectionPrinter:
                 params.append(expr)
         fn = f"recompute_{attr_name(region.region)}"
         module = region.region.split("#")[0]
+        core = module.endswith(RECOMPUTE_CORE)         # recompute='selective': an attention core
+        module = module[:-len(RECOMPUTE_CORE)] if core else module
         kind = self.sec.graph.meta.get("module_classes", {}).get(module)
-        self.lines.append(f"# {module}{f' ({kind})' if kind else ''} is recomputed in the backward: "
-                          "the forward keeps only its inputs")
+        what = f"{'the attention core of ' if core else ''}{module}{f' ({kind})' if kind else ''}"
+        self.lines.append(f"# {what} is recomputed in the backward: the forward keeps only its inputs")
         self.lines.append(f"def {fn}({', '.join(params)}):")
         body = len(self.lines)
         self.last_comment = self.last_source = None

@@ -94,6 +94,8 @@ class Placement:
 #: ``node.meta`` key of the recomputed region an op belongs to (written by ``policy.recompute``, read
 #: by code generation and the cost model): the ops of one region run again in the backward.
 RECOMPUTE_REGION = "recompute"
+#: The suffix of the region of an attention core (``recompute='selective'``): ``'blocks.0.attn:core'``.
+RECOMPUTE_CORE = ":core"
 
 
 def recompute_runs(nodes: Sequence["IRNode"]) -> List[Tuple[Optional[str], List["IRNode"]]]:

@@ -15,11 +15,15 @@ OVERHEADS = {"bubble": "the pipeline bubble", "tp_comm_share": "tensor-parallel 
              "dp_comm_share": "the data-parallel gradient reduction", "pp_send_share": "pipeline sends"}
 
 
+#: What a configuration's recomputation adds to the compute, in words.
+RECOMPUTING = {"selective": "recomputing the attention cores", "full": "recomputing the layers"}
+
+
 def describe(row) -> str:
-    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute, sequence parallel,
-    ZeRO 2``."""
+    """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute selective, sequence
+    parallel, ZeRO 2``."""
     return (f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
-            f"{'recompute' if row['recompute'] else 'no recompute'}"
+            f"recompute {row['recompute']}"
             f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
 
 
@@ -50,8 +54,8 @@ def binding(row, best, hardware: Hardware) -> str:
     name, most = max(extra.items(), key=lambda kv: kv[1])
     work = (row["step_time_s"] - best["step_time_s"]) - sum(extra.values())
     if work > most:
-        name = "compute, " + ("recomputing the layers" if row["recompute"] and not best["recompute"]
-                              else "in smaller, slower matmuls")
+        name = "compute, " + (RECOMPUTING[row["recompute"]] if row["recompute"] != best["recompute"]
+                              and RECOMPUTING.get(row["recompute"]) else "in smaller, slower matmuls")
         most = work
     return f"{name} ({seconds(most)} more a step than the choice's)"
 

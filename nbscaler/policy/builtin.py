@@ -36,7 +36,7 @@ Each policy walks the graph in order, tracking the layout every tensor is left i
 node with the primitives of ``nbscaler.policy.primitives``.
 
 A built-in policy reads the ``pas_config`` keys it declares in ``POLICY_KEYS`` (and those every
-plan reads: the pipeline settings and ``recompute_modules``), and refuses any other key with a
+plan reads: the pipeline settings, ``recompute`` and ``recompute_modules``), and refuses any other key with a
 ``ValueError`` that names it, so a typo never passes silently; a user's own policy reads what it likes.
 """
 
@@ -48,7 +48,7 @@ from typing import Callable, Dict, Optional, Set, Tuple
 from nbscaler.blocks import Blocks, divide, units
 from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
-from nbscaler.config import PIPELINE_KEYS, RECOMPUTE_MODULES, ComputeConfig
+from nbscaler.config import PIPELINE_KEYS, RECOMPUTE, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.ir.layer_rules import vocabulary_lookups
 from nbscaler.layouts import LayoutKind
@@ -284,7 +284,7 @@ class BuiltinPolicy(StrEnum):
     AUTODIST = "autodist"
 
 
-COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES,)
+COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES, RECOMPUTE)
 """``pas_config`` keys every plan reads, whatever its policy."""
 
 POLICY_KEYS: Dict[str, Tuple[str, ...]] = {

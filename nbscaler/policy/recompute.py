@@ -1,6 +1,19 @@
-"""Activation recomputation: modules whose ops run again in the backward instead of keeping what they save.
+"""Activation recomputation: ops that run again in the backward instead of keeping what they save.
 
-``ComputeConfig(pas_config={'recompute_modules': [...]})`` names the modules in the vocabulary of
+``ComputeConfig(pas_config={'recompute': 'none' | 'selective' | 'full'})`` says how much of each layer
+(``RecomputeGranularity``, as Megatron-LM's ``--recompute-granularity``):
+
+- ``'full'``: each layer of the model's repeated layers (``stack_path``: the largest ModuleList of two
+  or more layers of one class, the one ``nbscaler.sweep`` reads the depth from), as
+  ``recompute_modules=[that list]`` would;
+- ``'selective'``: the attention core of each layer only (``attention_cores``), found in the graph
+  whatever the modules are called: a product of two activations (the scores, Q·Kᵀ) followed through
+  scale, mask, softmax and dropout to the next product of two activations (with V), or one
+  ``scaled_dot_product_attention``. Its region is named after the module it runs in, with ``:core``
+  (``'blocks.0.attn:core'``). It keeps Q, K and V and drops the scores, the probabilities and the
+  dropout mask, which grow with the square of the sequence and cost few FLOPs to make again.
+
+Or ``ComputeConfig(pas_config={'recompute_modules': [...]})`` names the modules in the vocabulary of
 ``nbscaler.policy.modules``: ``'blocks.3'``, ``'blocks'`` (a ModuleList: each of its layers on its
 own), ``'blocks.*.mlp'`` or a class name such as ``'Block'``. Where names nest, the outermost wins.
 
@@ -24,16 +37,108 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from nbscaler.config import RECOMPUTE_MODULES as RECOMPUTE_KEY, ComputeConfig
-from nbscaler.ir.graph import RECOMPUTE_REGION as REGION, IRGraph, IRNode
+from nbscaler.config import RECOMPUTE, RECOMPUTE_MODULES as RECOMPUTE_KEY, ComputeConfig, RecomputeGranularity
+from nbscaler.ir.graph import RECOMPUTE_CORE as CORE, RECOMPUTE_REGION as REGION, IRGraph, IRNode, fed_by_inputs
 from nbscaler.policy.modules import describe_modules, module_classes, named_prefix, prefixes, unknown_names
 from nbscaler.policy.primitives import PolicyError
 
 
 
+#: Ops that multiply two tensors as matrices: the two products of an attention core.
+PRODUCTS = ("matmul",)
+#: Ops that may lie between the two products: scale, mask, softmax, dropout, casts, views.
+BETWEEN = ("elementwise", "softmax", "reshape", "transpose", "expand", "getitem")
+
+
 def recompute_names(cfg: ComputeConfig) -> List[str]:
     """The module names ``cfg`` asks to recompute (checked by ``ComputeConfig`` itself)."""
     return list(cfg.pas_config.get(RECOMPUTE_KEY) or ())
+
+
+def granularity(cfg: ComputeConfig) -> Optional[RecomputeGranularity]:
+    """``pas_config['recompute']``, or ``None`` where the config does not say."""
+    value = cfg.pas_config.get(RECOMPUTE)
+    return None if value is None else RecomputeGranularity(value)
+
+
+def stack_path(graph: IRGraph) -> Optional[str]:
+    """The path of the model's repeated layers in a traced graph: the largest container (by
+    parameters) of two or more layers of one class that the model runs, as
+    ``nbscaler.planning.stack.find_stack`` finds it on the module; ``None`` when there is none."""
+    classes = module_classes(graph)
+    ran = {p for n in graph.nodes for p in prefixes(n.module_path)}
+    best = None
+    for path in graph.meta.get("module_containers", ()):
+        children = [k for k in classes if k.startswith(path + ".") and "." not in k[len(path) + 1:]]
+        if len(children) < 2 or len({classes[c] for c in children}) != 1 or path not in ran:
+            continue
+        size = sum(_numel(t.shape) for name, t in graph.weights.items()
+                   if t.kind == "param" and name.startswith(path + "."))
+        if best is None or size > best[0]:
+            best = (size, path)
+    return None if best is None else best[1]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def attention_cores(graph: IRGraph) -> List[List[IRNode]]:
+    """The attention cores of ``graph``, each as the run of ops (in graph order) it spans.
+
+    A core is either one ``scaled_dot_product_attention``, or a product of two activations (tensors
+    computed from the forward's arguments, not weights: the scores Q·Kᵀ) whose result is followed,
+    through element-wise ops (scale, mask, dropout, casts), views and at least one softmax, to the
+    next product of two activations (the probabilities times V). The run holds every op between
+    the two products (a mask made there, say), so that it is one region.
+    """
+    data = fed_by_inputs(graph)
+    cores: List[List[IRNode]] = []
+    taken = -1
+    for i, node in enumerate(graph.nodes):
+        if i <= taken:
+            continue
+        if node.op == "attention":
+            cores.append([node])
+            taken = i
+            continue
+        if not _activation_product(node, data):
+            continue
+        end = _core_end(graph.nodes, i, data)
+        if end is not None:
+            cores.append(graph.nodes[i:end + 1])
+            taken = end
+    return cores
+
+
+def _activation_product(node: IRNode, data: set) -> bool:
+    """A matrix product whose two operands are both computed from the data (no weight)."""
+    ins = node.inputs
+    return (node.op in PRODUCTS and len(ins) == 2
+            and all(t.kind == "activation" and id(t) in data for t in ins))
+
+
+def _core_end(nodes: Sequence[IRNode], start: int, data: set) -> Optional[int]:
+    """The index of the product that closes the attention core opened by the scores at
+    ``nodes[start]``, or ``None`` where what follows the scores is not softmax attention."""
+    reach = {id(t) for t in nodes[start].output_tensors}
+    softmax = False
+    for j in range(start + 1, len(nodes)):
+        node = nodes[j]
+        reads = [t for t in node.inputs if id(t) in reach]
+        if not reads:
+            continue
+        if _activation_product(node, data):
+            others = [t for t in node.inputs if id(t) not in reach]
+            return j if softmax and len(others) == 1 else None
+        if node.op not in BETWEEN:
+            return None
+        softmax = softmax or node.op == "softmax"
+        reach |= {id(t) for t in node.output_tensors}
+    return None
 
 
 def region_module(path: str, names: Sequence[str], classes: Dict[str, str], containers: Sequence[str]) -> Optional[str]:
@@ -52,14 +157,24 @@ def region_module(path: str, names: Sequence[str], classes: Dict[str, str], cont
 
 
 def mark_recompute(graph: IRGraph, cfg: ComputeConfig) -> None:
-    """The pass: ``node.meta['recompute'] = region`` for every op of a recomputed module (see above).
+    """The pass: ``node.meta['recompute'] = region`` for every op of a recomputed region (see above).
 
-    Raises ``PolicyError`` naming the modules that exist when a name names none of them.
+    Raises ``PolicyError`` naming the modules that exist when a name names none of them, and when
+    ``recompute`` asks for layers or attention cores the model does not have.
     """
     for node in graph.nodes:
         node.meta.pop(REGION, None)
-    names = recompute_names(cfg)
-    if not names or cfg.inference_only:
+    if cfg.inference_only:
+        return
+    chosen = granularity(cfg)
+    if chosen is RecomputeGranularity.SELECTIVE:
+        _mark_regions(graph, selective_regions(graph))
+        return
+    if chosen is RecomputeGranularity.FULL:
+        names = [full_stack(graph)]
+    else:
+        names = recompute_names(cfg)
+    if not names:
         return
     missing = unknown_names(graph, names)
     if missing:
@@ -67,11 +182,42 @@ def mark_recompute(graph: IRGraph, cfg: ComputeConfig) -> None:
                           f"name modules by path (e.g. 'blocks', 'blocks.3', 'blocks.*.mlp') or by class name. "
                           f"The model has: {describe_modules(graph)}.")
     classes, containers = module_classes(graph), set(graph.meta.get("module_containers", ()))
+    _mark_regions(graph, {id(n): region_module(n.module_path, names, classes, containers) for n in graph.nodes})
+
+
+def full_stack(graph: IRGraph) -> str:
+    """The repeated layers ``recompute='full'`` recomputes, each on its own; ``PolicyError`` when none."""
+    path = stack_path(graph)
+    if path is None:
+        raise PolicyError("pas_config['recompute']='full' recomputes each layer of the model's repeated layers "
+                          "(an nn.ModuleList of two or more layers of one class), and this model has none; name "
+                          "the modules to recompute with pas_config['recompute_modules'] instead. The model has: "
+                          f"{describe_modules(graph)}.")
+    return path
+
+
+def selective_regions(graph: IRGraph) -> Dict[int, Optional[str]]:
+    """``id(node)`` -> the attention core it belongs to (``'<module>:core'``) for ``recompute='selective'``;
+    ``PolicyError`` when the graph has no attention core."""
+    cores = attention_cores(graph)
+    if not cores:
+        raise PolicyError("pas_config['recompute']='selective' recomputes the attention core of each layer (the "
+                          "scores Q·Kᵀ through softmax to the product with V, or a scaled_dot_product_attention), "
+                          "and this model has none: no product of two activations leads through a softmax to "
+                          "another. Use recompute='full' (each repeated layer), name modules with "
+                          "pas_config['recompute_modules'], or recompute nothing.")
+    return {id(n): (core[0].module_path + CORE) for core in cores for n in core}
+
+
+def _mark_regions(graph: IRGraph, base: Dict[int, Optional[str]]) -> None:
+    """Write each op's region from ``base`` (``id(node)`` -> the module or core it is recomputed as
+    part of, or ``None``): one region per contiguous run within one stage, ``'#2'`` and on for a
+    later run of the same one; an in-place op on a tensor made before its run is left out."""
     runs: Dict[str, int] = {}
     current: Optional[tuple] = None
     made: set = set()                                  # tensors the current region made
     for node in graph.nodes:
-        module = region_module(node.module_path, names, classes, containers)
+        module = base.get(id(node))
         key = (module, node.stage)
         if module is not None and _writes_outside(node, made if key == current else set()):
             module, key = None, (None, node.stage)

@@ -39,6 +39,7 @@ from nbscaler.planning.stack import one_sequence
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.planning.target_explanation import describe, gigabytes
 from nbscaler.policy.autodist.options import OPTIMIZERS, TARGET_KEYS
+from nbscaler.config import RECOMPUTE
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL, BuiltinPolicy, sequence_parallel
 from nbscaler.policy.primitives import PolicyError
 from nbscaler.space.plan_space import PlanSpace
@@ -66,8 +67,10 @@ class TargetSearch:
     ``global_batch``    the sequences one training step trains on
     ``autodist_space``  the ranges to search, as ``nbscaler.sweep``'s keywords ``tp``, ``pp``,
                         ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage`` (a
-                        missing one: the sweep's default; ``sequence_parallel`` missing and
-                        ``pas_config['sequence_parallel']`` given: that value alone)
+                        missing one: the sweep's default, none, selective and full for
+                        ``recompute``; ``sequence_parallel`` or ``recompute`` missing and
+                        ``pas_config['sequence_parallel']`` or ``['recompute']`` given: that
+                        value alone)
     ``recipe``          the training recipe priced (``nbscaler.Recipe``; default ``Recipe()``:
                         AdamW, fp32 master copies)
     ``master_dtype``    shorthand for the recipe's master copies' dtype (``build_optimizer``'s)
@@ -156,6 +159,8 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
     ranges = dict(search.autodist_space)
     if SEQUENCE_PARALLEL in cfg.pas_config:          # the user's word on it: search that alone
         ranges.setdefault(SEQUENCE_PARALLEL, (sequence_parallel(cfg),))
+    if RECOMPUTE in cfg.pas_config:                  # so on what to recompute
+        ranges.setdefault("recompute", (cfg.pas_config[RECOMPUTE],))
     start, cpu = time.perf_counter(), time.process_time()
     space = PlanSpace(module, dummy_args, hardware, global_batch=search.global_batch,
                       recipe=search.priced.replace(module_dtype=module_dtype), module_dtype=module_dtype,
@@ -166,7 +171,7 @@ def plan_on_target(module: torch.nn.Module, dummy_args: Dict[str, Any], cfg: Com
         leanest = frame.loc[frame.peak_bytes.idxmin()]
         raise PolicyError(f"no configuration of the space fits {hardware.name}'s {gigabytes(hardware.memory_bytes)}: "
                           f"the leanest ({describe(leanest)}) needs {gigabytes(leanest.peak_bytes)} a GPU; "
-                          "allow recompute=True, ZeRO 2, more pipeline stages or more nodes.")
+                          "allow recompute='selective' or 'full', ZeRO 2, more pipeline stages or more nodes.")
     best = fitting.iloc[0]
     chosen = config_of(best, hardware.ngpus, frame.attrs["stack"])
     searched = {"search_s": time.perf_counter() - start, "search_cpu_s": time.process_time() - cpu}

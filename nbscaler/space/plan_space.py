@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from nbscaler.columns import SweepColumn as S
 from nbscaler.comm.layout import storage_layouts
-from nbscaler.config import ComputeConfig
+from nbscaler.config import RECOMPUTE, RECOMPUTE_MODULES, ComputeConfig, RecomputeGranularity
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
@@ -48,8 +48,8 @@ from nbscaler.space.layer_facts import LayerFacts, PlacementMemo, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
 from nbscaler.space.prune import check_prune, pruned_rows
-from nbscaler.space.ranges import (Ranges, checked_ranges, combination_problem, sequence_parallel_at,
-                                      virtual_stages_of)
+from nbscaler.space.ranges import (RECOMPUTE_VALUES, Ranges, checked_ranges, combination_problem,
+                                   sequence_parallel_at, virtual_stages_of)
 from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
@@ -74,15 +74,20 @@ def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
     virtual_stages = int(row[S.VIRTUAL_STAGES])
-    pas = _pas_config(bool(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
+    pas = _pas_config(str(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
     return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
                          pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
                          use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
 
 
-def _pas_config(recompute: bool, sequence_parallel: bool, stack_path: str) -> Dict[str, Any]:
-    """``hybrid``'s options of a configuration: the stack recomputed, sequence parallelism."""
-    pas: Dict[str, Any] = {"recompute_modules": [stack_path]} if recompute else {}
+def _pas_config(recompute: str, sequence_parallel: bool, stack_path: str) -> Dict[str, Any]:
+    """``hybrid``'s options of a configuration: what is recomputed (``'full'``: each layer of the stack
+    at ``stack_path``; ``'selective'``: the attention cores), sequence parallelism."""
+    pas: Dict[str, Any] = {}
+    if recompute == RecomputeGranularity.FULL:
+        pas[RECOMPUTE_MODULES] = [stack_path]
+    elif recompute == RecomputeGranularity.SELECTIVE:
+        pas[RECOMPUTE] = RecomputeGranularity.SELECTIVE.value
     if sequence_parallel:
         pas[SEQUENCE_PARALLEL] = True
     return pas
@@ -99,7 +104,7 @@ class CopyPlacementKey(NamedTuple):
 
     micro: int
     tp: int
-    recompute: bool
+    recompute: str
     sequence_parallel: bool
     zero_stage_2: bool
 
@@ -117,7 +122,7 @@ class PlanSpace:
 
     def __init__(self, module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *,
                  global_batch: int, tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
-                 micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
+                 micro_batch: Optional[Sequence[int]] = None, recompute: Sequence = RECOMPUTE_VALUES,
                  sequence_parallel: Sequence[bool] = (False, True),
                  zero_stage: Sequence[int] = (0, 1, 2), recipe: Optional[Recipe] = None, optimizer: Any = UNSET,
                  master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,

@@ -6,8 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
+from nbscaler.config import RecomputeGranularity
 from nbscaler.cost.hardware import Hardware
 from nbscaler.planning.stack import Stack
+
+#: What a sweep tries for ``recompute`` unless told: nothing, the attention cores, each whole layer.
+RECOMPUTE_VALUES = tuple(g.value for g in RecomputeGranularity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +21,7 @@ class Ranges:
     tp: Optional[Tuple[int, ...]]
     pp: Optional[Tuple[int, ...]]
     micro_batch: Optional[Tuple[int, ...]]
-    recompute: Tuple[bool, ...]
+    recompute: Tuple[str, ...]
     sequence_parallel: Tuple[bool, ...]
     zero_stage: Tuple[int, ...]
     scheduler: str
@@ -40,6 +44,26 @@ def virtual_stages_of(scheduler: str, values: Sequence[int]) -> List[int]:
     if bad or not values:
         raise ValueError(f"sweep's virtual_stages={tuple(values)!r}: give whole numbers >= 1.")
     return list(values)
+
+
+def recompute_values(values: Sequence) -> List[str]:
+    """The sweep's ``recompute`` values as granularities (``'none'``, ``'selective'``, ``'full'``), in
+    the order given, each once; ``True`` and ``False`` are shorthands for ``'full'`` and ``'none'``.
+
+    >>> recompute_values([False, True, "selective"])
+    ['none', 'full', 'selective']
+    """
+    out: List[str] = []
+    for v in values:
+        value = {True: "full", False: "none"}[v] if isinstance(v, bool) else v
+        if value not in RECOMPUTE_VALUES:
+            raise ValueError(f"sweep's recompute={tuple(values)!r}: give some of {', '.join(map(repr, RECOMPUTE_VALUES))} "
+                             "(True and False stand for 'full' and 'none').")
+        if str(value) not in out:
+            out.append(str(RecomputeGranularity(value).value))
+    if not out:
+        raise ValueError(f"sweep's recompute={tuple(values)!r}: give some of {', '.join(map(repr, RECOMPUTE_VALUES))}.")
+    return out
 
 
 def _divisors(n: int) -> List[int]:
@@ -72,7 +96,7 @@ def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, 
         raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
     if not sequence_parallel or any(not isinstance(v, bool) for v in sequence_parallel):
         raise ValueError(f"sweep's sequence_parallel={tuple(sequence_parallel)!r}: give True and/or False.")
-    recompute = [bool(r) for r in recompute]
+    recompute = recompute_values(recompute)
     return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage)
 
 

@@ -1,7 +1,7 @@
 """``nbscaler.sweep``: every configuration of a training run on a target, priced, in one table.
 
 The question before a real run is not one plan but which: tp 4 or 8, how many pipeline stages,
-which micro-batch, recompute or not, sequence parallel or not, ZeRO 1 or 2. ``sweep`` answers it
+which micro-batch, what to recompute, sequence parallel or not, ZeRO 1 or 2. ``sweep`` answers it
 for every combination of the ranges given, with the predictions ``plan.summary(hardware=...)``
 makes for each, in seconds:
 
@@ -12,8 +12,8 @@ makes for each, in seconds:
 How it prices. Each configuration is the ``hybrid`` policy with its ``tp`` inside each of ``pp``
 stages, ``dp = GPUs / (tp * pp)`` units, a pipeline (of one stage when ``pp`` is 1: gradient
 accumulation; ``pp * virtual_stages`` stages under a scheduler that interleaves) over
-``global_batch / (dp * micro_batch)`` micro-batches, the model's repeated layers recomputed or
-not, sequence parallelism or not where ``tp > 1`` (``pas_config={"sequence_parallel": True}``:
+``global_batch / (dp * micro_batch)`` micro-batches, recomputation (``recompute``: ``'none'``,
+``'selective'``, the attention cores, or ``'full'``, each of the model's repeated layers), sequence parallelism or not where ``tp > 1`` (``pas_config={"sequence_parallel": True}``:
 norms, dropout and residual adds on a slice of the sequence, Korthikanti et al. 2022; at
 ``tp == 1`` there is nothing to slice, so one row, without), and ZeRO's stage (``config_of``
 builds that ``ComputeConfig``). Planning each one whole (trace, place, replay every device on
@@ -62,13 +62,14 @@ import torch
 from nbscaler.cost.hardware import Hardware
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.space.plan_space import CONFIG_COLUMNS, PREDICTION_COLUMNS, PlanSpace, config_of
+from nbscaler.space.ranges import RECOMPUTE_VALUES
 
 __all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
 
 
 def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardware, *, global_batch: int,
           tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
-          micro_batch: Optional[Sequence[int]] = None, recompute: Sequence[bool] = (False, True),
+          micro_batch: Optional[Sequence[int]] = None, recompute: Sequence = RECOMPUTE_VALUES,
           sequence_parallel: Sequence[bool] = (False, True), zero_stage: Sequence[int] = (0, 1, 2),
           recipe: Optional[Recipe] = None, optimizer: Any = UNSET, master_dtype: Any = UNSET,
           module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET, scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
@@ -78,7 +79,9 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
 
     ``tp``, ``pp``: sizes to try (``None``: every divisor of the target's GPUs, ``pp`` at most the
     model's layers); ``micro_batch``: sequences per micro-batch (``None``: every divisor of the
-    global batch); ``recompute``: the model's repeated layers recomputed or not;
+    global batch); ``recompute``: what to recompute in the backward, some of ``'none'``, ``'selective'``
+    (each layer's attention core) and ``'full'`` (each layer of the stack), ``True`` and ``False``
+    standing for ``'full'`` and ``'none'`` (the frame's ``recompute`` column reads the words);
     ``sequence_parallel``: sequence parallelism or not, tried only where ``tp > 1`` (at ``tp == 1``
     a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``;

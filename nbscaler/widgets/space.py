@@ -3,7 +3,8 @@
 ``space_svg(frame, hardware)`` draws one mark per row of ``nbscaler.sweep``'s table (or a
 ``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
 capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp,
-a circle where the layers are not recomputed and a diamond where they are; the Pareto front
+a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
+the layers are (the ``recompute`` column: none, selective, full); the Pareto front
 (``space.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
 ``<title>`` is the configuration (``sequence parallel`` where it is) and its figures (the
 browser's hover text).
@@ -57,7 +58,7 @@ def group_of(row) -> str:
 def describe(row) -> str:
     """One configuration and its figures, as a sentence (a mark's hover text, the status line)."""
     fits = "fits" if bool(row[S.FITS]) else "does not fit"
-    recompute = "on" if bool(row[S.RECOMPUTE]) else "off"
+    recompute = row[S.RECOMPUTE]
     sequence = ", sequence parallel" if bool(row[S.SEQUENCE_PARALLEL]) else ""
     return (f"tp {int(row[S.TP])} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
             f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}{sequence}, "
@@ -65,12 +66,17 @@ def describe(row) -> str:
             f"{fmt_bytes(row[S.PEAK_BYTES])} per GPU ({fits})")
 
 
-def _mark(x: float, y: float, recompute: bool, colour: str, ring: bool, size: float = 5.5) -> str:
-    """A circle (layers kept) or a diamond (recomputed), ringed in black on the front."""
+def _mark(x: float, y: float, recompute: str, colour: str, ring: bool, size: float = 5.5) -> str:
+    """A circle (nothing recomputed), a triangle (the attention cores, ``selective``) or a diamond
+    (each layer, ``full``), ringed in black on the front."""
     stroke = dict(stroke=FRONT_COLOUR, stroke_width=2) if ring else dict(stroke="#ffffff", stroke_width=1)
-    if recompute:
+    if recompute == "full":
         s = size * 1.3
         points = f"{x:.1f},{y - s:.1f} {x + s:.1f},{y:.1f} {x:.1f},{y + s:.1f} {x - s:.1f},{y:.1f}"
+        return element("polygon", points=points, fill=colour, **stroke)
+    if recompute == "selective":
+        s = size * 1.3
+        points = f"{x:.1f},{y - s:.1f} {x + s:.1f},{y + s * 0.8:.1f} {x - s:.1f},{y + s * 0.8:.1f}"
         return element("polygon", points=points, fill=colour, **stroke)
     return element("circle", cx=float(x), cy=float(y), r=float(size), fill=colour, **stroke)
 
@@ -130,7 +136,7 @@ def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.S
     for i in order:
         row = frame.iloc[i]
         x, y = to_x(row[S.PEAK_BYTES]), to_y(row[column])
-        mark = _mark(x, y, bool(row[S.RECOMPUTE]), colours[group_of(row)], bool(front[i]),
+        mark = _mark(x, y, str(row[S.RECOMPUTE]), colours[group_of(row)], bool(front[i]),
                      8.0 if i == selected else 5.5)
         hint = describe(row) + (" - on the Pareto front" if front[i] else "")
         body.append(element("g", mark + tooltip(hint), class_="nbs-point nbs-front-point" if front[i] else "nbs-point",
@@ -148,7 +154,8 @@ def _legend(colours: Dict[str, str]) -> str:
     items = list(colours.items())
     out = legend(items, LEFT, 42)
     x = LEFT + legend_width(items) + 10
-    keys = [(False, False, "layers kept"), (True, False, "recomputed"), (False, True, "Pareto front")]
+    keys = [("none", False, "layers kept"), ("selective", False, "attention recomputed"),
+            ("full", False, "layers recomputed"), ("none", True, "Pareto front")]
     for recompute, ring, name in keys:
         out += _mark(x + 6, 38, recompute, "#bbbbbb", ring, 5.0) + label(x + 16, 42, name, size=11, colour=INK)
         x += 30 + 6.5 * len(name)

@@ -16,7 +16,8 @@ from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_byte
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import (Case, buckets, measure_memory, pipeline, predicted_memory, recompute, run_cases,
+from tests.multiprocess import (Case, buckets, granular, measure_memory, pipeline, predicted_memory, recompute,
+                                run_cases,
                                 sequence_parallel, zero)
 
 
@@ -168,6 +169,8 @@ IN_PROCESS = [
     Case("gpt", "pp", 1, 1, optimizer="momentum", config=pipeline("1f1b", 1, 3)),
     slow(Case("gpt", "dp", 1, 1, config=recompute("gpt.blocks"))),    # only the blocks' inputs are kept
     Case("gpt", "pp", 1, 1, config=pipeline("1f1b", 1, 3) + recompute("Block")),
+    Case("gpt", "dp", 1, 1, config=granular("selective")),        # each scaled_dot_product_attention rebuilt
+    Case("llama", "dp", 1, 1, optimizer="adamw", config=granular("selective")),   # q @ k.T to @ v rebuilt
     slow(Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3))),      # each W frees its forward's saves
     Case("gpt", "pp", 1, 1, optimizer="adamw", config=pipeline("zbv", 2, 3)),    # both stages of a V on one rank
 ]
@@ -190,6 +193,7 @@ MULTI = [
     Case("llama", "dp", 1, 2, optimizer="adamw", config=zero() + buckets(16 * 1024)),
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=2) + buckets(16 * 1024)),
     Case("gpt", "tp", 2, 2, config=recompute("gpt.blocks.1", "gpt.blocks.3")),
+    Case("llama", "tp", 2, 2, config=granular("selective", sequence_parallel=True)),
     Case("gpt", "tp", 2, 2, optimizer="adamw", config=sequence_parallel()),     # activations on a sequence slice
     Case("llama", "tp", 2, 2, config=sequence_parallel()),
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4)),

@@ -99,7 +99,7 @@ def test_the_generated_code_shows_the_collectives():
 
 
 @pytest.mark.parametrize("policy, key", [("tp", "sequence_paralel"), ("dp", "sequence_parallel"),
-                                         ("autodist", "memory_limit"), ("pp", "recompute")])
+                                         ("autodist", "memory_limit"), ("pp", "recompute_layers")])
 def test_a_builtin_policy_refuses_a_key_it_does_not_read(policy, key):
     ngpus = 1 if policy == "dp" else 2
     config = dict(use_end2end=True, use_pipeline=True, pipeline_nmicros=2) if policy == "pp" else {}

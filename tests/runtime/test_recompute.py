@@ -12,7 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbscaler import ComputeConfig, parallelize
-from tests.multiprocess import Case, assert_close, check_equivalence, pipeline, recompute, run_ranks, train_parallel
+from tests.multiprocess import (Case, assert_close, check_equivalence, granular, pipeline, recompute, run_ranks,
+                                 train_parallel)
+
+ONE = [                     # recompute='selective' (the attention cores) and 'full' (each layer of the stack)
+    Case("gpt", "dp", 1, 1, config=granular("selective")),
+    Case("hf_qwen2", "dp", 1, 1, config=granular("full")),
+]
 
 TWO = [
     Case("gpt", "dp", 1, 2, config=recompute("gpt.blocks")),
@@ -20,16 +26,27 @@ TWO = [
     Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4) + recompute("gpt.blocks")),
     Case("llama", "tp", 2, 2, config=recompute("blocks.0", "blocks.1.mlp", "RMSNorm")),
     Case("gpt", "pp", 2, 2, config=pipeline("gpipe", 2, 2) + recompute("gpt")),     # a whole stage each
+    Case("gpt", "dp", 1, 2, config=granular("full")),
+    Case("gpt", "tp", 2, 2, config=granular("selective", sequence_parallel=True)),
+    Case("gpt", "data", 2, 2, config=granular("selective")),
+    Case("llama", "tp", 2, 2, config=granular("selective")),        # q @ k.T, mask, softmax, @ v: found in the graph
+    Case("hf_qwen2", "tp", 2, 2, config=granular("selective")),
+    Case("hf_qwen2", "data", 2, 2, config=granular("full")),
 ]
 
 FOUR = [
     Case("gpt", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4) + recompute("gpt.blocks")),
     Case("gpt", "tp", 2, 4, optimizer="adamw", config=recompute("gpt.blocks.*.mlp", "gpt.blocks.0")),
+    Case("gpt", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4) + granular("selective")),
+    Case("gpt", "hybrid", 4, 4, config=pipeline("gpipe", 2, 2) + granular("full")),
+    Case("gpt", "tp", 4, 4, config=granular("full")),
+    Case("gpt", "data", 2, 4, config=granular("full")),
+    Case("hf_qwen2", "hybrid", 4, 4, config=pipeline("1f1b", 2, 4) + granular("selective")),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nranks, cases", [(2, TWO), (4, FOUR)], ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("nranks, cases", [(1, ONE), (2, TWO), (4, FOUR)], ids=["1rank", "2ranks", "4ranks"])
 def test_recompute_trains_like_one_process(nranks, cases, tmp_path):
     per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
     for i, case in enumerate(cases):

@@ -48,8 +48,9 @@ def full_plan_figures(module, args, row, stack, target=TARGET):
 def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
     assert list(frame.columns) == [str(c) for c in SweepColumn]
     # (tp 1, tp 2 without and with sequence parallelism) x pp x micro-batch x recompute x ZeRO
-    assert len(frame) == (1 + 2) * 3 * 2 * 2 * 3
-    assert not frame[frame.tp == 1].sequence_parallel.any() and frame[frame.tp == 2].sequence_parallel.sum() == 36
+    assert len(frame) == (1 + 2) * 3 * 2 * 3 * 3
+    assert not frame[frame.tp == 1].sequence_parallel.any() and frame[frame.tp == 2].sequence_parallel.sum() == 54
+    assert set(frame.recompute) == {"none", "selective", "full"}
     assert (frame.tp * frame.pp * frame.dp == TARGET.ngpus).all()
     assert (frame.micro_batch * frame.micro_batches * frame.dp == GLOBAL_BATCH).all()
     assert frame.fits.any() and not frame.fits.all()
@@ -62,15 +63,19 @@ def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
 
 
 @pytest.mark.parametrize("tp, pp, micro_batch, recompute, zero_stage, sequence_parallel", [
-    (2, 4, 2, True, 2, False),     # tp x pp, one unit: ZeRO over one rank
-    (1, 4, 1, False, 1, False),    # a deep pipeline over 2 units
-    (2, 2, 1, True, 0, False),     # stages of 3 layers, 2 units across nodes
-    (1, 1, 2, False, 2, False),    # gradient accumulation on 8 units
+    (2, 4, 2, "full", 2, False),     # tp x pp, one unit: ZeRO over one rank
+    (1, 4, 1, "none", 1, False),     # a deep pipeline over 2 units
+    (2, 2, 1, "full", 0, False),     # stages of 3 layers, 2 units across nodes
+    (1, 1, 2, "none", 2, False),     # gradient accumulation on 8 units
     # sequence parallel: each stage all-gathers the slice it sends; under ZeRO 2 the norms'
     # weights, each device's gradient partial over its slice, are summed in the backward
-    (2, 4, 2, True, 2, True),
-    (2, 2, 1, False, 0, True),
-    (2, 1, 2, False, 1, True),
+    (2, 4, 2, "full", 2, True),
+    (2, 2, 1, "none", 0, True),
+    (2, 1, 2, "none", 1, True),
+    # selective: each attention core runs again in its layer's backward
+    (2, 4, 2, "selective", 2, True),
+    (1, 2, 2, "selective", 1, False),
+    (2, 2, 1, "selective", 0, False),
 ])
 def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recompute, zero_stage, sequence_parallel):
     row = frame[(frame.tp == tp) & (frame.pp == pp) & (frame.micro_batch == micro_batch)
@@ -94,15 +99,15 @@ def test_a_row_on_a_target_without_overlap_or_flash_attention_is_the_full_plans_
         assert row[column] == pytest.approx(value, rel=1e-9), column
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_prediction(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, recompute", [(False, "full"), (True, "selective")])
+def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_prediction(sequence_parallel, recompute):
     cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=128, n_head=4, n_kv_head=2)
     idx = torch.zeros(1, SEQ, dtype=torch.long)
     frame = nbscaler.sweep(Llama(cfg), {"idx": idx, "targets": idx}, TARGET, global_batch=8, tp=(2,), pp=(2,),
-                           micro_batch=(2,), recompute=(True,), sequence_parallel=(sequence_parallel,),
+                           micro_batch=(2,), recompute=(recompute,), sequence_parallel=(sequence_parallel,),
                            zero_stage=(1,), progress=False)
     row = frame.iloc[0]
-    assert row.sequence_parallel == sequence_parallel
+    assert row.sequence_parallel == sequence_parallel and row.recompute == recompute
     idx2 = torch.zeros(2, SEQ, dtype=torch.long)
     expected = full_plan_figures(Llama(cfg), {"idx": idx2, "targets": idx2}, row, frame.attrs["stack"])
     for column, value in expected.items():

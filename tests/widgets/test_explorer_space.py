@@ -46,13 +46,14 @@ def kept_explorer():
 def test_the_sweep_is_drawn_every_configuration_a_mark_and_the_front_ringed(explorer):
     frame, svg = explorer.space.frame, explorer.space.chart.svg
     assert explorer.tabs.titles[explorer.tabs.selected_index] == SPACE_TAB
-    # tp x pp x micro x recompute on 8 GPUs (14), and the 8 of tp 2 again with sequence parallelism
-    assert svg.count('class="nbs-point') == len(frame) == 22
+    # tp x pp x micro x recompute (none, selective, full) on 8 GPUs (21), and the 12 of tp 2 again with
+    # sequence parallelism
+    assert svg.count('class="nbs-point') == len(frame) == 33
     front = pareto_front(frame)
     assert svg.count("nbs-front-point") == front.sum() == len(explorer.space.front) >= 2
     assert explorer.space.front == [i for i in range(len(frame)) if front.iloc[i]]
     assert "on the Pareto front" in svg and "H100-SXM-80GB capacity 74.5 GiB" in svg
-    assert "Swept 22 configurations" in explorer.status.value
+    assert "Swept 33 configurations" in explorer.status.value
 
 
 def test_a_knob_change_reprices_without_tracing_and_says_how_long(explorer):
@@ -164,7 +165,7 @@ def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart()
 def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
     explorer.space.set(nodes=2)                    # 16 GPUs: more than the device knobs usually offer
     frame = explorer.space.frame
-    row = next(i for i in range(len(frame)) if frame.pp[i] == 2 and frame.recompute[i])
+    row = next(i for i in range(len(frame)) if frame.pp[i] == 2 and frame.recompute[i] == "full")
     chosen, placed = frame.iloc[row], []
     explorer.controls.on_knobs = lambda: placed.append(explorer.controls.knobs())
     explorer.space.pick(row)

@@ -21,8 +21,8 @@ For a target that is not this machine (``pas_config['hardware']``), ``nbscaler.p
 tp, pp, micro-batch, recomputation and ZeRO with ``nbscaler.sweep``'s prices
 (``nbscaler.space.autodist``); this policy refuses such a config on a traced graph.
 
-The knobs are ``pas_config`` keys (``options``), with ``recompute_modules`` taken as given: the
-plans it scores recompute those modules (``nbscaler.policy.recompute``). When none are named and no
+The knobs are ``pas_config`` keys (``options``), with ``recompute`` and ``recompute_modules`` taken as
+given: the plans it scores recompute those regions (``nbscaler.policy.recompute``). When neither is given and no
 plan fits ``memory_limit_bytes``, it recomputes every layer of the model's layer lists and searches
 again (the plan's config then names them); ``planfile`` saves and loads a chosen plan;
 ``explain`` records, per op, the choice against the runner-up.
@@ -53,7 +53,7 @@ from nbscaler.policy.autodist.options import AutodistOptions
 from nbscaler.policy.autodist.planfile import load_plan, save_plan, saved_plan_ngpus
 from nbscaler.policy.autodist.search import SearchResult, search
 from nbscaler.policy.primitives import PolicyError, partition, replicate
-from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
+from nbscaler.policy.recompute import RECOMPUTE_KEY, granularity, mark_recompute, recompute_names
 from nbscaler.policy.staging import layer_of, stage_by_cost
 from nbscaler.schedule import PipelineGeometry
 
@@ -298,12 +298,13 @@ class _Searcher:
         return results, rows, base * 2 ** high, peak
 
     def recompute_layers(self) -> bool:
-        """When no plan fits and the user named no modules to recompute: recompute every layer of the
-        model's layer lists (ModuleLists and the like) and say so in ``graph.meta``, which the planner
-        adopts into the plan's config. ``False`` when that was done already or there are none."""
+        """When no plan fits and the user named no modules to recompute (nor said ``recompute``):
+        recompute every layer of the model's layer lists (ModuleLists and the like) and say so in
+        ``graph.meta``, which the planner adopts into the plan's config. ``False`` when that was done
+        already or there are none."""
         layers = [p for p in self.graph.meta.get("module_containers", ())
                   if any(n.module_path.startswith(p + ".") for n in self.graph.nodes)]
-        if recompute_names(self.cfg) or not layers:
+        if recompute_names(self.cfg) or granularity(self.cfg) is not None or not layers:
             return False
         self.cfg = self.cfg.with_changes(pas_config={RECOMPUTE_KEY: layers})
         self.graph.meta[RECOMPUTE_KEY] = layers
