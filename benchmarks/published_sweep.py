@@ -45,7 +45,7 @@ def sweep_run(run) -> pd.DataFrame:
 def published_row(frame: pd.DataFrame, run) -> pd.Series:
     """The fastest fitting row of the published layout: its t and p, everything recomputed, no
     sequence parallelism, no ZeRO."""
-    rows = frame[(frame.tp == run.tp) & (frame.pp == run.pp) & frame.recompute & ~frame.sequence_parallel
+    rows = frame[(frame.tp == run.tp) & (frame.pp == run.pp) & (frame.recompute == "full") & ~frame.sequence_parallel
                  & (frame.zero_stage == 0)]
     fitting = rows[rows.fits]
     return (fitting if len(fitting) else rows).sort_values("step_time_s").iloc[0]
@@ -53,7 +53,7 @@ def published_row(frame: pd.DataFrame, run) -> pd.Series:
 
 def config(row: pd.Series) -> str:
     return (f"t {row.tp}, p {row.pp}, micro-batch {row.micro_batch}, "
-            f"{'recompute' if row.recompute else 'no recompute'}"
+            f"recompute {row.recompute}"
             f"{', sequence parallel' if row.sequence_parallel else ''}, {'ZeRO-1' if row.zero_stage else 'no ZeRO'}")
 
 
@@ -66,9 +66,10 @@ def why(best: pd.Series, published: pd.Series, capacity: float) -> str:
                        f"exposed dp all-reduce {r.dp_comm_share:.0%}, sends {r.pp_send_share:.0%}")
     parts = [f"{name} {published[name]} -> {best[name]}" for name in ("tp", "pp", "micro_batch")
              if best[name] != published[name]]
-    if published.recompute and not best.recompute:
-        parts.append(f"no recomputation fits ({best.peak_bytes / 1e9:.0f} GB per GPU), so the forward is not run "
-                     f"twice (HFU {published.hfu:.0%} for MFU {published.mfu:.0%} published)")
+    if best.recompute != published.recompute:
+        parts.append(f"recompute {published.recompute} -> {best.recompute}, which fits ({best.peak_bytes / 1e9:.0f} GB "
+                     f"per GPU): less of the forward is run twice (HFU {best.hfu:.0%} against {published.hfu:.0%} "
+                     f"published)")
     if best.sequence_parallel:
         parts.append("sequence parallelism keeps the norms' and residual adds' activations on 1/t of the sequence")
     if best.zero_stage and not published.zero_stage:
