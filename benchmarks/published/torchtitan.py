@@ -74,7 +74,11 @@ def hf_llama(run: PublishedLlamaRun) -> torch.nn.Module:
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-RECOMPUTE = {"none": {}, "every layer": {"recompute_modules": ["model.layers"]}}
+#: torchtitan's selective checkpointing (``selective_ac_option = "op"``) saves the outputs of the
+#: products and of attention and recomputes the rest of each layer; nbscaler's ``selective`` (Megatron-LM's)
+#: recomputes the attention core, one SDPA kernel here. Neither is the other: the three rows bracket it.
+RECOMPUTE = {"none": {"recompute": "none"}, "selective (attention core)": {"recompute": "selective"},
+             "every layer": {"recompute": "full"}}
 
 
 def predict_llama(run: PublishedLlamaRun, log: Callable = print) -> List[Dict[str, object]]:
