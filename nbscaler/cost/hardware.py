@@ -7,8 +7,11 @@ gets in one direction and a latency per message. ``nodes`` and ``gpus_per_node``
 the job has and where a group of ranks stops being on one node.
 
 Every peak here is *dense* (no 2:4 sparsity): vendors print the sparse figure with an asterisk, twice
-the dense one. Link bandwidths are per GPU and per direction: NVIDIA's "900 GB/s NVLink" for an H100
-is both directions of its 18 links together, 450 GB/s each way.
+the dense one. Link bandwidths are per GPU and per direction, and are what NCCL measurably moves over
+the link, nccl-tests' all-reduce ``busbw`` at large messages, not the datasheet's line rate:
+NVIDIA's "900 GB/s NVLink" for an H100 is both directions of its 18 links together, 450 GB/s each
+way, of which NCCL's ring gets about 370 GB/s. The line rates stay in ``DATASHEET_LINK_BYTES_PER_S``
+beside the catalogue, and each target's ``source`` names where its busbw comes from.
 
 >>> hw = Hardware.named("H100-SXM-80GB", nodes=8)
 >>> hw.ngpus, hw.peak_flops(torch.bfloat16) / 1e12
@@ -36,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -77,6 +80,8 @@ class Hardware:
 
     ``peak_flops_by_precision`` holds dense peaks in FLOP/s (a precision the GPU lacks, e.g. bf16 on
     a T4, is absent). Bandwidths are bytes/s per GPU in one direction; latencies seconds per message.
+    ``intra_node_tree_latency_s`` and ``inter_node_tree_latency_s`` are the latency of one step of NCCL's
+    tree, which its tuning table gives apart from the ring's (None: the ring's).
     ``is_local`` marks ``Hardware.local()``: this machine, whose op and collective times come from its
     own calibration rather than from these figures. ``matmul_efficiency`` is the fraction of the bf16
     peak the best-shaped cuBLAS products measurably reach on this GPU (``cost.roofline``).
@@ -97,6 +102,8 @@ class Hardware:
     nodes: int = 1
     is_local: bool = False
     source: str = field(default="", compare=False)
+    intra_node_tree_latency_s: Optional[float] = None
+    inter_node_tree_latency_s: Optional[float] = None
     # the best fraction of the dense peak a large product reaches; 0.80 is an estimate for GPUs without a
     # measured figure (the A100 and H100 entries carry mamf-finder's measurements, see _A100_MAMF)
     matmul_efficiency: float = 0.80
@@ -123,8 +130,11 @@ class Hardware:
                            ("intra_node_bytes_per_s", "bytes/s per GPU and direction"),
                            ("inter_node_bytes_per_s", "bytes/s per GPU and direction")):
             _positive(self.name, name, getattr(self, name), unit)
-        for name in ("intra_node_latency_s", "inter_node_latency_s"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "intra_node_tree_latency_s",
+                     "inter_node_tree_latency_s"):
             value = getattr(self, name)
+            if value is None and "tree" in name:
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"Hardware {self.name!r}: {name}={value!r} must be a latency in seconds, >= 0.")
         for name in ("gpus_per_node", "nodes"):
@@ -179,8 +189,10 @@ class Hardware:
     def link(self, ranks) -> "Link":
         """The slowest link a group of global ``ranks`` crosses: NVLink inside one node, else the network."""
         if len({self.node_of(r) for r in ranks}) <= 1:
-            return Link("intra-node", self.intra_node_bytes_per_s, self.intra_node_latency_s)
-        return Link("inter-node", self.inter_node_bytes_per_s, self.inter_node_latency_s)
+            return Link("intra-node", self.intra_node_bytes_per_s, self.intra_node_latency_s,
+                        self.intra_node_tree_latency_s)
+        return Link("inter-node", self.inter_node_bytes_per_s, self.inter_node_latency_s,
+                    self.inter_node_tree_latency_s)
 
     def running(self, software: Software) -> "Hardware":
         """This target running ``software`` instead of its own."""
@@ -237,11 +249,17 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Link:
-    """The link a collective's group crosses: bytes/s per GPU and direction, seconds per message."""
+    """The link a collective's group crosses: bytes/s per GPU and direction (NCCL's bus bandwidth),
+    seconds per ring step, and seconds per tree step (``tree_latency_s``; None: the ring's)."""
 
     kind: str
     bytes_per_s: float
     latency_s: float
+    tree_latency_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.tree_latency_s is None:
+            object.__setattr__(self, "tree_latency_s", self.latency_s)
 
 
 def _positive(hw: str, name: str, value, unit: str) -> None:
@@ -250,11 +268,36 @@ def _positive(hw: str, name: str, value, unit: str) -> None:
 
 
 # -- the catalogue --------------------------------------------------------------------------------
-# Per-message latencies are NCCL's own figures for one ring step with its LL128 protocol, the one it
-# picks for messages up to a few MB (NCCL 2.12 and later, src/graph/tuning.cc, table hwLat, Ring,
-# LL128 column: NVLink 1.9 us, PCI 2.5 us, NET 4.0 us). NCCL adds a fixed start-up per collective
-# (baseLat, 6-14 us) that is not counted here.
+# Per-step latencies are NCCL's own figures for its LL128 protocol, the one it picks for messages up
+# to a few MB (NVIDIA/nccl, src/graph/tuning.cc, table hwLat, LL128 column, as of commit b647562;
+# the ring's row has not changed since NCCL 2.12). The ring's row: NVLink 1.9 us, PCI 2.5 us, NET 4.0 us. The tree's own row: NVLink
+# 1.25 us, PCI 1.9 us, NET 8.5 us, paid for each of its 2 ceil(log2 n) steps. NCCL adds a fixed
+# start-up per collective (baseLat, 6-14 us) that is not counted here.
 _NVLINK_LAT, _PCIE_LAT, _NET_LAT = 1.9e-6, 2.5e-6, 4.0e-6
+_NVLINK_TREE_LAT, _PCIE_TREE_LAT, _NET_TREE_LAT = 1.25e-6, 1.9e-6, 8.5e-6
+# Link bandwidths are NCCL's bus bandwidth as nccl-tests' all_reduce_perf reports it (busbw) at the
+# large-message plateau (GB-sized messages), per GPU and direction; the datasheet line rates they
+# fall short of are in DATASHEET_LINK_BYTES_PER_S below.
+# - A100 NVLink 3 / NVSwitch, 8 GPUs of a node: 232 GB/s (nccl-tests issue #175, all_reduce_perf
+#   -b 8 -e 4G -g 8 on an 8x A100 NVSwitch node: 232.54 GB/s; an earlier NCCL's tuning model capped
+#   sm80's bus bandwidth at 235 GB/s, tuning.cc at commit 01afd20). Line rate 300 GB/s.
+# - A100 network, DGX A100's 8x ConnectX-6 HDR 200 Gb/s: 24 GB/s per GPU (NVIDIA/nccl issue #812,
+#   NVIDIA's A. Laddy: "on an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure
+#   192GB/s AllReduce BusBW", 192 / 8 NICs; NVIDIA/nccl issue #412, S. Jeaugey: 24 GB/s per HDR
+#   NIC at an 8 GB message). Line rate 25 GB/s.
+# - H100/H200 NVLink 4 / NVSwitch: 370 GB/s (NVIDIA/nccl-tests issue #212, S. Jeaugey: "With the
+#   protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s", the busbw of
+#   the ring, NCCL_ALGO=RING, at sizes above 256 MB). NCCL's all-reduce on 8 GPUs takes NVLink SHARP
+#   (NVLS) by default and reports ~480 GB/s busbw (same thread; an 8x H200 node, nccl-tests issue
+#   #272: 475 GB/s at 4 GB); NVLS is not modelled here, so an all-reduce inside a node is priced as
+#   NCCL's ring and tree would run it. Line rate 450 GB/s.
+# - H100/H200 network, DGX H100/H200's 8x ConnectX-7 NDR 400 Gb/s: 47 GB/s per GPU (NVIDIA/nccl-tests
+#   issue #290, A. Laddy: "For NDR @ 400Gbps you should see 46-48GB/s per NIC", the middle of it;
+#   issue #267: "up to 48-49GB/s per NIC"). Line rate 50 GB/s.
+# - L4 and T4: no published nccl-tests busbw was found for 8 of them on PCIe, nor for Google
+#   Cloud's g2 or AWS's g4dn Ethernet: they keep the datasheet line rates (an upper bound).
+_A100_NVLINK_BUSBW, _A100_HDR_BUSBW = 232 * _GB, 24 * _GB
+_H100_NVLINK_BUSBW, _H100_NDR_BUSBW = 370 * _GB, 47 * _GB
 # Measured matmul ceilings: the best bf16 cuBLAS throughput over a sweep of shapes (S. Bekman,
 # *Machine Learning Engineering*, "Maximum Achievable Matmul FLOPS comparison table", mamf-finder,
 # CUDA 12.1): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%). The H200 has
@@ -278,11 +321,14 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
          P.FP8: 1978.9 * _TFLOPS},
         memory_bytes=80 * _GB, memory_bytes_per_s=3350 * _GB,       # datasheet: 80 GB HBM3, 3.35 TB/s
         gpus_per_node=8,                                            # DGX/HGX H100: 8 GPUs on NVSwitch
-        intra_node_bytes_per_s=450 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 4: 900 GB/s both ways
-        # DGX H100 system: 8x ConnectX-7 400 Gb/s InfiniBand, one per GPU: 50 GB/s each way.
-        inter_node_bytes_per_s=50 * _GB, inter_node_latency_s=_NET_LAT,
+        # NVLink 4 (900 GB/s both ways, 450 each) measured at 370 GB/s busbw; DGX H100 system: 8x
+        # ConnectX-7 400 Gb/s InfiniBand, one per GPU (50 GB/s each way) measured at 47 GB/s.
+        intra_node_bytes_per_s=_H100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
+        inter_node_bytes_per_s=_H100_NDR_BUSBW, inter_node_latency_s=_NET_LAT,
+        intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
         matmul_efficiency=_H100_MAMF,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM); NVIDIA DGX H100 datasheet"),
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM); NVIDIA DGX H100 datasheet; NCCL busbw: "
+               "NVIDIA/nccl-tests issues #212 (NVLink, ring) and #290 (NDR 400 Gb/s per NIC)"),
     Hardware(
         "H200-SXM-141GB",
         # NVIDIA H200 Tensor Core GPU datasheet: the H100's compute (same dense peaks as above).
@@ -290,30 +336,40 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
          P.FP8: 1978.9 * _TFLOPS},
         memory_bytes=141 * _GB, memory_bytes_per_s=4800 * _GB,      # datasheet: 141 GB HBM3e, 4.8 TB/s
         gpus_per_node=8,
-        intra_node_bytes_per_s=450 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 4: 900 GB/s both ways
-        inter_node_bytes_per_s=50 * _GB, inter_node_latency_s=_NET_LAT,       # DGX H200: 8x ConnectX-7 400 Gb/s
+        # The H100's NVLink 4 (450 GB/s each way) and DGX H200's 8x ConnectX-7 400 Gb/s (50 GB/s): the
+        # H100's measured busbw (an 8x H200 node's NVLS all-reduce, 475 GB/s, matches the H100's 480).
+        intra_node_bytes_per_s=_H100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
+        inter_node_bytes_per_s=_H100_NDR_BUSBW, inter_node_latency_s=_NET_LAT,
+        intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
         matmul_efficiency=_H100_MAMF,
-        source="NVIDIA H200 Tensor Core GPU datasheet; NVIDIA DGX H200 datasheet"),
+        source="NVIDIA H200 Tensor Core GPU datasheet; NVIDIA DGX H200 datasheet; NCCL busbw: the H100's "
+               "(NVIDIA/nccl-tests issues #212, #290; an H200 node in #272)"),
     Hardware(
         "A100-SXM-80GB",
         # NVIDIA A100 Tensor Core GPU datasheet, dense: FP32 19.5 TF, TF32 156, BF16/FP16 312; no FP8.
         {P.FP32: 19.5 * _TFLOPS, P.TF32: 156 * _TFLOPS, P.BF16: 312 * _TFLOPS, P.FP16: 312 * _TFLOPS},
         memory_bytes=80 * _GB, memory_bytes_per_s=2039 * _GB,       # datasheet: 80 GB HBM2e, 2,039 GB/s
         gpus_per_node=8,                                            # DGX A100: 8 GPUs on NVSwitch
-        intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,   # NVLink 3: 600 GB/s both ways
-        # DGX A100 system: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU: 25 GB/s each way.
-        inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,
+        # NVLink 3 (600 GB/s both ways, 300 each) measured at 232 GB/s busbw; DGX A100 system: 8x
+        # ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU (25 GB/s each way), measured at 24.
+        intra_node_bytes_per_s=_A100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
+        inter_node_bytes_per_s=_A100_HDR_BUSBW, inter_node_latency_s=_NET_LAT,
+        intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
         matmul_efficiency=_A100_MAMF, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
-        source="NVIDIA A100 Tensor Core GPU datasheet (SXM); NVIDIA DGX A100 datasheet"),
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM); NVIDIA DGX A100 datasheet; NCCL busbw: "
+               "NVIDIA/nccl-tests issue #175 (NVLink), NVIDIA/nccl issues #812 and #412 (HDR 200 Gb/s)"),
     Hardware(
         "A100-SXM-40GB",
         {P.FP32: 19.5 * _TFLOPS, P.TF32: 156 * _TFLOPS, P.BF16: 312 * _TFLOPS, P.FP16: 312 * _TFLOPS},
         memory_bytes=40 * _GB, memory_bytes_per_s=1555 * _GB,       # datasheet: 40 GB HBM2, 1,555 GB/s
         gpus_per_node=8,
-        intra_node_bytes_per_s=300 * _GB, intra_node_latency_s=_NVLINK_LAT,
-        inter_node_bytes_per_s=25 * _GB, inter_node_latency_s=_NET_LAT,       # DGX A100 (40 GB): 8x HDR 200 Gb/s
+        # The 80 GB one's NVLink 3 and, in DGX A100 (40 GB), its 8x HDR 200 Gb/s: the same measured busbw.
+        intra_node_bytes_per_s=_A100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
+        inter_node_bytes_per_s=_A100_HDR_BUSBW, inter_node_latency_s=_NET_LAT,
+        intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
         matmul_efficiency=_A100_MAMF, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
-        source="NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB); NVIDIA DGX A100 datasheet"),
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB); NVIDIA DGX A100 datasheet; NCCL busbw: "
+               "NVIDIA/nccl-tests issue #175 (NVLink), NVIDIA/nccl issues #812 and #412 (HDR 200 Gb/s)"),
     Hardware(
         "L4",
         # NVIDIA L4 Tensor Core GPU datasheet, dense: FP32 30.3 TF, TF32 120/2, BF16/FP16 242/2, FP8 485/2.
@@ -322,20 +378,38 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         memory_bytes=24 * _GB, memory_bytes_per_s=300 * _GB,        # datasheet: 24 GB GDDR6, 300 GB/s
         # No NVLink: GPUs of a node talk over PCIe Gen4 x16 (64 GB/s both ways, datasheet). A node of 8 L4
         # with 100 Gb/s Ethernet as Google Cloud's g2-standard-96 is: 12.5 GB/s shared by 8 GPUs.
+        # Datasheet line rates: no published nccl-tests busbw was found for either.
         gpus_per_node=8, intra_node_bytes_per_s=32 * _GB, intra_node_latency_s=_PCIE_LAT,
         inter_node_bytes_per_s=12.5 * _GB / 8, inter_node_latency_s=_NET_LAT,
-        source="NVIDIA L4 Tensor Core GPU datasheet; Google Cloud G2 machine types"),
+        intra_node_tree_latency_s=_PCIE_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
+        source="NVIDIA L4 Tensor Core GPU datasheet; Google Cloud G2 machine types; links at their line "
+               "rates (no published NCCL busbw found)"),
     Hardware(
         "T4",
         # NVIDIA T4 datasheet: FP32 8.1 TF, mixed FP16 65 TF (dense); Turing has no BF16, TF32 or FP8.
         {P.FP32: 8.1 * _TFLOPS, P.FP16: 65 * _TFLOPS},
         memory_bytes=16 * _GB, memory_bytes_per_s=320 * _GB,        # datasheet: 16 GB GDDR6, 320+ GB/s
         # PCIe Gen3 x16 (32 GB/s both ways, datasheet). A node of 8 T4 with 100 Gb/s networking as
-        # AWS's g4dn.metal is: 12.5 GB/s shared by 8 GPUs.
+        # AWS's g4dn.metal is: 12.5 GB/s shared by 8 GPUs. Datasheet line rates: no published
+        # nccl-tests busbw was found for either.
         gpus_per_node=8, intra_node_bytes_per_s=16 * _GB, intra_node_latency_s=_PCIE_LAT,
         inter_node_bytes_per_s=12.5 * _GB / 8, inter_node_latency_s=_NET_LAT,
-        source="NVIDIA T4 Tensor Core GPU datasheet; AWS EC2 G4 instance types (g4dn.metal)"),
+        intra_node_tree_latency_s=_PCIE_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
+        source="NVIDIA T4 Tensor Core GPU datasheet; AWS EC2 G4 instance types (g4dn.metal); links at "
+               "their line rates (no published NCCL busbw found)"),
 )}
+
+#: The datasheets' line rates of each catalogued target's links, per GPU and direction, in bytes/s:
+#: name -> (inside a node, between nodes). The catalogue prices collectives at NCCL's measured bus
+#: bandwidth, below these where a measurement exists (see the comments above the catalogue).
+DATASHEET_LINK_BYTES_PER_S: Dict[str, Tuple[float, float]] = {
+    "H100-SXM-80GB": (450 * _GB, 50 * _GB),       # NVLink 4: 900 GB/s both ways; ConnectX-7 400 Gb/s per GPU
+    "H200-SXM-141GB": (450 * _GB, 50 * _GB),      # the same NVLink 4; DGX H200: ConnectX-7 400 Gb/s per GPU
+    "A100-SXM-80GB": (300 * _GB, 25 * _GB),       # NVLink 3: 600 GB/s both ways; ConnectX-6 HDR 200 Gb/s per GPU
+    "A100-SXM-40GB": (300 * _GB, 25 * _GB),
+    "L4": (32 * _GB, 12.5 * _GB / 8),             # PCIe Gen4 x16; 100 Gb/s Ethernet shared by 8 GPUs
+    "T4": (16 * _GB, 12.5 * _GB / 8),             # PCIe Gen3 x16; 100 Gb/s shared by 8 GPUs
+}
 
 
 #: Former names that still resolve, each with a DeprecationWarning: name -> (today's name, why).

@@ -4,23 +4,27 @@ A collective over a group of ``n`` ranks moves, per rank, a share of the data NC
 bytes, over the group's slowest link (``Hardware.link``: NVLink when every rank is on one node,
 else the network, whose per-GPU bandwidth is a node's NICs shared by its GPUs), and pays that
 link's latency once per algorithm step. With ``b`` the local input's bytes, ``B`` the link's
-bandwidth per GPU and direction and ``a`` its latency per step:
+bandwidth per GPU and direction, ``a`` its latency per ring step and ``t`` per tree step
+(``Link.tree_latency_s``):
 
-==================  =========================================  ============================
+==================  =========================================  ==========================================
 collective          ring                                       tree (all-reduce only)
-==================  =========================================  ============================
-``all_reduce``      ``2(n-1) a + 2(n-1)/n b / B``               ``2 ceil(log2 n) a + 2(n-1)/n b / B``
+==================  =========================================  ==========================================
+``all_reduce``      ``2(n-1) a + 2(n-1)/n b / B``               ``2 ceil(log2 n) t + 2(n-1)/n b / (0.92 B)``
 ``all_gather``      ``(n-1) a + (n-1) b / B`` (output ``n b``)
 ``reduce_scatter``  ``(n-1) a + (n-1)/n b / B``
 ``all_to_all``      ``(n-1) a + (n-1)/n b / B``
 send/recv           ``a + b / B``
-==================  =========================================  ============================
+==================  =========================================  ==========================================
 
 The bandwidth factors are those NCCL's performance notes use to turn a collective's time into bus
 bandwidth (``2(n-1)/n`` for all-reduce, ``(n-1)/n`` of the output for all-gather and of the input
-for reduce-scatter), so a link's bandwidth is what ``nccl-tests`` reports as ``busbw``. NCCL's
-double binary tree reaches about the ring's bus bandwidth and takes ``log2 n`` steps up and down
-instead of ``n - 1`` around; NCCL picks the faster, and so does ``all_reduce`` here.
+for reduce-scatter), so a link's bandwidth is what ``nccl-tests`` reports as ``busbw``: the
+catalogue's figures are such measurements at large messages (``cost.hardware``). NCCL's double
+binary tree takes ``log2 n`` steps up and down instead of ``n - 1`` around, each with its own
+latency, and moves the same bus bytes a little slower: NCCL's tuning model gives it 0.92 of the
+ring's bus bandwidth (``TREE_BUS_RATIO``, NVIDIA/nccl src/graph/tuning.cc). NCCL picks the faster,
+and so does ``all_reduce`` here: the tree for small messages over many ranks, the ring for large ones.
 
 Where a group sits follows Megatron's rank order, which nbscaler's runtime ranks have: within a unit
 (a model copy) the tensor-parallel ranks are adjacent, then the pipeline stages; units (data
@@ -45,6 +49,10 @@ from nbscaler.cost.comm_model import backward_time, priced_as
 from nbscaler.cost.hardware import Hardware, Link
 from nbscaler.layouts import Backend, Collective
 
+#: The tree's bus bandwidth over the ring's: NCCL's tuning model takes ``busBw * .92`` for its tree
+#: (NVIDIA/nccl, src/graph/tuning.cc, ``if (a == NCCL_ALGO_TREE) busBw = std::min(busBw*.92, ...)``).
+TREE_BUS_RATIO = 0.92
+
 
 @dataclass(frozen=True)
 class NcclModel:
@@ -61,10 +69,12 @@ class NcclModel:
         return steps * link.latency_s + nbytes / link.bytes_per_s
 
     def all_reduce(self, nbytes: float, n: int, link: Link) -> float:
-        """The faster of NCCL's ring and tree for an all-reduce of ``nbytes`` over ``n`` ranks."""
+        """The faster of NCCL's ring and tree for an all-reduce of ``nbytes`` over ``n`` ranks: the
+        tree pays the link's tree latency (``Link.tree_latency_s``) for each of its
+        ``2 ceil(log2 n)`` steps and moves the bus bytes at ``TREE_BUS_RATIO`` of the ring's rate."""
         bus = 2 * (n - 1) / n * nbytes
         ring = self.ring(2 * (n - 1), bus, link)
-        tree = self.ring(2 * math.ceil(math.log2(n)), bus, link)
+        tree = 2 * math.ceil(math.log2(n)) * link.tree_latency_s + bus / (TREE_BUS_RATIO * link.bytes_per_s)
         return min(ring, tree)
 
     def forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:

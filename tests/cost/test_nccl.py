@@ -1,4 +1,5 @@
-"""NCCL's costs on a target: the ring and tree formulas exactly, on the link the group spans."""
+"""NCCL's costs on a target: the ring and tree formulas exactly, on the link the group spans, and the
+choice between them as NCCL's own latencies make it."""
 
 import dataclasses
 import math
@@ -7,11 +8,14 @@ import pytest
 
 from nbscaler import Hardware
 from nbscaler.cost.comm_model import CommModel
-from nbscaler.cost.nccl import NcclModel
+from nbscaler.cost.hardware import Link
+from nbscaler.cost.nccl import TREE_BUS_RATIO, NcclModel
 
-# Round figures, so each formula reads off: 100 GB/s and 1 us inside a node, 10 GB/s and 10 us across.
+# Round figures, so each formula reads off: 100 GB/s and 1 us a ring step (0.5 us a tree step) inside a
+# node, 10 GB/s and 10 us a ring step (20 us a tree step) across.
 HW = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=4), intra_node_bytes_per_s=100e9,
-                         intra_node_latency_s=1e-6, inter_node_bytes_per_s=10e9, inter_node_latency_s=10e-6)
+                         intra_node_latency_s=1e-6, inter_node_bytes_per_s=10e9, inter_node_latency_s=10e-6,
+                         intra_node_tree_latency_s=0.5e-6, inter_node_tree_latency_s=20e-6)
 MB = 10 ** 6
 
 
@@ -21,8 +25,9 @@ def test_ring_formulas_inside_a_node():
     assert nccl.forward("all_gather", MB, n, ranks=range(4)) == pytest.approx(3 * 1e-6 + 3 * MB / 100e9)
     assert nccl.forward("reduce_scatter", MB, n, ranks=range(4)) == pytest.approx(3 * 1e-6 + 0.75 * MB / 100e9)
     assert nccl.forward("all_to_all", MB, n, ranks=range(4)) == pytest.approx(3 * 1e-6 + 0.75 * MB / 100e9)
-    # all-reduce: the tree's 2 log2(4) = 4 latency steps beat the ring's 2 (4-1) = 6, same bus bytes
-    assert nccl.forward("all_reduce", MB, n, ranks=range(4)) == pytest.approx(4 * 1e-6 + 1.5 * MB / 100e9)
+    # all-reduce: the tree's 2 log2(4) = 4 steps of 0.5 us beat the ring's 2 (4-1) = 6 of 1 us, by more
+    # than its bus bytes lose at 0.92 of the ring's rate (ring 21 us, tree 18.3 us)
+    assert nccl.forward("all_reduce", MB, n, ranks=range(4)) == pytest.approx(4 * 0.5e-6 + 1.5 * MB / 92e9)
     assert nccl.p2p(MB, ranks=(0, 1)) == pytest.approx(1e-6 + MB / 100e9)
     assert nccl.forward("all_reduce", MB, 1) == 0.0 and nccl.forward("first_only", MB, 4) == 0.0
     assert nccl.p2p_post(10) == 0.0
@@ -33,9 +38,45 @@ def test_for_a_large_group_the_tree_saves_latency_steps():
     link = HW.link(range(32))
     n = 32
     ring = 2 * (n - 1) * 10e-6 + 2 * (n - 1) / n * MB / 10e9
-    tree = 2 * math.ceil(math.log2(n)) * 10e-6 + 2 * (n - 1) / n * MB / 10e9
+    tree = 2 * math.ceil(math.log2(n)) * 20e-6 + 2 * (n - 1) / n * MB / (TREE_BUS_RATIO * 10e9)
     assert nccl.all_reduce(MB, n, link) == pytest.approx(min(ring, tree)) == pytest.approx(tree)
-    assert nccl.all_reduce(MB, 2, HW.link([0, 1])) == pytest.approx(2 * 1e-6 + MB / 100e9)   # 2 ranks: equal
+    # 2 ranks: the same 2 steps, the tree's cheaper (0.5 us) but at 0.92 of the bandwidth
+    assert nccl.all_reduce(MB, 2, HW.link([0, 1])) == pytest.approx(min(2 * 1e-6 + MB / 100e9,
+                                                                        2 * 0.5e-6 + MB / 92e9))
+    assert nccl.all_reduce(100 * MB, 2, HW.link([0, 1])) == pytest.approx(2 * 1e-6 + 100 * MB / 100e9)
+
+
+def test_on_a_catalogued_target_the_tree_wins_small_messages_and_the_ring_large_ones():
+    """NCCL's own latencies (tuning.cc's hwLat, LL128): a tree step costs 1.25 us on NVLink against the
+    ring's 1.9, 8.5 us on the network against 4.0; the tree moves its bus bytes at 0.92 of the ring's."""
+    h100 = Hardware.named("H100-SXM-80GB", nodes=4)
+    nccl = NcclModel(h100)
+    inside, across = h100.link(range(8)), h100.link(range(32))
+    assert (inside.latency_s, inside.tree_latency_s) == (1.9e-6, 1.25e-6)
+    assert (across.latency_s, across.tree_latency_s) == (4.0e-6, 8.5e-6)
+
+    def both(nbytes, n, link):
+        bus = 2 * (n - 1) / n * nbytes
+        return (2 * (n - 1) * link.latency_s + bus / link.bytes_per_s,
+                2 * math.ceil(math.log2(n)) * link.tree_latency_s + bus / (0.92 * link.bytes_per_s))
+
+    for n, link in ((8, inside), (32, across)):
+        ring, tree = both(64 * 1024, n, link)
+        assert tree < ring and nccl.all_reduce(64 * 1024, n, link) == pytest.approx(tree)      # 64 KiB: tree
+        ring, tree = both(2 ** 30, n, link)
+        assert ring < tree and nccl.all_reduce(2 ** 30, n, link) == pytest.approx(ring)        # 1 GiB: ring
+    # across 4 nodes, one rank each: 4 tree steps of 8.5 us cost more than 6 ring steps of 4 us, so
+    # the ring wins at every size
+    for nbytes in (1024, MB, 2 ** 30):
+        ring, tree = both(nbytes, 4, h100.link([0, 8, 16, 24]))
+        assert ring < tree
+        assert nccl.forward("all_reduce", nbytes, 4, ranks=[0, 8, 16, 24]) == pytest.approx(ring)
+
+
+def test_a_link_without_a_tree_latency_takes_the_rings():
+    assert Link("intra-node", 1e9, 3e-6).tree_latency_s == 3e-6
+    custom = dataclasses.replace(Hardware.named("A100-SXM-80GB"), intra_node_tree_latency_s=None)
+    assert custom.link(range(8)).tree_latency_s == custom.intra_node_latency_s
 
 
 def test_backwards_are_the_matching_collectives():
