@@ -56,6 +56,7 @@ from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import stage_by_cost
 from nbscaler.schedule import PipelineGeometry
+from nbscaler.schedule.schedulers import scheduler_spec
 
 Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
 
@@ -107,10 +108,18 @@ def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 
 def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Split each op along the batch axis (dim 0 of the inputs), following it through the graph."""
+    """Split each op along the batch axis (dim 0 of the inputs), following it through the graph; a
+    batch that does not divide over the unit's devices is refused (it would replicate every op)."""
     n = cfg.plan_ngpus
     devices = list(range(n))
     batch_inputs = {id(t) for t in graph.inputs if t.ndim and t.shape[0] % n == 0}
+    sizes = sorted({t.shape[0] for t in graph.inputs if t.ndim})
+    if n > 1 and sizes and not batch_inputs:
+        raise PolicyError(f"policy 'data' splits the batch over the {n} devices of a unit, but no input's first "
+                          f"dimension divides by {n} (batch size{'s' if len(sizes) > 1 else ''} "
+                          f"{', '.join(map(str, sizes))}), so every op would run whole on every device: trace "
+                          f"with a batch that is a multiple of {n} (e.g. {-(-sizes[0] // n) * n}), or set "
+                          f"plan_ngpus to a divisor of {sizes[0]} (and runtime_ngpus to a multiple of it).")
     batch_dim: Dict[int, int] = {i: 0 for i in batch_inputs}
     for node in graph.nodes:
         choice = None
@@ -195,6 +204,13 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
     (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage)."""
     geometry = pipeline_geometry(cfg, "hybrid")
+    spec = scheduler_spec(cfg.scheduler)
+    if spec.stages_per_device is None and cfg.plan_ngpus > 1:
+        raise PolicyError(f"policy 'hybrid' runs each pipeline stage tensor-parallel, but {cfg.scheduler} "
+                          f"spreads its stages over every one of the {cfg.plan_ngpus} plan devices, which leaves "
+                          "each stage one device and no tensor parallelism: use 'pp' for an interleaved pipeline, "
+                          "or for 'hybrid' a scheduler with a fixed number of stages per device (1f1b, gpipe, "
+                          "zbv, ...) that leaves several plan devices to each pipeline device (for 1f1b on 4: pipeline_nstages=2).")
     stage_by_cost(graph, geometry.schedule.nstages)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 

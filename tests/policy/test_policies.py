@@ -84,3 +84,21 @@ def test_custom_policy_trains_like_one_process(tmp_path):
     check_equivalence(cases[1], [r[0] for r in per_rank])
     per_rank = run_ranks(train_parallel, 2, cases[:1], str(tmp_path))
     check_equivalence(cases[0], [r[0] for r in per_rank])
+
+
+def test_data_refuses_a_batch_that_does_not_divide():
+    graph = trace_module(Llama(), batch("llama", 0))          # a batch of 4
+    with pytest.raises(PolicyError, match=r"batch size 4\).*multiple of 3 \(e\.g\. 6\).*divisor of 4"):
+        get_policy("data")(graph, ComputeConfig(plan_ngpus=3, runtime_ngpus=3))
+
+
+def test_hybrid_refuses_a_scheduler_that_leaves_no_tensor_parallelism(tmp_path):
+    cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b_interleaved",
+                        pipeline_nstages=8, pipeline_nmicros=4)
+    with pytest.raises(PolicyError, match="1f1b_interleaved spreads its stages over every one of the 4 plan devices.*'pp'"):
+        get_policy("hybrid")(llama_graph(), cfg)
+    two = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b", pipeline_nstages=2,
+                        pipeline_nmicros=4)
+    graph = get_policy("hybrid")(llama_graph(), two)                    # 1f1b keeps 2-way tensor parallelism
+    assert {len(n.placement.devices) for n in graph.nodes} == {2}
+    assert any(n.placement.split for n in graph.select(op="linear"))
