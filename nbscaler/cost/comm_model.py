@@ -49,6 +49,7 @@ import torch.distributed as dist
 from nbscaler.cost.cache import cache_dir
 from nbscaler.cost.speed import rank_device, sync
 from nbscaler.layouts import COLLECTIVES, Backend, Collective, runs
+from nbscaler.runtime.backend import BackendChoice, host_backend
 
 def priced_as(fn: str, n: int, backend: Optional[str] = None) -> Optional[Collective]:
     """The primitive collective the models time ``fn``'s forward as: the one ``layouts.COLLECTIVES``
@@ -121,13 +122,22 @@ class CommModel:
 
 
 def _backend(backend: Optional[str]) -> str:
-    """``backend``, or the one a plan on this machine runs: gloo without CUDA, nccl with."""
-    return backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    """``backend``, or the one ranks on this machine run (``local_backend``)."""
+    return str(backend or local_backend().value)
 
 
-def local_backend() -> Backend:
-    """The backend a plan on this machine is priced for (``_backend``'s)."""
-    return Backend(_backend(None))
+def local_choice(runtime_ngpus: Optional[int] = None) -> BackendChoice:
+    """The backend and device ``runtime_ngpus`` ranks on this host get, as the runtime chooses them
+    (``runtime.backend.host_backend``: nccl only where every rank has a GPU of its own, else gloo on
+    the CPU; ``NBSCALER_BACKEND`` overrides). Without a count: as many ranks as there are GPUs
+    (one where there is none). A plan's ranks all run on this host, as in a notebook."""
+    return host_backend(runtime_ngpus or max(1, torch.cuda.device_count()))
+
+
+def local_backend(runtime_ngpus: Optional[int] = None) -> Backend:
+    """The backend a plan of ``runtime_ngpus`` ranks on this machine runs, and so is priced for
+    (``local_choice``): gloo on a host with fewer GPUs than ranks, though CUDA is there."""
+    return local_choice(runtime_ngpus).backend
 
 
 def _path(backend: str, nranks: int) -> Path:
