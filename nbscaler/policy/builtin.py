@@ -210,7 +210,8 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
                           f"spreads its stages over every one of the {cfg.plan_ngpus} plan devices, which leaves "
                           "each stage one device and no tensor parallelism: use 'pp' for an interleaved pipeline, "
                           "or for 'hybrid' a scheduler with a fixed number of stages per device (1f1b, gpipe, "
-                          "zbv, ...) that leaves several plan devices to each pipeline device (for 1f1b on 4: pipeline_nstages=2).")
+                          "zbv, ...) that leaves several plan devices to each pipeline device (for 1f1b on 4: "
+                          "pipeline_nstages=2).")
     stage_by_cost(graph, geometry.schedule.nstages)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
