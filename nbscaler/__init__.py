@@ -7,6 +7,7 @@
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.ir.registry import register_op
+from nbscaler.cost.optimizers import register_optimizer
 from nbscaler.parallel import parallelize, plan
 from nbscaler.planning import Plan
 from nbscaler.recipe import LossScaling, Recipe
@@ -20,7 +21,8 @@ from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, loa
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "ReuseType", "UserConfig",
            "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "Hardware",
            "init_distributed", "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts",
-           "LossScaling", "NumberFormat", "parallelize", "Plan", "PlanSpace", "plan", "Recipe", "register_op", "sweep"]
+           "LossScaling", "NumberFormat", "parallelize", "Plan", "PlanSpace", "plan", "Recipe", "register_op",
+           "register_optimizer", "sweep"]
 __version__ = "0.1.0"
 
 
