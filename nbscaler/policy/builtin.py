@@ -96,6 +96,10 @@ def fused_blocks(graph: IRGraph) -> Dict[int, Tuple[int, Blocks]]:
     return want
 
 
+#: The key of ``graph.meta`` where a policy says what it did that its name does not (``plan.explain()``).
+POLICY_NOTE = "policy_note"
+
+
 def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Pure data parallelism: one whole copy of the model per rank."""
     if cfg.plan_ngpus != 1:
@@ -202,16 +206,20 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
-    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage)."""
+    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage). Under a
+    scheduler whose stages take every plan device (``1f1b_interleaved``) a stage has one device: the
+    graph's ``meta[POLICY_NOTE]`` says so (``plan.explain()`` prints it), and sequence parallelism,
+    which needs tensor-parallel stages, is refused."""
     geometry = pipeline_geometry(cfg, "hybrid")
-    spec = scheduler_spec(cfg.scheduler)
-    if spec.stages_per_device is None and cfg.plan_ngpus > 1:
-        raise PolicyError(f"policy 'hybrid' runs each pipeline stage tensor-parallel, but {cfg.scheduler} "
-                          f"spreads its stages over every one of the {cfg.plan_ngpus} plan devices, which leaves "
-                          "each stage one device and no tensor parallelism: use 'pp' for an interleaved pipeline, "
-                          "or for 'hybrid' a scheduler with a fixed number of stages per device (1f1b, gpipe, "
-                          "zbv, ...) that leaves several plan devices to each pipeline device (for 1f1b on 4: "
-                          "pipeline_nstages=2).")
+    if scheduler_spec(cfg.scheduler).stages_per_device is None and cfg.plan_ngpus > 1:
+        # the scheduler's stages take every plan device: one device a stage, no tensor parallelism
+        why = (f"{cfg.scheduler} spreads its stages over every one of the {cfg.plan_ngpus} plan devices, so 'hybrid' "
+               "runs each stage on one device, without tensor parallelism (as 'pp' would); for tensor-parallel "
+               "stages use a scheduler with a fixed number of stages per device (1f1b, gpipe, zbv, ...) that leaves "
+               "several plan devices to each pipeline device (for 1f1b on 4: pipeline_nstages=2).")
+        if sequence_parallel(cfg):
+            raise PolicyError(f"pas_config['{SEQUENCE_PARALLEL}'] asks for tensor-parallel stages, but {why}")
+        graph.meta[POLICY_NOTE] = why
     stage_by_cost(graph, geometry.schedule.nstages)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
