@@ -48,8 +48,7 @@ import torch.distributed as dist
 
 from nbscaler.cost.cache import cache_dir
 from nbscaler.cost.speed import rank_device, sync
-from nbscaler.layouts import COLLECTIVES, Backend, Collective, runs
-from nbscaler.runtime.backend import BackendChoice, host_backend
+from nbscaler.layouts import COLLECTIVES, Backend, BackendChoice, Collective, host_backend, runs
 
 def priced_as(fn: str, n: int, backend: Optional[str] = None) -> Optional[Collective]:
     """The primitive collective the models time ``fn``'s forward as: the one ``layouts.COLLECTIVES``
