@@ -8,6 +8,7 @@ from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, RecomputeG
 from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.cost.software import AttentionKind, Software
 from nbscaler.ir.registry import register_op
+from nbscaler.cost.optimizers import register_optimizer
 from nbscaler.parallel import parallelize, plan
 from nbscaler.planning import Plan
 from nbscaler.recipe import LossScaling, Recipe
@@ -21,8 +22,8 @@ from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, loa
 __all__ = ["BroadcastGenFilesStrategy", "ComputeConfig", "ParallelModule", "RecomputeGranularity", "ReuseType", "UserConfig",
            "DistributedInfo", "broadcast_weights", "build_optimizer", "deduped_state_dict", "Hardware",
            "init_distributed", "load_deduped_state_dict", "load_merged_state_dicts", "merge_state_dicts",
-           "LossScaling", "NumberFormat", "parallelize", "Plan", "PlanSpace", "plan", "Recipe", "register_op", "sweep",
-           "Software", "AttentionKind"]
+           "LossScaling", "NumberFormat", "parallelize", "Plan", "PlanSpace", "plan", "Recipe", "register_op",
+           "register_optimizer", "sweep", "Software", "AttentionKind"]
 __version__ = "0.1.0"
 
 

@@ -4,7 +4,8 @@ each run against the same training in one process.
 Run it with ``python -m nbscaler.cli demo`` (or ``make demo``). Each case starts ``--ranks`` fresh
 processes with a gloo group, rank 0 compiles the model (the others wait and load), every rank
 trains a few steps, and the losses are compared with a single-process run of the same model on the
-same data. Gradients of data-parallel units are summed, so the reference sums the losses of every
+same data. Beside each measured step, the table gives the step ``plan.summary()`` predicts for it on
+this machine, and after it what those predictions assume (``plan.assumed()``). Gradients of data-parallel units are summed, so the reference sums the losses of every
 unit's batch.
 
 Then the tour: the last case's plan is compiled in this process (``nbscaler.plan``) and trained on a
@@ -19,7 +20,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pandas as pd
 import torch
@@ -105,8 +106,17 @@ def reference_losses(case: DemoCase, steps: int) -> List[List[List[float]]]:
                          lambda step, unit: _samples(step, unit, nmicros), steps=steps, units=case.config.units).losses
 
 
+def predicted(case: DemoCase) -> Tuple[float, List[str]]:
+    """The step ``case`` is predicted to take on this machine (the slowest rank's, training with
+    the demo's SGD), and what that prediction assumes (``plan.assumed()``)."""
+    torch.manual_seed(0)
+    compiled = plan(GPT(MODEL), {"batch": sample_batch(MODEL, BATCH)}, case.policy, case.config)
+    return float(compiled.summary(torch.optim.SGD).step_time_s.max()), compiled.assumed()
+
+
 def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
     per_rank = spawn(_train_on_rank, case.runtime_ngpus, case, steps, gen_dir, timeout=600)
+    predicted_s, assumed = predicted(case)            # after the run: at the speed its ranks left measured
     ref = reference_losses(case, steps)
     worst = 0.0
     for rank, res in enumerate(per_rank):
@@ -115,12 +125,14 @@ def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
             for got, want in zip(res["losses"][step], ref[step][unit]):
                 worst = max(worst, abs(got - want) / abs(want))
     first = per_rank[0]
-    return {"case": case, "compile_s": first["compile_s"], "step_s": first["step_s"], "match": worst <= MATCH_RTOL,
-            "rel_err": worst, "gen_dir": first["gen_dir"], "final_loss": per_rank[-1]["losses"][-1][0]}
+    return {"case": case, "compile_s": first["compile_s"], "step_s": first["step_s"], "predicted_s": predicted_s,
+            "assumed": assumed, "match": worst <= MATCH_RTOL, "rel_err": worst, "gen_dir": first["gen_dir"],
+            "final_loss": per_rank[-1]["losses"][-1][0]}
 
 
 def print_table(rows: List[Dict[str, object]]) -> None:
-    header = f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}{'step s':>9}{'losses match':>14}{'rel err':>10}  generated code"
+    header = (f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}{'step s':>9}{'predicted s':>13}{'losses match':>14}"
+              f"{'rel err':>10}  generated code")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -128,14 +140,18 @@ def print_table(rows: List[Dict[str, object]]) -> None:
         match = "yes" if r["match"] else "NO"
         name = c.policy + (f" {c.config.scheduler}" if c.config.use_pipeline else "")
         print(f"{name:<18}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{r['step_s']:>9.3f}"
-              f"{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
+              f"{r['predicted_s']:>13.3f}{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
+    assumed = list(dict.fromkeys(line for r in rows for line in r["assumed"]))
+    if assumed:
+        print("\nthe predicted steps assume:\n" + "\n".join(f"  {line}" for line in assumed))
 
 
 def runs_frame(rows: List[Dict[str, object]]) -> pd.DataFrame:
     """The table ``print_table`` prints, as a DataFrame (the report's runs table)."""
     return pd.DataFrame([{"policy": r["case"].policy, "scheduler": r["case"].config.scheduler if r["case"].config.use_pipeline else "",
                           "plan_ngpus": r["case"].plan_ngpus, "runtime_ngpus": r["case"].runtime_ngpus,
-                          "compile_s": r["compile_s"], "step_s": r["step_s"], "losses_match": r["match"],
+                          "compile_s": r["compile_s"], "step_s": r["step_s"], "predicted_step_s": r["predicted_s"],
+                          "losses_match": r["match"],
                           "rel_err": r["rel_err"]} for r in rows])
 
 

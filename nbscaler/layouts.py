@@ -21,13 +21,19 @@ a function of the same name, and ``cost/`` prices them; a new collective is one 
 the runtime (its calls), the traffic table (its bytes), the cost models (their times) and
 generated code (its comments) all ask ``runs``, so a new backend fact is one row here.
 
+The rule that picks a host's backend (``choose_backend``, ``host_backend``; ``runtime.backend``
+explains it) is here too, so the runtime that runs it and the cost model that prices it ask one rule.
+
 This module imports nothing of nbscaler but ``columns`` (for ``StrEnum``), so every layer may import it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
 
 from nbscaler.columns import StrEnum
 
@@ -167,3 +173,60 @@ def wire_factor(backend: Optional[str], primitive: Optional[Collective], n: int)
 def emulations(primitive: Optional[Collective]) -> List[Tuple[Backend, Emulation]]:
     """Every backend that emulates ``primitive``, with how (for comments in generated code)."""
     return [(backend, e) for (backend, p), e in EMULATED.items() if p == primitive]
+
+
+# -- which backend a host's ranks run (``runtime.backend`` says why) ----------------------------
+#: The environment variable that chooses the backend, overriding the rule.
+BACKEND_ENV = "NBSCALER_BACKEND"
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """A backend, the GPUs its ranks share out (0: they compute on the CPU), and the line to show
+    the user ('' for none)."""
+
+    backend: Backend
+    gpus: int
+    note: str = ""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus > 0
+
+    def device(self, local_rank: int) -> torch.device:
+        """The device of the rank that is ``local_rank`` on its host."""
+        return torch.device("cuda", local_rank % self.gpus) if self.on_gpu else torch.device("cpu")
+
+
+def choose_backend(device_count: int, local_world_size: int, requested: Optional[str] = None) -> BackendChoice:
+    """The backend for ``local_world_size`` ranks on a host with ``device_count`` GPUs.
+
+    ``requested`` ('nccl', 'gloo', or None/'' for the rule in the module docstring) is what the
+    user asked for. Raises ``ValueError`` for an unknown backend, or nccl without a GPU.
+    """
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be at least 1, got {local_world_size}")
+    enough = 0 < local_world_size <= device_count
+    if requested:
+        try:
+            backend = Backend(requested.lower())
+        except ValueError:
+            raise ValueError(f"backend {requested!r} (from the argument or {BACKEND_ENV}) is not one of "
+                             f"{', '.join(repr(b.value) for b in Backend)}") from None
+        if backend is Backend.NCCL and device_count == 0:
+            raise ValueError(f"nccl needs GPUs, and this host shows none: use gloo ({BACKEND_ENV}=gloo), or "
+                             "check that CUDA and its driver are installed where the ranks run.")
+        return BackendChoice(backend, device_count if backend is Backend.NCCL else 0)
+    if enough:
+        return BackendChoice(Backend.NCCL, device_count)
+    if device_count == 0:
+        return BackendChoice(Backend.GLOO, 0)
+    return BackendChoice(Backend.GLOO, 0, note=(
+        f"nbscaler: {local_world_size} ranks on this host share {device_count} GPU(s), and nccl needs one per "
+        f"rank, so they run gloo on the CPU; start at most {device_count} ranks per host for nccl (or set "
+        f"{BACKEND_ENV}=nccl if each rank has a GPU of its own), or {BACKEND_ENV}=gloo to choose gloo yourself."))
+
+
+def host_backend(local_world_size: int, requested: Optional[str] = None) -> BackendChoice:
+    """``choose_backend`` for this host's GPUs, with ``requested`` defaulting to ``NBSCALER_BACKEND``."""
+    return choose_backend(torch.cuda.device_count(), local_world_size, requested or os.environ.get(BACKEND_ENV))

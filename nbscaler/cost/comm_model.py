@@ -25,8 +25,8 @@ compute as a step runs it, and fits ``alpha`` and ``beta`` (a line through the t
 sends take the latency of the small message back to back, between awake peers, and starting one
 (``isend`` or ``irecv``) is timed on its own, after compute as well; the result is
 cached on disk per backend and group size, and ``load`` returns it, or the defaults when nothing
-was calibrated. ``ensure_calibrated`` does that once for every group size a world can use; a
-cluster runs it when it first parallelizes.
+was calibrated. ``ensure_calibrated`` does that once for every group size a world can use, each
+on every group of that size at once; a cluster runs it when it first parallelizes.
 
 >>> model = CommModel(alpha_s=1e-4, beta_s_per_byte=1e-9)
 >>> round(model.forward("all_reduce", 4_000_000, 2), 6)
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from nbscaler.cost.cache import cache_dir
 from nbscaler.cost.speed import rank_device, sync
-from nbscaler.layouts import COLLECTIVES, Backend, Collective, runs
+from nbscaler.layouts import COLLECTIVES, Backend, BackendChoice, Collective, host_backend, runs
 
 def priced_as(fn: str, n: int, backend: Optional[str] = None) -> Optional[Collective]:
     """The primitive collective the models time ``fn``'s forward as: the one ``layouts.COLLECTIVES``
@@ -121,13 +121,22 @@ class CommModel:
 
 
 def _backend(backend: Optional[str]) -> str:
-    """``backend``, or the one a plan on this machine runs: gloo without CUDA, nccl with."""
-    return backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    """``backend``, or the one ranks on this machine run (``local_backend``)."""
+    return str(backend or local_backend().value)
 
 
-def local_backend() -> Backend:
-    """The backend a plan on this machine is priced for (``_backend``'s)."""
-    return Backend(_backend(None))
+def local_choice(runtime_ngpus: Optional[int] = None) -> BackendChoice:
+    """The backend and device ``runtime_ngpus`` ranks on this host get, as the runtime chooses them
+    (``runtime.backend.host_backend``: nccl only where every rank has a GPU of its own, else gloo on
+    the CPU; ``NBSCALER_BACKEND`` overrides). Without a count: as many ranks as there are GPUs
+    (one where there is none). A plan's ranks all run on this host, as in a notebook."""
+    return host_backend(runtime_ngpus or max(1, torch.cuda.device_count()))
+
+
+def local_backend(runtime_ngpus: Optional[int] = None) -> Backend:
+    """The backend a plan of ``runtime_ngpus`` ranks on this machine runs, and so is priced for
+    (``local_choice``): gloo on a host with fewer GPUs than ranks, though CUDA is there."""
+    return local_choice(runtime_ngpus).backend
 
 
 def _path(backend: str, nranks: int) -> Path:
@@ -297,20 +306,27 @@ def group_sizes(world_size: int) -> List[int]:
 
 
 def ensure_calibrated(force: bool = False) -> Dict[int, CommModel]:
-    """Calibrate every group size of the world (the first ``k`` ranks for size ``k``) that has no
-    calibration in rank 0's cache yet, or all of them with ``force``. Every rank calls it.
+    """Calibrate every group size of the world that has no calibration in rank 0's cache yet, or
+    all of them with ``force``. Every rank calls it.
 
-    Rank 0 decides what to calibrate and tells the others, so ranks on hosts with other caches
-    agree. Returns the models calibrated by this call, by group size (empty when all were cached).
+    Size ``k`` is timed on every block of ``k`` consecutive ranks at once (ranks left over by a
+    ``k`` that does not divide the world wait), as a plan's groups of ``k`` run their collectives
+    side by side: the tensor-parallel groups of every unit, or of every pipeline stage. Timed on the
+    first ``k`` ranks alone, with the others idle, a group of 2 among 4 ranks on 2 cores had the
+    cores to itself, and the demo's ``tp`` on 2 x 4 ranks measured twice its prediction. Rank 0's
+    group is the one saved. Rank 0 decides what to calibrate and tells the others, so ranks on
+    hosts with other caches agree. Returns the models calibrated by this call, by group size
+    (empty when all were cached).
     """
-    world = dist.get_world_size()
+    world, me = dist.get_world_size(), dist.get_rank()
     backend = dist.get_backend()
     todo = [[k for k in group_sizes(world) if force or not _path(backend, k).exists()]]
     dist.broadcast_object_list(todo, src=0)
     out = {}
     for k in todo[0]:
-        group = None if k == world else dist.new_group(list(range(k)))
-        if dist.get_rank() < k:
-            out[k] = calibrate(group)
+        blocks = world // k
+        groups = [None] if k == world else [dist.new_group(list(range(b * k, (b + 1) * k))) for b in range(blocks)]
+        if me < blocks * k:
+            out[k] = calibrate(groups[me // k], save=me == 0)
         dist.barrier()
     return out

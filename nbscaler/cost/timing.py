@@ -60,6 +60,7 @@ from nbscaler.cost.nccl import NcclModel
 from nbscaler.layouts import Backend, Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
+from nbscaler.cost.optimizers import check_priced
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.cost.step_figures import DeviceStep, PipelineParts, overlap_window
 from nbscaler.schedule import TimedBlock, Timeline, simulate, simulate_totals
@@ -67,10 +68,12 @@ from nbscaler.schedule import TimedBlock, Timeline, simulate, simulate_totals
 _PROFILERS: Dict[str, OpProfiler] = {}
 
 
-def default_profiler(threads: Optional[int] = None, ranks: int = 1) -> OpProfiler:
+def default_profiler(threads: Optional[int] = None, ranks: int = 1,
+                     device: Optional[torch.device] = None) -> OpProfiler:
     """One profiler per device (and CPU thread count) and number of ranks for the process, so its
-    table is read from disk once; each call reads the ranks' latest speed calibration."""
-    probe = OpProfiler(threads=threads, ranks=ranks)
+    table is read from disk once; each call reads the ranks' latest speed calibration. ``device``:
+    where the ops are timed (default: a GPU where there is one, else the CPU)."""
+    probe = OpProfiler(device=device, threads=threads, ranks=ranks)
     profiler = _PROFILERS.setdefault(f"{probe.path}|{ranks}", probe)
     profiler.refresh_speed()
     return profiler
@@ -80,8 +83,10 @@ def profiler_for(cfg: ComputeConfig) -> OpProfiler:
     """The profiler that times ops as the ranks of ``cfg`` will run them: on a CPU, with the share
     of this host's cores each rank gets (``threads_per_rank``; all ranks on this host, the notebook
     case), read at the speed those ranks last measured side by side. A plan made in a notebook of
-    16 cores for 4 ranks is timed at 4 threads, not 16."""
-    return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus), cfg.runtime_ngpus)
+    16 cores for 4 ranks is timed at 4 threads, not 16. Ops are timed on the device the ranks
+    compute on (``comm_model.local_choice``): the CPU where they run gloo, though a GPU is there."""
+    device = comm_model.local_choice(cfg.runtime_ngpus).device(0)
+    return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus), cfg.runtime_ngpus, device)
 
 
 def target_models(hardware: Hardware) -> Tuple[RooflineOps, NcclModel]:
@@ -90,10 +95,13 @@ def target_models(hardware: Hardware) -> Tuple[RooflineOps, NcclModel]:
     return RooflineOps(hardware), NcclModel(hardware)
 
 
-def backend_on(hardware: Optional[Hardware]) -> Backend:
+def backend_on(hardware: Optional[Hardware], runtime_ngpus: Optional[int] = None) -> Backend:
     """The backend whose collectives are priced on ``hardware``: nccl on a target, on this machine
-    (``None`` or ``Hardware.local()``) the one its runs use (``comm_model.local_backend``)."""
-    return Backend.NCCL if hardware is not None and not hardware.is_local else comm_model.local_backend()
+    (``None`` or ``Hardware.local()``) the one ``runtime_ngpus`` ranks of it run
+    (``comm_model.local_backend``)."""
+    if hardware is not None and not hardware.is_local:
+        return Backend.NCCL
+    return comm_model.local_backend(runtime_ngpus)
 
 
 def collective_time(run: LocalRun, comm: CommModel) -> Tuple[float, float]:
@@ -233,6 +241,8 @@ def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optiona
                    recipe: Recipe) -> float:
     """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step).
     The optimizer is timed at ``lr=1e-3`` unless the recipe sets one: a rate's value costs nothing."""
+    if isinstance(profiler, RooflineOps):        # a target: the optimizer must be one it knows
+        check_priced(recipe.optimizer)
     if not numels:
         return 0.0
     dtype = recipe.master_of(param_dtype) or param_dtype
@@ -254,7 +264,8 @@ class StepModel:
             hardware.check_ranks(cfg.runtime_ngpus)
         ops, collectives = target_models(hardware) if on_target else (None, None)
         self.profiler = profiler or ops or profiler_for(cfg)
-        self.comm = comm or collectives or comm_model.load(nranks=max(2, cfg.plan_ngpus))
+        self.comm = comm or collectives or comm_model.load(comm_model.local_backend(cfg.runtime_ngpus),
+                                                           nranks=max(2, cfg.plan_ngpus))
         # device -> stage (None without a pipeline) -> (forward s, backward s), all of it and its collectives'
         self.times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         self.collective_times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}

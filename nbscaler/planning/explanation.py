@@ -44,7 +44,8 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
     info = plan.graph.meta.get("autodist")
     if info is None:
         table = plan.ops.nlargest(top * 4, "flops_fwd")[["name", "module", "op", "split", "devices", "flops_fwd"]]
-        return Explanation("\n".join([explain_text(plan)] + recompute_lines(plan)), table.reset_index(drop=True))
+        return Explanation("\n".join([explain_text(plan)] + recompute_lines(plan) + assumed_text(plan)),
+                           table.reset_index(drop=True))
     if "target" in info:
         lines = [explain_text(plan)] + recompute_lines(plan) + [""] + explain_lines(info["target"])
         return Explanation("\n".join(lines), pd.DataFrame([info["target"]["chosen"], *info["target"]["runners_up"]]))
@@ -53,6 +54,7 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
     summary = plan.summary()
     lines.append("predicted per device: step " + ", ".join(f"{t:.3g} s" for t in summary.step_time_s.round(6)) +
                  "; peak memory " + ", ".join(f"{b / 2**20:.3g} MiB" for b in summary.peak_bytes))
+    lines += assumed_text(plan)
     lines += _top(rows, "op_s", "compute", top) + _top(rows, "comm_s", "communication", top)
     lines.append("the layers that cost most, and the choice for their heaviest op against the runner-up:")
     rows["layer"] = rows.module.map(layer_of)
@@ -62,6 +64,11 @@ def explain(plan: "Plan", top: int = 5) -> Explanation:
         lines.append(f"  {layer or 'top level'} ({group * 1e3:.3g} ms): {heaviest['name']} ({heaviest['op']}) "
                      f"{reason(heaviest)}")
     return Explanation("\n".join(lines), rows.drop(columns=["layer", "cost_s"]))
+
+
+def assumed_text(plan: "Plan") -> List[str]:
+    """What a prediction of the plan on this machine assumes (``plan.assumed()``), one line each."""
+    return ["assumed by predictions on this machine:"] + [f"  {line}" for line in plan.assumed()]
 
 
 def recompute_lines(plan: "Plan", most: int = 6) -> List[str]:

@@ -43,6 +43,7 @@ from nbscaler.cost.timing import StepModel, backend_on, predicted_timeline
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
+from nbscaler.planning.assumed import ATTR as ASSUMED, assumed_lines
 from nbscaler.planning.step import plan_step
 from nbscaler.planning.fingerprint import Table, bundle, of_frames, tag
 from nbscaler.planning.explanation import Explanation, explain
@@ -178,7 +179,7 @@ class Plan:
     def collectives(self) -> pd.DataFrame:
         """One row per collective on an edge of the training graph (and per pipeline crossing),
         with the bytes the backend a run on this machine uses sends (``collectives_on``)."""
-        return self.collectives_on(local_backend())
+        return self.collectives_on(local_backend(self.config.runtime_ngpus))
 
     def collectives_on(self, backend: Optional[str]) -> pd.DataFrame:
         """``collectives`` with the bytes ``backend`` sends for each (``None``: the ideal
@@ -193,7 +194,7 @@ class Plan:
         """Bytes each runtime rank sends and receives in one training step on the graph's edges and
         pipeline crossings, as the backend on ``hardware`` (default: this machine) runs them;
         ``summary()`` adds the gradient synchronisation between units."""
-        return tables.traffic_per_rank(self, backend=backend_on(hardware))
+        return tables.traffic_per_rank(self, backend=backend_on(hardware, self.config.runtime_ngpus))
 
     def summary(self, optimizer: Any = UNSET, *, hardware: Optional[Hardware] = None, recipe: Optional[Recipe] = None,
                 master_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET, **optimizer_kwargs: Any) -> pd.DataFrame:
@@ -207,10 +208,20 @@ class Plan:
         With ``hardware`` (``nbscaler.Hardware``), the step is timed on that target from each op's
         FLOPs and bytes and NCCL's collective costs, with nothing run on this machine, and the rows
         add its capacity, ``fits``, ``hardware_flops``, ``mfu``, ``hfu`` and ``tokens_per_s``
-        (``nbscaler.columns``)."""
+        (``nbscaler.columns``). On this machine ``.attrs['assumed']`` holds what the prediction
+        assumes, one line each (``assumed()``)."""
         chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
                                 grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
-        return tag(tables.summary_frame(self, chosen, hardware), Table.SUMMARY, self)
+        frame = tables.summary_frame(self, chosen, hardware)
+        frame.attrs[ASSUMED] = self.assumed(hardware)
+        return tag(frame, Table.SUMMARY, self)
+
+    def assumed(self, hardware: Optional[Hardware] = None) -> List[str]:
+        """What a prediction of this plan on ``hardware`` (this machine by default) assumes, one line
+        each: the backend its collectives are priced for, collectives left at uncalibrated defaults,
+        more ranks than cores (``planning.assumed``; none on a target). ``summary()`` carries them
+        in ``.attrs['assumed']``; ``explain()`` and the views show them."""
+        return assumed_lines(self, hardware)
 
     def step_figures(self, optimizer: Any = UNSET, *, recipe: Optional[Recipe] = None,
                      hardware: Optional[Hardware] = None, master_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,

@@ -135,7 +135,7 @@ def zero_extra_share(cfg: ComputeConfig, backend: Optional[str]) -> float:
     if not cfg.use_zero:
         return 0.0
     z = cfg.grid.zero_group_size
-    factor = wire_factor(backend or local_backend(), Collective.REDUCE_SCATTER, z)
+    factor = wire_factor(backend or local_backend(cfg.runtime_ngpus), Collective.REDUCE_SCATTER, z)
     return (factor - 1) * (z - 1) / z if factor != 1 else 0.0
 
 
@@ -149,7 +149,8 @@ def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] =
     step = plan_step(plan, recipe, hardware, memory)
     devices = [step.devices[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)]
     frame = pd.DataFrame({C.RANK.value: range(cfg.runtime_ngpus), C.FLOPS.value: [d.flops for d in devices]})
-    frame = frame.merge(traffic_per_rank(plan, params, backend_on(hardware)), on=C.RANK.value).merge(memory, on=C.RANK.value)
+    traffic = traffic_per_rank(plan, params, backend_on(hardware, cfg.runtime_ngpus))
+    frame = frame.merge(traffic, on=C.RANK.value).merge(memory, on=C.RANK.value)
     frame[C.STEP_TIME_S.value] = [d.step_time_s for d in devices]
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)
     return target_columns(plan, frame, step) if hardware is not None else frame
@@ -194,6 +195,8 @@ def explain_text(plan: "Plan") -> str:
     lines = [f"{plan.module_name} under '{plan.policy_name}' on {cfg.plan_ngpus} device(s) per unit, "
              f"{cfg.units} unit(s); {len(ops)} ops.",
              f"{split_share(plan):.0%} of the forward FLOPs run in split ops; the rest run replicated."]
+    if plan.graph.meta.get("policy_note"):                 # builtin.POLICY_NOTE: what the policy did unasked
+        lines.append(plan.graph.meta["policy_note"])
     heavy = ops.nlargest(3, "flops_fwd")
     lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {r['flops_fwd']:.3g} FLOPs, "
               f"split {r['split']!r} over {list(r['devices'])}" for _, r in heavy.iterrows()]

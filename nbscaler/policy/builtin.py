@@ -57,6 +57,7 @@ from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
+from nbscaler.schedule.schedulers import scheduler_spec
 
 Policy = Callable[[IRGraph, ComputeConfig], IRGraph]
 
@@ -98,6 +99,10 @@ def fused_blocks(graph: IRGraph) -> Dict[int, Tuple[int, Blocks]]:
     return want
 
 
+#: The key of ``graph.meta`` where a policy says what it did that its name does not (``plan.explain()``).
+POLICY_NOTE = "policy_note"
+
+
 def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Pure data parallelism: one whole copy of the model per rank."""
     if cfg.plan_ngpus != 1:
@@ -110,10 +115,18 @@ def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 
 def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Split each op along the batch axis (dim 0 of the inputs), following it through the graph."""
+    """Split each op along the batch axis (dim 0 of the inputs), following it through the graph; a
+    batch that does not divide over the unit's devices is refused (it would replicate every op)."""
     n = cfg.plan_ngpus
     devices = list(range(n))
     batch_inputs = {id(t) for t in graph.inputs if t.ndim and t.shape[0] % n == 0}
+    sizes = sorted({t.shape[0] for t in graph.inputs if t.ndim})
+    if n > 1 and sizes and not batch_inputs:
+        raise PolicyError(f"policy 'data' splits the batch over the {n} devices of a unit, but no input's first "
+                          f"dimension divides by {n} (batch size{'s' if len(sizes) > 1 else ''} "
+                          f"{', '.join(map(str, sizes))}), so every op would run whole on every device: trace "
+                          f"with a batch that is a multiple of {n} (e.g. {-(-sizes[0] // n) * n}), or set "
+                          f"plan_ngpus to a divisor of {sizes[0]} (and runtime_ngpus to a multiple of it).")
     batch_dim: Dict[int, int] = {i: 0 for i in batch_inputs}
     for node in graph.nodes:
         choice = None
@@ -205,8 +218,20 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
-    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage)."""
+    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage). Under a
+    scheduler whose stages take every plan device (``1f1b_interleaved``) a stage has one device: the
+    graph's ``meta[POLICY_NOTE]`` says so (``plan.explain()`` prints it), and sequence parallelism,
+    which needs tensor-parallel stages, is refused."""
     geometry = pipeline_geometry(cfg, "hybrid")
+    if scheduler_spec(cfg.scheduler).stages_per_device is None and cfg.plan_ngpus > 1:
+        # the scheduler's stages take every plan device: one device a stage, no tensor parallelism
+        why = (f"{cfg.scheduler} spreads its stages over every one of the {cfg.plan_ngpus} plan devices, so 'hybrid' "
+               "runs each stage on one device, without tensor parallelism (as 'pp' would); for tensor-parallel "
+               "stages use a scheduler with a fixed number of stages per device (1f1b, gpipe, zbv, ...) that leaves "
+               "several plan devices to each pipeline device (for 1f1b on 4: pipeline_nstages=2).")
+        if sequence_parallel(cfg):
+            raise PolicyError(f"pas_config['{SEQUENCE_PARALLEL}'] asks for tensor-parallel stages, but {why}")
+        graph.meta[POLICY_NOTE] = why
     stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 

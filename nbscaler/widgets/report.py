@@ -64,7 +64,15 @@ def summary_html(plan: "Plan", optimizer: Any = UNSET, hardware: Optional[Hardwa
     """``plan.summary()`` (on ``hardware``, if given) as a table, numbers written for people."""
     frame = plan.summary(optimizer, hardware=hardware)
     shown = pd.DataFrame({c: frame[c].map(cell_format(c)) for c in frame.columns if c != "rank"}, index=frame["rank"])
-    return shown.to_html(classes="nbs-summary", border=0)
+    return shown.to_html(classes="nbs-summary", border=0) + assumed_html(frame.attrs.get("assumed", []))
+
+
+def assumed_html(lines: List[str]) -> str:
+    """What a prediction assumes (``plan.assumed()``), one line each, under the table it concerns."""
+    if not lines:
+        return ""
+    return ("<p class='nbs-assumed' style='font-family:monospace;white-space:pre-wrap'>Assumed: " +
+            "<br>".join(ascii_html(line) for line in lines) + "</p>")
 
 
 def cell_format(column: str) -> Callable[[object], str]:

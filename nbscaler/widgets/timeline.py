@@ -264,7 +264,7 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
     from nbscaler.cost import comm_model
     from nbscaler.cost.timing import profiler_for
 
-    comm = comm_model.load(nranks=max(2, plan.config.plan_ngpus))
+    comm = comm_model.load(comm_model.local_backend(plan.config.runtime_ngpus), nranks=max(2, plan.config.plan_ngpus))
     profiler = profiler_for(plan.config)
     speed = ("at the speed its ranks measured side by side" if profiler.calibrated
              else "as timed alone (no ranks calibrated yet)")
@@ -274,6 +274,7 @@ def assumptions(plan: "Plan", predicted: pd.DataFrame) -> str:
              + (f"; starting a send or a receive takes its rank {comm.p2p_post_s * 1e6:.3g} µs"
                 if plan.config.use_pipeline and comm.p2p_post_s else "")
              + "); Python overhead and waits for a slower rank not counted."]
+    lines += plan.assumed()
     timed: List[Tuple[float, str]] = []
     for n in plan.graph.nodes:
         fwd, bwd = n.meta.get("local_time_fwd_s", {}), n.meta.get("local_time_bwd_s", {})

@@ -1,5 +1,8 @@
+import html
+
 import pytest
 
+import nbscaler
 from nbscaler import ComputeConfig, parallelize
 from nbscaler.policy import PolicyError, get_policy, partition, replicate
 from nbscaler.trace import trace_module
@@ -84,3 +87,28 @@ def test_custom_policy_trains_like_one_process(tmp_path):
     check_equivalence(cases[1], [r[0] for r in per_rank])
     per_rank = run_ranks(train_parallel, 2, cases[:1], str(tmp_path))
     check_equivalence(cases[0], [r[0] for r in per_rank])
+
+
+def test_data_refuses_a_batch_that_does_not_divide():
+    graph = trace_module(Llama(), batch("llama", 0))          # a batch of 4
+    with pytest.raises(PolicyError, match=r"batch size 4\).*multiple of 3 \(e\.g\. 6\).*divisor of 4"):
+        get_policy("data")(graph, ComputeConfig(plan_ngpus=3, runtime_ngpus=3))
+
+
+def test_hybrid_says_a_scheduler_leaves_no_tensor_parallelism(tmp_path):
+    cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b_interleaved",
+                        pipeline_nstages=8, pipeline_nmicros=4)
+    p = nbscaler.plan(Llama(), batch("llama", 0), "hybrid", cfg)
+    said = ("1f1b_interleaved spreads its stages over every one of the 4 plan devices, so 'hybrid' runs each stage "
+            "on one device")
+    assert said in str(p.explain()) and html.escape(said) in p._repr_html_()
+    assert {len(n.placement.devices) for n in p.graph.nodes} == {1}
+    sequence = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b_interleaved",
+                             pipeline_nstages=8, pipeline_nmicros=4, pas_config={"sequence_parallel": True})
+    with pytest.raises(PolicyError, match="asks for tensor-parallel stages, but 1f1b_interleaved spreads"):
+        get_policy("hybrid")(llama_graph(), sequence)
+    two = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b", pipeline_nstages=2,
+                        pipeline_nmicros=4)
+    graph = get_policy("hybrid")(llama_graph(), two)                    # 1f1b keeps 2-way tensor parallelism
+    assert {len(n.placement.devices) for n in graph.nodes} == {2}
+    assert any(n.placement.split for n in graph.select(op="linear"))

@@ -199,7 +199,7 @@ class _Searcher:
 
     def costs_for(self, devices: Tuple[int, ...]) -> ChoiceCosts:
         if devices not in self.costs:
-            comm = comm_model.load(nranks=len(devices))
+            comm = comm_model.load(comm_model.local_backend(self.cfg.runtime_ngpus), nranks=len(devices))
             self.costs[devices] = ChoiceCosts(self.graph, devices, self.profiler, comm, self.factor,
                                                self.cfg.sums_partial_grads_after_backward)
         return self.costs[devices]
