@@ -271,7 +271,7 @@ def _positive(hw: str, name: str, value, unit: str) -> None:
 # Per-step latencies are NCCL's own figures for its LL128 protocol, the one it picks for messages up
 # to a few MB (NVIDIA/nccl, src/graph/tuning.cc, table hwLat, LL128 column, as of commit b647562;
 # the ring's row has not changed since NCCL 2.12). The ring's row: NVLink 1.9 us, PCI 2.5 us, NET 4.0 us. The tree's own row: NVLink
-# 1.25 us, PCI 1.9 us, NET 8.5 us, paid for each of its 2 ceil(log2 n) steps. NCCL adds a fixed
+# 1.25 us, PCI 1.9 us, NET 8.5 us, paid for each step of its chain in a node and tree across nodes. NCCL adds a fixed
 # start-up per collective (baseLat, 6-14 us) that is not counted here.
 _NVLINK_LAT, _PCIE_LAT, _NET_LAT = 1.9e-6, 2.5e-6, 4.0e-6
 _NVLINK_TREE_LAT, _PCIE_TREE_LAT, _NET_TREE_LAT = 1.25e-6, 1.9e-6, 8.5e-6

@@ -5,24 +5,26 @@ bytes, over the group's slowest link (``Hardware.link``: NVLink when every rank 
 else the network, whose per-GPU bandwidth is a node's NICs shared by its GPUs), and pays that
 link's latency once per algorithm step. With ``b`` the local input's bytes, ``B`` the link's
 bandwidth per GPU and direction, ``a`` its latency per ring step and ``t`` per tree step
-(``Link.tree_latency_s``):
+(``Link.tree_latency_s``), and, for the tree, ``r`` ranks on each of ``m`` nodes:
 
-==================  =========================================  ==========================================
+==================  =========================================  ===============================================================
 collective          ring                                       tree (all-reduce only)
-==================  =========================================  ==========================================
-``all_reduce``      ``2(n-1) a + 2(n-1)/n b / B``               ``2 ceil(log2 n) t + 2(n-1)/n b / (0.92 B)``
+==================  =========================================  ===============================================================
+``all_reduce``      ``2(n-1) a + 2(n-1)/n b / B``               ``2((r-1) t_node + ceil(log2 m) t) + 2(n-1)/n b / (0.92 B)``
 ``all_gather``      ``(n-1) a + (n-1) b / B`` (output ``n b``)
 ``reduce_scatter``  ``(n-1) a + (n-1)/n b / B``
 ``all_to_all``      ``(n-1) a + (n-1)/n b / B``
 send/recv           ``a + b / B``
-==================  =========================================  ==========================================
+==================  =========================================  ===============================================================
 
 The bandwidth factors are those NCCL's performance notes use to turn a collective's time into bus
 bandwidth (``2(n-1)/n`` for all-reduce, ``(n-1)/n`` of the output for all-gather and of the input
 for reduce-scatter), so a link's bandwidth is what ``nccl-tests`` reports as ``busbw``: the
-catalogue's figures are such measurements at large messages (``cost.hardware``). NCCL's double
-binary tree takes ``log2 n`` steps up and down instead of ``n - 1`` around, each with its own
-latency, and moves the same bus bytes a little slower: NCCL's tuning model gives it 0.92 of the
+catalogue's figures are such measurements at large messages (``cost.hardware``). NCCL's tree is a
+chain through the ranks of a node (``r - 1`` steps, each at the node link's tree latency
+``t_node``) and a double binary tree across nodes (``ceil(log2 m)`` steps), up and down, as its
+tuning model counts them (``2 * ((nRanks/nNodes-1) * intraLat + log2i(nNodes) * interLat)``), and
+moves the same bus bytes a little slower: NCCL's tuning model gives it 0.92 of the
 ring's bus bandwidth (``TREE_BUS_RATIO``, NVIDIA/nccl src/graph/tuning.cc). NCCL picks the faster,
 and so does ``all_reduce`` here: the tree for small messages over many ranks, the ring for large ones.
 
@@ -68,13 +70,22 @@ class NcclModel:
     def ring(self, steps: float, nbytes: float, link: Link) -> float:
         return steps * link.latency_s + nbytes / link.bytes_per_s
 
-    def all_reduce(self, nbytes: float, n: int, link: Link) -> float:
-        """The faster of NCCL's ring and tree for an all-reduce of ``nbytes`` over ``n`` ranks: the
-        tree pays the link's tree latency (``Link.tree_latency_s``) for each of its
-        ``2 ceil(log2 n)`` steps and moves the bus bytes at ``TREE_BUS_RATIO`` of the ring's rate."""
+    def all_reduce(self, nbytes: float, n: int, link: Link, ranks: Optional[Sequence[int]] = None) -> float:
+        """The faster of NCCL's ring and tree for an all-reduce of ``nbytes`` over ``n`` ranks
+        (``ranks``): the tree pays a chain through each node's ranks and ``ceil(log2 nodes)`` steps
+        between nodes, up and down, at the tree latencies (``Link.tree_latency_s``), and moves the bus
+        bytes at ``TREE_BUS_RATIO`` of the ring's rate. Without ``ranks``, a group on an intra-node
+        link is one node and a group on the network has a rank on each of ``n`` nodes."""
         bus = 2 * (n - 1) / n * nbytes
         ring = self.ring(2 * (n - 1), bus, link)
-        tree = 2 * math.ceil(math.log2(n)) * link.tree_latency_s + bus / (TREE_BUS_RATIO * link.bytes_per_s)
+        if ranks is not None:
+            nodes = len({self.hardware.node_of(r) for r in ranks})
+        else:
+            nodes = 1 if link.kind == "intra-node" else n
+        chain = math.ceil(n / nodes) - 1
+        node_step = link.tree_latency_s if nodes == 1 else self.hardware.link([0]).tree_latency_s
+        steps = 2 * (chain * node_step + math.ceil(math.log2(nodes)) * link.tree_latency_s)
+        tree = steps + bus / (TREE_BUS_RATIO * link.bytes_per_s)
         return min(ring, tree)
 
     def forward(self, fn: str, nbytes: int, n: int, ranks: Optional[Sequence[int]] = None) -> float:
@@ -92,7 +103,7 @@ class NcclModel:
         share = (n - 1) / n
         return {
             Collective.ALL_GATHER: lambda: self.ring(n - 1, (n - 1) * nbytes, link),
-            Collective.ALL_REDUCE: lambda: self.all_reduce(nbytes, n, link),
+            Collective.ALL_REDUCE: lambda: self.all_reduce(nbytes, n, link, ranks),
             Collective.REDUCE_SCATTER: lambda: self.ring(n - 1, share * nbytes, link),
             Collective.ALL_TO_ALL: lambda: self.ring(n - 1, share * nbytes, link),
         }[primitive]()
