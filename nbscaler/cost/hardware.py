@@ -36,6 +36,7 @@ datasheet's peak, as published runs quote them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -187,12 +188,18 @@ class Hardware:
         return rank // self.gpus_per_node
 
     def link(self, ranks) -> "Link":
-        """The slowest link a group of global ``ranks`` crosses: NVLink inside one node, else the network."""
-        if len({self.node_of(r) for r in ranks}) <= 1:
+        """The slowest link a group of global ``ranks`` crosses: NVLink inside one node, else the
+        network. Across nodes, a group with ``k`` ranks on each node runs ``k`` of NCCL's rings side by
+        side, each through its own GPU's share of the node's network (a DGX's NIC per GPU), so its bus
+        bandwidth is ``k`` shares, and never more than NVLink's: 24 GB/s for one A100 a node, 192 GB/s
+        for eight (NVIDIA's DGX A100 figure, ``_A100_HDR_BUSBW``)."""
+        per_node = collections.Counter(self.node_of(r) for r in ranks)
+        if len(per_node) <= 1:
             return Link("intra-node", self.intra_node_bytes_per_s, self.intra_node_latency_s,
                         self.intra_node_tree_latency_s)
-        return Link("inter-node", self.inter_node_bytes_per_s, self.inter_node_latency_s,
-                    self.inter_node_tree_latency_s)
+        rings = min(per_node.values())
+        return Link("inter-node", min(self.inter_node_bytes_per_s * rings, self.intra_node_bytes_per_s),
+                    self.inter_node_latency_s, self.inter_node_tree_latency_s)
 
     def running(self, software: Software) -> "Hardware":
         """This target running ``software`` instead of its own."""

@@ -36,17 +36,30 @@ def test_ring_formulas_inside_a_node():
 def test_for_a_large_group_the_tree_saves_latency_steps():
     nccl = NcclModel(HW)
     link = HW.link(range(32))
+    assert link.bytes_per_s == 80e9                     # 8 rings side by side, each through its GPU's 10 GB/s
     n = 32
-    ring = 2 * (n - 1) * 10e-6 + 2 * (n - 1) / n * MB / 10e9
-    tree = 2 * math.ceil(math.log2(n)) * 20e-6 + 2 * (n - 1) / n * MB / (TREE_BUS_RATIO * 10e9)
+    ring = 2 * (n - 1) * 10e-6 + 2 * (n - 1) / n * MB / 80e9
+    tree = 2 * math.ceil(math.log2(n)) * 20e-6 + 2 * (n - 1) / n * MB / (TREE_BUS_RATIO * 80e9)
     assert nccl.all_reduce(MB, n, link) == pytest.approx(min(ring, tree)) == pytest.approx(tree)   # a rank a node
     # 32 ranks on 4 nodes of 8: a chain of 7 steps inside each node, 2 between nodes, up and down
-    on_4_nodes = 2 * (7 * 0.5e-6 + 2 * 20e-6) + 2 * (n - 1) / n * MB / (TREE_BUS_RATIO * 10e9)
+    on_4_nodes = 2 * (7 * 0.5e-6 + 2 * 20e-6) + 2 * (n - 1) / n * MB / (TREE_BUS_RATIO * 80e9)
     assert nccl.forward("all_reduce", MB, n, ranks=range(32)) == pytest.approx(on_4_nodes)
     # 2 ranks: the same 2 steps, the tree's cheaper (0.5 us) but at 0.92 of the bandwidth
     assert nccl.all_reduce(MB, 2, HW.link([0, 1])) == pytest.approx(min(2 * 1e-6 + MB / 100e9,
                                                                         2 * 0.5e-6 + MB / 92e9))
     assert nccl.all_reduce(100 * MB, 2, HW.link([0, 1])) == pytest.approx(2 * 1e-6 + 100 * MB / 100e9)
+
+
+def test_across_nodes_a_group_has_a_share_of_the_network_per_rank_on_each_node_up_to_nvlink():
+    """NCCL runs one ring per GPU of a node through that GPU's NIC: one rank a node gets one NIC's
+    bus bandwidth, eight get eight (DGX A100: 24 and 192 GB/s), never more than NVLink's."""
+    a100 = Hardware.named("A100-SXM-80GB", nodes=4)
+    assert a100.link([0, 8, 16, 24]).bytes_per_s == a100.inter_node_bytes_per_s == 24e9
+    assert a100.link([0, 1, 8, 9]).bytes_per_s == 2 * 24e9
+    assert a100.link(range(32)).bytes_per_s == 8 * 24e9 < a100.intra_node_bytes_per_s
+    assert a100.link([0, 1, 2, 8]).bytes_per_s == 24e9                         # the node with one rank binds
+    assert HW.link(range(32)).bytes_per_s == 80e9 and dataclasses.replace(
+        HW, inter_node_bytes_per_s=50e9).link(range(32)).bytes_per_s == 100e9  # NVLink's 100 GB/s bounds it
 
 
 def test_on_a_catalogued_target_the_tree_wins_small_messages_and_the_ring_large_ones():
