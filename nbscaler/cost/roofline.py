@@ -289,7 +289,7 @@ class RooflineOps:
     def _materialized_attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
         """Forward and backward seconds of attention with the scores written to memory: ``S = Q K^T``,
         ``P = softmax(S)``, ``O = P V``; backward ``dP = dO V^T``, ``dV = P^T dO``, ``dS`` from ``P`` and
-        ``dP``, ``dQ = dS K``, ``dK = dS^T Q``; with ``Hardware.attention_dropout`` one more pass over
+        ``dP``, ``dQ = dS K``, ``dK = dS^T Q``; with ``Software.attention_dropout`` one more pass over
         ``P`` each way; without ``Software.fused_softmax`` the scale and the mask are passes of their own."""
         (q, qt, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
         *lead, t, d = q
