@@ -18,7 +18,7 @@ Without a pipeline (``p = 1``) the sweep accumulates micro-batches (a pipeline o
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import List
 
 import pandas as pd
 import torch

@@ -4,10 +4,10 @@ verdict computed here from the predictions (``predict.predict``), none pasted.""
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from benchmarks.published.predict import ABLATIONS
-from benchmarks.published.runs import NARAYANAN_2021, PublishedRun
+from benchmarks.published.runs import PublishedRun
 
 #: The goal set for these tables: mean and largest |error| over all rows.
 GOAL_MEAN, GOAL_MAX = 0.05, 0.10

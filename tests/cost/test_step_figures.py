@@ -1,6 +1,5 @@
 """StepFigures: one priced step, read by the summary and the sweep alike; the overlap rule in one place."""
 
-import dataclasses
 import math
 
 import pytest
