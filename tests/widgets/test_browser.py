@@ -4,6 +4,8 @@ The test opens a notebook whose one cell shows ``Explorer()``, clicks Compile, e
 the graph, switches the policy to ``pp`` (the stages knob then reads the plan's 2 stages) and then to
 ``autodist`` (reading why in the why tab), and checks what the page shows after each step; it
 saves a screenshot of each (set ``NBSCALER_SCREENSHOTS=DIR`` to keep them) and checks none is blank.
+The space test sweeps, re-prices, loads a point into the knobs, picks recompute ``selective`` on
+the left (a re-placement) and loads a selective point (the knob follows its row).
 """
 
 from __future__ import annotations
@@ -131,9 +133,10 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         page.wait_for_selector(f"{EXPLORER} .nbscaler-controls", timeout=WAIT_MS)
         page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
         page.click(f"{space} button.nbscaler-sweep")
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept 22 configurations')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept 33 configurations')", timeout=WAIT_MS)
         page.wait_for_selector(f"{space} .nbs-spaceview svg .nbs-point", timeout=WAIT_MS)
-        assert page.locator(f"{space} .nbs-point").count() == 22      # 14, and tp 2's 8 again with sequence parallelism
+        # tp x pp x micro-batch x recompute (none, selective, full): 21, and tp 2's 12 again with sequence parallelism
+        assert page.locator(f"{space} .nbs-point").count() == 33
         assert page.locator(f"{space} .nbs-front-point").count() >= 2
         assert page.locator(f"{space} .nbs-capacity").count() == 0      # a tiny GPT: the capacity is far off
         clock("swept and drawn")
@@ -162,7 +165,7 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         # the knobs read the loaded plan (tp 2 x pp 2 x dp 4 on 16 GPUs), not the tp plan they started at
         assert (knob_text(page, "policy"), knob_text(page, "runtime devices")) == ("hybrid", "16")
         assert (knob_text(page, "plan devices"), knob_text(page, "pipeline stages")) == ("4", "2")
-        assert knob_text(page, "ZeRO") == "True" and knob_text(page, "recompute layers") == "True"
+        assert knob_text(page, "ZeRO") == "True" and knob_text(page, "recompute") == "full"
         assert "from the space tab: tp 2 x pp 2" in page.locator(f"{EXPLORER} .nbscaler-controls").inner_text()
         # the timeline's title wraps inside its pane; the memory axis ticks in GiB, as its capacity line
         timeline = f"{EXPLORER} .nbscaler-pane-timeline"
@@ -180,4 +183,23 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         lab.screenshot("7-space-point-loaded", EXPLORER)
         page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
         lab.screenshot("8-space-selected", space)
+
+        # the recompute knob is a granularity, both ways: picked on the left, it re-places the loaded
+        # plan; a point of the space tab sets it to its row's
+        recompute = page.locator(f"{EXPLORER} .nbscaler-controls .widget-dropdown:has(label:text-is('recompute')) select")
+        assert recompute.evaluate("s => [...s.options].map(o => o.text)") == ["none", "selective", "full"]
+        recompute.select_option("selective")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Re-placed under hybrid')", timeout=WAIT_MS)
+        assert knob_text(page, "recompute") == "selective" and knob_text(page, "runtime devices") == "16"
+        assert "from the space tab" not in page.locator(f"{EXPLORER} .nbscaler-controls").inner_text()
+        clock("recompute selective picked: re-placed")
+        lab.screenshot("9-recompute-selective-picked", f"{EXPLORER} .nbscaler-controls")
+        for granularity in ("none", "selective"):      # 'none' first: the knob must move to the row's
+            point = page.locator(f"{space} .nbs-point:has(title:has-text('recompute {granularity}'))")
+            point.first.dispatch_event("click")         # marks overlap: the click goes to this one
+            page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Loaded tp'):has-text('recompute "
+                                   f"{granularity}')", timeout=WAIT_MS)
+            assert knob_text(page, "recompute") == granularity
+        clock("a selective point clicked: the knob reads selective")
+        lab.screenshot("10-space-selective-loaded", EXPLORER)
         assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]

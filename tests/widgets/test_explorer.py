@@ -167,6 +167,40 @@ def test_the_sequence_parallel_knob_applies_to_the_policies_that_read_it(explore
     assert Knobs(policy="pp", sequence_parallel=True).row()["sequence_parallel"] is False
 
 
+def test_the_recompute_knob_is_a_granularity_and_a_re_placement_recomputes_that(explorer):
+    knobs = explorer.controls
+    assert knobs.recompute.options == ("none", "selective", "full") and knobs.recompute.value == "none"
+    plain = explorer.compile()
+    explorer.set(recompute="selective")            # each attention core: pas_config['recompute']
+    selective = explorer.plan
+    assert explorer.error is None and knobs.recompute.value == knobs.knobs().recompute == "selective"
+    assert selective.config.pas_config["recompute"] == "selective"
+    assert "recompute_modules" not in selective.config.pas_config
+    cores = {n.meta["recompute"] for n in selective.graph.nodes if n.meta.get("recompute")}
+    assert cores == {"blocks.0.attn:core", "blocks.1.attn:core"}, cores
+    explorer.set(recompute="full")                 # each repeated layer, named as the space tab names it
+    full = explorer.plan
+    assert explorer.error is None and knobs.recompute.value == "full"
+    assert full.config.pas_config["recompute_modules"] == ["blocks"] and "recompute" not in full.config.pas_config
+    activations = [p.memory()[C.ACTIVATION_BYTES].max() for p in (plain, selective, full)]
+    assert activations[0] > activations[1] > activations[2], activations
+    explorer.set(recompute=True)                   # the checkbox it was: True is full, False none
+    assert explorer.error is None and knobs.recompute.value == "full"
+    explorer.set(recompute=False)
+    assert explorer.error is None and knobs.recompute.value == "none"
+    assert not {"recompute", "recompute_modules"} & set(explorer.plan.config.pas_config)
+    explorer.set(recompute="selective")
+    explorer.compile()                             # a compile reads the knob too, and its run says so
+    assert explorer.error is None and explorer.plan.config.pas_config["recompute"] == "selective"
+    assert explorer.runs["recompute"].tolist() == ["none", "selective"]
+    assert knobs.recompute.value == "selective"
+    explorer.set(recompute="some")
+    assert explorer.error is not None and knobs.recompute.value == "selective"
+    with pytest.raises(ValueError, match="none, selective, full"):
+        Knobs(recompute="layers")
+    assert Knobs(recompute="full").compute_config().pas_config["recompute"] == "full"   # no names: the stack
+
+
 def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
     cfg = GPTConfig(vocab_size=128, seq_len=32, n_layer=4, d_model=64, n_head=4)
     ex = Explorer(GPT(cfg), {"batch": sample_batch(cfg, 4)}, knobs=Knobs(policy="pp"))
@@ -181,6 +215,8 @@ def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
         assert mlp.controls.n_layer.disabled and mlp.controls.n_layer.layout.display == "none"
         # a module that is not end2end cannot be pipelined: no pipeline knob applies
         assert all(getattr(mlp.controls, name).disabled for name in ("stages", "nmicros", "scheduler"))
+        # no repeated layers: recompute full is not offered (selective is: the planner says if it finds no core)
+        assert mlp.controls.recompute.options == ("none", "selective") and ex.controls.recompute.options[-1] == "full"
     finally:
         ex.close()
         mlp.close()

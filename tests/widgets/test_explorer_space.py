@@ -174,7 +174,7 @@ def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_agai
     assert knobs.policy.value == "hybrid" and knobs.loaded.value.startswith("<small>from the space tab: tp")
     assert (knobs.plan_ngpus.value, knobs.runtime_ngpus.value, knobs.stages.value, knobs.nmicros.value) == \
         (chosen.tp * chosen.pp, 16, chosen.pp, chosen.micro_batches)
-    assert (knobs.use_zero.value, knobs.zero_stage.value, knobs.recompute.value) == (True, chosen.zero_stage, True)
+    assert (knobs.use_zero.value, knobs.zero_stage.value, knobs.recompute.value) == (True, chosen.zero_stage, "full")
     said = knobs.knobs().compute_config()
     for field in ("plan_ngpus", "runtime_ngpus", "pipeline_nstages", "pipeline_nmicros", "scheduler", "use_zero",
                   "zero_stage", "pas_config"):
@@ -186,6 +186,32 @@ def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_agai
     again = explorer.plan.config
     assert again.pas_config["recompute_modules"] == config.pas_config["recompute_modules"] == ["blocks"]
     assert (again.plan_ngpus, again.runtime_ngpus, again.zero_stage) == (config.plan_ngpus, 16, config.zero_stage)
+
+
+def test_a_selective_point_sets_the_recompute_knob_and_a_knob_turned_next_keeps_it(explorer):
+    frame = explorer.space.frame
+    full = next(i for i in range(len(frame)) if frame.recompute[i] == "full")
+    selective = next(i for i in range(len(frame)) if frame.recompute[i] == "selective" and frame.pp[i] == 2)
+    knobs = explorer.controls
+    explorer.space.pick(full)                      # the knob reads each row loaded, not the one before
+    assert explorer.error is None and knobs.recompute.value == "full"
+    explorer.space.pick(selective)
+    assert explorer.error is None, explorer.error
+    config = explorer.plan.config
+    assert config.pas_config["recompute"] == "selective" and "recompute_modules" not in config.pas_config
+    assert knobs.recompute.value == "selective" and knobs.knobs().recompute == "selective"
+    assert knobs.knobs().compute_config().pas_config == config.pas_config
+    assert "<th style='text-align:left'>recompute</th><td>selective</td>" in knobs.as_table()
+    regions = {n.meta.get("recompute") for n in explorer.plan.graph.nodes} - {None}
+    assert regions and all(r.split("#")[0].endswith(":core") for r in regions), regions   # attention cores only
+    explorer.set(scheduler="gpipe")                # a re-placement from the knobs keeps selective
+    again = explorer.plan.config
+    assert explorer.error is None and again.scheduler == "gpipe" and again.pas_config["recompute"] == "selective"
+    assert "recompute_modules" not in again.pas_config and knobs.recompute.value == "selective"
+    explorer.set(recompute="none")                 # and the knob turned re-places without it
+    assert explorer.error is None and knobs.recompute.value == "none"
+    assert not {"recompute", "recompute_modules"} & set(explorer.plan.config.pas_config)
+    assert all(n.meta.get("recompute") is None for n in explorer.plan.graph.nodes)
 
 
 @pytest.mark.parametrize("precision, master", [("bf16, fp32 master", torch.float32), ("bf16, no master copy", None)])

@@ -12,7 +12,12 @@ its stage count, not the 1 that asked for it; a space row reads ``hybrid`` on it
 micro-batches, ZeRO stage and recompute), and a knob that does not apply is hidden (GPT layers for
 your own module) or disabled (micro-batches and scheduler without a pipeline; every pipeline knob
 for a module that is not end2end; sequence parallel for a policy that does not read it; the ZeRO
-stage without ZeRO; recompute for a module without repeated layers).
+stage without ZeRO).
+
+The recompute knob is a granularity (``RecomputeGranularity``): ``none``, ``selective`` (each
+attention core, ``pas_config['recompute'] = 'selective'``) or ``full`` (each of the model's repeated
+layers, named as ``pas_config['recompute_modules']``, as the space tab plans it); a module without
+repeated layers is not offered ``full``.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import ipywidgets as w
 
-from nbscaler.config import RECOMPUTE_MODULES, TRAIN_SCHEDULERS, ZERO_STAGES, ComputeConfig
+from nbscaler.config import TRAIN_SCHEDULERS, ZERO_STAGES, ComputeConfig, RecomputeGranularity
 from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL
 from nbscaler.schedule import PipelineSchedule
-from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy
+from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy, recompute_of
 
 DEVICE_CHOICES = [1, 2, 4, 8]
 SHIPPED_GPT = "GPT (nbscaler.models)"
 USER_MODEL = "your module"
+RECOMPUTE_CHOICES = [g.value for g in RecomputeGranularity]
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero", "zero_stage",
               "recompute", "sequence_parallel")
 
@@ -66,9 +72,9 @@ class Controls:
         self.use_zero = w.Checkbox(value=knobs.use_zero, description="ZeRO", indent=False)
         self.zero_stage = w.Dropdown(options=list(ZERO_STAGES), value=knobs.zero_stage, description="ZeRO stage",
                                      **_label())
-        self.recompute = w.Checkbox(value=bool(knobs.recompute_modules), description="recompute layers",
-                                    indent=False)
-        self._recompute_modules: Tuple[str, ...] = knobs.recompute_modules   # what ticking recompute recomputes
+        self.recompute = w.Dropdown(options=RECOMPUTE_CHOICES, value=knobs.recompute, description="recompute",
+                                    **_label())
+        self._recompute_modules: Tuple[str, ...] = knobs.recompute_modules   # what recompute 'full' recomputes
         self.loaded = w.HTML("")             # where the plan shown came from, when not from these knobs
         self.sequence_parallel = w.Checkbox(value=knobs.sequence_parallel, description="sequence parallel",
                                             indent=False)
@@ -109,7 +115,7 @@ class Controls:
         return Knobs(policy=self._policies[self.policy.value], plan_ngpus=self.plan_ngpus.value,
                      runtime_ngpus=self.runtime_ngpus.value, stages=self.stages.value, nmicros=self.nmicros.value,
                      scheduler=self.scheduler.value, use_zero=self.use_zero.value, zero_stage=self.zero_stage.value,
-                     recompute_modules=self._recompute_modules if self.recompute.value else (), end2end=end2end,
+                     recompute=self.recompute.value, recompute_modules=self._recompute_modules, end2end=end2end,
                      sequence_parallel=self.sequence_parallel.value)
 
     def set(self, **values: Any) -> None:
@@ -118,6 +124,10 @@ class Controls:
         if unknown:
             raise ValueError(f"unknown knob(s) {', '.join(sorted(unknown))}: use {', '.join(KNOB_NAMES)}, "
                              "n_layer, steps, lr or model.")
+        if isinstance(values.get("recompute"), bool):     # the knob was a checkbox of the repeated layers
+            values["recompute"] = RecomputeGranularity.FULL if values["recompute"] else RecomputeGranularity.NONE
+        if "recompute" in values:
+            values["recompute"] = str(values["recompute"])
         with self._hold():                   # the policy first: leaving a pipeline policy resets the stages
             for name in sorted(values, key=lambda name: name != "policy"):
                 getattr(self, name).value = values[name]
@@ -137,7 +147,7 @@ class Controls:
         count beyond the usual choices (16 GPUs of two nodes) is offered. ``loaded`` says where the
         plan came from, above the knobs, until a knob turns or the next compile.
         """
-        recompute = tuple(config.pas_config.get(RECOMPUTE_MODULES) or ())
+        recompute, modules = recompute_of(config)
         with self._hold():
             if policy in self._policies:
                 self.policy.value = policy
@@ -148,8 +158,10 @@ class Controls:
                 knob.value = value
             self.use_zero.value = config.use_zero
             self.zero_stage.value = config.zero_stage
-            self.recompute.value = bool(recompute)
-            self._recompute_modules = recompute or self._recompute_modules
+            if recompute not in self.recompute.options:     # named modules of a model without a stack
+                self.recompute.options = RECOMPUTE_CHOICES
+            self.recompute.value = recompute
+            self._recompute_modules = modules or self._recompute_modules
             self.sequence_parallel.value = bool(config.pas_config.get(SEQUENCE_PARALLEL, False))
             if schedule is not None:
                 self.nmicros.value, self.scheduler.value = config.pipeline_nmicros, config.scheduler
@@ -157,12 +169,17 @@ class Controls:
         self._show_applicable()
 
     def fit_model(self, end2end: bool, recompute_modules: Tuple[str, ...] = ()) -> None:
-        """Enable the knobs that apply to the chosen model (pipelines need an end2end one; the
-        recompute knob recomputes ``recompute_modules``, its repeated layers, and needs some)."""
+        """Enable the knobs that apply to the chosen model (pipelines need an end2end one; recompute
+        ``full`` recomputes ``recompute_modules``, its repeated layers, and is offered only where
+        there are some)."""
         self._end2end = end2end
         self._recompute_modules = tuple(recompute_modules)
+        offered = [g for g in RECOMPUTE_CHOICES if recompute_modules or g != RecomputeGranularity.FULL]
         with self._hold():
-            self.recompute.value = self.recompute.value and bool(recompute_modules)
+            if list(self.recompute.options) != offered:
+                kept = self.recompute.value if self.recompute.value in offered else RecomputeGranularity.NONE.value
+                self.recompute.options = offered
+                self.recompute.value = kept
         self._show_applicable()
 
     def _show_applicable(self) -> None:
@@ -174,7 +191,6 @@ class Controls:
         self.nmicros.disabled = self.scheduler.disabled = not pipelined
         self.sequence_parallel.disabled = not self.knobs(self._end2end).sequence_parallel_applies
         self.zero_stage.disabled = not self.use_zero.value
-        self.recompute.disabled = not self._recompute_modules
 
     def as_table(self) -> str:
         """The model and the knobs as the controls show them, as an HTML table (for the saved

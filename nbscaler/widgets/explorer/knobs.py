@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple, Union
 
-from nbscaler.config import RECOMPUTE_MODULES, TRAIN_SCHEDULERS, ComputeConfig
+from nbscaler.config import RECOMPUTE, RECOMPUTE_MODULES, TRAIN_SCHEDULERS, ComputeConfig, RecomputeGranularity
 from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES, BuiltinPolicy
 
 Policy = Union[str, Callable[..., Any]]
@@ -29,7 +29,12 @@ class Knobs:
     - ``nmicros``: micro-batches per training step (pipelines only).
     - ``use_zero`` / ``zero_ngroups`` / ``zero_stage``: ZeRO over the data-parallel units (stage 1
       shards the optimizer state, 2 the gradients too).
-    - ``recompute_modules``: the modules recomputed in the backward (``pas_config['recompute_modules']``).
+    - ``recompute``: how much of each layer is recomputed in the backward (``RecomputeGranularity``:
+      ``'none'``, ``'selective'``, the attention cores, as ``pas_config['recompute']``, or ``'full'``,
+      each repeated layer whole).
+    - ``recompute_modules``: what ``'full'`` recomputes, named (``pas_config['recompute_modules']``;
+      the Explorer gives the model's repeated layers, the stack a sweep reads); empty: the planner
+      finds the stack itself (``pas_config['recompute'] = 'full'``). Ignored unless ``'full'``.
     - ``end2end``: the module takes the batch and returns its loss (the shipped GPT does);
       pipelines need it.
     - ``sequence_parallel``: norms, dropout and residual adds on a sequence slice between the
@@ -45,9 +50,16 @@ class Knobs:
     use_zero: bool = False
     zero_ngroups: int = 1
     zero_stage: int = 1
+    recompute: str = RecomputeGranularity.NONE.value
     recompute_modules: Tuple[str, ...] = ()
     end2end: bool = True
     sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        allowed = [g.value for g in RecomputeGranularity]
+        if self.recompute not in allowed:
+            raise ValueError(f"Knobs(recompute={self.recompute!r}) is invalid: use one of {', '.join(allowed)}.")
+        object.__setattr__(self, "recompute", RecomputeGranularity(self.recompute).value)   # a plain str
 
     @property
     def policy_label(self) -> str:
@@ -79,8 +91,10 @@ class Knobs:
                             pipeline_nstages=self.stages if self.stages > 1 else -1)
         pas_config: Dict[str, Any] = {SEQUENCE_PARALLEL: True} if self.sequence_parallel and \
             self.sequence_parallel_applies else {}
-        if self.recompute_modules:
+        if self.recompute == RecomputeGranularity.FULL and self.recompute_modules:
             pas_config[RECOMPUTE_MODULES] = list(self.recompute_modules)
+        elif self.recompute != RecomputeGranularity.NONE:
+            pas_config[RECOMPUTE] = self.recompute
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, use_zero=self.use_zero,
                              zero_ngroups=self.zero_ngroups, zero_stage=self.zero_stage if self.use_zero else 1,
                              use_end2end=self.end2end, pas_config=pas_config, **pipeline)
@@ -90,4 +104,20 @@ class Knobs:
         return {"policy": self.policy_label, "plan_ngpus": self.plan_ngpus, "runtime_ngpus": self.runtime_ngpus,
                 "stages": self.stages if self.pipelined else 1, "nmicros": self.nmicros if self.pipelined else 1,
                 "scheduler": self.scheduler if self.pipelined else "", "zero": self.use_zero,
-                "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies}
+                "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies,
+                "recompute": self.recompute}
+
+
+def recompute_of(config: ComputeConfig) -> Tuple[str, Tuple[str, ...]]:
+    """What a config recomputes, as the recompute knob reads it: its granularity and, for named
+    modules (``recompute_modules``, which the knob shows as ``'full'``), their names.
+
+    >>> recompute_of(ComputeConfig(2, 2, pas_config={"recompute": "selective"}))
+    ('selective', ())
+    >>> recompute_of(ComputeConfig(2, 2, pas_config={"recompute_modules": ["blocks"]}))
+    ('full', ('blocks',))
+    """
+    names = tuple(config.pas_config.get(RECOMPUTE_MODULES) or ())
+    if names:
+        return RecomputeGranularity.FULL.value, names
+    return RecomputeGranularity(config.pas_config.get(RECOMPUTE) or RecomputeGranularity.NONE).value, ()
