@@ -33,7 +33,8 @@ INFER_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if not spec.t
 RECOMPUTE_MODULES = "recompute_modules"
 #: The ``pas_config`` key choosing how much of each layer to recompute (``RecomputeGranularity``).
 RECOMPUTE = "recompute"
-PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler")
+PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler",
+                 "pipeline_virtual_stages")
 ZERO_STAGES = (1, 2)
 
 
@@ -168,6 +169,17 @@ class ComputeConfig:
     The pipeline settings may be given as fields or as ``pas_config`` keys of the same names; after
     construction the fields hold the effective values.
 
+    ``pipeline_virtual_stages`` says how many stages each pipeline device holds under a scheduler
+    that takes any number (``1f1b_interleaved``): ``pipeline_nstages // pipeline_virtual_stages``
+    pipeline devices, each a group of ``plan_ngpus // devices`` plan devices that the ``hybrid``
+    policy makes tensor-parallel (Megatron-LM's virtual pipeline stages). Unset (``-1``), every plan
+    device is a pipeline device; the other schedulers fix it themselves (``zbv``: 2, the others 1).
+
+    >>> cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b_interleaved",
+    ...                     pipeline_nstages=4, pipeline_virtual_stages=2, pipeline_nmicros=4)
+    >>> cfg.grid.pipeline.tp, cfg.grid.stage_group(1)      # 2 pipeline devices x 2-way tensor parallelism
+    (2, (2, 3))
+
     ZeRO (``use_zero=True``) splits state over the data-parallel ranks of each plan device, in
     ``zero_ngroups`` groups. ``zero_stage=1`` (the default) splits the optimizer state: the full
     gradients live until the optimizer step, which reduce-scatters them and frees them.
@@ -203,6 +215,11 @@ class ComputeConfig:
     pipeline_nmicros: int = -1
     pipeline_nstages: int = -1
     pipeline_scheduler: Optional[str] = None
+    # the stages on each pipeline device, for a scheduler that takes any number (1f1b_interleaved):
+    # pipeline_nstages // it pipeline devices, each tensor-parallel over plan_ngpus // devices plan
+    # devices (Megatron-LM's virtual pipeline size); -1: the scheduler's own, every plan device a
+    # pipeline device for 1f1b_interleaved
+    pipeline_virtual_stages: int = -1
 
     pas_config: Dict[str, Any] = field(default_factory=dict)
     user_config: UserConfig = field(default_factory=UserConfig)
@@ -241,6 +258,11 @@ class ComputeConfig:
             return self.pipeline_scheduler
         return "infer_pipe" if self.inference_only else "1f1b"
 
+    @property
+    def virtual_stages(self) -> Optional[int]:
+        """``pipeline_virtual_stages`` where given, else ``None`` (the scheduler decides)."""
+        return None if self.pipeline_virtual_stages == -1 else self.pipeline_virtual_stages
+
     def unit_of(self, rank: int) -> int:
         """The unit ``rank`` belongs to (``RankGrid.unit_of``)."""
         return self.grid.unit_of(rank)
@@ -275,8 +297,9 @@ class ComputeConfig:
     def _validate_scheduler_rules(self) -> None:
         """The rules the scheduler declared where it registered (stages per device, micro-batches)."""
         spec = scheduler_spec(self.scheduler)
-        nstages = self.pipeline_nstages if self.pipeline_nstages != -1 else spec.default_nstages(self.plan_ngpus)
-        problem = spec.problem(nstages, self.pipeline_nmicros, self.plan_ngpus)
+        virtual = self.virtual_stages
+        nstages = self.pipeline_nstages if self.pipeline_nstages != -1 else spec.default_nstages(self.plan_ngpus, virtual)
+        problem = spec.problem(nstages, self.pipeline_nmicros, self.plan_ngpus, virtual)
         if problem is not None:
             field_name, fix = problem
             _fail(field_name, getattr(self, field_name) if field_name != "pipeline_scheduler" else self.scheduler, fix)
@@ -363,4 +386,8 @@ class ComputeConfig:
                       "a pipeline needs the number of micro-batches per train_step: set pipeline_nmicros >= 1.")
             if self.pipeline_nstages != -1 and (not isinstance(self.pipeline_nstages, int) or self.pipeline_nstages < 1):
                 _fail("pipeline_nstages", self.pipeline_nstages, "it must be a positive integer.")
+            virtual = self.pipeline_virtual_stages
+            if virtual != -1 and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
+                _fail("pipeline_virtual_stages", virtual, "give the stages on each pipeline device, a positive "
+                      "integer (or -1 to leave them to the scheduler).")
             self._validate_scheduler_rules()

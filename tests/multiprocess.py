@@ -111,6 +111,7 @@ class Case:
         cfg = self.compute_config
         name = f"{self.model}_{getattr(self.policy, '__name__', self.policy)}_{self.plan_ngpus}_{self.runtime_ngpus}"
         name += "_" + cfg.scheduler if cfg.use_pipeline else ""
+        name += f"_v{cfg.virtual_stages}" if cfg.use_pipeline and cfg.virtual_stages else ""
         name += "".join(f"_{k}{v}" for k, v in sorted(cfg.pas_config.items()) if k not in PIPELINE_KEYS)
         name += "_init" if self.weights == INIT else ("_files" if self.weights else "")
         name += f"_{self.module_dtype}".replace("torch.", "") if self.module_dtype is not None else ""
@@ -130,10 +131,12 @@ class Case:
         return cfg.pipeline_nmicros if cfg.use_pipeline else (2 if cfg.use_end2end else 1)
 
 
-def pipeline(scheduler: str, nstages: int, nmicros: int) -> tuple:
-    """The ``Case.config`` of an end2end pipeline."""
+def pipeline(scheduler: str, nstages: int, nmicros: int, virtual_stages: Optional[int] = None) -> tuple:
+    """The ``Case.config`` of an end2end pipeline (with ``virtual_stages`` stages on each pipeline
+    device: ``pipeline_virtual_stages``)."""
+    virtual = (("pipeline_virtual_stages", virtual_stages),) if virtual_stages is not None else ()
     return (("use_end2end", True), ("use_pipeline", True), ("pipeline_scheduler", scheduler),
-            ("pipeline_nstages", nstages), ("pipeline_nmicros", nmicros))
+            ("pipeline_nstages", nstages), ("pipeline_nmicros", nmicros)) + virtual
 
 
 def zero(ngroups: int = 1, stage: int = 1) -> tuple:

@@ -58,6 +58,47 @@ def test_conflicting_pipeline_settings_are_an_error():
                       pas_config={"pipeline_nmicros": 8})
 
 
+INTERLEAVED = dict(plan_ngpus=4, runtime_ngpus=4, use_end2end=True, use_pipeline=True,
+                   pipeline_scheduler="1f1b_interleaved", pipeline_nmicros=4)
+
+
+def test_virtual_stages_set_the_pipeline_devices_of_interleaving():
+    """``pipeline_virtual_stages`` (a field, or a ``pas_config`` key like the other pipeline
+    settings) puts ``pipeline_nstages // it`` pipeline devices in a unit, each tensor-parallel over
+    the rest; unset, every plan device is one (as before)."""
+    assert ComputeConfig(**INTERLEAVED, pipeline_nstages=4).grid.pipeline.tp == 1
+    cfg = ComputeConfig(**INTERLEAVED, pipeline_nstages=4, pas_config={"pipeline_virtual_stages": 2})
+    assert cfg.pipeline_virtual_stages == cfg.virtual_stages == 2 and cfg.grid.pipeline.schedule.ndevices == 2
+    assert cfg.grid.pipeline.tp == 2 and cfg.with_changes(pipeline_virtual_stages=4).grid.pipeline.tp == 4
+    assert ComputeConfig.from_dict(cfg.to_dict()) == cfg
+    assert ComputeConfig(**INTERLEAVED, pipeline_virtual_stages=3).pipeline_nstages == -1      # 12 stages, tp 1
+    assert ComputeConfig(**INTERLEAVED, pipeline_virtual_stages=3).grid.pipeline.schedule.nstages == 12
+    fixed = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="zbv", pipeline_nstages=4,
+                          pipeline_nmicros=4, pipeline_virtual_stages=2)                        # zbv's own 2
+    assert fixed.grid.pipeline.tp == 2
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(pipeline_nstages=4, pipeline_virtual_stages=3),
+     ["pipeline_virtual_stages=3", "4 is not a multiple of 3", "give one of 1, 2, 4",
+      "for 4, 2, 1 pipeline devices, each tensor-parallel over 1, 2, 4 plan devices"]),
+    (dict(pipeline_nstages=6, pipeline_virtual_stages=2),
+     ["pipeline_virtual_stages=2", "its 3 pipeline devices do not divide plan_ngpus=4", "give one of 3, 6"]),
+    (dict(pipeline_nstages=4, pipeline_virtual_stages=0), ["pipeline_virtual_stages=0", "positive integer"]),
+    (dict(pipeline_nstages=4, pipeline_virtual_stages=True), ["pipeline_virtual_stages=True", "positive integer"]),
+    (dict(pipeline_nstages=4, pipeline_virtual_stages=1, pipeline_nmicros=2),     # 4 pipeline devices
+     ["groups of the 4 pipeline devices", "pipeline_nmicros=4"]),
+    (dict(pipeline_nstages=4, pipeline_scheduler="1f1b", pipeline_virtual_stages=2),
+     ["pipeline_virtual_stages=2", "1f1b puts 1 stage on each pipeline device", "leave pipeline_virtual_stages unset"]),
+    (dict(pipeline_nstages=6), ["pipeline_nstages=6", "multiple of 4", "or set pipeline_virtual_stages"]),
+])
+def test_virtual_stages_that_make_no_pipeline_are_refused_with_the_fix(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        ComputeConfig(**{**INTERLEAVED, **kwargs})
+    for word in words:
+        assert word in str(err.value)
+
+
 def test_round_trip_through_dict():
     cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=4, user_config=UserConfig(graph={"a": 1}))
     assert ComputeConfig.from_dict(cfg.to_dict()) == cfg

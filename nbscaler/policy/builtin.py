@@ -209,7 +209,9 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
         raise PolicyError(f"policy 'pp' gives each device its own stages, so pipeline_nstages must equal "
                           f"{per_device} x plan_ngpus={per_device * cfg.plan_ngpus} for "
                           f"{cfg.scheduler} (got {cfg.pipeline_nstages}: {geometry.schedule.ndevices} pipeline "
-                          "devices); use 'hybrid' for tensor parallelism inside the stages.")
+                          "devices"
+                          + (f" of pipeline_virtual_stages={cfg.virtual_stages}" if cfg.virtual_stages else "")
+                          + "); use 'hybrid' for tensor parallelism inside the stages.")
     stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
     for node in graph.nodes:
         replicate(node, geometry.stage_group(node.stage))
@@ -217,18 +219,27 @@ def pp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 
 
 def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
-    """Pipeline stages, each tensor-parallel over its ``plan_ngpus // pipeline_nstages`` devices
-    (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each stage). Under a
-    scheduler whose stages take every plan device (``1f1b_interleaved``) a stage has one device: the
-    graph's ``meta[POLICY_NOTE]`` says so (``plan.explain()`` prints it), and sequence parallelism,
-    which needs tensor-parallel stages, is refused."""
+    """Pipeline stages, each tensor-parallel over its pipeline device's ``plan_ngpus // devices``
+    plan devices (with ``pas_config={"sequence_parallel": True}``, sequence parallel inside each
+    stage), under every scheduler. The pipeline devices are ``pipeline_nstages`` over the stages each
+    holds: the scheduler's own number (1 for ``1f1b``, 2 for ``zbv``), or for a scheduler that takes
+    any (``1f1b_interleaved``) ``pipeline_virtual_stages``, as Megatron-LM runs its interleaved
+    schedule with tensor-parallel virtual stages. Without ``pipeline_virtual_stages`` such a
+    scheduler spreads its stages over every plan device, so each stage has one device: the graph's
+    ``meta[POLICY_NOTE]`` says so and how to ask for tensor parallelism (``plan.explain()`` prints
+    it), and sequence parallelism, which needs tensor-parallel stages, is refused."""
     geometry = pipeline_geometry(cfg, "hybrid")
-    if scheduler_spec(cfg.scheduler).stages_per_device is None and cfg.plan_ngpus > 1:
+    spec = scheduler_spec(cfg.scheduler)
+    if spec.per_device(cfg.virtual_stages) is None and cfg.plan_ngpus > 1:
         # the scheduler's stages take every plan device: one device a stage, no tensor parallelism
         why = (f"{cfg.scheduler} spreads its stages over every one of the {cfg.plan_ngpus} plan devices, so 'hybrid' "
                "runs each stage on one device, without tensor parallelism (as 'pp' would); for tensor-parallel "
-               "stages use a scheduler with a fixed number of stages per device (1f1b, gpipe, zbv, ...) that leaves "
-               "several plan devices to each pipeline device (for 1f1b on 4: pipeline_nstages=2).")
+               "stages set pipeline_virtual_stages, the stages on each pipeline device")
+        if cfg.plan_ngpus % 2 == 0:       # nstages is a multiple of plan_ngpus, so this one always fits
+            virtual = 2 * geometry.schedule.nstages // cfg.plan_ngpus
+            why += (f" (here pipeline_virtual_stages={virtual}: {cfg.plan_ngpus // 2} pipeline devices, each "
+                    "tensor-parallel over 2 plan devices)")
+        why += "."
         if sequence_parallel(cfg):
             raise PolicyError(f"pas_config['{SEQUENCE_PARALLEL}'] asks for tensor-parallel stages, but {why}")
         graph.meta[POLICY_NOTE] = why

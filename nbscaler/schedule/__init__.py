@@ -20,7 +20,8 @@ The pieces, one module each:
   with the rules ``ComputeConfig`` applies to it) and :func:`build_schedule`; the classic
   schedulers ``1f1b``, ``1f1b_plus``, ``gpipe``, ``chimera_direct`` and ``infer_pipe``.
 - :mod:`~nbscaler.schedule.interleaved`: ``1f1b_interleaved``, several non-adjacent stages per
-  device.
+  device (``ComputeConfig.pipeline_virtual_stages`` of them; each pipeline device may be a
+  tensor-parallel group of plan devices).
 - :mod:`~nbscaler.schedule.zero_bubble`: ``zb_h1`` and ``zbv`` (two stages per device in a V),
   the backward split into ``B`` (input gradients) and ``W`` (weight gradients) blocks, ``W``
   filling the bubbles.

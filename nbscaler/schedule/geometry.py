@@ -37,12 +37,13 @@ class PipelineGeometry:
         """The geometry a ``ComputeConfig`` asks for: its scheduler with ``pipeline_nstages`` stages
         (when unset, as many as the scheduler puts on ``plan_ngpus`` devices) and
         ``pipeline_nmicros`` micro-batches, on the pipeline devices the scheduler spreads them
-        over. With ``train=False``, the same placement running forwards only."""
+        over (``pipeline_nstages // pipeline_virtual_stages`` where the config gives the latter). With ``train=False``, the same placement running forwards only."""
         from nbscaler.schedule.schedulers import build_schedule, scheduler_spec
         spec = scheduler_spec(cfg.scheduler)
-        nstages = cfg.pipeline_nstages if cfg.pipeline_nstages != -1 else spec.default_nstages(cfg.plan_ngpus)
+        virtual = cfg.virtual_stages
+        nstages = cfg.pipeline_nstages if cfg.pipeline_nstages != -1 else spec.default_nstages(cfg.plan_ngpus, virtual)
         schedule = build_schedule(cfg.scheduler, nstages, cfg.pipeline_nmicros,
-                                  spec.ndevices(nstages, cfg.plan_ngpus))
+                                  spec.ndevices(nstages, cfg.plan_ngpus, virtual))
         return cls(schedule if train else schedule.forward_only(), cfg.plan_ngpus)
 
     def __post_init__(self) -> None:

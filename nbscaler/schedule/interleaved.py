@@ -18,6 +18,11 @@ its backwards (with one chunk that is exactly 1F1B). With ``p = 2, v = 2, m = 4`
          f0.0 f1.0 f0.1 b0.1 f1.1 b1.1 f2.0 b0.0 f3.0 b1.0 f2.1 b2.1 f3.1 b3.1 b2.0 b3.0
 
 The groups of ``p`` are why ``nmicros`` must be a multiple of ``p``.
+
+The ``p`` devices here are pipeline devices: with ``ComputeConfig.pipeline_virtual_stages=v`` a
+unit of ``plan_ngpus`` plan devices has ``p = nstages / v`` of them, each a group of
+``plan_ngpus / p`` plan devices over which ``hybrid`` splits its stages tensor-parallel (Megatron-LM's
+virtual pipeline stages); without it ``p = plan_ngpus``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ class SchedulerSpec:
         training: whether it schedules backwards (``infer_pipe`` does not).
         stages_per_device: how many stages each pipeline device holds (``nstages`` counts
             pipeline devices for ``1f1b_plus``, which adds a shared head stage); ``None`` when any
-            multiple goes, the devices being every plan device (``1f1b_interleaved``).
+            number goes (``1f1b_interleaved``): the config's ``pipeline_virtual_stages`` where given
+            (``nstages // virtual_stages`` pipeline devices, each tensor-parallel over
+            ``plan_ngpus // devices`` plan devices), else every plan device is a pipeline device.
         check: the scheduler's own rules on ``(nstages, nmicros, ndevices)``.
         fixed_nstages: the only stage count it runs (``chimera_direct``: 4); ``None``: any.
         one_device_per_stage: whether each stage must run on one device alone, with no tensor
@@ -64,19 +66,37 @@ class SchedulerSpec:
     one_device_per_stage: bool = False
     stage_copies: int = 1
 
-    def default_nstages(self, plan_ngpus: int) -> int:
+    def per_device(self, virtual_stages: Optional[int] = None) -> Optional[int]:
+        """The stages on each pipeline device: the scheduler's own number, else ``virtual_stages``
+        (``ComputeConfig.pipeline_virtual_stages``), else ``None``: the stages spread over every plan
+        device, one device a stage."""
+        return self.stages_per_device if self.stages_per_device is not None else virtual_stages
+
+    def default_nstages(self, plan_ngpus: int, virtual_stages: Optional[int] = None) -> int:
         """The stages when ``pipeline_nstages`` is not set: one per plan device, times its chunks
-        (two for a scheduler whose chunks are free)."""
-        return plan_ngpus * (self.stages_per_device or 2)
+        (``virtual_stages`` for a scheduler whose chunks are free, two when that is not given)."""
+        return plan_ngpus * (self.per_device(virtual_stages) or 2)
 
-    def ndevices(self, nstages: int, plan_ngpus: int) -> int:
-        """The pipeline devices ``nstages`` stages go on within ``plan_ngpus`` plan devices."""
-        return plan_ngpus if self.stages_per_device is None else nstages // self.stages_per_device
+    def ndevices(self, nstages: int, plan_ngpus: int, virtual_stages: Optional[int] = None) -> int:
+        """The pipeline devices ``nstages`` stages go on within ``plan_ngpus`` plan devices: ``nstages``
+        over the stages each holds; every plan device when that is free and not given."""
+        per = self.per_device(virtual_stages)
+        return plan_ngpus if per is None else nstages // per
 
-    def problem(self, nstages: int, nmicros: int, plan_ngpus: int) -> Optional[tuple[str, str]]:
+    def problem(self, nstages: int, nmicros: int, plan_ngpus: int,
+                virtual_stages: Optional[int] = None) -> Optional[tuple[str, str]]:
         """``(field, what is wrong and the fix)`` when a config's pipeline does not suit this
-        scheduler, else ``None``. ``ComputeConfig`` asks this; so does :func:`build_schedule`."""
-        per = self.stages_per_device
+        scheduler, else ``None``. ``ComputeConfig`` asks this; so does :func:`build_schedule`.
+        ``virtual_stages``: the stages on each pipeline device the config asks for
+        (``pipeline_virtual_stages``), ``None`` when it leaves them to the scheduler."""
+        fixed = self.stages_per_device
+        if virtual_stages is not None and fixed is not None and virtual_stages != fixed:
+            return "pipeline_virtual_stages", (f"{self.name} puts {fixed} stage{'s' if fixed > 1 else ''} on each "
+                                               f"pipeline device, so leave pipeline_virtual_stages unset (or give "
+                                               f"{fixed}); 1f1b_interleaved takes any number.")
+        if virtual_stages is not None and fixed is None:
+            return self._virtual_problem(nstages, nmicros, plan_ngpus, virtual_stages)
+        per = fixed
         if per is not None and nstages % per:
             return "pipeline_nstages", (f"{self.name} puts {per} stages on each device, so pipeline_nstages="
                                         f"{nstages} must be a multiple of {per}.")
@@ -84,11 +104,35 @@ class SchedulerSpec:
         if per is None and nstages % plan_ngpus:
             return "pipeline_nstages", (f"{self.name} gives each of the plan_ngpus={plan_ngpus} devices the same "
                                         f"number of stages, so pipeline_nstages={nstages} must be a multiple "
-                                        f"of {plan_ngpus}.")
+                                        f"of {plan_ngpus} (or set pipeline_virtual_stages, the stages on each "
+                                        "pipeline device, for fewer pipeline devices with tensor parallelism "
+                                        "inside each stage).")
         if plan_ngpus % ndevices:
             return "pipeline_nstages", (f"{self.name} puts pipeline_nstages={nstages} stages on {ndevices} "
                                         f"pipeline devices, which must divide plan_ngpus={plan_ngpus} (each "
                                         "stage gets plan_ngpus // devices devices).")
+        return self._rules_problem(nstages, nmicros, ndevices)
+
+    def _virtual_problem(self, nstages: int, nmicros: int, plan_ngpus: int,
+                         virtual: int) -> Optional[tuple[str, str]]:
+        """:meth:`problem` where the config gives the stages on each pipeline device of a scheduler
+        that takes any number: ``nstages // virtual`` pipeline devices, each a group of
+        ``plan_ngpus // devices`` plan devices."""
+        ndevices = nstages // virtual if nstages % virtual == 0 else None
+        if ndevices is None or plan_ngpus % ndevices:
+            fits = [v for v in range(1, nstages + 1) if nstages % v == 0 and plan_ngpus % (nstages // v) == 0]
+            where = (f"{nstages} is not a multiple of {virtual}" if ndevices is None else
+                     f"its {ndevices} pipeline devices do not divide plan_ngpus={plan_ngpus}")
+            fix = (f"give one of {', '.join(map(str, fits))} (for "
+                   f"{', '.join(str(nstages // v) for v in fits)} pipeline devices, each tensor-parallel over "
+                   f"{', '.join(str(plan_ngpus * v // nstages) for v in fits)} plan devices)" if fits else f"set pipeline_nstages to a multiple of {virtual} whose quotient "
+                   f"divides plan_ngpus={plan_ngpus}")
+            return "pipeline_virtual_stages", (f"{self.name} puts pipeline_virtual_stages={virtual} stages on each "
+                                               f"pipeline device, and pipeline_nstages={nstages} stages so placed "
+                                               f"make no pipeline here: {where}; {fix}.")
+        return self._rules_problem(nstages, nmicros, ndevices)
+
+    def _rules_problem(self, nstages: int, nmicros: int, ndevices: int) -> Optional[tuple[str, str]]:
         problem = self._fixed_nstages_problem(nstages)
         if problem is None and self.check is not None:
             problem = self.check(nstages, nmicros, ndevices)

@@ -55,6 +55,7 @@ from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.primitives import PolicyError
 from nbscaler.recipe import UNSET, Recipe
+from nbscaler.schedule.schedulers import scheduler_spec
 
 CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL, S.ZERO_STAGE,
                   S.SCHEDULER, S.VIRTUAL_STAGES)
@@ -73,10 +74,13 @@ def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
-    virtual_stages = int(row[S.VIRTUAL_STAGES])
+    virtual_stages, scheduler = int(row[S.VIRTUAL_STAGES]), str(row[S.SCHEDULER])
     pas = _pas_config(str(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
+    # a scheduler that takes any number of stages per device is told it: pp pipeline devices, each tp wide
+    free = scheduler_spec(scheduler).stages_per_device is None
     return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
-                         pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=str(row[S.SCHEDULER]),
+                         pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=scheduler,
+                         pipeline_virtual_stages=virtual_stages if free else -1,
                          use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
 
 

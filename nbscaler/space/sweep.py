@@ -84,7 +84,8 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     standing for ``'full'`` and ``'none'`` (the frame's ``recompute`` column reads the words);
     ``sequence_parallel``: sequence parallelism or not, tried only where ``tp > 1`` (at ``tp == 1``
     a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
-    ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``;
+    ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``, whose
+    rows set ``pipeline_virtual_stages``, so each of its ``pp`` pipeline devices is ``tp`` wide;
     ``zbv`` always has two). Returns one row per configuration with the columns of
     ``nbscaler.columns.SweepColumn``, the fitting ones first, each group fastest first;
     ``frame.attrs`` holds ``"stack"`` (the layers recomputed) and ``"excluded"`` (a frame of the

@@ -168,6 +168,18 @@ def test_stage_counts_to_search_keep_to_a_scheduler_with_a_fixed_count():
     assert [c.pipeline_nstages for c in stage_count_configs(chimera, opts)] == [4]
 
 
+def test_auto_scheduler_tries_interleaving_on_the_same_tensor_parallel_pipeline_devices():
+    """On 2 pipeline devices of 2 plan devices each, the interleaved candidate keeps them: 4 stages,
+    2 virtual stages a device (before, its stages spread over every plan device and it was dropped)."""
+    from nbscaler.policy.autodist.candidates import scheduler_configs
+    cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_nstages=2, pipeline_nmicros=4)
+    found = {c.scheduler: c for c in scheduler_configs(cfg, AutodistOptions(autodist_scheduler="auto"))}
+    assert set(found) == {"1f1b", "1f1b_interleaved", "zb_h1", "zbv"}
+    interleaved = found["1f1b_interleaved"]
+    assert interleaved.pipeline_nstages == 4 and interleaved.virtual_stages == 2 and interleaved.grid.pipeline.tp == 2
+    assert {c.grid.pipeline.tp for c in found.values()} == {2} and found["zbv"].virtual_stages is None
+
+
 def test_auto_scheduler_keeps_the_fastest_predicted_and_the_plan_adopts_it():
     """``autodist_scheduler='auto'`` tries 1f1b, 1f1b_interleaved, zb_h1 and zbv on the config's two
     pipeline devices (four stages for the two-chunk ones) and keeps the one the simulator predicts

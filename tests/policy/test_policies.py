@@ -102,6 +102,8 @@ def test_hybrid_says_a_scheduler_leaves_no_tensor_parallelism(tmp_path):
     said = ("1f1b_interleaved spreads its stages over every one of the 4 plan devices, so 'hybrid' runs each stage "
             "on one device")
     assert said in str(p.explain()) and html.escape(said) in p._repr_html_()
+    fix = "set pipeline_virtual_stages, the stages on each pipeline device (here pipeline_virtual_stages=4: 2 pipeline"
+    assert fix in str(p.explain())
     assert {len(n.placement.devices) for n in p.graph.nodes} == {1}
     sequence = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b_interleaved",
                              pipeline_nstages=8, pipeline_nmicros=4, pas_config={"sequence_parallel": True})
@@ -112,3 +114,22 @@ def test_hybrid_says_a_scheduler_leaves_no_tensor_parallelism(tmp_path):
     graph = get_policy("hybrid")(llama_graph(), two)                    # 1f1b keeps 2-way tensor parallelism
     assert {len(n.placement.devices) for n in graph.nodes} == {2}
     assert any(n.placement.split for n in graph.select(op="linear"))
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_hybrid_keeps_tensor_parallelism_under_interleaving_given_virtual_stages(sequence):
+    """With ``pipeline_virtual_stages``, 1f1b_interleaved's stages sit on fewer pipeline devices and
+    ``hybrid`` splits each over its group, as Megatron-LM's virtual stages: 4 stages, 2 a device, on 2
+    pipeline devices x 2-way tensor parallelism; the plan prices those collectives on a target."""
+    pas = {"sequence_parallel": True} if sequence else {}
+    cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_scheduler="1f1b_interleaved",
+                        pipeline_nstages=4, pipeline_virtual_stages=2, pipeline_nmicros=4, pas_config=pas)
+    p = nbscaler.plan(Llama(), batch("llama", 0), "hybrid", cfg)
+    assert "policy_note" not in p.graph.meta and p.schedule.ndevices == 2
+    groups = {n.stage: n.placement.devices for n in p.graph.nodes}
+    assert groups == {0: (0, 1), 1: (2, 3), 2: (0, 1), 3: (2, 3)}
+    assert any(n.placement.split for n in p.graph.select(op="linear"))
+    tp_collectives = p.collectives[p.collectives.collective != "send_recv"]
+    assert set(tp_collectives.devices.map(tuple)) >= {(0, 1), (2, 3)}
+    figures = p.step_figures(hardware=nbscaler.Hardware.named("H100-SXM-80GB"))
+    assert all(d.tp_s > 0 for d in figures.devices.values())

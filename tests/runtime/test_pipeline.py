@@ -1,5 +1,5 @@
 """Pipelines train like one process: every scheduler, 2 and 4 stages (8 interleaved), TP inside
-stages, DP across pipelines, and inference through the pipeline."""
+stages (interleaved ones too, with pipeline_virtual_stages), DP across pipelines, and inference through the pipeline."""
 
 import pytest
 import torch
@@ -28,6 +28,8 @@ TWO_RANKS += [                                                             # the
     Case("llama_e2e", "pp", 2, 2, config=pipeline("zb_h1", 2, 4)),
     Case("llama_e2e", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 2)),
     Case("gpt", "pp", 2, 2, config=pipeline("zbv", 4, 4)),                 # stages 0, 3 | 1, 2
+    # pipeline_virtual_stages=2: one pipeline device of 2-way TP running stages 0 and 1, interleaved
+    Case("gpt", "hybrid", 2, 2, config=pipeline("1f1b_interleaved", 2, 2, virtual_stages=2)),
 ]
 FOUR_RANKS = [Case("gpt", "pp", 4, 4, config=pipeline(s, 4, m))
               for s, m in (("1f1b", 8), ("1f1b_plus", 4), ("gpipe", 4), ("chimera_direct", 4))]
@@ -43,6 +45,8 @@ FOUR_RANKS += [
     Case("llama_e2e", "pp", 4, 4, config=pipeline("1f1b_interleaved", 8, 8)),
     Case("gpt", "pp", 4, 4, config=pipeline("zbv", 8, 4)),
     Case("llama_e2e", "hybrid", 4, 4, config=pipeline("zbv", 4, 4)),  # a V of 2 devices x 2-way TP
+    # Megatron-LM's interleaving with TP: stages 0, 2 on devices 0-1 and 1, 3 on 2-3, each split 2 ways
+    Case("gpt", "hybrid", 4, 4, config=pipeline("1f1b_interleaved", 4, 4, virtual_stages=2)),
 ]
 
 
@@ -84,11 +88,14 @@ def test_custom_staging_must_flow_forward(tmp_path):
 @pytest.mark.parametrize("scheduler, nstages, words", [
     ("1f1b", 2, "must equal 1 x plan_ngpus=4 for 1f1b (got 2"),
     ("zbv", 4, "must equal 2 x plan_ngpus=8 for zbv (got 4: 2 pipeline devices)"),
+    (("1f1b_interleaved", 2), 4, "must equal 2 x plan_ngpus=8 for 1f1b_interleaved (got 4: 2 pipeline devices "
+                                 "of pipeline_virtual_stages=2)"),
 ])
 def test_pp_needs_its_own_stages_on_every_device(scheduler, nstages, words, tmp_path):
+    scheduler, virtual = scheduler if isinstance(scheduler, tuple) else (scheduler, None)
+    cfg = ComputeConfig(4, 4, **dict(pipeline(scheduler, nstages, 4, virtual_stages=virtual)))
     with pytest.raises(ValueError, match="use 'hybrid'") as err:
-        parallelize(build("gpt"), batch("gpt", 0), "pp", ComputeConfig(4, 4, **dict(pipeline(scheduler, nstages, 4))),
-                    gen_savedir=tmp_path, load_module=False)
+        parallelize(build("gpt"), batch("gpt", 0), "pp", cfg, gen_savedir=tmp_path, load_module=False)
     assert words in str(err.value)
 
 

@@ -57,12 +57,14 @@ CHIMERA = dict(plan_ngpus=4, runtime_ngpus=8, use_end2end=True, use_pipeline=Tru
 INTERLEAVED = dict(plan_ngpus=2, runtime_ngpus=4, use_zero=True, use_end2end=True, use_pipeline=True,
                    pipeline_scheduler="1f1b_interleaved", pipeline_nstages=4, pipeline_nmicros=4)
 
+VIRTUAL = dict(plan_ngpus=4, runtime_ngpus=8, use_end2end=True, use_pipeline=True, pipeline_virtual_stages=2,
+               pipeline_scheduler="1f1b_interleaved", pipeline_nstages=4, pipeline_nmicros=4)   # 2 devices x tp 2
 SHARED_HEAD = dict(plan_ngpus=4, runtime_ngpus=4, use_end2end=True, use_pipeline=True,
                    pipeline_scheduler="1f1b_plus", pipeline_nstages=2, pipeline_nmicros=4)     # stage 0 on all 4
 
 
-@pytest.mark.parametrize("kwargs", [HYBRID, CHIMERA, INTERLEAVED, SHARED_HEAD],
-                         ids=["hybrid", "chimera", "interleaved", "shared-head"])
+@pytest.mark.parametrize("kwargs", [HYBRID, CHIMERA, INTERLEAVED, VIRTUAL, SHARED_HEAD],
+                         ids=["hybrid", "chimera", "interleaved", "interleaved-tp", "shared-head"])
 def test_every_answer_equals_the_old_arithmetic(kwargs):
     cfg = ComputeConfig(**kwargs)
     grid, plan, runtime = cfg.grid, cfg.plan_ngpus, cfg.runtime_ngpus
@@ -105,6 +107,9 @@ def test_the_layouts_themselves():
     assert hybrid.pipeline.tp == 2 and hybrid.stage_group(1) == (2, 3)
     assert hybrid.dp_ranks(3) == (3, 7, 11, 15)
     assert hybrid.zero_ranks(11) == (11, 15) and hybrid.zero_replica_ranks(11) == (3, 11)
+    virtual = ComputeConfig(**VIRTUAL).grid.pipeline        # stages 0, 2 on devices 0-1; 1, 3 on 2-3
+    assert virtual.tp == 2 and [virtual.stage_group(s) for s in range(4)] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    assert virtual.stages_of(3) == (1, 3)
     chimera = ComputeConfig(**CHIMERA).grid.pipeline
     assert chimera.stages_of(1) == (1, 2) and chimera.copy_groups() == [(0, 3), (1, 2)]
     assert [chimera.view_of(s, 1) for s in chimera.stages_of(1)] == [1, 2]     # stage 2 as device 2 runs it

@@ -177,6 +177,8 @@ def test_layers_larger_than_a_bucket_keep_the_runtimes_bucket_order():
 # Schedulers without virtual stages in make test: the 1F1B rows above already price a pipeline of one stage per device.
 @pytest.mark.parametrize("scheduler, tp, virtual_stages, sequence_parallel", [
     ("1f1b_interleaved", 1, 3, False), ("zbv", 2, 2, False), ("zbv", 2, 2, True),
+    # 2 pipeline devices of 3 virtual stages, each tensor-parallel over 2 GPUs (pipeline_virtual_stages)
+    ("1f1b_interleaved", 2, 3, False), ("1f1b_interleaved", 2, 3, True),
     pytest.param("gpipe", 2, 1, False, marks=pytest.mark.slow), pytest.param("zb_h1", 1, 1, False, marks=pytest.mark.slow)])
 def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, virtual_stages, sequence_parallel):
     frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(tp,), pp=(2,),
@@ -184,7 +186,7 @@ def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, 
                            zero_stage=(1,), scheduler=scheduler, virtual_stages=(3,), progress=False)
     row = frame.iloc[0]
     assert row.virtual_stages == virtual_stages and row.scheduler == scheduler
-    assert row.sequence_parallel == sequence_parallel
+    assert row.sequence_parallel == sequence_parallel and row.tp == tp and (row.tp_comm_share > 0) == (tp > 1)
     expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column

@@ -70,14 +70,18 @@ def scheduler_configs(cfg: ComputeConfig, opts: AutodistOptions) -> List[Compute
     (two stages per device for ``1f1b_interleaved`` and ``zbv``, one for the others), where it fits."""
     if not opts.schedulers or not cfg.use_pipeline:
         return [cfg]
-    devices = scheduler_spec(cfg.scheduler).ndevices(cfg.pipeline_nstages, cfg.plan_ngpus)
+    devices = cfg.grid.pipeline.schedule.ndevices
     out = [cfg]
     for name in opts.schedulers:
         if name == cfg.scheduler:
             continue
+        fixed = scheduler_spec(name).stages_per_device
+        # a scheduler that takes any number of stages per device gets 2, on the same pipeline devices
+        # (hence the same tensor parallelism inside each stage)
+        virtual = -1 if fixed is not None or devices == cfg.plan_ngpus else 2
         try:
-            out.append(cfg.with_changes(pipeline_scheduler=name,
-                                        pipeline_nstages=devices * (scheduler_spec(name).stages_per_device or 2)))
+            out.append(cfg.with_changes(pipeline_scheduler=name, pipeline_nstages=devices * (fixed or 2),
+                                        pipeline_virtual_stages=virtual))
         except ValueError:
             continue                        # e.g. micro-batches that interleaving cannot group
     return out

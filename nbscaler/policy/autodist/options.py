@@ -23,7 +23,9 @@
                             more data-parallel units, each fed its own batch (see ``units``)
 ``autodist_scheduler``      with a pipeline: ``'auto'`` also tries ``1f1b``, ``1f1b_interleaved``,
                             ``zb_h1`` and ``zbv`` (a list: those schedulers) on the same pipeline
-                            devices, and keeps the fastest the simulator predicts
+                            devices (``1f1b_interleaved`` with ``pipeline_virtual_stages=2`` where
+                            they are fewer than the plan devices), and keeps the fastest the
+                            simulator predicts
 ==========================  ==================================================================
 
 The keys of a search on a target (``hardware``, ``global_batch``, ``autodist_space``,
