@@ -388,16 +388,17 @@ def scatter_svg(title: str, panels: Sequence[ScatterPanel], x_title: str, y_titl
     rows = legend_rows(list(seen.items()), width - 80)
     body = [legend(row, 60, 42 + 18 * i) for i, row in enumerate(rows)]
     top = 42 + 18 * len(rows) + 24
-    bottom, left_out = top + height - 90, 0
+    bottom, left_out = top + height - 76, 0
     for n, panel in enumerate(panels):
         left = n * panel_width + 70
         to_x = Scale(lo, hi, left, left + panel_width - 90)
         ys = [y for m in panel.marks for x, y in m.points if x_range is None or lo <= to_value(x) <= hi]
         y_ticks = nice_ticks(min(ys, default=0.0), max(ys, default=1.0))
-        to_y = Scale(y_ticks[0], y_ticks[-1], bottom, top + 16)
+        to_y = Scale(y_ticks[0], y_ticks[-1], bottom, top + 30)
         body.append(label(left, top + 4, panel.title, size=12, bold=True))
-        body.append(x_axis(ticks, to_x, top + 16, bottom, x_title, fmt))
-        body.append(y_axis(y_ticks, to_y, left, to_x.end, y_title if n == 0 else ""))
+        body.append(label(left - 60, top + 20, y_title, size=11, colour=MUTED))     # over the axis, not cut off
+        body.append(x_axis(ticks, to_x, top + 30, bottom, x_title, fmt))
+        body.append(y_axis(y_ticks, to_y, left, to_x.end, ""))
         for m in panel.marks:
             inside = [(x, y, i) for i, (x, y) in enumerate(m.points) if lo <= to_value(x) <= hi]
             if m.line:

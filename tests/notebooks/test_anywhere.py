@@ -202,3 +202,16 @@ def _element_shot(page, element, path: Path) -> Path:
     stats = image_stats(page, png)
     assert stats["colours"] >= 8 and stats["non_background"] > 0.01, f"{path.name} looks blank: {stats}"
     return path
+
+
+def test_a_scatter_of_two_panels_draws_its_points_front_and_legend():
+    from nbscaler.widgets.svgchart import Marks, ScatterPanel, log_ticks, scatter_svg
+
+    assert log_ticks(10, 1000) == [10, 20, 50, 100, 200, 500, 1000]
+    points = Marks("tp 1", "#4c78a8", [(20.0, 3.0), (50.0, 2.0), (5000.0, 1.0)], ["circle", "square", "diamond"])
+    front = Marks("front", "#333333", [(20.0, 3.0), (50.0, 2.0)], line="step", markers=False)
+    svg = scatter_svg("space", [ScatterPanel("8B", [points, front]), ScatterPanel("70B", [points])], "GB", "s",
+                      log_x=True, x_range=(10, 1000))
+    assert svg.startswith("<svg") and svg.count('class="nbs-point"') == 4       # 5,000 GB is beyond the axis
+    assert "2 point(s) beyond the x axis left out" in svg and svg.count("nbs-line") == 1
+    assert svg.count(">tp 1</text>") == 1 and ">front</text>" in svg          # one legend entry per label
