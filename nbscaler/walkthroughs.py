@@ -162,7 +162,8 @@ def kernel_env(root: Path) -> Dict[str, str]:
 
 def execute(path: Path, root: Path, timeout: int, log: Callable[[str], None]) -> Any:
     """Run ``path`` top to bottom in a fresh kernel and return the notebook with its new outputs;
-    raises ``NotebookFailed`` at the first failing cell."""
+    raises ``NotebookFailed`` at the first failing cell. The kernel starts in the notebook's folder,
+    where ``make lab`` and Binder start a learner's kernel, so a relative path means what it means there."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError

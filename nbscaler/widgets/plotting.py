@@ -52,6 +52,24 @@ def show_figure(output: widgets.Output, figure: go.Figure) -> None:
     output.outputs = (figure_output(figure),)
 
 
+class FigureAndSVG:
+    """A plotly figure for a notebook cell, with the same chart drawn as SVG in the same output.
+
+    JupyterLab draws the figure (its plotly renderer ranks before images); GitHub, nbviewer and
+    nbconvert's HTML, which run no script, draw the SVG instead of leaving the cell blank. A chart a
+    walkthrough builds with plotly itself ends its cell with one of these rather than the bare figure:
+
+    >>> FigureAndSVG(fig, lanes_svg(...))                                # doctest: +SKIP
+    """
+
+    def __init__(self, figure: go.Figure, svg: str) -> None:
+        self.figure, self.svg = figure, svg
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Dict[str, Any]:
+        return {PLOTLY_MIME: figure_spec(self.figure), "image/svg+xml": self.svg,
+                "text/plain": f"<plotly figure: {self.figure.layout.title.text or 'untitled'}, with its SVG>"}
+
+
 class FigureAndTable:
     """The live form of a chart view: a plotly figure above an HTML table, redrawn in place."""
 

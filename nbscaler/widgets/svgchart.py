@@ -306,3 +306,118 @@ def lines_svg(title: str, series: Sequence[Series], x_title: str, y_title: str, 
         body.extend(element("circle", tooltip(f"{s.label}, {x_title} {x:g}: {y:.6g}"), cx=to_x(x), cy=to_y(y),
                             r=3.0, fill=s.colour) for x, y in s.points)
     return document(width, height, title, "".join(body), "lines")
+
+
+# -- scatter: points in panels side by side ----------------------------------------------------------
+@dataclass
+class Marks:
+    """The points of one legend entry. ``shapes`` holds a shape per point (``"circle"``, ``"square"``,
+    ``"diamond"``, ``"star"``) or one for all; ``line`` joins the points in order, ``"straight"`` or
+    ``"step"`` (across, then up or down: a front of best values); ``hints`` are the points' tooltips."""
+
+    label: str
+    colour: str
+    points: List[Tuple[float, float]]
+    shapes: Sequence[str] = ("circle",)
+    hints: Sequence[str] = ()
+    line: Optional[str] = None
+    dash: Optional[str] = None
+    size: float = 4.0
+    markers: bool = True
+
+
+@dataclass
+class ScatterPanel:
+    title: str
+    marks: List[Marks]
+
+
+def marker(shape: str, x: float, y: float, r: float, fill: str, hint: str = "") -> str:
+    """One point drawn as ``shape`` of radius about ``r`` around ``(x, y)``, with a white edge."""
+    edge = {"stroke": "#ffffff", "stroke_width": 0.5, "class_": "nbs-point"}
+    if shape == "circle":
+        return element("circle", tooltip(hint), cx=float(x), cy=float(y), r=float(r), fill=fill, **edge)
+    if shape == "square":
+        return box(x - r, y - r, 2 * r, 2 * r, fill, hint, **edge)
+    if shape == "star":
+        corners = [(r * (1.0 if i % 2 == 0 else 0.45), math.pi / 2 + i * math.pi / 5) for i in range(10)]
+    else:                                                             # a diamond
+        corners = [(r * 1.3, math.pi / 2 * i) for i in range(4)]
+    points = " ".join(f"{x + d * math.cos(a):.1f},{y - d * math.sin(a):.1f}" for d, a in corners)
+    return element("polygon", tooltip(hint), points=points, fill=fill,
+                   **{**edge, "stroke": INK if shape == "star" else "#ffffff"})
+
+
+def log_ticks(lo: float, hi: float) -> List[float]:
+    """1, 2 and 5 times the powers of ten from ``lo`` to ``hi`` (both above zero)."""
+    return [m * 10.0 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+            for m in (1, 2, 5) if lo * (1 - 1e-9) <= m * 10.0 ** k <= hi * (1 + 1e-9)]
+
+
+def legend_rows(items: Legend, width: float) -> List[Legend]:
+    """``items`` in rows no wider than ``width``."""
+    rows: List[List[Tuple[str, str]]] = [[]]
+    for item in items:
+        if rows[-1] and legend_width(rows[-1] + [item]) > width:
+            rows.append([])
+        rows[-1].append(item)
+    return rows
+
+
+def scatter_svg(title: str, panels: Sequence[ScatterPanel], x_title: str, y_title: str, *, log_x: bool = False,
+                x_range: Optional[Tuple[float, float]] = None, panel_width: int = 460, height: int = 340) -> str:
+    """Panels side by side, each with its own y axis from its points and one x axis for all
+    (``x_range``, or the points' range; logarithmic with ``log_x``). A point beyond ``x_range`` is
+    left out, and the chart says how many were; a line reaching beyond it stops at the edge."""
+    xs = [x for p in panels for m in p.marks for x, _ in m.points]
+    lo, hi = x_range or (min(xs, default=1.0), max(xs, default=10.0))
+    if log_x:                             # the axis in powers of ten, its ticks written as the values
+        ticks = [math.log10(t) for t in log_ticks(lo, hi)]
+        lo, hi, to_value = math.log10(lo), math.log10(hi), math.log10
+
+        def fmt(t: float) -> str:
+            return tick_text(10.0 ** t)
+    else:
+        ticks = nice_ticks(lo, hi)
+        lo, hi, to_value, fmt = ticks[0], ticks[-1], float, tick_text
+    width = len(panels) * panel_width + 20
+    seen: Dict[str, str] = {}
+    for p in panels:
+        for m in p.marks:
+            seen.setdefault(m.label, m.colour)
+    rows = legend_rows(list(seen.items()), width - 80)
+    body = [legend(row, 60, 42 + 18 * i) for i, row in enumerate(rows)]
+    top = 42 + 18 * len(rows) + 24
+    bottom, left_out = top + height - 76, 0
+    for n, panel in enumerate(panels):
+        left = n * panel_width + 70
+        to_x = Scale(lo, hi, left, left + panel_width - 90)
+        ys = [y for m in panel.marks for x, y in m.points if x_range is None or lo <= to_value(x) <= hi]
+        y_ticks = nice_ticks(min(ys, default=0.0), max(ys, default=1.0))
+        to_y = Scale(y_ticks[0], y_ticks[-1], bottom, top + 30)
+        body.append(label(left, top + 4, panel.title, size=12, bold=True))
+        body.append(label(left - 60, top + 20, y_title, size=11, colour=MUTED))     # over the axis, not cut off
+        body.append(x_axis(ticks, to_x, top + 30, bottom, x_title, fmt))
+        body.append(y_axis(y_ticks, to_y, left, to_x.end, ""))
+        for m in panel.marks:
+            inside = [(x, y, i) for i, (x, y) in enumerate(m.points) if lo <= to_value(x) <= hi]
+            if m.line:
+                path = []
+                for x, y in m.points:
+                    px = min(max(to_x(to_value(x)), to_x.start), to_x.end)
+                    if m.line == "step" and path:
+                        path.append(f"{px:.1f},{path[-1].split(',')[1]}")
+                    path.append(f"{px:.1f},{to_y(y):.1f}")
+                body.append(element("polyline", tooltip(m.label), points=" ".join(path), fill="none", stroke=m.colour,
+                                    stroke_width=1.5, stroke_dasharray=m.dash, class_="nbs-line"))
+            if m.markers:
+                left_out += len(m.points) - len(inside)
+                for x, y, i in inside:
+                    shape = m.shapes[i] if len(m.shapes) == len(m.points) else m.shapes[0]
+                    hint = m.hints[i] if i < len(m.hints) else f"{m.label}: {x:.4g}, {y:.4g}"
+                    body.append(marker(shape, to_x(to_value(x)), to_y(y), m.size, m.colour, hint))
+    total = bottom + 44
+    if left_out:
+        body.append(label(70, total, f"{left_out} point(s) beyond the x axis left out", size=11, colour=MUTED))
+        total += 14
+    return document(width, total, title, "".join(body), "scatter")

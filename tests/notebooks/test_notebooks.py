@@ -68,8 +68,8 @@ def test_saved_with_provenance_from_its_cells(path):
 @pytest.mark.parametrize("path", [pytest.param(p, marks=_needs(p)) for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path):
     saved = nbformat.read(path, as_version=4)
-    # As the saving command runs it: a fresh kernel that (with the engines it starts) imports this
-    # checkout; raises NotebookFailed at the first failing cell.
+    # As the saving command runs it: a fresh kernel, started in notebooks/ as a learner's is, that
+    # (with the engines it starts) imports this checkout; raises NotebookFailed at the first failing cell.
     nb = execute(path, ROOT, timeout=300, log=lambda line: None)
     assert not _errors(nb), _errors(nb)
     stale = stale_outputs(path, saved, nb)

@@ -97,8 +97,9 @@ def test_save_stamps_drops_widget_state_and_never_writes_an_oversized_file(plans
 @pytest.mark.timeout(300)
 def test_the_command_saves_what_runs_and_leaves_a_failing_notebook_as_it_was(tmp_path):
     good = new_notebook(cells=[new_code_cell(
-        "import nbscaler, torch\n"
+        "import os, nbscaler, torch\n"
         f"assert nbscaler.__file__.startswith({str(ROOT)!r}), nbscaler.__file__   # the kernel imports this checkout\n"
+        f"assert os.getcwd() == {str(tmp_path.resolve())!r}, os.getcwd()   # and starts in the notebook's folder, as Lab and Binder do\n"
         "from nbscaler.models.gpt import GPT, GPTConfig, sample_batch\n"
         "cfg = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, vocab_size=64)\n"
         "nbscaler.plan(GPT(cfg), {'batch': sample_batch(cfg, 2)}, 'tp', nbscaler.ComputeConfig(2, 2)).ops")])
