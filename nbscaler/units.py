@@ -1,8 +1,10 @@
 """How nbscaler writes quantities for people: bytes in binary units, counts with SI prefixes,
-seconds as milliseconds. Missing values (``None``, NaN) are written as the empty string.
+FLOPs with SI prefixes, seconds as milliseconds. Missing values (``None``, NaN) are written as the empty string.
 
 >>> fmt_bytes(1536), fmt_bytes(1_048_000), fmt_count(2.1e6), fmt_seconds(0.0123), fmt_seconds(2.5)
 ('1.5 KiB', '0.999 MiB', '2.1M', '12.3 ms', '2.5 s')
+>>> fmt_flops(82862208.0), fmt_flops(1.25e12), fmt_flops(512)
+('82.9 MFLOP', '1.25 TFLOP', '512 FLOP')
 """
 
 from __future__ import annotations
@@ -44,6 +46,17 @@ def fmt_count(n: Any) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g}{unit}"
     return f"{n:.3g}"
+
+
+def fmt_flops(n: Any) -> str:
+    """Floating-point operations with an SI prefix: ``82862208`` -> ``'82.9 MFLOP'``."""
+    if is_missing(n):
+        return ""
+    n = float(n)
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale * 0.9995:
+            return f"{n / scale:.3g} {unit}FLOP"
+    return f"{n:.3g} FLOP"
 
 
 def fmt_seconds(s: Any) -> str:

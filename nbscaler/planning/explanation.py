@@ -37,7 +37,9 @@ class Explanation(str):
 
     def _repr_html_(self) -> str:
         text = html.escape(str(self), quote=False).replace("\n", "<br>")
-        return f"<div style='font-family:monospace'>{text}</div>" + self.table.head(20).to_html()
+        from nbscaler.widgets.report import unit_formatters     # the views' units; widgets import planning
+        return (f"<div style='font-family:monospace'>{text}</div>" +
+                self.table.head(20).to_html(formatters=unit_formatters(self.table)))
 
 
 def explain(plan: "Plan", top: int = 5) -> Explanation:
