@@ -65,3 +65,24 @@ def fmt_seconds(s: Any) -> str:
         return ""
     s = float(s)
     return f"{s * 1e3:.3g} ms" if abs(s) < 0.9995 else f"{s:.3g} s"
+
+
+def unit_formatter(column: str):
+    """How a table's numeric ``column`` is written for people, by its name: bytes (``*_bytes``,
+    ``bytes_*``), seconds (``*_s``), FLOPs (``*flops*``); ``None`` for a column of none of these."""
+    if column.endswith("_bytes") or column.startswith("bytes_"):
+        return fmt_bytes
+    if "flops" in column:
+        return fmt_flops
+    if column.endswith("_s") and column != "tokens_per_s":
+        return fmt_seconds
+    return None
+
+
+def unit_formatters(frame) -> dict:
+    """``DataFrame.to_html``'s ``formatters`` for the numeric columns of ``frame`` that hold bytes,
+    seconds or FLOPs, so they print with their units; the frame keeps its numbers."""
+    from pandas.api.types import is_numeric_dtype
+
+    return {c: unit_formatter(str(c)) for c in frame.columns
+            if unit_formatter(str(c)) is not None and is_numeric_dtype(frame[c])}

@@ -29,6 +29,7 @@ from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.recipe import UNSET
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_flops, fmt_seconds, is_missing
+from nbscaler.units import unit_formatters
 from nbscaler.widgets.memory import MemoryView
 from nbscaler.widgets.palette import rank_colour
 from nbscaler.widgets.plan_table import PlanView
@@ -89,18 +90,6 @@ def cell_format(column: str) -> Callable[[object], str]:
     if column.endswith("_bytes") or column.startswith("bytes_"):
         return fmt_bytes
     return fmt_seconds if column.endswith("_time_s") else fmt_count
-
-
-def unit_formatters(frame: pd.DataFrame) -> Dict[str, Callable[[object], str]]:
-    """``to_html``'s formatters for the columns of ``frame`` that hold bytes, seconds or FLOPs, so they
-    print with their units; the frame keeps its numbers."""
-    out = {}
-    for column in frame.columns:
-        name = str(column)
-        if (name.endswith("_bytes") or name.startswith("bytes_") or name.endswith("_s") or "flops" in name) \
-                and pd.api.types.is_numeric_dtype(frame[column]):
-            out[column] = cell_format(name)
-    return out
 
 
 def styled_summary(frame: pd.DataFrame):
