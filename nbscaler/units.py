@@ -1,8 +1,10 @@
 """How nbscaler writes quantities for people: bytes in binary units, counts with SI prefixes,
-seconds as milliseconds. Missing values (``None``, NaN) are written as the empty string.
+FLOPs with SI prefixes, seconds as milliseconds. Missing values (``None``, NaN) are written as the empty string.
 
 >>> fmt_bytes(1536), fmt_bytes(1_048_000), fmt_count(2.1e6), fmt_seconds(0.0123), fmt_seconds(2.5)
 ('1.5 KiB', '0.999 MiB', '2.1M', '12.3 ms', '2.5 s')
+>>> fmt_flops(82862208.0), fmt_flops(1.25e12), fmt_flops(512)
+('82.9 MFLOP', '1.25 TFLOP', '512 FLOP')
 """
 
 from __future__ import annotations
@@ -46,9 +48,41 @@ def fmt_count(n: Any) -> str:
     return f"{n:.3g}"
 
 
+def fmt_flops(n: Any) -> str:
+    """Floating-point operations with an SI prefix: ``82862208`` -> ``'82.9 MFLOP'``."""
+    if is_missing(n):
+        return ""
+    n = float(n)
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale * 0.9995:
+            return f"{n / scale:.3g} {unit}FLOP"
+    return f"{n:.3g} FLOP"
+
+
 def fmt_seconds(s: Any) -> str:
     """Seconds as milliseconds below a second: ``0.0123`` -> ``'12.3 ms'``, ``2.5`` -> ``'2.5 s'``."""
     if is_missing(s):
         return ""
     s = float(s)
     return f"{s * 1e3:.3g} ms" if abs(s) < 0.9995 else f"{s:.3g} s"
+
+
+def unit_formatter(column: str):
+    """How a table's numeric ``column`` is written for people, by its name: bytes (``*_bytes``,
+    ``bytes_*``), seconds (``*_s``), FLOPs (``*flops*``); ``None`` for a column of none of these."""
+    if column.endswith("_bytes") or column.startswith("bytes_"):
+        return fmt_bytes
+    if "flops" in column:
+        return fmt_flops
+    if column.endswith("_s") and column != "tokens_per_s":
+        return fmt_seconds
+    return None
+
+
+def unit_formatters(frame) -> dict:
+    """``DataFrame.to_html``'s ``formatters`` for the numeric columns of ``frame`` that hold bytes,
+    seconds or FLOPs, so they print with their units; the frame keeps its numbers."""
+    from pandas.api.types import is_numeric_dtype
+
+    return {c: unit_formatter(str(c)) for c in frame.columns
+            if unit_formatter(str(c)) is not None and is_numeric_dtype(frame[c])}

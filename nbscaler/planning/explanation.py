@@ -20,6 +20,7 @@ from nbscaler.planning.target_explanation import explain_lines
 from nbscaler.policy.autodist.explain import reason
 from nbscaler.policy.recompute import recomputed_regions
 from nbscaler.policy.staging import layer_of
+from nbscaler.units import unit_formatters
 
 if TYPE_CHECKING:
     from nbscaler.planning.planner import Plan
@@ -37,7 +38,8 @@ class Explanation(str):
 
     def _repr_html_(self) -> str:
         text = html.escape(str(self), quote=False).replace("\n", "<br>")
-        return f"<div style='font-family:monospace'>{text}</div>" + self.table.head(20).to_html()
+        return (f"<div style='font-family:monospace'>{text}</div>" +
+                self.table.head(20).to_html(formatters=unit_formatters(self.table)))
 
 
 def explain(plan: "Plan", top: int = 5) -> Explanation:

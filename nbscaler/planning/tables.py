@@ -25,9 +25,10 @@ from nbscaler.cost.comm_model import local_backend
 from nbscaler.cost.timing import backend_on
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph
+from nbscaler.glossary import GLOSSARY_URL, split_name, split_text
 from nbscaler.layouts import Collective, wire_factor
 from nbscaler.planning.step import blocks_per_stage, plan_step, stage_device, target_columns
-from nbscaler.units import fmt_count
+from nbscaler.units import fmt_bytes, fmt_flops
 
 if TYPE_CHECKING:
     from nbscaler.cost.hardware import Hardware
@@ -198,24 +199,28 @@ def explain_text(plan: "Plan") -> str:
     if plan.graph.meta.get("policy_note"):                 # builtin.POLICY_NOTE: what the policy did unasked
         lines.append(plan.graph.meta["policy_note"])
     heavy = ops.nlargest(3, "flops_fwd")
-    lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {r['flops_fwd']:.3g} FLOPs, "
-              f"split {r['split']!r} over {list(r['devices'])}" for _, r in heavy.iterrows()]
+    lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {fmt_flops(r['flops_fwd'])}, "
+              + (f"split {r['split']!r} ({split_name(r['split'], r['op'])}) over {list(r['devices'])}"
+                 if isinstance(r['split'], str) else f"replicated on {list(r['devices'])}")
+              for _, r in heavy.iterrows()]
     if len(coll):
         per = coll.groupby("collective").bytes_per_device.sum().sort_values(ascending=False)
         lines.append("bytes per device on edges, by collective: " +
-                     ", ".join(f"{k} {v:,.0f}" for k, v in per.items()))
+                     ", ".join(f"{k} {fmt_bytes(v)}" for k, v in per.items()))
     else:
         lines.append("no collectives on the graph's edges.")
     return "\n".join(lines)
 
 
 def plan_html(plan: "Plan") -> str:
-    """A compact, self-contained HTML card: the plan in one line, then its ops by split."""
-    by_split = plan.ops.fillna({"split": "replicated"}).groupby("split").agg(
-        ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
-    by_split["flops_fwd"] = by_split.flops_fwd.map(fmt_count)
+    """A compact, self-contained HTML card: the plan in one line, then its ops by split, each split
+    by its readable name with its label (``nbscaler.glossary``, which the card links to)."""
+    ops = plan.ops.assign(split=[split_text(s, o) for s, o in zip(plan.ops.split, plan.ops.op)])
+    by_split = ops.groupby("split").agg(ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
+    by_split["flops_fwd"] = by_split.flops_fwd.map(fmt_flops)
     title = html.escape(repr(plan))
     text = html.escape(explain_text(plan)).replace("\n", "<br>")
     table = by_split.rename_axis("ops by split").to_html(border=0)
+    link = f"<a href='{GLOSSARY_URL}' target='_blank'>what the split labels mean</a>"
     return (f"<div class='nbs-plan-card'><b>{title}</b><p style='font-family:monospace;white-space:pre-wrap'>{text}</p>"
-            f"{table}</div>")
+            f"{table}<small>{link}</small></div>")

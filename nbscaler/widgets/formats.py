@@ -5,9 +5,9 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from nbscaler.units import binary_unit, fmt_bytes, fmt_count, fmt_seconds, is_missing
+from nbscaler.units import binary_unit, fmt_bytes, fmt_count, fmt_flops, fmt_seconds, is_missing
 
-__all__ = ["BINARY_BYTES", "ascii_html", "binary_unit", "fmt_bytes", "fmt_count", "fmt_seconds", "is_missing"]
+__all__ = ["BINARY_BYTES", "ascii_html", "binary_unit", "fmt_bytes", "fmt_count", "fmt_flops", "fmt_seconds", "is_missing"]
 
 BINARY_BYTES = "1 GiB = 2^30 bytes"
 """What a byte axis says of its unit: every view writes bytes in binary units (``fmt_bytes``),

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 import ipywidgets as widgets
 import pandas as pd
 
+from nbscaler.glossary import GLOSSARY_URL, layout_text, legend, split_text
 from nbscaler.widgets.base import Measured, View
-from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count
+from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_flops
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -33,8 +34,20 @@ OP_VIEW_COLUMNS = ["id", "name", "module", "op", "devices", "stage", "split", "a
                    "local_out_shapes", "flops_fwd", "flops_bwd", "bytes_written", "collectives_in"]
 COLLECTIVE_VIEW_COLUMNS = ["tensor", "producer", "consumer", "module", "have", "want", "collective", "phase",
                            "devices", "stage", "tensor_bytes", "bytes_per_device"]
-FORMATTERS: Dict[str, Callable] = {"flops_fwd": fmt_count, "flops_bwd": fmt_count, "bytes_written": fmt_bytes,
-                                   "tensor_bytes": fmt_bytes, "bytes_per_device": fmt_bytes}
+FORMATTERS: Dict[str, Callable] = {"flops_fwd": fmt_flops, "flops_bwd": fmt_flops, "bytes_written": fmt_bytes,
+                                   "tensor_bytes": fmt_bytes, "bytes_per_device": fmt_bytes,
+                                   "have": layout_text, "want": layout_text}
+"""How a column's cells are written; ``split`` is written from its row (``split_text`` of the split and
+the op); the cells keep their values for sorting, and the frames theirs for code."""
+
+
+def glossary_html(ops: pd.DataFrame) -> str:
+    """The line a view's header starts with: a link to the glossary, then the readable name of each
+    split label ``ops`` (rows of ``plan.ops``) shows."""
+    names = legend([(s, o) for s, o in zip(ops.split, ops.op) if s != "replicated"])
+    return (f"<div class='nbs-glossary' style='font:11px sans-serif;color:#444;margin:2px 0'>"
+            f"<a href='{GLOSSARY_URL}' target='_blank'>glossary of split and layout labels</a>"
+            + (f": {ascii_html(names)}" if names else "") + "</div>")
 
 
 def collectives_in(collectives: pd.DataFrame) -> Dict[str, str]:
@@ -93,8 +106,12 @@ def table_html(frame: pd.DataFrame, table_class: str, limit: int = MAX_ROWS) -> 
     rows = []
     for values in frame.head(limit).itertuples(index=False):
         cells = []
-        for col, v in zip(frame.columns, values):
-            text = FORMATTERS[col](v) if col in FORMATTERS else ("" if v is None or v != v else v)
+        row = dict(zip(frame.columns, values))
+        for col, v in row.items():
+            if col == "split" and "op" in row:
+                text = split_text(None if v == "replicated" else v, row["op"])
+            else:
+                text = FORMATTERS[col](v) if col in FORMATTERS else ("" if v is None or v != v else v)
             cells.append(f"<td data-v='{ascii_html(_sort_key(v))}'>{ascii_html(text)}</td>")
         rows.append(f"<tr data-module='{ascii_html(values[frame.columns.get_loc('module')] or '')}'>"
                     f"{''.join(cells)}</tr>")
@@ -140,12 +157,15 @@ class PlanView(View):
         self._quiet = False                 # set while the view itself changes its controls
         for control in (self.module, self.table, self.sort, self.descending):
             control.observe(self._refresh, names="value")
-        self.widget = widgets.VBox([widgets.HBox([self.table, self.module, self.sort, self.descending]), self.html])
+        self.glossary = widgets.HTML()
+        self.widget = widgets.VBox([self.glossary, widgets.HBox([self.table, self.module, self.sort, self.descending]),
+                                    self.html])
         self._redraw()
 
     def _redraw(self) -> None:
         self.ops = op_rows(self.plan)
         self.collectives = collective_rows(self.plan)
+        self.glossary.value = glossary_html(self.ops)
         keep = self.module.value
         choices = [ALL_MODULES] + module_choices(self.ops.module)
         self._quiet = True
@@ -191,7 +211,7 @@ class PlanView(View):
         options = "".join(f"<option value='{ascii_html(m)}'>{ascii_html(m)}</option>"
                           for m in module_choices(self.ops.module))
         title = ascii_html(repr(self.plan))
-        return (f"{STYLE}<div class='nbs-view nbs-plan'><b>{title}</b><br>"
+        return (f"{STYLE}<div class='nbs-view nbs-plan'>{glossary_html(self.ops)}<b>{title}</b><br>"
                 f"<label>module <select class='nbs-module'><option value=''>{ALL_MODULES}</option>{options}"
                 f"</select></label> <small>click a header to sort</small>"
                 f"<h4>ops ({len(self.ops)})</h4><div class='nbs-scroll'>{table_html(self.ops, 'nbs-ops', self.limit)}</div>"

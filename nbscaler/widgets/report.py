@@ -18,7 +18,7 @@ import html
 import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -28,7 +28,8 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.recipe import UNSET
 from nbscaler.widgets.base import Measured
-from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_seconds
+from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_flops, fmt_seconds, is_missing
+from nbscaler.units import unit_formatters
 from nbscaler.widgets.memory import MemoryView
 from nbscaler.widgets.palette import rank_colour
 from nbscaler.widgets.plan_table import PlanView
@@ -76,7 +77,12 @@ def assumed_html(lines: List[str]) -> str:
 
 
 def cell_format(column: str) -> Callable[[object], str]:
-    """How the summary writes a column's numbers: bytes, seconds, yes/no, a share, or a count."""
+    """How the summary writes a column's numbers: bytes, seconds, FLOPs, tokens a second, yes/no, a
+    share, or a count, each with its unit."""
+    if column in (C.FLOPS, C.HARDWARE_FLOPS) or column.startswith("flops_") or column.endswith("_flops"):
+        return fmt_flops
+    if column == C.TOKENS_PER_S:
+        return lambda v: f"{fmt_count(v)} tokens/s" if not is_missing(v) else ""
     if column == C.FITS:
         return lambda v: "yes" if v else "no"
     if column in (C.MFU, C.HFU):
@@ -86,11 +92,17 @@ def cell_format(column: str) -> Callable[[object], str]:
     return fmt_seconds if column.endswith("_time_s") else fmt_count
 
 
+def styled_summary(frame: pd.DataFrame):
+    """``plan.summary()`` as a pandas ``Styler`` that writes each number with its unit (82.9 MFLOP,
+    1.5 GiB, 12.3 ms) and leaves the frame's values as they are: display it in a notebook."""
+    return frame.style.format({c: cell_format(c) for c in frame.columns if c != "rank"}).hide(axis="index")
+
+
 def explanation_html(plan: "Plan", rows: int = 20) -> str:
     """``plan.explain()``: its text as written, then the first ``rows`` rows of its table."""
     why = plan.explain()
     table = why.table.head(rows).to_html(classes="nbs-summary", border=0, index=False, na_rep="",
-                                         float_format="{:.4g}".format)
+                                         float_format="{:.4g}".format, formatters=unit_formatters(why.table))
     return f"<pre style='font-size:12px;white-space:pre-wrap'>{html.escape(str(why), quote=False)}</pre>{table}"
 
 

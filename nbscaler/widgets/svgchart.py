@@ -33,6 +33,16 @@ Legend = Sequence[Tuple[str, str]]
 """(label, colour) pairs, in legend order."""
 
 
+TITLE_MARGIN = 10
+"""Pixels an axis title keeps from the chart's left edge."""
+
+
+def text_width(text: str, size: float) -> float:
+    """About how wide ``text`` draws in ``size``-pixel sans-serif: 0.6 em a character, a little more
+    than the average, so that what fits by this measure fits on the page."""
+    return 0.6 * size * len(text)
+
+
 # -- elements ------------------------------------------------------------------------------------
 def _value(v: object) -> str:
     if isinstance(v, float):
@@ -133,7 +143,10 @@ def y_axis(ticks: Sequence[float], to_y: Scale, left: float, right: float, title
     """Grid lines from ``left`` to ``right`` at each tick, its number left of them, the title above."""
     out = [element("line", x1=float(left), x2=float(right), y1=to_y(t), y2=to_y(t), stroke=GRID) +
            label(left - 6, to_y(t) + 4, fmt(t), size=11, anchor="end", colour=MUTED) for t in ticks]
-    out.append(label(left - 6, to_y.end - 12, title, size=11, anchor="end", colour=MUTED))
+    if text_width(title, 11) <= left - 6 - TITLE_MARGIN:        # ends over the tick numbers, as it fits
+        out.append(label(left - 6, to_y.end - 12, title, size=11, anchor="end", colour=MUTED))
+    else:                                                       # else starts at the chart's left edge
+        out.append(label(TITLE_MARGIN, to_y.end - 12, title, size=11, anchor="start", colour=MUTED))
     return "".join(out)
 
 

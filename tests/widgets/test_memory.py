@@ -205,3 +205,16 @@ def test_the_axis_and_the_capacity_line_read_in_one_unit_binary_bytes():
     assert any("GiB = 2^30 bytes" in w for w in texts(chart))
     small = MemoryView(llama_tp()).figure.layout.yaxis                # without a target: the unit of its bars
     assert all(t.endswith((" KiB", " MiB")) for t in small.ticktext[1:])
+
+
+def test_the_saved_chart_draws_its_axis_title_whole():
+    """The y-axis title ended at the plot's left edge and ran off the picture (it showed as
+    'iB = 2^30 bytes)'): it now starts inside the chart and ends before its right edge."""
+    from nbscaler.widgets.svgchart import text_width
+
+    (chart,) = charts(MemoryView(llama_tp()).notebook_html())
+    width = float(chart.get("viewBox").split()[2]) if chart.get("viewBox") else float(chart.get("width"))
+    (title,) = [t for t in chart.iter() if t.tag.endswith("text") and "GiB = 2^30 bytes" in (t.text or "")]
+    size, x = float(title.get("font-size")), float(title.get("x"))
+    start = x - text_width(title.text, size) if title.get("text-anchor") == "end" else x
+    assert 0 <= start and start + text_width(title.text, size) <= width, (start, width)

@@ -62,3 +62,19 @@ def test_saved_html_has_every_row_and_its_own_script(view):
     assert external_resources(page) == []
     bundle = view._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == page
+
+
+def test_splits_and_layouts_read_by_name_and_the_glossary_comes_first():
+    """The saved table writes each split and layout by its readable name with the label beside it,
+    keeps the label itself in the frame (code reads it), and starts with a link to the glossary."""
+    from nbscaler.glossary import GLOSSARY_URL
+    from tests.widgets.compiled import llama_tp
+
+    view = PlanView(llama_tp())
+    page = view.to_html()
+    assert page.index(GLOSSARY_URL) < page.index("<table")
+    assert "column-parallel (n)" in page and "row-parallel, partial sums (k)" in page
+    assert ">replicated<" in page and "n column-parallel" in page           # cells, and the header's names
+    assert {"n", "k", "replicated"} <= set(view.ops.split)                    # the values stay labels
+    if len(view.collectives):
+        assert any(f"({x})<" in page for x in set(view.collectives.have) | set(view.collectives.want))

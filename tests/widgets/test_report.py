@@ -175,3 +175,20 @@ def test_cli_draws_the_report_on_named_hardware(compiled, tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["report", str(folder), "-o", str(tmp_path / "no.html"), "--hardware", "H1OO"]) == 2
     assert "no hardware named 'H1OO'" in capsys.readouterr().err and not (tmp_path / "no.html").exists()
+
+
+def test_numbers_print_with_their_units():
+    """FLOPs, bytes and seconds are written with units in the summary, the plan card and
+    ``explain()``; the frames keep their numbers."""
+    from nbscaler.widgets.report import styled_summary, summary_html
+    from tests.widgets.compiled import llama_tp
+
+    plan = llama_tp()
+    summary = summary_html(plan)
+    assert "FLOP</td>" in summary and "iB</td>" in summary and (" ms</td>" in summary or " s</td>" in summary)
+    assert plan.summary().flops.dtype.kind == "f"
+    assert "FLOP" in styled_summary(plan.summary()).to_html()
+    why = plan.explain()
+    assert "kFLOP" in why and "e+0" not in why and "(column-parallel)" in why
+    assert "FLOP" in why._repr_html_() and "ops by split" in plan._repr_html_()
+    assert "column-parallel (n)" in plan._repr_html_()

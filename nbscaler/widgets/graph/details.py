@@ -12,7 +12,8 @@ import os
 from html import escape
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-from nbscaler.widgets.formats import fmt_count
+from nbscaler.glossary import split_name
+from nbscaler.widgets.formats import fmt_flops
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan
@@ -26,12 +27,13 @@ def op_facts(plan: "Plan", node_id: int, op: dict) -> Dict[str, str]:
         "op": f"{op['name']} = {op['target']}  [{op['op']}]",
         "module": op["module"] or "(top level)",
         "annotation": op["annotation"] or "(none: opaque, replicated)",
-        "placement": f"split {split!r} over devices {devices}" if split else f"replicated on devices {devices}",
+        "placement": (f"split {split!r} ({split_name(split, op['op'])}) over devices {devices}" if split
+                      else f"replicated on devices {devices}"),
         "input shapes": ", ".join(map(_shape, op["in_shapes"])) or "-",
         "output shapes": ", ".join(map(_shape, op["out_shapes"])) or "-",
         "local output shapes": ", ".join(map(_shape, op["local_out_shapes"])) or "-",
-        "FLOPs": f"{fmt_count(op['flops_fwd'] or 0)} forward, {fmt_count(op['flops_bwd'] or 0)} backward; "
-                 f"{fmt_count(op['local_flops_fwd'] or 0)} forward per device",
+        "FLOPs": f"{fmt_flops(op['flops_fwd'] or 0)} forward, {fmt_flops(op['flops_bwd'] or 0)} backward; "
+                 f"{fmt_flops(op['local_flops_fwd'] or 0)} forward per device",
     }
     if plan.geometry is not None and op["stage"] is not None:
         facts["stage"] = str(op["stage"])

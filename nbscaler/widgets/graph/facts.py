@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
+from nbscaler.glossary import split_name
 from nbscaler.layouts import Collective
 from nbscaler.widgets.formats import fmt_count, is_missing
 from nbscaler.widgets.graph.box import Box, BoxKind
@@ -154,7 +155,8 @@ class PlanFacts:
         op = self.ops[i]
         devices = list(op["devices"]) or [0]
         mark = self.split_mark(i)
-        where = f"split {mark} over {devices}" if mark else f"replicated on {devices}"
+        where = (f"split {mark}, {split_name(op['split'], op['op'])}, over {devices}" if mark
+                 else f"replicated on {devices}")
         tooltip = f"{op['name']} = {op['target']}  ({op['module'] or 'top level'})\n{where}"
         return Box(f"#{i}", BoxKind.OP, op["name"], short_target(op["target"]), tooltip,
                    [(d, 1 / len(devices)) for d in devices], mark)
@@ -172,13 +174,17 @@ class PlanFacts:
         total = sum(weight.values()) or 1.0
         flops = sum(_number(whole[i]) for i in ops)
         marks: Dict[str, float] = defaultdict(float)
+        names: Dict[str, str] = {}
         for i in ops:
             mark = self.split_mark(i)
             if mark:
                 marks[mark] += _number(whole[i]) + 1
-        split = " ".join(sorted(marks, key=lambda m: -marks[m])[:3])
+                names.setdefault(mark, split_name(self.ops.column("split")[i], self.ops.column("op")[i]))
+        heaviest = sorted(marks, key=lambda m: -marks[m])[:3]
+        split = " ".join(heaviest)
         title = module_title(path)
-        tooltip = f"{path}: {len(ops)} ops, {fmt_count(flops)} forward FLOPs" + (f"; split {split}" if split else "")
+        tooltip = f"{path}: {len(ops)} ops, {fmt_count(flops)} forward FLOPs" + (
+            "; split " + ", ".join(f"{m} {names[m]}" for m in heaviest) if split else "")
         return Box(path, BoxKind.MODULE, title, f"{len(ops)} ops · {fmt_count(flops)} FLOPs", tooltip,
                    sorted((d, w / total) for d, w in weight.items()), split)
 

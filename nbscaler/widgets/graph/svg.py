@@ -12,6 +12,7 @@ import math
 from html import escape
 from typing import List, Optional, Sequence, Tuple
 
+from nbscaler.glossary import GLOSSARY_URL, legend
 from nbscaler.widgets.graph.layout import GraphLayout, Point
 from nbscaler.widgets.graph.scene import Box, BoxKind, Edge, Scene
 from nbscaler.widgets.formats import fmt_bytes
@@ -135,12 +136,16 @@ def _pt(p: Point) -> str:
     return f"{p[0]:.1f},{p[1]:.1f}"
 
 
-def legend_html(devices: Sequence[int]) -> str:
-    """Swatches for the devices, and what edge widths and marks mean."""
+def legend_html(devices: Sequence[int], splits: Sequence[Tuple[str, Optional[str]]] = ()) -> str:
+    """A link to the glossary with the readable name of each split label the graph shows
+    (``(label, op)`` pairs), then swatches for the devices, and what edge widths and marks mean."""
+    names = legend(splits)
+    glossary = (f'<div class="nbs-glossary"><a href="{GLOSSARY_URL}" target="_blank">glossary of split and '
+                f'layout labels</a>{": " + escape(names) if names else ""}</div>')
     swatches = "".join(f'<span class="nbs-swatch"><span style="display:inline-block;width:10px;height:10px;'
                        f'background:{device_colour(d)};margin-right:3px;border-radius:2px"></span>device {d}</span> '
                        for d in devices)
-    return (f'<div class="nbs-legend" style="font:11px {FONT};color:#444;margin:4px 0">{swatches}'
+    return (f'<div class="nbs-legend" style="font:11px {FONT};color:#444;margin:4px 0">{glossary}{swatches}'
             f'<span style="margin-left:8px">bar: placement · <i style="color:#8e24aa">n</i>, '
-            f'<i style="color:#8e24aa">k+</i>: split dim (+ partial sums) · edge width ∝ bytes each device sends '
+            f'<i style="color:#8e24aa">k+</i>: split label (+ partial sums) · edge width ∝ bytes each device sends '
             f'per step · ⇄ collectives inside a box</span></div>')

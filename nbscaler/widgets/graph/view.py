@@ -156,7 +156,8 @@ class GraphView(View):
         w.info = (f"{len(self.plan.graph)} ops · {len(scene.boxes)} boxes shown · "
                   f"{fmt_bytes(total)} per device through collectives per step · "
                   f"drawn in {self._model.last_render_seconds * 1000:.0f} ms")
-        w.legend = legend_html(range(self.plan.config.plan_ngpus))
+        ops = self.plan.ops
+        w.legend = legend_html(range(self.plan.config.plan_ngpus), list(zip(ops.split, ops.op)))
         self._mark()
 
     def _mark(self) -> None:
