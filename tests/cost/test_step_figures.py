@@ -30,6 +30,7 @@ def test_the_job_figures_follow_from_the_devices():
     assert math.isnan(StepFigures(devices, 1, 2, tokens=None).tokens_per_s)
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_the_summary_reads_its_step_from_step_figures(plan):
     figures = plan.step_figures(torch.optim.AdamW, hardware=H100)
     s = plan.summary(torch.optim.AdamW, hardware=H100)

@@ -36,6 +36,7 @@ def test_the_summary_says_which_backend_it_priced_and_that_collectives_are_uncal
     assert not any("uncalibrated" in line for line in tp.summary(torch.optim.SGD).attrs["assumed"])
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_explanation_report_and_timeline_show_the_lines(tp, fresh_cache):
     lines = tp.assumed()
     text = str(tp.explain())

@@ -94,6 +94,7 @@ def test_saved_plan_loads_back_and_edits_take_effect(tmp_path):
                       ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_auto_stage_count_keeps_the_fastest_predicted_and_the_plan_adopts_it():
     cfg = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
                         pas_config={"autodist_nstages": "auto"})
@@ -109,6 +110,7 @@ def test_auto_stage_count_keeps_the_fastest_predicted_and_the_plan_adopts_it():
         nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2, pas_config={"autodist_nstages": "auto"}))
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_auto_unit_size_keeps_the_fastest_per_sample_and_the_plan_adopts_it(tmp_path):
     path = tmp_path / "plan.json"
     cfg = ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto", "save_plan_path": str(path)})

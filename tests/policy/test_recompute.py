@@ -40,6 +40,7 @@ def test_config_rejects_what_is_not_a_list_of_names(value):
         ComputeConfig(1, 1, pas_config={"recompute_modules": value})
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_a_bad_name_lists_the_modules_there_are():
     with pytest.raises(PolicyError) as err:
         _plan(names=["blocks", "gpt.blocks.0"])
@@ -95,6 +96,7 @@ def test_time_model_runs_the_forward_of_a_recomputed_op_again():
         assert b.meta["local_time_bwd_s"][0] == pytest.approx(bwd + again, rel=1e-9), a.name
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_autodist_keeps_the_knob():
     cfg = ComputeConfig(2, 2, pas_config={"recompute_modules": ["gpt.blocks.1"]})
     plan = nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg)
@@ -148,7 +150,7 @@ def test_full_recomputes_each_layer_of_the_stack_as_recompute_modules_does():
     ("gpt", "gpt.blocks.0.attn:core", ["attention"]),           # one scaled_dot_product_attention
     ("llama", "blocks.0.attn:core",                              # q @ k.T, scale, mask, softmax, @ v
      ["matmul", "elementwise", "constructor", "triangle", "elementwise", "softmax", "matmul"]),
-    ("hf_gpt2", "model.transformer.h.0.attn:core", ["attention"]),
+    pytest.param("hf_gpt2", "model.transformer.h.0.attn:core", ["attention"], marks=pytest.mark.slow),
     ("hf_qwen2", "model.model.layers.0.self_attn:core", ["attention"]),
 ])
 def test_selective_finds_the_attention_core_of_every_layer(name, first, ops):

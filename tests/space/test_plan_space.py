@@ -57,6 +57,7 @@ def test_a_target_batch_or_master_dtype_change_reprices_without_tracing(space):
     pd.testing.assert_frame_equal(frame, fresh(target, global_batch=16, master_dtype=torch.bfloat16))
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_a_repriced_frame_is_a_fresh_sweeps_bit_for_bit():
     """What the space keeps across knobs (schedules, simulated pipelines shared by the ZeRO stages,
     bucket bytes, peaks, the spans replayed) changes no figure: after turning knobs away and back,

@@ -49,6 +49,7 @@ def explorer():
     ex.close()
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_compile_draws_every_view_of_one_plan_and_records_a_run(explorer):
     plan = explorer.compile()
     assert explorer.error is None and plan is explorer.plan is explorer.compiled
@@ -91,6 +92,7 @@ def test_a_knob_change_replaces_without_tracing_and_redraws_timeline_and_memory(
     assert len(explorer.runs) == 1                                    # a knob change is not a run
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_the_why_pane_follows_the_policy(explorer):
     explorer.compile()
     why = explorer.panes.views[ViewName.WHY]
@@ -117,6 +119,7 @@ def test_a_bad_knob_is_a_message_and_the_explorer_keeps_working(explorer):
     assert explorer.compile() is not None and explorer.error is None
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_a_user_module_and_a_user_policy():
     model = MLP()
     ex = Explorer(model, batch("mlp", 0), policies=[megatron], knobs=Knobs(policy=megatron, plan_ngpus=2))
@@ -134,6 +137,7 @@ def test_a_user_module_and_a_user_policy():
         ex.close()
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_after_a_compile_the_knobs_read_the_plans_own_configuration(explorer):
     knobs = explorer.controls
     explorer.set(policy="pp")                       # stages 1: pp stages over every plan device
@@ -201,6 +205,7 @@ def test_the_recompute_knob_is_a_granularity_and_a_re_placement_recomputes_that(
     assert Knobs(recompute="full").compute_config().pas_config["recompute"] == "full"   # no names: the stack
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
     cfg = GPTConfig(vocab_size=128, seq_len=32, n_layer=4, d_model=64, n_head=4)
     ex = Explorer(GPT(cfg), {"batch": sample_batch(cfg, 4)}, knobs=Knobs(policy="pp"))

@@ -56,6 +56,7 @@ def test_the_sweep_is_drawn_every_configuration_a_mark_and_the_front_ringed(expl
     assert "Swept 33 configurations" in explorer.status.value
 
 
+@pytest.mark.slow       # seconds on its own: make test runs it, the edit-test loop does not
 def test_a_knob_change_reprices_without_tracing_and_says_how_long(explorer):
     space = explorer.space.space
     traces, before = space.traces, explorer.space.frame
