@@ -19,6 +19,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost.step_figures import StepFigures
+from nbscaler.models.gpt import GPT
 from benchmarks.published.runs import PublishedRun, RunFacts
 
 MICROS = (1, 2, 4, 8, 16)
@@ -32,7 +33,6 @@ def tokens(micro: int, seq: int) -> Dict[str, Dict[str, torch.Tensor]]:
 def plan_run(run: PublishedRun, micro: int, facts: Optional[RunFacts] = None) -> "nbscaler.Plan":
     """The row's GPT on meta, placed as the row ran with micro-batches of ``micro`` sequences."""
     facts = facts or run.facts
-    from nbscaler.models.gpt import GPT
     with torch.device("meta"):
         model = GPT(run.gpt(facts))
     pas = {"recompute_modules": ["blocks"]} if facts.recompute == "full" else {}

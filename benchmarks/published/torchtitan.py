@@ -14,6 +14,7 @@ datasheet's 1,671 sparse halved).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -58,7 +59,6 @@ def grand_teton_h100(nodes: int, bf16_peak: Optional[float] = None) -> Hardware:
     if bf16_peak is not None:
         peaks.update({NumberFormat.BF16: bf16_peak, NumberFormat.FP16: bf16_peak})
         name += f", bf16 peak {bf16_peak / 1e12:.0f} TFLOP/s"
-    import dataclasses
     return dataclasses.replace(hw, name=name, memory_bytes=96e9, memory_bytes_per_s=2.4e12, peak_flops_by_precision=peaks)
 
 

@@ -1,11 +1,11 @@
-"""The optimizers a target prices, and how to declare another: one table, ``roofline.OPTIMIZER_TENSORS``.
+"""The optimizers a target prices, and how to declare another: one table, ``OPTIMIZER_TENSORS``.
 
 On a target an optimizer step is timed as memory-bound passes over the tensors it reads and writes
 per parameter element (``cost.roofline``): the parameter and its gradient read, the parameter
 written, and each tensor of state it keeps per element read and written again. That table knows
 SGD (no state; one momentum buffer with ``momentum``), Adam and AdamW (two moments). Any other
 optimizer is refused there, by name, rather than timed as an Adam it may not be
-(``check_priced``); ``register_optimizer`` declares it by the state tensors it keeps.
+(``step_tensors``); ``register_optimizer`` declares it by the state tensors it keeps.
 
 On this machine nothing is assumed: the step is timed by running the optimizer (``cost.profile``),
 and everywhere its state's bytes are learnt by stepping it on tiny tensors (``cost.memory``).
@@ -16,7 +16,12 @@ and everywhere its state's bytes are learnt by stepping it on tiny tensors (``co
 
 from __future__ import annotations
 
-from nbscaler.cost.roofline import OPTIMIZER_TENSORS
+from typing import Any, Mapping
+
+#: Tensors an optimizer step reads and writes per parameter element, the gradient included:
+#: SGD reads p and g and writes p; with momentum it also reads and writes its buffer; Adam reads p,
+#: g and its two moments and writes p and the moments.
+OPTIMIZER_TENSORS = {"SGD": 3, "SGD+momentum": 5, "Adam": 7, "AdamW": 7}
 
 #: Tensors a step without state reads and writes per element: the parameter and gradient read, the
 #: parameter written (``OPTIMIZER_TENSORS['SGD']``).
@@ -35,9 +40,12 @@ def register_optimizer(optimizer: type, state_tensors: int) -> None:
     OPTIMIZER_TENSORS[optimizer.__name__] = STATELESS_TENSORS + 2 * state_tensors
 
 
-def check_priced(optimizer: type) -> None:
-    """Refuse an optimizer the target's time model does not know, saying how to declare it."""
+def step_tensors(optimizer: type, kwargs: Mapping[str, Any]) -> int:
+    """Tensors one step of ``optimizer`` (with ``kwargs``) reads and writes per parameter element;
+    an optimizer the table does not know is refused, saying how to declare it."""
     name = getattr(optimizer, "__name__", repr(optimizer))
+    if name == "SGD" and kwargs.get("momentum"):
+        name = "SGD+momentum"
     if name not in OPTIMIZER_TENSORS:
         known = ", ".join(sorted(OPTIMIZER_TENSORS))
         raise ValueError(
@@ -46,3 +54,4 @@ def check_priced(optimizer: type) -> None:
             f"with nbscaler.register_optimizer({name}, state_tensors=k), k being the tensors of state it "
             f"keeps per parameter, each as large as the parameter (Adam: 2, SGD with momentum: 1), "
             "or price the plan with one it knows.")
+    return OPTIMIZER_TENSORS[name]

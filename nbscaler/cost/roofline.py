@@ -101,6 +101,7 @@ from nbscaler.cost.flops import attention_flops
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
+from nbscaler.cost.optimizers import step_tensors
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.shape_rules import arg
 from nbscaler.recipe import Recipe
@@ -120,11 +121,8 @@ DROPOUT_TARGET = "torch.nn.functional.dropout"
 
 VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
 
-#: Tensors an optimizer step reads and writes per parameter element, the gradient included:
-#: SGD reads p and g and writes p; with momentum it also reads and writes its buffer; Adam reads p,
-#: g and its two moments and writes p and the moments. The reducer's copies in and out of its flat
-#: buckets add two reads and two writes.
-OPTIMIZER_TENSORS = {"SGD": 3, "SGD+momentum": 5, "Adam": 7, "AdamW": 7}
+#: Tensors the reducer's copies in and out of its flat buckets read and write per element (the
+#: optimizer's own come from ``cost.optimizers.step_tensors``).
 REDUCER_TENSORS = 4
 
 #: Passes over the gradients (in the optimizer's dtype) a training loop may add before the step, as
@@ -320,10 +318,7 @@ class RooflineOps:
         """Seconds of the reducer's copies, the passes over the gradients ``recipe``'s loop makes
         (``Recipe.clip_grad_norm``, ``Recipe.loss_scaling``) and one step of its optimizer over
         parameters of ``numels`` (``dtype``): memory-bound passes over that many tensors per element."""
-        name = recipe.optimizer.__name__
-        if name == "SGD" and recipe.kwargs.get("momentum"):
-            name = "SGD+momentum"
-        tensors = (OPTIMIZER_TENSORS.get(name, OPTIMIZER_TENSORS["Adam"]) + REDUCER_TENSORS
+        tensors = (step_tensors(recipe.optimizer, recipe.kwargs) + REDUCER_TENSORS
                    + CLIP_TENSORS * (recipe.clip_grad_norm is not None)
                    + UNSCALE_TENSORS * (recipe.loss_scaling is not None))
         nbytes = tensors * sum(numels) * dtype.itemsize

@@ -60,7 +60,6 @@ from nbscaler.cost.nccl import NcclModel
 from nbscaler.layouts import Backend, Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
-from nbscaler.cost.optimizers import check_priced
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.cost.step_figures import DeviceStep, PipelineParts, overlap_window
 from nbscaler.schedule import TimedBlock, Timeline, simulate, simulate_totals
@@ -241,8 +240,6 @@ def update_seconds(profiler: OpProfiler, numels: List[int], param_dtype: Optiona
                    recipe: Recipe) -> float:
     """``update_time`` from the ``updated_numels`` of parameters of ``param_dtype`` (none: no step).
     The optimizer is timed at ``lr=1e-3`` unless the recipe sets one: a rate's value costs nothing."""
-    if isinstance(profiler, RooflineOps):        # a target: the optimizer must be one it knows
-        check_priced(recipe.optimizer)
     if not numels:
         return 0.0
     dtype = recipe.master_of(param_dtype) or param_dtype

@@ -7,7 +7,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost.optimizers import STATELESS_TENSORS
-from nbscaler.cost.roofline import OPTIMIZER_TENSORS
+from nbscaler.cost.optimizers import OPTIMIZER_TENSORS
 from tests.conftest import gpt_plan
 
 
