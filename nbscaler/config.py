@@ -35,7 +35,9 @@ RECOMPUTE_MODULES = "recompute_modules"
 RECOMPUTE = "recompute"
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler",
                  "pipeline_virtual_stages")
-ZERO_STAGES = (1, 2)
+ZERO_STAGES = (1, 2, 3)
+#: What ZeRO stage 3 shards each unit of (``ComputeConfig.zero_units``) by default: each repeated layer.
+ZERO_UNITS_DEFAULT: Tuple[str, ...] = ()
 
 
 def threads_per_rank(cores: int, ranks_on_host: int) -> int:
@@ -185,7 +187,13 @@ class ComputeConfig:
     gradients live until the optimizer step, which reduce-scatters them and frees them.
     ``zero_stage=2`` splits the gradients as well: each bucket of gradients is reduce-scattered
     and freed as soon as the backward has produced it, so a rank holds at once the full gradients
-    of the buckets the backward is producing only.
+    of the buckets the backward is producing only. ``zero_stage=3`` (fully sharded data parallelism,
+    as FSDP) shards the parameters too: each rank stores ``1/N`` of every *unit* (by default each
+    repeated layer of the model, and one unit for the rest; ``zero_units`` names module paths or
+    classes instead), all-gathers a unit's parameters just before its forward and frees them after
+    it (``zero_reshard_after_forward=False`` keeps them until the backward, as Llama 3 trained),
+    gathers them again for the backward, and reduce-scatters the unit's gradients as soon as they
+    are made. ``nbscaler.runtime.fsdp`` says how.
 
     ``reduce_bucket_bytes`` (default 25 MiB, as DDP's ``bucket_cap_mb``) caps a gradient bucket:
     gradients are packed, cast to the reduction dtype and summed one bucket at a time, so the packed
@@ -205,7 +213,9 @@ class ComputeConfig:
 
     use_zero: bool = False
     zero_ngroups: int = 1
-    zero_stage: int = 1             # with use_zero: 1 shards the optimizer state, 2 the gradients too
+    zero_stage: int = 1             # with use_zero: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too
+    zero_reshard_after_forward: bool = True     # stage 3: free a unit's gathered parameters after its forward
+    zero_units: Tuple[str, ...] = ZERO_UNITS_DEFAULT    # stage 3: module paths or classes, each one unit
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES     # the most gradient bytes reduced as one bucket
 
     inference_only: bool = False
@@ -248,8 +258,8 @@ class ComputeConfig:
     def sums_partial_grads_after_backward(self) -> bool:
         """Whether a weight whose ops split the batch inside a unit may leave its partial gradients
         to the reducer (bucketed, after the backward). Not under ZeRO stage 2, which reduces and
-        frees gradients during the backward: there each use sums its gradient as it is made."""
-        return not (self.use_zero and self.zero_stage == 2)
+        frees gradients during the backward (nor stage 3): there each use sums its gradient as it is made."""
+        return not (self.use_zero and self.zero_stage >= 2)
 
     @property
     def scheduler(self) -> str:
@@ -321,14 +331,28 @@ class ComputeConfig:
 
     def _validate_zero(self) -> None:
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
-            _fail("zero_stage", self.zero_stage, "use 1 (optimizer state sharded) or 2 (gradients sharded too).")
+            _fail("zero_stage", self.zero_stage, "use 1 (optimizer state sharded), 2 (gradients sharded too) or 3 "
+                  "(parameters sharded too: fully sharded data parallelism).")
         if self.zero_stage != 1 and not self.use_zero:
             _fail("zero_stage", self.zero_stage, "ZeRO stages need ZeRO: set use_zero=True as well.")
         copies = scheduler_spec(self.scheduler).stage_copies if self.use_pipeline else 1
-        if self.zero_stage == 2 and copies > 1:
-            _fail("zero_stage", 2, f"{self.scheduler} sums the gradients of each stage's {_WORDS.get(copies, copies)} "
-                  f"copies after the backward, which ZeRO-2 has already freed by then; use zero_stage=1 with "
-                  f"{self.scheduler}.")
+        if self.zero_stage >= 2 and copies > 1:
+            _fail("zero_stage", self.zero_stage, f"{self.scheduler} sums the gradients of each stage's "
+                  f"{_WORDS.get(copies, copies)} copies after the backward, which ZeRO-{self.zero_stage} has already "
+                  f"freed by then; use zero_stage=1 with {self.scheduler}.")
+        if not isinstance(self.zero_reshard_after_forward, bool):
+            _fail("zero_reshard_after_forward", self.zero_reshard_after_forward, "give True or False.")
+        if not self.zero_reshard_after_forward and self.zero_stage != 3:
+            _fail("zero_reshard_after_forward", False, "only ZeRO stage 3 gathers parameters, so only it can keep "
+                  "them gathered: set zero_stage=3 as well, or leave zero_reshard_after_forward=True.")
+        units = self.zero_units
+        if isinstance(units, str) or not isinstance(units, (list, tuple)) or not all(isinstance(u, str) and u for u in units):
+            _fail("zero_units", units, "give module paths or class names, e.g. ('layers',) (each layer of a "
+                  "ModuleList), ('blocks.3',) or ('TransformerBlock',); () for each repeated layer.")
+        object.__setattr__(self, "zero_units", tuple(units))        # as a saved config.json reads back
+        if units and self.zero_stage != 3:
+            _fail("zero_units", tuple(units), "units are what ZeRO stage 3 gathers one at a time: set "
+                  "zero_stage=3 as well, or leave zero_units empty.")
 
     def _validate_recompute(self) -> None:
         if RECOMPUTE in self.pas_config:

@@ -24,7 +24,8 @@ from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, sour
                                      render, render_call)
 from nbscaler.codegen.vocab import vocab_call
 from nbscaler.comm.arguments import local_arguments
-from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Return, Section, Send, Value)
+from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Reshard, Return, Section, Send, Unshard,
+                                   Value)
 from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
@@ -92,6 +93,10 @@ class SectionPrinter:
             elif isinstance(ins, Return):
                 self.fetches(ins.fetches)
                 self.lines.append(f"return {self._render_outputs(ins.outputs, ins.values)}")
+            elif isinstance(ins, Unshard):
+                self.unshard(ins)
+            elif isinstance(ins, Reshard):
+                self.reshard(ins)
         if sends:
             items = ", ".join(f"{s.tensor.name!r}: {value_name(s.value)}" for s in sends)
             self.lines.append(f"return {{{items}}}")
@@ -148,6 +153,31 @@ class SectionPrinter:
         self.lines.append(f"    return {returned}")
         call = f"checkpoint({', '.join([fn] + params)}, use_reentrant=False)"
         self.lines.append(f"{returned} = {call}" if region.returns else call)
+
+    def _unit_text(self, unit: str) -> str:
+        kind = self.sec.graph.meta.get("module_classes", {}).get(unit)
+        return f"{unit} ({kind})" if kind else unit
+
+    def unshard(self, ins: Unshard) -> None:
+        """``self.shards.unshard(unit, prefetch=...)``: the unit's parameters all-gathered from the
+        shards the ranks hold (ZeRO-3), and the next unit's gather started."""
+        self.lines.append(f"# ZeRO-3 unit {self._unit_text(ins.unit)}: all-gather its parameters from the shards "
+                          "of the data-parallel ranks")
+        if ins.prefetch is not None:
+            self.lines.append(f"# and start {ins.prefetch}'s all-gather now, so that it overlaps this unit's compute")
+        prefetch = f", prefetch={ins.prefetch!r}" if ins.prefetch is not None else ""
+        self.lines.append(f"self.shards.unshard({ins.unit!r}{prefetch})")
+        self.last_comment = self.last_source = None
+
+    def reshard(self, ins: Reshard) -> None:
+        """``a, b = self.shards.reshard(unit, a, b)``: the unit's gathered parameters freed; what
+        leaves the unit passes through a hook that gathers them again for the backward."""
+        self.lines.append(f"# ZeRO-3 unit {ins.unit} done: free its gathered parameters; the backward gathers them "
+                          "again when it reaches what leaves the unit")
+        names = [value_name(v) for v in ins.outputs]
+        target = f"{', '.join(names)}{',' if len(names) == 1 else ''} = " if names else ""
+        self.lines.append(f"{target}self.shards.reshard({', '.join([repr(ins.unit)] + names)})")
+        self.last_comment = self.last_source = None
 
     def call(self, call: Call) -> None:
         node, place = call.node, call.node.placement

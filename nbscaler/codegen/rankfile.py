@@ -152,6 +152,12 @@ def class_table(program: RankProgram, graphs: Dict[str, IRGraph], rank: int,
     for attr, spec in specs.items():
         w(f"        {attr!r}: WeightSpec({spec}),")
     w("    }")
+    if program.units:
+        w("    # ZeRO-3: each unit's parameters, gathered together before the unit runs; each rank stores 1/N of them")
+        w("    shard_units = {")
+        for unit, names in program.units.items():
+            w(f"        {unit!r}: {tuple(attr_name(n) for n in names)!r},")
+        w("    }")
     w("    # every parameter of the original module in its order, which indexes optimizer checkpoints")
     w("    original_params = (")
     for name, t in next(iter(graphs.values())).weights.items():

@@ -33,6 +33,7 @@ from nbscaler.comm.layout import (Layout, conversion, effective_requirement, inp
 from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
+from nbscaler.comm.unit_gathers import insert_unit_gathers, unit_table
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.layer_rules import sync_batch_norm
 from nbscaler.layouts import LayoutKind
@@ -144,7 +145,8 @@ def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device:
     for sec in sections:
         sec.carry_in, sec.carry_out = facts.stage_io(sec.graph, sec.stage)
         SectionLowering(sec, storage, facts.grad(sec.graph), shapes).run()
-    return RankProgram(device, sections, weights, facts.device_groups)
+        insert_unit_gathers(sec)
+    return RankProgram(device, sections, weights, facts.device_groups, unit_table(graphs, weights))
 
 
 def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:

@@ -16,6 +16,8 @@ The instructions, in the order the rank runs them::
     Recompute(region, fetches, body)    calls run again in the backward (activation checkpointing)
     Send(tensor, fetches, value)        a tensor to the next pipeline stage
     Return(fetches, values)             the module's outputs, gathered to replicated
+    Unshard(unit, prefetch)             ZeRO-3: all-gather a unit's parameters (and start the next's)
+    Reshard(unit, outputs)              ZeRO-3: free them after the unit's forward
 
 A ``Fetch`` is one layout conversion: the collectives (``Convert``, one per step) that turn the
 layout a tensor is held in into the one a reader asks for.
@@ -122,7 +124,26 @@ class Return:
     outputs: Any                        # the graph's output structure
 
 
-Instruction = Union[Receive, Call, Recompute, Send, Return]
+@dataclass(frozen=True, eq=False)
+class Unshard:
+    """ZeRO stage 3: all-gather ``unit``'s parameters before its first reader, and start the
+    all-gather of ``prefetch`` (the next unit to run) so that it overlaps this unit's compute."""
+
+    unit: str
+    prefetch: Optional[str] = None
+
+
+@dataclass(frozen=True, eq=False)
+class Reshard:
+    """ZeRO stage 3: free ``unit``'s gathered parameters after its last reader in the forward.
+    ``outputs``: the values the unit made that later instructions read; the backward reaches the
+    unit through them, and gathers its parameters again first."""
+
+    unit: str
+    outputs: Tuple[Value, ...]
+
+
+Instruction = Union[Receive, Call, Recompute, Send, Return, Unshard, Reshard]
 
 
 @dataclass(eq=False)
@@ -168,7 +189,7 @@ class Section:
                 yield from ins.fetches
                 for call in ins.body:
                     yield from call.fetches
-            elif not isinstance(ins, Receive):
+            elif isinstance(ins, (Call, Send, Return)):
                 yield from ins.fetches
 
 
@@ -215,6 +236,7 @@ class RankProgram:
     sections: List[Section]
     weights: List[LocalWeight]
     device_groups: List[Devices]        # every process group, identical on all ranks (created collectively)
+    units: Dict[str, Tuple[str, ...]] = field(default_factory=dict)    # ZeRO-3: unit -> its weights' names
 
     def section(self, mode: str, stage: Optional[int] = None) -> Section:
         return next(s for s in self.sections if s.mode == mode and s.stage == stage)

@@ -94,6 +94,13 @@ class Placement:
 #: ``node.meta`` key of the recomputed region an op belongs to (written by ``policy.recompute``, read
 #: by code generation and the cost model): the ops of one region run again in the backward.
 RECOMPUTE_REGION = "recompute"
+#: ``graph.meta`` key of ZeRO stage 3's units (written by ``policy.shard_units``, read by lowering):
+#: each trained parameter's name -> the unit whose parameters are gathered with it.
+SHARD_UNITS = "shard_units"
+#: ``graph.meta`` key: whether ZeRO stage 3 frees a unit's gathered parameters after its forward.
+SHARD_RESHARD = "shard_reshard_after_forward"
+#: The unit of the parameters outside every named module (embeddings, final norm, head).
+REST_UNIT = "(rest)"
 #: The suffix of the region of an attention core (``recompute='selective'``): ``'blocks.0.attn:core'``.
 RECOMPUTE_CORE = ":core"
 

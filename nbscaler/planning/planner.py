@@ -51,6 +51,7 @@ from nbscaler.policy.builtin import SEQUENCE_PARALLEL, get_policy
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.policy.checks import check_placements
 from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
+from nbscaler.policy.shard_units import mark_shard_units
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
 from nbscaler.trace.modes import trace_modes
 
@@ -370,6 +371,7 @@ def place(graphs: Dict[str, IRGraph], pas_policy: Policy, cfg: ComputeConfig, na
         placed[mode] = graph if out is None else out
         cfg = adopt_policy_choices(placed[mode], cfg)
         check_placements(placed[mode], cfg)
+        mark_shard_units(placed[mode], cfg)
         if mode != "eval":                         # the eval forward keeps nothing for a backward
             mark_recompute(placed[mode], cfg)
             if _splits_backward(cfg):

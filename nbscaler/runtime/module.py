@@ -34,6 +34,7 @@ from nbscaler.runtime.sources import TorchFile, WeightSource
 from nbscaler.runtime.summary import module_html
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
 from nbscaler.runtime.weight_spec import WeightSpec        # generated code imports it from here
+from nbscaler.runtime.fsdp import ShardedUnits
 from nbscaler.runtime.zero import ZeroReducer
 from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
 
@@ -53,6 +54,7 @@ class ParallelModule(torch.nn.Module):
     device_groups: ClassVar[List[Tuple[int, ...]]] = []
     weight_specs: ClassVar[Dict[str, WeightSpec]] = {}
     original_params: ClassVar[Tuple[str, ...]] = ()     # every parameter of the original module, in its order
+    shard_units: ClassVar[Dict[str, Tuple[str, ...]]] = {}  # ZeRO-3: unit -> the attributes of its parameters
     compute_config: ClassVar[ComputeConfig]
     gen_dir: ClassVar[Path]
     weights_source: ClassVar[Dict[str, Any]] = {"source": WEIGHTS_FILE}   # the generated file says which
@@ -80,6 +82,8 @@ class ParallelModule(torch.nn.Module):
         self.weight_pass_observers: List[Callable[[bool], None]] = []
         self._pipeline_geometries: Dict[bool, PipelineGeometry] = {}     # train -> the schedule's geometry
         self.register_load_state_dict_pre_hook(self._before_load)
+        self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._gather_all())
+        self.register_state_dict_post_hook(lambda module, *args: module._after_state_dict(*args))
         self.register_load_state_dict_post_hook(lambda module, keys: self.reducer.refresh_masters())
         self._in_step = False
 
@@ -105,9 +109,20 @@ class ParallelModule(torch.nn.Module):
         dp_group = get_group(grid.dp_ranks(self.plan_device))
         if not cfg.use_zero:
             return Reducer(list(self.parameters()), dp_group, cfg.reduce_bucket_bytes)
-        return ZeroReducer(list(self.parameters()), dp_group, get_group(grid.zero_ranks(self.world_rank)),
-                           get_group(grid.zero_replica_ranks(self.world_rank)), cfg.reduce_bucket_bytes,
+        zero_group, replica_group = get_group(grid.zero_ranks(self.world_rank)), get_group(grid.zero_replica_ranks(self.world_rank))
+        if cfg.zero_stage == 3:
+            units = {unit: [getattr(self, attr) for attr in attrs] for unit, attrs in self.shard_units.items()}
+            return ShardedUnits(units, dp_group, zero_group, replica_group)
+        return ZeroReducer(list(self.parameters()), dp_group, zero_group, replica_group, cfg.reduce_bucket_bytes,
                            stage=cfg.zero_stage)
+
+    @property
+    def shards(self) -> ShardedUnits:
+        """ZeRO stage 3's units (the generated forward gathers and frees them through it)."""
+        if not isinstance(self.reducer, ShardedUnits):
+            raise RuntimeError("this parallel module does not shard its parameters: only ComputeConfig(use_zero=True, "
+                               "zero_stage=3) has units to gather.")
+        return self.reducer
 
     def _check_world(self) -> int:
         cfg = self.compute_config
@@ -214,14 +229,31 @@ class ParallelModule(torch.nn.Module):
 
     def _before_load(self, module, state_dict: Dict[str, Any], prefix: str, local_metadata, strict: bool, *_) -> None:
         self.check_state_dict(state_dict, prefix, strict)
+        self._gather_all()          # ZeRO-3: the loaded values land in the gathered parameters, then in the shards
+
+    def _gather_all(self) -> None:
+        if isinstance(self.reducer, ShardedUnits):
+            self.reducer.gather_all()
+
+    def _after_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """ZeRO-3: the state dict holds copies of the gathered parameters, which are freed again."""
+        if not isinstance(self.reducer, ShardedUnits):
+            return
+        for attr, spec in self.weight_specs.items():
+            key = prefix + attr
+            if spec.kind == "param" and key in state_dict:
+                state_dict[key] = state_dict[key].clone()
+        self.reducer.free_all()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_config.use_end2end and not self._in_step:
             raise RuntimeError("this is an end2end parallel module: call train_step(samples) to train and "
                                "infer_step(samples) to infer, not the module itself.")
-        if hasattr(self, "_forward"):
-            return self._forward(*args, **kwargs)
-        return (self._forward_train if self.training else self._forward_eval)(*args, **kwargs)
+        forward = self._forward if hasattr(self, "_forward") else (self._forward_train if self.training else self._forward_eval)
+        out = forward(*args, **kwargs)
+        if isinstance(self.reducer, ShardedUnits) and not torch.is_grad_enabled():
+            self.reducer.free_all()         # ZeRO-3: no backward will free the units the forward kept
+        return out
 
     def train_step(self, samples: List[Any], is_dummy_batch: Optional[List[bool]] = None,
                    scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:

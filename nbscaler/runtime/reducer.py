@@ -96,7 +96,9 @@ class Reducer:
     group = WeakGroup()          # the ranks gradients are summed over; None: this rank alone
 
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, groups: Optional[List[List[torch.nn.Parameter]]] = None):
+        """``groups``: the buckets, each a list of parameters of one dtype, where the caller decides
+        them (ZeRO-3's units); else ``params`` cut by ``bucket_bytes``."""
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.pre_hooks: List[GradHook] = []
@@ -106,6 +108,9 @@ class Reducer:
         self.observers: List[Callable[[], None]] = []
         self.precision: Recipe = AS_HELD
         self.masters: Dict[int, torch.nn.Parameter] = {}     # id(param) -> its master copy
+        if groups is not None:
+            self.buckets = [Bucket(g) for g in groups if g]
+            return
         sizes = [(p.numel() * p.element_size(), p.dtype) for p in self.params]
         self.buckets = [Bucket([self.params[i] for i in run]) for run in split_buckets(sizes, bucket_bytes)]
 

@@ -79,8 +79,9 @@ class ZeroReducer(Reducer):
 
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
                  zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage: int = 1):
-        super().__init__(params, group, bucket_bytes)
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage: int = 1,
+                 groups: Optional[List[List[torch.nn.Parameter]]] = None):
+        super().__init__(params, group, bucket_bytes, groups)
         self.zero_group, self.replica_group, self.stage = zero_group, replica_group, stage
         self.zero_size, self.zero_rank = _size_rank(zero_group)
         self.flats: List[torch.Tensor] = []
@@ -93,7 +94,7 @@ class ZeroReducer(Reducer):
             self.flats.append(flat)
             self.slots.append((shard, bucket.segments(begin, begin + length)))
         self.produced: List[Set[int]] = [set() for _ in self.buckets]    # params with a gradient to reduce
-        if stage == 2:
+        if stage >= 2:
             for index, bucket in enumerate(self.buckets):
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(self._on_gradient(index))

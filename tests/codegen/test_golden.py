@@ -24,6 +24,7 @@ CASES = {
     "gpt_pp_stage1": (Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4)), 1),     # receives its carry, returns the loss
     "gpt_tp_recompute_rank0": (Case("gpt", "tp", 2, 2, config=recompute("Block")), 0),  # checkpointed blocks
     "mlp_data_zero2_rank3": (Case("mlp", "data", 2, 4, config=zero(stage=2)), 3),     # ZeRO 2: weights' sum_grad in the code
+    "gpt_tp_zero3_rank2": (Case("gpt", "tp", 2, 4, config=zero(stage=3) + recompute("Block")), 2),  # units gathered, freed
 }
 
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 and the global gradient norm, against the single-process run; what ZeRO holds
+"""ZeRO stages 1 and 2 (stage 3: ``test_fsdp.py``) and the global gradient norm, against the single-process run; what ZeRO holds
 per rank; and the checks of ``zero_stage``.
 
 One spawn of 4 ranks trains most cases (a spawn costs seconds; ``run_ranks`` bounds it with a
@@ -122,7 +122,12 @@ def test_zero_holds_its_theoretical_share(tmp_path):
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(zero_stage=2), ["zero_stage=2", "use_zero=True"]),
-    (dict(use_zero=True, zero_stage=3), ["zero_stage=3", "use 1", "or 2"]),
+    (dict(use_zero=True, zero_stage=4), ["zero_stage=4", "use 1", "or 3"]),
+    (dict(use_zero=True, zero_stage=3, **dict(pipeline("chimera_direct", 4, 4))), ["chimera_direct", "ZeRO-3"]),
+    (dict(use_zero=True, zero_reshard_after_forward=False), ["zero_reshard_after_forward=False", "zero_stage=3"]),
+    (dict(use_zero=True, zero_stage=3, zero_reshard_after_forward=0), ["give True or False"]),
+    (dict(use_zero=True, zero_units=("blocks",)), ["zero_units=('blocks',)", "zero_stage=3"]),
+    (dict(use_zero=True, zero_stage=3, zero_units="blocks"), ["zero_units='blocks'", "module paths or class names"]),
     (dict(use_zero=True, zero_stage=True), ["zero_stage=True"]),
     (dict(use_zero=True, zero_stage=2, **dict(pipeline("chimera_direct", 4, 4))),
      ["chimera_direct", "zero_stage=1"]),

@@ -1,0 +1,131 @@
+"""Where ZeRO stage 3 gathers and frees each unit's parameters in a rank's program.
+
+``policy.shard_units`` says which unit each parameter belongs to (``graph.meta[SHARD_UNITS]``).
+This pass reads a lowered section and puts, for each unit whose parameters the section reads:
+
+- ``Unshard(unit, prefetch)`` just before the first instruction that reads one of them, naming the
+  unit the section gathers next, whose all-gather the runtime starts at once so that it overlaps
+  this unit's compute (FSDP's forward prefetch);
+- ``Reshard(unit, outputs)`` just after the last one, when the unit is *released after its
+  forward*: ``ComputeConfig.zero_reshard_after_forward`` is on, the unit is not ``REST_UNIT``, and
+  no other unit's parameters are read between its first and last reader (else the unit stays
+  gathered through the forward, as FSDP keeps its root). ``outputs`` are the values made inside
+  the unit that later instructions read: the runtime passes them through a hook that gathers the
+  unit again when the backward reaches it.
+
+Every unit, released after its forward or not, is freed again once the backward has made and
+reduce-scattered its gradients (``nbscaler.runtime.fsdp``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Set, Tuple
+
+from nbscaler.comm.program import (Call, Fetch, Instruction, LocalWeight, Origin, Receive, Recompute, Reshard,
+                                   Return, Section, Send, Unshard, Value)
+from nbscaler.ir.graph import REST_UNIT, SHARD_RESHARD, SHARD_UNITS, IRGraph
+
+
+def unit_table(graphs: Dict[str, IRGraph], weights: List[LocalWeight]) -> Dict[str, Tuple[str, ...]]:
+    """Unit -> the names of this rank's parameters in it (in weight-table order); ``{}`` without ZeRO-3."""
+    units_of = next(iter(graphs.values())).meta.get(SHARD_UNITS)
+    if not units_of:
+        return {}
+    table: Dict[str, List[str]] = {}
+    for w in weights:
+        if w.kind == "param" and w.name in units_of:
+            table.setdefault(units_of[w.name], []).append(w.name)
+    return {unit: tuple(names) for unit, names in table.items()}
+
+
+def _fetch_values(fetches: Tuple[Fetch, ...]) -> Iterator[Tuple[Value, Value]]:
+    for f in fetches:
+        for c in f.steps:
+            yield c.src, c.dst
+
+
+def made_by(ins: Instruction) -> Iterator[Value]:
+    """The values an instruction makes (its collectives' results included)."""
+    if isinstance(ins, Receive):
+        yield ins.value
+    elif isinstance(ins, Call):
+        yield from (dst for _, dst in _fetch_values(ins.fetches))
+        yield from ins.outputs
+    elif isinstance(ins, Recompute):
+        yield from (dst for _, dst in _fetch_values(ins.fetches))
+        for call in ins.body:
+            yield from made_by(call)
+    elif isinstance(ins, (Send, Return)):
+        yield from (dst for _, dst in _fetch_values(ins.fetches))
+
+
+def read_by(ins: Instruction) -> Iterator[Value]:
+    """The values an instruction reads (its collectives' sources included)."""
+    if isinstance(ins, Call):
+        yield from (src for src, _ in _fetch_values(ins.fetches))
+        yield from ins.inputs
+    elif isinstance(ins, Recompute):
+        yield from (src for src, _ in _fetch_values(ins.fetches))
+        yield from ins.inputs
+        for call in ins.body:
+            yield from read_by(call)
+    elif isinstance(ins, Send):
+        yield from (src for src, _ in _fetch_values(ins.fetches))
+        yield ins.value
+    elif isinstance(ins, Return):
+        yield from (src for src, _ in _fetch_values(ins.fetches))
+        yield from ins.values.values()
+
+
+def units_read(ins: Instruction, units_of: Dict[str, str]) -> Set[str]:
+    """The units whose parameters ``ins`` reads."""
+    return {units_of[v.tensor.name] for v in read_by(ins)
+            if v.origin == Origin.WEIGHT and v.tensor.name in units_of}
+
+
+def insert_unit_gathers(section: Section) -> None:
+    """Put each unit's ``Unshard`` and ``Reshard`` into ``section.instructions`` (module docstring);
+    nothing without ZeRO stage 3 (no ``SHARD_UNITS`` in the graph's meta)."""
+    units_of = section.graph.meta.get(SHARD_UNITS)
+    if not units_of:
+        return
+    reshard_after_forward = section.graph.meta.get(SHARD_RESHARD, True)
+    body = section.instructions
+    reads = [units_read(ins, units_of) for ins in body]
+    span: Dict[str, Tuple[int, int]] = {}
+    for i, units in enumerate(reads):
+        for u in units:
+            span[u] = (span[u][0] if u in span else i, i)
+    order = sorted(span, key=lambda u: span[u][0])
+    released = {u for u in order if reshard_after_forward and u != REST_UNIT
+                and not any(reads[i] - {u} for i in range(span[u][0], span[u][1] + 1))}
+    starts: Dict[int, List[str]] = {}
+    ends: Dict[int, List[str]] = {}
+    for u in order:
+        starts.setdefault(span[u][0], []).append(u)
+        if u in released:
+            ends.setdefault(span[u][1], []).append(u)
+    out: List[Instruction] = []
+    for i, ins in enumerate(body):
+        for u in starts.get(i, []):
+            after = order.index(u) + 1
+            out.append(Unshard(u, order[after] if after < len(order) else None))
+        out.append(ins)
+        for u in ends.get(i, []):
+            out.append(Reshard(u, _leaving(body, *span[u])))
+    section.instructions = out
+
+
+def _leaving(body: List[Instruction], first: int, last: int) -> Tuple[Value, ...]:
+    """The values made in ``body[first:last + 1]`` that a later instruction reads, in the order made."""
+    made: List[Value] = []
+    for ins in body[first:last + 1]:
+        made += [v for v in made_by(ins) if v.origin in (Origin.MADE, Origin.CONVERTED)]
+    later = {id(v) for ins in body[last + 1:] for v in read_by(ins)}
+    seen: Set[int] = set()
+    out = []
+    for v in made:
+        if id(v) in later and id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return tuple(out)
