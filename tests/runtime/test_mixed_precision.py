@@ -58,15 +58,16 @@ def mixed(model: str, policy: str, plan: int, runtime: int, config: tuple = (), 
 
 
 CASES = {
-    1: [mixed("llama", "dp", 1, 1), mixed("llama", "dp", 1, 1, zero())],
+    1: [mixed("llama", "dp", 1, 1), mixed("llama", "dp", 1, 1, zero()), mixed("llama", "dp", 1, 1, zero(stage=3))],
     2: [mixed("llama", "dp", 1, 2), mixed("llama", "tp", 2, 2, recompute("blocks.0"), clip=0.5),
         mixed("llama", "data", 2, 2), mixed("llama", "autodist", 2, 2), mixed("llama", "dp", 1, 2, zero(stage=2)),
         mixed("gpt", "pp", 2, 2, pipeline("gpipe", 2, 2)), mixed("llama", "dp", 1, 2, buckets(16 * 1024)),
-        mixed("llama", "dp", 1, 2, zero(stage=2) + buckets(16 * 1024), clip=0.5)],
+        mixed("llama", "dp", 1, 2, zero(stage=2) + buckets(16 * 1024), clip=0.5),
+        mixed("llama", "dp", 1, 2, zero(stage=3), clip=0.5)],
     4: [mixed("llama", "dp", 1, 4, reduce=BF16), mixed("llama", "tp", 2, 4, zero(), clip=0.5),
         mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
         mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2)),
-        mixed("llama", "dp", 1, 4, zero() + buckets(16 * 1024))],
+        mixed("llama", "dp", 1, 4, zero() + buckets(16 * 1024)), mixed("llama", "tp", 2, 4, zero(stage=3))],
 }
 
 
