@@ -22,6 +22,8 @@ and plain values only, so loading one runs no code from the file.
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -85,11 +87,12 @@ def local_pieces(module: torch.nn.Module, grads: bool = False) -> List[Tuple[Wei
     out = []
     for m in module.modules():
         if isinstance(m, ParallelModule):
-            for attr, spec in m.weight_specs.items():
-                t = getattr(m, attr)
-                t = t.grad if grads else t
-                if t is not None:
-                    out.append((spec, t.detach().cpu().clone()))
+            with m.whole_parameters():
+                for attr, spec in m.weight_specs.items():
+                    t = getattr(m, attr)
+                    t = t.grad if grads else t
+                    if t is not None:
+                        out.append((spec, t.detach().cpu().clone()))
     return out
 
 
@@ -276,11 +279,11 @@ def load_merged_state_dicts(module: torch.nn.Module, module_state_dict: StateDic
         if optimizer_state_dict is None:
             raise ValueError("an optimizer was given without optimizer_state_dict to load into it.")
         local_state = _localize_optimizer_state(optimizer, optimizer_state_dict, parallel, device)
-    with torch.no_grad():
+    with contextlib.ExitStack() as whole, torch.no_grad():
+        for m in parallel.values():
+            whole.enter_context(m.whole_parameters(write=True))
         for dst, src in copies:
             dst.copy_(src)
-    for m in parallel.values():
-        m.reducer.refresh_masters()
     if local_state is not None:
         optimizer.load_state_dict(local_state)
 

@@ -16,9 +16,10 @@ Generated code supplies the forward and a ``weight_specs`` table; this class doe
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -230,6 +231,23 @@ class ParallelModule(torch.nn.Module):
     def _before_load(self, module, state_dict: Dict[str, Any], prefix: str, local_metadata, strict: bool, *_) -> None:
         self.check_state_dict(state_dict, prefix, strict)
         self._gather_all()          # ZeRO-3: the loaded values land in the gathered parameters, then in the shards
+
+    @contextlib.contextmanager
+    def whole_parameters(self, write: bool = False) -> Iterator[None]:
+        """Every local parameter readable (and, with ``write``, writable) inside the block.
+
+        Under ZeRO stage 3 the parameters exist between steps only as shards: the block gathers
+        every unit on entry and frees them on exit, first copying what was written into the
+        shards. Elsewhere it only refreshes the master copies from what was written.
+        """
+        self._gather_all()
+        try:
+            yield
+        finally:
+            if write:
+                self.reducer.refresh_masters()
+            elif isinstance(self.reducer, ShardedUnits):
+                self.reducer.free_all()
 
     def _gather_all(self) -> None:
         if isinstance(self.reducer, ShardedUnits):

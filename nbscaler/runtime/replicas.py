@@ -17,6 +17,8 @@ All three are collective: every rank calls them.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
@@ -214,8 +216,8 @@ def broadcast_weights(module: torch.nn.Module, stride: int) -> None:
     group = get_group(strided_ranks(rank, stride, world))
     if group is None:
         return
-    with torch.no_grad():
+    with contextlib.ExitStack() as whole, torch.no_grad():
+        for m in parallel_modules(module).values():     # master copies and ZeRO-3's shards follow
+            whole.enter_context(m.whole_parameters(write=True))
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.detach(), src=rank % stride, group=group)
-    for m in parallel_modules(module).values():     # an optimizer built before keeps master copies
-        m.reducer.refresh_masters()
