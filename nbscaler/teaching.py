@@ -33,6 +33,13 @@ def check(prediction: Optional[float], actual: float, rel: float = 0.02, unit: s
         print("write your prediction first (the answer is in the collapsed cell at the end)")
         return None
     right = abs(float(prediction) - float(actual)) <= rel * max(abs(float(actual)), 1e-12)
-    print(f"{'right' if right else 'not quite'}: you said {float(prediction):,.4g}{suffix}, "
-          f"it is {float(actual):,.4g}{suffix}")
+    print(f"{'right' if right else 'not quite'}: you said {figure(prediction)}{suffix}, "
+          f"it is {figure(actual)}{suffix}")
     return right
+
+
+def figure(value: float) -> str:
+    """A number as ``check`` writes it: from a thousand up, whole with separators (``25,344``, not
+    ``2.534e+04``); below, four significant digits (``0.1111``, ``40.32``)."""
+    value = float(value)
+    return f"{value:,.0f}" if 1e3 <= abs(value) < 1e18 else f"{value:.4g}"

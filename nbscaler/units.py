@@ -10,7 +10,9 @@ FLOPs with SI prefixes, seconds as milliseconds. Missing values (``None``, NaN) 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
+
+from nbscaler.columns import SummaryColumn as C
 
 
 def is_missing(value: Any) -> bool:
@@ -86,3 +88,23 @@ def unit_formatters(frame) -> dict:
 
     return {c: unit_formatter(str(c)) for c in frame.columns
             if unit_formatter(str(c)) is not None and is_numeric_dtype(frame[c])}
+
+
+def summary_format(column: str) -> Callable[[Any], str]:
+    """How a per-rank summary (``plan.summary()``) writes a column's numbers: bytes, seconds, FLOPs,
+    tokens a second, yes/no, a share, or a count, each with its unit.
+
+    >>> summary_format("flops")(82862208.0), summary_format("peak_bytes")(1165368), summary_format("mfu")(0.387)
+    ('82.9 MFLOP', '1.11 MiB', '38.7%')
+    """
+    if column in (C.FLOPS, C.HARDWARE_FLOPS) or column.startswith("flops_") or column.endswith("_flops"):
+        return fmt_flops
+    if column == C.TOKENS_PER_S:
+        return lambda v: f"{fmt_count(v)} tokens/s" if not is_missing(v) else ""
+    if column == C.FITS:
+        return lambda v: "yes" if v else "no"
+    if column in (C.MFU, C.HFU):
+        return lambda v: f"{float(v):.1%}" if not is_missing(v) else ""
+    if column.endswith("_bytes") or column.startswith("bytes_"):
+        return fmt_bytes
+    return fmt_seconds if column.endswith("_time_s") else fmt_count

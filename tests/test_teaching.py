@@ -20,3 +20,6 @@ def test_check_says_right_within_its_tolerance_and_waits_for_a_prediction(capsys
     assert check(12, 10.0, unit="ms") is False
     assert capsys.readouterr().out.startswith("not quite: you said 12 ms, it is 10 ms")
     assert check(3_670_016, 3_670_016, rel=1e-9) is True
+    capsys.readouterr()
+    assert check(25_344, 25_344.0, unit="bytes") is True
+    assert capsys.readouterr().out == "right: you said 25,344 bytes, it is 25,344 bytes\n"

@@ -28,8 +28,8 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.recipe import UNSET
 from nbscaler.widgets.base import Measured
-from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_flops, fmt_seconds, is_missing
-from nbscaler.units import unit_formatters
+from nbscaler.widgets.formats import ascii_html
+from nbscaler.units import summary_format, unit_formatters
 from nbscaler.widgets.memory import MemoryView
 from nbscaler.widgets.palette import rank_colour
 from nbscaler.widgets.plan_table import PlanView
@@ -64,7 +64,7 @@ def optional_view(module: str, name: str) -> Optional[type]:
 def summary_html(plan: "Plan", optimizer: Any = UNSET, hardware: Optional[Hardware] = None) -> str:
     """``plan.summary()`` (on ``hardware``, if given) as a table, numbers written for people."""
     frame = plan.summary(optimizer, hardware=hardware)
-    shown = pd.DataFrame({c: frame[c].map(cell_format(c)) for c in frame.columns if c != "rank"}, index=frame["rank"])
+    shown = pd.DataFrame({c: frame[c].map(summary_format(c)) for c in frame.columns if c != "rank"}, index=frame["rank"])
     return shown.to_html(classes="nbs-summary", border=0) + assumed_html(frame.attrs.get("assumed", []))
 
 
@@ -76,26 +76,10 @@ def assumed_html(lines: List[str]) -> str:
             "<br>".join(ascii_html(line) for line in lines) + "</p>")
 
 
-def cell_format(column: str) -> Callable[[object], str]:
-    """How the summary writes a column's numbers: bytes, seconds, FLOPs, tokens a second, yes/no, a
-    share, or a count, each with its unit."""
-    if column in (C.FLOPS, C.HARDWARE_FLOPS) or column.startswith("flops_") or column.endswith("_flops"):
-        return fmt_flops
-    if column == C.TOKENS_PER_S:
-        return lambda v: f"{fmt_count(v)} tokens/s" if not is_missing(v) else ""
-    if column == C.FITS:
-        return lambda v: "yes" if v else "no"
-    if column in (C.MFU, C.HFU):
-        return lambda v: f"{float(v):.1%}"
-    if column.endswith("_bytes") or column.startswith("bytes_"):
-        return fmt_bytes
-    return fmt_seconds if column.endswith("_time_s") else fmt_count
-
-
 def styled_summary(frame: pd.DataFrame):
     """``plan.summary()`` as a pandas ``Styler`` that writes each number with its unit (82.9 MFLOP,
     1.5 GiB, 12.3 ms) and leaves the frame's values as they are: display it in a notebook."""
-    return frame.style.format({c: cell_format(c) for c in frame.columns if c != "rank"}).hide(axis="index")
+    return frame.style.format({c: summary_format(c) for c in frame.columns if c != "rank"}).hide(axis="index")
 
 
 def explanation_html(plan: "Plan", rows: int = 20) -> str:

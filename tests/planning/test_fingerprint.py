@@ -2,7 +2,10 @@
 names its changed rows, and an IPython kernel puts it beside a displayed table's HTML."""
 
 import copy
+import re
 from types import SimpleNamespace
+
+import pandas as pd
 
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -95,5 +98,33 @@ def test_a_kernel_shows_the_fingerprint_beside_the_html():
             assert sorted(data[FINGERPRINT_MIME]["tables"]) == sorted(map(str, tables))
         untagged, _ = shell.display_formatter.format(plan.ops.groupby("split").size().to_frame())
         assert FINGERPRINT_MIME not in untagged and "text/html" in untagged
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_a_kernel_shows_a_summary_with_units_and_no_raw_numbers():
+    """``plan.summary()`` and a slice of it show FLOPs, bytes and seconds with their units, never a
+    float of many digits (``82862208.0``); the frame keeps its numbers, and a column rescaled since
+    keeps pandas's writing rather than a unit that would mislabel it."""
+    shell = InteractiveShell.instance()
+    try:
+        plan = hybrid()
+        summary = plan.summary()
+        raw = re.compile(r"\d{5,}(\.\d+)?|\d+\.\d{4,}")       # 82862208.0, 125312, 0.123387
+        for shown in (summary, summary[["rank", "flops", "bytes_sent", "peak_bytes", "step_time_s"]],
+                      summary.set_index("rank")):
+            data, _ = shell.display_formatter.format(shown)
+            for mime in ("text/html", "text/plain"):
+                text = re.sub(r"<style.*?</style>", "", data[mime], flags=re.S)
+                assert not raw.search(text), (mime, raw.search(text).group(0), text)
+            assert "FLOP" in data["text/html"] and "KiB" in data["text/plain"] and " ms" in data["text/plain"]
+            assert FINGERPRINT_MIME in data
+        assert summary.flops.dtype.kind == "f" and summary.peak_bytes.dtype.kind in "iu"
+        assert f"{summary.flops[0]:.1f}" not in shell.display_formatter.format(summary)[0]["text/html"]
+        rescaled = summary[["rank", "param_bytes", "peak_bytes"]].assign(param_bytes=summary.param_bytes / 2**20)
+        data, _ = shell.display_formatter.format(rescaled)
+        assert "iB" in data["text/plain"] and f"{rescaled.param_bytes[0]:.6f}" in data["text/plain"]
+        untagged, _ = shell.display_formatter.format(pd.DataFrame({"flops": [82862208.0]}))
+        assert "82862208.0" in untagged["text/plain"]
     finally:
         InteractiveShell.clear_instance()
