@@ -8,7 +8,9 @@ notebook subtract one table from the other. The terms, fixed once:
 - ``bytes_sent`` / ``bytes_received``: bytes the rank sends to / receives from other ranks in one
   training step (collectives inside a unit, pipeline sends, gradient synchronisation).
 - ``param_bytes``: the rank's share of the model's parameters (its local slices, each storage once;
-  with ZeRO, the flat buckets including their padding). Held at every moment of a step.
+  with ZeRO, the flat buckets including their padding). Held at every moment of a step. Under ZeRO
+  stage 3 only this rank's shard of each unit, in the parameters' dtype, and nothing when master
+  copies are what the optimizer updates (the shard is then the master copy, in ``optimizer_bytes``).
 - ``optimizer_bytes``: what the optimizer keeps between steps: its state (momentum, Adam's moments
   and step counters) and, with mixed precision (``master_dtype``), the master copies of the
   parameters it updates (there is no column of their own); with ZeRO, for this rank's shard only
@@ -29,7 +31,12 @@ notebook subtract one table from the other. The terms, fixed once:
   reduce-scattered only when the optimizer steps); with master copies it can be the step instead,
   where the masters' fp32 gradients may outweigh the bf16 ones with the activations.
   With a pipeline it is the backward of the micro-batch that starts with the most in flight.
-- ``peak_bytes``: the sum of the five categories above at the peak moment, the largest such sum over
+- ``gathered_bytes``: ZeRO stage 3's parameters all-gathered at the peak moment: whole units (flat,
+  padded), in the parameters' dtype, gathered for their forward or backward and freed after it (a
+  unit that runs at both ends of the forward, such as the embeddings and the head, stays gathered
+  from the forward until its gradients are reduced). In the forward the peak is the last op before
+  a unit is freed; in the backward the most held at once while it runs. Zero without stage 3.
+- ``peak_bytes``: the sum of the six categories above at the peak moment, the largest such sum over
   the moments of a step. A backward counts as holding its starting activations and its gradients
   at once (``StepMoment.BACKWARD``), so this is the most a rank can hold, not always an instant it
   reaches. It leaves out short-lived workspace (the gradient flowing between two ops, temporaries,
@@ -90,6 +97,7 @@ class SummaryColumn(StrEnum):
     OPTIMIZER_BYTES = "optimizer_bytes"
     BUFFER_BYTES = "buffer_bytes"
     ACTIVATION_BYTES = "activation_bytes"
+    GATHERED_BYTES = "gathered_bytes"
     PEAK_BYTES = "peak_bytes"
     CUDA_MAX_ALLOCATED_BYTES = "cuda_max_allocated_bytes"
     STEP_TIME_S = "step_time_s"
@@ -102,7 +110,7 @@ class SummaryColumn(StrEnum):
 
 
 MEMORY_CATEGORIES = (SummaryColumn.PARAM_BYTES, SummaryColumn.GRAD_BYTES, SummaryColumn.OPTIMIZER_BYTES,
-                     SummaryColumn.BUFFER_BYTES, SummaryColumn.ACTIVATION_BYTES)
+                     SummaryColumn.BUFFER_BYTES, SummaryColumn.ACTIVATION_BYTES, SummaryColumn.GATHERED_BYTES)
 """The categories whose sum is ``peak_bytes``."""
 
 MEMORY_COLUMNS = (SummaryColumn.RANK, *MEMORY_CATEGORIES, SummaryColumn.PEAK_BYTES)
@@ -149,15 +157,17 @@ class StepMoment(StrEnum):
 
 @dataclass(frozen=True)
 class Held:
-    """Gradient and activation bytes a rank holds at one moment of a step (predicted or measured)."""
+    """Gradient and activation bytes (and ZeRO-3's gathered parameters) a rank holds at one moment
+    of a step (predicted or measured)."""
 
     moment: StepMoment
     grad_bytes: int
     activation_bytes: int
+    gathered_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.grad_bytes + self.activation_bytes
+        return self.grad_bytes + self.activation_bytes + self.gathered_bytes
 
 
 class SweepColumn(StrEnum):
@@ -173,7 +183,8 @@ class SweepColumn(StrEnum):
       core) or ``full`` (every layer of the model's stack).
     - ``sequence_parallel``: the ops between the tensor-parallel linears (norms, dropout, residual
       adds) on a slice of the sequence (``pas_config['sequence_parallel']``); only where ``tp > 1``.
-    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too).
+    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too), 3
+      (parameters too: fully sharded).
     - ``scheduler``: the pipeline scheduler; ``virtual_stages``: stages per pipeline device (1
       for ``1f1b``, more for interleaved schedulers).
 

@@ -474,6 +474,7 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
     from nbscaler.policy.builtin import get_policy
     from nbscaler.policy.checks import check_placements
     from nbscaler.policy.recompute import mark_recompute
+    from nbscaler.policy.shard_units import mark_shard_units
     from nbscaler.schedule import PipelineGeometry
     from nbscaler.trace.modes import trace_modes
     cfg = case.compute_config
@@ -482,6 +483,7 @@ def plan_inputs(case: Case) -> Tuple[Dict[str, Any], Dict[str, Any], ComputeConf
     for mode in graphs:
         graphs[mode] = get_policy(case.policy)(graphs[mode], cfg)
         check_placements(graphs[mode], cfg)
+        mark_shard_units(graphs[mode], cfg)
         if mode != "eval":
             mark_recompute(graphs[mode], cfg)
     geometry = PipelineGeometry.from_config(cfg) if cfg.use_pipeline else None

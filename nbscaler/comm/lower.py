@@ -34,7 +34,7 @@ from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, Ra
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
 from nbscaler.comm.unit_gathers import insert_unit_gathers, unit_table
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
+from nbscaler.ir.graph import SHARD_UNITS, IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
 from nbscaler.ir.layer_rules import sync_batch_norm
 from nbscaler.layouts import LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
@@ -146,7 +146,7 @@ def lower_device(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], device:
         sec.carry_in, sec.carry_out = facts.stage_io(sec.graph, sec.stage)
         SectionLowering(sec, storage, facts.grad(sec.graph), shapes).run()
         insert_unit_gathers(sec)
-    return RankProgram(device, sections, weights, facts.device_groups, unit_table(graphs, weights))
+    return RankProgram(device, sections, weights, facts.device_groups, unit_table(weights))
 
 
 def train_graph(graphs: Dict[str, IRGraph]) -> IRGraph:
@@ -312,6 +312,7 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
     facts = facts or LoweringFacts(graphs, geometry)
     any_graph = next(iter(graphs.values()))
     non_persistent = set(any_graph.meta.get("non_persistent", ()))
+    units = any_graph.meta.get(SHARD_UNITS) or {}
     out = []
     for name, t in any_graph.weights.items():
         if name not in readers:
@@ -327,7 +328,7 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
             replicas = copies_of(name, facts.tied, geometry, stage, devices.index(view))
         out.append(LocalWeight(name, t.kind, tuple(shape), t.dtype, name in trained, lay, tuple(t.shape), devices,
                                devices.index(view), tuple(sorted(s for s in trained.get(name, ()) if s is not None)),
-                               replicas, name not in non_persistent))
+                               replicas, name not in non_persistent, units.get(name)))
     return out
 
 

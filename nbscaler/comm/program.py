@@ -209,6 +209,7 @@ class LocalWeight:
     stages: Tuple[int, ...] = ()  # the pipeline stages whose training backward gives it a gradient
     replicas: Devices = ()        # devices whose copies' gradients are summed with this one (pipelines)
     persistent: bool = True
+    unit: Optional[str] = None    # ZeRO-3: the unit its parameter is gathered with (``policy.shard_units``)
 
     @property
     def partial_over(self) -> int:

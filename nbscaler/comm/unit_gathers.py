@@ -23,18 +23,16 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 from nbscaler.comm.program import (Call, Fetch, Instruction, LocalWeight, Origin, Receive, Recompute, Reshard,
                                    Return, Section, Send, Unshard, Value)
-from nbscaler.ir.graph import REST_UNIT, SHARD_RESHARD, SHARD_UNITS, IRGraph
+from nbscaler.ir.graph import REST_UNIT, SHARD_RESHARD, SHARD_UNITS
 
 
-def unit_table(graphs: Dict[str, IRGraph], weights: List[LocalWeight]) -> Dict[str, Tuple[str, ...]]:
-    """Unit -> the names of this rank's parameters in it (in weight-table order); ``{}`` without ZeRO-3."""
-    units_of = next(iter(graphs.values())).meta.get(SHARD_UNITS)
-    if not units_of:
-        return {}
+def unit_table(weights: List[LocalWeight]) -> Dict[str, Tuple[str, ...]]:
+    """Unit -> the names of this rank's parameters in it, units in the order their first parameter
+    comes in the weight table (the runtime's order); ``{}`` without ZeRO-3."""
     table: Dict[str, List[str]] = {}
     for w in weights:
-        if w.kind == "param" and w.name in units_of:
-            table.setdefault(units_of[w.name], []).append(w.name)
+        if w.kind == "param" and w.unit is not None:
+            table.setdefault(w.unit, []).append(w.name)
     return {unit: tuple(names) for unit, names in table.items()}
 
 

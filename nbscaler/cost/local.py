@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_unflatten
 
 from nbscaler.comm.arguments import local_arguments
-from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
+from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Reshard, Section, Unshard, Value
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import vocab_parallel
@@ -103,6 +103,17 @@ class OpCall:
     saved_keys: Tuple[int, ...] = ()    # every storage it keeps saved (keys of LocalRun.saved), new or not
 
 
+@dataclass(frozen=True)
+class UnitEvent:
+    """A ZeRO-3 ``Unshard`` or ``Reshard`` as the forward reaches it: ``saved`` bytes kept for the
+    backward so far (what the forward holds just before, with what the units gathered then)."""
+
+    unshard: bool                 # False: a Reshard
+    unit: str
+    prefetch: Optional[str]
+    saved: int
+
+
 @dataclass
 class LocalRun:
     """What one plan device does in one forward (or one pipeline stage) of a graph."""
@@ -114,6 +125,7 @@ class LocalRun:
     saved: Dict[int, int] = field(default_factory=dict)    # storage key -> bytes, weights excluded
     exact: bool = True                                       # False when some op had to be guessed
     rebuilt: Dict[str, int] = field(default_factory=dict)   # recomputed region -> bytes its rebuild saves
+    units: List[UnitEvent] = field(default_factory=list)    # ZeRO-3's gathers and frees, in order
 
     @property
     def saved_bytes(self) -> int:
@@ -211,6 +223,9 @@ class _Replay:
             self.call(ins)
         elif isinstance(ins, Recompute):
             self.recompute(ins)
+        elif isinstance(ins, (Unshard, Reshard)):
+            self.run.units.append(UnitEvent(isinstance(ins, Unshard), ins.unit, ins.prefetch if isinstance(ins, Unshard) else None,
+                                            self.run.saved_bytes))
         else:                                   # Send, Return: the outputs gathered
             self.fetches(ins.fetches)
 

@@ -53,6 +53,7 @@ from nbscaler.comm.program import RankProgram, Section
 from nbscaler.config import ComputeConfig, split_buckets
 from nbscaler.recipe import Recipe
 from nbscaler.cost.local import LocalRun, run_local
+from nbscaler.cost.gathered import GatheredUnits
 from nbscaler.cost.moments import Gradients, step_moments, step_peak
 from nbscaler.cost.ranks import LocalWeight, local_weights
 from nbscaler.cost.same_sections import Replays
@@ -96,9 +97,31 @@ def optimizer_state_bytes(optimizer: Type[torch.optim.Optimizer], optimizer_kwar
 
 # -- gradients and optimizer parameters --------------------------------------------------------
 def buckets(params: List[LocalWeight], cfg: ComputeConfig) -> List[List[LocalWeight]]:
-    """The reducer's buckets: consecutive parameters of one dtype, up to ``cfg.reduce_bucket_bytes`` each."""
+    """The reducer's buckets: consecutive parameters of one dtype, up to ``cfg.reduce_bucket_bytes``
+    each; under ZeRO stage 3 one per unit and dtype (``runtime.fsdp.ShardedUnits``: units in the order
+    of their first parameter, dtypes in the order each first comes in the unit)."""
+    if _stage3(cfg):
+        groups: Dict[str, Dict[torch.dtype, List[LocalWeight]]] = {}
+        for p in params:
+            if p.unit is not None:
+                groups.setdefault(p.unit, {}).setdefault(p.dtype, []).append(p)
+        return [b for by_dtype in groups.values() for b in by_dtype.values()]
     runs = split_buckets([(p.nbytes, p.dtype) for p in params], cfg.reduce_bucket_bytes)
     return [[params[i] for i in run] for run in runs]
+
+
+def _stage3(cfg: ComputeConfig) -> bool:
+    return cfg.use_zero and cfg.zero_stage == 3
+
+
+def unit_bytes(params: List[LocalWeight], cfg: ComputeConfig) -> Dict[str, int]:
+    """ZeRO stage 3: each unit's bytes when gathered (its flat buckets, padded to a multiple of the
+    ZeRO group, in the parameters' dtypes)."""
+    n, out = cfg.grid.zero_group_size, {}
+    for bucket in buckets(params, cfg):
+        numel = -(-sum(p.numel for p in bucket) // n) * n
+        out[bucket[0].unit] = out.get(bucket[0].unit, 0) + numel * _itemsize(bucket[0].dtype)
+    return out
 
 
 def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tuple[int, torch.dtype]]:
@@ -123,7 +146,9 @@ def weight_memory(weights: List[LocalWeight], cfg: ComputeConfig, recipe: Recipe
     if cfg.inference_only:
         return {**row, C.OPTIMIZER_BYTES: 0}
     slots = optimizer_params(params, cfg)
-    if cfg.use_zero:
+    if _stage3(cfg):          # the shards alone, and not even those where master copies replace them
+        row[C.PARAM_BYTES] = sum(numel * _itemsize(dt) for numel, dt in slots if recipe.master_of(dt) is None)
+    elif cfg.use_zero:
         n = cfg.grid.zero_group_size
         row[C.PARAM_BYTES] = sum(numel * n * _itemsize(dt) for numel, dt in slots)     # flat, padded
     row[C.OPTIMIZER_BYTES] = 0
@@ -142,19 +167,19 @@ def gradients(weights: List[LocalWeight], cfg: ComputeConfig, recipe: Recipe) ->
 
 
 def gradient_buckets(weights: List[LocalWeight], cfg: ComputeConfig,
-                     recipe: Recipe) -> Tuple[List[List[LocalWeight]], List[int], int]:
-    """``Gradients``' arguments for ``gradients``: what a step starts from, which a sweep keeps for
+                     recipe: Recipe) -> Tuple[List[List[LocalWeight]], List[int], int, List[LocalWeight]]:
+    """``Gradients``' arguments for ``gradients`` (buckets, shard bytes, ZeRO stage, parameter order): what a step starts from, which a sweep keeps for
     the configurations that share it (of ``cfg`` it reads the bucket size and ZeRO's stage and group)."""
     params = [w for w in weights if w.kind == "param"]
     groups = buckets(params, cfg)
     if not cfg.use_zero and all(recipe.master_of(p.dtype) is None for p in params):
-        return groups, [], 0
+        return groups, [], 0, params
     # Without ZeRO the optimizer's parameters are one per parameter; the bytes are summed per bucket.
     updated = [numel * _itemsize(recipe.master_of(dt) or dt) for numel, dt in optimizer_params(params, cfg)]
     if cfg.use_zero:
-        return groups, updated, cfg.zero_stage
+        return groups, updated, cfg.zero_stage, params
     sizes = iter(updated)
-    return groups, [sum(next(sizes) for _ in b) for b in groups], 0
+    return groups, [sum(next(sizes) for _ in b) for b in groups], 0, params
 
 
 # -- activations -------------------------------------------------------------------------------
@@ -263,7 +288,7 @@ def _shares(run: LocalRun, device: int) -> bool:
 def _renumbered(run: LocalRun, device: int) -> LocalRun:
     """``run`` as replayed by ``device``: the same ops, collectives and saved bytes."""
     return LocalRun(device, run.stage, list(run.ops), list(run.collectives), dict(run.saved), run.exact,
-                    dict(run.rebuilt))
+                    dict(run.rebuilt), list(run.units))
 
 
 def in_flight_peak(saved: Dict[Optional[int], int], geometry: Optional[PipelineGeometry], device: int,
@@ -304,6 +329,20 @@ def feeding_no_weight(nodes: Sequence[IRNode], reads_weight: Callable[[IRNode], 
     return tail
 
 
+def gathered_units(params: List[LocalWeight], runs: Dict[Optional[int], LocalRun],
+                   cfg: ComputeConfig) -> Optional[GatheredUnits]:
+    """ZeRO stage 3's gathered parameters for ``cost.moments`` (``None`` otherwise): each unit's
+    bytes, the forwards' gathers and frees as replayed, and the units whose backward completes."""
+    if not _stage3(cfg):
+        return None
+    stages_of: Dict[str, List[LocalWeight]] = {}
+    for p in params:
+        if p.unit is not None:
+            stages_of.setdefault(p.unit, []).append(p)
+    complete = {unit for unit, ws in stages_of.items() if all(w.trained for w in ws)}
+    return GatheredUnits(unit_bytes(params, cfg), {s: r.units for s, r in runs.items()}, complete)
+
+
 def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
     """The pass: ``node.meta['local_saved_bytes'][device]``, what each node newly saves for the
     backward on each device that runs it."""
@@ -327,7 +366,7 @@ def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceR
         weights_of: plan device -> its weight table (``plan.programs.weights``), when the caller has them.
 
     Returns:
-        One row per rank with the columns ``rank``, ``param_bytes``, ``grad_bytes``,
+        One row per rank with the columns ``rank``, ``param_bytes``, ``gathered_bytes``, ``grad_bytes``,
         ``optimizer_bytes``, ``buffer_bytes``, ``activation_bytes``, ``peak_bytes``: each
         category as held at the rank's peak moment (``nbscaler.columns``).
     """
@@ -340,6 +379,7 @@ def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceR
     for device in range(cfg.plan_ngpus):
         weights = weights_of(device) if weights_of is not None else local_weights(placed, device)
         row = weight_memory(weights, cfg, recipe)
+        row[C.GATHERED_BYTES] = 0
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
@@ -349,8 +389,10 @@ def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceR
             held_for_w = ({s: held_for_weights(r, parts) for s, r in stages.items()}
                           if parts is not None else None)
             params = [w for w in weights if w.kind == "param"]
-            held = step_peak(gradients(weights, cfg, recipe), params, saved, geometry, device, held_for_w)
+            held = step_peak(gradients(weights, cfg, recipe), params, saved, geometry, device, held_for_w,
+                             gathered_units(params, stages, cfg))
             row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
+            row[C.GATHERED_BYTES] = held.gathered_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         by_device[device] = row
     rows = [{C.RANK: r, **by_device[cfg.device_of(r)]} for r in range(cfg.runtime_ngpus)]

@@ -9,9 +9,9 @@ frees nothing and makes no weight gradient, and its ``W`` does both, as a whole 
 
 - without ZeRO, and under ZeRO stage 1 until the optimizer steps, a backward gives every parameter
   it reaches a gradient, and later backwards add into it;
-- under ZeRO stage 2, a bucket's gradients are reduce-scattered into this rank's shard as soon as
-  the backward has made all of them, and freed; the backward reaches buckets in the reverse of
-  parameter order;
+- under ZeRO stages 2 and 3, a bucket's (stage 3: a unit's) gradients are reduce-scattered into
+  this rank's shard as soon as the backward has made all of them, and freed; the backward makes
+  gradients in the reverse of parameter order;
 - the optimizer step: under ZeRO every bucket still holding full gradients is reduce-scattered (in
   order, each freed as its shard gets its slice); without ZeRO the synchronisation gives every
   parameter a gradient and, with master copies (bf16 parameters, fp32 masters), moves each
@@ -23,10 +23,10 @@ frees nothing and makes no weight gradient, and its ``W`` does both, as a whole 
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Dict, List, Optional, Set, Tuple
 
 from nbscaler.columns import Held, StepMoment
+from nbscaler.cost.gathered import GatheredUnits
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry
 
@@ -38,14 +38,19 @@ class Gradients:
         buckets: the reducer's buckets of the rank's parameters (``cost.memory.buckets``).
         shard_bytes: per bucket, the gradient bytes of what the optimizer updates in its place: this
             rank's ZeRO shard or, without ZeRO, the master copies (empty: the parameters themselves).
-        zero_stage: 0 without ZeRO, else 1 or 2.
+        zero_stage: 0 without ZeRO, else 1, 2 or 3 (gradients as under 2, in units).
+        order: the parameters in their order, where the buckets do not keep it (ZeRO-3's units).
         paths: a ``GradientPaths`` to share with other steps on the same buckets (a sweep's
             configurations of one device differ only in the order their backwards come).
     """
 
     def __init__(self, buckets: List[List[LocalWeight]], shard_bytes: List[int], zero_stage: int,
-                 paths: Optional["GradientPaths"] = None):
+                 order: Optional[List[LocalWeight]] = None, paths: Optional["GradientPaths"] = None):
         self.buckets, self.shard_bytes, self.zero_stage = buckets, shard_bytes, zero_stage
+        # every parameter with its bucket, in parameter order: the buckets' own, but for ZeRO-3's units
+        index = {w.name: i for i, b in enumerate(buckets) for w in b}
+        self.order = ([(w, index[w.name]) for w in order if w.name in index] if order is not None
+                      else [(w, i) for i, b in enumerate(buckets) for w in b])
         self.paths = paths if paths is not None else GradientPaths()
         self.state = 0                        # the state reached so far (``GradientPaths.states``)
 
@@ -104,6 +109,7 @@ class _Walk:
 
     def __init__(self, grads: Gradients, full: Dict[str, int], shards: Set[int], held: int):
         self.buckets, self.shard_bytes, self.zero_stage = grads.buckets, grads.shard_bytes, grads.zero_stage
+        self.order = grads.order
         self.full: Dict[str, int] = dict(full)     # parameter -> bytes of its .grad
         self.shards: Set[int] = set(shards)         # buckets whose shard has a gradient
         self.held = held
@@ -126,16 +132,19 @@ class _Walk:
             self.held += self.shard_bytes[index]
 
     def backward(self, stage: Optional[int]) -> int:
+        """The backward makes gradients in the reverse of parameter order; under stages 2 and 3 a
+        bucket is reduced as soon as it holds all of its gradients (a ZeRO-3 unit's parameters
+        need not be consecutive: the embeddings and the head)."""
         most = self.held
-        for index in reversed(range(len(self.buckets))):
-            bucket = self.buckets[index]
-            for w in bucket:
-                if self._reaches(w, stage):
-                    self._make(w)
-            most = max(most, self.held)
-            if self.zero_stage == 2 and all(w.name in self.full for w in bucket):
+        during = self.zero_stage >= 2
+        for w, index in reversed(self.order):
+            if not self._reaches(w, stage):
+                continue
+            self._make(w)
+            if during and all(x.name in self.full for x in self.buckets[index]):
+                most = max(most, self.held)
                 self._reduce(index)
-        return most if self.zero_stage == 2 else self.held
+        return max(most, self.held) if during else self.held
 
     def step(self, all_params: List[LocalWeight]) -> int:
         most = self.held
@@ -155,26 +164,28 @@ class _Walk:
 
 def step_moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
                  geometry: Optional[PipelineGeometry], device: int,
-                 held_for_w: Optional[Dict[Optional[int], int]] = None) -> List[Held]:
+                 held_for_w: Optional[Dict[Optional[int], int]] = None,
+                 units: Optional[GatheredUnits] = None) -> List[Held]:
     """What plan ``device`` holds at each moment of a training step, in order.
 
     ``saved`` is what one forward of each stage saves for the backward (key ``None`` without a
     pipeline); ``held_for_w``, where the schedule splits the backward, how much of it ``B`` leaves
     for ``W`` (``cost.memory.held_for_weights``; default all); ``gradients`` starts the step empty
-    (gradients set to ``None`` before it).
+    (gradients set to ``None`` before it); ``units``, under ZeRO stage 3, the gathered parameters
+    (``cost.gathered``), also starting the step with none.
     """
-    return [Held(*m) for m in zip(*_moments(gradients, params, saved, geometry, device, held_for_w))]
+    return [Held(*m) for m in zip(*_moments(gradients, params, saved, geometry, device, held_for_w, units))]
 
 
 def step_peak(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
               geometry: Optional[PipelineGeometry], device: int,
-              held_for_w: Optional[Dict[Optional[int], int]] = None) -> Held:
+              held_for_w: Optional[Dict[Optional[int], int]] = None, units: Optional[GatheredUnits] = None) -> Held:
     """The first of ``step_moments(...)`` holding the most, without making a ``Held`` of every moment:
     a sweep asks it of every device of many configurations, whose long pipelines have thousands."""
-    moments, grads, live = _moments(gradients, params, saved, geometry, device, held_for_w)
-    totals = list(map(operator.add, grads, live))
+    moments, grads, live, gathered = _moments(gradients, params, saved, geometry, device, held_for_w, units)
+    totals = [g + a + u for g, a, u in zip(grads, live, gathered)]
     k = totals.index(max(totals))                       # the first of the largest
-    return Held(moments[k], grads[k], live[k])
+    return Held(moments[k], grads[k], live[k], gathered[k])
 
 
 #: How a block moves the step's bytes (``_blocks``): a forward, the block that releases what its
@@ -194,28 +205,34 @@ def _blocks(geometry: Optional[PipelineGeometry], device: int) -> Tuple[Tuple[in
 
 
 def _moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Optional[int], int],
-             geometry: Optional[PipelineGeometry], device: int, held_for_w: Optional[Dict[Optional[int], int]]
-             ) -> Tuple[List[StepMoment], List[int], List[int]]:
-    """``step_moments``' moments as three lists, in order: the moment, its gradient bytes, its
-    activation bytes. A forward adds what its stage saves; the block that releases it (``B``, or
-    ``W`` where the backward is split) frees it, or what ``B`` left of it; a split backward's ``B``
-    frees what ``W`` does not read and marks no moment (no weight gets a gradient)."""
+             geometry: Optional[PipelineGeometry], device: int, held_for_w: Optional[Dict[Optional[int], int]],
+             units: Optional[GatheredUnits] = None) -> Tuple[List[StepMoment], List[int], List[int], List[int]]:
+    """``step_moments``' moments as four lists, in order: the moment, its gradient bytes, its
+    activation bytes, ZeRO-3's gathered bytes. A forward adds what its stage saves; the block that
+    releases it (``B``, or ``W`` where the backward is split) frees it, or what ``B`` left of it; a
+    split backward's ``B`` frees what ``W`` does not read and marks no moment (no weight gets a
+    gradient). Under ZeRO-3 a forward's moment is its fullest (``GatheredUnits.forward``), a
+    backward's gathered bytes the most it gathers at once."""
     split = geometry is not None and geometry.schedule.release_phase != "B"
     kept = saved if held_for_w is None else held_for_w
     moments: List[StepMoment] = []
     grads: List[int] = []
     live: List[int] = []
+    gathered: List[int] = []
     now, held = 0, gradients.held
     for kind, stage in _blocks(geometry, device):       # a sweep walks thousands of blocks: kept tight
         if kind == _FORWARD:
-            now += saved[stage]
+            part, units_held = units.forward(stage, saved[stage]) if units is not None else (saved[stage], 0)
             moments.append(StepMoment.FORWARD)
             grads.append(held)
-            live.append(now)
+            live.append(now + part)
+            gathered.append(units_held)
+            now += saved[stage]
         elif kind == _RELEASE:
             moments.append(StepMoment.BACKWARD)
             grads.append(gradients.backward(stage))
             live.append(now)
+            gathered.append(units.backward(stage) if units is not None else 0)
             held = gradients.held
             now -= kept[stage] if split else saved[stage]
         else:
@@ -223,4 +240,5 @@ def _moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Option
     moments.append(StepMoment.STEP)
     grads.append(gradients.step(params))
     live.append(now)
-    return moments, grads, live
+    gathered.append(units.step() if units is not None else 0)
+    return moments, grads, live, gathered

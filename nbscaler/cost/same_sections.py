@@ -14,7 +14,8 @@ What the key holds, instruction by instruction (``cost.local._Replay`` reads exa
 - each call's node without its name: target, op, constant arguments, output shapes and dtypes,
   placement (split, blocks, parts, not the devices), annotation; its inputs and outputs by value;
 - each collective: its step, its group's size and the section device's place in the group;
-- each recomputed region by its order.
+- each recomputed region by its order;
+- each ZeRO-3 gather and free, its units by the order the section first names them.
 
 A constant argument that is a tensor makes its key unique (values are not compared), so such a
 section is always replayed; so is a run the replay could not make exactly (``LocalRun.exact``).
@@ -27,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Section, Value
+from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Reshard, Section, Unshard, Value
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode, IRTensor
@@ -42,6 +43,7 @@ class SectionNames:
     nodes: List[IRNode] = dataclasses.field(default_factory=list)        # one per OpCall
     converts: List[Tuple[str, Tuple[int, ...], Optional[str]]] = dataclasses.field(default_factory=list)
     regions: List[str] = dataclasses.field(default_factory=list)         # recomputed regions, in order
+    units: List[Tuple[str, Optional[str]]] = dataclasses.field(default_factory=list)    # ZeRO-3 events' units
 
 
 class _Keyer:
@@ -52,6 +54,7 @@ class _Keyer:
         self.ids: Dict[int, int] = {}          # id(Value) -> its place in the section
         self.key: List[Any] = []
         self.names = SectionNames(section.device, section.stage)
+        self.unit_ids: Dict[str, int] = {}
 
     def value(self, v: Value) -> Any:
         if id(v) in self.ids:
@@ -87,9 +90,19 @@ class _Keyer:
                 self.names.regions.append(ins.region)
                 for call in ins.body:
                     self.call(call)
+            elif isinstance(ins, (Unshard, Reshard)):
+                prefetch = ins.prefetch if isinstance(ins, Unshard) else None
+                self.key.append(("unit", isinstance(ins, Unshard), self.unit(ins.unit), self.unit(prefetch)))
+                self.names.units.append((ins.unit, prefetch))
             else:                               # Send, Return
                 self.fetches(ins.fetches)
         return tuple(self.key), self.names
+
+    def unit(self, name: Optional[str]) -> Optional[int]:
+        """A ZeRO-3 unit by the order the section first names it."""
+        if name is None:
+            return None
+        return self.unit_ids.setdefault(name, len(self.unit_ids))
 
 
 _PLAIN = (bool, int, str, torch.dtype)          # hashable, and equal only when the replay sees the same
@@ -146,8 +159,9 @@ def renamed(run: LocalRun, template: SectionNames, names: SectionNames) -> Local
     ops = [dataclasses.replace(op, node=node) for op, node in zip(run.ops, names.nodes)]
     collectives = [dataclasses.replace(c, tensor=tensor, devices=devices, node=consumer)
                    for c, (tensor, devices, consumer) in zip(run.collectives, names.converts)]
+    units = [dataclasses.replace(e, unit=unit, prefetch=prefetch) for e, (unit, prefetch) in zip(run.units, names.units)]
     return LocalRun(names.device, names.stage, ops, collectives, dict(run.saved), run.exact,
-                    {regions[r]: b for r, b in run.rebuilt.items()})
+                    {regions[r]: b for r, b in run.rebuilt.items()}, units)
 
 
 class Replays:

@@ -90,8 +90,10 @@ class ShardedUnits(ZeroReducer):
         self.reduced: Dict[str, int] = {unit: 0 for unit in units}    # buckets reduced this backward
         self.released: set = set()           # units the forward frees (``reshard``)
         self.order: List[str] = []           # units in the order the forward gathers them
-        for unit in units:
+        self.gathered_bytes = self.most_gathered_bytes = 0     # what ``MemoryMeter`` reads
+        for unit in units:                   # built gathered (the flats of ``flatten_params``): freed
             self._free_unit(unit)
+        self.gathered_bytes = self.most_gathered_bytes = 0
 
     # -- gathering and freeing ------------------------------------------------------------------
     def _start_gather(self, unit: str) -> None:
@@ -103,6 +105,7 @@ class ShardedUnits(ZeroReducer):
             for index in self.unit_buckets[unit]:
                 flat, shard = self.flats[index], self.slots[index][0]
                 _allocate(flat)
+                self._count(flat.untyped_storage().nbytes())
                 mine = shard.detach().to(flat.dtype, copy=True)
                 if self.zero_group is None:
                     flat.copy_(mine)
@@ -124,8 +127,23 @@ class ShardedUnits(ZeroReducer):
         if unit in self.pending:             # a prefetch nobody used: finish it before freeing its buffer
             self._wait(unit)
         for index in self.unit_buckets[unit]:
+            self._count(-self.flats[index].untyped_storage().nbytes())
             _free(self.flats[index])
         self.gathered[unit] = False
+
+    def _count(self, nbytes: int) -> None:
+        self.gathered_bytes += nbytes
+        self.most_gathered_bytes = max(self.most_gathered_bytes, self.gathered_bytes)
+
+    def take_most_gathered(self) -> int:
+        """The most bytes gathered at once since the last call (or construction), starting over."""
+        most, self.most_gathered_bytes = self.most_gathered_bytes, self.gathered_bytes
+        return most
+
+    def stored_shards(self) -> List[torch.nn.Parameter]:
+        """The shards kept in the parameters' dtype: this rank's stored parameters (none where the
+        optimizer updates master copies, which take the shards' place)."""
+        return [shard for shard, _ in self.slots if id(shard) not in self.masters]
 
     def unshard(self, unit: str, prefetch: Optional[str] = None) -> None:
         """Where the forward reaches ``unit``: gather its parameters, then start gathering ``prefetch``."""

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.columns import MEMORY_CATEGORIES, Held, StepMoment, SummaryColumn as C
+from nbscaler.runtime.fsdp import ShardedUnits
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.reducer import Reducer
 
@@ -61,14 +62,25 @@ def gradient_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Opti
     return storage_bytes([p.grad for p in module.parameters()] + [p.grad for p in _updated(optimizer)])
 
 
+def _sharded(module: torch.nn.Module) -> List[ShardedUnits]:
+    """ZeRO stage 3's units of every parallel module in ``module``."""
+    return [r for m in module.modules() for r in [getattr(m, "reducer", None)] if isinstance(r, ShardedUnits)]
+
+
+def gathered_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ZeRO-3 parameters gathered right now."""
+    return sum(r.gathered_bytes for r in _sharded(module))
+
+
 def static_memory(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
     """Parameters, gradients, optimizer state and buffers held right now (bytes, each storage once).
 
     Optimizer parameters that are not views of the module's own (a copy the optimizer updates)
-    count as optimizer state; the gradients of all optimizer parameters (ZeRO's shards) count as
+    count as optimizer state, except ZeRO-3's shards in the parameters' dtype, which are the
+    parameters this rank stores; the gradients of all optimizer parameters (ZeRO's shards) count as
     gradients.
     """
-    params = list(module.parameters())
+    params = list(module.parameters()) + [s for r in _sharded(module) for s in r.stored_shards()]
     own = {_key(p) for p in params}
     extra = [p for p in _updated(optimizer) if _key(p) not in own]
     state = [v for s in (optimizer.state.values() if optimizer else []) for v in _tensors(s)]
@@ -187,6 +199,7 @@ class MemoryMeter:
         self.cuda = next((t.device for t in weights if t.is_cuda), None)
         self.reducers = [r for m in module.modules() for r in [getattr(m, "reducer", None)] if isinstance(r, Reducer)]
         self.pipelined = [m for m in module.modules() if isinstance(m, ParallelModule)]
+        self.sharded = _sharded(module)
         self.peak: Optional[Held] = None
         self._lock = threading.Lock()
         self._handles: List[Any] = []
@@ -195,14 +208,20 @@ class MemoryMeter:
     def _grads(self) -> int:
         return gradient_bytes(self.module, self.optimizer)
 
-    def _count(self, moment: StepMoment, grads: int, activations: int) -> None:
-        if self.peak is None or grads + activations > self.peak.nbytes:
-            self.peak = Held(moment, grads, activations)
+    def _count(self, moment: StepMoment, grads: int, activations: int, gathered: int = 0) -> None:
+        held = Held(moment, grads, activations, gathered)
+        if self.peak is None or held.nbytes > self.peak.nbytes:
+            self.peak = held
+
+    def _most_gathered(self) -> int:
+        """ZeRO-3: the most parameters gathered since the last count."""
+        return sum(r.take_most_gathered() for r in self.sharded)
 
     def _forward(self, live: int) -> None:
         with self._lock:
             self._started = max(self._started, live)
-            self._count(StepMoment.FORWARD, self._held, live)
+            self._most_gathered()
+            self._count(StepMoment.FORWARD, self._held, live, gathered_bytes(self.module))
 
     def _observe(self) -> None:
         with self._lock:
@@ -226,7 +245,7 @@ class MemoryMeter:
 
     def _count_backward(self) -> None:
         self._held = self._grads()
-        self._count(StepMoment.BACKWARD, max(self._most, self._held), self._started)
+        self._count(StepMoment.BACKWARD, max(self._most, self._held), self._started, self._most_gathered())
         self._started, self._most = self.saved.live, self._held
 
     def _on_weight_pass(self, starting: bool) -> None:
@@ -250,6 +269,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.cuda)
         self.peak = None
         self._held = self._most = self._grads()
+        self._most_gathered()
         self._started, self._in_backward, self._weight_pass = 0, False, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient)
                          for p in self.module.parameters() if p.requires_grad]
@@ -269,7 +289,7 @@ class MemoryMeter:
         for module in self.pipelined:
             module.weight_pass_observers.remove(self._on_weight_pass)
         with self._lock:
-            self._count(StepMoment.STEP, max(self._most, self._grads()), self.saved.live)
+            self._count(StepMoment.STEP, max(self._most, self._grads()), self.saved.live, gathered_bytes(self.module))
 
     def stats(self) -> Dict[str, int]:
         """One row of measured memory for this rank (bytes)."""
@@ -278,6 +298,7 @@ class MemoryMeter:
         row: Dict[str, int] = {C.RANK: dist.get_rank() if dist.is_initialized() else 0}
         row.update(static_memory(self.module, self.optimizer))
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = self.peak.grad_bytes, self.peak.activation_bytes
+        row[C.GATHERED_BYTES] = self.peak.gathered_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)
         if self.cuda is not None:
             row[C.CUDA_MAX_ALLOCATED_BYTES] = torch.cuda.max_memory_allocated(self.cuda)

@@ -209,6 +209,7 @@ class _Device:
         held_for_w = {s: saved[s] - (int(self.staged.sums[s][index][SAVED_TAIL]) if s > 0 else 0) for s in stages}
         held = step_peak(grads, params, saved, self.geometry, device, held_for_w)
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
+        row[C.GATHERED_BYTES] = held.gathered_bytes
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
 
 

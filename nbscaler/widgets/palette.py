@@ -21,11 +21,12 @@ OTHER_COLOUR = "#999999"
 IDLE_COLOUR = "#eeeeee"
 """Where a rank waits: the bubble of a timeline."""
 
-MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GRAD_BYTES: "gradients",
+MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GATHERED_BYTES: "gathered parameters (ZeRO-3)",
+                                 C.GRAD_BYTES: "gradients",
                                  C.OPTIMIZER_BYTES: "optimizer state", C.BUFFER_BYTES: "buffers",
                                  C.ACTIVATION_BYTES: "activations"}
 """The legend name of each memory category (``nbscaler.columns.MEMORY_CATEGORIES``)."""
-MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
+MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GATHERED_BYTES: "#9ecae9", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
                                   C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
 
 CAPACITY_COLOUR = "#333333"

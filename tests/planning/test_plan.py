@@ -111,7 +111,8 @@ def test_summary_has_the_contract_columns_and_the_cost_models_numbers():
     p = nbscaler.plan(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 4))
     s = p.summary(optimizer=torch.optim.AdamW)
     assert list(s.columns) == ["rank", "flops", "bytes_sent", "bytes_received", "param_bytes", "grad_bytes",
-                               "optimizer_bytes", "buffer_bytes", "activation_bytes", "peak_bytes", "step_time_s"]
+                               "optimizer_bytes", "buffer_bytes", "activation_bytes", "gathered_bytes", "peak_bytes",
+                               "step_time_s"]
     assert list(s["rank"]) == [0, 1, 2, 3]
     memory = p.memory(torch.optim.AdamW)
     assert s[memory.columns].equals(memory)

@@ -106,7 +106,7 @@ def test_the_saved_form_stacks_each_ranks_kinds_as_svg_predicted_beside_measured
     assert len(segments) == 4 * (len(kinds) + 2)                  # 4 ranks: every kind predicted, 2 measured
     scale = float(segments[0].get("height")) / predicted.param_bytes[0]
     for rank in range(4):
-        for side, frame, shown in ((PREDICTED, predicted, kinds), (MEASURED, measured, kinds[:2])):
+        for side, frame, shown in ((PREDICTED, predicted, kinds), (MEASURED, measured, ["param_bytes", "grad_bytes"])):
             for kind in shown:
                 value = frame.loc[frame["rank"] == rank, kind].iloc[0]
                 want = f"rank {rank}, {LABELS[kind]} ({side}): {fmt_bytes(value)}"
