@@ -232,11 +232,13 @@ def _moments(gradients: Gradients, params: List[LocalWeight], saved: Dict[Option
             moments.append(StepMoment.BACKWARD)
             grads.append(gradients.backward(stage))
             live.append(now)
-            gathered.append(units.backward(stage) if units is not None else 0)
+            gathered.append(units.backward(stage, after_inputs=split) if units is not None else 0)
             held = gradients.held
             now -= kept[stage] if split else saved[stage]
         else:
             now -= saved[stage] - kept[stage]
+            if units is not None:
+                units.input_backward(stage)
     moments.append(StepMoment.STEP)
     grads.append(gradients.step(params))
     live.append(now)

@@ -21,7 +21,9 @@ A unit that the forward does not free (the rest of the model, which runs at its 
 end; every unit under ``zero_reshard_after_forward=False``) stays gathered until the backward has
 reduced its gradients for every forward that gathered it. ``sync`` (before the optimizer step)
 reduces what is left and frees every unit, so the step updates shards only and the next forward
-gathers the updated values.
+gathers the updated values. A unit whose backward has begun stays gathered until its gradients are
+reduced, even where a forward in between would free it: a zero-bubble schedule runs the next
+micro-batch's forward between a backward's ``B`` (input gradients) and its ``W`` (weight gradients).
 
 Every rank of a ZeRO group runs the same gathers and reduce-scatters in the same order (the same
 generated code and the same backward), as the collectives require.
@@ -88,6 +90,7 @@ class ShardedUnits(ZeroReducer):
         self.pending: Dict[str, List[Tuple[Any, torch.Tensor]]] = {}   # unit -> (work, sent shard)
         self.forwards: Dict[str, int] = {unit: 0 for unit in units}   # forwards not yet backed
         self.reduced: Dict[str, int] = {unit: 0 for unit in units}    # buckets reduced this backward
+        self.backing: Dict[str, int] = {unit: 0 for unit in units}    # backwards begun, gradients not yet reduced
         self.released: set = set()           # units the forward frees (``reshard``)
         self.order: List[str] = []           # units in the order the forward gathers them
         self.gathered_bytes = self.most_gathered_bytes = 0     # what ``MemoryMeter`` reads
@@ -159,7 +162,8 @@ class ShardedUnits(ZeroReducer):
         """After ``unit``'s forward: free its parameters; ``outputs`` come back through the hook that
         gathers them again for the backward."""
         self.released.add(unit)
-        self._free_unit(unit)
+        if not self.backing[unit]:          # a split backward's W still to run keeps it gathered
+            self._free_unit(unit)
         grads = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not grads or not torch.is_grad_enabled():
             return tuple(outputs)
@@ -171,6 +175,7 @@ class ShardedUnits(ZeroReducer):
 
     def before_backward(self, unit: str) -> None:
         """The backward reached ``unit``'s outputs: gather it, and start gathering the unit before it."""
+        self.backing[unit] += 1
         self._wait(unit)
         at = self.order.index(unit) if unit in self.order else 0
         if at > 0:
@@ -196,20 +201,24 @@ class ShardedUnits(ZeroReducer):
             return
         self.reduced[unit] = 0
         self.forwards[unit] = max(self.forwards[unit] - 1, 0)
-        if unit in self.released or self.forwards[unit] == 0:
+        self.backing[unit] = max(self.backing[unit] - 1, 0)
+        if not self.backing[unit] and (unit in self.released or self.forwards[unit] == 0):
             self._free_unit(unit)
 
     def sync(self) -> None:
         """Reduce the gradients the backward left (``ZeroReducer.sync``), then free every unit."""
         super().sync()
-        for unit in self.unit_buckets:
-            self.forwards[unit] = self.reduced[unit] = 0
+        self._forget()
         self.free_all()
 
     def zero_grad(self) -> None:
         super().zero_grad()
+        self._forget()
+
+    def _forget(self) -> None:
+        """A new step: no forward waits for its backward."""
         for unit in self.unit_buckets:
-            self.forwards[unit] = self.reduced[unit] = 0
+            self.forwards[unit] = self.reduced[unit] = self.backing[unit] = 0
 
     # -- what the optimizer sees ----------------------------------------------------------------
     @torch.no_grad()

@@ -259,6 +259,8 @@ ZERO3 = [
     Case("gpt", "dp", 1, 2, optimizer="adamw", config=zero(stage=3) + (("zero_reshard_after_forward", False),)),
     mixed("llama", "dp", 1, 2, zero(stage=3)),                       # fp32 master shards only: no bf16 shard kept
     Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("1f1b", 2, 4) + zero(stage=3)),
+    Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline("zb_h1", 2, 4) + zero(stage=3)),   # gathered B to W
+    Case("gpt", "pp", 2, 2, config=pipeline("1f1b_interleaved", 4, 4) + zero(stage=3)),
 ]
 
 

@@ -28,6 +28,13 @@ CASES = {
 }
 
 
+# Every training scheduler that can: each stage's units gathered per micro-batch, a split
+# backward's W finding its units still gathered. chimera_direct is refused (``ComputeConfig``).
+SCHEDULERS = [Case("gpt", "pp", 2, 2, optimizer="adamw", config=pipeline(s, n, 4) + STAGE3)
+              for s, n in (("gpipe", 2), ("1f1b_plus", 2), ("1f1b_interleaved", 4), ("zb_h1", 2), ("zbv", 4))]
+CASES[2] = CASES[2] + SCHEDULERS
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nranks", sorted(CASES))
 def test_zero3_trains_like_single_process(nranks, tmp_path):
