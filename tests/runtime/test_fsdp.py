@@ -7,8 +7,8 @@ One spawn per rank count trains every case of that count (``run_cases`` bounds i
 import pytest
 import torch.distributed as dist
 
-from tests.multiprocess import (Case, check_equivalence, parallel_model, pipeline, run_cases, run_ranks, train_parallel,
-                                zero)
+from tests.multiprocess import (Case, check_equivalence, granular, parallel_model, pipeline, run_cases, run_ranks,
+                                train_parallel, zero)
 
 STAGE3 = zero(stage=3)
 KEEP = (("zero_reshard_after_forward", False),)
@@ -26,6 +26,14 @@ CASES = {
         Case("llama", "dp", 1, 2, optimizer="adamw", config=STAGE3 + KEEP)],
     1: [Case("llama", "dp", 1, 1, optimizer="adamw", config=STAGE3)],
 }
+# With what else a plan may do: selective recompute with sequence parallelism, named units, a model
+# from transformers.
+CASES[4] = CASES[4] + [
+    Case("llama", "tp", 2, 4, optimizer="adamw", config=STAGE3 + granular("selective", sequence_parallel=True)),
+    Case("gpt", "dp", 1, 4, optimizer="adamw", config=STAGE3 + (("zero_units", ("MLP", "CausalSelfAttention")),)),
+    Case("hf_llama", "dp", 1, 4, optimizer="adamw", config=STAGE3, clip=0.5),
+    Case("hf_llama", "tp", 2, 4, optimizer="adamw", config=STAGE3),
+]
 
 
 # Every training scheduler that can: each stage's units gathered per micro-batch, a split
