@@ -31,11 +31,12 @@ generated code and the same backward), as the collectives require.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from nbscaler.runtime.reducer import Bucket
 from nbscaler.runtime.zero import ZeroReducer
 
 
@@ -71,7 +72,9 @@ class ShardedUnits(ZeroReducer):
     """
 
     def __init__(self, units: Dict[str, List[torch.nn.Parameter]], group: Optional[dist.ProcessGroup],
-                 zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup]):
+                 zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
+                 fill: Optional[Callable[[List[torch.nn.Parameter]], None]] = None):
+        self.fill = fill
         groups: List[List[torch.nn.Parameter]] = []
         self.unit_buckets: Dict[str, List[int]] = {}
         for unit, params in units.items():
@@ -82,10 +85,8 @@ class ShardedUnits(ZeroReducer):
             self.unit_buckets[unit] = list(range(len(groups), len(groups) + len(by_dtype)))
             groups += list(by_dtype.values())
         super().__init__([p for g in groups for p in g], group, zero_group, replica_group, stage=3, groups=groups)
+        self.fill = None                     # what it read is in the shards now
         self.unit_of_bucket = {i: unit for unit, indexes in self.unit_buckets.items() for i in indexes}
-        with torch.no_grad():
-            for index, (shard, segments) in enumerate(self.slots):     # the shard gets its own storage
-                self.slots[index] = (torch.nn.Parameter(shard.detach().clone()), segments)
         self.gathered: Dict[str, bool] = {}
         self.pending: Dict[str, List[Tuple[Any, torch.Tensor]]] = {}   # unit -> (work, sent shard)
         self.forwards: Dict[str, int] = {unit: 0 for unit in units}   # forwards not yet backed
@@ -97,6 +98,29 @@ class ShardedUnits(ZeroReducer):
         for unit in units:                   # built gathered (the flats of ``flatten_params``): freed
             self._free_unit(unit)
         self.gathered_bytes = self.most_gathered_bytes = 0
+
+    # -- building: one unit in memory at a time --------------------------------------------------
+    @torch.no_grad()
+    def _flatten(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's flat tensor with its parameters as views: filled from ``fill`` (the weights
+        source, read for this bucket only) or from the parameters' own values where they have any."""
+        first = bucket.params[0]
+        flat = torch.zeros(self._padded(bucket), dtype=first.dtype, device=first.device)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            part = flat[offset:offset + p.numel()]
+            if p.untyped_storage().nbytes():
+                part.copy_(p.detach().reshape(-1))
+            p.data = part.view_as(p)
+        if self.fill is not None:
+            self.fill(bucket.params)
+        return flat
+
+    def _shard(self, flat: torch.Tensor, begin: int, length: int) -> torch.nn.Parameter:
+        """This rank's slice of ``flat`` in storage of its own; the flat tensor is freed at once, so
+        building holds one bucket whole at a time."""
+        shard = torch.nn.Parameter(flat[begin:begin + length].clone())
+        _free(flat)
+        return shard
 
     # -- gathering and freeing ------------------------------------------------------------------
     def _start_gather(self, unit: str) -> None:

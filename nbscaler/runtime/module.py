@@ -67,15 +67,19 @@ class ParallelModule(torch.nn.Module):
         self.world_rank = self._check_world()
         self.unit = cfg.grid.unit_of(self.world_rank)
         ensure_groups(cfg.grid, self.device_groups)
+        sharded = self._sharded_attrs()
         for attr, spec in self.weight_specs.items():
             empty = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
+            if attr in sharded:             # ZeRO-3: no storage until its unit is gathered
+                empty.untyped_storage().resize_(0)
             if spec.kind == "param":
                 self.register_parameter(attr, torch.nn.Parameter(empty))
             else:
                 self.register_buffer(attr, empty, persistent=spec.persistent)
-        if init_params:
-            self.load_initial_weights(weights)
-        self.reducer = self._make_reducer()
+        source = self._initial_source(weights) if init_params else None
+        if source is not None:
+            self._copy_from(source, [attr for attr in self.weight_specs if attr not in sharded])
+        self.reducer = self._make_reducer(source)
         self.replica_reducers = self._replica_reducers()
         self.pipeline_events: List[Dict[str, Any]] = []
         # Called with True before and False after each W block (a split backward's weight
@@ -105,7 +109,12 @@ class ParallelModule(torch.nn.Module):
         return [Reducer(params, self.group(*devices), bucket_bytes) for sums in (partial, copies)
                 for devices, params in sorted(sums.items())]
 
-    def _make_reducer(self) -> Reducer:
+    def _sharded_attrs(self) -> set:
+        """The parameters ZeRO stage 3 stores as shards of units (none otherwise)."""
+        cfg = self.compute_config
+        return {a for attrs in self.shard_units.values() for a in attrs} if cfg.use_zero and cfg.zero_stage == 3 else set()
+
+    def _make_reducer(self, source: Optional[WeightSource] = None) -> Reducer:
         cfg, grid = self.compute_config, self.compute_config.grid
         dp_group = get_group(grid.dp_ranks(self.plan_device))
         if not cfg.use_zero:
@@ -113,7 +122,9 @@ class ParallelModule(torch.nn.Module):
         zero_group, replica_group = get_group(grid.zero_ranks(self.world_rank)), get_group(grid.zero_replica_ranks(self.world_rank))
         if cfg.zero_stage == 3:
             units = {unit: [getattr(self, attr) for attr in attrs] for unit, attrs in self.shard_units.items()}
-            return ShardedUnits(units, dp_group, zero_group, replica_group)
+            attr_of = {id(getattr(self, attr)): attr for attrs in self.shard_units.values() for attr in attrs}
+            fill = None if source is None else (lambda params: self._copy_from(source, [attr_of[id(p)] for p in params]))
+            return ShardedUnits(units, dp_group, zero_group, replica_group, fill)
         return ZeroReducer(list(self.parameters()), dp_group, zero_group, replica_group, cfg.reduce_bucket_bytes,
                            stage=cfg.zero_stage)
 
@@ -154,14 +165,24 @@ class ParallelModule(torch.nn.Module):
         ``weights`` (``nbscaler.runtime.sources``; for a module built on the meta device,
         ``parallelize`` passes its checkpoint or its seeded initialisation), or by default from the
         values the module had when it was traced (``weights.pt``)."""
-        if weights is None:
-            path = Path(self.gen_dir) / WEIGHTS_FILE
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"{path} is missing: this rank has no initial weights (broadcast_strategy='no_weights' or "
-                    "'code'?). Construct with init_params=False and call broadcast_weights, or load a checkpoint.")
-            weights = TorchFile(path)
-        for attr, local in weights.read_all(self.weight_specs):
+        with self.whole_parameters(write=True):
+            self._copy_from(self._initial_source(weights), list(self.weight_specs))
+
+    def _initial_source(self, weights: Optional[WeightSource]) -> WeightSource:
+        """``weights``, or the values the module had when it was traced (``weights.pt``)."""
+        if weights is not None:
+            return weights
+        path = Path(self.gen_dir) / WEIGHTS_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} is missing: this rank has no initial weights (broadcast_strategy='no_weights' or "
+                "'code'?). Construct with init_params=False and call broadcast_weights, or load a checkpoint.")
+        return TorchFile(path)
+
+    @torch.no_grad()
+    def _copy_from(self, source: WeightSource, attrs: List[str]) -> None:
+        """Copy ``attrs``' slices from ``source`` into the local tensors (which must have storage)."""
+        for attr, local in source.read_all({attr: self.weight_specs[attr] for attr in attrs}):
             getattr(self, attr).copy_(local)
 
     # -- training support -----------------------------------------------------------------------

@@ -87,12 +87,11 @@ class ZeroReducer(Reducer):
         self.flats: List[torch.Tensor] = []
         self.slots: List[Slot] = []
         for bucket in self.buckets:
-            flat = flatten_params(bucket, self._padded(bucket))
+            flat = self._flatten(bucket)
             length = flat.numel() // self.zero_size
             begin = self.zero_rank * length
-            shard = torch.nn.Parameter(flat[begin:begin + length])         # a view: no copy
             self.flats.append(flat)
-            self.slots.append((shard, bucket.segments(begin, begin + length)))
+            self.slots.append((self._shard(flat, begin, length), bucket.segments(begin, begin + length)))
         self.produced: List[Set[int]] = [set() for _ in self.buckets]    # params with a gradient to reduce
         if stage >= 2:
             for index, bucket in enumerate(self.buckets):
@@ -101,6 +100,14 @@ class ZeroReducer(Reducer):
 
     def _padded(self, bucket: Bucket) -> int:
         return -(-bucket.numel // self.zero_size) * self.zero_size
+
+    def _flatten(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's flat tensor, its parameters made views of it (``flatten_params``)."""
+        return flatten_params(bucket, self._padded(bucket))
+
+    def _shard(self, flat: torch.Tensor, begin: int, length: int) -> torch.nn.Parameter:
+        """This rank's slice of ``flat``: a view, so the update lands in the parameters."""
+        return torch.nn.Parameter(flat[begin:begin + length])
 
     @torch.no_grad()
     def _make_masters(self) -> None:

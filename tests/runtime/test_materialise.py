@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nbscaler.runtime.checkpoint import merge_slices
-from tests.multiprocess import (INIT, Case, check_equivalence, pipeline, reference_model, run_ranks, save_checkpoint,
+from tests.multiprocess import (INIT, Case, check_equivalence, pipeline, reference_model, run_ranks, save_checkpoint, zero,
                                 train_materialised)
 
 
@@ -50,7 +50,9 @@ def test_meta_models_train_like_one_process_on_two_ranks(tmp_path):
              Case("llama", "dp", 1, 2, weights=files["llama"]),
              Case("gpt", "tp", 2, 2, weights=files["gpt"]),
              Case("llama", "tp", 2, 2, weights=INIT),
-             Case("hf_llama", "tp", 2, 2, weights=INIT)]
+             Case("hf_llama", "tp", 2, 2, weights=INIT),
+             Case("hf_llama", "dp", 1, 2, config=zero(stage=3), weights=files["hf_llama"]),     # unit by unit
+             Case("llama", "dp", 1, 2, config=zero(stage=3), weights=INIT)]
     per_rank = run_ranks(train_materialised, 2, cases, str(tmp_path), timeout=600)
     for i, case in enumerate(cases):
         check_materialised(case, [res[i] for res in per_rank])
@@ -121,3 +123,40 @@ def test_each_rank_holds_and_allocates_only_its_share_of_a_checkpoint(tmp_path):
             f"(its share: {share / 2**20:.0f} MB)"
         assert res["mapped_bytes"] < 0.25 * whole, \
             f"rank {rank} held {res['mapped_bytes'] / 2**20:.0f} MB of the checkpoint mapped while loading"
+
+
+def load_sharded(folder: str, gen_dir: str) -> dict:
+    """One rank: parallelize the meta-built Llama from ``folder`` under ZeRO-3 on 4 ranks; the bytes
+    it stores (shards) and has gathered after building, and how far its own memory grew while loading."""
+    import nbscaler
+    from tests.resident import MB, PeakResident, resident_mb
+    model, ids = _meta_llama(), torch.zeros(1, 8, dtype=torch.long)
+    batch = {"batch": {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}}
+    before = resident_mb()
+    with PeakResident() as loading:
+        model = nbscaler.parallelize(model, batch, "dp", nbscaler.ComputeConfig(1, 4, use_zero=True, zero_stage=3),
+                                     gen_savedir=gen_dir, reuse="override", weights=folder)
+    shards = model.reducer.stored_shards()
+    return {"shard_bytes": sum(p.numel() * p.element_size() for p in shards),
+            "gathered_bytes": sum(p.untyped_storage().nbytes() for p in model.parameters()),
+            "largest_unit": max(f.numel() * f.element_size() for f in model.reducer.flats),
+            "growth_bytes": (loading.peak["RssAnon"] - before["RssAnon"]) * MB}
+
+
+@pytest.mark.multiprocess
+def test_a_zero3_rank_holds_its_shards_and_one_unit_while_loading(tmp_path):
+    """The same 245 MB Llama under ZeRO-3 on 4 ranks: each rank keeps a quarter of every unit, and
+    while loading holds its shards plus one unit whole (the embedding and head, the largest), never
+    the model: a unit is read, cut and freed before the next is read."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = str(tmp_path / "checkpoint")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LOADED_LLAMA)).save_pretrained(folder, safe_serialization=True,
+                                                                  max_shard_size="100MB")
+    whole = sum(p.numel() * p.element_size() for p in _meta_llama().parameters())
+    for rank, res in enumerate(run_ranks(load_sharded, 4, folder, str(tmp_path / "gen"), timeout=600)):
+        assert res["gathered_bytes"] == 0 and whole / 4 <= res["shard_bytes"] < whole / 4 + 4096
+        bound = res["shard_bytes"] + res["largest_unit"]
+        assert res["growth_bytes"] < bound + 24 * 2**20, \
+            f"rank {rank} grew by {res['growth_bytes'] / 2**20:.0f} MB loading a {whole / 2**20:.0f} MB model " \
+            f"(shards and one unit: {bound / 2**20:.0f} MB)"
