@@ -14,13 +14,14 @@ from nbscaler.runtime.scaler import LossScaler
 from tests.models import batch, build
 from tests.multiprocess import (EVAL_SEED, OPTIMIZERS, Case, case_batch, check_equivalence, check_on_cluster,
                                 grad_pieces, parallelize_on, pipeline, reference_loss_scaled, run_ranks, samples,
-                                save_checkpoint, train_single)
+                                save_checkpoint, train_single, zero)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 CASES = {
     2: [Case("mlp", "dp", 1, 2), Case("mlp", "tp", 2, 2)],
-    4: [Case("mlp", "dp", 1, 4), Case("mlp", "tp", 4, 4), Case("mlp", "tp", 2, 4)],
+    4: [Case("mlp", "dp", 1, 4), Case("mlp", "tp", 4, 4), Case("mlp", "tp", 2, 4),
+        Case("llama", "dp", 1, 4, config=zero(stage=3))],                 # fully sharded, from a notebook
 }
 PIPELINE = Case("gpt", "pp", 2, 2, config=pipeline("1f1b", 2, 4))
 

@@ -26,16 +26,16 @@ from nbscaler.schedule.grid import RankGrid
 from tests.multiprocess import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = [("dp", 1, 6), ("autodist", 2, 3)]      # (policy, plan_ngpus, runs) on 4 ranks
+CASES = [("dp", 1, 6, 0), ("autodist", 2, 3, 0), ("dp", 1, 2, 3)]   # (policy, plan_ngpus, runs, ZeRO stage) on 4 ranks
 RANKS = 4
 
 
-def _torchrun(policy: str, plan_ngpus: int, gen: Path, logs: Path) -> subprocess.CompletedProcess:
+def _torchrun(policy: str, plan_ngpus: int, gen: Path, logs: Path, zero_stage: int = 0) -> subprocess.CompletedProcess:
     """One run of the training script on ``RANKS`` ranks, each rank's output in its own files."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
                "--redirects=3", f"--log-dir={logs}",
-               "-m", "tests.runtime.torchrun_script", policy, str(plan_ngpus), str(gen)]
+               "-m", "tests.runtime.torchrun_script", policy, str(plan_ngpus), str(gen), str(zero_stage)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -58,14 +58,14 @@ def _failure(run: subprocess.CompletedProcess, logs: Path) -> str:
 @pytest.mark.multiprocess
 def test_ranks_exit_cleanly_after_training_under_torchrun(tmp_path):
     failures = []
-    for policy, plan_ngpus, runs in CASES:
+    for policy, plan_ngpus, runs, stage in CASES:
         for i in range(runs):
-            logs = tmp_path / f"logs-{policy}-{i}"
-            run = _torchrun(policy, plan_ngpus, tmp_path / f"gen-{policy}", logs)
+            logs = tmp_path / f"logs-{policy}-{stage}-{i}"
+            run = _torchrun(policy, plan_ngpus, tmp_path / f"gen-{policy}-{stage}", logs, stage)
             reason = _failure(run, logs)
             if reason:
                 failures.append(f"{policy} run {i}: {reason}")
-    total = sum(runs for _, _, runs in CASES)
+    total = sum(runs for _, _, runs, _ in CASES)
     assert not failures, f"{len(failures)} of {total} runs did not end cleanly:\n" + "\n".join(failures)
 
 

@@ -4,7 +4,7 @@ It parallelizes the shipped Llama with the policy named on the command line over
 started (plan of ``plan_ngpus`` devices), trains three steps with SGD, destroys the process group
 and returns: a clean run exits 0 on every rank with nothing on stderr but torchrun's own lines.
 
-    torchrun --standalone --nproc_per_node=4 -m tests.runtime.torchrun_script dp 1 GEN_DIR
+    torchrun --standalone --nproc_per_node=4 -m tests.runtime.torchrun_script dp 1 GEN_DIR [ZERO_STAGE]
 """
 
 import sys
@@ -18,7 +18,7 @@ from nbscaler.models.llama import Llama, LlamaConfig, sample_batch
 STEPS = 3
 
 
-def main(policy: str, plan_ngpus: int, gen_savedir: str) -> None:
+def main(policy: str, plan_ngpus: int, gen_savedir: str, zero_stage: int = 0) -> None:
     # Hand the GIL to other threads only when blocking, as a busy loop of Python does: a thread of
     # a group that outlived destroy_process_group then still waits for it when the interpreter exits,
     # so a clean exit is not a matter of luck.
@@ -28,7 +28,8 @@ def main(policy: str, plan_ngpus: int, gen_savedir: str) -> None:
     cfg = LlamaConfig()
     torch.manual_seed(0)
     pm = parallelize(Llama(cfg), sample_batch(cfg, batch_size=2), policy,
-                     ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world), gen_savedir=gen_savedir)
+                     ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world, use_zero=zero_stage > 0,
+                                   zero_stage=max(zero_stage, 1)), gen_savedir=gen_savedir)
     optimizer = build_optimizer(pm, torch.optim.SGD, lr=0.1)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -39,4 +40,4 @@ def main(policy: str, plan_ngpus: int, gen_savedir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:]))
