@@ -171,6 +171,23 @@ def test_the_sequence_parallel_knob_applies_to_the_policies_that_read_it(explore
     assert Knobs(policy="pp", sequence_parallel=True).row()["sequence_parallel"] is False
 
 
+@pytest.mark.slow       # seconds: two re-placements and their memory
+def test_zero_stage_3_and_its_reshard_knob_shard_the_parameters_and_gather_units(explorer):
+    knobs = explorer.controls
+    assert knobs.zero_reshard_after_forward.disabled                  # only stage 3 gathers
+    explorer.compile()
+    explorer.set(policy="dp", plan_ngpus=1, runtime_ngpus=2, use_zero=True, zero_stage=3)
+    sharded = explorer.plan
+    assert explorer.error is None and sharded.config.zero_stage == 3 and not knobs.zero_reshard_after_forward.disabled
+    assert "self.shards.unshard(" in sharded.sources[0]
+    assert (sharded.memory()[C.GATHERED_BYTES] > 0).all()
+    explorer.set(zero_reshard_after_forward=False)                    # units kept from forward to backward
+    kept = explorer.plan
+    assert kept.config.zero_reshard_after_forward is False and "self.shards.reshard(" not in kept.sources[0]
+    assert (kept.memory()[C.GATHERED_BYTES] >= sharded.memory()[C.GATHERED_BYTES]).all()
+    assert Knobs(use_zero=True, zero_stage=3).row()["zero"] == 3
+
+
 def test_the_recompute_knob_is_a_granularity_and_a_re_placement_recomputes_that(explorer):
     knobs = explorer.controls
     assert knobs.recompute.options == ("none", "selective", "full") and knobs.recompute.value == "none"

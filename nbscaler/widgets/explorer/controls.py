@@ -38,7 +38,7 @@ SHIPPED_GPT = "GPT (nbscaler.models)"
 USER_MODEL = "your module"
 RECOMPUTE_CHOICES = [g.value for g in RecomputeGranularity]
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero", "zero_stage",
-              "recompute", "sequence_parallel")
+              "zero_reshard_after_forward", "recompute", "sequence_parallel")
 
 
 def _label() -> Dict[str, Any]:
@@ -72,6 +72,8 @@ class Controls:
         self.use_zero = w.Checkbox(value=knobs.use_zero, description="ZeRO", indent=False)
         self.zero_stage = w.Dropdown(options=list(ZERO_STAGES), value=knobs.zero_stage, description="ZeRO stage",
                                      **_label())
+        self.zero_reshard_after_forward = w.Checkbox(value=knobs.zero_reshard_after_forward, indent=False,
+                                                     description="free units after their forward")
         self.recompute = w.Dropdown(options=RECOMPUTE_CHOICES, value=knobs.recompute, description="recompute",
                                     **_label())
         self._recompute_modules: Tuple[str, ...] = knobs.recompute_modules   # what recompute 'full' recomputes
@@ -101,8 +103,8 @@ class Controls:
         self.widget = w.VBox([
             w.HTML("<b>Model</b>"), self.model, self.n_layer,
             w.HTML("<b>Policy and compute</b>"), self.loaded, self.policy, self.plan_ngpus, self.runtime_ngpus,
-            self.stages, self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.recompute,
-            self.sequence_parallel,
+            self.stages, self.nmicros, self.scheduler, self.use_zero, self.zero_stage,
+            self.zero_reshard_after_forward, self.recompute, self.sequence_parallel,
             self.compile_button,
             w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
             w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
@@ -115,7 +117,8 @@ class Controls:
         return Knobs(policy=self._policies[self.policy.value], plan_ngpus=self.plan_ngpus.value,
                      runtime_ngpus=self.runtime_ngpus.value, stages=self.stages.value, nmicros=self.nmicros.value,
                      scheduler=self.scheduler.value, use_zero=self.use_zero.value, zero_stage=self.zero_stage.value,
-                     recompute=self.recompute.value, recompute_modules=self._recompute_modules, end2end=end2end,
+                     zero_reshard_after_forward=self.zero_reshard_after_forward.value, recompute=self.recompute.value,
+                     recompute_modules=self._recompute_modules, end2end=end2end,
                      sequence_parallel=self.sequence_parallel.value)
 
     def set(self, **values: Any) -> None:
@@ -158,6 +161,7 @@ class Controls:
                 knob.value = value
             self.use_zero.value = config.use_zero
             self.zero_stage.value = config.zero_stage
+            self.zero_reshard_after_forward.value = config.zero_reshard_after_forward
             if recompute not in self.recompute.options:     # named modules of a model without a stack
                 self.recompute.options = RECOMPUTE_CHOICES
             self.recompute.value = recompute
@@ -191,12 +195,14 @@ class Controls:
         self.nmicros.disabled = self.scheduler.disabled = not pipelined
         self.sequence_parallel.disabled = not self.knobs(self._end2end).sequence_parallel_applies
         self.zero_stage.disabled = not self.use_zero.value
+        self.zero_reshard_after_forward.disabled = not (self.use_zero.value and self.zero_stage.value == 3)
 
     def as_table(self) -> str:
         """The model and the knobs as the controls show them, as an HTML table (for the saved
         form of the Explorer); a knob that does not apply reads ``n/a``."""
         shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
-                 self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.recompute, self.sequence_parallel]
+                 self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.zero_reshard_after_forward,
+                 self.recompute, self.sequence_parallel]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
                        f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
                        for c in shown if c.layout.display != "none")

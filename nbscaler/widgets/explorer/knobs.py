@@ -28,7 +28,9 @@ class Knobs:
       case it stages over every plan device.
     - ``nmicros``: micro-batches per training step (pipelines only).
     - ``use_zero`` / ``zero_ngroups`` / ``zero_stage``: ZeRO over the data-parallel units (stage 1
-      shards the optimizer state, 2 the gradients too).
+      shards the optimizer state, 2 the gradients too, 3 the parameters too).
+    - ``zero_reshard_after_forward``: under stage 3, free each unit's gathered parameters after its
+      forward (``False`` keeps them until the backward).
     - ``recompute``: how much of each layer is recomputed in the backward (``RecomputeGranularity``:
       ``'none'``, ``'selective'``, the attention cores, as ``pas_config['recompute']``, or ``'full'``,
       each repeated layer whole).
@@ -50,6 +52,7 @@ class Knobs:
     use_zero: bool = False
     zero_ngroups: int = 1
     zero_stage: int = 1
+    zero_reshard_after_forward: bool = True
     recompute: str = RecomputeGranularity.NONE.value
     recompute_modules: Tuple[str, ...] = ()
     end2end: bool = True
@@ -65,6 +68,11 @@ class Knobs:
     def policy_label(self) -> str:
         """The policy as the runs table shows it: its name, or the function's name."""
         return str(self.policy) if isinstance(self.policy, str) else getattr(self.policy, "__name__", repr(self.policy))
+
+    @property
+    def stage3(self) -> bool:
+        """Whether the knobs shard the parameters (ZeRO stage 3)."""
+        return self.use_zero and self.zero_stage == 3
 
     @property
     def pipelined(self) -> bool:
@@ -97,13 +105,15 @@ class Knobs:
             pas_config[RECOMPUTE] = self.recompute
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, use_zero=self.use_zero,
                              zero_ngroups=self.zero_ngroups, zero_stage=self.zero_stage if self.use_zero else 1,
+                             zero_reshard_after_forward=self.zero_reshard_after_forward or not self.stage3,
                              use_end2end=self.end2end, pas_config=pas_config, **pipeline)
 
     def row(self) -> Dict[str, Any]:
         """The knobs as columns of the runs table."""
         return {"policy": self.policy_label, "plan_ngpus": self.plan_ngpus, "runtime_ngpus": self.runtime_ngpus,
                 "stages": self.stages if self.pipelined else 1, "nmicros": self.nmicros if self.pipelined else 1,
-                "scheduler": self.scheduler if self.pipelined else "", "zero": self.use_zero,
+                "scheduler": self.scheduler if self.pipelined else "",
+                "zero": self.zero_stage if self.use_zero else 0,
                 "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies,
                 "recompute": self.recompute}
 
