@@ -52,6 +52,7 @@ from nbscaler.recipe import UNSET, Recipe
 from nbscaler.policy.checks import check_placements
 from nbscaler.policy.recompute import RECOMPUTE_KEY, mark_recompute, recompute_names
 from nbscaler.policy.shard_units import mark_shard_units
+from nbscaler.planning.units_table import units_frame
 from nbscaler.schedule import PipelineGeometry, PipelineSchedule, Timeline
 from nbscaler.trace.modes import trace_modes
 
@@ -175,6 +176,12 @@ class Plan:
     def ops(self) -> pd.DataFrame:
         """One row per node of the training graph: placement, shapes and cost facts."""
         return tag(tables.ops_frame(self.graph, self.programs.distinct()), Table.OPS, self)
+
+    @functools.cached_property
+    def units(self) -> pd.DataFrame:
+        """ZeRO stage 3's units per plan device: parameters, gathered and shard bytes, and whether
+        the forward frees each after it (``planning.units_table``); empty without stage 3."""
+        return units_frame(self.programs, self.config)
 
     @property
     def collectives(self) -> pd.DataFrame:
