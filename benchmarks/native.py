@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -266,7 +266,10 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
             "norm, head), each stored as one flat shard per rank, gathered before its forward and its backward "
             "and reduce-scattered as its gradients are made; FSDP2 has `fully_shard` on each block and then on "
             "the root, the same units. \"no reshard\": both keep each block gathered from its forward until "
-            "its backward (`zero_reshard_after_forward=False`, `reshard_after_forward=False`).",
+            "its backward (`zero_reshard_after_forward=False`, `reshard_after_forward=False`). "
+            "nbscaler's shards are its optimizer's parameters, apart from the module's (whose storage is "
+            "empty between steps), so MiB per rank counts them in its third figure; FSDP2's are its "
+            "module's parameters, the first.",
             "",
         ]
     lines += [
@@ -317,7 +320,8 @@ def _uptime() -> str:
         return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
+    """Run the comparisons ``argv`` asks for (see ``--help``), write the table, return its rows."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--only", nargs="+", choices=list(COMPARISONS) + list(GROUPS), default=list(COMPARISONS),
@@ -353,6 +357,7 @@ def main(argv=None) -> None:
             machine.update(load_after=_uptime(), wall=f"{time.perf_counter() - start:.0f} s")
             out.write_text(markdown(rows, setup, machine, args.reps, args.steps))
     print(f"wrote {out}  ({asdict(setup)})")
+    return rows
 
 
 def _row_line(r: Dict[str, object]) -> str:
