@@ -299,16 +299,16 @@ def _goal_lines(rows: List[Dict[str, object]]) -> List[str]:
     limits = sorted({GOALS[r["comparison"]].ratio for r in judged})
     met = sum(r["goal"]["met"] for r in judged)
     lines = ["", "## Goal", "",
-             f"The issue's goal: median ratio at most {', '.join(f'{x:.2f}' for x in limits)} and peak MiB per rank "
-             f"no more than PyTorch's. Met in {met} of {len(judged)} rows (computed from the figures above, "
-             "not typed):", ""]
+             f"The issue's goal: median ratio at most {', '.join(f'{x:.2f}' for x in limits)} and peak bytes per rank "
+             f"no more than PyTorch's (the peak column's totals, to the byte). Met in {met} of {len(judged)} rows "
+             "(computed from the figures above, not typed):", ""]
     for r in judged:
         goal = r["goal"]
         ours, theirs = r["ours_peak"], r["theirs_peak"]
-        peak = "n/a" if ours is None or theirs is None else f"{ours[0] / MiB:.2f} vs {theirs[0] / MiB:.2f}"
+        peak = "n/a" if ours is None or theirs is None else f"{ours[0]:,} vs {theirs[0]:,} bytes"
         lines.append(f"- {r['comparison']}, {r['ranks']} ranks: **{'met' if goal['met'] else 'not met'}**; ratio "
                      f"{r['ratio_median']:.2f} ({'within' if goal['ratio'] else 'over'} "
-                     f"{GOALS[r['comparison']].ratio:.2f}), peak MiB {peak} "
+                     f"{GOALS[r['comparison']].ratio:.2f}), peak {peak} "
                      f"({'no more' if goal['peak'] else 'more'} than PyTorch's)")
     return lines
 

@@ -80,38 +80,42 @@ class NewStorageBytes(TorchDispatchMode):
         return out
 
 
+def watch_gathers_and_reductions(units) -> dict:
+    """Wrap ``units`` (a ``ShardedUnits``) to record the bytes ops allocate while each unit's
+    all-gather is started, and the bytes of the unit's gathered parameters still held each time its
+    gradients are reduce-scattered; returns the two lists, filled as the steps run."""
+    seen = {"gathers": [], "held_at_reduce": []}
+    start, reduce_bucket, reduce = units._start_gather, units._reduce_bucket, units._reduce
+    reducing = []
+
+    def counted_start(unit):
+        with NewStorageBytes() as counter:
+            start(unit)
+        seen["gathers"].append(counter.nbytes)
+
+    def noted_bucket(index):
+        reducing.append(units.unit_of_bucket[index])
+        try:
+            reduce_bucket(index)
+        finally:
+            reducing.pop()
+
+    def noted_reduce(flat):
+        held = sum(units.flats[i].untyped_storage().nbytes() for i in units.unit_buckets[reducing[-1]])
+        seen["held_at_reduce"].append(held)
+        return reduce(flat)
+    units._start_gather, units._reduce_bucket, units._reduce = counted_start, noted_bucket, noted_reduce
+    return seen
+
+
 def gathers_and_reductions(cases, gen_dir: str) -> list:
-    """On each rank, for each case: the bytes ops allocated while each unit's all-gather was started
-    (during two steps), and the bytes of the unit's gathered parameters still held each time its
-    gradients were reduce-scattered."""
+    """On each rank, for each case: what ``watch_gathers_and_reductions`` saw during two steps."""
     from tests.multiprocess import parallel_steps
     out = []
     for case in cases:
         model = parallel_model(case, gen_dir)
         opt = case.make_optimizer(model)
-        units = model.shards
-        seen = {"gathers": [], "held_at_reduce": []}
-        start, reduce_bucket, reduce = units._start_gather, units._reduce_bucket, units._reduce
-        reducing = []
-
-        def counted_start(unit):
-            with NewStorageBytes() as counter:
-                start(unit)
-            seen["gathers"].append(counter.nbytes)
-
-        def noted_bucket(index):
-            reducing.append(units.unit_of_bucket[index])
-            try:
-                reduce_bucket(index)
-            finally:
-                reducing.pop()
-
-        def noted_reduce(flat):
-            unit = reducing[-1]
-            seen["held_at_reduce"].append(sum(units.flats[i].untyped_storage().nbytes()
-                                              for i in units.unit_buckets[unit]))
-            return reduce(flat)
-        units._start_gather, units._reduce_bucket, units._reduce = counted_start, noted_bucket, noted_reduce
+        seen = watch_gathers_and_reductions(model.shards)
         parallel_steps(model, opt, case, range(case.steps), model.compute_config.unit_of(dist.get_rank()))
         out.append(seen)
     return out
