@@ -82,9 +82,9 @@ COMPARISONS: Dict[str, tuple] = {
                       "DDP + bf16 autocast"),
     # The same sharding: gradients and optimizer state (with the fp32 masters) split over the
     # ranks, the bf16 parameters whole during forward and backward, gradients reduced block by
-    # block (nbscaler's buckets sized to one block, FSDP2's unit). nbscaler has no ZeRO-3, so
-    # its ZeRO-2 meets FSDP2 with reshard_after_forward=False; FSDP2's default (ZeRO-3) follows
-    # as a reference, not as a like-for-like comparison.
+    # block (nbscaler's buckets sized to one block, FSDP2's unit). These rows meet FSDP2 with
+    # nbscaler's ZeRO-2 (reshard_after_forward=False is its like); FSDP2's default (ZeRO-3) follows
+    # as a reference. nbscaler's own ZeRO-3 meets FSDP2 like for like in the "dp ZeRO-3" rows below.
     "dp ZeRO-2 bf16 mixed": (lambda s, g: sides.nbscaler_data(s, g, 2, mixed=True, per_block=True),
                              lambda s: sides.torch_fsdp(s, mixed=True, reshard_after_forward=False),
                              "FSDP2 fully_shard(reshard_after_forward=False), MixedPrecisionPolicy(bf16, reduce fp32)"),
