@@ -231,19 +231,25 @@ def block_bytes(s: Setup, dtype: torch.dtype) -> int:
 
 
 def nbscaler_data(s: Setup, gen_dir: str, zero_stage: int = 0, mixed: bool = False,
-                  per_block: bool = False) -> Side:
-    """Data parallelism (``dp``), with ZeRO stage 1 or 2 when ``zero_stage`` says so; ``mixed``:
+                  per_block: bool = False, reshard_after_forward: bool = True) -> Side:
+    """Data parallelism (``dp``), with ZeRO stage 1, 2 or 3 when ``zero_stage`` says so; ``mixed``:
     the module in bf16, fp32 masters, state and gradient sums; ``per_block``: gradients reduced in
     buckets of one block's bytes (``block_bytes``), as FSDP2 reduces them, else in the default
-    25 MiB buckets, as DDP does."""
+    25 MiB buckets, as DDP does. Stage 3 reduces (and gathers) one unit at a time, each block and
+    the rest of the model, whatever ``per_block`` says; ``reshard_after_forward`` is its
+    ``ComputeConfig.zero_reshard_after_forward``, FSDP2's ``fully_shard`` argument of that name."""
     rank, world = _rank_world()
-    zero = {"use_zero": True, "zero_stage": zero_stage} if zero_stage else {}
+    zero: Dict[str, object] = {"use_zero": True, "zero_stage": zero_stage} if zero_stage else {}
     dtype = torch.bfloat16 if mixed else None
     if per_block:
         zero["reduce_bucket_bytes"] = block_bytes(s, dtype or torch.float32)
     name = f"dp_zero{zero_stage}_{dtype}_{world}" + ("_per_block" if per_block else "")
+    if zero_stage == 3:
+        zero["zero_reshard_after_forward"] = reshard_after_forward
+        name += "_reshard" if reshard_after_forward else "_keep"
     pm = _compile(s, "dp", ComputeConfig(1, world, **zero), name, gen_dir, dtype)
-    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4, master_dtype=torch.float32 if mixed else None)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4, master_dtype=torch.float32 if mixed else None,
+                          grad_reduce_dtype=torch.float32 if mixed else None)
     return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i + rank, s.micro_batch)))
 
 

@@ -14,8 +14,8 @@ while the unit is *gathered*:
 2. ``reshard(unit, *outputs)``, after the unit's last op in the forward: free the flat tensor's
    storage, and pass what leaves the unit through an autograd function whose backward gathers the
    unit again (and starts gathering the unit that ran before it) before autograd reaches its ops;
-3. as the backward makes a unit's gradients, they are reduce-scattered (the stage-2 hooks of
-   ``ZeroReducer``) into the shard's gradient, and the unit is freed again.
+3. as the backward makes a unit's gradients, the unit is freed again and they are
+   reduce-scattered (the stage-2 hooks of ``ZeroReducer``) into the shard's gradient.
 
 A unit that the forward does not free (the rest of the model, which runs at its start and at its
 end; every unit under ``zero_reshard_after_forward=False``) stays gathered until the backward has
@@ -48,6 +48,14 @@ def _allocate(flat: torch.Tensor) -> None:
     storage = flat.untyped_storage()
     if storage.nbytes() == 0:
         storage.resize_(flat.numel() * flat.element_size())
+
+
+def _all_gather_in_place(flat: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    """Start gathering every rank's slice of ``flat`` into ``flat``, ``mine`` (this rank's slice, a
+    view of ``flat``) the input; returns the work to wait for."""
+    # torch 2.13 names all_gather_into_tensor all_gather_single, and the old name warns
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return gather(flat, mine, group=group, async_op=True)
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -124,7 +132,11 @@ class ShardedUnits(ZeroReducer):
 
     # -- gathering and freeing ------------------------------------------------------------------
     def _start_gather(self, unit: str) -> None:
-        """Issue the all-gathers of ``unit``'s buckets without waiting for them."""
+        """Issue the all-gathers of ``unit``'s buckets without waiting for them.
+
+        Each gathers in place: this rank's shard is first written (cast to the parameters' dtype)
+        into its own slice of the flat tensor, which is then the all-gather's input, so no send
+        buffer (a copy of the shard) is held while the gather is in flight."""
         if self.gathered.get(unit) or unit in self.pending:
             return
         works = []
@@ -133,12 +145,11 @@ class ShardedUnits(ZeroReducer):
                 flat, shard = self.flats[index], self.slots[index][0]
                 _allocate(flat)
                 self._count(flat.untyped_storage().nbytes())
-                mine = shard.detach().to(flat.dtype, copy=True)
+                mine = flat.chunk(self.zero_size)[self.zero_rank]
+                mine.copy_(shard.detach())
                 if self.zero_group is None:
-                    flat.copy_(mine)
                     continue
-                work = dist.all_gather(list(flat.chunk(self.zero_size)), mine, group=self.zero_group, async_op=True)
-                works.append((work, mine))
+                works.append((_all_gather_in_place(flat, mine, self.zero_group), mine))
         self.pending[unit] = works
 
     def _wait(self, unit: str) -> None:
@@ -218,16 +229,18 @@ class ShardedUnits(ZeroReducer):
 
     # -- gradients ------------------------------------------------------------------------------
     def _reduce_bucket(self, index: int) -> None:
-        super()._reduce_bucket(index)
+        """Reduce-scatter bucket ``index``'s gradients; once it is the last of its unit's, free the
+        unit first when this backward was its last use, so that the gathered parameters are gone
+        before the reduction's buffers (the flat gradients, the received slice) are made."""
         unit = self.unit_of_bucket[index]
         self.reduced[unit] += 1
-        if self.reduced[unit] < len(self.unit_buckets[unit]):
-            return
-        self.reduced[unit] = 0
-        self.forwards[unit] = max(self.forwards[unit] - 1, 0)
-        self.backing[unit] = max(self.backing[unit] - 1, 0)
-        if not self.backing[unit] and (unit in self.released or self.forwards[unit] == 0):
-            self._free_unit(unit)
+        if self.reduced[unit] == len(self.unit_buckets[unit]):
+            self.reduced[unit] = 0
+            self.forwards[unit] = max(self.forwards[unit] - 1, 0)
+            self.backing[unit] = max(self.backing[unit] - 1, 0)
+            if not self.backing[unit] and (unit in self.released or self.forwards[unit] == 0):
+                self._free_unit(unit)
+        super()._reduce_bucket(index)
 
     def sync(self) -> None:
         """Reduce the gradients the backward left (``ZeroReducer.sync``), then free every unit."""

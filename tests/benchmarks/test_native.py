@@ -1,0 +1,25 @@
+"""The native comparison script runs its fully sharded sides on a small case: both sides' first
+losses agree, and the goal its table states follows from the table's own figures."""
+
+import pytest
+
+from benchmarks import native
+
+
+@pytest.mark.multiprocess
+def test_zero3_against_fsdp2_runs_and_judges_its_goal_from_its_figures(tmp_path):
+    out = tmp_path / "native_fsdp.md"
+    rows = native.main(["--only", "zero3", "--small", "--ranks", "2", "--reps", "1", "--steps", "1",
+                        "--out", str(out)])
+    assert [r["comparison"] for r in rows] == native.GROUPS["zero3"]
+    text = out.read_text()
+    assert "Command: `python -m benchmarks.native --only zero3 --small" in text
+    for r in rows:
+        assert r["losses_agree"], (r["comparison"], r["ours_loss"], r["theirs_loss"])
+        assert r["ours_peak"] is not None and r["theirs_peak"] is not None
+        judged = native.GOALS[r["comparison"]].judge(r)
+        assert judged == r["goal"]
+        assert judged["met"] == (r["ratio_median"] <= 1.05 and r["ours_peak"][0] <= r["theirs_peak"][0])
+        verdict = "met" if judged["met"] else "not met"
+        assert f"- {r['comparison']}, 2 ranks: **{verdict}**; ratio {r['ratio_median']:.2f}" in text
+    assert f"Met in {sum(r['goal']['met'] for r in rows)} of {len(rows)} rows" in text
