@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_unflatten
 
 from nbscaler.comm.arguments import local_arguments
-from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Section, Value
+from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Return, Section, Send, Value
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import vocab_parallel
@@ -211,8 +211,9 @@ class _Replay:
             self.call(ins)
         elif isinstance(ins, Recompute):
             self.recompute(ins)
-        else:                                   # Send, Return: the outputs gathered
+        elif isinstance(ins, (Send, Return)):   # the outputs gathered
             self.fetches(ins.fetches)
+        # ZeRO-3's Unshard and Reshard change no value the replay holds
 
     def fetches(self, fetches: Sequence[Fetch]) -> None:
         for f in fetches:

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Section, Value
+from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Return, Section, Send, Value
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode, IRTensor
@@ -87,8 +87,9 @@ class _Keyer:
                 self.names.regions.append(ins.region)
                 for call in ins.body:
                     self.call(call)
-            else:                               # Send, Return
+            elif isinstance(ins, (Send, Return)):
                 self.fetches(ins.fetches)
+            # ZeRO-3's Unshard and Reshard: the replay skips them, so they leave the key alone
         return tuple(self.key), self.names
 
 
