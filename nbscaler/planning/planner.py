@@ -251,10 +251,13 @@ class Plan:
 
     def timeline(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
-        on this machine or on ``hardware``. Its blocks are the forwards and backwards, which no
-        field of ``recipe`` moves; it is checked against the plan as ``summary`` checks it."""
-        self.recipe_of(recipe)
-        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware))
+        on this machine or on ``hardware``. Its blocks are the forwards and backwards; under ZeRO
+        stage 3 each lasts what it waits for its units' all-gathers and reduce-scatters too, which
+        ``.collectives`` holds, each named with its unit (``cost.fsdp``; the reduce-scatters in
+        ``recipe``'s reduce dtype). ``recipe`` is checked against the plan as ``summary`` checks it."""
+        chosen = self.recipe_of(recipe)
+        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware),
+                                  recipe=chosen, program_of=self.programs.device)
 
     def recipe_of(self, recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
         """The recipe a prediction of this plan uses: ``Recipe.of(recipe, **shorthands)``, whose
@@ -278,7 +281,8 @@ class Plan:
         for known, model in models:
             if known == hardware:
                 return model
-        model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights)
+        model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights,
+                          program_of=self.programs.device)
         models.append((hardware, model))
         return model
 
