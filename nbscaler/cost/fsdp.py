@@ -392,6 +392,38 @@ def cold_forwards(schedule: PipelineSchedule) -> FrozenSet[Block]:
     return frozenset(cold)
 
 
+def section_units(section: Section) -> Tuple[List[str], Set[str]]:
+    """The units a lowered ``section`` gathers, in order, and those it releases after their forward."""
+    return ([ins.unit for ins in section.instructions if isinstance(ins, Unshard)],
+            {ins.unit for ins in section.instructions if isinstance(ins, Reshard)})
+
+
+def step_counts(units: Mapping[Optional[int], Tuple[List[str], Set[str]]], schedule: Optional[PipelineSchedule],
+                pipeline_device: int = 0, nsamples: int = 1) -> Tuple[Counter, Counter]:
+    """How often one step all-gathers and reduce-scatters each unit of a plan device whose
+    sections (by stage) gather and release ``units`` (``section_units``): without a pipeline,
+    ``nsamples`` forwards (each gathering every unit) and backwards; with one, the blocks of its
+    ``pipeline_device`` (``cold_forwards`` gather every unit, the others the released ones; ``B``
+    gathers the released again; the backward that reduces is ``B``, or ``W`` where it is split)."""
+    if schedule is None:
+        blocks = [(None, "F", True), (None, "B", False)] * nsamples
+        release = "B"
+    else:
+        cold = cold_forwards(schedule)
+        blocks = [(b.stage, b.phase, b in cold) for b in schedule.blocks_of(pipeline_device)]
+        release = "W" if schedule.splits_backward else "B"
+    gathers, reduces = Counter(), Counter()
+    for stage, phase, cold_block in blocks:
+        order, released = units.get(stage, ([], set()))
+        if phase == "F":
+            gathers.update(order if cold_block else [u for u in order if u in released])
+        elif phase == "B":
+            gathers.update(u for u in order if u in released)
+        if phase == release:
+            reduces.update(order)
+    return gathers, reduces
+
+
 def block_plays(schedule: PipelineSchedule, plays: Mapping[int, StagePlays]) -> Dict[Block, Played]:
     """The play of each block of ``schedule`` whose stage has ``plays``."""
     cold = cold_forwards(schedule)
