@@ -50,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pandas as pd
 import torch
 
-from nbscaler.columns import SummaryColumn as C
+from nbscaler.columns import SummaryColumn as C, UnitColumn as U
 from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.comm.stages import stage_carries
 from nbscaler.config import ComputeConfig, threads_per_rank
@@ -58,7 +58,7 @@ from nbscaler.recipe import Recipe
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.fsdp import (DeviceUnits, Script, block_extras, block_plays, section_script, stage_plays,
+from nbscaler.cost.fsdp import (DeviceUnits, Played, Script, block_extras, block_plays, section_script, stage_plays,
                                 unit_bytes, unit_seconds)
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, ProgramOf, buckets, stage_runs
@@ -443,6 +443,41 @@ class StepModel:
                                      fsdp_s=self.fsdp_seconds(device, nsamples, recipe))
         self.profiler.save()
         return out
+
+    def device_plays(self, device: int, nsamples: int, recipe: Recipe) -> List[Played]:
+        """ZeRO stage 3's play of each block plan ``device`` runs in one step, in order: without a
+        pipeline ``nsamples`` forwards and backwards; with one, its pipeline device's blocks, each as
+        this device plays it (its own share of the stage); ``[]`` without stage 3."""
+        units = self.shard_units(recipe)
+        if not units:
+            return []
+        if self.geometry is None:
+            plays = units[device].plays[None]
+            return [plays.cold, plays.backward] * nsamples
+        schedule, pdev = self.geometry.schedule, self.geometry.pipeline_device(device)
+        played = block_plays(schedule, {s: units[self.geometry.view_of(s, device)].plays[s]
+                                        for s in schedule.stages_of(pdev)})
+        return [played[b] for b in schedule.blocks_of(pdev)]
+
+    def unit_table(self, nsamples: int, recipe: Recipe) -> pd.DataFrame:
+        """One row per plan device and ZeRO stage 3 unit: its collectives' bytes, seconds, count
+        and exposed seconds in one step (``nbscaler.columns.UnitColumn``); no rows without stage 3."""
+        rows = []
+        for device, units in self.shard_units(recipe).items():
+            counts: Dict[Tuple[str, str], int] = {}
+            waited: Dict[str, float] = {}
+            for played in self.device_plays(device, nsamples, recipe):
+                for c in played.calls:
+                    counts[(c.kind, c.unit)] = counts.get((c.kind, c.unit), 0) + 1
+                    waited[c.unit] = waited.get(c.unit, 0.0) + c.waited_s
+            for name, u in units.bytes.items():
+                rows.append({U.RANK: device, U.UNIT: name, U.GATHER_BYTES: u.gather_bytes,
+                             U.REDUCE_BYTES: u.reduce_bytes, U.GATHER_S: units.seconds[name].gather_s,
+                             U.REDUCE_S: units.seconds[name].reduce_s,
+                             U.GATHERS: counts.get((Collective.ALL_GATHER, name), 0),
+                             U.REDUCES: counts.get((Collective.REDUCE_SCATTER, name), 0),
+                             U.EXPOSED_S: waited.get(name, 0.0)})
+        return pd.DataFrame(rows, columns=list(U)).rename(columns=str)
 
     def fsdp_seconds(self, device: int, nsamples: int, recipe: Recipe) -> float:
         """Seconds plan ``device``'s blocks wait for ZeRO stage 3's collectives in one step (part of

@@ -259,6 +259,18 @@ class Plan:
         return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware),
                                   recipe=chosen, program_of=self.programs.device)
 
+    def unit_collectives(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> pd.DataFrame:
+        """Under ZeRO stage 3, one row per plan device and unit: what the unit's all-gathers and
+        reduce-scatter move, what each costs on the ZeRO group's link, how many one training step
+        runs and how long it waits for them (``nbscaler.columns.UnitColumn``; ``cost.fsdp``), on
+        this machine or on ``hardware``, gradients reduced as ``recipe`` says (default ``Recipe()``).
+        Empty under any other configuration."""
+        chosen = self.recipe_of(recipe)
+        cfg = self.config
+        model = self.step_model(hardware) or StepModel(self.placed, runs=self.local_runs, hardware=hardware,
+                                                       weights_of=self.programs.weights, program_of=self.programs.device)
+        return model.unit_table(cfg.pipeline_nmicros if cfg.use_pipeline else 1, chosen)
+
     def recipe_of(self, recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
         """The recipe a prediction of this plan uses: ``Recipe.of(recipe, **shorthands)``, whose
         ``module_dtype``, when it has one, must be the dtype the plan's parameters are held in."""

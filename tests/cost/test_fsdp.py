@@ -221,3 +221,34 @@ def test_a_group_across_nodes_waits_longer(plan):
 
 def plan_unit_gather(units, unit, hw, n):
     return NcclModel(hw).forward(Collective.ALL_GATHER, units.bytes[unit].gather_bytes // n, n, ranks=range(n))
+
+
+def test_the_unit_table_says_what_each_unit_moves_and_waits(plan):
+    from nbscaler.columns import UnitColumn
+    table = plan.unit_collectives(H100, recipe=MIXED)
+    assert list(table.columns) == [str(c) for c in UnitColumn]
+    assert set(table.unit) == {REST_UNIT, "blocks.0", "blocks.1"} and set(table["rank"]) == {0}
+    rows = table.set_index("unit")
+    assert rows.gathers.to_dict() == {REST_UNIT: 1, "blocks.0": 2, "blocks.1": 2} and (rows.reduces == 1).all()
+    assert (rows.reduce_bytes == 2 * rows.gather_bytes).all()
+    figures = plan.step_figures(recipe=MIXED, hardware=H100)
+    assert table.exposed_s.sum() == pytest.approx(figures.devices[0].fsdp_s)
+    # the rest is gathered first, in full view, and reduced last
+    assert rows.exposed_s[REST_UNIT] >= rows.gather_s[REST_UNIT] + rows.reduce_s[REST_UNIT] - 1e-12
+    assert nbscaler.plan(GPT(MODEL), {"batch": sample_batch(MODEL, 2)}, "dp",
+                         ComputeConfig(1, 2, use_zero=True, zero_stage=2)).unit_collectives(H100).empty
+
+
+def test_a_pipeline_gathers_its_kept_units_once_on_a_first_stage_and_every_micro_batch_on_the_last():
+    from tests.models import batch, build
+    cfg = ComputeConfig(2, 4, use_end2end=True, use_pipeline=True, pipeline_nstages=2, pipeline_nmicros=4,
+                        pipeline_scheduler="1f1b", use_zero=True, zero_stage=3)
+    plan = nbscaler.plan(build("gpt"), batch("gpt", 0), "pp", cfg)
+    table = plan.unit_collectives(H100).set_index(["rank", "unit"])
+    assert table.gathers[(0, REST_UNIT)] == 1 and table.gathers[(1, REST_UNIT)] == 4      # 1F1B, 4 micro-batches
+    layers = table[table.index.get_level_values("unit") != REST_UNIT]
+    assert (layers.gathers == 8).all() and (table.reduces == 4).all()
+    figures = plan.step_figures(hardware=H100)
+    line = plan.timeline(hardware=H100)
+    assert {c.phase for c in line.collectives} == {"F", "B"}
+    assert all(d.fsdp_s > 0 for d in figures.devices.values())
