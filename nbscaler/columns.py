@@ -209,7 +209,11 @@ class SweepColumn(StrEnum):
       core) or ``full`` (every layer of the model's stack).
     - ``sequence_parallel``: the ops between the tensor-parallel linears (norms, dropout, residual
       adds) on a slice of the sequence (``pas_config['sequence_parallel']``); only where ``tp > 1``.
-    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too).
+    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too),
+      3 (parameters too, gathered a unit at a time: fully sharded data parallelism).
+    - ``zero_reshard_after_forward``: under ZeRO stage 3, whether each layer's gathered parameters
+      are freed after its forward and gathered again for its backward (``True``) or kept until the
+      backward (``False``); ``True`` on the rows of other stages, which gather nothing.
     - ``scheduler``: the pipeline scheduler; ``virtual_stages``: stages per pipeline device (1
       for ``1f1b``, more for interleaved schedulers).
 
@@ -235,6 +239,7 @@ class SweepColumn(StrEnum):
     RECOMPUTE = "recompute"
     SEQUENCE_PARALLEL = "sequence_parallel"
     ZERO_STAGE = "zero_stage"
+    ZERO_RESHARD_AFTER_FORWARD = "zero_reshard_after_forward"
     SCHEDULER = "scheduler"
     VIRTUAL_STAGES = "virtual_stages"
     STEP_TIME_S = "step_time_s"
@@ -247,3 +252,4 @@ class SweepColumn(StrEnum):
     TP_COMM_SHARE = "tp_comm_share"
     DP_COMM_SHARE = "dp_comm_share"
     PP_SEND_SHARE = "pp_send_share"
+    FSDP_COMM_SHARE = "fsdp_comm_share"

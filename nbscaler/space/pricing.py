@@ -32,14 +32,18 @@ from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.roofline import skips_masked_pairs
-from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
-from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
+from nbscaler.cost.fsdp import Script, StagePlays, Work, block_extras, script_of, stage_plays, unit_bytes, unit_seconds
+from nbscaler.cost.step_figures import (DeviceStep, PipelineParts, StepFigures, overlap_window, overlaps_communication,
+                                        step_tokens)
+from nbscaler.cost.timing import (bucket_seconds, exposed_sync, is_zero3, reduced_buckets, update_seconds,
+                                  updated_numels)
+from nbscaler.ir.graph import RECOMPUTE_REGION, REST_UNIT
 from nbscaler.space.layer_facts import LayerFacts
 from nbscaler.space.op_ledger import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, MASKED_B, MASKED_F, SAVED, SAVED_TAIL,
                                      TP_BWD, TP_FWD)
 from nbscaler.planning.stack import repeat_counts
 from nbscaler.policy.staging import stage_cuts
-from nbscaler.schedule import PipelineGeometry, StepTotals, simulate_totals
+from nbscaler.schedule import Block, PipelineGeometry, StepTotals, simulate_totals
 
 
 class Staged:
@@ -62,6 +66,7 @@ class Staged:
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
             self.sums[s - 1] = [v + d for v, d in zip(self.sums[s - 1], facts.stage_end(cut))]
         self._timelines: Dict[Tuple, Any] = {}
+        self._scripts: Dict[Tuple, Script] = {}
 
     def _counts(self, nstages: int) -> List:
         """How often each op of the copy repeats in each stage (``planning.stack.repeat_counts``)."""
@@ -69,16 +74,53 @@ class Staged:
         return [repeat_counts(self.facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
 
     def simulated(self, schedule, forward: List[float], backward: List[float], latency: float,
-                  post: float) -> StepTotals:
-        """``schedule.simulate_totals`` on these stage costs, once per costs: the configurations
-        that differ only in their ZeRO stage or the target's memory play the same pipeline."""
+                  post: float, extra: Optional[Dict[Block, float]] = None) -> StepTotals:
+        """``schedule.simulate_totals`` on these stage costs (and ``extra`` seconds of single
+        blocks: ZeRO stage 3's waits), once per costs: the configurations that differ only in
+        their ZeRO stage (1 or 2) or the target's memory play the same pipeline."""
         if schedule.ndevices == 1:          # nothing is sent: the send costs change nothing
             latency = post = 0.0
         key = (schedule.name, schedule.nstages, schedule.nmicros, schedule.ndevices, tuple(forward),
-               tuple(backward), latency, post)
+               tuple(backward), latency, post, frozenset((extra or {}).items()))
         if key not in self._timelines:
-            self._timelines[key] = simulate_totals(schedule, forward, backward, latency, post)
+            self._timelines[key] = simulate_totals(schedule, forward, backward, latency, post, extra=extra)
         return self._timelines[key]
+
+    def script(self, stage: int, index: int, reshard_after_forward: bool) -> Script:
+        """ZeRO stage 3's ``cost.fsdp.Script`` of ``stage`` on tensor-parallel ``index``: the full
+        model's ops of the stage, in order, as its section's instructions (the ops of one recomputed
+        region, in one layer, one instruction), each with its seconds (``seconds`` of ``_pipeline``)
+        and the units of the parameters it reads (each layer of the stack one, the rest
+        ``REST_UNIT``); what the stage's first layer and its sends add (``LayerFacts.stage_start``,
+        ``stage_end``) at its ends."""
+        key = (stage, index, reshard_after_forward)
+        if key not in self._scripts:
+            facts, exp = self.facts, self.facts.expansion
+            stack, rows = exp.stack, facts.matrix[index]
+            reads = self.held(("param readers", index), lambda: _param_readers(facts, index))
+            bounds = [0, *self.cuts, len(exp)]
+            entries: List[Tuple[Optional[Tuple], Work]] = []
+            if stage > 0:
+                start = facts.stage_start(self.cuts[stage - 1])[index]
+                entries.append((None, Work(start[FWD] + start[TP_FWD], start[BWD] + start[TP_BWD])))
+            for v in range(bounds[stage], bounds[stage + 1]):
+                j = int(exp.template[v])
+                layer = (v - exp.before) // exp.size if exp.before <= v < exp.before + stack.depth * exp.size else None
+                units = frozenset(REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{layer}"
+                                  for name in reads.get(j, ()))
+                region = exp.nodes[j].meta.get(RECOMPUTE_REGION)
+                work = Work(rows[j][FWD] + rows[j][TP_FWD], rows[j][BWD] + rows[j][TP_BWD], units)
+                if region is not None and entries and entries[-1][0] == (region, layer):
+                    last = entries[-1][1]          # one recomputed region: one instruction
+                    work = Work(last.forward_s + work.forward_s, last.backward_s + work.backward_s, last.reads | units)
+                    entries[-1] = ((region, layer), work)
+                else:
+                    entries.append(((region, layer) if region is not None else None, work))
+            if stage + 1 < len(bounds) - 1:
+                end = facts.stage_end(self.cuts[stage])[index]
+                entries.append((None, Work(end[TP_FWD], end[TP_BWD])))
+            self._scripts[key] = script_of([w for _, w in entries], reshard_after_forward)
+        return self._scripts[key]
 
     def stage_of(self, position: int) -> int:
         return bisect.bisect_right(self.cuts, position)
@@ -212,6 +254,48 @@ class _Device:
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
 
 
+def _param_readers(facts: LayerFacts, index: int) -> Dict[int, List[str]]:
+    """Op of the copy -> the names of the parameters on tensor-parallel ``index`` it reads."""
+    out: Dict[int, List[str]] = {}
+    for w, readers in facts.weights[index]:
+        if w.kind == "param":
+            for j in readers:
+                out.setdefault(j, []).append(w.name)
+    return out
+
+
+class _Zero3:
+    """ZeRO stage 3's collectives of configuration ``cfg`` (``cost.fsdp``), from the copy's facts as
+    ``StepModel`` works them out from a full plan: per plan device its units' bytes and seconds on
+    its ZeRO group's link and each of its stages played, the seconds each block waits (its stage
+    group's slowest device's) and each device's wait in a step."""
+
+    def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware, comm,
+                 recipe: Recipe):
+        self.geometry, schedule = geometry, geometry.schedule
+        grid, overlap = cfg.grid, overlaps_communication(hardware)
+        stack, n = staged.facts.expansion.stack, grid.zero_group_size
+        unit_of = lambda name: REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{stack.weight_layer(name)}"
+        self.plays: Dict[int, Dict[int, StagePlays]] = {}
+        for device in range(cfg.plan_ngpus):
+            pdev, index = geometry.pipeline_device(device), staged.facts.alike[device % geometry.tp]
+            stages = tuple(schedule.stages_of(pdev))
+            params = staged.params(index, stages)
+            moved = staged.held(("zero3 units", index, stages, n, recipe), lambda: unit_bytes(params, unit_of, n, recipe))
+            seconds = unit_seconds(moved, comm, grid.zero_ranks(device), grid.zero_replica_ranks(device))
+            self.plays[device] = {s: stage_plays(staged.script(s, index, cfg.zero_reshard_after_forward), seconds,
+                                                 overlap, schedule.splits_backward) for s in stages}
+        self.extra: Dict[Block, float] = {}
+        for s in range(schedule.nstages):
+            for device in geometry.stage_group(s):
+                for b, e in block_extras(schedule, {s: self.plays[device][s]}).items():
+                    self.extra[b] = max(self.extra.get(b, 0.0), e)
+
+    def fsdp_s(self, device: int) -> float:
+        """Seconds ``device``'s blocks wait for the collectives in one step (``StepModel.fsdp_seconds``)."""
+        return sum(self.extra.get(b, 0.0) for b in self.geometry.schedule.blocks_of(self.geometry.pipeline_device(device)))
+
+
 def _weights_id(facts: LayerFacts, alike: Dict) -> int:
     """A number naming the copy's weights on each tensor-parallel index, where each is read and the
     layers' layout: the same for placements alike in all of them (``Staged``'s ``alike``)."""
@@ -241,12 +325,15 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     that pricing the same configuration on another target reuses them."""
     geometry = PipelineGeometry.from_config(cfg)
     staged = staged or Staged(facts, geometry.schedule.nstages)
-    seconds, line = _pipeline(facts, staged, geometry, comm)
-    instant = _pipeline(facts, staged, geometry, comm, sends=False)[1]
+    zero3 = _Zero3(staged, cfg, geometry, hardware, comm, recipe) if is_zero3(cfg) else None
+    extra = zero3.extra if zero3 is not None else None
+    seconds, line = _pipeline(facts, staged, geometry, comm, extra=extra)
+    instant = _pipeline(facts, staged, geometry, comm, sends=False, extra=extra)[1]
     devices = _Device(staged, cfg, geometry, hardware, profiler, comm, recipe, peaks)
     figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
     parts = {d: DeviceStep(compute_s=line.makespan, sync_s=f[0], update_s=f[1], flops=f[2], hardware_flops=f[3],
-                           tp_s=f[4], peak_bytes=f[5]) for d, f in figures.items()}
+                           tp_s=f[4], peak_bytes=f[5], fsdp_s=zero3.fsdp_s(d) if zero3 is not None else 0.0)
+             for d, f in figures.items()}
     tokens = step_tokens(facts.tokens, cfg.pipeline_nmicros, cfg.units)
     busy = {d: instant.busy[geometry.pipeline_device(d)] for d in parts}
     step = StepFigures(parts, cfg.units, cfg.runtime_ngpus, hardware, hardware.peak_flops(facts.compute_dtype), tokens,
@@ -254,19 +341,22 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     return {S.STEP_TIME_S: step.step_time_s, S.TOKENS_PER_S: step.tokens_per_s, S.MFU: step.mfu, S.HFU: step.hfu,
             S.PEAK_BYTES: step.peak_bytes, S.FITS: step.fits, S.BUBBLE: step.bubble,
             S.TP_COMM_SHARE: step.tp_comm_share, S.DP_COMM_SHARE: step.dp_comm_share,
-            S.PP_SEND_SHARE: step.pp_send_share}
+            S.PP_SEND_SHARE: step.pp_send_share, S.FSDP_COMM_SHARE: step.fsdp_comm_share}
 
 
 def pipeline_seconds(facts: LayerFacts, cfg: ComputeConfig, comm, staged: Optional[Staged] = None) -> float:
     """The pipeline's makespan for ``cfg``: ``price``'s step time without the gradient
-    synchronisation and the optimizer step, so never more than it (a bound a search prunes with)."""
+    synchronisation, the optimizer step and ZeRO stage 3's waits, so never more than it (a bound a
+    search prunes with)."""
     geometry = PipelineGeometry.from_config(cfg)
     return _pipeline(facts, staged or Staged(facts, geometry.schedule.nstages), geometry, comm)[1].makespan
 
 
-def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, comm, sends: bool = True):
+def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, comm, sends: bool = True,
+              extra: Optional[Dict[Block, float]] = None):
     """Each stage's seconds on each tensor-parallel index (``seconds(stage, index)``: forward,
-    backward) and the schedule's ``StepTotals`` on them, with the sends' latency or (``sends=False``) none."""
+    backward) and the schedule's ``StepTotals`` on them (with ``extra`` seconds of single blocks:
+    ZeRO stage 3's waits), with the sends' latency or (``sends=False``) none."""
     schedule, tp, sums = geometry.schedule, geometry.tp, staged.sums
     seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
     forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
@@ -275,7 +365,7 @@ def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, com
     pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
     latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
     post = comm.p2p_post(max((n for _, n in carried), default=0))
-    return seconds, staged.simulated(schedule, forward, backward, latency if sends else 0.0, post)
+    return seconds, staged.simulated(schedule, forward, backward, latency if sends else 0.0, post, extra)
 
 
 def saved_floor(staged: Staged, cfg: ComputeConfig) -> float:
