@@ -215,6 +215,20 @@ def section_script(section: Section, run: LocalRun, profiler, comm) -> Script:
             outputs = False
             out.append(Work(*before.get(None, (0.0, 0.0)), frozenset(units_read(ins, units_of))))
     out.append(Work(0.0, profiler.overhead_s))
+    return compact(tuple(out))
+
+
+def compact(script: Script) -> Script:
+    """``script`` with each run of ``Work`` between two gather or release points made one, which
+    plays the same: a play reads only the compute between those points and each unit's first
+    reader, which always comes right after its gather point (a run's first ``Work``)."""
+    out: List[Step] = []
+    for step in script:
+        if isinstance(step, Work) and out and isinstance(out[-1], Work):
+            last = out[-1]
+            out[-1] = Work(last.forward_s + step.forward_s, last.backward_s + step.backward_s, last.reads | step.reads)
+        else:
+            out.append(step)
     return tuple(out)
 
 
@@ -227,8 +241,9 @@ def _plus(a: Optional[Tuple[float, float]], b: Optional[Tuple[float, float]]) ->
 def script_of(entries: Sequence[Work], reshard_after_forward: bool) -> Script:
     """The ``Script`` of ``entries`` (instructions, in order, as ``Work``), each unit gathered and
     released where the lowering puts its ``Unshard`` and ``Reshard`` (``comm.unit_gathers``)."""
-    return tuple(with_gathers(list(entries), [w.reads for w in entries], reshard_after_forward,
-                              lambda unit, prefetch: Gather(unit, prefetch), lambda unit, first, last: Release(unit)))
+    return compact(tuple(with_gathers(list(entries), [w.reads for w in entries], reshard_after_forward,
+                                      lambda unit, prefetch: Gather(unit, prefetch),
+                                      lambda unit, first, last: Release(unit))))
 
 
 def script_units(script: Script) -> Tuple[List[str], Set[str]]:
@@ -431,11 +446,26 @@ def block_plays(schedule: PipelineSchedule, plays: Mapping[int, StagePlays]) -> 
             for b in schedule.blocks_of(d) if b.stage in plays}
 
 
-def block_extras(schedule: PipelineSchedule, plays: Mapping[int, StagePlays]) -> Dict[Block, float]:
-    """The seconds each block of ``schedule`` waits for its collectives (``Played.exposed_s``): what
-    the pipeline simulator adds to its compute (``schedule.simulate``'s ``extra``); none kept for a
-    block that waits for nothing."""
-    return {b: p.exposed_s for b, p in block_plays(schedule, plays).items() if p.exposed_s > 0}
+def block_extras(schedule: PipelineSchedule, plays: Mapping[int, Sequence[StagePlays]]) -> Dict[Block, float]:
+    """The seconds each block of ``schedule`` waits for its collectives (``Played.exposed_s``), the
+    most of any device of its stage's group (``plays[stage]``: each one's): what the pipeline
+    simulator adds to its compute (``schedule.simulate``'s ``extra``); none kept for a block that
+    waits for nothing."""
+    cold = cold_forwards(schedule)
+    most = {s: {(phase, c): max(p.of(phase, c).exposed_s for p in group) for phase in schedule_phases(schedule)
+                for c in (False, True)} for s, group in plays.items() if group}
+    out = {}
+    for d in range(schedule.ndevices):
+        for b in schedule.blocks_of(d):
+            wait = most[b.stage][(b.phase, b in cold)] if b.stage in most else 0.0
+            if wait > 0:
+                out[b] = wait
+    return out
+
+
+def schedule_phases(schedule: PipelineSchedule) -> Tuple[str, ...]:
+    """The phases of ``schedule``'s blocks."""
+    return ("F", "B", "W") if schedule.splits_backward else ("F", "B")
 
 
 @dataclass(frozen=True)

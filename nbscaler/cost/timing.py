@@ -345,13 +345,11 @@ class StepModel:
         """The seconds each block waits for ZeRO stage 3's collectives (``cost.fsdp.block_extras``),
         its stage group's slowest device's; ``{}`` without stage 3."""
         units = self.shard_units(recipe or Recipe())
-        extra: Dict[Block, float] = {}
         schedule = self.geometry.schedule
-        for s in (range(schedule.nstages) if units else ()):
-            for device in self.geometry.stage_group(s):
-                for b, e in block_extras(schedule, {s: units[device].plays[s]}).items():
-                    extra[b] = max(extra.get(b, 0.0), e)
-        return extra
+        if not units:
+            return {}
+        return block_extras(schedule, {s: [units[d].plays[s] for d in self.geometry.stage_group(s)]
+                                       for s in range(schedule.nstages)})
 
     def _stage_costs(self, recipe: Optional[Recipe] = None
                      ) -> Tuple[List[float], List[float], float, float, Dict[Block, float]]:

@@ -23,6 +23,7 @@ import functools
 import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
 from nbscaler.config import ComputeConfig
@@ -32,7 +33,9 @@ from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.roofline import skips_masked_pairs
-from nbscaler.cost.fsdp import Script, StagePlays, Work, block_extras, script_of, stage_plays, unit_bytes, unit_seconds
+from nbscaler.comm.unit_gathers import with_gathers
+from nbscaler.cost.fsdp import (Gather, Release, Script, StagePlays, Work, block_extras, stage_plays, unit_bytes,
+                                unit_seconds)
 from nbscaler.cost.step_figures import (DeviceStep, PipelineParts, StepFigures, overlap_window, overlaps_communication,
                                         step_tokens)
 from nbscaler.cost.timing import (bucket_seconds, exposed_sync, is_zero3, reduced_buckets, update_seconds,
@@ -89,38 +92,66 @@ class Staged:
     def script(self, stage: int, index: int, reshard_after_forward: bool) -> Script:
         """ZeRO stage 3's ``cost.fsdp.Script`` of ``stage`` on tensor-parallel ``index``: the full
         model's ops of the stage, in order, as its section's instructions (the ops of one recomputed
-        region, in one layer, one instruction), each with its seconds (``seconds`` of ``_pipeline``)
-        and the units of the parameters it reads (each layer of the stack one, the rest
-        ``REST_UNIT``); what the stage's first layer and its sends add (``LayerFacts.stage_start``,
-        ``stage_end``) at its ends."""
+        region, in one layer, one instruction), each with the seconds ``_pipeline`` sums and the
+        units of the parameters it reads (each layer of the stack one, the rest ``REST_UNIT``), and
+        what the stage's first layer and its sends add (``LayerFacts.stage_start``, ``stage_end``)
+        at its ends; its runs of compute between gather points made one (``cost.fsdp.compact``)."""
         key = (stage, index, reshard_after_forward)
         if key not in self._scripts:
-            facts, exp = self.facts, self.facts.expansion
-            stack, rows = exp.stack, facts.matrix[index]
-            reads = self.held(("param readers", index), lambda: _param_readers(facts, index))
-            bounds = [0, *self.cuts, len(exp)]
-            entries: List[Tuple[Optional[Tuple], Work]] = []
-            if stage > 0:
-                start = facts.stage_start(self.cuts[stage - 1])[index]
-                entries.append((None, Work(start[FWD] + start[TP_FWD], start[BWD] + start[TP_BWD])))
-            for v in range(bounds[stage], bounds[stage + 1]):
-                j = int(exp.template[v])
-                layer = (v - exp.before) // exp.size if exp.before <= v < exp.before + stack.depth * exp.size else None
-                units = frozenset(REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{layer}"
-                                  for name in reads.get(j, ()))
-                region = exp.nodes[j].meta.get(RECOMPUTE_REGION)
-                work = Work(rows[j][FWD] + rows[j][TP_FWD], rows[j][BWD] + rows[j][TP_BWD], units)
-                if region is not None and entries and entries[-1][0] == (region, layer):
-                    last = entries[-1][1]          # one recomputed region: one instruction
-                    work = Work(last.forward_s + work.forward_s, last.backward_s + work.backward_s, last.reads | units)
-                    entries[-1] = ((region, layer), work)
-                else:
-                    entries.append(((region, layer) if region is not None else None, work))
-            if stage + 1 < len(bounds) - 1:
-                end = facts.stage_end(self.cuts[stage])[index]
-                entries.append((None, Work(end[TP_FWD], end[TP_BWD])))
-            self._scripts[key] = script_of([w for _, w in entries], reshard_after_forward)
+            steps, counts = self.kept(("zero3 layout", stage, index, reshard_after_forward),
+                                      lambda: self._layout(stage, index, reshard_after_forward))
+            rows = self.facts.matrix[index]
+            fwd, bwd = counts @ (rows[:, FWD] + rows[:, TP_FWD]), counts @ (rows[:, BWD] + rows[:, TP_BWD])
+            if stage > 0:                       # the first run of compute holds the stage's start
+                start = self.facts.stage_start(self.cuts[stage - 1])[index]
+                fwd[0], bwd[0] = fwd[0] + start[FWD] + start[TP_FWD], bwd[0] + start[BWD] + start[TP_BWD]
+            if stage < len(self.cuts):          # and the last its sends
+                end = self.facts.stage_end(self.cuts[stage])[index]
+                fwd[-1], bwd[-1] = fwd[-1] + end[TP_FWD], bwd[-1] + end[TP_BWD]
+            self._scripts[key] = tuple(Work(float(fwd[s[0]]), float(bwd[s[0]]), s[1]) if isinstance(s, tuple) else s
+                                       for s in steps)
         return self._scripts[key]
+
+    def _layout(self, stage: int, index: int, reshard_after_forward: bool):
+        """What ``script`` lays out whatever the target: its gather and release points, and between
+        them each run of compute as ``(run, units read)``, with how often each op of the copy falls
+        in each run (``counts``, runs x ops)."""
+        facts, exp = self.facts, self.facts.expansion
+        stack = exp.stack
+        reads = _param_readers(facts, index)
+        bounds = [0, *self.cuts, len(exp)]
+        entries: List[Tuple[Optional[Tuple], List[int], frozenset]] = []
+        if stage > 0:
+            entries.append((None, [], frozenset()))          # the stage's start (``script`` adds its seconds)
+        for v in range(bounds[stage], bounds[stage + 1]):
+            j = int(exp.template[v])
+            layer = (v - exp.before) // exp.size if exp.before <= v < exp.before + stack.depth * exp.size else None
+            units = frozenset(REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{layer}"
+                              for name in reads.get(j, ()))
+            region = exp.nodes[j].meta.get(RECOMPUTE_REGION)
+            if region is not None and entries and entries[-1][0] == (region, layer):   # one recomputed region
+                entries[-1][1].append(j)
+                entries[-1] = (entries[-1][0], entries[-1][1], entries[-1][2] | units)
+            else:
+                entries.append(((region, layer) if region is not None else None, [j], units))
+        if stage + 1 < len(bounds) - 1:
+            entries.append((None, [], frozenset()))          # its sends
+        placed = with_gathers(entries, [e[2] for e in entries], reshard_after_forward,
+                              lambda unit, prefetch: Gather(unit, prefetch), lambda unit, first, last: Release(unit))
+        steps: List = []
+        runs: List[List[int]] = []
+        for item in placed:
+            if isinstance(item, (Gather, Release)):
+                steps.append(item)
+            elif steps and isinstance(steps[-1], tuple):
+                runs[-1] += item[1]
+                steps[-1] = (steps[-1][0], steps[-1][1] | item[2])
+            else:
+                runs.append(list(item[1]))
+                steps.append((len(runs) - 1, item[2]))
+        ops = len(exp.nodes)
+        counts = np.array([np.bincount(np.array(r, dtype=np.int64), minlength=ops) for r in runs], dtype=float)
+        return tuple(steps), counts.reshape(len(runs), ops)
 
     def stage_of(self, position: int) -> int:
         return bisect.bisect_right(self.cuts, position)
@@ -277,19 +308,24 @@ class _Zero3:
         stack, n = staged.facts.expansion.stack, grid.zero_group_size
         unit_of = lambda name: REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{stack.weight_layer(name)}"
         self.plays: Dict[int, Dict[int, StagePlays]] = {}
+        alike: Dict[Tuple, Dict[int, StagePlays]] = {}
         for device in range(cfg.plan_ngpus):
             pdev, index = geometry.pipeline_device(device), staged.facts.alike[device % geometry.tp]
             stages = tuple(schedule.stages_of(pdev))
-            params = staged.params(index, stages)
-            moved = staged.held(("zero3 units", index, stages, n, recipe), lambda: unit_bytes(params, unit_of, n, recipe))
-            seconds = unit_seconds(moved, comm, grid.zero_ranks(device), grid.zero_replica_ranks(device))
-            self.plays[device] = {s: stage_plays(staged.script(s, index, cfg.zero_reshard_after_forward), seconds,
-                                                 overlap, schedule.splits_backward) for s in stages}
-        self.extra: Dict[Block, float] = {}
-        for s in range(schedule.nstages):
-            for device in geometry.stage_group(s):
-                for b, e in block_extras(schedule, {s: self.plays[device][s]}).items():
-                    self.extra[b] = max(self.extra.get(b, 0.0), e)
+            group, replicas = grid.zero_ranks(device), grid.zero_replica_ranks(device)
+            # devices alike in their facts whose groups cross the same links play alike
+            key = (index, stages, hardware.link(group), hardware.link(replicas),
+                   len({hardware.node_of(r) for r in replicas}))
+            if key not in alike:
+                params = staged.params(index, stages)
+                moved = staged.held(("zero3 units", index, stages, n, recipe),
+                                    lambda: unit_bytes(params, unit_of, n, recipe))
+                seconds = unit_seconds(moved, comm, group, replicas)
+                alike[key] = {s: stage_plays(staged.script(s, index, cfg.zero_reshard_after_forward), seconds,
+                                             overlap, schedule.splits_backward) for s in stages}
+            self.plays[device] = alike[key]
+        self.extra = block_extras(schedule, {s: [self.plays[d][s] for d in geometry.stage_group(s)]
+                                             for s in range(schedule.nstages)})
 
     def fsdp_s(self, device: int) -> float:
         """Seconds ``device``'s blocks wait for the collectives in one step (``StepModel.fsdp_seconds``)."""
