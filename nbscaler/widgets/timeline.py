@@ -44,6 +44,9 @@ TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
 COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s"]
 """The columns of a timeline's collectives (``schedule.CollectiveBlock``)."""
 TIME_AXIS = "time in the step (ms)"
+ZERO3_ASSUMPTION = ("ZeRO stage 3: each unit's all-gathers and reduce-scatters on the link its ZeRO group spans, "
+                    "beside the compute as FSDP prefetches them on a target (on this machine nothing overlaps); a "
+                    "block lasts its compute and what it waits for them (nbscaler.cost.fsdp, plan.unit_collectives()).")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
 title font (the Explorer puts the timeline beside the memory view)."""
@@ -207,6 +210,8 @@ class TimelineView(ChartView):
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
         self.assumptions = (target_assumptions(self.hardware, self.predicted) if self.hardware is not None
                             else assumptions(self.plan, self.predicted))
+        if len(self.collectives):
+            self.assumptions += "\n" + ZERO3_ASSUMPTION
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         self._shown()

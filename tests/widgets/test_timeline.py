@@ -216,3 +216,4 @@ def test_zero3_gathers_and_reduce_scatters_are_drawn_on_their_own_lane_named_wit
     assert len(calls) == len(line.collectives)
     assert {b.get("fill") for b in calls if "all-gather of blocks.0" in hint(b)} == {COLLECTIVE_COLOURS["all_gather"]}
     assert {"all-gather", "reduce-scatter", "rank 1 · collectives"} <= set(texts(chart))
+    assert "ZeRO stage 3" in view.assumptions and "ZeRO stage 3" not in TimelineView(llama_pp()).assumptions
