@@ -177,7 +177,8 @@ class UnitColumn(StrEnum):
       slice across ZeRO groups, ``zero_ngroups > 1``) alone on the link the ZeRO group spans.
     - ``gathers`` / ``reduces``: how many the step runs: a gather per forward (once a step for a
       unit an earlier forward still holds, the rest of the model on a 1F1B stage before the last)
-      and again per backward for a unit released after its forward; a reduce-scatter per backward.
+      and again per backward for a unit released after its forward; a reduce-scatter per backward;
+      none over a ZeRO group of one rank, which moves nothing.
     - ``exposed_s``: the seconds of the step the rank's compute waits for this unit's
       collectives: a gather not yet done where the unit's compute starts (the first of each forward
       and backward, and any that outruns the compute it runs under), and a reduce-scatter still

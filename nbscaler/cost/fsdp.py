@@ -292,7 +292,7 @@ class _Streams:
         self.compute += seconds
 
     def issue(self, kind: Collective, unit: str, seconds: float) -> None:
-        if (kind, unit) in self.calls:
+        if (kind, unit) in self.calls or seconds <= 0:      # none over a group of one rank
             return
         start = max(self.now, self.link)
         self.link = start + seconds
@@ -301,8 +301,8 @@ class _Streams:
             self.wait(kind, unit)
 
     def wait(self, kind: Collective, unit: str) -> None:
-        call = self.calls[(kind, unit)]
-        if call[1] > self.now:
+        call = self.calls.get((kind, unit))
+        if call is not None and call[1] > self.now:
             call[2] += call[1] - self.now
             self.now = call[1]
 

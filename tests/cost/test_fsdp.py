@@ -252,3 +252,11 @@ def test_a_pipeline_gathers_its_kept_units_once_on_a_first_stage_and_every_micro
     line = plan.timeline(hardware=H100)
     assert {c.phase for c in line.collectives} == {"F", "B"}
     assert all(d.fsdp_s > 0 for d in figures.devices.values())
+
+
+def test_a_group_of_one_rank_moves_nothing():
+    """tp x pp over every GPU leaves one rank a ZeRO group: the runtime copies its shard, no collective."""
+    plan = zero3_plan(1)
+    table = plan.unit_collectives(H100, recipe=MIXED)
+    assert (table.gather_s == 0).all() and (table.gathers == 0).all() and (table.exposed_s == 0).all()
+    assert plan.timeline(hardware=H100).collectives == () and plan.step_figures(hardware=H100).devices[0].fsdp_s == 0
