@@ -53,6 +53,7 @@ from nbscaler.comm.program import RankProgram, Section
 from nbscaler.config import ComputeConfig, split_buckets
 from nbscaler.recipe import Recipe
 from nbscaler.cost.local import LocalRun, run_local
+from nbscaler.cost.fsdp import unit_bytes as fsdp_unit_bytes
 from nbscaler.cost.gathered import GatheredUnits
 from nbscaler.cost.moments import Gradients, step_moments, step_peak
 from nbscaler.cost.ranks import LocalWeight, local_weights
@@ -114,14 +115,21 @@ def _stage3(cfg: ComputeConfig) -> bool:
     return cfg.use_zero and cfg.zero_stage == 3
 
 
-def unit_bytes(params: List[LocalWeight], cfg: ComputeConfig) -> Dict[str, int]:
+def unit_bytes_held(params: List[LocalWeight], cfg: ComputeConfig, recipe: Recipe) -> Dict[str, int]:
     """ZeRO stage 3: each unit's bytes when gathered (its flat buckets, padded to a multiple of the
-    ZeRO group, in the parameters' dtypes)."""
-    n, out = cfg.grid.zero_group_size, {}
-    for bucket in buckets(params, cfg):
-        numel = -(-sum(p.numel for p in bucket) // n) * n
-        out[bucket[0].unit] = out.get(bucket[0].unit, 0) + numel * _itemsize(bucket[0].dtype)
-    return out
+    ZeRO group, in the parameters' dtypes: ``cost.fsdp.unit_bytes``)."""
+    unit_of = {p.name: p.unit for p in params}.get
+    return {unit: b.gather_bytes for unit, b in fsdp_unit_bytes(params, unit_of, cfg.grid.zero_group_size, recipe).items()}
+
+
+def completed_units(params: List[LocalWeight]) -> Set[str]:
+    """The units whose every parameter the training backward gives a gradient (so the runtime
+    reduces and frees them as it goes; the others wait for the optimizer step)."""
+    units: Dict[str, bool] = {}
+    for p in params:
+        if p.unit is not None:
+            units[p.unit] = units.get(p.unit, True) and p.trained
+    return {unit for unit, complete in units.items() if complete}
 
 
 def optimizer_params(params: List[LocalWeight], cfg: ComputeConfig) -> List[Tuple[int, torch.dtype]]:
@@ -329,18 +337,14 @@ def feeding_no_weight(nodes: Sequence[IRNode], reads_weight: Callable[[IRNode], 
     return tail
 
 
-def gathered_units(params: List[LocalWeight], runs: Dict[Optional[int], LocalRun],
-                   cfg: ComputeConfig) -> Optional[GatheredUnits]:
+def gathered_units(params: List[LocalWeight], runs: Dict[Optional[int], LocalRun], cfg: ComputeConfig,
+                   recipe: Recipe) -> Optional[GatheredUnits]:
     """ZeRO stage 3's gathered parameters for ``cost.moments`` (``None`` otherwise): each unit's
     bytes, the forwards' gathers and frees as replayed, and the units whose backward completes."""
     if not _stage3(cfg):
         return None
-    stages_of: Dict[str, List[LocalWeight]] = {}
-    for p in params:
-        if p.unit is not None:
-            stages_of.setdefault(p.unit, []).append(p)
-    complete = {unit for unit, ws in stages_of.items() if all(w.trained for w in ws)}
-    return GatheredUnits(unit_bytes(params, cfg), {s: r.units for s, r in runs.items()}, complete)
+    return GatheredUnits(unit_bytes_held(params, cfg, recipe), {s: r.units for s, r in runs.items()},
+                         completed_units(params))
 
 
 def annotate_saved_bytes(runs: Dict[Optional[int], LocalRun]) -> None:
@@ -390,7 +394,7 @@ def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceR
                           if parts is not None else None)
             params = [w for w in weights if w.kind == "param"]
             held = step_peak(gradients(weights, cfg, recipe), params, saved, geometry, device, held_for_w,
-                             gathered_units(params, stages, cfg))
+                             gathered_units(params, stages, cfg, recipe))
             row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
             row[C.GATHERED_BYTES] = held.gathered_bytes
         row[C.PEAK_BYTES] = sum(row[c] for c in MEMORY_CATEGORIES)

@@ -181,7 +181,7 @@ class Plan:
     def units(self) -> pd.DataFrame:
         """ZeRO stage 3's units per plan device: parameters, gathered and shard bytes, and whether
         the forward frees each after it (``planning.units_table``); empty without stage 3."""
-        return units_frame(self.programs, self.config)
+        return units_frame(self.programs, self.config, self.recipe_of())
 
     @property
     def collectives(self) -> pd.DataFrame:

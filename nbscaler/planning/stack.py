@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nbscaler.ir.graph import IRNode
+from nbscaler.ir.graph import REST_UNIT, IRNode
 from nbscaler.policy.staging import layer_of
 
 
@@ -47,6 +47,12 @@ class Stack:
     def weight_layer(self, name: str) -> Optional[int]:
         """The layer weight ``name`` (``model.layers.3.mlp.up_proj.weight``) belongs to, or ``None``."""
         return self.layer_of(name)
+
+    def unit_of(self, name: str) -> str:
+        """ZeRO stage 3's unit of weight ``name`` by default (``policy.shard_units``): its layer of the
+        stack, else ``REST_UNIT``."""
+        layer = self.weight_layer(name)
+        return REST_UNIT if layer is None else f"{self.path}.{layer}"
 
     def renamed(self, name: str, layer: int) -> str:
         """Weight ``name`` of a layer of the stack as the same weight of ``layer``."""

@@ -14,12 +14,13 @@ from typing import Any
 import pandas as pd
 
 from nbscaler.comm.program import Reshard
-from nbscaler.cost.memory import unit_bytes
+from nbscaler.recipe import Recipe
+from nbscaler.cost.memory import unit_bytes_held
 
 UNIT_COLUMNS = ["device", "unit", "parameters", "numel", "gathered_bytes", "shard_bytes", "freed_after_forward"]
 
 
-def units_frame(programs: Any, config: Any) -> pd.DataFrame:
+def units_frame(programs: Any, config: Any, recipe: Recipe) -> pd.DataFrame:
     """The units of every plan device of ``programs`` (``comm.lower.RankPrograms``) under ``config``."""
     rows = []
     n = config.grid.zero_group_size if config.use_zero else 1
@@ -29,7 +30,7 @@ def units_frame(programs: Any, config: Any) -> pd.DataFrame:
             continue
         weights = {w.name: w for w in program.weights}
         freed = {i.unit for sec in program.sections for i in sec.instructions if isinstance(i, Reshard)}
-        gathered = unit_bytes([w for w in program.weights if w.kind == "param"], config)
+        gathered = unit_bytes_held([w for w in program.weights if w.kind == "param"], config, recipe)
         for unit, names in program.units.items():
             rows.append({"device": device, "unit": unit, "parameters": len(names),
                          "numel": sum(weights[name].numel for name in names), "gathered_bytes": gathered[unit],

@@ -29,7 +29,9 @@ from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn 
 from nbscaler.config import ComputeConfig
 from nbscaler.recipe import Recipe
 from nbscaler.cost.hardware import Hardware
-from nbscaler.cost.memory import gradient_buckets, weight_memory
+from nbscaler.cost.gathered import GatheredUnits
+from nbscaler.cost.local import UnitEvent
+from nbscaler.cost.memory import completed_units, gradient_buckets, unit_bytes_held, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.roofline import skips_masked_pairs
@@ -110,6 +112,27 @@ class Staged:
                 fwd[-1], bwd[-1] = fwd[-1] + end[TP_FWD], bwd[-1] + end[TP_BWD]
             self._scripts[key] = tuple(Work(float(fwd[s[0]]), float(bwd[s[0]]), s[1]) if isinstance(s, tuple) else s
                                        for s in steps)
+        return self._scripts[key]
+
+    def unit_events(self, stage: int, index: int, reshard_after_forward: bool) -> Tuple[UnitEvent, ...]:
+        """ZeRO stage 3's gathers and frees in a forward of ``stage`` on tensor-parallel ``index``,
+        each with the bytes saved for the backward before it, as ``cost.local``'s replay records
+        them for ``cost.gathered`` (the memory model)."""
+        key = ("zero3 events", stage, index, reshard_after_forward)
+        if key not in self._scripts:
+            steps, counts = self.kept(("zero3 layout", stage, index, reshard_after_forward),
+                                      lambda: self._layout(stage, index, reshard_after_forward))
+            per_run = counts @ self.facts.matrix[index][:, SAVED]
+            saved = float(self.facts.stage_start(self.cuts[stage - 1])[index][SAVED]) if stage > 0 else 0.0
+            events = []
+            for item in steps:
+                if isinstance(item, tuple):
+                    saved += float(per_run[item[0]])
+                elif isinstance(item, Gather):
+                    events.append(UnitEvent(True, item.unit, item.prefetch, int(saved)))
+                else:
+                    events.append(UnitEvent(False, item.unit, None, int(saved)))
+            self._scripts[key] = tuple(events)
         return self._scripts[key]
 
     def _layout(self, stage: int, index: int, reshard_after_forward: bool):
@@ -201,7 +224,8 @@ class Staged:
         held = {self.stage_of(v) for r in readers for v in exp.positions(r, layer)} & set(stages)
         if held:
             trained = tuple(sorted(held)) if w.trained else ()
-            yield dataclasses.replace(w, name=name, stages=trained)     # its layout, group and slice kept
+            # its layout, group and slice kept; its ZeRO-3 unit, as the runtime's (read under stage 3 only)
+            yield dataclasses.replace(w, name=name, stages=trained, unit=self.facts.expansion.stack.unit_of(name))
 
 
 class _Device:
@@ -280,7 +304,11 @@ class _Device:
         saved = {s: int(self.staged.sums[s][index][SAVED]) for s in stages}
         # a split backward's B frees the loss's saved bytes on the last stage, unless it is the first (no data path)
         held_for_w = {s: saved[s] - (int(self.staged.sums[s][index][SAVED_TAIL]) if s > 0 else 0) for s in stages}
-        held = step_peak(grads, params, saved, self.geometry, device, held_for_w)
+        units = None
+        if cfg.use_zero and cfg.zero_stage == 3:
+            events = {s: self.staged.unit_events(s, index, cfg.zero_reshard_after_forward) for s in stages}
+            units = GatheredUnits(unit_bytes_held(params, cfg, recipe), events, completed_units(params))
+        held = step_peak(grads, params, saved, self.geometry, device, held_for_w, units)
         row[C.GRAD_BYTES], row[C.ACTIVATION_BYTES] = held.grad_bytes, held.activation_bytes
         row[C.GATHERED_BYTES] = held.gathered_bytes
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
@@ -307,7 +335,6 @@ class _Zero3:
         self.geometry, schedule = geometry, geometry.schedule
         grid, overlap = cfg.grid, overlaps_communication(hardware)
         stack, n = staged.facts.expansion.stack, grid.zero_group_size
-        unit_of = lambda name: REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{stack.weight_layer(name)}"
         self.plays: Dict[int, Dict[int, StagePlays]] = {}
         alike: Dict[Tuple, Dict[int, StagePlays]] = {}
         for device in range(cfg.plan_ngpus):
@@ -320,7 +347,7 @@ class _Zero3:
             if key not in alike:
                 params = staged.params(index, stages)
                 moved = staged.held(("zero3 units", index, stages, n, recipe),
-                                    lambda: unit_bytes(params, unit_of, n, recipe))
+                                    lambda: unit_bytes(params, stack.unit_of, n, recipe))
                 seconds = unit_seconds(moved, comm, group, replicas)
                 alike[key] = {s: stage_plays(staged.script(s, index, cfg.zero_reshard_after_forward), seconds,
                                              overlap, schedule.splits_backward) for s in stages}

@@ -49,13 +49,13 @@ def test_the_bytes_priced_per_unit_are_the_bytes_the_runtime_moves(plan, monkeyp
     gathered, reduced = {}, {}
     current = []
 
-    def all_gather(chunks, mine, group=None, async_op=False):
+    def all_gather(flat, mine, group):              # in place: ``mine`` is this rank's slice of ``flat``
         gathered[current[0]] = gathered.get(current[0], 0) + n * mine.numel() * mine.element_size()
         return _Work()
 
     def reduce_scatter_into(out, flat, group):
         reduced[current[0]] = reduced.get(current[0], 0) + flat.numel() * flat.element_size()
-    monkeypatch.setattr(fsdp.dist, "all_gather", all_gather)
+    monkeypatch.setattr(fsdp, "_all_gather_in_place", all_gather)
     monkeypatch.setattr(zero, "reduce_scatter_into", reduce_scatter_into)
     program = plan.programs.device(0)
     shapes = {w.name: w for w in program.weights}
