@@ -53,7 +53,7 @@ RUNNERS_UP = 4
 WITHIN = 1.25
 
 #: The ranges ``autodist_space`` may give: ``nbscaler.sweep``'s keywords of the same names.
-SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage")
+SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage", "zero_reshard_after_forward")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class TargetSearch:
                         (``Hardware.catalogue()``) whose nodes ``runtime_ngpus`` fills
     ``global_batch``    the sequences one training step trains on
     ``autodist_space``  the ranges to search, as ``nbscaler.sweep``'s keywords ``tp``, ``pp``,
-                        ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage`` (a
+                        ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``,
+                        ``zero_reshard_after_forward`` (a
                         missing one: the sweep's default, none, selective and full for
                         ``recompute``; ``sequence_parallel`` or ``recompute`` missing and
                         ``pas_config['sequence_parallel']`` or ``['recompute']`` given: that

@@ -99,7 +99,8 @@ def test_target_keys_are_checked_with_the_fix():
         AutodistOptions.from_config(ComputeConfig(2, 2, pas_config={"global_batch": 8}))
     with pytest.raises(ValueError, match="no hardware named 'H1000'; known: .*H100-SXM-80GB"):
         TargetSearch(hardware="H1000", global_batch=8)
-    with pytest.raises(ValueError, match="autodist_space.*some of tp, pp, micro_batch, recompute, sequence_parallel, zero_stage"):
+    with pytest.raises(ValueError, match="autodist_space.*some of tp, pp, micro_batch, recompute, "
+                                         "sequence_parallel, zero_stage, zero_reshard"):
         TargetSearch(hardware="H100-SXM-80GB", global_batch=8, autodist_space={"dp": (2,)})
     with pytest.raises(ValueError, match="runtime_ngpus=4.*4 GPUs are not a whole number of nodes"):
         TargetSearch(hardware="H100-SXM-80GB", global_batch=8).target(ComputeConfig(4, 4))
@@ -144,3 +145,18 @@ def test_the_full_model_is_traced_in_eval_mode_only_where_the_copy_showed_the_mo
     full = [mode for depth, mode in traced if depth == GPT_CFG.n_layer]
     assert full == (["train"] if p == 0.0 else ["train", "eval"])
     assert ("eval" in [mode for depth, mode in traced if depth == 2])     # the copy was traced in both modes
+
+
+@pytest.mark.slow       # a search and its plan: seconds
+def test_a_search_over_zero3_plans_the_fully_sharded_row_it_claims():
+    """Stage 3 only, both reshard settings: the plan is the row autodist chose, sharded as it says,
+    and its summary is what the search claimed."""
+    space = {"tp": (1, 2), "pp": (1,), "micro_batch": (1, 2), "zero_stage": (3,),
+             "zero_reshard_after_forward": (True, False)}
+    cfg = ComputeConfig(8, 8, pas_config={"hardware": TARGET, "global_batch": GLOBAL_BATCH, "autodist_space": space})
+    plan = nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", cfg, module_dtype=torch.bfloat16)
+    claimed = plan.graph.meta["autodist"]["target"]["chosen"]
+    assert plan.config.use_zero and plan.config.zero_stage == 3 and not plan.units.empty
+    s = plan.summary(torch.optim.AdamW, hardware=TARGET, master_dtype=torch.float32)
+    assert s.step_time_s.max() == pytest.approx(claimed["step_time_s"], rel=1e-9)
+    assert s.peak_bytes.max() == pytest.approx(claimed["peak_bytes"], rel=1e-9) and (s.gathered_bytes > 0).all()

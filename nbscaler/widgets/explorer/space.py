@@ -36,7 +36,7 @@ PRECISIONS: Dict[str, Tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
 }
 """The precision knob: its label -> (module dtype, master dtype)."""
 SPACE_KNOBS = ("hardware", "nodes", "gpus_per_node", "precision", "global_batch", "sequence", "metric")
-DEFAULT_RANGES: Dict[str, Any] = {"micro_batch": (1, 2, 4), "zero_stage": (1, 2)}
+DEFAULT_RANGES: Dict[str, Any] = {"micro_batch": (1, 2, 4), "zero_stage": (1, 2, 3)}
 """What the tab sweeps besides every tp and pp that divide the GPUs, recompute none, selective and full, and
 sequence parallelism on and off where tp > 1 (``nbscaler.sweep``'s defaults)."""
 
