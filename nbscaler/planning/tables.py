@@ -253,4 +253,15 @@ def plan_html(plan: "Plan") -> str:
     table = by_split.rename_axis("ops by split").to_html(border=0)
     link = f"<a href='{GLOSSARY_URL}' target='_blank'>what the split labels mean</a>"
     return (f"<div class='nbs-plan-card'><b>{title}</b><p style='font-family:monospace;white-space:pre-wrap'>{text}</p>"
-            f"{table}<small>{link}</small></div>")
+            f"{table}{units_html(plan)}<small>{link}</small></div>")
+
+
+def units_html(plan: "Plan") -> str:
+    """ZeRO stage 3's units of plan device 0 as a small table (``Plan.units``), or nothing."""
+    units = plan.units
+    if units.empty:
+        return ""
+    first = units[units.device == 0].drop(columns="device").set_index("unit")
+    for column in ("gathered_bytes", "shard_bytes"):
+        first[column] = first[column].map(fmt_bytes)
+    return f"<p><b>ZeRO-3 units</b> (plan device 0; each rank stores its shard)</p>{first.to_html(border=0)}"

@@ -27,3 +27,9 @@ def test_each_unit_with_its_bytes_whole_and_sharded_and_whether_the_forward_free
 
 def test_no_units_without_stage_3():
     assert plan(zero_stage=2).units.empty
+
+
+def test_the_plan_card_shows_the_units_with_their_bytes():
+    card = plan(zero_stage=3)._repr_html_()
+    assert "ZeRO-3 units" in card and "blocks.0" in card and "freed_after_forward" in card
+    assert "ZeRO-3 units" not in plan(zero_stage=2)._repr_html_()
