@@ -170,6 +170,43 @@ class Held:
         return self.grad_bytes + self.activation_bytes + self.gathered_bytes
 
 
+class UnitColumn(StrEnum):
+    """A column of ``plan.unit_collectives()``: one row per plan device (its rank in unit 0) and
+    ZeRO stage 3 unit (``policy.shard_units``), what the unit's collectives move and cost in one
+    training step (``cost.fsdp``).
+
+    - ``rank``: the runtime rank of unit 0 (a plan device; the other units' ranks do the same).
+    - ``unit``: the unit, as the generated code's ``shard_units`` names it (``'(rest)'``: every
+      parameter outside the repeated layers).
+    - ``gather_bytes``: the whole unit as one all-gather makes it on each rank: its flat buckets
+      (one per parameter dtype, each padded to a multiple of the ZeRO group size) in the module
+      dtype; each rank sends ``(N-1)/N`` of it.
+    - ``reduce_bytes``: the unit's gradients as its reduce-scatter reads them: the same buckets in
+      the recipe's reduce dtype (fp32 for a bf16 model with fp32 masters).
+    - ``gather_s`` / ``reduce_s``: one all-gather / one reduce-scatter (with the all-reduce of its
+      slice across ZeRO groups, ``zero_ngroups > 1``) alone on the link the ZeRO group spans.
+    - ``gathers`` / ``reduces``: how many the step runs: a gather per forward (once a step for a
+      unit an earlier forward still holds, the rest of the model on a 1F1B stage before the last)
+      and again per backward for a unit released after its forward; a reduce-scatter per backward;
+      none over a ZeRO group of one rank, which moves nothing.
+    - ``exposed_s``: the seconds of the step the rank's compute waits for this unit's
+      collectives: a gather not yet done where the unit's compute starts (the first of each forward
+      and backward, and any that outruns the compute it runs under), and a reduce-scatter still
+      running when the block's compute ends (the last of each backward). The rest runs under the
+      compute; the sum over units is ``DeviceStep.fsdp_s``, part of ``step_time_s``.
+    """
+
+    RANK = "rank"
+    UNIT = "unit"
+    GATHER_BYTES = "gather_bytes"
+    REDUCE_BYTES = "reduce_bytes"
+    GATHER_S = "gather_s"
+    REDUCE_S = "reduce_s"
+    GATHERS = "gathers"
+    REDUCES = "reduces"
+    EXPOSED_S = "exposed_s"
+
+
 class SweepColumn(StrEnum):
     """A column of ``nbscaler.sweep``: one row per configuration of a run, priced on a target.
 
@@ -183,8 +220,11 @@ class SweepColumn(StrEnum):
       core) or ``full`` (every layer of the model's stack).
     - ``sequence_parallel``: the ops between the tensor-parallel linears (norms, dropout, residual
       adds) on a slice of the sequence (``pas_config['sequence_parallel']``); only where ``tp > 1``.
-    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too), 3
-      (parameters too: fully sharded).
+    - ``zero_stage``: 0 without ZeRO, 1 (optimizer state sharded over ``dp``), 2 (gradients too),
+      3 (parameters too, gathered a unit at a time: fully sharded data parallelism).
+    - ``zero_reshard_after_forward``: under ZeRO stage 3, whether each layer's gathered parameters
+      are freed after its forward and gathered again for its backward (``True``) or kept until the
+      backward (``False``); ``True`` on the rows of other stages, which gather nothing.
     - ``scheduler``: the pipeline scheduler; ``virtual_stages``: stages per pipeline device (1
       for ``1f1b``, more for interleaved schedulers).
 
@@ -210,6 +250,7 @@ class SweepColumn(StrEnum):
     RECOMPUTE = "recompute"
     SEQUENCE_PARALLEL = "sequence_parallel"
     ZERO_STAGE = "zero_stage"
+    ZERO_RESHARD_AFTER_FORWARD = "zero_reshard_after_forward"
     SCHEDULER = "scheduler"
     VIRTUAL_STAGES = "virtual_stages"
     STEP_TIME_S = "step_time_s"
@@ -222,3 +263,4 @@ class SweepColumn(StrEnum):
     TP_COMM_SHARE = "tp_comm_share"
     DP_COMM_SHARE = "dp_comm_share"
     PP_SEND_SHARE = "pp_send_share"
+    FSDP_COMM_SHARE = "fsdp_comm_share"

@@ -19,7 +19,7 @@ reduce-scattered its gradients (``nbscaler.runtime.fsdp``).
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from nbscaler.comm.program import (Call, Fetch, Instruction, LocalWeight, Origin, Receive, Recompute, Reshard,
                                    Return, Section, Send, Unshard, Value)
@@ -81,37 +81,53 @@ def units_read(ins: Instruction, units_of: Dict[str, str]) -> Set[str]:
             if v.origin == Origin.WEIGHT and v.tensor.name in units_of}
 
 
-def insert_unit_gathers(section: Section) -> None:
-    """Put each unit's ``Unshard`` and ``Reshard`` into ``section.instructions`` (module docstring);
-    nothing without ZeRO stage 3 (no ``SHARD_UNITS`` in the graph's meta)."""
-    units_of = section.graph.meta.get(SHARD_UNITS)
-    if not units_of:
-        return
-    reshard_after_forward = section.graph.meta.get(SHARD_RESHARD, True)
-    body = section.instructions
-    reads = [units_read(ins, units_of) for ins in body]
+T = TypeVar("T")
+
+
+def with_gathers(body: Sequence[T], reads: Sequence[Set[str]], reshard_after_forward: bool,
+                 gather: Callable[[str, Optional[str]], T], release: Callable[[str, int, int], T]) -> List[T]:
+    """``body`` with each unit's gather and release put where the module docstring says, the one
+    rule the lowering (``insert_unit_gathers``) and the time model (``cost.fsdp``) both follow.
+
+    ``reads[i]``: the units ``body[i]`` reads; ``gather(unit, prefetch)`` makes what goes just
+    before the unit's first reader (``prefetch``: the unit first read next, or ``None``);
+    ``release(unit, first, last)`` what goes just after its last reader, for a unit released after
+    its forward (``first`` and ``last``: the indexes of its first and last readers in ``body``)."""
     span: Dict[str, Tuple[int, int]] = {}
     for i, units in enumerate(reads):
         for u in units:
             span[u] = (span[u][0] if u in span else i, i)
     order = sorted(span, key=lambda u: span[u][0])
     released = {u for u in order if reshard_after_forward and u != REST_UNIT
-                and not any(reads[i] - {u} for i in range(span[u][0], span[u][1] + 1))}
+                and not any(set(reads[i]) - {u} for i in range(span[u][0], span[u][1] + 1))}
     starts: Dict[int, List[str]] = {}
     ends: Dict[int, List[str]] = {}
     for u in order:
         starts.setdefault(span[u][0], []).append(u)
         if u in released:
             ends.setdefault(span[u][1], []).append(u)
-    out: List[Instruction] = []
-    for i, ins in enumerate(body):
+    out: List[T] = []
+    for i, item in enumerate(body):
         for u in starts.get(i, []):
             after = order.index(u) + 1
-            out.append(Unshard(u, order[after] if after < len(order) else None))
-        out.append(ins)
+            out.append(gather(u, order[after] if after < len(order) else None))
+        out.append(item)
         for u in ends.get(i, []):
-            out.append(Reshard(u, _leaving(body, *span[u])))
-    section.instructions = out
+            out.append(release(u, *span[u]))
+    return out
+
+
+def insert_unit_gathers(section: Section) -> None:
+    """Put each unit's ``Unshard`` and ``Reshard`` into ``section.instructions`` (module docstring);
+    nothing without ZeRO stage 3 (no ``SHARD_UNITS`` in the graph's meta)."""
+    units_of = section.graph.meta.get(SHARD_UNITS)
+    if not units_of:
+        return
+    body = section.instructions
+    section.instructions = with_gathers(
+        body, [units_read(ins, units_of) for ins in body], section.graph.meta.get(SHARD_RESHARD, True),
+        lambda unit, prefetch: Unshard(unit, prefetch),
+        lambda unit, first, last: Reshard(unit, _leaving(body, first, last)))
 
 
 def _leaving(body: List[Instruction], first: int, last: int) -> Tuple[Value, ...]:

@@ -37,7 +37,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_unflatten
 
 from nbscaler.comm.arguments import local_arguments
-from nbscaler.comm.program import Call, Fetch, Instruction, Receive, Recompute, Reshard, Section, Unshard, Value
+from nbscaler.comm.program import (Call, Fetch, Instruction, Receive, Recompute, Reshard, Return, Section, Send, Unshard,
+                                   Value)
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import vocab_parallel
@@ -223,10 +224,10 @@ class _Replay:
             self.call(ins)
         elif isinstance(ins, Recompute):
             self.recompute(ins)
-        elif isinstance(ins, (Unshard, Reshard)):
-            self.run.units.append(UnitEvent(isinstance(ins, Unshard), ins.unit, ins.prefetch if isinstance(ins, Unshard) else None,
-                                            self.run.saved_bytes))
-        else:                                   # Send, Return: the outputs gathered
+        elif isinstance(ins, (Unshard, Reshard)):      # ZeRO-3: no value changes; the memory model reads them
+            prefetch = ins.prefetch if isinstance(ins, Unshard) else None
+            self.run.units.append(UnitEvent(isinstance(ins, Unshard), ins.unit, prefetch, self.run.saved_bytes))
+        elif isinstance(ins, (Send, Return)):   # the outputs gathered
             self.fetches(ins.fetches)
 
     def fetches(self, fetches: Sequence[Fetch]) -> None:

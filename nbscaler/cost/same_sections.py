@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Reshard, Section, Unshard, Value
+from nbscaler.comm.program import Call, Fetch, Receive, Recompute, Reshard, Return, Section, Send, Unshard, Value
 from nbscaler.cost.local import LocalRun, run_local
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode, IRTensor
@@ -94,8 +94,9 @@ class _Keyer:
                 prefetch = ins.prefetch if isinstance(ins, Unshard) else None
                 self.key.append(("unit", isinstance(ins, Unshard), self.unit(ins.unit), self.unit(prefetch)))
                 self.names.units.append((ins.unit, prefetch))
-            else:                               # Send, Return
+            elif isinstance(ins, (Send, Return)):
                 self.fetches(ins.fetches)
+            # ZeRO-3's Unshard and Reshard: the replay skips them, so they leave the key alone
         return tuple(self.key), self.names
 
     def unit(self, name: Optional[str]) -> Optional[int]:
@@ -159,7 +160,8 @@ def renamed(run: LocalRun, template: SectionNames, names: SectionNames) -> Local
     ops = [dataclasses.replace(op, node=node) for op, node in zip(run.ops, names.nodes)]
     collectives = [dataclasses.replace(c, tensor=tensor, devices=devices, node=consumer)
                    for c, (tensor, devices, consumer) in zip(run.collectives, names.converts)]
-    units = [dataclasses.replace(e, unit=unit, prefetch=prefetch) for e, (unit, prefetch) in zip(run.units, names.units)]
+    units = [dataclasses.replace(e, unit=unit, prefetch=prefetch)
+             for e, (unit, prefetch) in zip(run.units, names.units)]
     return LocalRun(names.device, names.stage, ops, collectives, dict(run.saved), run.exact,
                     {regions[r]: b for r, b in run.rebuilt.items()}, units)
 

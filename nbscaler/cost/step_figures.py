@@ -6,12 +6,13 @@ works out, per plan device, the seconds of its part of the pipeline, of the grad
 synchronisation it waits for and of its optimizer step, its FLOPs and its peak bytes; both hand
 them to ``StepFigures``, and every figure read from a step is computed here, once:
 
-- the overlap rule (``overlap_window``): how much of the backward the gradient reduction may hide in;
+- the overlap rule (``overlaps_communication``, ``overlap_window``): whether collectives run beside
+  the compute, and how much of the backward the gradient reduction may hide in;
 - a device's step: its compute, then its exposed synchronisation, then its update;
 - utilisation (``utilisation``: MFU and HFU), throughput (``throughput``: tokens/s) and whether the
   peak fits the target's memory (``Hardware.fits``);
-- the shares of the step the sweep reports: the bubble, tensor-parallel, data-parallel and
-  pipeline-send time.
+- the shares of the step the sweep reports: the bubble, tensor-parallel, data-parallel,
+  pipeline-send and ZeRO-3 gather and reduce-scatter time.
 
 Data-parallel units repeat unit 0's devices, so a rank's figures are its plan device's
 (``ComputeConfig.device_of``).
@@ -25,12 +26,18 @@ from typing import Iterable, Mapping, Optional, Tuple
 from nbscaler.cost.hardware import Hardware
 
 
+def overlaps_communication(hardware: Optional[Hardware]) -> bool:
+    """Whether data-parallel collectives run beside the compute, on their own stream: on a target
+    whose software does so (DDP, FSDP, Megatron-LM's ``--overlap-grad-reduce``); not on a target
+    that waits for them, nor on this machine, whose ranks compute and communicate on the same cores."""
+    return hardware is not None and not hardware.is_local and hardware.software.overlap_grad_reduce
+
+
 def overlap_window(backward_s: Iterable[float], hardware: Optional[Hardware]) -> Optional[float]:
     """The seconds of a device's backward its gradient reduction may run during: its longest
-    backward block on a target whose software reduces on its own stream during the backward (DDP,
-    Megatron-LM's ``--overlap-grad-reduce``); ``None`` (all of it waits for the backward's end) on a
-    target that does not, and on this machine, whose ranks compute and communicate on the same cores."""
-    if hardware is None or hardware.is_local or not hardware.software.overlap_grad_reduce:
+    backward block where collectives overlap the compute (``overlaps_communication``); ``None``
+    (all of it waits for the backward's end) where they do not."""
+    if not overlaps_communication(hardware):
         return None
     return max(backward_s)
 
@@ -59,8 +66,9 @@ class DeviceStep:
     ``sync_s``: the gradient synchronisation it waits for (``cost.timing.exposed_sync``);
     ``update_s``: the optimizer step with the reducer's copies; ``flops`` and ``hardware_flops``:
     the model's and the hardware's (recomputed forwards too) in the step; ``peak_bytes``: the most it
-    holds at once; ``tp_s``: of ``compute_s``, the tensor-parallel collectives' seconds. A figure
-    its pricer does not count is NaN."""
+    holds at once; ``tp_s``: of ``compute_s``, the tensor-parallel collectives' seconds; ``fsdp_s``:
+    of ``compute_s``, the seconds its blocks wait for ZeRO stage 3's all-gathers and reduce-scatters
+    (``cost.fsdp``; 0 without stage 3). A figure its pricer does not count is NaN."""
 
     compute_s: float
     sync_s: float
@@ -69,6 +77,7 @@ class DeviceStep:
     hardware_flops: float = float("nan")
     peak_bytes: float = float("nan")
     tp_s: float = float("nan")
+    fsdp_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
@@ -170,6 +179,12 @@ class StepFigures:
     @property
     def dp_comm_share(self) -> float:
         return self.devices[self.slowest[1]].sync_s / self.step_time_s
+
+    @property
+    def fsdp_comm_share(self) -> float:
+        """The share of the step the slowest device waits for ZeRO stage 3's gathers and
+        reduce-scatters (``DeviceStep.fsdp_s``)."""
+        return self.devices[self.slowest[1]].fsdp_s / self.step_time_s
 
     @property
     def pp_send_share(self) -> float:

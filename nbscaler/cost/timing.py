@@ -13,7 +13,11 @@ The pieces, each measured or modelled once:
   one, the schedule simulator (``nbscaler.schedule.simulate``) plays the stage times, with a
   send/recv between devices as latency, and the time each side spends starting it; then the
   gradient synchronisation (all-reduce, or ZeRO's reduce-scatter and all-gather, per bucket) and
-  the optimizer step (profiled, with the reducer's copies).
+  the optimizer step (profiled, with the reducer's copies);
+- **ZeRO stage 3**: each unit's all-gathers and reduce-scatter run inside the blocks, as FSDP
+  prefetches them (``cost.fsdp``): a block lasts its compute plus what it waits for them, which
+  the simulator plays per block; there is no synchronisation per bucket after the backward and no
+  all-gather after the optimizer step.
 
 Op times are read at the speed the ranks last measured side by side (``cost.speed``), so a
 profile from a quieter minute, or from one process alone, is scaled to the machine as it runs them.
@@ -46,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pandas as pd
 import torch
 
-from nbscaler.columns import SummaryColumn as C
+from nbscaler.columns import SummaryColumn as C, UnitColumn as U
 from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.comm.stages import stage_carries
 from nbscaler.config import ComputeConfig, threads_per_rank
@@ -54,15 +58,18 @@ from nbscaler.recipe import Recipe
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.fsdp import (DeviceUnits, Played, Script, block_extras, block_plays, section_script, stage_plays,
+                                unit_bytes, unit_seconds)
 from nbscaler.cost.local import LocalRun
-from nbscaler.cost.memory import DeviceRuns, buckets, stage_runs
+from nbscaler.cost.memory import DeviceRuns, ProgramOf, buckets, stage_runs
+from nbscaler.comm.lower import lower_device
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.layouts import Backend, Collective
 from nbscaler.cost.profile import OpProfiler
 from nbscaler.cost.ranks import LocalWeight, local_weights, train_graph
 from nbscaler.cost.roofline import RooflineOps
-from nbscaler.cost.step_figures import DeviceStep, PipelineParts, overlap_window
-from nbscaler.schedule import TimedBlock, Timeline, simulate, simulate_totals
+from nbscaler.cost.step_figures import DeviceStep, PipelineParts, overlap_window, overlaps_communication
+from nbscaler.schedule import Block, CollectiveBlock, TimedBlock, Timeline, simulate, simulate_totals
 
 _PROFILERS: Dict[str, OpProfiler] = {}
 
@@ -171,8 +178,12 @@ def reduced_buckets(params: List[LocalWeight], cfg: ComputeConfig,
 
 def bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel,
                    reduced: Tuple[List[Tuple[int, int]], List[int]]) -> List[Tuple[float, float]]:
-    """``sync_buckets``' seconds from the bytes ``reduced_buckets`` gives."""
+    """``sync_buckets``' seconds from the bytes ``reduced_buckets`` gives. Under ZeRO stage 3 only
+    the sums inside the unit: the reduction across units is each unit's reduce-scatter in the
+    backward (``cost.fsdp``), and nothing is gathered after the step."""
     inside, across = reduced
+    if is_zero3(cfg):
+        across = []
     out = [(comm.forward(Collective.ALL_REDUCE, nbytes, n, ranks=range(device - device % n, device - device % n + n)),
             0.0) for n, nbytes in inside]                 # adjacent devices of the unit
     seconds = functools.lru_cache(maxsize=None)(_bucket_seconds(cfg, device, comm))   # a model's buckets repeat
@@ -195,6 +206,11 @@ def _bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel) -> Callabl
                   + comm.forward(Collective.ALL_REDUCE, shard, cfg.zero_ngroups, ranks=replicas))
         return during, comm.forward(Collective.ALL_GATHER, shard, n, ranks=group)
     return zero
+
+
+def is_zero3(cfg: ComputeConfig) -> bool:
+    """Whether ``cfg`` trains under ZeRO stage 3 (parameters gathered a unit at a time)."""
+    return cfg.use_zero and cfg.zero_stage == 3 and not cfg.inference_only
 
 
 def sync_time(placed: PlacedGraphs, device: int, comm: CommModel, recipe: Recipe, overlap_s: Optional[float] = None,
@@ -251,7 +267,10 @@ class StepModel:
 
     def __init__(self, placed: PlacedGraphs, profiler: Optional[OpProfiler] = None,
                  comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None,
-                 hardware: Optional[Hardware] = None, weights_of: Optional[Callable[[int], List[LocalWeight]]] = None):
+                 hardware: Optional[Hardware] = None, weights_of: Optional[Callable[[int], List[LocalWeight]]] = None,
+                 program_of: Optional[ProgramOf] = None):
+        """``runs``, ``weights_of`` and ``program_of`` (plan device -> its lowered program, read
+        under ZeRO stage 3): the plan's, when the caller has them."""
         self.placed, cfg = placed, placed.config
         self.graphs, self.cfg, self.geometry = placed.graphs, cfg, placed.geometry
         self.weights_of = weights_of          # plan device -> its weight table, when the caller has them
@@ -271,28 +290,72 @@ class StepModel:
         for device, by_stage in stages.items():
             self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in by_stage.items()}
             self.collective_times[device] = {s: collective_time(r, self.comm) for s, r in by_stage.items()}
+        # ZeRO stage 3: each section's gather points and the compute between them, and each unit's parameters
+        self.scripts: Dict[int, Dict[Optional[int], Script]] = {}
+        self.unit_params: Dict[int, Tuple[List[LocalWeight], Dict[str, str]]] = {}
+        if is_zero3(cfg):
+            graph = train_graph(self.graphs)
+            for device, by_stage in stages.items():
+                program = (program_of(device) if program_of is not None
+                           else lower_device(placed.graphs, placed.storage, device, placed.geometry))
+                sections = {sec.stage: sec for sec in program.sections if sec.graph is graph}
+                self.scripts[device] = {s: section_script(sections[s], r, self.profiler, self.comm)
+                                        for s, r in by_stage.items()}
+                self.unit_params[device] = (program.weights, {n: u for u, names in program.units.items() for n in names})
+        self._units: Dict[Recipe, Dict[int, DeviceUnits]] = {}
         self.profiler.save()
 
-    def pipeline_timeline(self) -> Timeline:
-        """The simulated step, one row per pipeline device."""
-        return simulate(self.geometry.schedule, *self._stage_costs())
+    def shard_units(self, recipe: Recipe) -> Dict[int, DeviceUnits]:
+        """Per plan device, ZeRO stage 3's collectives with gradients reduced as ``recipe`` says
+        (``cost.fsdp``): each unit's bytes and seconds on the ZeRO group's link, each stage's
+        blocks played; ``{}`` without stage 3."""
+        if recipe not in self._units:
+            grid, overlap = self.cfg.grid, overlaps_communication(self.hardware)
+            splits = self.geometry is not None and self.geometry.schedule.splits_backward
+            out = {}
+            for device, scripts in self.scripts.items():
+                weights, unit_of = self.unit_params[device]
+                moved = unit_bytes(weights, unit_of.get, grid.zero_group_size, recipe)
+                seconds = unit_seconds(moved, self.comm, grid.zero_ranks(device), grid.zero_replica_ranks(device))
+                out[device] = DeviceUnits(moved, seconds, {s: stage_plays(script, seconds, overlap, splits)
+                                                           for s, script in scripts.items()})
+            self._units[recipe] = out
+        return self._units[recipe]
 
-    def pipeline_parts(self) -> Optional[PipelineParts]:
+    def pipeline_timeline(self, recipe: Optional[Recipe] = None) -> Timeline:
+        """The simulated step, one row per pipeline device (``recipe``: how gradients are reduced,
+        which ZeRO stage 3's reduce-scatters read; default ``Recipe()``)."""
+        *costs, extra = self._stage_costs(recipe)
+        return simulate(self.geometry.schedule, *costs, extra=extra)
+
+    def pipeline_parts(self, recipe: Optional[Recipe] = None) -> Optional[PipelineParts]:
         """The pipeline's makespan with its sends' latency and without, and each plan device's
         busy seconds without it (``PipelineParts``): what the bubble and the sends' share of a step
         are read from. ``None`` without a pipeline."""
         if self.geometry is None:
             return None
-        forward, backward, latency, post = self._stage_costs()
+        forward, backward, latency, post, extra = self._stage_costs(recipe)
         schedule = self.geometry.schedule
-        line = simulate_totals(schedule, forward, backward, latency, post)
-        instant = simulate_totals(schedule, forward, backward, 0.0, post)
+        line = simulate_totals(schedule, forward, backward, latency, post, extra=extra)
+        instant = simulate_totals(schedule, forward, backward, 0.0, post, extra=extra)
         busy = {d: instant.busy[self.geometry.pipeline_device(d)] for d in range(self.cfg.plan_ngpus)}
         return PipelineParts(line.makespan, instant.makespan, busy)
 
-    def _stage_costs(self) -> Tuple[List[float], List[float], float, float]:
-        """Each stage's forward and backward seconds (its slowest device's), a send's latency and
-        the time a rank spends starting its sends and receives, as the simulator takes them."""
+    def _block_extras(self, recipe: Optional[Recipe]) -> Dict[Block, float]:
+        """The seconds each block waits for ZeRO stage 3's collectives (``cost.fsdp.block_extras``),
+        its stage group's slowest device's; ``{}`` without stage 3."""
+        units = self.shard_units(recipe or Recipe())
+        schedule = self.geometry.schedule
+        if not units:
+            return {}
+        return block_extras(schedule, {s: [units[d].plays[s] for d in self.geometry.stage_group(s)]
+                                       for s in range(schedule.nstages)})
+
+    def _stage_costs(self, recipe: Optional[Recipe] = None
+                     ) -> Tuple[List[float], List[float], float, float, Dict[Block, float]]:
+        """Each stage's forward and backward seconds (its slowest device's), a send's latency, the
+        time a rank spends starting its sends and receives, and what single blocks add (ZeRO stage
+        3's waits: ``_block_extras``), as the simulator takes them."""
         schedule = self.geometry.schedule
         forward, backward = [0.0] * schedule.nstages, [0.0] * schedule.nstages
         for s in range(schedule.nstages):
@@ -305,7 +368,7 @@ class StepModel:
         latency = max((self.comm.p2p(sum(t.nbytes for t in c), ranks=pair) for c, pair in zip(carries, pairs)),
                       default=self.comm.p2p(0))
         post = self.comm.p2p_post(max((len(c) for c in carries), default=0))     # one isend/irecv per tensor
-        return forward, backward, latency, post
+        return forward, backward, latency, post, self._block_extras(recipe)
 
     def collective_seconds(self, device: int, nsamples: int) -> float:
         """Seconds plan ``device`` spends in its sections' collectives in one step: each stage's
@@ -320,31 +383,48 @@ class StepModel:
         return sum(self.collective_times[view[blk.stage]][blk.stage][0 if blk.phase == "F" else 1]
                    for blk in blocks if blk.phase != "W")
 
-    def timeline(self, nsamples: int = 1) -> Timeline:
-        """Predicted blocks of one step per runtime rank (the rows the runtime measures)."""
+    def timeline(self, nsamples: int = 1, recipe: Optional[Recipe] = None) -> Timeline:
+        """Predicted blocks of one step per runtime rank (the rows the runtime measures), and under
+        ZeRO stage 3 each unit's all-gathers and reduce-scatters beside them (``recipe``: how
+        gradients are reduced, default ``Recipe()``)."""
+        units = self.shard_units(recipe or Recipe())
         blocks: List[TimedBlock] = []
+        calls: List[CollectiveBlock] = []
         if self.geometry is None:
             for rank in range(self.cfg.runtime_ngpus):
-                f, b = self.times[self.cfg.device_of(rank)][None]
+                device = self.cfg.device_of(rank)
+                f, b = self.times[device][None]
+                plays = units[device].plays[None] if units else None
+                if plays is not None:        # no pipeline: each forward gathers every unit
+                    f, b = f + plays.cold.exposed_s, b + plays.backward.exposed_s
                 for m in range(nsamples):
                     t0 = m * (f + b)
                     blocks += [TimedBlock(rank, 0, m, "F", t0, t0 + f), TimedBlock(rank, 0, m, "B", t0 + f, t0 + f + b)]
-            return Timeline(tuple(blocks), self.cfg.runtime_ngpus)
-        line = self.pipeline_timeline()
+                    if plays is not None:
+                        calls += _calls(rank, blocks[-2], plays.cold) + _calls(rank, blocks[-1], plays.backward)
+            return Timeline(tuple(blocks), self.cfg.runtime_ngpus, tuple(calls))
+        line = self.pipeline_timeline(recipe)
         by_device: Dict[int, List[TimedBlock]] = {}
         for blk in line.blocks:
             by_device.setdefault(blk.rank, []).append(blk)
+        schedule = self.geometry.schedule
         for rank in range(self.cfg.runtime_ngpus):
-            pd_ = self.geometry.pipeline_device(self.cfg.device_of(rank))
-            blocks += [TimedBlock(rank, b.stage, b.micro, b.phase, b.t_start, b.t_end) for b in by_device.get(pd_, [])]
-        return Timeline(tuple(blocks), self.cfg.runtime_ngpus)
+            device = self.cfg.device_of(rank)
+            pd_ = self.geometry.pipeline_device(device)
+            mine = [TimedBlock(rank, b.stage, b.micro, b.phase, b.t_start, b.t_end) for b in by_device.get(pd_, [])]
+            blocks += mine
+            if units:
+                plays = {s: units[self.geometry.view_of(s, device)].plays[s] for s in schedule.stages_of(pd_)}
+                played = block_plays(schedule, plays)
+                calls += [c for b in mine for c in _calls(rank, b, played[b.block])]
+        return Timeline(tuple(blocks), self.cfg.runtime_ngpus, tuple(calls))
 
     def device_steps(self, nsamples: int, recipe: Recipe) -> Dict[int, DeviceStep]:
         """Per plan device, the seconds of one training step's parts (``DeviceStep``'s compute,
         exposed synchronisation and update; FLOPs and bytes are the plan's to add), gradients
         reduced and the update run as ``recipe`` says. Compute is the pipeline's makespan, or
         without one the device's own forwards and backwards."""
-        line = self.timeline(nsamples)
+        line = self.timeline(nsamples, recipe)
         ends: Dict[int, float] = {}
         for blk in line.blocks:
             ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
@@ -357,9 +437,58 @@ class StepModel:
             update = update_time(self.placed, device, self.profiler, recipe, params)
             compute = line.makespan if self.geometry is not None else ends.get(device, 0.0)
             out[device] = DeviceStep(compute_s=compute, sync_s=sync, update_s=update,
-                                     tp_s=self.collective_seconds(device, nsamples))
+                                     tp_s=self.collective_seconds(device, nsamples),
+                                     fsdp_s=self.fsdp_seconds(device, nsamples, recipe))
         self.profiler.save()
         return out
+
+    def device_plays(self, device: int, nsamples: int, recipe: Recipe) -> List[Played]:
+        """ZeRO stage 3's play of each block plan ``device`` runs in one step, in order: without a
+        pipeline ``nsamples`` forwards and backwards; with one, its pipeline device's blocks, each as
+        this device plays it (its own share of the stage); ``[]`` without stage 3."""
+        units = self.shard_units(recipe)
+        if not units:
+            return []
+        if self.geometry is None:
+            plays = units[device].plays[None]
+            return [plays.cold, plays.backward] * nsamples
+        schedule, pdev = self.geometry.schedule, self.geometry.pipeline_device(device)
+        played = block_plays(schedule, {s: units[self.geometry.view_of(s, device)].plays[s]
+                                        for s in schedule.stages_of(pdev)})
+        return [played[b] for b in schedule.blocks_of(pdev)]
+
+    def unit_table(self, nsamples: int, recipe: Recipe) -> pd.DataFrame:
+        """One row per plan device and ZeRO stage 3 unit: its collectives' bytes, seconds, count
+        and exposed seconds in one step (``nbscaler.columns.UnitColumn``); no rows without stage 3."""
+        rows = []
+        for device, units in self.shard_units(recipe).items():
+            counts: Dict[Tuple[str, str], int] = {}
+            waited: Dict[str, float] = {}
+            for played in self.device_plays(device, nsamples, recipe):
+                for c in played.calls:
+                    counts[(c.kind, c.unit)] = counts.get((c.kind, c.unit), 0) + 1
+                    waited[c.unit] = waited.get(c.unit, 0.0) + c.waited_s
+            for name, u in units.bytes.items():
+                rows.append({U.RANK: device, U.UNIT: name, U.GATHER_BYTES: u.gather_bytes,
+                             U.REDUCE_BYTES: u.reduce_bytes, U.GATHER_S: units.seconds[name].gather_s,
+                             U.REDUCE_S: units.seconds[name].reduce_s,
+                             U.GATHERS: counts.get((Collective.ALL_GATHER, name), 0),
+                             U.REDUCES: counts.get((Collective.REDUCE_SCATTER, name), 0),
+                             U.EXPOSED_S: waited.get(name, 0.0)})
+        return pd.DataFrame(rows, columns=list(U)).rename(columns=str)
+
+    def fsdp_seconds(self, device: int, nsamples: int, recipe: Recipe) -> float:
+        """Seconds plan ``device``'s blocks wait for ZeRO stage 3's collectives in one step (part of
+        its compute): without a pipeline ``nsamples`` forwards and backwards; with one, each block
+        of its pipeline device as the simulator plays it (its stage group's slowest device's)."""
+        units = self.shard_units(recipe)
+        if not units:
+            return 0.0
+        if self.geometry is None:
+            plays = units[device].plays[None]
+            return nsamples * (plays.cold.exposed_s + plays.backward.exposed_s)
+        extra = self._block_extras(recipe)
+        return sum(extra.get(b, 0.0) for b in self.geometry.schedule.blocks_of(self.geometry.pipeline_device(device)))
 
     def step_times(self, nsamples: int, recipe: Recipe) -> pd.DataFrame:
         """Predicted seconds of one training step per runtime rank (``device_steps`` added up)."""
@@ -369,14 +498,23 @@ class StepModel:
         return pd.DataFrame(rows)
 
 
+def _calls(rank: int, block: TimedBlock, played) -> List[CollectiveBlock]:
+    """The collectives of ``block`` (played as ``played``, ``cost.fsdp.Played``) on the timeline."""
+    return [CollectiveBlock(rank, block.stage, block.micro, block.phase, str(c.kind), c.unit,
+                            block.t_start + c.start_s, block.t_start + c.end_s, c.waited_s) for c in played.calls]
+
+
 def _nsamples(cfg: ComputeConfig) -> int:
     return cfg.pipeline_nmicros if cfg.use_pipeline else 1
 
 
 def predicted_timeline(placed: PlacedGraphs, *, nsamples: Optional[int] = None, runs: Optional[DeviceRuns] = None,
-                       hardware: Optional[Hardware] = None, model: Optional[StepModel] = None) -> Timeline:
+                       hardware: Optional[Hardware] = None, model: Optional[StepModel] = None,
+                       recipe: Optional[Recipe] = None, program_of: Optional[ProgramOf] = None) -> Timeline:
     """The predicted blocks ``(rank, stage, micro, phase, t_start, t_end)`` of one training step:
     the simulated schedule for a pipeline, else a forward and a backward per sample and rank; on
-    ``hardware`` when given (``model``: this plan's ``StepModel`` on it, when the caller keeps one)."""
+    ``hardware`` when given (``model``: this plan's ``StepModel`` on it, when the caller keeps one;
+    ``program_of``: its lowered programs). Under ZeRO stage 3 with each unit's all-gathers and
+    reduce-scatters beside them, gradients reduced as ``recipe`` says (default ``Recipe()``)."""
     n = nsamples if nsamples is not None else _nsamples(placed.config)
-    return (model or StepModel(placed, runs=runs, hardware=hardware)).timeline(n)
+    return (model or StepModel(placed, runs=runs, hardware=hardware, program_of=program_of)).timeline(n, recipe)

@@ -258,10 +258,25 @@ class Plan:
 
     def timeline(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
-        on this machine or on ``hardware``. Its blocks are the forwards and backwards, which no
-        field of ``recipe`` moves; it is checked against the plan as ``summary`` checks it."""
-        self.recipe_of(recipe)
-        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware))
+        on this machine or on ``hardware``. Its blocks are the forwards and backwards; under ZeRO
+        stage 3 each lasts what it waits for its units' all-gathers and reduce-scatters too, which
+        ``.collectives`` holds, each named with its unit (``cost.fsdp``; the reduce-scatters in
+        ``recipe``'s reduce dtype). ``recipe`` is checked against the plan as ``summary`` checks it."""
+        chosen = self.recipe_of(recipe)
+        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware),
+                                  recipe=chosen, program_of=self.programs.device)
+
+    def unit_collectives(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> pd.DataFrame:
+        """Under ZeRO stage 3, one row per plan device and unit: what the unit's all-gathers and
+        reduce-scatter move, what each costs on the ZeRO group's link, how many one training step
+        runs and how long it waits for them (``nbscaler.columns.UnitColumn``; ``cost.fsdp``), on
+        this machine or on ``hardware``, gradients reduced as ``recipe`` says (default ``Recipe()``).
+        Empty under any other configuration."""
+        chosen = self.recipe_of(recipe)
+        cfg = self.config
+        model = self.step_model(hardware) or StepModel(self.placed, runs=self.local_runs, hardware=hardware,
+                                                       weights_of=self.programs.weights, program_of=self.programs.device)
+        return model.unit_table(cfg.pipeline_nmicros if cfg.use_pipeline else 1, chosen)
 
     def recipe_of(self, recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
         """The recipe a prediction of this plan uses: ``Recipe.of(recipe, **shorthands)``, whose
@@ -285,7 +300,8 @@ class Plan:
         for known, model in models:
             if known == hardware:
                 return model
-        model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights)
+        model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights,
+                          program_of=self.programs.device)
         models.append((hardware, model))
         return model
 

@@ -124,7 +124,7 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None,
     FLOPs recomputed forwards add."""
     cfg = plan.config
     model = plan.step_model(hardware) or StepModel(plan.placed, runs=plan.local_runs, hardware=hardware,
-                                                   weights_of=plan.programs.weights)
+                                                   weights_of=plan.programs.weights, program_of=plan.programs.device)
     nsamples = cfg.pipeline_nmicros if cfg.use_pipeline else 1
     parts = model.device_steps(nsamples, recipe)
     flops = flops_per_device(plan)
@@ -136,7 +136,7 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None,
                                       peak_bytes=float(peaks[d])) for d, p in parts.items()}
     return StepFigures(devices, cfg.units, cfg.runtime_ngpus, hardware,
                        hardware.peak_flops(compute_dtype(plan)) if hardware is not None else None, tokens_per_step(plan),
-                       model.pipeline_parts())
+                       model.pipeline_parts(recipe))
 
 
 def target_columns(plan: "Plan", frame: pd.DataFrame, step: StepFigures) -> pd.DataFrame:

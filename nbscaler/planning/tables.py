@@ -22,7 +22,9 @@ from nbscaler.comm.traffic import CommStep
 from nbscaler.recipe import Recipe
 from nbscaler.config import ComputeConfig
 from nbscaler.cost.comm_model import local_backend
-from nbscaler.cost.timing import backend_on
+from nbscaler.cost.fsdp import section_units, sent_bytes, step_counts, unit_bytes
+from nbscaler.cost.ranks import train_graph
+from nbscaler.cost.timing import backend_on, is_zero3
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.graph import IRGraph
 from nbscaler.glossary import GLOSSARY_URL, split_name, split_text
@@ -103,7 +105,7 @@ def edge_traffic_per_device(plan: "Plan", backend: Optional[str] = None) -> Dict
 
 
 def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
-                     backend: Optional[str] = None) -> pd.DataFrame:
+                     backend: Optional[str] = None, recipe: Optional[Recipe] = None) -> pd.DataFrame:
     """Bytes each runtime rank sends and receives in one training step, as ``backend`` runs the
     collectives (default: the backend of this machine's runs).
 
@@ -113,6 +115,9 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
     gradients with the same device of the other units (a ring all-reduce, or ZeRO's reduce-scatter
     and all-gather: ``2 (u-1)/u`` of its parameter bytes either way, more where the backend
     emulates the reduce-scatter: ``zero_extra_share``), which needs ``param_bytes`` per rank.
+    Under ZeRO stage 3 that synchronisation is instead each unit's all-gathers and reduce-scatters
+    in the step (``zero3_sent``; gradients in ``recipe``'s reduce dtype, default ``Recipe()``),
+    counted where ``param_bytes`` is given too.
     """
     cfg = plan.config
     edges = edge_traffic_per_device(plan, backend)
@@ -120,14 +125,39 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
     partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
                       for w in plan.programs.weights(d) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}
+    zero3 = zero3_sent(plan, recipe or Recipe(), backend) if param_bytes is not None and is_zero3(cfg) else None
     rows = []
     for r in range(cfg.runtime_ngpus):
         sent, received = edges[cfg.device_of(r)]
-        sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
-        sync += zero_extra_share(cfg, backend) * param_bytes[r] if param_bytes is not None else 0.0
+        if zero3 is not None:
+            sync = zero3[cfg.device_of(r)]
+        else:
+            sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
+            sync += zero_extra_share(cfg, backend) * param_bytes[r] if param_bytes is not None else 0.0
         sync += partial[cfg.device_of(r)]
         rows.append({C.RANK.value: r, C.BYTES_SENT.value: sent + sync, C.BYTES_RECEIVED.value: received + sync})
     return pd.DataFrame(rows)
+
+
+def zero3_sent(plan: "Plan", recipe: Recipe, backend: Optional[str] = None) -> Dict[int, float]:
+    """Per plan device, the bytes a rank sends in one step's ZeRO-3 all-gathers and reduce-scatters
+    (``cost.fsdp.sent_bytes``): each unit as many times as the step gathers and reduces it
+    (``cost.fsdp.step_counts``), as ``backend`` runs them (default: this machine's)."""
+    cfg = plan.config
+    backend = backend or local_backend(cfg.runtime_ngpus)
+    graph = train_graph(plan.graphs)
+    group, replicas = cfg.grid.zero_group_size, cfg.zero_ngroups
+    out = {}
+    for d in range(cfg.plan_ngpus):
+        program = plan.programs.device(d)
+        units = {sec.stage: section_units(sec) for sec in program.sections if sec.graph is graph}
+        unit_of = {n: unit for unit, names in program.units.items() for n in names}
+        moved = unit_bytes(program.weights, unit_of.get, group, recipe)
+        schedule = plan.geometry.schedule if plan.geometry is not None else None
+        pdev = plan.geometry.pipeline_device(d) if plan.geometry is not None else 0
+        gathers, reduces = step_counts(units, schedule, pdev, cfg.pipeline_nmicros if cfg.use_pipeline else 1)
+        out[d] = sent_bytes(moved, gathers, reduces, group, replicas, backend)
+    return out
 
 
 def zero_extra_share(cfg: ComputeConfig, backend: Optional[str]) -> float:
@@ -150,7 +180,7 @@ def summary_frame(plan: "Plan", recipe: Recipe, hardware: Optional["Hardware"] =
     step = plan_step(plan, recipe, hardware, memory)
     devices = [step.devices[cfg.device_of(r)] for r in range(cfg.runtime_ngpus)]
     frame = pd.DataFrame({C.RANK.value: range(cfg.runtime_ngpus), C.FLOPS.value: [d.flops for d in devices]})
-    traffic = traffic_per_rank(plan, params, backend_on(hardware, cfg.runtime_ngpus))
+    traffic = traffic_per_rank(plan, params, backend_on(hardware, cfg.runtime_ngpus), recipe)
     frame = frame.merge(traffic, on=C.RANK.value).merge(memory, on=C.RANK.value)
     frame[C.STEP_TIME_S.value] = [d.step_time_s for d in devices]
     frame = frame[[c.value for c in PREDICTED_COLUMNS]].rename(columns=str)

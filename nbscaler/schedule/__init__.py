@@ -30,7 +30,8 @@ The pieces, one module each:
 - :mod:`~nbscaler.schedule.grid`: :class:`RankGrid`, which ranks form a unit, a data-parallel set,
   a ZeRO group; ``ComputeConfig.grid`` builds it.
 - :mod:`~nbscaler.schedule.timeline`: :class:`TimedBlock` and :class:`Timeline`, rows
-  ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction.
+  ``(rank, stage, micro, phase, t_start, t_end)`` and the bubble fraction; :class:`CollectiveBlock`,
+  a collective beside them (ZeRO stage 3's gathers and reduce-scatters).
 - :mod:`~nbscaler.schedule.simulator`: :func:`simulate` (and :func:`simulate_totals`, its length and busy times alone).
 
 Using a schedule
@@ -84,10 +85,11 @@ from nbscaler.schedule.schedulers import (SCHEDULERS, SchedulerSpec, build_sched
                                           scheduler_spec)
 from nbscaler.schedule import interleaved, zero_bubble  # noqa: F401  (they register their schedulers)
 from nbscaler.schedule.simulator import DeadlockError, StepTotals, simulate, simulate_totals
-from nbscaler.schedule.timeline import TimedBlock, Timeline
+from nbscaler.schedule.timeline import CollectiveBlock, TimedBlock, Timeline
 
 __all__ = [
     "Block",
+    "CollectiveBlock",
     "DeadlockError",
     "PipelineGeometry",
     "PHASES",

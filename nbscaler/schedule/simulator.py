@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 from nbscaler.schedule.block import PHASES, Block
 from nbscaler.schedule.pipeline import PipelineSchedule
@@ -54,7 +54,8 @@ def _per_stage(arg: str, costs: Costs, nstages: int) -> list[float]:
 
 
 def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs] = None,
-             latency: float = 0.0, post: float = 0.0, weight_costs: Optional[Costs] = None) -> Timeline:
+             latency: float = 0.0, post: float = 0.0, weight_costs: Optional[Costs] = None,
+             extra: Optional[Mapping[Block, float]] = None) -> Timeline:
     """The predicted timeline of one step of ``schedule``.
 
     Args:
@@ -67,12 +68,14 @@ def simulate(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: O
         latency: the time a result takes to reach another device (point-to-point send/recv).
         post: the time a device spends starting one transfer to or from another device, on each
             side (see above).
+        extra: seconds added to single blocks' costs, for what differs between the blocks of one
+            stage and phase (ZeRO stage 3's exposed gathers: ``cost.fsdp.block_extras``).
 
     Raises:
         ValueError: a cost list does not fit the schedule.
         DeadlockError: no device can proceed before the schedule has finished.
     """
-    order, starts, ends, _ = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
+    order, starts, ends, _ = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs, extra)
     timed = [TimedBlock(d, step.block.stage, step.block.micro, step.block.phase, start, end)
              for step, start, end in zip(order, starts, ends) for d in step.devices]
     timed.sort(key=lambda t: (t.rank, t.t_start))
@@ -88,19 +91,20 @@ class StepTotals(NamedTuple):
 
 
 def simulate_totals(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs] = None,
-                    latency: float = 0.0, post: float = 0.0, weight_costs: Optional[Costs] = None) -> StepTotals:
+                    latency: float = 0.0, post: float = 0.0, weight_costs: Optional[Costs] = None,
+                    extra: Optional[Mapping[Block, float]] = None) -> StepTotals:
     """``simulate``'s makespan and busy time per device without building the timeline: what a
     sweep of many configurations needs of each (the same arguments, the same errors).
 
     >>> simulate_totals(build_schedule("1f1b", nstages=4, nmicros=8), forward_costs=1.0).makespan
     33.0
     """
-    _, starts, ends, busy = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs)
+    _, starts, ends, busy = _timed(schedule, forward_costs, backward_costs, latency, post, weight_costs, extra)
     return StepTotals(max(ends) - min(starts) if ends else 0.0, tuple(busy))
 
 
 def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Optional[Costs], latency: float,
-           post: float, weight_costs: Optional[Costs]
+           post: float, weight_costs: Optional[Costs], extra: Optional[Mapping[Block, float]] = None
            ) -> tuple[tuple["_Step", ...], list[float], list[float], list[float]]:
     """The play order (``_play_order``), each of its blocks' start and end by the rules above, and
     each device's busy seconds."""
@@ -112,12 +116,15 @@ def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Opt
                 else _per_stage("backward_costs", backward_costs, schedule.nstages))
     cost = _phase_costs(schedule, forward, backward, weight_costs)
     flat = [c for phase in PHASES if phase in cost for c in cost[phase]]     # _Played.cost indexes it, by PHASES
+    if extra and any(v < 0 for v in extra.values()):
+        raise ValueError(f"extra={dict(extra)} has a negative cost: costs are durations, use values >= 0.")
+    added = [extra.get(step.block, 0.0) for step in _play_order(schedule)] if extra else None
 
     free = [0.0] * schedule.ndevices           # when each device is next free
     busy = [0.0] * schedule.ndevices
     starts: list[float] = []
     ends: list[float] = []                     # the end of each block, in play order
-    for device, devices, near, far, receives, sends, c in _played(schedule):   # a sweep plays thousands: kept tight
+    for k, (device, devices, near, far, receives, sends, c) in enumerate(_played(schedule)):   # kept tight: a sweep plays thousands
         if device >= 0:
             start = free[device]
         else:
@@ -131,7 +138,7 @@ def _timed(schedule: PipelineSchedule, forward_costs: Costs, backward_costs: Opt
             arrival = ends[i] + latency
             if arrival > start:
                 start = arrival
-        end = start + flat[c]
+        end = start + flat[c] + (added[k] if added is not None else 0.0)
         if sends:
             end += post
         if device >= 0:

@@ -4,6 +4,11 @@ The simulator predicts when each block runs; the runtime measures it. Both produ
 ``(rank, stage, micro, phase, t_start, t_end)``, so a notebook can put the two on the same axes and
 compute the same numbers from either, for instance the bubble fraction.
 
+A predicted timeline may also hold the collectives a rank runs beside its blocks
+(``Timeline.collectives``: ZeRO stage 3's all-gathers and reduce-scatters, each named with its
+unit, ``cost.fsdp``); a block's time includes what it waits for them, so they change no block
+count, makespan or bubble.
+
 >>> line = Timeline.from_rows([
 ...     {"rank": 0, "stage": 0, "micro": 0, "phase": "F", "t_start": 0.0, "t_end": 1.0},
 ...     {"rank": 1, "stage": 1, "micro": 0, "phase": "F", "t_start": 1.0, "t_end": 2.0},
@@ -42,6 +47,28 @@ class TimedBlock:
 
 
 @dataclass(frozen=True)
+class CollectiveBlock:
+    """A collective ``rank`` runs beside its compute during block ``(stage, micro, phase)``:
+    ``kind`` (``'all_gather'`` or ``'reduce_scatter'``) of ZeRO stage 3's ``unit``, from
+    ``t_start`` to ``t_end``; ``waited_s``: the seconds the rank's compute waits for it (its
+    exposed part; 0 where the compute hides it)."""
+
+    rank: int
+    stage: int
+    micro: int
+    phase: Phase
+    kind: str
+    unit: str
+    t_start: float
+    t_end: float
+    waited_s: float
+
+    @property
+    def duration(self) -> float:
+        return self.t_end - self.t_start
+
+
+@dataclass(frozen=True)
 class Timeline:
     """The timed blocks of one pipeline step on ``nranks`` ranks.
 
@@ -51,6 +78,7 @@ class Timeline:
 
     blocks: tuple[TimedBlock, ...]
     nranks: int
+    collectives: tuple[CollectiveBlock, ...] = ()
 
     @classmethod
     def from_rows(cls, rows: Iterable[Mapping[str, Any]], nranks: Optional[int] = None) -> "Timeline":
@@ -67,6 +95,10 @@ class Timeline:
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict per timed block, ready for ``pandas.DataFrame(timeline.to_rows())``."""
         return [asdict(b) for b in self.blocks]
+
+    def collective_rows(self) -> list[dict[str, Any]]:
+        """One dict per collective beside the blocks (``collectives``), for a ``DataFrame``."""
+        return [asdict(c) for c in self.collectives]
 
     @functools.cached_property              # a sweep asks it several times per configuration
     def makespan(self) -> float:

@@ -48,7 +48,7 @@ from nbscaler.space.layer_facts import LayerFacts, PlacementMemo, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
 from nbscaler.space.prune import check_prune, pruned_rows
-from nbscaler.space.ranges import (RECOMPUTE_VALUES, Ranges, checked_ranges, combination_problem,
+from nbscaler.space.ranges import (RECOMPUTE_VALUES, Ranges, checked_ranges, combination_problem, reshard_at,
                                    sequence_parallel_at, virtual_stages_of)
 from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
@@ -58,9 +58,9 @@ from nbscaler.recipe import UNSET, Recipe
 from nbscaler.schedule.schedulers import scheduler_spec
 
 CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL, S.ZERO_STAGE,
-                  S.SCHEDULER, S.VIRTUAL_STAGES)
+                  S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
-                      S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE)
+                      S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE, S.FSDP_COMM_SHARE)
 KNOBS = ("hardware", "nodes", "gpus_per_node", "recipe", "module_dtype", "master_dtype", "grad_reduce_dtype",
          "global_batch", "sequence")
 #: The knobs that change a field of the recipe (``PlanSpace.set``).
@@ -72,8 +72,10 @@ SWEEP_MODULE_DTYPE = torch.bfloat16
 
 def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
-    ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``)."""
+    ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``). A row
+    without ``zero_reshard_after_forward`` (from before it was a column) frees after the forward."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
+    reshard = bool(row[S.ZERO_RESHARD_AFTER_FORWARD]) if S.ZERO_RESHARD_AFTER_FORWARD in row else True
     virtual_stages, scheduler = int(row[S.VIRTUAL_STAGES]), str(row[S.SCHEDULER])
     pas = _pas_config(str(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
     # a scheduler that takes any number of stages per device is told it: pp pipeline devices, each tp wide
@@ -81,7 +83,8 @@ def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
                          pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=scheduler,
                          pipeline_virtual_stages=virtual_stages if free else -1,
-                         use_zero=zero > 0, zero_stage=max(zero, 1), pas_config=pas)
+                         use_zero=zero > 0, zero_stage=max(zero, 1), zero_reshard_after_forward=reshard or zero != 3,
+                         pas_config=pas)
 
 
 def _pas_config(recompute: str, sequence_parallel: bool, stack_path: str) -> Dict[str, Any]:
@@ -101,10 +104,11 @@ class CopyPlacementKey(NamedTuple):
     """The key of one placement of the two-layer copy in the space: what places the copy
     differently, one placement (and its facts) per value.
 
-    ``zero_stage_2``: ZeRO stage 2, under which a weight whose ops each see a slice of the batch
+    ``zero_stage_2``: ZeRO stage 2 or 3, under which a weight whose ops each see a slice of the batch
     or the sequence (a norm's, under sequence parallelism) sums its gradient over the devices in
     the backward rather than in the reducer (``ComputeConfig.sums_partial_grads_after_backward``).
-    It places the copy again only where the copy has such a weight (``PlanSpace._canonical``)."""
+    It places the copy again only where the copy has such a weight (``PlanSpace._canonical``).
+    Stage 3's units are not marked on the copy: ``space.pricing`` lays them out from its facts."""
 
     micro: int
     tp: int
@@ -128,7 +132,8 @@ class PlanSpace:
                  global_batch: int, tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
                  micro_batch: Optional[Sequence[int]] = None, recompute: Sequence = RECOMPUTE_VALUES,
                  sequence_parallel: Sequence[bool] = (False, True),
-                 zero_stage: Sequence[int] = (0, 1, 2), recipe: Optional[Recipe] = None, optimizer: Any = UNSET,
+                 zero_stage: Sequence[int] = (0, 1, 2), zero_reshard_after_forward: Sequence[bool] = (True,),
+                 recipe: Optional[Recipe] = None, optimizer: Any = UNSET,
                  master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
                  scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = False,
                  prune: Optional[float] = None, settle: bool = True, **optimizer_kwargs: Any):
@@ -140,7 +145,7 @@ class PlanSpace:
         self.stack = find_stack(module)
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
-                             tuple(virtual_stages))
+                             tuple(virtual_stages), tuple(zero_reshard_after_forward))
         self.hardware, self.global_batch = hardware, global_batch
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
@@ -231,7 +236,7 @@ class PlanSpace:
                              "Hardware.local() would profile the ops of every configuration on this machine.")
         r = self.ranges
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
-                         r.sequence_parallel, r.zero_stage)
+                         r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward)
         target = (repr(hardware),)
         if target not in self._models:        # op and collective times, kept per target
             self._models[target] = target_models(hardware)
@@ -240,17 +245,18 @@ class PlanSpace:
 
         def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
             peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP],
-                        config[S.ZERO_STAGE], config[S.VIRTUAL_STAGES], config[S.MICRO_BATCHES], recipe)
+                        config[S.ZERO_STAGE], config[S.ZERO_RESHARD_AFTER_FORWARD], config[S.VIRTUAL_STAGES],
+                        config[S.MICRO_BATCHES], recipe)
             return {**config, **price(facts, cfg, hardware, ops, comm, recipe, staged, (self._peaks, peak_key))}
 
-        tp, pp, micro, recompute, sequence_parallel, zero = ranges
-        combos = [(t, p, m, rec, sp, z, v) for t, p, m, rec, z, v in itertools.product(
+        tp, pp, micro, recompute, sequence_parallel, zero, reshard = ranges
+        combos = [(t, p, m, rec, sp, z, keep, v) for t, p, m, rec, z, v in itertools.product(
                       tp, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
-                  for sp in sequence_parallel_at(t, sequence_parallel)]
-        for t, p, m, rec, sp, z, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+                  for sp in sequence_parallel_at(t, sequence_parallel) for keep in reshard_at(z, reshard)]
+        for t, p, m, rec, sp, z, keep, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
             config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
                       S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.ZERO_STAGE: z,
-                      S.SCHEDULER: r.scheduler, S.VIRTUAL_STAGES: v}
+                      S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: r.scheduler, S.VIRTUAL_STAGES: v}
             reason = combination_problem(hardware, global_batch, t, p, m)
             if reason is None:
                 config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
@@ -393,7 +399,7 @@ def _settle() -> None:
 
 def _placement_of(config: Dict) -> CopyPlacementKey:
     return CopyPlacementKey(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
-                     config[S.ZERO_STAGE] == 2)
+                     config[S.ZERO_STAGE] in (2, 3))
 
 
 def _raised(found):

@@ -23,6 +23,7 @@ import functools
 import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 
 from nbscaler.columns import MEMORY_CATEGORIES, SummaryColumn as C, SweepColumn as S
 from nbscaler.config import ComputeConfig
@@ -32,14 +33,20 @@ from nbscaler.cost.memory import gradient_buckets, weight_memory
 from nbscaler.cost.moments import GradientPaths, Gradients, step_peak
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.cost.roofline import skips_masked_pairs
-from nbscaler.cost.step_figures import DeviceStep, PipelineParts, StepFigures, overlap_window, step_tokens
-from nbscaler.cost.timing import bucket_seconds, exposed_sync, reduced_buckets, update_seconds, updated_numels
+from nbscaler.comm.unit_gathers import with_gathers
+from nbscaler.cost.fsdp import (Gather, Release, Script, StagePlays, Work, block_extras, stage_plays, unit_bytes,
+                                unit_seconds)
+from nbscaler.cost.step_figures import (DeviceStep, PipelineParts, StepFigures, overlap_window, overlaps_communication,
+                                        step_tokens)
+from nbscaler.cost.timing import (bucket_seconds, exposed_sync, is_zero3, reduced_buckets, update_seconds,
+                                  updated_numels)
+from nbscaler.ir.graph import RECOMPUTE_REGION, REST_UNIT
 from nbscaler.space.layer_facts import LayerFacts
 from nbscaler.space.op_ledger import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, MASKED_B, MASKED_F, SAVED, SAVED_TAIL,
                                      TP_BWD, TP_FWD)
 from nbscaler.planning.stack import repeat_counts
 from nbscaler.policy.staging import stage_cuts
-from nbscaler.schedule import PipelineGeometry, StepTotals, simulate_totals
+from nbscaler.schedule import Block, PipelineGeometry, StepTotals, simulate_totals
 
 
 class Staged:
@@ -62,6 +69,7 @@ class Staged:
             self.sums[s] = [v + d for v, d in zip(self.sums[s], facts.stage_start(cut))]
             self.sums[s - 1] = [v + d for v, d in zip(self.sums[s - 1], facts.stage_end(cut))]
         self._timelines: Dict[Tuple, Any] = {}
+        self._scripts: Dict[Tuple, Script] = {}
 
     def _counts(self, nstages: int) -> List:
         """How often each op of the copy repeats in each stage (``planning.stack.repeat_counts``)."""
@@ -69,16 +77,81 @@ class Staged:
         return [repeat_counts(self.facts.expansion, bounds[s], bounds[s + 1]) for s in range(nstages)]
 
     def simulated(self, schedule, forward: List[float], backward: List[float], latency: float,
-                  post: float) -> StepTotals:
-        """``schedule.simulate_totals`` on these stage costs, once per costs: the configurations
-        that differ only in their ZeRO stage or the target's memory play the same pipeline."""
+                  post: float, extra: Optional[Dict[Block, float]] = None) -> StepTotals:
+        """``schedule.simulate_totals`` on these stage costs (and ``extra`` seconds of single
+        blocks: ZeRO stage 3's waits), once per costs: the configurations that differ only in
+        their ZeRO stage (1 or 2) or the target's memory play the same pipeline."""
         if schedule.ndevices == 1:          # nothing is sent: the send costs change nothing
             latency = post = 0.0
         key = (schedule.name, schedule.nstages, schedule.nmicros, schedule.ndevices, tuple(forward),
-               tuple(backward), latency, post)
+               tuple(backward), latency, post, frozenset((extra or {}).items()))
         if key not in self._timelines:
-            self._timelines[key] = simulate_totals(schedule, forward, backward, latency, post)
+            self._timelines[key] = simulate_totals(schedule, forward, backward, latency, post, extra=extra)
         return self._timelines[key]
+
+    def script(self, stage: int, index: int, reshard_after_forward: bool) -> Script:
+        """ZeRO stage 3's ``cost.fsdp.Script`` of ``stage`` on tensor-parallel ``index``: the full
+        model's ops of the stage, in order, as its section's instructions (the ops of one recomputed
+        region, in one layer, one instruction), each with the seconds ``_pipeline`` sums and the
+        units of the parameters it reads (each layer of the stack one, the rest ``REST_UNIT``), and
+        what the stage's first layer and its sends add (``LayerFacts.stage_start``, ``stage_end``)
+        at its ends; its runs of compute between gather points made one (``cost.fsdp.compact``)."""
+        key = (stage, index, reshard_after_forward)
+        if key not in self._scripts:
+            steps, counts = self.kept(("zero3 layout", stage, index, reshard_after_forward),
+                                      lambda: self._layout(stage, index, reshard_after_forward))
+            rows = self.facts.matrix[index]
+            fwd, bwd = counts @ (rows[:, FWD] + rows[:, TP_FWD]), counts @ (rows[:, BWD] + rows[:, TP_BWD])
+            if stage > 0:                       # the first run of compute holds the stage's start
+                start = self.facts.stage_start(self.cuts[stage - 1])[index]
+                fwd[0], bwd[0] = fwd[0] + start[FWD] + start[TP_FWD], bwd[0] + start[BWD] + start[TP_BWD]
+            if stage < len(self.cuts):          # and the last its sends
+                end = self.facts.stage_end(self.cuts[stage])[index]
+                fwd[-1], bwd[-1] = fwd[-1] + end[TP_FWD], bwd[-1] + end[TP_BWD]
+            self._scripts[key] = tuple(Work(float(fwd[s[0]]), float(bwd[s[0]]), s[1]) if isinstance(s, tuple) else s
+                                       for s in steps)
+        return self._scripts[key]
+
+    def _layout(self, stage: int, index: int, reshard_after_forward: bool):
+        """What ``script`` lays out whatever the target: its gather and release points, and between
+        them each run of compute as ``(run, units read)``, with how often each op of the copy falls
+        in each run (``counts``, runs x ops)."""
+        facts, exp = self.facts, self.facts.expansion
+        stack = exp.stack
+        reads = _param_readers(facts, index)
+        bounds = [0, *self.cuts, len(exp)]
+        entries: List[Tuple[Optional[Tuple], List[int], frozenset]] = []
+        if stage > 0:
+            entries.append((None, [], frozenset()))          # the stage's start (``script`` adds its seconds)
+        for v in range(bounds[stage], bounds[stage + 1]):
+            j = int(exp.template[v])
+            layer = (v - exp.before) // exp.size if exp.before <= v < exp.before + stack.depth * exp.size else None
+            units = frozenset(REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{layer}"
+                              for name in reads.get(j, ()))
+            region = exp.nodes[j].meta.get(RECOMPUTE_REGION)
+            if region is not None and entries and entries[-1][0] == (region, layer):   # one recomputed region
+                entries[-1][1].append(j)
+                entries[-1] = (entries[-1][0], entries[-1][1], entries[-1][2] | units)
+            else:
+                entries.append(((region, layer) if region is not None else None, [j], units))
+        if stage + 1 < len(bounds) - 1:
+            entries.append((None, [], frozenset()))          # its sends
+        placed = with_gathers(entries, [e[2] for e in entries], reshard_after_forward,
+                              lambda unit, prefetch: Gather(unit, prefetch), lambda unit, first, last: Release(unit))
+        steps: List = []
+        runs: List[List[int]] = []
+        for item in placed:
+            if isinstance(item, (Gather, Release)):
+                steps.append(item)
+            elif steps and isinstance(steps[-1], tuple):
+                runs[-1] += item[1]
+                steps[-1] = (steps[-1][0], steps[-1][1] | item[2])
+            else:
+                runs.append(list(item[1]))
+                steps.append((len(runs) - 1, item[2]))
+        ops = len(exp.nodes)
+        counts = np.array([np.bincount(np.array(r, dtype=np.int64), minlength=ops) for r in runs], dtype=float)
+        return tuple(steps), counts.reshape(len(runs), ops)
 
     def stage_of(self, position: int) -> int:
         return bisect.bisect_right(self.cuts, position)
@@ -213,6 +286,53 @@ class _Device:
         return float(sum(row[c] for c in MEMORY_CATEGORIES))
 
 
+def _param_readers(facts: LayerFacts, index: int) -> Dict[int, List[str]]:
+    """Op of the copy -> the names of the parameters on tensor-parallel ``index`` it reads."""
+    out: Dict[int, List[str]] = {}
+    for w, readers in facts.weights[index]:
+        if w.kind == "param":
+            for j in readers:
+                out.setdefault(j, []).append(w.name)
+    return out
+
+
+class _Zero3:
+    """ZeRO stage 3's collectives of configuration ``cfg`` (``cost.fsdp``), from the copy's facts as
+    ``StepModel`` works them out from a full plan: per plan device its units' bytes and seconds on
+    its ZeRO group's link and each of its stages played, the seconds each block waits (its stage
+    group's slowest device's) and each device's wait in a step."""
+
+    def __init__(self, staged: Staged, cfg: ComputeConfig, geometry: PipelineGeometry, hardware: Hardware, comm,
+                 recipe: Recipe):
+        self.geometry, schedule = geometry, geometry.schedule
+        grid, overlap = cfg.grid, overlaps_communication(hardware)
+        stack, n = staged.facts.expansion.stack, grid.zero_group_size
+        unit_of = lambda name: REST_UNIT if stack.weight_layer(name) is None else f"{stack.path}.{stack.weight_layer(name)}"
+        self.plays: Dict[int, Dict[int, StagePlays]] = {}
+        alike: Dict[Tuple, Dict[int, StagePlays]] = {}
+        for device in range(cfg.plan_ngpus):
+            pdev, index = geometry.pipeline_device(device), staged.facts.alike[device % geometry.tp]
+            stages = tuple(schedule.stages_of(pdev))
+            group, replicas = grid.zero_ranks(device), grid.zero_replica_ranks(device)
+            # devices alike in their facts whose groups cross the same links play alike
+            key = (index, stages, hardware.link(group), hardware.link(replicas),
+                   len({hardware.node_of(r) for r in replicas}))
+            if key not in alike:
+                params = staged.params(index, stages)
+                moved = staged.held(("zero3 units", index, stages, n, recipe),
+                                    lambda: unit_bytes(params, unit_of, n, recipe))
+                seconds = unit_seconds(moved, comm, group, replicas)
+                alike[key] = {s: stage_plays(staged.script(s, index, cfg.zero_reshard_after_forward), seconds,
+                                             overlap, schedule.splits_backward) for s in stages}
+            self.plays[device] = alike[key]
+        self.extra = block_extras(schedule, {s: [self.plays[d][s] for d in geometry.stage_group(s)]
+                                             for s in range(schedule.nstages)})
+
+    def fsdp_s(self, device: int) -> float:
+        """Seconds ``device``'s blocks wait for the collectives in one step (``StepModel.fsdp_seconds``)."""
+        return sum(self.extra.get(b, 0.0) for b in self.geometry.schedule.blocks_of(self.geometry.pipeline_device(device)))
+
+
 def _weights_id(facts: LayerFacts, alike: Dict) -> int:
     """A number naming the copy's weights on each tensor-parallel index, where each is read and the
     layers' layout: the same for placements alike in all of them (``Staged``'s ``alike``)."""
@@ -242,12 +362,15 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     that pricing the same configuration on another target reuses them."""
     geometry = PipelineGeometry.from_config(cfg)
     staged = staged or Staged(facts, geometry.schedule.nstages)
-    seconds, line = _pipeline(facts, staged, geometry, comm)
-    instant = _pipeline(facts, staged, geometry, comm, sends=False)[1]
+    zero3 = _Zero3(staged, cfg, geometry, hardware, comm, recipe) if is_zero3(cfg) else None
+    extra = zero3.extra if zero3 is not None else None
+    seconds, line = _pipeline(facts, staged, geometry, comm, extra=extra)
+    instant = _pipeline(facts, staged, geometry, comm, sends=False, extra=extra)[1]
     devices = _Device(staged, cfg, geometry, hardware, profiler, comm, recipe, peaks)
     figures = {d: devices.figures(d, seconds) for d in range(cfg.plan_ngpus)}
     parts = {d: DeviceStep(compute_s=line.makespan, sync_s=f[0], update_s=f[1], flops=f[2], hardware_flops=f[3],
-                           tp_s=f[4], peak_bytes=f[5]) for d, f in figures.items()}
+                           tp_s=f[4], peak_bytes=f[5], fsdp_s=zero3.fsdp_s(d) if zero3 is not None else 0.0)
+             for d, f in figures.items()}
     tokens = step_tokens(facts.tokens, cfg.pipeline_nmicros, cfg.units)
     busy = {d: instant.busy[geometry.pipeline_device(d)] for d in parts}
     step = StepFigures(parts, cfg.units, cfg.runtime_ngpus, hardware, hardware.peak_flops(facts.compute_dtype), tokens,
@@ -255,19 +378,22 @@ def price(facts: LayerFacts, cfg: ComputeConfig, hardware: Hardware, profiler, c
     return {S.STEP_TIME_S: step.step_time_s, S.TOKENS_PER_S: step.tokens_per_s, S.MFU: step.mfu, S.HFU: step.hfu,
             S.PEAK_BYTES: step.peak_bytes, S.FITS: step.fits, S.BUBBLE: step.bubble,
             S.TP_COMM_SHARE: step.tp_comm_share, S.DP_COMM_SHARE: step.dp_comm_share,
-            S.PP_SEND_SHARE: step.pp_send_share}
+            S.PP_SEND_SHARE: step.pp_send_share, S.FSDP_COMM_SHARE: step.fsdp_comm_share}
 
 
 def pipeline_seconds(facts: LayerFacts, cfg: ComputeConfig, comm, staged: Optional[Staged] = None) -> float:
     """The pipeline's makespan for ``cfg``: ``price``'s step time without the gradient
-    synchronisation and the optimizer step, so never more than it (a bound a search prunes with)."""
+    synchronisation, the optimizer step and ZeRO stage 3's waits, so never more than it (a bound a
+    search prunes with)."""
     geometry = PipelineGeometry.from_config(cfg)
     return _pipeline(facts, staged or Staged(facts, geometry.schedule.nstages), geometry, comm)[1].makespan
 
 
-def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, comm, sends: bool = True):
+def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, comm, sends: bool = True,
+              extra: Optional[Dict[Block, float]] = None):
     """Each stage's seconds on each tensor-parallel index (``seconds(stage, index)``: forward,
-    backward) and the schedule's ``StepTotals`` on them, with the sends' latency or (``sends=False``) none."""
+    backward) and the schedule's ``StepTotals`` on them (with ``extra`` seconds of single blocks:
+    ZeRO stage 3's waits), with the sends' latency or (``sends=False``) none."""
     schedule, tp, sums = geometry.schedule, geometry.tp, staged.sums
     seconds = lambda s, i: (sums[s][i][FWD] + sums[s][i][TP_FWD], sums[s][i][BWD] + sums[s][i][TP_BWD])
     forward = [max(seconds(s, i)[0] for i in range(tp)) for s in range(schedule.nstages)]
@@ -276,7 +402,7 @@ def _pipeline(facts: LayerFacts, staged: Staged, geometry: PipelineGeometry, com
     pairs = [(geometry.stage_group(s)[0], geometry.stage_group(s + 1)[0]) for s in range(len(carried))]
     latency = max((comm.p2p(b, ranks=pair) for (b, _), pair in zip(carried, pairs)), default=comm.p2p(0))
     post = comm.p2p_post(max((n for _, n in carried), default=0))
-    return seconds, staged.simulated(schedule, forward, backward, latency if sends else 0.0, post)
+    return seconds, staged.simulated(schedule, forward, backward, latency if sends else 0.0, post, extra)
 
 
 def saved_floor(staged: Staged, cfg: ComputeConfig) -> float:

@@ -26,6 +26,13 @@ class Ranges:
     zero_stage: Tuple[int, ...]
     scheduler: str
     virtual_stages: Tuple[int, ...]
+    zero_reshard_after_forward: Tuple[bool, ...] = (True,)
+
+
+def reshard_at(zero_stage: int, values: Sequence[bool]) -> List[bool]:
+    """The ``zero_reshard_after_forward`` values to try at ``zero_stage``: only stage 3 gathers
+    parameters, so the other stages take ``True`` alone (never a second, identical row)."""
+    return sorted(set(values), reverse=True) if zero_stage == 3 else [True]
 
 
 def sequence_parallel_at(tp: int, values: Sequence[bool]) -> List[bool]:
@@ -71,7 +78,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
-            sequence_parallel, zero_stage) -> Tuple[List, ...]:
+            sequence_parallel, zero_stage, zero_reshard_after_forward: Sequence[bool] = (True,)) -> Tuple[List, ...]:
     """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
@@ -91,13 +98,16 @@ def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, 
     if max(pp) > stack.depth:
         raise ValueError(f"sweep's pp={max(pp)} is more stages than the {stack.depth} layers of {stack.path}; "
                          f"use pp <= {stack.depth}.")
-    bad = [z for z in zero_stage if z not in (0, 1, 2)]
+    bad = [z for z in zero_stage if z not in (0, 1, 2, 3) or isinstance(z, bool)]
     if bad or not zero_stage:
-        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1 or 2.")
+        raise ValueError(f"sweep's zero_stage={tuple(zero_stage)!r}: use 0 (no ZeRO), 1, 2 or 3.")
     if not sequence_parallel or any(not isinstance(v, bool) for v in sequence_parallel):
         raise ValueError(f"sweep's sequence_parallel={tuple(sequence_parallel)!r}: give True and/or False.")
+    reshard = zero_reshard_after_forward
+    if not reshard or any(not isinstance(v, bool) for v in reshard):
+        raise ValueError(f"sweep's zero_reshard_after_forward={tuple(reshard)!r}: give True and/or False.")
     recompute = recompute_values(recompute)
-    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage)
+    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage), list(reshard)
 
 
 def combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:

@@ -1,7 +1,8 @@
 """``nbscaler.sweep``: every configuration of a training run on a target, priced, in one table.
 
 The question before a real run is not one plan but which: tp 4 or 8, how many pipeline stages,
-which micro-batch, what to recompute, sequence parallel or not, ZeRO 1 or 2. ``sweep`` answers it
+which micro-batch, what to recompute, sequence parallel or not, ZeRO 1, 2 or 3 (fully sharded
+data parallelism, against tp x pp). ``sweep`` answers it
 for every combination of the ranges given, with the predictions ``plan.summary(hardware=...)``
 makes for each, in seconds:
 
@@ -15,8 +16,11 @@ accumulation; ``pp * virtual_stages`` stages under a scheduler that interleaves)
 ``global_batch / (dp * micro_batch)`` micro-batches, recomputation (``recompute``: ``'none'``,
 ``'selective'``, the attention cores, or ``'full'``, each of the model's repeated layers), sequence parallelism or not where ``tp > 1`` (``pas_config={"sequence_parallel": True}``:
 norms, dropout and residual adds on a slice of the sequence, Korthikanti et al. 2022; at
-``tp == 1`` there is nothing to slice, so one row, without), and ZeRO's stage (``config_of``
-builds that ``ComputeConfig``). Planning each one whole (trace, place, replay every device on
+``tp == 1`` there is nothing to slice, so one row, without), and ZeRO's stage (under stage 3,
+with each layer freed after its forward or kept until its backward: ``zero_reshard_after_forward``;
+``config_of`` builds that ``ComputeConfig``). Stage 3's gathers and reduce-scatters are timed as
+``plan.summary`` times them (``cost.fsdp``, per layer: ``fsdp_comm_share``); its memory is what
+the memory model gives for stage 3. Planning each one whole (trace, place, replay every device on
 fake tensors) takes tens of seconds per configuration at 70B (``benchmarks/results/sweep.md``);
 instead:
 
@@ -71,8 +75,9 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           tp: Optional[Sequence[int]] = None, pp: Optional[Sequence[int]] = None,
           micro_batch: Optional[Sequence[int]] = None, recompute: Sequence = RECOMPUTE_VALUES,
           sequence_parallel: Sequence[bool] = (False, True), zero_stage: Sequence[int] = (0, 1, 2),
-          recipe: Optional[Recipe] = None, optimizer: Any = UNSET, master_dtype: Any = UNSET,
-          module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET, scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
+          zero_reshard_after_forward: Sequence[bool] = (True,), recipe: Optional[Recipe] = None,
+          optimizer: Any = UNSET, master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
+          scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
           prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
@@ -83,7 +88,10 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     (each layer's attention core) and ``'full'`` (each layer of the stack), ``True`` and ``False``
     standing for ``'full'`` and ``'none'`` (the frame's ``recompute`` column reads the words);
     ``sequence_parallel``: sequence parallelism or not, tried only where ``tp > 1`` (at ``tp == 1``
-    a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
+    a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2, 3 (FSDP: parameters
+    gathered a layer at a time); ``zero_reshard_after_forward``: under stage 3, free each layer
+    after its forward (``True``) and/or keep it gathered until its backward (``False``), tried at
+    stage 3 only; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``, whose
     rows set ``pipeline_virtual_stages``, so each of its ``pp`` pipeline devices is ``tp`` wide;
     ``zbv`` always has two). Returns one row per configuration with the columns of
@@ -106,6 +114,6 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     are shorthands for its fields."""
     return PlanSpace(module, dummy_args, hardware, global_batch=global_batch, tp=tp, pp=pp, micro_batch=micro_batch,
                      recompute=recompute, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-                     recipe=recipe, optimizer=optimizer, master_dtype=master_dtype, module_dtype=module_dtype,
-                     grad_reduce_dtype=grad_reduce_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
+                     zero_reshard_after_forward=zero_reshard_after_forward, recipe=recipe, optimizer=optimizer,
+                     master_dtype=master_dtype, module_dtype=module_dtype, grad_reduce_dtype=grad_reduce_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
                      progress=progress, prune=prune, settle=False, **optimizer_kwargs).frame

@@ -11,6 +11,11 @@ the step it spends idle.
 On a target (``hardware=``, ``nbscaler.Hardware``) the prediction is ``plan.timeline(hardware=hw)``
 and the title gives that hardware, the step time and MFU of ``plan.summary(hardware=hw)`` and the
 bubble; a run measured here is then drawn without a ratio to it (other hardware).
+
+Under ZeRO stage 3 each rank of the prediction has one more lane, ``rank r · collectives``: every
+all-gather and reduce-scatter of its units (``Timeline.collectives``), each labelled with its unit,
+where it runs beside the blocks; hovering one says how long the rank's compute waited for it
+(``cost.fsdp``: the blocks already last that long).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
-from nbscaler.widgets.palette import IDLE_COLOUR, OTHER_COLOUR, PHASE_COLOURS, PHASE_NAMES
+from nbscaler.widgets.palette import (COLLECTIVE_COLOURS, COLLECTIVE_NAMES, IDLE_COLOUR, OTHER_COLOUR, PHASE_COLOURS,
+                                      PHASE_NAMES)
 from nbscaler.widgets.plotting import ChartView
 from nbscaler.widgets.svgchart import Block, Panel, lanes_svg
 
@@ -35,7 +41,12 @@ if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
+COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s"]
+"""The columns of a timeline's collectives (``schedule.CollectiveBlock``)."""
 TIME_AXIS = "time in the step (ms)"
+ZERO3_ASSUMPTION = ("ZeRO stage 3: each unit's all-gathers and reduce-scatters on the link its ZeRO group spans, "
+                    "beside the compute as FSDP prefetches them on a target (on this machine nothing overlaps); a "
+                    "block lasts its compute and what it waits for them (nbscaler.cost.fsdp, plan.unit_collectives()).")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
 title font (the Explorer puts the timeline beside the memory view)."""
@@ -81,6 +92,54 @@ def row_labels(frame: pd.DataFrame, pipelined: bool) -> Dict[Tuple[int, int], st
     """The y-axis label of each (rank, stage) row."""
     pairs = sorted({(int(r), int(s)) for r, s in zip(frame["rank"], frame.stage)})
     return {(r, s): f"rank {r} · stage {s}" if pipelined else f"rank {r}" for r, s in pairs}
+
+
+def collective_labels(frame: pd.DataFrame) -> Dict[int, str]:
+    """The y-axis label of each rank's collectives lane."""
+    return {int(r): f"rank {int(r)} · collectives" for r in sorted(set(frame["rank"]))}
+
+
+def lane_order(labels: Dict[Tuple[int, int], str], collectives: Dict[int, str]) -> List[str]:
+    """Every lane's label, top to bottom: each rank's stages, then its collectives."""
+    out: List[str] = []
+    for rank in sorted({r for r, _ in labels} | set(collectives)):
+        out += [labels[k] for k in sorted(labels) if k[0] == rank] + ([collectives[rank]] if rank in collectives else [])
+    return out
+
+
+def collective_hint(panel: str, lane: str, kind: str, unit: str, micro: int, phase: str, start_ms: float,
+                    end_ms: float, waited_ms: float) -> str:
+    """What hovering a collective of the SVG says (the figure's hover text says the same)."""
+    return (f"{panel} {lane}: {COLLECTIVE_NAMES.get(kind, kind)} of {unit} in the {PHASE_NAMES.get(phase, phase)} of "
+            f"micro-batch {micro}, {start_ms:.3f} -> {end_ms:.3f} ms, the compute waits {waited_ms:.3f} ms for it")
+
+
+def add_collectives(fig: go.Figure, frame: pd.DataFrame, labels: Dict[int, str], row: int, panel: str) -> None:
+    """One horizontal bar per collective on its rank's collectives lane, labelled with its unit, a
+    trace per kind."""
+    for kind, calls in frame.groupby("kind", sort=False):
+        fig.add_trace(go.Bar(
+            orientation="h", base=calls.t_start * 1e3, x=(calls.t_end - calls.t_start) * 1e3,
+            y=[labels[int(r)] for r in calls["rank"]], name=COLLECTIVE_NAMES.get(kind, str(kind)),
+            legendgroup=str(kind), showlegend=row == 1,
+            marker=dict(color=COLLECTIVE_COLOURS.get(kind, OTHER_COLOUR), line=dict(color="white", width=1)),
+            text=list(calls.unit), textposition="inside", insidetextanchor="middle",
+            customdata=list(zip(calls.unit, calls.micro, calls.t_start * 1e3, calls.t_end * 1e3, calls.waited_s * 1e3)),
+            hovertemplate=(f"{panel} %{{y}}<br>{COLLECTIVE_NAMES.get(kind, kind)} of %{{customdata[0]}}, micro-batch "
+                           "%{customdata[1]}<br>%{customdata[2]:.3f} → %{customdata[3]:.3f} ms, the compute waits "
+                           "%{customdata[4]:.3f} ms<extra></extra>")),
+            row=row, col=1)
+
+
+def collective_lanes(frame: pd.DataFrame, labels: Dict[int, str], panel: str) -> Dict[str, List[Block]]:
+    """The SVG's collectives lanes of one panel, its blocks in ms, each labelled with its unit."""
+    lanes: Dict[str, List[Block]] = {labels[r]: [] for r in sorted(labels)}
+    for c in frame.itertuples(index=False):
+        lane, start, end = labels[int(c.rank)], c.t_start * 1e3, c.t_end * 1e3
+        lanes[lane].append(Block(start, end, COLLECTIVE_COLOURS.get(c.kind, OTHER_COLOUR), c.unit,
+                                 collective_hint(panel, lane, c.kind, c.unit, int(c.micro), c.phase, start, end,
+                                                 c.waited_s * 1e3)))
+    return lanes
 
 
 def add_blocks(fig: go.Figure, frame: pd.DataFrame, labels: Dict[Tuple[int, int], str], row: int,
@@ -136,6 +195,9 @@ class TimelineView(ChartView):
     def _redraw(self) -> None:
         line = self.plan.timeline(hardware=self.hardware, recipe=self.recipe)
         self.predicted = normalized(pd.DataFrame(line.to_rows(), columns=TIMELINE_COLUMNS))
+        calls = pd.DataFrame(line.collective_rows(), columns=COLLECTIVE_COLUMNS)
+        origin = min((b.t_start for b in line.blocks), default=0.0)       # as normalized() shifts the blocks
+        self.collectives = calls.assign(t_start=calls.t_start - origin, t_end=calls.t_end - origin)
         self.predicted_bubble_total = line.bubble_fraction
         self.target = (self.plan.summary(hardware=self.hardware, recipe=self.recipe)
                        if self.hardware is not None else None)
@@ -148,6 +210,8 @@ class TimelineView(ChartView):
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
         self.assumptions = (target_assumptions(self.hardware, self.predicted) if self.hardware is not None
                             else assumptions(self.plan, self.predicted))
+        if len(self.collectives):
+            self.assumptions += "\n" + ZERO3_ASSUMPTION
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         self._shown()
@@ -187,13 +251,20 @@ class TimelineView(ChartView):
     def _title(self) -> str:
         return " ".join(self._title_parts())
 
+    def _collective_labels(self, name: str) -> Dict[int, str]:
+        """The collectives lanes of panel ``name``: the prediction's ranks that run any."""
+        return collective_labels(self.collectives) if name == "predicted" else {}
+
     def _figure(self) -> go.Figure:
         frames, labels, titles = self._frames(), self._labels(), self._panel_titles()
         fig = make_subplots(rows=len(frames), cols=1, shared_xaxes=True, subplot_titles=titles,
                             vertical_spacing=0.12)
         for i, (name, frame) in enumerate(frames, start=1):
             add_blocks(fig, frame, labels, i, name)
-            order = [labels[k] for k in sorted(labels, reverse=True)]
+            calls = self._collective_labels(name)
+            if calls:
+                add_collectives(fig, self.collectives, calls, i, name)
+            order = lane_order(labels, calls)[::-1]          # plotly lists categories bottom up
             fig.update_yaxes(categoryorder="array", categoryarray=order, row=i, col=1)
         fig.update_xaxes(title_text=TIME_AXIS, row=len(frames), col=1)
         wrapped = "<br>".join(textwrap.fill(line, 130).replace("\n", "<br>") for line in self.assumptions.splitlines())
@@ -201,7 +272,8 @@ class TimelineView(ChartView):
         bottom = 60 + 14 * (wrapped.count("<br>") + 1)
         title = wrapped_title(self._title_parts())
         top = 62 + 22 * title.count("<br>")             # the legend sits above the title's lines
-        height = top + len(frames) * (40 + 28 * len(labels)) + bottom
+        lanes = sum(len(labels) + len(self._collective_labels(name)) for name, _ in frames)
+        height = top + 40 * len(frames) + 28 * lanes + bottom
         fig.update_layout(barmode="overlay", height=height, template="plotly_white",
                           title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=30)),
                           margin=dict(l=130, r=20, t=top + 18, b=bottom),
@@ -229,12 +301,18 @@ class TimelineView(ChartView):
     # -- rendering --------------------------------------------------------------------------------
     def svg(self) -> str:
         """The same panels as the figure: a lane per rank (and stage), a block per forward or
-        backward; the grey a lane shows between its blocks is its bubble."""
+        backward; the grey a lane shows between its blocks is its bubble. Under ZeRO stage 3 a lane
+        per rank of its units' collectives, each block labelled with its unit."""
         labels = self._labels()
-        panels = [Panel(title, lanes_of(frame, labels, name))
-                  for (name, frame), title in zip(self._frames(), self._panel_titles())]
-        legend = [(PHASE_NAMES[p], PHASE_COLOURS[p]) for p in PHASE_COLOURS] + [("idle (bubble)", IDLE_COLOUR)]
-        return lanes_svg(self._title(), panels, legend, TIME_AXIS)
+        panels = []
+        for (name, frame), title in zip(self._frames(), self._panel_titles()):
+            calls = self._collective_labels(name)
+            lanes = {**lanes_of(frame, labels, name), **collective_lanes(self.collectives, calls, name)}
+            panels.append(Panel(title, {lane: lanes[lane] for lane in lane_order(labels, calls)}))
+        legend = [(PHASE_NAMES[p], PHASE_COLOURS[p]) for p in PHASE_COLOURS]
+        if len(self.collectives):
+            legend += [(COLLECTIVE_NAMES[k], COLLECTIVE_COLOURS[k]) for k in COLLECTIVE_COLOURS]
+        return lanes_svg(self._title(), panels, legend + [("idle (bubble)", IDLE_COLOUR)], TIME_AXIS)
 
     def table_html(self) -> str:
         return self.bubble_table

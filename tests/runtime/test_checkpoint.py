@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler import broadcast_weights, deduped_state_dict, merge_state_dicts, parallelize
-from nbscaler.runtime.checkpoint import load, save
+from nbscaler.runtime.checkpoint import load, local_pieces, save
 from nbscaler.runtime.statecheck import CheckpointError
 from tests.models import batch, build
 from tests.multiprocess import (Case, assert_close, check_equivalence, load_state_of_kind, parallel_model,
@@ -81,7 +81,7 @@ def refuse(case, gen_dir, foreign_file):
     """Try to load another plan's per-rank state; what does not fit raises and changes nothing."""
     model = parallel_model(case, gen_dir)
     opt = case.make_optimizer(model)
-    before = params_of(model)
+    before = local_pieces(model)
     sd, osd = load(foreign_file)
     errors = []
     for attempt in (lambda: model.load_state_dict(sd), lambda: opt.load_state_dict(osd)):
@@ -90,7 +90,7 @@ def refuse(case, gen_dir, foreign_file):
             errors.append(None)
         except CheckpointError as err:
             errors.append(str(err))
-    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    unchanged = all(torch.equal(was, now) for (_, was), (_, now) in zip(before, local_pieces(model)))
     return {"errors": errors, "params_unchanged": unchanged, "optimizer_empty": not opt.state}
 
 
@@ -117,6 +117,7 @@ def four_fresh_ranks(gen_dir, ckpt_dir, base_dir):
             "moved": {(source, target): continue_from(target, gen_dir, "merged", path(ckpt_dir, source, "merged"))
                       for source, target in MOVES},
             "refuse": refuse(DP4_ZERO, gen_dir, path(ckpt_dir, TP2, "full", 0)),
+            "refuse_stage": refuse(TP4_ZERO3, gen_dir, path(ckpt_dir, TP4_ZERO, "full", dist.get_rank())),
             "no_weights": no_weights(NO_WEIGHTS, base_dir)}
 
 
@@ -198,6 +199,10 @@ def test_another_plans_per_rank_state_is_refused_unchanged(runs):
     assert zero_into_plain["errors"][0] is None       # the same slices: the module state fits
     assert "optimizer parameter 0" in zero_into_plain["errors"][1]
     assert tp_into_dp["params_unchanged"] and tp_into_dp["optimizer_empty"] and zero_into_plain["optimizer_empty"]
+    for rank, res in enumerate(runs["four"]):       # ZeRO-1's per-rank state into ZeRO-3: the same slices,
+        stage1_into_3 = res["refuse_stage"]          # another optimizer layout (buckets against units)
+        assert stage1_into_3["errors"][0] is None, (rank, stage1_into_3)
+        assert "optimizer parameter 0" in stage1_into_3["errors"][1] and stage1_into_3["optimizer_empty"]
 
 
 @pytest.mark.multiprocess

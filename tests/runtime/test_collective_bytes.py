@@ -30,6 +30,7 @@ N = 2
 CASES = [
     Case("gpt", "tp", 2, 2, config=sequence_parallel()),        # reduce-scatters forward and backward
     Case("mlp", "dp", 1, 2, config=zero(stage=2)),              # ZeRO-2's gradient reduce-scatter
+    Case("gpt", "dp", 1, 2, config=zero(stage=3)),              # ZeRO-3: each unit gathered twice, reduced once
 ]
 
 
@@ -137,8 +138,9 @@ def _step_sent(cases: List[Case], gen_dir: str) -> List[float]:
 
 @pytest.mark.multiprocess
 def test_a_training_step_sends_what_the_plan_prices_on_gloo(tmp_path):
-    """Sequence parallelism and ZeRO-2 on 2 gloo ranks: each rank's bytes in one step are the
-    plan's traffic as gloo runs it (its reduce-scatters as all-reduces)."""
+    """Sequence parallelism, ZeRO-2 and ZeRO-3 on 2 gloo ranks: each rank's bytes in one step are the
+    plan's traffic as gloo runs it (its reduce-scatters as all-reduces; ZeRO-3's per unit,
+    ``cost.fsdp.sent_bytes``)."""
     measured = run_ranks(_step_sent, N, CASES, str(tmp_path))
     for i, case in enumerate(CASES):
         plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)

@@ -1,6 +1,6 @@
 import pytest
 
-from nbscaler.schedule import SCHEDULERS, Block, DeadlockError, PipelineSchedule, build_schedule, simulate
+from nbscaler.schedule import SCHEDULERS, Block, DeadlockError, PipelineSchedule, build_schedule, simulate, simulate_totals
 
 
 def fwd(stage, micro):
@@ -124,3 +124,15 @@ def test_devices_that_disagree_on_a_shared_block_deadlock():
     with pytest.raises(DeadlockError, match=r"device 0 at F\(s0,m0\) waits for devices \[1\] to reach it; "
                                             r"device 1 at F\(s0,m1\) waits for devices \[0\] to reach it"):
         simulate(disagreeing, 1.0)
+
+
+def test_extra_seconds_lengthen_only_their_blocks():
+    schedule = build_schedule("1f1b", nstages=2, nmicros=2)
+    plain = simulate(schedule, forward_costs=1.0)
+    slower = simulate(schedule, forward_costs=1.0, extra={Block(0, 0, "F"): 0.5})
+    first = {(b.stage, b.micro, b.phase): b for b in slower.blocks}
+    assert first[(0, 0, "F")].duration == 1.5 and first[(0, 1, "F")].duration == 1.0
+    assert slower.makespan == plain.makespan + 0.5
+    assert simulate_totals(schedule, 1.0, extra={Block(0, 0, "F"): 0.5}).makespan == slower.makespan
+    with pytest.raises(ValueError, match="negative cost"):
+        simulate(schedule, 1.0, extra={Block(0, 0, "F"): -1.0})

@@ -35,3 +35,14 @@ def test_predicted_rows_round_trip_and_feed_a_dataframe():
 def test_an_empty_timeline_has_no_bubble():
     empty = Timeline((), nranks=2)
     assert empty.makespan == 0.0 and empty.bubble_fraction == 0.0
+
+
+def test_collectives_beside_the_blocks_change_no_block_figure():
+    from nbscaler.schedule import CollectiveBlock, TimedBlock, Timeline
+    blocks = (TimedBlock(0, 0, 0, "F", 0.0, 1.0), TimedBlock(0, 0, 0, "B", 1.0, 3.0))
+    gather = CollectiveBlock(0, 0, 0, "F", "all_gather", "layers.0", 0.0, 0.25, 0.25)
+    line = Timeline(blocks, 1, (gather,))
+    assert line.makespan == Timeline(blocks, 1).makespan == 3.0 and line.bubble_fraction == 0.0
+    assert line.collective_rows() == [{"rank": 0, "stage": 0, "micro": 0, "phase": "F", "kind": "all_gather",
+                                       "unit": "layers.0", "t_start": 0.0, "t_end": 0.25, "waited_s": 0.25}]
+    assert gather.duration == 0.25 and Timeline(blocks, 1).collective_rows() == []

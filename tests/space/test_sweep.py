@@ -42,7 +42,8 @@ def full_plan_figures(module, args, row, stack, target=TARGET):
     return {"step_time_s": step, "peak_bytes": s.peak_bytes.max(), "mfu": s.flops.sum() / (step * peak),
             "hfu": s.hardware_flops.sum() / (step * peak), "tokens_per_s": s.tokens_per_s.iloc[0],
             "fits": bool(s.fits.all()), "bubble": parts.bubble, "tp_comm_share": parts.tp_comm_share,
-            "dp_comm_share": parts.dp_comm_share, "pp_send_share": parts.pp_send_share}
+            "dp_comm_share": parts.dp_comm_share, "pp_send_share": parts.pp_send_share,
+            "fsdp_comm_share": parts.fsdp_comm_share}
 
 
 def test_the_frame_has_the_sweep_columns_fitting_and_fastest_first(frame):
@@ -84,6 +85,53 @@ def test_a_row_is_the_full_plans_prediction(frame, tp, pp, micro_batch, recomput
     expected = full_plan_figures(GPT(GPT_CFG), tokens(micro_batch), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+@pytest.fixture(scope="module")
+def fsdp_frame():
+    return nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1, 2), pp=(1, 2),
+                          micro_batch=(1, 2), zero_stage=(3,), zero_reshard_after_forward=(True, False), progress=False)
+
+
+@pytest.mark.slow       # a sweep and a full plan per row: seconds
+@pytest.mark.parametrize("tp, pp, micro_batch, recompute, sequence_parallel, reshard", [
+    (1, 1, 2, "none", False, True),      # FSDP over the 8 GPUs, 2 to a node: its group crosses the nodes
+    (1, 1, 1, "full", False, False),     # each layer kept gathered from its forward to its backward
+    (2, 2, 1, "none", True, True),       # within tp x pp: 2 units, the first stage's rest gathered once
+    (2, 1, 2, "selective", False, False),
+    (2, 2, 2, "full", True, False),
+])
+def test_a_zero3_row_is_the_full_plans_prediction(fsdp_frame, tp, pp, micro_batch, recompute, sequence_parallel,
+                                                  reshard):
+    """Each stage's ops laid out as its section's instructions, the units gathered where the
+    lowering puts them: the sweep's ZeRO-3 row is what the full plan predicts, waits included."""
+    frame = fsdp_frame
+    row = frame[(frame.tp == tp) & (frame.pp == pp) & (frame.micro_batch == micro_batch)
+                & (frame.recompute == recompute) & (frame.sequence_parallel == sequence_parallel)
+                & (frame.zero_reshard_after_forward == reshard)].iloc[0]
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(micro_batch), row, frame.attrs["stack"])
+    assert expected["fsdp_comm_share"] > 0 and row.dp_comm_share == 0
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+def test_zero3_is_swept_beside_the_other_stages_with_its_reshard_choice_alone():
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=8, tp=(1,), pp=(1,), micro_batch=(1,),
+                           recompute=("none",), zero_stage=(2, 3), zero_reshard_after_forward=(True, False),
+                           progress=False)
+    assert sorted(zip(frame.zero_stage, frame.zero_reshard_after_forward)) == [(2, True), (3, False), (3, True)]
+    rows = frame.set_index(["zero_stage", "zero_reshard_after_forward"])
+    assert rows.fsdp_comm_share[(2, True)] == 0 and rows.dp_comm_share[(2, True)] > 0
+    assert rows.fsdp_comm_share[(3, True)] > rows.fsdp_comm_share[(3, False)] > 0    # kept: no gathers in the backward
+    assert rows.dp_comm_share[(3, True)] == 0
+    stage2 = frame[frame.zero_stage == 2].iloc[0]
+    cfg = config_of(stage2, TARGET.ngpus, frame.attrs["stack"])
+    assert cfg.use_zero and cfg.zero_stage == 2 and cfg.zero_reshard_after_forward
+    kept = frame[(frame.zero_stage == 3) & ~frame.zero_reshard_after_forward].iloc[0]
+    assert not config_of(kept, TARGET.ngpus, frame.attrs["stack"]).zero_reshard_after_forward
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(1), kept, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert kept[column] == pytest.approx(value, rel=1e-9), column
 
 
 def test_a_row_on_a_target_without_overlap_or_flash_attention_is_the_full_plans_prediction():
@@ -128,7 +176,8 @@ def test_combinations_that_cannot_run_are_left_out_with_their_reason():
     ({"tp": (3,)}, "do not divide the 8 GPUs"),
     ({"pp": (8,)}, "more stages than the 6 layers of blocks"),
     ({"micro_batch": (0,)}, "whole numbers >= 1"),
-    ({"zero_stage": (3,)}, "use 0 (no ZeRO), 1 or 2"),
+    ({"zero_stage": (4,)}, "use 0 (no ZeRO), 1, 2 or 3"),
+    ({"zero_reshard_after_forward": ("no",)}, "give True and/or False"),
     ({"sequence_parallel": ("yes",)}, "give True and/or False"),
     ({"sequence_parallel": ()}, "give True and/or False"),
 ])

@@ -192,3 +192,28 @@ def test_on_a_target_the_step_counts_the_master_copies_the_memory_view_counts():
     expected = plan.summary(torch.optim.AdamW, hardware=hw, master_dtype=torch.float64)
     pd.testing.assert_frame_equal(master.target, expected)
     assert master.target.step_time_s.max() > plain.target.step_time_s.max()    # wider copies: a slower step
+
+
+def test_zero3_gathers_and_reduce_scatters_are_drawn_on_their_own_lane_named_with_their_unit():
+    from nbscaler import ComputeConfig
+    from nbscaler.ir.graph import REST_UNIT
+    from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+    from nbscaler.widgets.palette import COLLECTIVE_COLOURS
+    model = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    plan = nbscaler.plan(GPT(model), {"batch": sample_batch(model, 2)}, "dp",
+                         ComputeConfig(1, 2, use_zero=True, zero_stage=3))
+    view = TimelineView(plan, hardware=Hardware.named("H100-SXM-80GB"))
+    line = plan.timeline(hardware=Hardware.named("H100-SXM-80GB"))
+    units = {REST_UNIT, "blocks.0", "blocks.1"}
+    drawn = drawn_blocks(view.figure, 1)
+    lane = [t for y, t in drawn if y == "rank 0 · collectives"]
+    assert len(lane) == len([c for c in line.collectives if c.rank == 0]) == 3 + 2 + 3     # gathers, again, reduces
+    assert set(lane) == units
+    assert list(view.figure.layout.yaxis.categoryarray)[::-1] == ["rank 0", "rank 0 · collectives", "rank 1",
+                                                                   "rank 1 · collectives"]
+    (chart,) = charts(view._repr_mimebundle_()["text/html"])
+    calls = [b for b in marks(chart, "rect", "nbs-block") if "of micro-batch" in hint(b) and "waits" in hint(b)]
+    assert len(calls) == len(line.collectives)
+    assert {b.get("fill") for b in calls if "all-gather of blocks.0" in hint(b)} == {COLLECTIVE_COLOURS["all_gather"]}
+    assert {"all-gather", "reduce-scatter", "rank 1 · collectives"} <= set(texts(chart))
+    assert "ZeRO stage 3" in view.assumptions and "ZeRO stage 3" not in TimelineView(llama_pp()).assumptions
