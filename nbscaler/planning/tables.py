@@ -126,17 +126,46 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
                       for w in plan.programs.weights(d) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}
     zero3 = zero3_sent(plan, recipe or Recipe(), backend) if param_bytes is not None and is_zero3(cfg) else None
+    reduced = {d: reduce_ratio(plan.programs.weights(d), recipe or Recipe()) for d in range(cfg.plan_ngpus)}
     rows = []
     for r in range(cfg.runtime_ngpus):
         sent, received = edges[cfg.device_of(r)]
         if zero3 is not None:
             sync = zero3[cfg.device_of(r)]
+        elif param_bytes is not None:
+            sync = unit_sync_bytes(cfg, param_bytes[r], reduced[cfg.device_of(r)], backend)
         else:
-            sync = 2 * (u - 1) / u * param_bytes[r] if param_bytes is not None and u > 1 else 0.0
-            sync += zero_extra_share(cfg, backend) * param_bytes[r] if param_bytes is not None else 0.0
+            sync = 0.0
         sync += partial[cfg.device_of(r)]
         rows.append({C.RANK.value: r, C.BYTES_SENT.value: sent + sync, C.BYTES_RECEIVED.value: received + sync})
     return pd.DataFrame(rows)
+
+
+def reduce_ratio(weights: Iterable[Any], recipe: Recipe) -> float:
+    """Bytes of a device's gradients in ``recipe``'s reduction dtype over its parameters' bytes
+    (2 for bf16 parameters reduced in fp32; 1 when no parameter is)."""
+    params = [w for w in weights if w.kind == "param"]
+    held = sum(w.nbytes for w in params)
+    return sum(w.numel * recipe.reduce_dtype(w.dtype).itemsize for w in params) / held if held else 1.0
+
+
+def unit_sync_bytes(cfg: ComputeConfig, param_bytes: float, ratio: float, backend: Optional[str]) -> float:
+    """Bytes a rank sends synchronising its gradients with the same device of the other ``u`` units,
+    ``param_bytes`` its parameters' bytes and ``ratio`` its gradients' in the reduction dtype over
+    them: a ring all-reduce of the gradients (``2 (u-1)/u``); under ZeRO stages 1 and 2, over
+    ZeRO groups of ``z`` in ``g`` groups, a reduce-scatter of the gradients in the group
+    (``(z-1)/z``), an all-reduce of this rank's slice across the groups (``2 (g-1)/g`` of ``1/z``)
+    and an all-gather of the updated parameters (``(z-1)/z``, in their dtype), plus what a backend
+    that emulates the reduce-scatter sends beyond it (``zero_extra_share``)."""
+    u = cfg.units
+    if u == 1:
+        return 0.0
+    grads = ratio * param_bytes
+    if not cfg.use_zero:
+        return 2 * (u - 1) / u * grads
+    z, g = cfg.grid.zero_group_size, cfg.zero_ngroups
+    return (grads * ((z - 1) / z + 2 * (g - 1) / (g * z) + zero_extra_share(cfg, backend))
+            + param_bytes * (z - 1) / z)
 
 
 def zero3_sent(plan: "Plan", recipe: Recipe, backend: Optional[str] = None) -> Dict[int, float]:
