@@ -1,5 +1,6 @@
 """The published-runs script runs, and every figure its sentences give follows from its rows."""
 
+import dataclasses
 import re
 import statistics
 
@@ -46,3 +47,49 @@ def test_the_paper_flops_are_its_equation_3():
     b, s, l, h, v = 2304, 2048, 80, 12288, 51200
     assert run.paper_flops == 96 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (16 * l * h))
     assert run.published_step_s == pytest.approx(24.8, abs=0.1)
+
+
+# -- torchtitan's Llama row, at a small shape ----------------------------------------------------
+@pytest.fixture(scope="module")
+def small_llama():
+    """torchtitan's row at a small Llama (2 layers, hidden 256) on its 8 GPUs, with its published figures."""
+    from benchmarks.published.torchtitan import LLAMA_RUNS, predict_llama
+    run = dataclasses.replace(LLAMA_RUNS[0], hidden=256, intermediate=512, layers=2, heads=8, seq=256)
+    return run, predict_llama(run, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_the_llama_row_is_planned_as_torchtitan_shards_it(small_llama):
+    import torch
+    import nbscaler
+    from benchmarks.published import torchtitan
+    run, _ = small_llama
+    cfg = torchtitan.config(run, {"recompute": "none"})
+    assert (cfg.use_zero, cfg.zero_stage, cfg.zero_reshard_after_forward) == (True, 3, True)
+    ids = torch.zeros(run.local_batch, run.seq, dtype=torch.long)
+    plan = nbscaler.plan(torchtitan.hf_llama(run), {"input_ids": ids, "labels": ids.clone()}, "data", cfg)
+    units = plan.units
+    assert sorted(units["unit"]) == ["(rest)"] + [f"model.layers.{i}" for i in range(run.layers)]
+    assert units.set_index("unit")["freed_after_forward"].to_dict() == {
+        "(rest)": False, **{f"model.layers.{i}": True for i in range(run.layers)}}
+
+
+@pytest.mark.slow
+def test_the_llama_tables_and_verdict_are_computed_from_the_rows(small_llama):
+    from benchmarks.published import torchtitan
+    run, rows = small_llama
+    text = torchtitan.section(run, rows)
+    assert "no FSDP" not in text
+    for r in rows:
+        step = r["step"]
+        tokens = step.tokens_per_s / run.gpus
+        assert r["tokens_error"] == pytest.approx(tokens / run.tokens_per_s_per_gpu - 1, rel=1e-12)
+        assert r["memory_error"] == pytest.approx(step.peak_bytes / 2 ** 30 / run.peak_memory_gib - 1, rel=1e-12)
+        assert (f"| {r['recompute']} | {r['peak']} | {step.step_time_s:.2f} | {tokens:,.0f} | "
+                f"{run.tokens_per_s_per_gpu:,.0f} | {r['tokens_error']:+.1%} | {step.peak_bytes / 2 ** 30:.1f} | "
+                f"{run.peak_memory_gib:.1f} | {r['memory_error']:+.1%} |") in text
+        assert sum(r["parts"].values()) == pytest.approx(step.step_time_s, rel=1e-9)   # the parts are the whole step
+        assert sum(r["memory"].values()) == pytest.approx(step.peak_bytes, rel=1e-12)  # and the whole peak
+    met = [r for r in rows if abs(r["tokens_error"]) <= 0.10 and abs(r["memory_error"]) <= 0.10]
+    said = re.search(r"is met by (none|\d+) of the (\d+) rows", text)
+    assert said and int(said[2]) == len(rows) and said[1] == (str(len(met)) if met else "none")
