@@ -128,3 +128,25 @@ def test_here_every_bucket_follows_the_backward(plain):
 def test_one_unit_synchronises_nothing():
     plan = nbscaler.plan(GPT(MODEL), {"batch": sample_batch(MODEL, 2)}, "dp", ComputeConfig(1, 1))
     assert synced(plan.timeline(hardware=H100)) == []
+
+
+def test_a_pipelines_ranks_synchronise_after_the_makespan_their_step_counts():
+    """Each stage's units sum their own buckets; the step counts the pipeline's makespan, so the
+    exposed part of every rank's synchronisation follows it."""
+    cfg = ComputeConfig(2, 4, use_end2end=True, use_pipeline=True, pipeline_nstages=2, pipeline_nmicros=4,
+                        pipeline_scheduler="1f1b", reduce_bucket_bytes=BUCKET)
+    plan = nbscaler.plan(GPT(MODEL), {"batch": sample_batch(MODEL, 2)}, "pp", cfg)
+    line = plan.timeline(hardware=H100)
+    figures = plan.step_figures(hardware=H100)
+    for rank in range(4):
+        calls = synced(line, rank)
+        device = figures.devices[plan.config.device_of(rank)]
+        assert calls and sum(c.waited_s for c in calls) == pytest.approx(device.sync_s)
+        assert calls[-1].unit == "bucket 0" and calls[-1].t_start >= line.makespan - 1e-15
+        assert calls[-1].t_end == pytest.approx(line.makespan + device.sync_s)
+    assert plan.timeline(hardware=H100).makespan == pytest.approx(figures.pipeline.makespan_s)
+
+
+def test_buckets_of_no_seconds_are_not_drawn():
+    """One unit sums with nobody: its buckets cost nothing, on a target and here alike."""
+    assert sync_spans([(0.0, 0.0)] * 3, 1.0, 5.0, 1.0) == sync_spans([(0.0, 0.0)] * 3, None, 5.0, 1.0) == []
