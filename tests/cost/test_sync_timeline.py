@@ -150,3 +150,17 @@ def test_a_pipelines_ranks_synchronise_after_the_makespan_their_step_counts():
 def test_buckets_of_no_seconds_are_not_drawn():
     """One unit sums with nobody: its buckets cost nothing, on a target and here alike."""
     assert sync_spans([(0.0, 0.0)] * 3, 1.0, 5.0, 1.0) == sync_spans([(0.0, 0.0)] * 3, None, 5.0, 1.0) == []
+
+
+def test_partial_gradients_summed_inside_the_unit_are_buckets_of_their_own():
+    """Sequence parallelism leaves the norms' gradients partial over the unit's 2 devices: they are
+    summed there first (``partial i``), all-reduces as the others, and the step waits what the rest do."""
+    plan = nbscaler.plan(GPT(MODEL), {"batch": sample_batch(MODEL, 2)}, "tp",
+                         ComputeConfig(2, 4, reduce_bucket_bytes=BUCKET, pas_config={"sequence_parallel": True}))
+    line = plan.timeline(hardware=H100)
+    figures = plan.step_figures(hardware=H100)
+    calls = synced(line)
+    partial = [c for c in calls if c.unit.startswith("partial")]
+    assert partial and {c.kind for c in partial} == {"all_reduce"}
+    assert any(c.unit == "bucket 0" for c in calls) and calls[-1].unit == "partial 0"     # exposed_sync's first
+    assert sum(c.waited_s for c in calls) == pytest.approx(figures.devices[0].sync_s)
