@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pandas as pd
@@ -235,6 +236,48 @@ def exposed_sync(times: List[Tuple[float, float]], overlap_s: Optional[float]) -
     return times[0][0] + max(0.0, hidden - overlap_s) + sum(a for _, a in times)
 
 
+@dataclass(frozen=True)
+class SyncSpan:
+    """One part of a bucket's synchronisation on the timeline (``sync_spans``): bucket ``index`` of
+    ``sync_buckets``' list, its ``'during'`` or ``'after'`` part, from ``t_start`` to ``t_end``;
+    ``waited_s``: its seconds after the backward's end, which the step waits for."""
+
+    index: int
+    part: str
+    t_start: float
+    t_end: float
+    waited_s: float
+
+
+def sync_spans(times: List[Tuple[float, float]], overlap_s: Optional[float], end_s: float,
+               update_s: float) -> List[SyncSpan]:
+    """Where ``exposed_sync`` puts each bucket of ``times`` (``sync_buckets``) in a step whose
+    backward ends at ``end_s``, one after the other on the rank's communication stream.
+
+    The backward makes the last parameters' gradients first, so buckets run in the reverse of
+    parameter order. With ``overlap_s``, the buckets after the first run from the start of the
+    window (``end_s - overlap_s``), each as soon as the one before ends; the first (ready when the
+    backward ends) after them and after ``end_s``. With ``None`` all of them run after ``end_s``.
+    ZeRO's all-gathers (the ``after`` parts) follow the optimizer step's ``update_s``, in parameter
+    order. Their ``waited_s`` add up to ``exposed_sync(times, overlap_s)``; parts of no seconds
+    are left out."""
+    spans: List[SyncSpan] = []
+    t = end_s if overlap_s is None else end_s - overlap_s
+    for i in reversed(range(len(times))):
+        if i == 0 and overlap_s is not None:
+            t = max(t, end_s)                      # the first bucket is ready when the backward ends
+        d = times[i][0]
+        if d > 0:
+            spans.append(SyncSpan(i, "during", t, t + d, t + d - max(t, end_s) if t + d > end_s else 0.0))
+        t += d
+    t += update_s
+    for i, (_, a) in enumerate(times):
+        if a > 0:
+            spans.append(SyncSpan(i, "after", t, t + a, a))
+        t += a
+    return spans
+
+
 def update_time(placed: PlacedGraphs, device: int, profiler: OpProfiler, recipe: Recipe,
                 params: Optional[List[LocalWeight]] = None) -> float:
     """Seconds of the reducer's copies and the optimizer step on plan ``device`` (profiled); with
@@ -384,10 +427,59 @@ class StepModel:
                    for blk in blocks if blk.phase != "W")
 
     def timeline(self, nsamples: int = 1, recipe: Optional[Recipe] = None) -> Timeline:
-        """Predicted blocks of one step per runtime rank (the rows the runtime measures), and under
-        ZeRO stage 3 each unit's all-gathers and reduce-scatters beside them (``recipe``: how
-        gradients are reduced, default ``Recipe()``)."""
-        units = self.shard_units(recipe or Recipe())
+        """Predicted blocks of one step per runtime rank (the rows the runtime measures); under
+        ZeRO stage 3 each unit's all-gathers and reduce-scatters beside them; and each bucket of
+        the data-parallel gradient synchronisation where the step's figures price it
+        (``sync_spans``; ``recipe``: how gradients are reduced, default ``Recipe()``)."""
+        recipe = recipe or Recipe()
+        line = self._compute_timeline(nsamples, recipe)
+        if self.cfg.inference_only:
+            return line
+        last: Dict[int, TimedBlock] = {}
+        for blk in line.blocks:
+            if blk.rank not in last or blk.t_end >= last[blk.rank].t_end:
+                last[blk.rank] = blk
+        spans: Dict[int, List[SyncSpan]] = {}
+        calls: List[CollectiveBlock] = list(line.collectives)
+        for rank, blk in sorted(last.items()):
+            device = self.cfg.device_of(rank)
+            if device not in spans:
+                spans[device] = self._sync_spans(device, recipe, line.makespan if self.geometry is not None
+                                                 else blk.t_end)
+            calls += [CollectiveBlock(rank, blk.stage, blk.micro, blk.phase, kind, label, s.t_start, s.t_end,
+                                      s.waited_s, sync=True) for s, (kind, label) in spans[device]]
+        return Timeline(line.blocks, line.nranks, tuple(calls))
+
+    def _sync_spans(self, device: int, recipe: Recipe, end_s: float) -> List[Tuple[SyncSpan, Tuple[str, str]]]:
+        """Plan ``device``'s synchronisation on the timeline, its backward ending at ``end_s`` (the
+        step's compute, as ``device_steps`` counts it): each span with its collective's kind and its
+        bucket's label."""
+        params = self._params(device)
+        inside, across = reduced_buckets(params, self.cfg, recipe)
+        times = bucket_seconds(self.cfg, device, self.comm, (inside, across))
+        overlap = overlap_window((b for _, b in self.times[device].values()), self.hardware)
+        found = sync_spans(times, overlap, end_s, 0.0)
+        if any(s.part == "after" for s in found):      # ZeRO's all-gathers follow the optimizer step
+            found = sync_spans(times, overlap, end_s, update_time(self.placed, device, self.profiler, recipe, params))
+        npartial = len(inside)                          # bucket_seconds puts the sums inside the unit first
+        during = Collective.REDUCE_SCATTER if self.cfg.use_zero and not is_zero3(self.cfg) else Collective.ALL_REDUCE
+
+        def named(s: SyncSpan) -> Tuple[str, str]:
+            if s.index < npartial:
+                return str(Collective.ALL_REDUCE), f"partial {s.index}"
+            kind = Collective.ALL_GATHER if s.part == "after" else during
+            return str(kind), f"bucket {s.index - npartial}"
+        return [(s, named(s)) for s in found]
+
+    def _params(self, device: int) -> List[LocalWeight]:
+        """The parameters plan ``device`` stores (its weight table's, when the caller gave them)."""
+        return ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
+                else device_params(self.placed, device))
+
+    def _compute_timeline(self, nsamples: int, recipe: Recipe) -> Timeline:
+        """``timeline`` without the data-parallel synchronisation: the blocks, and under ZeRO stage 3
+        its units' collectives."""
+        units = self.shard_units(recipe)
         blocks: List[TimedBlock] = []
         calls: List[CollectiveBlock] = []
         if self.geometry is None:
@@ -424,15 +516,14 @@ class StepModel:
         exposed synchronisation and update; FLOPs and bytes are the plan's to add), gradients
         reduced and the update run as ``recipe`` says. Compute is the pipeline's makespan, or
         without one the device's own forwards and backwards."""
-        line = self.timeline(nsamples, recipe)
+        line = self._compute_timeline(nsamples, recipe)
         ends: Dict[int, float] = {}
         for blk in line.blocks:
             ends[blk.rank] = max(ends.get(blk.rank, 0.0), blk.t_end)
         out = {}
         for device in range(self.cfg.plan_ngpus):        # unit 0's ranks are the plan devices
             overlap = overlap_window((b for _, b in self.times[device].values()), self.hardware)
-            params = ([w for w in self.weights_of(device) if w.kind == "param"] if self.weights_of is not None
-                      else device_params(self.placed, device))
+            params = self._params(device)
             sync = sync_time(self.placed, device, self.comm, recipe, overlap, params)
             update = update_time(self.placed, device, self.profiler, recipe, params)
             compute = line.makespan if self.geometry is not None else ends.get(device, 0.0)

@@ -261,7 +261,10 @@ class Plan:
         on this machine or on ``hardware``. Its blocks are the forwards and backwards; under ZeRO
         stage 3 each lasts what it waits for its units' all-gathers and reduce-scatters too, which
         ``.collectives`` holds, each named with its unit (``cost.fsdp``; the reduce-scatters in
-        ``recipe``'s reduce dtype). ``recipe`` is checked against the plan as ``summary`` checks it."""
+        ``recipe``'s reduce dtype). ``.collectives`` also holds each bucket of the data-parallel
+        gradient synchronisation (``sync=True``, named ``bucket i``), where ``summary`` prices it
+        (``cost.timing.sync_spans``): what they wait after the blocks is the step's exposed
+        synchronisation. ``recipe`` is checked against the plan as ``summary`` checks it."""
         chosen = self.recipe_of(recipe)
         return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware),
                                   recipe=chosen, program_of=self.programs.device)

@@ -5,9 +5,11 @@ The simulator predicts when each block runs; the runtime measures it. Both produ
 compute the same numbers from either, for instance the bubble fraction.
 
 A predicted timeline may also hold the collectives a rank runs beside its blocks
-(``Timeline.collectives``: ZeRO stage 3's all-gathers and reduce-scatters, each named with its
-unit, ``cost.fsdp``); a block's time includes what it waits for them, so they change no block
-count, makespan or bubble.
+(``Timeline.collectives``): ZeRO stage 3's all-gathers and reduce-scatters, each named with its
+unit (``cost.fsdp``), whose waits a block's time includes; and the data-parallel gradient
+synchronisation (``sync=True``: each bucket's all-reduce, or ZeRO's reduce-scatter and the
+all-gather after the optimizer step, ``cost.timing.sync_spans``), whose exposed part follows the
+blocks. Neither changes a block count, the makespan or the bubble.
 
 >>> line = Timeline.from_rows([
 ...     {"rank": 0, "stage": 0, "micro": 0, "phase": "F", "t_start": 0.0, "t_end": 1.0},
@@ -49,9 +51,14 @@ class TimedBlock:
 @dataclass(frozen=True)
 class CollectiveBlock:
     """A collective ``rank`` runs beside its compute during block ``(stage, micro, phase)``:
-    ``kind`` (``'all_gather'`` or ``'reduce_scatter'``) of ZeRO stage 3's ``unit``, from
-    ``t_start`` to ``t_end``; ``waited_s``: the seconds the rank's compute waits for it (its
-    exposed part; 0 where the compute hides it)."""
+    ``kind`` (``'all_gather'``, ``'reduce_scatter'`` or ``'all_reduce'``) of ZeRO stage 3's ``unit``,
+    from ``t_start`` to ``t_end``; ``waited_s``: the seconds the rank waits for it (its exposed
+    part; 0 where the compute hides it).
+
+    ``sync``: one bucket of the data-parallel gradient synchronisation instead (``unit`` names the
+    bucket, ``'bucket 0'`` holding the first parameters; ``'partial 0'`` a bucket of partial
+    gradients summed inside the unit); its block is the rank's last, and what it waits for comes
+    after the blocks, in the step's exposed synchronisation (``DeviceStep.sync_s``)."""
 
     rank: int
     stage: int
@@ -62,6 +69,7 @@ class CollectiveBlock:
     t_start: float
     t_end: float
     waited_s: float
+    sync: bool = False
 
     @property
     def duration(self) -> float:

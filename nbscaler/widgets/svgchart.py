@@ -171,6 +171,9 @@ class Panel:
 
 
 LANE, LANE_GAP, LANES_LEFT = 24, 4, 150
+EDGED_PX = 4.0
+"""A lane's block at least this wide has a white edge between it and the next; a narrower one (a
+small gradient bucket among hundreds) none, which would hide it."""
 
 
 def lanes_svg(title: str, panels: Sequence[Panel], items: Legend, axis_title: str, width: int = 900) -> str:
@@ -190,8 +193,8 @@ def lanes_svg(title: str, panels: Sequence[Panel], items: Legend, axis_title: st
             body.append(box(to_x(0), y, to_x(span) - to_x(0), LANE, IDLE_COLOUR, f"{lane}: idle where no block"))
             for b in blocks:
                 x0, x1 = to_x(b.start), to_x(b.end)
-                body.append(box(x0, y, max(x1 - x0, 1.0), LANE, b.colour, b.hint, stroke="#ffffff",
-                                stroke_width=1, class_="nbs-block"))
+                edge = {"stroke": "#ffffff", "stroke_width": 1} if x1 - x0 >= EDGED_PX else {}
+                body.append(box(x0, y, max(x1 - x0, 1.0), LANE, b.colour, b.hint, class_="nbs-block", **edge))
                 if x1 - x0 > 7 * len(b.text) + 4:
                     body.append(label((x0 + x1) / 2, y + LANE / 2 + 4, b.text, size=10, anchor="middle",
                                       colour="#ffffff"))

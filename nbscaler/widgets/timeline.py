@@ -12,10 +12,15 @@ On a target (``hardware=``, ``nbscaler.Hardware``) the prediction is ``plan.time
 and the title gives that hardware, the step time and MFU of ``plan.summary(hardware=hw)`` and the
 bubble; a run measured here is then drawn without a ratio to it (other hardware).
 
-Under ZeRO stage 3 each rank of the prediction has one more lane, ``rank r · collectives``: every
-all-gather and reduce-scatter of its units (``Timeline.collectives``), each labelled with its unit,
-where it runs beside the blocks; hovering one says how long the rank's compute waited for it
-(``cost.fsdp``: the blocks already last that long).
+Where ranks run collectives beside their blocks, each rank of the prediction has one more lane,
+``rank r · collectives`` (``Timeline.collectives``): under ZeRO stage 3 every all-gather and
+reduce-scatter of its units, each labelled with its unit; hovering one says how long the rank's
+compute waited for it (``cost.fsdp``: the blocks already last that long). With data-parallel units,
+the gradient synchronisation's buckets too (``cost.timing.sync_spans``), each labelled ``bucket i``
+(``bucket 0``: the first parameters, whose gradients the backward makes last): all-reduces, or ZeRO's
+reduce-scatters and the all-gathers after the optimizer step, hidden in the last backward where the
+target overlaps them, after it where it does not; hovering one says how long the step waits for it
+(its part of the step's exposed synchronisation).
 """
 
 from __future__ import annotations
@@ -41,12 +46,17 @@ if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
-COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s"]
+COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s", "sync"]
 """The columns of a timeline's collectives (``schedule.CollectiveBlock``)."""
 TIME_AXIS = "time in the step (ms)"
 ZERO3_ASSUMPTION = ("ZeRO stage 3: each unit's all-gathers and reduce-scatters on the link its ZeRO group spans, "
                     "beside the compute as FSDP prefetches them on a target (on this machine nothing overlaps); a "
                     "block lasts its compute and what it waits for them (nbscaler.cost.fsdp, plan.unit_collectives()).")
+SYNC_ASSUMPTION = ("Gradient synchronisation: each bucket reduced across the data-parallel units as the step "
+                   "prices it (nbscaler.cost.timing.exposed_sync), in the reverse of parameter order; where the "
+                   "target overlaps it, the buckets but the first run in the last backward and only what they "
+                   "wait after it counts; else all after the backward. ZeRO's all-gathers follow the optimizer "
+                   "step, which is not drawn.")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
 title font (the Explorer puts the timeline beside the memory view)."""
@@ -107,11 +117,17 @@ def lane_order(labels: Dict[Tuple[int, int], str], collectives: Dict[int, str]) 
     return out
 
 
+def waiter(sync: bool) -> str:
+    """Who waits for a collective: the step for a bucket of the gradient synchronisation (after
+    the blocks), the compute for ZeRO stage 3's (inside them)."""
+    return "the step" if sync else "the compute"
+
+
 def collective_hint(panel: str, lane: str, kind: str, unit: str, micro: int, phase: str, start_ms: float,
-                    end_ms: float, waited_ms: float) -> str:
+                    end_ms: float, waited_ms: float, sync: bool = False) -> str:
     """What hovering a collective of the SVG says (the figure's hover text says the same)."""
     return (f"{panel} {lane}: {COLLECTIVE_NAMES.get(kind, kind)} of {unit} in the {PHASE_NAMES.get(phase, phase)} of "
-            f"micro-batch {micro}, {start_ms:.3f} -> {end_ms:.3f} ms, the compute waits {waited_ms:.3f} ms for it")
+            f"micro-batch {micro}, {start_ms:.3f} -> {end_ms:.3f} ms, {waiter(sync)} waits {waited_ms:.3f} ms for it")
 
 
 def add_collectives(fig: go.Figure, frame: pd.DataFrame, labels: Dict[int, str], row: int, panel: str) -> None:
@@ -124,9 +140,10 @@ def add_collectives(fig: go.Figure, frame: pd.DataFrame, labels: Dict[int, str],
             legendgroup=str(kind), showlegend=row == 1,
             marker=dict(color=COLLECTIVE_COLOURS.get(kind, OTHER_COLOUR), line=dict(color="white", width=1)),
             text=list(calls.unit), textposition="inside", insidetextanchor="middle",
-            customdata=list(zip(calls.unit, calls.micro, calls.t_start * 1e3, calls.t_end * 1e3, calls.waited_s * 1e3)),
+            customdata=list(zip(calls.unit, calls.micro, calls.t_start * 1e3, calls.t_end * 1e3, calls.waited_s * 1e3,
+                                [waiter(bool(s)) for s in calls.sync])),
             hovertemplate=(f"{panel} %{{y}}<br>{COLLECTIVE_NAMES.get(kind, kind)} of %{{customdata[0]}}, micro-batch "
-                           "%{customdata[1]}<br>%{customdata[2]:.3f} → %{customdata[3]:.3f} ms, the compute waits "
+                           "%{customdata[1]}<br>%{customdata[2]:.3f} → %{customdata[3]:.3f} ms, %{customdata[5]} waits "
                            "%{customdata[4]:.3f} ms<extra></extra>")),
             row=row, col=1)
 
@@ -138,7 +155,7 @@ def collective_lanes(frame: pd.DataFrame, labels: Dict[int, str], panel: str) ->
         lane, start, end = labels[int(c.rank)], c.t_start * 1e3, c.t_end * 1e3
         lanes[lane].append(Block(start, end, COLLECTIVE_COLOURS.get(c.kind, OTHER_COLOUR), c.unit,
                                  collective_hint(panel, lane, c.kind, c.unit, int(c.micro), c.phase, start, end,
-                                                 c.waited_s * 1e3)))
+                                                 c.waited_s * 1e3, bool(c.sync))))
     return lanes
 
 
@@ -210,8 +227,10 @@ class TimelineView(ChartView):
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
         self.assumptions = (target_assumptions(self.hardware, self.predicted) if self.hardware is not None
                             else assumptions(self.plan, self.predicted))
-        if len(self.collectives):
+        if (~self.collectives.sync.astype(bool)).any():
             self.assumptions += "\n" + ZERO3_ASSUMPTION
+        if self.collectives.sync.astype(bool).any():
+            self.assumptions += "\n" + SYNC_ASSUMPTION
         self.figure = self._figure()
         self.bubble_table = self._bubble_table()
         self._shown()
@@ -301,8 +320,9 @@ class TimelineView(ChartView):
     # -- rendering --------------------------------------------------------------------------------
     def svg(self) -> str:
         """The same panels as the figure: a lane per rank (and stage), a block per forward or
-        backward; the grey a lane shows between its blocks is its bubble. Under ZeRO stage 3 a lane
-        per rank of its units' collectives, each block labelled with its unit."""
+        backward; the grey a lane shows between its blocks is its bubble. Where ranks run collectives (ZeRO
+        stage 3's, the gradient synchronisation's buckets) a lane per rank of them, each block labelled
+        with its unit or bucket."""
         labels = self._labels()
         panels = []
         for (name, frame), title in zip(self._frames(), self._panel_titles()):
@@ -310,8 +330,8 @@ class TimelineView(ChartView):
             lanes = {**lanes_of(frame, labels, name), **collective_lanes(self.collectives, calls, name)}
             panels.append(Panel(title, {lane: lanes[lane] for lane in lane_order(labels, calls)}))
         legend = [(PHASE_NAMES[p], PHASE_COLOURS[p]) for p in PHASE_COLOURS]
-        if len(self.collectives):
-            legend += [(COLLECTIVE_NAMES[k], COLLECTIVE_COLOURS[k]) for k in COLLECTIVE_COLOURS]
+        drawn = set(self.collectives.kind)
+        legend += [(COLLECTIVE_NAMES[k], COLLECTIVE_COLOURS[k]) for k in COLLECTIVE_COLOURS if k in drawn]
         return lanes_svg(self._title(), panels, legend + [("idle (bubble)", IDLE_COLOUR)], TIME_AXIS)
 
     def table_html(self) -> str:

@@ -74,7 +74,11 @@ def test_assumptions_say_what_starting_a_send_costs(monkeypatch):
 def test_without_a_pipeline_one_forward_and_backward_per_rank():
     view = TimelineView(llama_tp())
     blocks = drawn_blocks(view.figure, 1)
-    assert blocks == sorted((f"rank {r}", t) for r in range(4) for t in ("F0", "B0"))
+    computed = [(y, t) for y, t in blocks if not y.endswith("collectives")]
+    assert computed == sorted((f"rank {r}", t) for r in range(4) for t in ("F0", "B0"))
+    # two units: each rank sums its gradients with the other unit's after the backward (one bucket)
+    assert [(y, t) for y, t in blocks if y.endswith("collectives")] == [(f"rank {r} · collectives", "bucket 0")
+                                                                          for r in range(4)]
     assert (view.bubbles.predicted == 0).all()
 
 
@@ -217,3 +221,28 @@ def test_zero3_gathers_and_reduce_scatters_are_drawn_on_their_own_lane_named_wit
     assert {b.get("fill") for b in calls if "all-gather of blocks.0" in hint(b)} == {COLLECTIVE_COLOURS["all_gather"]}
     assert {"all-gather", "reduce-scatter", "rank 1 · collectives"} <= set(texts(chart))
     assert "ZeRO stage 3" in view.assumptions and "ZeRO stage 3" not in TimelineView(llama_pp()).assumptions
+
+
+def test_data_parallel_buckets_are_drawn_on_the_collectives_lane_where_the_step_prices_them():
+    from nbscaler import ComputeConfig
+    from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+    from nbscaler.widgets.palette import COLLECTIVE_COLOURS
+    model = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    plan = nbscaler.plan(GPT(model), {"batch": sample_batch(model, 2)}, "dp",
+                         ComputeConfig(1, 2, reduce_bucket_bytes=8 * 2**10))
+    hw = Hardware.named("H100-SXM-80GB")
+    view = TimelineView(plan, hardware=hw)
+    line = plan.timeline(hardware=hw)
+    buckets = [c for c in line.collectives if c.rank == 0]
+    assert buckets and all(c.sync and c.kind == "all_reduce" for c in buckets)
+    lane = [t for y, t in drawn_blocks(view.figure, 1) if y == "rank 0 · collectives"]
+    assert sorted(lane) == sorted(c.unit for c in buckets) and "bucket 0" in lane
+    # what the drawing says the step waits is the exposed synchronisation the step adds
+    exposed = view.collectives[view.collectives["rank"] == 0].waited_s.sum()
+    assert exposed == pytest.approx(plan.step_figures(hardware=hw).devices[0].sync_s) and exposed > 0
+    (chart,) = charts(view._repr_mimebundle_()["text/html"])
+    drawn = [b for b in marks(chart, "rect", "nbs-block") if "all-reduce of bucket" in hint(b)]
+    assert len(drawn) == len(line.collectives) and all("the step waits" in hint(b) for b in drawn)
+    assert {b.get("fill") for b in drawn} == {COLLECTIVE_COLOURS["all_reduce"]}
+    assert "all-reduce" in texts(chart) and "reduce-scatter" not in texts(chart)      # the kinds drawn
+    assert "Gradient synchronisation" in view.assumptions and "ZeRO stage 3" not in view.assumptions
