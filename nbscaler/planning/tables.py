@@ -121,7 +121,6 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
     """
     cfg = plan.config
     edges = edge_traffic_per_device(plan, backend)
-    u = cfg.units
     partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
                       for w in plan.programs.weights(d) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}

@@ -20,7 +20,7 @@ import pandas as pd
 
 from nbscaler.glossary import GLOSSARY_URL, layout_text, legend, split_text
 from nbscaler.widgets.base import Measured, View
-from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_count, fmt_flops
+from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_flops
 
 if TYPE_CHECKING:
     from nbscaler.planning import Plan

@@ -18,12 +18,11 @@ import html
 import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 import pandas as pd
 import plotly.graph_objects as go
 
-from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import atomic_write_bytes
 from nbscaler.recipe import UNSET

@@ -20,6 +20,7 @@ def pipeline_plan(scheduler: str, nstages: int = 2):
     return nbscaler.plan(model, {"batch": {"idx": idx, "targets": idx}}, "pp", cfg)
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_each_op_line_carries_the_block_the_ir_gives_it():
     plan = pipeline_plan("zb_h1")
     for rank, text in plan.sources.items():

@@ -2,7 +2,6 @@
 bucket where the step's figures price it, its exposed part the step's ``sync_s``."""
 
 import pytest
-import torch
 
 import nbscaler
 from nbscaler import ComputeConfig, Hardware, Recipe, Software

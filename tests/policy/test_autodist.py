@@ -38,6 +38,7 @@ def splits(p):
     return [(n.name, n.placement.split, n.stage) for n in (p.nodes if hasattr(p, "nodes") else p.graph.nodes)]
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_same_model_config_and_profile_give_the_same_plan():
     # A tight memory limit makes the search split (unlimited, this tiny model is fastest replicated).
     model, args = build("mlp"), batch("mlp", 0)

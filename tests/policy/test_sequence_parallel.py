@@ -67,6 +67,7 @@ def test_sequence_parallel_under_hybrid_slices_each_stage():
     assert {"reduce_scatter", "all_gather_sum_grad"} <= collectives and reduced == {_loss(p)}
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_autodist_weighs_the_sequence_parallel_tp_plan():
     """autodist scores ``tp`` as a rival to its search: with the key, the sequence-parallel one."""
     plain, sp = _plan("gpt", 2, {}, "autodist"), _plan("gpt", 2, SP, "autodist")

@@ -75,6 +75,7 @@ def test_a_repriced_frame_is_a_fresh_sweeps_bit_for_bit():
         pd.testing.assert_frame_equal(frame, sweep, check_exact=True)
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_a_sequence_change_traces_again_and_turning_it_back_does_not(space):
     before, traces = space.frame, space.traces
     frame = space.set(sequence=2 * SEQ)

@@ -291,6 +291,7 @@ def saved_by_op(plan) -> dict:
     return saved
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_sequence_parallelism_slices_what_the_norms_save_on_a_real_model():
     """Hugging Face's Llama at tp 2: with sequence parallelism each row needs less memory than its
     twin without, by what the ops between the linears save, halved (Korthikanti et al. 2022): those

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import html
 
+import pytest
+
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.widgets.explanation import ROWS, ExplanationView
 from tests.models import batch, build
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_the_view_shows_autodists_account_and_its_costliest_choices():
     plan = nbscaler.plan(build("cnn"), batch("cnn", 0), "autodist",
                          ComputeConfig(2, 2, pas_config={"autodist_plan_ngpus": "auto"}))

@@ -69,6 +69,7 @@ def test_compile_draws_every_view_of_one_plan_and_records_a_run(explorer):
     assert explorer.panes.views[ViewName.CODE].node == 5
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_a_knob_change_replaces_without_tracing_and_redraws_timeline_and_memory(explorer, monkeypatch):
     explorer.compile()
     compiled = explorer.compiled
@@ -153,6 +154,7 @@ def test_after_a_compile_the_knobs_read_the_plans_own_configuration(explorer):
     assert explorer.error is None and knobs.stages.value == explorer.plan.schedule.ndevices == 4
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_the_sequence_parallel_knob_applies_to_the_policies_that_read_it(explorer):
     knobs = explorer.controls
     assert not knobs.sequence_parallel.value and not knobs.sequence_parallel.disabled       # tp reads it
@@ -188,6 +190,7 @@ def test_zero_stage_3_and_its_reshard_knob_shard_the_parameters_and_gather_units
     assert Knobs(use_zero=True, zero_stage=3).row()["zero"] == 3
 
 
+@pytest.mark.slow       # a second or so: make test runs it, the edit-test loop does not
 def test_the_recompute_knob_is_a_granularity_and_a_re_placement_recomputes_that(explorer):
     knobs = explorer.controls
     assert knobs.recompute.options == ("none", "selective", "full") and knobs.recompute.value == "none"
