@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from nbscaler.widgets.graph.box import Box
+from nbscaler.widgets.graph.box import Box, BoxKind  # noqa: F401  (BoxKind: part of the scene's vocabulary, imported from here)
 from nbscaler.widgets.graph.facts import INPUTS, OUTPUTS, PlanFacts
 from nbscaler.widgets.graph.tree import ModuleTree, is_op_key, node_of
 
