@@ -327,7 +327,9 @@ class TimelineView(ChartView):
         panels = []
         for (name, frame), title in zip(self._frames(), self._panel_titles()):
             calls = self._collective_labels(name)
-            lanes = {**lanes_of(frame, labels, name), **collective_lanes(self.collectives, calls, name)}
+            lanes = lanes_of(frame, labels, name)
+            if calls:                           # the prediction's collectives: its panel only
+                lanes.update(collective_lanes(self.collectives, calls, name))
             panels.append(Panel(title, {lane: lanes[lane] for lane in lane_order(labels, calls)}))
         legend = [(PHASE_NAMES[p], PHASE_COLOURS[p]) for p in PHASE_COLOURS]
         drawn = set(self.collectives.kind)

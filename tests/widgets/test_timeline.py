@@ -96,6 +96,14 @@ def test_measured_run_on_the_same_axis(run):
     assert "bubble, measured" in view.bubble_table
 
 
+def test_a_measured_panel_beside_predicted_collectives_draws_no_collectives_lane():
+    plan = llama_tp()
+    measured = pd.DataFrame(plan.timeline().to_rows())
+    view = TimelineView(plan, Measured(timeline=measured))
+    svg = view.svg()                                   # the saved form draws both panels
+    assert svg.count(">rank 0 &#183; collectives<") == 1 and "measured" in svg     # the lane's label, once
+
+
 def test_cluster_telemetry_of_several_steps_draws_the_last():
     rows = pd.DataFrame(llama_pp().timeline().to_rows())
     steps = pd.concat([rows.assign(step=s, t_start=rows.t_start + 100 * s, t_end=rows.t_end + 100 * s)
