@@ -97,9 +97,10 @@ def test_measured_run_on_the_same_axis(run):
 
 
 def test_a_measured_panel_beside_predicted_collectives_draws_no_collectives_lane():
-    plan = llama_tp()
-    measured = pd.DataFrame(plan.timeline().to_rows())
-    view = TimelineView(plan, Measured(timeline=measured))
+    plan, h100 = llama_tp(), Hardware.named("H100-SXM-80GB")
+    measured = pd.DataFrame(plan.timeline(h100).to_rows())
+    view = TimelineView(plan, Measured(timeline=measured), hardware=h100)   # on a target: the buckets drawn
+    assert len(view.collectives) > 0
     svg = view.svg()                                   # the saved form draws both panels
     assert svg.count(">rank 0 &#183; collectives<") == 1 and "measured" in svg     # the lane's label, once
 
