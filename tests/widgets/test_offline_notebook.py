@@ -16,6 +16,7 @@ import pytest
 from nbclient import NotebookClient
 from nbconvert import HTMLExporter
 
+from nbscaler.columns import MEMORY_CATEGORIES
 from tests.widgets.browser import REPO, chromium, screenshot, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.notebook, pytest.mark.timeout(600)]
@@ -70,4 +71,5 @@ def test_a_saved_notebook_shows_every_chart_offline_in_chromium(tmp_path, monkey
     assert all(box["width"] > 300 and box["height"] > 100 for box in sizes), sizes
     # every block drawn: 2 panels x 2 ranks x (F, B) x 4 micro-batches, and the Explorer's 2 x 2 x 4
     assert len(shown_blocks) == 32 + 16 and all(b["width"] > 0 and b["height"] > 0 for b in shown_blocks)
-    assert bars == 4 * 2 * 5 + 2 * 5                  # a segment per rank, side and kind
+    # a segment per rank, side and memory kind: 4 ranks x 2 sides beside the Explorer's 2 ranks
+    assert bars == (4 * 2 + 2) * len(MEMORY_CATEGORIES)
