@@ -69,6 +69,14 @@ class Collective(_Word):
     SEND_RECV = "send_recv"
 
 
+class ContextKind(_Word):
+    """How a context-parallel attention reads the keys and values of the other devices
+    (``pas_config['context_parallel_kind']``; ``nbscaler.runtime.context``)."""
+
+    ALL_GATHER = "all_gather"     # gathered whole before attention (Llama 3)
+    RING = "ring"                 # passed round the devices while the block in hand computes
+
+
 Share = Callable[[int], float]          # n devices -> bytes each sends, as a fraction of the tensor
 _NONE: Share = lambda n: 0.0
 _RING: Share = lambda n: (n - 1) / n

@@ -166,6 +166,12 @@ def sequence_parallel() -> tuple:
     return (("pas_config", (("sequence_parallel", True),)),)
 
 
+def context_parallel(n: int, kind: str = "all_gather", **pas_config: Any) -> tuple:
+    """The ``Case.config`` of context parallelism over ``n`` devices, keys and values read as
+    ``kind`` (with further ``pas_config`` keys, such as ``recompute``)."""
+    return (("pas_config", (("context_parallel", n), ("context_parallel_kind", kind)) + tuple(pas_config.items())),)
+
+
 def data_seed(step: int, unit: int, micro: int = 0) -> int:
     return step * 100 + unit * 10 + micro
 

@@ -20,6 +20,7 @@ import linecache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.liveness import release_dead
+from nbscaler.codegen.context import chunk_comment, context_call
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
 from nbscaler.codegen.vocab import vocab_call
@@ -28,7 +29,7 @@ from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Resh
                                    Value)
 from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.ir.layer_rules import sync_batch_norm, vocab_parallel
+from nbscaler.ir.layer_rules import context_parallel, sync_batch_norm, vocab_parallel
 from nbscaler.layouts import COLLECTIVES, emulations
 from torch.fx.graph import dtype_abbrs
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
@@ -110,7 +111,7 @@ class SectionPrinter:
                 step = c.step
                 dims = "".join(f", dim={d}" for d in (step.dim,) if d is not None)
                 dims += f", dim2={step.dim2}" if step.dim2 is not None else ""
-                dims += f", blocks={step.blocks}" if step.blocks != 1 else ""
+                dims += f", blocks={step.blocks!r}" if step.blocks != 1 else ""
                 self.lines += [f"# {note}" for note in emulation_notes(step.fn)]
                 self.lines.append(f"{annotated(c.dst)} = comm.{step.fn}({value_name(c.src)}{dims}, group={group})")
 
@@ -198,6 +199,10 @@ class SectionPrinter:
         elif name in INPLACE_OPERATORS and not kwargs and len(args) == 2:
             self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
+        elif context_parallel(node):    # this device's slice of the sequence
+            if node.op == "attention":
+                self.lines.append(chunk_comment(node, self.sec.device))
+            self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(place.devices))}")
         elif vocab_parallel(node):      # this device's share of the vocabulary
             self.lines.append(f"{lhs} = {vocab_call(node, args, self.sec.device, group_var(place.devices))}")
         elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share

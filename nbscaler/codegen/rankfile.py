@@ -19,6 +19,7 @@ from torch.utils._pytree import keystr
 
 from nbscaler.codegen.emitter import SectionPrinter
 from nbscaler.codegen.render import CodegenError, attr_name, group_var, user_op_alias
+from nbscaler.codegen.context import context_imports
 from nbscaler.codegen.vocab import vocab_imports
 from nbscaler.comm.program import LocalWeight, RankProgram
 from nbscaler.comm.stages import stage_carries
@@ -115,8 +116,9 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
         w("from torch.utils.checkpoint import checkpoint")
     if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
         w("from nbscaler.runtime.guards import expect_traced")
-    if vocab_imports(graphs):
-        w(vocab_imports(graphs))
+    for imports in (vocab_imports(graphs), context_imports(graphs)):
+        if imports:
+            w(imports)
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
     for target in user_targets:
         fn = USER_OPS[target]

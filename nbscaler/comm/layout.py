@@ -38,7 +38,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
-from nbscaler.ir.layer_rules import vocab_parallel
+from nbscaler.ir.layer_rules import context_ring, vocab_parallel
 from nbscaler.layouts import Collective, LayoutKind
 
 R, S, P, SUM_GRAD, FIRST_ONLY = LayoutKind
@@ -117,6 +117,8 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
         return Layout.replicated()
     if vocab_parallel(node) and not node.inputs[index].dtype.is_floating_point:
         return Layout.replicated()      # token ids: each device looks every one up in its share of the vocabulary
+    if context_ring(node) and index in (1, 2):
+        return Layout.split(node.annotation.inputs[index].index("s"), place.blocks)    # keys, values: round a ring
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:
         return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))

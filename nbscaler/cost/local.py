@@ -40,8 +40,9 @@ from nbscaler.comm.arguments import local_arguments
 from nbscaler.comm.program import (Call, Fetch, Instruction, Receive, Recompute, Reshard, Return, Section, Send, Unshard,
                                    Value)
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
-from nbscaler.ir.graph import IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import vocab_parallel
+from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
+from nbscaler.ir.layer_rules import context_parallel, vocab_parallel
+from nbscaler.runtime.context import context_attention, context_cross_entropy
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
 
@@ -66,6 +67,11 @@ def resolve(target: str) -> Callable:
 def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     """Call ``node``'s target on concrete (here: fake) arguments, as the generated code would."""
     target = node.target
+    kind = context_parallel(node)
+    if kind is not None:            # the runtime's call, as a device alone would make it
+        fn = context_attention if kind == "attention" else context_cross_entropy
+        extra = {"kind": node.meta[CONTEXT_KIND], "blocks": node.placement.blocks} if kind == "attention" else {}
+        return fn(*args, **kwargs, **extra, group=None)
     if target.startswith("Tensor."):
         name = target[len("Tensor."):]
         first, rest = args[0], args[1:]
@@ -250,7 +256,8 @@ class _Replay:
         inputs = [self.env[v] for v in call.inputs]
         args, kwargs = call_args(node, inputs, self.fake_device, _out_shape(call))
         # a user op by its function too: registered again under its name, it is another call
-        target = (node.target, USER_OPS.get(node.target), _structure(node.outputs))
+        target = (node.target, USER_OPS.get(node.target), _structure(node.outputs), context_parallel(node),
+                  node.meta.get(CONTEXT_KIND))
         produced, packed = self.remembered(target, args, kwargs, inputs, lambda xs: self.dispatch(call, xs))
         for v in call.inputs:                   # an op that changed an input in place
             self.env[v] = self.changed.get(id(self.env[v]), self.env[v])

@@ -101,6 +101,9 @@ SHARD_UNITS = "shard_units"
 SHARD_RESHARD = "shard_reshard_after_forward"
 #: The unit of the parameters outside every named module (embeddings, final norm, head).
 REST_UNIT = "(rest)"
+#: ``node.meta`` key of how a context-parallel attention reads the other devices' keys (``'all_gather'``
+#: or ``'ring'``; written by ``policy.context``, read by lowering, code generation and the cost model).
+CONTEXT_KIND = "context_kind"
 #: The suffix of the region of an attention core (``recompute='selective'``): ``'blocks.0.attn:core'``.
 RECOMPUTE_CORE = ":core"
 

@@ -6,10 +6,10 @@ or attended axis). The shape-only ops and the tools these use live in ``shape_ru
 
 from __future__ import annotations
 
-from typing import Set
+from typing import Optional, Set
 
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import IRGraph, IRNode, fed_by_inputs
+from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
 
 
@@ -145,6 +145,25 @@ def vocab_parallel(node: IRNode) -> bool:
     return (node.op, place.split) in (("embedding", "v"), ("loss", "c"))
 
 
+def context_parallel(node: IRNode) -> Optional[str]:
+    """What context parallelism calls in place of ``node``: ``'attention'`` for an attention split
+    along its queries (``nbscaler.runtime.context.context_attention``), ``'loss'`` for a mean
+    cross-entropy split along its tokens (``context_cross_entropy``), else ``None``."""
+    place = node.placement
+    if place is None or place.split is None:
+        return None
+    if (node.op, place.split) == ("attention", "t"):
+        return "attention"
+    if (node.op, place.split) == ("loss", "n") and "n" in node.annotation.frozen:
+        return "loss"
+    return None
+
+
+def context_ring(node: IRNode) -> bool:
+    """Whether ``node`` is an attention whose keys and values stay split and pass round a ring."""
+    return context_parallel(node) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"
+
+
 def vocab_share(node: IRNode) -> int:
     """How many vocabulary entries each device of a ``vocab_parallel`` node holds."""
     return node.annotation.sizes[node.placement.split] // node.placement.parts
@@ -217,12 +236,12 @@ def loss(node: IRNode) -> OpAnnotation:
     weight = ", c^" if len(node.inputs) == 3 else ""
     outs = samples if reduction_kind == "none" else ""
     first = samples.split(" ", 1)
-    classes = "c+" if _vocab_parallel_loss(node) else "c^"
+    classes = "c+" if plain_cross_entropy(node) else "c^"
     xin = " ".join([first[0], classes] + first[1:])
     return fixed(f"{xin}, {samples}{weight} -> {outs}")(node)
 
 
-def _vocab_parallel_loss(node: IRNode) -> bool:
+def plain_cross_entropy(node: IRNode) -> bool:
     """Whether a cross-entropy may split its classes across devices (``vocab_cross_entropy``):
     ``(N, C)`` logits, class indices as targets, no class weights, no label smoothing and no
     legacy ``size_average``/``reduce`` (``reduction`` is one of mean, sum, none). Each

@@ -54,6 +54,7 @@ from nbscaler.ir.layer_rules import vocabulary_lookups
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
+from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, place_context
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
@@ -153,6 +154,8 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit (with
     ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
     unit = cfg.grid.stage_group(None)
+    if check_context(cfg, len(unit), sequence_parallel(cfg)) > 1:
+        return place_context(graph, lambda node: unit, context_kind(cfg))
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
 
 
@@ -244,6 +247,8 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
             raise PolicyError(f"pas_config['{SEQUENCE_PARALLEL}'] asks for tensor-parallel stages, but {why}")
         graph.meta[POLICY_NOTE] = why
     stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
+    if check_context(cfg, geometry.tp, sequence_parallel(cfg)) > 1:
+        return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg))
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
 
@@ -325,10 +330,10 @@ COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES, RECOMPUTE)
 
 POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DP: (),
-    BuiltinPolicy.TP: (SEQUENCE_PARALLEL,),
+    BuiltinPolicy.TP: (SEQUENCE_PARALLEL,) + CONTEXT_KEYS,
     BuiltinPolicy.DATA: (),
     BuiltinPolicy.PP: (PIPELINE_SPLIT,),
-    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT),
+    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT) + CONTEXT_KEYS,
     BuiltinPolicy.AUTODIST: AUTODIST_KEYS + TARGET_KEYS + (SEQUENCE_PARALLEL,),
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""

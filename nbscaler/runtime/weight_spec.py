@@ -55,7 +55,7 @@ class WeightSpec:
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": str(self.dtype),
                 "devices": list(self.devices), "split_dim": self.split_dim, "parts": self.parts,
                 "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
-                "blocks": self.blocks if isinstance(self.blocks, int) else list(self.blocks),
+                "blocks": self.blocks if isinstance(self.blocks, (int, str)) else list(self.blocks),
                 "partial_grads": self.partial_grads}
 
     @classmethod

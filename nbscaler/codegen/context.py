@@ -1,0 +1,47 @@
+"""The calls generated code makes where a plan splits the sequence (``context_parallel``):
+attention over every device's keys and the loss of this device's tokens, both from
+``nbscaler.runtime.context``, and the comment that says which chunks of the sequence a device holds."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+from nbscaler.blocks import ranges
+from nbscaler.codegen.render import render_call
+from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode
+from nbscaler.ir.layer_rules import context_parallel
+from nbscaler.ir.shape_rules import arg
+
+FUNCTIONS = {"attention": "context_attention", "loss": "context_cross_entropy"}
+"""The function of ``nbscaler.runtime.context`` that runs each kind of context-parallel op."""
+
+
+def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
+    """The expression generated code evaluates for context-parallel ``node`` over rendered arguments."""
+    place = node.placement
+    fn = FUNCTIONS[context_parallel(node)]
+    call = render_call(node, args, kwargs)           # F.name(arguments)
+    inner = call[call.index("(") + 1:-1]
+    if fn == "context_cross_entropy":
+        return f"{fn}({inner}, group={group})"
+    return f"{fn}({inner}, kind={node.meta[CONTEXT_KIND]!r}, blocks={place.blocks!r}, group={group})"
+
+
+def chunk_comment(node: IRNode, device: int) -> str:
+    """``# this device's queries: positions 0:4 and 28:32 of 32 (chunks 0 and 7 of 8)``."""
+    place = node.placement
+    length = node.inputs[0].shape[-2]
+    spans = ranges(length, place.blocks, place.parts, place.devices.index(device))
+    size = spans[0][1] - spans[0][0]
+    where = " and ".join(f"{lo}:{hi}" for lo, hi in spans)
+    chunks = " and ".join(str(lo // size) for lo, _ in spans) if size else "none"
+    how = {"ring": "the keys and values pass round the ring of the group, one device's block a step",
+           "all_gather": "the keys and values arrive whole"}[node.meta[CONTEXT_KIND]]
+    return (f"# context parallel: this device's queries are positions {where} of {length} (chunks {chunks} of "
+            f"{length // size if size else 0}); {how}")
+
+
+def context_imports(graphs: Dict[int, IRGraph]) -> str:
+    """The import line of the context-parallel functions ``graphs`` call ('' when none)."""
+    used = sorted({FUNCTIONS[kind] for g in graphs.values() for n in g.nodes for kind in [context_parallel(n)] if kind})
+    return f"from nbscaler.runtime.context import {', '.join(used)}" if used else ""

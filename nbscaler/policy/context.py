@@ -1,0 +1,148 @@
+"""Context parallelism: every op on a slice of the sequence, attention over all of it.
+
+``pas_config={"context_parallel": n}`` under ``tp`` or ``hybrid`` splits the sequence of each
+stage over its ``n`` devices. The sequence is axis 1 of the forward's inputs (``(batch, sequence,
+...)`` token ids and targets), cut into ``2n`` chunks of which device ``i`` holds ``i`` and
+``2n-1-i`` (``nbscaler.blocks.MIRRORED``): under a causal mask every device then does the same
+work. The split follows the graph as ``data`` follows the batch:
+
+- an op that reads a split input is split along the same axis (norms, linears, residual adds, the
+  MLP): it runs on this device's tokens, and its weights' gradients are summed over the devices;
+- what is computed whole (positions, rotary tables, a causal mask) is sliced where a split op
+  reads it, so every chunk sees its own positions;
+- attention splits its queries: ``scaled_dot_product_attention`` becomes
+  ``nbscaler.runtime.context.context_attention`` (keys and values all-gathered, or passed round a
+  ring: ``"context_parallel_kind"``), and an attention written out (``q @ k.transpose(-2, -1)``,
+  a mask, a softmax, ``@ v``) all-gathers its keys and values where its products read them;
+- a mean cross-entropy splits its tokens (``context_cross_entropy``): each device's part of the mean.
+
+An op that cannot take the split (a reshape that merges the batch into the sequence) runs on the
+whole sequence, gathered; ``plan.explain()`` names each such op.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+from nbscaler.blocks import MIRRORED
+from nbscaler.config import ComputeConfig
+from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, Placement
+from nbscaler.ir.layer_rules import plain_cross_entropy
+from nbscaler.layouts import ContextKind
+from nbscaler.policy.primitives import PolicyError, partition, replicate
+
+CONTEXT_PARALLEL = "context_parallel"
+"""The ``pas_config`` key of context parallelism: the devices a stage's sequence is split over."""
+CONTEXT_PARALLEL_KIND = "context_parallel_kind"
+"""The ``pas_config`` key of how attention reads other devices' keys: ``all_gather`` or ``ring``."""
+CONTEXT_KEYS = (CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND)
+#: The key of ``graph.meta`` where the policy lists the ops that run on the whole sequence.
+CONTEXT_GATHERED = "context_gathered"
+
+
+def context_parallel(cfg: ComputeConfig) -> int:
+    """The context-parallel size ``cfg`` asks for (``pas_config['context_parallel']``; 1: none)."""
+    value = cfg.pas_config.get(CONTEXT_PARALLEL, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pas_config['{CONTEXT_PARALLEL}']={value!r} is invalid: give the number of devices "
+                         "each stage's sequence is split over (an int >= 1; 1 turns it off).")
+    return value
+
+
+def context_kind(cfg: ComputeConfig) -> str:
+    """How attention reads other devices' keys (``pas_config['context_parallel_kind']``, ``all_gather``
+    unless given)."""
+    value = cfg.pas_config.get(CONTEXT_PARALLEL_KIND, ContextKind.ALL_GATHER)
+    if value not in set(ContextKind):
+        raise ValueError(f"pas_config['{CONTEXT_PARALLEL_KIND}']={value!r} is invalid: give "
+                         f"{' or '.join(repr(k.value) for k in ContextKind)}.")
+    return ContextKind(value)
+
+
+def sequence_inputs(graph: IRGraph, n: int) -> Tuple[int, Dict[int, int]]:
+    """The sequence length, and ``id(tensor) -> 1`` for each input that carries the sequence on axis 1.
+    Raises ``PolicyError`` when there is none or it does not cut into ``2n`` chunks."""
+    shaped = [t for t in graph.inputs if t.ndim >= 2]
+    if not shaped:
+        raise PolicyError(f"{CONTEXT_PARALLEL} splits the sequence, axis 1 of the forward's inputs, but no input "
+                          "has two axes: pass (batch, sequence) token ids.")
+    length = shaped[0].shape[1]
+    if length % (2 * n):
+        fit = -(-length // (2 * n)) * 2 * n
+        raise PolicyError(f"{CONTEXT_PARALLEL}={n} cuts the sequence into 2 x {n} = {2 * n} equal chunks (device i "
+                          f"holds chunks i and {2 * n - 1}-i, which balances a causal mask), but the sequence has "
+                          f"{length} tokens: trace with a sequence that is a multiple of {2 * n} (e.g. {fit}), or "
+                          f"choose a {CONTEXT_PARALLEL} that divides {length // 2}.")
+    return length, {id(t): 1 for t in shaped if t.shape[1] == length}
+
+
+def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]], kind: str) -> IRGraph:
+    """Split every op of ``graph`` along the sequence over ``devices_of(node)`` (see the module docstring)."""
+    n = len(devices_of(graph.nodes[0])) if graph.nodes else 1
+    length, seq_dim = sequence_inputs(graph, n)
+    gathered: List[str] = []
+    for node in graph.nodes:
+        devices = devices_of(node)
+        split = [(i, seq_dim[id(t)]) for i, t in enumerate(node.inputs) if id(t) in seq_dim]
+        name = _context_name(node, split, length, kind, len(devices)) if split and node.annotation is not None else None
+        if name is None:
+            if split and any(t.dtype.is_floating_point for t in node.inputs):
+                gathered.append(node.name)
+            replicate(node, devices)
+            continue
+        if name in node.annotation.frozen:          # attention's queries, a mean loss's tokens: own calls
+            node.placement = Placement(tuple(devices), name, MIRRORED)
+            node.meta[CONTEXT_KIND] = kind
+        else:
+            partition(node, name, devices, blocks=MIRRORED)
+        _, out_dims = node.annotation.split_dims(name)
+        for t, d in zip(node.output_tensors, out_dims):
+            if d is not None:
+                seq_dim[id(t)] = d
+    if gathered:
+        graph.meta[CONTEXT_GATHERED] = gathered
+    return graph
+
+
+def _context_name(node: IRNode, split: List[Tuple[int, int]], length: int, kind: str, n: int) -> Optional[str]:
+    """The annotated axis to split ``node`` along, given its inputs that arrive split (``(input, dim)``);
+    ``None`` to run it whole."""
+    ann = node.annotation
+    if node.op == "attention":
+        dims = dict(split)
+        if 0 not in dims:
+            raise PolicyError(f"{node.name}: its keys or values are split along the sequence but its queries are "
+                              "not, which context parallelism cannot attend over; split the queries too.")
+        if len(node.inputs) == 4 and node.inputs[3].ndim >= 2 and node.inputs[3].shape[-1] not in (1, length):
+            raise PolicyError(f"{node.name}: its attention mask has {node.inputs[3].shape[-1]} key columns, neither "
+                              f"the sequence's {length} nor 1 (broadcast), so it cannot be cut by position; pass a "
+                              "mask of shape (..., T, T) or (..., 1, T).")
+        return "t"
+    if node.op == "loss" and "n" in ann.frozen:     # a mean: each device's part of it, if it is a plain one
+        return "n" if plain_cross_entropy(node) and any(i == 0 and d == 0 for i, d in split) else None
+    i, d = split[0]
+    name = ann.inputs[i][d] if ann.inputs[i] is not None else None
+    if kind == ContextKind.RING and node.op == "matmul" and len(split) > 1:
+        raise PolicyError(f"{node.name}: an attention written out as products ({node.target} of two split "
+                          "sequences) cannot pass its keys round a ring: call F.scaled_dot_product_attention, or "
+                          f"set pas_config['{CONTEXT_PARALLEL_KIND}']='all_gather', which gathers them.")
+    if name is None or ann.can_split(name, 2 * n) is not None:
+        return None
+    return name
+
+
+def check_context(cfg: ComputeConfig, stage_devices: int, sequence_parallel: bool) -> int:
+    """The context-parallel size of ``cfg``, checked against the devices of each stage (1: none)."""
+    n = context_parallel(cfg)
+    context_kind(cfg)
+    if n == 1:
+        return 1
+    if sequence_parallel:
+        raise PolicyError(f"pas_config has both '{CONTEXT_PARALLEL}' and 'sequence_parallel': context parallelism "
+                          "already runs every op on a slice of the sequence; drop 'sequence_parallel'.")
+    if n != stage_devices:
+        raise PolicyError(f"{CONTEXT_PARALLEL}={n}, but each stage has {stage_devices} devices: nbscaler splits a "
+                          "stage's sequence over all of its devices (tensor parallelism inside a context-parallel "
+                          f"group is not supported); set {CONTEXT_PARALLEL}={stage_devices}, or plan_ngpus to "
+                          f"{n} x the pipeline devices.")
+    return n
