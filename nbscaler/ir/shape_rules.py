@@ -203,8 +203,8 @@ def indexing(node: IRNode) -> Optional[OpAnnotation]:
             outs.append(f"new{k}")
         elif isinstance(i, int):
             ins.append(f"i{d}"); frozen.add(f"i{d}"); d += 1
-        elif i == slice(None):
-            ins.append(f"d{d}"); outs.append(f"d{d}"); d += 1
+        elif i == slice(None) or (isinstance(i, slice) and i.indices(x.shape[d]) == (0, x.shape[d], 1)):
+            ins.append(f"d{d}"); outs.append(f"d{d}"); d += 1      # the whole axis (``x[:, -0:]`` too)
         else:
             ins.append(f"s{d}"); outs.append(f"t{d}"); frozen.update({f"s{d}", f"t{d}"}); d += 1
     out_t = node.output_tensors[0]

@@ -26,6 +26,7 @@ from nbscaler.cost.fsdp import section_units, sent_bytes, step_counts, unit_byte
 from nbscaler.cost.ranks import train_graph
 from nbscaler.cost.timing import backend_on, is_zero3
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
+from nbscaler.policy.context import CONTEXT_GATHERED
 from nbscaler.ir.graph import IRGraph
 from nbscaler.glossary import GLOSSARY_URL, split_name, split_text
 from nbscaler.layouts import Collective, wire_factor
@@ -256,6 +257,12 @@ def explain_text(plan: "Plan") -> str:
              f"{split_share(plan):.0%} of the forward FLOPs run in split ops; the rest run replicated."]
     if plan.graph.meta.get("policy_note"):                 # builtin.POLICY_NOTE: what the policy did unasked
         lines.append(plan.graph.meta["policy_note"])
+    gathered = plan.graph.meta.get(CONTEXT_GATHERED)
+    if gathered:
+        shown = ", ".join(gathered[:6]) + (f" and {len(gathered) - 6} more" if len(gathered) > 6 else "")
+        lines.append(f"context parallel: {len(gathered)} op(s) read the sequence but cannot take its split, so they "
+                     f"run on the whole sequence, gathered on every device: {shown} (a reshape that merges the batch "
+                     "into the sequence does this; a batch of one sequence avoids it).")
     heavy = ops.nlargest(3, "flops_fwd")
     lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {fmt_flops(r['flops_fwd'])}, "
               + (f"split {r['split']!r} ({split_name(r['split'], r['op'])}) over {list(r['devices'])}"

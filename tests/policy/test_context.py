@@ -1,0 +1,85 @@
+"""Context parallelism's placement and its refusals: every op on a slice of the sequence, attention
+split by its queries, the loss by its tokens, and a clear error, naming the fix, for each config
+it cannot run."""
+
+import pytest
+
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.blocks import MIRRORED
+from nbscaler.ir.layer_rules import context_parallel
+from nbscaler.policy.primitives import PolicyError
+from tests.models import batch, build
+
+
+def _plan(model, n, kind="all_gather", policy="tp", **pas):
+    cfg = ComputeConfig(plan_ngpus=n, runtime_ngpus=n,
+                        pas_config={"context_parallel": n, "context_parallel_kind": kind, **pas})
+    return nbscaler.plan(build(model), batch(model, 0), policy, cfg)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "hf_llama"])
+def test_every_op_that_reads_the_sequence_runs_on_its_mirrored_slice(model):
+    plan = _plan(model, 2)
+    placed = [n for n in plan.graph.nodes if n.placement.split is not None]
+    assert placed and all(n.placement.blocks == MIRRORED for n in placed)
+    linears = plan.graph.select(op="linear")
+    assert linears and all(n.placement.parts == 2 for n in linears)          # on this device's tokens
+    sdpa = plan.graph.select(op="attention")
+    assert all(context_parallel(n) == "attention" for n in sdpa)
+
+
+def test_generated_code_says_which_chunks_a_device_holds_and_passes_keys_round_a_ring():
+    plan = _plan("gpt", 2, "ring")             # 8 tokens: 4 chunks of 2, rank 1 holds chunks 1 and 2
+    code = plan.sources[1]
+    assert "queries are positions 2:4 and 4:6 of 8 (chunks 1 and 2 of 4)" in code
+    assert "context_attention(" in code and "kind='ring', blocks='mirrored'" in code
+    assert "comm.all_gather_sum_grad" not in code                  # the keys never arrive whole
+    assert "comm.chunk(batch_idx, dim=1, blocks='mirrored'" in code       # the tokens, cut as they arrive
+    gathered = _plan("gpt", 2, "all_gather").sources[1]
+    assert gathered.count("comm.all_gather_sum_grad(") == 2 * 4      # keys and values of 4 layers
+
+
+def test_the_loss_is_each_devices_part_of_the_mean_when_the_batch_is_one_sequence():
+    from tests.models import Llama
+    import torch
+    model = Llama()
+    tokens = torch.randint(0, 64, (1, 17))
+    plan = nbscaler.plan(model, {"idx": tokens[:, :-1], "targets": tokens[:, 1:]}, "tp",
+                         ComputeConfig(plan_ngpus=2, runtime_ngpus=2, pas_config={"context_parallel": 2}))
+    loss = plan.graph.select(op="loss")[0]
+    assert context_parallel(loss) == "loss"
+    assert "context_cross_entropy(" in plan.sources[0]
+    assert "whole sequence" not in plan.explain()
+
+
+def test_a_batch_merged_into_the_sequence_runs_whole_and_the_plan_says_so():
+    plan = _plan("gpt", 2)                     # (2, 8, V) logits viewed as (16, V): batch and sequence merged
+    assert "whole sequence" in str(plan.explain())
+
+
+@pytest.mark.parametrize("pas, message", [
+    ({"context_parallel": 3}, "8 tokens: trace with a sequence that is a multiple of 6"),
+    ({"context_parallel": 2, "context_parallel_kind": "ring"}, "cannot pass its keys round a ring"),
+    ({"context_parallel": 2, "context_parallel_kind": "spiral"}, "give 'all_gather' or 'ring'"),
+    ({"context_parallel": 2, "sequence_parallel": True}, "drop 'sequence_parallel'"),
+    ({"context_parallel": 0}, "an int >= 1"),
+])
+def test_configs_it_cannot_run_are_refused_naming_the_fix(pas, message):
+    n = pas["context_parallel"] if pas["context_parallel"] > 1 else 2
+    cfg = ComputeConfig(plan_ngpus=n, runtime_ngpus=n, pas_config=pas)
+    with pytest.raises((PolicyError, ValueError), match=message.replace("(", r"\(").replace("'", "'")):
+        nbscaler.plan(build("llama"), batch("llama", 0), "tp", cfg)
+
+
+def test_tensor_parallelism_inside_a_context_parallel_group_is_refused():
+    cfg = ComputeConfig(plan_ngpus=4, runtime_ngpus=4, pas_config={"context_parallel": 2})
+    with pytest.raises(PolicyError, match="set context_parallel=4"):
+        nbscaler.plan(build("gpt"), batch("gpt", 0), "tp", cfg)
+
+
+@pytest.mark.parametrize("policy", ["dp", "data", "pp"])
+def test_a_policy_that_does_not_split_the_sequence_refuses_the_key(policy):
+    cfg = ComputeConfig(plan_ngpus=1, runtime_ngpus=2, pas_config={"context_parallel": 2})
+    with pytest.raises(ValueError, match=f"'context_parallel'.*policy '{policy}' does not read"):
+        nbscaler.plan(build("gpt"), batch("gpt", 0), policy, cfg)
