@@ -66,6 +66,7 @@ class Collective(_Word):
     ALL_TO_ALL = "all_to_all"
     SUM_GRAD = "sum_grad"
     FIRST_ONLY = "first_only"
+    RING_PASS = "ring_pass"
     SEND_RECV = "send_recv"
 
 
@@ -111,8 +112,13 @@ COLLECTIVES: Dict[Collective, CollectiveSpec] = {
     C.ALL_TO_ALL: CollectiveSpec(_SQUARE, C.ALL_TO_ALL, _SQUARE, priced_as=C.ALL_TO_ALL),
     C.SUM_GRAD: CollectiveSpec(_NONE, C.ALL_REDUCE, _TWICE),
     C.FIRST_ONLY: CollectiveSpec(_NONE),
+    # context parallelism's ring: each device passes its block on n-1 times (an all-gather's bytes,
+    # point to point); the backward passes the blocks again and their gradients n times, home
+    C.RING_PASS: CollectiveSpec(_RING, C.RING_PASS, lambda n: (2 * n - 1) / n, priced_as=C.ALL_GATHER),
 }
-"""Every layout-changing collective. ``SEND_RECV`` is not here: it moves the whole tensor ``T``
+"""Every layout-changing collective, and the ring a context-parallel attention runs inside its call
+(``RING_PASS``, priced as the all-gather whose bytes it moves, with no overlap credited: an upper
+bound on its time). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
 to the next stage and its gradient back, priced by the cost model's point-to-point time."""
 del C
 

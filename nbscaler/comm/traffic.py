@@ -19,6 +19,7 @@ collective                 forward, per device         backward, per device
 ``all_to_all``             ``(n-1)/n^2 * T``           ``(n-1)/n^2 * T``
 ``sum_grad``               0 (pass through)            ``2 (n-1)/n * T`` (all-reduce)
 ``first_only``             0                           none
+``ring_pass``              ``(n-1)/n * T``             ``(2n-1)/n * T`` (blocks and gradients)
 ``send_recv``              ``T`` (to the next stage)   ``T`` (the gradient, back)
 =========================  ==========================  =====================================
 
@@ -36,9 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from nbscaler.comm.layout import Step
+from nbscaler.comm.layout import Layout, Step
 from nbscaler.comm.program import Fetch, RankProgram, Section, Send
-from nbscaler.ir.graph import IRGraph, IRTensor, requires_grad_of
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
+from nbscaler.ir.layer_rules import context_ring
 from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)
@@ -101,11 +103,16 @@ def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int],
             ordered.append(((at, f.position, 0), f))
         sends = [ins for ins in sec.instructions if isinstance(ins, Send)]
         ordered += [((nodes + k, k, 1), send) for k, send in enumerate(sends)]     # after the k-th output's fetch
+    ring = sorted({n for sec in sections for n in sec.graph.nodes if context_ring(n) and
+                   (stage is None or n.stage == stage)}, key=lambda n: index[id(n)])
+    ordered += [((index[id(n)], -1, 2), n) for n in ring]          # keys and values round the ring, at the call
     ordered.sort(key=lambda item: item[0])
     seen: set = set()
     steps: List[CommStep] = []
     for _, item in ordered:
-        if isinstance(item, Send):
+        if isinstance(item, IRNode):
+            steps += _ring_rows(item, stage, index, grad, backend)
+        elif isinstance(item, Send):
             if ("send", id(item.tensor)) not in seen:
                 seen.add(("send", id(item.tensor)))
                 steps += _send(item.tensor, _group(graph, stage), next_group, stage, grad)
@@ -129,6 +136,17 @@ def _rows(f: Fetch, step: Step, stage: Optional[int], index: Dict[int, int], gra
         primitive = COLLECTIVES[spec.backward].priced_as
         out.append(CommStep(collective=spec.backward, phase="B",
                             **_sent(spec.backward_share(n) * t.nbytes, primitive, n, backend), **row))
+    return out
+
+
+def _ring_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
+               backend: Optional[str]) -> List[CommStep]:
+    """The ring passes of a context-parallel attention: its keys and values, each passed on by every device."""
+    out: List[CommStep] = []
+    for t in node.inputs[1:3]:
+        split = Layout.split(node.annotation.inputs[1].index("s"), node.placement.blocks)
+        fetch = Fetch(t, split, split, node.placement.devices, node, node.inputs.index(t), ())
+        out += _rows(fetch, Step(Collective.RING_PASS), stage, index, grad, backend)
     return out
 
 

@@ -40,6 +40,8 @@ from nbscaler.comm.arguments import local_arguments
 from nbscaler.comm.program import (Call, Fetch, Instruction, Receive, Recompute, Reshard, Return, Section, Send, Unshard,
                                    Value)
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
+from nbscaler import blocks as strided
+from nbscaler.blocks import Blocks
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import context_parallel, vocab_parallel
 from nbscaler.runtime.context import context_attention, context_cross_entropy
@@ -152,13 +154,14 @@ class _Apply(torch.autograd.Function):
         return grad, None
 
 
-def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int], n: int, index: int) -> torch.Tensor:
+def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int], n: int, index: int,
+                blocks: Blocks = 1) -> torch.Tensor:
     """The local result of collective ``fn`` over ``n`` devices on the one at ``index``, with the
     same allocation and aliasing as ``nbscaler.runtime.collectives`` (values do not matter)."""
     if n == 1:
         return x                                       # a group of one: the collectives return x
     gather = lambda t, d: torch.cat([torch.empty_like(t) for _ in range(n)], dim=d)
-    piece = lambda t, d: t.chunk(n, dim=d)[index].contiguous()
+    piece = lambda t, d: strided.take(t, d, blocks, n, index).contiguous()     # blocks: cut and joined anew
     impl = {
         Collective.ALL_GATHER: lambda t: gather(t, dim),
         Collective.ALL_GATHER_SUM_GRAD: lambda t: gather(t, dim),
@@ -242,7 +245,7 @@ class _Replay:
             for c in f.steps:
                 value = self.env[c.src]
                 step, n = c.step, len(f.devices)
-                args = (step.fn, step.dim, step.dim2, n, index)
+                args = (step.fn, step.dim, step.dim2, n, index, step.blocks)
                 out = self.remembered(("collective", *args), (value,), {}, [value],
                                       lambda x: ([_collective(args[0], x[0], *args[1:])], [], True))[0][0]
                 self.run.collectives.append(CollectiveCall(step.fn, f.tensor.name, f.devices, value.bytes, out.bytes,

@@ -16,7 +16,7 @@ from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_byte
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import (Case, buckets, granular, measure_memory, pipeline, predicted_memory, recompute,
+from tests.multiprocess import (Case, buckets, context_parallel, granular, measure_memory, pipeline, predicted_memory, recompute,
                                 run_cases,
                                 sequence_parallel, zero)
 
@@ -447,3 +447,20 @@ def test_summary_counts_the_master_copies(hardware):
     assert memory["grad_bytes"] in (2 * n, 4 * n)           # bf16 in the backward, fp32 at the step
     assert plan.memory(torch.optim.AdamW, master_dtype=None).loc[0, "optimizer_bytes"] == (2 + 2) * n + counters
     assert plan.memory().equals(plan.memory(torch.optim.AdamW, master_dtype=torch.float32))   # the one default
+
+
+CONTEXT = [
+    Case("gpt", "tp", 2, 2, optimizer="adamw", config=context_parallel(2, "ring")),        # keys round a ring
+    Case("gpt", "tp", 2, 2, config=context_parallel(2)),                                  # keys gathered
+    Case("llama", "tp", 2, 2, optimizer="adamw", config=context_parallel(2)),             # a written-out attention
+    Case("llama_e2e", "hybrid", 2, 2, config=pipeline("1f1b", 1, 2) + context_parallel(2)),
+]
+
+
+@pytest.mark.multiprocess
+def test_memory_model_is_exact_under_context_parallelism(tmp_path):
+    """The sequence split over 2 ranks: activations on this device's chunks, keys and values
+    gathered for the attention (or passed round a ring, which saves only this device's block):
+    the plan equals the meter."""
+    for case, measured in run_cases(measure_memory, 2, CONTEXT, str(tmp_path)).items():
+        _check(case, predicted_memory(case), measured)

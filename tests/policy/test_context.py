@@ -83,3 +83,20 @@ def test_a_policy_that_does_not_split_the_sequence_refuses_the_key(policy):
     cfg = ComputeConfig(plan_ngpus=1, runtime_ngpus=2, pas_config={"context_parallel": 2})
     with pytest.raises(ValueError, match=f"'context_parallel'.*policy '{policy}' does not read"):
         nbscaler.plan(build("gpt"), batch("gpt", 0), policy, cfg)
+
+
+def test_the_ring_is_priced_as_the_bytes_it_passes():
+    """Keys and values of ``T`` bytes over ``n`` devices: each device passes its block on ``n-1``
+    times in the forward, ``(n-1)/n T``; the backward passes the blocks and their gradients, home
+    after ``n`` steps, ``(2n-1)/n T``. Gathered keys cost the same forward and a reduce-scatter back."""
+    for n in (2, 4):
+        ring = _plan("gpt", n, "ring").collectives
+        passes = ring[ring.collective == "ring_pass"]
+        keys = passes.tensor_bytes
+        assert len(passes) == 2 * 4 * 2                               # keys and values, 4 layers, F and B
+        forward, backward = passes[passes.phase == "F"], passes[passes.phase == "B"]
+        assert (forward.bytes_per_device == (keys[forward.index] * (n - 1) / n).round()).all()
+        assert (backward.bytes_per_device == (keys[backward.index] * (2 * n - 1) / n).round()).all()
+        gathered = _plan("gpt", n).collectives
+        assert (gathered.collective == "all_gather_sum_grad").sum() == 2 * 4
+        assert gathered[gathered.collective == "all_gather_sum_grad"].bytes_per_device.sum() == forward.bytes_per_device.sum()
