@@ -98,6 +98,7 @@ class CollectiveSpec:
     backward_share: Share = _NONE
     priced_as: Optional[Collective] = None
     backward_input: Callable[[int, int], int] = lambda nbytes, n: nbytes
+    inside: Optional[str] = None      # the runtime function that runs it within its own call, if not comm.<name>
 
 
 C = Collective
@@ -114,7 +115,8 @@ COLLECTIVES: Dict[Collective, CollectiveSpec] = {
     C.FIRST_ONLY: CollectiveSpec(_NONE),
     # context parallelism's ring: each device passes its block on n-1 times (an all-gather's bytes,
     # point to point); the backward passes the blocks again and their gradients n times, home
-    C.RING_PASS: CollectiveSpec(_RING, C.RING_PASS, lambda n: (2 * n - 1) / n, priced_as=C.ALL_GATHER),
+    C.RING_PASS: CollectiveSpec(_RING, C.RING_PASS, lambda n: (2 * n - 1) / n, priced_as=C.ALL_GATHER,
+                                inside="nbscaler.runtime.context.context_attention"),
 }
 """Every layout-changing collective, and the ring a context-parallel attention runs inside its call
 (``RING_PASS``, priced as the all-gather whose bytes it moves, with no overlap credited: an upper

@@ -25,7 +25,7 @@ ALLOWED_CYCLES: Dict[str, str] = {}
 # the rows below. The runtime, which runs on every rank, imports only from ``RUNTIME_IMPORTS``.
 # Modules in no row (the entry points: parallel, cli, walkthroughs, ...) may import anything.
 LAYERS = [
-    ("config", "schedule", "blocks", "columns", "genfiles", "layouts", "units"),
+    ("config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention"),
     ("ir",),
     ("trace", "comm", "cost"),
     ("policy",),
@@ -36,7 +36,7 @@ LAYERS = [
     ("cluster",),
     ("widgets",),
 ]
-RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units"}
+RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention"}
 
 Arrow = Tuple[str, str]
 

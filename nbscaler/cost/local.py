@@ -44,7 +44,7 @@ from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import context_parallel, vocab_parallel
-from nbscaler.runtime.context import context_attention, context_cross_entropy
+from nbscaler.attention import context_attention, context_cross_entropy
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
 

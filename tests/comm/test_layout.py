@@ -66,9 +66,15 @@ def test_under_zero_stage_2_each_use_sums_its_gradient_in_the_backward():
 
 
 def test_every_collective_of_the_table_is_a_function_of_the_runtime():
-    """The table names functions generated code calls as ``comm.<name>``, and their backward partners."""
+    """The table names functions generated code calls as ``comm.<name>`` (or the runtime function that
+    runs one inside its own call: context parallelism's ring), and their backward partners."""
+    import importlib
     from nbscaler.layouts import COLLECTIVES
     from nbscaler.runtime import collectives
     for name, spec in COLLECTIVES.items():
+        if spec.inside is not None:
+            module, function = spec.inside.rsplit(".", 1)
+            assert callable(getattr(importlib.import_module(module), function)), spec.inside
+            continue
         assert callable(getattr(collectives, name)), name
         assert spec.backward is None or spec.backward in COLLECTIVES

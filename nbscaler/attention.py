@@ -1,0 +1,211 @@
+"""Context parallelism's two calls: attention over a sequence split across devices, and the
+loss of a split sequence. Generated code calls them through ``nbscaler.runtime.context``; the
+cost model calls the same functions on fake tensors (``group=None``), which is why they live in
+this leaf module, below both.
+
+A plan that splits the sequence (``pas_config={"context_parallel": n}``) leaves every op but
+attention and the loss on this device's chunks: device ``i`` of ``n`` holds chunks ``i`` and
+``2n-1-i`` of ``2n`` (``nbscaler.blocks.MIRRORED``), so under a causal mask each device does the
+same work. Attention needs every key:
+
+- ``all_gather`` (Llama 3's way): the keys and values arrive whole, gathered by the generated
+  code's ``all_gather_sum_grad`` (its backward reduce-scatters their gradients), and
+  ``context_attention`` masks by position: a query at global position ``p`` sees keys ``<= p``.
+- ``ring`` (Ring Attention; torchtitan's and Megatron-LM's way): the keys and values stay split.
+  Each device computes its queries against the block in hand while it passes that block to the
+  next device and receives the previous one's; after ``n`` steps every query has seen every key.
+  The blocks are merged by their log-sum-exp (the online softmax), so nothing ``(T, T)`` is kept:
+  the forward saves this device's queries, keys, values, output and log-sum-exp, and the backward
+  passes the keys and values round the ring again with their gradients, which arrive home after
+  ``n`` steps.
+
+``group=None`` is a ring of one device: the cost model calls it so on fake tensors, to learn
+what the ring saves.
+
+``context_cross_entropy`` is the mean cross-entropy of the whole sequence computed from this
+device's tokens: its local sum over the count of counted tokens in the whole group (one
+all-reduce of an integer). The devices' results are partial sums of the loss, which the generated
+code's ``all_reduce`` completes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from nbscaler import blocks as strided
+from nbscaler.blocks import Blocks
+from nbscaler.layouts import ContextKind
+
+Group = Optional[dist.ProcessGroup]
+
+
+def positions(length: int, blocks: Blocks, parts: int, index: int, device=None) -> torch.Tensor:
+    """The global positions of the rows device ``index`` of ``parts`` holds of an axis of ``length``."""
+    return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in strided.ranges(length, blocks, parts, index)])
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool,
+             mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Which keys each query sees: a boolean ``(..., Tq, Tk)`` (``None``: all), or an additive float
+    mask when the model gave one."""
+    causal = k_pos[None, :] <= q_pos[:, None] if is_causal else None
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask if causal is None else mask & causal
+    return mask if causal is None else mask.masked_fill(~causal, float("-inf"))
+
+
+def _mask_columns(mask: Optional[torch.Tensor], cols: torch.Tensor) -> Optional[torch.Tensor]:
+    """The columns ``cols`` of a mask whose last axis is the whole sequence (a broadcast axis of 1 stays)."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask.index_select(-1, cols)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values with fewer heads than the queries (grouped-query attention), repeated to match."""
+    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+def _block(q, k, v, allowed, scale) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one block of keys: its output and log-sum-exp (``-inf`` on rows that see none)."""
+    s = (q @ _expand_heads(k, q.shape[-3]).transpose(-2, -1)) * scale            # (B, h, Tq, Tk)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool else s + allowed
+    lse = torch.logsumexp(s, dim=-1)                                              # (B, h, Tq)
+    p = torch.exp(s - lse.unsqueeze(-1).clamp(min=torch.finfo(s.dtype).min)).nan_to_num(0.0)
+    return p @ _expand_heads(v, q.shape[-3]), lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial attentions of the same queries as one (the online softmax)."""
+    new = torch.logaddexp(lse, block_lse)
+    keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
+    take = torch.exp(block_lse - new).nan_to_num(0.0).unsqueeze(-1)
+    return out * keep + block_out * take, new
+
+
+class _Ring:
+    """Pass tensors to the next device of ``group`` and receive the previous device's, in the background."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        size = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (me + 1) % size)
+        self.prev = dist.get_global_rank(group, (me - 1) % size)
+
+    def start(self, tensors: List[torch.Tensor]):
+        tensors = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        return received, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(pending) -> None:
+        for work in pending:
+            work.wait()
+
+
+class _RingAttention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, blocks, group):
+        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        length = q.shape[-2] * parts
+        q_pos = positions(length, blocks, parts, index, q.device)
+        ring = _Ring(group) if parts > 1 else None
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = [k, v]
+        for step in range(parts):
+            if step < parts - 1:
+                received, pending = ring.start(kv)           # the next block travels while this one computes
+            k_pos = positions(length, blocks, parts, (index - step) % parts, q.device)
+            allowed = _allowed(q_pos, k_pos, is_causal, _mask_columns(mask, k_pos))
+            out, lse = _merge(out, lse, *_block(q, kv[0], kv[1], allowed, scale))
+            if step < parts - 1:
+                _Ring.finish(pending)
+                kv = received
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.is_causal, ctx.scale, ctx.blocks, ctx.group = is_causal, scale, blocks, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        length = q.shape[-2] * parts
+        q_pos = positions(length, ctx.blocks, parts, index, q.device)
+        ring = _Ring(group) if parts > 1 else None
+        delta = (dout * out).sum(-1, keepdim=True)                                 # (B, h, Tq, 1)
+        dq = torch.zeros_like(q)
+        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]             # a block and its gradients
+        for step in range(parts):
+            kb, vb, dkb, dvb = travelling
+            k_pos = positions(length, ctx.blocks, parts, (index - step) % parts, q.device)
+            allowed = _allowed(q_pos, k_pos, ctx.is_causal, _mask_columns(mask, k_pos))
+            heads = q.shape[-3]
+            s = (q @ _expand_heads(kb, heads).transpose(-2, -1)) * scale
+            if allowed is not None:
+                s = s.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool else s + allowed
+            p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)                  # this block's softmax share
+            ds = p * (dout @ _expand_heads(vb, heads).transpose(-2, -1) - delta)
+            dq = dq + (ds @ _expand_heads(kb, heads)) * scale
+            dkb = dkb + _fold_heads((ds.transpose(-2, -1) @ q) * scale, kb.shape[-3])
+            dvb = dvb + _fold_heads(p.transpose(-2, -1) @ dout, vb.shape[-3])
+            travelling = [kb, vb, dkb, dvb]
+            if parts > 1:                                   # the gradients go on; after n steps they are home
+                send = travelling if step < parts - 1 else travelling[2:]
+                received, pending = ring.start(send)
+                _Ring.finish(pending)
+                travelling = received if step < parts - 1 else [kb, vb, *received]
+        return dq, travelling[2], travelling[3], None, None, None, None, None
+
+
+def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of ``_expand_heads``: each key head's share summed over the query heads it served."""
+    if grad.shape[-3] == heads:
+        return grad
+    *lead, h, t, d = grad.shape
+    return grad.reshape(*lead, heads, h // heads, t, d).sum(-3)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                      enable_gqa: bool = False, *, kind: str, blocks: Blocks, group: Group) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of this device's queries, at their global positions.
+
+    ``q`` ``(..., h, Tq, d)`` holds this device's rows of the sequence (``blocks``, of the devices of
+    ``group``); ``attn_mask`` its rows too, with every key column. Under ``kind='all_gather'`` ``k``
+    and ``v`` are whole; under ``'ring'`` they are this device's rows, passed round the group.
+    """
+    if dropout_p:
+        raise ValueError("context_attention: attention dropout under context parallelism is not supported; "
+                         "set the attention's dropout to 0 or plan without context_parallel.")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if kind == ContextKind.RING:
+        return _RingAttention.apply(q, k, v, attn_mask, is_causal, scale, blocks, group)
+    parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    q_pos = positions(q.shape[-2] * parts, blocks, parts, index, q.device)
+    k_pos = torch.arange(k.shape[-2], device=q.device)
+    allowed = _allowed(q_pos, k_pos, is_causal, attn_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+
+
+def context_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """This device's part of the mean cross-entropy of the group's tokens (the parts sum to it)."""
+    total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    count = (targets != ignore_index).sum()
+    if group is not None:
+        count = count.clone()
+        dist.all_reduce(count, group=group)
+    return total / count.clamp(min=1)
