@@ -36,13 +36,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_unflatten
 
+from nbscaler import blocks as strided
+from nbscaler.blocks import Blocks
 from nbscaler.comm.arguments import local_arguments
 from nbscaler.comm.program import (Call, Fetch, Instruction, Receive, Recompute, Reshard, Return, Section, Send, Unshard,
                                    Value)
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import context_parallel, vocab_parallel
-from nbscaler.runtime.context import context_attention, context_cross_entropy
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
 
@@ -64,13 +65,21 @@ def resolve(target: str) -> Callable:
     raise ValueError(f"cannot find the function {target!r}")
 
 
+CONTEXT_CALLS = {"attention": "nbscaler.runtime.context.context_attention",
+                 "loss": "nbscaler.runtime.context.context_cross_entropy"}
+"""The runtime's call in place of each kind of context-parallel node (``nbscaler.codegen.context``)."""
+
+
 def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     """Call ``node``'s target on concrete (here: fake) arguments, as the generated code would."""
     target = node.target
     kind = context_parallel(node)
     if kind is not None:            # the runtime's call, as a device alone would make it
-        fn = context_attention if kind == "attention" else context_cross_entropy
+        # by name: the runtime is a layer above the cost model (tests/test_imports.py)
+        fn = resolve(CONTEXT_CALLS[kind])
         extra = {"kind": node.meta[CONTEXT_KIND], "blocks": node.placement.blocks} if kind == "attention" else {}
+        if kind == "loss":          # a plain cross-entropy: of F.cross_entropy's keywords, the call takes ignore_index
+            kwargs = {k: v for k, v in kwargs.items() if k == "ignore_index"}
         return fn(*args, **kwargs, **extra, group=None)
     if target.startswith("Tensor."):
         name = target[len("Tensor."):]
@@ -152,13 +161,16 @@ class _Apply(torch.autograd.Function):
         return grad, None
 
 
-def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int], n: int, index: int) -> torch.Tensor:
+def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int], n: int, index: int,
+                blocks: Blocks = 1) -> torch.Tensor:
     """The local result of collective ``fn`` over ``n`` devices on the one at ``index``, with the
     same allocation and aliasing as ``nbscaler.runtime.collectives`` (values do not matter)."""
     if n == 1:
         return x                                       # a group of one: the collectives return x
     gather = lambda t, d: torch.cat([torch.empty_like(t) for _ in range(n)], dim=d)
-    piece = lambda t, d: t.chunk(n, dim=d)[index].contiguous()
+    # this device's slice as the runtime takes it (``nbscaler.blocks.take``): a view where it is one
+    # contiguous slice, a new tensor where it joins several (a mirrored sequence: chunks i and 2n-1-i)
+    piece = lambda t, d: strided.take(t, d, blocks, n, index).contiguous()
     impl = {
         Collective.ALL_GATHER: lambda t: gather(t, dim),
         Collective.ALL_GATHER_SUM_GRAD: lambda t: gather(t, dim),
@@ -242,7 +254,7 @@ class _Replay:
             for c in f.steps:
                 value = self.env[c.src]
                 step, n = c.step, len(f.devices)
-                args = (step.fn, step.dim, step.dim2, n, index)
+                args = (step.fn, step.dim, step.dim2, n, index, step.blocks)
                 out = self.remembered(("collective", *args), (value,), {}, [value],
                                       lambda x: ([_collective(args[0], x[0], *args[1:])], [], True))[0][0]
                 self.run.collectives.append(CollectiveCall(step.fn, f.tensor.name, f.devices, value.bytes, out.bytes,
