@@ -73,6 +73,8 @@ def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     if kind is not None:            # the runtime's call, as a device alone would make it
         fn = context_attention if kind == "attention" else context_cross_entropy
         extra = {"kind": node.meta[CONTEXT_KIND], "blocks": node.placement.blocks} if kind == "attention" else {}
+        if kind == "loss":          # a plain cross-entropy: of F.cross_entropy's keywords, the call takes ignore_index
+            kwargs = {k: v for k, v in kwargs.items() if k == "ignore_index"}
         return fn(*args, **kwargs, **extra, group=None)
     if target.startswith("Tensor."):
         name = target[len("Tensor."):]
@@ -161,7 +163,9 @@ def _collective(fn: str, x: torch.Tensor, dim: Optional[int], dim2: Optional[int
     if n == 1:
         return x                                       # a group of one: the collectives return x
     gather = lambda t, d: torch.cat([torch.empty_like(t) for _ in range(n)], dim=d)
-    piece = lambda t, d: strided.take(t, d, blocks, n, index).contiguous()     # blocks: cut and joined anew
+    # this device's slice as the runtime takes it (``nbscaler.blocks.take``): a view where it is one
+    # contiguous slice, a new tensor where it joins several (a mirrored sequence: chunks i and 2n-1-i)
+    piece = lambda t, d: strided.take(t, d, blocks, n, index).contiguous()
     impl = {
         Collective.ALL_GATHER: lambda t: gather(t, dim),
         Collective.ALL_GATHER_SUM_GRAD: lambda t: gather(t, dim),
