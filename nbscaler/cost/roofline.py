@@ -103,6 +103,7 @@ from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
 from nbscaler.cost.optimizers import step_tensors
 from nbscaler.ir.graph import IRNode
+from nbscaler.ir.layer_rules import context_ring
 from nbscaler.ir.shape_rules import arg
 from nbscaler.recipe import Recipe
 
@@ -192,6 +193,18 @@ def memory_seconds(nbytes: float, bandwidth: float) -> float:
     return nbytes / (bandwidth * MEMORY_EFFICIENCY)
 
 
+def _whole_keys(op: OpCall) -> List[Tuple]:
+    """An attention's queries, keys and values as it computes them: under a context-parallel ring the
+    keys and values in hand are one device's block, and the ring brings every other one, so the
+    queries meet ``parts`` times as many keys (``nbscaler.attention``)."""
+    q, k, v = op.in_shapes[:3]
+    if not context_ring(op.node):
+        return [q, k, v]
+    parts = op.node.placement.parts
+    longer = lambda shape: (*shape[0][:-2], shape[0][-2] * parts, shape[0][-1])
+    return [q, (longer(k), *k[1:]), (longer(v), *v[1:])]
+
+
 class RooflineOps:
     """Op times on ``hardware`` (one GPU), from the op's local shapes and its FLOPs on ``node.meta``."""
 
@@ -276,7 +289,7 @@ class RooflineOps:
         the scores written to memory (``_materialized_attention``)."""
         if self.hardware.software.attention == AttentionKind.MATERIALIZED:
             return self._materialized_attention(op, dtype)
-        (q, _, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
+        (q, _, _), (k, _, _), (v, _, _) = _whole_keys(op)
         rate = self.hardware.peak_flops(dtype) * ATTENTION_EFFICIENCY      # measured: clock and mask included
         performed = attention_flops(q, k, v) * op.node.meta.get("causal_fraction", 1.0)
         arithmetic, bw = performed / rate, self.hardware.memory_bytes_per_s
@@ -289,7 +302,7 @@ class RooflineOps:
         ``P = softmax(S)``, ``O = P V``; backward ``dP = dO V^T``, ``dV = P^T dO``, ``dS`` from ``P`` and
         ``dP``, ``dQ = dS K``, ``dK = dS^T Q``; with ``Software.attention_dropout`` one more pass over
         ``P`` each way; without ``Software.fused_softmax`` the scale and the mask are passes of their own."""
-        (q, qt, _), (k, _, _), (v, _, _) = op.in_shapes[:3]
+        (q, qt, _), (k, _, _), (v, _, _) = _whole_keys(op)
         *lead, t, d = q
         s, e = k[-2], v[-1]
         item = qt.itemsize

@@ -5,6 +5,7 @@ memory, equal to these predictions to the byte, is notebook 19's."""
 
 import warnings
 
+import pytest
 import torch
 
 import nbscaler
@@ -38,3 +39,23 @@ def test_a_context_parallel_plan_replays_every_op_and_counts_its_own_mask_slice(
     # the explicit mask the masked_fill saves: (T, T) bools in one process, this rank's (T/4, T) under CP
     one, four = memory[1].activation_bytes, memory[4].activation_bytes
     assert four < one / 2, (one, four)
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_gather"])
+def test_on_a_target_each_device_computes_its_share_of_attention_against_every_key(kind):
+    """A ring's attention meets the other devices' keys as they arrive: on a target it is priced
+    against the whole sequence, so 4 devices take no less than a quarter of one device's step."""
+    import nbscaler
+    from nbscaler import ComputeConfig
+    from nbscaler.cost.hardware import Hardware
+    from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+    hw = Hardware.named("H100-SXM-80GB")
+    cfg = GPTConfig(vocab_size=512, seq_len=4096, n_layer=2, d_model=512, n_head=8)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batch = {"batch": sample_batch(cfg, 1)}
+    one = nbscaler.plan(model, batch, "tp", ComputeConfig(1, 1, use_end2end=True)).summary(hardware=hw)
+    four = nbscaler.plan(model, batch, "tp", ComputeConfig(plan_ngpus=4, runtime_ngpus=4, use_end2end=True, pas_config={
+        "context_parallel": 4, "context_parallel_kind": kind})).summary(hardware=hw)
+    ratio = one.step_time_s.max() / four.step_time_s.max()
+    assert 2.0 < ratio < 4.0, ratio
