@@ -20,6 +20,8 @@ every timed block so the slowest rank sets the time. It reports:
     python -m benchmarks.native --small --reps 3      # a few minutes on a loaded laptop
     python -m benchmarks.native --only zero3 --small --out benchmarks/results/native_fsdp.md
                                                       # ZeRO-3 against FSDP2, with the issue's goal judged
+    python -m benchmarks.native --only cp --layers 2 --seq-len 1024 --micro-batch 1 --reps 5 --steps 2 \
+        --out benchmarks/results/native_context.md   # context parallelism against context_parallel, goal judged
     python -m benchmarks.native --layers 8 --only "tp sequence parallel" "pp 1f1b_interleaved" "pp zb_h1" "pp zbv" \
         --out benchmarks/results/native_schedules.md  # 8 blocks: 4 ranks' two stages each get one
 
@@ -358,7 +360,6 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="GPT 4 layers, d=64: finishes in minutes")
     parser.add_argument("--layers", type=int, help="blocks of the GPT (8 gives 4 ranks' two stages each a block)")
-    parser.add_argument("--width", type=int, help="the GPT's d_model (heads of 16 features)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (context parallelism wants it long)")
     parser.add_argument("--micro-batch", type=int, help="sequences per (micro-)batch")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "native.md"))
@@ -369,8 +370,6 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         setup = replace(setup, n_layer=4, d_model=64, n_head=4, vocab=128, seq_len=32, micros=4)
     if args.layers:
         setup = replace(setup, n_layer=args.layers)
-    if args.width:
-        setup = replace(setup, d_model=args.width, n_head=max(1, args.width // 16))
     if args.seq_len:
         setup = replace(setup, seq_len=args.seq_len)
     if args.micro_batch:
