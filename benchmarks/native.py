@@ -20,6 +20,8 @@ every timed block so the slowest rank sets the time. It reports:
     python -m benchmarks.native --small --reps 3      # a few minutes on a loaded laptop
     python -m benchmarks.native --only zero3 --small --out benchmarks/results/native_fsdp.md
                                                       # ZeRO-3 against FSDP2, with the issue's goal judged
+    python -m benchmarks.native --only cp --layers 2 --seq-len 1024 --micro-batch 1 --reps 5 --steps 2 \
+        --out benchmarks/results/native_context.md   # context parallelism against context_parallel, goal judged
     python -m benchmarks.native --layers 8 --only "tp sequence parallel" "pp 1f1b_interleaved" "pp zb_h1" "pp zbv" \
         --out benchmarks/results/native_schedules.md  # 8 blocks: 4 ranks' two stages each get one
 
@@ -106,10 +108,18 @@ COMPARISONS: Dict[str, tuple] = {
         lambda s, g: sides.nbscaler_data(s, g, 3, mixed=True, reshard_after_forward=False),
         lambda s: sides.torch_fsdp(s, mixed=True, reshard_after_forward=False),
         "FSDP2 fully_shard(reshard_after_forward=False), MixedPrecisionPolicy(bf16, reduce fp32)"),
+    # Context parallelism: the sequence split over all ranks in load-balanced chunks (rank i holds
+    # i and 2n-1-i of 2n, on both sides), attention as a ring or over all-gathered keys and values.
+    "cp ring": (lambda s, g: sides.nbscaler_context(s, g, "ring"), lambda s: sides.torch_context(s, "alltoall"),
+                "context_parallel, set_rotate_method(\"alltoall\") (ring), load-balanced"),
+    "cp all_gather": (lambda s, g: sides.nbscaler_context(s, g, "all_gather"),
+                      lambda s: sides.torch_context(s, "allgather"),
+                      "context_parallel, set_rotate_method(\"allgather\"), load-balanced"),
 }
 # Names ``--only`` also takes, each standing for several comparisons.
 GROUPS: Dict[str, List[str]] = {
     "zero3": ["dp ZeRO-3", "dp ZeRO-3 no reshard", "dp ZeRO-3 bf16 mixed", "dp ZeRO-3 bf16 mixed no reshard"],
+    "cp": ["cp ring", "cp all_gather"],
 }
 
 
@@ -129,8 +139,9 @@ class Goal:
         return {"ratio": ratio, "peak": peak, "met": ratio and peak}
 
 
-# comparison -> its goal: the fully sharded issue's, step time within 5% of FSDP2's and no more bytes
-GOALS: Dict[str, Goal] = {name: Goal() for name in GROUPS["zero3"]}
+# comparison -> its goal: the fully sharded issue's, step time within 5% of FSDP2's and no more
+# bytes; the context-parallel issue's, the same against PyTorch's context_parallel.
+GOALS: Dict[str, Goal] = {name: Goal() for name in GROUPS["zero3"] + GROUPS["cp"]}
 # bf16 runs agree to bf16's precision, not fp32's: four ulps of bf16 (2**-5), as in
 # tests/runtime/test_mixed_precision.py.
 MIXED_LOSS_RTOL = 2.0 ** -5
@@ -272,6 +283,24 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
             "module's parameters, the first.",
             "",
         ]
+    if any(r["comparison"] in GROUPS["cp"] for r in rows):
+        lines += [
+            "Context-parallel rows: both sides split the sequence over all ranks in 2n chunks, rank i holding "
+            "chunks i and 2n-1-i (nbscaler's `MIRRORED`, PyTorch's default head-tail load balancer), and keep "
+            "the weights whole, their gradients summed over the ranks (nbscaler's plan; `DistributedDataParallel` "
+            "on PyTorch's side, as torchtitan reduces over its `dp_cp` mesh). nbscaler: policy `tp` with "
+            "`pas_config={\"context_parallel\": n, \"context_parallel_kind\": \"ring\" | \"all_gather\"}`; "
+            "PyTorch: `context_parallel(mesh, buffers=[idx, targets, positions], buffer_seq_dims=[1, 1, 1])` "
+            "around forward and backward, with `set_rotate_method(\"alltoall\")` (the ring) or "
+            "`(\"allgather\")`; its GPT embeds the positions it is given, sharded with the tokens. "
+            "PyTorch 2.13 registers its ring only for CUDA kernels (flash, efficient, cuDNN); on CPU its SDPA "
+            "lowers to `aten._scaled_dot_product_flash_attention_for_cpu`, which it leaves unhandled "
+            "(`NotImplementedError: ... does not have a sharding strategy registered`). The benchmark "
+            "registers PyTorch's own templated ring (`_templated_ring_attention` and its backward) for the CPU "
+            "kernel and its backward (`benchmarks/torch_cp_cpu.py`), so the algorithm measured is PyTorch's "
+            "with the CPU flash kernel per block; on CUDA nothing is registered.",
+            "",
+        ]
     lines += [
         "| comparison | PyTorch side | ranks | nbscaler ms | PyTorch ms | ratio min / median / max | CPU ratio | "
         "nbscaler MiB per rank | PyTorch MiB per rank | peak MiB nbscaler / PyTorch | "
@@ -331,6 +360,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="GPT 4 layers, d=64: finishes in minutes")
     parser.add_argument("--layers", type=int, help="blocks of the GPT (8 gives 4 ranks' two stages each a block)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (context parallelism wants it long)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per (micro-)batch")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "native.md"))
     args = parser.parse_args(argv)
     args.only = [name for choice in args.only for name in GROUPS.get(choice, [choice])]
@@ -339,6 +370,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         setup = replace(setup, n_layer=4, d_model=64, n_head=4, vocab=128, seq_len=32, micros=4)
     if args.layers:
         setup = replace(setup, n_layer=args.layers)
+    if args.seq_len:
+        setup = replace(setup, seq_len=args.seq_len)
+    if args.micro_batch:
+        setup = replace(setup, micro_batch=args.micro_batch)
     machine = {"cores": str(os.cpu_count()), "platform": platform.platform(terse=True), "torch": torch.__version__,
                "load_before": _uptime(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": "python -m benchmarks.native " + shlex.join(sys.argv[1:] if argv is None else list(argv))}

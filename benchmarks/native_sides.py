@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,10 +76,12 @@ class BenchGPT(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(s.d_model), nn.Linear(s.d_model, s.vocab, bias=False)
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss(self.logits(batch["idx"]), batch["targets"])
+        return lm_loss(self.logits(batch["idx"], batch.get("pos")), batch["targets"])
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+    def logits(self, idx: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``pos``: each token's position, ``(B, T)``; ``0 .. T-1`` when not given. PyTorch's context
+        parallelism passes them, sharded with the tokens, so each shard embeds its own positions."""
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)) if pos is None else pos)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))                                  # (B, T, vocab)
@@ -408,3 +410,55 @@ def torch_pipeline(s: Setup, scheduler: str) -> Side:
         opt.step()
         return float(losses[0].detach()) if losses else float("nan")
     return Side(nn.ModuleList(modules), opt, step)
+
+
+# -- context parallelism ---------------------------------------------------------------------
+def nbscaler_context(s: Setup, gen_dir: str, kind: str) -> Side:
+    """Context parallelism (``tp`` with ``pas_config={"context_parallel": n}``) over all ranks: the
+    sequence in ``2n`` chunks, rank ``i`` holding ``i`` and ``2n-1-i``; attention as a ring or over
+    all-gathered keys (``kind``). Every rank is given the same whole batch and keeps its chunks."""
+    _, world = _rank_world()
+    pas = {"context_parallel": world, "context_parallel_kind": kind}
+    pm = _compile(s, "tp", ComputeConfig(world, world, pas_config=pas), f"cp_{kind}_{world}", gen_dir)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    return Side(pm, opt, _plain_step(pm, opt, lambda i: make_batch(s, 100 * i, s.micro_batch)))
+
+
+def torch_context(s: Setup, rotate: str) -> Side:
+    """PyTorch's ``context_parallel`` (load-balanced, its default) around forward and backward, with
+    ``set_rotate_method(rotate)`` (``"alltoall"``: the ring; ``"allgather"``: keys and values
+    gathered once), on a mesh of all ranks. The token ids, targets and positions are its buffers,
+    sharded along the sequence (each rank's head and tail chunks). The weights' gradients are
+    averaged over the ranks by ``DistributedDataParallel``, as torchtitan reduces them over its
+    ``dp_cp`` mesh: each rank's mean loss covers the same number of tokens, so their mean is the
+    whole sequence's. On CPU, PyTorch's ring runs the CPU flash kernel through
+    ``benchmarks.torch_cp_cpu`` (PyTorch registers it for CUDA kernels only). The loss returned is
+    the ranks' mean (one scalar all-reduce)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel import set_rotate_method
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.torch_cp_cpu import register_cpu_ring
+    _, world = _rank_world()
+    register_cpu_ring()
+    mesh = init_device_mesh("cpu", (world,))
+    model = DistributedDataParallel(build_model(s))
+    opt = adamw(model.parameters())
+
+    def step(i: int) -> float:
+        # Own storage for each buffer: context_parallel shards them in place, and with one sequence
+        # make_batch's token ids and targets are views of one tensor.
+        batch = {k: v.clone() for k, v in make_batch(s, 100 * i, s.micro_batch).items()}
+        batch["pos"] = torch.arange(s.seq_len).expand(s.micro_batch, -1).contiguous()
+        buffers = [batch["idx"], batch["targets"], batch["pos"]]
+        set_rotate_method(rotate)
+        opt.zero_grad()
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+            loss = model(batch)
+            loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return float(mean) / world
+    return Side(model, opt, step)

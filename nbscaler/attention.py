@@ -19,6 +19,16 @@ same work. Attention needs every key:
   passes the keys and values round the ring again with their gradients, which arrive home after
   ``n`` steps.
 
+The ring computes each block one of two ways, chosen by what the call is, never by catching an
+error: on CPU, without a mask, over mirrored chunks, it calls PyTorch's fused CPU flash kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) per block, and does only the
+work the causal mask leaves: the first step its own chunks under a causal mask; each later step,
+with keys from a device before it, all its queries against the keys' first chunk (their second is
+in every query's future), and with keys from a device after it, its second chunk of queries
+against all the keys (its first chunk sees none of them). Anything else (an explicit mask, other
+chunkings, other devices) computes every block in full with the mask written out (``_block``), the
+math of the same online softmax.
+
 ``group=None`` is a ring of one device: the cost model calls it so on fake tensors, to learn
 what the ring saves.
 
@@ -115,6 +125,103 @@ class _Ring:
             work.wait()
 
 
+def fused_ring(q: torch.Tensor, mask: Optional[torch.Tensor], blocks: Blocks) -> bool:
+    """Whether the ring runs PyTorch's fused CPU flash kernel per block (see the module docstring)."""
+    return mask is None and blocks == strided.MIRRORED and q.device.type == "cpu"
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _halves(x: torch.Tensor, dim: int = -2) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A device's two mirrored chunks of a sequence axis."""
+    return x.chunk(2, dim=dim)
+
+
+def _fused_work(step: int, index: int, parts: int, is_causal: bool) -> str:
+    """What ring step ``step`` of device ``index`` computes over mirrored chunks: ``"all"`` its queries
+    against all the keys in hand (``"causal"``: masked, its own), ``"first_keys"`` against their first
+    chunk, ``"last_queries"`` its second chunk of queries against all of them."""
+    if not is_causal:
+        return "all"
+    if step == 0:
+        return "causal"
+    return "first_keys" if (index - step) % parts < index else "last_queries"
+
+
+class _FusedRingAttention(Function):
+    """The ring on the fused CPU flash kernel, over mirrored chunks without a mask (``fused_ring``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, group):
+        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        ring = _Ring(group) if parts > 1 else None
+        heads = q.shape[-3]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        for step in range(parts):
+            if step < parts - 1:
+                received, pending = ring.start(kv)           # the next block travels while this one computes
+            kb, vb = (_expand_heads(t, heads) for t in kv)
+            work = _fused_work(step, index, parts, is_causal)
+            if work == "first_keys":
+                kb, vb = _halves(kb)[0], _halves(vb)[0]
+            rows = _halves(q)[1] if work == "last_queries" else q
+            o, l = _FLASH_CPU(rows, kb, vb, 0.0, work == "causal", scale=scale)
+            if work == "last_queries":
+                h = q.shape[-2] // 2
+                out[..., h:, :], lse[..., h:] = _merge(out[..., h:, :], lse[..., h:], o.float(), l)
+            else:
+                out, lse = _merge(out, lse, o.float(), l)
+            if step < parts - 1:
+                _Ring.finish(pending)
+                kv = received
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.scale, ctx.group = is_causal, scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        ring = _Ring(group) if parts > 1 else None
+        heads, h = q.shape[-3], q.shape[-2] // 2
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                      torch.zeros(v.shape, dtype=torch.float32, device=v.device)]   # a block and its gradients
+        for step in range(parts):
+            kb, vb, dkb, dvb = travelling
+            ke, ve = _expand_heads(kb, heads), _expand_heads(vb, heads)
+            work = _fused_work(step, index, parts, ctx.is_causal)
+            if work == "last_queries":
+                gq, gk, gv = _FLASH_CPU_BACKWARD(_halves(dout)[1], _halves(q)[1], ke, ve, _halves(out)[1],
+                                                 _halves(lse, -1)[1].contiguous(), 0.0, False, scale=scale)
+                dq[..., h:, :] += gq
+            else:
+                if work == "first_keys":
+                    ke, ve = _halves(ke)[0], _halves(ve)[0]
+                gq, gk, gv = _FLASH_CPU_BACKWARD(dout, q, ke, ve, out, lse, 0.0, work == "causal", scale=scale)
+                dq += gq
+            gk, gv = _fold_heads(gk, kb.shape[-3]), _fold_heads(gv, vb.shape[-3])
+            if work == "first_keys":
+                _halves(dkb)[0].add_(gk)
+                _halves(dvb)[0].add_(gv)
+            else:
+                dkb.add_(gk)
+                dvb.add_(gv)
+            if parts > 1:                                   # the gradients go on; after n steps they are home
+                send = travelling if step < parts - 1 else travelling[2:]
+                received, pending = ring.start(send)
+                _Ring.finish(pending)
+                travelling = received if step < parts - 1 else [kb, vb, *received]
+        return dq.to(q.dtype), travelling[2].to(k.dtype), travelling[3].to(v.dtype), None, None, None
+
+
 class _RingAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, blocks, group):
@@ -192,6 +299,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
                          "set the attention's dropout to 0 or plan without context_parallel.")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if kind == ContextKind.RING:
+        if fused_ring(q, attn_mask, blocks):
+            return _FusedRingAttention.apply(q, k, v, is_causal, scale, group)
         return _RingAttention.apply(q, k, v, attn_mask, is_causal, scale, blocks, group)
     parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     q_pos = positions(q.shape[-2] * parts, blocks, parts, index, q.device)

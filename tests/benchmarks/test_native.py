@@ -23,3 +23,22 @@ def test_zero3_against_fsdp2_runs_and_judges_its_goal_from_its_figures(tmp_path)
         verdict = "met" if judged["met"] else "not met"
         assert f"- {r['comparison']}, 2 ranks: **{verdict}**; ratio {r['ratio_median']:.2f}" in text
     assert f"Met in {sum(r['goal']['met'] for r in rows)} of {len(rows)} rows" in text
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_against_pytorch_runs_and_judges_its_goal_from_its_figures(tmp_path):
+    """nbscaler's ring and all-gather context parallelism against PyTorch's context_parallel (its
+    ring run on the CPU kernel by benchmarks.torch_cp_cpu) on one short sequence: both sides' first
+    losses agree, and the goal follows from the table's figures."""
+    out = tmp_path / "native_context.md"
+    rows = native.main(["--only", "cp", "--small", "--layers", "1", "--seq-len", "64", "--micro-batch", "1",
+                        "--ranks", "2", "--reps", "1", "--steps", "1", "--out", str(out)])
+    assert [r["comparison"] for r in rows] == native.GROUPS["cp"]
+    text = out.read_text()
+    assert "registers its ring only for CUDA kernels" in text
+    for r in rows:
+        assert r["losses_agree"], (r["comparison"], r["ours_loss"], r["theirs_loss"])
+        judged = native.GOALS[r["comparison"]].judge(r)
+        assert judged == r["goal"]
+        verdict = "met" if judged["met"] else "not met"
+        assert f"- {r['comparison']}, 2 ranks: **{verdict}**; ratio {r['ratio_median']:.2f}" in text

@@ -45,3 +45,29 @@ def test_context_parallel_composes_with_data_parallelism_pipelines_zero_and_reco
              Case("llama", "tp", 2, 4, config=context_parallel(2) + zero(2, 3)),
              Case("gpt", "tp", 2, 4, config=context_parallel(2, "ring", recompute="full"))]
     _check(cases, 4, tmp_path)
+
+
+def test_the_ring_takes_the_fused_cpu_kernel_only_without_a_mask_over_mirrored_chunks():
+    """The fused CPU flash kernel per block where the call allows it, the written-out math where it
+    does not; on one device both equal SDPA, values and gradients, grouped-query heads included."""
+    import torch
+    import torch.nn.functional as F
+
+    from nbscaler.blocks import MIRRORED
+    from nbscaler.attention import context_attention, fused_ring
+
+    q = torch.randn(2, 4, 16, 8)
+    assert fused_ring(q, None, MIRRORED)
+    assert not fused_ring(q, torch.ones(16, 16, dtype=torch.bool), MIRRORED)
+    assert not fused_ring(q, None, 2)
+    for causal in (True, False):
+        for kv_heads in (4, 2):
+            torch.manual_seed(0)
+            q = torch.randn(2, 4, 16, 8, requires_grad=True)
+            k, v = (torch.randn(2, kv_heads, 16, 8, requires_grad=True) for _ in range(2))
+            out = context_attention(q, k, v, is_causal=causal, enable_gqa=True, kind="ring", blocks=MIRRORED, group=None)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            grad = torch.randn_like(ref)
+            torch.testing.assert_close(out, ref)
+            for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+                torch.testing.assert_close(a, b)
