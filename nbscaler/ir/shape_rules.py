@@ -265,6 +265,12 @@ def concat(node: IRNode) -> OpAnnotation:
         ins.append(tuple(names))
     base[dim] = "joined"
     frozen = {"joined"} | {f"part{k}" for k in range(len(ins))} | {f"empty{k}" for k in range(len(ins))}
+    filled = [k for k, t in enumerate(node.inputs) if t.ndim == out.ndim and t.shape[dim]]
+    if not stack and len(filled) == 1:
+        # every other input is empty along ``dim`` (a KV cache before its first update): the op
+        # passes one input through, so the joined axis splits as that input's does
+        ins[filled[0]] = tuple(base)
+        frozen.discard("joined")
     return OpAnnotation.build(ins, [tuple(base)], [t.shape for t in node.inputs], [out.shape], frozen=frozen)
 
 

@@ -100,3 +100,11 @@ def test_the_ring_is_priced_as_the_bytes_it_passes():
         gathered = _plan("gpt", n).collectives
         assert (gathered.collective == "all_gather_sum_grad").sum() == 2 * 4
         assert gathered[gathered.collective == "all_gather_sum_grad"].bytes_per_device.sum() == forward.bytes_per_device.sum()
+
+
+def test_an_empty_kv_cache_passes_the_keys_through_without_gathering_them():
+    """transformers' Llama joins its keys to an empty cache (``torch.cat([empty, k], dim=-2)``):
+    the join passes the split keys through, so a ring never sees them gathered."""
+    code = _plan("hf_llama", 2, "ring").sources[1]
+    assert code.count("comm.all_gather(") == 1          # only the logits, for a loss over a merged batch
+    assert "context_attention(" in code
