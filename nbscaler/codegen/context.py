@@ -37,8 +37,18 @@ def chunk_comment(node: IRNode, device: int) -> str:
     chunks = " and ".join(str(lo // size) for lo, _ in spans) if size else "none"
     how = {"ring": "the keys and values pass round the ring of the group, one device's block a step",
            "all_gather": "the keys and values arrive whole"}[node.meta[CONTEXT_KIND]]
-    return (f"# context parallel: this device's queries are positions {where} of {length} (chunks {chunks} of "
+    line = (f"# context parallel: this device's queries are positions {where} of {length} (chunks {chunks} of "
             f"{length // size if size else 0}); {how}")
+    if node.meta[CONTEXT_KIND] != "ring" or not size:
+        return line
+    index, parts = place.devices.index(device), place.parts
+    steps = []
+    for step in range(parts):
+        source = (index - step) % parts
+        held = " and ".join(str(lo // size) for lo, _ in ranges(length, place.blocks, parts, source))
+        whose = "its own chunks" if step == 0 else f"device {source}'s chunks"
+        steps.append(f"{step}: {whose} {held}")
+    return line + "\n# ring steps, each computing against the block in hand while passing it on: " + "; ".join(steps)
 
 
 def context_imports(graphs: Dict[int, IRGraph]) -> str:

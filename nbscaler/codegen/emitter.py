@@ -201,7 +201,7 @@ class SectionPrinter:
             self.lines.append(f"{lhs} = {render(args[0])}")
         elif context_parallel(node):    # this device's slice of the sequence
             if node.op == "attention":
-                self.lines.append(chunk_comment(node, self.sec.device))
+                self.lines += chunk_comment(node, self.sec.device).splitlines()
             self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(place.devices))}")
         elif vocab_parallel(node):      # this device's share of the vocabulary
             self.lines.append(f"{lhs} = {vocab_call(node, args, self.sec.device, group_var(place.devices))}")

@@ -108,3 +108,9 @@ def test_an_empty_kv_cache_passes_the_keys_through_without_gathering_them():
     code = _plan("hf_llama", 2, "ring").sources[1]
     assert code.count("comm.all_gather(") == 1          # only the logits, for a loss over a merged batch
     assert "context_attention(" in code
+
+
+def test_a_rings_code_lists_whose_block_each_step_computes_against():
+    code = _plan("gpt", 4, "ring").sources[1]          # 8 tokens, 8 chunks: rank 1 holds 1 and 6
+    assert ("ring steps, each computing against the block in hand while passing it on: 0: its own chunks 1 and 6; "
+            "1: device 0's chunks 0 and 7; 2: device 3's chunks 3 and 4; 3: device 2's chunks 2 and 5") in code
