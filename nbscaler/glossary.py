@@ -11,6 +11,8 @@ so the same number names the same axis whatever the op. A **layout** (``nbscaler
 
 ``split_name(label, op)`` is the readable name of a split (``'column-parallel'``),
 ``split_text`` the same with the label beside it (``'column-parallel (n)'``) for the views, and
+both name a split of context parallelism by what it cuts when given its ``context``
+(``nbscaler.ir.layer_rules.context_splits``: ``'sequence (context parallel, mirrored chunks)'``), and
 ``layout_name`` / ``layout_text`` the same for a layout (``'S(0)'`` -> ``'split on dim 0'``).
 ``markdown()`` writes the glossary page (``python -m nbscaler.glossary > docs/glossary.md``).
 
@@ -25,8 +27,8 @@ from typing import List, Optional, Tuple
 
 from nbscaler.layouts import LayoutKind
 
-__all__ = ["GLOSSARY_URL", "LAYOUTS", "SPLITS", "Term", "layout_name", "layout_text", "markdown", "split_name",
-           "split_term", "split_text"]
+__all__ = ["CONTEXT_SPLITS", "GLOSSARY_URL", "LAYOUTS", "SPLITS", "Term", "context_name", "layout_name",
+           "layout_text", "markdown", "split_name", "split_term", "split_text"]
 
 GLOSSARY_URL = "https://github.com/nbscaler/nbscaler/blob/main/docs/glossary.md"
 """Where the views' headers send a reader who asks what a label means (``docs/glossary.md``)."""
@@ -124,6 +126,42 @@ LAYOUTS: Tuple[Term, ...] = (
 )
 """Every layout word of ``nbscaler.layouts.LayoutKind``, with ``S(d)`` for ``SPLIT``."""
 
+_CONTEXT_KINDS = {"ring": "ring", "all_gather": "all-gather"}
+"""How a context-parallel attention's kind reads (``nbscaler.layouts.ContextKind``)."""
+_CP_MEGATRON = "context parallelism (`--context-parallel-size`)"
+_CP_TORCH = "`torch.distributed.tensor.experimental.context_parallel`"
+
+CONTEXT_SPLITS: Tuple[Term, ...] = (
+    Term("any", "sequence (context parallel, mirrored chunks)", "any op that reads the sequence under "
+         "`context_parallel`: each device runs it on its two chunks of the sequence, `i` and `2n-1-i` of `2n` "
+         "(`nbscaler.blocks.MIRRORED`), so a causal mask gives every device the same work", _CP_MEGATRON,
+         _CP_TORCH + " (its load-balanced `Shard(1)`)"),
+    Term("t", "queries (context parallel, ring)", "an attention split by its queries: each device attends "
+         "from its chunks to every key, the keys and values passed round the devices one block a step",
+         "context parallelism's ring (`--cp-comm-type p2p`, the default)",
+         _CP_TORCH + " with `set_rotate_method('alltoall')`", ("attention",)),
+    Term("t", "queries (context parallel, all-gather)", "an attention split by its queries: each device "
+         "gathers every key and value whole, then attends from its chunks", "context parallelism with "
+         "all-gathered keys (`--cp-comm-type all_gather`)", _CP_TORCH + " with `set_rotate_method('allgather')`",
+         ("attention",)),
+    Term("n", "tokens (context parallel)", "a mean cross-entropy split by its tokens: each device's part of "
+         "the mean (its sum over the group's token count)", "the loss of context parallelism's sequence "
+         "shards", "none of its own (each rank's loss over its shard of the sequence)", ("loss",)),
+)
+"""The names of context parallelism's splits (``context_name``): what they cut, whatever the label."""
+
+
+def context_name(op: Optional[str], context: str) -> str:
+    """The readable name of a split of context parallelism of op ``op``: ``context`` is its kind for
+    an attention (``'ring'``: ``'queries (context parallel, ring)'``), anything for another op
+    (``nbscaler.ir.layer_rules.context_splits``)."""
+    if op == "attention":
+        return f"queries (context parallel, {_CONTEXT_KINDS.get(context, context)})"
+    if op == "loss":
+        return "tokens (context parallel)"
+    return "sequence (context parallel, mirrored chunks)"
+
+
 _POSITIONAL = re.compile(r"^(\*|d|g|b)(\d+)$")
 
 
@@ -138,11 +176,14 @@ def split_term(label: str, op: Optional[str] = None) -> Optional[Term]:
     return sorted(found, key=lambda t: not t.ops)[0]          # an op's own entry before the general one
 
 
-def split_name(label: Optional[str], op: Optional[str] = None) -> str:
+def split_name(label: Optional[str], op: Optional[str] = None, context: Optional[str] = None) -> str:
     """The readable name of split ``label`` of op ``op``: ``'column-parallel'``, ``'dim 2'``,
-    ``'replicated'`` for no split; a label the glossary has no entry for is its own name."""
+    ``'replicated'`` for no split; a label the glossary has no entry for is its own name.
+    ``context``: the op's entry of ``context_splits`` when context parallelism split it (``context_name``)."""
     if not isinstance(label, str):
         return REPLICATED
+    if context:
+        return context_name(op, context)
     term = split_term(label, op)
     if term is None:
         return f"dim {label[1:]}" if _POSITIONAL.match(label) else label
@@ -152,9 +193,12 @@ def split_name(label: Optional[str], op: Optional[str] = None) -> str:
     return term.name
 
 
-def split_text(label: Optional[str], op: Optional[str] = None) -> str:
-    """``split_name`` with the label beside it, where a view has room for one word: ``'column-parallel (n)'``."""
-    name = split_name(label, op)
+def split_text(label: Optional[str], op: Optional[str] = None, context: Optional[str] = None) -> str:
+    """``split_name`` with the label beside it, where a view has room for one word: ``'column-parallel (n)'``,
+    ``'sequence (context parallel, mirrored chunks; d1)'``."""
+    name = split_name(label, op, context)
+    if context and isinstance(label, str):
+        return f"{name[:-1]}; {label})"
     return name if not isinstance(label, str) or name == label or name.endswith(f"({label})") else f"{name} ({label})"
 
 
@@ -177,12 +221,13 @@ def layout_text(layout: Optional[str]) -> str:
     return name if name == str(layout) else f"{name} ({layout})"
 
 
-def legend(labels: List[Tuple[str, Optional[str]]]) -> str:
-    """One line naming the ``(label, op)`` splits a view shows: ``'n column-parallel · k row-parallel ...'``."""
+def legend(labels: List[Tuple]) -> str:
+    """One line naming the ``(label, op)`` splits a view shows: ``'n column-parallel · k row-parallel ...'``
+    (``(label, op, context)`` for splits of context parallelism, as ``split_name`` takes them)."""
     seen = {}
-    for label, op in labels:
+    for label, op, *context in labels:
         if isinstance(label, str):
-            seen.setdefault(label, split_name(label, op))
+            seen.setdefault(label, split_name(label, op, *context))
     return " · ".join(f"{label} {name}" for label, name in sorted(seen.items()))
 
 
@@ -212,6 +257,11 @@ def markdown() -> str:
         "What each device holds of a tensor (`plan.storage` for the weights; `have` and `want` in the",
         "collectives table, where a collective turns one into the other; `nbscaler.layouts`).", "",
         head, *[_row(t, t.label) for t in LAYOUTS], "",
+        "## Context parallelism", "",
+        "Under `context_parallel` (`docs/policies.md`) every op that reads the sequence is cut along it in",
+        "mirrored chunks, whatever its label says of its own axes: the views name such a split by what it",
+        "cuts, with the label after a semicolon (`sequence (context parallel, mirrored chunks; d1)`).", "",
+        head, *[_row(t, t.label) for t in CONTEXT_SPLITS], "",
     ])
 
 

@@ -14,6 +14,10 @@ The pieces, each measured or modelled once:
   send/recv between devices as latency, and the time each side spends starting it; then the
   gradient synchronisation (all-reduce, or ZeRO's reduce-scatter and all-gather, per bucket) and
   the optimizer step (profiled, with the reducer's copies);
+- **context parallelism**: a ring attention's passes are drawn on the timeline beside its blocks
+  (``cost.context_calls``), priced as the all-gathers that move their bytes, and not added to the
+  blocks, since the ring passes while the attention computes; all-gathered keys and values are a
+  section's collectives like any other;
 - **ZeRO stage 3**: each unit's all-gathers and reduce-scatter run inside the blocks, as FSDP
   prefetches them (``cost.fsdp``): a block lasts its compute plus what it waits for them, which
   the simulator plays per block; there is no synchronisation per bucket after the backward and no
@@ -61,6 +65,7 @@ from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.fsdp import (DeviceUnits, Played, Script, block_extras, block_plays, section_script, stage_plays,
                                 unit_bytes, unit_seconds)
+from nbscaler.cost.context_calls import ContextCall, section_calls, timeline_calls
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, ProgramOf, buckets, stage_runs
 from nbscaler.comm.lower import lower_device
@@ -330,6 +335,8 @@ class StepModel:
         self.collective_times: Dict[int, Dict[Optional[int], Tuple[float, float]]] = {}
         stages = {d: runs[d] if runs is not None else stage_runs(placed, d) for d in range(cfg.plan_ngpus)}
         self.profiler.profile(op for by_stage in stages.values() for run in by_stage.values() for op in run.ops)
+        self.runs = stages
+        self._context: Dict[Tuple[int, Optional[int]], List[ContextCall]] = {}
         for device, by_stage in stages.items():
             self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in by_stage.items()}
             self.collective_times[device] = {s: collective_time(r, self.comm) for s, r in by_stage.items()}
@@ -430,7 +437,8 @@ class StepModel:
         """Predicted blocks of one step per runtime rank (the rows the runtime measures); under
         ZeRO stage 3 each unit's all-gathers and reduce-scatters beside them; and each bucket of
         the data-parallel gradient synchronisation where the step's figures price it
-        (``sync_spans``; ``recipe``: how gradients are reduced, default ``Recipe()``)."""
+        (``sync_spans``; ``recipe``: how gradients are reduced, default ``Recipe()``); under
+        context parallelism each attention's ring passes or keys' all-gathers (``cost.context_calls``)."""
         recipe = recipe or Recipe()
         line = self._compute_timeline(nsamples, recipe)
         if self.cfg.inference_only:
@@ -448,7 +456,20 @@ class StepModel:
                                                  else blk.t_end)
             calls += [CollectiveBlock(rank, blk.stage, blk.micro, blk.phase, kind, label, s.t_start, s.t_end,
                                       s.waited_s, sync=True) for s, (kind, label) in spans[device]]
+        calls += timeline_calls(line.blocks, self._context_calls)
         return Timeline(line.blocks, line.nranks, tuple(calls))
+
+    def _context_calls(self, rank: int, stage: int) -> List[ContextCall]:
+        """Context parallelism's collectives in the blocks of ``stage`` on runtime ``rank``
+        (``cost.context_calls``), worked out once per plan device and stage."""
+        device = self.cfg.device_of(rank)
+        key = None if self.geometry is None else stage
+        if self.geometry is not None:
+            device = self.geometry.view_of(stage, device)
+        if (device, key) not in self._context:
+            run = self.runs.get(device, {}).get(key)
+            self._context[(device, key)] = section_calls(run, self.profiler.time, self.comm) if run else []
+        return self._context[(device, key)]
 
     def _sync_spans(self, device: int, recipe: Recipe, end_s: float) -> List[Tuple[SyncSpan, Tuple[str, str]]]:
         """Plan ``device``'s synchronisation on the timeline, its backward ending at ``end_s`` (the

@@ -6,8 +6,9 @@ or attended axis). The shape-only ops and the tools these use live in ``shape_ru
 
 from __future__ import annotations
 
-from typing import Optional, Set
+from typing import Dict, Optional, Set
 
+from nbscaler.blocks import MIRRORED
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
@@ -162,6 +163,24 @@ def context_parallel(node: IRNode) -> Optional[str]:
 def context_ring(node: IRNode) -> bool:
     """Whether ``node`` is an attention whose keys and values stay split and pass round a ring."""
     return context_parallel(node) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"
+
+
+CONTEXT_SEQUENCE = "sequence"
+"""What ``context_splits`` gives an op split along the sequence that is neither attention nor the loss."""
+
+
+def context_splits(graph: IRGraph) -> Dict[str, str]:
+    """Op name -> how context parallelism split it, for every op it cut along the sequence
+    (``blocks='mirrored'``): an attention's and a loss's ``context_kind`` (``'ring'`` or
+    ``'all_gather'``), ``CONTEXT_SEQUENCE`` for any other op. Empty without context parallelism.
+    The views name these splits by what they cut (``nbscaler.glossary.split_name``)."""
+    out: Dict[str, str] = {}
+    for node in graph.nodes:
+        place = node.placement
+        if place is not None and place.split is not None and place.blocks == MIRRORED:
+            out[node.name] = str(node.meta.get(CONTEXT_KIND, CONTEXT_SEQUENCE)) if context_parallel(node) \
+                else CONTEXT_SEQUENCE
+    return out
 
 
 def vocab_share(node: IRNode) -> int:

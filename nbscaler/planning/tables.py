@@ -26,9 +26,11 @@ from nbscaler.cost.fsdp import section_units, sent_bytes, step_counts, unit_byte
 from nbscaler.cost.ranks import train_graph
 from nbscaler.cost.timing import backend_on, is_zero3
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.policy.context import CONTEXT_GATHERED
+from nbscaler.blocks import MIRRORED, ranges
+from nbscaler.policy.context import CONTEXT_GATHERED, context_kind
 from nbscaler.ir.graph import IRGraph
-from nbscaler.glossary import GLOSSARY_URL, split_name, split_text
+from nbscaler.ir.layer_rules import context_splits
+from nbscaler.glossary import GLOSSARY_URL, context_name, split_name, split_text
 from nbscaler.layouts import Collective, wire_factor
 from nbscaler.planning.step import blocks_per_stage, plan_step, stage_device, target_columns
 from nbscaler.units import fmt_bytes, fmt_flops
@@ -257,6 +259,7 @@ def explain_text(plan: "Plan") -> str:
              f"{split_share(plan):.0%} of the forward FLOPs run in split ops; the rest run replicated."]
     if plan.graph.meta.get("policy_note"):                 # builtin.POLICY_NOTE: what the policy did unasked
         lines.append(plan.graph.meta["policy_note"])
+    lines += [context_line(plan, group) for group in context_groups(plan)]
     gathered = plan.graph.meta.get(CONTEXT_GATHERED)
     if gathered:
         shown = ", ".join(gathered[:6]) + (f" and {len(gathered) - 6} more" if len(gathered) > 6 else "")
@@ -264,8 +267,10 @@ def explain_text(plan: "Plan") -> str:
                      f"run on the whole sequence, gathered on every device: {shown} (a reshape that merges the batch "
                      "into the sequence does this; a batch of one sequence avoids it).")
     heavy = ops.nlargest(3, "flops_fwd")
+    contexts = context_splits(plan.graph)
     lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {fmt_flops(r['flops_fwd'])}, "
-              + (f"split {r['split']!r} ({split_name(r['split'], r['op'])}) over {list(r['devices'])}"
+              + (f"split {r['split']!r} ({split_name(r['split'], r['op'], contexts.get(r['name']))}) over "
+                 f"{list(r['devices'])}"
                  if isinstance(r['split'], str) else f"replicated on {list(r['devices'])}")
               for _, r in heavy.iterrows()]
     if len(coll):
@@ -277,10 +282,71 @@ def explain_text(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
+def context_groups(plan: "Plan") -> List[Tuple[Optional[int], Tuple[int, ...]]]:
+    """``(stage, devices)`` of each group context parallelism splits a sequence over (stage
+    ``None`` without a pipeline; unit 0's plan devices), in stage order; empty without it."""
+    found = {(n.stage if plan.geometry is not None else None, n.placement.devices)
+             for n in plan.graph.nodes if n.placement is not None and n.placement.split is not None
+             and n.placement.blocks == MIRRORED}
+    return sorted(found, key=lambda g: (-1 if g[0] is None else g[0], g[1]))
+
+
+def sequence_length(plan: "Plan") -> int:
+    """The sequence context parallelism splits: axis 1 of the forward's first input with two axes."""
+    return next(t.shape[1] for t in plan.graph.inputs if t.ndim >= 2)
+
+
+def context_kind_text(plan: "Plan") -> str:
+    """How its attention reads the other devices' keys, in words."""
+    kind = context_kind(plan.config)
+    return ("keys and values passed round a ring, one device's block a step" if kind == "ring"
+            else "keys and values all-gathered whole before attention")
+
+
+def context_line(plan: "Plan", group: Tuple[Optional[int], Tuple[int, ...]]) -> str:
+    """``context parallel over [0, 1, 2, 3]: device i holds chunks i and 2n-1-i of 2n ...``."""
+    stage, devices = group
+    n = len(devices)
+    where = f"stage {stage}: " if stage is not None else ""
+    return (f"context parallel ({context_kind(plan.config)}) over {list(devices)}: {where}the sequence of "
+            f"{sequence_length(plan)} tokens in {2 * n} chunks, device i holds chunks i and 2n-1-i "
+            f"({context_kind_text(plan)}).")
+
+
+def context_chunks(plan: "Plan") -> pd.DataFrame:
+    """One row per device of each context-parallel group: its stage, the chunks of the sequence it
+    holds and their positions (``nbscaler.blocks.ranges``); empty without context parallelism."""
+    length, rows = sequence_length(plan) if context_groups(plan) else 0, []
+    for stage, devices in context_groups(plan):
+        n, size = len(devices), length // (2 * len(devices))
+        for i, d in enumerate(devices):
+            spans = ranges(length, MIRRORED, n, i)
+            rows.append({"stage": stage, "device": d, "chunks": " and ".join(str(lo // size) for lo, _ in spans),
+                         "positions": " and ".join(f"{lo}:{hi}" for lo, hi in spans)})
+    return pd.DataFrame(rows, columns=["stage", "device", "chunks", "positions"])
+
+
+def context_html(plan: "Plan") -> str:
+    """The chunks of the sequence each device of context parallelism holds (its groups are in the
+    card's text, ``context_line``), or nothing without it."""
+    if not context_groups(plan):
+        return ""
+    chunks = context_chunks(plan)
+    if plan.geometry is None:
+        chunks = chunks.drop(columns="stage")
+    kind = context_kind(plan.config)
+    return (f"<div class='nbs-context'><p><b>Context parallelism</b>: the chunks of the {sequence_length(plan)}-token "
+            f"sequence each device holds; attention split by its queries, "
+            f"{html.escape(context_name('attention', kind))}</p>{chunks.to_html(border=0, index=False)}</div>")
+
+
 def plan_html(plan: "Plan") -> str:
     """A compact, self-contained HTML card: the plan in one line, then its ops by split, each split
-    by its readable name with its label (``nbscaler.glossary``, which the card links to)."""
-    ops = plan.ops.assign(split=[split_text(s, o) for s, o in zip(plan.ops.split, plan.ops.op)])
+    by its readable name with its label (``nbscaler.glossary``, which the card links to); under
+    context parallelism its groups and the chunks of the sequence each device holds."""
+    contexts = context_splits(plan.graph)
+    ops = plan.ops.assign(split=[split_text(s, o, contexts.get(n))
+                                 for s, o, n in zip(plan.ops.split, plan.ops.op, plan.ops.name)])
     by_split = ops.groupby("split").agg(ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
     by_split["flops_fwd"] = by_split.flops_fwd.map(fmt_flops)
     title = html.escape(repr(plan))
@@ -288,7 +354,7 @@ def plan_html(plan: "Plan") -> str:
     table = by_split.rename_axis("ops by split").to_html(border=0)
     link = f"<a href='{GLOSSARY_URL}' target='_blank'>what the split labels mean</a>"
     return (f"<div class='nbs-plan-card'><b>{title}</b><p style='font-family:monospace;white-space:pre-wrap'>{text}</p>"
-            f"{table}{units_html(plan)}<small>{link}</small></div>")
+            f"{table}{context_html(plan)}{units_html(plan)}<small>{link}</small></div>")
 
 
 def units_html(plan: "Plan") -> str:

@@ -9,7 +9,9 @@ A predicted timeline may also hold the collectives a rank runs beside its blocks
 unit (``cost.fsdp``), whose waits a block's time includes; and the data-parallel gradient
 synchronisation (``sync=True``: each bucket's all-reduce, or ZeRO's reduce-scatter and the
 all-gather after the optimizer step, ``cost.timing.sync_spans``), whose exposed part follows the
-blocks. Neither changes a block count, the makespan or the bubble.
+blocks; and a context-parallel attention's ring passes, or the all-gathers of its keys and values
+(``cost.context_calls``), at the attention's place in its blocks. None changes a block count, the
+makespan or the bubble.
 
 >>> line = Timeline.from_rows([
 ...     {"rank": 0, "stage": 0, "micro": 0, "phase": "F", "t_start": 0.0, "t_end": 1.0},
@@ -58,7 +60,12 @@ class CollectiveBlock:
     ``sync``: one bucket of the data-parallel gradient synchronisation instead (``unit`` names the
     bucket, ``'bucket 0'`` holding the first parameters; ``'partial 0'`` a bucket of partial
     gradients summed inside the unit); its block is the rank's last, and what it waits for comes
-    after the blocks, in the step's exposed synchronisation (``DeviceStep.sync_s``)."""
+    after the blocks, in the step's exposed synchronisation (``DeviceStep.sync_s``).
+
+    ``context``: a collective of a context-parallel attention instead (``cost.context_calls``):
+    ``kind`` ``'ring_pass'`` for one step of its ring (``unit`` says which, and whose keys and
+    values it brings), or the all-gather of its keys or values and the reduce-scatter of their
+    gradients."""
 
     rank: int
     stage: int
@@ -70,6 +77,7 @@ class CollectiveBlock:
     t_end: float
     waited_s: float
     sync: bool = False
+    context: bool = False
 
     @property
     def duration(self) -> float:

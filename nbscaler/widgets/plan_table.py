@@ -19,6 +19,7 @@ import ipywidgets as widgets
 import pandas as pd
 
 from nbscaler.glossary import GLOSSARY_URL, layout_text, legend, split_text
+from nbscaler.ir.layer_rules import context_splits
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_flops
 
@@ -38,13 +39,15 @@ FORMATTERS: Dict[str, Callable] = {"flops_fwd": fmt_flops, "flops_bwd": fmt_flop
                                    "tensor_bytes": fmt_bytes, "bytes_per_device": fmt_bytes,
                                    "have": layout_text, "want": layout_text}
 """How a column's cells are written; ``split`` is written from its row (``split_text`` of the split and
-the op); the cells keep their values for sorting, and the frames theirs for code."""
+the op, and under context parallelism of what the op cuts: ``context_splits``); the cells keep their values for sorting, and the frames theirs for code."""
 
 
-def glossary_html(ops: pd.DataFrame) -> str:
+def glossary_html(ops: pd.DataFrame, contexts: Optional[Dict[str, str]] = None) -> str:
     """The line a view's header starts with: a link to the glossary, then the readable name of each
-    split label ``ops`` (rows of ``plan.ops``) shows."""
-    names = legend([(s, o) for s, o in zip(ops.split, ops.op) if s != "replicated"])
+    split label ``ops`` (rows of ``plan.ops``) shows; ``contexts``: the plan's ``context_splits``, whose
+    ops are named by what context parallelism cuts."""
+    contexts = contexts or {}
+    names = legend([(s, o, contexts.get(n)) for s, o, n in zip(ops.split, ops.op, ops.name) if s != "replicated"])
     return (f"<div class='nbs-glossary' style='font:11px sans-serif;color:#444;margin:2px 0'>"
             f"<a href='{GLOSSARY_URL}' target='_blank'>glossary of split and layout labels</a>"
             + (f": {ascii_html(names)}" if names else "") + "</div>")
@@ -100,8 +103,11 @@ def _sort_key(value) -> str:
     return json.dumps(str(value))
 
 
-def table_html(frame: pd.DataFrame, table_class: str, limit: int = MAX_ROWS) -> str:
-    """A plain ``<table>``: formatted cells, each with its raw value in ``data-v`` for sorting."""
+def table_html(frame: pd.DataFrame, table_class: str, limit: int = MAX_ROWS,
+               contexts: Optional[Dict[str, str]] = None) -> str:
+    """A plain ``<table>``: formatted cells, each with its raw value in ``data-v`` for sorting
+    (``contexts``: the plan's ``context_splits``, for the ``split`` cells)."""
+    contexts = contexts or {}
     head = "".join(f"<th data-col='{c}'>{ascii_html(c)}</th>" for c in frame.columns)
     rows = []
     for values in frame.head(limit).itertuples(index=False):
@@ -109,7 +115,7 @@ def table_html(frame: pd.DataFrame, table_class: str, limit: int = MAX_ROWS) -> 
         row = dict(zip(frame.columns, values))
         for col, v in row.items():
             if col == "split" and "op" in row:
-                text = split_text(None if v == "replicated" else v, row["op"])
+                text = split_text(None if v == "replicated" else v, row["op"], contexts.get(row.get("name")))
             else:
                 text = FORMATTERS[col](v) if col in FORMATTERS else ("" if v is None or v != v else v)
             cells.append(f"<td data-v='{ascii_html(_sort_key(v))}'>{ascii_html(text)}</td>")
@@ -165,7 +171,8 @@ class PlanView(View):
     def _redraw(self) -> None:
         self.ops = op_rows(self.plan)
         self.collectives = collective_rows(self.plan)
-        self.glossary.value = glossary_html(self.ops)
+        self.contexts = context_splits(self.plan.graph)
+        self.glossary.value = glossary_html(self.ops, self.contexts)
         keep = self.module.value
         choices = [ALL_MODULES] + module_choices(self.ops.module)
         self._quiet = True
@@ -200,7 +207,7 @@ class PlanView(View):
 
     def _shown_html(self) -> str:
         name = "nbs-ops" if self.table.value == "ops" else "nbs-collectives"
-        return table_html(self.shown, name, self.limit)
+        return table_html(self.shown, name, self.limit, self.contexts)
 
     def fingerprint(self) -> Optional["Fingerprint"]:
         """The plan's ops and collectives, which this view shows."""
@@ -211,9 +218,10 @@ class PlanView(View):
         options = "".join(f"<option value='{ascii_html(m)}'>{ascii_html(m)}</option>"
                           for m in module_choices(self.ops.module))
         title = ascii_html(repr(self.plan))
-        return (f"{STYLE}<div class='nbs-view nbs-plan'>{glossary_html(self.ops)}<b>{title}</b><br>"
+        return (f"{STYLE}<div class='nbs-view nbs-plan'>{glossary_html(self.ops, self.contexts)}<b>{title}</b><br>"
                 f"<label>module <select class='nbs-module'><option value=''>{ALL_MODULES}</option>{options}"
                 f"</select></label> <small>click a header to sort</small>"
-                f"<h4>ops ({len(self.ops)})</h4><div class='nbs-scroll'>{table_html(self.ops, 'nbs-ops', self.limit)}</div>"
+                f"<h4>ops ({len(self.ops)})</h4><div class='nbs-scroll'>"
+                f"{table_html(self.ops, 'nbs-ops', self.limit, self.contexts)}</div>"
                 f"<h4>collectives ({len(self.collectives)})</h4><div class='nbs-scroll'>"
                 f"{table_html(self.collectives, 'nbs-collectives', self.limit)}</div>{SCRIPT}</div>")

@@ -20,7 +20,11 @@ the gradient synchronisation's buckets too (``cost.timing.sync_spans``), each la
 (``bucket 0``: the first parameters, whose gradients the backward makes last): all-reduces, or ZeRO's
 reduce-scatters and the all-gathers after the optimizer step, hidden in the last backward where the
 target overlaps them, after it where it does not; hovering one says how long the step waits for it
-(its part of the step's exposed synchronisation).
+(its part of the step's exposed synchronisation). Under context parallelism, each attention's
+collectives (``cost.context_calls``) where the attention runs in its forward and backward: a ring's
+passes, ``n-1`` forward steps and ``n`` backward, each labelled ``ring step k/n of <module>`` with
+whose keys and values it brings; under ``context_parallel_kind='all_gather'`` the all-gathers of the
+keys and values and the reduce-scatters of their gradients.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
-COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s", "sync"]
+COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s", "sync",
+                      "context"]
 """The columns of a timeline's collectives (``schedule.CollectiveBlock``)."""
 TIME_AXIS = "time in the step (ms)"
 ZERO3_ASSUMPTION = ("ZeRO stage 3: each unit's all-gathers and reduce-scatters on the link its ZeRO group spans, "
@@ -57,6 +62,11 @@ SYNC_ASSUMPTION = ("Gradient synchronisation: each bucket reduced across the dat
                    "target overlaps it, the buckets but the first run in the last backward and only what they "
                    "wait after it counts; else all after the backward. ZeRO's all-gathers follow the optimizer "
                    "step, which is not drawn.")
+CONTEXT_ASSUMPTION = ("Context parallelism: each ring attention's passes priced as the all-gather that moves their "
+                      "bytes (plan.collectives' ring_pass rows), split over its n-1 forward and n backward steps by "
+                      "the blocks each carries, from where the attention runs in its block; the ring passes while the "
+                      "attention computes and the blocks do not add its time (nbscaler.cost.context_calls). "
+                      "All-gathered keys and values: the block waits for them.")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
 title font (the Explorer puts the timeline beside the memory view)."""
@@ -124,10 +134,14 @@ def waiter(sync: bool) -> str:
 
 
 def collective_hint(panel: str, lane: str, kind: str, unit: str, micro: int, phase: str, start_ms: float,
-                    end_ms: float, waited_ms: float, sync: bool = False) -> str:
-    """What hovering a collective of the SVG says (the figure's hover text says the same)."""
-    return (f"{panel} {lane}: {COLLECTIVE_NAMES.get(kind, kind)} of {unit} in the {PHASE_NAMES.get(phase, phase)} of "
-            f"micro-batch {micro}, {start_ms:.3f} -> {end_ms:.3f} ms, {waiter(sync)} waits {waited_ms:.3f} ms for it")
+                    end_ms: float, waited_ms: float, sync: bool = False, context: bool = False) -> str:
+    """What hovering a collective of the SVG says (the figure's hover text says the same). A
+    context-parallel attention's (``context``) is named by its label alone, which says what it is."""
+    what = unit if context else f"{COLLECTIVE_NAMES.get(kind, kind)} of {unit}"
+    wait = ("while the attention computes" if context and not waited_ms
+            else f"{waiter(sync)} waits {waited_ms:.3f} ms for it")
+    return (f"{panel} {lane}: {what} in the {PHASE_NAMES.get(phase, phase)} of micro-batch {micro}, "
+            f"{start_ms:.3f} -> {end_ms:.3f} ms, {wait}")
 
 
 def add_collectives(fig: go.Figure, frame: pd.DataFrame, labels: Dict[int, str], row: int, panel: str) -> None:
@@ -140,11 +154,11 @@ def add_collectives(fig: go.Figure, frame: pd.DataFrame, labels: Dict[int, str],
             legendgroup=str(kind), showlegend=row == 1,
             marker=dict(color=COLLECTIVE_COLOURS.get(kind, OTHER_COLOUR), line=dict(color="white", width=1)),
             text=list(calls.unit), textposition="inside", insidetextanchor="middle",
-            customdata=list(zip(calls.unit, calls.micro, calls.t_start * 1e3, calls.t_end * 1e3, calls.waited_s * 1e3,
-                                [waiter(bool(s)) for s in calls.sync])),
-            hovertemplate=(f"{panel} %{{y}}<br>{COLLECTIVE_NAMES.get(kind, kind)} of %{{customdata[0]}}, micro-batch "
-                           "%{customdata[1]}<br>%{customdata[2]:.3f} → %{customdata[3]:.3f} ms, %{customdata[5]} waits "
-                           "%{customdata[4]:.3f} ms<extra></extra>")),
+            customdata=[(h,) for h in (collective_hint(panel, labels[int(c.rank)], c.kind, c.unit, int(c.micro), c.phase,
+                                                       c.t_start * 1e3, c.t_end * 1e3, c.waited_s * 1e3, bool(c.sync),
+                                                       bool(c.context))
+                                       for c in calls.itertuples(index=False))],
+            hovertemplate="%{customdata[0]}<extra></extra>"),
             row=row, col=1)
 
 
@@ -155,7 +169,7 @@ def collective_lanes(frame: pd.DataFrame, labels: Dict[int, str], panel: str) ->
         lane, start, end = labels[int(c.rank)], c.t_start * 1e3, c.t_end * 1e3
         lanes[lane].append(Block(start, end, COLLECTIVE_COLOURS.get(c.kind, OTHER_COLOUR), c.unit,
                                  collective_hint(panel, lane, c.kind, c.unit, int(c.micro), c.phase, start, end,
-                                                 c.waited_s * 1e3, bool(c.sync))))
+                                                 c.waited_s * 1e3, bool(c.sync), bool(c.context))))
     return lanes
 
 
@@ -227,8 +241,11 @@ class TimelineView(ChartView):
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
         self.assumptions = (target_assumptions(self.hardware, self.predicted) if self.hardware is not None
                             else assumptions(self.plan, self.predicted))
-        if (~self.collectives.sync.astype(bool)).any():
+        context = self.collectives.context.astype(bool)
+        if (~self.collectives.sync.astype(bool) & ~context).any():
             self.assumptions += "\n" + ZERO3_ASSUMPTION
+        if context.any():
+            self.assumptions += "\n" + CONTEXT_ASSUMPTION
         if self.collectives.sync.astype(bool).any():
             self.assumptions += "\n" + SYNC_ASSUMPTION
         self.figure = self._figure()
@@ -321,8 +338,8 @@ class TimelineView(ChartView):
     def svg(self) -> str:
         """The same panels as the figure: a lane per rank (and stage), a block per forward or
         backward; the grey a lane shows between its blocks is its bubble. Where ranks run collectives (ZeRO
-        stage 3's, the gradient synchronisation's buckets) a lane per rank of them, each block labelled
-        with its unit or bucket."""
+        stage 3's, the gradient synchronisation's buckets, context parallelism's ring steps) a lane per
+        rank of them, each block labelled with its unit, bucket or ring step."""
         labels = self._labels()
         panels = []
         for (name, frame), title in zip(self._frames(), self._panel_titles()):

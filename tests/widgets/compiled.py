@@ -70,3 +70,13 @@ def gpt_on_meta_pp() -> Plan:
         model = GPT(cfg)
     idx = torch.zeros(12, cfg.seq_len, dtype=torch.long, device="meta")
     return nbscaler.plan(model, {"batch": {"idx": idx, "targets": idx.clone()}}, "pp", pipeline_config(2))
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_context(kind: str = "ring", n: int = 4) -> Plan:
+    """nbscaler's GPT of 2 layers, one sequence of 16 tokens split over ``n`` devices by context
+    parallelism (``kind``: how attention reads the other devices' keys)."""
+    from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+    cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 1)}, "tp",
+                         ComputeConfig(n, n, pas_config={"context_parallel": n, "context_parallel_kind": kind}))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from nbscaler.glossary import split_name
+from nbscaler.ir.layer_rules import context_splits
 from nbscaler.layouts import Collective
 from nbscaler.widgets.formats import fmt_count, is_missing
 from nbscaler.widgets.graph.box import Box, BoxKind
@@ -70,6 +71,7 @@ class PlanFacts:
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.reduce_dims = [set(n.annotation.reduce) if n.annotation is not None else set() for n in graph.nodes]
         self.input_names = [t.name for t in graph.inputs]
+        self.contexts = context_splits(graph)      # ops context parallelism cut along the sequence
         self.data_edges = self._data_edges()
         self.comm_rows = self._comm_rows()
         self._runs: Dict[int, Set[int]] = {}
@@ -155,7 +157,8 @@ class PlanFacts:
         op = self.ops[i]
         devices = list(op["devices"]) or [0]
         mark = self.split_mark(i)
-        where = (f"split {mark}, {split_name(op['split'], op['op'])}, over {devices}" if mark
+        where = (f"split {mark}, {split_name(op['split'], op['op'], self.contexts.get(op['name']))}, over {devices}"
+                 if mark
                  else f"replicated on {devices}")
         tooltip = f"{op['name']} = {op['target']}  ({op['module'] or 'top level'})\n{where}"
         return Box(f"#{i}", BoxKind.OP, op["name"], short_target(op["target"]), tooltip,
@@ -179,7 +182,8 @@ class PlanFacts:
             mark = self.split_mark(i)
             if mark:
                 marks[mark] += _number(whole[i]) + 1
-                names.setdefault(mark, split_name(self.ops.column("split")[i], self.ops.column("op")[i]))
+                names.setdefault(mark, split_name(self.ops.column("split")[i], self.ops.column("op")[i],
+                                                  self.contexts.get(self.ops.column("name")[i])))
         heaviest = sorted(marks, key=lambda m: -marks[m])[:3]
         split = " ".join(heaviest)
         title = module_title(path)

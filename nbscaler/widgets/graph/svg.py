@@ -136,9 +136,9 @@ def _pt(p: Point) -> str:
     return f"{p[0]:.1f},{p[1]:.1f}"
 
 
-def legend_html(devices: Sequence[int], splits: Sequence[Tuple[str, Optional[str]]] = ()) -> str:
+def legend_html(devices: Sequence[int], splits: Sequence[Tuple] = ()) -> str:
     """A link to the glossary with the readable name of each split label the graph shows
-    (``(label, op)`` pairs), then swatches for the devices, and what edge widths and marks mean."""
+    (``(label, op)`` pairs, or ``(label, op, context)``: ``glossary.legend``), then swatches for the devices, and what edge widths and marks mean."""
     names = legend(splits)
     glossary = (f'<div class="nbs-glossary"><a href="{GLOSSARY_URL}" target="_blank">glossary of split and '
                 f'layout labels</a>{": " + escape(names) if names else ""}</div>')

@@ -157,7 +157,9 @@ class GraphView(View):
                   f"{fmt_bytes(total)} per device through collectives per step · "
                   f"drawn in {self._model.last_render_seconds * 1000:.0f} ms")
         ops = self.plan.ops
-        w.legend = legend_html(range(self.plan.config.plan_ngpus), list(zip(ops.split, ops.op)))
+        contexts = self._model.facts.contexts
+        w.legend = legend_html(range(self.plan.config.plan_ngpus),
+                               [(s, o, contexts.get(n)) for s, o, n in zip(ops.split, ops.op, ops.name)])
         self._mark()
 
     def _mark(self) -> None:
