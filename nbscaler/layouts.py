@@ -116,11 +116,12 @@ COLLECTIVES: Dict[Collective, CollectiveSpec] = {
     # context parallelism's ring: each device passes its block on n-1 times (an all-gather's bytes,
     # point to point); the backward passes the blocks again and their gradients n times, home
     C.RING_PASS: CollectiveSpec(_RING, C.RING_PASS, lambda n: (2 * n - 1) / n, priced_as=C.ALL_GATHER,
+                                backward_input=lambda nbytes, n: -(-(2 * n - 1) * nbytes // (n - 1)),
                                 inside="nbscaler.runtime.context.context_attention"),
 }
 """Every layout-changing collective, and the ring a context-parallel attention runs inside its call
-(``RING_PASS``, priced as the all-gather whose bytes it moves, with no overlap credited: an upper
-bound on its time). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
+(``RING_PASS``, priced as the all-gather whose bytes it moves; ``cost.context_calls`` says how
+much of it the attention's compute hides). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
 to the next stage and its gradient back, priced by the cost model's point-to-point time."""
 del C
 

@@ -65,7 +65,31 @@ def ring_seconds(node: IRNode, comm) -> Tuple[float, float]:
     for t in node.inputs[1:3]:
         block = t.nbytes // n                                  # this device's rows
         fwd += comm.forward(Collective.RING_PASS, block, n, ranks=ranks)
-        bwd += comm.forward(Collective.RING_PASS, -(-(2 * n - 1) * block // (n - 1)), n, ranks=ranks)
+        bwd += comm.backward(Collective.RING_PASS, block, n, ranks=ranks)
+    return fwd, bwd
+
+
+def ring_exposed(op, comm, time_op: Callable) -> Tuple[float, float]:
+    """Forward and backward seconds a ring attention's passes add to its op (zeros for any other
+    op), by the overlap rule of ``nbscaler.attention``: the forward passes the next block while it
+    computes on the one in hand, so of its ``n-1`` passes what the attention's ``(n-1)/n`` of
+    compute does not cover is exposed; the backward waits for each pass, so all of it is. A
+    recomputed ring's forward counts again in the backward. ``time_op``: an op's forward and
+    backward seconds (``profiler.time``)."""
+    if not context_ring(op.node):
+        return 0.0, 0.0
+    passes_f, passes_b = ring_seconds(op.node, comm)
+    n = op.node.placement.parts
+    exposed = max(0.0, passes_f - time_op(op)[0] * (n - 1) / n)
+    return exposed, passes_b + (exposed if op.recomputed else 0.0)
+
+
+def rings_seconds(run: LocalRun, comm, time_op: Callable) -> Tuple[float, float]:
+    """What the rings of a section's attentions add to its time (``ring_exposed``, summed)."""
+    fwd = bwd = 0.0
+    for op in run.ops:
+        f, b = ring_exposed(op, comm, time_op)
+        fwd, bwd = fwd + f, bwd + b
     return fwd, bwd
 
 

@@ -63,6 +63,7 @@ import torch
 
 from nbscaler.comm.program import Call, LocalWeight, Recompute, Reshard, Return, Section, Send, Unshard
 from nbscaler.comm.unit_gathers import units_read, with_gathers
+from nbscaler.cost.context_calls import ring_exposed
 from nbscaler.cost.local import LocalRun
 from nbscaler.ir.graph import SHARD_UNITS
 from nbscaler.layouts import WIRE_SHARE, Collective, runs
@@ -190,7 +191,8 @@ def section_script(section: Section, run: LocalRun, profiler, comm) -> Script:
     ops: Dict[int, Tuple[float, float]] = {}
     for op in run.ops:
         f, b = profiler.time(op)
-        ops[id(op.node)] = _plus(ops.get(id(op.node)), (f, b + (f if op.recomputed else 0.0)))
+        ring = ring_exposed(op, comm, profiler.time)            # a context-parallel ring's passes
+        ops[id(op.node)] = _plus(ops.get(id(op.node)), (f + ring[0], b + ring[1] + (f if op.recomputed else 0.0)))
     before: Dict[Optional[str], Tuple[float, float]] = {}          # consumer's name (None: an output) -> seconds
     for c in run.collectives:
         f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)

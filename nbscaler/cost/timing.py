@@ -14,10 +14,11 @@ The pieces, each measured or modelled once:
   send/recv between devices as latency, and the time each side spends starting it; then the
   gradient synchronisation (all-reduce, or ZeRO's reduce-scatter and all-gather, per bucket) and
   the optimizer step (profiled, with the reducer's copies);
-- **context parallelism**: a ring attention's passes are drawn on the timeline beside its blocks
-  (``cost.context_calls``), priced as the all-gathers that move their bytes, and not added to the
-  blocks, since the ring passes while the attention computes; all-gathered keys and values are a
-  section's collectives like any other;
+- **context parallelism**: a ring attention's passes are priced as the all-gathers that move their
+  bytes and drawn on the timeline beside its blocks (``cost.context_calls``); the forward's passes
+  overlap the attention's compute, so only what ``(n-1)/n`` of it does not cover adds to the
+  block, and the backward's, which wait for each pass, add whole (``rings_seconds``); all-gathered
+  keys and values are a section's collectives like any other;
 - **ZeRO stage 3**: each unit's all-gathers and reduce-scatter run inside the blocks, as FSDP
   prefetches them (``cost.fsdp``): a block lasts its compute plus what it waits for them, which
   the simulator plays per block; there is no synchronisation per bucket after the backward and no
@@ -65,7 +66,7 @@ from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.fsdp import (DeviceUnits, Played, Script, block_extras, block_plays, section_script, stage_plays,
                                 unit_bytes, unit_seconds)
-from nbscaler.cost.context_calls import ContextCall, section_calls, timeline_calls
+from nbscaler.cost.context_calls import ContextCall, rings_seconds, section_calls, timeline_calls
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, ProgramOf, buckets, stage_runs
 from nbscaler.comm.lower import lower_device
@@ -116,11 +117,12 @@ def backend_on(hardware: Optional[Hardware], runtime_ngpus: Optional[int] = None
     return comm_model.local_backend(runtime_ngpus)
 
 
-def collective_time(run: LocalRun, comm: CommModel) -> Tuple[float, float]:
+def collective_time(run: LocalRun, comm: CommModel, profiler: OpProfiler) -> Tuple[float, float]:
     """Forward and backward seconds of one section's collectives (the tensor-parallel ones: a
-    section's collectives are its ops' layout changes), a recomputed one's forward again in the
-    backward: the part of ``section_time`` a step spends in them."""
-    fwd = bwd = 0.0
+    section's collectives are its ops' layout changes, and the exposed part of its context-parallel
+    rings), a recomputed one's forward again in the backward: the part of ``section_time`` a step
+    spends in them."""
+    fwd, bwd = rings_seconds(run, comm, profiler.time)      # context parallelism's rings, inside their attentions
     for c in run.collectives:
         f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
         fwd += f
@@ -140,6 +142,8 @@ def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[
         fwd, bwd = fwd + f, bwd + b
         op.node.meta.setdefault("local_time_fwd_s", {})[run.device] = f
         op.node.meta.setdefault("local_time_bwd_s", {})[run.device] = b
+    rings = rings_seconds(run, comm, profiler.time)     # context parallelism's rings, inside their attentions
+    fwd, bwd = fwd + rings[0], bwd + rings[1]
     for c in run.collectives:                  # a unit's plan devices are the ranks of unit 0
         f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
         fwd += f
@@ -339,7 +343,7 @@ class StepModel:
         self._context: Dict[Tuple[int, Optional[int]], List[ContextCall]] = {}
         for device, by_stage in stages.items():
             self.times[device] = {s: section_time(r, self.profiler, self.comm) for s, r in by_stage.items()}
-            self.collective_times[device] = {s: collective_time(r, self.comm) for s, r in by_stage.items()}
+            self.collective_times[device] = {s: collective_time(r, self.comm, self.profiler) for s, r in by_stage.items()}
         # ZeRO stage 3: each section's gather points and the compute between them, and each unit's parameters
         self.scripts: Dict[int, Dict[Optional[int], Script]] = {}
         self.unit_params: Dict[int, Tuple[List[LocalWeight], Dict[str, str]]] = {}

@@ -45,5 +45,5 @@ def test_collectives_beside_the_blocks_change_no_block_figure():
     assert line.makespan == Timeline(blocks, 1).makespan == 3.0 and line.bubble_fraction == 0.0
     assert line.collective_rows() == [{"rank": 0, "stage": 0, "micro": 0, "phase": "F", "kind": "all_gather",
                                        "unit": "layers.0", "t_start": 0.0, "t_end": 0.25, "waited_s": 0.25,
-                                       "sync": False}]
+                                       "sync": False, "context": False}]
     assert gather.duration == 0.25 and Timeline(blocks, 1).collective_rows() == []

@@ -59,3 +59,34 @@ def test_on_a_target_each_device_computes_its_share_of_attention_against_every_k
         "context_parallel": 4, "context_parallel_kind": kind})).summary(hardware=hw)
     ratio = one.step_time_s.max() / four.step_time_s.max()
     assert 2.0 < ratio < 4.0, ratio
+
+
+def test_a_rings_passes_count_in_the_step_by_the_overlap_rule():
+    """The forward's passes hide behind (n-1)/n of the attention's compute; the backward's, which
+    wait for each pass, count whole: a section's collective seconds hold exactly that."""
+    import nbscaler
+    from nbscaler import ComputeConfig
+    from nbscaler.cost.context_calls import ring_seconds
+    from nbscaler.cost.hardware import Hardware
+    from nbscaler.ir.layer_rules import context_ring
+    from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
+    cfg = GPTConfig(vocab_size=512, seq_len=1024, n_layer=2, d_model=256, n_head=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = nbscaler.plan(model, {"batch": sample_batch(cfg, 1)}, "tp", ComputeConfig(4, 4, use_end2end=True, pas_config={
+        "context_parallel": 4, "context_parallel_kind": "ring"}))
+    step = plan.step_model(Hardware.named("H100-SXM-80GB"))
+    run = step.runs[0][None]
+    rings = [op for op in run.ops if context_ring(op.node)]
+    assert len(rings) == 2
+    expected_f = expected_b = 0.0
+    for op in rings:
+        passes_f, passes_b = ring_seconds(op.node, step.comm)
+        assert passes_f > 0 and passes_b > passes_f          # the backward passes blocks and gradients
+        expected_f += max(0.0, passes_f - step.profiler.time(op)[0] * 3 / 4)
+        expected_b += passes_b
+    others_f = sum(step.comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) for c in run.collectives)
+    others_b = sum(step.comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) for c in run.collectives)
+    fwd, bwd = step.collective_times[0][None]
+    assert fwd == pytest.approx(others_f + expected_f) and bwd == pytest.approx(others_b + expected_b)
+    assert expected_b > 0
