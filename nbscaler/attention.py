@@ -19,8 +19,9 @@ same work. Attention needs every key:
   passes the keys and values round the ring again with their gradients, which arrive home after
   ``n`` steps.
 
-The ring computes each block one of two ways, chosen by what the call is, never by catching an
-error: on CPU, without a mask, over mirrored chunks, it calls PyTorch's fused CPU flash kernel
+Both kinds compute each block one of two ways, chosen by what the call is, never by catching an
+error (gathered keys are taken a device's block at a time, as the ring would bring them): on CPU,
+without a mask, over mirrored chunks, they call PyTorch's fused CPU flash kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) per block, and does only the
 work the causal mask leaves: the first step its own chunks under a causal mask; each later step,
 with keys from a device before it, all its queries against the keys' first chunk (their second is
@@ -150,6 +151,44 @@ def _fused_work(step: int, index: int, parts: int, is_causal: bool) -> str:
     return "first_keys" if (index - step) % parts < index else "last_queries"
 
 
+def _accumulated(x: torch.Tensor) -> torch.dtype:
+    """The dtype the fused paths accumulate ``x``'s blocks in: float32, or ``x``'s own if finer."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _fused_forward_step(q, kb, vb, work: str, scale: float, out, lse):
+    """Merge one block's attention (keys and values with the queries' heads) into the float32
+    accumulators ``out`` and ``lse``, doing the ``work`` its place leaves (``_fused_work``)."""
+    if work == "first_keys":
+        kb, vb = _halves(kb)[0], _halves(vb)[0]
+    rows = _halves(q)[1] if work == "last_queries" else q
+    o, l = _FLASH_CPU(rows, kb, vb, 0.0, work == "causal", scale=scale)
+    if work == "last_queries":
+        h = q.shape[-2] // 2
+        out[..., h:, :], lse[..., h:] = _merge(out[..., h:, :], lse[..., h:], o.to(out.dtype), l)
+        return out, lse
+    return _merge(out, lse, o.to(out.dtype), l)
+
+
+def _fused_backward_step(dout, q, out, lse, kb, vb, work: str, scale: float, dq):
+    """One block's share of the backward: added into ``dq`` (float32); returns the block's key and
+    value gradients, over its whole length and with its own heads."""
+    heads, h = q.shape[-3], q.shape[-2] // 2
+    ke, ve = _expand_heads(kb, heads), _expand_heads(vb, heads)
+    if work == "last_queries":
+        gq, gk, gv = _FLASH_CPU_BACKWARD(_halves(dout)[1], _halves(q)[1], ke, ve, _halves(out)[1],
+                                         _halves(lse, -1)[1].contiguous(), 0.0, False, scale=scale)
+        dq[..., h:, :] += gq
+    else:
+        if work == "first_keys":
+            ke, ve = _halves(ke)[0], _halves(ve)[0]
+        gq, gk, gv = _FLASH_CPU_BACKWARD(dout, q, ke, ve, out, lse, 0.0, work == "causal", scale=scale)
+        dq += gq
+        if work == "first_keys":              # the keys' second chunk had no part in it
+            gk, gv = (torch.cat([g, torch.zeros_like(g)], dim=-2) for g in (gk, gv))
+    return _fold_heads(gk, kb.shape[-3]), _fold_heads(gv, vb.shape[-3])
+
+
 class _FusedRingAttention(Function):
     """The ring on the fused CPU flash kernel, over mirrored chunks without a mask (``fused_ring``)."""
 
@@ -157,24 +196,14 @@ class _FusedRingAttention(Function):
     def forward(ctx, q, k, v, is_causal, scale, group):
         parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         ring = _Ring(group) if parts > 1 else None
-        heads = q.shape[-3]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulated(q), device=q.device)
         kv = [k, v]
         for step in range(parts):
             if step < parts - 1:
                 received, pending = ring.start(kv)           # the next block travels while this one computes
-            kb, vb = (_expand_heads(t, heads) for t in kv)
-            work = _fused_work(step, index, parts, is_causal)
-            if work == "first_keys":
-                kb, vb = _halves(kb)[0], _halves(vb)[0]
-            rows = _halves(q)[1] if work == "last_queries" else q
-            o, l = _FLASH_CPU(rows, kb, vb, 0.0, work == "causal", scale=scale)
-            if work == "last_queries":
-                h = q.shape[-2] // 2
-                out[..., h:, :], lse[..., h:] = _merge(out[..., h:, :], lse[..., h:], o.float(), l)
-            else:
-                out, lse = _merge(out, lse, o.float(), l)
+            kb, vb = (_expand_heads(t, q.shape[-3]) for t in kv)
+            out, lse = _fused_forward_step(q, kb, vb, _fused_work(step, index, parts, is_causal), scale, out, lse)
             if step < parts - 1:
                 _Ring.finish(pending)
                 kv = received
@@ -189,37 +218,61 @@ class _FusedRingAttention(Function):
         group, scale = ctx.group, ctx.scale
         parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         ring = _Ring(group) if parts > 1 else None
-        heads, h = q.shape[-3], q.shape[-2] // 2
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                      torch.zeros(v.shape, dtype=torch.float32, device=v.device)]   # a block and its gradients
+        dq = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
+        travelling = [k, v, torch.zeros(k.shape, dtype=_accumulated(k), device=k.device),
+                      torch.zeros(v.shape, dtype=_accumulated(v), device=v.device)]   # a block and its gradients
         for step in range(parts):
             kb, vb, dkb, dvb = travelling
-            ke, ve = _expand_heads(kb, heads), _expand_heads(vb, heads)
             work = _fused_work(step, index, parts, ctx.is_causal)
-            if work == "last_queries":
-                gq, gk, gv = _FLASH_CPU_BACKWARD(_halves(dout)[1], _halves(q)[1], ke, ve, _halves(out)[1],
-                                                 _halves(lse, -1)[1].contiguous(), 0.0, False, scale=scale)
-                dq[..., h:, :] += gq
-            else:
-                if work == "first_keys":
-                    ke, ve = _halves(ke)[0], _halves(ve)[0]
-                gq, gk, gv = _FLASH_CPU_BACKWARD(dout, q, ke, ve, out, lse, 0.0, work == "causal", scale=scale)
-                dq += gq
-            gk, gv = _fold_heads(gk, kb.shape[-3]), _fold_heads(gv, vb.shape[-3])
-            if work == "first_keys":
-                _halves(dkb)[0].add_(gk)
-                _halves(dvb)[0].add_(gv)
-            else:
-                dkb.add_(gk)
-                dvb.add_(gv)
+            gk, gv = _fused_backward_step(dout, q, out, lse, kb, vb, work, scale, dq)
+            dkb.add_(gk)
+            dvb.add_(gv)
             if parts > 1:                                   # the gradients go on; after n steps they are home
                 send = travelling if step < parts - 1 else travelling[2:]
                 received, pending = ring.start(send)
                 _Ring.finish(pending)
                 travelling = received if step < parts - 1 else [kb, vb, *received]
         return dq.to(q.dtype), travelling[2].to(k.dtype), travelling[3].to(v.dtype), None, None, None
+
+
+class _FusedGatheredAttention(Function):
+    """Gathered keys and values on the fused CPU flash kernel, over mirrored chunks without a mask:
+    the ring's steps taken from the whole keys in hand, each device's block a slice, so only the
+    work the causal mask leaves is done and no ``(Tq, T)`` mask is made or kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, group):
+        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        out = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulated(q), device=q.device)
+        for step in range(parts):
+            source = (index - step) % parts
+            kb, vb = (_expand_heads(strided.take(t, -2, strided.MIRRORED, parts, source), q.shape[-3]) for t in (k, v))
+            out, lse = _fused_forward_step(q, kb, vb, _fused_work(step, index, parts, is_causal), scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.scale, ctx.parts, ctx.index = is_causal, scale, parts, index
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        parts, index = ctx.parts, ctx.index
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
+        dk = torch.zeros(k.shape, dtype=_accumulated(k), device=k.device)
+        dv = torch.zeros(v.shape, dtype=_accumulated(v), device=v.device)
+        for step in range(parts):
+            source = (index - step) % parts
+            spans = strided.ranges(k.shape[-2], strided.MIRRORED, parts, source)
+            kb, vb = (strided.take(t, -2, strided.MIRRORED, parts, source) for t in (k, v))
+            work = _fused_work(step, index, parts, ctx.is_causal)
+            gk, gv = _fused_backward_step(dout, q, out, lse, kb, vb, work, ctx.scale, dq)
+            for full, grad in ((dk, gk), (dv, gv)):
+                for (lo, hi), piece in zip(spans, _halves(grad)):
+                    full[..., lo:hi, :] += piece
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class _RingAttention(Function):
@@ -302,6 +355,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
         if fused_ring(q, attn_mask, blocks):
             return _FusedRingAttention.apply(q, k, v, is_causal, scale, group)
         return _RingAttention.apply(q, k, v, attn_mask, is_causal, scale, blocks, group)
+    if fused_ring(q, attn_mask, blocks):
+        return _FusedGatheredAttention.apply(q, k, v, is_causal, scale, group)
     parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     q_pos = positions(q.shape[-2] * parts, blocks, parts, index, q.device)
     k_pos = torch.arange(k.shape[-2], device=q.device)
