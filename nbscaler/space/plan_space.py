@@ -173,7 +173,7 @@ class PlanSpace:
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
         self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2) -> Plan, or why not
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2, cp, kind) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._models: Dict[Tuple, Tuple[RooflineOps, NcclModel]] = {}
         self._kinds = Kinds()                       # the distinct ops and collectives of every placement

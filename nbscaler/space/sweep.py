@@ -92,7 +92,10 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2, 3 (FSDP: parameters
     gathered a layer at a time); ``zero_reshard_after_forward``: under stage 3, free each layer
     after its forward (``True``) and/or keep it gathered until its backward (``False``), tried at
-    stage 3 only; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
+    stage 3 only; ``cp``: context-parallel sizes (each stage's sequence over ``cp`` devices; default
+    ``(1,)``, none; rows with ``tp > 1`` and ``cp > 1``, or whose sequence ``2 * cp`` does not divide,
+    are left out with their reason), with ``context_parallel_kind`` (``'all_gather'``, the default,
+    and/or ``'ring'``) tried where ``cp > 1``; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``, whose
     rows set ``pipeline_virtual_stages``, so each of its ``pp`` pipeline devices is ``tp`` wide;
     ``zbv`` always has two). Returns one row per configuration with the columns of
