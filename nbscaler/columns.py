@@ -212,8 +212,12 @@ class SweepColumn(StrEnum):
 
     The configuration:
 
-    - ``tp``, ``pp``, ``dp``: tensor-parallel size (devices splitting each op of a stage), pipeline
-      stages' devices, data-parallel units; ``tp * pp * dp`` is the target's GPUs.
+    - ``tp``, ``cp``, ``pp``, ``dp``: tensor-parallel size (devices splitting each op of a stage),
+      context-parallel size (devices splitting each stage's sequence, ``pas_config['context_parallel']``;
+      1 without, and 1 wherever ``tp > 1``: the two do not share a stage), pipeline stages' devices,
+      data-parallel units; ``tp * cp * pp * dp`` is the target's GPUs.
+    - ``context_parallel_kind``: how context-parallel attention reads the other devices' keys:
+      ``all_gather`` or ``ring`` (``pas_config['context_parallel_kind']``); read only where ``cp > 1``.
     - ``micro_batch``: sequences in one micro-batch; ``micro_batches``: micro-batches per step and
       unit, so ``micro_batch * micro_batches * dp`` is the global batch.
     - ``recompute``: what runs again in the backward: ``none``, ``selective`` (each layer's attention
@@ -243,12 +247,14 @@ class SweepColumn(StrEnum):
     """
 
     TP = "tp"
+    CP = "cp"
     PP = "pp"
     DP = "dp"
     MICRO_BATCH = "micro_batch"
     MICRO_BATCHES = "micro_batches"
     RECOMPUTE = "recompute"
     SEQUENCE_PARALLEL = "sequence_parallel"
+    CONTEXT_PARALLEL_KIND = "context_parallel_kind"
     ZERO_STAGE = "zero_stage"
     ZERO_RESHARD_AFTER_FORWARD = "zero_reshard_after_forward"
     SCHEDULER = "scheduler"

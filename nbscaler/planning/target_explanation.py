@@ -21,8 +21,10 @@ RECOMPUTING = {"selective": "recomputing the attention cores", "full": "recomput
 
 def describe(row) -> str:
     """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute selective, sequence
-    parallel, ZeRO 2``."""
-    return (f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
+    parallel, ZeRO 2``; with context parallelism ``tp 1 x cp 4 (ring) x pp 2 x dp 8, ...``."""
+    cp = int(row.get("cp", 1) or 1)
+    context = f" x cp {cp} ({row.get('context_parallel_kind', 'all_gather')})" if cp > 1 else ""
+    return (f"tp {row['tp']}{context} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
             f"recompute {row['recompute']}"
             f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
 
@@ -78,7 +80,7 @@ def explain_lines(info: Dict[str, Any]) -> List[str]:
              f"({info['search_cpu_s']:.2f} s of CPU); {info['fitting']} fit"
              + (f", {info['excluded']} could not run" if info["excluded"] else "")
              + (f"; {info['pruned']} more were not priced: their pipeline alone is slower than a fitting one of "
-                f"their tp x pp (or {info['within']:g} x the choice), or what they save for the backward alone overflows "
+                f"their tp x cp x pp (or {info['within']:g} x the choice), or what they save for the backward alone overflows "
                 "the memory" if info["pruned"] else "") + ".",
              f"chose {describe(best)} ({best['micro_batches']} micro-batches a step): {figures(best, hw)}.",
              f"  of its step: {overheads(best)}.",

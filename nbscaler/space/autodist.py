@@ -7,7 +7,8 @@
 
 On this machine autodist profiles each op and searches its placement op by op (``policy.autodist``).
 For a target the job may have thousands of GPUs that are not here, so the question is first which
-configuration: tp, pp, micro-batch, recomputation, sequence parallelism, ZeRO. ``nbscaler.sweep``
+configuration: tp, pp, micro-batch, recomputation, sequence parallelism, ZeRO (and context
+parallelism, ``cp``, where ``autodist_space`` asks for it). ``nbscaler.sweep``
 prices every one the ranges allow from one trace of a two-layer copy, on the target's roofline and
 NCCL models; autodist takes its fastest row that fits the target's memory, plans the model whole
 under that row's config (``space.sweep.config_of``: ``hybrid``'s tensor-parallel placement
@@ -53,7 +54,8 @@ RUNNERS_UP = 4
 WITHIN = 1.25
 
 #: The ranges ``autodist_space`` may give: ``nbscaler.sweep``'s keywords of the same names.
-SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage", "zero_reshard_after_forward")
+SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage", "zero_reshard_after_forward",
+              "cp", "context_parallel_kind")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class TargetSearch:
     ``global_batch``    the sequences one training step trains on
     ``autodist_space``  the ranges to search, as ``nbscaler.sweep``'s keywords ``tp``, ``pp``,
                         ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``,
-                        ``zero_reshard_after_forward`` (a
+                        ``zero_reshard_after_forward``, ``cp``, ``context_parallel_kind`` (a
                         missing one: the sweep's default, none, selective and full for
                         ``recompute``; ``sequence_parallel`` or ``recompute`` missing and
                         ``pas_config['sequence_parallel']`` or ``['recompute']`` given: that
@@ -202,15 +204,18 @@ def target_module_dtype(cfg: ComputeConfig, module_dtype: Optional[torch.dtype])
 
 def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> pd.DataFrame:
     """The configurations set against ``best``, fastest first: the fastest of all when it does not
-    fit (memory rules it out), then the fastest fitting row of each other tp x pp layout and of
-    ``best``'s own layout with the other recomputation."""
+    fit (memory rules it out), then the fastest fitting row of each other tp x cp x pp layout and of
+    ``best``'s own layout with the other recomputation (a frame without ``cp``, from before it was a
+    column, has tp x pp layouts)."""
     frame = frame.copy(deep=False)
     frame.attrs = {}                    # its frame of exclusions would be compared at each concat
     fastest = frame.sort_values("step_time_s", kind="stable").head(1)
     faster = fastest[~fastest.fits & (fastest.step_time_s < best.step_time_s)]
     fitting = frame[frame.fits]
-    others = fitting[(fitting.tp != best.tp) | (fitting.pp != best.pp)].groupby(["tp", "pp"], sort=False).head(1)
-    same = fitting[(fitting.tp == best.tp) & (fitting.pp == best.pp) & (fitting.recompute != best.recompute)].head(1)
+    layout = [c for c in ("tp", "cp", "pp") if c in frame.columns]
+    mine = (fitting[layout] == best[layout]).all(axis=1)
+    others = fitting[~mine].groupby(layout, sort=False).head(1)
+    same = fitting[mine & (fitting.recompute != best.recompute)].head(1)
     rows = pd.concat([same, others]).sort_values("step_time_s", kind="stable")
     return pd.concat([faster, rows]).head(most)
 

@@ -48,17 +48,18 @@ from nbscaler.space.layer_facts import LayerFacts, PlacementMemo, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
 from nbscaler.space.prune import check_prune, pruned_rows
-from nbscaler.space.ranges import (RECOMPUTE_VALUES, Ranges, checked_ranges, combination_problem, reshard_at,
-                                   sequence_parallel_at, virtual_stages_of)
+from nbscaler.space.ranges import (CONTEXT_KIND_VALUES, RECOMPUTE_VALUES, Ranges, checked_ranges, combination_problem,
+                                   context_kind_at, reshard_at, sequence_parallel_at, virtual_stages_of)
 from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
+from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
 from nbscaler.policy.primitives import PolicyError
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.schedule.schedulers import scheduler_spec
 
-CONFIG_COLUMNS = (S.TP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL, S.ZERO_STAGE,
-                  S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES)
+CONFIG_COLUMNS = (S.TP, S.CP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL,
+                  S.CONTEXT_PARALLEL_KIND, S.ZERO_STAGE, S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
                       S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE, S.FSDP_COMM_SHARE)
 KNOBS = ("hardware", "nodes", "gpus_per_node", "recipe", "module_dtype", "master_dtype", "grad_reduce_dtype",
@@ -73,23 +74,29 @@ SWEEP_MODULE_DTYPE = torch.bfloat16
 def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``). A row
-    without ``zero_reshard_after_forward`` (from before it was a column) frees after the forward."""
+    without ``zero_reshard_after_forward`` (from before it was a column) frees after the forward; one
+    without ``cp`` splits no sequence. Each of the ``pp`` pipeline devices is ``tp * cp`` devices wide
+    (one of the two is 1), so ``plan_ngpus`` is ``tp * cp * pp``."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
+    cp = int(row[S.CP]) if S.CP in row else 1
+    kind = str(row[S.CONTEXT_PARALLEL_KIND]) if S.CONTEXT_PARALLEL_KIND in row else CONTEXT_KIND_VALUES[0]
     reshard = bool(row[S.ZERO_RESHARD_AFTER_FORWARD]) if S.ZERO_RESHARD_AFTER_FORWARD in row else True
     virtual_stages, scheduler = int(row[S.VIRTUAL_STAGES]), str(row[S.SCHEDULER])
-    pas = _pas_config(str(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path)
-    # a scheduler that takes any number of stages per device is told it: pp pipeline devices, each tp wide
+    pas = _pas_config(str(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path, cp, kind)
+    # a scheduler that takes any number of stages per device is told it: pp pipeline devices, each tp x cp wide
     free = scheduler_spec(scheduler).stages_per_device is None
-    return ComputeConfig(tp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
+    return ComputeConfig(tp * cp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
                          pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=scheduler,
                          pipeline_virtual_stages=virtual_stages if free else -1,
                          use_zero=zero > 0, zero_stage=max(zero, 1), zero_reshard_after_forward=reshard or zero != 3,
                          pas_config=pas)
 
 
-def _pas_config(recompute: str, sequence_parallel: bool, stack_path: str) -> Dict[str, Any]:
+def _pas_config(recompute: str, sequence_parallel: bool, stack_path: str, cp: int = 1,
+                kind: str = CONTEXT_KIND_VALUES[0]) -> Dict[str, Any]:
     """``hybrid``'s options of a configuration: what is recomputed (``'full'``: each layer of the stack
-    at ``stack_path``; ``'selective'``: the attention cores), sequence parallelism."""
+    at ``stack_path``; ``'selective'``: the attention cores), sequence parallelism, context
+    parallelism over ``cp`` devices with attention of ``kind`` (where ``cp > 1``)."""
     pas: Dict[str, Any] = {}
     if recompute == RecomputeGranularity.FULL:
         pas[RECOMPUTE_MODULES] = [stack_path]
@@ -97,6 +104,8 @@ def _pas_config(recompute: str, sequence_parallel: bool, stack_path: str) -> Dic
         pas[RECOMPUTE] = RecomputeGranularity.SELECTIVE.value
     if sequence_parallel:
         pas[SEQUENCE_PARALLEL] = True
+    if cp > 1:
+        pas[CONTEXT_PARALLEL], pas[CONTEXT_PARALLEL_KIND] = cp, kind
     return pas
 
 
@@ -108,13 +117,24 @@ class CopyPlacementKey(NamedTuple):
     or the sequence (a norm's, under sequence parallelism) sums its gradient over the devices in
     the backward rather than in the reducer (``ComputeConfig.sums_partial_grads_after_backward``).
     It places the copy again only where the copy has such a weight (``PlanSpace._canonical``).
-    Stage 3's units are not marked on the copy: ``space.pricing`` lays them out from its facts."""
+    Stage 3's units are not marked on the copy: ``space.pricing`` lays them out from its facts.
+
+    ``cp``, ``kind``: context parallelism over ``cp`` devices (``tp`` is then 1) with attention of that
+    kind: the copy is placed over ``cp`` devices, each on its chunks of the sequence, so a row's facts
+    are those of the context-parallel plan."""
 
     micro: int
     tp: int
     recompute: str
     sequence_parallel: bool
     zero_stage_2: bool
+    cp: int = 1
+    kind: str = CONTEXT_KIND_VALUES[0]
+
+    @property
+    def devices(self) -> int:
+        """The devices of one stage the copy is placed over."""
+        return self.tp * self.cp
 
 
 class PlanSpace:
@@ -136,7 +156,8 @@ class PlanSpace:
                  recipe: Optional[Recipe] = None, optimizer: Any = UNSET,
                  master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
                  scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = False,
-                 prune: Optional[float] = None, settle: bool = True, **optimizer_kwargs: Any):
+                 prune: Optional[float] = None, settle: bool = True, cp: Sequence[int] = (1,),
+                 context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, **optimizer_kwargs: Any):
         check_prune(prune)
         self.recipe = space_recipe(recipe, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                                    master_dtype=master_dtype, module_dtype=module_dtype,
@@ -145,13 +166,14 @@ class PlanSpace:
         self.stack = find_stack(module)
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
-                             tuple(virtual_stages), tuple(zero_reshard_after_forward))
+                             tuple(virtual_stages), tuple(zero_reshard_after_forward), tuple(cp),
+                             tuple(context_parallel_kind))
         self.hardware, self.global_batch = hardware, global_batch
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
         self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2) -> Plan, or why not
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2, cp, kind) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._models: Dict[Tuple, Tuple[RooflineOps, NcclModel]] = {}
         self._kinds = Kinds()                       # the distinct ops and collectives of every placement
@@ -236,7 +258,8 @@ class PlanSpace:
                              "Hardware.local() would profile the ops of every configuration on this machine.")
         r = self.ranges
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
-                         r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward)
+                         r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward, r.cp,
+                         r.context_parallel_kind)
         target = (repr(hardware),)
         if target not in self._models:        # op and collective times, kept per target
             self._models[target] = target_models(hardware)
@@ -249,15 +272,18 @@ class PlanSpace:
                         config[S.MICRO_BATCHES], recipe)
             return {**config, **price(facts, cfg, hardware, ops, comm, recipe, staged, (self._peaks, peak_key))}
 
-        tp, pp, micro, recompute, sequence_parallel, zero, reshard = ranges
-        combos = [(t, p, m, rec, sp, z, keep, v) for t, p, m, rec, z, v in itertools.product(
-                      tp, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
-                  for sp in sequence_parallel_at(t, sequence_parallel) for keep in reshard_at(z, reshard)]
-        for t, p, m, rec, sp, z, keep, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
-            config = {S.TP: t, S.PP: p, S.DP: hardware.ngpus // (t * p) if hardware.ngpus % (t * p) == 0 else 0,
-                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.ZERO_STAGE: z,
-                      S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: r.scheduler, S.VIRTUAL_STAGES: v}
-            reason = combination_problem(hardware, global_batch, t, p, m)
+        tp, pp, micro, recompute, sequence_parallel, zero, reshard, cps, kinds = ranges
+        combos = [(t, c, p, m, rec, sp, kind, z, keep, v) for t, c, p, m, rec, z, v in itertools.product(
+                      tp, cps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
+                  for sp in sequence_parallel_at(t if c == 1 else 1, sequence_parallel)
+                  for kind in context_kind_at(c, kinds) for keep in reshard_at(z, reshard)]
+        for t, c, p, m, rec, sp, kind, z, keep, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+            width = t * c * p
+            config = {S.TP: t, S.CP: c, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
+                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.CONTEXT_PARALLEL_KIND: kind,
+                      S.ZERO_STAGE: z, S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: r.scheduler,
+                      S.VIRTUAL_STAGES: v}
+            reason = combination_problem(hardware, global_batch, t, p, m, c, self.sequence)
             if reason is None:
                 config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
                 try:
@@ -326,9 +352,10 @@ class PlanSpace:
         return _raised(self._placed[key])
 
     def _place(self, placement: CopyPlacementKey):
-        tp = placement.tp
-        pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path)
-        cfg = ComputeConfig(tp, tp, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
+        tp, devices = placement.tp, placement.devices
+        pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path, placement.cp,
+                          placement.kind)
+        cfg = ComputeConfig(devices, devices, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
                             pipeline_scheduler="1f1b", use_zero=placement.zero_stage_2,
                             zero_stage=2 if placement.zero_stage_2 else 1, pas_config=pas)
         traced = self._key(placement.micro)
@@ -398,8 +425,10 @@ def _settle() -> None:
 
 
 def _placement_of(config: Dict) -> CopyPlacementKey:
+    cp = config[S.CP]
     return CopyPlacementKey(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
-                     config[S.ZERO_STAGE] in (2, 3))
+                            config[S.ZERO_STAGE] in (2, 3), cp,
+                            config[S.CONTEXT_PARALLEL_KIND] if cp > 1 else CONTEXT_KIND_VALUES[0])
 
 
 def _raised(found):

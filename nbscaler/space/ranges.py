@@ -8,10 +8,13 @@ from typing import List, Optional, Sequence, Tuple
 
 from nbscaler.config import RecomputeGranularity
 from nbscaler.cost.hardware import Hardware
+from nbscaler.layouts import ContextKind
 from nbscaler.planning.stack import Stack
 
 #: What a sweep tries for ``recompute`` unless told: nothing, the attention cores, each whole layer.
 RECOMPUTE_VALUES = tuple(g.value for g in RecomputeGranularity)
+#: The context-parallel kinds a sweep tries unless told: the policy's own default, keys all-gathered.
+CONTEXT_KIND_VALUES = (ContextKind.ALL_GATHER.value,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,14 @@ class Ranges:
     scheduler: str
     virtual_stages: Tuple[int, ...]
     zero_reshard_after_forward: Tuple[bool, ...] = (True,)
+    cp: Tuple[int, ...] = (1,)
+    context_parallel_kind: Tuple[str, ...] = CONTEXT_KIND_VALUES
+
+
+def context_kind_at(cp: int, values: Sequence[str]) -> List[str]:
+    """The context-parallel kinds to try at ``cp``: with one device per stage's sequence there are
+    no keys to pass, so only the first given (never a second, identical row)."""
+    return list(dict.fromkeys(values)) if cp > 1 else [values[0]]
 
 
 def reshard_at(zero_stage: int, values: Sequence[bool]) -> List[bool]:
@@ -78,19 +89,23 @@ def _divisors(n: int) -> List[int]:
 
 
 def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
-            sequence_parallel, zero_stage, zero_reshard_after_forward: Sequence[bool] = (True,)) -> Tuple[List, ...]:
-    """The values to combine, each checked on its own (``ValueError`` naming the bad one)."""
+            sequence_parallel, zero_stage, zero_reshard_after_forward: Sequence[bool] = (True,),
+            cp: Sequence[int] = (1,), context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES) -> Tuple[List, ...]:
+    """The values to combine, each checked on its own (``ValueError`` naming the bad one): ``tp``,
+    ``pp``, ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``,
+    ``zero_reshard_after_forward``, ``cp`` and ``context_parallel_kind``, in that order."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
     gpus = hardware.ngpus
     tp = list(tp) if tp is not None else _divisors(gpus)
     pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
     micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
-    for name, values in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
+    cp = list(cp)
+    for name, values in (("tp", tp), ("cp", cp), ("pp", pp), ("micro_batch", micro_batch)):
         bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad or not values:
             raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
-    for name, values in (("tp", tp), ("pp", pp)):
+    for name, values in (("tp", tp), ("cp", cp), ("pp", pp)):
         bad = [v for v in values if gpus % v]
         if bad:
             raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
@@ -106,15 +121,28 @@ def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, 
     reshard = zero_reshard_after_forward
     if not reshard or any(not isinstance(v, bool) for v in reshard):
         raise ValueError(f"sweep's zero_reshard_after_forward={tuple(reshard)!r}: give True and/or False.")
+    kinds = list(context_parallel_kind)
+    if not kinds or any(k not in {c.value for c in ContextKind} for k in kinds):
+        raise ValueError(f"sweep's context_parallel_kind={tuple(kinds)!r}: give some of "
+                         f"{', '.join(repr(c.value) for c in ContextKind)}.")
     recompute = recompute_values(recompute)
-    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage), list(reshard)
+    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage), list(reshard), cp, kinds
 
 
-def combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int) -> Optional[str]:
-    """Why ``tp`` x ``pp`` with ``micro``-sequence micro-batches cannot run, or ``None``."""
-    if hardware.ngpus % (tp * pp):
-        return f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs"
-    dp = hardware.ngpus // (tp * pp)
+def combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int, cp: int = 1,
+                        sequence: Optional[int] = None) -> Optional[str]:
+    """Why ``tp`` x ``cp`` x ``pp`` with ``micro``-sequence micro-batches of ``sequence`` tokens
+    cannot run, or ``None``."""
+    if tp > 1 and cp > 1:
+        return (f"tp={tp} with cp={cp}: context parallelism splits a stage's sequence over all of its devices, "
+                "so tensor parallelism cannot share the stage (use tp=1 with cp > 1)")
+    if hardware.ngpus % (tp * cp * pp):
+        return (f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs" if cp == 1 else
+                f"tp x cp x pp = {tp * cp * pp} does not divide the {hardware.ngpus} GPUs")
+    if cp > 1 and sequence is not None and sequence % (2 * cp):
+        return (f"cp={cp} cuts the sequence into 2 x {cp} = {2 * cp} chunks, but it has {sequence} tokens "
+                f"(use a cp that divides {sequence // 2}, or a multiple of {2 * cp} tokens)")
+    dp = hardware.ngpus // (tp * cp * pp)
     if global_batch % (dp * micro):
         return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
     return None

@@ -66,7 +66,7 @@ import torch
 from nbscaler.cost.hardware import Hardware
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.space.plan_space import CONFIG_COLUMNS, PREDICTION_COLUMNS, PlanSpace, config_of
-from nbscaler.space.ranges import RECOMPUTE_VALUES
+from nbscaler.space.ranges import CONTEXT_KIND_VALUES, RECOMPUTE_VALUES
 
 __all__ = ["CONFIG_COLUMNS", "PREDICTION_COLUMNS", "config_of", "sweep"]
 
@@ -78,7 +78,8 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           zero_reshard_after_forward: Sequence[bool] = (True,), recipe: Optional[Recipe] = None,
           optimizer: Any = UNSET, master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
-          prune: Optional[float] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
+          prune: Optional[float] = None, cp: Sequence[int] = (1,),
+          context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
@@ -91,7 +92,10 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2, 3 (FSDP: parameters
     gathered a layer at a time); ``zero_reshard_after_forward``: under stage 3, free each layer
     after its forward (``True``) and/or keep it gathered until its backward (``False``), tried at
-    stage 3 only; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
+    stage 3 only; ``cp``: context-parallel sizes (each stage's sequence over ``cp`` devices; default
+    ``(1,)``, none; rows with ``tp > 1`` and ``cp > 1``, or whose sequence ``2 * cp`` does not divide,
+    are left out with their reason), with ``context_parallel_kind`` (``'all_gather'``, the default,
+    and/or ``'ring'``) tried where ``cp > 1``; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``, whose
     rows set ``pipeline_virtual_stages``, so each of its ``pp`` pipeline devices is ``tp`` wide;
     ``zbv`` always has two). Returns one row per configuration with the columns of
@@ -116,4 +120,5 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                      recompute=recompute, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                      zero_reshard_after_forward=zero_reshard_after_forward, recipe=recipe, optimizer=optimizer,
                      master_dtype=master_dtype, module_dtype=module_dtype, grad_reduce_dtype=grad_reduce_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
-                     progress=progress, prune=prune, settle=False, **optimizer_kwargs).frame
+                     progress=progress, prune=prune, settle=False, cp=cp, context_parallel_kind=context_parallel_kind,
+                     **optimizer_kwargs).frame

@@ -2,11 +2,14 @@
 
 ``space_svg(frame, hardware)`` draws one mark per row of ``nbscaler.sweep``'s table (or a
 ``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
-capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp,
+capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp
+(a context-parallel layout, tp 1 x cp n x pp, is named apart in the legend and coloured as the tp of
+its width, n devices a stage),
 a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
 the layers are (the ``recompute`` column: none, selective, full); the Pareto front
 (``space.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
-``<title>`` is the configuration (``sequence parallel`` where it is) and its figures (the
+``<title>`` is the configuration (``sequence parallel`` where it is, ``cp n`` and its kind where the
+sequence is split) and its figures (the
 browser's hover text).
 
 ``SpaceWidget`` shows that SVG live and turns a click on a mark into its row (``selected``); the
@@ -45,14 +48,19 @@ class Metric(StrEnum):
 METRIC_COLUMNS: Dict[Metric, str] = {Metric.STEP_TIME: S.STEP_TIME_S, Metric.MFU: S.MFU}
 
 
-def group_name(tp: int, pp: int) -> str:
-    """A colour group's legend name: its tensor- and pipeline-parallel sizes."""
-    return f"tp {int(tp)} x pp {int(pp)}"
+def group_name(tp: int, pp: int, cp: int = 1) -> str:
+    """A colour group's legend name: its tensor-, context- (where above 1) and pipeline-parallel sizes."""
+    return f"tp {int(tp)} x cp {int(cp)} x pp {int(pp)}" if int(cp) > 1 else f"tp {int(tp)} x pp {int(pp)}"
+
+
+def _cp(row) -> int:
+    """A row's context-parallel size (1 for a frame from before ``cp`` was a column)."""
+    return int(row[S.CP]) if S.CP in row else 1
 
 
 def group_of(row) -> str:
-    """A row's colour group (``group_name`` of its tp and pp)."""
-    return group_name(row[S.TP], row[S.PP])
+    """A row's colour group (``group_name`` of its tp, pp and cp)."""
+    return group_name(row[S.TP], row[S.PP], _cp(row))
 
 
 def describe(row) -> str:
@@ -60,7 +68,9 @@ def describe(row) -> str:
     fits = "fits" if bool(row[S.FITS]) else "does not fit"
     recompute = row[S.RECOMPUTE]
     sequence = ", sequence parallel" if bool(row[S.SEQUENCE_PARALLEL]) else ""
-    return (f"tp {int(row[S.TP])} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
+    cp = _cp(row)
+    context = f" x cp {cp} ({row[S.CONTEXT_PARALLEL_KIND]})" if cp > 1 else ""
+    return (f"tp {int(row[S.TP])}{context} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
             f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}{sequence}, "
             f"ZeRO {int(row[S.ZERO_STAGE])}: step {row[S.STEP_TIME_S]:.4g} s, MFU {row[S.MFU]:.1%}, "
             f"{fmt_bytes(row[S.PEAK_BYTES])} per GPU ({fits})")
@@ -84,8 +94,9 @@ def _mark(x: float, y: float, recompute: str, colour: str, ring: bool, size: flo
 def _colours(frame: pd.DataFrame) -> Dict[str, str]:
     """Each tp x pp group of ``frame`` (the legend's order) and its colour, a function of the
     layout alone (``palette.layout_colour``): a knob that adds or drops layouts recolours none."""
-    pairs = sorted({(int(t), int(p)) for t, p in zip(frame[S.TP], frame[S.PP])})
-    return {group_name(t, p): layout_colour(t, p) for t, p in pairs}
+    cps = frame[S.CP] if S.CP in frame.columns else [1] * len(frame)
+    layouts = sorted({(int(t), int(c), int(p)) for t, c, p in zip(frame[S.TP], cps, frame[S.PP])})
+    return {group_name(t, p, c): layout_colour(t * c, p) for t, c, p in layouts}
 
 
 def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, List[float], List[float], Scale, Scale]:

@@ -160,3 +160,29 @@ def test_a_search_over_zero3_plans_the_fully_sharded_row_it_claims():
     s = plan.summary(torch.optim.AdamW, hardware=TARGET, master_dtype=torch.float32)
     assert s.step_time_s.max() == pytest.approx(claimed["step_time_s"], rel=1e-9)
     assert s.peak_bytes.max() == pytest.approx(claimed["peak_bytes"], rel=1e-9) and (s.gathered_bytes > 0).all()
+
+
+@pytest.mark.slow       # a CP sweep and the chosen plan placed whole: seconds
+def test_autodist_searches_context_parallelism_when_its_space_asks_and_explain_names_the_cp_chosen():
+    space = {"tp": (1,), "pp": (1, 2), "micro_batch": (1,), "cp": (2, 4), "context_parallel_kind": ("ring",),
+             "zero_stage": (2,), "recompute": ("none", "full")}
+    target = dataclasses.replace(TARGET, memory_bytes=20e6)       # the context-parallel rows fit
+    cfg = ComputeConfig(8, 8, pas_config={"hardware": target, "global_batch": GLOBAL_BATCH, "autodist_space": space})
+    chosen = nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", cfg, module_dtype=torch.bfloat16)
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), target, global_batch=GLOBAL_BATCH, progress=False, **space)
+    best = frame[frame.fits].iloc[0]
+    claimed = chosen.graph.meta["autodist"]["target"]["chosen"]
+    assert best.cp > 1 and claimed["cp"] == best.cp and claimed["step_time_s"] == best.step_time_s
+    assert chosen.config.pas_config["context_parallel"] == best.cp
+    assert chosen.config.pas_config["context_parallel_kind"] == "ring"
+    assert chosen.config.plan_ngpus == best.cp * best.pp
+    text = str(chosen.explain())
+    assert f"chose tp 1 x cp {best.cp} (ring) x pp {best.pp} x dp {best.dp}" in text
+    s = chosen.summary(torch.optim.AdamW, hardware=target, master_dtype=torch.float32)
+    assert s.step_time_s.max() == pytest.approx(best.step_time_s, rel=1e-9)
+
+
+def test_autodist_space_takes_cp_and_keeps_it_off_unless_asked(chosen):
+    TargetSearch.from_config(on_target(autodist_space={"cp": (1, 2), "context_parallel_kind": ("ring",)}))
+    assert chosen.graph.meta["autodist"]["target"]["chosen"]["cp"] == 1
+    assert "context_parallel" not in chosen.config.pas_config

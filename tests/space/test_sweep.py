@@ -327,3 +327,97 @@ def test_sequence_parallelism_slices_what_the_norms_save_on_a_real_model():
     halved = sum(saved[False][name] // 2 for name in changed)
     drop = summaries[False].activation_bytes.max() - summaries[True].activation_bytes.max()
     assert drop == halved and row[False].peak_bytes - row[True].peak_bytes == halved
+
+
+@pytest.fixture(scope="module")
+def cp_frame():
+    """Context parallelism beside tensor parallelism: each stage's sequence over its cp devices."""
+    return nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(1, 2), cp=(1, 2, 4),
+                          pp=(1, 2), micro_batch=(1,), recompute=("none", "full"), zero_stage=(0, 2, 3),
+                          context_parallel_kind=("all_gather", "ring"), progress=False)
+
+
+def test_cp_is_a_dimension_of_the_sweep_and_never_shares_a_stage_with_tp(cp_frame):
+    frame = cp_frame
+    assert (frame.tp * frame.cp * frame.pp * frame.dp == TARGET.ngpus).all()
+    assert not ((frame.tp > 1) & (frame.cp > 1)).any()
+    assert not frame[frame.cp > 1].sequence_parallel.any()
+    # at cp 1 one row, whose kind is the first given; above it, both kinds
+    assert set(frame[frame.cp == 1].context_parallel_kind) == {"all_gather"}
+    assert set(frame[frame.cp > 1].context_parallel_kind) == {"all_gather", "ring"}
+    # (tp 1 | tp 2 without and with sequence parallelism | cp 2, cp 4 x 2 kinds) x pp x recompute x ZeRO
+    assert len(frame) == (1 + 2 + 2 * 2) * 2 * 2 * 3
+    excluded = frame.attrs["excluded"]
+    assert sorted(set(zip(excluded.tp, excluded.cp))) == [(2, 2), (2, 4)]
+    assert excluded.reason.str.contains("tensor parallelism cannot share the stage").all()
+    cfg = config_of(frame[(frame.cp == 4) & (frame.pp == 2)].iloc[0], TARGET.ngpus, frame.attrs["stack"])
+    assert cfg.plan_ngpus == 8 and cfg.pipeline_nstages == 2
+    assert cfg.pas_config["context_parallel"] == 4
+
+
+def test_the_default_sweep_has_no_context_parallelism(frame):
+    assert (frame.cp == 1).all() and (frame.context_parallel_kind == "all_gather").all()
+    cfg = config_of(frame.iloc[0], TARGET.ngpus, frame.attrs["stack"])
+    assert "context_parallel" not in cfg.pas_config
+
+
+def test_a_cp_the_sequence_does_not_cut_into_is_left_out_with_its_reason():
+    idx = torch.zeros(1, 40, dtype=torch.long)
+    frame = nbscaler.sweep(GPT(GPT_CFG), {"batch": {"idx": idx, "targets": idx}}, TARGET, global_batch=GLOBAL_BATCH,
+                           tp=(1,), cp=(2, 8), pp=(1,), micro_batch=(1,), recompute=("none",), zero_stage=(0,),
+                           progress=False)
+    assert list(frame.cp) == [2]
+    assert "cp=8 cuts the sequence into 2 x 8 = 16 chunks, but it has 40 tokens" in frame.attrs["excluded"].reason.iloc[0]
+
+
+@pytest.mark.parametrize("ranges, message", [
+    ({"cp": (3,)}, "do not divide the 8 GPUs"),
+    ({"cp": (0,)}, "whole numbers >= 1"),
+    ({"context_parallel_kind": ("ring", "all_to_all")}, "give some of 'all_gather', 'ring'"),
+])
+def test_a_cp_value_that_cannot_work_is_refused(ranges, message):
+    with pytest.raises(ValueError, match=message):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=16, progress=False, **ranges)
+
+
+@pytest.mark.parametrize("cp, pp, kind, recompute, zero_stage", [
+    (2, 1, "all_gather", "none", 0),     # the sequence over 2 devices, 4 units
+    (2, 2, "ring", "full", 2),           # the ring in a pipeline, layers recomputed, ZeRO 2 over 2 units
+    (4, 2, "ring", "none", 0),           # one unit of 2 stages, each over 4 devices across 2 nodes
+    (4, 1, "all_gather", "full", 2),
+    (2, 2, "ring", "none", 3),           # ZeRO 3: each layer gathered over the 2 units
+    (4, 1, "all_gather", "full", 3),
+])
+def test_a_cp_row_is_the_full_plans_prediction(cp_frame, cp, pp, kind, recompute, zero_stage):
+    frame = cp_frame
+    row = frame[(frame.cp == cp) & (frame.pp == pp) & (frame.context_parallel_kind == kind)
+                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
+    assert row.tp == 1 and row.tp_comm_share > 0          # the context group's collectives are its own
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+@pytest.mark.slow       # a Llama sweep and its full plan: seconds
+@pytest.mark.parametrize("kind, zero_stage", [
+    ("all_gather", 1),
+    # ZeRO 3 here prices the second stage 7 us (of a 12.5 ms step) under the full plan; GPT's ZeRO-3
+    # rows under context parallelism agree (test_a_cp_row_is_the_full_plans_prediction)
+    pytest.param("all_gather", 3, marks=pytest.mark.xfail(strict=True, reason="Llama under ZeRO 3 and context "
+                                                           "parallelism in a pipeline: 0.06% off the full plan"))])
+def test_a_llama_cp_row_with_rotary_tables_and_an_attention_written_out_is_the_full_plans_prediction(kind, zero_stage):
+    """Llama's attention is written out (products, a mask, a softmax): its keys and values are
+    all-gathered where the products read them, its rotary tables sliced to each device's chunks."""
+    cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=128, n_head=4, n_kv_head=2)
+    idx = torch.zeros(1, SEQ, dtype=torch.long)
+    # targets of their own: a tensor passed as both would be chunked once in the copy (for the
+    # embedding) but again for the loss in a later stage of the full plan, which the copy cannot see
+    args = {"idx": idx, "targets": idx.clone()}
+    frame = nbscaler.sweep(Llama(cfg), args, TARGET, global_batch=8, tp=(1,), cp=(2,),
+                           pp=(2,), micro_batch=(1,), recompute=("full",), zero_stage=(zero_stage,),
+                           context_parallel_kind=(kind,), progress=False)
+    row = frame.iloc[0]
+    assert row.cp == 2 and row.dp == 2
+    expected = full_plan_figures(Llama(cfg), args, row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column

@@ -361,3 +361,34 @@ def test_on_a_target_the_explorers_timeline_and_memory_draw_it():
                         options=view_options(Recipe(torch.optim.AdamW, master_dtype=None), t4))
     assert views[ViewName.MEMORY].over_capacity == {0}
     assert views[ViewName.TIMELINE]._title().startswith("Timeline of one training step: pp on T4 x 8: step")
+
+
+def test_the_context_parallel_knobs_build_the_config_the_policy_reads():
+    knobs = Knobs(policy="tp", plan_ngpus=2, runtime_ngpus=2, context_parallel=2, context_parallel_kind="ring")
+    pas = knobs.compute_config().pas_config
+    assert pas["context_parallel"] == 2 and pas["context_parallel_kind"] == "ring"
+    assert "context_parallel" not in Knobs(policy="tp").compute_config().pas_config             # 1: none
+    assert "context_parallel" not in Knobs(policy="dp", context_parallel=2).compute_config().pas_config
+    with pytest.raises(ValueError, match="context_parallel_kind='all_to_all'"):
+        Knobs(context_parallel_kind="all_to_all")
+
+
+@pytest.mark.slow       # seconds: a compile, a re-placement under context parallelism and a refusal
+def test_the_context_parallel_knob_compiles_a_cp_plan_and_a_refusal_shows_as_an_error(explorer):
+    knobs = explorer.controls
+    assert knobs.context_parallel.value == 1 and not knobs.context_parallel.disabled     # tp reads it
+    assert knobs.context_parallel_kind.disabled                                          # nothing to pass at 1
+    explorer.compile()
+    explorer.set(context_parallel=2, context_parallel_kind="ring")
+    cp = explorer.plan
+    assert explorer.error is None and not knobs.context_parallel_kind.disabled
+    assert cp.config.pas_config["context_parallel"] == 2 and cp.config.pas_config["context_parallel_kind"] == "ring"
+    assert "context_attention(" in cp.sources[0] and "kind='ring'" in cp.sources[0]
+    explorer.set(plan_ngpus=4, runtime_ngpus=4)              # 4 devices a stage: the policy refuses cp 2
+    assert explorer.error is not None and "PolicyError" in explorer.error and "context_parallel=2" in explorer.error
+    assert explorer.plan is cp                                # the last good plan stays on screen
+    explorer.set(context_parallel=4)
+    assert explorer.error is None and explorer.plan.config.pas_config["context_parallel"] == 4
+    explorer.set(policy="dp", plan_ngpus=1)                   # dp does not read it: no refusal
+    assert explorer.error is None and knobs.context_parallel.disabled
+    assert "context_parallel" not in explorer.plan.config.pas_config

@@ -228,3 +228,28 @@ def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer
     pd.testing.assert_frame_equal(timeline.target, expected)
     assert timeline.target.step_time_s.max() == pytest.approx(frame.step_time_s[0], rel=1e-9)   # the space's row
     assert memory.predicted.peak_bytes.max() == pytest.approx(frame.peak_bytes[0], rel=1e-9)
+
+
+@pytest.mark.slow       # seconds: a sweep with context parallelism and the plan of one of its rows
+def test_a_context_parallel_point_has_its_own_group_and_loads_a_context_parallel_plan():
+    ex = Explorer(sweep_ranges={**RANGES, "tp": (1,), "cp": (1, 2), "context_parallel_kind": ("ring",)},
+                  optimizer_fn=torch.optim.AdamW)
+    try:
+        ex.space.set(global_batch=8)
+        ex.sweep()
+        assert ex.error is None, ex.error
+        frame = ex.space.frame
+        assert set(frame.cp) == {1, 2} and "tp 1 x cp 2 x pp 1" in ex.space.chart.svg
+        row = next(i for i in range(len(frame)) if frame.cp.iloc[i] == 2)
+        chosen = frame.iloc[row]
+        assert "x cp 2 (ring) x pp" in describe(chosen) and describe(chosen) in ex.space.chart.svg
+        ex.space.pick(row)
+        assert ex.error is None, ex.error
+        config = ex.plan.config
+        assert config.pas_config["context_parallel"] == 2 and config.pas_config["context_parallel_kind"] == "ring"
+        assert config.plan_ngpus == 2 * chosen.pp
+        assert ex.controls.context_parallel.value == 2 and ex.controls.context_parallel_kind.value == "ring"
+        memory = ex.panes.views[ViewName.MEMORY]
+        assert memory.predicted.peak_bytes.max() == pytest.approx(chosen.peak_bytes, rel=1e-9)
+    finally:
+        ex.close()

@@ -68,7 +68,8 @@ class Explorer:
             (its step, bubble and MFU; its capacity and the ranks that do not fit); ``None`` for
             this machine.
         sweep_ranges: what the space tab sweeps (``nbscaler.sweep``'s ``tp``, ``pp``,
-            ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``); ``None`` for its defaults
+            ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``, ``cp``,
+            ``context_parallel_kind``); ``None`` for its defaults
             (``explorer.space.DEFAULT_RANGES``).
     """
 

@@ -29,7 +29,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import ipywidgets as w
 
 from nbscaler.config import TRAIN_SCHEDULERS, ZERO_STAGES, ComputeConfig, RecomputeGranularity
+from nbscaler.layouts import ContextKind
 from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL
+from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
 from nbscaler.schedule import PipelineSchedule
 from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy, recompute_of
 
@@ -37,8 +39,10 @@ DEVICE_CHOICES = [1, 2, 4, 8]
 SHIPPED_GPT = "GPT (nbscaler.models)"
 USER_MODEL = "your module"
 RECOMPUTE_CHOICES = [g.value for g in RecomputeGranularity]
+CONTEXT_KINDS = [k.value for k in ContextKind]
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero", "zero_stage",
-              "zero_reshard_after_forward", "recompute", "sequence_parallel")
+              "zero_reshard_after_forward", "recompute", "sequence_parallel", "context_parallel",
+              "context_parallel_kind")
 
 
 def _label() -> Dict[str, Any]:
@@ -80,6 +84,10 @@ class Controls:
         self.loaded = w.HTML("")             # where the plan shown came from, when not from these knobs
         self.sequence_parallel = w.Checkbox(value=knobs.sequence_parallel, description="sequence parallel",
                                             indent=False)
+        self.context_parallel = w.Dropdown(options=DEVICE_CHOICES, value=knobs.context_parallel,
+                                           description="context parallel", **_label())
+        self.context_parallel_kind = w.Dropdown(options=CONTEXT_KINDS, value=knobs.context_parallel_kind,
+                                                description="context kind", **_label())
         self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label())
         self.lr = w.FloatText(value=0.05, description="learning rate", **_label())
 
@@ -104,8 +112,8 @@ class Controls:
             w.HTML("<b>Model</b>"), self.model, self.n_layer,
             w.HTML("<b>Policy and compute</b>"), self.loaded, self.policy, self.plan_ngpus, self.runtime_ngpus,
             self.stages, self.nmicros, self.scheduler, self.use_zero, self.zero_stage,
-            self.zero_reshard_after_forward, self.recompute, self.sequence_parallel,
-            self.compile_button,
+            self.zero_reshard_after_forward, self.recompute, self.sequence_parallel, self.context_parallel,
+            self.context_parallel_kind, self.compile_button,
             w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
             w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
         ], layout=w.Layout(width="300px", min_width="300px"))
@@ -119,7 +127,8 @@ class Controls:
                      scheduler=self.scheduler.value, use_zero=self.use_zero.value, zero_stage=self.zero_stage.value,
                      zero_reshard_after_forward=self.zero_reshard_after_forward.value, recompute=self.recompute.value,
                      recompute_modules=self._recompute_modules, end2end=end2end,
-                     sequence_parallel=self.sequence_parallel.value)
+                     sequence_parallel=self.sequence_parallel.value, context_parallel=self.context_parallel.value,
+                     context_parallel_kind=self.context_parallel_kind.value)
 
     def set(self, **values: Any) -> None:
         """Set knobs from code (``set(policy='pp', stages=2)``); the owner hears one change at the end."""
@@ -167,6 +176,12 @@ class Controls:
             self.recompute.value = recompute
             self._recompute_modules = modules or self._recompute_modules
             self.sequence_parallel.value = bool(config.pas_config.get(SEQUENCE_PARALLEL, False))
+            cp = int(config.pas_config.get(CONTEXT_PARALLEL, 1))
+            if cp not in self.context_parallel.options:
+                self.context_parallel.options = sorted({*self.context_parallel.options, cp})
+            self.context_parallel.value = cp
+            if cp > 1:
+                self.context_parallel_kind.value = str(config.pas_config.get(CONTEXT_PARALLEL_KIND, CONTEXT_KINDS[0]))
             if schedule is not None:
                 self.nmicros.value, self.scheduler.value = config.pipeline_nmicros, config.scheduler
         self.loaded.value = loaded
@@ -194,6 +209,8 @@ class Controls:
         pipelined = self._end2end and self.knobs(self._end2end).pipelined
         self.nmicros.disabled = self.scheduler.disabled = not pipelined
         self.sequence_parallel.disabled = not self.knobs(self._end2end).sequence_parallel_applies
+        self.context_parallel.disabled = not self.knobs(self._end2end).context_parallel_applies
+        self.context_parallel_kind.disabled = self.knobs(self._end2end).context_parallel_size == 1
         self.zero_stage.disabled = not self.use_zero.value
         self.zero_reshard_after_forward.disabled = not (self.use_zero.value and self.zero_stage.value == 3)
 
@@ -202,7 +219,7 @@ class Controls:
         form of the Explorer); a knob that does not apply reads ``n/a``."""
         shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
                  self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.zero_reshard_after_forward,
-                 self.recompute, self.sequence_parallel]
+                 self.recompute, self.sequence_parallel, self.context_parallel, self.context_parallel_kind]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
                        f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
                        for c in shown if c.layout.display != "none")

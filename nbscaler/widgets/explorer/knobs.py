@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple, Union
 
 from nbscaler.config import RECOMPUTE, RECOMPUTE_MODULES, TRAIN_SCHEDULERS, ComputeConfig, RecomputeGranularity
-from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES, BuiltinPolicy
+from nbscaler.layouts import ContextKind
+from nbscaler.policy.builtin import (PIPELINE_POLICIES, POLICY_KEYS, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES,
+                                     BuiltinPolicy)
+from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
+
+#: The policies that read ``pas_config['context_parallel']`` (``tp``, ``hybrid``).
+CONTEXT_PARALLEL_POLICIES = tuple(p for p, keys in POLICY_KEYS.items() if CONTEXT_PARALLEL in keys)
 
 Policy = Union[str, Callable[..., Any]]
 
@@ -41,6 +47,12 @@ class Knobs:
       pipelines need it.
     - ``sequence_parallel``: norms, dropout and residual adds on a sequence slice between the
       tensor-parallel linears (``pas_config['sequence_parallel']``; policies that read it only).
+    - ``context_parallel``: the devices each stage's sequence is split over
+      (``pas_config['context_parallel']``, ``tp`` and ``hybrid`` only; 1: none). The policy takes only
+      the devices of a stage (``plan_ngpus`` over the pipeline stages) and refuses another size, or
+      sequence parallelism beside it, with the fix; the Explorer shows that refusal.
+    - ``context_parallel_kind``: how attention reads the other devices' keys: ``'all_gather'`` or
+      ``'ring'`` (``pas_config['context_parallel_kind']``; read only where ``context_parallel > 1``).
     """
 
     policy: Policy = BuiltinPolicy.TP
@@ -57,11 +69,18 @@ class Knobs:
     recompute_modules: Tuple[str, ...] = ()
     end2end: bool = True
     sequence_parallel: bool = False
+    context_parallel: int = 1
+    context_parallel_kind: str = ContextKind.ALL_GATHER.value
 
     def __post_init__(self) -> None:
         allowed = [g.value for g in RecomputeGranularity]
         if self.recompute not in allowed:
             raise ValueError(f"Knobs(recompute={self.recompute!r}) is invalid: use one of {', '.join(allowed)}.")
+        kinds = [k.value for k in ContextKind]
+        if self.context_parallel_kind not in kinds:
+            raise ValueError(f"Knobs(context_parallel_kind={self.context_parallel_kind!r}) is invalid: use one of "
+                             f"{', '.join(kinds)}.")
+        object.__setattr__(self, "context_parallel_kind", ContextKind(self.context_parallel_kind).value)
         object.__setattr__(self, "recompute", RecomputeGranularity(self.recompute).value)   # a plain str
 
     @property
@@ -83,6 +102,16 @@ class Knobs:
         """Whether the policy reads ``sequence_parallel`` (``tp``, ``hybrid``, ``autodist``)."""
         return self.policy in SEQUENCE_PARALLEL_POLICIES
 
+    @property
+    def context_parallel_applies(self) -> bool:
+        """Whether the policy reads ``context_parallel`` (``tp``, ``hybrid``)."""
+        return self.policy in CONTEXT_PARALLEL_POLICIES
+
+    @property
+    def context_parallel_size(self) -> int:
+        """The context-parallel size the plan is asked for: 1 where the policy does not read it."""
+        return self.context_parallel if self.context_parallel_applies else 1
+
     def replace(self, **changes: Any) -> "Knobs":
         return dataclasses.replace(self, **changes)
 
@@ -99,6 +128,9 @@ class Knobs:
                             pipeline_nstages=self.stages if self.stages > 1 else -1)
         pas_config: Dict[str, Any] = {SEQUENCE_PARALLEL: True} if self.sequence_parallel and \
             self.sequence_parallel_applies else {}
+        if self.context_parallel_size > 1:        # the policy checks it against the stage's devices
+            pas_config[CONTEXT_PARALLEL] = self.context_parallel_size
+            pas_config[CONTEXT_PARALLEL_KIND] = self.context_parallel_kind
         if self.recompute == RecomputeGranularity.FULL and self.recompute_modules:
             pas_config[RECOMPUTE_MODULES] = list(self.recompute_modules)
         elif self.recompute != RecomputeGranularity.NONE:
