@@ -69,19 +69,19 @@ def ring_seconds(node: IRNode, comm) -> Tuple[float, float]:
     return fwd, bwd
 
 
-def ring_exposed(op, comm, time_op: Callable) -> Tuple[float, float]:
+def ring_exposed(op, comm, time_op: Callable, again: bool = True) -> Tuple[float, float]:
     """Forward and backward seconds a ring attention's passes add to its op (zeros for any other
     op), by the overlap rule of ``nbscaler.attention``: the forward passes the next block while it
     computes on the one in hand, so of its ``n-1`` passes what the attention's ``(n-1)/n`` of
     compute does not cover is exposed; the backward waits for each pass, so all of it is. A
-    recomputed ring's forward counts again in the backward. ``time_op``: an op's forward and
-    backward seconds (``profiler.time``)."""
+    recomputed ring's forward counts again in the backward (unless ``again`` is False: a caller
+    that adds it itself). ``time_op``: an op's forward and backward seconds (``profiler.time``)."""
     if not context_ring(op.node):
         return 0.0, 0.0
     passes_f, passes_b = ring_seconds(op.node, comm)
     n = op.node.placement.parts
     exposed = max(0.0, passes_f - time_op(op)[0] * (n - 1) / n)
-    return exposed, passes_b + (exposed if op.recomputed else 0.0)
+    return exposed, passes_b + (exposed if again and op.recomputed else 0.0)
 
 
 def rings_seconds(run: LocalRun, comm, time_op: Callable) -> Tuple[float, float]:

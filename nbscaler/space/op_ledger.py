@@ -17,6 +17,7 @@ from typing import Dict, List, NamedTuple, Set, Tuple
 
 import numpy as np
 
+from nbscaler.cost.context_calls import ring_exposed
 from nbscaler.cost.roofline import masked_flops
 
 
@@ -51,17 +52,22 @@ class Kinds:
         target of ``profiler`` and ``comm`` (kinds added since the last call are priced now)."""
         found = next((s for p, c, s in self._priced if p is profiler and c is comm), None)
         if found is None:
-            found = [np.zeros(0)] * 4
+            found = [np.zeros(0)] * 6
             self._priced.append((profiler, comm, found))
-        f, b, cf, cb = found
+        f, b, cf, cb, rf, rb = found
         if len(f) < len(self.op_calls):
-            more = np.array([profiler.time(op, key) for key, op in self.op_calls[len(f):]], dtype=float).reshape(-1, 2)
+            new_ops = self.op_calls[len(f):]
+            more = np.array([profiler.time(op, key) for key, op in new_ops], dtype=float).reshape(-1, 2)
             f, b = np.concatenate([f, more[:, 0]]), np.concatenate([b, more[:, 1]])
+            # a context-parallel ring's passes, what its compute does not hide (``cost.context_calls``)
+            rings = np.array([ring_exposed(op, comm, profiler.time, again=False) for _, op in new_ops],
+                             dtype=float).reshape(-1, 2)
+            rf, rb = np.concatenate([rf, rings[:, 0]]), np.concatenate([rb, rings[:, 1]])
         if len(cf) < len(self.collectives):
             new = list(self.collectives)[len(cf):]
             cf = np.concatenate([cf, [comm.forward(fn, n, size, ranks=ranks) for fn, n, size, ranks in new]])
             cb = np.concatenate([cb, [comm.backward(fn, n, size, ranks=ranks) for fn, n, size, ranks in new]])
-        found[:] = [f, b, cf, cb]
+        found[:] = [f, b, cf, cb, rf, rb]
         return found
 
 
@@ -111,7 +117,7 @@ class OpLedger(NamedTuple):
     def rows(self, kinds: Kinds, profiler, comm) -> np.ndarray:
         """The facts of each op on the target of ``profiler`` and ``comm`` (ops x facts), as
         ``cost.timing.section_time`` and the memory model count them."""
-        f, b, cf, cb = kinds.seconds(profiler, comm)
+        f, b, cf, cb, rf, rb = kinds.seconds(profiler, comm)
         out = self.fixed.copy()
         count = len(out)
         for rows, kind, again, (fwd, bwd), (fs, bs) in ((self.op_rows, self.op_kinds, self.op_again, (FWD, BWD), (f, b)),
@@ -121,4 +127,8 @@ class OpLedger(NamedTuple):
                 fk = fs[kind]
                 out[:, fwd] = np.bincount(rows, fk, count)
                 out[:, bwd] = np.bincount(rows, bs[kind] + fk * again, count)
+        if len(self.op_rows) and rf.any():       # rings count with the section's collectives, as in section_time
+            rk = rf[self.op_kinds]
+            out[:, TP_FWD] += np.bincount(self.op_rows, rk, count)
+            out[:, TP_BWD] += np.bincount(self.op_rows, rb[self.op_kinds] + rk * self.op_again, count)
         return out
