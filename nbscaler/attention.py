@@ -156,6 +156,16 @@ def _accumulated(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _place(q: torch.Tensor, k: torch.Tensor, group: Group, gathered: bool) -> Tuple[int, int]:
+    """``(parts, index)``: how many devices share the sequence and which this one is. Gathered
+    keys say the count themselves (whole keys over this device's queries), so that the cost
+    model's call without a group (device 0) takes the same steps as the ranks do."""
+    index = 0 if group is None else dist.get_rank(group)
+    if gathered:
+        return k.shape[-2] // q.shape[-2], index
+    return (1, 0) if group is None else (dist.get_world_size(group), index)
+
+
 def _fused_forward_step(q, kb, vb, work: str, scale: float, out, lse):
     """Merge one block's attention (keys and values with the queries' heads) into the float32
     accumulators ``out`` and ``lse``, doing the ``work`` its place leaves (``_fused_work``)."""
@@ -243,7 +253,7 @@ class _FusedGatheredAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal, scale, group):
-        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        parts, index = _place(q, k, group, gathered=True)
         out = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulated(q), device=q.device)
         for step in range(parts):
@@ -276,41 +286,52 @@ class _FusedGatheredAttention(Function):
 
 
 class _RingAttention(Function):
+    """The ring in plain products, for any mask, chunking or device; ``gathered``: the keys and
+    values are whole already, and each step takes the block a ring would bring from them."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, blocks, group):
-        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    def forward(ctx, q, k, v, mask, is_causal, scale, blocks, group, gathered=False):
+        parts, index = _place(q, k, group, gathered)
         length = q.shape[-2] * parts
         q_pos = positions(length, blocks, parts, index, q.device)
-        ring = _Ring(group) if parts > 1 else None
+        ring = _Ring(group) if parts > 1 and not gathered else None
         out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = [k, v]
         for step in range(parts):
-            if step < parts - 1:
+            source = (index - step) % parts
+            if ring is not None and step < parts - 1:
                 received, pending = ring.start(kv)           # the next block travels while this one computes
-            k_pos = positions(length, blocks, parts, (index - step) % parts, q.device)
+            kb, vb = [strided.take(t, -2, blocks, parts, source) for t in (k, v)] if gathered else kv
+            k_pos = positions(length, blocks, parts, source, q.device)
             allowed = _allowed(q_pos, k_pos, is_causal, _mask_columns(mask, k_pos))
-            out, lse = _merge(out, lse, *_block(q, kv[0], kv[1], allowed, scale))
-            if step < parts - 1:
+            out, lse = _merge(out, lse, *_block(q, kb, vb, allowed, scale))
+            if ring is not None and step < parts - 1:
                 _Ring.finish(pending)
                 kv = received
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.is_causal, ctx.scale, ctx.blocks, ctx.group = is_causal, scale, blocks, group
+        ctx.is_causal, ctx.scale, ctx.blocks, ctx.group, ctx.gathered = is_causal, scale, blocks, group, gathered
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, mask = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        group, scale, blocks, gathered = ctx.group, ctx.scale, ctx.blocks, ctx.gathered
+        parts, index = _place(q, k, group, gathered)
         length = q.shape[-2] * parts
-        q_pos = positions(length, ctx.blocks, parts, index, q.device)
-        ring = _Ring(group) if parts > 1 else None
+        q_pos = positions(length, blocks, parts, index, q.device)
+        ring = _Ring(group) if parts > 1 and not gathered else None
         delta = (dout * out).sum(-1, keepdim=True)                                 # (B, h, Tq, 1)
         dq = torch.zeros_like(q)
+        dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if gathered else (None, None)
         travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]             # a block and its gradients
         for step in range(parts):
-            kb, vb, dkb, dvb = travelling
-            k_pos = positions(length, ctx.blocks, parts, (index - step) % parts, q.device)
+            source = (index - step) % parts
+            if gathered:
+                kb, vb = (strided.take(t, -2, blocks, parts, source) for t in (k, v))
+                dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+            else:
+                kb, vb, dkb, dvb = travelling
+            k_pos = positions(length, blocks, parts, source, q.device)
             allowed = _allowed(q_pos, k_pos, ctx.is_causal, _mask_columns(mask, k_pos))
             heads = q.shape[-3]
             s = (q @ _expand_heads(kb, heads).transpose(-2, -1)) * scale
@@ -321,13 +342,21 @@ class _RingAttention(Function):
             dq = dq + (ds @ _expand_heads(kb, heads)) * scale
             dkb = dkb + _fold_heads((ds.transpose(-2, -1) @ q) * scale, kb.shape[-3])
             dvb = dvb + _fold_heads(p.transpose(-2, -1) @ dout, vb.shape[-3])
+            if gathered:                                    # this block's rows of the whole keys' gradients
+                for full, grad in ((dk, dkb), (dv, dvb)):
+                    spans = strided.ranges(length, blocks, parts, source)
+                    for (lo, hi), piece in zip(spans, grad.split([hi - lo for lo, hi in spans], dim=-2)):
+                        full[..., lo:hi, :] += piece
+                continue
             travelling = [kb, vb, dkb, dvb]
             if parts > 1:                                   # the gradients go on; after n steps they are home
                 send = travelling if step < parts - 1 else travelling[2:]
                 received, pending = ring.start(send)
                 _Ring.finish(pending)
                 travelling = received if step < parts - 1 else [kb, vb, *received]
-        return dq, travelling[2], travelling[3], None, None, None, None, None
+        if gathered:
+            return dq, dk, dv, None, None, None, None, None, None
+        return dq, travelling[2], travelling[3], None, None, None, None, None, None
 
 
 def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
@@ -357,11 +386,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
         return _RingAttention.apply(q, k, v, attn_mask, is_causal, scale, blocks, group)
     if fused_ring(q, attn_mask, blocks):
         return _FusedGatheredAttention.apply(q, k, v, is_causal, scale, group)
-    parts, index = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-    q_pos = positions(q.shape[-2] * parts, blocks, parts, index, q.device)
-    k_pos = torch.arange(k.shape[-2], device=q.device)
-    allowed = _allowed(q_pos, k_pos, is_causal, attn_mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+    return _RingAttention.apply(q, k, v, attn_mask, is_causal, scale, blocks, group, True)
 
 
 def context_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,

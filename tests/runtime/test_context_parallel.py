@@ -71,3 +71,47 @@ def test_the_ring_takes_the_fused_cpu_kernel_only_without_a_mask_over_mirrored_c
             torch.testing.assert_close(out, ref)
             for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
                 torch.testing.assert_close(a, b)
+
+
+def _attention_on_ranks(n: int):
+    """On each of ``n`` ranks: this rank's mirrored queries, keys and values of one sequence, and its
+    rows of a padding mask; each kind's output and gradients against SDPA's rows of the same."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from nbscaler import blocks as strided
+    from nbscaler.attention import context_attention
+    from nbscaler.runtime.collectives import all_gather_sum_grad
+    from nbscaler.runtime.groups import get_group
+
+    group, rank = get_group(range(n)), dist.get_rank()
+    torch.manual_seed(0)
+    T = 8 * n
+    q, k, v = (torch.randn(2, 4, T, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, T, T, dtype=torch.bool)
+    mask[0, ..., T - 3:] = False                                       # the first sequence's last keys are padding
+    mine = lambda t, dim=-2: strided.take(t.detach(), dim, strided.MIRRORED, n, rank)
+    errors = {}
+    for kind in ("ring", "all_gather"):
+        for masked in (False, True):
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masked else None, is_causal=not masked)
+            grad = torch.randn_like(ref)
+            expected = torch.autograd.grad(ref, (q, k, v), grad)
+            ql, kl, vl = (mine(t).clone().requires_grad_() for t in (q, k, v))
+            keys = [kl, vl] if kind == "ring" else [all_gather_sum_grad(t, 2, group, strided.MIRRORED) for t in (kl, vl)]
+            out = context_attention(ql, *keys, attn_mask=mine(mask) if masked else None, is_causal=not masked,
+                                    kind=kind, blocks=strided.MIRRORED, group=group)
+            got = torch.autograd.grad(out, (ql, kl, vl), mine(grad))
+            errors[kind, masked] = max([(out - mine(ref)).abs().max().item()]
+                                       + [(g - mine(e)).abs().max().item() for g, e in zip(got, expected)])
+    return errors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_kind_attends_as_sdpa_with_a_causal_flag_or_a_mask(n):
+    """Both kinds, fused (a causal flag on CPU) and written out (a padding mask), in float64: the
+    rows and gradients each rank holds are SDPA's to rounding."""
+    for per_rank in run_ranks(_attention_on_ranks, n, n):
+        assert max(per_rank.values()) < 1e-12, per_rank
