@@ -156,6 +156,12 @@ def _accumulated(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _heads_inner(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``(..., h, T, d)`` laid out in memory as ``(..., T, h, d)``, as SDPA's kernels return it:
+    the model's ``out.transpose(1, 2).reshape(B, T, C)`` is then a view, not a copy kept for the backward."""
+    return out.transpose(-3, -2).contiguous().transpose(-3, -2) if out.dim() >= 3 else out
+
+
 def _place(q: torch.Tensor, k: torch.Tensor, group: Group, gathered: bool) -> Tuple[int, int]:
     """``(parts, index)``: how many devices share the sequence and which this one is. Gathered
     keys say the count themselves (whole keys over this device's queries), so that the cost
@@ -217,7 +223,7 @@ class _FusedRingAttention(Function):
             if step < parts - 1:
                 _Ring.finish(pending)
                 kv = received
-        out = out.to(q.dtype)
+        out = _heads_inner(out.to(q.dtype))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal, ctx.scale, ctx.group = is_causal, scale, group
         return out
@@ -260,7 +266,7 @@ class _FusedGatheredAttention(Function):
             source = (index - step) % parts
             kb, vb = (_expand_heads(strided.take(t, -2, strided.MIRRORED, parts, source), q.shape[-3]) for t in (k, v))
             out, lse = _fused_forward_step(q, kb, vb, _fused_work(step, index, parts, is_causal), scale, out, lse)
-        out = out.to(q.dtype)
+        out = _heads_inner(out.to(q.dtype))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal, ctx.scale, ctx.parts, ctx.index = is_causal, scale, parts, index
         return out
@@ -308,6 +314,7 @@ class _RingAttention(Function):
             if ring is not None and step < parts - 1:
                 _Ring.finish(pending)
                 kv = received
+        out = _heads_inner(out)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.is_causal, ctx.scale, ctx.blocks, ctx.group, ctx.gathered = is_causal, scale, blocks, group, gathered
         return out
