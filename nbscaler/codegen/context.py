@@ -10,7 +10,6 @@ from nbscaler.blocks import ranges
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode
 from nbscaler.ir.layer_rules import context_parallel
-from nbscaler.ir.shape_rules import arg
 
 FUNCTIONS = {"attention": "context_attention", "loss": "context_cross_entropy"}
 """The function of ``nbscaler.runtime.context`` that runs each kind of context-parallel op."""

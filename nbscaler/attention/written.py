@@ -1,0 +1,86 @@
+"""The ring in plain products (``_block``, ``_merge``), for any mask, chunking or device; with
+``gathered``, the keys and values are whole already and each step takes the block a ring would bring."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from nbscaler import blocks as strided
+from nbscaler.attention.online import (_Ring, _allowed, _block, _expand_heads, _fold_heads, _heads_inner,
+                                       _mask_columns, _merge, _place, positions)
+
+
+class _RingAttention(Function):
+    """The ring in plain products, for any mask, chunking or device; ``gathered``: the keys and
+    values are whole already, and each step takes the block a ring would bring from them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, blocks, group, gathered=False):
+        parts, index = _place(q, k, group, gathered)
+        length = q.shape[-2] * parts
+        q_pos = positions(length, blocks, parts, index, q.device)
+        ring = _Ring(group) if parts > 1 and not gathered else None
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = [k, v]
+        for step in range(parts):
+            source = (index - step) % parts
+            if ring is not None and step < parts - 1:
+                received, pending = ring.start(kv)           # the next block travels while this one computes
+            kb, vb = [strided.take(t, -2, blocks, parts, source) for t in (k, v)] if gathered else kv
+            k_pos = positions(length, blocks, parts, source, q.device)
+            allowed = _allowed(q_pos, k_pos, is_causal, _mask_columns(mask, k_pos))
+            out, lse = _merge(out, lse, *_block(q, kb, vb, allowed, scale))
+            if ring is not None and step < parts - 1:
+                _Ring.finish(pending)
+                kv = received
+        out = _heads_inner(out)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.is_causal, ctx.scale, ctx.blocks, ctx.group, ctx.gathered = is_causal, scale, blocks, group, gathered
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        group, scale, blocks, gathered = ctx.group, ctx.scale, ctx.blocks, ctx.gathered
+        parts, index = _place(q, k, group, gathered)
+        length = q.shape[-2] * parts
+        q_pos = positions(length, blocks, parts, index, q.device)
+        ring = _Ring(group) if parts > 1 and not gathered else None
+        delta = (dout * out).sum(-1, keepdim=True)                                 # (B, h, Tq, 1)
+        dq = torch.zeros_like(q)
+        dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if gathered else (None, None)
+        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]             # a block and its gradients
+        for step in range(parts):
+            source = (index - step) % parts
+            if gathered:
+                kb, vb = (strided.take(t, -2, blocks, parts, source) for t in (k, v))
+                dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+            else:
+                kb, vb, dkb, dvb = travelling
+            k_pos = positions(length, blocks, parts, source, q.device)
+            allowed = _allowed(q_pos, k_pos, ctx.is_causal, _mask_columns(mask, k_pos))
+            heads = q.shape[-3]
+            s = (q @ _expand_heads(kb, heads).transpose(-2, -1)) * scale
+            if allowed is not None:
+                s = s.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool else s + allowed
+            p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)                  # this block's softmax share
+            ds = p * (dout @ _expand_heads(vb, heads).transpose(-2, -1) - delta)
+            dq = dq + (ds @ _expand_heads(kb, heads)) * scale
+            dkb = dkb + _fold_heads((ds.transpose(-2, -1) @ q) * scale, kb.shape[-3])
+            dvb = dvb + _fold_heads(p.transpose(-2, -1) @ dout, vb.shape[-3])
+            if gathered:                                    # this block's rows of the whole keys' gradients
+                for full, grad in ((dk, dkb), (dv, dvb)):
+                    spans = strided.ranges(length, blocks, parts, source)
+                    for (lo, hi), piece in zip(spans, grad.split([hi - lo for lo, hi in spans], dim=-2)):
+                        full[..., lo:hi, :] += piece
+                continue
+            travelling = [kb, vb, dkb, dvb]
+            if parts > 1:                                   # the gradients go on; after n steps they are home
+                send = travelling if step < parts - 1 else travelling[2:]
+                received, pending = ring.start(send)
+                _Ring.finish(pending)
+                travelling = received if step < parts - 1 else [kb, vb, *received]
+        if gathered:
+            return dq, dk, dv, None, None, None, None, None, None
+        return dq, travelling[2], travelling[3], None, None, None, None, None, None
