@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from nbscaler import blocks as strided
-from nbscaler.attention.online import _Ring, _expand_heads, _fold_heads, _heads_inner, _merge, _place
+from nbscaler.attention.online import _Ring, _expand_heads, _fold_heads, _heads_inner, _merge, _place, ring_backward
 from nbscaler.blocks import Blocks
 
 
@@ -109,20 +109,13 @@ class _FusedRingAttention(Function):
         ring = _Ring(group) if parts > 1 else None
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
-        travelling = [k, v, torch.zeros(k.shape, dtype=_accumulated(k), device=k.device),
-                      torch.zeros(v.shape, dtype=_accumulated(v), device=v.device)]   # a block and its gradients
-        for step in range(parts):
-            kb, vb, dkb, dvb = travelling
+
+        def block_grads(step, kb, vb):
             work = _fused_work(step, index, parts, ctx.is_causal)
-            gk, gv = _fused_backward_step(dout, q, out, lse, kb, vb, work, scale, dq)
-            dkb.add_(gk)
-            dvb.add_(gv)
-            if parts > 1:                                   # the gradients go on; after n steps they are home
-                send = travelling if step < parts - 1 else travelling[2:]
-                received, pending = ring.start(send)
-                _Ring.finish(pending)
-                travelling = received if step < parts - 1 else [kb, vb, *received]
-        return dq.to(q.dtype), travelling[2].to(k.dtype), travelling[3].to(v.dtype), None, None, None
+            return _fused_backward_step(dout, q, out, lse, kb, vb, work, scale, dq)
+
+        dk, dv = ring_backward(ring, parts, k, v, block_grads)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class _FusedGatheredAttention(Function):

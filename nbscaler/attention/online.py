@@ -4,7 +4,7 @@ softmax), and the ring that passes blocks between the devices of a group."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -107,3 +107,32 @@ def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
         return grad
     *lead, h, t, d = grad.shape
     return grad.reshape(*lead, heads, h // heads, t, d).sum(-3)
+
+
+def ring_backward(ring: Optional[_Ring], parts: int, k: torch.Tensor, v: torch.Tensor,
+                  block_grads: Callable[[int, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+                  ) -> List[torch.Tensor]:
+    """The gradients of this device's keys and values, the ring walked again: at each step the block
+    in hand moves on while ``block_grads(step, k_block, v_block)`` computes its share, and the
+    block's gradients so far, received from the previous device, take that share and move on too;
+    after ``parts`` steps each block's gradients are home. Both passes run while a step computes:
+    only the last, home, is waited for alone (``ring=None``: one device)."""
+    kv, acc, pending_acc, received_acc = [k, v], None, None, None
+    for step in range(parts):
+        if ring is not None and step < parts - 1:
+            next_kv, pending_kv = ring.start(kv)             # the block moves on while its share computes
+        gk, gv = block_grads(step, kv[0], kv[1])
+        if step == 0:
+            acc = [gk, gv]
+        else:                                                # the block's gradients from the previous device
+            _Ring.finish(pending_acc)
+            acc = [received_acc[0] + gk, received_acc[1] + gv]
+        if ring is not None:
+            received_acc, pending_acc = ring.start(acc)
+        if ring is not None and step < parts - 1:
+            _Ring.finish(pending_kv)
+            kv = next_kv
+    if ring is None:
+        return acc
+    _Ring.finish(pending_acc)
+    return received_acc

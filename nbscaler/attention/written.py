@@ -8,7 +8,7 @@ from torch.autograd import Function
 
 from nbscaler import blocks as strided
 from nbscaler.attention.online import (_Ring, _allowed, _block, _expand_heads, _fold_heads, _heads_inner,
-                                       _mask_columns, _merge, _place, positions)
+                                       _mask_columns, _merge, _place, positions, ring_backward)
 
 
 class _RingAttention(Function):
@@ -49,38 +49,30 @@ class _RingAttention(Function):
         ring = _Ring(group) if parts > 1 and not gathered else None
         delta = (dout * out).sum(-1, keepdim=True)                                 # (B, h, Tq, 1)
         dq = torch.zeros_like(q)
-        dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if gathered else (None, None)
-        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]             # a block and its gradients
-        for step in range(parts):
-            source = (index - step) % parts
-            if gathered:
-                kb, vb = (strided.take(t, -2, blocks, parts, source) for t in (k, v))
-                dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
-            else:
-                kb, vb, dkb, dvb = travelling
-            k_pos = positions(length, blocks, parts, source, q.device)
+        heads = q.shape[-3]
+
+        def block_grads(step, kb, vb):
+            """This block's share of the keys' and values' gradients; its share of the queries' into dq."""
+            k_pos = positions(length, blocks, parts, (index - step) % parts, q.device)
             allowed = _allowed(q_pos, k_pos, ctx.is_causal, _mask_columns(mask, k_pos))
-            heads = q.shape[-3]
             s = (q @ _expand_heads(kb, heads).transpose(-2, -1)) * scale
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool else s + allowed
             p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)                  # this block's softmax share
             ds = p * (dout @ _expand_heads(vb, heads).transpose(-2, -1) - delta)
-            dq = dq + (ds @ _expand_heads(kb, heads)) * scale
-            dkb = dkb + _fold_heads((ds.transpose(-2, -1) @ q) * scale, kb.shape[-3])
-            dvb = dvb + _fold_heads(p.transpose(-2, -1) @ dout, vb.shape[-3])
-            if gathered:                                    # this block's rows of the whole keys' gradients
-                for full, grad in ((dk, dkb), (dv, dvb)):
-                    spans = strided.ranges(length, blocks, parts, source)
-                    for (lo, hi), piece in zip(spans, grad.split([hi - lo for lo, hi in spans], dim=-2)):
-                        full[..., lo:hi, :] += piece
-                continue
-            travelling = [kb, vb, dkb, dvb]
-            if parts > 1:                                   # the gradients go on; after n steps they are home
-                send = travelling if step < parts - 1 else travelling[2:]
-                received, pending = ring.start(send)
-                _Ring.finish(pending)
-                travelling = received if step < parts - 1 else [kb, vb, *received]
-        if gathered:
+            dq.add_((ds @ _expand_heads(kb, heads)) * scale)
+            return (_fold_heads((ds.transpose(-2, -1) @ q) * scale, kb.shape[-3]),
+                    _fold_heads(p.transpose(-2, -1) @ dout, vb.shape[-3]))
+
+        if not gathered:
+            dk, dv = ring_backward(ring, parts, k, v, block_grads)
             return dq, dk, dv, None, None, None, None, None, None
-        return dq, travelling[2], travelling[3], None, None, None, None, None, None
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(parts):                           # each block's rows of the whole keys' gradients
+            source = (index - step) % parts
+            spans = strided.ranges(length, blocks, parts, source)
+            grads = block_grads(step, *(strided.take(t, -2, blocks, parts, source) for t in (k, v)))
+            for full, grad in zip((dk, dv), grads):
+                for (lo, hi), piece in zip(spans, grad.split([hi - lo for lo, hi in spans], dim=-2)):
+                    full[..., lo:hi, :] += piece
+        return dq, dk, dv, None, None, None, None, None, None

@@ -72,16 +72,22 @@ def ring_seconds(node: IRNode, comm) -> Tuple[float, float]:
 def ring_exposed(op, comm, time_op: Callable, again: bool = True) -> Tuple[float, float]:
     """Forward and backward seconds a ring attention's passes add to its op (zeros for any other
     op), by the overlap rule of ``nbscaler.attention``: the forward passes the next block while it
-    computes on the one in hand, so of its ``n-1`` passes what the attention's ``(n-1)/n`` of
-    compute does not cover is exposed; the backward waits for each pass, so all of it is. A
-    recomputed ring's forward counts again in the backward (unless ``again`` is False: a caller
-    that adds it itself). ``time_op``: an op's forward and backward seconds (``profiler.time``)."""
+    computes on the one in hand, so of its ``n-1`` passes what ``(n-1)/n`` of the attention's forward
+    does not cover is exposed. The backward passes a block on while its share computes, and the
+    block's gradients too, received from the previous device: of its ``2n-1`` passes (``n-1`` of
+    blocks, ``n`` of gradients) the last, home, waits alone, and of the others what ``(n-1)/n`` of
+    the attention's backward does not cover. A recomputed ring's forward counts again in the
+    backward (unless ``again`` is False: a caller that adds it itself). ``time_op``: an op's forward
+    and backward seconds (``profiler.time``)."""
     if not context_ring(op.node):
         return 0.0, 0.0
     passes_f, passes_b = ring_seconds(op.node, comm)
     n = op.node.placement.parts
-    exposed = max(0.0, passes_f - time_op(op)[0] * (n - 1) / n)
-    return exposed, passes_b + (exposed if again and op.recomputed else 0.0)
+    compute_f, compute_b = time_op(op)
+    exposed_f = max(0.0, passes_f - compute_f * (n - 1) / n)
+    home = passes_b / (2 * n - 1)
+    exposed_b = home + max(0.0, passes_b - home - compute_b * (n - 1) / n)
+    return exposed_f, exposed_b + (exposed_f if again and op.recomputed else 0.0)
 
 
 def rings_seconds(run: LocalRun, comm, time_op: Callable) -> Tuple[float, float]:

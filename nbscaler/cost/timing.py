@@ -17,7 +17,7 @@ The pieces, each measured or modelled once:
 - **context parallelism**: a ring attention's passes are priced as the all-gathers that move their
   bytes and drawn on the timeline beside its blocks (``cost.context_calls``); the forward's passes
   overlap the attention's compute, so only what ``(n-1)/n`` of it does not cover adds to the
-  block, and the backward's, which wait for each pass, add whole (``rings_seconds``); all-gathered
+  block, and the backward's likewise but for its last pass, home (``ring_exposed``); all-gathered
   keys and values are a section's collectives like any other;
 - **ZeRO stage 3**: each unit's all-gathers and reduce-scatter run inside the blocks, as FSDP
   prefetches them (``cost.fsdp``): a block lasts its compute plus what it waits for them, which
