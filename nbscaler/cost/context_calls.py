@@ -12,9 +12,9 @@ keys and values one of two ways (``pas_config['context_parallel_kind']``):
   by what each carries (a forward step one block of keys and values; a backward step the block and
   its gradients, the last one only the gradients). They start where the attention does in its
   forward or backward, one after the other, and after the passes of the attention before. The ring
-  passes while the attention computes, and the step's blocks do not add their time (the blocks are
-  what the step model prices): where the passes take longer than the compute, the drawing shows
-  them running past it.
+  passes while the attention computes, and the step's blocks add only what that compute does not
+  hide and the backward's last pass, home (``ring_exposed``): where the passes take longer than the
+  compute, the drawing shows them running past it.
 - ``all_gather``: the keys and values are all-gathered before the call (``comm.all_gather_sum_grad``),
   their gradients reduce-scattered after its backward; the step model counts these in the block,
   which waits for them.

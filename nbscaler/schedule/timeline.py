@@ -130,6 +130,7 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """The share of rank time spent idle: ``idle / (nranks * makespan)``."""
+        """The share of rank time spent idle: ``idle / (nranks * makespan)`` (never below 0: the busy
+        time's rounding may pass the makespan's by a hair, which would print as -0%)."""
         capacity = self.nranks * self.makespan
-        return (capacity - self.busy_time) / capacity if capacity > 0 else 0.0
+        return max(0.0, (capacity - self.busy_time) / capacity) if capacity > 0 else 0.0

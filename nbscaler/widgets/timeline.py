@@ -65,7 +65,8 @@ SYNC_ASSUMPTION = ("Gradient synchronisation: each bucket reduced across the dat
 CONTEXT_ASSUMPTION = ("Context parallelism: each ring attention's passes priced as the all-gather that moves their "
                       "bytes (plan.collectives' ring_pass rows), split over its n-1 forward and n backward steps by "
                       "the blocks each carries, from where the attention runs in its block; the ring passes while the "
-                      "attention computes and the blocks do not add its time (nbscaler.cost.context_calls). "
+                      "attention computes, and the blocks add only what that compute does not hide, and the "
+                      "backward's last pass, home (nbscaler.cost.context_calls.ring_exposed). "
                       "All-gathered keys and values: the block waits for them.")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
@@ -324,7 +325,7 @@ class TimelineView(ChartView):
             return self.predicted_bubble_total
         nranks = self.plan.config.runtime_ngpus
         span = frame.t_end.max() - frame.t_start.min() if len(frame) else 0.0
-        return 1 - (frame.t_end - frame.t_start).sum() / (nranks * span) if span > 0 else 0.0
+        return max(0.0, 1 - (frame.t_end - frame.t_start).sum() / (nranks * span)) if span > 0 else 0.0
 
     def _bubble_table(self) -> str:
         cols = [c for c in ("predicted", "measured") if c in self.bubbles.columns]
