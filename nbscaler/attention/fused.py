@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from nbscaler import blocks as strided
-from nbscaler.attention.online import _Ring, _expand_heads, _fold_heads, _heads_inner, _merge, _place, ring_backward
+from nbscaler.attention.online import (_Ring, _expand_heads, _fold_heads, _heads_inner, _merge, _place, ring_backward,
+                                       ring_source)
 from nbscaler.blocks import Blocks
 
 
@@ -37,7 +38,7 @@ def _fused_work(step: int, index: int, parts: int, is_causal: bool) -> str:
         return "all"
     if step == 0:
         return "causal"
-    return "first_keys" if (index - step) % parts < index else "last_queries"
+    return "first_keys" if ring_source(index, step, parts) < index else "last_queries"
 
 
 def _accumulated(x: torch.Tensor) -> torch.dtype:
@@ -129,7 +130,7 @@ class _FusedGatheredAttention(Function):
         out = torch.zeros(q.shape, dtype=_accumulated(q), device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulated(q), device=q.device)
         for step in range(parts):
-            source = (index - step) % parts
+            source = ring_source(index, step, parts)
             kb, vb = (_expand_heads(strided.take(t, -2, strided.MIRRORED, parts, source), q.shape[-3]) for t in (k, v))
             out, lse = _fused_forward_step(q, kb, vb, _fused_work(step, index, parts, is_causal), scale, out, lse)
         out = _heads_inner(out.to(q.dtype))
@@ -146,7 +147,7 @@ class _FusedGatheredAttention(Function):
         dk = torch.zeros(k.shape, dtype=_accumulated(k), device=k.device)
         dv = torch.zeros(v.shape, dtype=_accumulated(v), device=v.device)
         for step in range(parts):
-            source = (index - step) % parts
+            source = ring_source(index, step, parts)
             spans = strided.ranges(k.shape[-2], strided.MIRRORED, parts, source)
             kb, vb = (strided.take(t, -2, strided.MIRRORED, parts, source) for t in (k, v))
             work = _fused_work(step, index, parts, ctx.is_causal)

@@ -20,6 +20,18 @@ def positions(length: int, blocks: Blocks, parts: int, index: int, device=None) 
     return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in strided.ranges(length, blocks, parts, index)])
 
 
+def ring_source(index: int, step: int, parts: int) -> int:
+    """Whose block device ``index`` of ``parts`` has in hand at ring step ``step`` (its own at step 0)."""
+    return (index - step) % parts
+
+
+def held_chunks(length: int, blocks: Blocks, parts: int, index: int) -> List[Tuple[int, int, int]]:
+    """``(chunk, start, stop)`` of each piece of an axis of ``length`` device ``index`` of ``parts``
+    holds, the chunks numbered in the axis's equal cut into ``parts * units(blocks)``."""
+    size = length // (parts * strided.units(blocks))
+    return [(lo // size if size else 0, lo, hi) for lo, hi in strided.ranges(length, blocks, parts, index)]
+
+
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool,
              mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Which keys each query sees: a boolean ``(..., Tq, Tk)`` (``None``: all), or an additive float

@@ -8,7 +8,7 @@ from torch.autograd import Function
 
 from nbscaler import blocks as strided
 from nbscaler.attention.online import (_Ring, _allowed, _block, _expand_heads, _fold_heads, _heads_inner,
-                                       _mask_columns, _merge, _place, positions, ring_backward)
+                                       _mask_columns, _merge, _place, positions, ring_backward, ring_source)
 
 
 class _RingAttention(Function):
@@ -24,7 +24,7 @@ class _RingAttention(Function):
         out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = [k, v]
         for step in range(parts):
-            source = (index - step) % parts
+            source = ring_source(index, step, parts)
             if ring is not None and step < parts - 1:
                 received, pending = ring.start(kv)           # the next block travels while this one computes
             kb, vb = [strided.take(t, -2, blocks, parts, source) for t in (k, v)] if gathered else kv
@@ -53,7 +53,7 @@ class _RingAttention(Function):
 
         def block_grads(step, kb, vb):
             """This block's share of the keys' and values' gradients; its share of the queries' into dq."""
-            k_pos = positions(length, blocks, parts, (index - step) % parts, q.device)
+            k_pos = positions(length, blocks, parts, ring_source(index, step, parts), q.device)
             allowed = _allowed(q_pos, k_pos, ctx.is_causal, _mask_columns(mask, k_pos))
             s = (q @ _expand_heads(kb, heads).transpose(-2, -1)) * scale
             if allowed is not None:
@@ -69,7 +69,7 @@ class _RingAttention(Function):
             return dq, dk, dv, None, None, None, None, None, None
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for step in range(parts):                           # each block's rows of the whole keys' gradients
-            source = (index - step) % parts
+            source = ring_source(index, step, parts)
             spans = strided.ranges(length, blocks, parts, source)
             grads = block_grads(step, *(strided.take(t, -2, blocks, parts, source) for t in (k, v)))
             for full, grad in zip((dk, dv), grads):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from nbscaler.blocks import ranges
+from nbscaler.attention.online import held_chunks, ring_source
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode
 from nbscaler.ir.layer_rules import context_parallel
@@ -30,23 +30,23 @@ def chunk_comment(node: IRNode, device: int) -> str:
     """``# this device's queries: positions 0:4 and 28:32 of 32 (chunks 0 and 7 of 8)``."""
     place = node.placement
     length = node.inputs[0].shape[-2]
-    spans = ranges(length, place.blocks, place.parts, place.devices.index(device))
-    size = spans[0][1] - spans[0][0]
-    where = " and ".join(f"{lo}:{hi}" for lo, hi in spans)
-    chunks = " and ".join(str(lo // size) for lo, _ in spans) if size else "none"
+    index, parts = place.devices.index(device), place.parts
+    held = held_chunks(length, place.blocks, parts, index)
+    size = held[0][2] - held[0][1]
+    where = " and ".join(f"{lo}:{hi}" for _, lo, hi in held)
+    chunks = " and ".join(str(c) for c, _, _ in held) if size else "none"
     how = {"ring": "the keys and values pass round the ring of the group, one device's block a step",
            "all_gather": "the keys and values arrive whole"}[node.meta[CONTEXT_KIND]]
     line = (f"# context parallel: this device's queries are positions {where} of {length} (chunks {chunks} of "
             f"{length // size if size else 0}); {how}")
     if node.meta[CONTEXT_KIND] != "ring" or not size:
         return line
-    index, parts = place.devices.index(device), place.parts
     steps = []
     for step in range(parts):
-        source = (index - step) % parts
-        held = " and ".join(str(lo // size) for lo, _ in ranges(length, place.blocks, parts, source))
+        source = ring_source(index, step, parts)
+        theirs = " and ".join(str(c) for c, _, _ in held_chunks(length, place.blocks, parts, source))
         whose = "its own chunks" if step == 0 else f"device {source}'s chunks"
-        steps.append(f"{step}: {whose} {held}")
+        steps.append(f"{step}: {whose} {theirs}")
     return line + "\n# ring steps, each computing against the block in hand while passing it on: " + "; ".join(steps)
 
 

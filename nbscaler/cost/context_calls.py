@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from nbscaler.attention.online import ring_source
 from nbscaler.cost.local import LocalRun
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.layer_rules import context_parallel, context_ring
@@ -104,10 +105,10 @@ def ring_steps(node: IRNode, device: int) -> Tuple[List[str], List[str], List[fl
     of the backward's time each backward step takes (by the blocks it carries)."""
     devices = node.placement.devices
     n, i, at = len(devices), devices.index(device), where(node)
-    forward = [f"ring step {k}/{n - 1} of {at}: keys and values of device {devices[(i - k) % n]}"
+    forward = [f"ring step {k}/{n - 1} of {at}: keys and values of device {devices[ring_source(i, k, n)]}"
                for k in range(1, n)]
     backward = [f"ring step {k}/{n} of {at} (backward): keys, values and their gradients of device "
-                f"{devices[(i - k) % n]}" for k in range(1, n)]
+                f"{devices[ring_source(i, k, n)]}" for k in range(1, n)]
     backward.append(f"ring step {n}/{n} of {at} (backward): the gradients of its own keys and values, home")
     shares = [2.0 / (2 * n - 1)] * (n - 1) + [1.0 / (2 * n - 1)]
     return forward, backward, shares

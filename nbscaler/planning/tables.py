@@ -26,8 +26,9 @@ from nbscaler.cost.fsdp import section_units, sent_bytes, step_counts, unit_byte
 from nbscaler.cost.ranks import train_graph
 from nbscaler.cost.timing import backend_on, is_zero3
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.blocks import MIRRORED, ranges
-from nbscaler.policy.context import CONTEXT_GATHERED, context_kind
+from nbscaler.attention.online import held_chunks
+from nbscaler.blocks import MIRRORED
+from nbscaler.policy.context import CONTEXT_GATHERED, context_kind, sequence_length
 from nbscaler.ir.graph import IRGraph
 from nbscaler.ir.layer_rules import context_splits
 from nbscaler.glossary import GLOSSARY_URL, context_name, split_name, split_text
@@ -291,11 +292,6 @@ def context_groups(plan: "Plan") -> List[Tuple[Optional[int], Tuple[int, ...]]]:
     return sorted(found, key=lambda g: (-1 if g[0] is None else g[0], g[1]))
 
 
-def sequence_length(plan: "Plan") -> int:
-    """The sequence context parallelism splits: axis 1 of the forward's first input with two axes."""
-    return next(t.shape[1] for t in plan.graph.inputs if t.ndim >= 2)
-
-
 def context_kind_text(plan: "Plan") -> str:
     """How its attention reads the other devices' keys, in words."""
     kind = context_kind(plan.config)
@@ -309,20 +305,19 @@ def context_line(plan: "Plan", group: Tuple[Optional[int], Tuple[int, ...]]) -> 
     n = len(devices)
     where = f"stage {stage}: " if stage is not None else ""
     return (f"context parallel ({context_kind(plan.config)}) over {list(devices)}: {where}the sequence of "
-            f"{sequence_length(plan)} tokens in {2 * n} chunks, device i holds chunks i and 2n-1-i "
+            f"{sequence_length(plan.graph)} tokens in {2 * n} chunks, device i holds chunks i and 2n-1-i "
             f"({context_kind_text(plan)}).")
 
 
 def context_chunks(plan: "Plan") -> pd.DataFrame:
     """One row per device of each context-parallel group: its stage, the chunks of the sequence it
     holds and their positions (``nbscaler.blocks.ranges``); empty without context parallelism."""
-    length, rows = sequence_length(plan) if context_groups(plan) else 0, []
+    length, rows = sequence_length(plan.graph) if context_groups(plan) else 0, []
     for stage, devices in context_groups(plan):
-        n, size = len(devices), length // (2 * len(devices))
         for i, d in enumerate(devices):
-            spans = ranges(length, MIRRORED, n, i)
-            rows.append({"stage": stage, "device": d, "chunks": " and ".join(str(lo // size) for lo, _ in spans),
-                         "positions": " and ".join(f"{lo}:{hi}" for lo, hi in spans)})
+            held = held_chunks(length, MIRRORED, len(devices), i)
+            rows.append({"stage": stage, "device": d, "chunks": " and ".join(str(c) for c, _, _ in held),
+                         "positions": " and ".join(f"{lo}:{hi}" for _, lo, hi in held)})
     return pd.DataFrame(rows, columns=["stage", "device", "chunks", "positions"])
 
 
@@ -335,7 +330,7 @@ def context_html(plan: "Plan") -> str:
     if plan.geometry is None:
         chunks = chunks.drop(columns="stage")
     kind = context_kind(plan.config)
-    return (f"<div class='nbs-context'><p><b>Context parallelism</b>: the chunks of the {sequence_length(plan)}-token "
+    return (f"<div class='nbs-context'><p><b>Context parallelism</b>: the chunks of the {sequence_length(plan.graph)}-token "
             f"sequence each device holds; attention split by its queries, "
             f"{html.escape(context_name('attention', kind))}</p>{chunks.to_html(border=0, index=False)}</div>")
 

@@ -59,6 +59,12 @@ def context_kind(cfg: ComputeConfig) -> str:
     return ContextKind(value)
 
 
+def sequence_length(graph: IRGraph) -> Optional[int]:
+    """The sequence context parallelism splits: axis 1 of the forward's first input with two axes
+    (``None`` when there is none)."""
+    return next((t.shape[1] for t in graph.inputs if t.ndim >= 2), None)
+
+
 def sequence_inputs(graph: IRGraph, n: int) -> Tuple[int, Dict[int, int]]:
     """The sequence length, and ``id(tensor) -> 1`` for each input that carries the sequence on axis 1.
     Raises ``PolicyError`` when there is none or it does not cut into ``2n`` chunks."""
@@ -66,7 +72,7 @@ def sequence_inputs(graph: IRGraph, n: int) -> Tuple[int, Dict[int, int]]:
     if not shaped:
         raise PolicyError(f"{CONTEXT_PARALLEL} splits the sequence, axis 1 of the forward's inputs, but no input "
                           "has two axes: pass (batch, sequence) token ids.")
-    length = shaped[0].shape[1]
+    length = sequence_length(graph)
     if length % (2 * n):
         fit = -(-length // (2 * n)) * 2 * n
         raise PolicyError(f"{CONTEXT_PARALLEL}={n} cuts the sequence into 2 x {n} = {2 * n} equal chunks (device i "
