@@ -2,10 +2,9 @@
 
 ``space_svg(frame, hardware)`` draws one mark per row of ``nbscaler.sweep``'s table (or a
 ``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
-capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x pp
-(a context-parallel layout, tp 1 x cp n x pp, is named apart in the legend and coloured as the tp of
-its width, n devices a stage),
-a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
+capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x cp x pp
+layout (``palette.layout_colour``; a context-parallel layout, tp 1 x cp n x pp, is named apart in
+the legend), a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
 the layers are (the ``recompute`` column: none, selective, full); the Pareto front
 (``space.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
 ``<title>`` is the configuration (``sequence parallel`` where it is, ``cp n`` and its kind where the
@@ -30,7 +29,7 @@ from nbscaler.space.pareto import pareto_front
 from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
 from nbscaler.widgets.frontend import frontend_text
 from nbscaler.widgets.palette import CAPACITY_COLOUR, layout_colour
-from nbscaler.widgets.svgchart import (INK, MUTED, Scale, document, element, label, legend, legend_width,
+from nbscaler.widgets.svgchart import (INK, MUTED, Scale, document, element, label, legend, legend_rows, legend_width,
                                        nice_ticks, tooltip, x_axis, y_axis)
 
 WIDTH, HEIGHT = 760, 440
@@ -92,11 +91,11 @@ def _mark(x: float, y: float, recompute: str, colour: str, ring: bool, size: flo
 
 
 def _colours(frame: pd.DataFrame) -> Dict[str, str]:
-    """Each tp x pp group of ``frame`` (the legend's order) and its colour, a function of the
+    """Each tp x cp x pp group of ``frame`` (the legend's order) and its colour, a function of the
     layout alone (``palette.layout_colour``): a knob that adds or drops layouts recolours none."""
     cps = frame[S.CP] if S.CP in frame.columns else [1] * len(frame)
     layouts = sorted({(int(t), int(c), int(p)) for t, c, p in zip(frame[S.TP], cps, frame[S.PP])})
-    return {group_name(t, p, c): layout_colour(t * c, p) for t, c, p in layouts}
+    return {group_name(t, p, c): layout_colour(t, p, c) for t, c, p in layouts}
 
 
 def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, List[float], List[float], Scale, Scale]:
@@ -157,20 +156,33 @@ def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.S
         x, y = to_x(row[S.PEAK_BYTES]), to_y(row[column])
         body.append(element("circle", cx=x, cy=y, r=12.0, fill="none", stroke="#d00000", stroke_width=2,
                             class_="nbs-selected"))
-    body.append(_legend(colours))
-    return document(WIDTH, HEIGHT, title, "".join(body), "space")
+    keys, extra = _legend(colours)
+    # A legend of more rows than one pushes the plot down by as much (the plot is drawn for one).
+    plot = element("g", "".join(body), transform=f"translate(0,{extra:g})") if extra else "".join(body)
+    return document(WIDTH, HEIGHT + extra, title, plot + keys, "space")
 
 
-def _legend(colours: Dict[str, str]) -> str:
-    items = list(colours.items())
-    out = legend(items, LEFT, 42)
-    x = LEFT + legend_width(items) + 10
-    keys = [("none", False, "layers kept"), ("selective", False, "attention recomputed"),
-            ("full", False, "layers recomputed"), ("none", True, "Pareto front")]
-    for recompute, ring, name in keys:
-        out += _mark(x + 6, 38, recompute, "#bbbbbb", ring, 5.0) + label(x + 16, 42, name, size=11, colour=INK)
+#: The marks' key after the colour swatches: what each shape and the black ring say.
+MARK_KEYS = [("none", False, "layers kept"), ("selective", False, "attention recomputed"),
+             ("full", False, "layers recomputed"), ("none", True, "Pareto front")]
+LEGEND_ROW = 16.0
+
+
+def _legend(colours: Dict[str, str]) -> Tuple[str, float]:
+    """The legend: the colour groups' swatches in rows as wide as the plot, then the marks' key
+    (on the last row where it fits); returns it and how far below one row it reaches."""
+    rows = legend_rows(list(colours.items()), WIDTH - LEFT - RIGHT) if colours else [[]]
+    out, y = "", 42.0
+    for row in rows:
+        out += legend(row, LEFT, y)
+        y += LEGEND_ROW
+    x, y = LEFT + legend_width(rows[-1]) + 10, y - LEGEND_ROW
+    if x + sum(30 + 6.5 * len(name) for _, _, name in MARK_KEYS) > WIDTH - RIGHT and rows[-1]:
+        x, y = LEFT, y + LEGEND_ROW
+    for recompute, ring, name in MARK_KEYS:
+        out += _mark(x + 6, y - 4, recompute, "#bbbbbb", ring, 5.0) + label(x + 16, y, name, size=11, colour=INK)
         x += 30 + 6.5 * len(name)
-    return out
+    return out, y - 42.0
 
 
 class SpaceWidget(anywidget.AnyWidget):

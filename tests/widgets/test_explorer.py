@@ -371,6 +371,8 @@ def test_the_context_parallel_knobs_build_the_config_the_policy_reads():
     assert "context_parallel" not in Knobs(policy="dp", context_parallel=2).compute_config().pas_config
     with pytest.raises(ValueError, match="context_parallel_kind='all_to_all'"):
         Knobs(context_parallel_kind="all_to_all")
+    assert knobs.row()["context_parallel"] == "2 ring"
+    assert Knobs(policy="dp", context_parallel=2).row()["context_parallel"] == ""           # dp: none
 
 
 @pytest.mark.slow       # seconds: a compile, a re-placement under context parallelism and a refusal
@@ -384,6 +386,9 @@ def test_the_context_parallel_knob_compiles_a_cp_plan_and_a_refusal_shows_as_an_
     assert explorer.error is None and not knobs.context_parallel_kind.disabled
     assert cp.config.pas_config["context_parallel"] == 2 and cp.config.pas_config["context_parallel_kind"] == "ring"
     assert "context_attention(" in cp.sources[0] and "kind='ring'" in cp.sources[0]
+    explorer.compile()                                        # a run of its own: the runs table names it
+    assert explorer.runs["context_parallel"].tolist()[-2:] == ["", "2 ring"]
+    cp = explorer.plan
     explorer.set(plan_ngpus=4, runtime_ngpus=4)              # 4 devices a stage: the policy refuses cp 2
     assert explorer.error is not None and "PolicyError" in explorer.error and "context_parallel=2" in explorer.error
     assert explorer.plan is cp                                # the last good plan stays on screen

@@ -15,7 +15,7 @@ from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
 from nbscaler.widgets.palette import layout_colour
 from tests.widgets.svg import charts, hint, marks
-from nbscaler.widgets.space import describe
+from nbscaler.widgets.space import RIGHT, WIDTH, describe, space_svg
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
 
@@ -134,12 +134,13 @@ def test_an_unknown_knob_says_which_knobs_there_are(kept_explorer):
 def layout_colours(svg):
     """The chart's legend (group -> swatch colour) and the fills its marks of each group have."""
     (chart,) = charts(svg)
-    legend = {hint(r): r.get("fill") for r in marks(chart, "rect") if re.fullmatch(r"tp \d+ x pp \d+", hint(r))}
+    legend = {hint(r): r.get("fill") for r in marks(chart, "rect")
+              if re.fullmatch(r"tp \d+ (x cp \d+ )?x pp \d+", hint(r))}
     points = {}
     for g in marks(chart, "g"):
-        if "nbs-point" in (g.get("class") or ""):
-            group = re.match(r"tp \d+ x pp \d+", hint(g)).group(0)
-            points.setdefault(group, set()).add(g[0].get("fill"))
+        if "nbs-point" in (g.get("class") or ""):     # "tp 1 x cp 2 (ring) x pp 1 ...": the kind is not the group's
+            group = re.match(r"tp \d+ (x cp \d+ (\(\w+\) )?)?x pp \d+", hint(g)).group(0)
+            points.setdefault(re.sub(r" \(\w+\)", "", group), set()).add(g[0].get("fill"))
     return legend, points
 
 
@@ -151,13 +152,26 @@ def test_a_layouts_colour_is_the_same_in_every_sweep_and_the_legend_agrees(explo
     after, after_points = layout_colours(explorer.space.chart.svg)
     assert explorer.error is None and set(after) == set(legend) - {"tp 1 x pp 1"}
     assert all(after_points[g] == {after[g]} == {legend[g]} for g in after)      # nobody took its colour
-    assert after == {g: layout_colour(*map(int, re.findall(r"\d+", g))) for g in after}
+    assert after == {g: layout_colour(*_sizes(g)) for g in after}
+
+
+def _sizes(group: str):
+    """A legend name's (tp, pp, cp): ``tp 2 x pp 1``, or ``tp 1 x cp 2 x pp 1``."""
+    sizes = dict(re.findall(r"(tp|cp|pp) (\d+)", group))
+    return int(sizes["tp"]), int(sizes["pp"]), int(sizes.get("cp", 1))
 
 
 def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart():
     sizes = [(tp, pp) for tp in (1, 2, 4, 8, 16, 32, 64) for pp in (1, 2, 4, 8, 16, 32)]
     colours = [layout_colour(tp, pp) for tp, pp in sizes]
     assert len(set(colours)) == len(sizes) and colours == [layout_colour(tp, pp) for tp, pp in sizes]
+
+
+def test_a_context_parallel_layout_has_a_colour_no_other_layout_has():
+    sizes = [(tp, pp, cp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4) for cp in (1, 2, 4, 8)]
+    colours = {layout_colour(*size) for size in sizes}
+    assert len(colours) == len(sizes)                  # tp 1 x cp 2 is not tp 2's colour, nor tp 1's
+    assert layout_colour(1, 1, 2) not in {layout_colour(2, 1), layout_colour(1, 1)}
     assert len({layout_colour(tp, 1) for tp in (2, 3, 4, 6, 8, 12)}) == 6             # not only powers of two
     with pytest.raises(ValueError, match="whole numbers >= 1"):
         layout_colour(0, 1)
@@ -240,6 +254,9 @@ def test_a_context_parallel_point_has_its_own_group_and_loads_a_context_parallel
         assert ex.error is None, ex.error
         frame = ex.space.frame
         assert set(frame.cp) == {1, 2} and "tp 1 x cp 2 x pp 1" in ex.space.chart.svg
+        legend, points = layout_colours(ex.space.chart.svg)
+        assert legend["tp 1 x cp 2 x pp 1"] == layout_colour(1, 1, 2) != legend["tp 1 x pp 1"]
+        assert all(points[g] == {legend[g]} for g in legend)
         row = next(i for i in range(len(frame)) if frame.cp.iloc[i] == 2)
         chosen = frame.iloc[row]
         assert "x cp 2 (ring) x pp" in describe(chosen) and describe(chosen) in ex.space.chart.svg
@@ -253,3 +270,17 @@ def test_a_context_parallel_point_has_its_own_group_and_loads_a_context_parallel
         assert memory.predicted.peak_bytes.max() == pytest.approx(chosen.peak_bytes, rel=1e-9)
     finally:
         ex.close()
+
+
+def test_a_legend_of_many_layouts_wraps_inside_the_chart_and_pushes_the_plot_down(kept_explorer):
+    frame, hardware = pd.DataFrame(kept_explorer.space.frame), kept_explorer.space.space.hardware
+    frame.attrs = {}                    # the sweep's record of how it priced: not the chart's business
+    many = pd.concat([frame.assign(cp=cp) for cp in (1, 2, 4)], ignore_index=True)   # 12 tp x cp x pp groups
+    (one_row,) = charts(space_svg(frame, hardware))
+    (wrapped,) = charts(space_svg(many, hardware))
+    legend = [r for r in marks(wrapped, "rect") if re.fullmatch(r"tp \d+ (x cp \d+ )?x pp \d+", hint(r))]
+    assert len(legend) == 12 and len({r.get("fill") for r in legend}) == 12
+    rows = sorted({float(r.get("y")) for r in legend})
+    assert len(rows) > 1 and max(float(r.get("x")) for r in legend) < WIDTH - RIGHT
+    extra = float(wrapped.get("height")) - float(one_row.get("height"))
+    assert extra >= rows[-1] - rows[0]              # the plot is drawn that much lower, under the legend

@@ -147,7 +147,17 @@ class Knobs:
                 "scheduler": self.scheduler if self.pipelined else "",
                 "zero": self.zero_stage if self.use_zero else 0,
                 "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies,
+                "context_parallel": context_label(self.context_parallel_size, self.context_parallel_kind),
                 "recompute": self.recompute}
+
+
+def context_label(size: int, kind: str) -> str:
+    """Context parallelism as the runs table shows it: ``''`` for none, else its size and kind.
+
+    >>> context_label(2, "ring"), context_label(1, "ring")
+    ('2 ring', '')
+    """
+    return f"{size} {ContextKind(kind).value}" if size > 1 else ""
 
 
 def recompute_of(config: ComputeConfig) -> Tuple[str, Tuple[str, ...]]:

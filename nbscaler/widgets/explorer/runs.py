@@ -19,12 +19,13 @@ import torch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.planning import Plan
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
+from nbscaler.policy.context import context_kind, context_parallel
 from nbscaler.recipe import Recipe
-from nbscaler.widgets.explorer.knobs import Knobs, recompute_of
+from nbscaler.widgets.explorer.knobs import Knobs, context_label, recompute_of
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
-               "sequence_parallel", "recompute", "compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble",
+               "sequence_parallel", "context_parallel", "recompute", "compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble",
                "peak_bytes_predicted", "peak_bytes", "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
@@ -59,6 +60,7 @@ class Run:
             "scheduler": plan.config.scheduler if schedule is not None else "",
             "zero": plan.config.use_zero,
             "sequence_parallel": bool(plan.config.pas_config.get(SEQUENCE_PARALLEL, False)),
+            "context_parallel": context_label(context_parallel(plan.config), context_kind(plan.config)),
             "recompute": recompute_of(plan.config)[0],
             "step_s_predicted": float(summary[C.STEP_TIME_S].max()),
             "bubble_predicted": plan.timeline().bubble_fraction,
