@@ -9,7 +9,10 @@ work. The split follows the graph as ``data`` follows the batch:
 - an op that reads a split input is split along the same axis (norms, linears, residual adds, the
   MLP): it runs on this device's tokens, and its weights' gradients are summed over the devices;
 - what is computed whole (positions, rotary tables, a causal mask) is sliced where a split op
-  reads it, so every chunk sees its own positions;
+  reads it, so every chunk sees its own positions; a learned position embedding reads its
+  positions (an integer tensor whose last axis is the sequence) sliced, so it looks up only this
+  device's rows and its weight's gradient is summed with the others', where run whole its
+  gradient would be all-gathered in the backward;
 - attention splits its queries: ``scaled_dot_product_attention`` becomes
   ``nbscaler.runtime.context.context_attention`` (keys and values all-gathered, or passed round a
   ring: ``"context_parallel_kind"``), and an attention written out (``q @ k.transpose(-2, -1)``,
@@ -89,7 +92,7 @@ def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
     gathered: List[str] = []
     for node in graph.nodes:
         devices = devices_of(node)
-        split = [(i, seq_dim[id(t)]) for i, t in enumerate(node.inputs) if id(t) in seq_dim]
+        split = [(i, seq_dim[id(t)]) for i, t in enumerate(node.inputs) if id(t) in seq_dim] or _positions(node, length)
         name = _context_name(node, split, length, kind, len(devices)) if split and node.annotation is not None else None
         if name is None:
             if split and any(t.dtype.is_floating_point for t in node.inputs):
@@ -108,6 +111,17 @@ def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
     if gathered:
         graph.meta[CONTEXT_GATHERED] = gathered
     return graph
+
+
+def _positions(node: IRNode, length: int) -> List[Tuple[int, int]]:
+    """``[(0, last axis)]`` for an embedding that looks up whole positions (integer indices whose
+    last axis is the sequence, such as ``arange(T)``), to split it there; else ``[]``."""
+    if node.op != "embedding" or not node.inputs:
+        return []
+    index = node.inputs[0]
+    if index.dtype.is_floating_point or index.ndim == 0 or index.shape[-1] != length:
+        return []
+    return [(0, index.ndim - 1)]
 
 
 def _context_name(node: IRNode, split: List[Tuple[int, int]], length: int, kind: str, n: int) -> Optional[str]:

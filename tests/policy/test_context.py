@@ -114,3 +114,14 @@ def test_a_rings_code_lists_whose_block_each_step_computes_against():
     code = _plan("gpt", 4, "ring").sources[1]          # 8 tokens, 8 chunks: rank 1 holds 1 and 6
     assert ("ring steps, each computing against the block in hand while passing it on: 0: its own chunks 1 and 6; "
             "1: device 0's chunks 0 and 7; 2: device 3's chunks 3 and 4; 3: device 2's chunks 2 and 5") in code
+
+
+def test_a_learned_position_embedding_looks_up_only_this_devices_positions():
+    """``self.pos(torch.arange(T))``: the positions are sliced before the lookup, so the backward
+    gathers nothing and the embedding's weight gradient is summed with the others'."""
+    plan = _plan("gpt", 2, "ring")
+    (pos,) = [n for n in plan.graph.select(op="embedding") if n.inputs[0].ndim == 1]
+    assert pos.placement.parts == 2 and pos.placement.blocks == MIRRORED
+    code = plan.sources[0]
+    assert 'embedding_1: "f32[4, 32]" = F.embedding(constructor_0_split0xmirrored, self.gpt_pos_weight)' in code
+    assert "'gpt.pos.weight', 'param', (8, 32), torch.float32, devices=(0, 1), partial_grads=True" in code
