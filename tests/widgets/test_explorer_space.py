@@ -61,7 +61,7 @@ def test_a_knob_change_reprices_without_tracing_and_says_how_long(explorer):
     space = explorer.space.space
     traces, before = space.traces, explorer.space.frame
     explorer.space.set(hardware="A100-SXM-40GB", nodes=2, global_batch=16, precision="bf16, no master copy")
-    assert explorer.error is None and space.traces == traces
+    assert explorer.error is None and space.traces == traces and explorer.space.frame is not before
     assert space.hardware.name == "A100-SXM-40GB" and space.hardware.ngpus == 16
     assert space.master_dtype is None and space.global_batch == 16
     assert (explorer.space.frame.tp * explorer.space.frame.pp * explorer.space.frame.dp == 16).all()
