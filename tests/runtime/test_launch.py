@@ -47,3 +47,21 @@ def test_a_hung_collective_ends_within_the_timeout():
         run_ranks(_hang_in_a_collective, 2, timeout=20)
     assert time.monotonic() - start < 60
     assert "rank" in str(err.value)
+
+
+def _environment_and_pid():
+    return os.environ.get("NBSCALER_LAUNCH_PROBE"), os.environ.get("RANK"), os.getpid()
+
+
+@pytest.mark.multiprocess
+def test_each_rank_gets_the_callers_environment_as_it_is_when_the_ranks_start(monkeypatch):
+    """Ranks are forked from a server started once (``launch.rank_context``); what the caller sets
+    afterwards must still reach them, as it reaches a spawned process."""
+    monkeypatch.setenv("NBSCALER_LAUNCH_PROBE", "first")
+    first = run_ranks(_environment_and_pid, 2, timeout=60)
+    monkeypatch.setenv("NBSCALER_LAUNCH_PROBE", "second")
+    second = run_ranks(_environment_and_pid, 2, timeout=60)
+    assert [(probe, rank) for probe, rank, _ in first] == [("first", "0"), ("first", "1")]
+    assert [(probe, rank) for probe, rank, _ in second] == [("second", "0"), ("second", "1")]
+    pids = {pid for *_, pid in first + second}
+    assert len(pids) == 4 and os.getpid() not in pids          # a fresh process per rank, every run
