@@ -168,20 +168,25 @@ MARK_KEYS = [("none", False, "layers kept"), ("selective", False, "attention rec
 LEGEND_ROW = 16.0
 
 
+def _key_width(name: str) -> float:
+    """One entry of the marks' key: a mark, a gap, the name at about 6.5 px a character."""
+    return 30 + 6.5 * len(name)
+
+
 def _legend(colours: Dict[str, str]) -> Tuple[str, float]:
     """The legend: the colour groups' swatches in rows as wide as the plot, then the marks' key
     (on the last row where it fits); returns it and how far below one row it reaches."""
-    rows = legend_rows(list(colours.items()), WIDTH - LEFT - RIGHT) if colours else [[]]
+    rows = legend_rows(list(colours.items()), WIDTH - LEFT - RIGHT)
     out, y = "", 42.0
     for row in rows:
         out += legend(row, LEFT, y)
         y += LEGEND_ROW
     x, y = LEFT + legend_width(rows[-1]) + 10, y - LEGEND_ROW
-    if x + sum(30 + 6.5 * len(name) for _, _, name in MARK_KEYS) > WIDTH - RIGHT and rows[-1]:
+    if x + sum(_key_width(name) for _, _, name in MARK_KEYS) > WIDTH - RIGHT and rows[-1]:
         x, y = LEFT, y + LEGEND_ROW
     for recompute, ring, name in MARK_KEYS:
         out += _mark(x + 6, y - 4, recompute, "#bbbbbb", ring, 5.0) + label(x + 16, y, name, size=11, colour=INK)
-        x += 30 + 6.5 * len(name)
+        x += _key_width(name)
     return out, y - 42.0
 
 

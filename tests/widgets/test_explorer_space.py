@@ -18,6 +18,7 @@ from tests.widgets.svg import charts, hint, marks
 from nbscaler.widgets.space import RIGHT, WIDTH, describe, space_svg
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
+GROUP = r"tp \d+ (x cp \d+ )?x pp \d+"          # a legend entry: ``tp 2 x pp 1``, ``tp 1 x cp 2 x pp 1``
 
 
 def swept_explorer() -> Explorer:
@@ -134,8 +135,7 @@ def test_an_unknown_knob_says_which_knobs_there_are(kept_explorer):
 def layout_colours(svg):
     """The chart's legend (group -> swatch colour) and the fills its marks of each group have."""
     (chart,) = charts(svg)
-    legend = {hint(r): r.get("fill") for r in marks(chart, "rect")
-              if re.fullmatch(r"tp \d+ (x cp \d+ )?x pp \d+", hint(r))}
+    legend = {hint(r): r.get("fill") for r in marks(chart, "rect") if re.fullmatch(GROUP, hint(r))}
     points = {}
     for g in marks(chart, "g"):
         if "nbs-point" in (g.get("class") or ""):     # "tp 1 x cp 2 (ring) x pp 1 ...": the kind is not the group's
@@ -165,6 +165,9 @@ def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart()
     sizes = [(tp, pp) for tp in (1, 2, 4, 8, 16, 32, 64) for pp in (1, 2, 4, 8, 16, 32)]
     colours = [layout_colour(tp, pp) for tp, pp in sizes]
     assert len(set(colours)) == len(sizes) and colours == [layout_colour(tp, pp) for tp, pp in sizes]
+    assert len({layout_colour(tp, 1) for tp in (2, 3, 4, 6, 8, 12)}) == 6             # not only powers of two
+    with pytest.raises(ValueError, match="whole numbers >= 1"):
+        layout_colour(0, 1)
 
 
 def test_a_context_parallel_layout_has_a_colour_no_other_layout_has():
@@ -172,9 +175,6 @@ def test_a_context_parallel_layout_has_a_colour_no_other_layout_has():
     colours = {layout_colour(*size) for size in sizes}
     assert len(colours) == len(sizes)                  # tp 1 x cp 2 is not tp 2's colour, nor tp 1's
     assert layout_colour(1, 1, 2) not in {layout_colour(2, 1), layout_colour(1, 1)}
-    assert len({layout_colour(tp, 1) for tp in (2, 3, 4, 6, 8, 12)}) == 6             # not only powers of two
-    with pytest.raises(ValueError, match="whole numbers >= 1"):
-        layout_colour(0, 1)
 
 
 def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
@@ -278,7 +278,7 @@ def test_a_legend_of_many_layouts_wraps_inside_the_chart_and_pushes_the_plot_dow
     many = pd.concat([frame.assign(cp=cp) for cp in (1, 2, 4)], ignore_index=True)   # 12 tp x cp x pp groups
     (one_row,) = charts(space_svg(frame, hardware))
     (wrapped,) = charts(space_svg(many, hardware))
-    legend = [r for r in marks(wrapped, "rect") if re.fullmatch(r"tp \d+ (x cp \d+ )?x pp \d+", hint(r))]
+    legend = [r for r in marks(wrapped, "rect") if re.fullmatch(GROUP, hint(r))]
     assert len(legend) == 12 and len({r.get("fill") for r in legend}) == 12
     rows = sorted({float(r.get("y")) for r in legend})
     assert len(rows) > 1 and max(float(r.get("x")) for r in legend) < WIDTH - RIGHT
