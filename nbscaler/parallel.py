@@ -112,6 +112,10 @@ def parallelize(
     """
     reuse = _enum(ReuseType, reuse, "reuse")
     module_dtype, recipe = module_dtype_of(module_dtype, recipe)
+    if recipe is not None and recipe.float8 is not None:
+        raise NotImplementedError(f"Recipe(float8={recipe.float8.value!r}): generated rank modules do not take "
+                                  "fp8 products yet; plans and targets price them (nbscaler.plan, Plan.summary). "
+                                  "Use float8=None to run.")
     strategy = _enum(BroadcastGenFilesStrategy, broadcast_strategy, "broadcast_strategy")
     if not isinstance(compute_config, ComputeConfig):
         raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")

@@ -23,6 +23,17 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
+from nbscaler.columns import StrEnum
+
+class Float8Scaling(StrEnum):
+    """How ``Recipe(float8=...)`` scales the tensors of a linear layer's fp8 products (torchao's
+    float8 training recipes): ``tensorwise``, one scale per tensor, from its largest magnitude;
+    ``rowwise``, one scale per row of each operand, which keeps outliers in one row from
+    flattening the others."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
 
 class Unset(Enum):
     """The type of ``UNSET``."""
@@ -80,7 +91,11 @@ class Recipe:
       copies' where there are copies, else the parameters' own;
     - ``loss_scaling``: fp16's dynamic loss scaler (``LossScaling``; ``True``: its defaults;
       ``None``/``False``: none), which needs ``module_dtype=torch.float16``;
-    - ``clip_grad_norm``: the most the global gradient norm may be before a step; ``None``: no clipping.
+    - ``clip_grad_norm``: the most the global gradient norm may be before a step; ``None``: no clipping;
+    - ``float8``: the linear layers' products are taken in fp8 with this scaling (``Float8Scaling``:
+      ``"tensorwise"`` or ``"rowwise"``), the output in the module's dtype; ``None``: in the module's
+      dtype. Weights, gradients, masters and optimizer state keep their dtypes: only the operands of
+      each product are cast, with their scales, for the product.
 
     Each field is checked when the recipe is made; a ``ValueError`` names the field and the fix.
     """
@@ -92,6 +107,7 @@ class Recipe:
     grad_reduce_dtype: Optional[torch.dtype] = None
     loss_scaling: Optional[LossScaling] = None
     clip_grad_norm: Optional[float] = None
+    float8: Optional[Float8Scaling] = None
 
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
@@ -108,6 +124,11 @@ class Recipe:
         norm = self.clip_grad_norm
         if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0):
             _fail("clip_grad_norm", norm, "give a positive maximum norm such as 1.0, or None for no clipping.")
+        if self.float8 is not None:
+            if self.float8 not in set(Float8Scaling):
+                _fail("float8", self.float8, f"give one of {', '.join(k.value for k in Float8Scaling)}, or None "
+                      "for products in the module's dtype.")
+            object.__setattr__(self, "float8", Float8Scaling(self.float8))
 
     @classmethod
     def of(cls, recipe: Optional["Recipe"] = None, **shorthands: Any) -> "Recipe":
@@ -166,7 +187,8 @@ class Recipe:
         scaling = (f"loss scaling from {self.loss_scaling.init_scale:g}" if self.loss_scaling else "no loss scaling")
         clipping = f"clipping at {self.clip_grad_norm:g}" if self.clip_grad_norm is not None else "no clipping"
         module = f"module {_short(dtype)}" if dtype is not None else "module in its own dtype"
-        return f"{name}({kwargs}), {module}, {masters}, gradients reduced in {reduced}, {scaling}, {clipping}"
+        products = f", fp8 products ({self.float8.value})" if self.float8 else ""
+        return f"{name}({kwargs}), {module}{products}, {masters}, gradients reduced in {reduced}, {scaling}, {clipping}"
 
 
 def _kwargs_items(value: Union[Mapping[str, Any], Tuple, None]) -> Tuple[Tuple[str, Any], ...]:

@@ -12,7 +12,7 @@ from nbscaler import ComputeConfig, Hardware, LossScaling, Recipe, build_optimiz
 from nbscaler.cost import timing
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.models.gpt import GPT, GPTConfig
-from nbscaler.recipe import AS_HELD, UNSET
+from nbscaler.recipe import AS_HELD, UNSET, Float8Scaling
 from nbscaler.planning.planner import cast_floats
 from tests.models import batch, build
 
@@ -206,3 +206,12 @@ def test_build_optimizer_runs_the_recipe_and_reduces_in_its_dtype(tmp_path):
     default = build_optimizer(pm)
     assert isinstance(default, torch.optim.AdamW)
     assert build_optimizer(pm, torch.optim.SGD, master_dtype=None, lr=0.1).param_groups[0]["params"][0].dtype == BF16
+
+
+def test_float8_is_a_checked_vocabulary():
+    recipe = Recipe(float8="rowwise", module_dtype=torch.bfloat16)
+    assert recipe.float8 is Float8Scaling.ROWWISE and recipe == Recipe(float8=Float8Scaling.ROWWISE, module_dtype=torch.bfloat16)
+    assert "fp8 products (rowwise)" in recipe.describe()
+    assert "fp8" not in Recipe().describe()
+    with pytest.raises(ValueError, match=r"float8='blockwise'.*tensorwise, rowwise"):
+        Recipe(float8="blockwise")
