@@ -95,7 +95,10 @@ class Recipe:
     - ``float8``: the linear layers' products are taken in fp8 with this scaling (``Float8Scaling``:
       ``"tensorwise"`` or ``"rowwise"``), the output in the module's dtype; ``None``: in the module's
       dtype. Weights, gradients, masters and optimizer state keep their dtypes: only the operands of
-      each product are cast, with their scales, for the product.
+      each product are cast, with their scales, for the product;
+    - ``float8_skip``: modules whose linear layers keep the module's dtype under ``float8``, each a
+      qualified name or its last parts (``"lm_head"``, ``"output"``: a model's output layer, which
+      torchtitan leaves in bf16).
 
     Each field is checked when the recipe is made; a ``ValueError`` names the field and the fix.
     """
@@ -108,6 +111,7 @@ class Recipe:
     loss_scaling: Optional[LossScaling] = None
     clip_grad_norm: Optional[float] = None
     float8: Optional[Float8Scaling] = None
+    float8_skip: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
@@ -129,6 +133,13 @@ class Recipe:
                 _fail("float8", self.float8, f"give one of {', '.join(k.value for k in Float8Scaling)}, or None "
                       "for products in the module's dtype.")
             object.__setattr__(self, "float8", Float8Scaling(self.float8))
+        skip = (self.float8_skip,) if isinstance(self.float8_skip, str) else tuple(self.float8_skip or ())
+        if not all(isinstance(name, str) and name for name in skip):
+            _fail("float8_skip", self.float8_skip, "give module names such as ('lm_head',).")
+        if skip and self.float8 is None:
+            _fail("float8_skip", self.float8_skip, "it names modules to leave out of fp8 products, and float8 is "
+                  "None; set float8='tensorwise' (or 'rowwise'), or leave float8_skip empty.")
+        object.__setattr__(self, "float8_skip", skip)
 
     @classmethod
     def of(cls, recipe: Optional["Recipe"] = None, **shorthands: Any) -> "Recipe":
@@ -187,7 +198,8 @@ class Recipe:
         scaling = (f"loss scaling from {self.loss_scaling.init_scale:g}" if self.loss_scaling else "no loss scaling")
         clipping = f"clipping at {self.clip_grad_norm:g}" if self.clip_grad_norm is not None else "no clipping"
         module = f"module {_short(dtype)}" if dtype is not None else "module in its own dtype"
-        products = f", fp8 products ({self.float8.value})" if self.float8 else ""
+        but = f", but {', '.join(self.float8_skip)}" if self.float8_skip else ""
+        products = f", fp8 products ({self.float8.value}{but})" if self.float8 else ""
         return f"{name}({kwargs}), {module}{products}, {masters}, gradients reduced in {reduced}, {scaling}, {clipping}"
 
 

@@ -215,3 +215,12 @@ def test_float8_is_a_checked_vocabulary():
     assert "fp8" not in Recipe().describe()
     with pytest.raises(ValueError, match=r"float8='blockwise'.*tensorwise, rowwise"):
         Recipe(float8="blockwise")
+
+
+def test_float8_skip_names_modules_and_needs_float8():
+    recipe = Recipe(float8="tensorwise", float8_skip="lm_head")
+    assert recipe.float8_skip == ("lm_head",) and "fp8 products (tensorwise, but lm_head)" in recipe.describe()
+    with pytest.raises(ValueError, match=r"float8_skip.*float8 is None"):
+        Recipe(float8_skip=("lm_head",))
+    with pytest.raises(ValueError, match=r"float8_skip=.*module names"):
+        Recipe(float8="tensorwise", float8_skip=("",))

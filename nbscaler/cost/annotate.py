@@ -18,6 +18,8 @@ After ``annotate_costs(graph)`` every node carries:
                    (``flops.attention_causal_fraction``; 1.0 for every other op)
 ``into_add``       whether the op's one output is read by a residual add alone (a dropout there
                    fuses with the add where the software fuses bias-dropout-add)
+``fused_reads`` / ``fused_write``
+                   what a compiled element-wise chain keeps out of memory (``cost.fusion``)
 =================  ==============================================================================
 
 The IR never imports this module: views, autodist and the Plan read the facts from ``node.meta``.
@@ -30,11 +32,12 @@ The IR never imports this module: views, autodist and the Plan read the facts fr
 from __future__ import annotations
 
 from nbscaler.cost.flops import attention_causal_fraction, backward_flops, node_flops
+from nbscaler.cost.fusion import FUSION_KEYS, annotate_fusion
 from nbscaler.cost.products import is_product
 from nbscaler.ir.graph import IRGraph, requires_grad_of
 
 COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd",
-             "product", "causal_fraction", "into_add")
+             "product", "causal_fraction", "into_add", *FUSION_KEYS)
 ADD_TARGETS = frozenset({"Tensor.add", "Tensor.__add__", "Tensor.__radd__", "torch.add", "_operator.add"})
 
 
@@ -55,4 +58,4 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
             local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts, product=is_product(node),
             causal_fraction=attention_causal_fraction(node),
             into_add=len(read_by) == 1 and read_by[0].target in ADD_TARGETS)
-    return graph
+    return annotate_fusion(graph)

@@ -98,15 +98,17 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from nbscaler.cost.flops import attention_flops
-from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.fusion import VIEW_OPS, kept_in_registers
+from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
 from nbscaler.cost.optimizers import step_tensors
-from nbscaler.ir.graph import IRNode
+from nbscaler.ir.graph import IRNode, in_module
 from nbscaler.ir.layer_rules import context_ring
 from nbscaler.ir.shape_rules import arg
-from nbscaler.recipe import Recipe
+from nbscaler.recipe import Float8Scaling, Recipe
 
+_FP8 = torch.float8_e4m3fn
 MATMUL_RAMP_S = 4e-6
 ATTENTION_EFFICIENCY = 0.55
 MEMORY_EFFICIENCY = 0.80
@@ -120,7 +122,13 @@ FLASH_BACKWARD_FORWARDS = 2.5
 DROPOUT_MASK_BYTES = 1
 DROPOUT_TARGET = "torch.nn.functional.dropout"
 
-VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
+#: One dynamic fp8 cast of a tensor (torchao's ``hp_tensor_to_float8_dynamic``), kernel by kernel, as
+#: (reads, writes) of the tensor in its own dtype and whether the kernel writes it in fp8. Eager
+#: PyTorch runs its ops one by one: ``abs``, ``amax``, the multiply by the scale, ``clamp``, ``to``.
+#: Compiled, an amax kernel reads the tensor and a cast kernel reads it and writes its fp8 copy.
+EAGER_CAST = ((1, 1, False), (1, 0, False), (1, 1, False), (1, 1, False), (1, 0, True))
+COMPILED_CAST = ((1, 0, False), (1, 0, True))
+FP8_TARGET = "torch.nn.functional.linear"
 
 #: Tensors the reducer's copies in and out of its flat buckets read and write per element (the
 #: optimizer's own come from ``cost.optimizers.step_tensors``).
@@ -141,21 +149,44 @@ def _bytes(shapes) -> int:
     return sum(math.prod(s[0]) * s[1].itemsize for s in shapes)
 
 
-def memory_bytes(op: OpCall) -> int:
+def memory_bytes(op: OpCall, compiled: Optional[Tuple[str, ...]] = None) -> int:
     """Bytes an op's forward moves: its local inputs and outputs; an embedding reads only the rows
-    it gathers (its output's worth) and the indices."""
+    it gathers (its output's worth) and the indices. ``compiled``: the modules a compiler fuses
+    (empty: all of them; ``Software.compiled_modules``): less what a fused element-wise chain keeps
+    out of memory (``cost.fusion``: inputs made inside the chain, outputs read only there)."""
     outputs = _bytes(op.out_shapes)
     if op.node.op == "embedding":
         return _bytes(op.in_shapes[:1]) + 2 * outputs
-    return _bytes(op.in_shapes) + outputs
+    if compiled is None:
+        return _bytes(op.in_shapes) + outputs
+    reads, kept = kept_in_registers(op.node, compiled)
+    if len(reads) != len(op.in_shapes):
+        raise ValueError(f"{op.node.name}: {len(op.in_shapes)} local inputs but {len(reads)} fusion flags; "
+                         "annotate_costs(graph) again after changing the graph.")
+    return _bytes(s for s, fused in zip(op.in_shapes, reads) if not fused) + (0 if kept else outputs)
 
 
-def backward_bytes(op: OpCall) -> int:
+def backward_bytes(op: OpCall, compiled: Optional[Tuple[str, ...]] = None) -> int:
     """Bytes an op's backward moves: twice its forward's (it reads the output's gradient and what was
     saved, and writes the inputs' gradients); an embedding's writes its whole table's gradient too."""
     if op.node.op == "embedding":
         return _bytes(op.in_shapes[1:2]) + memory_bytes(op)
-    return 2 * memory_bytes(op)
+    return 2 * memory_bytes(op, compiled)
+
+
+def cast_bytes(elements: int, itemsize: int, compiled: bool) -> List[int]:
+    """Bytes each kernel of one dynamic fp8 cast of ``elements`` of ``itemsize`` moves
+    (``EAGER_CAST`` or ``COMPILED_CAST``)."""
+    passes = COMPILED_CAST if compiled else EAGER_CAST
+    return [elements * ((reads + writes) * itemsize + fp8) for reads, writes, fp8 in passes]
+
+
+def fp8_product(node: IRNode, recipe_float8: Optional[Float8Scaling], skipped: Tuple[str, ...] = ()) -> bool:
+    """Whether ``node`` is a linear layer's product a recipe with ``float8`` takes in fp8: every
+    ``F.linear`` but those of the modules ``skipped`` names (``Recipe.float8_skip``)."""
+    if recipe_float8 is None or node.target != FP8_TARGET:
+        return False
+    return not any(in_module(node.module_path, name) for name in skipped)
 
 
 def drops(node: IRNode) -> bool:
@@ -210,8 +241,16 @@ class RooflineOps:
 
     overhead_s = 0.0            # the autograd engine's start-up runs on the host, ahead of the GPU
 
-    def __init__(self, hardware: Hardware):
+    def __init__(self, hardware: Hardware, float8: Optional[Float8Scaling] = None, float8_skip: Tuple[str, ...] = ()):
+        """``float8`` and ``float8_skip``: the recipe's (``Recipe.float8``): linear layers' products in fp8."""
         self.hardware = hardware
+        self.float8, self.float8_skip = float8, tuple(float8_skip)
+        software = hardware.software
+        self.compiled = software.compiled_modules if software.compiled else None    # None: eager
+        if float8 is not None and NumberFormat.FP8 not in hardware.peak_flops_by_precision:
+            raise ValueError(f"Recipe(float8={float8.value!r}) on {hardware.name}: it has no fp8 tensor cores "
+                             "(no fp8 peak in Hardware.peak_flops_by_precision); use float8=None, or a GPU with "
+                             "them (H100, H200, L4).")
         self._times: Dict[Tuple, Tuple[float, float]] = {}   # what ``time`` reads of an op -> its times
 
     def profile(self, ops: Iterable[OpCall]) -> None:
@@ -229,7 +268,7 @@ class RooflineOps:
         return (node.op, node.target, op.in_shapes, op.out_shapes, meta.get("local_flops_fwd"),
                 meta.get("local_flops_bwd"), meta.get("flops_fwd"), meta.get("flops_bwd"), meta.get("product"),
                 node.target == DROPOUT_TARGET and drops(node), meta.get("causal_fraction", 1.0),
-                meta.get("into_add", False))
+                meta.get("into_add", False), meta.get("fused_reads"), meta.get("fused_readers"), node.module_path)
 
     def time(self, op: OpCall, key: Optional[Tuple] = None) -> Tuple[float, float]:
         """Forward and backward seconds of ``op`` on one GPU of the target, worked out once per
@@ -252,6 +291,8 @@ class RooflineOps:
             return fwd, (bwd if grads else 0.0)
         meta = node.meta
         fwd_flops, bwd_flops = meta["local_flops_fwd"], meta["local_flops_bwd"]
+        if fp8_product(node, self.float8, self.float8_skip):
+            return self._fp8_linear(op, dtype)
         if meta["product"]:                   # the backward's products: one per operand with a gradient
             t = self._pass(fwd_flops, memory_bytes(op), dtype, product=True)
             return t, (meta["flops_bwd"] / meta["flops_fwd"] * t if meta["flops_fwd"] else 0.0)
@@ -263,12 +304,45 @@ class RooflineOps:
                 fwd = memory_seconds(elements * DROPOUT_MASK_BYTES, self.hardware.memory_bytes_per_s)
                 return fwd, (back if grads else 0.0)
             return back, (back if grads else 0.0)
-        t = self._pass(fwd_flops, memory_bytes(op), dtype)
+        if self.compiled is not None and kept_in_registers(node, self.compiled)[1]:   # inside a chain's kernel
+            t = max(fwd_flops / self.hardware.vector_flops(),
+                    memory_seconds(memory_bytes(op, self.compiled), self.hardware.memory_bytes_per_s))
+            return t, (max(2 * t, bwd_flops / self.hardware.vector_flops()) if grads else 0.0)
+        t = self._pass(fwd_flops, memory_bytes(op, self.compiled), dtype)
         if node.op == "embedding":
             bwd = self._pass(bwd_flops, backward_bytes(op), dtype)
         else:                                 # reads the output's gradient and what was saved, writes the inputs'
             bwd = max(2 * t, self._pass(bwd_flops, 0, dtype))
         return t, (bwd if grads else 0.0)
+
+    def _compiles(self, node: IRNode) -> bool:
+        """Whether the target's compiler sees ``node`` (``Software.compiled_modules``)."""
+        modules = self.compiled
+        return modules is not None and (not modules or any(in_module(node.module_path, m) for m in modules))
+
+    def _cast(self, shape: Tuple[int, ...], dtype: torch.dtype, compiled: bool) -> float:
+        """Seconds of one dynamic fp8 cast of a tensor of ``shape``: its kernels, each memory-bound."""
+        bw = self.hardware.memory_bytes_per_s
+        return sum(max(memory_seconds(b, bw), KERNEL_FLOOR_S) for b in cast_bytes(math.prod(shape), dtype.itemsize, compiled))
+
+    def _fp8_linear(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
+        """A linear layer with fp8 products, as torchao's float8 training runs it: the forward casts
+        the input and the weight and takes one product; the backward casts the output's gradient and
+        the weight for the input's gradient, the output's gradient and the input again for the
+        weight's, each product at the fp8 peak reading its operands in fp8 and writing in ``dtype``."""
+        (x, _, x_grad), (w, _, w_grad) = op.in_shapes[:2]
+        (out, _), = op.out_shapes[:1]
+        flops, h = op.node.meta["local_flops_fwd"], dtype.itemsize
+        fp8 = lambda shapes, written: sum(map(math.prod, shapes)) + math.prod(written) * h
+        product = lambda operands, written: self._pass(flops, fp8(operands, written), _FP8, product=True)
+        cast = lambda shape: self._cast(shape, dtype, self._compiles(op.node))
+        fwd = cast(x) + cast(w) + product((x, w), out)
+        bwd = 0.0
+        if x_grad:                            # dX = dY W
+            bwd += cast(out) + cast(w) + product((out, w), x)
+        if w_grad:                            # dW = dY^T X
+            bwd += cast(out) + cast(x) + product((out, x), w)
+        return fwd, bwd
 
     def _pass(self, flops: float, nbytes: float, dtype: torch.dtype, product: bool = False) -> float:
         """Seconds of one kernel: ``flops`` at the matmul rate (``product``) or the vector rate, or its

@@ -20,6 +20,13 @@ optimizer, loss scaling and gradient clipping.
   and read again.
 - ``overlap_grad_reduce``: the data-parallel reduction runs during the backward on its own stream
   (PyTorch DDP, FSDP, Megatron-LM's ``--overlap-grad-reduce`` since 2023), or waits for its end.
+- ``compiled``: the model runs through a compiler that fuses each chain of element-wise ops, norms
+  and reductions into one kernel (``torch.compile``'s inductor): the chain reads its inputs and
+  writes its outputs once (``cost.fusion``), and an fp8 recipe's scale and cast passes run as two
+  kernels a tensor instead of eager PyTorch's five (``cost.roofline``). Off by default: eager PyTorch.
+- ``compiled_modules``: where ``compiled``, the modules the compiler sees (``ir.graph.in_module``
+  names; torchtitan compiles each transformer block, ``("layers",)``, and leaves the output layer and
+  the loss eager); empty: the whole model.
 
 >>> megatron_2021 = Software(attention="materialized", attention_dropout=0.1, fused_bias_dropout_add=True,
 ...                          overlap_grad_reduce=False, name="Megatron-LM 2021")
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Tuple
 
 from nbscaler.columns import StrEnum
 
@@ -44,7 +52,8 @@ class AttentionKind(StrEnum):
 
 _FLAGS = {"fused_softmax": "True (scale, mask and softmax in one kernel) or False (three passes)",
           "fused_bias_dropout_add": "True (dropout and residual add in one kernel) or False",
-          "overlap_grad_reduce": "True (reduce during the backward) or False (after it)"}
+          "overlap_grad_reduce": "True (reduce during the backward) or False (after it)",
+          "compiled": "True (element-wise chains compiled into one kernel each, torch.compile) or False (eager)"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,8 @@ class Software:
     fused_softmax: bool = True
     fused_bias_dropout_add: bool = False
     overlap_grad_reduce: bool = True
+    compiled: bool = False
+    compiled_modules: Tuple[str, ...] = ()
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +77,11 @@ class Software:
         for flag, meaning in _FLAGS.items():
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Software({flag}={getattr(self, flag)!r}) is invalid: give {meaning}.")
+        modules = (self.compiled_modules,) if isinstance(self.compiled_modules, str) else tuple(self.compiled_modules)
+        if not all(isinstance(m, str) and m for m in modules) or (modules and not self.compiled):
+            raise ValueError(f"Software(compiled_modules={self.compiled_modules!r}) is invalid: give the names of "
+                             "the modules the compiler sees, e.g. ('layers',), with compiled=True.")
+        object.__setattr__(self, "compiled_modules", modules)
         p = self.attention_dropout
         if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1):
             raise ValueError(f"Software(attention_dropout={p!r}) is invalid: give a probability in [0, 1) "
@@ -85,4 +101,7 @@ class Software:
             parts.append(f"attention dropout {self.attention_dropout:g}")
         parts.append("bias-dropout-add fused" if self.fused_bias_dropout_add else "dropout and add apart")
         parts.append("gradient reduction " + ("during" if self.overlap_grad_reduce else "after") + " the backward")
+        if self.compiled:
+            where = f" in {', '.join(self.compiled_modules)}" if self.compiled_modules else ""
+            parts.append(f"compiled{where} (element-wise chains fused)")
         return (f"{self.name}: " if self.name else "") + ", ".join(parts)

@@ -60,7 +60,7 @@ from nbscaler.columns import SummaryColumn as C, UnitColumn as U
 from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.comm.stages import stage_carries
 from nbscaler.config import ComputeConfig, threads_per_rank
-from nbscaler.recipe import Recipe
+from nbscaler.recipe import Float8Scaling, Recipe
 from nbscaler.cost import comm_model
 from nbscaler.cost.comm_model import CommModel
 from nbscaler.cost.hardware import Hardware
@@ -102,10 +102,20 @@ def profiler_for(cfg: ComputeConfig) -> OpProfiler:
     return default_profiler(threads_per_rank(os.cpu_count() or 1, cfg.runtime_ngpus), cfg.runtime_ngpus, device)
 
 
-def target_models(hardware: Hardware) -> Tuple[RooflineOps, NcclModel]:
-    """How a target prices a step's pieces: each op at its roofline time (``cost.roofline``), each
-    collective at NCCL's cost on the links its group spans (``cost.nccl``)."""
-    return RooflineOps(hardware), NcclModel(hardware)
+Products = Tuple[Optional[Float8Scaling], Tuple[str, ...]]
+
+
+def products_of(recipe: Optional[Recipe]) -> Products:
+    """What of a recipe changes how long ops take: its fp8 products (``Recipe.float8`` and
+    ``float8_skip``); the rest of it changes only the reduction and the update."""
+    return (recipe.float8, recipe.float8_skip) if recipe is not None else (None, ())
+
+
+def target_models(hardware: Hardware, recipe: Optional[Recipe] = None) -> Tuple[RooflineOps, NcclModel]:
+    """How a target prices a step's pieces: each op at its roofline time (``cost.roofline``, its
+    linear layers' products in fp8 where ``recipe`` says), each collective at NCCL's cost on the
+    links its group spans (``cost.nccl``)."""
+    return RooflineOps(hardware, *products_of(recipe)), NcclModel(hardware)
 
 
 def backend_on(hardware: Optional[Hardware], runtime_ngpus: Optional[int] = None) -> Backend:
@@ -320,17 +330,23 @@ class StepModel:
     def __init__(self, placed: PlacedGraphs, profiler: Optional[OpProfiler] = None,
                  comm: Optional[CommModel] = None, runs: Optional[DeviceRuns] = None,
                  hardware: Optional[Hardware] = None, weights_of: Optional[Callable[[int], List[LocalWeight]]] = None,
-                 program_of: Optional[ProgramOf] = None):
+                 program_of: Optional[ProgramOf] = None, recipe: Optional[Recipe] = None):
         """``runs``, ``weights_of`` and ``program_of`` (plan device -> its lowered program, read
-        under ZeRO stage 3): the plan's, when the caller has them."""
+        under ZeRO stage 3): the plan's, when the caller has them. ``recipe``: the run's, where its
+        products are in fp8 (``products_of``); every recipe this model prices must agree with it."""
         self.placed, cfg = placed, placed.config
+        self.products = products_of(recipe)
         self.graphs, self.cfg, self.geometry = placed.graphs, cfg, placed.geometry
         self.weights_of = weights_of          # plan device -> its weight table, when the caller has them
         self.hardware = hardware
         on_target = hardware is not None and not hardware.is_local
         if on_target:
             hardware.check_ranks(cfg.runtime_ngpus)
-        ops, collectives = target_models(hardware) if on_target else (None, None)
+        elif self.products[0] is not None:
+            raise ValueError(f"Recipe(float8={self.products[0].value!r}) is priced on a target (hardware=Hardware.named("
+                             "'H100-SXM-80GB') and the like): this machine's op profiles time products in the "
+                             "module's dtype. Use float8=None here.")
+        ops, collectives = target_models(hardware, recipe) if on_target else (None, None)
         self.profiler = profiler or ops or profiler_for(cfg)
         self.comm = comm or collectives or comm_model.load(comm_model.local_backend(cfg.runtime_ngpus),
                                                            nranks=max(2, cfg.plan_ngpus))
@@ -504,6 +520,10 @@ class StepModel:
     def _compute_timeline(self, nsamples: int, recipe: Recipe) -> Timeline:
         """``timeline`` without the data-parallel synchronisation: the blocks, and under ZeRO stage 3
         its units' collectives."""
+        if products_of(recipe) != self.products:
+            raise ValueError(f"this step model prices products as {self.products}, the recipe asks for "
+                             f"{products_of(recipe)}: make one with StepModel(..., recipe=recipe) "
+                             "(Plan.step_model(hardware, recipe) does).")
         units = self.shard_units(recipe)
         blocks: List[TimedBlock] = []
         calls: List[CollectiveBlock] = []
@@ -633,4 +653,5 @@ def predicted_timeline(placed: PlacedGraphs, *, nsamples: Optional[int] = None, 
     ``program_of``: its lowered programs). Under ZeRO stage 3 with each unit's all-gathers and
     reduce-scatters beside them, gradients reduced as ``recipe`` says (default ``Recipe()``)."""
     n = nsamples if nsamples is not None else _nsamples(placed.config)
-    return (model or StepModel(placed, runs=runs, hardware=hardware, program_of=program_of)).timeline(n, recipe)
+    model = model or StepModel(placed, runs=runs, hardware=hardware, program_of=program_of, recipe=recipe)
+    return model.timeline(n, recipe)

@@ -108,6 +108,16 @@ CONTEXT_KIND = "context_kind"
 RECOMPUTE_CORE = ":core"
 
 
+def in_module(path: str, name: str) -> bool:
+    """Whether an op at module ``path`` runs inside a module called ``name``: its qualified name or
+    any run of its parts (``"lm_head"``, ``"layers"``, ``"model.layers.3"``).
+
+    >>> in_module("model.layers.3.mlp.up_proj", "layers"), in_module("model.layers_norm", "layers")
+    (True, False)
+    """
+    return f".{name}." in f".{path}."
+
+
 def recompute_runs(nodes: Sequence["IRNode"]) -> List[Tuple[Optional[str], List["IRNode"]]]:
     """``nodes`` cut into consecutive runs of one recomputed region, or of no region (``None``)."""
     out: List[Tuple[Optional[str], List[IRNode]]] = []

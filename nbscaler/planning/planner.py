@@ -39,7 +39,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.comm.placed import PlacedGraphs
 from nbscaler.cost.memory import DeviceRuns, device_runs, memory_per_rank, paused_gc
 from nbscaler.cost.step_figures import StepFigures
-from nbscaler.cost.timing import StepModel, backend_on, predicted_timeline
+from nbscaler.cost.timing import StepModel, backend_on, predicted_timeline, products_of
 from nbscaler.ir.backward_split import mark_backward_split
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import tables
@@ -266,7 +266,8 @@ class Plan:
         (``cost.timing.sync_spans``): what they wait after the blocks is the step's exposed
         synchronisation. ``recipe`` is checked against the plan as ``summary`` checks it."""
         chosen = self.recipe_of(recipe)
-        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware, model=self.step_model(hardware),
+        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware,
+                                  model=self.step_model(hardware, chosen),
                                   recipe=chosen, program_of=self.programs.device)
 
     def unit_collectives(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> pd.DataFrame:
@@ -277,8 +278,9 @@ class Plan:
         Empty under any other configuration."""
         chosen = self.recipe_of(recipe)
         cfg = self.config
-        model = self.step_model(hardware) or StepModel(self.placed, runs=self.local_runs, hardware=hardware,
-                                                       weights_of=self.programs.weights, program_of=self.programs.device)
+        model = self.step_model(hardware, chosen) or StepModel(self.placed, runs=self.local_runs, hardware=hardware,
+                                                               weights_of=self.programs.weights,
+                                                               program_of=self.programs.device, recipe=chosen)
         return model.unit_table(cfg.pipeline_nmicros if cfg.use_pipeline else 1, chosen)
 
     def recipe_of(self, recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
@@ -292,20 +294,22 @@ class Plan:
                              "or give a recipe without module_dtype.")
         return chosen
 
-    def step_model(self, hardware: Optional[Hardware] = None) -> Optional[StepModel]:
-        """The step model (each device's section times) on target ``hardware``, made once per
-        hardware and kept: ``timeline`` and ``summary`` on one target share it. ``None`` on this
+    def step_model(self, hardware: Optional[Hardware] = None, recipe: Optional[Recipe] = None) -> Optional[StepModel]:
+        """The step model (each device's section times) on target ``hardware`` for a run with
+        ``recipe``'s products (fp8 or not, ``cost.timing.products_of``), made once per hardware and
+        products and kept: ``timeline`` and ``summary`` on one target share it. ``None`` on this
         machine (no ``hardware``, or ``Hardware.local()``), where the op profiles and the
         calibration can change between calls and each call builds its own."""
         if hardware is None or hardware.is_local:
             return None
-        models = self.__dict__.setdefault("_step_models", [])     # (hardware, its model): Hardware is unhashable
-        for known, model in models:
-            if known == hardware:
+        models = self.__dict__.setdefault("_step_models", [])     # (hardware, products, model): Hardware is unhashable
+        products = products_of(recipe)
+        for known, made_for, model in models:
+            if known == hardware and made_for == products:
                 return model
         model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights,
-                          program_of=self.programs.device)
-        models.append((hardware, model))
+                          program_of=self.programs.device, recipe=recipe)
+        models.append((hardware, products, model))
         return model
 
     @functools.cached_property

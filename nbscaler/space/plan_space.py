@@ -43,7 +43,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
 from nbscaler.cost.roofline import RooflineOps
-from nbscaler.cost.timing import target_models
+from nbscaler.cost.timing import products_of, target_models
 from nbscaler.space.layer_facts import LayerFacts, PlacementMemo, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
@@ -260,9 +260,9 @@ class PlanSpace:
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
                          r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward, r.cp,
                          r.context_parallel_kind)
-        target = (repr(hardware),)
-        if target not in self._models:        # op and collective times, kept per target
-            self._models[target] = target_models(hardware)
+        target = (repr(hardware), products_of(self.recipe))
+        if target not in self._models:        # op and collective times, kept per target and products
+            self._models[target] = target_models(hardware, self.recipe)
         (ops, comm), recipe = self._models[target], self.recipe
         rows, excluded, runnable = [], [], []
 

@@ -11,7 +11,7 @@ from nbscaler import ComputeConfig, Hardware
 from nbscaler.cost import roofline as R
 from nbscaler.cost.flops import attention_flops, causal_fraction
 from nbscaler.cost.software import Software
-from nbscaler.recipe import LossScaling, Recipe
+from nbscaler.recipe import Float8Scaling, LossScaling, Recipe
 from nbscaler.cost.hardware import NumberFormat
 from nbscaler.cost.local import fake_device
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
@@ -259,3 +259,46 @@ def test_an_op_that_is_no_product_runs_its_flops_at_the_vector_rate(ops):
     assert R.RooflineOps(A100).time(norm)[0] < fwd                     # on the real A100, memory binds
     no_fp32 = dataclasses.replace(A100, peak_flops_by_precision={NumberFormat.BF16: 312e12, NumberFormat.TF32: 156e12})
     assert no_fp32.vector_flops() == 156e12 * 1305 / 1410              # without one: its slowest peak
+
+
+H100 = Hardware.named("H100-SXM-80GB")
+
+
+def test_an_fp8_linear_is_its_casts_and_three_products_at_the_fp8_peak(ops):
+    """torchao's float8 training: the forward casts the input and the weight and takes one product;
+    the backward casts the output's gradient twice, the weight and the input once more, and takes two
+    products; each product reads fp8 operands and writes bf16."""
+    qkv = first(ops, "linear")
+    (x, dt, _), (w, _, _), _ = qkv.in_shapes
+    (y, _), = qkv.out_shapes
+    n = lambda shape: math.prod(shape)
+    flops, h, bw = 2 * B * T * C * 3 * C, dt.itemsize, H100.memory_bytes_per_s
+    fp8_rate = H100.sustained_flops(torch.float8_e4m3fn) * H100.matmul_efficiency
+    assert fp8_rate == pytest.approx(2 * H100.sustained_flops(torch.bfloat16) * H100.matmul_efficiency, rel=1e-4)
+    kernel = lambda nbytes: max(R.memory_seconds(nbytes, bw), R.KERNEL_FLOOR_S)
+    product = lambda a, b, out: max(flops / fp8_rate + R.MATMUL_RAMP_S, R.memory_seconds(n(a) + n(b) + n(out) * h, bw))
+    for compiled, passes in ((False, R.EAGER_CAST), (True, R.COMPILED_CAST)):
+        cast = lambda shape: sum(kernel(n(shape) * ((r + wr) * h + f)) for r, wr, f in passes)
+        target = H100.running(Software(compiled=compiled))
+        fwd, bwd = R.RooflineOps(target, float8=Float8Scaling.TENSORWISE).time(qkv)
+        assert fwd == pytest.approx(cast(x) + cast(w) + product(x, w, y), rel=1e-12)
+        assert bwd == pytest.approx(2 * cast(y) + cast(w) + cast(x) + product(y, w, x) + product(y, x, w), rel=1e-12)
+    assert len(R.EAGER_CAST) == 5 and len(R.COMPILED_CAST) == 2
+    bf16 = R.RooflineOps(H100).time(qkv)
+    assert R.RooflineOps(H100, Float8Scaling.TENSORWISE, ("attn",)).time(qkv) == bf16     # float8_skip: bf16 as before
+
+
+def test_fp8_products_need_fp8_units_and_a_target():
+    with pytest.raises(ValueError, match=r"float8='tensorwise'.*T4.*no fp8 tensor cores.*float8=None"):
+        R.RooflineOps(Hardware.named("T4"), Float8Scaling.TENSORWISE)
+    cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4)
+    plan = nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 2)}, "data", ComputeConfig(1, 1, use_end2end=True),
+                         module_dtype=torch.bfloat16)
+    fp8 = Recipe(float8="tensorwise")
+    with pytest.raises(ValueError, match=r"float8='tensorwise'.*priced on a target"):
+        plan.step_figures(recipe=fp8)
+    faster, slower = (plan.step_figures(recipe=r, hardware=H100).step_time_s for r in (fp8, Recipe()))
+    assert plan.step_model(H100, fp8) is not plan.step_model(H100) and plan.step_model(H100, fp8) is plan.step_model(H100, fp8)
+    assert faster != slower
+    with pytest.raises(ValueError, match="prices products as"):
+        plan.step_model(H100).device_steps(1, fp8)
