@@ -1,7 +1,7 @@
 """nbscaler's predictions for published training runs, beside what those runs measured.
 
 ``benchmarks/published/`` holds the runs and the facts of their software (``runs``), how each is
-planned and priced (``predict``, ``torchtitan``) and the results file (``report``).
+planned and priced (``predict``, ``torchtitan``, ``torchtitan_ladder``) and the results file (``report``).
 
     python -m benchmarks.published_runs                  # writes benchmarks/results/published_runs.md
     python -m benchmarks.published_runs --rows 1.7 39.1  # those rows, printed, nothing written
@@ -19,6 +19,7 @@ from benchmarks.published import report
 from benchmarks.published.predict import predict
 from benchmarks.published.runs import NARAYANAN_2021
 from benchmarks.published.torchtitan import LLAMA_RUNS, predict_llama, section as llama_section
+from benchmarks.published.torchtitan_ladder import predict_ladder, section as ladder_section
 
 RESULTS = Path(__file__).parent / "results" / "published_runs.md"
 SUMMARIES = [Path(__file__).parent.parent / "README.md", Path(__file__).parent.parent / "docs" / "targets.md"]
@@ -41,6 +42,7 @@ def results(rows: Optional[List[float]] = None, micros: Optional[List[int]] = No
     if llama:
         for run in LLAMA_RUNS:
             text += "\n" + llama_section(run, predict_llama(run))
+            text += "\n" + ladder_section(run, predict_ladder(run))
     if swept:
         from benchmarks.published_sweep import section
         text += section(runs)

@@ -16,7 +16,8 @@ last block only); nbscaler has one setting for every unit and is given the close
 all, so it gathers the last layer once more at the start of the backward. Neither frees the rest
 after the forward (FSDP2 keeps its root gathered; nbscaler its rest unit). Its 500 W limit lowers
 the clock by an amount torchtitan does not know ("between SXM and NVL"): each row is priced at the
-SXM's bf16 peak and at the NVL's (835.5 TFLOP/s dense, the datasheet's 1,671 sparse halved).
+SXM's peaks and at the NVL's (bf16 835.5 TFLOP/s dense, the datasheet's 1,671 sparse halved; fp8
+1,670.5, its 3,341 halved).
 
 The recomputation is not priced as it ran: torchtitan's selective checkpointing
 (``selective_ac_option = "op"``, ``torchtitan/parallelisms/parallelize_llama.py``) wraps each block
@@ -48,6 +49,7 @@ from nbscaler import ComputeConfig, Hardware, NumberFormat, Recipe
 from benchmarks.published.predict import shares
 
 H100_NVL_BF16 = 835.5e12
+H100_NVL_FP8 = 1670.5e12
 RECIPE = Recipe(torch.optim.AdamW, master_dtype=torch.float32, grad_reduce_dtype=torch.float32, clip_grad_norm=1.0)
 #: torchtitan's FSDP units: each transformer block (Hugging Face's decoder layers), the rest of the
 #: model one more unit (nbscaler's rest unit, torchtitan's ``fully_shard`` on the root).
@@ -85,12 +87,16 @@ LLAMA_RUNS = [
 
 
 def grand_teton_h100(nodes: int, bf16_peak: Optional[float] = None) -> Hardware:
-    """Meta's Grand Teton H100: 96 GB of HBM2e at 2.4 TB/s; the SXM's peaks, or ``bf16_peak``."""
+    """Meta's Grand Teton H100: 96 GB of HBM2e at 2.4 TB/s; the SXM's peaks, or the NVL's
+    (``bf16_peak=H100_NVL_BF16``: its tensor cores' peaks, fp8's too, at its lower clock)."""
     hw = Hardware.named("H100-SXM-80GB", nodes=nodes)
     peaks = dict(hw.peak_flops_by_precision)
     name = "H100 (Grand Teton, 96 GB HBM2e)"
     if bf16_peak is not None:
-        peaks.update({NumberFormat.BF16: bf16_peak, NumberFormat.FP16: bf16_peak})
+        if bf16_peak != H100_NVL_BF16:
+            raise ValueError(f"bf16_peak={bf16_peak:g}: the rows bracket the clock with the SXM's peaks (None) "
+                             f"and the NVL's (H100_NVL_BF16={H100_NVL_BF16:g}).")
+        peaks.update({NumberFormat.BF16: bf16_peak, NumberFormat.FP16: bf16_peak, NumberFormat.FP8: H100_NVL_FP8})
         name += f", bf16 peak {bf16_peak / 1e12:.0f} TFLOP/s"
     return dataclasses.replace(hw, name=name, memory_bytes=96e9, memory_bytes_per_s=2.4e12, peak_flops_by_precision=peaks)
 

@@ -93,3 +93,29 @@ def test_the_llama_tables_and_verdict_are_computed_from_the_rows(small_llama):
     met = [r for r in rows if abs(r["tokens_error"]) <= 0.10 and abs(r["memory_error"]) <= 0.10]
     said = re.search(r"is met by (none|\d+) of the (\d+) rows", text)
     assert said and int(said[2]) == len(rows) and said[1] == (str(len(met)) if met else "none")
+
+
+@pytest.mark.slow
+def test_the_ladder_prices_each_rungs_facts_and_computes_its_verdict(small_llama):
+    from benchmarks.published import torchtitan_ladder as L
+    run, _ = small_llama
+    rows = L.predict_ladder(run, log=lambda *_: None)
+    from benchmarks.published import torchtitan
+    assert len(rows) == len(torchtitan.BRACKET) * 2 * len(L.RUNGS)      # two recomputations, two peaks
+    compiled, fp8 = L.RUNGS[1], L.RUNGS[2]
+    assert compiled.hardware(torchtitan.grand_teton_h100(1)).software.compiled_modules == ("layers",)
+    assert fp8.recipe().float8 == "tensorwise" and fp8.recipe().float8_skip == ("lm_head",)
+    text = L.section(run, rows)
+    for r in rows:
+        rung = r["rung"]
+        assert r["tokens_error"] == pytest.approx(r["tokens_per_s_per_gpu"] / rung.tokens_per_s_per_gpu - 1, rel=1e-12)
+        assert f"| {rung.name} | {r['recompute']} | {r['peak']} | {r['step'].step_time_s:.2f} | " in text
+    by_place = {}
+    for r in rows:
+        by_place.setdefault((r["recompute"], r["peak"]), []).append(r["tokens_per_s_per_gpu"])
+    assert all(eager < compiled for eager, compiled, _ in by_place.values())   # compiling shortens the step
+    # (at this small shape fp8's casts can cost more than its products save: no order asserted there)
+    ups = L.step_ups(rows)
+    assert [u["published"] for u in ups[:2]] == pytest.approx([6667 / 5762, 8532 / 6667])
+    met = sum(abs(u["error"]) <= L.STEP_GOAL for u in ups)
+    assert f"Each step up within 5% of the published: {met} of {len(ups)}" in text
