@@ -231,6 +231,9 @@ class SweepColumn(StrEnum):
       backward (``False``); ``True`` on the rows of other stages, which gather nothing.
     - ``scheduler``: the pipeline scheduler; ``virtual_stages``: stages per pipeline device (1
       for ``1f1b``, more for interleaved schedulers).
+    - ``float8``: the linear layers' products in fp8 with this scaling (``Recipe.float8``:
+      ``tensorwise``, ``rowwise``), or ``none``; ``compiled``: the target's software compiles the
+      model, each element-wise chain one kernel (``Software.compiled``).
 
     The prediction, each as the summary of that configuration on the target gives it
     (``SummaryColumn``):
@@ -259,6 +262,8 @@ class SweepColumn(StrEnum):
     ZERO_RESHARD_AFTER_FORWARD = "zero_reshard_after_forward"
     SCHEDULER = "scheduler"
     VIRTUAL_STAGES = "virtual_stages"
+    FLOAT8 = "float8"
+    COMPILED = "compiled"
     STEP_TIME_S = "step_time_s"
     TOKENS_PER_S = "tokens_per_s"
     MFU = "mfu"

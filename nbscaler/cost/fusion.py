@@ -16,9 +16,9 @@ After ``annotate_fusion(graph)`` every node carries:
                    writes them; ``None`` otherwise
 =================  ==============================================================================
 
-The paths let a target compile only some modules (``Software.compiled_modules``: torchtitan
-compiles each transformer block, not the loss): ``kept_in_registers`` cuts the chains at the
-modules' edges.
+The paths let a target compile only some modules, each in a graph of its own
+(``Software.compiled_modules``: torchtitan compiles each transformer block alone, and not the
+loss): ``kept_in_registers`` cuts the chains at each compiled graph's edges (``compiled_unit``).
 
 An op joins the kernel of the op it reads (directly or through views, ``VIEW_OPS``: no kernel, no
 copy) when both are fusible (``FUSIBLE_OPS``), run in the same pipeline stage at the same placement
@@ -30,7 +30,7 @@ run kernels of their own (cuBLAS, FlashAttention, a gather). Which of its inputs
 choice (it may recompute them); the backward's bytes follow the forward's (``cost.roofline``).
 
 >>> annotate_fusion(graph)                                  # doctest: +SKIP
->>> graph.nodes[5].meta["fused_reads"], graph.nodes[5].meta["fused_readers"]
+>>> graph.nodes[5].meta["fused_reads"], graph.nodes[5].meta["fused_readers"]    # doctest: +SKIP
 (('layers.0.mlp', None), ('layers.0.mlp', 'layers.0.mlp'))
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, in_module
+from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 
 #: Ops a compiler fuses into its element-wise kernels: point-wise maths, norms, softmax, reductions,
 #: masks, losses (a log-softmax, a gather and a mean), concatenation and padding.
@@ -151,13 +151,34 @@ def annotate_fusion(graph: IRGraph) -> IRGraph:
     return graph
 
 
+def compiled_unit(path: str, modules: Sequence[str] = ()) -> Optional[str]:
+    """The graph a compiler of ``modules`` compiles the op at module ``path`` in: ``""`` (the whole
+    model) where ``modules`` is empty; else the first module named (``ir.graph.in_module``) that holds
+    it, or that module's numbered child where it is a list of blocks (torchtitan compiles each
+    transformer block of ``layers`` on its own); ``None`` where no named module holds it (eager).
+
+    >>> compiled_unit("model.layers.3.mlp", ("layers",)), compiled_unit("model.norm", ("layers",))
+    ('model.layers.3', None)
+    """
+    if not modules:
+        return ""
+    parts = path.split(".") if path else []
+    for name in modules:
+        wanted = name.split(".")
+        for i in range(len(parts) - len(wanted) + 1):
+            if parts[i:i + len(wanted)] == wanted:
+                end = i + len(wanted) + (i + len(wanted) < len(parts) and parts[i + len(wanted)].isdigit())
+                return ".".join(parts[:end])
+    return None
+
+
 def kept_in_registers(node: IRNode, modules: Sequence[str] = ()) -> Tuple[Tuple[bool, ...], bool]:
-    """Under a compiler of ``modules`` (every module where empty): which of ``node``'s inputs its
-    chain's kernel does not read from memory, and whether it never writes the node's outputs. A
-    chain stops at the edge of the compiled modules."""
-    inside = lambda path: not modules or any(in_module(path, m) for m in modules)
+    """Under a compiler of ``modules`` (``compiled_unit``): which of ``node``'s inputs its chain's
+    kernel does not read from memory, and whether it never writes the node's outputs. A chain
+    stops at the edge of each compiled graph."""
+    unit = compiled_unit(node.module_path, modules)
     reads, readers = node.meta["fused_reads"], node.meta["fused_readers"]
-    if not inside(node.module_path):
+    if unit is None:
         return (False,) * len(reads), False
-    return (tuple(m is not None and inside(m) for m in reads),
-            readers is not None and all(inside(r) for r in readers))
+    same = lambda path: path is not None and compiled_unit(path, modules) == unit
+    return tuple(map(same, reads)), readers is not None and all(map(same, readers))

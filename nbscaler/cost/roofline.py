@@ -98,7 +98,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from nbscaler.cost.flops import attention_flops
-from nbscaler.cost.fusion import VIEW_OPS, kept_in_registers
+from nbscaler.cost.fusion import VIEW_OPS, compiled_unit, kept_in_registers
 from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
@@ -317,8 +317,7 @@ class RooflineOps:
 
     def _compiles(self, node: IRNode) -> bool:
         """Whether the target's compiler sees ``node`` (``Software.compiled_modules``)."""
-        modules = self.compiled
-        return modules is not None and (not modules or any(in_module(node.module_path, m) for m in modules))
+        return self.compiled is not None and compiled_unit(node.module_path, self.compiled) is not None
 
     def _cast(self, shape: Tuple[int, ...], dtype: torch.dtype, compiled: bool) -> float:
         """Seconds of one dynamic fp8 cast of a tensor of ``shape``: its kernels, each memory-bound."""

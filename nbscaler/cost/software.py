@@ -24,9 +24,10 @@ optimizer, loss scaling and gradient clipping.
   and reductions into one kernel (``torch.compile``'s inductor): the chain reads its inputs and
   writes its outputs once (``cost.fusion``), and an fp8 recipe's scale and cast passes run as two
   kernels a tensor instead of eager PyTorch's five (``cost.roofline``). Off by default: eager PyTorch.
-- ``compiled_modules``: where ``compiled``, the modules the compiler sees (``ir.graph.in_module``
-  names; torchtitan compiles each transformer block, ``("layers",)``, and leaves the output layer and
-  the loss eager); empty: the whole model.
+- ``compiled_modules``: where ``compiled``, the modules the compiler sees, each in a graph of its own
+  (``cost.fusion.compiled_unit``: a name matches any run of a module path's parts, and a list of
+  blocks is compiled block by block: torchtitan's ``("layers",)``, which leaves the embeddings, the
+  final norm, the output layer and the loss eager); empty: the whole model as one graph.
 
 >>> megatron_2021 = Software(attention="materialized", attention_dropout=0.1, fused_bias_dropout_add=True,
 ...                          overlap_grad_reduce=False, name="Megatron-LM 2021")

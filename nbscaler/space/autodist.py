@@ -55,7 +55,7 @@ WITHIN = 1.25
 
 #: The ranges ``autodist_space`` may give: ``nbscaler.sweep``'s keywords of the same names.
 SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage", "zero_reshard_after_forward",
-              "cp", "context_parallel_kind")
+              "cp", "context_parallel_kind", "float8", "compiled")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,9 @@ class TargetSearch:
     ``global_batch``    the sequences one training step trains on
     ``autodist_space``  the ranges to search, as ``nbscaler.sweep``'s keywords ``tp``, ``pp``,
                         ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``,
-                        ``zero_reshard_after_forward``, ``cp``, ``context_parallel_kind`` (a
+                        ``zero_reshard_after_forward``, ``cp``, ``context_parallel_kind``,
+                        ``float8``, ``compiled`` (the chosen row says which products and
+                        software it was priced with; a
                         missing one: the sweep's default, none, selective and full for
                         ``recompute``; ``sequence_parallel`` or ``recompute`` missing and
                         ``pas_config['sequence_parallel']`` or ``['recompute']`` given: that

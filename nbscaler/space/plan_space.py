@@ -48,8 +48,9 @@ from nbscaler.space.layer_facts import LayerFacts, PlacementMemo, read_facts
 from nbscaler.space.op_ledger import Kinds
 from nbscaler.space.pricing import Staged, pipeline_seconds, price
 from nbscaler.space.prune import check_prune, pruned_rows
-from nbscaler.space.ranges import (CONTEXT_KIND_VALUES, RECOMPUTE_VALUES, Ranges, checked_ranges, combination_problem,
-                                   context_kind_at, reshard_at, sequence_parallel_at, virtual_stages_of)
+from nbscaler.space.ranges import (CONTEXT_KIND_VALUES, RECOMPUTE_VALUES, Ranges, at_software, checked_ranges,
+                                   combination_problem, context_kind_at, reshard_at, sequence_parallel_at,
+                                   software_ranges, virtual_stages_of)
 from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
@@ -59,7 +60,8 @@ from nbscaler.recipe import UNSET, Recipe
 from nbscaler.schedule.schedulers import scheduler_spec
 
 CONFIG_COLUMNS = (S.TP, S.CP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL,
-                  S.CONTEXT_PARALLEL_KIND, S.ZERO_STAGE, S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES)
+                  S.CONTEXT_PARALLEL_KIND, S.ZERO_STAGE, S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES,
+                  S.FLOAT8, S.COMPILED)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
                       S.TP_COMM_SHARE, S.DP_COMM_SHARE, S.PP_SEND_SHARE, S.FSDP_COMM_SHARE)
 KNOBS = ("hardware", "nodes", "gpus_per_node", "recipe", "module_dtype", "master_dtype", "grad_reduce_dtype",
@@ -157,7 +159,8 @@ class PlanSpace:
                  master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
                  scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = False,
                  prune: Optional[float] = None, settle: bool = True, cp: Sequence[int] = (1,),
-                 context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, **optimizer_kwargs: Any):
+                 context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, float8: Optional[Sequence] = None,
+                 compiled: Optional[Sequence[bool]] = None, **optimizer_kwargs: Any):
         check_prune(prune)
         self.recipe = space_recipe(recipe, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                                    master_dtype=master_dtype, module_dtype=module_dtype,
@@ -167,7 +170,8 @@ class PlanSpace:
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
                              tuple(virtual_stages), tuple(zero_reshard_after_forward), tuple(cp),
-                             tuple(context_parallel_kind))
+                             tuple(context_parallel_kind), None if float8 is None else tuple(float8),
+                             None if compiled is None else tuple(compiled))
         self.hardware, self.global_batch = hardware, global_batch
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
@@ -260,50 +264,61 @@ class PlanSpace:
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
                          r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward, r.cp,
                          r.context_parallel_kind)
-        target = (repr(hardware), products_of(self.recipe))
-        if target not in self._models:        # op and collective times, kept per target and products
-            self._models[target] = target_models(hardware, self.recipe)
-        (ops, comm), recipe = self._models[target], self.recipe
-        rows, excluded, runnable = [], [], []
-
-        def priced(config: Dict, cfg: ComputeConfig, facts: LayerFacts, staged: Staged) -> Dict[str, Any]:
-            peak_key = (*self._key(*self._canonical(_placement_of(config))), hardware.ngpus, config[S.PP],
-                        config[S.ZERO_STAGE], config[S.ZERO_RESHARD_AFTER_FORWARD], config[S.VIRTUAL_STAGES],
-                        config[S.MICRO_BATCHES], recipe)
-            return {**config, **price(facts, cfg, hardware, ops, comm, recipe, staged, (self._peaks, peak_key))}
-
         tp, pp, micro, recompute, sequence_parallel, zero, reshard, cps, kinds = ranges
-        combos = [(t, c, p, m, rec, sp, kind, z, keep, v) for t, c, p, m, rec, z, v in itertools.product(
+        combos = [(t, c, p, m, rec, sp, kind, z, keep, v, f8, comp)
+                  for f8, comp in software_ranges(hardware, self.recipe, r.float8, r.compiled, self.stack.path)
+                  for t, c, p, m, rec, z, v in itertools.product(
                       tp, cps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
                   for sp in sequence_parallel_at(t if c == 1 else 1, sequence_parallel)
                   for kind in context_kind_at(c, kinds) for keep in reshard_at(z, reshard)]
-        for t, c, p, m, rec, sp, kind, z, keep, v in tqdm(combos, desc="sweep", unit="config", disable=not progress):
-            width = t * c * p
-            config = {S.TP: t, S.CP: c, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
-                      S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.CONTEXT_PARALLEL_KIND: kind,
-                      S.ZERO_STAGE: z, S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: r.scheduler,
-                      S.VIRTUAL_STAGES: v}
-            reason = combination_problem(hardware, global_batch, t, p, m, c, self.sequence)
-            if reason is None:
-                config[S.MICRO_BATCHES] = global_batch // (config[S.DP] * m)
-                try:
-                    cfg = config_of(config, hardware.ngpus, self.stack.path)
-                    placement = self._canonical(_placement_of(config))
-                    facts = self._facts_of(target, ops, comm, placement)
-                    staged = self._staged_of(target, facts, placement, cfg.pipeline_nstages)
-                    if self.prune is not None:
-                        runnable.append((pipeline_seconds(facts, cfg, comm, staged), config, cfg, facts, staged))
-                    else:
-                        rows.append(priced(config, cfg, facts, staged))
-                    continue
-                except (ValueError, PolicyError) as err:
-                    reason = str(err)
-            excluded.append({**config, "reason": reason})
+        rows, excluded, runnable = [], [], []
+        for *layout, f8, comp in tqdm(combos, desc="sweep", unit="config", disable=not progress):
+            found = self._priced_or_why(*layout, f8, comp)
+            if isinstance(found, dict):
+                excluded.append(found)
+            elif self.prune is not None:
+                runnable.append(found)
+            else:
+                rows.append(found[-1]())
         if self.prune is not None:
-            rows += pruned_rows(runnable, priced, hardware, float(self.prune))
+            makers = {id(found[1]): found[-1] for found in runnable}      # config -> what prices its row
+            rows += pruned_rows([found[:-1] for found in runnable], lambda config, *_: makers[id(config)](),
+                                hardware, float(self.prune))
         frame = _frame(rows, excluded, self.stack)
         frame.attrs["pruned"] = len(runnable) - len(rows) if self.prune is not None else 0
         return frame
+
+    def _priced_or_why(self, t: int, c: int, p: int, m: int, rec: str, sp: bool, kind: str, z: int, keep: bool,
+                       v: int, f8: str, comp: bool):
+        """One combination: the row of its configuration with why it cannot run (a dict), or
+        ``(pipeline seconds, config, cfg, facts, staged, price)`` where ``price()`` makes its row."""
+        hardware, recipe = at_software(self.hardware, self.recipe, f8, comp, self.stack.path)
+        target = (repr(hardware), products_of(recipe))
+        if target not in self._models:        # op and collective times, kept per target and products
+            self._models[target] = target_models(hardware, recipe)
+        ops, comm = self._models[target]
+        width = t * c * p
+        config = {S.TP: t, S.CP: c, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
+                  S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.CONTEXT_PARALLEL_KIND: kind,
+                  S.ZERO_STAGE: z, S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: self.ranges.scheduler,
+                  S.VIRTUAL_STAGES: v, S.FLOAT8: f8, S.COMPILED: comp}
+        reason = combination_problem(hardware, self.global_batch, t, p, m, c, self.sequence)
+        if reason is not None:
+            return {**config, "reason": reason}
+        config[S.MICRO_BATCHES] = self.global_batch // (config[S.DP] * m)
+        try:
+            cfg = config_of(config, hardware.ngpus, self.stack.path)
+            placement = self._canonical(_placement_of(config))
+            facts = self._facts_of(target, ops, comm, placement)
+            staged = self._staged_of(target, facts, placement, cfg.pipeline_nstages)
+        except (ValueError, PolicyError) as err:
+            return {**config, "reason": str(err)}
+        peak_key = (*self._key(*placement), hardware.ngpus, p, z, keep, v, config[S.MICRO_BATCHES], recipe)
+
+        def priced() -> Dict[str, Any]:
+            return {**config, **price(facts, cfg, hardware, ops, comm, recipe, staged, (self._peaks, peak_key))}
+        seconds = pipeline_seconds(facts, cfg, comm, staged) if self.prune is not None else 0.0
+        return seconds, config, cfg, facts, staged, priced
 
     def _key(self, *rest: Any) -> Tuple:
         return (self.sequence, self.module_dtype, *rest)

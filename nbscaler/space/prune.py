@@ -36,9 +36,9 @@ def pruned_rows(runnable: List[Tuple], priced: Callable, hardware: Hardware, wit
     ``runnable``: ``(floor, config, cfg, facts, staged)`` per configuration; ``priced(config, cfg,
     facts, staged)`` returns a row."""
     rows: List[Dict] = []
-    fastest: Dict[Tuple[int, int, int], float] = {}      # per tp x cp x pp layout: its fastest fitting step so far
+    fastest: Dict[Tuple, float] = {}      # per tp x cp x pp layout and software: its fastest fitting step so far
     for k, (floor, config, cfg, facts, staged) in enumerate(sorted(runnable, key=lambda r: r[0])):
-        layout = (config[S.TP], config[S.CP], config[S.PP])
+        layout = (config[S.TP], config[S.CP], config[S.PP], config.get(S.FLOAT8), config.get(S.COMPILED))
         if floor >= min(fastest.get(layout, float("inf")), within * min(fastest.values(), default=float("inf"))):
             continue
         if k > 0 and not hardware.fits(saved_floor(staged, cfg)):

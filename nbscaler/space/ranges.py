@@ -7,9 +7,10 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from nbscaler.config import RecomputeGranularity
-from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.layouts import ContextKind
 from nbscaler.planning.stack import Stack
+from nbscaler.recipe import Float8Scaling, Recipe
 
 #: What a sweep tries for ``recompute`` unless told: nothing, the attention cores, each whole layer.
 RECOMPUTE_VALUES = tuple(g.value for g in RecomputeGranularity)
@@ -32,6 +33,51 @@ class Ranges:
     zero_reshard_after_forward: Tuple[bool, ...] = (True,)
     cp: Tuple[int, ...] = (1,)
     context_parallel_kind: Tuple[str, ...] = CONTEXT_KIND_VALUES
+    float8: Optional[Tuple[str, ...]] = None        # None: the recipe's
+    compiled: Optional[Tuple[bool, ...]] = None     # None: the target's software's
+
+
+#: How a sweep's ``float8`` column reads a recipe without fp8 products.
+NO_FLOAT8 = "none"
+
+
+def software_ranges(hardware: Hardware, recipe: Recipe, float8: Optional[Sequence], compiled: Optional[Sequence],
+                    stack_path: str) -> List[Tuple[str, bool]]:
+    """The (``float8``, ``compiled``) pairs a sweep tries, checked: ``float8`` some of ``'none'`` (or
+    ``None``), ``'tensorwise'``, ``'rowwise'`` (default: the recipe's), ``compiled`` True and/or
+    False (default: the target's software's). fp8 on a target without fp8 units is refused by name,
+    and so is a target compiling other modules than each layer of ``stack_path`` (``at_software``)."""
+    software = hardware.software
+    if software.compiled and software.compiled_modules != (stack_path,):
+        raise ValueError(f"sweep: the target's software compiles {software.compiled_modules or 'the whole model'}; a "
+                         f"sweep compiles each layer of {stack_path} on its own, so that every layer prices alike. Give "
+                         f"the target Software(compiled=False) and sweep compiled=(True,), or compiled_modules="
+                         f"({stack_path!r},).")
+    float8 = [recipe.float8.value if recipe.float8 else NO_FLOAT8] if float8 is None else list(float8)
+    known = [NO_FLOAT8, *(k.value for k in Float8Scaling)]
+    named = [NO_FLOAT8 if v is None else str(v) for v in float8]
+    if not named or any(v not in known for v in named):
+        raise ValueError(f"sweep's float8={tuple(float8)!r}: give some of {', '.join(map(repr, known))}.")
+    if any(v != NO_FLOAT8 for v in named) and NumberFormat.FP8 not in hardware.peak_flops_by_precision:
+        raise ValueError(f"sweep's float8={tuple(float8)!r}: {hardware.name} has no fp8 tensor cores; use "
+                         "float8=('none',), or a GPU with them (H100, H200, L4).")
+    compiled = [hardware.software.compiled] if compiled is None else list(compiled)
+    if not compiled or any(not isinstance(v, bool) for v in compiled):
+        raise ValueError(f"sweep's compiled={tuple(compiled)!r}: give True and/or False.")
+    return [(f, c) for f in dict.fromkeys(named) for c in dict.fromkeys(compiled)]
+
+
+def at_software(hardware: Hardware, recipe: Recipe, float8: str, compiled: bool, stack_path: str
+                ) -> Tuple[Hardware, Recipe]:
+    """The target running ``compiled`` software (each layer of the stack at ``stack_path`` compiled
+    on its own, as torchtitan compiles each transformer block) and the recipe with ``float8``
+    products (``'none'``: none, and none of the recipe's ``float8_skip``)."""
+    if compiled != hardware.software.compiled:
+        modules = (stack_path,) if compiled else ()
+        hardware = hardware.running(hardware.software.replace(compiled=compiled, compiled_modules=modules))
+    if float8 == NO_FLOAT8:
+        return hardware, recipe.replace(float8=None, float8_skip=())
+    return hardware, recipe.replace(float8=float8)
 
 
 def context_kind_at(cp: int, values: Sequence[str]) -> List[str]:

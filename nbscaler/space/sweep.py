@@ -79,7 +79,8 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           optimizer: Any = UNSET, master_dtype: Any = UNSET, module_dtype: Any = UNSET, grad_reduce_dtype: Any = UNSET,
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
           prune: Optional[float] = None, cp: Sequence[int] = (1,),
-          context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, **optimizer_kwargs: Any) -> pd.DataFrame:
+          context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, float8: Optional[Sequence] = None,
+          compiled: Optional[Sequence[bool]] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
@@ -95,7 +96,12 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     stage 3 only; ``cp``: context-parallel sizes (each stage's sequence over ``cp`` devices; default
     ``(1,)``, none; rows with ``tp > 1`` and ``cp > 1``, or whose sequence ``2 * cp`` does not divide,
     are left out with their reason), with ``context_parallel_kind`` (``'all_gather'``, the default,
-    and/or ``'ring'``) tried where ``cp > 1``; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
+    and/or ``'ring'``) tried where ``cp > 1``; ``float8``: the linear layers' products, some of
+    ``'none'``, ``'tensorwise'`` and ``'rowwise'`` (default: the recipe's; fp8 on a target without fp8
+    units is refused), and ``compiled``: the target's software compiling each layer of the stack on its
+    own (as torchtitan compiles each transformer block) or nothing (default: the software's), each a
+    row of its own, priced as ``plan.summary`` prices ``recipe.replace(float8=...)`` on
+    ``hardware.running(software.replace(compiled=True, compiled_modules=(stack,)))``; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
     ``virtual_stages`` stages per pipeline device where it takes several (``1f1b_interleaved``, whose
     rows set ``pipeline_virtual_stages``, so each of its ``pp`` pipeline devices is ``tp`` wide;
     ``zbv`` always has two). Returns one row per configuration with the columns of
@@ -121,4 +127,4 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                      zero_reshard_after_forward=zero_reshard_after_forward, recipe=recipe, optimizer=optimizer,
                      master_dtype=master_dtype, module_dtype=module_dtype, grad_reduce_dtype=grad_reduce_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
                      progress=progress, prune=prune, settle=False, cp=cp, context_parallel_kind=context_parallel_kind,
-                     **optimizer_kwargs).frame
+                     float8=float8, compiled=compiled, **optimizer_kwargs).frame

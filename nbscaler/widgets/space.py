@@ -6,7 +6,9 @@ capacity as a vertical dashed line, so what does not fit lies right of it; a col
 layout (``palette.layout_colour``; a context-parallel layout, tp 1 x cp n x pp, is named apart in
 the legend), a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
 the layers are (the ``recompute`` column: none, selective, full); the Pareto front
-(``space.pareto.pareto_front``) ringed in black and joined by a dashed line. Each mark's
+(``space.pareto.pareto_front``) ringed in black and joined by a dashed line; a white dot inside a
+mark where its products are in fp8, a white bar across it where its target compiles (the
+``float8`` and ``compiled`` columns, keyed in the legend where the frame has such rows). Each mark's
 ``<title>`` is the configuration (``sequence parallel`` where it is, ``cp n`` and its kind where the
 sequence is split) and its figures (the
 browser's hover text).
@@ -26,6 +28,7 @@ import traitlets
 from nbscaler.columns import StrEnum, SweepColumn as S
 from nbscaler.cost.hardware import Hardware
 from nbscaler.space.pareto import pareto_front
+from nbscaler.space.ranges import NO_FLOAT8
 from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
 from nbscaler.widgets.frontend import frontend_text
 from nbscaler.widgets.palette import CAPACITY_COLOUR, layout_colour
@@ -69,15 +72,34 @@ def describe(row) -> str:
     sequence = ", sequence parallel" if bool(row[S.SEQUENCE_PARALLEL]) else ""
     cp = _cp(row)
     context = f" x cp {cp} ({row[S.CONTEXT_PARALLEL_KIND]})" if cp > 1 else ""
+    fp8, compiled = _software(row)
+    software = (f", fp8 {row[S.FLOAT8]}" if fp8 else "") + (", compiled" if compiled else "")
     return (f"tp {int(row[S.TP])}{context} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
             f"{int(row[S.MICRO_BATCH])} x {int(row[S.MICRO_BATCHES])}, recompute {recompute}{sequence}, "
-            f"ZeRO {int(row[S.ZERO_STAGE])}: step {row[S.STEP_TIME_S]:.4g} s, MFU {row[S.MFU]:.1%}, "
+            f"ZeRO {int(row[S.ZERO_STAGE])}{software}: step {row[S.STEP_TIME_S]:.4g} s, MFU {row[S.MFU]:.1%}, "
             f"{fmt_bytes(row[S.PEAK_BYTES])} per GPU ({fits})")
 
 
-def _mark(x: float, y: float, recompute: str, colour: str, ring: bool, size: float = 5.5) -> str:
+def _software(row) -> Tuple[bool, bool]:
+    """Whether a row's products are in fp8 and whether its target compiles (``False`` for a frame
+    from before they were columns)."""
+    fp8 = S.FLOAT8 in row and str(row[S.FLOAT8]) != NO_FLOAT8
+    return fp8, bool(row[S.COMPILED]) if S.COMPILED in row else False
+
+
+def _mark(x: float, y: float, recompute: str, colour: str, ring: bool, size: float = 5.5,
+          software: Tuple[bool, bool] = (False, False)) -> str:
     """A circle (nothing recomputed), a triangle (the attention cores, ``selective``) or a diamond
-    (each layer, ``full``), ringed in black on the front."""
+    (each layer, ``full``), ringed in black on the front; a white dot inside where the products are
+    in fp8, a white bar across where the target compiles."""
+    fp8, compiled = software
+    inner = element("circle", cx=float(x), cy=float(y), r=1.8, fill="#ffffff") if fp8 else ""
+    if compiled:
+        inner += element("line", x1=x - size * 0.8, x2=x + size * 0.8, y1=y, y2=y, stroke="#ffffff", stroke_width=1.2)
+    return _shape(x, y, recompute, colour, ring, size) + inner
+
+
+def _shape(x: float, y: float, recompute: str, colour: str, ring: bool, size: float) -> str:
     stroke = dict(stroke=FRONT_COLOUR, stroke_width=2) if ring else dict(stroke="#ffffff", stroke_width=1)
     if recompute == "full":
         s = size * 1.3
@@ -147,7 +169,7 @@ def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.S
         row = frame.iloc[i]
         x, y = to_x(row[S.PEAK_BYTES]), to_y(row[column])
         mark = _mark(x, y, str(row[S.RECOMPUTE]), colours[group_of(row)], bool(front[i]),
-                     8.0 if i == selected else 5.5)
+                     8.0 if i == selected else 5.5, _software(row))
         hint = describe(row) + (" - on the Pareto front" if front[i] else "")
         body.append(element("g", mark + tooltip(hint), class_="nbs-point nbs-front-point" if front[i] else "nbs-point",
                             data_row=i))
@@ -156,7 +178,7 @@ def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.S
         x, y = to_x(row[S.PEAK_BYTES]), to_y(row[column])
         body.append(element("circle", cx=x, cy=y, r=12.0, fill="none", stroke="#d00000", stroke_width=2,
                             class_="nbs-selected"))
-    keys, extra = _legend(colours)
+    keys, extra = _legend(colours, _softwares(frame))
     # A legend of more rows than one pushes the plot down by as much (the plot is drawn for one).
     plot = element("g", "".join(body), transform=f"translate(0,{extra:g})") if extra else "".join(body)
     return document(WIDTH, HEIGHT + extra, title, plot + keys, "space")
@@ -165,6 +187,8 @@ def space_svg(frame: pd.DataFrame, hardware: Hardware, metric: Metric = Metric.S
 #: The marks' key after the colour swatches: what each shape and the black ring say.
 MARK_KEYS = [("none", False, "layers kept"), ("selective", False, "attention recomputed"),
              ("full", False, "layers recomputed"), ("none", True, "Pareto front")]
+#: The key of the software marks, shown where a frame has such rows: fp8 products, a compiled target.
+SOFTWARE_KEYS = [((True, False), "fp8 products"), ((False, True), "compiled")]
 LEGEND_ROW = 16.0
 
 
@@ -173,19 +197,31 @@ def _key_width(name: str) -> float:
     return 30 + 6.5 * len(name)
 
 
-def _legend(colours: Dict[str, str]) -> Tuple[str, float]:
+def _softwares(frame: pd.DataFrame) -> List[Tuple[Tuple[bool, bool], str]]:
+    """The software keys ``frame`` needs: fp8 where some row has fp8 products, compiled where some
+    row's target compiles."""
+    marks = [_software(row) for _, row in frame.iterrows()]
+    return [(flags, name) for flags, name in SOFTWARE_KEYS if any(m[flags.index(True)] for m in marks)]
+
+
+def _legend(colours: Dict[str, str], softwares: List[Tuple[Tuple[bool, bool], str]] = ()) -> Tuple[str, float]:
     """The legend: the colour groups' swatches in rows as wide as the plot, then the marks' key
-    (on the last row where it fits); returns it and how far below one row it reaches."""
+    (on the last row where it fits; the software keys of ``softwares`` after it); returns it and
+    how far below one row it reaches."""
     rows = legend_rows(list(colours.items()), WIDTH - LEFT - RIGHT)
     out, y = "", 42.0
     for row in rows:
         out += legend(row, LEFT, y)
         y += LEGEND_ROW
+    keys = [(recompute, ring, (False, False), name) for recompute, ring, name in MARK_KEYS]
+    keys += [("none", False, flags, name) for flags, name in softwares]
     x, y = LEFT + legend_width(rows[-1]) + 10, y - LEGEND_ROW
-    if x + sum(_key_width(name) for _, _, name in MARK_KEYS) > WIDTH - RIGHT and rows[-1]:
+    if x + sum(_key_width(key[-1]) for key in keys) > WIDTH - RIGHT and rows[-1]:
         x, y = LEFT, y + LEGEND_ROW
-    for recompute, ring, name in MARK_KEYS:
-        out += _mark(x + 6, y - 4, recompute, "#bbbbbb", ring, 5.0) + label(x + 16, y, name, size=11, colour=INK)
+    for recompute, ring, flags, name in keys:
+        if x + _key_width(name) > WIDTH - RIGHT:             # the key wraps too
+            x, y = LEFT, y + LEGEND_ROW
+        out += _mark(x + 6, y - 4, recompute, "#bbbbbb", ring, 5.0, flags) + label(x + 16, y, name, size=11, colour=INK)
         x += _key_width(name)
     return out, y - 42.0
 

@@ -421,3 +421,39 @@ def test_a_llama_cp_row_with_rotary_tables_and_an_attention_written_out_is_the_f
     expected = full_plan_figures(Llama(cfg), args, row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+H100_SMALL = dataclasses.replace(Hardware.named("H100-SXM-80GB", nodes=4), name="small H100", gpus_per_node=2,
+                                 memory_bytes=6e6, intra_node_bytes_per_s=5e9, inter_node_bytes_per_s=1e9)
+
+
+@pytest.mark.parametrize("float8, compiled", [("tensorwise", True), ("rowwise", False), ("none", True)])
+def test_an_fp8_or_compiled_row_is_the_full_plans_prediction_with_that_recipe_and_software(float8, compiled):
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), H100_SMALL, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
+                           micro_batch=(1,), recompute=("full",), zero_stage=(1,), float8=("none", float8),
+                           compiled=(False, compiled), progress=False)
+    row = frame[(frame.float8 == float8) & (frame.compiled == compiled)].iloc[0]
+    cfg = config_of(row, H100_SMALL.ngpus, frame.attrs["stack"])
+    plan = nbscaler.plan(GPT(GPT_CFG), tokens(1), "hybrid", cfg, module_dtype=torch.bfloat16)
+    recipe = nbscaler.Recipe(torch.optim.AdamW, master_dtype=torch.float32, float8=None if float8 == "none" else float8)
+    target = H100_SMALL.running(Software(compiled=compiled, compiled_modules=(frame.attrs["stack"],) if compiled else ()))
+    step = plan.step_figures(recipe=recipe, hardware=target)
+    assert row.step_time_s == pytest.approx(step.step_time_s, rel=1e-9)
+    assert row.peak_bytes == pytest.approx(step.peak_bytes, rel=1e-12)
+    pairs = {(f, c) for f in ("none", float8) for c in (False, compiled)}
+    assert frame.groupby(["float8", "compiled"]).size().to_dict() == {p: 2 for p in pairs}   # sequence parallel or not
+
+
+def test_fp8_rows_need_a_target_with_fp8_units_and_the_defaults_are_the_recipes_and_softwares():
+    with pytest.raises(ValueError, match=r"float8=\('tensorwise',\).*no fp8 tensor cores"):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), TARGET, global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,),
+                       micro_batch=(1,), float8=("tensorwise",), progress=False)
+    with pytest.raises(ValueError, match=r"float8=\('fp4',\): give some of 'none', 'tensorwise', 'rowwise'"):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), H100_SMALL, global_batch=GLOBAL_BATCH, float8=("fp4",), progress=False)
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), H100_SMALL.running(Software(compiled=True, compiled_modules="blocks")),
+                           global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,), micro_batch=(1,), zero_stage=(1,),
+                           recompute=("full",), recipe=nbscaler.Recipe(float8="rowwise"), progress=False)
+    assert set(frame.float8) == {"rowwise"} and set(frame.compiled) == {True}
+    with pytest.raises(ValueError, match=r"compiles the whole model; a sweep compiles each layer of blocks"):
+        nbscaler.sweep(GPT(GPT_CFG), tokens(1), H100_SMALL.running(Software(compiled=True)),
+                       global_batch=GLOBAL_BATCH, tp=(2,), pp=(2,), progress=False)

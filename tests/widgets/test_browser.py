@@ -203,3 +203,32 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         clock("a selective point clicked: the knob reads selective")
         lab.screenshot("10-space-selective-loaded", EXPLORER)
         assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]
+
+
+def test_the_space_tab_marks_fp8_and_compiled_rows_and_keys_them(tmp_path):
+    write_notebook(tmp_path / "software.ipynb", "from nbscaler.widgets import Explorer\n"
+                   "ex = Explorer(sweep_ranges=dict(tp=(1, 2), pp=(1,), micro_batch=(1,), zero_stage=(1,), "
+                   "recompute=('full',), sequence_parallel=(False,), float8=('none', 'tensorwise'), "
+                   "compiled=(False, True)))\nex")
+    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
+    space = f"{EXPLORER} .nbscaler-space"
+    with lab_page(tmp_path, shots) as lab:
+        page = lab.page
+        lab.open_notebook("software.ipynb")
+        page.keyboard.press("Control+b")
+        lab.run_all_cells()
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-controls", timeout=WAIT_MS)
+        page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
+        page.click(f"{space} button.nbscaler-sweep")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept 8 configurations')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{space} .nbs-spaceview svg .nbs-point", timeout=WAIT_MS)
+        points = page.locator(f"{space} .nbs-point")
+        assert points.count() == 8       # tp 1 and 2, each eager and compiled, each in bf16 and fp8
+        fp8 = page.locator(f"{space} .nbs-point:has(title:has-text('fp8 tensorwise'))")
+        assert fp8.count() == 4 and fp8.first.locator("circle[r='1.8']").count() == 1
+        compiled = page.locator(f"{space} .nbs-point:has(title:has-text('compiled:'))")
+        assert compiled.count() == 4 and compiled.first.locator("line").count() == 1
+        keys = page.locator(f"{space} svg text").evaluate_all("ts => ts.map(t => t.textContent)")
+        assert "fp8 products" in keys and "compiled" in keys, keys
+        lab.screenshot("11-space-fp8-compiled", space)
+        assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]

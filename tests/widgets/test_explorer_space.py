@@ -14,7 +14,7 @@ from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
 from nbscaler.widgets.palette import layout_colour
-from tests.widgets.svg import charts, hint, marks
+from tests.widgets.svg import NS, charts, hint, marks, texts
 from nbscaler.widgets.space import RIGHT, WIDTH, describe, space_svg
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
@@ -284,3 +284,20 @@ def test_a_legend_of_many_layouts_wraps_inside_the_chart_and_pushes_the_plot_dow
     assert len(rows) > 1 and max(float(r.get("x")) for r in legend) < WIDTH - RIGHT
     extra = float(wrapped.get("height")) - float(one_row.get("height"))
     assert extra >= rows[-1] - rows[0]              # the plot is drawn that much lower, under the legend
+
+
+def test_fp8_and_compiled_rows_are_marked_keyed_and_described(kept_explorer):
+    frame, hardware = pd.DataFrame(kept_explorer.space.frame), kept_explorer.space.space.hardware
+    frame.attrs = {}
+    assert set(frame.float8) == {"none"} and set(frame.compiled) == {False}
+    (plain,) = charts(space_svg(frame, hardware))
+    assert not {"fp8 products", "compiled"} & set(texts(plain))            # keyed only where such rows are
+    both = pd.concat([frame, frame.assign(float8="tensorwise", compiled=True)], ignore_index=True)
+    (chart,) = charts(space_svg(both, hardware))
+    assert {"fp8 products", "compiled"} <= set(texts(chart))
+    points = [g for g in marks(chart, "g") if "nbs-point" in (g.get("class") or "")]
+    dot = lambda g: any(c.get("r") == "1.8" for c in g.iter(f"{NS}circle"))
+    bar = lambda g: any(True for _ in g.iter(f"{NS}line"))
+    fp8 = [g for g in points if ", fp8 tensorwise, compiled:" in hint(g)]
+    assert len(fp8) == len(frame) and all(dot(g) and bar(g) for g in fp8)
+    assert not any(dot(g) or bar(g) for g in points if g not in fp8)
