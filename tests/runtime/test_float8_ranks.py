@@ -1,5 +1,6 @@
 """fp8 training across ranks equals the one-process fp8 recipe (torchao's ``convert_to_float8_training``
-of the same model), on 1, 2 and 4 ranks, under dp, tp, a data split and pipelines.
+of the same model), on 1, 2 and 4 ranks, under dp, tp, a data split, pipelines and ZeRO-3 (whose
+gathered weights are whole when a layer runs, so its scales are one process's with no reduction).
 
 Tolerances, and why:
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from nbscaler.reference import MATCH_RTOL
 from nbscaler.runtime.float8 import float8_linear
-from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel
+from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
 
 GRAD_RTOL = 2.0 ** -3
 LOSS_RTOL = 2.0 ** -7
@@ -45,9 +46,9 @@ def fp8(model: str, policy: str, plan: int, runtime: int, scaling: str, config: 
 def cases(nranks: int, scaling: str):
     plans = {1: [("mlp", "dp", 1, 1, ())],
              2: [("mlp", "dp", 1, 2, ()), ("mlp", "tp", 2, 2, ()), ("mlp", "data", 2, 2, ()),
-                 ("gpt", "pp", 2, 2, pipeline("1f1b", 2, 2))],
+                 ("gpt", "pp", 2, 2, pipeline("1f1b", 2, 2)), ("mlp", "dp", 1, 2, zero(stage=3))],
              4: [("mlp", "tp", 4, 4, ()), ("gpt", "tp", 2, 4, ()), ("mlp", "data", 4, 4, ()),
-                 ("gpt", "pp", 2, 4, pipeline("gpipe", 2, 2))]}[nranks]
+                 ("gpt", "pp", 2, 4, pipeline("gpipe", 2, 2)), ("mlp", "tp", 2, 4, zero(stage=3))]}[nranks]
     return [fp8(m, p, a, b, scaling, c) for m, p, a, b, c in plans]
 
 
