@@ -517,7 +517,8 @@ def predicted_memory(case: Case) -> List[Dict[str, int]]:
     """The memory model's rows for the case, with the case's optimizer and master copies."""
     from nbscaler.cost.memory import memory_per_rank
     cls, kwargs = OPTIMIZERS[case.optimizer]
-    recipe = Recipe(cls, kwargs, master_dtype=case.master_dtype, grad_reduce_dtype=case.grad_reduce_dtype)
+    recipe = Recipe(cls, kwargs, master_dtype=case.master_dtype, grad_reduce_dtype=case.grad_reduce_dtype,
+                    float8=case.float8)
     return memory_per_rank(PlacedGraphs(*plan_inputs(case)), recipe).to_dict("records")
 
 
