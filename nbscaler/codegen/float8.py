@@ -63,8 +63,9 @@ def float8_call(node: IRNode, args: Tuple, kwargs: Dict, scaling: str, group: st
     return f"float8_linear({text}, scaling={str(scaling)!r}{groups})"
 
 
-def float8_imports(graphs: Dict[str, IRGraph], recipe: Optional[Recipe]) -> str:
-    """The import line of ``float8_linear`` where a float8 recipe has layers to take ('' otherwise)."""
+def float8_imports(recipe: Optional[Recipe]) -> str:
+    """The import line of ``float8_linear`` under a float8 recipe ('' otherwise; ``check_float8``
+    makes sure such a recipe has layers to take)."""
     if recipe is None or recipe.float8 is None:
         return ""
     return "from nbscaler.runtime.float8 import float8_linear"

@@ -123,7 +123,7 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
         w("from torch.utils.checkpoint import checkpoint")
     if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
         w("from nbscaler.runtime.guards import expect_traced")
-    for imports in (vocab_imports(graphs), context_imports(graphs), float8_imports(graphs, recipe)):
+    for imports in (vocab_imports(graphs), context_imports(graphs), float8_imports(recipe)):
         if imports:
             w(imports)
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})

@@ -104,22 +104,54 @@ class Float8Product(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from torchao.float8.float8_training_tensor import GemmInputRole
         x, weight_t = ctx.saved_tensors
-        config, mm = recipe_config(ctx.scaling)
-        groups, pow2 = ctx.groups, config.round_scales_to_power_of_2
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        go_gi = _cast(g2, config.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, ("m", "n"), groups, mm, pow2)
-        w_gi = _cast(weight_t, config.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, ("k", "n"),
-                     groups, mm, pow2)
-        grad_x = torch.mm(go_gi, w_gi.t()).reshape(*x.shape[:-1], x.shape[-1])
-        go_gw = _cast(g2, config.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, ("m", "n"),
-                      groups, mm, pow2)
-        x_gw = _cast(x2, config.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, ("m", "k"),
-                     groups, mm, pow2)
-        grad_w = torch.mm(go_gw.t(), x_gw)
-        return grad_x, grad_w.t(), None, None
+        # An input that needs no gradient (the model's own) or a frozen weight skips its product. A
+        # split backward (B, then W) still gets both each time: autograd tells a Python function what
+        # its forward's inputs required, not what this backward call asks for.
+        want_x, want_w = ctx.needs_input_grad[:2]
+        grad_x = _input_grad(g2, weight_t, ctx).reshape(x.shape) if want_x else None
+        grad_w = _weight_grad(g2, x.reshape(-1, x.shape[-1]), ctx).t() if want_w else None
+        return grad_x, grad_w, None, None
+
+
+def _input_grad(g2: torch.Tensor, weight_t: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``grad_out @ weight`` in fp8, as the recipe casts the two for the input's gradient."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+    config, mm = recipe_config(ctx.scaling)
+    pow2 = config.round_scales_to_power_of_2
+    go = _cast(g2, config.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, ("m", "n"), ctx.groups, mm, pow2)
+    w = _cast(weight_t, config.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, ("k", "n"),
+              ctx.groups, mm, pow2)
+    return torch.mm(go, w.t())
+
+
+def _weight_grad(g2: torch.Tensor, x2: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``grad_out.T @ x`` in fp8 (the weight's gradient, ``(N, K)``), cast as the recipe says."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+    config, mm = recipe_config(ctx.scaling)
+    pow2 = config.round_scales_to_power_of_2
+    go = _cast(g2, config.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, ("m", "n"),
+               ctx.groups, mm, pow2)
+    x = _cast(x2, config.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, ("m", "k"), ctx.groups, mm, pow2)
+    return torch.mm(go.t(), x)
+
+#: torch._scaled_mm on CUDA takes an fp8 product only when its inner and output dimensions are
+#: multiples of this; a linear layer's three products have the rows (tokens), the input and the
+#: output features each as one of those. On the CPU it takes any shape.
+CUDA_MULTIPLE = 16
+
+
+def check_product_shape(rows: int, inner: int, out: int, device_type: str) -> None:
+    """A ValueError naming the fix where the device's fp8 kernel cannot take a linear layer's
+    products: ``rows`` tokens, ``inner`` input and ``out`` output features as this rank holds them
+    (tensor parallelism divides the features, a data or sequence split the rows)."""
+    sizes = {"tokens": rows, "input features": inner, "output features": out}
+    odd = [f"{n} {name}" for name, n in sizes.items() if n % CUDA_MULTIPLE]
+    if device_type == "cuda" and odd:
+        raise ValueError(f"an fp8 product on CUDA needs a linear layer's tokens, input and output features to be "
+                         f"multiples of {CUDA_MULTIPLE} (torch._scaled_mm), and this rank has {', '.join(odd)}: "
+                         "choose sizes (after splitting) that are, or use Recipe(float8=None).")
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -128,6 +160,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     'rowwise'), the output in ``x``'s dtype. ``m_group`` / ``k_group`` / ``n_group``: the process
     group over which this rank's slice of the rows, inner dimension or output features is split,
     where it is (``DIMS``); scales are then those of the whole tensors."""
+    check_product_shape(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], x.device.type)
     groups = {"m": m_group, "k": k_group, "n": n_group}
     out = Float8Product.apply(x, weight.t(), scaling, groups)
     return out if bias is None else out + bias.to(out.dtype)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from nbscaler import ComputeConfig, Recipe, plan
 from nbscaler.codegen.render import CodegenError
-from nbscaler.runtime.float8 import float8_linear, require_torchao
+from nbscaler.runtime.float8 import check_product_shape, float8_linear, require_torchao
 from tests.models import batch, build
 
 E4M3 = (2.0 ** -4, 2.0 ** -10)        # (unit roundoff, half the smallest subnormal spacing)
@@ -126,3 +126,12 @@ def test_missing_torchao_is_refused_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)     # as if torchao were not installed
     with pytest.raises(ImportError, match=r"pip install torch==\S+ torchao==0.18.0"):
         require_torchao()
+
+
+def test_a_shape_cuda_fp8_kernels_cannot_take_names_the_fix():
+    """CUDA's torch._scaled_mm takes products whose dimensions are multiples of 16; the CPU's any."""
+    check_product_shape(3, 10, 6, "cpu")
+    check_product_shape(64, 32, 48, "cuda")
+    with pytest.raises(ValueError, match=r"multiples of 16.*this rank has 24 input features, 8 output features.*"
+                                         r"float8=None"):
+        check_product_shape(32, 24, 8, "cuda")

@@ -46,7 +46,8 @@ def fp8(model: str, policy: str, plan: int, runtime: int, scaling: str, config: 
 def cases(nranks: int, scaling: str):
     plans = {1: [("mlp", "dp", 1, 1, ())],
              2: [("mlp", "dp", 1, 2, ()), ("mlp", "tp", 2, 2, ()), ("mlp", "data", 2, 2, ()),
-                 ("gpt", "pp", 2, 2, pipeline("1f1b", 2, 2)), ("mlp", "dp", 1, 2, zero(stage=3))],
+                 ("gpt", "pp", 2, 2, pipeline("1f1b", 2, 2)), ("mlp", "dp", 1, 2, zero(stage=3)),
+                 ("gpt", "pp", 2, 2, pipeline("zb_h1", 2, 2))],
              4: [("mlp", "tp", 4, 4, ()), ("gpt", "tp", 2, 4, ()), ("mlp", "data", 4, 4, ()),
                  ("gpt", "pp", 2, 4, pipeline("gpipe", 2, 2)), ("mlp", "tp", 2, 4, zero(stage=3))]}[nranks]
     return [fp8(m, p, a, b, scaling, c) for m, p, a, b, c in plans]
