@@ -57,11 +57,12 @@ def recipe_config(scaling: str) -> Tuple[Any, Any]:
     return config, mm
 
 
-def _cast(t: torch.Tensor, cast: Any, role: Any, dim: int, spans: str, groups: Dict[str, Any],
+def _cast(t: torch.Tensor, cast: Any, role: Any, dim: int, spans: Tuple[str, ...], groups: Dict[str, Any],
           mm: Any, round_pow2: bool) -> torch.Tensor:
     """``t`` in fp8 as ``cast`` (a torchao ``CastConfig``) says. ``dim``: the axis a rowwise scale
-    reduces; ``spans``: the product dimensions (``DIMS``) each of t's axes stands for, last first,
-    to find the groups whose slices the largest magnitude must cover."""
+    reduces; ``spans``: the product dimension (``DIMS``) each of t's axes stands for, in order, to
+    find the groups whose slices the largest magnitude must cover (all of t's for a tensorwise
+    scale, ``dim``'s for a rowwise one)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale
