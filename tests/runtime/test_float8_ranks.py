@@ -1,6 +1,7 @@
 """fp8 training across ranks equals the one-process fp8 recipe (torchao's ``convert_to_float8_training``
-of the same model), on 1, 2 and 4 ranks, under dp, tp, a data split, pipelines and ZeRO-3 (whose
-gathered weights are whole when a layer runs, so its scales are one process's with no reduction).
+of the same model), on 1, 2 and 4 ranks, under dp, tp (with sequence and context parallelism), a data
+split, pipelines (tp inside stages too) and ZeRO-3 (whose gathered weights are whole when a layer
+runs, so its scales are one process's with no reduction).
 
 Tolerances, and why:
 
@@ -32,11 +33,12 @@ import torch.distributed as dist
 
 from nbscaler.reference import MATCH_RTOL
 from nbscaler.runtime.float8 import float8_linear
-from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
+from tests.multiprocess import (Case, check_equivalence, context_parallel, pipeline, run_ranks, sequence_parallel,
+                                train_parallel, zero)
 
 GRAD_RTOL = 2.0 ** -3
 LOSS_RTOL = 2.0 ** -7
-SPLITS_INNER = {"tp", "data"}           # policies whose plans split some product's inner dimension
+SPLITS_INNER = {"tp", "data", "hybrid"}     # policies whose plans split some product's inner dimension
 
 
 def fp8(model: str, policy: str, plan: int, runtime: int, scaling: str, config: tuple = ()) -> Case:
@@ -49,7 +51,9 @@ def cases(nranks: int, scaling: str):
                  ("gpt", "pp", 2, 2, pipeline("1f1b", 2, 2)), ("mlp", "dp", 1, 2, zero(stage=3)),
                  ("gpt", "pp", 2, 2, pipeline("zb_h1", 2, 2))],
              4: [("mlp", "tp", 4, 4, ()), ("gpt", "tp", 2, 4, ()), ("mlp", "data", 4, 4, ()),
-                 ("gpt", "pp", 2, 4, pipeline("gpipe", 2, 2)), ("mlp", "tp", 2, 4, zero(stage=3))]}[nranks]
+                 ("gpt", "pp", 2, 4, pipeline("gpipe", 2, 2)), ("mlp", "tp", 2, 4, zero(stage=3)),
+                 ("gpt", "hybrid", 4, 4, pipeline("1f1b", 2, 2)), ("gpt", "tp", 4, 4, context_parallel(4, "ring")),
+                 ("gpt", "tp", 4, 4, sequence_parallel())]}[nranks]
     return [fp8(m, p, a, b, scaling, c) for m, p, a, b, c in plans]
 
 
