@@ -6,6 +6,8 @@ TORCH_VERSION ?= 2.13.0
 # The torchvision release paired with TORCH_VERSION, and timm: the vision-model tests use both.
 TORCHVISION_VERSION ?= 0.28.0
 TIMM_VERSION ?= 1.0.31
+# torchao's float8 training, which Recipe(float8=...) runs (the `float8` extra); its release pairs with TORCH_VERSION.
+TORCHAO_VERSION ?= 0.18.0
 APT_PACKAGES := graphviz openmpi-bin libopenmpi-dev chromium slurmctld slurmd slurm-client munge iproute2
 
 .PHONY: setup demo test test-fast lab notebooks docs docs-serve
@@ -22,8 +24,8 @@ setup:
 	@# After the system packages: mpi4py builds against the Open MPI headers where it has no wheel.
 	@# Without MPI the install goes on and the MPI cluster tests skip themselves.
 	@# torch is named again in the same command so no dependency can swap in a CUDA build.
-	@$(PYTHON) -m pip install -q torch==$(TORCH_VERSION) -e ".[dev,models,vision,mpi]" 2>/dev/null \
-		|| $(PYTHON) -m pip install -q torch==$(TORCH_VERSION) -e ".[dev,models,vision]"
+	@$(PYTHON) -m pip install -q torch==$(TORCH_VERSION) torchao==$(TORCHAO_VERSION) -e ".[dev,models,vision,float8,mpi]" 2>/dev/null \
+		|| $(PYTHON) -m pip install -q torch==$(TORCH_VERSION) torchao==$(TORCHAO_VERSION) -e ".[dev,models,vision,float8]"
 	@# torchvision's wheel on PyPI depends on a CUDA torch build: --no-deps keeps the CPU one (its
 	@# other dependencies come from the `vision` extra above; tests/models/vision.py says why its
 	@# C++ detection ops may not load, which the classification models never call).

@@ -34,6 +34,7 @@ from nbscaler.policy.builtin import get_policy
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
+from nbscaler.runtime.float8 import require_torchao
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
@@ -113,9 +114,7 @@ def parallelize(
     reuse = _enum(ReuseType, reuse, "reuse")
     module_dtype, recipe = module_dtype_of(module_dtype, recipe)
     if recipe is not None and recipe.float8 is not None:
-        raise NotImplementedError(f"Recipe(float8={recipe.float8.value!r}): generated rank modules do not take "
-                                  "fp8 products yet; plans and targets price them (nbscaler.plan, Plan.summary). "
-                                  "Use float8=None to run.")
+        require_torchao()               # fp8 products are torchao's: fail before compiling when it is missing
     strategy = _enum(BroadcastGenFilesStrategy, broadcast_strategy, "broadcast_strategy")
     if not isinstance(compute_config, ComputeConfig):
         raise TypeError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")

@@ -82,6 +82,12 @@ class Case:
     module_dtype: Optional[torch.dtype] = None
     master_dtype: Optional[torch.dtype] = None
     grad_reduce_dtype: Optional[torch.dtype] = None
+    float8: Optional[str] = None      # Recipe(float8=...): nn.Linear products in fp8, torchao's recipe of that name
+
+    @property
+    def recipe(self) -> Optional[Recipe]:
+        """The recipe ``parallelize`` is given: one with ``float8`` where the case has it."""
+        return Recipe(float8=self.float8, master_dtype=self.master_dtype) if self.float8 else None
 
     @property
     def on_meta(self) -> bool:
@@ -115,6 +121,7 @@ class Case:
         name += "".join(f"_{k}{v}" for k, v in sorted(cfg.pas_config.items()) if k not in PIPELINE_KEYS)
         name += "_init" if self.weights == INIT else ("_files" if self.weights else "")
         name += f"_{self.module_dtype}".replace("torch.", "") if self.module_dtype is not None else ""
+        name += f"_fp8{self.float8}" if self.float8 else ""
         return name + (f"_zero{cfg.zero_ngroups}_stage{cfg.zero_stage}" if cfg.use_zero else "")
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -210,7 +217,7 @@ def parallel_model(case: Case, gen_dir: str) -> torch.nn.Module:
                                   instance_name=name, reuse="override", module_dtype=case.module_dtype)
         return model
     return parallelize(model, batch(case.model, 12345), case.policy, cfg, gen_savedir=gen_dir,
-                       instance_name=name, reuse="override", module_dtype=case.module_dtype)
+                       instance_name=name, reuse="override", module_dtype=case.module_dtype, recipe=case.recipe)
 
 
 def plain_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -384,6 +391,10 @@ def reference_model(case: Case) -> torch.nn.Module:
     model = build(case.model)
     if case.weights:
         load_checkpoint(model, case.weights)
+    if case.float8:                   # the one-process fp8 recipe: torchao's own float8 training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        model = convert_to_float8_training(model.to(case.module_dtype or torch.float32),
+                                           config=Float8LinearConfig.from_recipe_name(case.float8))
     return model
 
 
@@ -420,20 +431,25 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: 
     assert err <= rtol * scale + 1e-9, f"{what}: relative error {err / max(scale, 1e-30):.2e} > {rtol}"
 
 
-def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
+def check_equivalence(case: Case, per_rank: List[Dict[str, Any]], rtol: float = RTOL,
+                      loss_rtol: Optional[float] = None) -> None:
     """Losses of every rank, merged gradients (not with ZeRO) and clipped norms equal the
     single-process run at every step, and so do the final parameters and the eval-mode loss
-    afterwards (with one unit: BatchNorm statistics are per unit, as in DDP)."""
+    afterwards (with one unit: BatchNorm statistics are per unit, as in DDP): within ``rtol``
+    (norm-wise), losses within ``loss_rtol`` (default ``rtol``)."""
+    loss_rtol = rtol if loss_rtol is None else loss_rtol
+    close = functools.partial(assert_close, rtol=rtol)
     ref = train_single(case)
     for step in range(case.steps):
         for rank, res in enumerate(per_rank):
             unit = rank // case.unit_ngpus
             expected = torch.tensor(ref["losses"][step][unit])
-            assert_close(torch.tensor(res["losses"][step]), expected, f"{case} step {step} rank {rank} loss")
+            close(torch.tensor(res["losses"][step]), expected, f"{case} step {step} rank {rank} loss",
+              rtol=loss_rtol)
         if case.clip is not None:
             for rank, res in enumerate(per_rank):
-                assert_close(torch.tensor(res["norms"][step]), torch.tensor(ref["norms"][step]),
-                             f"{case} step {step} rank {rank} clipped norm")
+                close(torch.tensor(res["norms"][step]), torch.tensor(ref["norms"][step]),
+                      f"{case} step {step} rank {rank} clipped norm")
         if case.compute_config.use_zero:
             continue
         merged = merge_slices(p for res in per_rank for p in res["grads"][step][0])
@@ -443,14 +459,15 @@ def check_equivalence(case: Case, per_rank: List[Dict[str, Any]]) -> None:
             merged.update(res["grads"][step][1])
         for name, expected in ref["grads"][step].items():
             assert name in merged, f"{case}: no gradient for {name} at step {step}"
-            assert_close(merged[name], expected, f"{case} step {step} grad {name}")
+            close(merged[name], expected, f"{case} step {step} grad {name}")
     if all("state" in res for res in per_rank):        # runs that return their final state dicts
         final, _ = merge_state_dicts([res["state"] for res in per_rank])
         for name, expected in ref["params"].items():
-            assert_close(final[name], expected, f"{case} final {name}")
+            close(final[name], expected, f"{case} final {name}")
     if case.units == 1:
         for rank, res in enumerate(per_rank):
-            assert_close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss")
+            close(torch.tensor(res["eval_loss"]), torch.tensor(ref["eval_loss"]), f"{case} rank {rank} eval loss",
+              rtol=loss_rtol)
 
 
 def measure_memory(cases: Sequence[Case], gen_dir: str, steps: int = 2) -> List[Dict[str, int]]:
@@ -500,7 +517,8 @@ def predicted_memory(case: Case) -> List[Dict[str, int]]:
     """The memory model's rows for the case, with the case's optimizer and master copies."""
     from nbscaler.cost.memory import memory_per_rank
     cls, kwargs = OPTIMIZERS[case.optimizer]
-    recipe = Recipe(cls, kwargs, master_dtype=case.master_dtype, grad_reduce_dtype=case.grad_reduce_dtype)
+    recipe = Recipe(cls, kwargs, master_dtype=case.master_dtype, grad_reduce_dtype=case.grad_reduce_dtype,
+                    float8=case.float8)
     return memory_per_rank(PlacedGraphs(*plan_inputs(case)), recipe).to_dict("records")
 
 

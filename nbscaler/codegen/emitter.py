@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.liveness import release_dead
 from nbscaler.codegen.context import chunk_comment, context_call
+from nbscaler.codegen.float8 import float8_call, float8_nodes
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
 from nbscaler.codegen.vocab import vocab_call
@@ -70,8 +71,11 @@ def value_name(value: Value) -> str:
 class SectionPrinter:
     """Prints one lowered section as the lines of a method body."""
 
-    def __init__(self, section: Section):
+    def __init__(self, section: Section, float8: Optional[str] = None):
         self.sec = section
+        # a float8 recipe's scaling, and the linear layers it takes in fp8 (``codegen.float8``)
+        self.float8 = float8
+        self.float8_nodes = float8_nodes(section.graph) if float8 is not None else set()
         self.lines: List[str] = []
         # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
         self.spans: Dict[str, Tuple[int, int]] = {}
@@ -205,6 +209,8 @@ class SectionPrinter:
             self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(place.devices))}")
         elif vocab_parallel(node):      # this device's share of the vocabulary
             self.lines.append(f"{lhs} = {vocab_call(node, args, self.sec.device, group_var(place.devices))}")
+        elif node.name in self.float8_nodes:    # products in fp8, scaled as the whole tensors would be
+            self.lines.append(f"{lhs} = {float8_call(node, args, kwargs, self.float8, group_var(place.devices))}")
         elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
             call_text = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call_text[len('F.'):-1]}, group={group_var(place.devices)})")

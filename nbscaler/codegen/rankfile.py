@@ -12,7 +12,7 @@ A rank's file holds one ``ParallelModule`` subclass with:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._pytree import keystr
@@ -20,8 +20,9 @@ from torch.utils._pytree import keystr
 from nbscaler.codegen.emitter import SectionPrinter
 from nbscaler.codegen.render import CodegenError, attr_name, group_var, user_op_alias
 from nbscaler.codegen.context import context_imports
+from nbscaler.codegen.float8 import check_float8, float8_imports
 from nbscaler.codegen.vocab import vocab_imports
-from nbscaler.comm.program import LocalWeight, RankProgram
+from nbscaler.comm.program import LocalWeight, RankProgram, Section
 from nbscaler.comm.stages import stage_carries
 from nbscaler.ir.graph import RECOMPUTE_REGION, IRGraph
 from nbscaler.ir.registry import USER_OPS
@@ -77,16 +78,18 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
     lines each node's call and the collectives for its inputs take up in the returned text.
     ``recipe``, the run's training recipe where it is known, is stated beside the weight table.
     """
+    check_float8(graphs, recipe)
     out = header(program, graphs, rank=rank, plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus,
-                 module_name=module_name, policy_name=policy_name, geometry=geometry)
+                 module_name=module_name, policy_name=policy_name, geometry=geometry, recipe=recipe)
     out += class_table(program, graphs, rank, geometry, recipe)
-    out += methods(program, graphs, len(out), line_map)
+    out += methods(program, graphs, len(out), line_map, recipe.float8 if recipe is not None else None)
     out.append("")
     return "\n".join(out)
 
 
 def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_ngpus: int, runtime_ngpus: int,
-           module_name: str, policy_name: str, geometry: Optional[PipelineGeometry]) -> List[str]:
+           module_name: str, policy_name: str, geometry: Optional[PipelineGeometry],
+           recipe: Optional[Recipe] = None) -> List[str]:
     """The file's docstring (who runs it, under which plan) and its imports."""
     device = program.device
     out: List[str] = []
@@ -105,6 +108,10 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
             w("op says which block computes its gradient (an op with both gives each its part).")
     w("Each comm.* call changes how a tensor is laid out over the devices of a group; see")
     w("nbscaler.runtime.collectives for what each one does forward and backward.")
+    if recipe is not None and recipe.float8 is not None:
+        w(f"float8_linear is F.linear with its products in fp8 ({recipe.float8.value} scaling); an m/k/n_group")
+        w("names the group that splits the product's rows, inner or output dimension, over which its scales")
+        w("are taken so that they equal one process's (nbscaler.runtime.float8).")
     w('"""')
     w("")
     w("import torch")
@@ -116,7 +123,7 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
         w("from torch.utils.checkpoint import checkpoint")
     if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
         w("from nbscaler.runtime.guards import expect_traced")
-    for imports in (vocab_imports(graphs), context_imports(graphs)):
+    for imports in (vocab_imports(graphs), context_imports(graphs), float8_imports(recipe)):
         if imports:
             w(imports)
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
@@ -170,21 +177,22 @@ def class_table(program: RankProgram, graphs: Dict[str, IRGraph], rank: int,
 
 
 def methods(program: RankProgram, graphs: Dict[str, IRGraph], offset: int,
-            line_map: Optional[Dict[str, Dict[str, List[int]]]]) -> List[str]:
+            line_map: Optional[Dict[str, Dict[str, List[int]]]], float8: Optional[str] = None) -> List[str]:
     """One method per section of the program; ``offset`` is the number of lines before them (for
-    ``line_map``, filled as ``generate`` says)."""
+    ``line_map``, filled as ``generate`` says). ``float8``: a float8 recipe's scaling, whose
+    linear layers call ``float8_linear``."""
     out: List[str] = []
     w = out.append
     params = next(iter(graphs.values())).meta["forward_params"]
     for sec in program.sections:
-        printer = SectionPrinter(sec)
+        printer = SectionPrinter(sec, float8)
         body = printer.print()
         w("")
         signature = _signature(params)
         if sec.stage is not None:
             signature = signature.replace("self", "self, carry", 1)
         w(f"    def {sec.name}({signature}):")
-        for devices in sec.groups:
+        for devices in sorted(set(sec.groups) | _float8_groups(sec, printer.float8_nodes)):
             w(f"        {group_var(devices)} = self.group({', '.join(map(str, devices))})")
         body_start = offset + len(out) + len(_unpack_inputs(sec.graph))
         for line in _unpack_inputs(sec.graph) + body:
@@ -194,6 +202,11 @@ def methods(program: RankProgram, graphs: Dict[str, IRGraph], offset: int,
             for name, (first, end) in printer.spans.items():
                 lines.setdefault(name, []).extend(range(body_start + first + 1, body_start + end + 1))
     return out
+
+
+def _float8_groups(sec: Section, names: Set[str]) -> Set[Tuple[int, ...]]:
+    """The device sets of the split fp8 linear layers of ``sec``: their scales' groups."""
+    return {n.placement.devices for n in sec.nodes() if n.name in names and n.placement.split is not None}
 
 
 def _dtypes_held(graphs: Dict[str, IRGraph], specs: Dict[str, str]) -> str:

@@ -374,7 +374,10 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 def module_tree(module: torch.nn.Module) -> Dict[str, Any]:
     """``graph.meta`` facts naming the module's sub-modules: ``module_classes`` (path -> class name,
     ``''`` for the root) and ``module_containers`` (the paths of ModuleLists, ModuleDicts and
-    Sequentials, whose children are the layers a user means by the container's name)."""
+    Sequentials, whose children are the layers a user means by the container's name) and
+    ``linear_modules`` (the paths of ``nn.Linear`` layers, subclasses included: the layers whose
+    products ``Recipe(float8=...)`` takes in fp8)."""
     modules = dict(module.named_modules())
     return {"module_classes": {path: type(m).__name__ for path, m in modules.items()},
-            "module_containers": [path for path, m in modules.items() if path and isinstance(m, _CONTAINERS)]}
+            "module_containers": [path for path, m in modules.items() if path and isinstance(m, _CONTAINERS)],
+            "linear_modules": [path for path, m in modules.items() if isinstance(m, torch.nn.Linear)]}

@@ -25,11 +25,13 @@ CASES = {
     "gpt_tp_recompute_rank0": (Case("gpt", "tp", 2, 2, config=recompute("Block")), 0),  # checkpointed blocks
     "mlp_data_zero2_rank3": (Case("mlp", "data", 2, 4, config=zero(stage=2)), 3),     # ZeRO 2: weights' sum_grad in the code
     "gpt_tp_zero3_rank2": (Case("gpt", "tp", 2, 4, config=zero(stage=3) + recompute("Block")), 2),  # units gathered, freed
+    "llama_tp_fp8_rank1": (Case("llama", "tp", 2, 2, float8="rowwise"), 1),           # float8_linear, scales' groups
 }
 
 
 def generated(case: Case, rank: int) -> str:
-    plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)
+    plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config,
+                         recipe=case.recipe)
     return plan.sources[rank]
 
 

@@ -1,0 +1,71 @@
+"""The calls generated code makes where ``Recipe(float8=...)`` takes a linear layer's products in
+fp8: ``float8_linear`` from ``nbscaler.runtime.float8`` in place of ``F.linear``, told the recipe
+and the process group of each dimension of the product this device holds a slice of::
+
+    linear_1: "f32[4, 16]" = float8_linear(x, self.fc1_weight, self.fc1_bias, scaling='tensorwise', n_group=g0_1)
+
+so that its scales are those of the whole tensors (see ``nbscaler.runtime.float8``).
+
+The layers taken in fp8 are the ``F.linear`` calls of ``nn.Linear`` modules, the layers torchao's
+``convert_to_float8_training`` converts; other calls of ``F.linear`` keep the module's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Set, Tuple
+
+from nbscaler.codegen.render import CodegenError, render
+from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.recipe import Recipe
+
+LINEAR = "torch.nn.functional.linear"
+
+
+def float8_nodes(graph: IRGraph) -> Set[str]:
+    """The names of ``graph``'s nodes whose products a float8 recipe takes in fp8."""
+    if "linear_modules" not in graph.meta:
+        raise CodegenError("this graph was traced before float8 recipes knew which layers are nn.Linear; "
+                           "compile again with reuse='override' to use Recipe(float8=...).")
+    layers = set(graph.meta["linear_modules"])
+    return {n.name for n in graph.nodes if n.target == LINEAR and n.module_path in layers}
+
+
+def check_float8(graphs: Dict[str, IRGraph], recipe: Optional[Recipe]) -> None:
+    """A float8 recipe needs a layer to take in fp8: a ``CodegenError`` naming the fix if none is."""
+    if recipe is None or recipe.float8 is None:
+        return
+    if not any(float8_nodes(g) for g in graphs.values()):
+        raise CodegenError(f"Recipe(float8={recipe.float8.value!r}): the module has no nn.Linear layer whose "
+                           "products could be taken in fp8; use float8=None, or build the layers as nn.Linear.")
+
+
+def split_dimension(node: IRNode) -> Optional[str]:
+    """The dimension of the product (``m`` rows, ``k`` inner, ``n`` output features) a device holds
+    a slice of under ``node``'s placement, or None when the node is whole on every device. The
+    linear annotation is ``'* k+, n k+[, n] -> * n'``: its weight's two dimensions name ``n``
+    and ``k``; any other split is of the rows."""
+    split = node.placement.split if node.placement is not None else None
+    if split is None:
+        return None
+    out_name, inner_name = node.annotation.inputs[1]
+    return {inner_name: "k", out_name: "n"}.get(split, "m")
+
+
+def float8_call(node: IRNode, args: Tuple, kwargs: Dict, scaling: str, group: str) -> str:
+    """The expression one device evaluates for linear ``node`` in fp8: its tensor arguments are
+    already rendered in ``args`` / ``kwargs``; ``group`` names the process group of its devices."""
+    operands = list(args) + [kwargs[k] for k in ("weight", "bias") if k in kwargs]
+    while len(operands) > 2 and operands[-1] is None:
+        operands.pop()
+    text = ", ".join(render(a) for a in operands)
+    dim = split_dimension(node)
+    groups = f", {dim}_group={group}" if dim is not None else ""
+    return f"float8_linear({text}, scaling={str(scaling)!r}{groups})"
+
+
+def float8_imports(recipe: Optional[Recipe]) -> str:
+    """The import line of ``float8_linear`` under a float8 recipe ('' otherwise; ``check_float8``
+    makes sure such a recipe has layers to take)."""
+    if recipe is None or recipe.float8 is None:
+        return ""
+    return "from nbscaler.runtime.float8 import float8_linear"
