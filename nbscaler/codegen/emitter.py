@@ -32,6 +32,7 @@ from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.layer_rules import context_parallel, sync_batch_norm, vocab_parallel
 from nbscaler.layouts import COLLECTIVES, emulations
+from nbscaler.recipe import Recipe
 from torch.fx.graph import dtype_abbrs
 from nbscaler.trace.guards import GUARD_OP, describe_site, guard_expression
 
@@ -71,11 +72,11 @@ def value_name(value: Value) -> str:
 class SectionPrinter:
     """Prints one lowered section as the lines of a method body."""
 
-    def __init__(self, section: Section, float8: Optional[str] = None):
+    def __init__(self, section: Section, recipe: Optional[Recipe] = None):
         self.sec = section
         # a float8 recipe's scaling, and the linear layers it takes in fp8 (``codegen.float8``)
-        self.float8 = float8
-        self.float8_nodes = float8_nodes(section.graph) if float8 is not None else set()
+        self.float8 = recipe.float8 if recipe is not None else None
+        self.float8_nodes = float8_nodes(section.graph, recipe.float8_skip) if self.float8 is not None else set()
         self.lines: List[str] = []
         # node name -> (first, end) indexes into ``lines``: its call and the collectives its inputs needed
         self.spans: Dict[str, Tuple[int, int]] = {}

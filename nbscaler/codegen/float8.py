@@ -6,36 +6,38 @@ and the process group of each dimension of the product this device holds a slice
 
 so that its scales are those of the whole tensors (see ``nbscaler.runtime.float8``).
 
-The layers taken in fp8 are the ``F.linear`` calls of ``nn.Linear`` modules, the layers torchao's
-``convert_to_float8_training`` converts; other calls of ``F.linear`` keep the module's dtype.
+The layers taken in fp8 are those ``ir.float8_layers`` says: the ``F.linear`` calls of ``nn.Linear``
+modules, the layers torchao's ``convert_to_float8_training`` converts, but those of the modules the
+recipe leaves out (``Recipe.float8_skip``); other calls of ``F.linear`` keep the module's dtype.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, Optional, Sequence, Set, Tuple
 
 from nbscaler.codegen.render import CodegenError, render
+from nbscaler.ir.float8_layers import is_linear_layer, linear_modules, takes_float8
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.recipe import Recipe
 
-LINEAR = "torch.nn.functional.linear"
 
-
-def float8_nodes(graph: IRGraph) -> Set[str]:
-    """The names of ``graph``'s nodes whose products a float8 recipe takes in fp8."""
-    if "linear_modules" not in graph.meta:
-        raise CodegenError("this graph was traced before float8 recipes knew which layers are nn.Linear; "
-                           "compile again with reuse='override' to use Recipe(float8=...).")
-    layers = set(graph.meta["linear_modules"])
-    return {n.name for n in graph.nodes if n.target == LINEAR and n.module_path in layers}
+def float8_nodes(graph: IRGraph, skip: Sequence[str] = ()) -> Set[str]:
+    """The names of ``graph``'s nodes whose products a float8 recipe that leaves out the modules
+    ``skip`` takes in fp8."""
+    try:
+        layers = linear_modules(graph)
+    except ValueError as err:
+        raise CodegenError(str(err)) from None
+    return {n.name for n in graph.nodes if takes_float8(is_linear_layer(n, layers), n.module_path, skip)}
 
 
 def check_float8(graphs: Dict[str, IRGraph], recipe: Optional[Recipe]) -> None:
     """A float8 recipe needs a layer to take in fp8: a ``CodegenError`` naming the fix if none is."""
     if recipe is None or recipe.float8 is None:
         return
-    if not any(float8_nodes(g) for g in graphs.values()):
-        raise CodegenError(f"Recipe(float8={recipe.float8.value!r}): the module has no nn.Linear layer whose "
+    if not any(float8_nodes(g, recipe.float8_skip) for g in graphs.values()):
+        left_out = f" outside {', '.join(recipe.float8_skip)}" if recipe.float8_skip else ""
+        raise CodegenError(f"Recipe(float8={recipe.float8.value!r}): the module has no nn.Linear layer{left_out} whose "
                            "products could be taken in fp8; use float8=None, or build the layers as nn.Linear.")
 
 

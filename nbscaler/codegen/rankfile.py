@@ -82,7 +82,7 @@ def generate(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, pla
     out = header(program, graphs, rank=rank, plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus,
                  module_name=module_name, policy_name=policy_name, geometry=geometry, recipe=recipe)
     out += class_table(program, graphs, rank, geometry, recipe)
-    out += methods(program, graphs, len(out), line_map, recipe.float8 if recipe is not None else None)
+    out += methods(program, graphs, len(out), line_map, recipe)
     out.append("")
     return "\n".join(out)
 
@@ -177,15 +177,15 @@ def class_table(program: RankProgram, graphs: Dict[str, IRGraph], rank: int,
 
 
 def methods(program: RankProgram, graphs: Dict[str, IRGraph], offset: int,
-            line_map: Optional[Dict[str, Dict[str, List[int]]]], float8: Optional[str] = None) -> List[str]:
+            line_map: Optional[Dict[str, Dict[str, List[int]]]], recipe: Optional[Recipe] = None) -> List[str]:
     """One method per section of the program; ``offset`` is the number of lines before them (for
-    ``line_map``, filled as ``generate`` says). ``float8``: a float8 recipe's scaling, whose
+    ``line_map``, filled as ``generate`` says). ``recipe``: where it takes products in fp8, its
     linear layers call ``float8_linear``."""
     out: List[str] = []
     w = out.append
     params = next(iter(graphs.values())).meta["forward_params"]
     for sec in program.sections:
-        printer = SectionPrinter(sec, float8)
+        printer = SectionPrinter(sec, recipe)
         body = printer.print()
         w("")
         signature = _signature(params)

@@ -34,10 +34,11 @@ from __future__ import annotations
 from nbscaler.cost.flops import attention_causal_fraction, backward_flops, node_flops
 from nbscaler.cost.fusion import FUSION_KEYS, annotate_fusion
 from nbscaler.cost.products import is_product
+from nbscaler.ir.float8_layers import is_linear_layer
 from nbscaler.ir.graph import IRGraph, requires_grad_of
 
 COST_KEYS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "local_flops_fwd", "local_flops_bwd",
-             "product", "causal_fraction", "into_add", *FUSION_KEYS)
+             "product", "causal_fraction", "into_add", *FUSION_KEYS, "linear_layer")
 ADD_TARGETS = frozenset({"Tensor.add", "Tensor.__add__", "Tensor.__radd__", "torch.add", "_operator.add"})
 
 
@@ -45,6 +46,7 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
     """Write the cost facts above onto every node of ``graph`` (placed or not); returns ``graph``."""
     grad = requires_grad_of(graph)
     readers = graph.consumers()
+    layers = set(graph.meta["linear_modules"]) if "linear_modules" in graph.meta else None
     for node in graph.nodes:
         outs = node.output_tensors
         read_by = readers.get(id(outs[0]), []) if len(outs) == 1 else []
@@ -57,5 +59,6 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
             bytes_written=sum(t.nbytes for t in node.output_tensors),
             local_flops_fwd=fwd / parts, local_flops_bwd=bwd / parts, product=is_product(node),
             causal_fraction=attention_causal_fraction(node),
-            into_add=len(read_by) == 1 and read_by[0].target in ADD_TARGETS)
+            into_add=len(read_by) == 1 and read_by[0].target in ADD_TARGETS,
+            linear_layer=None if layers is None else is_linear_layer(node, layers))
     return annotate_fusion(graph)

@@ -103,7 +103,8 @@ from nbscaler.cost.hardware import Hardware, NumberFormat
 from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
 from nbscaler.cost.optimizers import step_tensors
-from nbscaler.ir.graph import IRNode, in_module
+from nbscaler.ir.float8_layers import LINEAR, takes_float8
+from nbscaler.ir.graph import IRNode
 from nbscaler.ir.layer_rules import context_ring
 from nbscaler.ir.shape_rules import arg
 from nbscaler.recipe import Float8Scaling, Recipe
@@ -128,7 +129,6 @@ DROPOUT_TARGET = "torch.nn.functional.dropout"
 #: Compiled, an amax kernel reads the tensor and a cast kernel reads it and writes its fp8 copy.
 EAGER_CAST = ((1, 1, False), (1, 0, False), (1, 1, False), (1, 1, False), (1, 0, True))
 COMPILED_CAST = ((1, 0, False), (1, 0, True))
-FP8_TARGET = "torch.nn.functional.linear"
 
 #: Tensors the reducer's copies in and out of its flat buckets read and write per element (the
 #: optimizer's own come from ``cost.optimizers.step_tensors``).
@@ -182,11 +182,15 @@ def cast_bytes(elements: int, itemsize: int, compiled: bool) -> List[int]:
 
 
 def fp8_product(node: IRNode, recipe_float8: Optional[Float8Scaling], skipped: Tuple[str, ...] = ()) -> bool:
-    """Whether ``node`` is a linear layer's product a recipe with ``float8`` takes in fp8: every
-    ``F.linear`` but those of the modules ``skipped`` names (``Recipe.float8_skip``)."""
-    if recipe_float8 is None or node.target != FP8_TARGET:
+    """Whether a recipe with ``float8`` that leaves out the modules ``skipped`` (``Recipe.float8_skip``)
+    takes ``node``'s product in fp8: an ``nn.Linear`` layer's (``ir.float8_layers``)."""
+    if recipe_float8 is None or node.target != LINEAR:
         return False
-    return not any(in_module(node.module_path, name) for name in skipped)
+    layer = node.meta.get("linear_layer")
+    if layer is None:
+        raise ValueError(f"{node.name}: planned before float8 recipes knew which layers are nn.Linear; plan the "
+                         "module again (reuse='override') to price Recipe(float8=...).")
+    return takes_float8(layer, node.module_path, skipped)
 
 
 def drops(node: IRNode) -> bool:

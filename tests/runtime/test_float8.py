@@ -101,6 +101,21 @@ def test_generated_code_calls_float8_linear_with_the_group_that_splits_each_prod
     assert "float8_linear" not in plain and plain.count("F.linear(") == 3
 
 
+def test_float8_skip_leaves_the_named_layers_in_the_modules_dtype():
+    """As torchtitan leaves its output layer in bf16: ``head`` stays F.linear, fc1 and fc2 take fp8;
+    the cost model prices exactly those two in fp8."""
+    recipe = Recipe(float8="tensorwise", float8_skip=("head",))
+    code = _source("mlp", "tp", 2, recipe)
+    assert code.count("float8_linear(") == 2 and code.count("F.linear(") == 1 and "self.head_weight" in code
+    assert "fp8 products (tensorwise, but head)" in code
+    from nbscaler.cost.roofline import fp8_product
+    placed = plan(build("mlp"), batch("mlp", 0), "tp", ComputeConfig(2, 2), recipe=recipe)
+    linears = [n for n in placed.graph.nodes if n.op == "linear"]
+    assert {n.module_path for n in linears if fp8_product(n, recipe.float8, recipe.float8_skip)} == {"fc1", "fc2"}
+    with pytest.raises(CodegenError, match="no nn.Linear layer outside fc1, fc2, head"):
+        _source("mlp", "tp", 2, Recipe(float8="tensorwise", float8_skip=("fc1", "fc2", "head")))
+
+
 def test_data_split_names_the_rows_group():
     code = _source("mlp", "data", 2, Recipe(float8="rowwise"))
     assert code.count("scaling='rowwise', m_group=g0_1)") == 3
