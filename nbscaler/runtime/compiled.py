@@ -25,7 +25,8 @@ and a plain call reach them by the same names, so nothing else changes.
 - **Recompiles.** A call that compiles when the method had compiled before warns once with a
   ``RecompileWarning`` that names the rank, the method, the new inputs and those of the call before.
   Same shapes never compile again; any other reason dynamo has (a guard on something else) is
-  said too, as such.
+  said too, as such. Past ``torch._dynamo.config.recompile_limit`` graphs of one method, dynamo would
+  quietly run it eagerly from then on; a ``CompileError`` says so instead, with the fixes.
 """
 
 from __future__ import annotations
@@ -90,11 +91,14 @@ class CompiledMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = describe_inputs(args, kwargs)
         before = len(self.events)
-        with _CLOCK.running(self, inputs):
+        # Past dynamo's recompile limit a method would run eagerly with only a log line: fail instead.
+        with _CLOCK.running(self, inputs), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             try:
                 out = self.compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 raise CompileError(self._failure(err)) from err
+            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                raise CompileError(self._limit_hit(inputs)) from err
         if len(self.events) > before:
             self.compiling_calls += 1
             if self.compiling_calls > 1:
@@ -114,6 +118,13 @@ class CompiledMethod:
                "(TORCH_LOGS=recompiles names it)")
         warnings.warn(f"nbscaler: rank {self.rank} compiled {self.name} again {why}; compile number "
                       f"{self.compiling_calls} of this method.", RecompileWarning, stacklevel=3)
+
+    def _limit_hit(self, inputs: str) -> str:
+        limit = torch._dynamo.config.recompile_limit
+        return (f"rank {self.rank}: {self.name} has compiled as many graphs as dynamo keeps for one method "
+                f"(torch._dynamo.config.recompile_limit = {limit}) and would run eagerly for inputs {inputs}. Give it "
+                f"fewer input shapes (pad batches to a few sizes), raise torch._dynamo.config.recompile_limit, or set "
+                f"ComputeConfig.compile=False to run eagerly.")
 
     def _failure(self, err: BaseException) -> str:
         inner = getattr(err, "inner_exception", None) or err.__cause__ or err     # what the backend raised

@@ -110,6 +110,18 @@ def test_a_backend_that_cannot_run_here_names_the_cause_and_the_fix(tmp_path):
         train_step(module, 8, seed=1)
 
 
+@pytest.mark.slow
+def test_more_shapes_than_dynamo_keeps_graphs_for_is_an_error_not_a_quiet_eager_run(tmp_path):
+    module = one_rank_mlp(tmp_path)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecompileWarning)
+        train_step(module, 8, seed=1)
+        train_step(module, 4, seed=2)
+        with pytest.raises(CompileError, match=r"rank 0: _forward has compiled .*config.recompile_limit = 2\) and would run "
+                                               r"eagerly for inputs float32\[2, 16\], int64\[2\]\. .*pad batches"):
+            train_step(module, 2, seed=3)
+
+
 def test_eager_modules_report_no_compile_time(tmp_path):
     module = parallelize(build("mlp"), batch("mlp", 0), "dp", ComputeConfig(1, 1), gen_savedir=tmp_path)
     assert module.compile_seconds is None and module.compile_events == [] and module.compiled_methods == {}
