@@ -408,6 +408,16 @@ class ComputeConfig:
             _fail("compile_backend", backend, "a backend is used only when compiling: set compile=True as well, "
                   f"or leave compile_backend={DEFAULT_COMPILE_BACKEND!r}.")
 
+    def _validate_compiled_pipeline(self) -> None:
+        """A compiled stage's backward is one graph making input and weight gradients together, run
+        once (its buffers are donated): it cannot be split into a B and a later W block."""
+        training_pipeline = self.use_pipeline and not self.inference_only
+        if self.compile and training_pipeline and self.grid.pipeline.schedule.splits_backward:
+            _fail("compile", True, f"{self.scheduler} splits each stage's backward into input-gradient and "
+                  "weight-gradient blocks, and a compiled stage runs its backward as one graph that makes both "
+                  f"at once: use compile=False with {self.scheduler}, or a scheduler that does not split the "
+                  "backward (1f1b, gpipe, 1f1b_interleaved).")
+
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
             value = getattr(self, name)
@@ -446,3 +456,4 @@ class ComputeConfig:
                 _fail("pipeline_virtual_stages", virtual, "give the stages on each pipeline device, a positive "
                       "integer (or -1 to leave them to the scheduler).")
             self._validate_scheduler_rules()
+        self._validate_compiled_pipeline()

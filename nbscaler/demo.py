@@ -68,7 +68,8 @@ def cases(nranks: int, compile: bool = False) -> List[DemoCase]:
     with ``compile``, each rank runs its generated code through ``torch.compile`` (``ComputeConfig.compile``)."""
     compiled = (("compile", True),) if compile else ()
     out = [DemoCase("dp", 1, nranks, compiled), DemoCase("tp", nranks, nranks, compiled),
-           DemoCase("data", nranks, nranks, compiled), DemoCase("pp", nranks, nranks, _pipeline("1f1b", nranks) + compiled)]
+           DemoCase("data", nranks, nranks, compiled),
+           DemoCase("pp", nranks, nranks, _pipeline("1f1b", nranks) + compiled)]
     if nranks >= 4:
         out += [DemoCase("tp", nranks // 2, nranks, compiled),
                 DemoCase("hybrid", nranks, nranks, _pipeline("1f1b", 2) + compiled)]
@@ -138,8 +139,9 @@ def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
 def print_table(rows: List[Dict[str, object]]) -> None:
     """The runs, one a line; a ``torch.compile s`` column (the slowest rank's) where a run was compiled."""
     compiled = any(r["torch_compile_s"] is not None for r in rows)
-    header = (f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}" + (f"{'torch.compile s':>16}" if compiled else "") +
-              f"{'step s':>9}{'predicted s':>13}{'losses match':>14}{'rel err':>10}  generated code")
+    header = (f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}"
+              + (f"{'torch.compile s':>16}" if compiled else "")
+              + f"{'step s':>9}{'predicted s':>13}{'losses match':>14}{'rel err':>10}  generated code")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -148,8 +150,8 @@ def print_table(rows: List[Dict[str, object]]) -> None:
         name = c.policy + (f" {c.config.scheduler}" if c.config.use_pipeline else "")
         torch_s = r["torch_compile_s"]
         torch_cell = (f"{torch_s:>16.2f}" if torch_s is not None else f"{'':>16}") if compiled else ""
-        print(f"{name:<18}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{torch_cell}{r['step_s']:>9.3f}"
-              f"{r['predicted_s']:>13.3f}{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
+        print(f"{name:<18}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{torch_cell}"
+              f"{r['step_s']:>9.3f}{r['predicted_s']:>13.3f}{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
     assumed = list(dict.fromkeys(line for r in rows for line in r["assumed"]))
     if assumed:
         print("\nthe predicted steps assume:\n" + "\n".join(f"  {line}" for line in assumed))

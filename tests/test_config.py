@@ -30,6 +30,8 @@ def test_defaults_and_units():
     (dict(plan_ngpus=1, runtime_ngpus=1, compile=True, compile_backend="nonesuch"),
      ["compile_backend='nonesuch'", "'inductor'", "list_backends"]),
     (dict(plan_ngpus=1, runtime_ngpus=1, compile_backend="aot_eager"), ["compile_backend='aot_eager'", "compile=True"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+          pipeline_scheduler="zb_h1", compile=True), ["compile=True", "zb_h1 splits", "compile=False", "1f1b"]),
 ])
 def test_invalid_configs_name_the_field_and_the_fix(kwargs, words):
     with pytest.raises(ValueError) as err:
