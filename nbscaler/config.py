@@ -208,6 +208,8 @@ class ComputeConfig:
     each pipeline ``_stage{s}``), through ``torch.compile`` with ``compile_backend`` (default
     ``'inductor'``, which runs on the CPU as on GPUs; ``'aot_eager'`` needs no C++ compiler). Shapes are
     static: each new input shape compiles once more, and the module says so in a ``RecompileWarning``.
+    A scheduler that splits the backward into B and W blocks (``zb_h1``, ``zbv``) cannot run compiled
+    stages, whose backward is one graph, and is refused.
     The setting is saved with the generated files, because the loaded module reads it there; so
     turning it on or off regenerates them (``reuse='moo'``) or is refused by ``reuse='match'``.
     ``nbscaler.runtime.compiled`` says how.

@@ -16,7 +16,9 @@ and a plain call reach them by the same names, so nothing else changes.
   backward, run on the same process group (gloo on the CPU). Where it meets something it cannot
   trace, it breaks the graph there and runs that part eagerly; either way every rank of a group runs
   the same collectives in the same order. ``tests/runtime/test_compiled.py`` checks the losses and
-  gradients against the eager run and against one process.
+  gradients against the eager run and against one process. ZeRO-3's gathers and frees
+  (``self.shards.unshard`` / ``reshard``, Python bookkeeping) are left out of the graphs on purpose:
+  they run eagerly between the compiled pieces.
 - **Compile time.** Dynamo announces the start and end of every compile (``torch._dynamo.callback``):
   a forward compile while a method is called with inputs it has no graph for, and the backward
   compile that AOTAutograd runs when a backward first reaches that graph (when inductor's cache holds
@@ -186,8 +188,18 @@ def _is_forward(args: Any) -> bool:
 _CLOCK = _CompileClock()
 
 
+#: What generated code calls on ZeRO-3's units (``self.shards``): bookkeeping in Python (the order
+#: units were first gathered, storage resized, hooks), run eagerly between the compiled pieces so that
+#: its state changes (the order is recorded in the first step) are no reason to compile again.
+EAGER_SHARD_CALLS = ("unshard", "reshard")
+
+
 def compile_methods(module: "ParallelModule") -> Dict[str, CompiledMethod]:
     """Replace each generated method of ``module`` by its ``CompiledMethod``; returns them by name."""
+    from nbscaler.runtime.fsdp import ShardedUnits
+    if isinstance(module.reducer, ShardedUnits):
+        for name in EAGER_SHARD_CALLS:
+            setattr(module.reducer, name, torch.compiler.disable(getattr(module.reducer, name)))
     backend = module.compute_config.compile_backend
     names = [n for n in dir(type(module)) if GENERATED_METHOD.fullmatch(n)]
     compiled = {name: CompiledMethod(module, name, backend) for name in names}
