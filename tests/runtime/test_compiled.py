@@ -6,6 +6,7 @@ Compiling is slow on a small CPU (inductor writes and builds C++), so the models
 ``tests.models`` and each spawn runs all its cases.
 """
 
+import doctest
 import importlib.util
 import warnings
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from nbscaler import ComputeConfig, ParallelModule, parallelize
+from nbscaler.runtime import compiled as compiled_module
 from nbscaler.runtime.compiled import CompileError, RecompileWarning
 from tests.models import batch, build
 from tests.multiprocess import (Case, assert_close, check_equivalence, parallel_model, pipeline, run_ranks, train_case,
@@ -137,3 +139,7 @@ def test_turning_compile_on_changes_the_saved_config_which_match_refuses(tmp_pat
     with pytest.raises(ValueError, match="compute_config.compile was False, now True"):
         parallelize(build("mlp"), batch("mlp", 0), "dp", ComputeConfig(1, 1, compile=True), gen_savedir=tmp_path,
                     load_module=False)
+
+
+def test_doctests():
+    assert doctest.testmod(compiled_module).failed == 0
