@@ -44,11 +44,25 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
+from nbscaler.columns import StrEnum
+
 if TYPE_CHECKING:
     from nbscaler.runtime.module import ParallelModule
 
 #: The generated methods a rank runs per micro-batch (``nbscaler.comm.lower.rank_sections`` names them).
 GENERATED_METHOD = re.compile(r"_(forward|stage\d+)(_train|_eval)?")
+
+
+#: The columns of ``ParallelModule.compile_events``: one row per compile a rank ran.
+COMPILE_COLUMNS = ("rank", "method", "kind", "inputs", "seconds")
+
+
+class CompileKind(StrEnum):
+    """Which graph a compile made: the ``forward`` (when a call had none for its inputs) or the
+    ``backward`` (when a backward first reached that forward's graph)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 class RecompileWarning(UserWarning):
@@ -108,11 +122,10 @@ class CompiledMethod:
         self.last_inputs = inputs
         return out
 
-    def credit(self, kind: str, inputs: str, seconds: float) -> None:
-        """Record one compile of this method (``kind``: ``forward`` or ``backward``)."""
+    def credit(self, kind: CompileKind, inputs: str, seconds: float) -> None:
+        """Record one compile of this method."""
         self.seconds += seconds
-        self.events.append({"rank": self.rank, "method": self.name, "kind": kind, "inputs": inputs,
-                            "seconds": seconds})
+        self.events.append(dict(zip(COMPILE_COLUMNS, (self.rank, self.name, kind.value, inputs, seconds))))
 
     def _say_recompiled(self, inputs: str) -> None:
         why = (f"for new inputs {inputs} (before: {self.last_inputs})" if inputs != self.last_inputs else
@@ -124,18 +137,18 @@ class CompiledMethod:
     def _limit_hit(self, inputs: str) -> str:
         limit = torch._dynamo.config.recompile_limit
         return (f"rank {self.rank}: {self.name} has compiled as many graphs as dynamo keeps for one method "
-                f"(torch._dynamo.config.recompile_limit = {limit}) and would run eagerly for inputs {inputs}. Give it "
-                f"fewer input shapes (pad batches to a few sizes), raise torch._dynamo.config.recompile_limit, or set "
-                f"ComputeConfig.compile=False to run eagerly.")
+                f"(torch._dynamo.config.recompile_limit = {limit}) and would run eagerly for inputs {inputs}. "
+                "Give it fewer input shapes (pad batches to a few sizes), raise "
+                "torch._dynamo.config.recompile_limit, or set ComputeConfig.compile=False to run eagerly.")
 
     def _failure(self, err: BaseException) -> str:
         inner = getattr(err, "inner_exception", None) or err.__cause__ or err     # what the backend raised
         lines = str(inner).strip().splitlines()
         cause = f"{type(inner).__name__}: {lines[0].rstrip('.')}" if lines else type(inner).__name__
-        return (f"rank {self.rank}: torch.compile(backend={self.backend!r}) could not compile {self.name}: {cause}. "
-                f"Make the backend runnable here (install what it needs), choose another ComputeConfig.compile_backend "
-                f"('inductor', the default; 'aot_eager' needs no C++ compiler), or set ComputeConfig.compile=False to "
-                f"run eagerly.")
+        return (f"rank {self.rank}: torch.compile(backend={self.backend!r}) could not compile {self.name}: "
+                f"{cause}. Make the backend runnable here (install what it needs), choose another "
+                "ComputeConfig.compile_backend ('inductor', the default; 'aot_eager' needs no C++ compiler), or "
+                "set ComputeConfig.compile=False to run eagerly.")
 
 
 class _CompileClock:
@@ -177,7 +190,7 @@ class _CompileClock:
         start = self.started.pop((str(args.callback_trigger), str(args.compile_id)), None)
         owner = self.owners.get(str(args.compile_id))
         if start is not None and owner is not None:
-            kind = "forward" if _is_forward(args) else "backward"
+            kind = CompileKind.FORWARD if _is_forward(args) else CompileKind.BACKWARD
             owner.credit(kind, self.inputs.get(str(args.compile_id), ""), time.perf_counter() - start)
 
 

@@ -107,8 +107,9 @@ class ParallelModule(torch.nn.Module):
 
     @property
     def compile_events(self) -> List[Dict[str, Any]]:
-        """One row per compile this rank ran: ``rank, method, kind`` (forward or backward),
-        ``inputs`` (the shapes it was compiled for) and ``seconds``; empty when running eagerly."""
+        """One row per compile this rank ran (``nbscaler.runtime.compiled.COMPILE_COLUMNS``): ``rank,
+        method, kind`` (``CompileKind``: forward or backward), ``inputs`` (the shapes it was compiled
+        for) and ``seconds``; empty when running eagerly."""
         return [event for method in self.compiled_methods.values() for event in method.events]
 
     def _replica_reducers(self) -> List[Reducer]:

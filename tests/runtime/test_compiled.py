@@ -15,7 +15,7 @@ import torch
 
 from nbscaler import ComputeConfig, ParallelModule, parallelize
 from nbscaler.runtime import compiled as compiled_module
-from nbscaler.runtime.compiled import CompileError, RecompileWarning
+from nbscaler.runtime.compiled import CompileError, CompileKind, RecompileWarning
 from tests.models import batch, build
 from tests.multiprocess import (Case, assert_close, check_equivalence, parallel_model, pipeline, run_ranks, train_case,
                                 zero)
@@ -47,16 +47,16 @@ def train_counting_compiles(cases, gen_dir):
     for case in cases:
         model = parallel_model(case, gen_dir)
         record = train_case(case, model)
-        forwards = [e for e in model.compile_events if e["kind"] == "forward"] if isinstance(model, ParallelModule) else []
-        out.append({**record, "compiles": len(forwards)})
+        events = model.compile_events if isinstance(model, ParallelModule) else []
+        out.append({**record, "compiles": len([e for e in events if e["kind"] == CompileKind.FORWARD])})
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nranks", [1, 2])
 def test_compiled_ranks_train_like_eager_ranks_and_one_process(nranks, tmp_path):
-    pairs = [(Case(model, policy, plan, nranks, config=extra + COMPILED), Case(model, policy, plan, nranks, config=extra))
-             for model, policy, plan, extra in PLANS[nranks]]
+    pairs = [(Case(model, policy, plan, nranks, config=extra + COMPILED),
+              Case(model, policy, plan, nranks, config=extra)) for model, policy, plan, extra in PLANS[nranks]]
     cases = [case for pair in pairs for case in pair]
     per_rank = run_ranks(train_counting_compiles, nranks, cases, str(tmp_path), timeout=900)
     runs = {case: [res[i] for res in per_rank] for i, case in enumerate(cases)}
@@ -80,7 +80,7 @@ def train_step(module, rows: int, seed: int):
 def forward_compiles(module):
     """The inputs of each forward compile the module ran. (A backward graph is compiled when the first
     backward reaches it, or loaded with the forward from inductor's cache, which times it with the forward.)"""
-    return [e["inputs"] for e in module.compile_events if e["kind"] == "forward"]
+    return [e["inputs"] for e in module.compile_events if e["kind"] == CompileKind.FORWARD]
 
 
 @pytest.mark.slow
@@ -123,8 +123,9 @@ def test_more_shapes_than_dynamo_keeps_graphs_for_is_an_error_not_a_quiet_eager_
         warnings.simplefilter("ignore", RecompileWarning)
         train_step(module, 8, seed=1)
         train_step(module, 4, seed=2)
-        with pytest.raises(CompileError, match=r"rank 0: _forward has compiled .*config.recompile_limit = 2\) and would run "
-                                               r"eagerly for inputs float32\[2, 16\], int64\[2\]\. .*pad batches"):
+        limit_hit = (r"rank 0: _forward has compiled .*config.recompile_limit = 2\) and would run eagerly for "
+                     r"inputs float32\[2, 16\], int64\[2\]\. .*pad batches")
+        with pytest.raises(CompileError, match=limit_hit):
             train_step(module, 2, seed=3)
 
 
