@@ -201,6 +201,17 @@ def _is_forward(args: Any) -> bool:
 _CLOCK = _CompileClock()
 
 
+def _check_torch() -> None:
+    """What this module asks of dynamo: compile ids in its compile callbacks, and a hard failure at
+    the recompile limit (both in the torch ``make setup`` installs; older ones lack them)."""
+    import torch._dynamo.callback
+    if not (hasattr(torch._dynamo.callback, "CallbackArgs")
+            and hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit")):
+        raise RuntimeError(f"ComputeConfig.compile=True needs a torch whose dynamo passes compile ids to its compile "
+                           f"callbacks and can fail at its recompile limit; torch {torch.__version__} cannot. Install "
+                           "the torch that `make setup` pins, or set compile=False.")
+
+
 #: What generated code calls on ZeRO-3's units (``self.shards``): bookkeeping in Python (the order
 #: units were first gathered, storage resized, hooks), run eagerly between the compiled pieces so that
 #: its state changes (the order is recorded in the first step) are no reason to compile again.
@@ -209,6 +220,7 @@ EAGER_SHARD_CALLS = ("unshard", "reshard")
 
 def compile_methods(module: "ParallelModule") -> Dict[str, CompiledMethod]:
     """Replace each generated method of ``module`` by its ``CompiledMethod``; returns them by name."""
+    _check_torch()
     from nbscaler.runtime.fsdp import ShardedUnits
     if isinstance(module.reducer, ShardedUnits):
         for name in EAGER_SHARD_CALLS:
