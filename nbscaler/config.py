@@ -38,6 +38,8 @@ PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeli
 ZERO_STAGES = (1, 2, 3)
 #: What ZeRO stage 3 shards each unit of (``ComputeConfig.zero_units``) by default: each repeated layer.
 ZERO_UNITS_DEFAULT: Tuple[str, ...] = ()
+#: ``torch.compile``'s backend unless ``ComputeConfig.compile_backend`` names another: it runs on CPUs and GPUs.
+DEFAULT_COMPILE_BACKEND = "inductor"
 
 
 def threads_per_rank(cores: int, ranks_on_host: int) -> int:
@@ -201,6 +203,16 @@ class ComputeConfig:
     is reduce-scattered and freed as soon as the backward has made its gradients. Smaller buckets
     hold fewer gradients at once and cost more, smaller collectives; a model smaller than one
     bucket is reduced all at once (``split_buckets`` is the rule).
+
+    ``compile=True`` runs what each rank computes per micro-batch, its generated ``_forward`` (or
+    each pipeline ``_stage{s}``), through ``torch.compile`` with ``compile_backend`` (default
+    ``'inductor'``, which runs on the CPU as on GPUs; ``'aot_eager'`` needs no C++ compiler). Shapes are
+    static: each new input shape compiles once more, and the module says so in a ``RecompileWarning``.
+    A scheduler that splits the backward into B and W blocks (``zb_h1``, ``zbv``) cannot run compiled
+    stages, whose backward is one graph, and is refused.
+    The setting is saved with the generated files, because the loaded module reads it there; so
+    turning it on or off regenerates them (``reuse='moo'``) or is refused by ``reuse='match'``.
+    ``nbscaler.runtime.compiled`` says how.
     """
 
     plan_ngpus: int
@@ -230,6 +242,10 @@ class ComputeConfig:
     # devices (Megatron-LM's virtual pipeline size); -1: the scheduler's own, every plan device a
     # pipeline device for 1f1b_interleaved
     pipeline_virtual_stages: int = -1
+
+    # run each rank's generated forward / stage methods through torch.compile, with this backend
+    compile: bool = False
+    compile_backend: str = DEFAULT_COMPILE_BACKEND
 
     pas_config: Dict[str, Any] = field(default_factory=dict)
     user_config: UserConfig = field(default_factory=UserConfig)
@@ -378,6 +394,32 @@ class ComputeConfig:
                              "['blocks.3'] or ['Block'].")
         self.pas_config[RECOMPUTE_MODULES] = list(names)        # as a saved config.json reads back
 
+    def _validate_compile(self) -> None:
+        if not isinstance(self.compile, bool):
+            _fail("compile", self.compile, "give True (run each rank's generated methods through torch.compile) "
+                  "or False (run them eagerly).")
+        backend = self.compile_backend
+        if backend == DEFAULT_COMPILE_BACKEND:
+            return
+        import torch._dynamo              # only here: importing it costs about a second
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if not isinstance(backend, str) or backend not in known:
+            _fail("compile_backend", backend, f"name a torch.compile backend: {DEFAULT_COMPILE_BACKEND!r} (the "
+                  f"default), 'aot_eager', 'eager', or another of torch._dynamo.list_backends(exclude_tags=()).")
+        if not self.compile:
+            _fail("compile_backend", backend, "a backend is used only when compiling: set compile=True as well, "
+                  f"or leave compile_backend={DEFAULT_COMPILE_BACKEND!r}.")
+
+    def _validate_compiled_pipeline(self) -> None:
+        """A compiled stage's backward is one graph making input and weight gradients together, run
+        once (its buffers are donated): it cannot be split into a B and a later W block."""
+        training_pipeline = self.use_pipeline and not self.inference_only
+        if self.compile and training_pipeline and self.grid.pipeline.schedule.splits_backward:
+            _fail("compile", True, f"{self.scheduler} splits each stage's backward into input-gradient and "
+                  "weight-gradient blocks, and a compiled stage runs its backward as one graph that makes both "
+                  f"at once: use compile=False with {self.scheduler}, or a scheduler that does not split the "
+                  "backward (1f1b, gpipe, 1f1b_interleaved).")
+
     def _validate(self) -> None:
         for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
             value = getattr(self, name)
@@ -392,6 +434,7 @@ class ComputeConfig:
                   "integer, e.g. 25 * 2**20 (the default).")
         self._validate_zero()
         self._validate_recompute()
+        self._validate_compile()
         if self.use_pipeline and not self.use_end2end:
             _fail("use_pipeline", True, "a pipeline needs an end2end module: set use_end2end=True as well.")
         if self.pipeline_scheduler is not None:
@@ -415,3 +458,4 @@ class ComputeConfig:
                 _fail("pipeline_virtual_stages", virtual, "give the stages on each pipeline device, a positive "
                       "integer (or -1 to leave them to the scheduler).")
             self._validate_scheduler_rules()
+        self._validate_compiled_pipeline()

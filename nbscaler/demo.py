@@ -63,12 +63,16 @@ def _pipeline(scheduler: str, nstages: int, nmicros: int = 4) -> tuple:
             ("pipeline_nmicros", nmicros))
 
 
-def cases(nranks: int) -> List[DemoCase]:
-    """Every available policy on ``nranks`` ranks, plus tensor parallelism inside data-parallel units."""
-    out = [DemoCase("dp", 1, nranks), DemoCase("tp", nranks, nranks), DemoCase("data", nranks, nranks),
-           DemoCase("pp", nranks, nranks, _pipeline("1f1b", nranks))]
+def cases(nranks: int, compile: bool = False) -> List[DemoCase]:
+    """Every available policy on ``nranks`` ranks, plus tensor parallelism inside data-parallel units;
+    with ``compile``, each rank runs its generated code through ``torch.compile`` (``ComputeConfig.compile``)."""
+    compiled = (("compile", True),) if compile else ()
+    out = [DemoCase("dp", 1, nranks, compiled), DemoCase("tp", nranks, nranks, compiled),
+           DemoCase("data", nranks, nranks, compiled),
+           DemoCase("pp", nranks, nranks, _pipeline("1f1b", nranks) + compiled)]
     if nranks >= 4:
-        out += [DemoCase("tp", nranks // 2, nranks), DemoCase("hybrid", nranks, nranks, _pipeline("1f1b", 2))]
+        out += [DemoCase("tp", nranks // 2, nranks, compiled),
+                DemoCase("hybrid", nranks, nranks, _pipeline("1f1b", 2) + compiled)]
     return out
 
 
@@ -94,7 +98,7 @@ def _train_on_rank(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object
         times.append(time.perf_counter() - start)
         losses.append([float(x) for x in out])
     return {"losses": losses, "compile_s": compile_s, "step_s": sum(times[1:]) / max(1, len(times) - 1),
-            "gen_dir": str(pm.gen_dir)}
+            "gen_dir": str(pm.gen_dir), "torch_compile_s": pm.compile_seconds}
 
 
 def reference_losses(case: DemoCase, steps: int) -> List[List[List[float]]]:
@@ -125,22 +129,29 @@ def run_case(case: DemoCase, steps: int, gen_dir: str) -> Dict[str, object]:
             for got, want in zip(res["losses"][step], ref[step][unit]):
                 worst = max(worst, abs(got - want) / abs(want))
     first = per_rank[0]
+    compiled = [res["torch_compile_s"] for res in per_rank]
     return {"case": case, "compile_s": first["compile_s"], "step_s": first["step_s"], "predicted_s": predicted_s,
+            "torch_compile_s": None if compiled[0] is None else max(compiled),
             "assumed": assumed, "match": worst <= MATCH_RTOL, "rel_err": worst, "gen_dir": first["gen_dir"],
             "final_loss": per_rank[-1]["losses"][-1][0]}
 
 
 def print_table(rows: List[Dict[str, object]]) -> None:
-    header = (f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}{'step s':>9}{'predicted s':>13}{'losses match':>14}"
-              f"{'rel err':>10}  generated code")
+    """The runs, one a line; a ``torch.compile s`` column (the slowest rank's) where a run was compiled."""
+    compiled = any(r["torch_compile_s"] is not None for r in rows)
+    header = (f"{'policy':<18}{'plan x ranks':<14}{'compile s':>10}"
+              + (f"{'torch.compile s':>16}" if compiled else "")
+              + f"{'step s':>9}{'predicted s':>13}{'losses match':>14}{'rel err':>10}  generated code")
     print(header)
     print("-" * len(header))
     for r in rows:
         c: DemoCase = r["case"]
         match = "yes" if r["match"] else "NO"
         name = c.policy + (f" {c.config.scheduler}" if c.config.use_pipeline else "")
-        print(f"{name:<18}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{r['step_s']:>9.3f}"
-              f"{r['predicted_s']:>13.3f}{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
+        torch_s = r["torch_compile_s"]
+        torch_cell = (f"{torch_s:>16.2f}" if torch_s is not None else f"{'':>16}") if compiled else ""
+        print(f"{name:<18}{f'{c.plan_ngpus} x {c.runtime_ngpus}':<14}{r['compile_s']:>10.2f}{torch_cell}"
+              f"{r['step_s']:>9.3f}{r['predicted_s']:>13.3f}{match:>14}{r['rel_err']:>10.1e}  {r['gen_dir']}")
     assumed = list(dict.fromkeys(line for r in rows for line in r["assumed"]))
     if assumed:
         print("\nthe predicted steps assume:\n" + "\n".join(f"  {line}" for line in assumed))
@@ -150,7 +161,8 @@ def runs_frame(rows: List[Dict[str, object]]) -> pd.DataFrame:
     """The table ``print_table`` prints, as a DataFrame (the report's runs table)."""
     return pd.DataFrame([{"policy": r["case"].policy, "scheduler": r["case"].config.scheduler if r["case"].config.use_pipeline else "",
                           "plan_ngpus": r["case"].plan_ngpus, "runtime_ngpus": r["case"].runtime_ngpus,
-                          "compile_s": r["compile_s"], "step_s": r["step_s"], "predicted_step_s": r["predicted_s"],
+                          "compile_s": r["compile_s"], "torch_compile_s": r["torch_compile_s"],
+                          "step_s": r["step_s"], "predicted_step_s": r["predicted_s"],
                           "losses_match": r["match"],
                           "rel_err": r["rel_err"]} for r in rows])
 
@@ -202,19 +214,21 @@ def run(argv: Optional[List[str]] = None) -> DemoOutcome:
     parser.add_argument("--gen-dir", default=os.path.join(tempfile.gettempdir(), "nbscaler-demo"),
                         help="where generated code goes")
     parser.add_argument("--report", default="nbscaler-demo-report.html", help="the HTML report to write")
+    parser.add_argument("--compile", action="store_true",
+                        help="run each rank's generated code through torch.compile (ComputeConfig.compile)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"nbscaler demo: GPT with {MODEL.n_layer} layers, d_model={MODEL.d_model}, on {args.ranks} CPU ranks, "
           f"{args.steps} steps per policy\n")
     rows = []
-    for case in cases(args.ranks):
+    for case in cases(args.ranks, args.compile):
         print(f"  running {case.policy} ({case.plan_ngpus} x {case.runtime_ngpus}) ...", flush=True)
         rows.append(run_case(case, args.steps, args.gen_dir))
     print()
     print_table(rows)
     ok = all(r["match"] for r in rows)
     print("\nall policies reproduce the single-process losses" if ok else "\nSOME POLICIES DIFFER from one process")
-    last = cases(args.ranks)[-1]
+    last = cases(args.ranks, args.compile)[-1]
     print(f"\ntour: {last.policy} on a local cluster of {last.runtime_ngpus} engines ...", flush=True)
     toured = tour(last, args.steps, args.gen_dir)
     print(f"tour losses {'match' if toured.rel_err <= MATCH_RTOL else 'DIFFER from'} one process "

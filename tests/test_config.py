@@ -26,6 +26,12 @@ def test_defaults_and_units():
           pipeline_nstages=3), ["pipeline_nstages", "divide plan_ngpus=4"]),
     (dict(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
           pipeline_nstages=2, pipeline_scheduler="chimera_direct"), ["chimera_direct", "4 stages"]),
+    (dict(plan_ngpus=1, runtime_ngpus=1, compile="yes"), ["compile='yes'", "True", "False"]),
+    (dict(plan_ngpus=1, runtime_ngpus=1, compile=True, compile_backend="nonesuch"),
+     ["compile_backend='nonesuch'", "'inductor'", "list_backends"]),
+    (dict(plan_ngpus=1, runtime_ngpus=1, compile_backend="aot_eager"), ["compile_backend='aot_eager'", "compile=True"]),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_pipeline=True, pipeline_nmicros=4,
+          pipeline_scheduler="zb_h1", compile=True), ["compile=True", "zb_h1 splits", "compile=False", "1f1b"]),
 ])
 def test_invalid_configs_name_the_field_and_the_fix(kwargs, words):
     with pytest.raises(ValueError) as err:
@@ -102,6 +108,8 @@ def test_virtual_stages_that_make_no_pipeline_are_refused_with_the_fix(kwargs, w
 def test_round_trip_through_dict():
     cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=4, user_config=UserConfig(graph={"a": 1}))
     assert ComputeConfig.from_dict(cfg.to_dict()) == cfg
+    compiled = ComputeConfig(1, 1, compile=True, compile_backend="aot_eager")
+    assert ComputeConfig.from_dict(compiled.to_dict()) == compiled and not cfg.compile
 
 
 def test_enums_take_strings():

@@ -23,7 +23,7 @@ from nbscaler.cluster import training
 from nbscaler.config import ComputeConfig
 from nbscaler.schedule import Timeline
 
-STEP_COLUMNS = ["rank", "unit", "step", "loss", "t_start", "t_end", "step_time", "loss_scale", "skipped"]
+STEP_COLUMNS = ["rank", "unit", "step", "loss", "t_start", "t_end", "step_time", "loss_scale", "skipped", "compile_s"]
 SCHEDULE_COLUMNS = ["rank", "step", "stage", "micro", "phase", "t_start", "t_end"]
 
 
@@ -33,8 +33,10 @@ class TrainResult:
 
     - ``steps``: one row per rank and step: ``rank, unit, step, loss, t_start, t_end, step_time``
       (wall-clock seconds), ``loss_scale`` (the scale the step's backward used; NaN without a loss
-      scaler) and ``skipped`` (whether the optimizer skipped the step: a gradient overflowed, and
-      every rank skips it alike). Ranks of one unit report the same loss.
+      scaler), ``skipped`` (whether the optimizer skipped the step: a gradient overflowed, and
+      every rank skips it alike) and ``compile_s`` (seconds of the step spent in ``torch.compile``,
+      part of ``step_time``; NaN for a module that runs eagerly, see ``ComputeConfig.compile``).
+      Ranks of one unit report the same loss.
     - ``memory``: one row per rank: ``rank, device``, the first step's memory in the columns
       ``plan.summary()`` predicts (``param_bytes, grad_bytes, optimizer_bytes, buffer_bytes,
       activation_bytes, peak_bytes``, counted by ``MemoryMeter``; on CUDA also

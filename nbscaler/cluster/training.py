@@ -110,6 +110,7 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
         t_start = time.time()
         scaler = getattr(optimizer, "scaler", None)         # set by build_optimizer(..., scaler=)
         scale, skipped_before = (scaler.value, scaler.skipped) if scaler is not None else (float("nan"), 0)
+        compiled_before = module.compile_seconds
         with MemoryMeter(module, optimizer) if done == 0 else contextlib.nullcontext() as meter:
             loss = _forward_backward(module, data(step, held.unit), loss_fn,
                                      scaler.scale if scaler is not None else None)
@@ -125,7 +126,8 @@ def train_here(name: str, data: DataFn, steps: int, optimizer_fn: Optional[Calla
         t_end = time.time()
         rows.append({"rank": dist.get_rank(), "unit": held.unit, "step": step, "loss": loss,
                      "t_start": t_start, "t_end": t_end, "step_time": t_end - t_start, "loss_scale": scale,
-                     "skipped": scaler is not None and scaler.skipped > skipped_before})
+                     "skipped": scaler is not None and scaler.skipped > skipped_before,
+                     "compile_s": float("nan") if compiled_before is None else module.compile_seconds - compiled_before})
         held.steps_done += 1
         report(done=done + 1, loss=loss)
     return {"steps": rows, "schedule": blocks, "memory": _memory_row(module, memory), "probes": probes}

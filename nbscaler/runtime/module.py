@@ -11,7 +11,9 @@ Generated code supplies the forward and a ``weight_specs`` table; this class doe
   optimizer state) when the optimizer steps;
 - saves, with its state dict, a record of which slice of which original tensor each local tensor
   is, and refuses to load a state dict whose record differs;
-- runs ``train_step``/``infer_step`` for end2end modules.
+- runs ``train_step``/``infer_step`` for end2end modules;
+- with ``ComputeConfig(compile=True)``, runs its generated methods through ``torch.compile``
+  (``nbscaler.runtime.compiled``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.utils._pytree import tree_map
 from nbscaler.genfiles import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
 from nbscaler.recipe import Recipe
+from nbscaler.runtime.compiled import CompiledMethod, compile_methods
 from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.pipeline import PipelineExecutor
 from nbscaler.runtime.reducer import Reducer, Slot
@@ -91,6 +94,23 @@ class ParallelModule(torch.nn.Module):
         self.register_state_dict_post_hook(lambda module, *args: module._after_state_dict(*args))
         self.register_load_state_dict_post_hook(lambda module, keys: self.reducer.refresh_masters())
         self._in_step = False
+        # Last: the compiled methods close over the module as it is now built.
+        self.compiled_methods: Dict[str, CompiledMethod] = compile_methods(self) if cfg.compile else {}
+
+    @property
+    def compile_seconds(self) -> Optional[float]:
+        """Seconds this rank has spent in ``torch.compile`` (forward and backward graphs, every
+        shape so far); ``None`` when the module runs eagerly (``ComputeConfig.compile=False``)."""
+        if not self.compute_config.compile:
+            return None
+        return sum(method.seconds for method in self.compiled_methods.values())
+
+    @property
+    def compile_events(self) -> List[Dict[str, Any]]:
+        """One row per compile this rank ran (``nbscaler.runtime.compiled.COMPILE_COLUMNS``): ``rank,
+        method, kind`` (``CompileKind``: forward or backward), ``inputs`` (the shapes it was compiled
+        for) and ``seconds``; empty when running eagerly."""
+        return [event for method in self.compiled_methods.values() for event in method.events]
 
     def _replica_reducers(self) -> List[Reducer]:
         """Reducers that sum partial gradients inside the unit, bucketed, before the sum across units:

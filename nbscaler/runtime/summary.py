@@ -20,7 +20,8 @@ MAX_WEIGHT_ROWS = 40
 
 
 def config_line(module: "ParallelModule") -> str:
-    """The compute config in one line: devices, units, pipeline and ZeRO settings."""
+    """The compute config in one line: devices, units, pipeline and ZeRO settings, and whether the
+    rank runs compiled (with the seconds its compiles took so far)."""
     cfg = module.compute_config
     parts = [f"plan_ngpus={cfg.plan_ngpus}", f"runtime_ngpus={cfg.runtime_ngpus}"]
     if cfg.use_pipeline:
@@ -29,6 +30,9 @@ def config_line(module: "ParallelModule") -> str:
         parts.append(f"ZeRO ({cfg.zero_ngroups} group(s))")
     if cfg.inference_only:
         parts.append("inference only")
+    if cfg.compile:
+        seconds = module.compile_seconds
+        parts.append(f"torch.compile ({cfg.compile_backend}, {seconds:.1f} s so far)")
     return ", ".join(parts)
 
 

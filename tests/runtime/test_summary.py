@@ -11,3 +11,8 @@ def test_card_names_the_rank_config_and_every_local_weight(tmp_path):
     assert card.count("<tr>") == 1 + len(pm.weight_specs)
     assert "<td>fc1.weight</td><td>param</td><td>(32, 16)</td><td>(32, 16)</td><td>whole</td><td>2 KiB</td>" in card
     assert "<script" not in card
+
+
+def test_card_of_a_compiled_rank_says_so_with_its_compile_seconds(tmp_path):
+    pm = parallelize(build("mlp"), batch("mlp", 0), "dp", ComputeConfig(1, 1, compile=True), gen_savedir=tmp_path)
+    assert "torch.compile (inductor, 0.0 s so far)" in pm._repr_html_()

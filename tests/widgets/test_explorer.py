@@ -342,6 +342,46 @@ def test_a_failing_rank_is_a_message_and_the_explorer_trains_again(cluster):
         ex.close()
 
 
+def the_output(output, batch):
+    """The loss of a module that returns its loss."""
+    return output
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+def test_a_run_with_torch_compile_reports_its_compile_seconds_in_the_runs_table(cluster):
+    ex = Explorer(MLP(), batch("mlp", 0), cluster=cluster, loss_fn=the_output,
+                  knobs=Knobs(policy="tp", plan_ngpus=2, runtime_ngpus=2, torch_compile=True))
+    try:
+        run = ex.train(steps=3)
+        assert ex.error is None, "".join(traceback.format_exception(ex.last_exception))
+        assert run.outcome.losses_match and run.plan.config.compile
+        steps = run.outcome.result.steps
+        assert (steps[steps["step"] == 0]["compile_s"] > 0).all()
+        assert (steps[steps["step"] > 0]["compile_s"] == 0).all()        # the same shapes: no compile again
+        runs = ex.runs
+        assert runs.loc[1, "torch_compile"] and runs.loc[1, "torch_compile_s"] == steps["compile_s"].groupby(
+            steps["rank"]).sum().max() > 0
+        assert "torch.compile took" in ex.status.value
+
+        ex.set(torch_compile=False)
+        ex.train(steps=2)
+        assert ex.error is None and not ex.runs.loc[2, "torch_compile"] and pd_isna(ex.runs.loc[2, "torch_compile_s"])
+    finally:
+        ex.close()
+
+
+def test_the_torch_compile_knob_is_the_configs_compile_and_reads_back_from_a_plan():
+    from nbscaler import ComputeConfig
+    from nbscaler.widgets.explorer.controls import Controls
+    knobs = Knobs(policy="dp", plan_ngpus=1, runtime_ngpus=2, torch_compile=True)
+    assert knobs.compute_config().compile and knobs.row()["torch_compile"] is True
+    assert not Knobs().compute_config().compile
+    controls = Controls(Knobs())
+    controls.show_plan(ComputeConfig(1, 2, compile=True), None)
+    assert controls.knobs().torch_compile and "torch.compile the ranks</th><td>True" in controls.as_table()
+
+
 def pd_isna(value) -> bool:
     return value is None or value != value
 

@@ -187,8 +187,10 @@ class Explorer:
             self.panes.show(plan, PLACEMENT_VIEWS, measured=run.outcome.measured)
             self._refresh_runs()
             verdict = "match" if run.outcome.losses_match else "DO NOT match"
+            compiled = run.outcome.torch_compile_s
+            compiled = "" if compiled is None else f"; torch.compile took {compiled:.1f} s on the slowest rank"
             self._say(f"Trained run {run.id}: losses {verdict} one process (worst relative error "
-                      f"{run.outcome.rel_err:.1e}); median step {run.outcome.step_s * 1e3:.0f} ms.")
+                      f"{run.outcome.rel_err:.1e}); median step {run.outcome.step_s * 1e3:.0f} ms{compiled}.")
             return run
         return None
 

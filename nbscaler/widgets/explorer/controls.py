@@ -42,7 +42,7 @@ RECOMPUTE_CHOICES = [g.value for g in RecomputeGranularity]
 CONTEXT_KINDS = [k.value for k in ContextKind]
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero", "zero_stage",
               "zero_reshard_after_forward", "recompute", "sequence_parallel", "context_parallel",
-              "context_parallel_kind")
+              "context_parallel_kind", "torch_compile")
 
 
 def _label() -> Dict[str, Any]:
@@ -88,6 +88,8 @@ class Controls:
                                            description="context parallel", **_label())
         self.context_parallel_kind = w.Dropdown(options=CONTEXT_KINDS, value=knobs.context_parallel_kind,
                                                 description="context kind", **_label())
+        self.torch_compile = w.Checkbox(value=knobs.torch_compile, description="torch.compile the ranks",
+                                        indent=False)
         self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label())
         self.lr = w.FloatText(value=0.05, description="learning rate", **_label())
 
@@ -113,7 +115,7 @@ class Controls:
             w.HTML("<b>Policy and compute</b>"), self.loaded, self.policy, self.plan_ngpus, self.runtime_ngpus,
             self.stages, self.nmicros, self.scheduler, self.use_zero, self.zero_stage,
             self.zero_reshard_after_forward, self.recompute, self.sequence_parallel, self.context_parallel,
-            self.context_parallel_kind, self.compile_button,
+            self.context_parallel_kind, self.torch_compile, self.compile_button,
             w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
             w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
         ], layout=w.Layout(width="300px", min_width="300px"))
@@ -128,7 +130,7 @@ class Controls:
                      zero_reshard_after_forward=self.zero_reshard_after_forward.value, recompute=self.recompute.value,
                      recompute_modules=self._recompute_modules, end2end=end2end,
                      sequence_parallel=self.sequence_parallel.value, context_parallel=self.context_parallel.value,
-                     context_parallel_kind=self.context_parallel_kind.value)
+                     context_parallel_kind=self.context_parallel_kind.value, torch_compile=self.torch_compile.value)
 
     def set(self, **values: Any) -> None:
         """Set knobs from code (``set(policy='pp', stages=2)``); the owner hears one change at the end."""
@@ -176,6 +178,7 @@ class Controls:
             self.recompute.value = recompute
             self._recompute_modules = modules or self._recompute_modules
             self.sequence_parallel.value = bool(config.pas_config.get(SEQUENCE_PARALLEL, False))
+            self.torch_compile.value = config.compile
             cp = int(config.pas_config.get(CONTEXT_PARALLEL, 1))
             if cp not in self.context_parallel.options:
                 self.context_parallel.options = sorted({*self.context_parallel.options, cp})
@@ -219,7 +222,8 @@ class Controls:
         form of the Explorer); a knob that does not apply reads ``n/a``."""
         shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
                  self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.zero_reshard_after_forward,
-                 self.recompute, self.sequence_parallel, self.context_parallel, self.context_parallel_kind]
+                 self.recompute, self.sequence_parallel, self.context_parallel, self.context_parallel_kind,
+                 self.torch_compile]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
                        f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
                        for c in shown if c.layout.display != "none")

@@ -53,6 +53,8 @@ class Knobs:
       sequence parallelism beside it, with the fix; the Explorer shows that refusal.
     - ``context_parallel_kind``: how attention reads the other devices' keys: ``'all_gather'`` or
       ``'ring'`` (``pas_config['context_parallel_kind']``; read only where ``context_parallel > 1``).
+    - ``torch_compile``: the ranks run their generated methods through ``torch.compile``
+      (``ComputeConfig.compile``); the runs table then says how long that took (``torch_compile_s``).
     """
 
     policy: Policy = BuiltinPolicy.TP
@@ -71,6 +73,7 @@ class Knobs:
     sequence_parallel: bool = False
     context_parallel: int = 1
     context_parallel_kind: str = ContextKind.ALL_GATHER.value
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         allowed = [g.value for g in RecomputeGranularity]
@@ -138,7 +141,7 @@ class Knobs:
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus, use_zero=self.use_zero,
                              zero_ngroups=self.zero_ngroups, zero_stage=self.zero_stage if self.use_zero else 1,
                              zero_reshard_after_forward=self.zero_reshard_after_forward or not self.stage3,
-                             use_end2end=self.end2end, pas_config=pas_config, **pipeline)
+                             use_end2end=self.end2end, pas_config=pas_config, compile=self.torch_compile, **pipeline)
 
     def row(self) -> Dict[str, Any]:
         """The knobs as columns of the runs table."""
@@ -148,7 +151,7 @@ class Knobs:
                 "zero": self.zero_stage if self.use_zero else 0,
                 "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies,
                 "context_parallel": context_label(self.context_parallel_size, self.context_parallel_kind),
-                "recompute": self.recompute}
+                "recompute": self.recompute, "torch_compile": self.torch_compile}
 
 
 def context_label(size: int, kind: str) -> str:

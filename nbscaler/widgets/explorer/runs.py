@@ -3,6 +3,8 @@
 A ``Run`` is one plan the user compiled (or re-placed and trained), with the training outcome once
 it ran on the cluster. ``runs_frame`` lays the runs out one per row; every number comes from the
 plan (predicted, columns ending in ``_predicted``) or the cluster's telemetry (measured).
+``compile_s`` is the plan's compile (trace, place, cost); ``torch_compile_s`` the seconds the slowest rank
+spent in ``torch.compile`` while it trained, for a run with ``torch_compile`` on (``ComputeConfig.compile``).
 ``peak_bytes`` is the runtime's own count in the cost model's categories, where the ranks report
 it; ``peak_rss_bytes`` is the whole process (Python, torch, buffers), always reported.
 """
@@ -25,9 +27,9 @@ from nbscaler.widgets.explorer.knobs import Knobs, context_label, recompute_of
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
-               "sequence_parallel", "context_parallel", "recompute", "compile_s", "step_s_predicted", "step_s",
-               "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes", "peak_rss_bytes", "losses_match",
-               "loss_rel_err"]
+               "sequence_parallel", "context_parallel", "recompute", "torch_compile", "compile_s", "torch_compile_s",
+               "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
+               "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
 EXPLORER_RECIPE = Recipe(optimizer=torch.optim.SGD)
@@ -63,6 +65,7 @@ class Run:
             "sequence_parallel": bool(plan.config.pas_config.get(SEQUENCE_PARALLEL, False)),
             "context_parallel": context_label(context_parallel(plan.config), context_kind(plan.config)),
             "recompute": recompute_of(plan.config)[0],
+            "torch_compile": plan.config.compile,
             "step_s_predicted": float(summary[C.STEP_TIME_S].max()),
             "bubble_predicted": plan.timeline().bubble_fraction,
             "peak_bytes_predicted": [int(v) for v in summary.sort_values(C.RANK)[C.PEAK_BYTES]],
@@ -73,6 +76,7 @@ class Run:
         return {
             "run": self.id, "model": self.model, "policy": self.knobs.policy_label, "compile_s": self.compile_s,
             **self.predicted,
+            "torch_compile_s": outcome.torch_compile_s if outcome else None,
             "step_s": outcome.step_s if outcome else None,
             "bubble": outcome.bubble if outcome else None,
             "peak_bytes": outcome.per_rank("peak_bytes") if outcome else None,

@@ -58,6 +58,15 @@ class TrainOutcome:
         return float(per_step.iloc[1:].median() if len(per_step) > 1 else per_step.iloc[0])
 
     @property
+    def torch_compile_s(self) -> Optional[float]:
+        """Seconds the slowest rank spent in ``torch.compile`` over the run (its steps include them);
+        ``None`` when the ranks ran eagerly."""
+        compile_s = self.result.steps["compile_s"]
+        if compile_s.isna().all():
+            return None
+        return float(self.result.steps.groupby("rank")["compile_s"].sum().max())
+
+    @property
     def bubble(self) -> Optional[float]:
         """Measured bubble fraction of the last step (pipelines only)."""
         if self.result.schedule.empty:
