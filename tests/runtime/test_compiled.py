@@ -68,6 +68,20 @@ def test_compiled_ranks_train_like_eager_ranks_and_one_process(nranks, tmp_path)
         check_same_as_eager(compiled, eager, runs[compiled], runs[eager])
 
 
+@pytest.mark.multiprocess
+def test_compiled_fp8_ranks_train_like_eager_fp8_ranks_and_one_process(tmp_path):
+    """fp8 products under tensor parallelism (their scales taken over the group) compiled, as torchtitan
+    runs float8: equal to the eager fp8 ranks and to one process's fp8 run."""
+    pairs = [(Case("mlp", "tp", 2, 2, config=COMPILED, float8="tensorwise"), Case("mlp", "tp", 2, 2, float8="tensorwise"))]
+    cases = [case for pair in pairs for case in pair]
+    per_rank = run_ranks(train_counting_compiles, 2, cases, str(tmp_path), timeout=900)
+    runs = {case: [res[i] for res in per_rank] for i, case in enumerate(cases)}
+    for compiled, eager in pairs:
+        assert all(run["compiles"] >= 2 for run in runs[compiled])
+        check_equivalence(compiled, runs[compiled])
+        check_same_as_eager(compiled, eager, runs[compiled], runs[eager])
+
+
 def one_rank_mlp(tmp_path, **config):
     return parallelize(build("mlp"), batch("mlp", 0), "dp", ComputeConfig(1, 1, compile=True, **config),
                        gen_savedir=tmp_path)
