@@ -24,9 +24,12 @@ def describe(row) -> str:
     parallel, ZeRO 2``; with context parallelism ``tp 1 x cp 4 (ring) x pp 2 x dp 8, ...``."""
     cp = int(row.get("cp", 1) or 1)
     context = f" x cp {cp} ({row.get('context_parallel_kind', 'all_gather')})" if cp > 1 else ""
+    float8 = row.get("float8", "none")
+    software = (f", fp8 {float8} (train with Recipe(float8={float8!r}))" if float8 not in (None, "none") else "") + (
+        ", compiled (train with ComputeConfig(compile=True))" if row.get("compiled", False) else "")
     return (f"tp {row['tp']}{context} x pp {row['pp']} x dp {row['dp']}, micro-batch {row['micro_batch']}, "
             f"recompute {row['recompute']}"
-            f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}")
+            f"{', sequence parallel' if row['sequence_parallel'] else ''}, ZeRO {row['zero_stage']}{software}")
 
 
 def seconds(s: float) -> str:

@@ -186,3 +186,24 @@ def test_autodist_space_takes_cp_and_keeps_it_off_unless_asked(chosen):
     TargetSearch.from_config(on_target(autodist_space={"cp": (1, 2), "context_parallel_kind": ("ring",)}))
     assert chosen.graph.meta["autodist"]["target"]["chosen"]["cp"] == 1
     assert "context_parallel" not in chosen.config.pas_config
+
+
+@pytest.mark.slow       # a sweep of both softwares and the chosen plan placed whole: seconds
+def test_autodist_searches_fp8_and_compiled_software_and_says_how_to_train_the_choice():
+    from tests.space.test_sweep import H100_SMALL
+    space = {"tp": (2,), "pp": (2,), "micro_batch": (1,), "zero_stage": (1,), "recompute": ("full",),
+             "sequence_parallel": (False,), "float8": ("none", "tensorwise"), "compiled": (False, True)}
+    cfg = ComputeConfig(4, 8, pas_config={"hardware": H100_SMALL, "global_batch": GLOBAL_BATCH, "autodist_space": space})
+    chosen = nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", cfg, module_dtype=torch.bfloat16)
+    frame = nbscaler.sweep(GPT(GPT_CFG), tokens(1), H100_SMALL, global_batch=GLOBAL_BATCH, progress=False, **space)
+    best = frame[frame.fits].iloc[0]
+    claimed = chosen.graph.meta["autodist"]["target"]["chosen"]
+    assert (claimed["float8"], claimed["compiled"], claimed["step_time_s"]) == (best.float8, best.compiled, best.step_time_s)
+    assert set(zip(frame.float8, frame.compiled)) == {(f, c) for f in ("none", "tensorwise") for c in (False, True)}
+    text = str(chosen.explain())
+    assert ("compiled (train with ComputeConfig(compile=True))" in text) == bool(best.compiled)
+    assert ("fp8 tensorwise (train with Recipe(float8='tensorwise'))" in text) == (best.float8 == "tensorwise")
+    from nbscaler.planning.target_explanation import describe
+    row = {**frame.iloc[0].to_dict(), "float8": "rowwise", "compiled": True}
+    assert describe(row).endswith(", fp8 rowwise (train with Recipe(float8='rowwise')), compiled (train with "
+                                  "ComputeConfig(compile=True))")
