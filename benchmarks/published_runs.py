@@ -19,7 +19,7 @@ from benchmarks.published import report
 from benchmarks.published.predict import predict
 from benchmarks.published.runs import NARAYANAN_2021
 from benchmarks.published.torchtitan import LLAMA_RUNS, predict_llama, section as llama_section
-from benchmarks.published.torchtitan_ladder import predict_ladder, section as ladder_section
+from benchmarks.published import torchtitan_ladder as ladder
 
 RESULTS = Path(__file__).parent / "results" / "published_runs.md"
 SUMMARIES = [Path(__file__).parent.parent / "README.md", Path(__file__).parent.parent / "docs" / "targets.md"]
@@ -42,7 +42,10 @@ def results(rows: Optional[List[float]] = None, micros: Optional[List[int]] = No
     if llama:
         for run in LLAMA_RUNS:
             text += "\n" + llama_section(run, predict_llama(run))
-            text += "\n" + ladder_section(run, predict_ladder(run))
+            rungs = ladder.predict_ladder(run)
+            text += "\n" + ladder.section(run, rungs)
+            if rows is None and micros is None:
+                report.write_block(SUMMARIES[0], ladder.summary_block(rungs), ladder.START, ladder.END)
     if swept:
         from benchmarks.published_sweep import section
         text += section(runs)

@@ -188,10 +188,10 @@ def summary_block(rows: List[Dict]) -> str:
     return "\n".join(lines) + "\n\n" + verdict(rows)
 
 
-def write_block(path, block: str) -> None:
-    """Replace what lies between ``START`` and ``END`` in the file at ``path`` with ``block``."""
+def write_block(path, block: str, start: str = START, end: str = END) -> None:
+    """Replace what lies between ``start`` and ``end`` in the file at ``path`` with ``block``."""
     text = path.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{path} has no {START} ... {END} block to write the published runs' summary into.")
-    head, rest = text.split(START, 1)
-    path.write_text(head + START + "\n" + block + "\n" + END + rest.split(END, 1)[1])
+    if start not in text or end not in text:
+        raise ValueError(f"{path} has no {start} ... {end} block to write the summary into.")
+    head, rest = text.split(start, 1)
+    path.write_text(head + start + "\n" + block + "\n" + end + rest.split(end, 1)[1])

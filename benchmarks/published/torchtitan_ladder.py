@@ -37,6 +37,8 @@ from nbscaler import Hardware, Recipe
 #: The goals set for the ladder: each rung's tokens/s within 10% of the published, each step up
 #: (a rung's tokens/s over the one below) within 5% of the published step.
 RUNG_GOAL, STEP_GOAL = 0.10, 0.05
+#: The README carries the ladder's summary between these markers, rewritten with the results.
+START, END = "<!-- torchtitan-ladder: written by python -m benchmarks.published_runs -->", "<!-- /torchtitan-ladder -->"
 COMPILED_MODULES = ("layers",)
 FLOAT8_SKIP = ("lm_head",)
 
@@ -129,3 +131,13 @@ def section(run: tt.PublishedLlamaRun, rows: List[Dict[str, object]]) -> str:
             + "\n\n".join(p.strip() for p in paragraphs[1:]) + "\n\n" + "\n".join(lines) + "\n\n"
             + "What each fact is worth, as a step up the ladder:\n\n" + "\n".join(steps) + "\n\n"
             + verdict(rows, ups) + "\n")
+
+
+def summary_block(rows: List[Dict[str, object]]) -> str:
+    """The README's short table of the ladder (each step up, predicted against published) and its verdict."""
+    ups = step_ups(rows)
+    lines = ["| step up | recomputation | bf16 peak (TFLOP/s) | predicted | published | error |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| + {u['step']} | {u['recompute']} | {u['peak']} | {u['predicted']:.3f} | {u['published']:.3f} | "
+              f"{u['error']:+.1%} |" for u in ups]
+    return "\n".join(lines) + "\n\n" + verdict(rows, ups)

@@ -119,3 +119,5 @@ def test_the_ladder_prices_each_rungs_facts_and_computes_its_verdict(small_llama
     assert [u["published"] for u in ups[:2]] == pytest.approx([6667 / 5762, 8532 / 6667])
     met = sum(abs(u["error"]) <= L.STEP_GOAL for u in ups)
     assert f"Each step up within 5% of the published: {met} of {len(ups)}" in text
+    block = L.summary_block(rows)                      # the README's summary: the step ups and the same verdict
+    assert L.verdict(rows, ups) in block and all(f"| {u['predicted']:.3f} | {u['published']:.3f} |" in block for u in ups)
