@@ -155,12 +155,31 @@ def check_product_shape(rows: int, inner: int, out: int, device_type: str) -> No
                          "choose sizes (after splitting) that are, or use Recipe(float8=None).")
 
 
+#: The CUDA compute capability whose tensor cores take fp8 products: Ada (L4, 8.9) and Hopper (H100, 9.0) on.
+FP8_CAPABILITY = (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def check_fp8_device(device: torch.device) -> None:
+    """A ValueError naming the fix on a GPU without fp8 tensor cores (an A100, a T4); nothing on the
+    CPU, where ``torch._scaled_mm`` computes fp8 products, or on a GPU that has them."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"Recipe(float8=...) needs fp8 tensor cores (CUDA compute capability "
+                         f"{'.'.join(map(str, FP8_CAPABILITY))} or newer: L4, H100, H200), and {device} is a {name} "
+                         f"({'.'.join(map(str, capability))}): use Recipe(float8=None) on it.")
+
+
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                   scaling: str, m_group: Any = None, k_group: Any = None, n_group: Any = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its products in fp8 (recipe ``scaling``: 'tensorwise' or
     'rowwise'), the output in ``x``'s dtype. ``m_group`` / ``k_group`` / ``n_group``: the process
     group over which this rank's slice of the rows, inner dimension or output features is split,
     where it is (``DIMS``); scales are then those of the whole tensors."""
+    check_fp8_device(x.device)
     check_product_shape(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], x.device.type)
     groups = {"m": m_group, "k": k_group, "n": n_group}
     out = Float8Product.apply(x, weight.t(), scaling, groups)

@@ -150,3 +150,19 @@ def test_a_shape_cuda_fp8_kernels_cannot_take_names_the_fix():
     with pytest.raises(ValueError, match=r"multiples of 16.*this rank has 24 input features, 8 output features.*"
                                          r"float8=None"):
         check_product_shape(32, 24, 8, "cuda")
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
+    """No such GPU here: torch.cuda is told it has a T4 (capability 7.5) and an H100 (9.0)."""
+    from nbscaler.runtime.float8 import check_fp8_device
+    found = {0: ((7, 5), "Tesla T4"), 1: ((9, 0), "NVIDIA H100 80GB HBM3")}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: found[d.index][0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: found[d.index][1])
+    check_fp8_device.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"fp8 tensor cores .*8\.9 or newer.*cuda:0 is a Tesla T4 \(7\.5\).*float8=None"):
+            check_fp8_device(torch.device("cuda", 0))
+        check_fp8_device(torch.device("cuda", 1))
+        check_fp8_device(torch.device("cpu"))
+    finally:
+        check_fp8_device.cache_clear()
