@@ -10,6 +10,7 @@ the left (a re-placement) and loads a selective point (the knob follows its row)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -119,11 +120,12 @@ def knob_text(page, name: str) -> str:
     return control.locator("input").input_value()
 
 
-def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_path):
-    write_notebook(tmp_path / "space.ipynb", "from nbscaler.widgets import Explorer\n"
-                   "ex = Explorer(sweep_ranges=dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,)))\nex")
+@contextlib.contextmanager
+def swept_space(tmp_path, ranges: str, configurations: int):
+    """JupyterLab showing an Explorer of ``sweep_ranges=ranges`` (its source) whose space tab has
+    swept its ``configurations``: the lab, open on it."""
+    write_notebook(tmp_path / "space.ipynb", f"from nbscaler.widgets import Explorer\nex = Explorer(sweep_ranges={ranges})\nex")
     shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
-    clock = Clock()
     space = f"{EXPLORER} .nbscaler-space"
     with lab_page(tmp_path, shots) as lab:
         page = lab.page
@@ -133,8 +135,17 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
         page.wait_for_selector(f"{EXPLORER} .nbscaler-controls", timeout=WAIT_MS)
         page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
         page.click(f"{space} button.nbscaler-sweep")
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept 33 configurations')", timeout=WAIT_MS)
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept {configurations} configurations')",
+                               timeout=WAIT_MS)
         page.wait_for_selector(f"{space} .nbs-spaceview svg .nbs-point", timeout=WAIT_MS)
+        yield lab
+
+
+def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_path):
+    clock = Clock()
+    space = f"{EXPLORER} .nbscaler-space"
+    with swept_space(tmp_path, "dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))", 33) as lab:
+        page = lab.page
         # tp x pp x micro-batch x recompute (none, selective, full): 21, and tp 2's 12 again with sequence parallelism
         assert page.locator(f"{space} .nbs-point").count() == 33
         assert page.locator(f"{space} .nbs-front-point").count() >= 2
@@ -206,22 +217,11 @@ def test_the_space_tab_sweeps_reprices_on_a_knob_and_loads_a_clicked_point(tmp_p
 
 
 def test_the_space_tab_marks_fp8_and_compiled_rows_and_keys_them(tmp_path):
-    write_notebook(tmp_path / "software.ipynb", "from nbscaler.widgets import Explorer\n"
-                   "ex = Explorer(sweep_ranges=dict(tp=(1, 2), pp=(1,), micro_batch=(1,), zero_stage=(1,), "
-                   "recompute=('full',), sequence_parallel=(False,), float8=('none', 'tensorwise'), "
-                   "compiled=(False, True)))\nex")
-    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
     space = f"{EXPLORER} .nbscaler-space"
-    with lab_page(tmp_path, shots) as lab:
+    ranges = ("dict(tp=(1, 2), pp=(1,), micro_batch=(1,), zero_stage=(1,), recompute=('full',), "
+              "sequence_parallel=(False,), float8=('none', 'tensorwise'), compiled=(False, True))")
+    with swept_space(tmp_path, ranges, 8) as lab:
         page = lab.page
-        lab.open_notebook("software.ipynb")
-        page.keyboard.press("Control+b")
-        lab.run_all_cells()
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-controls", timeout=WAIT_MS)
-        page.locator(f"{EXPLORER} .lm-TabBar-tab:has-text('space')").first.click()
-        page.click(f"{space} button.nbscaler-sweep")
-        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Swept 8 configurations')", timeout=WAIT_MS)
-        page.wait_for_selector(f"{space} .nbs-spaceview svg .nbs-point", timeout=WAIT_MS)
         points = page.locator(f"{space} .nbs-point")
         assert points.count() == 8       # tp 1 and 2, each eager and compiled, each in bf16 and fp8
         fp8 = page.locator(f"{space} .nbs-point:has(title:has-text('fp8 tensorwise'))")
