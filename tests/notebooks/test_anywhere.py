@@ -33,6 +33,9 @@ DISTRIBUTIONS = {"IPython": "ipython", "PIL": "pillow", "yaml": "pyyaml", "sklea
 """Import names that differ from the name pip installs them by (the others are the same)."""
 THE_KERNEL = {"ipython", "ipykernel"}
 """Installed wherever a notebook runs at all: the kernel itself (repo2docker's Jupyter)."""
+REPOSITORY_FOLDERS = {"benchmarks"}
+"""Folders of this repository a walkthrough imports from its parent folder (``sys.path.insert(0, "..")``):
+Binder's image holds the whole checkout, so they are there with the notebooks."""
 
 INTERACTIVE = ("application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json",
                "application/vnd.vegalite", "application/vnd.bokehjs", "application/javascript")
@@ -85,7 +88,7 @@ def binder_installs() -> Set[str]:
     named = {requirement_name(line) for line in (BINDER / "requirements.txt").read_text().splitlines()} - {""}
     post = (BINDER / "postBuild").read_text()
     assert re.search(r"pip install .*-e \.(\s|$)", post), "binder/postBuild no longer installs nbscaler from the checkout"
-    return named | project_dependencies() | THE_KERNEL
+    return named | project_dependencies() | THE_KERNEL | REPOSITORY_FOLDERS
 
 
 def test_no_walkthrough_imports_the_test_suite():
