@@ -39,15 +39,16 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from nbscaler.columns import StrEnum
 
-if TYPE_CHECKING:
-    from nbscaler.runtime.module import ParallelModule
+#: What a compiled method belongs to: a ``ParallelModule`` (named here by its base class, so that this
+#: module, which ``runtime.module`` imports, names nothing of it back).
+RankModule = torch.nn.Module
 
 #: The generated methods a rank runs per micro-batch (``nbscaler.comm.lower.rank_sections`` names them).
 GENERATED_METHOD = re.compile(r"_(forward|stage\d+)(_train|_eval)?")
@@ -93,7 +94,7 @@ class CompiledMethod:
     """One generated method of one rank, run through ``torch.compile``; it counts and times its
     compiles and says when it compiles again."""
 
-    def __init__(self, module: "ParallelModule", name: str, backend: str):
+    def __init__(self, module: RankModule, name: str, backend: str):
         self.name = name
         self.rank = module.world_rank
         self.backend = backend
@@ -218,7 +219,7 @@ def _check_torch() -> None:
 EAGER_SHARD_CALLS = ("unshard", "reshard")
 
 
-def compile_methods(module: "ParallelModule") -> Dict[str, CompiledMethod]:
+def compile_methods(module: RankModule) -> Dict[str, CompiledMethod]:
     """Replace each generated method of ``module`` by its ``CompiledMethod``; returns them by name."""
     _check_torch()
     from nbscaler.runtime.fsdp import ShardedUnits
