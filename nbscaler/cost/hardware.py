@@ -201,6 +201,14 @@ class Hardware:
         return Link("inter-node", min(self.inter_node_bytes_per_s * rings, self.intra_node_bytes_per_s),
                     self.inter_node_latency_s, self.inter_node_tree_latency_s)
 
+    def require_fp8(self, asked: str) -> None:
+        """A ValueError naming the fix where ``asked`` (fp8 products, e.g. ``"Recipe(float8='tensorwise')"``)
+        meets a GPU without fp8 tensor cores: one without an fp8 peak (an A100, a T4)."""
+        if NumberFormat.FP8 not in self.peak_flops_by_precision:
+            raise ValueError(f"{asked} on {self.name}: it has no fp8 tensor cores (no fp8 peak in "
+                             "Hardware.peak_flops_by_precision); use float8=None ('none' in a sweep), or a GPU "
+                             "with them (H100, H200, L4).")
+
     def running(self, software: Software) -> "Hardware":
         """This target running ``software`` instead of its own."""
         return dataclasses.replace(self, software=software)

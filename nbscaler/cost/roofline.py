@@ -99,7 +99,7 @@ import torch
 
 from nbscaler.cost.flops import attention_flops
 from nbscaler.cost.fusion import VIEW_OPS, compiled_unit, kept_in_registers
-from nbscaler.cost.hardware import Hardware, NumberFormat
+from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.software import AttentionKind
 from nbscaler.cost.local import OpCall
 from nbscaler.cost.optimizers import step_tensors
@@ -251,10 +251,8 @@ class RooflineOps:
         self.float8, self.float8_skip = float8, tuple(float8_skip)
         software = hardware.software
         self.compiled = software.compiled_modules if software.compiled else None    # None: eager
-        if float8 is not None and NumberFormat.FP8 not in hardware.peak_flops_by_precision:
-            raise ValueError(f"Recipe(float8={float8.value!r}) on {hardware.name}: it has no fp8 tensor cores "
-                             "(no fp8 peak in Hardware.peak_flops_by_precision); use float8=None, or a GPU with "
-                             "them (H100, H200, L4).")
+        if float8 is not None:
+            hardware.require_fp8(f"Recipe(float8={float8.value!r})")
         self._times: Dict[Tuple, Tuple[float, float]] = {}   # what ``time`` reads of an op -> its times
 
     def profile(self, ops: Iterable[OpCall]) -> None:

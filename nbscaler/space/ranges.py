@@ -7,7 +7,7 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from nbscaler.config import RecomputeGranularity
-from nbscaler.cost.hardware import Hardware, NumberFormat
+from nbscaler.cost.hardware import Hardware
 from nbscaler.layouts import ContextKind
 from nbscaler.planning.stack import Stack
 from nbscaler.recipe import Float8Scaling, Recipe
@@ -58,9 +58,8 @@ def software_ranges(hardware: Hardware, recipe: Recipe, float8: Optional[Sequenc
     named = [NO_FLOAT8 if v is None else str(v) for v in float8]
     if not named or any(v not in known for v in named):
         raise ValueError(f"sweep's float8={tuple(float8)!r}: give some of {', '.join(map(repr, known))}.")
-    if any(v != NO_FLOAT8 for v in named) and NumberFormat.FP8 not in hardware.peak_flops_by_precision:
-        raise ValueError(f"sweep's float8={tuple(float8)!r}: {hardware.name} has no fp8 tensor cores; use "
-                         "float8=('none',), or a GPU with them (H100, H200, L4).")
+    if any(v != NO_FLOAT8 for v in named):
+        hardware.require_fp8(f"sweep's float8={tuple(float8)!r}")
     compiled = [hardware.software.compiled] if compiled is None else list(compiled)
     if not compiled or any(not isinstance(v, bool) for v in compiled):
         raise ValueError(f"sweep's compiled={tuple(compiled)!r}: give True and/or False.")
