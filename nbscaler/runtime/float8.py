@@ -138,7 +138,7 @@ def _weight_grad(g2: torch.Tensor, x2: torch.Tensor, ctx: Any) -> torch.Tensor:
     return torch.mm(go.t(), x)
 
 #: torch._scaled_mm on CUDA takes an fp8 product only when its inner and output dimensions are
-#: multiples of this; a linear layer's three products have the rows (tokens), the input and the
+#: multiples of this (its own shape check, from cuBLASLt's fp8 alignment rule); a linear layer's three products have the rows (tokens), the input and the
 #: output features each as one of those. On the CPU it takes any shape.
 CUDA_MULTIPLE = 16
 
@@ -155,7 +155,8 @@ def check_product_shape(rows: int, inner: int, out: int, device_type: str) -> No
                          "choose sizes (after splitting) that are, or use Recipe(float8=None).")
 
 
-#: The CUDA compute capability whose tensor cores take fp8 products: Ada (L4, 8.9) and Hopper (H100, 9.0) on.
+#: The CUDA compute capability whose tensor cores take fp8 products: Ada (L4, 8.9) and Hopper (H100, 9.0) on
+#: (NVIDIA's CUDA C++ Programming Guide, compute capabilities table; torch._scaled_mm refuses older GPUs).
 FP8_CAPABILITY = (8, 9)
 
 
