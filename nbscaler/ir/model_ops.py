@@ -2,8 +2,8 @@
 
 - ``addmm`` / ``baddbmm``: GPT-2's ``Conv1D`` is ``addmm(bias, x, weight)`` with the weight stored
   ``(in, out)``, so it splits like a linear with the weight transposed.
-- ``F.pad``, ``torch.gather``, ``topk``, ``sort``: the touched axis stays whole, the others pass
-  through (Hugging Face's causal-LM loss pads the labels; BERT gathers its token-type ids).
+- ``F.pad``, ``torch.gather``, ``topk``, ``sort``, ``F.one_hot``: the touched (or new) axis stays
+  whole, the others pass through (Hugging Face's causal-LM loss pads the labels; BERT gathers its token-type ids).
 - Pooling (ResNet, MobileNetV3): batch and channels split, the pooled window stays whole.
 - ``hardswish``, ``hardsigmoid``, ``relu6``, ...: elementwise.
 
@@ -92,6 +92,14 @@ def select_along(node: IRNode) -> OpAnnotation:
                               [t.shape for t in node.output_tensors], frozen={"within", "picked"})
 
 
+def one_hot(node: IRNode) -> OpAnnotation:
+    """``F.one_hot(x, classes)``: the input's axes pass through, the new last axis of classes stays whole."""
+    x = node.inputs[0]
+    names = fresh("d", x.ndim)
+    return OpAnnotation.build([names], [names + ("class",)], [x.shape], [node.output_tensors[0].shape],
+                              frozen={"class"})
+
+
 def pooling(spatial: int):
     """Pooling over the last ``spatial`` axes: batch and channels split, the window stays whole."""
     def annotate(node: IRNode) -> OpAnnotation:
@@ -128,6 +136,7 @@ register("torch.baddbmm Tensor.baddbmm", "baddbmm", baddbmm)
 register("torch.nn.functional.pad", "pad", pad)
 register("torch.gather Tensor.gather", "gather", gather)
 register("torch.topk Tensor.topk torch.sort Tensor.sort torch.argsort Tensor.argsort", "select", select_along)
+register("torch.nn.functional.one_hot", "one_hot", one_hot)
 register(" ".join(f"torch.nn.functional.{n}" for n in _ELEMENTWISE), "elementwise", elementwise)
 for _dims in (1, 2, 3):
     register(" ".join(f"torch.nn.functional.{kind}_pool{_dims}d" for kind in

@@ -39,6 +39,21 @@ def Llama(**config) -> nn.Module:
     return Decoder(LlamaConfig(**{**small, **config}))
 
 
+def MoE(**config) -> nn.Module:
+    """The shipped mixture-of-experts Llama, small: 4 experts, 2 per token, dropless, softmax router;
+    ``config`` overrides fields of ``MoEConfig``."""
+    from nbscaler.models.moe import MoEConfig, MoELlama
+    small = dict(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, n_experts=4, top_k=2,
+                 expert_hidden=16, aux_loss_coef=0.1)
+    return MoELlama(MoEConfig(**{**small, **config}))
+
+
+def MoECapacity() -> nn.Module:
+    """``MoE`` with a sigmoid router, a shared expert and a capacity factor of 0.75, which drops
+    pairs in most sequences."""
+    return MoE(router="sigmoid", n_shared_experts=1, capacity_factor=0.75)
+
+
 class CNN(nn.Module):
     def __init__(self, classes: int = 4):
         super().__init__()
@@ -142,6 +157,17 @@ class End2EndLlama(nn.Module):
         return self.llama(batch["idx"], batch["targets"])
 
 
+class End2EndMoE(nn.Module):
+    """``MoE`` (dropless) as an end2end module: forward(batch) -> loss, for pipelines."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = MoE()
+
+    def forward(self, batch):
+        return self.moe(batch["idx"], batch["targets"])
+
+
 def batch(name: str, seed: int, n: int = 8):
     """A deterministic batch for model ``name`` (a dict of forward arguments)."""
     g = torch.Generator().manual_seed(seed)
@@ -151,9 +177,9 @@ def batch(name: str, seed: int, n: int = 8):
     if name == "post_norm":
         tokens = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
-    if name == "llama_e2e":
+    if name in ("llama_e2e", "moe_e2e"):
         return {"batch": batch("llama", seed, n)}
-    if name == "llama":
+    if name in ("llama", "moe", "moe_capacity"):
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
     if name in hf.BUILDERS:
@@ -174,7 +200,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in vision.BUILDERS:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
-            "llama_e2e": End2EndLlama, "post_norm": PostNormLM,
+            "llama_e2e": End2EndLlama, "post_norm": PostNormLM, "moe": MoE, "moe_capacity": MoECapacity, "moe_e2e": End2EndMoE,
             "user_op": UserOp, "fused_gqa": FusedGQA}[name]()
 
 

@@ -1,0 +1,39 @@
+"""Mixture-of-experts models train on ranks exactly as in one process: the shipped MoE Llama,
+dropless (grouped products over tokens sorted by expert) and with a capacity (fixed buffers,
+dropped pairs), under data parallelism, a batch split, and tensor parallelism of every expert's
+hidden axis (each device a slice of every expert, the output summed over the devices).
+
+Each test spawns its ranks once and runs every case in them.
+"""
+
+import pytest
+
+from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
+
+MODELS = ("moe", "moe_capacity")
+PLANS = {
+    1: [("dp", 1, 1), ("tp", 1, 1)],
+    2: [("dp", 1, 2), ("data", 2, 2), ("tp", 2, 2)],
+    4: [("dp", 1, 4), ("data", 4, 4), ("tp", 4, 4), ("tp", 2, 4)],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_experts_train_like_one_process(nranks, tmp_path):
+    cases = [Case(model, policy, plan, runtime) for model in MODELS for policy, plan, runtime in PLANS[nranks]]
+    per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+def test_experts_in_pipelines_and_under_zero_train_like_one_process(tmp_path):
+    """The dropless MoE cut into two pipeline stages (1f1b, two micro-batches); both routings with
+    their optimizer state, gradients (ZeRO-2) and weights (ZeRO-3) sharded over two ranks."""
+    cases = [Case("moe_e2e", "pp", 2, 2, config=pipeline("1f1b", 2, 2)),
+             Case("moe", "dp", 1, 2, config=zero(stage=2), optimizer="adamw"),
+             Case("moe_capacity", "dp", 1, 2, config=zero(stage=3), optimizer="adamw")]
+    per_rank = run_ranks(train_parallel, 2, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
