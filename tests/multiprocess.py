@@ -179,6 +179,11 @@ def context_parallel(n: int, kind: str = "all_gather", **pas_config: Any) -> tup
     return (("pas_config", (("context_parallel", n), ("context_parallel_kind", kind)) + tuple(pas_config.items())),)
 
 
+def expert_parallel(n: int) -> tuple:
+    """The ``Case.config`` of expert parallelism over ``n`` devices."""
+    return (("pas_config", (("expert_parallel", n),)),)
+
+
 def data_seed(step: int, unit: int, micro: int = 0) -> int:
     return step * 100 + unit * 10 + micro
 

@@ -1,5 +1,5 @@
 """The shipped mixture-of-experts Llama (``nbscaler.models.moe``) and its routed experts
-(``nbscaler.models.experts``) in one process: the experts against a plain loop over tokens, the
+(``nbscaler.experts``) in one process: the experts against a plain loop over tokens, the
 grouped product's gradients against autograd's, capacity dropping exactly the pairs past it, and
 the model on the meta device and through nbscaler's tracer on shapes alone."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import nbscaler
 from nbscaler import ComputeConfig
-from nbscaler.models.experts import capacity_experts, dropless_experts, grouped_mm
+from nbscaler.experts import capacity_experts, dropless_experts, grouped_mm
 from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch
 
 E, D, H, K = 4, 8, 16, 2
@@ -89,7 +89,7 @@ def test_the_model_trains_builds_on_meta_and_traces_on_shapes_alone(fields):
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # traced on shapes, every op known
         plan = nbscaler.plan(model, sample_batch(cfg, 2), "data", ComputeConfig(2, 2))
-    routed = [n for n in plan.graph.nodes if n.target.startswith("nbscaler.models.experts.")]
+    routed = [n for n in plan.graph.nodes if n.target.startswith("nbscaler.experts.routing.")]
     # each device routes its own tokens (dropless) or sequences (capacity) through every expert
     assert [n.placement.split for n in routed] == ["b" if cfg.capacity_factor else "n"] * cfg.n_layer
 

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.liveness import release_dead
 from nbscaler.codegen.context import chunk_comment, context_call
+from nbscaler.codegen.experts import experts_call, experts_comment
 from nbscaler.codegen.float8 import float8_call, float8_nodes
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
@@ -30,7 +31,7 @@ from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Resh
                                    Value)
 from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.ir.layer_rules import context_parallel, sync_batch_norm, vocab_parallel
+from nbscaler.ir.layer_rules import context_parallel, expert_parallel, sync_batch_norm, vocab_parallel
 from nbscaler.layouts import COLLECTIVES, emulations
 from nbscaler.recipe import Recipe
 from torch.fx.graph import dtype_abbrs
@@ -208,6 +209,9 @@ class SectionPrinter:
             if node.op == "attention":
                 self.lines += chunk_comment(node, self.sec.device).splitlines()
             self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(place.devices))}")
+        elif expert_parallel(node):     # this device's experts; the pairs travel to theirs
+            self.lines.append(experts_comment(node, self.sec.device))
+            self.lines.append(f"{lhs} = {experts_call(node, args, kwargs, group_var(place.devices))}")
         elif vocab_parallel(node):      # this device's share of the vocabulary
             self.lines.append(f"{lhs} = {vocab_call(node, args, self.sec.device, group_var(place.devices))}")
         elif node.name in self.float8_nodes:    # products in fp8, scaled as the whole tensors would be

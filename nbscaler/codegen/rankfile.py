@@ -20,6 +20,8 @@ from torch.utils._pytree import keystr
 from nbscaler.codegen.emitter import SectionPrinter
 from nbscaler.codegen.render import CodegenError, attr_name, group_var, user_op_alias
 from nbscaler.codegen.context import context_imports
+from nbscaler.codegen.experts import experts_imports
+from nbscaler.ir.layer_rules import expert_parallel
 from nbscaler.codegen.float8 import check_float8, float8_imports
 from nbscaler.codegen.vocab import vocab_imports
 from nbscaler.comm.program import LocalWeight, RankProgram, Section
@@ -123,10 +125,11 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
         w("from torch.utils.checkpoint import checkpoint")
     if any(n.op == GUARD_OP for g in graphs.values() for n in g.nodes):
         w("from nbscaler.runtime.guards import expect_traced")
-    for imports in (vocab_imports(graphs), context_imports(graphs), float8_imports(recipe)):
+    for imports in (vocab_imports(graphs), context_imports(graphs), experts_imports(graphs), float8_imports(recipe)):
         if imports:
             w(imports)
-    user_targets = sorted({n.target for g in graphs.values() for n in g.nodes if n.target in USER_OPS})
+    user_targets = sorted({n.target for g in graphs.values() for n in g.nodes
+                           if n.target in USER_OPS and not expert_parallel(n)})
     for target in user_targets:
         fn = USER_OPS[target]
         if fn.__module__ == "__main__":

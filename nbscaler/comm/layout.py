@@ -38,7 +38,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
-from nbscaler.ir.layer_rules import context_ring, vocab_parallel
+from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, context_ring, expert_parallel, vocab_parallel
 from nbscaler.layouts import Collective, LayoutKind
 
 R, S, P, SUM_GRAD, FIRST_ONLY = LayoutKind
@@ -117,6 +117,8 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
         return Layout.replicated()
     if vocab_parallel(node) and not node.inputs[index].dtype.is_floating_point:
         return Layout.replicated()      # token ids: each device looks every one up in its share of the vocabulary
+    if expert_parallel(node) and index in EXPERT_WEIGHTS:
+        return Layout.split(0)          # this device's experts; its tokens' pairs travel to theirs inside the op
     if context_ring(node) and index in (1, 2):
         return Layout.split(node.annotation.inputs[index].index("s"), place.blocks)    # keys, values: round a ring
     in_dims, _ = node.annotation.split_dims(place.split)

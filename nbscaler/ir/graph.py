@@ -104,6 +104,10 @@ REST_UNIT = "(rest)"
 #: ``node.meta`` key of how a context-parallel attention reads the other devices' keys (``'all_gather'``
 #: or ``'ring'``; written by ``policy.context``, read by lowering, code generation and the cost model).
 CONTEXT_KIND = "context_kind"
+#: ``node.meta`` key of an expert op run expert-parallel (written by ``policy.experts``, read by
+#: lowering, code generation and the cost model): its tokens split over the devices as the batch is,
+#: its experts (dim 0 of its weights) over the same devices, the pairs sent between them.
+EXPERT_PARALLEL = "expert_parallel"
 #: The suffix of the region of an attention core (``recompute='selective'``): ``'blocks.0.attn:core'``.
 RECOMPUTE_CORE = ":core"
 

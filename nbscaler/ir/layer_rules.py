@@ -10,7 +10,7 @@ from typing import Dict, Optional, Set
 
 from nbscaler.blocks import MIRRORED
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, fed_by_inputs
+from nbscaler.ir.graph import CONTEXT_KIND, EXPERT_PARALLEL, IRGraph, IRNode, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
 
 
@@ -163,6 +163,22 @@ def context_parallel(node: IRNode) -> Optional[str]:
 def context_ring(node: IRNode) -> bool:
     """Whether ``node`` is an attention whose keys and values stay split and pass round a ring."""
     return context_parallel(node) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"
+
+
+EXPERT_OPS = {"nbscaler.experts.routing.dropless_experts": "expert_parallel_dropless",
+              "nbscaler.experts.routing.capacity_experts": "expert_parallel_capacity"}
+"""Each op of routed experts, and the function of ``nbscaler.runtime.experts`` that runs it expert-parallel."""
+EXPERT_WEIGHTS = (3, 4, 5)
+"""The inputs of an expert op that are its experts' weights (``w1``, ``w3``, ``w2``; dim 0 the experts)."""
+
+
+def expert_parallel(node: IRNode) -> Optional[str]:
+    """The function of ``nbscaler.runtime.experts`` that runs ``node`` with its experts split over its
+    devices (``None`` when it does not)."""
+    place = node.placement
+    if not node.meta.get(EXPERT_PARALLEL) or place is None or place.split is None:
+        return None
+    return EXPERT_OPS[node.target]
 
 
 CONTEXT_SEQUENCE = "sequence"

@@ -7,7 +7,7 @@ shared experts that every token uses (as DeepSeek-V3 and Qwen3-MoE have them).
   to sum to one, weight the experts' outputs.
 - **Routing**: dropless (``capacity_factor=None``: every token served) or with a capacity factor
   (each expert serves at most ``ceil(capacity_factor * T * top_k / n_experts)`` token slots per
-  sequence of ``T`` tokens; the rest are dropped). ``nbscaler.models.experts`` computes both.
+  sequence of ``T`` tokens; the rest are dropped). ``nbscaler.experts`` computes both.
 - **Load balancing**: the auxiliary loss of Switch Transformer taken per sequence, as DeepSeek-V3
   takes its sequence-wise balance loss: ``n_experts * sum_e f_e * P_e``, ``f_e`` the share of the
   sequence's slots routed to expert ``e`` and ``P_e`` its mean router probability; averaged over
@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbscaler.columns import StrEnum
-from nbscaler.models.experts import capacity_experts, dropless_experts
+from nbscaler.experts import capacity_experts, dropless_experts
 from nbscaler.models.llama import Attention, LlamaConfig, RMSNorm, SwiGLU, sample_batch
 
 __all__ = ["MoEConfig", "MoELlama", "Router", "sample_batch"]

@@ -54,7 +54,9 @@ from nbscaler.ir.layer_rules import vocabulary_lookups
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
-from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, place_context
+from nbscaler.policy.batch import split_batch
+from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, context_parallel, place_context
+from nbscaler.policy.experts import EXPERT_PARALLEL_KEY, check_experts, place_experts
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
@@ -118,45 +120,26 @@ def dp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
 def data(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Split each op along the batch axis (dim 0 of the inputs), following it through the graph; a
     batch that does not divide over the unit's devices is refused (it would replicate every op)."""
-    n = cfg.plan_ngpus
-    devices = list(range(n))
-    batch_inputs = {id(t) for t in graph.inputs if t.ndim and t.shape[0] % n == 0}
-    sizes = sorted({t.shape[0] for t in graph.inputs if t.ndim})
-    if n > 1 and sizes and not batch_inputs:
-        raise PolicyError(f"policy 'data' splits the batch over the {n} devices of a unit, but no input's first "
-                          f"dimension divides by {n} (batch size{'s' if len(sizes) > 1 else ''} "
-                          f"{', '.join(map(str, sizes))}), so every op would run whole on every device: trace "
-                          f"with a batch that is a multiple of {n} (e.g. {-(-sizes[0] // n) * n}), or set "
-                          f"plan_ngpus to a divisor of {sizes[0]} (and runtime_ngpus to a multiple of it).")
-    batch_dim: Dict[int, int] = {i: 0 for i in batch_inputs}
-    for node in graph.nodes:
-        choice = None
-        if node.annotation is not None and n > 1:
-            for i, t in enumerate(node.inputs):
-                d = batch_dim.get(id(t))
-                if d is not None:
-                    name = node.annotation.inputs[i][d]
-                    if node.annotation.can_split(name, n) is None:
-                        choice = name
-                        break
-        if choice is None:
-            replicate(node, devices)
-            continue
-        partition(node, choice, devices)
-        _, out_dims = node.annotation.split_dims(choice)
-        for t, d in zip(node.output_tensors, out_dims):
-            if d is not None:
-                batch_dim[id(t)] = d
-    return graph
+    devices = tuple(range(cfg.plan_ngpus))
+    return split_batch(graph, lambda node: devices, "policy 'data'")
 
 
 def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     """Megatron-style tensor parallelism over all ``plan_ngpus`` devices of a unit (with
     ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
     unit = cfg.grid.stage_group(None)
+    if check_experts(cfg, len(unit), _beside_experts(cfg)) > 1:
+        return place_experts(graph, lambda node: unit)
     if check_context(cfg, len(unit), sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: unit, context_kind(cfg))
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
+
+
+def _beside_experts(cfg: ComputeConfig) -> Tuple[str, ...]:
+    """The ``pas_config`` keys of the other dimensions ``cfg`` turns on, which expert parallelism
+    does not combine with yet."""
+    return tuple(key for key, on in ((SEQUENCE_PARALLEL, sequence_parallel(cfg)),
+                                     (CONTEXT_KEYS[0], context_parallel(cfg) > 1)) if on)
 
 
 def sequence_parallel(cfg: ComputeConfig) -> bool:
@@ -247,6 +230,8 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
             raise PolicyError(f"pas_config['{SEQUENCE_PARALLEL}'] asks for tensor-parallel stages, but {why}")
         graph.meta[POLICY_NOTE] = why
     stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
+    if check_experts(cfg, geometry.tp, _beside_experts(cfg)) > 1:
+        return place_experts(graph, lambda node: geometry.stage_group(node.stage))
     if check_context(cfg, geometry.tp, sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg))
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
@@ -330,10 +315,10 @@ COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES, RECOMPUTE)
 
 POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DP: (),
-    BuiltinPolicy.TP: (SEQUENCE_PARALLEL,) + CONTEXT_KEYS,
+    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.DATA: (),
     BuiltinPolicy.PP: (PIPELINE_SPLIT,),
-    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT) + CONTEXT_KEYS,
+    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT, EXPERT_PARALLEL_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.AUTODIST: AUTODIST_KEYS + TARGET_KEYS + (SEQUENCE_PARALLEL,),
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""

@@ -1,14 +1,14 @@
 """Mixture-of-experts models train on ranks exactly as in one process: the shipped MoE Llama,
 dropless (grouped products over tokens sorted by expert) and with a capacity (fixed buffers,
-dropped pairs), under data parallelism, a batch split, and tensor parallelism of every expert's
-hidden axis (each device a slice of every expert, the output summed over the devices).
+dropped pairs), under data parallelism, a batch split, tensor parallelism around the experts, and
+expert parallelism (each device a share of the experts, the pairs sent to them by all-to-all).
 
 Each test spawns its ranks once and runs every case in them.
 """
 
 import pytest
 
-from tests.multiprocess import Case, check_equivalence, pipeline, run_ranks, train_parallel, zero
+from tests.multiprocess import Case, check_equivalence, expert_parallel, pipeline, run_ranks, train_parallel, zero
 
 MODELS = ("moe", "moe_capacity")
 PLANS = {
@@ -35,5 +35,20 @@ def test_experts_in_pipelines_and_under_zero_train_like_one_process(tmp_path):
              Case("moe", "dp", 1, 2, config=zero(stage=2), optimizer="adamw"),
              Case("moe_capacity", "dp", 1, 2, config=zero(stage=3), optimizer="adamw")]
     per_rank = run_ranks(train_parallel, 2, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_expert_parallel_trains_like_one_process(nranks, tmp_path):
+    """Experts split over every device of a unit (and with 4 ranks also over 2, in 2 data-parallel
+    units), both routings; the dropless one also in a two-stage pipeline whose stages are each
+    expert-parallel over 2 devices."""
+    cases = [Case(model, "tp", nranks, nranks, config=expert_parallel(nranks)) for model in MODELS]
+    if nranks == 4:
+        cases += [Case(model, "tp", 2, 4, config=expert_parallel(2), optimizer="adamw") for model in MODELS]
+        cases += [Case("moe_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + expert_parallel(2))]
+    per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])

@@ -1,0 +1,99 @@
+"""Expert parallelism: the experts split over the devices of a group, and every pair (token,
+expert) sent to the device that holds its expert and back.
+
+Device ``r`` of ``N`` holds experts ``r*E/N .. (r+1)*E/N - 1`` (dim 0 of ``w1``, ``w3``, ``w2``)
+and routes its own tokens. A step is four all-to-alls, two forward and two backward:
+
+- **dropless** (``expert_parallel_dropless``): the pairs sorted by expert are already grouped by
+  the device that holds their expert. One all-to-all of the per-expert counts tells every device
+  how many rows come from whom; the rows go out in one all-to-all with those split sizes (a
+  different number each step), each device multiplies what it got, regrouped by expert, with one
+  grouped product per weight, and the results go back the same way, reversed. The backward
+  sends the rows' gradients along the same paths.
+- **capacity** (``expert_parallel_capacity``): each device fills its ``(E, b*capacity, d)``
+  buffers as in one process (capacity per sequence: what is dropped is decided before anything
+  is sent), and the experts' share of them travels in one all-to-all of equal, fixed sizes.
+
+What each device computes for each pair is what one process computes for it, so the result is
+one process's, to the order of floating-point sums. ``group=None`` is a group of one device: the
+cost model calls the functions so on fake tensors.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from nbscaler.experts.grouped import batched_swiglu, grouped_swiglu
+from nbscaler.experts.routing import (capacity_combine, capacity_dispatch, capacity_experts, dropless_combine,
+                                      dropless_dispatch, dropless_experts)
+
+Group = Optional[dist.ProcessGroup]
+
+
+class _Exchange(Function):
+    """Rows to the devices of a group: ``send[j]`` of them to device ``j``, ``receive[j]`` from it;
+    the backward sends the gradients back along the same paths."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _exchange(rows, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+    out = rows.new_empty((sum(receive),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group)
+    return out
+
+
+def _size_rank(group: Group):
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
+                             w3: torch.Tensor, w2: torch.Tensor, *, group: Group) -> torch.Tensor:
+    """``dropless_experts`` of this device's tokens with this device's experts ``w1``, ``w3``
+    ``(E/N, d, h)``, ``w2`` ``(E/N, h, d)``, the pairs of other experts sent to their devices."""
+    n, _ = _size_rank(group)
+    if n == 1:
+        return dropless_experts(x, weights, experts, w1, w3, w2)
+    mine = w1.shape[0]                                                         # experts on each device
+    routed = dropless_dispatch(x, experts, mine * n)
+    arriving = torch.empty_like(routed.counts)                                 # (N * E/N,) from each device, per expert
+    dist.all_to_all_single(arriving, routed.counts, group=group)
+    send = routed.counts.view(n, mine).sum(1).tolist()
+    receive = arriving.view(n, mine).sum(1).tolist()
+    rows = _Exchange.apply(routed.rows, send, receive, group)                 # by source device, then expert
+    expert = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(arriving)
+    by_expert = expert.argsort(stable=True)                                    # regrouped expert by expert
+    offsets = arriving.view(n, mine).sum(0).cumsum(0).to(torch.int32)
+    out = grouped_swiglu(rows[by_expert], w1, w3, w2, offsets)
+    out = out[by_expert.argsort()]                                             # back in the order received
+    return dropless_combine(_Exchange.apply(out, receive, send, group), routed, weights, x)
+
+
+def expert_parallel_capacity(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
+                             w3: torch.Tensor, w2: torch.Tensor, capacity: int, *, group: Group) -> torch.Tensor:
+    """``capacity_experts`` of this device's sequences with this device's experts, each device's
+    buffers for other experts sent to their devices."""
+    n, _ = _size_rank(group)
+    if n == 1:
+        return capacity_experts(x, weights, experts, w1, w3, w2, capacity)
+    mine = w1.shape[0]
+    placed = capacity_dispatch(x, experts, mine * n, capacity)                 # buffer (E, b*capacity, d)
+    slots, d = placed.buffer.shape[1], placed.buffer.shape[2]
+    equal = [mine * slots] * n
+    arrived = _Exchange.apply(placed.buffer.reshape(-1, d), equal, equal, group)   # (N sources * E/N * slots, d)
+    arrived = arrived.view(n, mine, slots, d).transpose(0, 1).reshape(mine, n * slots, d)
+    out = batched_swiglu(arrived, w1, w3, w2)                                  # (E/N, N * slots, d)
+    out = out.view(mine, n, slots, d).transpose(0, 1).reshape(-1, d)
+    returned = _Exchange.apply(out, equal, equal, group).view(n * mine, slots, d)
+    return capacity_combine(returned, placed, weights, x)

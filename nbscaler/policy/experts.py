@@ -1,0 +1,72 @@
+"""Expert parallelism: a stage's experts split over its devices, the rest of it split by batch.
+
+``pas_config={"expert_parallel": n}`` under ``tp`` or ``hybrid`` gives each of a stage's ``n``
+devices ``E/n`` of every routed-experts op's ``E`` experts (``nbscaler.experts``: dim 0 of their
+weights, whose gradients then need no sum inside the unit) and its share of the batch for every
+other op, whose weights stay whole with their gradients summed over the devices, as the ``data``
+policy places them. Inside the experts op each device sends every (token, expert) pair to the
+device that holds its expert and gets the result back (two all-to-alls forward, two backward:
+``nbscaler.experts.parallel``). Tensor parallelism of the layers around the experts, or inside
+each expert, is not combined with it yet; neither are context and sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+from nbscaler.config import ComputeConfig
+from nbscaler.ir.graph import EXPERT_PARALLEL, IRGraph, IRNode
+from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+from nbscaler.policy.batch import split_batch
+from nbscaler.policy.primitives import PolicyError
+
+EXPERT_PARALLEL_KEY = "expert_parallel"
+"""The ``pas_config`` key of expert parallelism: the devices a stage's experts are split over."""
+
+
+def expert_parallel(cfg: ComputeConfig) -> int:
+    """The expert-parallel size ``cfg`` asks for (``pas_config['expert_parallel']``; 1: none)."""
+    value = cfg.pas_config.get(EXPERT_PARALLEL_KEY, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pas_config['{EXPERT_PARALLEL_KEY}']={value!r} is invalid: give the number of devices "
+                         "each stage's experts are split over (an int >= 1; 1 turns it off).")
+    return value
+
+
+def check_experts(cfg: ComputeConfig, stage_devices: int, others: Tuple[str, ...]) -> int:
+    """The expert-parallel size of ``cfg``, checked against the devices of each stage and the other
+    dimensions it asks for (``others``: their ``pas_config`` keys), 1 for none."""
+    n = expert_parallel(cfg)
+    if n == 1:
+        return 1
+    if others:
+        raise PolicyError(f"pas_config has both '{EXPERT_PARALLEL_KEY}' and {', '.join(map(repr, others))}: expert "
+                          "parallelism runs the layers around the experts split by batch, which does not combine "
+                          f"with them yet; drop {' and '.join(map(repr, others))}, or '{EXPERT_PARALLEL_KEY}'.")
+    if n != stage_devices:
+        raise PolicyError(f"{EXPERT_PARALLEL_KEY}={n}, but each stage has {stage_devices} devices: nbscaler splits a "
+                          "stage's experts over all of its devices (tensor parallelism beside expert parallelism "
+                          f"is not supported yet); set {EXPERT_PARALLEL_KEY}={stage_devices}, or plan_ngpus to "
+                          f"{n} x the pipeline devices.")
+    return n
+
+
+def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> IRGraph:
+    """Split every op of ``graph`` by batch over ``devices_of(node)``, and every routed-experts op's
+    experts over the same devices (see the module docstring)."""
+    split_batch(graph, devices_of, f"pas_config['{EXPERT_PARALLEL_KEY}']")
+    found = [node for node in graph.nodes if node.target in EXPERT_OPS]
+    if not found:
+        raise PolicyError(f"pas_config['{EXPERT_PARALLEL_KEY}'] splits routed experts over the devices, but the "
+                          "model calls none: route its tokens with nbscaler.experts.dropless_experts or "
+                          "capacity_experts (as nbscaler.models.moe does), or drop the key.")
+    for node in found:
+        n, experts = len(node.placement.devices), node.inputs[EXPERT_WEIGHTS[0]].shape[0]
+        if node.placement.split is None:
+            raise PolicyError(f"{node.name}: expert parallelism needs its tokens split by batch over the {n} devices, "
+                              "but they arrive whole; trace with a batch that divides by the devices.")
+        if experts % n:
+            raise PolicyError(f"{node.name} has {experts} experts, which do not split over {n} devices: set "
+                              f"{EXPERT_PARALLEL_KEY} to a divisor of {experts}.")
+        node.meta[EXPERT_PARALLEL] = True
+    return graph
