@@ -67,6 +67,8 @@ class Collective(_Word):
     SUM_GRAD = "sum_grad"
     FIRST_ONLY = "first_only"
     RING_PASS = "ring_pass"
+    EXPERT_EXCHANGE = "expert_exchange"
+    EXPERT_COUNTS = "expert_counts"
     SEND_RECV = "send_recv"
 
 
@@ -118,10 +120,20 @@ COLLECTIVES: Dict[Collective, CollectiveSpec] = {
     C.RING_PASS: CollectiveSpec(_RING, C.RING_PASS, lambda n: (2 * n - 1) / n, priced_as=C.ALL_GATHER,
                                 backward_input=lambda nbytes, n: -(-(2 * n - 1) * nbytes // (n - 1)),
                                 inside="nbscaler.runtime.context.context_attention"),
+    # expert parallelism: a device's rows to their experts' devices, or back (one of the two an op
+    # runs), an all-to-all of the rows' bytes (``T`` here) sending (n-1)/n of them; the backward
+    # sends their gradients the other way
+    C.EXPERT_EXCHANGE: CollectiveSpec(_RING, C.EXPERT_EXCHANGE, _RING, priced_as=C.ALL_TO_ALL,      # and _capacity
+                                      inside="nbscaler.runtime.experts.expert_parallel_dropless"),
+    # dropless routing first tells each device how many rows of each expert it will get: an
+    # all-to-all of the per-expert counts (``T``: E int64), forward only
+    C.EXPERT_COUNTS: CollectiveSpec(_RING, priced_as=C.ALL_TO_ALL,
+                                    inside="nbscaler.runtime.experts.expert_parallel_dropless"),
 }
-"""Every layout-changing collective, and the ring a context-parallel attention runs inside its call
+"""Every layout-changing collective, the ring a context-parallel attention runs inside its call
 (``RING_PASS``, priced as the all-gather whose bytes it moves; ``cost.context_calls`` says how
-much of it the attention's compute hides). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
+much of it the attention's compute hides), and the exchange an expert-parallel op runs inside its
+call (``EXPERT_EXCHANGE``: the rows out, or back, priced as the all-to-all it is). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
 to the next stage and its gradient back, priced by the cost model's point-to-point time."""
 del C
 

@@ -40,7 +40,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from nbscaler.comm.layout import Layout, Step
 from nbscaler.comm.program import Fetch, RankProgram, Section, Send
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import context_ring
+from nbscaler.ir.layer_rules import context_ring, exchanged_bytes, exchanged_counts_bytes, expert_parallel
 from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)
@@ -103,15 +103,15 @@ def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int],
             ordered.append(((at, f.position, 0), f))
         sends = [ins for ins in sec.instructions if isinstance(ins, Send)]
         ordered += [((nodes + k, k, 1), send) for k, send in enumerate(sends)]     # after the k-th output's fetch
-    ring = sorted({n for sec in sections for n in sec.graph.nodes if context_ring(n) and
-                   (stage is None or n.stage == stage)}, key=lambda n: index[id(n)])
-    ordered += [((index[id(n)], -1, 2), n) for n in ring]          # keys and values round the ring, at the call
+    inside = sorted({n for sec in sections for n in sec.graph.nodes if (context_ring(n) or expert_parallel(n)) and
+                     (stage is None or n.stage == stage)}, key=lambda n: index[id(n)])
+    ordered += [((index[id(n)], -1, 2), n) for n in inside]        # inside the call: a ring, the experts' exchange
     ordered.sort(key=lambda item: item[0])
     seen: set = set()
     steps: List[CommStep] = []
     for _, item in ordered:
         if isinstance(item, IRNode):
-            steps += _ring_rows(item, stage, index, grad, backend)
+            steps += (_ring_rows if context_ring(item) else _expert_rows)(item, stage, index, grad, backend)
         elif isinstance(item, Send):
             if ("send", id(item.tensor)) not in seen:
                 seen.add(("send", id(item.tensor)))
@@ -147,6 +147,27 @@ def _ring_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: 
         split = Layout.split(node.annotation.inputs[1].index("s"), node.placement.blocks)
         fetch = Fetch(t, split, split, node.placement.devices, node, node.inputs.index(t), ())
         out += _rows(fetch, Step(Collective.RING_PASS), stage, index, grad, backend)
+    return out
+
+
+def _expert_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
+                 backend: Optional[str]) -> List[CommStep]:
+    """The all-to-alls of an expert-parallel op: under dropless routing the per-expert counts, then
+    its rows out to their experts' devices and back, forward, and their gradients the other ways,
+    backward (each ``(n-1)/n`` of the bytes)."""
+    n, rows = node.placement.parts, exchanged_bytes(node)
+    row = dict(tensor=node.inputs[0].name, producer=node.inputs[0].producer.name if node.inputs[0].producer else None,
+               consumer=node.name, consumer_index=index.get(id(node)), have=str(LayoutKind.SPLIT),
+               want=str(LayoutKind.SPLIT), collective=Collective.EXPERT_EXCHANGE, devices=tuple(node.placement.devices),
+               tensor_bytes=rows, stage=stage)
+    sent = _sent(COLLECTIVES[Collective.EXPERT_EXCHANGE].forward_share(n) * rows, Collective.ALL_TO_ALL, n, backend)
+    phases = ("F", "B") if grad.get(id(node.inputs[0]), False) else ("F",)
+    out = [CommStep(phase=phase, **sent, **row) for phase in phases for _ in ("out", "back")]
+    counts = exchanged_counts_bytes(node)
+    if counts:
+        row.update(collective=Collective.EXPERT_COUNTS, tensor_bytes=counts)
+        spec = COLLECTIVES[Collective.EXPERT_COUNTS]
+        out.insert(0, CommStep(phase="F", **_sent(spec.forward_share(n) * counts, spec.priced_as, n, backend), **row))
     return out
 
 

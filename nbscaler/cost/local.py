@@ -43,7 +43,7 @@ from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, 
 from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import context_parallel, vocab_parallel
+from nbscaler.ir.layer_rules import context_parallel, exchanged_bytes, exchanged_counts_bytes, expert_parallel, vocab_parallel
 from nbscaler.attention import context_attention, context_cross_entropy
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
@@ -278,6 +278,12 @@ class _Replay:
         self.run.ops.append(OpCall(node, tuple((x.shape, x.dtype, x.requires_grad) for x in inputs),
                                    tuple((v.shape, v.dtype) for v in produced), new_bytes,
                                    self.region is not None, self._kept_keys(packed)))
+        if expert_parallel(node):       # its rows out to their experts' devices and back, inside the call
+            rows, counts, devices = exchanged_bytes(node), exchanged_counts_bytes(node), node.placement.devices
+            calls = [(Collective.EXPERT_COUNTS, counts)] if counts else []
+            self.run.collectives += [CollectiveCall(fn, node.inputs[0].name, devices, nbytes, nbytes, node.name,
+                                                    self.region is not None)
+                                     for fn, nbytes in calls + [(Collective.EXPERT_EXCHANGE, rows)] * 2]
 
     def remembered(self, target, args: Tuple, kwargs: Dict[str, Any], inputs: List[FakeValue],
                    run: Callable[[List[torch.Tensor]], Tuple[List[torch.Tensor], List[torch.Tensor], bool]]

@@ -181,6 +181,26 @@ def expert_parallel(node: IRNode) -> Optional[str]:
     return EXPERT_OPS[node.target]
 
 
+def exchanged_bytes(node: IRNode) -> int:
+    """The bytes of rows each all-to-all of expert-parallel ``node`` sends from one device and gets
+    back, for routing that loads every expert alike: each of its pairs (dropless), or each slot of
+    its capacity buffers (``nbscaler.experts.parallel``)."""
+    x, experts = node.inputs[0], node.inputs[2]
+    parts = node.placement.parts
+    if node.target.endswith("capacity_experts"):
+        slots_per_token = node.inputs[EXPERT_WEIGHTS[0]].shape[0] * node.args[6] / x.shape[1]    # E * capacity / t
+        return round(x.nbytes / parts * slots_per_token)
+    return x.nbytes // parts * experts.shape[-1]
+
+
+def exchanged_counts_bytes(node: IRNode) -> int:
+    """The bytes of the per-expert counts an expert-parallel dropless ``node`` exchanges before its
+    rows (0 for capacity routing, whose buffers have fixed sizes)."""
+    if node.target.endswith("capacity_experts"):
+        return 0
+    return node.inputs[EXPERT_WEIGHTS[0]].shape[0] * 8          # one int64 per expert
+
+
 CONTEXT_SEQUENCE = "sequence"
 """What ``context_splits`` gives an op split along the sequence that is neither attention nor the loss."""
 

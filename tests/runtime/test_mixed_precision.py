@@ -41,8 +41,9 @@ from nbscaler import broadcast_weights, build_optimizer, deduped_state_dict, mer
 from nbscaler.runtime.checkpoint import load, load_master_weights, save
 from nbscaler.runtime.scaler import LossScaler
 from tests.models import build
-from tests.multiprocess import (OPTIMIZERS, Case, assert_close, buckets, context_parallel, parallel_model, parallel_steps, pipeline,
-                                load_state_of_kind, recompute, run_ranks, samples, zero)
+from tests.multiprocess import (OPTIMIZERS, Case, assert_close, buckets, context_parallel, expert_parallel,
+                                load_state_of_kind, parallel_model, parallel_steps, pipeline, recompute, run_ranks,
+                                samples, zero)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 U = 2.0 ** -8                        # bf16's unit roundoff
@@ -65,7 +66,8 @@ CASES = {
         mixed("llama", "dp", 1, 2, zero(stage=2) + buckets(16 * 1024), clip=0.5),
         mixed("llama", "dp", 1, 2, zero(stage=3), clip=0.5),
         mixed("gpt", "tp", 2, 2, context_parallel(2, "ring")), mixed("llama", "tp", 2, 2, context_parallel(2)),
-        mixed("moe", "dp", 1, 2), mixed("moe_capacity", "dp", 1, 2, zero(stage=2))],
+        mixed("moe", "dp", 1, 2), mixed("moe_capacity", "dp", 1, 2, zero(stage=2)),
+        mixed("moe", "tp", 2, 2, expert_parallel(2)), mixed("moe_capacity", "tp", 2, 2, expert_parallel(2))],
     4: [mixed("llama", "dp", 1, 4, reduce=BF16), mixed("llama", "tp", 2, 4, zero(), clip=0.5),
         mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
         mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2)),

@@ -1,0 +1,61 @@
+"""Expert parallelism's placement (``pas_config={"expert_parallel": n}``): the experts' weights
+split by expert, everything else by batch, and a clear refusal of what it cannot do."""
+
+import pytest
+
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.ir.graph import EXPERT_PARALLEL
+from nbscaler.policy.primitives import PolicyError
+from tests.models import batch, build
+
+
+def ep_plan(model: str = "moe", n: int = 2, policy: str = "tp", **pas):
+    cfg = ComputeConfig(n, n, pas_config={"expert_parallel": n, **pas})
+    return nbscaler.plan(build(model), batch(model, 0, n=4 * n if n > 2 else 8), policy, cfg)
+
+
+@pytest.mark.parametrize("model, axis", [("moe", "n"), ("moe_capacity", "b")])
+def test_experts_split_by_expert_and_every_other_op_by_batch(model, axis):
+    plan = ep_plan(model)
+    experts = [n for n in plan.graph.nodes if n.meta.get(EXPERT_PARALLEL)]
+    assert len(experts) == 2 and all(n.placement.split == axis for n in experts)
+    weights = {w.name: w for w in plan.programs.device(1).weights}
+    w1 = weights["blocks.0.moe.experts.w1"]
+    assert w1.shape == (2, 32, 16)                     # 2 of the 4 experts on each device
+    heavy = [n for n in plan.graph.nodes if n.op == "linear"]
+    assert all(n.placement.split is not None for n in heavy)      # batch-split around the experts
+    code = plan.sources[1]
+    assert "# expert parallel: this device holds experts 2..3 of 4" in code
+    assert f"{'expert_parallel_dropless' if axis == 'n' else 'expert_parallel_capacity'}(" in code
+
+
+@pytest.mark.parametrize("pas, words", [
+    ({"sequence_parallel": True}, "'expert_parallel' and 'sequence_parallel'"),
+    ({"context_parallel": 2}, "'expert_parallel' and 'context_parallel'"),
+])
+def test_expert_parallelism_beside_another_dimension_is_refused_by_name(pas, words):
+    with pytest.raises(PolicyError, match=words):
+        ep_plan(**pas)
+
+
+def test_an_expert_parallel_size_other_than_the_stages_devices_names_the_fix():
+    cfg = ComputeConfig(4, 4, pas_config={"expert_parallel": 2})
+    with pytest.raises(PolicyError, match="expert_parallel=2, but each stage has 4 devices"):
+        nbscaler.plan(build("moe"), batch("moe", 0, n=8), "tp", cfg)
+
+
+def test_experts_that_do_not_divide_over_the_devices_are_refused():
+    with pytest.raises(PolicyError, match="has 4 experts, which do not split over 3 devices"):
+        ep_plan(n=3)
+
+
+def test_a_model_without_routed_experts_is_refused():
+    with pytest.raises(PolicyError, match="the model calls none"):
+        ep_plan("llama")
+
+
+@pytest.mark.parametrize("value", [0, True, "2"])
+def test_a_wrong_value_is_refused(value):
+    with pytest.raises(ValueError, match="pas_config\\['expert_parallel'\\]"):
+        nbscaler.plan(build("moe"), batch("moe", 0), "tp", ComputeConfig(2, 2, pas_config={"expert_parallel": value}))
