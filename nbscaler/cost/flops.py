@@ -11,7 +11,9 @@ Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair
 (``attention_flops``), the causal mask not subtracted: these are the *model* FLOPs, as published
 counts (Megatron-LM's, PaLM's, torchtitan's) and so MFU count them. A causal kernel that skips the
 masked blocks performs only ``causal_fraction`` of them (``cost.roofline`` prices and counts that). An ``einsum`` is
-counted from its equation (``cost.einsum``): it has no annotation.
+counted from its equation (``cost.einsum``): it has no annotation. Routed experts
+(``nbscaler.experts``) are counted as the SwiGLU products of every pair (dropless) or every slot of
+their capacity buffers (``expert_flops``).
 
 >>> node_flops(graph.select(op='linear')[0])              # doctest: +SKIP
 2 * 8 * 64 * 256
@@ -25,6 +27,7 @@ from typing import Callable, Sequence
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
 from nbscaler.cost.products import product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
+from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
 from nbscaler.ir.shape_rules import arg
 
 
@@ -52,6 +55,22 @@ def attention_causal_fraction(node: IRNode) -> float:
     return causal_fraction(q[-2], k[-2])
 
 
+def expert_flops(node: IRNode, in_shapes: Sequence[Sequence[int]]) -> float:
+    """Forward FLOPs of a routed-experts op on inputs of ``in_shapes``: three products of ``d x h``
+    (``w1``, ``w3``, ``w2``) for each (token, expert) pair under dropless routing, for each slot of
+    every expert's capacity buffer (used or not) under capacity routing. With the experts split over
+    devices (local ``w1`` of ``E/n``), a device multiplies as many rows as it routes when every expert
+    is loaded alike."""
+    x, chosen, w1 = in_shapes[0], in_shapes[2], in_shapes[EXPERT_WEIGHTS[0]]
+    d, h = w1[-2], w1[-1]
+    if node.target.endswith("capacity_experts"):
+        experts = node.inputs[EXPERT_WEIGHTS[0]].shape[0]
+        rows = experts * x[0] * node.args[6]                       # E x local sequences x capacity
+    else:
+        rows = math.prod(x[:-1]) * chosen[-1]                      # local tokens x top_k
+    return float(6 * rows * d * h)
+
+
 def backward_flops(node: IRNode, forward: float, takes_grad: Callable[[IRTensor], bool]) -> float:
     """Backward FLOPs of ``node``, whose forward costs ``forward``: one forward's worth for each
     input that ``takes_grad``, of a product only its operands (``cost.products``: a bias added to
@@ -62,6 +81,8 @@ def backward_flops(node: IRNode, forward: float, takes_grad: Callable[[IRTensor]
         return float(sum(math.prod(t.shape) for t in node.output_tensors)) if takes_grad(node.inputs[1]) else 0.0
     if node.op == "attention":
         return forward * min(sum(1 for t in node.inputs[:3] if takes_grad(t)), 2)
+    if node.target in EXPERT_OPS:              # each product's gradient for its rows, and for its weight
+        return forward * (takes_grad(node.inputs[0]) + takes_grad(node.inputs[EXPERT_WEIGHTS[0]]))
     operands = product_operands(node) or range(len(node.inputs))
     return forward * sum(1 for i in operands if takes_grad(node.inputs[i]))
 
@@ -81,6 +102,8 @@ def shape_flops(node: IRNode, in_shapes: Sequence[Sequence[int]], out_shapes: Se
         return 0.0
     if node.target == EINSUM_TARGET:
         return einsum_flops(node.args[0], in_shapes)
+    if node.target in EXPERT_OPS:
+        return expert_flops(node, in_shapes)
     out_elems = sum(math.prod(s) for s in out_shapes)
     ann = node.annotation
     if ann is None:

@@ -38,3 +38,20 @@ def test_model_flops_of_a_step_count_the_lookup_as_its_scatter_add():
     assert flops_per_device(p) == {0: others + elements}
     summary = p.summary(hardware=Hardware.named("H100-SXM-80GB"))
     assert summary.flops.tolist() == [others + elements]
+
+
+@pytest.mark.parametrize("model", ["moe", "moe_capacity"])
+def test_routed_experts_are_counted_as_their_swiglu_products_and_split_by_expert_parallelism(model):
+    """Dropless: three d x h products per (token, expert) pair; capacity: per slot of every expert's
+    buffers. Expert parallelism over 2 devices halves each device's share when every expert is
+    loaded alike."""
+    from nbscaler.cost.flops import node_flops
+    whole = nbscaler.plan(build(model), batch(model, 0), "dp", ComputeConfig(1, 1))
+    node = next(n for n in whole.graph.nodes if n.target.startswith("nbscaler.experts.routing."))
+    x, chosen, w1 = node.inputs[0].shape, node.inputs[2].shape, node.inputs[3].shape
+    rows = math.prod(x[:-1]) * chosen[-1] if model == "moe" else w1[0] * x[0] * node.args[6]
+    assert node_flops(node) == node.meta["flops_fwd"] == 6 * rows * w1[1] * w1[2]
+    assert node.meta["flops_bwd"] == 2 * node.meta["flops_fwd"]           # for the rows and for the weights
+    split = nbscaler.plan(build(model), batch(model, 0), "tp", ComputeConfig(2, 2, pas_config={"expert_parallel": 2}))
+    for ep in (n for n in split.graph.nodes if n.target == node.target):
+        assert ep.meta["local_flops_fwd"] == node.meta["flops_fwd"] / 2
