@@ -45,6 +45,7 @@ from nbscaler.blocks import Blocks
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import context_parallel, exchanged_bytes, exchanged_counts_bytes, expert_parallel, vocab_parallel
 from nbscaler.attention import context_attention, context_cross_entropy
+from nbscaler.experts import parallel as experts_parallel
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
 
@@ -66,9 +67,15 @@ def resolve(target: str) -> Callable:
     raise ValueError(f"cannot find the function {target!r}")
 
 
-def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    """Call ``node``'s target on concrete (here: fake) arguments, as the generated code would."""
+def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optional[int] = None) -> Any:
+    """Call ``node``'s target on concrete (here: fake) arguments, as the generated code of plan
+    ``device`` would (the device matters to an expert-parallel op: which experts it holds)."""
     target = node.target
+    experts = expert_parallel(node)
+    if experts is not None:         # the runtime's call, its exchanges sized for a balanced routing
+        place = node.placement
+        group = experts_parallel.PlannedGroup(place.parts, place.devices.index(device) if device in place.devices else 0)
+        return getattr(experts_parallel, experts)(*args, **kwargs, group=group)
     kind = context_parallel(node)
     if kind is not None:            # the runtime's call, as a device alone would make it
         fn = context_attention if kind == "attention" else context_cross_entropy
@@ -264,7 +271,7 @@ class _Replay:
         args, kwargs = call_args(node, inputs, self.fake_device, _out_shape(call))
         # a user op by its function too: registered again under its name, it is another call
         target = (node.target, USER_OPS.get(node.target), _structure(node.outputs), context_parallel(node),
-                  node.meta.get(CONTEXT_KIND))
+                  node.meta.get(CONTEXT_KIND), expert_parallel(node))
         produced, packed = self.remembered(target, args, kwargs, inputs, lambda xs: self.dispatch(call, xs))
         for v in call.inputs:                   # an op that changed an input in place
             self.env[v] = self.changed.get(id(self.env[v]), self.env[v])
@@ -314,7 +321,7 @@ class _Replay:
         packed: List[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: (packed.append(x), x)[1], lambda x: x):
-                result = call_node(node, args, kwargs)
+                result = call_node(node, args, kwargs, self.sec.device)
             return _leaves(result, node.outputs), packed, True
         except Exception as err:                          # data-dependent shapes and the like
             self.run.exact = False

@@ -15,13 +15,16 @@ and routes its own tokens. A step is four all-to-alls, two forward and two backw
   is sent), and the experts' share of them travels in one all-to-all of equal, fixed sizes.
 
 What each device computes for each pair is what one process computes for it, so the result is
-one process's, to the order of floating-point sums. ``group=None`` is a group of one device: the
-cost model calls the functions so on fake tensors.
+one process's, to the order of floating-point sums. ``group=None`` is a group of one device. The
+cost model calls the functions on fake tensors with a ``PlannedGroup``, which stands in for the
+group's size and this device's place: its exchanges make what a routing that loads every expert
+alike would send (capacity routing sends exactly that, whatever the routing).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,16 @@ from nbscaler.experts.grouped import batched_swiglu, grouped_swiglu
 from nbscaler.experts.routing import (capacity_combine, capacity_dispatch, capacity_experts, dropless_combine,
                                       dropless_dispatch, dropless_experts)
 
-Group = Optional[dist.ProcessGroup]
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """A group of ``size`` devices of which this is ``rank``, for calls on fake tensors (see above)."""
+
+    size: int
+    rank: int
+
+
+Group = Union[None, dist.ProcessGroup, PlannedGroup]
 
 
 class _Exchange(Function):
@@ -48,14 +60,31 @@ class _Exchange(Function):
         return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
 
 
-def _exchange(rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+def _exchange(rows: torch.Tensor, send: List[int], receive: List[int], group: Group) -> torch.Tensor:
     out = rows.new_empty((sum(receive),) + tuple(rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group)
+    if not isinstance(group, PlannedGroup):
+        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group)
     return out
 
 
-def _size_rank(group: Group):
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+def _size_rank(group: Group) -> Tuple[int, int]:
+    if group is None:
+        return 1, 0
+    if isinstance(group, PlannedGroup):
+        return group.size, group.rank
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _splits(counts: torch.Tensor, rows: int, n: int, mine: int,
+            group: Group) -> Tuple[torch.Tensor, List[int], List[int]]:
+    """The pairs this device gets of each of its experts from each device (``(n * mine,)``, by
+    source), and how many of its ``rows`` it sends to each device and gets from each: the counts
+    exchanged, or under a ``PlannedGroup`` as many rows every way."""
+    if isinstance(group, PlannedGroup):
+        return counts, [rows // n] * n, [rows // n] * n
+    arriving = torch.empty_like(counts)
+    dist.all_to_all_single(arriving, counts, group=group)
+    return arriving, counts.view(n, mine).sum(1).tolist(), arriving.view(n, mine).sum(1).tolist()
 
 
 def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
@@ -67,12 +96,9 @@ def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: to
         return dropless_experts(x, weights, experts, w1, w3, w2)
     mine = w1.shape[0]                                                         # experts on each device
     routed = dropless_dispatch(x, experts, mine * n)
-    arriving = torch.empty_like(routed.counts)                                 # (N * E/N,) from each device, per expert
-    dist.all_to_all_single(arriving, routed.counts, group=group)
-    send = routed.counts.view(n, mine).sum(1).tolist()
-    receive = arriving.view(n, mine).sum(1).tolist()
+    arriving, send, receive = _splits(routed.counts, routed.rows.shape[0], n, mine, group)
     rows = _Exchange.apply(routed.rows, send, receive, group)                 # by source device, then expert
-    expert = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(arriving)
+    expert = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(arriving, output_size=sum(receive))
     by_expert = expert.argsort(stable=True)                                    # regrouped expert by expert
     offsets = arriving.view(n, mine).sum(0).cumsum(0).to(torch.int32)
     out = grouped_swiglu(rows[by_expert], w1, w3, w2, offsets)

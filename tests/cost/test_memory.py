@@ -16,7 +16,7 @@ from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_byte
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
-from tests.multiprocess import (Case, buckets, context_parallel, granular, measure_memory, pipeline, predicted_memory, recompute,
+from tests.multiprocess import (Case, buckets, context_parallel, expert_parallel, granular, measure_memory, pipeline, predicted_memory, recompute,
                                 run_cases,
                                 sequence_parallel, zero)
 
@@ -173,6 +173,8 @@ IN_PROCESS = [
     Case("llama", "dp", 1, 1, optimizer="adamw", config=granular("selective")),   # q @ k.T to @ v rebuilt
     slow(Case("gpt", "pp", 1, 1, config=pipeline("zb_h1", 1, 3))),      # each W frees its forward's saves
     Case("gpt", "pp", 1, 1, optimizer="adamw", config=pipeline("zbv", 2, 3)),    # both stages of a V on one rank
+    Case("moe", "dp", 1, 1, optimizer="adamw"),                   # pairs sorted by expert, grouped products
+    Case("moe_capacity", "dp", 1, 1, optimizer="adamw"),          # capacity buffers of every expert
 ]
 
 
@@ -463,4 +465,20 @@ def test_memory_model_is_exact_under_context_parallelism(tmp_path):
     gathered for the attention (or passed round a ring, which saves only this device's block):
     the plan equals the meter."""
     for case, measured in run_cases(measure_memory, 2, CONTEXT, str(tmp_path)).items():
+        _check(case, predicted_memory(case), measured)
+
+
+EXPERTS = [
+    Case("moe_capacity", "tp", 2, 2, optimizer="adamw", config=expert_parallel(2)),
+    Case("moe_capacity", "tp", 2, 2, config=expert_parallel(2) + zero(stage=2)),
+]
+
+
+@pytest.mark.multiprocess
+def test_memory_model_is_exact_under_expert_parallelism(tmp_path):
+    """Experts split over 2 ranks, each device's capacity buffers sent to them and back: the plan
+    equals the meter. (Dropless routing sends as many rows as the routing gives each device; the
+    model prices a routing that loads every expert alike, as the one-process dropless case above
+    is exact for the routing it sees.)"""
+    for case, measured in run_cases(measure_memory, 2, EXPERTS, str(tmp_path)).items():
         _check(case, predicted_memory(case), measured)
