@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from nbscaler import ComputeConfig, parallelize, safeload
-from nbscaler.genfiles import GRAPH_FILE, GenDir, module_dir
+from nbscaler.genfiles import CONSTANTS_FILE, GRAPH_FILE, GenDir, module_dir
 from nbscaler.planning.saved import SavedPlanError, load_plan
-from tests.models import batch, build
+from nbscaler.runtime.checkpoint import load as load_checkpoint
+from nbscaler.runtime.sources import TorchFile
+from nbscaler.runtime.statecheck import CheckpointError
+from tests.models import MLP, batch, build
 
 
 class Planted:
@@ -92,3 +95,25 @@ def test_graphs_of_a_users_type_are_left_out_with_a_warning(tmp_path):
         _compile(tmp_path, Named(), batch("mlp", 0), reuse="graph")      # traces again, no error
     with pytest.raises(SavedPlanError, match="leaves it out"):
         load_plan(folder)
+
+
+def test_a_planted_checkpoint_is_refused(tmp_path):
+    marker, path = tmp_path / "ran", tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(2), "x": Planted(marker)}, path)
+    with pytest.raises(CheckpointError, match=f"cannot read the checkpoint {path} holds objects other than tensors"
+                                              ".*checkpoint.save"):
+        load_checkpoint(path)
+    with pytest.raises(safeload.RefusedFile, match=f"{path} holds objects .*safetensors"):
+        TorchFile(path)                                       # parallelize(weights=path)
+    assert not marker.exists()
+
+
+def test_a_planted_constants_file_is_refused(tmp_path):
+    """A meta-built module's ranks read the traced constants from the folder."""
+    from nbscaler.parallel import _weights_source
+
+    marker, path = tmp_path / "ran", tmp_path / CONSTANTS_FILE
+    torch.save(Planted(marker), path)
+    with pytest.raises(safeload.RefusedFile, match=f"{path} holds objects .*reuse='override'"):
+        _weights_source(MLP(), None, 0, constants=path)
+    assert not marker.exists()
