@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from nbscaler.genfiles import (CONFIG_FILE, CONSTANTS_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir,
                                atomic_write_bytes, gencode_file, module_dir, weights_footer, write_graphs)
-from nbscaler.safeload import RECOMPILE, load_tensors
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import planner
@@ -39,6 +38,7 @@ from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 from nbscaler.runtime.sources import ModuleWeights, open_weights
+from nbscaler.safeload import RECOMPILE, load_tensors
 from nbscaler.space.autodist import plan_on_target, searches_on_target, target_module_dtype
 from nbscaler.trace.tracer import has_meta_tensors
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Optional, Set, Tuple, Union
@@ -41,14 +42,15 @@ _ADMITTED: FrozenSet[Tuple[str, str]] = frozenset({
     ("nbscaler.ir.graph", "Placement"), ("nbscaler.ir.annotation", "OpAnnotation"),
     ("nbscaler.ir.backward_split", "BackwardPart"),
     ("nbscaler.cost.hardware", "Hardware"), ("nbscaler.cost.hardware", "NumberFormat"),
-    ("nbscaler.cost.hardware", "Link"),
+    ("nbscaler.cost.hardware", "Link"), ("nbscaler.cost.software", "Software"),
+    ("nbscaler.cost.software", "AttentionKind"),
     ("nbscaler.recipe", "Recipe"), ("nbscaler.recipe", "LossScaling"), ("nbscaler.recipe", "Float8Scaling"),
     ("nbscaler.recipe", "Unset"),
     ("nbscaler.safeload", "_tensor"),
     ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"), ("builtins", "set"),
-    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "range"), ("builtins", "complex"),
-    ("builtins", "Ellipsis"), ("builtins", "NotImplemented"), ("builtins", "int"), ("builtins", "float"),
-    ("builtins", "bool"), ("builtins", "str"), ("builtins", "bytes"),
+    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "Ellipsis"), ("builtins", "NotImplemented"),
+    # what numpy scalars become (_GraphPickler)
+    ("builtins", "int"), ("builtins", "float"), ("builtins", "bool"), ("builtins", "str"), ("builtins", "complex"),
     ("collections", "OrderedDict"),
     ("torch", "device"), ("torch", "Size"),
     ("torch.utils._pytree", "TreeSpec"), ("torch.utils._pytree", "LeafSpec"),
@@ -150,6 +152,9 @@ def _admitted(module: str, name: str) -> bool:
     if module == "torch.return_types":      # topk, sort, ...: the named tuples ops return, nothing else there
         found = getattr(torch.return_types, name, None)
         return isinstance(found, type) and issubclass(found, tuple)
+    if module.startswith("torch.optim."):    # a recipe's optimizer class (autodist's search on a target)
+        found = getattr(sys.modules.get(module), name, None)
+        return isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
     return False
 
 

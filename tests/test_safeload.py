@@ -5,10 +5,12 @@ import collections
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
-from nbscaler import ComputeConfig, parallelize, safeload
+from nbscaler import ComputeConfig, Recipe, parallelize, safeload
+from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import CONSTANTS_FILE, GRAPH_FILE, GenDir, module_dir
 from nbscaler.planning.saved import SavedPlanError, load_plan
 from nbscaler.runtime.checkpoint import load as load_checkpoint
@@ -45,6 +47,11 @@ def test_graphs_read_back_as_written(tmp_path):
     back = safeload.load_graphs(tmp_path / "g.pkl")["g"]
     assert all(torch.equal(back[k], constants[k]) for k in ("bf16", "empty", "scalar"))
     assert back["meta"].is_meta and back["meta"].shape == (3,)
+    # what autodist's search on a target records in graph.meta
+    target = {"hardware": Hardware.named("H100-SXM-80GB"), "recipe": Recipe(torch.optim.SGD, master_dtype=None),
+              "row": {"tp": np.int64(2), "fits": np.bool_(True)}}
+    (tmp_path / "t.pkl").write_bytes(safeload.dump_graphs(target))
+    assert safeload.load_graphs(tmp_path / "t.pkl") == {**target, "row": {"tp": 2, "fits": True}}
 
 
 @pytest.mark.parametrize("framed", [False, True], ids=["old-style pickle", "with this nbscaler's header"])

@@ -31,18 +31,19 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from nbscaler.genfiles import atomic_write
-from nbscaler.safeload import RefusedFile, load_tensors
 from nbscaler.runtime.module import ParallelModule, runtime_device
 from nbscaler.runtime.optimizer import MASTER_KEY, layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
                                          CheckpointError, check_no_extra, check_tensors)
 from nbscaler.runtime.weight_spec import WeightSpec
+from nbscaler.safeload import RefusedFile, load_tensors
 
 StateDict = Dict[str, Any]
+Device = Union[str, torch.device, None]
+# What to do with a checkpoint that holds more than tensors and plain values.
 REFUSED_CHECKPOINT = ("save checkpoints of state dicts with nbscaler.runtime.checkpoint.save; load a file "
                       "that holds other objects with torch.load(path, weights_only=False) yourself, and only "
                       "if you trust whoever wrote it")
-Device = Union[str, torch.device, None]
 
 
 def save(obj: Any, path: Union[str, Path]) -> None:
