@@ -8,8 +8,10 @@ would run their code in the notebook. Every reader in nbscaler asks this module 
   :func:`load_tensors`: ``torch.load(..., weights_only=True)``, which admits tensors and plain
   values only;
 - traced graphs (``graph.pkl``) go through :func:`load_graphs`: a stamped header, then a pickle
-  that may name only the types listed in ``_ADMITTED`` (nbscaler's IR and the few torch and
-  builtin types it holds); tensors in it are raw bytes, rebuilt by :func:`_tensor`.
+  that may name only what ``_admitted`` lets through: the types listed in ``_ADMITTED``
+  (nbscaler's IR and the few nbscaler, torch and builtin types its ``meta`` holds), torch's
+  dtypes, the named tuples torch ops return, and torch's optimizer classes; tensors in it are
+  raw bytes, rebuilt by :func:`_tensor`.
 
 A file that fails either check raises :class:`RefusedFile`, which names the file, why, and what
 to do; nothing falls back to an unrestricted load.
