@@ -33,7 +33,8 @@ PathLike = Union[str, Path]
 
 #: The first line of a graph file; the JSON line after it says which format the pickle is in.
 GRAPH_MAGIC = b"nbscaler graphs\n"
-#: Raised when what a graph file holds, or how, changes; files of another format are refused.
+#: The graph file format: add one whenever what a graph file holds, or how, changes. Files of
+#: another format are refused.
 GRAPH_FORMAT = 1
 RECOMPILE = "compile again with reuse='override' (or delete the folder)"
 
