@@ -1,5 +1,7 @@
 """Where a cluster listens: a local cluster on loopback only, and never on every interface."""
 
+import os
+import socket
 from typing import List, Set, Tuple
 
 import psutil
@@ -11,6 +13,7 @@ from nbscaler.cluster.watchdog import cluster_processes
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 WILDCARD_IPS = {"0.0.0.0", "::"}
+TCP_LISTEN = "0A"
 
 
 def cluster_tree(cl) -> List[psutil.Process]:
@@ -24,13 +27,39 @@ def cluster_tree(cl) -> List[psutil.Process]:
 
 
 def listening(processes: List[psutil.Process]) -> Set[Tuple[int, str, int]]:
-    """``(pid, ip, port)`` of every TCP socket the processes listen on."""
+    """``(pid, ip, port)`` of every TCP socket the processes listen on.
+
+    Read from ``/proc/<pid>/net/tcp{,6}``, the tables of each process's own network namespace
+    (psutil reads this process's), matched to the socket inodes among its open files."""
     out = set()
     for p in processes:
-        for c in p.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN:
-                out.add((p.pid, c.laddr.ip, c.laddr.port))
+        inodes = socket_inodes(p.pid)
+        for table in ("tcp", "tcp6"):
+            for line in open(f"/proc/{p.pid}/net/{table}").read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == TCP_LISTEN and fields[9] in inodes:
+                    ip, port = fields[1].split(":")
+                    out.add((p.pid, _address(ip), int(port, 16)))
     return out
+
+
+def socket_inodes(pid: int) -> Set[str]:
+    """The inodes of the sockets among ``pid``'s open files (``socket:[123]``)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:               # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            found.add(target[len("socket:["):-1])
+    return found
+
+
+def _address(hex_ip: str) -> str:
+    """An address of ``/proc/net/tcp{,6}``: 32-bit words in host (little-endian) order."""
+    raw = b"".join(bytes.fromhex(hex_ip[i:i + 8])[::-1] for i in range(0, len(hex_ip), 8))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
 def test_a_local_cluster_listens_on_loopback_only(cluster):
