@@ -110,7 +110,7 @@ def dump_graphs(graphs: Dict[str, Any]) -> bytes:
     if refused:
         raise UnstorableGraphs(f"the graphs hold objects of {', '.join(sorted(refused))}, which a graph file "
                                "may not name (it admits nbscaler's IR, tensors and plain values)")
-    header = json.dumps({"format": GRAPH_FORMAT, "nbscaler": _version()}).encode() + b"\n"
+    header = json.dumps({"format": GRAPH_FORMAT}).encode() + b"\n"
     return GRAPH_MAGIC + header + data
 
 
@@ -136,14 +136,8 @@ def _check_header(path: PathLike, line: bytes) -> None:
     except (ValueError, TypeError, KeyError):
         raise RefusedFile(path, "has a damaged header", RECOMPILE) from None
     if fmt != GRAPH_FORMAT:
-        raise RefusedFile(path, f"is in graph format {fmt!r} (written by nbscaler {header.get('nbscaler', '?')}); "
-                          f"this nbscaler reads format {GRAPH_FORMAT} only", RECOMPILE)
-
-
-def _version() -> str:
-    import nbscaler                          # the package imports this module
-
-    return nbscaler.__version__
+        raise RefusedFile(path, f"is in graph format {fmt!r}, written by another version of nbscaler; this one "
+                          f"reads format {GRAPH_FORMAT} only", RECOMPILE)
 
 
 def _admitted(module: str, name: str) -> bool:

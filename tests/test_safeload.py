@@ -74,8 +74,8 @@ def test_a_planted_graph_file_is_refused(tmp_path, framed):
 def test_a_graph_file_of_another_format_is_refused(tmp_path):
     folder = _compile(tmp_path)
     data = (folder / GRAPH_FILE).read_bytes()
-    (folder / GRAPH_FILE).write_bytes(data.replace(b'"format": 1', b'"format": 99', 1))
-    with pytest.raises(SavedPlanError, match="format 99 .*reads format 1 only; compile again"):
+    (folder / GRAPH_FILE).write_bytes(data.replace(b'{"format": 1}', b'{"format": 99}', 1))
+    with pytest.raises(SavedPlanError, match="format 99, written by another version .*reads format 1 only; compile"):
         load_plan(folder)
 
 
