@@ -9,9 +9,15 @@
 ``constants.pt``    only then, and only if forward captured any: the traced constants
 ``config.json``     the compute config, the fingerprint that decides reuse, and (``weights``)
                     where the ranks' weights come from, which each gencode file also states
-``graph.pkl``       the traced graphs, for ``reuse='graph'`` and for inspection
+``graph.pkl``       the traced graphs, for ``reuse='graph'`` and for ``load_plan``, in a format
+                    that names nbscaler's types only (``nbscaler.safeload``); not written when
+                    the graphs hold another type (a forward that returns its own class)
 ``plan.json``       a summary of the placements, for the widgets
 ==================  =========================================================
+
+Nothing here is unpickled without restriction: the graphs and the tensor files are read through
+``nbscaler.safeload``, which refuses a file that could run code. The ``gencode{r}.py`` files are
+code, imported as they are: the folder must be as private as the user's own code.
 
 Weights files are also hard-linked into ``<gen_savedir>/_weights/`` by a key of their tensors, so
 that another module folder compiled from the same weights links the file instead of writing it.
@@ -26,15 +32,16 @@ import hashlib
 import importlib.util
 import json
 import os
-import pickle
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Optional, Type
 
 import torch
 
+from nbscaler import safeload
 from nbscaler.config import ComputeConfig
 
 CONFIG_FILE = "config.json"
@@ -99,9 +106,12 @@ class GenDir:
             return None
         return json.loads((self.path / CONFIG_FILE).read_text())
 
-    def read_graphs(self):
-        with open(self.path / GRAPH_FILE, "rb") as f:
-            return pickle.load(f)
+    def has_graphs(self) -> bool:
+        return (self.path / GRAPH_FILE).exists()
+
+    def read_graphs(self) -> Dict[str, Any]:
+        """The traced graphs (``safeload.load_graphs``: a foreign or older file is refused)."""
+        return safeload.load_graphs(self.path / GRAPH_FILE)
 
     def compute_config(self) -> ComputeConfig:
         return ComputeConfig.from_dict(self.read_config()["compute_config"])
@@ -170,6 +180,23 @@ class GenDir:
         return cls
 
 
+def write_graphs(path: Path, graphs: Dict[str, Any]) -> bool:
+    """Write ``graphs`` to ``path`` for ``reuse='graph'`` and ``load_plan``; returns whether it did.
+
+    Graphs holding a type a graph file may not name are not written, with a warning: the
+    compile is complete without them, and a later ``reuse='graph'`` traces again.
+    """
+    try:
+        data = safeload.dump_graphs(graphs)
+    except safeload.UnstorableGraphs as err:
+        warnings.warn(f"{path.name} was not written: {err}. The module is compiled; reuse='graph' will trace it "
+                      "again and load_plan cannot read this folder. Return tensors, tuples, lists or dicts from "
+                      "forward to keep the graphs.", stacklevel=3)
+        return False
+    path.write_bytes(data)
+    return True
+
+
 def weights_store(module_path: Path) -> Path:
     """The folder where every weights file written under one ``gen_savedir`` is also linked, by
     key, so that other module folders can share it (``<gen_savedir>/_weights/``; a module folder
@@ -234,8 +261,8 @@ def _prune_store(store: Path) -> None:
 
 def _same_tensors(path: Path, weights: Dict[str, "torch.Tensor"]) -> bool:
     try:
-        saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception:                          # unreadable or older format: write it again
+        saved = safeload.load_tensors(path, fix=safeload.RECOMPILE, mmap=True)
+    except Exception:                          # unreadable or refused: not the same, write ours again
         return False
     if saved.keys() != weights.keys():
         return False

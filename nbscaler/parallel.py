@@ -16,7 +16,6 @@ holds the whole model; ``weights.pt`` is then neither written nor read.
 from __future__ import annotations
 
 import json
-import pickle
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.genfiles import (CONFIG_FILE, CONSTANTS_FILE, GRAPH_FILE, PLAN_FILE, WEIGHTS_FILE, GenDir,
-                               atomic_write_bytes, gencode_file, module_dir, weights_footer)
+                               atomic_write_bytes, gencode_file, module_dir, weights_footer, write_graphs)
 from nbscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType, UserConfig
 from nbscaler.ir.graph import IRGraph
 from nbscaler.planning import planner
@@ -39,6 +38,7 @@ from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
 from nbscaler.runtime.sources import ModuleWeights, open_weights
+from nbscaler.safeload import RECOMPILE, load_tensors
 from nbscaler.space.autodist import plan_on_target, searches_on_target, target_module_dtype
 from nbscaler.trace.tracer import has_meta_tensors
 
@@ -172,7 +172,7 @@ def _weights_source(module: torch.nn.Module, weights: Optional[Union[str, Path]]
     file = open_weights(weights) if weights is not None else None     # ModuleWeights checks its names
     captured = {}
     if constants is not None and constants.exists():
-        captured = torch.load(constants, map_location="cpu", weights_only=True)
+        captured = load_tensors(constants, fix=RECOMPILE)
     return ModuleWeights(module, file, seed, captured)
 
 
@@ -240,7 +240,8 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
                              f"({_difference(old['fingerprint'], fingerprint)}); nothing was changed. Use "
                              "reuse='override' (or 'moo') to recompile, or another instance_name to keep both.")
 
-    if old is not None and reuse is ReuseType.GRAPH and old["fingerprint"]["graph"] == fingerprint["graph"]:
+    if (old is not None and reuse is ReuseType.GRAPH and old["fingerprint"]["graph"] == fingerprint["graph"]
+            and gen.has_graphs()):            # absent when the graphs could not be stored: trace again
         result = place(unplace(gen.read_graphs()), pas_policy, cfg, fingerprint["graph"]["module"])
         result.recipe = recipe
         module = None
@@ -259,8 +260,7 @@ def _compile(module_or_class, is_class: bool, dummy_args: Dict[str, Any], pas_po
                 torch.save(constants, tmp / CONSTANTS_FILE)
         else:
             gen.write_weights(tmp, full_weights(module, result.graphs) if module is not None else None)
-        with open(tmp / GRAPH_FILE, "wb") as f:
-            pickle.dump(result.graphs, f)
+        write_graphs(tmp / GRAPH_FILE, result.graphs)
         (tmp / PLAN_FILE).write_text(json.dumps(result.to_json(), indent=1, default=str))
         (tmp / CONFIG_FILE).write_text(json.dumps({"fingerprint": fingerprint, "compute_config": result.config.to_dict(),
                                                    "policy": result.policy_name, "weights": weights,

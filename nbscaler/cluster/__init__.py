@@ -141,11 +141,12 @@ Engines elsewhere: MPI and Slurm
   in ``launcher_options={'mpi_args': ['--hostfile', 'hosts']}``.
 - ``engines='slurm'``: the engines run as one ``sbatch`` job of ``n`` tasks (``srun``). Queue,
   time limit and account go in ``launcher_options={'queue': 'gpu', 'timelimit': '2:00:00',
-  'account': 'me'}``. The engines then run on other hosts, so: let the controller listen on every
-  interface (``cluster_options={'controller_ip': '*'}``, and ``'controller_location'`` if this host
-  is reached under another name); give ``start_timeout`` for the time the job may wait in the
-  queue; make nbscaler importable on the nodes. Rank 0's address is the rendezvous; give
-  ``network=`` when the route to the controller is not the network the ranks should use.
+  'account': 'me'}``. The engines then run on other hosts, so: the controller listens on this
+  host's address on ``network=`` (or of its host name), never on every interface; name another
+  with ``cluster_options={'controller_ip': '10.1.0.5'}``. Give ``start_timeout`` for the time the
+  job may wait in the queue; make nbscaler importable on the nodes. Rank 0's address is the
+  rendezvous, and its store listens there alone; give ``network=`` when the route to the
+  controller is not the network the ranks should use.
   ``cl.job_id`` is the job; if Slurm ends it (``scancel``, time limit), the next call raises
   ``RankDied`` naming the job and the state Slurm gives it, and ``restart()`` submits a new job.
 - Any other ipyparallel launcher (``'pbs'``, ``'sge'``, ``'lsf'``, ``'ssh'``, a class) is passed on

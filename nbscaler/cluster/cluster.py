@@ -68,7 +68,9 @@ class Cluster:
             interface unless the environment already sets them.
         launcher_options: traits of the engine launcher, e.g. ``{'mpi_args': [...]}`` for MPI or
             ``{'queue': 'gpu', 'timelimit': '1:00:00'}`` for Slurm; ``environment`` is merged.
-        cluster_options: traits of ``ipyparallel.Cluster``, e.g. ``{'controller_ip': '*'}``.
+        cluster_options: traits of ``ipyparallel.Cluster``, e.g. ``{'controller_ip': '10.1.0.5'}``. The
+            controller listens on one address: by default loopback for local engines, and this host's
+            address on ``network`` (or of its host name) otherwise; a wildcard (``'*'``) is refused.
         start: start at once (the default); otherwise call ``start()`` or use ``with``.
     """
 

@@ -85,15 +85,18 @@ def describe(network_choice: Optional[str] = None) -> Dict[str, Any]:
     }
 
 
-def open_rendezvous(world_size: int, timeout_s: float) -> int:
-    """On rank 0: start the store the next group meets at, on a port the system picks; returns it.
+def open_rendezvous(world_size: int, timeout_s: float, address: str = network.LOOPBACK) -> int:
+    """On rank 0: start the store the next group meets at, on ``address`` only and a port the
+    system picks; returns the port.
 
     The store listens from here on, so the port cannot be taken by anyone else before the other
-    ranks connect (unlike a port found free, closed, and bound again later).
+    ranks connect (unlike a port found free, closed, and bound again later). It is handed a
+    socket bound to ``address``: left to itself, the store listens on every interface.
     """
     global _store
-    _store = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=timeout_s))
+    listener = network.listen_on(address)
+    _store = dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
     return _store.port
 
 
@@ -141,6 +144,7 @@ def call(payload: bytes) -> Outcome:
         if not dist.is_initialized():
             raise RuntimeError("this engine's process group was destroyed (did the previous function call "
                                "destroy_process_group?); run again: the cluster rebuilds the group after a failure")
+        # Unrestricted on purpose: the payload is the notebook's own function, sent by its ipyparallel client.
         fn, args, kwargs = cloudpickle.loads(payload)
         return Outcome(rank, True, fn(*args, **kwargs))
     except BaseException as exc:  # KeyboardInterrupt too: it is how the notebook stops a rank

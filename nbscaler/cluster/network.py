@@ -19,6 +19,11 @@ So every engine chooses its own *endpoint* (an IPv4 address and the interface th
 The engine then sets the two ``*_SOCKET_IFNAME`` variables to its own interface before it joins a
 group, unless they were set in the environment it started with (the user's choice wins).
 
+Nothing listens on every interface. Rank 0's rendezvous store listens on the rendezvous address
+only (``listen_on``), and the controller on one address (``controller_ip``): loopback for local
+engines, this host's endpoint for engines elsewhere, or the address the user names, never a
+wildcard. gloo and nccl listen on the interface above.
+
 Importable on the engines: it needs only the standard library and psutil.
 """
 
@@ -34,6 +39,9 @@ from urllib.parse import urlparse
 import psutil
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LOOPBACK = "127.0.0.1"
+# Addresses that mean "every interface" to ipyparallel, zmq or the socket layer.
+WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 # Set by whoever started this process; never overwritten.
 _SET_BEFORE_START = {name for name in SOCKET_IFNAME_VARIABLES if os.environ.get(name)}
 
@@ -80,6 +88,48 @@ def choose(network: Optional[str] = None, toward: Optional[str] = None) -> Endpo
         except OSError:
             address = "127.0.0.1"
     return Endpoint(address, interface_of(address, interfaces) or "lo")
+
+
+def controller_ip(engines: object, network: Optional[str] = None, given: Optional[str] = None) -> str:
+    """The one address the ipyparallel controller listens on.
+
+    ``given`` (the user's ``controller_ip``) when it names one address; loopback for local
+    engines; otherwise this host's endpoint on ``network`` (or its host name's address), which
+    engines on other hosts reach. A wildcard is refused: it would expose the controller on every
+    network the notebook's host is on.
+    """
+    if given is not None:
+        if given.strip() in WILDCARDS:
+            raise ValueError(f"Cluster(cluster_options={{'controller_ip': {given!r}}}) would listen on every "
+                             "interface; name the one address of this host that the engines reach (e.g. "
+                             "'10.1.0.5'), or leave controller_ip out: nbscaler then uses loopback for local "
+                             "engines, and this host's address on network= (or of its host name) for engines "
+                             "elsewhere.")
+        return given
+    if engines == "local":
+        return LOOPBACK
+    try:
+        return choose(network).address
+    except ValueError as err:
+        raise ValueError(f"{err} The controller listens on this host's address on that network too; where this "
+                         "host has none, give cluster_options={'controller_ip': ADDRESS} with an address of this "
+                         "host the engines reach.") from None
+
+
+def listen_on(address: str) -> socket.socket:
+    """A TCP socket bound to ``address`` alone (never every interface), on a port the system picks,
+    listening. Raises ``OSError`` saying so when ``address`` is not one of this host's."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {address} ({where[0]}) on host {socket.gethostname()}: "
+                                 f"{err.strerror}. The rendezvous address must be one of rank 0's host: give "
+                                 "Cluster(master_addr=) such an address, or leave it out.") from None
+    return sock
 
 
 def apply_interface(interface: str) -> None:

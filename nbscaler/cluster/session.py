@@ -4,12 +4,13 @@ A session is made, then started, in five steps:
 
 1. making it starts what watches it (``watchdog``) and, for local engines, the fork server that
    imports torch and nbscaler while the rest starts (``forkserver``);
-2. ``start`` launches the controller and the engines with ipyparallel's launchers;
+2. ``start`` launches the controller, listening on one address (``network.controller_ip``), and
+   the engines with ipyparallel's launchers;
 3. waits for ``n`` engines and puts them in rank order, host by host, engine ids in order within a
    host; on one host, and under ``mpiexec``, rank ``r`` is the ``r``-th engine id (``place_ranks``);
 4. forms the process group (gloo on CPU, nccl with one GPU per local rank) at a rendezvous store
-   that rank 0 opens on a port the system picks, each engine on its own address and interface
-   (``network``) (``join_group``);
+   that rank 0 opens on the rendezvous address alone and a port the system picks, each engine on
+   its own address and interface (``network``) (``join_group``);
 5. points ``%px``/``%%px`` at the engines, when IPython runs.
 
 ``Session.close`` ends every process of the cluster and waits until they are gone. What a call
@@ -31,7 +32,7 @@ import ipyparallel
 import psutil
 from ipyparallel.error import RemoteError
 
-from nbscaler.cluster import engine, forkserver, jobs, watchdog
+from nbscaler.cluster import engine, forkserver, jobs, network, watchdog
 from nbscaler.cluster.engine import RankInfo
 from nbscaler.cluster.errors import ClusterError
 from nbscaler.cluster.launchers import launcher_options
@@ -166,7 +167,7 @@ class Session:
         # Rank 0's own endpoint (see ``network``): loopback when the controller is on this host,
         # the address that reaches the controller (or the chosen network) when it is elsewhere.
         master = spec.master_addr or slots[0].address
-        port = self.apply_each([slots[0].engine_id], engine.open_rendezvous, [(spec.n, spec.timeout)])[0]
+        port = self.apply_each([slots[0].engine_id], engine.open_rendezvous, [(spec.n, spec.timeout, master)])[0]
         infos = [(RankInfo(s.rank, spec.n, s.local_rank, s.local_world_size, master, port, spec.timeout,
                            spec.threads or threads_per_rank(s.cores, s.local_world_size), s.interface),)
                  for s in slots]
@@ -211,6 +212,7 @@ class Session:
     def _launch(self) -> None:
         spec = self.spec
         options = dict(spec.cluster_options)
+        options["controller_ip"] = network.controller_ip(spec.engines, spec.network, options.get("controller_ip"))
         # An engine counts as registered once the controller has seen its heart beat; a shorter
         # period than ipyparallel's 3 s lets the engines register sooner (user options still win).
         options["controller_args"] = [f"--HeartMonitor.period={HEARTBEAT_MS}", *options.get("controller_args", [])]

@@ -2,7 +2,8 @@
 
 ``parallelize`` writes ``config.json`` (the compute config, the policy's name, the module's name)
 and ``graph.pkl`` (the placed and costed graphs) next to the generated code; together they are the
-plan. Nothing is traced again and no module is built:
+plan. Nothing is traced again, no module is built, and the graphs are read through
+``nbscaler.safeload``, so a file that could run code is refused:
 
 >>> p = load_plan(".nbscaler/_parallel_modules/tests.models.Llama/_")        # doctest: +SKIP
 >>> p.summary()                                                              # doctest: +SKIP
@@ -13,7 +14,6 @@ not (pass ``policy=`` to ``replan``).
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import List, Union
 
@@ -21,6 +21,7 @@ from nbscaler.cost.annotate import COST_KEYS, annotate_costs
 from nbscaler.genfiles import CONFIG_FILE, GRAPH_FILE, GenDir
 from nbscaler.planning.planner import Plan
 from nbscaler.policy.builtin import POLICIES
+from nbscaler.safeload import RefusedFile
 
 
 class SavedPlanError(ValueError):
@@ -65,9 +66,12 @@ def load_plan(path: Union[str, Path]) -> Plan:
                              "with reuse='override'.") from e
     try:
         graphs = gen.read_graphs()
-    except (OSError, pickle.UnpicklingError, AttributeError, ModuleNotFoundError, EOFError) as e:
-        raise SavedPlanError(f"{folder / GRAPH_FILE} cannot be read ({e!r}): it was written by another version "
-                             "of nbscaler, or is damaged; compile again with reuse='override'.") from e
+    except RefusedFile as e:
+        raise SavedPlanError(str(e)) from e
+    except OSError as e:
+        raise SavedPlanError(f"{folder / GRAPH_FILE} cannot be read ({e!r}); parallelize leaves it out, with a "
+                             "warning, when the graphs hold a type of the module's own. Compile again with "
+                             "reuse='override'.") from e
     for graph in graphs.values():
         if any(key not in n.meta for n in graph.nodes for key in COST_KEYS):      # written before a fact was added
             annotate_costs(graph)

@@ -16,8 +16,9 @@ enough to
 >>> sd, osd = merge_state_dicts(list(sds), list(osds))
 >>> original.load_state_dict(sd); torch.optim.AdamW(original.parameters()).load_state_dict(osd)
 
-``save`` writes atomically and ``load`` reads with ``weights_only=True``: checkpoints hold tensors
-and plain values only, so loading one runs no code from the file.
+``save`` writes atomically and ``load`` reads with ``weights_only=True`` (``nbscaler.safeload``):
+checkpoints hold tensors and plain values only, so loading one runs no code from the file, and a
+file that holds anything else is refused.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ from nbscaler.runtime.optimizer import MASTER_KEY, layout_of, parallel_modules
 from nbscaler.runtime.statecheck import (EXTRA_STATE, MODULE_FORMAT, OPTIMIZER_FORMAT, OPTIMIZER_KEY,
                                          CheckpointError, check_no_extra, check_tensors)
 from nbscaler.runtime.weight_spec import WeightSpec
+from nbscaler.safeload import RefusedFile, load_tensors
 
 StateDict = Dict[str, Any]
 Device = Union[str, torch.device, None]
+# What to do with a checkpoint that holds more than tensors and plain values.
+REFUSED_CHECKPOINT = ("save checkpoints of state dicts with nbscaler.runtime.checkpoint.save; load a file "
+                      "that holds other objects with torch.load(path, weights_only=False) yourself, and only "
+                      "if you trust whoever wrote it")
 
 
 def save(obj: Any, path: Union[str, Path]) -> None:
@@ -49,9 +55,11 @@ def load(path: Union[str, Path], map_location: Device = "cpu") -> Any:
     """``torch.load(..., weights_only=True)``, with an error that says what to do when the file
     is not a readable checkpoint."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return load_tensors(path, fix=REFUSED_CHECKPOINT, map_location=map_location)
     except OSError:
         raise
+    except RefusedFile as err:
+        raise CheckpointError(f"cannot read the checkpoint {err}") from err
     except Exception as err:
         raise CheckpointError(f"cannot read the checkpoint {path} ({type(err).__name__}: {err}); the file is "
                               "damaged or incomplete: use an intact copy.") from err

@@ -151,6 +151,8 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 300.
                     raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before "
                                      f"returning (killed, or out of memory); rank {rank} then raised:\n{out}")
                 raise RankFailed(f"rank {rank} raised:\n{out}")
+            # Not weights_only: fn may return any picklable value. The bytes come from a rank this call
+            # forked, over its private queue (itself a pickle), from the caller's own fn; no file is read.
             outs[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
         for p in procs:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from nbscaler import blocks as strided
 from nbscaler.runtime.initialize import first_names, initial_tensors, owner_of, owners
 from nbscaler.runtime.weight_spec import WeightSpec
+from nbscaler.safeload import load_tensors
 
 PathLike = Union[str, Path]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -65,7 +66,8 @@ class TorchFile(WeightSource):
         self.description = {"source": "torch", "path": str(self.path)}
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path} is missing: this rank has no weights file to read.")
-        full = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        full = load_tensors(self.path, mmap=True, fix="pass a state dict of tensors (torch.save(module.state_dict()), "
+                            "or nbscaler.runtime.checkpoint.save of merge_state_dicts(...)[0]), or a safetensors file")
         if not isinstance(full, dict) or not all(isinstance(t, torch.Tensor) for t in full.values()):
             raise ValueError(f"{self.path} does not hold a state dict (tensors by name); save the merged "
                              "module state dict alone, e.g. save(merge_state_dicts(per_rank)[0], path).")

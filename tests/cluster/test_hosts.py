@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nbscaler.cluster import Cluster, network
 from nbscaler.cluster.watchdog import cluster_processes
 from tests.cluster import netns_hosts
+from tests.cluster.test_listening import WILDCARD_IPS, cluster_tree, listening
 from tests.multiprocess import Case, check_on_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -97,3 +98,15 @@ def test_network_names_an_interface_or_a_subnet(hosts, cluster_on_hosts):
 
 def test_tp_2x2_trains_as_one_process(cluster_on_hosts, tmp_path):
     check_on_cluster(cluster_on_hosts, TP_2X2, str(tmp_path))
+
+
+def test_nothing_listens_on_every_interface_only_on_the_chosen_addresses(hosts, cluster_on_hosts):
+    """The controller on its controller_ip, each rank on its own address; besides those, only
+    loopback, where ipyparallel's helpers talk within a host (an engine and its nanny, the
+    controller and its schedulers)."""
+    assert cluster_on_hosts.run(lambda: 1) == [1] * 4
+    sockets = listening(cluster_tree(cluster_on_hosts))
+    assert {(pid, ip, port) for pid, ip, port in sockets if ip in WILDCARD_IPS} == set()
+    addresses = {ip for _, ip, _ in sockets}
+    assert {hosts.controller, *hosts.engine_hosts.values()} <= addresses
+    assert addresses <= {hosts.controller, *hosts.engine_hosts.values(), "127.0.0.1"}
