@@ -22,8 +22,9 @@ from nbscaler import broadcast_weights, deduped_state_dict, merge_state_dicts, p
 from nbscaler.runtime.checkpoint import load, local_pieces, save
 from nbscaler.runtime.statecheck import CheckpointError
 from tests.models import batch, build
-from tests.multiprocess import (Case, assert_close, check_equivalence, context_parallel, load_state_of_kind, parallel_model,
-                                parallel_steps, pipeline, run_ranks, single_steps, zero)
+from tests.multiprocess import (Case, assert_close, check_equivalence, context_parallel, expert_parallel,
+                                load_state_of_kind, parallel_model, parallel_steps, pipeline, run_ranks, single_steps,
+                                zero)
 
 K, M = 2, 2                 # steps before the checkpoint, steps after it
 TP2 = Case("llama", "tp", 2, 2, optimizer="adamw")
@@ -36,10 +37,13 @@ TP4_ZERO3 = Case("llama", "tp", 2, 4, optimizer="adamw", config=zero(stage=3))  
 DP4_ZERO3 = Case("llama", "dp", 1, 4, optimizer="adamw", config=zero(stage=3))
 NO_WEIGHTS = Case("llama", "tp", 2, 4)
 CONTEXT = Case("gpt", "tp", 2, 4, optimizer="adamw", config=context_parallel(2, "ring"))   # the sequence split
-SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT]     # trained, saved, then continued
+EXPERTS = Case("moe", "tp", 2, 4, optimizer="adamw", config=expert_parallel(2))   # experts split by expert
+MOE_ZERO3 = Case("moe", "dp", 1, 4, optimizer="adamw", config=zero(stage=3))
+SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, EXPERTS, MOE_ZERO3]     # trained, saved, then continued
 MOVES = [(TP2, DP4_ZERO), (PP_ZERO, TP_END2END),            # merged checkpoint of one plan -> another plan
          (TP2, DP4_ZERO3), (TP4_ZERO3, DP4_ZERO),           # into ZeRO-3, and out of it
-         (CONTEXT, TP_END2END), (PP_ZERO, CONTEXT)]         # out of context parallelism, and into it
+         (CONTEXT, TP_END2END), (PP_ZERO, CONTEXT),         # out of context parallelism, and into it
+         (EXPERTS, MOE_ZERO3), (MOE_ZERO3, EXPERTS)]        # out of expert parallelism, and into it
 
 
 def path(ckpt_dir, case: Case, kind: str, rank=None) -> Path:
@@ -115,7 +119,7 @@ def two_fresh_ranks(gen_dir, ckpt_dir, foreign_file):
 
 
 def four_fresh_ranks(gen_dir, ckpt_dir, base_dir):
-    return {"resume": {case: resume(case, gen_dir, ckpt_dir) for case in (TP4_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT)},
+    return {"resume": {case: resume(case, gen_dir, ckpt_dir) for case in (TP4_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, EXPERTS)},
             "moved": {(source, target): continue_from(target, gen_dir, "merged", path(ckpt_dir, source, "merged"))
                       for source, target in MOVES},
             "refuse": refuse(DP4_ZERO, gen_dir, path(ckpt_dir, TP2, "full", 0)),
@@ -132,7 +136,8 @@ def merge_files(ckpt_dir, case, kind):
 def runs(tmp_path_factory):
     gen_dir, ckpt_dir = str(tmp_path_factory.mktemp("gen")), str(tmp_path_factory.mktemp("ckpt"))
     per_rank = run_ranks(train_and_save, 2, [TP2], gen_dir, ckpt_dir)
-    per_rank += run_ranks(train_and_save, 4, [TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT], gen_dir, ckpt_dir)
+    per_rank += run_ranks(train_and_save, 4, [TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, EXPERTS, MOE_ZERO3],
+                          gen_dir, ckpt_dir)
     uninterrupted = {case: [res[case] for res in per_rank if case in res] for case in SAVED}
     for case in SAVED:
         save(merge_files(ckpt_dir, case, "full"), path(ckpt_dir, case, "merged"))
@@ -154,7 +159,7 @@ def single_reference(before: Case, after: Case):
 # -- tests -----------------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case, fresh", [(TP2, "two"), (TP4_ZERO, "four"), (PP_ZERO, "four"), (TP4_ZERO3, "four"),
-                                         (CONTEXT, "four")],
+                                         (CONTEXT, "four"), (EXPERTS, "four")],
                          ids=str)
 def test_resume_in_fresh_processes_continues_the_same_run(runs, case, fresh):
     for rank, res in enumerate(runs[fresh]):
