@@ -46,6 +46,7 @@ from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import context_parallel, exchanged_bytes, exchanged_counts_bytes, expert_parallel, vocab_parallel
 from nbscaler.attention import context_attention, context_cross_entropy
 from nbscaler.experts import parallel as experts_parallel
+from nbscaler.experts.grouped import FAKE_STAND_INS
 from nbscaler.ir.registry import USER_OPS
 from nbscaler.layouts import Collective
 
@@ -93,7 +94,8 @@ def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optiona
         if not callable(attr):            # a property such as Tensor.T
             return attr
         return attr(*rest, **kwargs)
-    return resolve(target)(*args, **kwargs)
+    fn = resolve(target)
+    return FAKE_STAND_INS.get(fn, fn)(*args, **kwargs)
 
 
 @dataclass(frozen=True)

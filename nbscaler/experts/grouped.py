@@ -48,3 +48,20 @@ def grouped_swiglu(rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: t
 def batched_swiglu(buffer: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU over all its slots: ``(E, slots, d) -> (E, slots, d)``."""
     return torch.bmm(F.silu(torch.bmm(buffer, w1)) * torch.bmm(buffer, w3), w2)
+
+
+def grouped_mm_any_dtype(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor = None, bias=None,
+                         out_dtype=None) -> torch.Tensor:
+    """``torch._grouped_mm`` in its rows-by-expert form (2-D rows, 3-D weights, offsets) through
+    ``grouped_mm``, whose shape function takes every dtype; any other form as ``torch._grouped_mm``.
+    Shape-only calls take it in ``torch._grouped_mm``'s place (``FAKE_STAND_INS``): Hugging Face's
+    mixture-of-experts models call ``torch._grouped_mm`` on fp32 weights, which its shape function
+    refuses although the CPU kernel runs them."""
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or offs is None or bias is not None or out_dtype not in (None, mat_a.dtype):
+        return torch._grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+    return grouped_mm(mat_a, mat_b, offs)
+
+
+FAKE_STAND_INS = {torch._grouped_mm: grouped_mm_any_dtype}
+"""Ops whose shape functions refuse what their kernels run, and what shape-only calls (the tracer's
+on shapes, the cost model's on fake tensors) call in their place: the same result, the same saved tensors."""

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+import nbscaler
 from nbscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
 from nbscaler.trace import trace_module
 from tests.models import hf
@@ -19,7 +20,7 @@ from tests.multiprocess import assert_close, run_ranks
 transformers = pytest.importorskip("transformers")
 
 STEPS = 3
-MODELS = ["llama", "qwen2", "mistral", "gpt2", "bert"]
+MODELS = ["llama", "qwen2", "mistral", "mixtral", "gpt2", "bert"]
 
 
 def small_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -106,3 +107,17 @@ def test_decoders_train_under_dp_equal_to_one_process(tmp_path):
         merged, _ = merge_state_dicts([res[name]["state"] for res in per_rank])
         for pname, expected in params.items():
             assert_close(merged[pname], expected, f"{name} final {pname}")
+
+
+def test_a_mixture_of_experts_built_on_meta_is_planned_on_shapes():
+    """Mixtral's experts multiply with ``torch._grouped_mm`` on fp32 weights, whose shape function
+    takes bf16 only: traced and replayed through ``nbscaler.experts.grouped_mm`` in its place, a
+    Mixtral on the meta device (no values to fall back to) is planned, its memory counted."""
+    with torch.device("meta"):
+        model = small_model("mixtral")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(traced on real tensors|could not replay torch._grouped_mm)")
+        plan = nbscaler.plan(model, sample(0, mask=False), "dp", ComputeConfig(1, 1))
+        memory = plan.memory()
+    assert sum(n.target == "torch._grouped_mm" for n in plan.graph.nodes) == 2 * 2       # 2 layers: gate_up, down
+    assert memory["activation_bytes"][0] > 0
