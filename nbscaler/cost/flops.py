@@ -13,7 +13,8 @@ counts (Megatron-LM's, PaLM's, torchtitan's) and so MFU count them. A causal ker
 masked blocks performs only ``causal_fraction`` of them (``cost.roofline`` prices and counts that). An ``einsum`` is
 counted from its equation (``cost.einsum``): it has no annotation. Routed experts
 (``nbscaler.experts``) are counted as the SwiGLU products of every pair (dropless) or every slot of
-their capacity buffers (``expert_flops``).
+their capacity buffers (``expert_flops``); ``torch._grouped_mm`` (Hugging Face's experts) as one
+product of each row with its expert's weight.
 
 >>> node_flops(graph.select(op='linear')[0])              # doctest: +SKIP
 2 * 8 * 64 * 256
@@ -28,6 +29,9 @@ from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
 from nbscaler.cost.products import product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
 from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+
+GROUPED_MM = "torch._grouped_mm"
+"""Hugging Face's experts' grouped product: rows sorted by expert ``(m, a)`` by weights ``(E, a, b)``."""
 from nbscaler.ir.shape_rules import arg
 
 
@@ -104,6 +108,8 @@ def shape_flops(node: IRNode, in_shapes: Sequence[Sequence[int]], out_shapes: Se
         return einsum_flops(node.args[0], in_shapes)
     if node.target in EXPERT_OPS:
         return expert_flops(node, in_shapes)
+    if node.target == GROUPED_MM and len(in_shapes[0]) == 2 and len(in_shapes[1]) == 3:
+        return float(2 * math.prod(in_shapes[0]) * in_shapes[1][-1])     # each row by its expert's (a, b) weight
     out_elems = sum(math.prod(s) for s in out_shapes)
     ann = node.annotation
     if ann is None:

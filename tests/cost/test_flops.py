@@ -55,3 +55,12 @@ def test_routed_experts_are_counted_as_their_swiglu_products_and_split_by_expert
     split = nbscaler.plan(build(model), batch(model, 0), "tp", ComputeConfig(2, 2, pas_config={"expert_parallel": 2}))
     for ep in (n for n in split.graph.nodes if n.target == node.target):
         assert ep.meta["local_flops_fwd"] == node.meta["flops_fwd"] / 2
+
+
+def test_hugging_face_experts_grouped_products_count_each_row_once():
+    """Mixtral's experts: ``torch._grouped_mm`` of the (token, expert) rows sorted by expert ``(m, a)``
+    by the experts' weights ``(E, a, b)`` costs ``2 m a b``, as one product per row."""
+    p = nbscaler.plan(build("hf_mixtral"), batch("hf_mixtral", 0), "dp", ComputeConfig(1, 1))
+    for node in (n for n in p.graph.nodes if n.target == "torch._grouped_mm"):
+        (m, a), b = node.inputs[0].shape, node.inputs[1].shape[-1]
+        assert node.meta["flops_fwd"] == 2 * m * a * b

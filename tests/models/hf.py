@@ -53,6 +53,14 @@ def mixtral() -> nn.Module:
                                             router_jitter_noise=0.0))
 
 
+def qwen3_moe() -> nn.Module:
+    """Qwen3-MoE: 4 experts, 2 per token, renormalised top-k weights, every layer sparse."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_decoder_kwargs(), num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True,
+                                              head_dim=8))
+
+
 def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
@@ -68,8 +76,8 @@ def bert() -> nn.Module:
 
 
 BUILDERS: Dict[str, Callable[[], nn.Module]] = {
-    "hf_llama": llama, "hf_qwen2": qwen2, "hf_mistral": mistral, "hf_mixtral": mixtral, "hf_gpt2": gpt2,
-    "hf_bert": bert,
+    "hf_llama": llama, "hf_qwen2": qwen2, "hf_mistral": mistral, "hf_mixtral": mixtral, "hf_qwen3_moe": qwen3_moe,
+    "hf_gpt2": gpt2, "hf_bert": bert,
 }
 
 

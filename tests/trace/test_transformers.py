@@ -20,7 +20,7 @@ from tests.multiprocess import assert_close, run_ranks
 transformers = pytest.importorskip("transformers")
 
 STEPS = 3
-MODELS = ["llama", "qwen2", "mistral", "mixtral", "gpt2", "bert"]
+MODELS = ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "gpt2", "bert"]
 
 
 def small_model(name: str, seed: int = 0) -> torch.nn.Module:
