@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import nbscaler
 from nbscaler import ComputeConfig
-from nbscaler.experts import capacity_experts, dropless_experts, grouped_mm
+from nbscaler.experts import RoutingLog, capacity_experts, dropless_experts, grouped_mm
 from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch
 
 E, D, H, K = 4, 8, 16, 2
@@ -108,3 +108,23 @@ def test_the_load_balancing_loss_is_one_when_the_router_has_no_preference():
 def test_a_wrong_config_names_the_field(fields, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         config(**fields)
+
+
+def test_the_routing_log_counts_each_experts_pairs_and_what_capacity_dropped(routed):
+    """Every call made while a log is open: pairs routed to each expert (k per token in all), kept
+    (all under dropless routing), dropped past each expert's capacity; none while tracing."""
+    x, weights, chosen, w1, w3, w2 = routed
+    with RoutingLog() as log:
+        dropless_experts(x.reshape(12, D), weights.reshape(12, K), chosen.reshape(12, K), w1, w3, w2)
+        capacity_experts(*routed, 2)
+    frame = log.frame()
+    first, second = frame[frame.call == 0], frame[frame.call == 1]
+    expected = torch.bincount(chosen.reshape(-1), minlength=E).tolist()
+    assert first.routed.tolist() == second.routed.tolist() == expected and first.dropped.sum() == 0
+    per_sequence = [torch.bincount(chosen[b].reshape(-1), minlength=E).clamp(max=2) for b in range(2)]
+    assert second.served.tolist() == sum(per_sequence).tolist()        # capacity 2 per sequence
+    assert log.imbalance().tolist() == [max(expected) / (sum(expected) / E)] * 2
+    cfg = config()
+    with RoutingLog() as quiet:
+        nbscaler.plan(MoELlama(cfg), sample_batch(cfg, 2), "dp", ComputeConfig(1, 1))
+    assert quiet.frame().empty

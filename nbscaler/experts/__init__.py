@@ -23,6 +23,7 @@ in the graph, not inside one op.
 """
 
 from nbscaler.experts.grouped import grouped_mm
+from nbscaler.experts.log import RoutingLog
 from nbscaler.experts.routing import capacity_experts, dropless_experts
 
-__all__ = ["capacity_experts", "dropless_experts", "grouped_mm"]
+__all__ = ["RoutingLog", "capacity_experts", "dropless_experts", "grouped_mm"]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nbscaler.experts.grouped import batched_swiglu, grouped_swiglu
+from nbscaler.experts.log import record
 from nbscaler.ir.registry import register_op
 
 
@@ -32,6 +33,7 @@ def dropless_dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int) ->
     order = flat.argsort(stable=True)                                          # pairs sorted by expert
     token = order // k                                                         # (n*k,) row -> token
     counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    record(counts)
     return Sorted(x[token], order, token, counts)
 
 
@@ -71,6 +73,7 @@ def capacity_dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int, ca
     chosen = F.one_hot(experts.reshape(b, t * k), n_experts)                   # (b, t*k, E)
     slot = ((chosen.cumsum(1) - 1) * chosen).sum(-1)                           # (b, t*k) place in its expert's queue
     kept = (slot < capacity).reshape(-1)
+    record(chosen.sum((0, 1)), (chosen * kept.view(b, t * k, 1)).sum((0, 1)))
     seq = torch.arange(b, device=x.device).unsqueeze(1)                        # (b, 1)
     # pair -> its row of the (E * b * capacity) buffer; a dropped pair adds a zero row to row 0
     where = ((experts.reshape(b, t * k) * b + seq) * capacity + slot.clamp(max=capacity - 1)).reshape(-1)

@@ -1,0 +1,69 @@
+"""How routing loaded the experts: a log of the (token, expert) pairs each routed-experts call sent
+to each expert, kept while a ``RoutingLog`` is open.
+
+The memory and time a plan predicts for dropless routing assume every expert gets as many pairs;
+the log shows how far a real routing is from that (``imbalance``: the most pairs an expert got over
+the mean), and under capacity routing how many pairs each expert dropped.
+
+>>> with RoutingLog() as log:                    # doctest: +SKIP
+...     loss = model(**batch)
+>>> log.frame().groupby("expert").routed.sum()   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_OPEN: List["RoutingLog"] = []
+
+
+class RoutingLog:
+    """Pairs per expert of every routed-experts call made on this process while open (a context
+    manager; logs nest). A call is one op of one forward, numbered in the order they ran."""
+
+    def __init__(self) -> None:
+        self.rows: List[Dict[str, Any]] = []
+        self.calls = 0
+
+    def __enter__(self) -> "RoutingLog":
+        _OPEN.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPEN.remove(self)
+
+    def add(self, routed: torch.Tensor, served: Optional[torch.Tensor]) -> None:
+        """One call: ``routed[e]`` pairs sent to expert ``e``, ``served[e]`` of them kept (``None``: all)."""
+        routed = routed.tolist()
+        served = routed if served is None else served.tolist()
+        self.rows += [{"call": self.calls, "expert": e, "routed": r, "served": s, "dropped": r - s}
+                      for e, (r, s) in enumerate(zip(routed, served))]
+        self.calls += 1
+
+    def frame(self):
+        """One row per call and expert: ``call``, ``expert``, ``routed``, ``served``, ``dropped`` pairs."""
+        import pandas as pd
+        return pd.DataFrame(self.rows, columns=["call", "expert", "routed", "served", "dropped"])
+
+    def imbalance(self):
+        """Per call: the most pairs an expert was routed over the mean (1.0: perfectly balanced)."""
+        per_call = self.frame().groupby("call").routed
+        return (per_call.max() / per_call.mean()).rename("imbalance")
+
+
+def record(routed: torch.Tensor, served: Optional[torch.Tensor] = None) -> None:
+    """Add a call's pairs per expert to every open log (nothing when none is open, or for the shapes
+    alone: tracing and the cost model call the ops on fake tensors)."""
+    if not _OPEN or _shapes_only(routed):
+        return
+    routed = routed.detach().cpu()
+    served = served.detach().cpu() if served is not None else None
+    for log in _OPEN:
+        log.add(routed, served)
+
+
+def _shapes_only(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return t.is_meta or is_fake(t)
