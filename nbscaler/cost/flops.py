@@ -26,12 +26,9 @@ import math
 from typing import Callable, Sequence
 
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
-from nbscaler.cost.products import product_operands
+from nbscaler.cost.products import GROUPED_MM, product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
 from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
-
-GROUPED_MM = "torch._grouped_mm"
-"""Hugging Face's experts' grouped product: rows sorted by expert ``(m, a)`` by weights ``(E, a, b)``."""
 from nbscaler.ir.shape_rules import arg
 
 

@@ -3,7 +3,8 @@
 A GPU runs a matrix product on its tensor cores and everything else on its vector units, an order
 of magnitude slower (``Hardware.vector_flops``). Whether an op is a product is read from what it
 computes, not from a list of kinds, so no spelling of a product is missed (``linear``, ``matmul``,
-``bmm``, GPT-2's ``addmm``, ``baddbmm``, a convolution, an ``einsum``, a user's ``register_op``):
+``bmm``, GPT-2's ``addmm``, ``baddbmm``, a convolution, an ``einsum``, a user's ``register_op``,
+routed experts and ``torch._grouped_mm``, whose annotations keep every axis whole):
 an op is a product when two of its inputs share an axis it sums over and each has an axis the other
 lacks (``m k, k n -> m n``; the output keeps ``m`` and ``n``). A dot product (``k, k ->``), a
 loss summed over samples (``n c, n ->``) or a sum are not: they read each element once. A
@@ -19,6 +20,10 @@ from typing import Sequence, Tuple
 
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_contracts
 from nbscaler.ir.graph import IRNode
+from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+
+GROUPED_MM = "torch._grouped_mm"
+"""Hugging Face's experts' grouped product: rows sorted by expert ``(m, a)`` by weights ``(E, a, b)``."""
 
 
 def product_operands(node: IRNode) -> Tuple[int, ...]:
@@ -27,6 +32,10 @@ def product_operands(node: IRNode) -> Tuple[int, ...]:
     if node.op == "attention":
         return ()
     if node.op == "conv":
+        return (0, 1)
+    if node.target in EXPERT_OPS:         # each row by its experts' weights (``cost.flops.expert_flops``)
+        return (0,) + EXPERT_WEIGHTS
+    if node.target == GROUPED_MM:         # rows sorted by expert, by the experts' weights
         return (0, 1)
     if node.target == EINSUM_TARGET:
         shapes = [tuple(t.shape) for t in node.inputs]
