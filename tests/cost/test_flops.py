@@ -52,6 +52,7 @@ def test_routed_experts_are_counted_as_their_swiglu_products_and_split_by_expert
     rows = math.prod(x[:-1]) * chosen[-1] if model == "moe" else w1[0] * x[0] * node.args[6]
     assert node_flops(node) == node.meta["flops_fwd"] == 6 * rows * w1[1] * w1[2]
     assert node.meta["flops_bwd"] == 2 * node.meta["flops_fwd"]           # for the rows and for the weights
+    assert node.meta["product"]                                            # at the matmul rate on a target
     split = nbscaler.plan(build(model), batch(model, 0), "tp", ComputeConfig(2, 2, pas_config={"expert_parallel": 2}))
     for ep in (n for n in split.graph.nodes if n.target == node.target):
         assert ep.meta["local_flops_fwd"] == node.meta["flops_fwd"] / 2
@@ -64,3 +65,4 @@ def test_hugging_face_experts_grouped_products_count_each_row_once():
     for node in (n for n in p.graph.nodes if n.target == "torch._grouped_mm"):
         (m, a), b = node.inputs[0].shape, node.inputs[1].shape[-1]
         assert node.meta["flops_fwd"] == 2 * m * a * b
+        assert node.meta["product"]
