@@ -22,7 +22,7 @@ every timed block so the slowest rank sets the time. It reports:
                                                       # ZeRO-3 against FSDP2, with the issue's goal judged
     python -m benchmarks.native --only cp --layers 2 --seq-len 1024 --micro-batch 1 --reps 5 --steps 2 \
         --out benchmarks/results/native_context.md   # context parallelism against context_parallel, goal judged
-    python -m benchmarks.native --only ep --layers 2 --seq-len 128 --micro-batch 2 --reps 5 --steps 2 \
+    python -m benchmarks.native --only ep --layers 2 --seq-len 128 --micro-batch 2 --reps 11 --steps 2 \
         --out benchmarks/results/native_experts.md    # expert parallelism against a hand-written EP layer
     python -m benchmarks.native --layers 8 --only "tp sequence parallel" "pp 1f1b_interleaved" "pp zb_h1" "pp zbv" \
         --out benchmarks/results/native_schedules.md  # 8 blocks: 4 ranks' two stages each get one
