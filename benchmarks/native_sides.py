@@ -1,5 +1,6 @@
 """The two sides of every comparison in ``benchmarks/native.py``: one GPT, one batch maker, and for
-each kind of parallelism a way to train it with nbscaler and with PyTorch's own implementation.
+each kind of parallelism a way to train it with nbscaler and with PyTorch's own implementation
+(expert parallelism trains the shipped MoE Llama instead, against a layer written by hand).
 
 A *side* is built on every rank and offers ``step() -> float`` (one optimizer step; returns this
 rank's loss of the first micro-batch, or NaN where this rank sees no loss), and ``nbytes()`` (the
