@@ -274,8 +274,8 @@ def markdown(rows: List[Dict[str, object]], setup: sides.Setup, machine: Dict[st
             f"interleaved repetitions of {steps} steps.",
             "",
             f"Expert-parallel rows: both sides split the {cfg.n_experts} experts over all ranks (rank i holds "
-            f"experts i*{cfg.n_experts}/n .. (i+1)*{cfg.n_experts}/n - 1), keep every other weight whole, and train on the same sequences "
-            "(each rank its own share of the group's batch). nbscaler: policy `tp` with "
+            f"experts i*{cfg.n_experts}/n .. (i+1)*{cfg.n_experts}/n - 1), keep every other weight whole, and "
+            "train on the same sequences (each rank its own share of the group's batch). nbscaler: policy `tp` with "
             "`pas_config={\"expert_parallel\": n}`, given the group's whole batch, which it splits. "
             "PyTorch: the same model with each block's MoE layer written by hand "
             "(`benchmarks.native_sides.PlainExpertParallel`): the same router, then "
