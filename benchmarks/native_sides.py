@@ -1,5 +1,6 @@
 """The two sides of every comparison in ``benchmarks/native.py``: one GPT, one batch maker, and for
-each kind of parallelism a way to train it with nbscaler and with PyTorch's own implementation.
+each kind of parallelism a way to train it with nbscaler and with PyTorch's own implementation
+(expert parallelism trains the shipped MoE Llama instead, against a layer written by hand).
 
 A *side* is built on every rank and offers ``step() -> float`` (one optimizer step; returns this
 rank's loss of the first micro-batch, or NaN where this rank sees no loss), and ``nbytes()`` (the
@@ -457,6 +458,201 @@ def torch_context(s: Setup, rotate: str) -> Side:
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
             loss = model(batch)
             loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return float(mean) / world
+    return Side(model, opt, step)
+
+
+# -- expert parallelism ----------------------------------------------------------------------
+def moe_config(s: Setup, capacity_factor: Optional[float]):
+    """The shipped MoE Llama at the setup's sizes: 8 routed SwiGLU experts of twice the model's
+    width, 2 per token, softmax router; dropless (``capacity_factor=None``) or with a capacity."""
+    from nbscaler.models.moe import MoEConfig
+    return MoEConfig(vocab_size=s.vocab, seq_len=s.seq_len, n_layer=s.n_layer, d_model=s.d_model, n_head=s.n_head,
+                     n_kv_head=max(1, s.n_head // 2), n_experts=8, top_k=2, expert_hidden=2 * s.d_model,
+                     capacity_factor=capacity_factor)
+
+
+def build_moe(cfg):
+    from nbscaler.models.moe import MoELlama
+    torch.manual_seed(0)
+    return MoELlama(cfg)
+
+
+def moe_batch(s: Setup, cfg, i: int, world: int) -> Dict[str, torch.Tensor]:
+    """Step ``i``'s batch of the whole group: ``micro_batch`` sequences per rank."""
+    from nbscaler.models.moe import sample_batch
+    return sample_batch(cfg, s.micro_batch * world, seed=100 * i)
+
+
+def nbscaler_experts(s: Setup, gen_dir: str, capacity_factor: Optional[float]) -> Side:
+    """Expert parallelism (``tp`` with ``pas_config={"expert_parallel": n}``) over all ranks: each
+    rank holds ``8/n`` experts and every other weight whole; every rank is given the group's whole
+    batch and keeps its share of the sequences."""
+    _, world = _rank_world()
+    cfg = moe_config(s, capacity_factor)
+    name = f"ep_{'dropless' if capacity_factor is None else 'capacity'}_{world}"
+    pm = parallelize(build_moe(cfg), moe_batch(s, cfg, 0, world), "tp",
+                     ComputeConfig(world, world, pas_config={"expert_parallel": world}),
+                     gen_savedir=gen_dir, instance_name=name, reuse="override")
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+
+    def step(i: int) -> float:
+        opt.zero_grad()
+        loss = pm(**moe_batch(s, cfg, i, world))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+    return Side(pm, opt, step)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with a backward that runs on CPU (PyTorch 2.13's own refuses there):
+    rows ``(m, a)`` in runs ending at ``offsets``, run ``e`` times ``weight[e]`` ``(a, b)``."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, offsets):
+        ctx.save_for_backward(rows, weight, offsets)
+        return torch._grouped_mm(rows, weight, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_rows = torch._grouped_mm(grad, weight.transpose(1, 2).contiguous(), offs=offsets)
+        d_weight = torch._grouped_mm(rows.t(), grad, offs=offsets)
+        return d_rows, d_weight, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` of rows, ``send[j]`` to rank ``j`` and ``recv[j]`` from it; the
+    backward sends the gradients back the other way (``None``: equal sizes)."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv):
+        ctx.send, ctx.recv = send, recv
+        out = rows.new_empty((rows.shape[0] if recv is None else sum(recv),) + rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.recv, ctx.send), None, None
+
+
+class PlainExpertParallel(nn.Module):
+    """A hand-written expert-parallel MoE layer in place of ``nbscaler.models.moe.MoE``: the same
+    router and aux loss, this rank's ``E/n`` experts (dim 0 of the shipped weights), and
+    ``torch.distributed.all_to_all_single`` (made differentiable by ``_AllToAll``) carrying each (token,
+    expert) pair to its expert's rank and the result back.
+
+    Dropless: the pairs sorted by expert, one all-to-all of per-expert counts, the rows out with
+    those split sizes, regrouped by local expert, one grouped product per weight, the rows back.
+    Capacity: each sequence's first ``capacity`` pairs per expert placed in ``(E, b*capacity, d)``
+    buffers, the buffers of each rank's experts exchanged (equal sizes), ``torch.bmm`` per weight."""
+
+    def __init__(self, moe: nn.Module, rank: int, world: int):
+        super().__init__()
+        self.cfg, self.router, self.shared = moe.cfg, moe.router, moe.shared
+        self.world, self.mine = world, moe.cfg.n_experts // world
+        lo, hi = rank * self.mine, (rank + 1) * self.mine
+        e = moe.experts
+        self.w1, self.w3, self.w2 = (nn.Parameter(w.detach()[lo:hi].clone()) for w in (e.w1, e.w3, e.w2))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = self.router(x)
+        scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
+        top, chosen = scores.topk(cfg.top_k, dim=-1)
+        weights = top / top.sum(-1, keepdim=True)
+        capacity = cfg.capacity(x.shape[1])
+        out = self._dropless(x, weights, chosen) if capacity is None else self._capacity(x, weights, chosen, capacity)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        routed = F.one_hot(chosen, cfg.n_experts).sum(2).float()
+        share = routed.mean(1) / cfg.top_k
+        probs = (scores / scores.sum(-1, keepdim=True)).mean(1)
+        return out, cfg.n_experts * (share * probs).sum(-1)
+
+    def _swiglu_grouped(self, rows, offsets):
+        gate, up = _GroupedMM.apply(rows, self.w1, offsets), _GroupedMM.apply(rows, self.w3, offsets)
+        return _GroupedMM.apply(F.silu(gate) * up, self.w2, offsets)
+
+    def _dropless(self, x, weights, chosen):
+        B, T, C = x.shape
+        k, n, mine = chosen.shape[-1], self.world, self.mine
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)                       # pairs by expert, so by destination rank
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.cfg.n_experts)
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts)                # [source][local expert] pair counts
+        send = counts.view(n, mine).sum(1).tolist()
+        recv = incoming.view(n, mine).sum(1).tolist()
+        xs = x.reshape(B * T, C)
+        rows = _AllToAll.apply(xs[token], send, recv)
+        local = torch.arange(mine).repeat(n).repeat_interleave(incoming)
+        perm = local.argsort(stable=True)                       # received rows grouped by local expert
+        offsets = incoming.view(n, mine).sum(0).cumsum(0).to(torch.int32)
+        done = self._swiglu_grouped(rows[perm], offsets)
+        done = done[perm.argsort()]                              # back in the order received
+        back = _AllToAll.apply(done, recv, send)
+        back = back * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(xs).index_add(0, token, back).view(B, T, C)
+
+    def _capacity(self, x, weights, chosen, capacity):
+        B, T, C = x.shape
+        k, n, mine, E = chosen.shape[-1], self.world, self.mine, self.cfg.n_experts
+        pairs = chosen.reshape(B, T * k)
+        onehot = F.one_hot(pairs, E)                            # (B, T*k, E)
+        slot = (onehot.cumsum(1) * onehot).sum(-1) - 1          # each pair's place in its expert's queue
+        kept = (slot < capacity).reshape(-1)
+        seq = torch.arange(B).unsqueeze(1)
+        where = ((pairs * B + seq) * capacity + slot.clamp(max=capacity - 1)).reshape(-1)
+        where = torch.where(kept, where, 0)
+        token = (seq * T + torch.arange(T * k) // k).reshape(-1)
+        xs = x.reshape(B * T, C)
+        rows = xs[token] * kept.unsqueeze(-1).to(x.dtype)
+        slots = B * capacity
+        buffer = x.new_zeros(E * slots, C).index_add(0, where, rows)        # (E, slots) rows, expert-major
+        arrived = _AllToAll.apply(buffer, None, None)   # [source][local expert][slot]
+        arrived = arrived.view(n, mine, slots, C).transpose(0, 1).reshape(mine, n * slots, C)
+        done = torch.bmm(F.silu(torch.bmm(arrived, self.w1)) * torch.bmm(arrived, self.w3), self.w2)
+        done = done.view(mine, n, slots, C).transpose(0, 1).reshape(E * slots, C)
+        back = _AllToAll.apply(done, None, None)[where]
+        back = back * (weights.reshape(-1) * kept).unsqueeze(-1)
+        return x.new_zeros(B * T, C).index_add(0, token, back).view(B, T, C)
+
+
+def torch_experts(s: Setup, capacity_factor: Optional[float]) -> Side:
+    """Expert parallelism written by hand with PyTorch's pieces: the shipped MoE Llama with each
+    block's MoE replaced by ``PlainExpertParallel`` (this rank's experts), this rank's sequences of
+    the group's batch (the share nbscaler's batch split gives it), and ``DistributedDataParallel``
+    over everything but the experts (their gradients averaged over the ranks, overlapped with the
+    backward). Each expert lives on one rank and its gradient already sums every rank's pairs,
+    through the all-to-all's backward; divided by ``n`` it is the gradient of the mean of the ranks'
+    losses, the whole batch's loss. The loss returned is the ranks' mean (one scalar all-reduce)."""
+    from torch.nn.parallel import DistributedDataParallel
+    rank, world = _rank_world()
+    cfg = moe_config(s, capacity_factor)
+    model = build_moe(cfg)
+    for block in model.blocks:
+        block.moe = PlainExpertParallel(block.moe, rank, world)
+    experts = [n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("w1", "w2", "w3")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+    ddp = DistributedDataParallel(model)
+    expert_params = [p for n, p in model.named_parameters() if n in experts]
+    opt = adamw(model.parameters())
+    rows = slice(rank * s.micro_batch, (rank + 1) * s.micro_batch)
+
+    def step(i: int) -> float:
+        batch = {key: v[rows] for key, v in moe_batch(s, cfg, i, world).items()}
+        opt.zero_grad()
+        loss = ddp(**batch)
+        loss.backward()
+        torch._foreach_div_([p.grad for p in expert_params], world)
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
