@@ -124,11 +124,13 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    block = Block           # what each layer is (``nbscaler.models.moe`` swaps in one with experts)
+
     def __init__(self, cfg: LlamaConfig = LlamaConfig()):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from nbscaler.columns import StrEnum
 from nbscaler.experts import capacity_experts, dropless_experts
-from nbscaler.models.llama import Attention, LlamaConfig, RMSNorm, SwiGLU, sample_batch
+from nbscaler.models.llama import Attention, Llama, LlamaConfig, RMSNorm, SwiGLU, sample_batch
 
 __all__ = ["MoEConfig", "MoELlama", "Router", "sample_batch"]
 
@@ -136,14 +136,13 @@ class Block(nn.Module):
         return x + out, aux
 
 
-class MoELlama(nn.Module):
+class MoELlama(Llama):
+    """``Llama`` with experts in every block; its loss adds the blocks' load-balancing losses."""
+
+    block = Block
+
     def __init__(self, cfg: MoEConfig = MoEConfig()):
-        super().__init__()
-        self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        super().__init__(cfg)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)                                                   # (B, T, C)
