@@ -86,6 +86,9 @@ class Hardware:
     ``is_local`` marks ``Hardware.local()``: this machine, whose op and collective times come from its
     own calibration rather than from these figures. ``matmul_efficiency`` is the fraction of the bf16
     peak the best-shaped cuBLAS products measurably reach on this GPU (``cost.roofline``).
+    ``attention_efficiency`` is the fraction of the bf16 peak FlashAttention-2 (the flash kernel of
+    PyTorch's ``scaled_dot_product_attention``) reaches on this GPU, on FLOPs that count a causal
+    mask's work as half (``cost.roofline``).
     ``sustained_clock_ratio`` is the clock the GPU holds under sustained tensor-core load over the
     boost clock its peaks assume (1 where no source gives one). ``software`` is what the target runs
     (``cost.software.Software``).
@@ -108,6 +111,8 @@ class Hardware:
     # the best fraction of the dense peak a large product reaches; 0.80 is an estimate for GPUs without a
     # measured figure (the A100 and H100 entries carry mamf-finder's measurements, see _A100_MAMF)
     matmul_efficiency: float = 0.80
+    # FlashAttention-2's fraction of the peak; 0.55, its A100 figure (_FA2_A100), where no GPU's own is published
+    attention_efficiency: float = 0.55
     sustained_clock_ratio: float = 1.0
     software: Software = Software()
 
@@ -116,6 +121,7 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: software={self.software!r} must be a nbscaler Software "
                              f"(e.g. Software(attention='materialized')).")
         for name, meaning in (("matmul_efficiency", "a fraction of the peak"),
+                              ("attention_efficiency", "a fraction of the peak"),
                               ("sustained_clock_ratio", "the sustained clock over the boost clock")):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
@@ -319,6 +325,12 @@ _H100_NVLINK_BUSBW, _H100_NDR_BUSBW = 370 * _GB, 47 * _GB
 # the H100's compute and the 40 GB A100 the 80 GB one's; the L4 and T4 have no published figure and
 # keep the default 0.80.
 _A100_MAMF, _H100_MAMF = 0.859, 0.801
+# FlashAttention-2's throughput, the kernel behind PyTorch's SDPA flash backend: 50-73% of the A100's
+# peak in the forward and less in the backward (Dao, "FlashAttention-2", 2023: 0.55 is taken across
+# both), and "only 35% utilization on the H100 GPU" (Shah et al., "FlashAttention-3", 2024, its
+# abstract), its kernels not using the Hopper's asynchronous tensor-core instructions. The H200 has
+# the H100's compute.
+_FA2_A100, _FA2_H100 = 0.55, 0.35
 # The A100's clock under sustained tensor-core load: NVIDIA computed its HPL peak at 1,305 MHz, the
 # clock an A100 holds at its power limit, against the 1,410 MHz boost clock of its 312 TFLOP/s
 # (G. Lockwood, "Peak FLOPS", glennklockwood.com). mamf-finder's README (S. Bekman) defines the
@@ -341,7 +353,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=_H100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
         inter_node_bytes_per_s=_H100_NDR_BUSBW, inter_node_latency_s=_NET_LAT,
         intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
-        matmul_efficiency=_H100_MAMF,
+        matmul_efficiency=_H100_MAMF, attention_efficiency=_FA2_H100,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM); NVIDIA DGX H100 datasheet; NCCL busbw: "
                "NVIDIA/nccl-tests issues #212 (NVLink, ring) and #290 (NDR 400 Gb/s per NIC)"),
     Hardware(
@@ -356,7 +368,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=_H100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
         inter_node_bytes_per_s=_H100_NDR_BUSBW, inter_node_latency_s=_NET_LAT,
         intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
-        matmul_efficiency=_H100_MAMF,
+        matmul_efficiency=_H100_MAMF, attention_efficiency=_FA2_H100,
         source="NVIDIA H200 Tensor Core GPU datasheet; NVIDIA DGX H200 datasheet; NCCL busbw: the H100's "
                "(NVIDIA/nccl-tests issues #212, #290; an H200 node in #272)"),
     Hardware(
@@ -370,7 +382,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=_A100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
         inter_node_bytes_per_s=_A100_HDR_BUSBW, inter_node_latency_s=_NET_LAT,
         intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
-        matmul_efficiency=_A100_MAMF, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
+        matmul_efficiency=_A100_MAMF, attention_efficiency=_FA2_A100, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM); NVIDIA DGX A100 datasheet; NCCL busbw: "
                "NVIDIA/nccl-tests issue #175 (NVLink), NVIDIA/nccl issues #812 and #412 (HDR 200 Gb/s)"),
     Hardware(
@@ -382,7 +394,7 @@ CATALOGUE: Dict[str, Hardware] = {h.name: h for h in (
         intra_node_bytes_per_s=_A100_NVLINK_BUSBW, intra_node_latency_s=_NVLINK_LAT,
         inter_node_bytes_per_s=_A100_HDR_BUSBW, inter_node_latency_s=_NET_LAT,
         intra_node_tree_latency_s=_NVLINK_TREE_LAT, inter_node_tree_latency_s=_NET_TREE_LAT,
-        matmul_efficiency=_A100_MAMF, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
+        matmul_efficiency=_A100_MAMF, attention_efficiency=_FA2_A100, sustained_clock_ratio=_A100_SUSTAINED_CLOCK,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB); NVIDIA DGX A100 datasheet; NCCL busbw: "
                "NVIDIA/nccl-tests issue #175 (NVLink), NVIDIA/nccl issues #812 and #412 (HDR 200 Gb/s)"),
     Hardware(

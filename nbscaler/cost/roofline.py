@@ -11,7 +11,7 @@ always bound by them; only the rate depends on its class:
 - a **matrix product** (``node.meta["product"]``, ``cost.products``: linear, matmul, bmm,
   ``addmm``, ``baddbmm``, convolutions, a contracting ``einsum``, a registered user op whose
   annotation contracts) runs at ``peak(dtype) * clock * eff``, ``eff`` as below;
-- **attention** at ``peak(dtype) * ATTENTION_EFFICIENCY`` (flash), or as its kernels;
+- **attention** at ``peak(dtype) * Hardware.attention_efficiency`` (flash), or as its kernels;
 - **everything else** at the vector rate, ``Hardware.vector_flops``: the fp32 peak of the CUDA
   cores, where PyTorch computes elementwise ops, norms and reductions of half-precision tensors.
 
@@ -32,7 +32,8 @@ one is sourced):
   - ``flash`` (the default): the FLOPs FlashAttention's kernel performs, ``2 (d + e)`` per
     query-key pair it computes: a causal kernel skips the blocks above the diagonal, so it performs
     ``causal_fraction`` of the pairs (about half; ``node.meta["causal_fraction"]``), never a
-    materialised T x T matrix, at ``ATTENTION_EFFICIENCY`` of the boost-clock peak: that figure was
+    materialised T x T matrix, at ``Hardware.attention_efficiency`` of the boost-clock peak (FlashAttention-2's
+    measured fraction on that GPU: 0.55 on the A100, 0.35 on the H100 and H200): that figure was
     measured on real GPUs at whatever clock they held, and on FLOPs that count causal work as half,
     so neither the clock nor the mask is counted again. Its backward recomputes the scores, so it
     runs 2.5 forwards of arithmetic (the four products of the gradients and the scores again); it
@@ -76,8 +77,6 @@ Constants and their sources:
                                   Multiplication Background User's Guide*, "Wave Quantization",
                                   explains why throughput grows with size; it publishes plots,
                                   not figures to fit)
-``ATTENTION_EFFICIENCY`` 0.55     FlashAttention-2 (Dao, 2023) reaches 50-73% of the A100's peak
-                                  in the forward and less in the backward
 ``MEMORY_EFFICIENCY``    0.80     streaming kernels reach 80-90% of HBM's datasheet bandwidth
 ``KERNEL_FLOOR_S``       3 us     the shortest a launched kernel takes end to end on the GPU
 =======================  =======  ===========================================================
@@ -111,7 +110,6 @@ from nbscaler.recipe import Float8Scaling, Recipe
 
 _FP8 = torch.float8_e4m3fn
 MATMUL_RAMP_S = 4e-6
-ATTENTION_EFFICIENCY = 0.55
 MEMORY_EFFICIENCY = 0.80
 KERNEL_FLOOR_S = 3e-6
 
@@ -365,7 +363,7 @@ class RooflineOps:
         if self.hardware.software.attention == AttentionKind.MATERIALIZED:
             return self._materialized_attention(op, dtype)
         (q, _, _), (k, _, _), (v, _, _) = _whole_keys(op)
-        rate = self.hardware.peak_flops(dtype) * ATTENTION_EFFICIENCY      # measured: clock and mask included
+        rate = self.hardware.peak_flops(dtype) * self.hardware.attention_efficiency      # measured: clock and mask included
         performed = attention_flops(q, k, v) * op.node.meta.get("causal_fraction", 1.0)
         arithmetic, bw = performed / rate, self.hardware.memory_bytes_per_s
         fwd = max(arithmetic, memory_seconds(memory_bytes(op), bw), KERNEL_FLOOR_S)
