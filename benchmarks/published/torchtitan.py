@@ -126,10 +126,12 @@ def config(run: PublishedLlamaRun, pas: Dict[str, object]) -> ComputeConfig:
                          zero_reshard_after_forward=RESHARD_AFTER_FORWARD, pas_config=pas)
 
 
-def kernel_seconds(plan: "nbscaler.Plan", hardware: Hardware, device: int) -> Dict[str, float]:
-    """Seconds of plan ``device``'s forward and backward per kind of kernel on ``hardware``, each op as
-    the plan's step model prices it (a recomputed op's forward again in the backward)."""
-    model = plan.step_model(hardware)
+def kernel_seconds(plan: "nbscaler.Plan", hardware: Hardware, device: int,
+                   recipe: Optional[Recipe] = None) -> Dict[str, float]:
+    """Seconds of plan ``device``'s forward and backward per kind of kernel on ``hardware`` (with
+    ``recipe``'s products: fp8 or not), each op as the plan's step model prices it (a recomputed
+    op's forward again in the backward)."""
+    model = plan.step_model(hardware, recipe)
     out = {"matrix products": 0.0, "attention": 0.0, "other kernels": 0.0}
     for run in plan.local_runs[device].values():
         for op in run.ops:
@@ -140,12 +142,12 @@ def kernel_seconds(plan: "nbscaler.Plan", hardware: Hardware, device: int) -> Di
     return out
 
 
-def step_parts(plan: "nbscaler.Plan", step) -> Dict[str, float]:
+def step_parts(plan: "nbscaler.Plan", step, recipe: Optional[Recipe] = None) -> Dict[str, float]:
     """The slowest device's step in seconds: its kernels by kind, what it waits for ZeRO stage 3's
     gathers and reduce-scatters, and the optimizer step (with the clipping's passes)."""
     device = step.slowest[1]
     d = step.devices[device]
-    return {**kernel_seconds(plan, step.hardware, device), "ZeRO-3 collectives (exposed)": d.fsdp_s,
+    return {**kernel_seconds(plan, step.hardware, device, recipe), "ZeRO-3 collectives (exposed)": d.fsdp_s,
             "exposed reduction": d.sync_s, "optimizer step": d.update_s}
 
 

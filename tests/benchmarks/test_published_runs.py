@@ -121,3 +121,48 @@ def test_the_ladder_prices_each_rungs_facts_and_computes_its_verdict(small_llama
     assert f"Each step up within 5% of the published: {met} of {len(ups)}" in text
     block = L.summary_block(rows)                      # the README's summary: the step ups and the same verdict
     assert L.verdict(rows, ups) in block and all(f"| {u['predicted']:.3f} | {u['published']:.3f} |" in block for u in ups)
+
+
+# -- torchtitan's context-parallel table, at a small shape ---------------------------------------
+@pytest.fixture(scope="module")
+def small_context():
+    """The table's four layouts at a small Llama (2 layers, hidden 256), 256 tokens a device, with the
+    published figures."""
+    from benchmarks.published import torchtitan, torchtitan_context as C
+    shape = dataclasses.replace(torchtitan.LLAMA_RUNS[0], hidden=256, intermediate=512, layers=2, heads=8)
+    rows = [dataclasses.replace(r, seq=256 * r.cp) for r in C.ROWS]
+    return rows, C.predict_context(rows, shape, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_each_context_row_is_planned_as_the_table_ran_it(small_context):
+    from benchmarks.published import torchtitan_context as C
+    rows, priced = small_context
+    assert len(priced) == 2 * (1 + 2 * (len(rows) - 1))          # two peaks; both kinds where cp > 1
+    for row in rows:
+        cfg = C.config(row, "ring")
+        assert (cfg.plan_ngpus, cfg.runtime_ngpus, cfg.zero_stage) == (row.cp, 8, 3)
+        assert cfg.pas_config.get("context_parallel", 1) == row.cp and cfg.pas_config["recompute"] == "full"
+    for r in priced:
+        assert r["step"].hardware.software.compiled and r["tokens_error"] == pytest.approx(
+            r["step"].tokens_per_s / 8 / r["row"].tokens_per_s_per_gpu - 1, rel=1e-12)
+        assert sum(r["parts"].values()) == pytest.approx(r["step"].step_time_s, rel=1e-9)
+        assert ("context-parallel collectives" in r["shares"]) == (r["row"].cp > 1)
+
+
+@pytest.mark.slow
+def test_the_context_tables_and_verdict_are_computed_from_the_rows(small_context):
+    from benchmarks.published import torchtitan_context as C
+    _, priced = small_context
+    text = C.section(priced)
+    for r in priced:
+        row = r["row"]
+        assert (f"| FSDP {row.fsdp}, CP {row.cp} | {row.seq:,} | {r['kind']} | {r['peak']} | "
+                f"{r['step'].step_time_s:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {row.tokens_per_s_per_gpu:,.0f} | "
+                f"{r['tokens_error']:+.1%} |") in text
+    for s in C.scaling(priced):
+        assert s["published"] == pytest.approx(s["row"].tokens_per_s_per_gpu / 3890)
+        assert f"| {s['predicted']:.3f} | {s['published']:.3f} | {s['error']:+.1%} |" in text
+    met = sum(abs(r["tokens_error"]) <= C.GOAL for r in priced)
+    assert f"Within 10% of the published tokens/s per GPU: {met} of {len(priced)} priced rows" in text
+    assert C.verdict(priced) in C.summary_block(priced)
