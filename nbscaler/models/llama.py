@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -29,11 +29,21 @@ class LlamaConfig:
     n_head: int = 4
     n_kv_head: int = 2          # each key/value head serves n_head // n_kv_head query heads
     rope_base: float = 10000.0
+    head_dim: Optional[int] = None      # None: d_model // n_head; GPT-OSS's 64 with d_model 2880 is not
+    sdpa: bool = False          # F.scaled_dot_product_attention(is_causal=True) for the written-out attention
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head}), and n_head "
-                             f"a multiple of n_kv_head ({self.n_kv_head})")
+        if self.n_head % self.n_kv_head or (self.head_dim is None and self.d_model % self.n_head):
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}), and "
+                             f"d_model ({self.d_model}) a multiple of n_head unless head_dim is given")
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise ValueError(f"head_dim={self.head_dim} must be a positive even number (the rotary embedding "
+                             "turns pairs of channels)")
+
+    @property
+    def head_size(self) -> int:
+        """Channels of one attention head."""
+        return self.head_dim or self.d_model // self.n_head
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +70,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.hd = cfg.n_head, cfg.n_kv_head, cfg.d_model // cfg.n_head
+        self.n_head, self.n_kv_head, self.hd, self.sdpa = cfg.n_head, cfg.n_kv_head, cfg.head_size, cfg.sdpa
         self.q = nn.Linear(cfg.d_model, cfg.n_head * self.hd, bias=False)
         self.k = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
@@ -92,10 +102,13 @@ class Attention(nn.Module):
         rep = self.n_head // self.n_kv_head
         k = k.repeat_interleave(rep, dim=1)                                   # (B, nh, T, hs)
         v = v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)                  # (B, nh, T, T)
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=att.device), diagonal=1)
-        att = att.masked_fill(mask, float("-inf"))
-        y = F.softmax(att, dim=-1) @ v                                        # (B, nh, T, hs)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)       # (B, nh, T, hs)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)              # (B, nh, T, T)
+            mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=att.device), diagonal=1)
+            att = att.masked_fill(mask, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v                                    # (B, nh, T, hs)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
