@@ -69,6 +69,7 @@ class Collective(_Word):
     RING_PASS = "ring_pass"
     EXPERT_EXCHANGE = "expert_exchange"
     EXPERT_COUNTS = "expert_counts"
+    TOKEN_COUNT = "token_count"
     SEND_RECV = "send_recv"
 
 
@@ -129,11 +130,15 @@ COLLECTIVES: Dict[Collective, CollectiveSpec] = {
     # all-to-all of the per-expert counts (``T``: E int64), forward only
     C.EXPERT_COUNTS: CollectiveSpec(_RING, priced_as=C.ALL_TO_ALL,
                                     inside="nbscaler.runtime.experts.expert_parallel_dropless"),
+    # a mean loss split along its tokens divides by the whole group's count of counted tokens: an
+    # all-reduce of one int64, forward only
+    C.TOKEN_COUNT: CollectiveSpec(_TWICE, priced_as=C.ALL_REDUCE, inside="nbscaler.runtime.losses.split_cross_entropy"),
 }
 """Every layout-changing collective, the ring a context-parallel attention runs inside its call
 (``RING_PASS``, priced as the all-gather whose bytes it moves; ``cost.context_calls`` says how
 much of it the attention's compute hides), and the exchange an expert-parallel op runs inside its
-call (``EXPERT_EXCHANGE``: the rows out, or back, priced as the all-to-all it is). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
+call (``EXPERT_EXCHANGE``: the rows out, or back, priced as the all-to-all it is), and the token
+count a split loss all-reduces inside its call (``TOKEN_COUNT``). ``SEND_RECV`` is not here: it moves the whole tensor ``T``
 to the next stage and its gradient back, priced by the cost model's point-to-point time."""
 del C
 

@@ -33,10 +33,8 @@ math of the same online softmax.
 ``group=None`` is a ring of one device: the cost model calls it so on fake tensors, to learn
 what the ring saves.
 
-``context_cross_entropy`` is the mean cross-entropy of the whole sequence computed from this
-device's tokens: its local sum over the count of counted tokens in the whole group (one
-all-reduce of an integer). The devices' results are partial sums of the loss, which the generated
-code's ``all_reduce`` completes.
+The loss of the whole sequence is ``nbscaler.runtime.losses.split_cross_entropy``: each device's
+tokens' part of the mean.
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ from nbscaler.attention.written import _RingAttention
 from nbscaler.blocks import Blocks
 from nbscaler.layouts import ContextKind
 
-__all__ = ["context_attention", "context_cross_entropy", "fused_ring", "positions"]
+__all__ = ["context_attention", "fused_ring", "positions"]
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
@@ -77,14 +75,3 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
     if fused_ring(q, attn_mask, blocks):
         return _FusedGatheredAttention.apply(q, k, v, is_causal, scale, group)
     return _RingAttention.apply(q, k, v, attn_mask, is_causal, scale, blocks, group, True)
-
-
-def context_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,
-                          ignore_index: int = -100) -> torch.Tensor:
-    """This device's part of the mean cross-entropy of the group's tokens (the parts sum to it)."""
-    total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
-    count = (targets != ignore_index).sum()
-    if group is not None:
-        count = count.clone()
-        dist.all_reduce(count, group=group)
-    return total / count.clamp(min=1)

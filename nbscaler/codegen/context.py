@@ -1,6 +1,7 @@
-"""The calls generated code makes where a plan splits the sequence (``context_parallel``):
-attention over every device's keys and the loss of this device's tokens, both from
-``nbscaler.runtime.context``, and the comment that says which chunks of the sequence a device holds."""
+"""The calls generated code makes where a plan splits the tokens (``context_parallel``): attention
+over every device's keys (``nbscaler.runtime.context``), the loss of this device's tokens
+(``nbscaler.runtime.losses``, also where the batch is split), and the comment that says which
+chunks of the sequence a device holds."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode
 from nbscaler.ir.layer_rules import context_parallel
 
-FUNCTIONS = {"attention": "context_attention", "loss": "context_cross_entropy"}
-"""The function of ``nbscaler.runtime.context`` that runs each kind of context-parallel op."""
+FUNCTIONS = {"attention": "context_attention", "loss": "split_cross_entropy"}
+"""The function that runs each kind of op split along its tokens: attention from
+``nbscaler.runtime.context``, the loss from ``nbscaler.runtime.losses``."""
+MODULES = {"context_attention": "nbscaler.runtime.context", "split_cross_entropy": "nbscaler.runtime.losses"}
 
 
 def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
@@ -21,7 +24,7 @@ def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) 
     fn = FUNCTIONS[context_parallel(node)]
     call = render_call(node, args, kwargs)           # F.name(arguments)
     inner = call[call.index("(") + 1:-1]
-    if fn == "context_cross_entropy":
+    if fn == "split_cross_entropy":
         return f"{fn}({inner}, group={group})"
     return f"{fn}({inner}, kind={node.meta[CONTEXT_KIND]!r}, blocks={place.blocks!r}, group={group})"
 
@@ -51,6 +54,6 @@ def chunk_comment(node: IRNode, device: int) -> str:
 
 
 def context_imports(graphs: Dict[int, IRGraph]) -> str:
-    """The import line of the context-parallel functions ``graphs`` call ('' when none)."""
+    """The import lines of the functions ``graphs`` call for ops split along their tokens ('' when none)."""
     used = sorted({FUNCTIONS[kind] for g in graphs.values() for n in g.nodes for kind in [context_parallel(n)] if kind})
-    return f"from nbscaler.runtime.context import {', '.join(used)}" if used else ""
+    return "\n".join(f"from {MODULES[fn]} import {fn}" for fn in used)

@@ -40,7 +40,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from nbscaler.comm.layout import Layout, Step
 from nbscaler.comm.program import Fetch, RankProgram, Section, Send
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import context_ring, exchanged_bytes, exchanged_counts_bytes, expert_parallel
+from nbscaler.ir.layer_rules import (context_ring, counted_tokens_bytes, exchanged_bytes, exchanged_counts_bytes,
+                                     expert_parallel)
 from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)
@@ -103,15 +104,17 @@ def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int],
             ordered.append(((at, f.position, 0), f))
         sends = [ins for ins in sec.instructions if isinstance(ins, Send)]
         ordered += [((nodes + k, k, 1), send) for k, send in enumerate(sends)]     # after the k-th output's fetch
-    inside = sorted({n for sec in sections for n in sec.graph.nodes if (context_ring(n) or expert_parallel(n)) and
+    inside = sorted({n for sec in sections for n in sec.graph.nodes
+                     if (context_ring(n) or expert_parallel(n) or counted_tokens_bytes(n)) and
                      (stage is None or n.stage == stage)}, key=lambda n: index[id(n)])
-    ordered += [((index[id(n)], -1, 2), n) for n in inside]        # inside the call: a ring, the experts' exchange
+    ordered += [((index[id(n)], -1, 2), n) for n in inside]        # inside the call: a ring, an exchange, a count
     ordered.sort(key=lambda item: item[0])
     seen: set = set()
     steps: List[CommStep] = []
     for _, item in ordered:
         if isinstance(item, IRNode):
-            steps += (_ring_rows if context_ring(item) else _expert_rows)(item, stage, index, grad, backend)
+            rows = _ring_rows if context_ring(item) else _expert_rows if expert_parallel(item) else _count_rows
+            steps += rows(item, stage, index, grad, backend)
         elif isinstance(item, Send):
             if ("send", id(item.tensor)) not in seen:
                 seen.add(("send", id(item.tensor)))
@@ -169,6 +172,18 @@ def _expert_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad
         spec = COLLECTIVES[Collective.EXPERT_COUNTS]
         out.insert(0, CommStep(phase="F", **_sent(spec.forward_share(n) * counts, spec.priced_as, n, backend), **row))
     return out
+
+
+def _count_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
+                backend: Optional[str]) -> List[CommStep]:
+    """The all-reduce of the token count a loss split along its tokens runs inside its call."""
+    nbytes, n = counted_tokens_bytes(node), node.placement.parts
+    row = dict(tensor=node.inputs[1].name, producer=node.inputs[1].producer.name if node.inputs[1].producer else None,
+               consumer=node.name, consumer_index=index.get(id(node)), have=str(LayoutKind.SPLIT),
+               want=str(LayoutKind.SPLIT), collective=Collective.TOKEN_COUNT, devices=tuple(node.placement.devices),
+               tensor_bytes=nbytes, stage=stage)
+    spec = COLLECTIVES[Collective.TOKEN_COUNT]
+    return [CommStep(phase="F", **_sent(spec.forward_share(n) * nbytes, spec.priced_as, n, backend), **row)]
 
 
 def _sent(ideal: float, primitive: Optional[Collective], n: int, backend: Optional[str]) -> Dict[str, object]:

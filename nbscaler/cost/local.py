@@ -43,8 +43,10 @@ from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, 
 from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import context_parallel, exchanged_bytes, exchanged_counts_bytes, expert_parallel, vocab_parallel
-from nbscaler.attention import context_attention, context_cross_entropy
+from nbscaler.ir.layer_rules import (context_parallel, counted_tokens_bytes, exchanged_bytes, exchanged_counts_bytes,
+                                     expert_parallel, vocab_parallel)
+from nbscaler.attention import context_attention
+from nbscaler.runtime.losses import split_cross_entropy
 from nbscaler.experts import parallel as experts_parallel
 from nbscaler.experts.grouped import FAKE_STAND_INS
 from nbscaler.ir.registry import USER_OPS
@@ -79,7 +81,7 @@ def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optiona
         return getattr(experts_parallel, experts)(*args, **kwargs, group=group)
     kind = context_parallel(node)
     if kind is not None:            # the runtime's call, as a device alone would make it
-        fn = context_attention if kind == "attention" else context_cross_entropy
+        fn = context_attention if kind == "attention" else split_cross_entropy
         extra = {"kind": node.meta[CONTEXT_KIND], "blocks": node.placement.blocks} if kind == "attention" else {}
         if kind == "loss":          # a plain cross-entropy: of F.cross_entropy's keywords, the call takes ignore_index
             kwargs = {k: v for k, v in kwargs.items() if k == "ignore_index"}
@@ -293,6 +295,10 @@ class _Replay:
             self.run.collectives += [CollectiveCall(fn, node.inputs[0].name, devices, nbytes, nbytes, node.name,
                                                     self.region is not None)
                                      for fn, nbytes in calls + [(Collective.EXPERT_EXCHANGE, rows)] * 2]
+        if counted_tokens_bytes(node):  # the group's token count, all-reduced inside a split loss
+            nbytes = counted_tokens_bytes(node)
+            self.run.collectives.append(CollectiveCall(Collective.TOKEN_COUNT, node.inputs[1].name, node.placement.devices,
+                                                       nbytes, nbytes, node.name, self.region is not None))
 
     def remembered(self, target, args: Tuple, kwargs: Dict[str, Any], inputs: List[FakeValue],
                    run: Callable[[List[torch.Tensor]], Tuple[List[torch.Tensor], List[torch.Tensor], bool]]

@@ -147,9 +147,10 @@ def vocab_parallel(node: IRNode) -> bool:
 
 
 def context_parallel(node: IRNode) -> Optional[str]:
-    """What context parallelism calls in place of ``node``: ``'attention'`` for an attention split
-    along its queries (``nbscaler.runtime.context.context_attention``), ``'loss'`` for a mean
-    cross-entropy split along its tokens (``context_cross_entropy``), else ``None``."""
+    """What a split along the tokens calls in place of ``node``: ``'attention'`` for an attention split
+    along its queries (context parallelism, ``nbscaler.runtime.context.context_attention``), ``'loss'``
+    for a mean cross-entropy split along its tokens, by context parallelism or by the batch split
+    (``nbscaler.runtime.losses.split_cross_entropy``), else ``None``."""
     place = node.placement
     if place is None or place.split is None:
         return None
@@ -199,6 +200,12 @@ def exchanged_counts_bytes(node: IRNode) -> int:
     if node.target.endswith("capacity_experts"):
         return 0
     return node.inputs[EXPERT_WEIGHTS[0]].shape[0] * 8          # one int64 per expert
+
+
+def counted_tokens_bytes(node: IRNode) -> int:
+    """The bytes a loss split along its tokens all-reduces inside its call: the group's count of
+    counted tokens, one int64 (``nbscaler.runtime.losses.split_cross_entropy``); 0 for any other op."""
+    return 8 if context_parallel(node) == "loss" and node.placement.parts > 1 else 0
 
 
 CONTEXT_SEQUENCE = "sequence"

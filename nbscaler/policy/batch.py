@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
 
-from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.ir.graph import IRGraph, IRNode, Placement
+from nbscaler.ir.layer_rules import plain_cross_entropy
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
 
@@ -34,6 +35,9 @@ def split_batch(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]],
                     if node.annotation.can_split(name, len(devices)) is None:
                         choice = name
                         break
+        if choice is None and _split_mean_loss(node, batch_dim, len(devices)):
+            node.placement = Placement(tuple(devices), "n")     # each device's part of the mean, summed after
+            continue
         if choice is None:
             replicate(node, devices)
             continue
@@ -43,3 +47,13 @@ def split_batch(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]],
             if d is not None:
                 batch_dim[id(t)] = d
     return graph
+
+
+def _split_mean_loss(node: IRNode, batch_dim: Dict[int, int], n: int) -> bool:
+    """Whether ``node`` is a plain mean cross-entropy whose ``(N, C)`` logits arrive split along
+    their rows: each device then computes its rows' part of the mean over the group's token count
+    (``nbscaler.runtime.losses.split_cross_entropy``), where gathering the logits would bring every
+    device the whole batch's ``(N, C)``, a vocabulary wide."""
+    return (n > 1 and node.op == "loss" and node.annotation is not None and "n" in node.annotation.frozen
+            and plain_cross_entropy(node) and batch_dim.get(id(node.inputs[0])) == 0
+            and node.inputs[0].shape[0] % n == 0)

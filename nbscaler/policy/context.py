@@ -17,7 +17,7 @@ work. The split follows the graph as ``data`` follows the batch:
   ``nbscaler.runtime.context.context_attention`` (keys and values all-gathered, or passed round a
   ring: ``"context_parallel_kind"``), and an attention written out (``q @ k.transpose(-2, -1)``,
   a mask, a softmax, ``@ v``) all-gathers its keys and values where its products read them;
-- a mean cross-entropy splits its tokens (``context_cross_entropy``): each device's part of the mean.
+- a mean cross-entropy splits its tokens (``split_cross_entropy``): each device's part of the mean.
 
 An op that cannot take the split (a reshape that merges the batch into the sequence) runs on the
 whole sequence, gathered; ``plan.explain()`` names each such op.

@@ -1,5 +1,6 @@
-"""What generated code calls where a plan splits the sequence (``nbscaler.attention`` explains them)."""
+"""What generated code calls where a plan splits the sequence (``nbscaler.attention`` explains it);
+the loss of a split sequence is ``nbscaler.runtime.losses.split_cross_entropy``."""
 
-from nbscaler.attention import context_attention, context_cross_entropy
+from nbscaler.attention import context_attention
 
-__all__ = ["context_attention", "context_cross_entropy"]
+__all__ = ["context_attention"]

@@ -1,6 +1,6 @@
 """The cost model replays a context-parallel rank as its generated code runs: a mirrored slice of
 the sequence (chunks i and 2n-1-i) is a new tensor, not a view of the whole one, and the loss is
-``context_cross_entropy`` called with the arguments the generated code passes. The ranks' measured
+``split_cross_entropy`` called with the arguments the generated code passes. The ranks' measured
 memory, equal to these predictions to the byte, is notebook 19's."""
 
 import warnings

@@ -49,7 +49,7 @@ def test_the_loss_is_each_devices_part_of_the_mean_when_the_batch_is_one_sequenc
                          ComputeConfig(plan_ngpus=2, runtime_ngpus=2, pas_config={"context_parallel": 2}))
     loss = plan.graph.select(op="loss")[0]
     assert context_parallel(loss) == "loss"
-    assert "context_cross_entropy(" in plan.sources[0]
+    assert "split_cross_entropy(" in plan.sources[0]
     assert "whole sequence" not in plan.explain()
 
 
