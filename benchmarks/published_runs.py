@@ -1,7 +1,8 @@
 """nbscaler's predictions for published training runs, beside what those runs measured.
 
 ``benchmarks/published/`` holds the runs and the facts of their software (``runs``), how each is
-planned and priced (``predict``, ``torchtitan``, ``torchtitan_ladder``, ``torchtitan_context``) and the results file (``report``).
+planned and priced (``predict``, ``torchtitan``, ``torchtitan_ladder``, ``torchtitan_context``,
+``megatron_bridge``) and the results file (``report``).
 
     python -m benchmarks.published_runs                  # writes benchmarks/results/published_runs.md
     python -m benchmarks.published_runs --rows 1.7 39.1  # those rows, printed, nothing written
@@ -19,6 +20,7 @@ from benchmarks.published import report
 from benchmarks.published.predict import predict
 from benchmarks.published.runs import NARAYANAN_2021
 from benchmarks.published.torchtitan import LLAMA_RUNS, predict_llama, section as llama_section
+from benchmarks.published import megatron_bridge as moe
 from benchmarks.published import torchtitan_context as context
 from benchmarks.published import torchtitan_ladder as ladder
 
@@ -51,6 +53,10 @@ def results(rows: Optional[List[float]] = None, micros: Optional[List[int]] = No
         text += "\n" + context.section(long_rows)
         if rows is None and micros is None:
             report.write_block(SUMMARIES[0], context.summary_block(long_rows), context.START, context.END)
+        moe_rows = moe.predict_moe()
+        text += "\n" + moe.section(moe.GPT_OSS_120B, moe_rows)
+        if rows is None and micros is None:
+            report.write_block(SUMMARIES[0], moe.summary_block(moe.GPT_OSS_120B, moe_rows), moe.START, moe.END)
     if swept:
         from benchmarks.published_sweep import section
         text += section(runs)

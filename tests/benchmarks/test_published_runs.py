@@ -166,3 +166,36 @@ def test_the_context_tables_and_verdict_are_computed_from_the_rows(small_context
     met = sum(abs(r["tokens_error"]) <= C.GOAL for r in priced)
     assert f"Within 10% of the published tokens/s per GPU: {met} of {len(priced)} priced rows" in text
     assert C.verdict(priced) in C.summary_block(priced)
+
+
+# -- Megatron-Bridge's GPT-OSS 120B, at a small shape ---------------------------------------------
+@pytest.fixture(scope="module")
+def small_moe():
+    """The GPT-OSS row's layout (64 GPUs: 4 stages of 8 expert-parallel devices) at a small MoE."""
+    from benchmarks.published import megatron_bridge as M
+    run = dataclasses.replace(M.GPT_OSS_120B, seq=64)
+    shape = dict(vocab_size=256, n_layer=4, d_model=64, n_head=4, n_kv_head=2, head_dim=16, n_experts=8,
+                 expert_hidden=32, top_k=2)
+    return run, M.predict_moe(run, log=lambda *_: None, **shape)
+
+
+@pytest.mark.slow
+def test_the_moe_row_is_planned_with_its_layout_and_priced_from_its_rows(small_moe):
+    from benchmarks.published import megatron_bridge as M
+    run, rows = small_moe
+    assert (run.units, run.micro_batches) == (2, 8)            # 64 / (4 x 8); 512 / (2 x 8 x 4)
+    cfg = M.config(run, "full")
+    assert (cfg.plan_ngpus, cfg.runtime_ngpus, cfg.pipeline_nstages, cfg.pipeline_nmicros) == (32, 64, 4, 8)
+    assert cfg.pas_config["expert_parallel"] == 8
+    text = M.section(run, rows)
+    assert [r["recompute"] for r in rows] == list(M.RECOMPUTE)
+    for r in rows:
+        step = r["step"]
+        assert r["tokens_error"] == pytest.approx(step.tokens_per_s / 64 / run.tokens_per_s_per_gpu - 1, rel=1e-12)
+        assert (f"| {r['recompute']} | {step.step_time_s:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | 5,630 | "
+                f"{r['tokens_error']:+.1%} |") in text
+        assert r["shares"]["expert all-to-alls"] > 0            # the exchanges are priced
+    assert rows[1]["step"].step_time_s > rows[0]["step"].step_time_s      # recomputing every layer costs time
+    met = [r["recompute"] for r in rows if abs(r["tokens_error"]) <= M.GOAL]
+    assert ("Within 15%: " + (", ".join(met) if met else "neither row")) in text
+    assert M.verdict(run, rows) in M.summary_block(run, rows)
