@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.codegen.liveness import release_dead
 from nbscaler.codegen.context import chunk_comment, context_call
-from nbscaler.codegen.experts import experts_call, experts_comment
+from nbscaler.codegen.experts import experts_call, experts_comment, experts_tp_comment
 from nbscaler.codegen.float8 import float8_call, float8_nodes
 from nbscaler.codegen.render import (INPLACE_OPERATORS, CodegenError, Code, source_comment, attr_name, group_var,
                                      render, render_call)
@@ -220,6 +220,7 @@ class SectionPrinter:
             call_text = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call_text[len('F.'):-1]}, group={group_var(place.devices)})")
         else:
+            self.lines += [c for c in [experts_tp_comment(node, self.sec.device)] if c]   # experts split by width
             line = f"{lhs} = {render_call(node, args, kwargs)}"
             if not isinstance(node.outputs, IRTensor) and call.outputs:     # several: their shapes in a comment
                 line += f"    # {', '.join(shape_text(v) for v in call.outputs)}"

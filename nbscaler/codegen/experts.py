@@ -8,7 +8,7 @@ from typing import Any, Dict, Tuple
 
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, expert_parallel
+from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, expert_parallel, expert_tensor_parallel
 
 
 def experts_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
@@ -25,6 +25,19 @@ def experts_comment(node: IRNode, device: int) -> str:
     return (f"# expert parallel: this device holds experts {index * mine}..{(index + 1) * mine - 1} of {experts} and "
             f"routes its share of the tokens; each (token, expert) pair goes to its expert's device and back, "
             f"one all-to-all each way (their gradients the same way back)")
+
+
+def experts_tp_comment(node: IRNode, device: int) -> str:
+    """``# tensor parallel inside the experts: this device holds hidden units 0..7 of 16 ...``, or '' for
+    any other op."""
+    if not expert_tensor_parallel(node):
+        return ""
+    place = node.placement
+    hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
+    mine, index = hidden // place.parts, place.devices.index(device)
+    return (f"# tensor parallel inside the experts: this device holds hidden units {index * mine}..{(index + 1) * mine - 1} "
+            f"of each expert's {hidden} (w1, w3 by column, w2 by row), sees every token, and its output is a partial "
+            "sum the next reader all-reduces")
 
 
 def experts_imports(graphs: Dict[int, IRGraph]) -> str:

@@ -38,7 +38,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
-from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, context_ring, expert_parallel, vocab_parallel
+from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, context_ring, expert_parallel, expert_tensor_parallel, vocab_parallel
 from nbscaler.layouts import Collective, LayoutKind
 
 R, S, P, SUM_GRAD, FIRST_ONLY = LayoutKind
@@ -124,6 +124,8 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     in_dims, _ = node.annotation.split_dims(place.split)
     if in_dims[index] is not None:
         return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))
+    if expert_tensor_parallel(node):
+        return Layout(SUM_GRAD)         # a factor of every part of the experts' sum, not a term of it
     return Layout(FIRST_ONLY) if place.split in node.annotation.reduce else Layout(SUM_GRAD)
 
 

@@ -43,7 +43,7 @@ def dropless_combine(rows: torch.Tensor, routed: Sorted, weights: torch.Tensor, 
     return torch.zeros_like(x).index_add(0, routed.token, rows)
 
 
-@register_op("n d^, n k^, n k^, e^ d^ h^, e^ d^ h^, e^ h^ d^ -> n d^", name="dropless_experts")
+@register_op("n d^, n k^, n k^, e^ d^ h+, e^ d^ h+, e^ h+ d^ -> n d^", name="dropless_experts")
 def dropless_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
                      w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """``sum_j weights[t, j] * expert[experts[t, j]](x[t])`` for every token ``t`` (rows of ``x``).
@@ -92,7 +92,7 @@ def capacity_combine(out: torch.Tensor, placed: Slotted, weights: torch.Tensor, 
     return x.new_zeros(b * t, d).index_add(0, placed.token, back).view(b, t, d)
 
 
-@register_op("b t^ d^, b t^ k^, b t^ k^, e^ d^ h^, e^ d^ h^, e^ h^ d^ -> b t^ d^", name="capacity_experts")
+@register_op("b t^ d^, b t^ k^, b t^ k^, e^ d^ h+, e^ d^ h+, e^ h+ d^ -> b t^ d^", name="capacity_experts")
 def capacity_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
                      w3: torch.Tensor, w2: torch.Tensor, capacity: int) -> torch.Tensor:
     """As ``dropless_experts``, but each expert serves at most ``capacity`` (token, expert) pairs of

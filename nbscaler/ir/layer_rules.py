@@ -182,6 +182,17 @@ def expert_parallel(node: IRNode) -> Optional[str]:
     return EXPERT_OPS[node.target]
 
 
+def expert_tensor_parallel(node: IRNode) -> bool:
+    """Whether routed-experts ``node`` is split along its experts' hidden width (tensor parallelism
+    inside each expert: ``w1``, ``w3`` column-wise, ``w2`` row-wise). Its output is then a partial
+    sum, but unlike a linear's bias its other inputs (the tokens, the router's weights and choices)
+    are factors of every part, so each device reads them whole and their gradients are summed."""
+    place = node.placement
+    if node.target not in EXPERT_OPS or place is None or place.split is None or node.meta.get(EXPERT_PARALLEL):
+        return False
+    return place.split == node.annotation.inputs[EXPERT_WEIGHTS[0]][-1]
+
+
 def exchanged_bytes(node: IRNode) -> int:
     """The bytes of rows each all-to-all of expert-parallel ``node`` sends from one device and gets
     back, for routing that loads every expert alike: each of its pairs (dropless), or each slot of

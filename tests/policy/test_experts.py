@@ -59,3 +59,19 @@ def test_a_model_without_routed_experts_is_refused():
 def test_a_wrong_value_is_refused(value):
     with pytest.raises(ValueError, match="pas_config\\['expert_parallel'\\]"):
         nbscaler.plan(build("moe"), batch("moe", 0), "tp", ComputeConfig(2, 2, pas_config={"expert_parallel": value}))
+
+
+@pytest.mark.parametrize("model", ["moe", "moe_capacity"])
+def test_tp_without_expert_parallel_splits_each_expert_by_its_hidden_width(model):
+    """Tensor parallel for the experts: every device holds every expert, a slice of each one's
+    hidden units, and reads the tokens whole (their gradient summed); the experts' sum is partial."""
+    plan = nbscaler.plan(build(model), batch(model, 0, n=8), "tp", ComputeConfig(2, 2))
+    experts = [n for n in plan.graph.nodes if n.target.endswith("_experts")]
+    assert len(experts) == 2 and all(n.placement.split == "h" and not n.meta.get(EXPERT_PARALLEL) for n in experts)
+    weights = {w.name: w for w in plan.programs.device(1).weights}
+    assert weights["blocks.0.moe.experts.w1"].shape == (4, 32, 8)     # all 4 experts, 8 of 16 hidden units
+    assert weights["blocks.0.moe.experts.w2"].shape == (4, 8, 32)
+    code = plan.sources[1]
+    assert "# tensor parallel inside the experts: this device holds hidden units 8..15 of each expert's 16" in code
+    call = next(line for line in code.splitlines() if line.strip().startswith(f"{experts[0].name}:"))
+    assert "_sum_grad" in call and "first_only" not in call      # the tokens are factors, read whole
