@@ -1,0 +1,139 @@
+"""The views of a mixture of experts under expert parallelism (8 experts, top-2, split over 2
+devices): the experts op named by what it cuts and by the experts each device holds, in the graph,
+the plan table and the plan card, in Python and in a real browser."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from nbscaler.glossary import experts_text, split_text
+from nbscaler.ir.layer_rules import EXPERT_OPS, held_experts
+from nbscaler.planning.tables import plan_html
+from nbscaler.widgets import GraphView, PlanView
+from tests.widgets.compiled import MOE_EXPERTS, moe_expert_parallel
+
+DASH = "\u2013"
+
+
+def expert_ops(plan):
+    return [n for n in plan.graph.nodes if n.target in EXPERT_OPS]
+
+
+def test_an_expert_parallel_split_is_named_by_what_it_cuts():
+    assert split_text("n", "dropless_experts", "experts") == "tokens (expert parallel, dropless; n)"
+    assert split_text("n", "capacity_experts", "experts") == "tokens (expert parallel, capacity; n)"
+    assert experts_text(range(8), 8, 2, "dropless") == f"experts 0{DASH}7, top-2, dropless"
+    assert experts_text(range(4, 8), 8, 2, "capacity") == "experts 4..7 of 8, top-2, capacity"
+
+
+def test_each_device_holds_its_share_of_the_experts_and_the_generated_code_says_so():
+    plan = moe_expert_parallel()
+    for node in expert_ops(plan):
+        assert [held_experts(node, d) for d in (0, 1)] == [range(0, 4), range(4, 8)]
+        assert held_experts(node) == range(MOE_EXPERTS)
+    for rank, holds in ((0, "0..3"), (1, "4..7")):
+        assert plan.sources[rank].count(f"this device holds experts {holds} of 8") == 2
+
+
+def test_the_graph_names_the_experts_and_in_each_rank_pane_those_it_holds():
+    plan = moe_expert_parallel()
+    view = GraphView(plan)
+    view.expanded = {"blocks", "blocks.0", "blocks.0.moe"}
+    first = expert_ops(plan)[0]
+    key = f"#{plan.graph.nodes.index(first)}"
+    logical = view.scene().boxes[key]
+    assert logical.subtitle == f"experts 0{DASH}7, top-2, dropless" and logical.split == "n"
+    assert "tokens (expert parallel, dropless), over [0, 1]" in logical.tooltip
+    for rank, held in ((0, "experts 0..3 of 8"), (1, "experts 4..7 of 8")):
+        box = view.scene(f"rank {rank}").boxes[key]
+        assert box.subtitle == f"{held}, top-2, dropless" and f"on device {rank}" in box.tooltip
+        assert f"{held}, top-2, dropless" in view.widget.svgs[f"rank {rank}"]
+    page = view.to_html()
+    assert page.isascii() and "experts 0&#8211;7, top-2, dropless" in page
+
+
+def test_the_plan_table_and_card_show_the_experts_split_over_the_expert_group():
+    plan = moe_expert_parallel()
+    view = PlanView(plan)
+    assert list(view.table.options) == ["ops", "collectives", "experts"]
+    rows = view.experts
+    assert list(rows.op) == ["dropless_experts_0"] * 2 + ["dropless_experts_1"] * 2
+    assert list(rows.experts) == [f"experts {h} of 8, top-2, dropless" for h in ("0..3", "4..7")] * 2
+    assert set(rows.layout) == {"experts split over the expert group [0, 1]: split on dim 0 (S(0))"}
+    whole = sum(plan.graph.weights[f"blocks.0.moe.experts.{w}"].nbytes for w in ("w1", "w3", "w2"))
+    assert list(rows.held_bytes) == [whole // 2] * 4
+    view.table.value = "experts"
+    assert view.shown.equals(rows) and "nbs-experts" in view.html.value
+    ops = view.ops.set_index("name")
+    assert split_text(ops.split["dropless_experts_0"], "dropless_experts", view.contexts["dropless_experts_0"]) \
+        == "tokens (expert parallel, dropless; n)"
+    page = view.to_html()
+    assert "tokens (expert parallel, dropless; n)" in page and "<h4>experts (4" in page
+    card = plan_html(plan)
+    assert "<b>Experts</b>: expert parallel" in card and "<td>experts 4..7 of 8, top-2, dropless</td>" in card
+    assert "tokens (expert parallel, dropless; n)" in card
+
+
+PLAN_CELL = (
+    "import nbscaler\n"
+    "from IPython.display import HTML\n"
+    "from nbscaler import ComputeConfig\n"
+    "from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch\n"
+    "from nbscaler.widgets import GraphView, PlanView\n"
+    "cfg = MoEConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, n_experts=8, top_k=2,\n"
+    "                expert_hidden=16)\n"
+    "plan = nbscaler.plan(MoELlama(cfg), sample_batch(cfg, 2), 'tp',\n"
+    "                     ComputeConfig(2, 2, pas_config={'expert_parallel': 2}))\n"
+    "graph = GraphView(plan)\n"
+    "graph.expanded = {'blocks', 'blocks.0', 'blocks.0.moe'}\n"
+    "graph"
+)
+TABLE_CELL = "HTML(PlanView(plan).to_html())"
+
+
+def browser_lab(tmp_path):
+    """JupyterLab in Chromium, its screenshots where ``NBSCALER_SCREENSHOTS`` says (else under ``tmp_path``)."""
+    from tests.widgets.browser import lab_page
+    return lab_page(tmp_path, Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots"))
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_experts_in_the_graph_and_the_plan_table_in_the_browser(tmp_path):
+    """The live graph of the expert-parallel plan with its first MoE layer open: the experts op's box
+    in each of the three panes names the experts that pane holds; the saved plan table lists the
+    experts by device, their weights split over the expert group."""
+    from tests.widgets.browser import write_notebook
+
+    write_notebook(tmp_path / "experts.ipynb", PLAN_CELL, TABLE_CELL)
+    with browser_lab(tmp_path) as lab:
+        lab.open_notebook("experts.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        view = page.locator(".nbs-graphview").first
+        view.wait_for(timeout=120_000)
+        panes = view.locator(".nbs-pane")
+        panes.nth(2).locator("svg").wait_for()
+        key = f"#{moe_expert_parallel().graph.nodes.index(expert_ops(moe_expert_parallel())[0])}"
+        boxes = view.locator(f'.nbs-box[data-key="{key}"]')
+        assert boxes.count() == 3
+        texts = [boxes.nth(i).text_content() for i in range(3)]
+        assert f"experts 0{DASH}7, top-2, dropless" in texts[0]
+        assert "experts 0..3 of 8, top-2, dropless" in texts[1] and "experts 4..7 of 8, top-2, dropless" in texts[2]
+        for i in range(3):
+            boxes.nth(i).scroll_into_view_if_needed()
+        boxes.first.click()                                   # selected in every pane, its details below
+        view.locator(".nbs-details table").wait_for()
+        assert "tokens (expert parallel, dropless)" in view.locator(".nbs-details").inner_text()
+        lab.screenshot("experts-graph", ".nbs-graphview")
+        table = page.locator(".nbs-plan table.nbs-experts")
+        table.wait_for(timeout=60_000)
+        rows = table.locator("tbody tr")
+        assert rows.count() == 4
+        assert "experts 4..7 of 8, top-2, dropless" in rows.nth(1).inner_text()
+        assert "experts split over the expert group [0, 1]" in rows.nth(1).inner_text()
+        assert "tokens (expert parallel, dropless; n)" in page.locator(".nbs-plan table.nbs-ops").inner_text()
+        table.scroll_into_view_if_needed()
+        lab.screenshot("experts-plan-table", ".nbs-plan table.nbs-experts")
+        assert not [line for line in lab.console if line.startswith("error")], lab.console
