@@ -25,11 +25,11 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from nbscaler.layouts import EXPERT_SPLIT, LayoutKind
+from nbscaler.layouts import EXPERT_SPLIT, Collective, LayoutKind
 
-__all__ = ["CONTEXT_SPLITS", "EXPERT_SPLITS", "GLOSSARY_URL", "LAYOUTS", "SPLITS", "Term", "context_name",
-           "expert_name", "experts_text", "layout_name", "layout_text", "markdown", "split_name", "split_term",
-           "split_text"]
+__all__ = ["CONTEXT_SPLITS", "EXPERT_ALL_TO_ALLS", "EXPERT_SPLITS", "GLOSSARY_URL", "LAYOUTS", "SPLITS", "Term",
+           "context_name", "expert_name", "experts_text", "layout_name", "layout_text", "markdown", "split_name",
+           "split_term", "split_text"]
 
 GLOSSARY_URL = "https://github.com/nbscaler/nbscaler/blob/main/docs/glossary.md"
 """Where the views' headers send a reader who asks what a label means (``docs/glossary.md``)."""
@@ -179,6 +179,19 @@ EXPERT_SPLITS: Tuple[Term, ...] = (
 """The names of expert parallelism's splits (``expert_name``): what they cut, whatever the label."""
 
 
+EXPERT_ALL_TO_ALLS: Tuple[Term, ...] = (
+    Term(Collective.EXPERT_EXCHANGE.value, "expert all-to-all (expert parallel)", "an expert-parallel op's rows "
+         "sent to the devices that hold their experts, or back home: an all-to-all whose sizes follow the routing "
+         "(dropless) or are fixed (capacity); its backward sends the rows' gradients the other way",
+         "the `alltoall` token dispatcher's dispatch and combine", "`all_to_all_single` with split sizes"),
+    Term(Collective.EXPERT_COUNTS.value, "expert counts (expert parallel)", "under dropless routing, the pairs each "
+         "device routes to each expert, sent to every device before the rows so that each knows what it will get",
+         "the `alltoall` token dispatcher's exchange of `tokens_per_expert`", "`all_to_all_single` of the counts"),
+)
+"""The collectives an expert-parallel op runs inside its call, by the name the plan's collectives
+table gives them; the timeline's legend names them so (``nbscaler.widgets.palette``)."""
+
+
 def expert_name(op: Optional[str]) -> str:
     """The readable name of the split of an expert-parallel op ``op`` (``'dropless_experts'``:
     ``'tokens (expert parallel, dropless)'``)."""
@@ -304,6 +317,9 @@ def markdown() -> str:
         "box by the experts it holds (`experts 4..7 of 8, top-2, dropless`), and its weights' layout `S(0)` is",
         "split over the expert group by experts.", "",
         head, *[_row(t, t.label) for t in EXPERT_SPLITS], "",
+        "Its all-to-alls, as the plan's collectives table names them and the timeline draws them in each",
+        "rank's collectives lane:", "",
+        head, *[_row(t, t.label) for t in EXPERT_ALL_TO_ALLS], "",
     ])
 
 

@@ -1,19 +1,28 @@
 """The views of a mixture of experts under expert parallelism (8 experts, top-2, split over 2
 devices): the experts op named by what it cuts and by the experts each device holds, in the graph,
-the plan table and the plan card, in Python and in a real browser."""
+the plan table and the plan card; its all-to-alls in the timeline's collectives lanes; in Python
+and in a real browser."""
 
 import os
 from pathlib import Path
 
 import pytest
 
+from nbscaler import Hardware
 from nbscaler.glossary import experts_text, split_text
 from nbscaler.ir.layer_rules import EXPERT_OPS, held_experts
 from nbscaler.planning.tables import plan_html
-from nbscaler.widgets import GraphView, PlanView
+from nbscaler.widgets import GraphView, PlanView, TimelineView
+from nbscaler.widgets.palette import COLLECTIVE_COLOURS
+from nbscaler.widgets.timeline import EXPERT_ASSUMPTION
 from tests.widgets.compiled import MOE_EXPERTS, moe_expert_parallel
+from tests.widgets.svg import charts, hint, marks, texts
 
 DASH = "\u2013"
+H100 = "H100-SXM-80GB"
+LAYERS, RANKS = 2, 2
+EXCHANGE, COUNTS = "expert all-to-all (expert parallel)", "expert counts (expert parallel)"
+EXPERT_FILLS = {COLLECTIVE_COLOURS["expert_exchange"], COLLECTIVE_COLOURS["expert_counts"]}
 
 
 def expert_ops(plan):
@@ -75,20 +84,73 @@ def test_the_plan_table_and_card_show_the_experts_split_over_the_expert_group():
     assert "tokens (expert parallel, dropless; n)" in card
 
 
-PLAN_CELL = (
+
+def expert_calls(line, rank):
+    return [c for c in line.collectives if c.rank == rank and c.kind in ("expert_exchange", "expert_counts")]
+
+
+def test_each_expert_ops_all_to_alls_are_drawn_where_it_runs_them():
+    plan = moe_expert_parallel()
+    line = plan.timeline(hardware=Hardware.named(H100))
+    for rank in range(RANKS):
+        calls = expert_calls(line, rank)
+        assert len(calls) == LAYERS * 3 + LAYERS * 2            # counts, out, back; the rows' gradients both ways
+        assert all(not c.context and not c.sync and c.t_end > c.t_start for c in calls)
+        assert all(c.waited_s == pytest.approx(c.t_end - c.t_start) for c in calls)     # the block waits for each
+        (fwd,) = [b for b in line.blocks if b.rank == rank and b.phase == "F"]
+        (bwd,) = [b for b in line.blocks if b.rank == rank and b.phase == "B"]
+        forward = sorted((c for c in calls if c.phase == "F"), key=lambda c: c.t_start)
+        assert [c.unit for c in forward[:3]] == ["blocks.0.moe: pairs per expert, to every device",
+                                                 "blocks.0.moe: rows out to their experts",
+                                                 "blocks.0.moe: rows back from the experts"]
+        counts, out, back = forward[:3]
+        assert counts.t_end == pytest.approx(out.t_start) and out.t_end < back.t_start      # the products between
+        assert all(fwd.t_start <= c.t_start and c.t_end <= fwd.t_end for c in forward)
+        backward = sorted((c for c in calls if c.phase == "B"), key=lambda c: c.t_start)
+        assert [c.unit for c in backward[:2]] == ["blocks.1.moe: rows' gradients out to the experts",
+                                                  "blocks.1.moe: rows' gradients back home"]
+        assert all(bwd.t_start <= c.t_start and c.t_end <= bwd.t_end for c in backward)
+    # the same all-to-alls as the traffic table's rows: two exchanges each way and one count per op
+    rows = plan.collectives_on("nccl")
+    counted = rows.collective.value_counts()
+    assert (counted["expert_exchange"], counted["expert_counts"]) == (4 * LAYERS, LAYERS)
+
+
+def test_capacity_routing_exchanges_no_counts():
+    line = moe_expert_parallel("capacity").timeline(hardware=Hardware.named(H100))
+    calls = expert_calls(line, 0)
+    assert {c.kind for c in calls} == {"expert_exchange"} and len(calls) == LAYERS * 4
+
+
+def test_the_timeline_view_draws_the_all_to_alls_in_figure_and_svg():
+    view = TimelineView(moe_expert_parallel(), hardware=Hardware.named(H100))
+    per_rank = {"expert_exchange": LAYERS * 4, "expert_counts": LAYERS}
+    for kind, name in (("expert_exchange", EXCHANGE), ("expert_counts", COUNTS)):
+        (trace,) = [t for t in view.figure.data if t.name == name]
+        assert len(trace.x) == RANKS * per_rank[kind] and trace.marker.color == COLLECTIVE_COLOURS[kind]
+    (chart,) = charts(view.notebook_html())
+    drawn = [b for b in marks(chart, "rect", "nbs-block") if ".moe: " in hint(b)]
+    assert len(drawn) == RANKS * sum(per_rank.values())
+    assert {b.get("fill") for b in drawn} == EXPERT_FILLS
+    assert any(hint(b).startswith("predicted rank 1 · collectives: blocks.0.moe: rows out to their experts in the "
+                                  "forward of micro-batch 0") for b in drawn)
+    assert all("the compute waits" in hint(b) for b in drawn)
+    assert EXCHANGE in texts(chart) and COUNTS in texts(chart)
+    assert EXPERT_ASSUMPTION in view.assumptions and "ZeRO stage 3" not in view.assumptions
+
+PLAN_SOURCE = (
     "import nbscaler\n"
     "from IPython.display import HTML\n"
     "from nbscaler import ComputeConfig\n"
     "from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch\n"
-    "from nbscaler.widgets import GraphView, PlanView\n"
+    "from nbscaler.widgets import GraphView, PlanView, TimelineView\n"
     "cfg = MoEConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, n_experts=8, top_k=2,\n"
     "                expert_hidden=16)\n"
     "plan = nbscaler.plan(MoELlama(cfg), sample_batch(cfg, 2), 'tp',\n"
     "                     ComputeConfig(2, 2, pas_config={'expert_parallel': 2}))\n"
-    "graph = GraphView(plan)\n"
-    "graph.expanded = {'blocks', 'blocks.0', 'blocks.0.moe'}\n"
-    "graph"
 )
+"""The notebook's first lines: the plan ``moe_expert_parallel`` makes."""
+PLAN_CELL = PLAN_SOURCE + "graph = GraphView(plan)\ngraph.expanded = {'blocks', 'blocks.0', 'blocks.0.moe'}\ngraph"
 TABLE_CELL = "HTML(PlanView(plan).to_html())"
 
 
@@ -136,4 +198,36 @@ def test_experts_in_the_graph_and_the_plan_table_in_the_browser(tmp_path):
         assert "tokens (expert parallel, dropless; n)" in page.locator(".nbs-plan table.nbs-ops").inner_text()
         table.scroll_into_view_if_needed()
         lab.screenshot("experts-plan-table", ".nbs-plan table.nbs-experts")
+        assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+TIMELINE_CELL = "HTML(TimelineView(plan, hardware=nbscaler.Hardware.named('H100-SXM-80GB')).notebook_html())"
+EXPERT_RECTS = """() => [...document.querySelectorAll('.nbs-timeline svg rect.nbs-block')]
+    .filter(r => (r.querySelector('title')?.textContent ?? '').includes('.moe: '))
+    .map(r => { const b = r.getBoundingClientRect();
+                return {w: b.width, h: b.height, fill: r.getAttribute('fill'),
+                        shown: getComputedStyle(r).visibility !== 'hidden'
+                               && getComputedStyle(r).display !== 'none'}; })"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_the_all_to_alls_in_the_browser(tmp_path):
+    """The timeline's saved form (the SVG nbviewer shows) of the expert-parallel plan on an H100:
+    every all-to-all is a visible block of its rank's collectives lane, in its own colour, named in the legend."""
+    from tests.widgets.browser import write_notebook
+
+    write_notebook(tmp_path / "timeline.ipynb", PLAN_SOURCE, TIMELINE_CELL)
+    with browser_lab(tmp_path) as lab:
+        lab.open_notebook("timeline.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        page.locator(".nbs-timeline svg rect.nbs-block").first.wait_for(timeout=120_000)
+        rects = page.evaluate(EXPERT_RECTS)
+        assert len(rects) == RANKS * LAYERS * 5
+        assert all(r["shown"] and r["w"] >= 1 and r["h"] > 10 for r in rects), rects[:3]
+        assert {r["fill"] for r in rects} == EXPERT_FILLS
+        legend = page.locator(".nbs-timeline").inner_text()
+        assert EXCHANGE in legend and COUNTS in legend
+        lab.screenshot("experts-timeline", ".nbs-timeline")
         assert not [line for line in lab.console if line.startswith("error")], lab.console
