@@ -38,6 +38,13 @@ MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GATHERED_BYTES: 
 MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GATHERED_BYTES: "#9ecae9", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
                                   C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
 
+EXPERT_MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "expert weights", C.GRAD_BYTES: "expert gradients",
+                                        C.OPTIMIZER_BYTES: "expert optimizer state"}
+"""The legend name of the part of a memory category that is routed experts' (``cost.expert_memory``)."""
+EXPERT_MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#27466b", C.GRAD_BYTES: "#a3560c",
+                                         C.OPTIMIZER_BYTES: "#2e6228"}
+"""A darker shade of its category's colour, drawn at the bottom of the category's segment."""
+
 CAPACITY_COLOUR = "#333333"
 """The line at a target GPU's memory capacity."""
 OVER_CAPACITY_COLOUR = "#d00000"

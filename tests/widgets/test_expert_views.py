@@ -1,21 +1,24 @@
 """The views of a mixture of experts under expert parallelism (8 experts, top-2, split over 2
 devices): the experts op named by what it cuts and by the experts each device holds, in the graph,
-the plan table and the plan card; its all-to-alls in the timeline's collectives lanes; in Python
-and in a real browser."""
+the plan table and the plan card; its all-to-alls in the timeline's collectives lanes; the experts'
+weights, gradients and optimizer state in the memory view, halved per rank by expert parallelism;
+in Python and in a real browser."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from nbscaler import Hardware
 from nbscaler.glossary import experts_text, split_text
 from nbscaler.ir.layer_rules import EXPERT_OPS, held_experts
 from nbscaler.planning.tables import plan_html
-from nbscaler.widgets import GraphView, PlanView, TimelineView
-from nbscaler.widgets.palette import COLLECTIVE_COLOURS
+from nbscaler.widgets import GraphView, MemoryView, PlanView, TimelineView
+from nbscaler.widgets.memory import EXPERT_NOTE
+from nbscaler.widgets.palette import COLLECTIVE_COLOURS, EXPERT_MEMORY_COLOURS, MEMORY_COLOURS
 from nbscaler.widgets.timeline import EXPERT_ASSUMPTION
-from tests.widgets.compiled import MOE_EXPERTS, moe_expert_parallel
+from tests.widgets.compiled import MOE_EXPERTS, llama_tp, moe_data_parallel, moe_expert_parallel
 from tests.widgets.svg import charts, hint, marks, texts
 
 DASH = "\u2013"
@@ -138,6 +141,35 @@ def test_the_timeline_view_draws_the_all_to_alls_in_figure_and_svg():
     assert EXCHANGE in texts(chart) and COUNTS in texts(chart)
     assert EXPERT_ASSUMPTION in view.assumptions and "ZeRO stage 3" not in view.assumptions
 
+
+def expert_weight_bytes(plan, device):
+    """The bytes of the expert weights plan ``device`` stores, read off its weight table."""
+    return sum(w.nbytes for w in plan.programs.weights(device) if ".experts." in w.name)
+
+
+def test_the_memory_view_draws_the_experts_part_split_by_expert_parallelism():
+    split, whole = (MemoryView(p, optimizer=torch.optim.AdamW) for p in (moe_expert_parallel(), moe_data_parallel()))
+    per_layer = 3 * MOE_EXPERTS * 32 * 16 * 4                   # w1, w3, w2 of 8 experts, fp32
+    assert list(whole.experts.param_bytes) == [LAYERS * per_layer] * RANKS
+    assert list(split.experts.param_bytes) == [LAYERS * per_layer // 2] * RANKS          # half the experts each
+    assert list(split.experts.param_bytes) == [expert_weight_bytes(split.plan, d) for d in range(RANKS)]
+    assert list(split.experts.grad_bytes) == list(split.experts.param_bytes)             # every gradient held
+    adam = split.experts.optimizer_bytes / split.experts.param_bytes                      # two moments, and steps
+    assert all(2.0 <= r < 2.01 for r in adam)
+    kinds = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    assert (split.experts[list(kinds)].to_numpy() <= split.predicted[list(kinds)].to_numpy()).all()
+    shown = {t.name: list(t.y) for t in split.figure.data}
+    assert shown["expert weights"] == list(split.experts.param_bytes)
+    assert [a + b for a, b in zip(shown["expert weights"], shown["parameters"])] == list(split.predicted.param_bytes)
+    (chart,) = charts(split.notebook_html())
+    parts = [r for r in marks(chart, "rect") if r.get("fill") == EXPERT_MEMORY_COLOURS["param_bytes"]]
+    assert any(hint(r) == "rank 1, expert weights (predicted): 48 KiB" for r in parts)
+    assert {"expert weights", "expert gradients", "expert optimizer state"} <= set(texts(chart))
+    assert EXPERT_NOTE in split.table_html().replace("&#x27;", "'")
+    dense = MemoryView(llama_tp())                               # no experts: nothing drawn of them
+    assert dense.experts is None and "expert weights" not in {t.name for t in dense.figure.data}
+    assert MEMORY_COLOURS["param_bytes"] != EXPERT_MEMORY_COLOURS["param_bytes"]
+
 PLAN_SOURCE = (
     "import nbscaler\n"
     "from IPython.display import HTML\n"
@@ -230,4 +262,36 @@ def test_the_all_to_alls_in_the_browser(tmp_path):
         legend = page.locator(".nbs-timeline").inner_text()
         assert EXCHANGE in legend and COUNTS in legend
         lab.screenshot("experts-timeline", ".nbs-timeline")
+        assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+MEMORY_CELL = ("import torch\nfrom nbscaler.widgets import MemoryView\n"
+               "HTML(MemoryView(plan, optimizer=torch.optim.AdamW).notebook_html())")
+EXPERT_PARTS = """(fills) => [...document.querySelectorAll('.nbs-memory svg rect')]
+    .filter(r => fills.includes(r.getAttribute('fill'))
+                 && (r.querySelector('title')?.textContent ?? '').startsWith('rank'))
+    .map(r => { const b = r.getBoundingClientRect(); return {w: b.width, h: b.height,
+                                                             hint: r.querySelector('title').textContent}; })"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_the_experts_memory_in_the_browser(tmp_path):
+    """The memory view's saved SVG of the expert-parallel plan: on each rank's bar the experts' part of
+    the parameters, gradients and optimizer state is a visible segment of its own shade, named in the legend."""
+    from tests.widgets.browser import write_notebook
+
+    write_notebook(tmp_path / "memory.ipynb", PLAN_SOURCE, MEMORY_CELL)
+    with browser_lab(tmp_path) as lab:
+        lab.open_notebook("memory.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        page.locator(".nbs-memory svg rect").first.wait_for(timeout=120_000)
+        parts = page.evaluate(EXPERT_PARTS, list(EXPERT_MEMORY_COLOURS.values()))
+        assert len(parts) == RANKS * 3 and all(p["w"] > 20 and p["h"] > 3 for p in parts), parts
+        assert {p["hint"].split(" (")[0].split(", ")[1] for p in parts} == {
+            "expert weights", "expert gradients", "expert optimizer state"}
+        text = page.locator(".nbs-memory").inner_text()
+        assert "expert optimizer state" in text and "Routed experts" in text
+        lab.screenshot("experts-memory", ".nbs-memory")
         assert not [line for line in lab.console if line.startswith("error")], lab.console
