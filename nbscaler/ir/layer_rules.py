@@ -205,8 +205,13 @@ def held_experts(node: IRNode, device: Optional[int] = None) -> range:
     if device is None or not expert_parallel(node):
         return range(experts)
     devices = node.placement.devices
-    mine = experts // len(devices)
-    index = devices.index(device)
+    return expert_range(experts, len(devices), devices.index(device))
+
+
+def expert_range(experts: int, parts: int, index: int) -> range:
+    """The experts the ``index``-th of ``parts`` devices holds of ``experts`` split by expert
+    parallelism: ``index*E/parts .. (index+1)*E/parts - 1``."""
+    mine = experts // parts
     return range(index * mine, (index + 1) * mine)
 
 

@@ -2,7 +2,8 @@
 devices): the experts op named by what it cuts and by the experts each device holds, in the graph,
 the plan table and the plan card; its all-to-alls in the timeline's collectives lanes; the experts'
 weights, gradients and optimizer state in the memory view, halved per rank by expert parallelism;
-in Python and in a real browser."""
+a real routing's imbalance per step, per expert and per rank (a RoutingLog drawn); in Python and in
+a real browser."""
 
 import os
 from pathlib import Path
@@ -16,9 +17,13 @@ from nbscaler.ir.layer_rules import EXPERT_OPS, held_experts
 from nbscaler.planning.tables import plan_html
 from nbscaler.widgets import GraphView, MemoryView, PlanView, TimelineView
 from nbscaler.widgets.memory import EXPERT_NOTE
-from nbscaler.widgets.palette import COLLECTIVE_COLOURS, EXPERT_MEMORY_COLOURS, MEMORY_COLOURS
+from nbscaler.experts import RoutingLog
+from nbscaler.models.moe import sample_batch
+from nbscaler.widgets.palette import (COLLECTIVE_COLOURS, EXPERT_MEMORY_COLOURS, MEMORY_COLOURS, OTHER_COLOUR,
+                                      rank_colour)
+from nbscaler.widgets.routing import DROPPED, RoutingView
 from nbscaler.widgets.timeline import EXPERT_ASSUMPTION
-from tests.widgets.compiled import MOE_EXPERTS, llama_tp, moe_data_parallel, moe_expert_parallel
+from tests.widgets.compiled import MOE_EXPERTS, MOE_TOP_K, llama_tp, moe_data_parallel, moe_expert_parallel, moe_llama
 from tests.widgets.svg import charts, hint, marks, texts
 
 DASH = "\u2013"
@@ -170,6 +175,78 @@ def test_the_memory_view_draws_the_experts_part_split_by_expert_parallelism():
     assert dense.experts is None and "expert weights" not in {t.name for t in dense.figure.data}
     assert MEMORY_COLOURS["param_bytes"] != EXPERT_MEMORY_COLOURS["param_bytes"]
 
+
+STEPS = 3
+
+
+def routed_steps(routing="dropless"):
+    """A RoutingLog of 3 real training steps of ``moe_llama`` (another batch each, SGD between)."""
+    torch.manual_seed(0)
+    model, _ = moe_llama(routing)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with RoutingLog() as log:
+        for step in range(STEPS):
+            model(**sample_batch(model.config, 2, seed=step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            log.next_step()
+    return log
+
+
+def test_the_routing_view_counts_pairs_per_expert_and_per_rank_each_step():
+    log = routed_steps()
+    frame = log.frame()
+    assert sorted(set(frame.step)) == list(range(STEPS)) and frame.groupby("step").call.nunique().eq(LAYERS).all()
+    view = log.view(moe_expert_parallel())
+    assert view.holders == [("rank 0", range(0, 4)), ("rank 1", range(4, 8))]
+    pairs = 2 * 16 * MOE_TOP_K * LAYERS                          # tokens x top-k, in each MoE layer
+    assert list(view.per_step.pairs) == [pairs] * STEPS
+    assert view.per_rank.groupby("step").routed.sum().eq(pairs).all()
+    for step, rows in frame.groupby("step"):                   # the busiest rank, worked out again
+        per_call = rows.assign(rank=rows.expert // 4).groupby(["call", "rank"]).routed.sum().unstack()
+        expected = per_call.max(axis=1).sum() / per_call.mean(axis=1).sum()
+        got = view.per_step.set_index("step").loc[step]
+        assert got.rank_imbalance == pytest.approx(expected) and got.rank_imbalance >= 1.0
+        assert got.busiest_rank == f"rank {per_call.sum().idxmax()}"
+        assert got.busiest_expert == rows.groupby("expert").routed.sum().idxmax()
+    assert list(view.per_step.expert_imbalance) == [pytest.approx(x) for x in expert_imbalance(frame)]
+    ranks, experts = charts(view.notebook_html())
+    rank_bars = [r for r in marks(ranks, "rect", "nbs-bar")]
+    assert len(rank_bars) == STEPS * 2 and {r.get("fill") for r in rank_bars} == {rank_colour(0), rank_colour(1)}
+    assert len(marks(experts, "rect", "nbs-bar")) == STEPS * MOE_EXPERTS
+    assert any(hint(r).startswith("step 2, expert 5 (rank 1): ") for r in marks(experts, "rect", "nbs-bar"))
+    first = view.per_step.rank_imbalance.iloc[0]
+    assert f"step 0: {first:.2f}x" in texts(ranks) and f"balanced: {pairs // 2:g} pairs each" in texts(ranks)
+    assert f"balanced: {pairs // MOE_EXPERTS:g} pairs each" in texts(experts)
+    assert "rank 1: experts 4..7" in texts(ranks) and f"{first:.2f}x" in view.table_html()
+
+
+def expert_imbalance(frame):
+    """Per step: the sum over its calls of the busiest expert's pairs over the sum of the mean."""
+    calls = frame.groupby(["step", "call"]).routed
+    return list((calls.max().groupby("step").sum() / calls.mean().groupby("step").sum()))
+
+
+def test_without_a_plan_the_ranks_are_given_or_every_rank_holds_every_expert():
+    log = routed_steps()
+    four = RoutingView(log, expert_parallel=4)
+    assert [held for _, held in four.holders] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert four.per_rank.groupby("step").routed.sum().eq(list(RoutingView(log).per_step.pairs)).all()
+    assert RoutingView(log).holders == [("every rank", range(MOE_EXPERTS))]
+    assert RoutingView(log, moe_data_parallel()).holders == [("every rank", range(MOE_EXPERTS))]
+    with pytest.raises(ValueError, match="recorded no call"):
+        RoutingView(RoutingLog())
+
+
+def test_capacity_routing_draws_the_dropped_pairs():
+    view = routed_steps("capacity").view(moe_expert_parallel("capacity"))
+    assert view.per_expert.dropped.sum() > 0
+    assert (view.per_expert.served + view.per_expert.dropped).equals(view.per_expert.routed)
+    _, experts = charts(view.notebook_html())
+    grey = [r for r in marks(experts, "rect", "nbs-bar") if r.get("fill") == OTHER_COLOUR]
+    assert len(grey) == (view.per_expert.dropped > 0).sum() and all(" dropped" in hint(r) for r in grey)
+    assert DROPPED in texts(experts)
+
 PLAN_SOURCE = (
     "import nbscaler\n"
     "from IPython.display import HTML\n"
@@ -294,4 +371,44 @@ def test_the_experts_memory_in_the_browser(tmp_path):
         text = page.locator(".nbs-memory").inner_text()
         assert "expert optimizer state" in text and "Routed experts" in text
         lab.screenshot("experts-memory", ".nbs-memory")
+        assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+ROUTING_CELL = (
+    "import torch\n"
+    "from nbscaler.experts import RoutingLog\n"
+    "torch.manual_seed(0)\n"
+    "model = MoELlama(cfg)\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.5)\n"
+    "with RoutingLog() as log:\n"
+    "    for step in range(3):\n"
+    "        model(**sample_batch(cfg, 2, seed=step)).backward()\n"
+    "        optimizer.step(); optimizer.zero_grad()\n"
+    "        log.next_step()\n"
+    "log.view(plan)"
+)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_the_routing_imbalance_in_the_browser(tmp_path):
+    """A notebook trains the MoE Llama 3 steps under a RoutingLog and shows ``log.view(plan)``: per
+    step a bar per rank and per expert, each visible in its rank's colour, the busiest over the mean
+    under each step, the balanced share as a line."""
+    from tests.widgets.browser import write_notebook
+
+    write_notebook(tmp_path / "routing.ipynb", PLAN_SOURCE, ROUTING_CELL)
+    with browser_lab(tmp_path) as lab:
+        lab.open_notebook("routing.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        view = page.locator(".nbs-routing").first
+        view.wait_for(timeout=120_000)
+        bars = page.evaluate("""() => [...document.querySelectorAll('.nbs-routing svg rect.nbs-bar')].map(r => {
+            const b = r.getBoundingClientRect(); return {w: b.width, h: b.height, fill: r.getAttribute('fill')}; })""")
+        assert len(bars) == STEPS * (2 + MOE_EXPERTS) and all(b["w"] > 20 and b["h"] > 3 for b in bars), bars[:3]
+        assert {b["fill"] for b in bars} == {rank_colour(0), rank_colour(1)}
+        text = view.inner_text()
+        assert "balanced: 64 pairs each" in text and "step 2: " in text and "rank_imbalance" in text
+        lab.screenshot("experts-routing", ".nbs-routing")
         assert not [line for line in lab.console if line.startswith("error")], lab.console
