@@ -25,10 +25,11 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from nbscaler.layouts import LayoutKind
+from nbscaler.layouts import EXPERT_SPLIT, Collective, LayoutKind
 
-__all__ = ["CONTEXT_SPLITS", "GLOSSARY_URL", "LAYOUTS", "SPLITS", "Term", "context_name", "layout_name",
-           "layout_text", "markdown", "split_name", "split_term", "split_text"]
+__all__ = ["CONTEXT_SPLITS", "EXPERT_ALL_TO_ALLS", "EXPERT_SPLITS", "GLOSSARY_URL", "LAYOUTS", "SPLITS", "Term",
+           "context_name", "expert_name", "experts_text", "layout_name", "layout_text", "markdown", "split_name",
+           "split_term", "split_text"]
 
 GLOSSARY_URL = "https://github.com/nbscaler/nbscaler/blob/main/docs/glossary.md"
 """Where the views' headers send a reader who asks what a label means (``docs/glossary.md``)."""
@@ -162,6 +163,51 @@ def context_name(op: Optional[str], context: str) -> str:
     return "sequence (context parallel, mirrored chunks)"
 
 
+_EP_MEGATRON = "expert parallelism (`--expert-model-parallel-size`)"
+_EP_TORCH = "none of its own (`all_to_all_single` around the experts; torchtitan's `ExpertParallel`)"
+_EXPERT_OPS = ("dropless_experts", "capacity_experts")
+
+EXPERT_SPLITS: Tuple[Term, ...] = (
+    Term("n", "tokens (expert parallel, dropless)", "a routed-experts op under `expert_parallel`: each device "
+         "routes its share of the tokens and holds `E/n` of the experts; every (token, expert) pair goes to its "
+         "expert's device and back (all-to-alls whose sizes follow the routing, after one of the counts)",
+         _EP_MEGATRON + " with `--moe-token-dispatcher-type alltoall`", _EP_TORCH, _EXPERT_OPS[:1]),
+    Term("n", "tokens (expert parallel, capacity)", "the same with capacity routing: each device fills every "
+         "expert's fixed-size buffers, and the other devices' experts' share travels in all-to-alls of equal sizes",
+         _EP_MEGATRON + " with `--moe-expert-capacity-factor`", _EP_TORCH, _EXPERT_OPS[1:]),
+)
+"""The names of expert parallelism's splits (``expert_name``): what they cut, whatever the label."""
+
+
+EXPERT_ALL_TO_ALLS: Tuple[Term, ...] = (
+    Term(Collective.EXPERT_EXCHANGE.value, "expert all-to-all (expert parallel)", "an expert-parallel op's rows "
+         "sent to the devices that hold their experts, or back home: an all-to-all whose sizes follow the routing "
+         "(dropless) or are fixed (capacity); its backward sends the rows' gradients the other way",
+         "the `alltoall` token dispatcher's dispatch and combine", "`all_to_all_single` with split sizes"),
+    Term(Collective.EXPERT_COUNTS.value, "expert counts (expert parallel)", "under dropless routing, the pairs each "
+         "device routes to each expert, sent to every device before the rows so that each knows what it will get",
+         "the `alltoall` token dispatcher's exchange of `tokens_per_expert`", "`all_to_all_single` of the counts"),
+)
+"""The collectives an expert-parallel op runs inside its call, by the name the plan's collectives
+table gives them; the timeline's legend names them so (``nbscaler.widgets.palette``)."""
+
+
+def expert_name(op: Optional[str]) -> str:
+    """The readable name of the split of an expert-parallel op ``op`` (``'dropless_experts'``:
+    ``'tokens (expert parallel, dropless)'``)."""
+    routing = "capacity" if op == _EXPERT_OPS[1] else "dropless"
+    return f"tokens (expert parallel, {routing})"
+
+
+def experts_text(held: range, total: int, top_k: int, routing: str) -> str:
+    """How a view names the experts of one op: ``'experts 0–7, top-2, dropless'`` for all of them,
+    ``'experts 4..7 of 8, top-2, dropless'`` for the share one device holds
+    (``nbscaler.ir.layer_rules.held_experts``)."""
+    which = (f"experts {held[0]}\u2013{held[-1]}" if len(held) == total
+             else f"experts {held[0]}..{held[-1]} of {total}")
+    return f"{which}, top-{top_k}, {routing}"
+
+
 _POSITIONAL = re.compile(r"^(\*|d|g|b)(\d+)$")
 
 
@@ -179,9 +225,12 @@ def split_term(label: str, op: Optional[str] = None) -> Optional[Term]:
 def split_name(label: Optional[str], op: Optional[str] = None, context: Optional[str] = None) -> str:
     """The readable name of split ``label`` of op ``op``: ``'column-parallel'``, ``'dim 2'``,
     ``'replicated'`` for no split; a label the glossary has no entry for is its own name.
-    ``context``: the op's entry of ``context_splits`` when context parallelism split it (``context_name``)."""
+    ``context``: the op's entry of ``parallel_splits`` when context parallelism split it (``context_name``),
+    or expert parallelism (``EXPERT_SPLIT``: ``expert_name``)."""
     if not isinstance(label, str):
         return REPLICATED
+    if context == EXPERT_SPLIT:
+        return expert_name(op)
     if context:
         return context_name(op, context)
     term = split_term(label, op)
@@ -262,6 +311,18 @@ def markdown() -> str:
         "mirrored chunks, whatever its label says of its own axes: the views name such a split by what it",
         "cuts, with the label after a semicolon (`sequence (context parallel, mirrored chunks; d1)`).", "",
         head, *[_row(t, t.label) for t in CONTEXT_SPLITS], "",
+        "## Expert parallelism", "",
+        "Under `expert_parallel` (`docs/policies.md`) a routed-experts op is split by its tokens and its experts",
+        "over the same devices: the views name it by what it cuts (`tokens (expert parallel, dropless; n)`), its",
+        "box by the experts it holds (`experts 4..7 of 8, top-2, dropless`), and its weights' layout `S(0)` is",
+        "split over the expert group by experts.", "",
+        head, *[_row(t, t.label) for t in EXPERT_SPLITS], "",
+        "The memory view draws the experts' part of each rank's parameters, gradients and optimizer state",
+        "as `expert weights`, `expert gradients` and `expert optimizer state`; `RoutingLog.view` draws a real",
+        "routing per step, its **busiest over mean** the step's calls' busiest rank (or expert) over the mean.", "",
+        "Its all-to-alls, as the plan's collectives table names them and the timeline draws them in each",
+        "rank's collectives lane:", "",
+        head, *[_row(t, t.label) for t in EXPERT_ALL_TO_ALLS], "",
     ])
 
 

@@ -81,6 +81,11 @@ class ContextKind(_Word):
     RING = "ring"                 # passed round the devices while the block in hand computes
 
 
+EXPERT_SPLIT = "experts"
+"""What ``nbscaler.ir.layer_rules.expert_splits`` gives an expert-parallel op: its tokens split by
+batch, its experts over the same devices (``nbscaler.glossary.split_name`` names it)."""
+
+
 Share = Callable[[int], float]          # n devices -> bytes each sends, as a fraction of the tensor
 _NONE: Share = lambda n: 0.0
 _RING: Share = lambda n: (n - 1) / n

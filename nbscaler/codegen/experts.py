@@ -8,7 +8,7 @@ from typing import Any, Dict, Tuple
 
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, expert_parallel, expert_tensor_parallel
+from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, expert_count, expert_parallel, expert_tensor_parallel, held_experts
 
 
 def experts_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
@@ -19,10 +19,8 @@ def experts_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) 
 
 def experts_comment(node: IRNode, device: int) -> str:
     """``# expert parallel: this device holds experts 2..3 of 4 ...``."""
-    place = node.placement
-    experts = node.inputs[EXPERT_WEIGHTS[0]].shape[0]
-    mine, index = experts // place.parts, place.devices.index(device)
-    return (f"# expert parallel: this device holds experts {index * mine}..{(index + 1) * mine - 1} of {experts} and "
+    held = held_experts(node, device)
+    return (f"# expert parallel: this device holds experts {held[0]}..{held[-1]} of {expert_count(node)} and "
             f"routes its share of the tokens; each (token, expert) pair goes to its expert's device and back, "
             f"one all-to-all each way (their gradients the same way back)")
 

@@ -27,7 +27,7 @@ backward's, which is the reverse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from nbscaler.attention.online import ring_source
 from nbscaler.cost.local import LocalRun
@@ -50,6 +50,7 @@ class ContextCall:
     at: float
     seconds: float
     waits: bool
+    context: bool = True        # False: an expert-parallel op's all-to-all (``cost.expert_calls``)
 
 
 def where(node: IRNode) -> str:
@@ -114,20 +115,19 @@ def ring_steps(node: IRNode, device: int) -> Tuple[List[str], List[str], List[fl
     return forward, backward, shares
 
 
-def section_calls(run: LocalRun, time_op: Callable, comm) -> List[ContextCall]:
-    """The context-parallel collectives of one section (``run``: a device's forward, or one stage of
-    it), each placed as a share of its forward or backward block (module docstring).
+Item = Tuple[str, Any, float, float]
+"""One thing a section does: ``('op', OpCall, ...)`` or ``('collective', CollectiveCall, ...)``, its
+forward and backward seconds (a recomputed one's forward again in its backward)."""
 
-    ``time_op``: forward and backward seconds of an op (``profiler.time``); ``comm``: the model
-    that prices collectives (``CommModel`` or, on a target, ``NcclModel``)."""
-    attentions = {op.node.name: op.node for op in run.ops if context_parallel(op.node) == "attention"}
-    if not attentions:
-        return []
-    # the forward's order: each op after the collectives that fetch its inputs, outputs' fetches last
+
+def forward_items(run: LocalRun, time_op: Callable, comm) -> List[Item]:
+    """What one section does in the forward's order, each op after the collectives that fetch its
+    inputs (an op's own, such as an expert exchange, among them), outputs' fetches last; the
+    backward runs them in the reverse order. ``time_op`` and ``comm`` as ``section_calls`` takes them."""
     fetched: Dict[Optional[str], list] = {}
     for c in run.collectives:
         fetched.setdefault(c.node, []).append(c)
-    items: List[Tuple[str, object, float, float]] = []
+    items: List[Item] = []
     for op in run.ops:
         for c in fetched.pop(op.node.name, []):
             f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
@@ -139,6 +139,19 @@ def section_calls(run: LocalRun, time_op: Callable, comm) -> List[ContextCall]:
         for c in calls:
             f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
             items.append(("collective", c, f, comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)))
+    return items
+
+
+def section_calls(run: LocalRun, time_op: Callable, comm) -> List[ContextCall]:
+    """The context-parallel collectives of one section (``run``: a device's forward, or one stage of
+    it), each placed as a share of its forward or backward block (module docstring).
+
+    ``time_op``: forward and backward seconds of an op (``profiler.time``); ``comm``: the model
+    that prices collectives (``CommModel`` or, on a target, ``NcclModel``)."""
+    attentions = {op.node.name: op.node for op in run.ops if context_parallel(op.node) == "attention"}
+    if not attentions:
+        return []
+    items = forward_items(run, time_op, comm)
     total_f = sum(f for _, _, f, _ in items) or 1.0
     total_b = sum(b for _, _, _, b in items) or 1.0
     out: List[ContextCall] = []
@@ -166,8 +179,8 @@ def section_calls(run: LocalRun, time_op: Callable, comm) -> List[ContextCall]:
 
 def timeline_calls(blocks: Sequence[TimedBlock], calls_of: Callable[[int, int], List[ContextCall]]
                    ) -> List[CollectiveBlock]:
-    """``CollectiveBlock``s of context parallelism for ``blocks``: ``calls_of(rank, stage)`` gives
-    the section's ``ContextCall``s. A ring's steps run one after the other on the rank's link, from
+    """``CollectiveBlock``s of context (and expert) parallelism for ``blocks``: ``calls_of(rank, stage)``
+    gives the section's ``ContextCall``s. A ring's steps run one after the other on the rank's link, from
     where the attention starts or, when the passes before it have not ended (an attention returns
     only once its ring has), from their end."""
     out: List[CollectiveBlock] = []
@@ -181,5 +194,6 @@ def timeline_calls(blocks: Sequence[TimedBlock], calls_of: Callable[[int, int], 
                 start = max(start, link.get(blk.rank, start))
                 link[blk.rank] = start + call.seconds
             out.append(CollectiveBlock(blk.rank, blk.stage, blk.micro, blk.phase, str(call.kind), call.label, start,
-                                       start + call.seconds, call.seconds if call.waits else 0.0, context=True))
+                                       start + call.seconds, call.seconds if call.waits else 0.0,
+                                       context=call.context))
     return out

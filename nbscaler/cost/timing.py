@@ -67,6 +67,7 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.fsdp import (DeviceUnits, Played, Script, block_extras, block_plays, section_script, stage_plays,
                                 unit_bytes, unit_seconds)
 from nbscaler.cost.context_calls import ContextCall, rings_seconds, section_calls, timeline_calls
+from nbscaler.cost.expert_calls import expert_section_calls
 from nbscaler.cost.local import LocalRun
 from nbscaler.cost.memory import DeviceRuns, ProgramOf, buckets, stage_runs
 from nbscaler.comm.lower import lower_device
@@ -458,7 +459,8 @@ class StepModel:
         ZeRO stage 3 each unit's all-gathers and reduce-scatters beside them; and each bucket of
         the data-parallel gradient synchronisation where the step's figures price it
         (``sync_spans``; ``recipe``: how gradients are reduced, default ``Recipe()``); under
-        context parallelism each attention's ring passes or keys' all-gathers (``cost.context_calls``)."""
+        context parallelism each attention's ring passes or keys' all-gathers (``cost.context_calls``); under
+        expert parallelism each expert op's all-to-alls (``cost.expert_calls``)."""
         recipe = recipe or Recipe()
         line = self._compute_timeline(nsamples, recipe)
         if self.cfg.inference_only:
@@ -481,14 +483,16 @@ class StepModel:
 
     def _context_calls(self, rank: int, stage: int) -> List[ContextCall]:
         """Context parallelism's collectives in the blocks of ``stage`` on runtime ``rank``
-        (``cost.context_calls``), worked out once per plan device and stage."""
+        (``cost.context_calls``) and expert parallelism's (``cost.expert_calls``), worked out once
+        per plan device and stage."""
         device = self.cfg.device_of(rank)
         key = None if self.geometry is None else stage
         if self.geometry is not None:
             device = self.geometry.view_of(stage, device)
         if (device, key) not in self._context:
             run = self.runs.get(device, {}).get(key)
-            self._context[(device, key)] = section_calls(run, self.profiler.time, self.comm) if run else []
+            self._context[(device, key)] = (section_calls(run, self.profiler.time, self.comm)
+                                            + expert_section_calls(run, self.profiler.time, self.comm)) if run else []
         return self._context[(device, key)]
 
     def _sync_spans(self, device: int, recipe: Recipe, end_s: float) -> List[Tuple[SyncSpan, Tuple[str, str]]]:

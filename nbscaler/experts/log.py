@@ -3,11 +3,16 @@ to each expert, kept while a ``RoutingLog`` is open.
 
 The memory and time a plan predicts for dropless routing assume every expert gets as many pairs;
 the log shows how far a real routing is from that (``imbalance``: the most pairs an expert got over
-the mean), and under capacity routing how many pairs each expert dropped.
+the mean), and under capacity routing how many pairs each expert dropped. ``next_step()`` between
+training steps numbers the calls' steps; ``view(plan)`` draws the log per step, by expert and by the
+rank that holds each expert (``nbscaler.widgets.routing.RoutingView``).
 
 >>> with RoutingLog() as log:                    # doctest: +SKIP
-...     loss = model(**batch)
+...     for batch in batches:
+...         model(**batch).backward()
+...         log.next_step()
 >>> log.frame().groupby("expert").routed.sum()   # doctest: +SKIP
+>>> log.view(plan)                               # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -21,11 +26,17 @@ _OPEN: List["RoutingLog"] = []
 
 class RoutingLog:
     """Pairs per expert of every routed-experts call made on this process while open (a context
-    manager; logs nest). A call is one op of one forward, numbered in the order they ran."""
+    manager; logs nest). A call is one op of one forward, numbered in the order they ran, in the
+    training step ``next_step`` says (0 until it is called)."""
 
     def __init__(self) -> None:
         self.rows: List[Dict[str, Any]] = []
         self.calls = 0
+        self.step = 0
+
+    def next_step(self) -> None:
+        """The calls from now on belong to the next training step."""
+        self.step += 1
 
     def __enter__(self) -> "RoutingLog":
         _OPEN.append(self)
@@ -38,19 +49,26 @@ class RoutingLog:
         """One call: ``routed[e]`` pairs sent to expert ``e``, ``served[e]`` of them kept (``None``: all)."""
         routed = routed.tolist()
         served = routed if served is None else served.tolist()
-        self.rows += [{"call": self.calls, "expert": e, "routed": r, "served": s, "dropped": r - s}
-                      for e, (r, s) in enumerate(zip(routed, served))]
+        self.rows += [{"step": self.step, "call": self.calls, "expert": e, "routed": r, "served": s,
+                       "dropped": r - s} for e, (r, s) in enumerate(zip(routed, served))]
         self.calls += 1
 
     def frame(self):
-        """One row per call and expert: ``call``, ``expert``, ``routed``, ``served``, ``dropped`` pairs."""
+        """One row per call and expert: ``step``, ``call``, ``expert``, ``routed``, ``served``, ``dropped`` pairs."""
         import pandas as pd
-        return pd.DataFrame(self.rows, columns=["call", "expert", "routed", "served", "dropped"])
+        return pd.DataFrame(self.rows, columns=["step", "call", "expert", "routed", "served", "dropped"])
 
     def imbalance(self):
         """Per call: the most pairs an expert was routed over the mean (1.0: perfectly balanced)."""
         per_call = self.frame().groupby("call").routed
         return (per_call.max() / per_call.mean()).rename("imbalance")
+
+    def view(self, plan: Any = None, *, expert_parallel: Optional[int] = None):
+        """The log drawn per step: pairs per expert and per rank, the busiest over the mean
+        (``nbscaler.widgets.routing.RoutingView``; ``plan`` or ``expert_parallel`` says which rank
+        holds which expert)."""
+        from nbscaler.widgets.routing import RoutingView
+        return RoutingView(self, plan, expert_parallel=expert_parallel)
 
 
 def record(routed: torch.Tensor, served: Optional[torch.Tensor] = None) -> None:

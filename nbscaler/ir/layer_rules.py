@@ -12,6 +12,7 @@ from nbscaler.blocks import MIRRORED
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import CONTEXT_KIND, EXPERT_PARALLEL, IRGraph, IRNode, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
+from nbscaler.layouts import EXPERT_SPLIT
 
 
 def matmul(node: IRNode) -> OpAnnotation:
@@ -193,6 +194,46 @@ def expert_tensor_parallel(node: IRNode) -> bool:
     return place.split == node.annotation.inputs[EXPERT_WEIGHTS[0]][-1]
 
 
+def expert_count(node: IRNode) -> int:
+    """How many routed experts expert op ``node`` has (dim 0 of its weights)."""
+    return node.inputs[EXPERT_WEIGHTS[0]].shape[0]
+
+
+def expert_top_k(node: IRNode) -> int:
+    """How many experts expert op ``node`` routes each token to (the last dim of its chosen experts)."""
+    return node.inputs[2].shape[-1]
+
+
+def expert_routing(node: IRNode) -> str:
+    """``'dropless'`` or ``'capacity'``: how expert op ``node`` routes (``nbscaler.experts.routing``)."""
+    return "capacity" if node.target.endswith("capacity_experts") else "dropless"
+
+
+def held_experts(node: IRNode, device: Optional[int] = None) -> range:
+    """The experts of expert op ``node`` that plan ``device`` holds: ``r*E/N .. (r+1)*E/N - 1`` for the
+    ``r``-th of the ``N`` devices of an expert-parallel op (``nbscaler.experts.parallel``), every
+    expert otherwise (or for ``device=None``, the whole op)."""
+    experts = expert_count(node)
+    if device is None or not expert_parallel(node):
+        return range(experts)
+    devices = node.placement.devices
+    return expert_range(experts, len(devices), devices.index(device))
+
+
+def expert_range(experts: int, parts: int, index: int) -> range:
+    """The experts the ``index``-th of ``parts`` devices holds of ``experts`` split by expert
+    parallelism: ``index*E/parts .. (index+1)*E/parts - 1``."""
+    mine = experts // parts
+    return range(index * mine, (index + 1) * mine)
+
+
+def expert_splits(graph: IRGraph) -> Dict[str, str]:
+    """Op name -> ``EXPERT_SPLIT`` for every expert-parallel op of ``graph`` (``expert_parallel``):
+    the views name its split by what it cuts (``nbscaler.glossary.split_name``). Empty without
+    expert parallelism."""
+    return {node.name: EXPERT_SPLIT for node in graph.nodes if expert_parallel(node)}
+
+
 def exchanged_bytes(node: IRNode) -> int:
     """The bytes of rows each all-to-all of expert-parallel ``node`` sends from one device and gets
     back, for routing that loads every expert alike: each of its pairs (dropless), or each slot of
@@ -235,6 +276,12 @@ def context_splits(graph: IRGraph) -> Dict[str, str]:
             out[node.name] = str(node.meta.get(CONTEXT_KIND, CONTEXT_SEQUENCE)) if context_parallel(node) \
                 else CONTEXT_SEQUENCE
     return out
+
+
+def parallel_splits(graph: IRGraph) -> Dict[str, str]:
+    """``context_splits`` and ``expert_splits`` together: every op a view names by what context or
+    expert parallelism cut of it, rather than by its split label alone."""
+    return {**context_splits(graph), **expert_splits(graph)}
 
 
 def vocab_share(node: IRNode) -> int:

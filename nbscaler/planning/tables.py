@@ -30,9 +30,10 @@ from nbscaler.attention.online import held_chunks
 from nbscaler.blocks import MIRRORED
 from nbscaler.policy.context import CONTEXT_GATHERED, context_kind, sequence_length
 from nbscaler.ir.graph import IRGraph
-from nbscaler.ir.layer_rules import context_splits
+from nbscaler.ir.layer_rules import parallel_splits
 from nbscaler.glossary import GLOSSARY_URL, context_name, split_name, split_text
 from nbscaler.layouts import Collective, wire_factor
+from nbscaler.planning.expert_tables import experts_html
 from nbscaler.planning.step import blocks_per_stage, plan_step, stage_device, target_columns
 from nbscaler.units import fmt_bytes, fmt_flops
 
@@ -268,7 +269,7 @@ def explain_text(plan: "Plan") -> str:
                      f"run on the whole sequence, gathered on every device: {shown} (a reshape that merges the batch "
                      "into the sequence does this; a batch of one sequence avoids it).")
     heavy = ops.nlargest(3, "flops_fwd")
-    contexts = context_splits(plan.graph)
+    contexts = parallel_splits(plan.graph)
     lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {fmt_flops(r['flops_fwd'])}, "
               + (f"split {r['split']!r} ({split_name(r['split'], r['op'], contexts.get(r['name']))}) over "
                  f"{list(r['devices'])}"
@@ -338,8 +339,9 @@ def context_html(plan: "Plan") -> str:
 def plan_html(plan: "Plan") -> str:
     """A compact, self-contained HTML card: the plan in one line, then its ops by split, each split
     by its readable name with its label (``nbscaler.glossary``, which the card links to); under
-    context parallelism its groups and the chunks of the sequence each device holds."""
-    contexts = context_splits(plan.graph)
+    context parallelism its groups and the chunks of the sequence each device holds; with routed
+    experts the experts each device holds (``expert_tables``)."""
+    contexts = parallel_splits(plan.graph)
     ops = plan.ops.assign(split=[split_text(s, o, contexts.get(n))
                                  for s, o, n in zip(plan.ops.split, plan.ops.op, plan.ops.name)])
     by_split = ops.groupby("split").agg(ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
@@ -349,7 +351,7 @@ def plan_html(plan: "Plan") -> str:
     table = by_split.rename_axis("ops by split").to_html(border=0)
     link = f"<a href='{GLOSSARY_URL}' target='_blank'>what the split labels mean</a>"
     return (f"<div class='nbs-plan-card'><b>{title}</b><p style='font-family:monospace;white-space:pre-wrap'>{text}</p>"
-            f"{table}{context_html(plan)}{units_html(plan)}<small>{link}</small></div>")
+            f"{table}{context_html(plan)}{experts_html(plan)}{units_html(plan)}<small>{link}</small></div>")
 
 
 def units_html(plan: "Plan") -> str:

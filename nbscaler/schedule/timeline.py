@@ -10,7 +10,8 @@ unit (``cost.fsdp``), whose waits a block's time includes; and the data-parallel
 synchronisation (``sync=True``: each bucket's all-reduce, or ZeRO's reduce-scatter and the
 all-gather after the optimizer step, ``cost.timing.sync_spans``), whose exposed part follows the
 blocks; and a context-parallel attention's ring passes, or the all-gathers of its keys and values
-(``cost.context_calls``), at the attention's place in its blocks. None changes a block count, the
+(``cost.context_calls``), at the attention's place in its blocks; and an expert-parallel op's
+all-to-alls (``cost.expert_calls``), where the op runs them. None changes a block count, the
 makespan or the bubble.
 
 >>> line = Timeline.from_rows([
@@ -65,7 +66,8 @@ class CollectiveBlock:
     ``context``: a collective of a context-parallel attention instead (``cost.context_calls``):
     ``kind`` ``'ring_pass'`` for one step of its ring (``unit`` says which, and whose keys and
     values it brings), or the all-gather of its keys or values and the reduce-scatter of their
-    gradients."""
+    gradients. ``kind`` ``'expert_exchange'`` or ``'expert_counts'`` (``context`` False): an
+    expert-parallel op's all-to-all of its rows or of its per-expert counts (``cost.expert_calls``)."""
 
     rank: int
     stage: int

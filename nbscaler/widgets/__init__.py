@@ -9,8 +9,9 @@ from nbscaler.widgets.graph import GraphView
 from nbscaler.widgets.memory import MemoryView
 from nbscaler.widgets.plan_table import PlanView
 from nbscaler.widgets.report import write_report
+from nbscaler.widgets.routing import RoutingView
 from nbscaler.widgets.timeline import TimelineView
 from nbscaler.widgets.explorer import Explorer
 
-__all__ = ["CodeView", "Explorer", "GraphView", "Measured", "MemoryView", "PlanView", "TimelineView", "View",
-           "write_report"]
+__all__ = ["CodeView", "Explorer", "GraphView", "Measured", "MemoryView", "PlanView", "RoutingView", "TimelineView",
+           "View", "write_report"]

@@ -9,6 +9,10 @@ missing, not as zero, and the gap is taken over the kinds both sides have).
 On a target (``hardware=``, ``nbscaler.Hardware``) the chart adds the GPU's capacity as a dashed line,
 edges in red each predicted bar that does not fit (``Hardware.fits``, the test the summary's ``fits``
 column makes) and says in a line how many ranks fit and by how much the largest exceeds.
+
+A model with routed experts has the experts' part of the predicted parameters, gradients and
+optimizer state drawn at the bottom of each, in a darker shade (``nbscaler.cost.expert_memory``):
+under expert parallelism each rank's share of the experts alone.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.widgets.base import Measured
 from nbscaler.widgets.formats import BINARY_BYTES, binary_unit, fmt_bytes
-from nbscaler.widgets.palette import (CAPACITY_COLOUR, MEMORY_COLOURS as COLOURS, MEMORY_LABELS as LABELS,
-                                      OVER_CAPACITY_COLOUR)
+from nbscaler.cost.expert_memory import expert_memory_per_rank
+from nbscaler.widgets.palette import (CAPACITY_COLOUR, EXPERT_MEMORY_COLOURS as EXPERT_COLOURS,
+                                      EXPERT_MEMORY_LABELS as EXPERT_LABELS, MEMORY_COLOURS as COLOURS,
+                                      MEMORY_LABELS as LABELS, OVER_CAPACITY_COLOUR)
 from nbscaler.widgets.plotting import ChartView
 from nbscaler.widgets.svgchart import Bar, BarGroup, Limit, Segment, nice_ticks, stacked_bars_svg
 
@@ -34,6 +40,9 @@ if TYPE_CHECKING:
     from nbscaler.planning.fingerprint import Fingerprint
 
 PREDICTED, MEASURED = "predicted", "measured"
+EXPERT_NOTE = ("Routed experts: the darker part of the parameters, gradients and optimizer state is the experts' "
+               "weights each rank holds (nbscaler.cost.expert_memory); a dropless step's activations are predicted "
+               "for routing that loads every expert alike (nbscaler.experts.RoutingLog measures a real one).")
 MEMORY_AXIS = f"memory per rank ({BINARY_BYTES})"
 
 
@@ -79,32 +88,51 @@ def capacity_note(predicted: pd.DataFrame, hardware: Hardware) -> str:
     return f"{head}; the largest, rank {rank}, exceeds it by {fmt_bytes(most - cap)} ({most / cap - 1:+.0%})."
 
 
+Stack = List[Tuple[str, str, str, pd.Series]]
+"""The segments of one side's bars, bottom up: (key, legend name, colour, bytes per row)."""
+
+
+def stacked_kinds(frame: pd.DataFrame, experts: Optional[pd.DataFrame] = None) -> Stack:
+    """Each memory category ``frame`` has, bottom up; where ``experts`` (``cost.expert_memory``'s
+    rows) gives a category an experts' part, that part first, in a darker shade, and the category's
+    own segment the rest, so the bar's total is unchanged."""
+    out: Stack = []
+    for kind in map(str, MEMORY_CATEGORIES):
+        if kind not in frame.columns:
+            continue
+        values = frame[kind]
+        if experts is not None and kind in experts.columns:
+            part = experts.set_index(str(C.RANK))[kind].reindex(frame[str(C.RANK)]).fillna(0).to_numpy()
+            out.append((f"{kind}:experts", EXPERT_LABELS[kind], EXPERT_COLOURS[kind],
+                        pd.Series(part, index=frame.index)))
+            values = values - part
+        out.append((kind, LABELS[kind], COLOURS[kind], values))
+    return out
+
+
 def memory_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str,
-                  hardware: Optional[Hardware] = None) -> go.Figure:
-    """Stacked bars per rank: one bar of each kind for the prediction, one beside it measured; on
-    ``hardware``, its capacity as a dashed line and the predicted bars over it edged and marked red."""
+                  hardware: Optional[Hardware] = None, experts: Optional[pd.DataFrame] = None) -> go.Figure:
+    """Stacked bars per rank: one bar of each kind for the prediction (``experts``: the experts' part of
+    a kind beneath the rest, ``stacked_kinds``), one beside it measured; on ``hardware``, its capacity
+    as a dashed line and the predicted bars over it edged and marked red."""
     fig = go.Figure()
-    sides = memory_sides(predicted, measured)
     over = over_capacity(predicted, hardware)
-    for kind in MEMORY_CATEGORIES:
-        kind = str(kind)
-        for side, frame in sides:
-            if kind not in frame.columns:
-                continue
-            x = bar_positions(frame[str(C.RANK)], side, paired=measured is not None)
-            alert = [side == PREDICTED and int(r) in over for r in frame[str(C.RANK)]]
+    for side, frame in memory_sides(predicted, measured):
+        x = bar_positions(frame[str(C.RANK)], side, paired=measured is not None)
+        alert = [side == PREDICTED and int(r) in over for r in frame[str(C.RANK)]]
+        for key, name, colour, values in stacked_kinds(frame, experts if side == PREDICTED else None):
             fig.add_trace(go.Bar(
-                x=x, y=frame[kind], name=LABELS[kind], legendgroup=kind, showlegend=side == PREDICTED and not over,
-                marker=dict(color=COLOURS[kind], pattern_shape="/" if side == MEASURED else "",
+                x=x, y=values, name=name, legendgroup=key, showlegend=side == PREDICTED and not over,
+                marker=dict(color=colour, pattern_shape="/" if side == MEASURED else "",
                             line=dict(color=[OVER_CAPACITY_COLOUR if a else "white" for a in alert],
                                       width=[3 if a else 0 for a in alert])),
-                customdata=[fmt_bytes(v) for v in frame[kind]],
-                hovertemplate=f"{LABELS[kind]} ({side}): %{{customdata}}<extra></extra>"))
+                customdata=[fmt_bytes(v) for v in values],
+                hovertemplate=f"{name} ({side}): %{{customdata}}<extra></extra>"))
     if over:       # a legend swatch takes its trace's first edge, which may be red: these bars of zero have none
         first = bar_positions(predicted[str(C.RANK)].iloc[:1], PREDICTED, paired=measured is not None)
-        for kind in map(str, MEMORY_CATEGORIES):
-            fig.add_trace(go.Bar(x=first, y=[0], name=LABELS[kind], legendgroup=kind, hoverinfo="skip",
-                                 marker=dict(color=COLOURS[kind], line=dict(width=0))))
+        for key, name, colour, _ in stacked_kinds(predicted, experts):
+            fig.add_trace(go.Bar(x=first, y=[0], name=name, legendgroup=key, hoverinfo="skip",
+                                 marker=dict(color=colour, line=dict(width=0))))
     if hardware is not None:
         add_capacity(fig, predicted, hardware, over, paired=measured is not None)
     fig.update_layout(barmode="stack", title=title, yaxis=bytes_axis(predicted, measured, hardware), height=420,
@@ -152,10 +180,11 @@ def add_capacity(fig: go.Figure, predicted: pd.DataFrame, hardware: Hardware, ov
 
 
 def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title: str,
-               hardware: Optional[Hardware] = None) -> str:
-    """The figure's bars as SVG: per rank a stacked bar predicted and, beside it, one measured
-    (dashed edge); a kind the measurement lacks is left out of its bar, not drawn as zero. On
-    ``hardware``, the capacity line, a red edge on each predicted bar over it, and the note."""
+               hardware: Optional[Hardware] = None, experts: Optional[pd.DataFrame] = None) -> str:
+    """The figure's bars as SVG: per rank a stacked bar predicted (``experts``: as ``memory_figure``)
+    and, beside it, one measured (dashed edge); a kind the measurement lacks is left out of its bar,
+    not drawn as zero. On ``hardware``, the capacity line, a red edge on each predicted bar over it,
+    and the note."""
     over = over_capacity(predicted, hardware)
     groups = []
     for rank in predicted[str(C.RANK)]:
@@ -164,13 +193,13 @@ def memory_svg(predicted: pd.DataFrame, measured: Optional[pd.DataFrame], title:
             rows = frame[frame[str(C.RANK)] == rank]
             if not len(rows):
                 continue
-            row = rows.iloc[0]
-            segments = [Segment(float(row[k]), COLOURS[k], f"rank {rank}, {LABELS[k]} ({side}): {fmt_bytes(row[k])}")
-                        for k in map(str, MEMORY_CATEGORIES) if k in frame.columns and pd.notna(row[k])]
+            stack = stacked_kinds(rows, experts if side == PREDICTED else None)
+            segments = [Segment(float(v), colour, f"rank {rank}, {name} ({side}): {fmt_bytes(v)}")
+                        for _, name, colour, values in stack for v in values.iloc[:1] if pd.notna(v)]
             alert = OVER_CAPACITY_COLOUR if side == PREDICTED and int(rank) in over else None
             bars.append(Bar(side, segments, outlined=side == MEASURED, alert=alert))
         groups.append(BarGroup(f"rank {rank}", bars))
-    legend = [(LABELS[str(k)], COLOURS[str(k)]) for k in MEMORY_CATEGORIES]
+    legend = [(name, colour) for _, name, colour, _ in stacked_kinds(predicted, experts)]
     limit, note = None, ""
     if hardware is not None:
         limit = Limit(hardware.memory_bytes, capacity_line(hardware), CAPACITY_COLOUR)
@@ -204,10 +233,13 @@ class MemoryView(ChartView):
     # -- state --------------------------------------------------------------------------------
     def _redraw(self) -> None:
         self.predicted = self.plan.memory(recipe=self.recipe)
+        experts = expert_memory_per_rank(self.plan.graph, self.predicted, self.plan.programs.weights,
+                                         self.plan.config.device_of)
+        self.experts = experts if experts.drop(columns=str(C.RANK)).to_numpy().any() else None
         measured = self.measured.memory
         self.gap = memory_gap(self.predicted, measured) if measured is not None else None
         self.over_capacity = over_capacity(self.predicted, self.hardware)
-        self.figure = memory_figure(self.predicted, measured, self._title(), self.hardware)
+        self.figure = memory_figure(self.predicted, measured, self._title(), self.hardware, self.experts)
         self.gap_table = self._gap_table()
         self._shown()
 
@@ -231,8 +263,10 @@ class MemoryView(ChartView):
             head = "<tr><th>rank</th><th>predicted</th><th>measured</th><th>gap</th></tr>"
             kinds = html.escape(self.gap.kinds.iloc[0]) if len(self.gap) else ""
             rows.append(f"<tr><td colspan=4 style='font-size:smaller'>over: {kinds}</td></tr>")
+        note = (f"<p class='nbs-memory-experts' style='font-size:11px;color:#555'>{html.escape(EXPERT_NOTE)}</p>"
+                if self.experts is not None else "")
         return (f"<table class='nbs-memory-gap' style='border-collapse:collapse;font-size:13px'>"
-                f"{head}{''.join(rows)}</table>")
+                f"{head}{''.join(rows)}</table>{note}")
 
     def fingerprint(self) -> Optional["Fingerprint"]:
         """The predicted memory with this view's optimizer."""
@@ -241,7 +275,7 @@ class MemoryView(ChartView):
 
     # -- rendering --------------------------------------------------------------------------------
     def svg(self) -> str:
-        return memory_svg(self.predicted, self.measured.memory, self._title(), self.hardware)
+        return memory_svg(self.predicted, self.measured.memory, self._title(), self.hardware, self.experts)
 
     def table_html(self) -> str:
         return self.gap_table

@@ -12,17 +12,19 @@ import math
 from typing import Dict, List
 
 from nbscaler.columns import SummaryColumn as C
+from nbscaler.glossary import EXPERT_ALL_TO_ALLS
 
 PHASE_COLOURS: Dict[str, str] = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
 """A pipeline block's colour by phase (forward, backward, weight gradients)."""
 PHASE_NAMES: Dict[str, str] = {"F": "forward", "B": "backward", "W": "weight gradients"}
 COLLECTIVE_COLOURS: Dict[str, str] = {"all_gather": "#72b7b2", "reduce_scatter": "#b279a2", "all_reduce": "#e45756",
-                                      "ring_pass": "#eeca3b"}
+                                      "ring_pass": "#eeca3b", "expert_exchange": "#9d755d", "expert_counts": "#ff9da6"}
 """A collective's colour in a timeline's collectives lane (``Timeline.collectives``): ZeRO stage 3's,
-the data-parallel gradient synchronisation's buckets, and context parallelism's (a ring attention's
-passes; all-gathered keys and values)."""
+the data-parallel gradient synchronisation's buckets, context parallelism's (a ring attention's
+passes; all-gathered keys and values) and expert parallelism's all-to-alls (rows, counts)."""
 COLLECTIVE_NAMES: Dict[str, str] = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-                                    "all_reduce": "all-reduce", "ring_pass": "ring pass (context parallel)"}
+                                    "all_reduce": "all-reduce", "ring_pass": "ring pass (context parallel)",
+                                    **{t.label: t.name for t in EXPERT_ALL_TO_ALLS}}
 OTHER_COLOUR = "#999999"
 """A phase or kind the tables above do not name."""
 IDLE_COLOUR = "#eeeeee"
@@ -35,6 +37,13 @@ MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "parameters", C.GATHERED_BYTES: 
 """The legend name of each memory category (``nbscaler.columns.MEMORY_CATEGORIES``)."""
 MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#4c78a8", C.GATHERED_BYTES: "#9ecae9", C.GRAD_BYTES: "#f58518", C.OPTIMIZER_BYTES: "#54a24b",
                                   C.BUFFER_BYTES: "#b279a2", C.ACTIVATION_BYTES: "#e45756"}
+
+EXPERT_MEMORY_LABELS: Dict[str, str] = {C.PARAM_BYTES: "expert weights", C.GRAD_BYTES: "expert gradients",
+                                        C.OPTIMIZER_BYTES: "expert optimizer state"}
+"""The legend name of the part of a memory category that is routed experts' (``cost.expert_memory``)."""
+EXPERT_MEMORY_COLOURS: Dict[str, str] = {C.PARAM_BYTES: "#27466b", C.GRAD_BYTES: "#a3560c",
+                                         C.OPTIMIZER_BYTES: "#2e6228"}
+"""A darker shade of its category's colour, drawn at the bottom of the category's segment."""
 
 CAPACITY_COLOUR = "#333333"
 """The line at a target GPU's memory capacity."""

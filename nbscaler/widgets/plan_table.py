@@ -3,7 +3,9 @@
 - **ops**: one row per op of the training graph (``plan.ops``): where it runs, how it is split, its
   global and local output shapes, FLOPs and bytes, and the collectives that convert its inputs;
 - **collectives**: one row per edge that needs one (``plan.collectives``): the tensor, producer and
-  consumer, the layout it has and the one wanted, the collective, its phase, devices and bytes.
+  consumer, the layout it has and the one wanted, the collective, its phase, devices and bytes;
+- **experts** (a plan with routed experts): one row per routed-experts op and device, the experts the
+  device holds and how their weights are stored (``nbscaler.planning.expert_tables``).
 
 The live widget sorts and filters in Python (a column and a direction, a module); the saved HTML
 carries the same table with a few lines of script that sort on a header click and filter on a
@@ -19,7 +21,8 @@ import ipywidgets as widgets
 import pandas as pd
 
 from nbscaler.glossary import GLOSSARY_URL, layout_text, legend, split_text
-from nbscaler.ir.layer_rules import context_splits
+from nbscaler.ir.layer_rules import parallel_splits
+from nbscaler.planning.expert_tables import EXPERT_COLUMNS, expert_rows
 from nbscaler.widgets.base import Measured, View
 from nbscaler.widgets.formats import ascii_html, fmt_bytes, fmt_flops
 
@@ -37,15 +40,16 @@ COLLECTIVE_VIEW_COLUMNS = ["tensor", "producer", "consumer", "module", "have", "
                            "devices", "stage", "tensor_bytes", "bytes_per_device"]
 FORMATTERS: Dict[str, Callable] = {"flops_fwd": fmt_flops, "flops_bwd": fmt_flops, "bytes_written": fmt_bytes,
                                    "tensor_bytes": fmt_bytes, "bytes_per_device": fmt_bytes,
-                                   "have": layout_text, "want": layout_text}
+                                   "have": layout_text, "want": layout_text, "held_bytes": fmt_bytes}
 """How a column's cells are written; ``split`` is written from its row (``split_text`` of the split and
-the op, and under context parallelism of what the op cuts: ``context_splits``); the cells keep their values for sorting, and the frames theirs for code."""
+the op, and under context or expert parallelism of what the op cuts: ``parallel_splits``); the cells
+keep their values for sorting, and the frames theirs for code."""
 
 
 def glossary_html(ops: pd.DataFrame, contexts: Optional[Dict[str, str]] = None) -> str:
     """The line a view's header starts with: a link to the glossary, then the readable name of each
-    split label ``ops`` (rows of ``plan.ops``) shows; ``contexts``: the plan's ``context_splits``, whose
-    ops are named by what context parallelism cuts."""
+    split label ``ops`` (rows of ``plan.ops``) shows; ``contexts``: the plan's ``parallel_splits``, whose
+    ops are named by what context or expert parallelism cuts."""
     contexts = contexts or {}
     names = legend([(s, o, contexts.get(n)) for s, o, n in zip(ops.split, ops.op, ops.name) if s != "replicated"])
     return (f"<div class='nbs-glossary' style='font:11px sans-serif;color:#444;margin:2px 0'>"
@@ -106,7 +110,7 @@ def _sort_key(value) -> str:
 def table_html(frame: pd.DataFrame, table_class: str, limit: int = MAX_ROWS,
                contexts: Optional[Dict[str, str]] = None) -> str:
     """A plain ``<table>``: formatted cells, each with its raw value in ``data-v`` for sorting
-    (``contexts``: the plan's ``context_splits``, for the ``split`` cells)."""
+    (``contexts``: the plan's ``parallel_splits``, for the ``split`` cells)."""
     contexts = contexts or {}
     head = "".join(f"<th data-col='{c}'>{ascii_html(c)}</th>" for c in frame.columns)
     rows = []
@@ -156,7 +160,7 @@ class PlanView(View):
         super().__init__(plan, measured=measured)
         self.limit = limit
         self.module = widgets.Dropdown(description="module", options=[ALL_MODULES])
-        self.table = widgets.ToggleButtons(options=["ops", "collectives"], value="ops")
+        self.table = widgets.ToggleButtons(options=["ops", "collectives"], value="ops")      # experts: _redraw
         self.sort = widgets.Dropdown(description="sort by", options=OP_VIEW_COLUMNS, value="id")
         self.descending = widgets.ToggleButton(value=False, description="descending", icon="sort")
         self.html = widgets.HTML()
@@ -171,7 +175,9 @@ class PlanView(View):
     def _redraw(self) -> None:
         self.ops = op_rows(self.plan)
         self.collectives = collective_rows(self.plan)
-        self.contexts = context_splits(self.plan.graph)
+        self.experts = expert_rows(self.plan)
+        self.contexts = parallel_splits(self.plan.graph)
+        self.table.options = ["ops", "collectives"] + (["experts"] if len(self.experts) else [])
         self.glossary.value = glossary_html(self.ops, self.contexts)
         keep = self.module.value
         choices = [ALL_MODULES] + module_choices(self.ops.module)
@@ -186,7 +192,7 @@ class PlanView(View):
     def _refresh(self, _change=None) -> None:
         if self._quiet:
             return
-        columns = OP_VIEW_COLUMNS if self.table.value == "ops" else COLLECTIVE_VIEW_COLUMNS
+        columns = {"ops": OP_VIEW_COLUMNS, "collectives": COLLECTIVE_VIEW_COLUMNS}.get(self.table.value, EXPERT_COLUMNS)
         if list(self.sort.options) != columns:
             self._quiet = True
             try:
@@ -199,14 +205,14 @@ class PlanView(View):
     @property
     def shown(self) -> pd.DataFrame:
         """The rows the live table shows: the chosen table, filtered and sorted."""
-        frame = self.ops if self.table.value == "ops" else self.collectives
+        frame = {"ops": self.ops, "collectives": self.collectives}.get(self.table.value, self.experts)
         frame = in_module(frame, self.module.value)
         key = self.sort.value
         order = frame[key].map(lambda v: v if isinstance(v, (int, float)) else str(v))
         return frame.iloc[order.argsort(kind="stable")[::-1 if self.descending.value else 1]]
 
     def _shown_html(self) -> str:
-        name = "nbs-ops" if self.table.value == "ops" else "nbs-collectives"
+        name = f"nbs-{self.table.value}"
         return table_html(self.shown, name, self.limit, self.contexts)
 
     def fingerprint(self) -> Optional["Fingerprint"]:
@@ -224,4 +230,12 @@ class PlanView(View):
                 f"<h4>ops ({len(self.ops)})</h4><div class='nbs-scroll'>"
                 f"{table_html(self.ops, 'nbs-ops', self.limit, self.contexts)}</div>"
                 f"<h4>collectives ({len(self.collectives)})</h4><div class='nbs-scroll'>"
-                f"{table_html(self.collectives, 'nbs-collectives', self.limit)}</div>{SCRIPT}</div>")
+                f"{table_html(self.collectives, 'nbs-collectives', self.limit)}</div>"
+                f"{self._experts_html()}{SCRIPT}</div>")
+
+    def _experts_html(self) -> str:
+        """The experts table of the saved view (nothing for a plan without routed experts)."""
+        if self.experts.empty:
+            return ""
+        return (f"<h4>experts ({len(self.experts)}: routed-experts ops by device)</h4><div class='nbs-scroll'>"
+                f"{table_html(self.experts, 'nbs-experts', self.limit)}</div>")

@@ -178,11 +178,13 @@ small gradient bucket among hundreds) none, which would hide it."""
 
 def lanes_svg(title: str, panels: Sequence[Panel], items: Legend, axis_title: str, width: int = 900) -> str:
     """Panels of lanes on one shared time axis. Each lane's grey band runs to its panel's last end:
-    where no block covers it, that lane waited (the bubble of a pipeline)."""
+    where no block covers it, that lane waited (the bubble of a pipeline). The legend wraps in rows
+    as wide as the axis."""
     ends = [b.end for p in panels for blocks in p.lanes.values() for b in blocks]
     ticks = nice_ticks(0.0, max(ends, default=0.0) or 1.0, count=8)      # the axis ends near the last block
     to_x = Scale(0.0, ticks[-1], LANES_LEFT, width - 20)
-    y, body = 54.0, [legend(items, LANES_LEFT, 42)]
+    rows = legend_rows(list(items), width - 20 - LANES_LEFT)
+    y, body = 54.0 + 18 * (len(rows) - 1), [legend(row, LANES_LEFT, 42 + 18 * i) for i, row in enumerate(rows)]
     top = y
     for panel in panels:
         span = max((b.end for blocks in panel.lanes.values() for b in blocks), default=0.0)

@@ -24,7 +24,10 @@ target overlaps them, after it where it does not; hovering one says how long the
 collectives (``cost.context_calls``) where the attention runs in its forward and backward: a ring's
 passes, ``n-1`` forward steps and ``n`` backward, each labelled ``ring step k/n of <module>`` with
 whose keys and values it brings; under ``context_parallel_kind='all_gather'`` the all-gathers of the
-keys and values and the reduce-scatters of their gradients.
+keys and values and the reduce-scatters of their gradients. Under expert parallelism, each expert op's
+all-to-alls (``cost.expert_calls``) where it runs them: the per-expert counts and the rows out to their
+experts before its products, the rows back after them, each labelled ``<module>: rows out to their
+experts`` and so on (the legend names them by ``nbscaler.glossary.EXPERT_ALL_TO_ALLS``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from nbscaler.columns import SummaryColumn as C
 from nbscaler.cost.hardware import Hardware
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.widgets.base import Measured
+from nbscaler.widgets.collective_lanes import (COLLECTIVE_COLUMNS, add_collectives, collective_labels,
+                                               collective_lanes, is_expert)
 from nbscaler.widgets.formats import ascii_html, fmt_seconds
 from nbscaler.widgets.palette import (COLLECTIVE_COLOURS, COLLECTIVE_NAMES, IDLE_COLOUR, OTHER_COLOUR, PHASE_COLOURS,
                                       PHASE_NAMES)
@@ -50,9 +55,6 @@ if TYPE_CHECKING:
     from nbscaler.planning import Plan
 
 TIMELINE_COLUMNS = ["rank", "stage", "micro", "phase", "t_start", "t_end"]
-COLLECTIVE_COLUMNS = ["rank", "stage", "micro", "phase", "kind", "unit", "t_start", "t_end", "waited_s", "sync",
-                      "context"]
-"""The columns of a timeline's collectives (``schedule.CollectiveBlock``)."""
 TIME_AXIS = "time in the step (ms)"
 ZERO3_ASSUMPTION = ("ZeRO stage 3: each unit's all-gathers and reduce-scatters on the link its ZeRO group spans, "
                     "beside the compute as FSDP prefetches them on a target (on this machine nothing overlaps); a "
@@ -68,6 +70,11 @@ CONTEXT_ASSUMPTION = ("Context parallelism: each ring attention's passes priced 
                       "attention computes, and the blocks add only what that compute does not hide, and the "
                       "backward's last pass, home (nbscaler.cost.context_calls.ring_exposed). "
                       "All-gathered keys and values: the block waits for them.")
+EXPERT_ASSUMPTION = ("Expert parallelism: each expert op's all-to-alls (the per-expert counts under dropless "
+                     "routing, the rows out to their experts and back; their gradients the other ways) priced as "
+                     "plan.collectives' expert_counts and expert_exchange rows, for routing that loads every expert "
+                     "alike; the block waits for each, drawn where the op runs it (nbscaler.cost.expert_calls). A "
+                     "real routing's imbalance: nbscaler.experts.RoutingLog.")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
 title font (the Explorer puts the timeline beside the memory view)."""
@@ -115,63 +122,12 @@ def row_labels(frame: pd.DataFrame, pipelined: bool) -> Dict[Tuple[int, int], st
     return {(r, s): f"rank {r} · stage {s}" if pipelined else f"rank {r}" for r, s in pairs}
 
 
-def collective_labels(frame: pd.DataFrame) -> Dict[int, str]:
-    """The y-axis label of each rank's collectives lane."""
-    return {int(r): f"rank {int(r)} · collectives" for r in sorted(set(frame["rank"]))}
-
-
 def lane_order(labels: Dict[Tuple[int, int], str], collectives: Dict[int, str]) -> List[str]:
     """Every lane's label, top to bottom: each rank's stages, then its collectives."""
     out: List[str] = []
     for rank in sorted({r for r, _ in labels} | set(collectives)):
         out += [labels[k] for k in sorted(labels) if k[0] == rank] + ([collectives[rank]] if rank in collectives else [])
     return out
-
-
-def waiter(sync: bool) -> str:
-    """Who waits for a collective: the step for a bucket of the gradient synchronisation (after
-    the blocks), the compute for ZeRO stage 3's (inside them)."""
-    return "the step" if sync else "the compute"
-
-
-def collective_hint(panel: str, lane: str, kind: str, unit: str, micro: int, phase: str, start_ms: float,
-                    end_ms: float, waited_ms: float, sync: bool = False, context: bool = False) -> str:
-    """What hovering a collective of the SVG says (the figure's hover text says the same). A
-    context-parallel attention's (``context``) is named by its label alone, which says what it is."""
-    what = unit if context else f"{COLLECTIVE_NAMES.get(kind, kind)} of {unit}"
-    wait = ("while the attention computes" if context and not waited_ms
-            else f"{waiter(sync)} waits {waited_ms:.3f} ms for it")
-    return (f"{panel} {lane}: {what} in the {PHASE_NAMES.get(phase, phase)} of micro-batch {micro}, "
-            f"{start_ms:.3f} -> {end_ms:.3f} ms, {wait}")
-
-
-def add_collectives(fig: go.Figure, frame: pd.DataFrame, labels: Dict[int, str], row: int, panel: str) -> None:
-    """One horizontal bar per collective on its rank's collectives lane, labelled with its unit, a
-    trace per kind."""
-    for kind, calls in frame.groupby("kind", sort=False):
-        fig.add_trace(go.Bar(
-            orientation="h", base=calls.t_start * 1e3, x=(calls.t_end - calls.t_start) * 1e3,
-            y=[labels[int(r)] for r in calls["rank"]], name=COLLECTIVE_NAMES.get(kind, str(kind)),
-            legendgroup=str(kind), showlegend=row == 1,
-            marker=dict(color=COLLECTIVE_COLOURS.get(kind, OTHER_COLOUR), line=dict(color="white", width=1)),
-            text=list(calls.unit), textposition="inside", insidetextanchor="middle",
-            customdata=[(h,) for h in (collective_hint(panel, labels[int(c.rank)], c.kind, c.unit, int(c.micro), c.phase,
-                                                       c.t_start * 1e3, c.t_end * 1e3, c.waited_s * 1e3, bool(c.sync),
-                                                       bool(c.context))
-                                       for c in calls.itertuples(index=False))],
-            hovertemplate="%{customdata[0]}<extra></extra>"),
-            row=row, col=1)
-
-
-def collective_lanes(frame: pd.DataFrame, labels: Dict[int, str], panel: str) -> Dict[str, List[Block]]:
-    """The SVG's collectives lanes of one panel, its blocks in ms, each labelled with its unit."""
-    lanes: Dict[str, List[Block]] = {labels[r]: [] for r in sorted(labels)}
-    for c in frame.itertuples(index=False):
-        lane, start, end = labels[int(c.rank)], c.t_start * 1e3, c.t_end * 1e3
-        lanes[lane].append(Block(start, end, COLLECTIVE_COLOURS.get(c.kind, OTHER_COLOUR), c.unit,
-                                 collective_hint(panel, lane, c.kind, c.unit, int(c.micro), c.phase, start, end,
-                                                 c.waited_s * 1e3, bool(c.sync), bool(c.context))))
-    return lanes
 
 
 def add_blocks(fig: go.Figure, frame: pd.DataFrame, labels: Dict[Tuple[int, int], str], row: int,
@@ -242,11 +198,13 @@ class TimelineView(ChartView):
         self.bubbles = pd.DataFrame(bubbles).rename_axis("rank").reset_index()
         self.assumptions = (target_assumptions(self.hardware, self.predicted) if self.hardware is not None
                             else assumptions(self.plan, self.predicted))
-        context = self.collectives.context.astype(bool)
-        if (~self.collectives.sync.astype(bool) & ~context).any():
+        context, experts = self.collectives.context.astype(bool), self.collectives.kind.map(is_expert).astype(bool)
+        if (~self.collectives.sync.astype(bool) & ~context & ~experts).any():
             self.assumptions += "\n" + ZERO3_ASSUMPTION
         if context.any():
             self.assumptions += "\n" + CONTEXT_ASSUMPTION
+        if experts.any():
+            self.assumptions += "\n" + EXPERT_ASSUMPTION
         if self.collectives.sync.astype(bool).any():
             self.assumptions += "\n" + SYNC_ASSUMPTION
         self.figure = self._figure()

@@ -80,3 +80,28 @@ def gpt_context(kind: str = "ring", n: int = 4) -> Plan:
     cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 1)}, "tp",
                          ComputeConfig(n, n, pas_config={"context_parallel": n, "context_parallel_kind": kind}))
+
+
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+
+
+def moe_llama(routing: str = "dropless"):
+    """nbscaler's mixture-of-experts Llama of 2 blocks, 8 experts of which each token uses 2,
+    dropless (or ``routing='capacity'``: a capacity factor of 1.0), and a batch of 2 sequences of 16
+    tokens for it."""
+    from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch
+    cfg = MoEConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, n_experts=MOE_EXPERTS,
+                    top_k=MOE_TOP_K, expert_hidden=16, capacity_factor=1.0 if routing == "capacity" else None)
+    return MoELlama(cfg), sample_batch(cfg, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def moe_expert_parallel(routing: str = "dropless") -> Plan:
+    """``moe_llama`` with its experts split over 2 devices by expert parallelism (``expert_parallel=2``)."""
+    return nbscaler.plan(*moe_llama(routing), "tp", ComputeConfig(2, 2, pas_config={"expert_parallel": 2}))
+
+
+@functools.lru_cache(maxsize=None)
+def moe_data_parallel() -> Plan:
+    """``moe_llama`` with its batch split over 2 devices, every expert whole on each (``data``)."""
+    return nbscaler.plan(*moe_llama(), "data", ComputeConfig(2, 2))

@@ -13,7 +13,7 @@ from html import escape
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from nbscaler.glossary import split_name
-from nbscaler.ir.layer_rules import context_splits
+from nbscaler.ir.layer_rules import parallel_splits
 from nbscaler.widgets.formats import fmt_flops
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def op_facts(plan: "Plan", node_id: int, op: dict) -> Dict[str, str]:
         "op": f"{op['name']} = {op['target']}  [{op['op']}]",
         "module": op["module"] or "(top level)",
         "annotation": op["annotation"] or "(none: opaque, replicated)",
-        "placement": (f"split {split!r} ({split_name(split, op['op'], context_splits(plan.graph).get(op['name']))}) "
+        "placement": (f"split {split!r} ({split_name(split, op['op'], parallel_splits(plan.graph).get(op['name']))}) "
                       f"over devices {devices}" if split
                       else f"replicated on devices {devices}"),
         "input shapes": ", ".join(map(_shape, op["in_shapes"])) or "-",

@@ -14,8 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from nbscaler.glossary import split_name
-from nbscaler.ir.layer_rules import context_splits
+from nbscaler.glossary import experts_text, split_name
+from nbscaler.ir.layer_rules import (EXPERT_OPS, expert_count, expert_parallel, expert_routing, expert_top_k,
+                                    held_experts, parallel_splits)
 from nbscaler.layouts import Collective
 from nbscaler.widgets.formats import fmt_count, is_missing
 from nbscaler.widgets.graph.box import Box, BoxKind
@@ -71,7 +72,7 @@ class PlanFacts:
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
         self.reduce_dims = [set(n.annotation.reduce) if n.annotation is not None else set() for n in graph.nodes]
         self.input_names = [t.name for t in graph.inputs]
-        self.contexts = context_splits(graph)      # ops context parallelism cut along the sequence
+        self.contexts = parallel_splits(graph)     # ops context or expert parallelism cut
         self.data_edges = self._data_edges()
         self.comm_rows = self._comm_rows()
         self._runs: Dict[int, Set[int]] = {}
@@ -137,11 +138,13 @@ class PlanFacts:
         return split + ("+" if split in self.reduce_dims[i] else "")
 
     # -- boxes ----------------------------------------------------------------------------------
-    def op_box(self, i: int) -> Box:
-        """Op ``i``'s box; drawn once per plan (a scene copies it before adding bytes)."""
-        if ("op", i) not in self._boxes:
-            self._boxes[("op", i)] = self._op_box(i)
-        return self._boxes[("op", i)]
+    def op_box(self, i: int, rank: Optional[int] = None) -> Box:
+        """Op ``i``'s box in the logical pane or ``rank``'s; drawn once per plan (a scene copies it
+        before adding bytes). Only an expert-parallel op's differs by rank: the experts it holds."""
+        device = self.device_of(rank) if expert_parallel(self.plan.graph.nodes[i]) else None
+        if ("op", i, device) not in self._boxes:
+            self._boxes[("op", i, device)] = self._op_box(i, device)
+        return self._boxes[("op", i, device)]
 
     def module_box(self, path: str, ops: List[int], rank: Optional[int]) -> Box:
         """A module's box for the logical pane or ``rank``'s (its share of ``ops``); drawn once.
@@ -153,16 +156,20 @@ class PlanFacts:
                                          else self._module_box(path, mine))
         return self._boxes[(path, rank)]
 
-    def _op_box(self, i: int) -> Box:
-        op = self.ops[i]
+    def _op_box(self, i: int, device: Optional[int]) -> Box:
+        op, node = self.ops[i], self.plan.graph.nodes[i]
         devices = list(op["devices"]) or [0]
         mark = self.split_mark(i)
         where = (f"split {mark}, {split_name(op['split'], op['op'], self.contexts.get(op['name']))}, over {devices}"
                  if mark
                  else f"replicated on {devices}")
+        subtitle = short_target(op["target"])
+        if node.target in EXPERT_OPS:          # named by its experts: all of them, or those ``device`` holds
+            subtitle = experts_text(held_experts(node, device), expert_count(node), expert_top_k(node),
+                                    expert_routing(node))
+            where += f"\n{subtitle}" + (f" on device {device}" if device is not None else "")
         tooltip = f"{op['name']} = {op['target']}  ({op['module'] or 'top level'})\n{where}"
-        return Box(f"#{i}", BoxKind.OP, op["name"], short_target(op["target"]), tooltip,
-                   [(d, 1 / len(devices)) for d in devices], mark)
+        return Box(f"#{i}", BoxKind.OP, op["name"], subtitle, tooltip, [(d, 1 / len(devices)) for d in devices], mark)
 
     def _module_box(self, path: str, ops: List[int]) -> Box:
         devices, local, whole = (self.ops.column(c) for c in ("devices", "local_flops_fwd", "flops_fwd"))

@@ -95,7 +95,7 @@ def _end(owner: Dict[int, str], node: Optional[int], outside: str) -> str:
 def _box(facts: PlanFacts, tree: ModuleTree, key: str, rank: Optional[int]) -> Box:
     """A fresh box (scenes add their bytes to it) from the facts' cached drawing of ``key``."""
     if is_op_key(key):
-        drawn = facts.op_box(node_of(key))
+        drawn = facts.op_box(node_of(key), rank)
     else:
         drawn = facts.module_box(key, tree.modules[key].ops, rank)
     return replace(drawn, inside_collectives={})
