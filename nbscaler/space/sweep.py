@@ -27,7 +27,7 @@ instead:
 1. the model's repeated layers are found (``planning.stack``: ``model.layers``, 80 of them), and a
    copy with two layers is traced once per micro-batch size and placed once per (tp, recompute,
    sequence parallelism), and again under ZeRO stage 2 where that changes how a weight's
-   gradient is summed (a norm's, under sequence parallelism: ``plan_space.CopyPlacementKey``): a
+   gradient is summed (a norm's, under sequence parallelism: ``row_config.CopyPlacementKey``): a
    handful of small plans;
 2. each such plan's ops are priced once on the target (``LayerFacts``: every op's roofline time,
    its tensor-parallel collectives' NCCL time, saved bytes, FLOPs, per tensor-parallel index);
