@@ -57,7 +57,7 @@ from nbscaler.policy.primitives import PolicyError
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.space.row_config import CopyPlacementKey, config_of, pas_config, placement_of
 
-CONFIG_COLUMNS = (S.TP, S.CP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL,
+CONFIG_COLUMNS = (S.TP, S.CP, S.EP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL,
                   S.CONTEXT_PARALLEL_KIND, S.ZERO_STAGE, S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES,
                   S.FLOAT8, S.COMPILED)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
@@ -92,7 +92,7 @@ class PlanSpace:
                  scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = False,
                  prune: Optional[float] = None, settle: bool = True, cp: Sequence[int] = (1,),
                  context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, float8: Optional[Sequence] = None,
-                 compiled: Optional[Sequence[bool]] = None, **optimizer_kwargs: Any):
+                 compiled: Optional[Sequence[bool]] = None, ep: Sequence[int] = (1,), **optimizer_kwargs: Any):
         check_prune(prune)
         self.recipe = space_recipe(recipe, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                                    master_dtype=master_dtype, module_dtype=module_dtype,
@@ -103,13 +103,13 @@ class PlanSpace:
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
                              tuple(virtual_stages), tuple(zero_reshard_after_forward), tuple(cp),
                              tuple(context_parallel_kind), None if float8 is None else tuple(float8),
-                             None if compiled is None else tuple(compiled))
+                             None if compiled is None else tuple(compiled), tuple(ep))
         self.hardware, self.global_batch = hardware, global_batch
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
         self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2, cp, kind) -> Plan, or why not
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, *CopyPlacementKey) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._models: Dict[Tuple, Tuple[RooflineOps, NcclModel]] = {}
         self._kinds = Kinds()                       # the distinct ops and collectives of every placement
@@ -195,12 +195,12 @@ class PlanSpace:
         r = self.ranges
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
                          r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward, r.cp,
-                         r.context_parallel_kind)
-        tp, pp, micro, recompute, sequence_parallel, zero, reshard, cps, kinds = ranges
-        combos = [(t, c, p, m, rec, sp, kind, z, keep, v, f8, comp)
+                         r.context_parallel_kind, r.ep)
+        tp, pp, micro, recompute, sequence_parallel, zero, reshard, cps, kinds, eps = ranges
+        combos = [(t, c, e, p, m, rec, sp, kind, z, keep, v, f8, comp)
                   for f8, comp in software_ranges(hardware, self.recipe, r.float8, r.compiled, self.stack.path)
-                  for t, c, p, m, rec, z, v in itertools.product(
-                      tp, cps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
+                  for t, c, e, p, m, rec, z, v in itertools.product(
+                      tp, cps, eps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
                   for sp in sequence_parallel_at(t if c == 1 else 1, sequence_parallel)
                   for kind in context_kind_at(c, kinds) for keep in reshard_at(z, reshard)]
         rows, excluded, runnable = [], [], []
@@ -220,7 +220,7 @@ class PlanSpace:
         frame.attrs["pruned"] = len(runnable) - len(rows) if self.prune is not None else 0
         return frame
 
-    def _priced_or_why(self, t: int, c: int, p: int, m: int, rec: str, sp: bool, kind: str, z: int, keep: bool,
+    def _priced_or_why(self, t: int, c: int, e: int, p: int, m: int, rec: str, sp: bool, kind: str, z: int, keep: bool,
                        v: int, f8: str, comp: bool):
         """One combination: the row of its configuration with why it cannot run (a dict), or
         ``(pipeline seconds, config, cfg, facts, staged, price)`` where ``price()`` makes its row."""
@@ -229,12 +229,12 @@ class PlanSpace:
         if target not in self._models:        # op and collective times, kept per target and products
             self._models[target] = target_models(hardware, recipe)
         ops, comm = self._models[target]
-        width = t * c * p
-        config = {S.TP: t, S.CP: c, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
+        width = t * c * e * p
+        config = {S.TP: t, S.CP: c, S.EP: e, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
                   S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.CONTEXT_PARALLEL_KIND: kind,
                   S.ZERO_STAGE: z, S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: self.ranges.scheduler,
                   S.VIRTUAL_STAGES: v, S.FLOAT8: f8, S.COMPILED: comp}
-        reason = combination_problem(hardware, self.global_batch, t, p, m, c, self.sequence)
+        reason = combination_problem(hardware, self.global_batch, t, p, m, c, self.sequence, e)
         if reason is not None:
             return {**config, "reason": reason}
         config[S.MICRO_BATCHES] = self.global_batch // (config[S.DP] * m)
@@ -301,7 +301,7 @@ class PlanSpace:
     def _place(self, placement: CopyPlacementKey):
         tp, devices = placement.tp, placement.devices
         pas = pas_config(placement.recompute, placement.sequence_parallel, self.stack.path, placement.cp,
-                          placement.kind)
+                         placement.kind, placement.ep)
         cfg = ComputeConfig(devices, devices, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
                             pipeline_scheduler="1f1b", use_zero=placement.zero_stage_2,
                             zero_stage=2 if placement.zero_stage_2 else 1, pas_config=pas)

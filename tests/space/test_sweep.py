@@ -355,10 +355,10 @@ def test_cp_is_a_dimension_of_the_sweep_and_never_shares_a_stage_with_tp(cp_fram
     assert cfg.pas_config["context_parallel"] == 4
 
 
-def test_the_default_sweep_has_no_context_parallelism(frame):
-    assert (frame.cp == 1).all() and (frame.context_parallel_kind == "all_gather").all()
+def test_the_default_sweep_has_no_context_or_expert_parallelism(frame):
+    assert (frame.cp == 1).all() and (frame.context_parallel_kind == "all_gather").all() and (frame.ep == 1).all()
     cfg = config_of(frame.iloc[0], TARGET.ngpus, frame.attrs["stack"])
-    assert "context_parallel" not in cfg.pas_config
+    assert "context_parallel" not in cfg.pas_config and "expert_parallel" not in cfg.pas_config
 
 
 def test_a_cp_the_sequence_does_not_cut_into_is_left_out_with_its_reason():
