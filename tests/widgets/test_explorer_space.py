@@ -251,24 +251,33 @@ def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer
     assert memory.predicted.peak_bytes.max() == pytest.approx(frame.peak_bytes[0], rel=1e-9)
 
 
+def swept_and_picked(ex: Explorer, column: str, group: str, colour: str) -> pd.Series:
+    """Sweep ``ex``'s space, whose ``column`` takes 1 and 2, check that the layout at 2 (``group``)
+    is a legend entry of ``colour`` of its own, its points that colour too, and click its first
+    point; returns that row."""
+    ex.sweep()
+    assert ex.error is None, ex.error
+    frame = ex.space.frame
+    assert set(frame[column]) == {1, 2} and group in ex.space.chart.svg
+    legend, points = layout_colours(ex.space.chart.svg)
+    assert legend[group] == colour != legend["tp 1 x pp 1"]
+    assert all(points[g] == {legend[g]} for g in legend)
+    row = next(i for i in range(len(frame)) if frame[column].iloc[i] == 2)
+    chosen = frame.iloc[row]
+    assert describe(chosen) in ex.space.chart.svg
+    ex.space.pick(row)
+    assert ex.error is None, ex.error
+    return chosen
+
+
 @pytest.mark.slow       # seconds: a sweep with context parallelism and the plan of one of its rows
 def test_a_context_parallel_point_has_its_own_group_and_loads_a_context_parallel_plan():
     ex = Explorer(sweep_ranges={**RANGES, "tp": (1,), "cp": (1, 2), "context_parallel_kind": ("ring",)},
                   optimizer_fn=torch.optim.AdamW)
     try:
         ex.space.set(global_batch=8)
-        ex.sweep()
-        assert ex.error is None, ex.error
-        frame = ex.space.frame
-        assert set(frame.cp) == {1, 2} and "tp 1 x cp 2 x pp 1" in ex.space.chart.svg
-        legend, points = layout_colours(ex.space.chart.svg)
-        assert legend["tp 1 x cp 2 x pp 1"] == layout_colour(1, 1, 2) != legend["tp 1 x pp 1"]
-        assert all(points[g] == {legend[g]} for g in legend)
-        row = next(i for i in range(len(frame)) if frame.cp.iloc[i] == 2)
-        chosen = frame.iloc[row]
-        assert "x cp 2 (ring) x pp" in describe(chosen) and describe(chosen) in ex.space.chart.svg
-        ex.space.pick(row)
-        assert ex.error is None, ex.error
+        chosen = swept_and_picked(ex, "cp", "tp 1 x cp 2 x pp 1", layout_colour(1, 1, 2))
+        assert "x cp 2 (ring) x pp" in describe(chosen)
         config = ex.plan.config
         assert config.pas_config["context_parallel"] == 2 and config.pas_config["context_parallel_kind"] == "ring"
         assert config.plan_ngpus == 2 * chosen.pp
@@ -317,18 +326,8 @@ def test_an_expert_parallel_point_has_its_own_group_and_loads_an_expert_parallel
                   sweep_ranges={**RANGES, "tp": (1,), "ep": (1, 2), "micro_batch": (2,)})
     try:
         ex.space.set(global_batch=16)       # dp 8 x micro-batches of 2 at tp 1 x pp 1
-        ex.sweep()
-        assert ex.error is None, ex.error
-        frame = ex.space.frame
-        assert set(frame.ep) == {1, 2} and "tp 1 x ep 2 x pp 1" in ex.space.chart.svg
-        legend, points = layout_colours(ex.space.chart.svg)
-        assert legend["tp 1 x ep 2 x pp 1"] == layout_colour(1, 1, 1, 2) != legend["tp 1 x pp 1"]
-        assert all(points[g] == {legend[g]} for g in legend)
-        row = next(i for i in range(len(frame)) if frame.ep.iloc[i] == 2)
-        chosen = frame.iloc[row]
-        assert "tp 1 x ep 2 x pp" in describe(chosen) and describe(chosen) in ex.space.chart.svg
-        ex.space.pick(row)
-        assert ex.error is None, ex.error
+        chosen = swept_and_picked(ex, "ep", "tp 1 x ep 2 x pp 1", layout_colour(1, 1, 1, 2))
+        assert "tp 1 x ep 2 x pp" in describe(chosen)
         config = ex.plan.config
         assert config.pas_config["expert_parallel"] == 2 and config.plan_ngpus == 2 * chosen.pp
         memory = ex.panes.views[ViewName.MEMORY]
