@@ -230,7 +230,8 @@ class PlanSpace:
             self._models[target] = target_models(hardware, recipe)
         ops, comm = self._models[target]
         width = t * c * e * p
-        config = {S.TP: t, S.CP: c, S.EP: e, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
+        config = {S.TP: t, S.CP: c, S.EP: e, S.PP: p,
+                  S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
                   S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.CONTEXT_PARALLEL_KIND: kind,
                   S.ZERO_STAGE: z, S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: self.ranges.scheduler,
                   S.VIRTUAL_STAGES: v, S.FLOAT8: f8, S.COMPILED: comp}

@@ -101,9 +101,9 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     experts split over ``ep`` devices, every other op split by batch: ``pas_config={"expert_parallel":
     ep}``; default ``(1,)``, none; a row the policy refuses, with ``tp``, ``cp`` or sequence
     parallelism beside ``ep > 1``, on a model without routed experts, with experts that ``ep`` does
-    not divide or a micro-batch it does not, is left out with the policy's reason); ``float8``: the linear layers' products, some of
-    ``'none'``, ``'tensorwise'`` and ``'rowwise'`` (default: the recipe's; fp8 on a target without fp8
-    units is refused), and ``compiled``: the target's software compiling each layer of the stack on its
+    not divide or a micro-batch it does not, is left out with the policy's reason); ``float8``: the
+    linear layers' products, some of ``'none'``, ``'tensorwise'`` and ``'rowwise'`` (default: the
+    recipe's; fp8 on a target without fp8 units is refused), and ``compiled``: the target's software compiling each layer of the stack on its
     own (as torchtitan compiles each transformer block) or nothing (default: the software's), each a
     row of its own, priced as ``plan.summary`` prices ``recipe.replace(float8=...)`` on
     ``hardware.running(software.replace(compiled=True, compiled_modules=(stack,)))``; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with

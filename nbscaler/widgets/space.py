@@ -4,8 +4,8 @@
 ``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
 capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x cp x ep
 x pp layout (``palette.layout_colour``; a context- or expert-parallel layout, tp 1 x cp n x pp or
-tp 1 x ep n x pp, is named apart in the legend), a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
-the layers are (the ``recompute`` column: none, selective, full); the Pareto front
+tp 1 x ep n x pp, is named apart in the legend), a circle where nothing is recomputed, a triangle
+where the attention cores are and a diamond where the layers are (the ``recompute`` column: none, selective, full); the Pareto front
 (``space.pareto.pareto_front``) ringed in black and joined by a dashed line; a white dot inside a
 mark where its products are in fp8, a white bar across it where its target compiles (the
 ``float8`` and ``compiled`` columns, keyed in the legend where the frame has such rows). Each mark's
