@@ -9,12 +9,12 @@ import pandas as pd
 import pytest
 import torch
 
-from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch
 from nbscaler.space.pareto import pareto_front
 from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
 from nbscaler.widgets.palette import layout_colour
+from tests.models import batch, build
 from tests.widgets.svg import NS, charts, hint, marks, texts
 from nbscaler.widgets.space import RIGHT, WIDTH, describe, space_svg
 
@@ -321,8 +321,8 @@ def test_fp8_and_compiled_rows_are_marked_keyed_and_described(kept_explorer):
 
 @pytest.mark.slow       # seconds: a sweep of a mixture of experts over ep and the plan of one of its rows
 def test_an_expert_parallel_point_has_its_own_group_and_loads_an_expert_parallel_plan():
-    model = MoELlama(MoEConfig(vocab_size=256, seq_len=32, n_layer=2, d_model=64, n_head=4, n_kv_head=2))
-    ex = Explorer(model, sample_batch(model.config, batch_size=2), optimizer_fn=torch.optim.AdamW,
+    # the shipped MoE Llama taking one batch and returning its loss, so the knobs may pipeline it
+    ex = Explorer(build("moe_e2e"), batch("moe_e2e", 0), optimizer_fn=torch.optim.AdamW,
                   sweep_ranges={**RANGES, "tp": (1,), "ep": (1, 2), "micro_batch": (2,)})
     try:
         ex.space.set(global_batch=16)       # dp 8 x micro-batches of 2 at tp 1 x pp 1
@@ -332,5 +332,13 @@ def test_an_expert_parallel_point_has_its_own_group_and_loads_an_expert_parallel
         assert config.pas_config["expert_parallel"] == 2 and config.plan_ngpus == 2 * chosen.pp
         memory = ex.panes.views[ViewName.MEMORY]
         assert memory.predicted.peak_bytes.max() == pytest.approx(chosen.peak_bytes, rel=1e-9)
+        assert ex.controls.expert_parallel.value == 2          # the knobs read the row, ep included
+        frame = ex.space.frame
+        piped = next(i for i in range(len(frame)) if frame.ep.iloc[i] == 2 and frame.pp.iloc[i] == 2)
+        ex.space.pick(piped)
+        other = next(g for g in ("none", "selective") if g != frame.recompute.iloc[piped])
+        ex.set(recompute=other)                                # a knob turned next keeps the experts split
+        assert ex.error is None and ex.plan.config.pas_config["expert_parallel"] == 2
+        assert ex.plan.config.plan_ngpus == 4 and ex.plan.config.pipeline_nstages == 2
     finally:
         ex.close()
