@@ -28,8 +28,8 @@ from nbscaler.widgets.explorer.knobs import Knobs, context_label, recompute_of
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
-               "sequence_parallel", "context_parallel", "expert_parallel", "recompute", "torch_compile", "compile_s", "torch_compile_s",
-               "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
+               "sequence_parallel", "context_parallel", "expert_parallel", "recompute", "torch_compile", "compile_s",
+               "torch_compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
                "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
