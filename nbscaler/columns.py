@@ -212,10 +212,12 @@ class SweepColumn(StrEnum):
 
     The configuration:
 
-    - ``tp``, ``cp``, ``pp``, ``dp``: tensor-parallel size (devices splitting each op of a stage),
+    - ``tp``, ``cp``, ``ep``, ``pp``, ``dp``: tensor-parallel size (devices splitting each op of a stage),
       context-parallel size (devices splitting each stage's sequence, ``pas_config['context_parallel']``;
-      1 without, and 1 wherever ``tp > 1``: the two do not share a stage), pipeline stages' devices,
-      data-parallel units; ``tp * cp * pp * dp`` is the target's GPUs.
+      1 without, and 1 wherever ``tp > 1``: the two do not share a stage), expert-parallel size
+      (devices splitting each stage's routed experts, the ops around them split by batch,
+      ``pas_config['expert_parallel']``; 1 without, and 1 wherever ``tp`` or ``cp`` is above 1),
+      pipeline stages' devices, data-parallel units; ``tp * cp * ep * pp * dp`` is the target's GPUs.
     - ``context_parallel_kind``: how context-parallel attention reads the other devices' keys:
       ``all_gather`` or ``ring`` (``pas_config['context_parallel_kind']``); read only where ``cp > 1``.
     - ``micro_batch``: sequences in one micro-batch; ``micro_batches``: micro-batches per step and
@@ -245,12 +247,14 @@ class SweepColumn(StrEnum):
       (sends left out); ``pp_send_share``: the share the pipeline's sends add to the step (the
       simulated step less the same schedule with instant sends); ``tp_comm_share``: the share of
       the step that device spends in tensor-parallel collectives (forward, backward and recomputed
-      forward); ``dp_comm_share``: the share of the gradient synchronisation between units
+      forward; under ``cp`` or ``ep`` the stage group's own: keys gathered or passed, tokens sent to
+      their experts and back); ``dp_comm_share``: the share of the gradient synchronisation between units
       (all-reduce, or ZeRO's reduce-scatter and all-gather) that the backward does not hide.
     """
 
     TP = "tp"
     CP = "cp"
+    EP = "ep"
     PP = "pp"
     DP = "dp"
     MICRO_BATCH = "micro_batch"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -130,10 +130,13 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.d_model)
         self.moe = MoE(cfg)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, aux: Union[float, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The block's output, and ``aux`` (the load-balancing losses of the blocks before it) plus
+        its own: the sum runs inside each block, so every block traces the same ops (a sweep stands
+        one block for every later one)."""
         x = x + self.attn(self.attn_norm(x))
-        out, aux = self.moe(self.moe_norm(x))
-        return x + out, aux
+        out, block_aux = self.moe(self.moe_norm(x))
+        return x + out, aux + block_aux
 
 
 class MoELlama(Llama):
@@ -148,8 +151,7 @@ class MoELlama(Llama):
         x = self.embed(idx)                                                   # (B, T, C)
         aux = 0.0
         for block in self.blocks:
-            x, block_aux = block(x)
-            aux = aux + block_aux                                             # (B,)
+            x, aux = block(x, aux)                                            # aux: (B,)
         logits = self.head(self.norm(x))                                      # (B, T, vocab)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return loss + self.config.aux_loss_coef * aux.mean() / len(self.blocks)

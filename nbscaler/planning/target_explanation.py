@@ -21,9 +21,11 @@ RECOMPUTING = {"selective": "recomputing the attention cores", "full": "recomput
 
 def describe(row) -> str:
     """A configuration in words: ``tp 2 x pp 2 x dp 16, micro-batch 1, recompute selective, sequence
-    parallel, ZeRO 2``; with context parallelism ``tp 1 x cp 4 (ring) x pp 2 x dp 8, ...``."""
-    cp = int(row.get("cp", 1) or 1)
+    parallel, ZeRO 2``; with context parallelism ``tp 1 x cp 4 (ring) x pp 2 x dp 8, ...``, with
+    expert parallelism ``tp 1 x ep 4 x pp 2 x dp 8, ...``."""
+    cp, ep = int(row.get("cp", 1) or 1), int(row.get("ep", 1) or 1)
     context = f" x cp {cp} ({row.get('context_parallel_kind', 'all_gather')})" if cp > 1 else ""
+    context += f" x ep {ep}" if ep > 1 else ""
     float8 = row.get("float8", "none")
     software = (f", fp8 {float8} (train with Recipe(float8={float8!r}))" if float8 not in (None, "none") else "") + (
         ", compiled (train with ComputeConfig(compile=True))" if row.get("compiled", False) else "")
@@ -83,7 +85,7 @@ def explain_lines(info: Dict[str, Any]) -> List[str]:
              f"({info['search_cpu_s']:.2f} s of CPU); {info['fitting']} fit"
              + (f", {info['excluded']} could not run" if info["excluded"] else "")
              + (f"; {info['pruned']} more were not priced: their pipeline alone is slower than a fitting one of "
-                f"their tp x cp x pp (or {info['within']:g} x the choice), or what they save for the backward alone overflows "
+                f"their tp x cp x ep x pp (or {info['within']:g} x the choice), or what they save for the backward alone overflows "
                 "the memory" if info["pruned"] else "") + ".",
              f"chose {describe(best)} ({best['micro_batches']} micro-batches a step): {figures(best, hw)}.",
              f"  of its step: {overheads(best)}.",

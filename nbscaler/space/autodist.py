@@ -8,7 +8,7 @@
 On this machine autodist profiles each op and searches its placement op by op (``policy.autodist``).
 For a target the job may have thousands of GPUs that are not here, so the question is first which
 configuration: tp, pp, micro-batch, recomputation, sequence parallelism, ZeRO (and context
-parallelism, ``cp``, where ``autodist_space`` asks for it). ``nbscaler.sweep``
+parallelism, ``cp``, or expert parallelism, ``ep``, where ``autodist_space`` asks for them). ``nbscaler.sweep``
 prices every one the ranges allow from one trace of a two-layer copy, on the target's roofline and
 NCCL models; autodist takes its fastest row that fits the target's memory, plans the model whole
 under that row's config (``space.sweep.config_of``: ``hybrid``'s tensor-parallel placement
@@ -55,7 +55,7 @@ WITHIN = 1.25
 
 #: The ranges ``autodist_space`` may give: ``nbscaler.sweep``'s keywords of the same names.
 SPACE_KEYS = ("tp", "pp", "micro_batch", "recompute", "sequence_parallel", "zero_stage", "zero_reshard_after_forward",
-              "cp", "context_parallel_kind", "float8", "compiled")
+              "cp", "context_parallel_kind", "ep", "float8", "compiled")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class TargetSearch:
     ``autodist_space``  the ranges to search, as ``nbscaler.sweep``'s keywords ``tp``, ``pp``,
                         ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``,
                         ``zero_reshard_after_forward``, ``cp``, ``context_parallel_kind``,
-                        ``float8``, ``compiled`` (the chosen row says which products and
+                        ``ep``, ``float8``, ``compiled`` (the chosen row says which products and
                         software it was priced with; a
                         missing one: the sweep's default, none, selective and full for
                         ``recompute``; ``sequence_parallel`` or ``recompute`` missing and
@@ -206,15 +206,15 @@ def target_module_dtype(cfg: ComputeConfig, module_dtype: Optional[torch.dtype])
 
 def runners_up(frame: pd.DataFrame, best: pd.Series, most: int = RUNNERS_UP) -> pd.DataFrame:
     """The configurations set against ``best``, fastest first: the fastest of all when it does not
-    fit (memory rules it out), then the fastest fitting row of each other tp x cp x pp layout and of
-    ``best``'s own layout with the other recomputation (a frame without ``cp``, from before it was a
-    column, has tp x pp layouts)."""
+    fit (memory rules it out), then the fastest fitting row of each other tp x cp x ep x pp layout and
+    of ``best``'s own layout with the other recomputation (a frame without ``cp`` or ``ep``, from
+    before they were columns, has layouts of the columns it has)."""
     frame = frame.copy(deep=False)
     frame.attrs = {}                    # its frame of exclusions would be compared at each concat
     fastest = frame.sort_values("step_time_s", kind="stable").head(1)
     faster = fastest[~fastest.fits & (fastest.step_time_s < best.step_time_s)]
     fitting = frame[frame.fits]
-    layout = [c for c in ("tp", "cp", "pp") if c in frame.columns]
+    layout = [c for c in ("tp", "cp", "ep", "pp") if c in frame.columns]
     mine = (fitting[layout] == best[layout]).all(axis=1)
     others = fitting[~mine].groupby(layout, sort=False).head(1)
     same = fitting[mine & (fitting.recompute != best.recompute)].head(1)

@@ -88,6 +88,12 @@ class LayerFacts:
         after the cut saves those (Llama's rotary tables) that, in one forward, an earlier layer
         had saved already. Read off the copy replayed from the same place with those tensors
         received (``cost.local.run_local``), beside the copy replayed whole, over one layer's ops."""
+        return [rows.sum(axis=0) for rows in self.stage_start_rows(cut)]
+
+    def stage_start_rows(self, cut: int) -> List[np.ndarray]:
+        """``stage_start`` op by op, per tensor-parallel index: row ``k`` is what full-model op
+        ``cut + k`` adds (ops x facts, over the layer after the cut), so that a script of the
+        stage's ops (ZeRO stage 3's) puts each op's share where that op runs."""
         place = self.expansion.copy_position(cut)
         if place not in self._starts:
             storage, index, profiler, comm = self.replay
@@ -98,7 +104,7 @@ class LayerFacts:
                     starts.append(starts[self.alike[device]])
                     continue
                 rows = self._ledger(span, device).rows(self.memo.kinds, profiler, comm)
-                starts.append((rows - self.matrix[device])[span].sum(axis=0))
+                starts.append((rows - self.matrix[device])[span])
             self._starts[place] = starts
         return self._starts[place]
 

@@ -30,7 +30,7 @@ import copy
 import gc
 import itertools
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 import torch
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from nbscaler.columns import SweepColumn as S
 from nbscaler.comm.layout import storage_layouts
-from nbscaler.config import RECOMPUTE, RECOMPUTE_MODULES, ComputeConfig, RecomputeGranularity
+from nbscaler.config import ComputeConfig
 from nbscaler.cost.hardware import Hardware
 from nbscaler.cost.memory import paused_gc
 from nbscaler.cost.nccl import NcclModel
@@ -53,13 +53,11 @@ from nbscaler.space.ranges import (CONTEXT_KIND_VALUES, RECOMPUTE_VALUES, Ranges
                                    software_ranges, virtual_stages_of)
 from nbscaler.planning.planner import plan
 from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
-from nbscaler.policy.builtin import SEQUENCE_PARALLEL
-from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
 from nbscaler.policy.primitives import PolicyError
 from nbscaler.recipe import UNSET, Recipe
-from nbscaler.schedule.schedulers import scheduler_spec
+from nbscaler.space.row_config import CopyPlacementKey, config_of, pas_config, placement_of
 
-CONFIG_COLUMNS = (S.TP, S.CP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL,
+CONFIG_COLUMNS = (S.TP, S.CP, S.EP, S.PP, S.DP, S.MICRO_BATCH, S.MICRO_BATCHES, S.RECOMPUTE, S.SEQUENCE_PARALLEL,
                   S.CONTEXT_PARALLEL_KIND, S.ZERO_STAGE, S.ZERO_RESHARD_AFTER_FORWARD, S.SCHEDULER, S.VIRTUAL_STAGES,
                   S.FLOAT8, S.COMPILED)
 PREDICTION_COLUMNS = (S.STEP_TIME_S, S.TOKENS_PER_S, S.MFU, S.HFU, S.PEAK_BYTES, S.FITS, S.BUBBLE,
@@ -71,72 +69,6 @@ RECIPE_KNOBS = ("module_dtype", "master_dtype", "grad_reduce_dtype")
 #: The dtype a space computes in when neither its recipe nor ``module_dtype=`` says: a sweep plans real runs.
 SWEEP_MODULE_DTYPE = torch.bfloat16
 """What ``PlanSpace.set`` takes."""
-
-
-def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
-    """The ``ComputeConfig`` of a sweep row (a mapping with the configuration columns) on
-    ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``). A row
-    without ``zero_reshard_after_forward`` (from before it was a column) frees after the forward; one
-    without ``cp`` splits no sequence. Each of the ``pp`` pipeline devices is ``tp * cp`` devices wide
-    (one of the two is 1), so ``plan_ngpus`` is ``tp * cp * pp``."""
-    tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
-    cp = int(row[S.CP]) if S.CP in row else 1
-    kind = str(row[S.CONTEXT_PARALLEL_KIND]) if S.CONTEXT_PARALLEL_KIND in row else CONTEXT_KIND_VALUES[0]
-    reshard = bool(row[S.ZERO_RESHARD_AFTER_FORWARD]) if S.ZERO_RESHARD_AFTER_FORWARD in row else True
-    virtual_stages, scheduler = int(row[S.VIRTUAL_STAGES]), str(row[S.SCHEDULER])
-    pas = _pas_config(str(row[S.RECOMPUTE]), bool(row[S.SEQUENCE_PARALLEL]), stack_path, cp, kind)
-    # a scheduler that takes any number of stages per device is told it: pp pipeline devices, each tp x cp wide
-    free = scheduler_spec(scheduler).stages_per_device is None
-    return ComputeConfig(tp * cp * pp, ngpus, use_end2end=True, use_pipeline=True, pipeline_nstages=pp * virtual_stages,
-                         pipeline_nmicros=int(row[S.MICRO_BATCHES]), pipeline_scheduler=scheduler,
-                         pipeline_virtual_stages=virtual_stages if free else -1,
-                         use_zero=zero > 0, zero_stage=max(zero, 1), zero_reshard_after_forward=reshard or zero != 3,
-                         pas_config=pas)
-
-
-def _pas_config(recompute: str, sequence_parallel: bool, stack_path: str, cp: int = 1,
-                kind: str = CONTEXT_KIND_VALUES[0]) -> Dict[str, Any]:
-    """``hybrid``'s options of a configuration: what is recomputed (``'full'``: each layer of the stack
-    at ``stack_path``; ``'selective'``: the attention cores), sequence parallelism, context
-    parallelism over ``cp`` devices with attention of ``kind`` (where ``cp > 1``)."""
-    pas: Dict[str, Any] = {}
-    if recompute == RecomputeGranularity.FULL:
-        pas[RECOMPUTE_MODULES] = [stack_path]
-    elif recompute == RecomputeGranularity.SELECTIVE:
-        pas[RECOMPUTE] = RecomputeGranularity.SELECTIVE.value
-    if sequence_parallel:
-        pas[SEQUENCE_PARALLEL] = True
-    if cp > 1:
-        pas[CONTEXT_PARALLEL], pas[CONTEXT_PARALLEL_KIND] = cp, kind
-    return pas
-
-
-class CopyPlacementKey(NamedTuple):
-    """The key of one placement of the two-layer copy in the space: what places the copy
-    differently, one placement (and its facts) per value.
-
-    ``zero_stage_2``: ZeRO stage 2 or 3, under which a weight whose ops each see a slice of the batch
-    or the sequence (a norm's, under sequence parallelism) sums its gradient over the devices in
-    the backward rather than in the reducer (``ComputeConfig.sums_partial_grads_after_backward``).
-    It places the copy again only where the copy has such a weight (``PlanSpace._canonical``).
-    Stage 3's units are not marked on the copy: ``space.pricing`` lays them out from its facts.
-
-    ``cp``, ``kind``: context parallelism over ``cp`` devices (``tp`` is then 1) with attention of that
-    kind: the copy is placed over ``cp`` devices, each on its chunks of the sequence, so a row's facts
-    are those of the context-parallel plan."""
-
-    micro: int
-    tp: int
-    recompute: str
-    sequence_parallel: bool
-    zero_stage_2: bool
-    cp: int = 1
-    kind: str = CONTEXT_KIND_VALUES[0]
-
-    @property
-    def devices(self) -> int:
-        """The devices of one stage the copy is placed over."""
-        return self.tp * self.cp
 
 
 class PlanSpace:
@@ -160,7 +92,7 @@ class PlanSpace:
                  scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = False,
                  prune: Optional[float] = None, settle: bool = True, cp: Sequence[int] = (1,),
                  context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, float8: Optional[Sequence] = None,
-                 compiled: Optional[Sequence[bool]] = None, **optimizer_kwargs: Any):
+                 compiled: Optional[Sequence[bool]] = None, ep: Sequence[int] = (1,), **optimizer_kwargs: Any):
         check_prune(prune)
         self.recipe = space_recipe(recipe, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                                    master_dtype=master_dtype, module_dtype=module_dtype,
@@ -171,13 +103,13 @@ class PlanSpace:
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
                              tuple(virtual_stages), tuple(zero_reshard_after_forward), tuple(cp),
                              tuple(context_parallel_kind), None if float8 is None else tuple(float8),
-                             None if compiled is None else tuple(compiled))
+                             None if compiled is None else tuple(compiled), tuple(ep))
         self.hardware, self.global_batch = hardware, global_batch
         self._two = copy.deepcopy(shallow(module, self.stack, 2))   # its own weights: module_dtype casts them
         self._args = {_sequence_of(dummy_args): dummy_args}
         self.sequence = _sequence_of(dummy_args)
         self._traced: Dict[Tuple, Any] = {}        # (sequence, dtype, micro) -> the copy's first Plan
-        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, micro, tp, recompute, sp, zero 2, cp, kind) -> Plan, or why not
+        self._placed: Dict[Tuple, Any] = {}        # (sequence, dtype, *CopyPlacementKey) -> Plan, or why not
         self._facts: Dict[Tuple, Any] = {}         # (target, placement key) -> LayerFacts, or why not
         self._models: Dict[Tuple, Tuple[RooflineOps, NcclModel]] = {}
         self._kinds = Kinds()                       # the distinct ops and collectives of every placement
@@ -263,12 +195,12 @@ class PlanSpace:
         r = self.ranges
         ranges = checked_ranges(hardware, self.stack, global_batch, r.tp, r.pp, r.micro_batch, r.recompute,
                          r.sequence_parallel, r.zero_stage, r.zero_reshard_after_forward, r.cp,
-                         r.context_parallel_kind)
-        tp, pp, micro, recompute, sequence_parallel, zero, reshard, cps, kinds = ranges
-        combos = [(t, c, p, m, rec, sp, kind, z, keep, v, f8, comp)
+                         r.context_parallel_kind, r.ep)
+        tp, pp, micro, recompute, sequence_parallel, zero, reshard, cps, kinds, eps = ranges
+        combos = [(t, c, e, p, m, rec, sp, kind, z, keep, v, f8, comp)
                   for f8, comp in software_ranges(hardware, self.recipe, r.float8, r.compiled, self.stack.path)
-                  for t, c, p, m, rec, z, v in itertools.product(
-                      tp, cps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
+                  for t, c, e, p, m, rec, z, v in itertools.product(
+                      tp, cps, eps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
                   for sp in sequence_parallel_at(t if c == 1 else 1, sequence_parallel)
                   for kind in context_kind_at(c, kinds) for keep in reshard_at(z, reshard)]
         rows, excluded, runnable = [], [], []
@@ -288,7 +220,7 @@ class PlanSpace:
         frame.attrs["pruned"] = len(runnable) - len(rows) if self.prune is not None else 0
         return frame
 
-    def _priced_or_why(self, t: int, c: int, p: int, m: int, rec: str, sp: bool, kind: str, z: int, keep: bool,
+    def _priced_or_why(self, t: int, c: int, e: int, p: int, m: int, rec: str, sp: bool, kind: str, z: int, keep: bool,
                        v: int, f8: str, comp: bool):
         """One combination: the row of its configuration with why it cannot run (a dict), or
         ``(pipeline seconds, config, cfg, facts, staged, price)`` where ``price()`` makes its row."""
@@ -297,18 +229,19 @@ class PlanSpace:
         if target not in self._models:        # op and collective times, kept per target and products
             self._models[target] = target_models(hardware, recipe)
         ops, comm = self._models[target]
-        width = t * c * p
-        config = {S.TP: t, S.CP: c, S.PP: p, S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
+        width = t * c * e * p
+        config = {S.TP: t, S.CP: c, S.EP: e, S.PP: p,
+                  S.DP: hardware.ngpus // width if hardware.ngpus % width == 0 else 0,
                   S.MICRO_BATCH: m, S.RECOMPUTE: rec, S.SEQUENCE_PARALLEL: sp, S.CONTEXT_PARALLEL_KIND: kind,
                   S.ZERO_STAGE: z, S.ZERO_RESHARD_AFTER_FORWARD: keep, S.SCHEDULER: self.ranges.scheduler,
                   S.VIRTUAL_STAGES: v, S.FLOAT8: f8, S.COMPILED: comp}
-        reason = combination_problem(hardware, self.global_batch, t, p, m, c, self.sequence)
+        reason = combination_problem(hardware, self.global_batch, t, p, m, c, self.sequence, e)
         if reason is not None:
             return {**config, "reason": reason}
         config[S.MICRO_BATCHES] = self.global_batch // (config[S.DP] * m)
         try:
             cfg = config_of(config, hardware.ngpus, self.stack.path)
-            placement = self._canonical(_placement_of(config))
+            placement = self._canonical(placement_of(config))
             facts = self._facts_of(target, ops, comm, placement)
             staged = self._staged_of(target, facts, placement, cfg.pipeline_nstages)
         except (ValueError, PolicyError) as err:
@@ -368,8 +301,8 @@ class PlanSpace:
 
     def _place(self, placement: CopyPlacementKey):
         tp, devices = placement.tp, placement.devices
-        pas = _pas_config(placement.recompute, placement.sequence_parallel, self.stack.path, placement.cp,
-                          placement.kind)
+        pas = pas_config(placement.recompute, placement.sequence_parallel, self.stack.path, placement.cp,
+                         placement.kind, placement.ep)
         cfg = ComputeConfig(devices, devices, use_end2end=True, use_pipeline=True, pipeline_nstages=1, pipeline_nmicros=1,
                             pipeline_scheduler="1f1b", use_zero=placement.zero_stage_2,
                             zero_stage=2 if placement.zero_stage_2 else 1, pas_config=pas)
@@ -437,13 +370,6 @@ def _settle() -> None:
     would (one of 0.1 s, then a full one of 0.3 s and more in a process holding PyTorch) would
     otherwise fall inside the next knob's pricing, which makes a few thousand."""
     gc.collect()
-
-
-def _placement_of(config: Dict) -> CopyPlacementKey:
-    cp = config[S.CP]
-    return CopyPlacementKey(config[S.MICRO_BATCH], config[S.TP], config[S.RECOMPUTE], config[S.SEQUENCE_PARALLEL],
-                            config[S.ZERO_STAGE] in (2, 3), cp,
-                            config[S.CONTEXT_PARALLEL_KIND] if cp > 1 else CONTEXT_KIND_VALUES[0])
 
 
 def _raised(found):

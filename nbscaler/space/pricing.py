@@ -96,17 +96,19 @@ class Staged:
         model's ops of the stage, in order, as its section's instructions (the ops of one recomputed
         region, in one layer, one instruction), each with the seconds ``_pipeline`` sums and the
         units of the parameters it reads (each layer of the stack one, the rest ``REST_UNIT``), and
-        what the stage's first layer and its sends add (``LayerFacts.stage_start``, ``stage_end``)
-        at its ends; its runs of compute between gather points made one (``cost.fsdp.compact``)."""
+        what the stage's first layer adds (``LayerFacts.stage_start_rows``, each op's share in the run
+        that holds it) and its sends (``stage_end``, at its end); its runs of compute between gather
+        points made one (``cost.fsdp.compact``)."""
         key = (stage, index, reshard_after_forward)
         if key not in self._scripts:
-            steps, counts = self.kept(("zero3 layout", stage, index, reshard_after_forward),
-                                      lambda: self._layout(stage, index, reshard_after_forward))
+            steps, counts, first = self.kept(("zero3 layout", stage, index, reshard_after_forward),
+                                             lambda: self._layout(stage, index, reshard_after_forward))
             rows = self.facts.matrix[index]
             fwd, bwd = counts @ (rows[:, FWD] + rows[:, TP_FWD]), counts @ (rows[:, BWD] + rows[:, TP_BWD])
-            if stage > 0:                       # the first run of compute holds the stage's start
-                start = self.facts.stage_start(self.cuts[stage - 1])[index]
-                fwd[0], bwd[0] = fwd[0] + start[FWD] + start[TP_FWD], bwd[0] + start[BWD] + start[TP_BWD]
+            if stage > 0:                       # each op of the layer after the cut adds its share of the start
+                start = self.facts.stage_start_rows(self.cuts[stage - 1])[index]
+                fwd += first[:, :len(start)] @ (start[:, FWD] + start[:, TP_FWD])
+                bwd += first[:, :len(start)] @ (start[:, BWD] + start[:, TP_BWD])
             if stage < len(self.cuts):          # and the last its sends
                 end = self.facts.stage_end(self.cuts[stage])[index]
                 fwd[-1], bwd[-1] = fwd[-1] + end[TP_FWD], bwd[-1] + end[TP_BWD]
@@ -120,8 +122,8 @@ class Staged:
         them for ``cost.gathered`` (the memory model)."""
         key = ("zero3 events", stage, index, reshard_after_forward)
         if key not in self._scripts:
-            steps, counts = self.kept(("zero3 layout", stage, index, reshard_after_forward),
-                                      lambda: self._layout(stage, index, reshard_after_forward))
+            steps, counts, _ = self.kept(("zero3 layout", stage, index, reshard_after_forward),
+                                         lambda: self._layout(stage, index, reshard_after_forward))
             per_run = counts @ self.facts.matrix[index][:, SAVED]
             saved = float(self.facts.stage_start(self.cuts[stage - 1])[index][SAVED]) if stage > 0 else 0.0
             events = []
@@ -138,14 +140,15 @@ class Staged:
     def _layout(self, stage: int, index: int, reshard_after_forward: bool):
         """What ``script`` lays out whatever the target: its gather and release points, and between
         them each run of compute as ``(run, units read)``, with how often each op of the copy falls
-        in each run (``counts``, runs x ops)."""
+        in each run (``counts``, runs x ops) and which run holds each of the stage's first ops
+        (``first``, runs x ops: ``[r, k]`` is 1 where full-model op ``start + k`` is in run ``r``)."""
         facts, exp = self.facts, self.facts.expansion
         stack = exp.stack
         reads = _param_readers(facts, index)
         bounds = [0, *self.cuts, len(exp)]
-        entries: List[Tuple[Optional[Tuple], List[int], frozenset]] = []
+        entries: List[Tuple[Optional[Tuple], List[int], frozenset, List[int]]] = []
         if stage > 0:
-            entries.append((None, [], frozenset()))          # the stage's start (``script`` adds its seconds)
+            entries.append((None, [], frozenset(), []))      # the stage's start
         for v in range(bounds[stage], bounds[stage + 1]):
             j = int(exp.template[v])
             layer = (v - exp.before) // exp.size if exp.before <= v < exp.before + stack.depth * exp.size else None
@@ -154,27 +157,33 @@ class Staged:
             region = exp.nodes[j].meta.get(RECOMPUTE_REGION)
             if region is not None and entries and entries[-1][0] == (region, layer):   # one recomputed region
                 entries[-1][1].append(j)
-                entries[-1] = (entries[-1][0], entries[-1][1], entries[-1][2] | units)
+                entries[-1][3].append(v - bounds[stage])
+                entries[-1] = (entries[-1][0], entries[-1][1], entries[-1][2] | units, entries[-1][3])
             else:
-                entries.append(((region, layer) if region is not None else None, [j], units))
+                entries.append(((region, layer) if region is not None else None, [j], units, [v - bounds[stage]]))
         if stage + 1 < len(bounds) - 1:
-            entries.append((None, [], frozenset()))          # its sends
+            entries.append((None, [], frozenset(), []))      # its sends
         placed = with_gathers(entries, [e[2] for e in entries], reshard_after_forward,
                               lambda unit, prefetch: Gather(unit, prefetch), lambda unit, first, last: Release(unit))
         steps: List = []
         runs: List[List[int]] = []
+        places: List[List[int]] = []              # each run's ops, as places in the stage
         for item in placed:
             if isinstance(item, (Gather, Release)):
                 steps.append(item)
             elif steps and isinstance(steps[-1], tuple):
                 runs[-1] += item[1]
+                places[-1] += item[3]
                 steps[-1] = (steps[-1][0], steps[-1][1] | item[2])
             else:
                 runs.append(list(item[1]))
+                places.append(list(item[3]))
                 steps.append((len(runs) - 1, item[2]))
         ops = len(exp.nodes)
         counts = np.array([np.bincount(np.array(r, dtype=np.int64), minlength=ops) for r in runs], dtype=float)
-        return tuple(steps), counts.reshape(len(runs), ops)
+        first = np.array([np.bincount(np.array([k for k in p if k < ops], dtype=np.int64), minlength=ops)
+                          for p in places], dtype=float)
+        return tuple(steps), counts.reshape(len(runs), ops), first.reshape(len(runs), ops)
 
     def stage_of(self, position: int) -> int:
         return bisect.bisect_right(self.cuts, position)

@@ -29,16 +29,17 @@ def check_prune(prune: Optional[float]) -> None:
 
 def pruned_rows(runnable: List[Tuple], priced: Callable, hardware: Hardware, within: float) -> List[Dict]:
     """The rows a pruned sweep prices, in the order of the pipeline's makespan (a floor of the
-    step): not those whose floor reaches their tp x cp x pp layout's fastest fitting step, or
+    step): not those whose floor reaches their tp x cp x ep x pp layout's fastest fitting step, or
     ``within`` times the fastest fitting step of all; not those whose saved activations alone
     overflow the target, but for the first (the fastest, were memory no object).
 
     ``runnable``: ``(floor, config, cfg, facts, staged)`` per configuration; ``priced(config, cfg,
     facts, staged)`` returns a row."""
     rows: List[Dict] = []
-    fastest: Dict[Tuple, float] = {}      # per tp x cp x pp layout and software: its fastest fitting step so far
+    fastest: Dict[Tuple, float] = {}      # per tp x cp x ep x pp layout and software: its fastest fitting step so far
     for k, (floor, config, cfg, facts, staged) in enumerate(sorted(runnable, key=lambda r: r[0])):
-        layout = (config[S.TP], config[S.CP], config[S.PP], config.get(S.FLOAT8), config.get(S.COMPILED))
+        layout = (config[S.TP], config[S.CP], config[S.EP], config[S.PP], config.get(S.FLOAT8),
+                  config.get(S.COMPILED))
         if floor >= min(fastest.get(layout, float("inf")), within * min(fastest.values(), default=float("inf"))):
             continue
         if k > 0 and not hardware.fits(saved_floor(staged, cfg)):

@@ -35,6 +35,7 @@ class Ranges:
     context_parallel_kind: Tuple[str, ...] = CONTEXT_KIND_VALUES
     float8: Optional[Tuple[str, ...]] = None        # None: the recipe's
     compiled: Optional[Tuple[bool, ...]] = None     # None: the target's software's
+    ep: Tuple[int, ...] = (1,)
 
 
 #: How a sweep's ``float8`` column reads a recipe without fp8 products.
@@ -135,22 +136,23 @@ def _divisors(n: int) -> List[int]:
 
 def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, micro_batch, recompute,
             sequence_parallel, zero_stage, zero_reshard_after_forward: Sequence[bool] = (True,),
-            cp: Sequence[int] = (1,), context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES) -> Tuple[List, ...]:
+            cp: Sequence[int] = (1,), context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES,
+            ep: Sequence[int] = (1,)) -> Tuple[List, ...]:
     """The values to combine, each checked on its own (``ValueError`` naming the bad one): ``tp``,
     ``pp``, ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``,
-    ``zero_reshard_after_forward``, ``cp`` and ``context_parallel_kind``, in that order."""
+    ``zero_reshard_after_forward``, ``cp``, ``context_parallel_kind`` and ``ep``, in that order."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a whole number of sequences >= 1.")
     gpus = hardware.ngpus
     tp = list(tp) if tp is not None else _divisors(gpus)
     pp = list(pp) if pp is not None else [d for d in _divisors(gpus) if d <= stack.depth]
     micro_batch = list(micro_batch) if micro_batch is not None else _divisors(global_batch)
-    cp = list(cp)
-    for name, values in (("tp", tp), ("cp", cp), ("pp", pp), ("micro_batch", micro_batch)):
+    cp, ep = list(cp), list(ep)
+    for name, values in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("micro_batch", micro_batch)):
         bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad or not values:
             raise ValueError(f"sweep's {name}={values!r}: give whole numbers >= 1.")
-    for name, values in (("tp", tp), ("cp", cp), ("pp", pp)):
+    for name, values in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
         bad = [v for v in values if gpus % v]
         if bad:
             raise ValueError(f"sweep's {name} values {bad} do not divide the {gpus} GPUs of {hardware.name} "
@@ -171,23 +173,26 @@ def checked_ranges(hardware: Hardware, stack: Stack, global_batch: int, tp, pp, 
         raise ValueError(f"sweep's context_parallel_kind={tuple(kinds)!r}: give some of "
                          f"{', '.join(repr(c.value) for c in ContextKind)}.")
     recompute = recompute_values(recompute)
-    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage), list(reshard), cp, kinds
+    return tp, pp, micro_batch, recompute, list(sequence_parallel), list(zero_stage), list(reshard), cp, kinds, ep
 
 
 def combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int, micro: int, cp: int = 1,
-                        sequence: Optional[int] = None) -> Optional[str]:
-    """Why ``tp`` x ``cp`` x ``pp`` with ``micro``-sequence micro-batches of ``sequence`` tokens
-    cannot run, or ``None``."""
+                        sequence: Optional[int] = None, ep: int = 1) -> Optional[str]:
+    """Why ``tp`` x ``cp`` x ``ep`` x ``pp`` with ``micro``-sequence micro-batches of ``sequence``
+    tokens cannot run, or ``None``. Whether ``ep`` runs beside the others is the policy's word
+    (``policy.experts.check_experts``), asked when the row's copy is placed."""
     if tp > 1 and cp > 1:
         return (f"tp={tp} with cp={cp}: context parallelism splits a stage's sequence over all of its devices, "
                 "so tensor parallelism cannot share the stage (use tp=1 with cp > 1)")
-    if hardware.ngpus % (tp * cp * pp):
-        return (f"tp x pp = {tp * pp} does not divide the {hardware.ngpus} GPUs" if cp == 1 else
-                f"tp x cp x pp = {tp * cp * pp} does not divide the {hardware.ngpus} GPUs")
+    width = tp * cp * ep * pp
+    if hardware.ngpus % width:
+        named = " x ".join(name for name, size in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp))
+                           if size > 1 or name in ("tp", "pp"))
+        return f"{named} = {width} does not divide the {hardware.ngpus} GPUs"
     if cp > 1 and sequence is not None and sequence % (2 * cp):
         return (f"cp={cp} cuts the sequence into 2 x {cp} = {2 * cp} chunks, but it has {sequence} tokens "
                 f"(use a cp that divides {sequence // 2}, or a multiple of {2 * cp} tokens)")
-    dp = hardware.ngpus // (tp * cp * pp)
+    dp = hardware.ngpus // width
     if global_batch % (dp * micro):
         return f"the global batch {global_batch} is not a multiple of dp x micro_batch = {dp} x {micro}"
     return None

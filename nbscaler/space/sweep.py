@@ -27,7 +27,7 @@ instead:
 1. the model's repeated layers are found (``planning.stack``: ``model.layers``, 80 of them), and a
    copy with two layers is traced once per micro-batch size and placed once per (tp, recompute,
    sequence parallelism), and again under ZeRO stage 2 where that changes how a weight's
-   gradient is summed (a norm's, under sequence parallelism: ``plan_space.CopyPlacementKey``): a
+   gradient is summed (a norm's, under sequence parallelism: ``row_config.CopyPlacementKey``): a
    handful of small plans;
 2. each such plan's ops are priced once on the target (``LayerFacts``: every op's roofline time,
    its tensor-parallel collectives' NCCL time, saved bytes, FLOPs, per tensor-parallel index);
@@ -52,7 +52,8 @@ Bad input: a range value that cannot work on the target at all (a ``tp`` or ``pp
 divide its GPUs, more stages than the model has layers, a size below 1, a ``sequence_parallel``
 that is not a bool) raises ``ValueError``; a combination that cannot run (``tp * pp`` not
 dividing the GPUs, a global batch that ``dp * micro_batch`` does not divide, a scheduler's rule,
-a placement the policy refuses, e.g. heads that ``tp`` does not divide) is left out, with its
+a placement the policy refuses, e.g. heads that ``tp`` does not divide, or experts that ``ep``
+does not) is left out, with its
 reason, in ``frame.attrs["excluded"]``.
 """
 
@@ -80,7 +81,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
           scheduler: str = "1f1b", virtual_stages: Sequence[int] = (1,), progress: bool = True,
           prune: Optional[float] = None, cp: Sequence[int] = (1,),
           context_parallel_kind: Sequence[str] = CONTEXT_KIND_VALUES, float8: Optional[Sequence] = None,
-          compiled: Optional[Sequence[bool]] = None, **optimizer_kwargs: Any) -> pd.DataFrame:
+          compiled: Optional[Sequence[bool]] = None, ep: Sequence[int] = (1,), **optimizer_kwargs: Any) -> pd.DataFrame:
     """Every configuration of ``module`` on ``hardware`` the ranges allow, priced (see the module
     docstring for how). ``dummy_args`` hold one sequence; ``global_batch`` counts sequences per step.
 
@@ -96,9 +97,13 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     stage 3 only; ``cp``: context-parallel sizes (each stage's sequence over ``cp`` devices; default
     ``(1,)``, none; rows with ``tp > 1`` and ``cp > 1``, or whose sequence ``2 * cp`` does not divide,
     are left out with their reason), with ``context_parallel_kind`` (``'all_gather'``, the default,
-    and/or ``'ring'``) tried where ``cp > 1``; ``float8``: the linear layers' products, some of
-    ``'none'``, ``'tensorwise'`` and ``'rowwise'`` (default: the recipe's; fp8 on a target without fp8
-    units is refused), and ``compiled``: the target's software compiling each layer of the stack on its
+    and/or ``'ring'``) tried where ``cp > 1``; ``ep``: expert-parallel sizes (each stage's routed
+    experts split over ``ep`` devices, every other op split by batch: ``pas_config={"expert_parallel":
+    ep}``; default ``(1,)``, none; a row the policy refuses, with ``tp``, ``cp`` or sequence
+    parallelism beside ``ep > 1``, on a model without routed experts, with experts that ``ep`` does
+    not divide or a micro-batch it does not, is left out with the policy's reason); ``float8``: the
+    linear layers' products, some of ``'none'``, ``'tensorwise'`` and ``'rowwise'`` (default: the
+    recipe's; fp8 on a target without fp8 units is refused), and ``compiled``: the target's software compiling each layer of the stack on its
     own (as torchtitan compiles each transformer block) or nothing (default: the software's), each a
     row of its own, priced as ``plan.summary`` prices ``recipe.replace(float8=...)`` on
     ``hardware.running(software.replace(compiled=True, compiled_modules=(stack,)))``; ``scheduler``: the pipeline scheduler (``nbscaler.schedule``), with
@@ -110,7 +115,7 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     combinations left out and why).
 
     ``prune`` is for a search that wants the fastest fitting rows (autodist on a target): with
-    ``prune=1.25``, the frame holds each tp x pp layout's fastest fitting row where that is within
+    ``prune=1.25``, the frame holds each tp x cp x ep x pp layout's fastest fitting row where that is within
     25% of the fastest of all (``prune=1``: that row alone), each as fast as the full sweep's, and
     only what was priced to find them. A combination is not priced when its pipeline's makespan
     alone (``pricing.pipeline_seconds``, never more than the step) is already too slow, or when
@@ -127,4 +132,4 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
                      zero_reshard_after_forward=zero_reshard_after_forward, recipe=recipe, optimizer=optimizer,
                      master_dtype=master_dtype, module_dtype=module_dtype, grad_reduce_dtype=grad_reduce_dtype, scheduler=scheduler, virtual_stages=virtual_stages,
                      progress=progress, prune=prune, settle=False, cp=cp, context_parallel_kind=context_parallel_kind,
-                     float8=float8, compiled=compiled, **optimizer_kwargs).frame
+                     float8=float8, compiled=compiled, ep=ep, **optimizer_kwargs).frame

@@ -63,17 +63,24 @@ LAYOUT_HUES: List[float] = [215.0, 30.0, 125.0, 355.0, 275.0, 50.0, 180.0]
 """The hue (degrees) of tensor-parallel size 1, 2, 4, 8, 16, 32, 64 in the plan space."""
 
 
-def layout_colour(tp: int, pp: int, cp: int = 1) -> str:
-    """The colour of a tp x cp x pp layout, the same in every chart whatever else it draws: the hue
-    says the tensor-parallel size (a power of two takes its own; 3, 6, 12 ... the nearest one's,
-    turned 20 degrees), the shade the pipeline stages (darkest at 1, lighter at each doubling), and
-    the saturation the context-parallel size (full at 1, halved at each doubling), so a cp layout
-    never shares a tp layout's colour."""
-    if int(tp) < 1 or int(pp) < 1 or int(cp) < 1:
-        raise ValueError(f"layout_colour(tp={tp}, pp={pp}, cp={cp}): all must be whole numbers >= 1.")
+EXPERT_HUE = 310.0
+"""The hue (degrees) of every expert-parallel layout: magenta, which no tensor-parallel size takes."""
+
+
+def layout_colour(tp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
+    """The colour of a tp x cp x ep x pp layout, the same in every chart whatever else it draws: the
+    hue says the tensor-parallel size (a power of two takes its own; 3, 6, 12 ... the nearest one's,
+    turned 20 degrees), or ``EXPERT_HUE`` where ``ep > 1``; the shade the pipeline stages (darkest
+    at 1, lighter at each doubling), and the saturation the context- or expert-parallel size (full
+    at 1, and at ep 2; halved at each doubling), so a cp or ep layout never shares a tp layout's
+    colour."""
+    if int(tp) < 1 or int(pp) < 1 or int(cp) < 1 or int(ep) < 1:
+        raise ValueError(f"layout_colour(tp={tp}, pp={pp}, cp={cp}, ep={ep}): all must be whole numbers >= 1.")
     steps = math.log2(int(tp))
     hue = LAYOUT_HUES[round(steps) % len(LAYOUT_HUES)] + (0.0 if steps.is_integer() else 20.0)
+    if int(ep) > 1:
+        hue = EXPERT_HUE
     lightness = min(0.34 + 0.10 * math.log2(int(pp)), 0.84)
-    saturation = 0.70 / int(cp)
+    saturation = 0.70 / int(cp) / max(int(ep) // 2, 1)
     r, g, b = colorsys.hls_to_rgb((hue % 360.0) / 360.0, lightness, saturation)
     return "#{:02x}{:02x}{:02x}".format(*(round(255 * c) for c in (r, g, b)))

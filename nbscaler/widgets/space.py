@@ -2,15 +2,15 @@
 
 ``space_svg(frame, hardware)`` draws one mark per row of ``nbscaler.sweep``'s table (or a
 ``PlanSpace``'s): peak memory per GPU across, the step time (or the MFU) up; the target's memory
-capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x cp x pp
-layout (``palette.layout_colour``; a context-parallel layout, tp 1 x cp n x pp, is named apart in
-the legend), a circle where nothing is recomputed, a triangle where the attention cores are and a diamond where
-the layers are (the ``recompute`` column: none, selective, full); the Pareto front
+capacity as a vertical dashed line, so what does not fit lies right of it; a colour per tp x cp x ep
+x pp layout (``palette.layout_colour``; a context- or expert-parallel layout, tp 1 x cp n x pp or
+tp 1 x ep n x pp, is named apart in the legend), a circle where nothing is recomputed, a triangle
+where the attention cores are and a diamond where the layers are (the ``recompute`` column: none, selective, full); the Pareto front
 (``space.pareto.pareto_front``) ringed in black and joined by a dashed line; a white dot inside a
 mark where its products are in fp8, a white bar across it where its target compiles (the
 ``float8`` and ``compiled`` columns, keyed in the legend where the frame has such rows). Each mark's
 ``<title>`` is the configuration (``sequence parallel`` where it is, ``cp n`` and its kind where the
-sequence is split) and its figures (the
+sequence is split, ``ep n`` where the experts are) and its figures (the
 browser's hover text).
 
 ``SpaceWidget`` shows that SVG live and turns a click on a mark into its row (``selected``); the
@@ -50,9 +50,11 @@ class Metric(StrEnum):
 METRIC_COLUMNS: Dict[Metric, str] = {Metric.STEP_TIME: S.STEP_TIME_S, Metric.MFU: S.MFU}
 
 
-def group_name(tp: int, pp: int, cp: int = 1) -> str:
-    """A colour group's legend name: its tensor-, context- (where above 1) and pipeline-parallel sizes."""
-    return f"tp {int(tp)} x cp {int(cp)} x pp {int(pp)}" if int(cp) > 1 else f"tp {int(tp)} x pp {int(pp)}"
+def group_name(tp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
+    """A colour group's legend name: its tensor-, context- and expert- (each where above 1) and
+    pipeline-parallel sizes."""
+    inner = "".join(f" x {name} {int(size)}" for name, size in (("cp", cp), ("ep", ep)) if int(size) > 1)
+    return f"tp {int(tp)}{inner} x pp {int(pp)}"
 
 
 def _cp(row) -> int:
@@ -60,9 +62,14 @@ def _cp(row) -> int:
     return int(row[S.CP]) if S.CP in row else 1
 
 
+def _ep(row) -> int:
+    """A row's expert-parallel size (1 for a frame from before ``ep`` was a column)."""
+    return int(row[S.EP]) if S.EP in row else 1
+
+
 def group_of(row) -> str:
-    """A row's colour group (``group_name`` of its tp, pp and cp)."""
-    return group_name(row[S.TP], row[S.PP], _cp(row))
+    """A row's colour group (``group_name`` of its tp, pp, cp and ep)."""
+    return group_name(row[S.TP], row[S.PP], _cp(row), _ep(row))
 
 
 def describe(row) -> str:
@@ -72,6 +79,7 @@ def describe(row) -> str:
     sequence = ", sequence parallel" if bool(row[S.SEQUENCE_PARALLEL]) else ""
     cp = _cp(row)
     context = f" x cp {cp} ({row[S.CONTEXT_PARALLEL_KIND]})" if cp > 1 else ""
+    context += f" x ep {_ep(row)}" if _ep(row) > 1 else ""
     fp8, compiled = _software(row)
     software = (f", fp8 {row[S.FLOAT8]}" if fp8 else "") + (", compiled" if compiled else "")
     return (f"tp {int(row[S.TP])}{context} x pp {int(row[S.PP])} x dp {int(row[S.DP])}, micro-batch "
@@ -113,11 +121,11 @@ def _shape(x: float, y: float, recompute: str, colour: str, ring: bool, size: fl
 
 
 def _colours(frame: pd.DataFrame) -> Dict[str, str]:
-    """Each tp x cp x pp group of ``frame`` (the legend's order) and its colour, a function of the
-    layout alone (``palette.layout_colour``): a knob that adds or drops layouts recolours none."""
-    cps = frame[S.CP] if S.CP in frame.columns else [1] * len(frame)
-    layouts = sorted({(int(t), int(c), int(p)) for t, c, p in zip(frame[S.TP], cps, frame[S.PP])})
-    return {group_name(t, p, c): layout_colour(t, p, c) for t, c, p in layouts}
+    """Each tp x cp x ep x pp group of ``frame`` (the legend's order) and its colour, a function of
+    the layout alone (``palette.layout_colour``): a knob that adds or drops layouts recolours none."""
+    cps, eps = ([int(v) for v in frame[c]] if c in frame.columns else [1] * len(frame) for c in (S.CP, S.EP))
+    layouts = sorted({(int(t), c, e, int(p)) for t, c, e, p in zip(frame[S.TP], cps, eps, frame[S.PP])})
+    return {group_name(t, p, c, e): layout_colour(t, p, c, e) for t, c, e, p in layouts}
 
 
 def _scales(frame: pd.DataFrame, column: str, capacity: float) -> Tuple[float, List[float], List[float], Scale, Scale]:

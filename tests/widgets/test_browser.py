@@ -121,10 +121,13 @@ def knob_text(page, name: str) -> str:
 
 
 @contextlib.contextmanager
-def swept_space(tmp_path, ranges: str, configurations: int):
+def swept_space(tmp_path, ranges: str, configurations: int, model: str = ""):
     """JupyterLab showing an Explorer of ``sweep_ranges=ranges`` (its source) whose space tab has
-    swept its ``configurations``: the lab, open on it."""
-    write_notebook(tmp_path / "space.ipynb", f"from nbscaler.widgets import Explorer\nex = Explorer(sweep_ranges={ranges})\nex")
+    swept its ``configurations``: the lab, open on it. ``model``: source that sets ``model`` and
+    ``args``, the Explorer's model and its inputs (none: the Explorer's own)."""
+    given = "model, args, " if model else ""
+    write_notebook(tmp_path / "space.ipynb", f"from nbscaler.widgets import Explorer\n{model}\n"
+                                             f"ex = Explorer({given}sweep_ranges={ranges})\nex")
     shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
     space = f"{EXPLORER} .nbscaler-space"
     with lab_page(tmp_path, shots) as lab:
@@ -231,4 +234,25 @@ def test_the_space_tab_marks_fp8_and_compiled_rows_and_keys_them(tmp_path):
         keys = page.locator(f"{space} svg text").evaluate_all("ts => ts.map(t => t.textContent)")
         assert "fp8 products" in keys and "compiled" in keys, keys
         lab.screenshot("11-space-fp8-compiled", space)
+        assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]
+
+
+def test_the_space_tab_names_and_colours_expert_parallel_layouts_and_loads_one(tmp_path):
+    space = f"{EXPLORER} .nbscaler-space"
+    model = ("from nbscaler.models.moe import MoEConfig, MoELlama, sample_batch\n"
+             "model = MoELlama(MoEConfig(vocab_size=256, seq_len=32, n_layer=2, d_model=64, n_head=4, n_kv_head=2))\n"
+             "args = sample_batch(model.config, batch_size=2)")
+    ranges = "dict(tp=(1,), pp=(1, 2), ep=(1, 2), micro_batch=(2,), zero_stage=(1,))"
+    # a global batch of 8 on 8 GPUs: ep 1 x pp 2, ep 2 x pp 1 and ep 2 x pp 2, each recomputing none,
+    # the attention cores or the layers (ep 1 x pp 1 would need dp 8 x 2 sequences)
+    with swept_space(tmp_path, ranges, 9, model) as lab:
+        page = lab.page
+        legend = page.evaluate(LEGEND_FILLS.replace("x pp", "(x ep \\d+ )?x pp"), space)
+        assert set(legend) == {"tp 1 x pp 2", "tp 1 x ep 2 x pp 1", "tp 1 x ep 2 x pp 2"}, legend
+        assert len(set(legend.values())) == 3
+        experts = page.locator(f"{space} .nbs-point:has(title:has-text('tp 1 x ep 2 x pp'))")
+        assert experts.count() == 6
+        lab.screenshot("12-space-expert-parallel", space)
+        experts.first.dispatch_event("click")
+        page.wait_for_selector(f"{EXPLORER} .nbscaler-info:has-text('Loaded tp 1 x ep 2 x pp')", timeout=WAIT_MS)
         assert not [line for line in lab.console if line.startswith("error:") and "nbscaler" in line.lower()]

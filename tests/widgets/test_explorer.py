@@ -415,6 +415,14 @@ def test_the_context_parallel_knobs_build_the_config_the_policy_reads():
     assert Knobs(policy="dp", context_parallel=2).row()["context_parallel"] == ""           # dp: none
 
 
+def test_the_expert_parallel_knob_builds_the_config_the_policy_reads():
+    knobs = Knobs(policy="hybrid", plan_ngpus=2, runtime_ngpus=2, expert_parallel=2)
+    assert knobs.compute_config().pas_config["expert_parallel"] == 2 and knobs.row()["expert_parallel"] == 2
+    assert "expert_parallel" not in Knobs(policy="tp").compute_config().pas_config              # 1: none
+    off = Knobs(policy="dp", expert_parallel=2)                                                # dp does not read it
+    assert "expert_parallel" not in off.compute_config().pas_config and off.row()["expert_parallel"] == 1
+
+
 @pytest.mark.slow       # seconds: a compile, a re-placement under context parallelism and a refusal
 def test_the_context_parallel_knob_compiles_a_cp_plan_and_a_refusal_shows_as_an_error(explorer):
     knobs = explorer.controls

@@ -14,11 +14,12 @@ from nbscaler.widgets import Explorer
 from nbscaler.widgets.explorer.app import SPACE_TAB
 from nbscaler.widgets.explorer.panes import ViewName
 from nbscaler.widgets.palette import layout_colour
+from tests.models import batch, build
 from tests.widgets.svg import NS, charts, hint, marks, texts
 from nbscaler.widgets.space import RIGHT, WIDTH, describe, space_svg
 
 RANGES = dict(tp=(1, 2), pp=(1, 2), micro_batch=(1, 2), zero_stage=(1,))
-GROUP = r"tp \d+ (x cp \d+ )?x pp \d+"          # a legend entry: ``tp 2 x pp 1``, ``tp 1 x cp 2 x pp 1``
+GROUP = r"tp \d+ (x cp \d+ )?(x ep \d+ )?x pp \d+"    # a legend entry: ``tp 2 x pp 1``, ``tp 1 x cp 2 x pp 1``
 
 
 def swept_explorer() -> Explorer:
@@ -139,7 +140,7 @@ def layout_colours(svg):
     points = {}
     for g in marks(chart, "g"):
         if "nbs-point" in (g.get("class") or ""):     # "tp 1 x cp 2 (ring) x pp 1 ...": the kind is not the group's
-            group = re.match(r"tp \d+ (x cp \d+ (\(\w+\) )?)?x pp \d+", hint(g)).group(0)
+            group = re.match(r"tp \d+ (x cp \d+ (\(\w+\) )?)?(x ep \d+ )?x pp \d+", hint(g)).group(0)
             points.setdefault(re.sub(r" \(\w+\)", "", group), set()).add(g[0].get("fill"))
     return legend, points
 
@@ -156,9 +157,9 @@ def test_a_layouts_colour_is_the_same_in_every_sweep_and_the_legend_agrees(explo
 
 
 def _sizes(group: str):
-    """A legend name's (tp, pp, cp): ``tp 2 x pp 1``, or ``tp 1 x cp 2 x pp 1``."""
-    sizes = dict(re.findall(r"(tp|cp|pp) (\d+)", group))
-    return int(sizes["tp"]), int(sizes["pp"]), int(sizes.get("cp", 1))
+    """A legend name's (tp, pp, cp, ep): ``tp 2 x pp 1``, ``tp 1 x cp 2 x pp 1`` or ``tp 1 x ep 2 x pp 1``."""
+    sizes = dict(re.findall(r"(tp|cp|ep|pp) (\d+)", group))
+    return int(sizes["tp"]), int(sizes["pp"]), int(sizes.get("cp", 1)), int(sizes.get("ep", 1))
 
 
 def test_a_layout_colour_is_a_function_of_tp_and_pp_alone_and_tells_them_apart():
@@ -175,6 +176,12 @@ def test_a_context_parallel_layout_has_a_colour_no_other_layout_has():
     colours = {layout_colour(*size) for size in sizes}
     assert len(colours) == len(sizes)                  # tp 1 x cp 2 is not tp 2's colour, nor tp 1's
     assert layout_colour(1, 1, 2) not in {layout_colour(2, 1), layout_colour(1, 1)}
+
+
+def test_an_expert_parallel_layout_has_a_colour_no_other_layout_has():
+    sizes = [(tp, pp, cp, 1) for tp in (1, 2, 4, 8) for pp in (1, 2, 4) for cp in (1, 2, 4, 8)]
+    sizes += [(1, pp, 1, ep) for pp in (1, 2, 4) for ep in (2, 4, 8)]
+    assert len({layout_colour(*size) for size in sizes}) == len(sizes)
 
 
 def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
@@ -244,24 +251,33 @@ def test_the_timeline_of_a_loaded_point_prices_the_spaces_master_copies(explorer
     assert memory.predicted.peak_bytes.max() == pytest.approx(frame.peak_bytes[0], rel=1e-9)
 
 
+def swept_and_picked(ex: Explorer, column: str, group: str, colour: str) -> pd.Series:
+    """Sweep ``ex``'s space, whose ``column`` takes 1 and 2, check that the layout at 2 (``group``)
+    is a legend entry of ``colour`` of its own, its points that colour too, and click its first
+    point; returns that row."""
+    ex.sweep()
+    assert ex.error is None, ex.error
+    frame = ex.space.frame
+    assert set(frame[column]) == {1, 2} and group in ex.space.chart.svg
+    legend, points = layout_colours(ex.space.chart.svg)
+    assert legend[group] == colour != legend["tp 1 x pp 1"]
+    assert all(points[g] == {legend[g]} for g in legend)
+    row = next(i for i in range(len(frame)) if frame[column].iloc[i] == 2)
+    chosen = frame.iloc[row]
+    assert describe(chosen) in ex.space.chart.svg
+    ex.space.pick(row)
+    assert ex.error is None, ex.error
+    return chosen
+
+
 @pytest.mark.slow       # seconds: a sweep with context parallelism and the plan of one of its rows
 def test_a_context_parallel_point_has_its_own_group_and_loads_a_context_parallel_plan():
     ex = Explorer(sweep_ranges={**RANGES, "tp": (1,), "cp": (1, 2), "context_parallel_kind": ("ring",)},
                   optimizer_fn=torch.optim.AdamW)
     try:
         ex.space.set(global_batch=8)
-        ex.sweep()
-        assert ex.error is None, ex.error
-        frame = ex.space.frame
-        assert set(frame.cp) == {1, 2} and "tp 1 x cp 2 x pp 1" in ex.space.chart.svg
-        legend, points = layout_colours(ex.space.chart.svg)
-        assert legend["tp 1 x cp 2 x pp 1"] == layout_colour(1, 1, 2) != legend["tp 1 x pp 1"]
-        assert all(points[g] == {legend[g]} for g in legend)
-        row = next(i for i in range(len(frame)) if frame.cp.iloc[i] == 2)
-        chosen = frame.iloc[row]
-        assert "x cp 2 (ring) x pp" in describe(chosen) and describe(chosen) in ex.space.chart.svg
-        ex.space.pick(row)
-        assert ex.error is None, ex.error
+        chosen = swept_and_picked(ex, "cp", "tp 1 x cp 2 x pp 1", layout_colour(1, 1, 2))
+        assert "x cp 2 (ring) x pp" in describe(chosen)
         config = ex.plan.config
         assert config.pas_config["context_parallel"] == 2 and config.pas_config["context_parallel_kind"] == "ring"
         assert config.plan_ngpus == 2 * chosen.pp
@@ -301,3 +317,28 @@ def test_fp8_and_compiled_rows_are_marked_keyed_and_described(kept_explorer):
     fp8 = [g for g in points if ", fp8 tensorwise, compiled:" in hint(g)]
     assert len(fp8) == len(frame) and all(dot(g) and bar(g) for g in fp8)
     assert not any(dot(g) or bar(g) for g in points if g not in fp8)
+
+
+@pytest.mark.slow       # seconds: a sweep of a mixture of experts over ep and the plan of one of its rows
+def test_an_expert_parallel_point_has_its_own_group_and_loads_an_expert_parallel_plan():
+    # the shipped MoE Llama taking one batch and returning its loss, so the knobs may pipeline it
+    ex = Explorer(build("moe_e2e"), batch("moe_e2e", 0), optimizer_fn=torch.optim.AdamW,
+                  sweep_ranges={**RANGES, "tp": (1,), "ep": (1, 2), "micro_batch": (2,)})
+    try:
+        ex.space.set(global_batch=16)       # dp 8 x micro-batches of 2 at tp 1 x pp 1
+        chosen = swept_and_picked(ex, "ep", "tp 1 x ep 2 x pp 1", layout_colour(1, 1, 1, 2))
+        assert "tp 1 x ep 2 x pp" in describe(chosen)
+        config = ex.plan.config
+        assert config.pas_config["expert_parallel"] == 2 and config.plan_ngpus == 2 * chosen.pp
+        memory = ex.panes.views[ViewName.MEMORY]
+        assert memory.predicted.peak_bytes.max() == pytest.approx(chosen.peak_bytes, rel=1e-9)
+        assert ex.controls.expert_parallel.value == 2          # the knobs read the row, ep included
+        frame = ex.space.frame
+        piped = next(i for i in range(len(frame)) if frame.ep.iloc[i] == 2 and frame.pp.iloc[i] == 2)
+        ex.space.pick(piped)
+        other = next(g for g in ("none", "selective") if g != frame.recompute.iloc[piped])
+        ex.set(recompute=other)                                # a knob turned next keeps the experts split
+        assert ex.error is None and ex.plan.config.pas_config["expert_parallel"] == 2
+        assert ex.plan.config.plan_ngpus == 4 and ex.plan.config.pipeline_nstages == 2
+    finally:
+        ex.close()

@@ -69,7 +69,7 @@ class Explorer:
             this machine.
         sweep_ranges: what the space tab sweeps (``nbscaler.sweep``'s ``tp``, ``pp``,
             ``micro_batch``, ``recompute``, ``sequence_parallel``, ``zero_stage``, ``cp``,
-            ``context_parallel_kind``); ``None`` for its defaults
+            ``context_parallel_kind``, ``ep``, ...); ``None`` for its defaults
             (``explorer.space.DEFAULT_RANGES``).
     """
 

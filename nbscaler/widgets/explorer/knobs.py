@@ -19,9 +19,12 @@ from nbscaler.layouts import ContextKind
 from nbscaler.policy.builtin import (PIPELINE_POLICIES, POLICY_KEYS, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES,
                                      BuiltinPolicy)
 from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
+from nbscaler.policy.experts import EXPERT_PARALLEL_KEY
 
 #: The policies that read ``pas_config['context_parallel']`` (``tp``, ``hybrid``).
 CONTEXT_PARALLEL_POLICIES = tuple(p for p, keys in POLICY_KEYS.items() if CONTEXT_PARALLEL in keys)
+#: The policies that read ``pas_config['expert_parallel']`` (``tp``, ``hybrid``).
+EXPERT_PARALLEL_POLICIES = tuple(p for p, keys in POLICY_KEYS.items() if EXPERT_PARALLEL_KEY in keys)
 
 Policy = Union[str, Callable[..., Any]]
 
@@ -53,6 +56,10 @@ class Knobs:
       sequence parallelism beside it, with the fix; the Explorer shows that refusal.
     - ``context_parallel_kind``: how attention reads the other devices' keys: ``'all_gather'`` or
       ``'ring'`` (``pas_config['context_parallel_kind']``; read only where ``context_parallel > 1``).
+    - ``expert_parallel``: the devices each stage's routed experts are split over
+      (``pas_config['expert_parallel']``, ``tp`` and ``hybrid`` only; 1: none). The policy takes
+      only the devices of a stage and refuses another size, a model without routed experts, or
+      sequence or context parallelism beside it, with the fix; the Explorer shows that refusal.
     - ``torch_compile``: the ranks run their generated methods through ``torch.compile``
       (``ComputeConfig.compile``); the runs table then says how long that took (``torch_compile_s``).
     """
@@ -74,6 +81,7 @@ class Knobs:
     context_parallel: int = 1
     context_parallel_kind: str = ContextKind.ALL_GATHER.value
     torch_compile: bool = False
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         allowed = [g.value for g in RecomputeGranularity]
@@ -115,6 +123,16 @@ class Knobs:
         """The context-parallel size the plan is asked for: 1 where the policy does not read it."""
         return self.context_parallel if self.context_parallel_applies else 1
 
+    @property
+    def expert_parallel_applies(self) -> bool:
+        """Whether the policy reads ``expert_parallel`` (``tp``, ``hybrid``)."""
+        return self.policy in EXPERT_PARALLEL_POLICIES
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """The expert-parallel size the plan is asked for: 1 where the policy does not read it."""
+        return self.expert_parallel if self.expert_parallel_applies else 1
+
     def replace(self, **changes: Any) -> "Knobs":
         return dataclasses.replace(self, **changes)
 
@@ -134,6 +152,8 @@ class Knobs:
         if self.context_parallel_size > 1:        # the policy checks it against the stage's devices
             pas_config[CONTEXT_PARALLEL] = self.context_parallel_size
             pas_config[CONTEXT_PARALLEL_KIND] = self.context_parallel_kind
+        if self.expert_parallel_size > 1:         # so is this
+            pas_config[EXPERT_PARALLEL_KEY] = self.expert_parallel_size
         if self.recompute == RecomputeGranularity.FULL and self.recompute_modules:
             pas_config[RECOMPUTE_MODULES] = list(self.recompute_modules)
         elif self.recompute != RecomputeGranularity.NONE:
@@ -151,6 +171,7 @@ class Knobs:
                 "zero": self.zero_stage if self.use_zero else 0,
                 "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies,
                 "context_parallel": context_label(self.context_parallel_size, self.context_parallel_kind),
+                "expert_parallel": self.expert_parallel_size,
                 "recompute": self.recompute, "torch_compile": self.torch_compile}
 
 

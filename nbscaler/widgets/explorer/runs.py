@@ -22,13 +22,14 @@ from nbscaler.columns import SummaryColumn as C
 from nbscaler.planning import Plan
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.context import context_kind, context_parallel
+from nbscaler.policy.experts import expert_parallel
 from nbscaler.recipe import Recipe
 from nbscaler.widgets.explorer.knobs import Knobs, context_label, recompute_of
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
-               "sequence_parallel", "context_parallel", "recompute", "torch_compile", "compile_s", "torch_compile_s",
-               "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
+               "sequence_parallel", "context_parallel", "expert_parallel", "recompute", "torch_compile", "compile_s",
+               "torch_compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
                "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
@@ -64,6 +65,7 @@ class Run:
             "zero": plan.config.use_zero,
             "sequence_parallel": bool(plan.config.pas_config.get(SEQUENCE_PARALLEL, False)),
             "context_parallel": context_label(context_parallel(plan.config), context_kind(plan.config)),
+            "expert_parallel": expert_parallel(plan.config),
             "recompute": recompute_of(plan.config)[0],
             "torch_compile": plan.config.compile,
             "step_s_predicted": float(summary[C.STEP_TIME_S].max()),
