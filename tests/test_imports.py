@@ -25,7 +25,7 @@ ALLOWED_CYCLES: Dict[str, str] = {}
 # the rows below. The runtime, which runs on every rank, imports only from ``RUNTIME_IMPORTS``.
 # Modules in no row (the entry points: parallel, cli, walkthroughs, ...) may import anything.
 LAYERS = [
-    ("config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention"),
+    ("config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention", "losses"),
     ("ir",),
     ("trace", "comm", "cost"),
     ("policy",),
@@ -36,7 +36,7 @@ LAYERS = [
     ("cluster",),
     ("widgets",),
 ]
-RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention"}
+RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention", "losses"}
 
 Arrow = Tuple[str, str]
 

@@ -46,7 +46,7 @@ from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import (context_parallel, counted_tokens_bytes, exchanged_bytes, exchanged_counts_bytes,
                                      expert_parallel, vocab_parallel)
 from nbscaler.attention import context_attention
-from nbscaler.runtime.losses import split_cross_entropy
+from nbscaler.losses import split_cross_entropy
 from nbscaler.experts import parallel as experts_parallel
 from nbscaler.experts.grouped import FAKE_STAND_INS
 from nbscaler.ir.registry import USER_OPS
