@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nbscaler
+from nbscaler.layouts import COLLECTIVES, Collective
 import nbscaler.planning.planner as planner
 from nbscaler import ComputeConfig, parallelize
 from nbscaler.genfiles import PLAN_FILE, module_dir
@@ -20,7 +21,13 @@ def pipeline(plan_ngpus, nstages=None, scheduler="1f1b", nmicros=4):
 
 
 def comm_calls(source: str) -> Counter:
-    return Counter(re.findall(r"= comm\.(\w+)\(", source))
+    """The collectives a rank's code calls: ``comm.<name>(...)``, and for each call of a function
+    that runs one inside it (``CollectiveSpec.inside``: a split loss's token count) that collective."""
+    calls = Counter(re.findall(r"= comm\.(\w+)\(", source))
+    for collective, spec in COLLECTIVES.items():
+        if spec.inside and collective != Collective.EXPERT_EXCHANGE:     # (an exchange runs twice a call)
+            calls[collective.value] += len(re.findall(rf"= {spec.inside.rsplit('.', 1)[1]}\(", source))
+    return +calls
 
 
 def test_plan_writes_nothing_and_needs_no_process_group(tmp_path, monkeypatch):
