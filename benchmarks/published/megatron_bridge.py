@@ -152,7 +152,7 @@ def section(run: PublishedMoERun, rows: List[Dict[str, object]]) -> str:
     from benchmarks.published.report import _shares
     paragraphs = [p.strip() for p in __doc__.split("\n\n")]
     lines = ["| recomputation | step (s) | tokens/s per GPU, predicted | published | error | peak per GPU (GiB) | "
-             "fits in 80 GB | nbscaler's FLOPs a token (G) | the step, by cause |",
+             f"fits in {rows[0]['step'].hardware.memory_bytes / 1e9:.0f} GB | nbscaler's FLOPs a token (G) | the step, by cause |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         step = r["step"]
@@ -160,8 +160,8 @@ def section(run: PublishedMoERun, rows: List[Dict[str, object]]) -> str:
                      f"{run.tokens_per_s_per_gpu:,.0f} | {r['tokens_error']:+.1%} | {r['peak_gib']:.1f} | "
                      f"{'yes' if step.fits else 'no'} | {r['flops_per_token'] / 1e9:.1f} | {_shares(r['shares'])} |")
     published_flops = run.tflops_per_gpu * 1e12 / run.tokens_per_s_per_gpu
-    flops = (f"The published figures imply {published_flops / 1e9:.1f} GFLOPs a token (153 TFLOP/s over 5,630 "
-             f"tokens/s); nbscaler counts {rows[0]['flops_per_token'] / 1e9:.1f} for the run without recomputation "
+    flops = (f"The published figures imply {published_flops / 1e9:.1f} GFLOPs a token ({run.tflops_per_gpu:g} TFLOP/s over "
+             f"{run.tokens_per_s_per_gpu:,.0f} tokens/s); nbscaler counts {rows[0]['flops_per_token'] / 1e9:.1f} for the run without recomputation "
              f"(every attention pair and each token's {SHAPE['top_k']} experts, forward and backward), "
              f"{rows[0]['params'] / 1e9:.1f} B parameters in all.")
     return (f"## Megatron-Bridge on DGX-H100 ({run.name}, experts over {run.gpus} GPUs)\n\n" + "\n\n".join(paragraphs[1:])

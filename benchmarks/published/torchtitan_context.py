@@ -171,7 +171,8 @@ def section(rows: List[Dict[str, object]]) -> str:
     from benchmarks.published.report import _shares
     paragraphs = [p.strip() for p in __doc__.split("\n\n")]
     lines = ["| layout | sequence | keys and values | bf16 peak (TFLOP/s) | step (s) | tokens/s per GPU, predicted | "
-             "published | error | peak (GiB), predicted | published | fits in 96 GB | the step, by cause | "
+             f"published | error | peak (GiB), predicted | published | fits in "
+             f"{rows[0]['step'].hardware.memory_bytes / 1e9:.0f} GB | the step, by cause | "
              "the step (s), by kind of kernel and wait |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
