@@ -179,9 +179,11 @@ def context_parallel(n: int, kind: str = "all_gather", **pas_config: Any) -> tup
     return (("pas_config", (("context_parallel", n), ("context_parallel_kind", kind)) + tuple(pas_config.items())),)
 
 
-def expert_parallel(n: int) -> tuple:
-    """The ``Case.config`` of expert parallelism over ``n`` devices."""
-    return (("pas_config", (("expert_parallel", n),)),)
+def expert_parallel(n: int, around: str = "data") -> tuple:
+    """The ``Case.config`` of expert parallelism over ``n`` devices, the layers around the experts
+    split by batch (``around='data'``) or tensor-parallel (``'tp'``)."""
+    extra = (("around_experts", around),) if around != "data" else ()
+    return (("pas_config", (("expert_parallel", n),) + extra),)
 
 
 def data_seed(step: int, unit: int, micro: int = 0) -> int:

@@ -56,7 +56,8 @@ from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.batch import split_batch
 from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, context_parallel, place_context
-from nbscaler.policy.experts import EXPERT_PARALLEL_KEY, check_experts, place_experts
+from nbscaler.policy.experts import (AROUND_EXPERTS_KEY, EXPERT_PARALLEL_KEY, AroundExperts, around_experts,
+                                     check_experts, place_experts)
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
@@ -129,7 +130,7 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
     unit = cfg.grid.stage_group(None)
     if check_experts(cfg, len(unit), _beside_experts(cfg)) > 1:
-        return place_experts(graph, lambda node: unit)
+        return place_experts(graph, lambda node: unit, _around(cfg, lambda node: unit))
     if check_context(cfg, len(unit), sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: unit, context_kind(cfg))
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
@@ -140,6 +141,14 @@ def _beside_experts(cfg: ComputeConfig) -> Tuple[str, ...]:
     does not combine with yet."""
     return tuple(key for key, on in ((SEQUENCE_PARALLEL, sequence_parallel(cfg)),
                                      (CONTEXT_KEYS[0], context_parallel(cfg) > 1)) if on)
+
+
+def _around(cfg: ComputeConfig, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> Optional[Policy]:
+    """The placement of the layers around expert-parallel experts: ``None`` for the batch split,
+    or Megatron-style tensor parallelism over the same devices (``around_experts='tp'``)."""
+    if around_experts(cfg) == AroundExperts.TP:
+        return lambda graph: _tensor_parallel(graph, devices_of)
+    return None
 
 
 def sequence_parallel(cfg: ComputeConfig) -> bool:
@@ -231,7 +240,8 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
         graph.meta[POLICY_NOTE] = why
     stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
     if check_experts(cfg, geometry.tp, _beside_experts(cfg)) > 1:
-        return place_experts(graph, lambda node: geometry.stage_group(node.stage))
+        group = lambda node: geometry.stage_group(node.stage)
+        return place_experts(graph, group, _around(cfg, group))
     if check_context(cfg, geometry.tp, sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg))
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
@@ -315,10 +325,10 @@ COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES, RECOMPUTE)
 
 POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DP: (),
-    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY) + CONTEXT_KEYS,
+    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY, AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.DATA: (),
     BuiltinPolicy.PP: (PIPELINE_SPLIT,),
-    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT, EXPERT_PARALLEL_KEY) + CONTEXT_KEYS,
+    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT, EXPERT_PARALLEL_KEY, AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.AUTODIST: AUTODIST_KEYS + TARGET_KEYS + (SEQUENCE_PARALLEL,),
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""

@@ -6,22 +6,47 @@ weights, whose gradients then need no sum inside the unit) and its share of the 
 other op, whose weights stay whole with their gradients summed over the devices, as the ``data``
 policy places them. Inside the experts op each device sends every (token, expert) pair to the
 device that holds its expert and gets the result back (two all-to-alls forward, two backward:
-``nbscaler.experts.parallel``). Tensor parallelism of the layers around the experts, or inside
-each expert, is not combined with it yet; neither are context and sequence parallelism.
+``nbscaler.experts.parallel``).
+
+With ``pas_config={"expert_parallel": n, "around_experts": "tp"}`` the layers around the experts are
+tensor-parallel instead, Megatron-style, over the same devices: every device holds the whole batch
+there, so each takes its ``1/n`` of the tokens into the experts op (a slice, no traffic) and the
+op's output is all-gathered back, as Megatron-LM runs its expert layers beside tensor parallelism.
+Context and sequence parallelism are not combined with it yet.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Callable, Tuple
 
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import EXPERT_PARALLEL, IRGraph, IRNode
 from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
 from nbscaler.policy.batch import split_batch
-from nbscaler.policy.primitives import PolicyError
+from nbscaler.policy.primitives import PolicyError, partition, replicate
 
 EXPERT_PARALLEL_KEY = "expert_parallel"
 """The ``pas_config`` key of expert parallelism: the devices a stage's experts are split over."""
+AROUND_EXPERTS_KEY = "around_experts"
+"""The ``pas_config`` key of how expert parallelism splits the layers around the experts (``AroundExperts``)."""
+
+
+class AroundExperts(str, enum.Enum):
+    """How the layers around an expert-parallel op are split over its devices."""
+
+    DATA = "data"               # by batch: each device routes its own share of the tokens
+    TP = "tp"                   # Megatron-style tensor parallelism: each device takes 1/n of the tokens in
+
+
+def around_experts(cfg: ComputeConfig) -> AroundExperts:
+    """``pas_config['around_experts']``, checked (default ``'data'``)."""
+    value = cfg.pas_config.get(AROUND_EXPERTS_KEY, AroundExperts.DATA.value)
+    if value not in {a.value for a in AroundExperts}:
+        raise ValueError(f"pas_config['{AROUND_EXPERTS_KEY}']={value!r} is invalid: give "
+                         f"{' or '.join(repr(a.value) for a in AroundExperts)} (how the layers around the experts "
+                         "are split over their devices).")
+    return AroundExperts(value)
 
 
 def expert_parallel(cfg: ComputeConfig) -> int:
@@ -51,16 +76,23 @@ def check_experts(cfg: ComputeConfig, stage_devices: int, others: Tuple[str, ...
     return n
 
 
-def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> IRGraph:
-    """Split every op of ``graph`` by batch over ``devices_of(node)``, and every routed-experts op's
-    experts over the same devices (see the module docstring)."""
-    split_batch(graph, devices_of, f"pas_config['{EXPERT_PARALLEL_KEY}']")
+def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]],
+                  around: Callable[[IRGraph], IRGraph] = None) -> IRGraph:
+    """Split every op of ``graph`` by batch over ``devices_of(node)`` (or place it by ``around``,
+    a tensor-parallel placement of the whole graph), and every routed-experts op's experts over the
+    same devices, its tokens split (see the module docstring)."""
+    if around is None:
+        split_batch(graph, devices_of, f"pas_config['{EXPERT_PARALLEL_KEY}']")
+    else:
+        around(graph)
     found = [node for node in graph.nodes if node.target in EXPERT_OPS]
     if not found:
         raise PolicyError(f"pas_config['{EXPERT_PARALLEL_KEY}'] splits routed experts over the devices, but the "
                           "model calls none: route its tokens with nbscaler.experts.dropless_experts or "
                           "capacity_experts (as nbscaler.models.moe does), or drop the key.")
     for node in found:
+        if around is not None:          # its tokens split over the devices, whatever placed the rest
+            _split_tokens(node, devices_of(node))
         n, experts = len(node.placement.devices), node.inputs[EXPERT_WEIGHTS[0]].shape[0]
         if node.placement.split is None:
             raise PolicyError(f"{node.name}: expert parallelism needs its tokens split by batch over the {n} devices, "
@@ -70,3 +102,13 @@ def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
                               f"{EXPERT_PARALLEL_KEY} to a divisor of {experts}.")
         node.meta[EXPERT_PARALLEL] = True
     return graph
+
+
+def _split_tokens(node: IRNode, devices: Tuple[int, ...]) -> None:
+    """Place routed-experts ``node`` split along its tokens (its first input's first axis) over
+    ``devices``, left whole where they do not divide (``place_experts`` then refuses it by name)."""
+    name = node.annotation.inputs[0][0]
+    if node.annotation.can_split(name, len(devices)) is None:
+        partition(node, name, devices)
+    else:
+        replicate(node, devices)

@@ -42,10 +42,12 @@ def test_experts_in_pipelines_and_under_zero_train_like_one_process(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_expert_parallel_trains_like_one_process(nranks, tmp_path):
-    """Experts split over every device of a unit (and with 4 ranks also over 2, in 2 data-parallel
+    """Experts split over every device of a unit, the layers around them split by batch or
+    tensor-parallel (and with 4 ranks also over 2, in 2 data-parallel
     units, also under ZeRO-2 and ZeRO-3), both routings; the dropless one also in a two-stage
     pipeline whose stages are each expert-parallel over 2 devices."""
     cases = [Case(model, "tp", nranks, nranks, config=expert_parallel(nranks)) for model in MODELS]
+    cases += [Case(model, "tp", nranks, nranks, config=expert_parallel(nranks, around="tp")) for model in MODELS]
     if nranks == 4:
         cases += [Case(model, "tp", 2, 4, config=expert_parallel(2), optimizer="adamw") for model in MODELS]
         cases += [Case("moe_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + expert_parallel(2))]
