@@ -1,0 +1,59 @@
+"""A writer killed half-way through an atomic write leaves the old file whole and a hidden
+temporary, which the next write of that file removes."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from nbscaler.genfiles import GenDir, atomic_write_bytes, remove_stale_temporaries
+
+WRITE_AND_DIE = """
+import os, signal, sys
+from pathlib import Path
+from nbscaler.genfiles import GenDir, atomic_write
+path = Path(sys.argv[1])
+def half_then_die(f):
+    f.write(b"new" * 1000)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == "file":
+    atomic_write(path, half_then_die)
+else:
+    GenDir(path).replace_with(lambda tmp: (tmp.joinpath("config.json").write_text("{}"), half_then_die(open(os.devnull, "wb"))))
+"""
+
+
+def killed_writer(path: Path, kind: str) -> None:
+    done = subprocess.run([sys.executable, "-c", WRITE_AND_DIE, str(path), kind])
+    assert done.returncode == -signal.SIGKILL
+
+
+def test_a_killed_file_write_leaves_the_old_file_and_the_next_write_removes_its_temporary(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    atomic_write_bytes(path, b"old")
+    killed_writer(path, "file")
+    assert path.read_bytes() == b"old"
+    left = [p for p in os.listdir(tmp_path) if p != "ckpt.pt"]
+    assert len(left) == 1 and left[0].startswith(".ckpt.pt.")
+    atomic_write_bytes(path, b"newer")
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and path.read_bytes() == b"newer"
+
+
+def test_a_killed_folder_write_leaves_the_old_folder_and_the_next_write_removes_its_temporary(tmp_path):
+    path = tmp_path / "module"
+    GenDir(path).replace_with(lambda tmp: tmp.joinpath("config.json").write_text('{"old": 1}'))
+    killed_writer(path, "folder")
+    assert GenDir(path).read_config() == {"old": 1}
+    assert len(os.listdir(tmp_path)) == 2
+    remove_stale_temporaries(path)
+    assert os.listdir(tmp_path) == ["module"]
+
+
+def test_a_live_writers_temporary_stays(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    mine = tmp_path / f".ckpt.pt.{os.uname().nodename}-{os.getpid()}.abc"
+    mine.write_bytes(b"in progress")
+    remove_stale_temporaries(path)
+    assert mine.exists()
