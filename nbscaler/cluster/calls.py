@@ -168,7 +168,9 @@ def _values_or_raise(session: Session, outcomes: Dict[int, Outcome], dead: List[
                        "process group.", "", {**failures, **{s.rank: "engine process died" for s in dead}})
     if failures:
         session.group_dirty = True
-        first = min((o for o in outcomes.values() if not o.ok), key=lambda o: o.failed_at)
+        failed = [o for o in outcomes.values() if not o.ok]
+        # A rank told of a peer's failure may raise before the peer has: the peer is the cause.
+        first = min([o for o in failed if o.peer is None] or failed, key=lambda o: o.failed_at)
         others = {r: e for r, e in failures.items() if r != first.rank}
         raise RankError(first.rank,
                         f"rank {first.rank} raised {first.error}\n{_consequences(others)}"

@@ -117,13 +117,15 @@ def disk_full_in_generated_files(cluster: Any, folder: Path) -> Row:
                     f.write(b"\0" * (1 << 16))
         start = time.monotonic()
         err, ended = error_of(lambda: parallelize_on(cluster, TP, str(gen)))
-        intact = GenFiles(module_dir) == before and not hidden_leftovers(module_dir.parent)
+        after, left = GenFiles(module_dir), hidden_leftovers(module_dir.parent)
+        intact = after == before and not left and whole_gen_dir(module_dir, TP.runtime_ngpus)
         filler.unlink()
+    changed = sorted(set(before) ^ set(after) | {k for k in before if before[k] != after.get(k)})
+    trouble = f"changed: {changed}, left: {left}" if not intact else ""
     works, why = usable(cluster, folder)
     cause = "No space left" in str(err) and str(module_dir) in str(err)
     return Row("disk full in a write of generated files", ended - start, first_line(err), names_rank(err, 0),
-               cause, intact and whole_gen_dir(module_dir, TP.runtime_ngpus), works,
-               why or f"on {small.how}; the previous folder stays whole")
+               cause, intact, works, why or trouble or f"on {small.how}; the previous folder stays whole")
 
 
 class GenFiles(dict):
@@ -151,7 +153,7 @@ def damaged_checkpoint(cluster: Any, folder: Path, damage: str) -> Row:
     err, ended = error_of(lambda: cluster.run(load_state, str(ckpt)))
     intact = holds(ckpt / "ckpt.0.pt", 0, SMALL_FLOATS)     # the rest is untouched
     works, why = usable(cluster, folder)
-    what = "one flipped byte" if damage == "flip" else "truncated"
+    what = "a checkpoint with one flipped byte" if damage == "flip" else "a truncated checkpoint"
     cause = "damaged or incomplete" in str(err) and str(path) in str(err)
-    return Row(f"checkpoint with {what}", ended - start, first_line(err), names_rank(err, DAMAGED_RANK),
+    return Row(what, ended - start, first_line(err), names_rank(err, DAMAGED_RANK),
                cause, intact, works, why or "refused on load; the other ranks' files load")
