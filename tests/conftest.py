@@ -38,7 +38,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
-from tests.cluster import slurm_host
+from tests.cluster import netns_hosts, slurm_host
 from tests.cluster.slurm_standin import StandInSlurm
 from tests.models import batch as model_batch, build
 
@@ -127,6 +127,19 @@ def cluster4(shell):
     from nbscaler.cluster import Cluster
     with Cluster(n=4, timeout=CLUSTER_TIMEOUT_S, name="tests4") as cl:
         yield cl
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two engine hosts and a controller host, each a network namespace (``tests.cluster.netns_hosts``)."""
+    reason = netns_hosts.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    made = netns_hosts.make()
+    try:
+        yield made
+    finally:
+        netns_hosts.remove(made)
 
 
 @pytest.fixture(scope="session")

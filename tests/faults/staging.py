@@ -122,10 +122,6 @@ def train_steps(remote: Any, steps: int, **kwargs: Any) -> Any:
     return remote.train(functools.partial(case_batch, TP), steps, progress=False, **kwargs)
 
 
-def engine_pid(cluster: Any, rank: int) -> int:
-    return cluster.engines[rank].pid
-
-
 # -- what the ranks run -----------------------------------------------------------------------------
 
 def hold_in_forward(module: torch.nn.Module, signal: RankSignal, rank: int) -> None:
@@ -155,13 +151,10 @@ def total() -> float:
     return t.item()
 
 
-def same_pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def describe(rows: List[Row]) -> Dict[str, Any]:
-    return {row.fault: row for row in rows}
+def check(row: Row) -> None:
+    """Assert that ``row`` came out as the campaign demands, with the row in each message."""
+    assert row.seconds is not None and row.seconds < DEADLINE_S, row
+    assert row.rank_named, row.error
+    assert row.cause_named, row.error
+    assert row.intact, row
+    assert row.usable, row.note

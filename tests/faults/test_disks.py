@@ -4,7 +4,7 @@ what was there before is still whole."""
 import pytest
 
 from tests.faults import disks
-from tests.faults.test_processes import check
+from tests.faults.staging import check
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from tests.faults import folders
-from tests.faults.test_processes import check
+from tests.faults.staging import check
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 

@@ -4,17 +4,9 @@ within 60 s, nothing half-written, and a cluster that trains as one process does
 import pytest
 
 from tests.faults import processes
-from tests.faults.staging import DEADLINE_S, Row
+from tests.faults.staging import check
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
-
-
-def check(row: Row) -> None:
-    assert row.seconds is not None and row.seconds < DEADLINE_S, row
-    assert row.rank_named, row.error
-    assert row.cause_named, row.error
-    assert row.intact, row
-    assert row.usable, row.note
 
 
 def test_an_engine_killed_in_a_forward(cluster, tmp_path):
