@@ -14,6 +14,8 @@ rendezvous ports, and the folders their modules are generated into; then trains 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 from nbscaler.cluster import Cluster
 from nbscaler.cluster.watchdog import cluster_processes
 from tests.faults.staging import TP
-from tests.multiprocess import Case, case_batch, check_on_cluster, parallelize_on
+from tests.multiprocess import Case, case_batch, parallelize_on
 
 DP = Case("mlp", "dp", 1, 2)
 MB = 1e6
@@ -89,48 +91,19 @@ def soak(cluster: Cluster, folder: Path, cycles: int) -> Soak:
     return result
 
 
-def where_it_talks() -> Dict[str, Any]:
-    """On a rank: the rendezvous it joined and its pid."""
-    import os
-    return {"master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", "pid": os.getpid()}
-
-
-def controller_ports(cluster: Cluster) -> List[int]:
-    """The ports of the controller's client connection file."""
-    found = sorted(Path(cluster.profile_dir, "security").glob("ipcontroller-*client.json"))
-    info = json.loads(found[0].read_text())
-    return sorted(v for k, v in info.items() if k.endswith("_port") or k in ("registration",) and isinstance(v, int))
-
-
-def side_by_side(n: int, folder: Path) -> Dict[str, Any]:
-    """Start ``n`` two-engine clusters at once, compare what each uses, and train on each."""
-    clusters: List[Cluster] = []
-    try:
-        for i in range(n):
-            clusters.append(Cluster(n=2, timeout=20, name=f"notebook{i}"))
-        seen: Dict[str, List[Any]] = {"name": [], "cluster_id": [], "profile_dir": [], "controller_ports": [],
-                                      "rendezvous": [], "engine_pids": [], "generated": []}
-        for i, cl in enumerate(clusters):
-            seen["name"].append(cl.name)
-            seen["cluster_id"].append(cl.cluster_id)
-            seen["profile_dir"].append(cl.profile_dir)
-            seen["controller_ports"] += controller_ports(cl)
-            ranks = cl.run(where_it_talks)
-            seen["rendezvous"].append(ranks[0]["master"])
-            seen["engine_pids"] += [r["pid"] for r in ranks]
-            gen = folder / f"notebook{i}"
-            check_on_cluster(cl, TP, str(gen))
-            seen["generated"] += [str(p) for p in (gen / "_parallel_modules").glob("*/*")]
-        clashes = {k: len(v) - len(set(v)) for k, v in seen.items()}
-        return {"clusters": n, "seen": seen, "clashes": clashes,
-                "every_cluster_trains": all(cl.run(_total) == [2.0, 2.0] for cl in clusters)}
-    finally:
-        for cl in clusters:
-            cl.stop()
-
-
-def _total() -> float:
-    import torch.distributed as dist
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
+def side_by_side(n: int, folder: Path, rounds: int = 3) -> Dict[str, Any]:
+    """``n`` notebook processes at once, each with a cluster of the default name, each compiling and
+    training ``TP`` ``rounds`` times into one shared ``gen_savedir``; what they used, and clashes."""
+    gen = folder / "shared-gen"
+    outs = [folder / f"notebook{i}.json" for i in range(n)]
+    start = time.monotonic()
+    notebooks = [subprocess.Popen([sys.executable, "-m", "tests.faults.notebook", str(gen), str(out), str(rounds)])
+                 for out in outs]
+    for process in notebooks:
+        process.wait()
+    seen = [json.loads(out.read_text()) if out.exists() else {"error": "wrote nothing"} for out in outs]
+    keys = ("cluster_id", "profile_dir", "controller_ports", "rendezvous", "engine_pids")
+    values = {k: [v for s in seen for v in (s.get(k) if isinstance(s.get(k), list) else [s.get(k)])] for k in keys}
+    return {"notebooks": n, "seconds": time.monotonic() - start, "seen": seen,
+            "clashes": {k: len(v) - len(set(v)) for k, v in values.items()},
+            "trained": sum(s.get("trained", 0) for s in seen), "errors": [s["error"] for s in seen if "error" in s]}
