@@ -31,6 +31,9 @@ from tests.faults import disks, folders, network, processes, soak
 from tests.faults.staging import DEADLINE_S, Row
 
 RESULTS = Path(__file__).parent / "results" / "faults.md"
+DOCS = Path(__file__).parents[1] / "docs" / "faults.md"
+#: docs/faults.md carries the fault table between these markers, copied from the results by this script.
+START, END = "<!-- faults: written by python -m benchmarks.faults -->", "<!-- /faults -->"
 TIMEOUT_S = 20
 GROWTH_GOAL_MB = 0.1
 FAULTS: Dict[str, Callable[[Any, Path], Row]] = {
@@ -82,7 +85,8 @@ def fault_table(rows: List[Row]) -> List[str]:
     for row in rows:
         seconds = "no error due" if row.seconds is None else f"{row.seconds:.2f}"
         error = row.error.replace("|", "/")
-        lines.append(f"| {row.fault} | {seconds} | {error} | {yes(row.rank_named)} | {yes(row.cause_named)} | "
+        named = ("n/a", "n/a") if row.seconds is None else (yes(row.rank_named), yes(row.cause_named))
+        lines.append(f"| {row.fault} | {seconds} | {error} | {named[0]} | {named[1]} | "
                      f"{yes(row.intact)} | {yes(row.usable)} | {'pass' if row.passed else 'FAIL'} | {row.note} |")
     return lines
 
@@ -143,6 +147,18 @@ def write(out: Path, rows: List[Row], result: Optional[soak.Soak], side: Optiona
     return out
 
 
+def splice(results: Path, docs: Path) -> None:
+    """Copy the fault table and its verdict line from ``results`` into ``docs`` between the markers."""
+    lines = results.read_text().splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    table = table[: next((i for i, line in enumerate(table) if line.startswith("| measure |")), len(table))]
+    verdict = next(line for line in lines if "faults pass." in line)
+    text = docs.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    docs.write_text(f"{head}{START}\n{verdict}\n\n" + "\n".join(table) + f"\n{END}{tail}")
+
+
 def main(argv: Optional[List[str]] = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", nargs="*", default=[*FAULTS, NETWORK], choices=[*FAULTS, NETWORK])
@@ -150,7 +166,14 @@ def main(argv: Optional[List[str]] = None) -> Path:
     parser.add_argument("--notebooks", type=int, default=4, help="notebooks side by side (0: none)")
     parser.add_argument("--rounds", type=int, default=3, help="trainings of each notebook")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="page to copy the table into (default: docs/faults.md when --out is the default)")
+    parser.add_argument("--splice-only", action="store_true", help="only copy the table of --out into --docs")
     args = parser.parse_args(argv)
+    docs = args.docs or (DOCS if args.out == RESULTS else None)
+    if args.splice_only:
+        splice(args.out, docs or DOCS)
+        return args.out
     with tempfile.TemporaryDirectory(prefix="nbscaler-faults-") as tmp:
         folder = Path(tmp)
         start = time.monotonic()
@@ -158,7 +181,10 @@ def main(argv: Optional[List[str]] = None) -> Path:
         print(f"faults: {time.monotonic() - start:.0f} s", flush=True)
         result = run_soak(args.cycles, folder / "soak") if args.cycles else None
         side = soak.side_by_side(args.notebooks, folder / "side", args.rounds) if args.notebooks else None
-    return write(args.out, rows, result, side, args.rounds)
+    out = write(args.out, rows, result, side, args.rounds)
+    if docs is not None:
+        splice(out, docs)
+    return out
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.runtime import checkpoint
-from tests.faults.staging import (TP, Row, error_of, first_line, hidden_leftovers, names_rank, usable,
+from tests.faults.staging import (TP, Row, error_of, first_line, hidden_leftovers, module_dir, names_rank, usable,
                                   visible_files, whole_gen_dir)
 from tests.multiprocess import parallelize_on
 
@@ -108,8 +108,8 @@ def disk_full_in_generated_files(cluster: Any, folder: Path) -> Row:
             return Row("disk full in a write of generated files", None, "not staged", False, False, False, False,
                        small.how)
         parallelize_on(cluster, TP, str(gen))
-        module_dir = next(p for p in (gen / "_parallel_modules").glob("*/*") if not p.name.startswith("."))
-        before = GenFiles(module_dir)
+        path = module_dir(gen)
+        before = GenFiles(path)
         filler = gen / "filler"
         with open(filler, "wb") as f:
             with contextlib.suppress(OSError):
@@ -117,13 +117,13 @@ def disk_full_in_generated_files(cluster: Any, folder: Path) -> Row:
                     f.write(b"\0" * (1 << 16))
         start = time.monotonic()
         err, ended = error_of(lambda: parallelize_on(cluster, TP, str(gen)))
-        after, left = GenFiles(module_dir), hidden_leftovers(module_dir.parent)
-        intact = after == before and not left and whole_gen_dir(module_dir, TP.runtime_ngpus)
+        after, left = GenFiles(path), hidden_leftovers(path.parent)
+        intact = after == before and not left and whole_gen_dir(path, TP.runtime_ngpus)
         filler.unlink()
     changed = sorted(set(before) ^ set(after) | {k for k in before if before[k] != after.get(k)})
     trouble = f"changed: {changed}, left: {left}" if not intact else ""
     works, why = usable(cluster, folder)
-    cause = "No space left" in str(err) and str(module_dir) in str(err)
+    cause = "No space left" in str(err) and str(path) in str(err)
     return Row("disk full in a write of generated files", ended - start, first_line(err), names_rank(err, 0),
                cause, intact, works, why or trouble or f"on {small.how}; the previous folder stays whole")
 

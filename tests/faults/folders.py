@@ -12,13 +12,10 @@ import torch
 
 import nbscaler
 from nbscaler import ComputeConfig
-from tests.faults.staging import TP, Row, error_of, first_line, names_rank, train_steps, usable, whole_gen_dir
+from tests.faults.staging import (TP, Row, error_of, first_line, module_dir, names_rank, train_steps, usable,
+                                  whole_gen_dir)
 from tests.models import batch, build
 from tests.multiprocess import parallelize_on
-
-
-def module_dir(gen: Path) -> Path:
-    return next(p for p in (gen / "_parallel_modules").glob("*/*") if not p.name.startswith("."))
 
 
 def generated_folder_deleted(cluster: Any, folder: Path) -> Row:

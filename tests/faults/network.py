@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
 
 from nbscaler.cluster import Cluster
 from tests.cluster import netns_hosts
@@ -47,6 +46,6 @@ def cut_between_hosts(hosts: netns_hosts.Hosts, folder: Path) -> Row:
     finally:
         cluster.stop()
     cause = "heartbeat" in str(err) or "network" in str(err)
-    return Row("network cut between two hosts", ended - trigger.at if trigger.at else None, first_line(err),
+    return Row("network cut between two hosts", ended - trigger.at if trigger.at else float("nan"), first_line(err),
                names_rank(err, CUT_RANK), cause, True, works,
                why or "the link is back before restart(); nothing on disk is involved")

@@ -3,11 +3,11 @@ and an engine stopped (``SIGSTOP``: a hang that only the collective timeout can 
 
 from __future__ import annotations
 
-import time
 import os
 import signal
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,11 +15,27 @@ import torch.distributed as dist
 from nbscaler.genfiles import atomic_write
 from nbscaler.runtime import checkpoint
 from tests.faults.staging import (TP, Row, Trigger, all_reduce_forever, error_of, first_line, hidden_leftovers,
-                                  hold_in_forward, names_rank, train_steps, usable, visible_files, whole_gen_dir)
+                                  hold_in_forward, module_dir, names_rank, train_steps, usable, visible_files, whole_gen_dir)
 from tests.multiprocess import RankSignal, parallelize_on
 
 VICTIM = 1
 CHECKPOINT_FLOATS = 4 << 20            # 16 MB a file: a save takes long enough to be killed in
+
+
+def signal_during(cluster: Any, sig: int, call: Callable[[RankSignal], Any]) -> Tuple[Optional[BaseException], float, int]:
+    """Run ``call(signal)``; when a rank fires ``signal``, send ``sig`` to rank ``VICTIM``'s engine.
+    Returns the error, the seconds from the signal to the error, and the engine's pid."""
+    pid = cluster.engines[VICTIM].pid
+    trigger = Trigger(lambda: os.kill(pid, sig))
+    try:
+        err, ended = error_of(lambda: call(trigger.signal))
+    finally:
+        trigger.close()
+    return err, ended - trigger.at if trigger.at is not None else float("nan"), pid
+
+
+def died(err: Optional[BaseException], pid: int) -> bool:
+    return f"pid {pid}" in str(err) and "died" in str(err)
 
 
 def kill_in_forward(cluster: Any, folder: Path) -> Row:
@@ -27,38 +43,19 @@ def kill_in_forward(cluster: Any, folder: Path) -> Row:
     gen = folder / "gen"
     remote = parallelize_on(cluster, TP, str(gen))
     train_steps(remote, 1, optimizer_fn=torch.optim.SGD, lr=0.1)
-    pid = cluster.engines[VICTIM].pid
-    trigger = Trigger(lambda: os.kill(pid, signal.SIGKILL))
-    try:
-        remote.run(hold_in_forward, trigger.signal, VICTIM)
-        err, ended = error_of(lambda: train_steps(remote, 1))
-    finally:
-        trigger.close()
+    err, seconds, pid = signal_during(cluster, signal.SIGKILL, lambda fired: (remote.run(hold_in_forward, fired, VICTIM),
+                                                                            train_steps(remote, 1)))
     works, why = usable(cluster, folder)
-    return Row("SIGKILL of an engine in a forward", ended - trigger.at, first_line(err),
-               names_rank(err, VICTIM), f"pid {pid}" in str(err) and "died" in str(err),
-               whole_gen_dir(_module_dir(gen), TP.runtime_ngpus),
-               works, why)
-
-
-def _module_dir(gen: Path) -> Path:
-    """The one module folder under ``gen`` (``_parallel_modules/<class>/<instance>``)."""
-    found = [p for p in (gen / "_parallel_modules").glob("*/*") if not p.name.startswith(".")]
-    return found[0] if len(found) == 1 else gen / "missing"
+    return Row("SIGKILL of an engine in a forward", seconds, first_line(err), names_rank(err, VICTIM), died(err, pid),
+               whole_gen_dir(module_dir(gen), TP.runtime_ngpus), works, why)
 
 
 def kill_in_collective(cluster: Any, folder: Path) -> Row:
     """SIGKILL rank 1 while both ranks all-reduce 1 MB again and again."""
-    pid = cluster.engines[VICTIM].pid
-    trigger = Trigger(lambda: os.kill(pid, signal.SIGKILL))
-    try:
-        err, ended = error_of(lambda: cluster.run(all_reduce_forever, trigger.signal, VICTIM))
-    finally:
-        trigger.close()
+    err, seconds, pid = signal_during(cluster, signal.SIGKILL, lambda fired: cluster.run(all_reduce_forever, fired, VICTIM))
     works, why = usable(cluster, folder)
-    return Row("SIGKILL of an engine in a collective", ended - trigger.at, first_line(err),
-               names_rank(err, VICTIM), f"pid {pid}" in str(err) and "died" in str(err), True, works,
-               why or "nothing on disk is involved")
+    return Row("SIGKILL of an engine in a collective", seconds, first_line(err), names_rank(err, VICTIM),
+               died(err, pid), True, works, why or "nothing on disk is involved")
 
 
 def save_versions(folder: str, signal_: RankSignal, rank: int, numel: int) -> int:
@@ -97,12 +94,8 @@ def kill_in_checkpoint_save(cluster: Any, folder: Path) -> Row:
     """SIGKILL rank 1 half-way through saving its checkpoint (16 MB), then save again there."""
     ckpt = folder / "ckpt"
     ckpt.mkdir(parents=True)
-    pid = cluster.engines[VICTIM].pid
-    trigger = Trigger(lambda: os.kill(pid, signal.SIGKILL))
-    try:
-        err, ended = error_of(lambda: cluster.run(save_versions, str(ckpt), trigger.signal, VICTIM, CHECKPOINT_FLOATS))
-    finally:
-        trigger.close()
+    err, seconds, pid = signal_during(cluster, signal.SIGKILL, lambda fired: cluster.run(
+        save_versions, str(ckpt), fired, VICTIM, CHECKPOINT_FLOATS))
     files = visible_files(ckpt)
     intact = files == ["ckpt.0.pt", "ckpt.1.pt"] and all(whole_version(ckpt / f) == 0 for f in files)
     left = len(hidden_leftovers(ckpt))
@@ -111,21 +104,13 @@ def kill_in_checkpoint_save(cluster: Any, folder: Path) -> Row:
         cluster.run(save_versions, str(ckpt), RankSignal(), -1, CHECKPOINT_FLOATS)
         intact = intact and not hidden_leftovers(ckpt)
     note = f"the killed save left {left} hidden temporary file, removed by the next save there"
-    return Row("SIGKILL of an engine in a checkpoint save", ended - trigger.at, first_line(err),
-               names_rank(err, VICTIM), f"pid {pid}" in str(err) and "died" in str(err), intact, works,
-               why or note)
+    return Row("SIGKILL of an engine in a checkpoint save", seconds, first_line(err), names_rank(err, VICTIM),
+               died(err, pid), intact, works, why or note)
 
 
 def stop_in_collective(cluster: Any, folder: Path) -> Row:
     """SIGSTOP rank 1 while both ranks all-reduce: rank 0 waits until the group's timeout."""
-    pid = cluster.engines[VICTIM].pid
-    trigger = Trigger(lambda: os.kill(pid, signal.SIGSTOP))
-    try:
-        err, ended = error_of(lambda: cluster.run(all_reduce_forever, trigger.signal, VICTIM))
-    finally:
-        trigger.close()
+    err, seconds, _ = signal_during(cluster, signal.SIGSTOP, lambda fired: cluster.run(all_reduce_forever, fired, VICTIM))
     works, why = usable(cluster, folder)
-    cause = "stopped" in str(err)
-    return Row("SIGSTOP of an engine in a collective (a hang)", ended - trigger.at, first_line(err),
-               names_rank(err, VICTIM), cause, True, works,
-               why or f"collective timeout {cluster.spec.timeout:.0f} s")
+    return Row("SIGSTOP of an engine in a collective (a hang)", seconds, first_line(err), names_rank(err, VICTIM),
+               "is stopped" in str(err), True, works, why or f"collective timeout {cluster.spec.timeout:.0f} s")

@@ -11,12 +11,11 @@ Each staging returns a ``Row`` of the campaign's table; the tests assert on it a
 from __future__ import annotations
 
 import functools
-import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -109,6 +108,12 @@ def visible_files(folder: Path) -> List[str]:
 def hidden_leftovers(folder: Path) -> List[str]:
     """Temporary files and folders of interrupted writes (``.name.XXXX``)."""
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def module_dir(gen: Path) -> Path:
+    """The one module folder under ``gen`` (``_parallel_modules/<class>/<instance>``)."""
+    found = [p for p in (gen / "_parallel_modules").glob("*/*") if not p.name.startswith(".")]
+    return found[0] if len(found) == 1 else gen / "missing"
 
 
 def whole_gen_dir(path: Path, ranks: int) -> bool:
