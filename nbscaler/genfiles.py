@@ -96,15 +96,18 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise _disk_full(err, path) from err
+        full = _disk_full(err, path)
+        if full is None:
+            raise
+        raise full from err
 
 
 # Write errors that mean "no room": the disk, a quota, or the process's file size limit.
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _disk_full(err: BaseException, path: Path) -> BaseException:
-    """``err`` as it is, or, when the disk is full, an ``OSError`` that names ``path`` and what to do.
+def _disk_full(err: BaseException, path: Path) -> Optional[OSError]:
+    """When ``err`` says the disk is full, an ``OSError`` that names ``path`` and what to do; else None.
 
     ``torch.save`` to a file turns the write's ``OSError`` into a ``RuntimeError`` ("unexpected
     pos"), whose context still holds it.
@@ -113,7 +116,7 @@ def _disk_full(err: BaseException, path: Path) -> BaseException:
     while full is not None and not (isinstance(full, OSError) and full.errno in _FULL):
         full = full.__context__
     if full is None:
-        return err
+        return None
     free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
     return OSError(full.errno, f"{full.strerror}: writing {path} failed ({free / 2**20:.1f} MiB free there); "
                    "nothing was replaced and the partial copy was removed: free some space or write elsewhere",
@@ -193,7 +196,10 @@ class GenDir:
             _prune_store(weights_store(self.path))        # entries of folders replaced or deleted
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _disk_full(err, self.path) from err
+            full = _disk_full(err, self.path)
+            if full is None:
+                raise
+            raise full from err
 
     def write_weights(self, tmp: Path, weights: Optional[Dict[str, "torch.Tensor"]]) -> None:
         """Put the weights file into the new folder ``tmp``, writing it only when no file holds them.

@@ -10,6 +10,8 @@ import torch
 from nbscaler.runtime import checkpoint
 from nbscaler.runtime.statecheck import CheckpointError
 
+pytestmark = pytest.mark.slow     # seconds: a load for every byte and every length of a file
+
 STATE = {"w": torch.arange(300, dtype=torch.float32), "b": torch.ones(4), "step": 3}
 
 

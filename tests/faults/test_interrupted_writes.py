@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from nbscaler.genfiles import GenDir, atomic_write_bytes, remove_stale_temporaries
+
+pytestmark = pytest.mark.slow     # seconds: each test starts a process that imports torch
 
 WRITE_AND_DIE = """
 import os, signal, sys
@@ -57,3 +61,24 @@ def test_a_live_writers_temporary_stays(tmp_path):
     mine.write_bytes(b"in progress")
     remove_stale_temporaries(path)
     assert mine.exists()
+
+
+WRITE_PAST_THE_LIMIT = """
+import resource, signal, sys, torch
+from nbscaler.runtime import checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # a write past the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+try:
+    checkpoint.save({"w": torch.ones(1 << 18)}, sys.argv[1])
+except OSError as err:
+    print(err)
+"""
+
+
+def test_a_write_that_finds_no_room_names_the_file_and_keeps_the_old_one(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    atomic_write_bytes(path, b"old")
+    done = subprocess.run([sys.executable, "-c", WRITE_PAST_THE_LIMIT, str(path)], capture_output=True, text=True)
+    assert f"File too large: writing {path} failed" in done.stdout, done.stdout + done.stderr
+    assert "free some space or write elsewhere" in done.stdout
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and path.read_bytes() == b"old"
