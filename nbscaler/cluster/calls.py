@@ -162,8 +162,9 @@ def _values_or_raise(session: Session, outcomes: Dict[int, Outcome], dead: List[
     if dead:
         first = min(dead, key=lambda s: s.rank)
         job = jobs.describe_end(str(session.spec.engines), session.job_id)
-        session.broken = f"{', '.join(map(str, dead))} died"
-        raise RankDied(first.rank, f"{first} {GONE[session.how_gone(first)]} {job}{_consequences(failures)}"
+        how = session.how_gone(first)
+        session.broken = f"{', '.join(map(str, dead))} {GONE[how].split(':')[0]}"
+        raise RankDied(first.rank, f"{first} {GONE[how]} {job}{_consequences(failures)}"
                        "The other ranks cannot go on without it: call restart() for fresh engines and a new "
                        "process group.", "", {**failures, **{s.rank: "engine process died" for s in dead}})
     if failures:
