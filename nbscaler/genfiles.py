@@ -23,16 +23,22 @@ Weights files are also hard-linked into ``<gen_savedir>/_weights/`` by a key of 
 that another module folder compiled from the same weights links the file instead of writing it.
 
 A new set of files is written to a temporary folder next to the final one and renamed into place,
-so a crash leaves either the old complete folder or the new complete one, never half of each.
+so a crash leaves either the old complete folder or the new complete one, never half of each. A
+writer killed half-way leaves its hidden temporary (``.<name>.<host>-<pid>.XXXX``); the next write
+of the same file or folder on that host removes it once that process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import warnings
@@ -79,17 +85,71 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, then rename it to ``path``: a
     crash leaves the old file or the new one, never half of the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+        full = _disk_full(err, path)
+        if full is None:
+            raise
+        raise full from err
+
+
+# Write errors that mean "no room": the disk, a quota, or the process's file size limit.
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _disk_full(err: BaseException, path: Path) -> Optional[OSError]:
+    """When ``err`` says the disk is full, an ``OSError`` that names ``path`` and what to do; else None.
+
+    ``torch.save`` to a file turns the write's ``OSError`` into a ``RuntimeError`` ("unexpected
+    pos"), whose context still holds it.
+    """
+    full: Optional[BaseException] = err
+    while full is not None and not (isinstance(full, OSError) and full.errno in _FULL):
+        full = full.__context__
+    if full is None:
+        return None
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    return OSError(full.errno, f"{full.strerror}: writing {path} failed ({free / 2**20:.1f} MiB free there); "
+                   "nothing was replaced and the partial copy was removed: free some space or write elsewhere",
+                   str(path))
+
+
+def temporary_prefix(path: Path, kind: str = "") -> str:
+    """The name prefix of this process's temporary siblings of ``path``: ``.<name>.[kind.]<host>-<pid>.``"""
+    return f".{path.name}.{kind + '.' if kind else ''}{socket.gethostname()}-{os.getpid()}."
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary siblings of ``path`` that writers on this host left when they were killed
+    (their process is gone); those of live writers, and of other hosts, stay."""
+    own = re.compile(rf"\.{re.escape(path.name)}\.(?:[a-z]+\.)?{re.escape(socket.gethostname())}-(\d+)\.")
+    with os.scandir(path.parent) as entries:
+        stale = [e.path for e in entries if (m := own.match(e.name)) and not _alive(int(m.group(1)))]
+    for entry in stale:
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # another user's process
+        return True
+    return True
 
 
 class GenDir:
@@ -122,20 +182,24 @@ class GenDir:
     def replace_with(self, write: "callable") -> None:
         """Build a complete new folder with ``write(tmp_path)``, then swap it in for the old one."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.new."))
+        remove_stale_temporaries(self.path)
+        tmp = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=temporary_prefix(self.path, "new")))
         try:
             write(tmp)
             old = None
             if self.path.exists():
-                old = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.old."))
+                old = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=temporary_prefix(self.path, "old")))
                 os.rename(self.path, old / "dir")
             os.rename(tmp, self.path)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             _prune_store(weights_store(self.path))        # entries of folders replaced or deleted
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            full = _disk_full(err, self.path)
+            if full is None:
+                raise
+            raise full from err
 
     def write_weights(self, tmp: Path, weights: Optional[Dict[str, "torch.Tensor"]]) -> None:
         """Put the weights file into the new folder ``tmp``, writing it only when no file holds them.

@@ -34,6 +34,7 @@ from nbscaler.recipe import UNSET, Recipe
 from nbscaler.runtime.checkpoint import load_merged_state_dicts, merge_state_dicts
 from nbscaler.runtime.distributed import DistributedInfo, init_distributed
 from nbscaler.runtime.float8 import require_torchao
+from nbscaler.runtime.launch import PeerFailed
 from nbscaler.runtime.module import ParallelModule
 from nbscaler.runtime.optimizer import build_optimizer
 from nbscaler.runtime.replicas import broadcast_weights, deduped_state_dict, load_deduped_state_dict
@@ -149,7 +150,7 @@ def parallelize(
         status = [None if error is None else f"{type(error).__name__}: {error}", new_files]
         dist.broadcast_object_list(status, src=0)
         if rank != 0 and status[0] is not None:
-            raise RuntimeError(f"rank 0 failed to compile the parallel module: {status[0]}")
+            raise PeerFailed(0, f"rank 0 failed to compile the parallel module: {status[0]}")
         _broadcast_files(gen, status[1], strategy, rank)
     if error is not None:
         raise error

@@ -1,5 +1,6 @@
 """What every test session shares: a cost-model cache of its own, a one-node Slurm (``slurm``)
 for the tests that start work under it (engines of a cluster, a training script under ``srun``),
+the notebook clusters of ``tests/cluster`` and ``tests/faults`` (``cluster``, ``cluster4``),
 one intra-op thread, a cycle collector that walks each object once, and the plans of the test
 models (``gpt_plan``, ``model_plan``, and the ``plan`` fixture of a module that names one).
 
@@ -28,6 +29,7 @@ import gc
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -36,7 +38,7 @@ import torch
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
-from tests.cluster import slurm_host
+from tests.cluster import netns_hosts, slurm_host
 from tests.cluster.slurm_standin import StandInSlurm
 from tests.models import batch as model_batch, build
 
@@ -94,6 +96,50 @@ def plan(request):
 def pytest_unconfigure(config):
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+# Cluster engines are separate processes: they must import this checkout of nbscaler, installed
+# or not.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH")) if p)
+CLUSTER_TIMEOUT_S = 20      # the suite's clusters' collective timeout
+
+
+@pytest.fixture(scope="session")
+def shell():
+    """An IPython shell, as in a notebook: clusters started after it activate ``%px``."""
+    from IPython.core.interactiveshell import InteractiveShell
+    return InteractiveShell.instance()
+
+
+@pytest.fixture(scope="session")
+def cluster(shell):
+    """One two-engine cluster for the whole session (``tests/cluster``, ``tests/faults``): starting
+    engines takes seconds. Tests that break it on purpose leave it working again (``restart()``),
+    so that the tests after them do not depend on the order they run in."""
+    from nbscaler.cluster import Cluster
+    with Cluster(n=2, timeout=CLUSTER_TIMEOUT_S, name="tests") as cl:
+        yield cl
+
+
+@pytest.fixture(scope="session")
+def cluster4(shell):
+    from nbscaler.cluster import Cluster
+    with Cluster(n=4, timeout=CLUSTER_TIMEOUT_S, name="tests4") as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two engine hosts and a controller host, each a network namespace (``tests.cluster.netns_hosts``)."""
+    reason = netns_hosts.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    made = netns_hosts.make()
+    try:
+        yield made
+    finally:
+        netns_hosts.remove(made)
 
 
 @pytest.fixture(scope="session")

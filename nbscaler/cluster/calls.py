@@ -45,6 +45,15 @@ INTERRUPT_GRACE_S = 5.0
 # How often ranks that have not stopped yet are interrupted again.
 INTERRUPT_AGAIN_S = 1.0
 
+# What RankDied says of an engine, by ``Session.how_gone``.
+GONE = {
+    "exited": "died during the call: its process exited (killed, crashed or out of memory).",
+    "stopped": ("is stopped (SIGSTOP, or Ctrl-Z in the terminal that started it): its process neither computes "
+                "nor answers the controller, which dropped it."),
+    "unregistered": ("stopped answering during the call: the controller lost its heartbeat (its host or the "
+                     "network to it is down, or its process hangs outside Python)."),
+}
+
 ReportHandler = Callable[[List[Dict[str, Any]]], None]
 
 
@@ -153,15 +162,16 @@ def _values_or_raise(session: Session, outcomes: Dict[int, Outcome], dead: List[
     if dead:
         first = min(dead, key=lambda s: s.rank)
         job = jobs.describe_end(str(session.spec.engines), session.job_id)
-        session.broken = f"{', '.join(map(str, dead))} died"
-        raise RankDied(first.rank,
-                       f"{first} died during the call: its process exited (killed, crashed or out of memory). "
-                       f"{job}{_consequences(failures)}The other ranks cannot go on without it: call "
-                       "restart() for fresh engines and a new process group.",
-                       "", {**failures, **{s.rank: "engine process died" for s in dead}})
+        how = session.how_gone(first)
+        session.broken = f"{', '.join(map(str, dead))} {GONE[how].split(':')[0]}"
+        raise RankDied(first.rank, f"{first} {GONE[how]} {job}{_consequences(failures)}"
+                       "The other ranks cannot go on without it: call restart() for fresh engines and a new "
+                       "process group.", "", {**failures, **{s.rank: "engine process died" for s in dead}})
     if failures:
         session.group_dirty = True
-        first = min((o for o in outcomes.values() if not o.ok), key=lambda o: o.failed_at)
+        failed = [o for o in outcomes.values() if not o.ok]
+        # A rank told of a peer's failure may raise before the peer has: the peer is the cause.
+        first = min([o for o in failed if o.peer is None] or failed, key=lambda o: o.failed_at)
         others = {r: e for r, e in failures.items() if r != first.rank}
         raise RankError(first.rank,
                         f"rank {first.rank} raised {first.error}\n{_consequences(others)}"

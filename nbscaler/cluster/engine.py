@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from nbscaler.cluster import network
 from nbscaler.runtime import groups
-from nbscaler.runtime.launch import init_process_group
+from nbscaler.runtime.launch import PeerFailed, init_process_group
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Outcome:
     error: str = ""
     traceback: str = ""
     failed_at: float = 0.0
+    peer: Optional[int] = None       # the rank whose failure this one only follows from (PeerFailed)
 
 
 _info: Optional[RankInfo] = None
@@ -158,7 +159,7 @@ def call(payload: bytes) -> Outcome:
         finally:
             signal.signal(signal.SIGINT, previous)
         return Outcome(rank, False, error=f"{type(exc).__name__}: {exc}", traceback=text,
-                       failed_at=failed_at)
+                       failed_at=failed_at, peer=exc.peer if isinstance(exc, PeerFailed) else None)
 
 
 def report(**values: Any) -> None:

@@ -161,6 +161,21 @@ class Session:
         return [s for s in slots
                 if s.engine_id not in registered or (s.host == here and not _pid_alive(s.pid))]
 
+    def how_gone(self, slot: EngineSlot) -> str:
+        """How an engine that left a call is gone: ``'exited'``, ``'stopped'`` (``SIGSTOP``: alive,
+        but neither computing nor answering), or ``'unregistered'`` (the controller lost its
+        heartbeat: another host, or a network, that is down)."""
+        if slot.host == socket.gethostname():
+            try:
+                status = psutil.Process(slot.pid).status()
+            except psutil.NoSuchProcess:
+                return "exited"
+            if status == psutil.STATUS_STOPPED:
+                return "stopped"
+            if status == psutil.STATUS_ZOMBIE:
+                return "exited"
+        return "unregistered"
+
     def join_group(self) -> None:
         """(Re)build the process group: rank 0 opens a fresh rendezvous store, every engine joins it."""
         spec, slots = self.spec, self.slots

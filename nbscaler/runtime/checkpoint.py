@@ -18,13 +18,16 @@ enough to
 
 ``save`` writes atomically and ``load`` reads with ``weights_only=True`` (``nbscaler.safeload``):
 checkpoints hold tensors and plain values only, so loading one runs no code from the file, and a
-file that holds anything else is refused.
+file that holds anything else is refused. ``load`` also checks every record of the file against the
+CRC-32 that ``torch.save`` stored for it, which ``torch.load`` does not: a flipped bit in a tensor's
+bytes would otherwise load as a silently different weight.
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -44,6 +47,7 @@ Device = Union[str, torch.device, None]
 REFUSED_CHECKPOINT = ("save checkpoints of state dicts with nbscaler.runtime.checkpoint.save; load a file "
                       "that holds other objects with torch.load(path, weights_only=False) yourself, and only "
                       "if you trust whoever wrote it")
+DAMAGED = "the file is damaged or incomplete: use an intact copy"
 
 
 def save(obj: Any, path: Union[str, Path]) -> None:
@@ -52,17 +56,47 @@ def save(obj: Any, path: Union[str, Path]) -> None:
 
 
 def load(path: Union[str, Path], map_location: Device = "cpu") -> Any:
-    """``torch.load(..., weights_only=True)``, with an error that says what to do when the file
-    is not a readable checkpoint."""
+    """``torch.load(..., weights_only=True)`` of a file whose records match their CRC-32, with an
+    error that says what to do when the file is not a readable checkpoint.
+
+    A missing or unreadable file raises ``OSError``; a damaged, truncated or foreign one
+    ``CheckpointError``.
+    """
+    with open(path, "rb"):           # missing, a folder, no permission: the OSError as it is
+        pass
+    check_records(path)
     try:
         return load_tensors(path, fix=REFUSED_CHECKPOINT, map_location=map_location)
-    except OSError:
-        raise
     except RefusedFile as err:
         raise CheckpointError(f"cannot read the checkpoint {err}") from err
-    except Exception as err:
-        raise CheckpointError(f"cannot read the checkpoint {path} ({type(err).__name__}: {err}); the file is "
-                              "damaged or incomplete: use an intact copy.") from err
+    except Exception as err:         # OSError too: torch reads a truncated archive as EINVAL
+        raise CheckpointError(f"cannot read the checkpoint {path} ({type(err).__name__}: {err}); "
+                              f"{DAMAGED}.") from err
+
+
+def check_records(path: Union[str, Path]) -> None:
+    """Raise ``CheckpointError`` unless every record of the archive ``path``, read as ``torch.load``
+    reads it, matches the CRC-32 that the archive states for it.
+
+    ``torch.load`` reads tensor bytes without checking them. The records are read with torch's own
+    reader, so that a damaged header that makes it read other bytes than ``zipfile`` would is caught
+    too. Files in torch's older, non-archive format, and records saved without a CRC
+    (``compute_crc32=False``), are not checked.
+    """
+    try:
+        if not zipfile.is_zipfile(path):
+            with open(path, "rb") as f:
+                if b"PK\x03\x04".startswith(f.read(4)):   # an archive's start (or nothing): cut short
+                    raise ValueError("the archive has no central directory (the file was cut short)")
+            return                   # torch's legacy format, or not a checkpoint: load says which
+        with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+            reader = torch._C.PyTorchFileReader(f)
+            for info in archive.infolist():
+                name = info.filename.split("/", 1)[-1]       # torch names records below the archive's folder
+                if (info.CRC or info.file_size == 0) and zlib.crc32(reader.get_record(name)) != info.CRC:
+                    raise ValueError(f"record {name!r} does not match its CRC-32")
+    except Exception as err:         # zipfile's and torch's own errors: a bad header, a missing record, ...
+        raise CheckpointError(f"cannot read the checkpoint {path}: {err}; {DAMAGED}.") from None
 
 
 def merge_slices(pieces: Iterable[Tuple[WeightSpec, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -54,6 +54,15 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries its rank and remote traceback."""
 
 
+class PeerFailed(RuntimeError):
+    """This rank stopped because another rank (``peer``) failed first and told it so: an error
+    that only follows from the peer's, which is the one to read."""
+
+    def __init__(self, peer: int, message: str):
+        super().__init__(message)
+        self.peer = peer
+
+
 def init_process_group(rank: int, world_size: int, init_method: Optional[str], timeout_s: float,
                        local_rank: Optional[int] = None, *, store: Optional[dist.Store] = None,
                        local_world_size: Optional[int] = None, backend: Optional[str] = None) -> BackendChoice:

@@ -25,18 +25,6 @@ TP_2X2 = Case("mlp", "tp", 2, 4)  # two units of two ranks: one unit per host
 
 
 @pytest.fixture(scope="module")
-def hosts():
-    reason = netns_hosts.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    made = netns_hosts.make()
-    try:
-        yield made
-    finally:
-        netns_hosts.remove(made)
-
-
-@pytest.fixture(scope="module")
 def cluster_on_hosts(hosts, shell):
     cl = Cluster(n=4, engines=netns_hosts.NetnsEngineSetLauncher, timeout=20, name="hosts", start_timeout=120,
                  launcher_options={"hosts": list(hosts.engine_hosts)},
