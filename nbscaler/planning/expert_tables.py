@@ -15,7 +15,7 @@ import pandas as pd
 from nbscaler.glossary import experts_text, layout_text
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_count, expert_parallel, expert_routing,
-                                     expert_top_k, held_experts)
+                                     expert_tensor_parallel, expert_top_k, held_experts)
 from nbscaler.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -38,7 +38,14 @@ def weights_layout(plan: "Plan", node: IRNode) -> str:
     text = ", ".join(layout_text(x) for x in layouts) or "not stored (an input)"
     if expert_parallel(node):
         return f"experts split over the expert group {list(node.placement.devices)}: {text}"
+    if expert_tensor_parallel(node):
+        return f"every expert split by its hidden width over {list(node.placement.devices)}: {text}"
     return text
+
+
+def _width_parts(node: IRNode) -> int:
+    """The parts each expert's hidden width is split into (tensor parallel inside the experts), else 1."""
+    return node.placement.parts if expert_tensor_parallel(node) else 1
 
 
 def expert_rows(plan: "Plan") -> pd.DataFrame:
@@ -56,7 +63,7 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
             rows.append({"op": node.name, "module": node.module_path, "device": device,
                          "experts": experts_text(held, total, expert_top_k(node), expert_routing(node)),
                          "weights": names, "layout": layout,
-                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total})
+                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // _width_parts(node)})
     return pd.DataFrame(rows, columns=EXPERT_COLUMNS)
 
 

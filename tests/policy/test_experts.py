@@ -75,3 +75,8 @@ def test_tp_without_expert_parallel_splits_each_expert_by_its_hidden_width(model
     assert "# tensor parallel inside the experts: this device holds hidden units 8..15 of each expert's 16" in code
     call = next(line for line in code.splitlines() if line.strip().startswith(f"{experts[0].name}:"))
     assert "_sum_grad" in call and "first_only" not in call      # the tokens are factors, read whole
+    from nbscaler.planning.expert_tables import expert_rows
+    rows = expert_rows(plan)
+    held = sum(w.nbytes for w in plan.programs.device(1).weights if ".experts." in w.name)
+    assert rows[rows.device == 1].held_bytes.sum() == held              # the plan card counts the width split
+    assert rows.layout.str.startswith("every expert split by its hidden width").all()
