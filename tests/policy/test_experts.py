@@ -80,3 +80,27 @@ def test_tp_without_expert_parallel_splits_each_expert_by_its_hidden_width(model
     held = sum(w.nbytes for w in plan.programs.device(1).weights if ".experts." in w.name)
     assert rows[rows.device == 1].held_bytes.sum() == held              # the plan card counts the width split
     assert rows.layout.str.startswith("every expert split by its hidden width").all()
+
+
+def test_tensor_parallel_around_the_experts_slices_their_tokens_in_and_gathers_them_back():
+    """around_experts='tp': attention Megatron-style over the devices, each device's 1/n of the
+    tokens into the experts op (a chunk, no traffic) and the op's output all-gathered back."""
+    plan = ep_plan(around_experts="tp")
+    linears = [n for n in plan.graph.nodes if n.op == "linear"]
+    assert {n.placement.split for n in linears} >= {"n", "k"}           # column- and row-parallel
+    experts = [n for n in plan.graph.nodes if n.meta.get(EXPERT_PARALLEL)]
+    assert len(experts) == 2 and all(n.placement.split == "n" for n in experts)
+    code = plan.sources[0]
+    assert "# expert parallel: this device holds experts 0..1 of 4" in code
+    name = experts[0].name
+    assert f"{name}_full" in code and f"comm.all_gather({name}, dim=0" in code
+    with pytest.raises(ValueError, match=r"pas_config\['around_experts'\]='sp' is invalid: give 'data' or 'tp'"):
+        ep_plan(around_experts="sp")
+
+
+def test_tensor_parallel_around_the_experts_plans_in_each_pipeline_stage():
+    config = ComputeConfig(4, 4, use_end2end=True, use_pipeline=True, pipeline_nstages=2, pipeline_nmicros=2,
+                           pas_config={"expert_parallel": 2, "around_experts": "tp"})
+    plan = nbscaler.plan(build("moe_e2e"), batch("moe_e2e", 0, n=8), "hybrid", config)
+    experts = [n for n in plan.graph.nodes if n.meta.get(EXPERT_PARALLEL)]
+    assert experts and {n.placement.devices for n in experts} == {(0, 1), (2, 3)}
