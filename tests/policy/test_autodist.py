@@ -198,3 +198,17 @@ def test_auto_scheduler_keeps_the_fastest_predicted_and_the_plan_adopts_it():
     assert sorted({n.stage for n in p.graph.nodes}) == list(range(p.schedule.nstages))
     with pytest.raises(ValueError, match="autodist_scheduler.*training schedulers"):
         nbscaler.plan(build("gpt"), batch("gpt", 0), "autodist", cfg.with_changes(pas_config={"autodist_scheduler": ["infer_pipe"]}))
+
+
+def test_a_saved_plan_whose_loss_is_split_by_batch_loads_back(tmp_path):
+    """A batch split's mean loss runs a call of its own (each device's part): a saved plan holding it
+    loads back so, though its ``n`` is frozen to ``partition``."""
+    from nbscaler.policy.autodist.planfile import save_plan
+    placed = nbscaler.plan(build("llama"), batch("llama", 0), "data", ComputeConfig(2, 2))
+    path = tmp_path / "plan.json"
+    save_plan(placed.graph, 2, str(path))
+    loaded = nbscaler.plan(build("llama"), batch("llama", 0), "autodist",
+                           ComputeConfig(2, 2, pas_config={"load_plan_path": str(path)}))
+    loss = next(n for n in loaded.graph.nodes if n.op == "loss")
+    assert loss.placement.split == "n" and "split_cross_entropy(" in loaded.sources[0]
+    assert [n.placement.split for n in loaded.graph.nodes] == [n.placement.split for n in placed.graph.nodes]

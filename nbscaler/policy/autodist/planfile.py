@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Tuple
 
 from nbscaler.blocks import normalize
 from nbscaler.genfiles import atomic_write_bytes
-from nbscaler.ir.graph import IRGraph
+from nbscaler.ir.graph import IRGraph, IRNode, Placement
+from nbscaler.ir.layer_rules import context_parallel
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
 FORMAT, VERSION = "nbscaler-autodist-plan", 2
@@ -85,6 +86,19 @@ def load_plan(graph: IRGraph, plan_ngpus: int, path: str,
         split = op.get("split", "replicate")
         if split == "replicate" or len(devices) == 1:
             replicate(node, devices)
-        else:
+        elif not _own_call(node, split, devices, normalize(op.get("blocks", 1))):
             partition(node, split, devices, blocks=normalize(op.get("blocks", 1)))   # refuses a dim the op cannot split along
     return graph
+
+
+def _own_call(node: IRNode, split: str, devices: Tuple[int, ...], blocks) -> bool:
+    """Place ``node`` split along frozen ``split`` where it runs a call of its own for that split (a
+    mean loss split along its tokens: each device's part, ``split_cross_entropy``); ``False``, placing
+    nothing, for any other op, which ``partition`` then refuses by name."""
+    if node.annotation is None or split not in node.annotation.frozen:
+        return False
+    node.placement = Placement(tuple(devices), split, blocks)
+    if context_parallel(node) == "loss":
+        return True
+    node.placement = None
+    return False
