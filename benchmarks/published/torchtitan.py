@@ -142,13 +142,15 @@ def kernel_seconds(plan: "nbscaler.Plan", hardware: Hardware, device: int,
     return out
 
 
-def step_parts(plan: "nbscaler.Plan", step, recipe: Optional[Recipe] = None) -> Dict[str, float]:
+def step_parts(plan: "nbscaler.Plan", step, recipe: Optional[Recipe] = None,
+               section: str = "tp collectives") -> Dict[str, float]:
     """The slowest device's step in seconds: its kernels by kind, what it waits for ZeRO stage 3's
-    gathers and reduce-scatters, and the optimizer step (with the clipping's passes)."""
+    gathers and reduce-scatters, the optimizer step (with the clipping's passes) and its section
+    collectives (named ``section``: without tensor parallelism, another dimension's)."""
     device = step.slowest[1]
     d = step.devices[device]
     return {**kernel_seconds(plan, step.hardware, device, recipe), "ZeRO-3 collectives (exposed)": d.fsdp_s,
-            "exposed reduction": d.sync_s, "optimizer step": d.update_s}
+            "exposed reduction": d.sync_s, "optimizer step": d.update_s, section: d.tp_s}
 
 
 def peak_parts(plan: "nbscaler.Plan", device: int) -> Dict[str, float]:

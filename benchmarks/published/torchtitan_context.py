@@ -87,14 +87,6 @@ def shares(step, cp: int) -> Dict[str, float]:
     return out
 
 
-def parts(plan: "nbscaler.Plan", step) -> Dict[str, float]:
-    """The slowest device's step in seconds (``torchtitan.step_parts``) with its section collectives,
-    the context-parallel group's here, as a wait of their own."""
-    out = tt.step_parts(plan, step, TOP_RUNG.recipe())
-    out["context-parallel collectives"] = step.devices[step.slowest[1]].tp_s
-    return out
-
-
 def predict_context(rows: Sequence[ContextRow] = ROWS, shape: tt.PublishedLlamaRun = tt.LLAMA_RUNS[0],
                     log: Callable = print) -> List[Dict[str, object]]:
     """Every row of ``rows`` planned each way of ``KINDS`` (one way without context parallelism) and
@@ -114,7 +106,8 @@ def predict_context(rows: Sequence[ContextRow] = ROWS, shape: tt.PublishedLlamaR
                 priced.append({"row": row, "kind": kind, "peak": "SXM, 989" if peak is None else "NVL, 836",
                              "step": step, "tokens_per_s_per_gpu": tokens,
                              "tokens_error": tokens / row.tokens_per_s_per_gpu - 1, "peak_gib": step.peak_bytes / tt.GIB,
-                             "shares": shares(step, row.cp), "parts": parts(plan, step)})
+                             "shares": shares(step, row.cp),
+                               "parts": tt.step_parts(plan, step, TOP_RUNG.recipe(), "context-parallel collectives")})
                 log(f"  FSDP {row.fsdp}, CP {row.cp}, {row.seq:,} tokens, {kind}, {priced[-1]['peak']}: "
                     f"{tokens:,.0f} tokens/s per GPU (published {row.tokens_per_s_per_gpu:,.0f}), "
                     f"{time.perf_counter() - start:.0f} s")
@@ -162,10 +155,6 @@ def verdict(rows: List[Dict[str, object]]) -> str:
     return " ".join(text)
 
 
-def _parts(parts: Dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v >= 0.005)
-
-
 def section(rows: List[Dict[str, object]]) -> str:
     """The context-parallel section of the results: the facts, the rows, the scaling and the verdict."""
     from benchmarks.published.report import _shares
@@ -180,7 +169,7 @@ def section(rows: List[Dict[str, object]]) -> str:
         lines.append(f"| FSDP {row.fsdp}, CP {row.cp} | {row.seq:,} | {r['kind']} | {r['peak']} | {step.step_time_s:.2f} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {row.tokens_per_s_per_gpu:,.0f} | {r['tokens_error']:+.1%} | "
                      f"{r['peak_gib']:.1f} | {row.peak_memory_gib:.1f} | {'yes' if step.fits else 'no'} | "
-                     f"{_shares(r['shares'])} | {_parts(r['parts'])} |")
+                     f"{_shares(r['shares'])} | {tt._parts(r['parts'], 1.0, 's')} |")
     scale = ["| layout | keys and values | bf16 peak (TFLOP/s) | tokens/s over CP 1's, predicted | published | error |",
              "| --- | --- | --- | --- | --- | --- |"]
     scale += [f"| FSDP {s['row'].fsdp}, CP {s['row'].cp} | {s['kind']} | {s['peak']} | {s['predicted']:.3f} | "

@@ -361,6 +361,15 @@ def loss(node: IRNode) -> OpAnnotation:
     return fixed(f"{xin}, {samples}{weight} -> {outs}")(node)
 
 
+def splits_mean_loss(node: IRNode, logits_dim: Optional[int]) -> bool:
+    """Whether ``node`` is a plain mean cross-entropy (``plain_cross_entropy``, its ``n`` marked '^')
+    whose ``(N, C)`` logits arrive split along dim ``logits_dim``: split along their rows (dim 0), it
+    runs each device's part of the mean (``nbscaler.runtime.losses.split_cross_entropy``) rather than
+    gathering the logits; the batch split and context parallelism both place it so."""
+    return (logits_dim == 0 and node.op == "loss" and node.annotation is not None
+            and "n" in node.annotation.frozen and plain_cross_entropy(node))
+
+
 def plain_cross_entropy(node: IRNode) -> bool:
     """Whether a cross-entropy may split its classes across devices (``vocab_cross_entropy``):
     ``(N, C)`` logits, class indices as targets, no class weights, no label smoothing and no

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Tuple
 
 from nbscaler.ir.graph import IRGraph, IRNode, Placement
-from nbscaler.ir.layer_rules import plain_cross_entropy
+from nbscaler.ir.layer_rules import splits_mean_loss
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
 
@@ -54,6 +54,6 @@ def _split_mean_loss(node: IRNode, batch_dim: Dict[int, int], n: int) -> bool:
     their rows: each device then computes its rows' part of the mean over the group's token count
     (``nbscaler.runtime.losses.split_cross_entropy``), where gathering the logits would bring every
     device the whole batch's ``(N, C)``, a vocabulary wide."""
-    return (n > 1 and node.op == "loss" and node.annotation is not None and "n" in node.annotation.frozen
-            and plain_cross_entropy(node) and batch_dim.get(id(node.inputs[0])) == 0
-            and node.inputs[0].shape[0] % n == 0)
+    if n == 1 or node.op != "loss" or not node.inputs:
+        return False
+    return splits_mean_loss(node, batch_dim.get(id(node.inputs[0]))) and node.inputs[0].shape[0] % n == 0

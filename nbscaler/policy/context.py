@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from nbscaler.blocks import MIRRORED
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, Placement
-from nbscaler.ir.layer_rules import plain_cross_entropy
+from nbscaler.ir.layer_rules import splits_mean_loss
 from nbscaler.layouts import ContextKind
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
@@ -139,7 +139,7 @@ def _context_name(node: IRNode, split: List[Tuple[int, int]], length: int, kind:
                               "mask of shape (..., T, T) or (..., 1, T).")
         return "t"
     if node.op == "loss" and "n" in ann.frozen:     # a mean: each device's part of it, if it is a plain one
-        return "n" if plain_cross_entropy(node) and any(i == 0 and d == 0 for i, d in split) else None
+        return "n" if splits_mean_loss(node, dict(split).get(0)) else None
     i, d = split[0]
     name = ann.inputs[i][d] if ann.inputs[i] is not None else None
     if kind == ContextKind.RING and node.op == "matmul" and len(split) > 1:
