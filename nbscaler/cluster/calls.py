@@ -10,7 +10,9 @@ all of them. The rules for failures, which keep every error bounded in time:
 - the call raises ``RankError`` naming the rank that failed first, with its remote traceback, and
   marks the group to be rebuilt (new rendezvous, same engines) before the next call;
 - an interrupt of the notebook (``KeyboardInterrupt`` while waiting) interrupts every rank still
-  running, waits for them to answer, and marks the group to be rebuilt as well;
+  running, waits for them to answer, and marks the group to be rebuilt as well; one that comes
+  while the call is being sent waits until every rank has it, so none is left running unseen;
+- the group is rebuilt only once every rank is idle (``rebuild_group``);
 - an engine process that exits is seen within a fraction of a second (its pid, on this host) or
   by the controller's heartbeat (other hosts); the call raises ``RankDied`` and the session is
   marked broken: only fresh engines (``Cluster.restart()``) can go on.
@@ -22,8 +24,9 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import cloudpickle
 import ipyparallel
@@ -31,7 +34,7 @@ from ipyparallel.error import EngineError, RemoteError
 
 from nbscaler.cluster import engine, jobs
 from nbscaler.cluster.engine import Outcome
-from nbscaler.cluster.errors import RankDied, RankError
+from nbscaler.cluster.errors import ClusterError, RankDied, RankError
 from nbscaler.cluster.session import POLL_S, EngineSlot, Session
 
 # How long a finished call waits for its last reports, which travel apart from the results.
@@ -62,14 +65,31 @@ def call_every_rank(session: Session, fn: Callable[..., Any], args: Sequence[Any
     """Run ``fn(*args, **kwargs)`` on every rank; element ``r`` of the result is rank ``r``'s value."""
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
     pending: List[ipyparallel.AsyncResult] = []
-    try:
+    # An interrupt between a send and its bookkeeping would leave a rank running a call nobody
+    # waits for, and every later call queued behind it: hold it until every rank has the call.
+    with _interrupts_held() as interrupted:
         for s in session.slots:
             pending.append(session.client[s.engine_id].apply_async(engine.call, payload))
-    except KeyboardInterrupt:           # the ranks sent the call already run it: stop them too
-        _interrupt(session, list(session.slots[:len(pending)]), pending)
-        raise
+    if interrupted():                   # every rank has the call already: stop them all
+        _interrupt(session, list(session.slots), pending)
+        raise KeyboardInterrupt
     outcomes, dead = _gather(session, pending, on_report)
     return _values_or_raise(session, outcomes, dead)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[Callable[[], bool]]:
+    """Within the block SIGINT is recorded, not raised; yields whether one came. Outside the main
+    thread (where Python delivers no signal) it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    came: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _gather(session: Session, pending: List[ipyparallel.AsyncResult],
@@ -127,6 +147,31 @@ def _interrupt(session: Session, ranks: List[EngineSlot],
     if stuck:
         session.broken = f"{', '.join(stuck)} did not stop when interrupted"
     return {r: o for r, o in outcomes.items() if o is not None}
+
+
+def rebuild_group(session: Session) -> None:
+    """Rebuild the process group after a failed or interrupted call, once every rank is idle.
+
+    A rank still running (or queued behind) an earlier call would join the new group only when
+    that ends, and rank 0 would give up on it: it is interrupted first, and if it will not stop
+    the session is broken, naming it.
+    """
+    deadline = time.monotonic() + session.spec.timeout + INTERRUPT_GRACE_S
+    busy = _busy(session)
+    while busy and time.monotonic() < deadline:
+        _send_sigint(session, busy)
+        time.sleep(INTERRUPT_AGAIN_S)
+        busy = _busy(session)
+    if busy:
+        session.broken = f"{', '.join(map(str, busy))} kept running an earlier call when interrupted"
+        raise ClusterError(f"{session.broken}; call restart() for fresh engines and a new process group.")
+    session.join_group()
+
+
+def _busy(session: Session) -> List[EngineSlot]:
+    """The ranks whose engine runs or queues a task (the controller's count)."""
+    queues = session.client.queue_status()
+    return [s for s in session.slots if queues.get(s.engine_id, {}).get("queue", 0) > 0]
 
 
 def _send_sigint(session: Session, ranks: List[EngineSlot]) -> None:

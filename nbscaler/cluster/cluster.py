@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ipyparallel
 
-from nbscaler.cluster.calls import ReportHandler, call_every_rank
+from nbscaler.cluster.calls import ReportHandler, call_every_rank, rebuild_group
 from nbscaler.cluster.errors import ClusterError
 from nbscaler.cluster.remote import RemoteModule
 from nbscaler.cluster.session import ClusterSpec, EngineSlot, Session
@@ -230,7 +230,7 @@ class Cluster:
         if session.broken:
             raise ClusterError(f"{session.broken}; call restart() for fresh engines and a new process group.")
         if session.group_dirty:
-            session.join_group()
+            rebuild_group(session)
         return session
 
     def _healthy(self) -> bool:

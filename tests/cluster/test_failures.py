@@ -6,6 +6,7 @@ The cluster's collective timeout is 20 s; every error must reach the caller with
 import os
 import signal
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -39,8 +40,8 @@ def rank_1_sleeps_while_rank_0_waits(started: RankSignal):
     dist.all_reduce(torch.ones(1))
 
 
-def sleep_on_every_rank(started: RankSignal):
-    if dist.get_rank() == 0:
+def sleep_on_every_rank(started: Optional[RankSignal]):
+    if dist.get_rank() == 0 and started is not None:
         started.fire()
     time.sleep(600)
 
@@ -101,3 +102,38 @@ def test_interrupting_the_notebook_interrupts_the_ranks(cluster):
     started.close()
     assert time.monotonic() - start < DEADLINE_S
     assert cluster.run(total) == [2.0, 2.0]
+
+
+def test_an_interrupt_while_the_call_is_sent_stops_every_rank(cluster, monkeypatch):
+    """The stop button pressed between the sends to rank 0 and rank 1: no rank may go on running
+    the call unseen (it would hold every later call behind it)."""
+    from ipyparallel.client.view import DirectView
+    send = DirectView.apply_async
+    engine_of_rank_1 = cluster._session.slots[1].engine_id
+
+    def send_then_interrupt(view, *args, **kwargs):
+        result = send(view, *args, **kwargs)
+        if view.targets == engine_of_rank_1:
+            os.kill(os.getpid(), signal.SIGINT)  # lands right after the send, before its bookkeeping
+        return result
+
+    monkeypatch.setattr(DirectView, "apply_async", send_then_interrupt)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(sleep_on_every_rank, None)
+    monkeypatch.undo()
+    assert time.monotonic() - start < DEADLINE_S
+    assert cluster.run(total) == [2.0, 2.0]
+
+
+def test_a_rank_busy_with_an_earlier_task_is_interrupted_before_the_group_is_rebuilt(cluster):
+    """Work the cluster did not send through ``run`` (a user's own ``apply_async``) is stopped before
+    the ranks rendezvous again, instead of rank 0 timing out waiting for a rank that never comes."""
+    session = cluster._session
+    stray = session.client[session.slots[1].engine_id].apply_async(time.sleep, 600)
+    session.group_dirty = True
+    start = time.monotonic()
+    assert cluster.run(total) == [2.0, 2.0]
+    assert time.monotonic() - start < DEADLINE_S
+    with pytest.raises(Exception, match="KeyboardInterrupt"):
+        stray.get(timeout=DEADLINE_S)
