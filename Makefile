@@ -35,7 +35,7 @@ demo: setup
 	$(PYTHON) -m nbscaler.cli demo
 
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
 
 
 # The edit-test loop: everything that runs in one process and takes less than seconds on its own

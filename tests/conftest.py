@@ -56,6 +56,22 @@ torch.set_num_threads(1)
 gc.set_threshold(10_000, 20, 10)
 
 
+# ``make test`` runs two workers (``pytest -n 2 --dist loadgroup``). What starts clusters or shares a
+# machine-wide resource runs on one of them, one test at a time: every notebook and cluster test, the
+# one-node Slurm, the host tests' network namespaces. Two clusters starting at once on two cores miss
+# their engines' registration timeout; the one-process tests on the other worker do not disturb them.
+ONE_WORKER_PATHS = ("tests/cluster/", "tests/faults/", "tests/runtime/test_init_distributed.py")
+ONE_WORKER_MARKS = ("cluster", "notebook")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        path = str(Path(item.path).relative_to(root))
+        if path.startswith(ONE_WORKER_PATHS) or any(item.get_closest_marker(m) for m in ONE_WORKER_MARKS):
+            item.add_marker(pytest.mark.xdist_group("machine"))
+
+
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
