@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 from nbscaler.comm.program import (Call, Fetch, Instruction, LocalWeight, Origin, Receive, Recompute, Reshard,
                                    Return, Section, Send, Unshard, Value)
 from nbscaler.ir.graph import REST_UNIT, SHARD_RESHARD, SHARD_UNITS
+from nbscaler.ir.layer_rules import VIEW_OPS
 
 
 def unit_table(weights: List[LocalWeight]) -> Dict[str, Tuple[str, ...]]:
@@ -81,6 +82,25 @@ def units_read(ins: Instruction, units_of: Dict[str, str]) -> Set[str]:
             if v.origin == Origin.WEIGHT and v.tensor.name in units_of}
 
 
+def section_reads(body: Sequence[Instruction], units_of: Dict[str, str]) -> List[Set[str]]:
+    """The units each instruction of ``body`` reads: their parameters, or views of them. A view (a
+    chunk, a transpose: ``VIEW_OPS``) shares its parameter's storage, so the unit stays gathered
+    until the view's last reader, as Hugging Face's experts read theirs (``nbscaler.experts.huggingface``)."""
+    views: Dict[int, str] = {}                  # id of a view's tensor -> the unit of the parameter it shows
+    reads = []
+    for ins in body:
+        reads.append(units_read(ins, units_of) | {views[id(v.tensor)] for v in read_by(ins) if id(v.tensor) in views})
+        for call in ([ins] if isinstance(ins, Call) else list(ins.body) if isinstance(ins, Recompute) else []):
+            if call.node.op not in VIEW_OPS:
+                continue
+            shown = [units_of.get(v.tensor.name) if v.origin == Origin.WEIGHT else views.get(id(v.tensor))
+                     for v in call.inputs]
+            unit = next((u for u in shown if u is not None), None)
+            for v in call.outputs if unit is not None else ():
+                views[id(v.tensor)] = unit
+    return reads
+
+
 T = TypeVar("T")
 
 
@@ -125,7 +145,7 @@ def insert_unit_gathers(section: Section) -> None:
         return
     body = section.instructions
     section.instructions = with_gathers(
-        body, [units_read(ins, units_of) for ins in body], section.graph.meta.get(SHARD_RESHARD, True),
+        body, section_reads(body, units_of), section.graph.meta.get(SHARD_RESHARD, True),
         lambda unit, prefetch: Unshard(unit, prefetch),
         lambda unit, first, last: Reshard(unit, _leaving(body, first, last)))
 

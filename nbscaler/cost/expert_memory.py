@@ -1,9 +1,9 @@
 """How much of each rank's predicted memory is routed experts' weights, their gradients and their
 optimizer state: the part expert parallelism splits over the expert group.
 
-Each rank's share is the bytes of the expert weights it holds (``w1``, ``w3``, ``w2`` of every
-routed-experts op, ``nbscaler.ir.layer_rules.EXPERT_WEIGHTS``; under expert parallelism its experts
-alone, ``held_experts``) over the bytes of all the parameters it holds, both as its weight table
+Each rank's share is the bytes of the expert weights it holds (the parameters behind ``w1``, ``w3``,
+``w2`` of every routed-experts op, ``nbscaler.ir.layer_rules.expert_weight_sources``; under expert
+parallelism its experts alone, ``held_experts``) over the bytes of all the parameters it holds, both as its weight table
 stores them. That share of the rank's predicted parameters, gradients and optimizer state
 (``plan.memory``) is the experts': exact where every parameter has one dtype, the optimizer keeps
 the same state per element and ZeRO pads nothing, close otherwise.
@@ -18,15 +18,15 @@ import pandas as pd
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.program import LocalWeight
 from nbscaler.ir.graph import IRGraph
-from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+from nbscaler.ir.layer_rules import EXPERT_OPS, expert_weight_sources
 
 EXPERT_MEMORY_KINDS = (C.PARAM_BYTES, C.GRAD_BYTES, C.OPTIMIZER_BYTES)
 """The memory categories expert weights take part of: parameters, gradients, optimizer state."""
 
 
 def expert_weight_names(graph: IRGraph) -> Set[str]:
-    """The names of every routed-experts op's expert weights in ``graph``."""
-    return {node.inputs[i].name for node in graph.nodes if node.target in EXPERT_OPS for i in EXPERT_WEIGHTS}
+    """The names of every routed-experts op's expert weights in ``graph`` (the parameters they are read from)."""
+    return {t.name for node in graph.nodes if node.target in EXPERT_OPS for t in expert_weight_sources(graph, node)}
 
 
 def expert_share(weights: List[LocalWeight], names: Set[str]) -> float:

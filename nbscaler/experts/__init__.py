@@ -17,9 +17,12 @@ alone, and the plan holds for any routing, not only the one seen when tracing):
 Both are one op of nbscaler's graph (``register_op``) with one axis a policy may split: the tokens
 ``n`` (dropless) or the sequences ``b`` (capacity), each device routing its own through every
 expert, whose weights it holds whole and whose gradients are summed over the devices. Capacity is
-counted per sequence so that splitting the batch changes nothing of what is dropped. The experts'
-own axes stay whole: splitting them (expert parallelism, tensor-parallel experts) needs the routing
-in the graph, not inside one op.
+counted per sequence so that splitting the batch changes nothing of what is dropped. Tensor
+parallelism splits the experts' hidden width ``h``; expert parallelism splits the experts
+themselves, the pairs travelling to them inside the op (``nbscaler.experts.parallel``).
+
+Hugging Face's expert modules are recorded as ``dropless_experts`` (``nbscaler.experts.huggingface``),
+so every split of the op applies to them too.
 """
 
 from nbscaler.experts.grouped import grouped_mm

@@ -6,11 +6,11 @@ or attended axis). The shape-only ops and the tools these use live in ``shape_ru
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from nbscaler.blocks import MIRRORED
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import CONTEXT_KIND, EXPERT_PARALLEL, IRGraph, IRNode, fed_by_inputs
+from nbscaler.ir.graph import CONTEXT_KIND, EXPERT_PARALLEL, IRGraph, IRNode, IRTensor, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
 from nbscaler.layouts import EXPERT_SPLIT
 
@@ -172,6 +172,36 @@ EXPERT_OPS = {"nbscaler.experts.routing.dropless_experts": "expert_parallel_drop
 """Each op of routed experts, and the function of ``nbscaler.runtime.experts`` that runs it expert-parallel."""
 EXPERT_WEIGHTS = (3, 4, 5)
 """The inputs of an expert op that are its experts' weights (``w1``, ``w3``, ``w2``; dim 0 the experts)."""
+
+
+VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
+"""The registry's ops whose result may share its input's storage (a view): what frees the input
+frees the view (ZeRO-3's release, ``comm.unit_gathers``), and what splits the view by its first axis
+can split the input alike (Hugging Face's experts' chunk and transposes, ``expert_weight_views``)."""
+
+
+def expert_weight_views(graph: IRGraph, node: IRNode) -> List[Tuple[IRTensor, List[IRNode]]]:
+    """For each weight of expert op ``node`` (``EXPERT_WEIGHTS``), the tensor it is stored as (a
+    parameter, or whatever the views start from) and the view ops between, nearest the op first
+    (none for nbscaler's own experts, whose weights are parameters)."""
+    producers = {id(t): p for p in graph.nodes for t in p.output_tensors}
+    chains = []
+    for i in EXPERT_WEIGHTS:
+        t, views = node.inputs[i], []
+        while (p := producers.get(id(t))) is not None and p.op in VIEW_OPS and len(p.inputs) == 1:
+            views.append(p)
+            t = p.inputs[0]
+        chains.append((t, views))
+    return chains
+
+
+def expert_weight_sources(graph: IRGraph, node: IRNode) -> List[IRTensor]:
+    """The stored tensors behind expert op ``node``'s weights, each once, in order: ``w1``, ``w3``,
+    ``w2`` themselves, or Hugging Face's ``gate_up_proj`` and ``down_proj``."""
+    seen: Dict[str, IRTensor] = {}
+    for t, _ in expert_weight_views(graph, node):
+        seen.setdefault(t.name, t)
+    return list(seen.values())
 
 
 def expert_parallel(node: IRNode) -> Optional[str]:

@@ -14,8 +14,8 @@ import pandas as pd
 
 from nbscaler.glossary import experts_text, layout_text
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_count, expert_parallel, expert_routing,
-                                     expert_tensor_parallel, expert_top_k, held_experts)
+from nbscaler.ir.layer_rules import (EXPERT_OPS, expert_count, expert_parallel, expert_routing, expert_tensor_parallel,
+                                     expert_top_k, expert_weight_sources, expert_weight_views, held_experts)
 from nbscaler.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def expert_nodes(plan: "Plan") -> List[IRNode]:
 def weights_layout(plan: "Plan", node: IRNode) -> str:
     """How ``node``'s expert weights are stored, in words: under expert parallelism split by experts
     over the expert group (``'experts split over the expert group [0, 1]: split on dim 0 (S(0))'``)."""
-    layouts = sorted({str(plan.storage[t.name]) for i in EXPERT_WEIGHTS for t in [node.inputs[i]]
+    layouts = sorted({str(plan.storage[t.name]) for t in expert_weight_sources(plan.graph, node)
                       if t.name in plan.storage})
     text = ", ".join(layout_text(x) for x in layouts) or "not stored (an input)"
     if expert_parallel(node):
@@ -43,9 +43,12 @@ def weights_layout(plan: "Plan", node: IRNode) -> str:
     return text
 
 
-def _width_parts(node: IRNode) -> int:
-    """The parts each expert's hidden width is split into (tensor parallel inside the experts), else 1."""
-    return node.placement.parts if expert_tensor_parallel(node) else 1
+def _width_parts(plan: "Plan", node: IRNode) -> int:
+    """The parts each stored expert weight is split into by its hidden width (tensor parallel inside
+    the experts), else 1. Hugging Face's concatenated ``gate_up_proj`` stays whole: the chunk that
+    reads it keeps that axis whole, and each device slices its hidden units from it."""
+    views = any(chain for _, chain in expert_weight_views(plan.graph, node))
+    return node.placement.parts if expert_tensor_parallel(node) and not views else 1
 
 
 def expert_rows(plan: "Plan") -> pd.DataFrame:
@@ -54,7 +57,7 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
     they are stored and the bytes of them the device holds. Empty for a plan without experts."""
     rows = []
     for node in expert_nodes(plan):
-        weights = [node.inputs[i] for i in EXPERT_WEIGHTS]
+        weights = expert_weight_sources(plan.graph, node)
         names = ", ".join(t.name.rsplit(".", 1)[-1] for t in weights)
         layout, total = weights_layout(plan, node), expert_count(node)
         devices = node.placement.devices if node.placement is not None else (0,)
@@ -63,7 +66,7 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
             rows.append({"op": node.name, "module": node.module_path, "device": device,
                          "experts": experts_text(held, total, expert_top_k(node), expert_routing(node)),
                          "weights": names, "layout": layout,
-                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // _width_parts(node)})
+                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // _width_parts(plan, node)})
     return pd.DataFrame(rows, columns=EXPERT_COLUMNS)
 
 

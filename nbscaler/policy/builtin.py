@@ -50,7 +50,7 @@ from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import PIPELINE_KEYS, RECOMPUTE, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import vocabulary_lookups
+from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views, vocabulary_lookups
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
@@ -163,11 +163,11 @@ def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, .
                      sequence: bool = False) -> IRGraph:
     """Place each node on ``devices_of(node)``, split Megatron-style where that pays; with
     ``sequence``, the ops between the linears on a slice of the sequence."""
-    fused, vocabulary = fused_blocks(graph), vocabulary_lookups(graph)
+    fused, vocabulary, expert_views = fused_blocks(graph), vocabulary_lookups(graph), _expert_weight_views(graph)
     for node, layout_of in _split_layouts(graph):
         devices = devices_of(node)
         choice = None
-        if len(devices) > 1:
+        if len(devices) > 1 and node.name not in expert_views:
             choice = _tp_choice(node, layout_of, fused, vocabulary, len(devices))
             if choice is None and sequence:
                 choice = _sequence_choice(node, layout_of, len(devices))
@@ -176,6 +176,14 @@ def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, .
         else:
             partition(node, choice[0], devices, blocks=choice[1])
     return graph
+
+
+def _expert_weight_views(graph: IRGraph) -> Set[str]:
+    """The views between routed-experts ops' weights and their parameters (Hugging Face's chunk and
+    transposes): left whole, each device slices what the op's split wants of them (a tensor-parallel
+    expert its hidden units), rather than split by the rule for a layer's weights and gathered back."""
+    return {view.name for node in graph.nodes if node.target in EXPERT_OPS
+            for _, views in expert_weight_views(graph, node) for view in views}
 
 
 def pipeline_split(cfg: ComputeConfig) -> PipelineSplit:
@@ -264,7 +272,8 @@ def _tp_choice(node: IRNode, layout_of, fused, vocabulary: Set[str], n: int) -> 
             left = divide(lay.blocks, ann.grouped.get((i, name), 1))
             if left is not None and ann.can_split(name, n * units(left)) is None:
                 inherited.append((name, left))
-    weight_names = [name for i, t in enumerate(node.inputs) if t.kind == "param" and t.ndim >= 2
+    weights = EXPERT_WEIGHTS if node.target in EXPERT_OPS else ()     # views of parameters, for Hugging Face's
+    weight_names = [name for i, t in enumerate(node.inputs) if (t.kind == "param" or i in weights) and t.ndim >= 2
                     for name in ann.inputs[i] or () if name in options]
     if weight_names:
         for name, blocks in inherited:

@@ -22,7 +22,7 @@ from typing import Callable, Tuple
 
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import EXPERT_PARALLEL, IRGraph, IRNode
-from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views
 from nbscaler.policy.batch import split_batch
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
@@ -89,7 +89,9 @@ def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
     if not found:
         raise PolicyError(f"pas_config['{EXPERT_PARALLEL_KEY}'] splits routed experts over the devices, but the "
                           "model calls none: route its tokens with nbscaler.experts.dropless_experts or "
-                          "capacity_experts (as nbscaler.models.moe does), or drop the key.")
+                          "capacity_experts (as nbscaler.models.moe does), or use a Hugging Face experts module "
+                          "nbscaler records as one (SiLU-gated, no biases: nbscaler.experts.huggingface), or drop "
+                          "the key.")
     for node in found:
         if around is not None:          # its tokens split over the devices, whatever placed the rest
             _split_tokens(node, devices_of(node))
@@ -101,7 +103,25 @@ def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
             raise PolicyError(f"{node.name} has {experts} experts, which do not split over {n} devices: set "
                               f"{EXPERT_PARALLEL_KEY} to a divisor of {experts}.")
         node.meta[EXPERT_PARALLEL] = True
+        _split_weight_views(graph, node)
     return graph
+
+
+def _split_weight_views(graph: IRGraph, node: IRNode) -> None:
+    """Split the views between expert-parallel ``node``'s weights and the parameters they read
+    (Hugging Face's chunk and transposes) by expert, over ``node``'s devices, so that each device
+    stores and updates only its experts' share of the parameters. Left as placed where the experts'
+    axis does not pass through a view: the op then slices its experts from a whole weight."""
+    devices = node.placement.devices
+    for i, (_, views) in zip(EXPERT_WEIGHTS, expert_weight_views(graph, node)):
+        t = node.inputs[i]
+        for view in views:
+            index = next(i for i, o in enumerate(view.output_tensors) if o is t)
+            experts = view.annotation.outputs[index][0]                    # dim 0 of what the op reads
+            if view.annotation.inputs[0][0] != experts or view.annotation.can_split(experts, len(devices)):
+                break
+            partition(view, experts, devices)
+            t = view.inputs[0]
 
 
 def _split_tokens(node: IRNode, devices: Tuple[int, ...]) -> None:

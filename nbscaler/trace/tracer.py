@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map, 
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
 from nbscaler.ir.registry import INPLACE_TARGETS, annotate, spec_of, target_of
 from nbscaler.trace.training import watch_training_reads
+from nbscaler.trace.stand_ins import stand_ins
 from nbscaler.trace.guards import GUARD_OP, READS, describe_site, guard_node, read_name, refusal
 from nbscaler.trace.values import NeedsRealValues, Provenance, TracedValues
 
@@ -318,7 +319,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], mod
     reads: List[torch.nn.Module] = []
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad(), tracer.module_hooks(), watch_training_reads(reads), \
-                tracer:
+                stand_ins(module), tracer:
             out = module(**dummy_forward_args)
         outputs = tree_map(lambda x: tracer.lookup(x) if isinstance(x, torch.Tensor) else x, out)
     except TraceError:

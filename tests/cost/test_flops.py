@@ -2,12 +2,14 @@
 
 import math
 
+import torch
+
 import pytest
 
 import nbscaler
 from nbscaler import ComputeConfig, Hardware
 from nbscaler.planning.step import flops_per_device
-from tests.models import batch, build
+from tests.models import batch, build, hf
 
 
 @pytest.mark.parametrize("policy, ngpus", [("dp", 1), ("tp", 2)])
@@ -59,10 +61,14 @@ def test_routed_experts_are_counted_as_their_swiglu_products_and_split_by_expert
 
 
 def test_hugging_face_experts_grouped_products_count_each_row_once():
-    """Mixtral's experts: ``torch._grouped_mm`` of the (token, expert) rows sorted by expert ``(m, a)``
-    by the experts' weights ``(E, a, b)`` costs ``2 m a b``, as one product per row."""
-    p = nbscaler.plan(build("hf_mixtral"), batch("hf_mixtral", 0), "dp", ComputeConfig(1, 1))
-    for node in (n for n in p.graph.nodes if n.target == "torch._grouped_mm"):
+    """Hugging Face experts traced call by call (Mixtral's with GELU, which nbscaler does not record as
+    its own op): ``torch._grouped_mm`` of the (token, expert) rows sorted by expert ``(m, a)`` by the
+    experts' weights ``(E, a, b)`` costs ``2 m a b``, as one product per row."""
+    torch.manual_seed(0)
+    p = nbscaler.plan(hf.LossOf(hf.mixtral(hidden_act="gelu")), batch("hf_mixtral", 0), "dp", ComputeConfig(1, 1))
+    grouped = [n for n in p.graph.nodes if n.target == "torch._grouped_mm"]
+    assert len(grouped) == 2 * 2                                           # 2 layers: gate_up, down
+    for node in grouped:
         (m, a), b = node.inputs[0].shape, node.inputs[1].shape[-1]
         assert node.meta["flops_fwd"] == 2 * m * a * b
         assert node.meta["product"]

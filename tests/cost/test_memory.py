@@ -16,6 +16,7 @@ from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_byte
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
+from tests.models import build
 from tests.multiprocess import (Case, buckets, context_parallel, expert_parallel, granular, measure_memory, pipeline, predicted_memory, recompute,
                                 run_cases,
                                 sequence_parallel, zero)
@@ -482,3 +483,19 @@ def test_memory_model_is_exact_under_expert_parallelism(tmp_path):
     is exact for the routing it sees.)"""
     for case, measured in run_cases(measure_memory, 2, EXPERTS, str(tmp_path)).items():
         _check(case, predicted_memory(case), measured)
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_experts_keep_their_share_under_expert_parallelism(tmp_path):
+    """Mixtral's own experts split over 2 ranks store half of their ``gate_up_proj`` and ``down_proj``
+    on each, with half their gradients and AdamW state: the plan's weights, gradients and optimizer
+    state equal the meter's. (Its activations depend on the routing, which these random weights do
+    not balance; the docstring above says why only capacity routing is exact there.)"""
+    case = Case("hf_mixtral", "tp", 2, 2, optimizer="adamw", config=expert_parallel(2))
+    whole = predicted_memory(Case("hf_mixtral", "dp", 1, 2, optimizer="adamw"))
+    predicted, measured = predicted_memory(case), run_cases(measure_memory, 2, [case], str(tmp_path))[case]
+    for p, m in zip(predicted, measured):
+        for column in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert p[column] == m[column], f"rank {m['rank']}: {column} predicted {p[column]}, measured {m[column]}"
+    experts = sum(t.numel() * 4 for name, t in build("hf_mixtral").named_parameters() if ".experts." in name)
+    assert whole[0]["param_bytes"] - predicted[0]["param_bytes"] == experts // 2

@@ -47,10 +47,13 @@ def mistral() -> nn.Module:
     return MistralForCausalLM(MistralConfig(**_decoder_kwargs(), sliding_window=None))
 
 
-def mixtral() -> nn.Module:
+def mixtral(hidden_act: str = "silu") -> nn.Module:
+    """Mixtral: 4 experts, 2 per token. With SiLU (its own) nbscaler records its experts as
+    ``dropless_experts``; with any other activation they are traced call by call, through
+    ``torch._grouped_mm`` (``nbscaler.experts.huggingface``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
     return MixtralForCausalLM(MixtralConfig(**_decoder_kwargs(), num_local_experts=4, num_experts_per_tok=2,
-                                            router_jitter_noise=0.0))
+                                            router_jitter_noise=0.0, hidden_act=hidden_act))
 
 
 def qwen3_moe() -> nn.Module:

@@ -7,7 +7,8 @@ from nbscaler import ComputeConfig
 from nbscaler.planning.planner import plan
 from tests.models import batch, build
 
-MATMUL_LIKE = {"linear", "matmul", "addmm", "baddbmm", "attention", "conv", "routing"}
+MATMUL_LIKE = {"linear", "matmul", "addmm", "baddbmm", "attention", "conv", "routing", "dropless_experts",
+               "capacity_experts"}
 
 
 def tp_plan(model: str, ngpus: int = 2):
@@ -16,7 +17,7 @@ def tp_plan(model: str, ngpus: int = 2):
 
 def split_fraction(graph) -> float:
     """The share of matmul-like ops (linear, matmul, bmm, addmm, baddbmm, attention, convolutions,
-    grouped expert matmuls) split."""
+    routed-experts ops, grouped expert matmuls) split."""
     heavy = [n for n in graph.nodes if n.op in MATMUL_LIKE and (n.op != "routing" or "mm" in n.target)]
     return sum(1 for n in heavy if n.placement.split is not None) / len(heavy)
 
@@ -24,7 +25,8 @@ def split_fraction(graph) -> float:
 # The transformers models in make test: their traces are checked in the loop (tests/trace), and the
 # fused-projection test below splits the GPT-2's.
 @pytest.mark.parametrize("model", ["gpt", pytest.param("hf_gpt2", marks=pytest.mark.slow),
-                                   pytest.param("hf_llama", marks=pytest.mark.slow), "llama", "vit", "mobilenet"])
+                                   pytest.param("hf_llama", marks=pytest.mark.slow), "llama", "vit", "mobilenet",
+                                   pytest.param("hf_mixtral", marks=pytest.mark.slow), "moe"])
 def test_tp_splits_nine_tenths_of_the_matmuls(model):
     assert split_fraction(tp_plan(model).graph) >= 0.9
 

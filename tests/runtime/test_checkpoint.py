@@ -39,11 +39,14 @@ NO_WEIGHTS = Case("llama", "tp", 2, 4)
 CONTEXT = Case("gpt", "tp", 2, 4, optimizer="adamw", config=context_parallel(2, "ring"))   # the sequence split
 EXPERTS = Case("moe", "tp", 2, 4, optimizer="adamw", config=expert_parallel(2))   # experts split by expert
 MOE_ZERO3 = Case("moe", "dp", 1, 4, optimizer="adamw", config=zero(stage=3))
-SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, EXPERTS, MOE_ZERO3]     # trained, saved, then continued
+HF_EXPERTS = Case("hf_mixtral", "tp", 2, 4, optimizer="adamw", config=expert_parallel(2))   # Hugging Face's, by expert
+HF_ZERO = Case("hf_mixtral", "dp", 1, 4, optimizer="adamw", config=zero())
+SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, EXPERTS, MOE_ZERO3, HF_EXPERTS]   # trained, saved, continued
 MOVES = [(TP2, DP4_ZERO), (PP_ZERO, TP_END2END),            # merged checkpoint of one plan -> another plan
          (TP2, DP4_ZERO3), (TP4_ZERO3, DP4_ZERO),           # into ZeRO-3, and out of it
          (CONTEXT, TP_END2END), (PP_ZERO, CONTEXT),         # out of context parallelism, and into it
-         (EXPERTS, MOE_ZERO3), (MOE_ZERO3, EXPERTS)]        # out of expert parallelism, and into it
+         (EXPERTS, MOE_ZERO3), (MOE_ZERO3, EXPERTS),        # out of expert parallelism, and into it
+         (HF_EXPERTS, HF_ZERO)]
 
 
 def path(ckpt_dir, case: Case, kind: str, rank=None) -> Path:
@@ -135,9 +138,9 @@ def merge_files(ckpt_dir, case, kind):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     gen_dir, ckpt_dir = str(tmp_path_factory.mktemp("gen")), str(tmp_path_factory.mktemp("ckpt"))
-    per_rank = run_ranks(train_and_save, 2, [TP2], gen_dir, ckpt_dir)
-    per_rank += run_ranks(train_and_save, 4, [TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, EXPERTS, MOE_ZERO3],
-                          gen_dir, ckpt_dir)
+    per_rank = []
+    for nranks in (2, 4):
+        per_rank += run_ranks(train_and_save, nranks, [c for c in SAVED if c.runtime_ngpus == nranks], gen_dir, ckpt_dir)
     uninterrupted = {case: [res[case] for res in per_rank if case in res] for case in SAVED}
     for case in SAVED:
         save(merge_files(ckpt_dir, case, "full"), path(ckpt_dir, case, "merged"))

@@ -11,6 +11,7 @@ import pytest
 from tests.multiprocess import Case, check_equivalence, expert_parallel, pipeline, run_ranks, train_parallel, zero
 
 MODELS = ("moe", "moe_capacity")
+HF_MODELS = ("hf_mixtral", "hf_qwen3_moe")
 PLANS = {
     1: [("dp", 1, 1), ("tp", 1, 1)],
     2: [("dp", 1, 2), ("data", 2, 2), ("tp", 2, 2)],
@@ -53,6 +54,23 @@ def test_expert_parallel_trains_like_one_process(nranks, tmp_path):
         cases += [Case("moe_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + expert_parallel(2))]
         cases += [Case("moe", "tp", 2, 4, config=expert_parallel(2) + zero(stage=3), optimizer="adamw"),
                   Case("moe_capacity", "tp", 2, 4, config=expert_parallel(2) + zero(stage=2), optimizer="adamw")]
+    per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_hugging_face_experts_split_like_nbscalers_train_like_one_process(nranks, tmp_path):
+    """Mixtral's and Qwen3-MoE's own expert modules (recorded as ``dropless_experts``,
+    ``nbscaler.experts.huggingface``) expert-parallel over every device, the layers around them split
+    by batch or tensor-parallel, and tensor-parallel inside; with 4 ranks also expert-parallel over 2
+    in 2 data-parallel units under ZeRO-3."""
+    cases = [Case(model, "tp", nranks, nranks, config=expert_parallel(nranks)) for model in HF_MODELS]
+    cases += [Case("hf_mixtral", "tp", nranks, nranks, config=expert_parallel(nranks, around="tp")),
+              Case("hf_qwen3_moe", "tp", nranks, nranks)]
+    if nranks == 4:
+        cases += [Case("hf_qwen3_moe", "tp", 2, 4, config=expert_parallel(2) + zero(stage=3), optimizer="adamw")]
     per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])

@@ -109,15 +109,22 @@ def test_decoders_train_under_dp_equal_to_one_process(tmp_path):
             assert_close(merged[pname], expected, f"{name} final {pname}")
 
 
-def test_a_mixture_of_experts_built_on_meta_is_planned_on_shapes():
-    """Mixtral's experts multiply with ``torch._grouped_mm`` on fp32 weights, whose shape function
-    takes bf16 only: traced and replayed through ``nbscaler.experts.grouped_mm`` in its place, a
-    Mixtral on the meta device (no values to fall back to) is planned, its memory counted."""
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_a_mixture_of_experts_built_on_meta_is_planned_on_shapes(act):
+    """Mixtral's own experts (SiLU) are recorded as one ``dropless_experts`` op a layer, views of its
+    parameters as their weights. Experts nbscaler does not record so (here with GELU) multiply with
+    ``torch._grouped_mm`` on fp32 weights, whose shape function takes bf16 only: traced and replayed
+    through ``nbscaler.experts.grouped_mm`` in its place. Either way a Mixtral on the meta device (no
+    values to fall back to) is planned, its memory counted."""
+    torch.manual_seed(0)
     with torch.device("meta"):
-        model = small_model("mixtral")
+        model = hf.mixtral(hidden_act=act)
+    model.config.use_cache = False
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*(traced on real tensors|could not replay torch._grouped_mm)")
         plan = nbscaler.plan(model, sample(0, mask=False), "dp", ComputeConfig(1, 1))
         memory = plan.memory()
-    assert sum(n.target == "torch._grouped_mm" for n in plan.graph.nodes) == 2 * 2       # 2 layers: gate_up, down
+    recorded = sum(n.target == "nbscaler.experts.routing.dropless_experts" for n in plan.graph.nodes)
+    grouped = sum(n.target == "torch._grouped_mm" for n in plan.graph.nodes)
+    assert (recorded, grouped) == ((2, 0) if act == "silu" else (0, 2 * 2))     # 2 layers; gate_up, down
     assert memory["activation_bytes"][0] > 0
