@@ -11,7 +11,7 @@ from tests.cluster import netns_hosts
 from tests.faults.staging import Row, Trigger, all_reduce_forever, error_of, first_line, names_rank
 from tests.multiprocess import Case, check_on_cluster
 
-CUT_RANK = 1                           # the one engine of the second host
+CUT_HOST = "b"                         # the host whose link goes down; its one engine's rank is named
 TP_ACROSS = Case("mlp", "tp", 2, 2)
 
 
@@ -31,12 +31,14 @@ def cut_between_hosts(hosts: netns_hosts.Hosts, folder: Path) -> Row:
     """Take host b's link down while both ranks all-reduce; bring it back, restart, train."""
     cluster = hosts_cluster(hosts)
     try:
-        trigger = Trigger(lambda: link(hosts, "b", "down"))
+        # engines take their ids, and so their ranks, in the order they register: look the rank up
+        cut = next(slot.rank for slot in cluster.engines if slot.host == hosts.namespace(CUT_HOST))
+        trigger = Trigger(lambda: link(hosts, CUT_HOST, "down"))
         try:
-            err, ended = error_of(lambda: cluster.run(all_reduce_forever, trigger.signal, CUT_RANK))
+            err, ended = error_of(lambda: cluster.run(all_reduce_forever, trigger.signal, cut))
         finally:
             trigger.close()
-            link(hosts, "b", "up")
+            link(hosts, CUT_HOST, "up")
         works, why = True, ""
         try:
             cluster.restart()
@@ -47,5 +49,5 @@ def cut_between_hosts(hosts: netns_hosts.Hosts, folder: Path) -> Row:
         cluster.stop()
     cause = "heartbeat" in str(err) or "network" in str(err)
     return Row("network cut between two hosts", ended - trigger.at if trigger.at else float("nan"), first_line(err),
-               names_rank(err, CUT_RANK), cause, True, works,
+               names_rank(err, cut), cause, True, works,
                why or "the link is back before restart(); nothing on disk is involved")
