@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nbscaler.cluster import network
+from nbscaler.models import torchvision_compat
 from nbscaler.runtime import groups
 from nbscaler.runtime.launch import PeerFailed, init_process_group
 
@@ -145,6 +146,9 @@ def call(payload: bytes) -> Outcome:
         if not dist.is_initialized():
             raise RuntimeError("this engine's process group was destroyed (did the previous function call "
                                "destroy_process_group?); run again: the cluster rebuilds the group after a failure")
+        # A payload that imports transformers or timm imports torchvision, which beside a torch it was
+        # not built for needs two ops declared first (as the notebook declares them for itself).
+        torchvision_compat.declare_missing_ops()
         # Unrestricted on purpose: the payload is the notebook's own function, sent by its ipyparallel client.
         fn, args, kwargs = cloudpickle.loads(payload)
         return Outcome(rank, True, fn(*args, **kwargs))
