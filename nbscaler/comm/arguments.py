@@ -50,9 +50,11 @@ def local_split_sizes(node: IRNode, args: tuple) -> tuple:
     place = node.placement
     if node.op != "split" or place is None or (0, place.split) not in node.annotation.grouped:
         return args
+    if not node.target.endswith(".split"):      # chunk, tensor_split, unbind: counts of pieces, the same
+        return args
     sizes = args[1] if len(args) > 1 else None
     if isinstance(sizes, int):
         return (args[0], sizes // place.parts) + tuple(args[2:])
-    if isinstance(sizes, (list, tuple)) and node.target.endswith(".split"):
+    if isinstance(sizes, (list, tuple)):
         return (args[0], type(sizes)(s // place.parts for s in sizes)) + tuple(args[2:])
     return args

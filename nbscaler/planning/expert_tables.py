@@ -15,7 +15,7 @@ import pandas as pd
 from nbscaler.glossary import experts_text, layout_text
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.layer_rules import (EXPERT_OPS, expert_count, expert_parallel, expert_routing, expert_tensor_parallel,
-                                     expert_top_k, expert_weight_sources, expert_weight_views, held_experts)
+                                     expert_top_k, expert_weight_sources, held_experts)
 from nbscaler.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -43,12 +43,9 @@ def weights_layout(plan: "Plan", node: IRNode) -> str:
     return text
 
 
-def _width_parts(plan: "Plan", node: IRNode) -> int:
-    """The parts each stored expert weight is split into by its hidden width (tensor parallel inside
-    the experts), else 1. Hugging Face's concatenated ``gate_up_proj`` stays whole: the chunk that
-    reads it keeps that axis whole, and each device slices its hidden units from it."""
-    views = any(chain for _, chain in expert_weight_views(plan.graph, node))
-    return node.placement.parts if expert_tensor_parallel(node) and not views else 1
+def _width_parts(node: IRNode) -> int:
+    """The parts each expert's hidden width is split into (tensor parallel inside the experts), else 1."""
+    return node.placement.parts if expert_tensor_parallel(node) else 1
 
 
 def expert_rows(plan: "Plan") -> pd.DataFrame:
@@ -66,7 +63,7 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
             rows.append({"op": node.name, "module": node.module_path, "device": device,
                          "experts": experts_text(held, total, expert_top_k(node), expert_routing(node)),
                          "weights": names, "layout": layout,
-                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // _width_parts(plan, node)})
+                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // _width_parts(node)})
     return pd.DataFrame(rows, columns=EXPERT_COLUMNS)
 
 

@@ -50,14 +50,15 @@ from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import PIPELINE_KEYS, RECOMPUTE, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views, vocabulary_lookups
+from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_tensor_parallel, expert_weight_views,
+                                     vocabulary_lookups)
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.batch import split_batch
 from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, context_parallel, place_context
 from nbscaler.policy.experts import (AROUND_EXPERTS_KEY, EXPERT_PARALLEL_KEY, AroundExperts, around_experts,
-                                     check_experts, place_experts)
+                                     check_experts, place_experts, split_weight_views)
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
@@ -175,13 +176,17 @@ def _tensor_parallel(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, .
             replicate(node, devices)
         else:
             partition(node, choice[0], devices, blocks=choice[1])
+    for node in graph.nodes:            # views of tensor-parallel experts' weights split by hidden unit too
+        if expert_tensor_parallel(node):
+            split = node.placement.split
+            split_weight_views(graph, node, [node.annotation.inputs[i].index(split) for i in EXPERT_WEIGHTS])
     return graph
 
 
 def _expert_weight_views(graph: IRGraph) -> Set[str]:
     """The views between routed-experts ops' weights and their parameters (Hugging Face's chunk and
-    transposes): left whole, each device slices what the op's split wants of them (a tensor-parallel
-    expert its hidden units), rather than split by the rule for a layer's weights and gathered back."""
+    transposes): split as the op's split wants them (``split_weight_views``), not by the rule for a
+    layer's weights, which would split them by expert and gather them back."""
     return {view.name for node in graph.nodes if node.target in EXPERT_OPS
             for _, views in expert_weight_views(graph, node) for view in views}
 

@@ -18,7 +18,7 @@ Context and sequence parallelism are not combined with it yet.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Tuple
+from typing import Callable, Sequence, Tuple
 
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import EXPERT_PARALLEL, IRGraph, IRNode
@@ -103,25 +103,28 @@ def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
             raise PolicyError(f"{node.name} has {experts} experts, which do not split over {n} devices: set "
                               f"{EXPERT_PARALLEL_KEY} to a divisor of {experts}.")
         node.meta[EXPERT_PARALLEL] = True
-        _split_weight_views(graph, node)
+        split_weight_views(graph, node, (0,) * len(EXPERT_WEIGHTS))
     return graph
 
 
-def _split_weight_views(graph: IRGraph, node: IRNode) -> None:
-    """Split the views between expert-parallel ``node``'s weights and the parameters they read
-    (Hugging Face's chunk and transposes) by expert, over ``node``'s devices, so that each device
-    stores and updates only its experts' share of the parameters. Left as placed where the experts'
-    axis does not pass through a view: the op then slices its experts from a whole weight."""
+def split_weight_views(graph: IRGraph, node: IRNode, dims: Sequence[int]) -> None:
+    """Split the views between routed-experts ``node``'s weights and the parameters they read
+    (Hugging Face's chunk and transposes) over ``node``'s devices, so that weight ``j`` arrives
+    split on its dim ``dims[j]`` as the op wants it and each device stores only its share of the
+    parameters: by expert (dim 0) under expert parallelism, by hidden unit under tensor-parallel
+    experts (the chunk then cuts ``gate_up_proj`` strided, each device its units of the gate and of
+    the up rows). A view the axis does not pass through stays as placed, and the op slices its share
+    from what it reads."""
     devices = node.placement.devices
-    for i, (_, views) in zip(EXPERT_WEIGHTS, expert_weight_views(graph, node)):
+    for dim, i, (_, views) in zip(dims, EXPERT_WEIGHTS, expert_weight_views(graph, node)):
         t = node.inputs[i]
         for view in views:
-            index = next(i for i, o in enumerate(view.output_tensors) if o is t)
-            experts = view.annotation.outputs[index][0]                    # dim 0 of what the op reads
-            if view.annotation.inputs[0][0] != experts or view.annotation.can_split(experts, len(devices)):
+            index = next(k for k, o in enumerate(view.output_tensors) if o is t)
+            name = view.annotation.outputs[index][dim]
+            if name not in view.annotation.inputs[0] or view.annotation.can_split(name, len(devices)):
                 break
-            partition(view, experts, devices)
-            t = view.inputs[0]
+            partition(view, name, devices)
+            t, dim = view.inputs[0], view.annotation.inputs[0].index(name)
 
 
 def _split_tokens(node: IRNode, devices: Tuple[int, ...]) -> None:

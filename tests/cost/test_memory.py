@@ -486,16 +486,22 @@ def test_memory_model_is_exact_under_expert_parallelism(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_hugging_face_experts_keep_their_share_under_expert_parallelism(tmp_path):
-    """Mixtral's own experts split over 2 ranks store half of their ``gate_up_proj`` and ``down_proj``
-    on each, with half their gradients and AdamW state: the plan's weights, gradients and optimizer
-    state equal the meter's. (Its activations depend on the routing, which these random weights do
-    not balance; the docstring above says why only capacity routing is exact there.)"""
-    case = Case("hf_mixtral", "tp", 2, 2, optimizer="adamw", config=expert_parallel(2))
-    whole = predicted_memory(Case("hf_mixtral", "dp", 1, 2, optimizer="adamw"))
-    predicted, measured = predicted_memory(case), run_cases(measure_memory, 2, [case], str(tmp_path))[case]
-    for p, m in zip(predicted, measured):
+def test_hugging_face_experts_keep_their_share_split_either_way(tmp_path):
+    """Mixtral's own experts on 2 ranks. Tensor parallel inside the experts: each rank stores half of
+    every expert's hidden units (``gate_up_proj`` cut strided, ``down_proj`` by column), and every
+    category equals the meter. Expert parallel: each rank stores half of the experts, with half their
+    gradients and AdamW state, and the plan's weights, gradients and optimizer state equal the meter's
+    (its activations depend on the routing, which these random weights do not balance; the docstring
+    above says why only capacity routing is exact there). Either way half the experts' bytes are gone."""
+    split = Case("hf_mixtral", "tp", 2, 2, optimizer="adamw")
+    experts = Case("hf_mixtral", "tp", 2, 2, optimizer="adamw", config=expert_parallel(2))
+    measured = run_cases(measure_memory, 2, [split, experts], str(tmp_path))
+    _check(split, predicted_memory(split), measured[split])
+    predicted = predicted_memory(experts)
+    for p, m in zip(predicted, measured[experts]):
         for column in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert p[column] == m[column], f"rank {m['rank']}: {column} predicted {p[column]}, measured {m[column]}"
-    experts = sum(t.numel() * 4 for name, t in build("hf_mixtral").named_parameters() if ".experts." in name)
-    assert whole[0]["param_bytes"] - predicted[0]["param_bytes"] == experts // 2
+    whole = predicted_memory(Case("hf_mixtral", "dp", 1, 2, optimizer="adamw"))[0]["param_bytes"]
+    expert_bytes = sum(t.numel() * 4 for name, t in build("hf_mixtral").named_parameters() if ".experts." in name)
+    assert whole - predicted[0]["param_bytes"] == expert_bytes // 2
+    assert whole - predicted_memory(split)[0]["param_bytes"] > expert_bytes // 2     # attention split too
