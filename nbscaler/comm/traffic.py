@@ -95,7 +95,7 @@ def _group(graph: IRGraph, stage: Optional[int]) -> Tuple[int, ...]:
 def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int], stage: Optional[int],
                  next_group: Optional[Tuple[int, ...]], backend: Optional[str]) -> List[CommStep]:
     """The rows of one stage: every conversion of its sections in graph order, each once."""
-    grad = requires_grad_of(graph)
+    grad = requires_grad_of(graph, inputs_as_traced=True)      # what the runtime sends for a batch like the traced one
     nodes = len(graph.nodes)
     ordered = []
     for sec in sections:

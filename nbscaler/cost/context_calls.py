@@ -130,15 +130,12 @@ def forward_items(run: LocalRun, time_op: Callable, comm) -> List[Item]:
     items: List[Item] = []
     for op in run.ops:
         for c in fetched.pop(op.node.name, []):
-            f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-            items.append(("collective", c, f, comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-                          + (f if c.recomputed else 0.0)))
+            items.append(("collective", c, *c.seconds(comm)))
         f, b = time_op(op)
         items.append(("op", op, f, b + (f if op.recomputed else 0.0)))
     for calls in fetched.values():
         for c in calls:
-            f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-            items.append(("collective", c, f, comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)))
+            items.append(("collective", c, *c.seconds(comm)))
     return items
 
 

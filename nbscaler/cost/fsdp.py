@@ -195,9 +195,7 @@ def section_script(section: Section, run: LocalRun, profiler, comm) -> Script:
         ops[id(op.node)] = _plus(ops.get(id(op.node)), (f + ring[0], b + ring[1] + (f if op.recomputed else 0.0)))
     before: Dict[Optional[str], Tuple[float, float]] = {}          # consumer's name (None: an output) -> seconds
     for c in run.collectives:
-        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-        b = comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
-        before[c.node] = _plus(before.get(c.node), (f, b))
+        before[c.node] = _plus(before.get(c.node), c.seconds(comm))
     units_of = section.graph.meta.get(SHARD_UNITS) or {}
     out: List[Step] = []
     outputs = True

@@ -111,6 +111,14 @@ class CollectiveCall:
     out_bytes: int              # local bytes it makes
     node: Optional[str] = None  # the consumer that asked for it (None: a stage or module output)
     recomputed: bool = False    # inside a recomputed region: the backward runs its forward again
+    backward: bool = True       # its input carries a gradient, so autograd runs its backward
+
+    def seconds(self, comm: Any) -> Tuple[float, float]:
+        """Forward and backward seconds under ``comm`` (a ``CommModel``): the backward's collective only
+        where autograd runs it, and a recomputed collective's forward again in the backward."""
+        f = comm.forward(self.fn, self.in_bytes, len(self.devices), ranks=self.devices)
+        b = comm.backward(self.fn, self.in_bytes, len(self.devices), ranks=self.devices) if self.backward else 0.0
+        return f, b + (f if self.recomputed else 0.0)
 
 
 @dataclass(frozen=True)
@@ -265,7 +273,7 @@ class _Replay:
                                       lambda x: ([_collective(args[0], x[0], *args[1:])], [], True))[0][0]
                 self.run.collectives.append(CollectiveCall(step.fn, f.tensor.name, f.devices, value.bytes, out.bytes,
                                                            f.consumer.name if f.consumer else None,
-                                                           f.region is not None))
+                                                           f.region is not None, value.requires_grad))
                 self.env[c.dst] = out
 
     def call(self, call: Call) -> None:
@@ -433,7 +441,7 @@ def fake_device() -> torch.device:
 def run_local(section: Section, train: bool = True, calls: Optional[FakeCalls] = CALLS) -> LocalRun:
     """Replay one lowered ``section`` of a rank's program on fake tensors, at its local shapes.
 
-    Inputs are replicated and need no gradient; tensors received from the previous stage are replicated and need one when floating,
+    Inputs are replicated and need a gradient where the traced ones did (a batch needs none); tensors received from the previous stage are replicated and need one when floating,
     as the pipeline executor makes them. ``train=False`` runs without autograd (nothing is saved).
     ``calls``: the calls made before, made again from what they did (``cost.fake_calls``); ``None``
     dispatches every call.
@@ -441,7 +449,8 @@ def run_local(section: Section, train: bool = True, calls: Optional[FakeCalls] =
     replay = _Replay(section, calls)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.set_grad_enabled(train):
         for v in section.inputs:
-            replay.env[v] = replay.leaf(v.tensor.shape, v.tensor.dtype)
+            t = v.tensor
+            replay.env[v] = replay.leaf(t.shape, t.dtype, t.kind == "input" and t.requires_grad and t.dtype.is_floating_point)
         for ins in section.instructions:
             replay.instruction(ins)
     return replay.run

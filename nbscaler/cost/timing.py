@@ -135,9 +135,8 @@ def collective_time(run: LocalRun, comm: CommModel, profiler: OpProfiler) -> Tup
     spends in them."""
     fwd, bwd = rings_seconds(run, comm, profiler.time)      # context parallelism's rings, inside their attentions
     for c in run.collectives:
-        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-        fwd += f
-        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
+        f, b = c.seconds(comm)
+        fwd, bwd = fwd + f, bwd + b
     return fwd, bwd
 
 
@@ -156,9 +155,8 @@ def section_time(run: LocalRun, profiler: OpProfiler, comm: CommModel) -> Tuple[
     rings = rings_seconds(run, comm, profiler.time)     # context parallelism's rings, inside their attentions
     fwd, bwd = fwd + rings[0], bwd + rings[1]
     for c in run.collectives:                  # a unit's plan devices are the ranks of unit 0
-        f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-        fwd += f
-        bwd += comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
+        f, b = c.seconds(comm)
+        fwd, bwd = fwd + f, bwd + b
     return fwd, bwd + profiler.overhead_s
 
 

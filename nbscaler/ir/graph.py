@@ -272,11 +272,15 @@ def fed_by_inputs(graph: IRGraph) -> Set[int]:
     return fed
 
 
-def requires_grad_of(graph: IRGraph) -> Dict[int, bool]:
-    """Which tensors can carry a gradient: parameters, float inputs, and whatever they feed."""
+def requires_grad_of(graph: IRGraph, inputs_as_traced: bool = False) -> Dict[int, bool]:
+    """Which tensors can carry a gradient: parameters, float inputs, and whatever they feed.
+
+    ``inputs_as_traced``: a float input carries one only where the traced input required one, as
+    for the batches the plan is priced for (the lowering asks without it, so that the generated code
+    is right for an input that needs a gradient too)."""
     grad: Dict[int, bool] = {}
     for t in graph.inputs:
-        grad[id(t)] = t.dtype.is_floating_point
+        grad[id(t)] = t.dtype.is_floating_point and (t.requires_grad or not inputs_as_traced)
     for t in graph.weights.values():
         grad[id(t)] = t.kind == "param" and t.requires_grad
     for node in graph.nodes:

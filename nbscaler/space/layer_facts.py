@@ -147,10 +147,6 @@ class LayerFacts:
         return spans[key]
 
 
-def _collective_seconds(c, comm) -> Tuple[float, float]:
-    """A collective's forward and backward seconds (a recomputed one's forward again in the backward)."""
-    f = comm.forward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices)
-    return f, comm.backward(c.fn, c.in_bytes, len(c.devices), ranks=c.devices) + (f if c.recomputed else 0.0)
 
 
 def _sent(run, comm) -> np.ndarray:
@@ -158,7 +154,7 @@ def _sent(run, comm) -> np.ndarray:
     found = np.zeros(SAVED_TAIL + 1)
     for c in run.collectives:
         if c.node is None:
-            f, b = _collective_seconds(c, comm)
+            f, b = c.seconds(comm)
             found[TP_FWD] += f
             found[TP_BWD] += b
     return found

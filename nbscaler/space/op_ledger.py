@@ -35,7 +35,7 @@ class Kinds:
     def __init__(self) -> None:
         self.ops: Dict[Tuple, int] = {}                # RooflineOps.key -> kind
         self.op_calls: List[Tuple[Tuple, object]] = []  # each kind's key and one of its OpCalls
-        self.collectives: Dict[Tuple, int] = {}        # (fn, bytes in, group size, ranks) -> kind
+        self.collectives: Dict[Tuple, int] = {}        # (fn, bytes in, group size, ranks, backward runs) -> kind
         self._priced: List[Tuple[object, object, List[np.ndarray]]] = []   # (profiler, comm, [f, b, cf, cb])
 
     def op(self, key: Tuple, op) -> int:
@@ -65,8 +65,9 @@ class Kinds:
             rf, rb = np.concatenate([rf, rings[:, 0]]), np.concatenate([rb, rings[:, 1]])
         if len(cf) < len(self.collectives):
             new = list(self.collectives)[len(cf):]
-            cf = np.concatenate([cf, [comm.forward(fn, n, size, ranks=ranks) for fn, n, size, ranks in new]])
-            cb = np.concatenate([cb, [comm.backward(fn, n, size, ranks=ranks) for fn, n, size, ranks in new]])
+            cf = np.concatenate([cf, [comm.forward(fn, n, size, ranks=ranks) for fn, n, size, ranks, _ in new]])
+            cb = np.concatenate([cb, [comm.backward(fn, n, size, ranks=ranks) if backward else 0.0
+                                      for fn, n, size, ranks, backward in new]])
         found[:] = [f, b, cf, cb, rf, rb]
         return found
 
@@ -108,7 +109,7 @@ class OpLedger(NamedTuple):
         coll_rows, coll_kinds, coll_again = [], [], []
         for c in run.collectives:
             coll_rows.append(index.get(c.node, tail) if c.node is not None else tail)
-            coll_kinds.append(kinds.collective((c.fn, c.in_bytes, len(c.devices), c.devices)))
+            coll_kinds.append(kinds.collective((c.fn, c.in_bytes, len(c.devices), c.devices, c.backward)))
             coll_again.append(1.0 if c.recomputed else 0.0)
         ints = lambda xs: np.array(xs, dtype=np.int64)
         return OpLedger(np.array(fixed, dtype=float).reshape(count, SAVED_TAIL + 1), ints(op_rows), ints(op_kinds),

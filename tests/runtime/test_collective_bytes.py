@@ -40,6 +40,8 @@ CASES = [
     # experts over the 2 ranks, their capacity buffers out and back by all-to-all (fixed sizes: dropless
     # routing sends as many rows as the routing gives each device, which the table prices balanced)
     Case("moe_capacity", "tp", 2, 2, config=expert_parallel(2)),
+    # the batch cut in halves, with no gather in the backward: the input takes no gradient
+    Case("mlp", "data", 2, 2),
 ]
 
 
