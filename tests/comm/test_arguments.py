@@ -1,6 +1,8 @@
 """A call's arguments as one device makes them: code generation prints them and the cost model
 calls the op with them, both from the shapes the rank's program holds."""
 
+import pytest
+
 import nbscaler
 from nbscaler import ComputeConfig
 from nbscaler.comm.arguments import local_arguments
@@ -23,6 +25,7 @@ def test_a_view_asks_for_the_local_shape_its_output_value_holds():
     assert all(tuple(replayed[id(c.node)]) == c.outputs[0].shape for c in split)
 
 
+@pytest.mark.slow
 def test_a_chunk_split_in_strided_blocks_keeps_its_count():
     """A chunk cut in strided blocks (Hugging Face's experts' ``gate_up_proj.chunk(2, dim=1)`` under
     tensor-parallel experts) still makes 2 pieces on each device, of its half of each block; a
