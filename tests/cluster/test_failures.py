@@ -92,16 +92,22 @@ def test_a_killed_engine_is_named_and_restart_recovers(cluster):
     assert cluster.run(total) == [2.0, 2.0]
 
 
+def _interrupted_then_usable(cluster, call, after) -> None:
+    """``call()`` raises ``KeyboardInterrupt`` within the deadline (``after()`` then undoes what set
+    the interrupt up), and the cluster runs the next call on every rank."""
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        call()
+    after()
+    assert time.monotonic() - start < DEADLINE_S
+    assert cluster.run(total) == [2.0, 2.0]
+
+
 def test_interrupting_the_notebook_interrupts_the_ranks(cluster):
     """The notebook's stop button raises KeyboardInterrupt in the kernel while ``run`` waits."""
     started = RankSignal()
     started.then(lambda: os.kill(os.getpid(), signal.SIGINT))
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run(sleep_on_every_rank, started)
-    started.close()
-    assert time.monotonic() - start < DEADLINE_S
-    assert cluster.run(total) == [2.0, 2.0]
+    _interrupted_then_usable(cluster, lambda: cluster.run(sleep_on_every_rank, started), started.close)
 
 
 def test_an_interrupt_while_the_call_is_sent_stops_every_rank(cluster, monkeypatch):
@@ -118,12 +124,7 @@ def test_an_interrupt_while_the_call_is_sent_stops_every_rank(cluster, monkeypat
         return result
 
     monkeypatch.setattr(DirectView, "apply_async", send_then_interrupt)
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run(sleep_on_every_rank, None)
-    monkeypatch.undo()
-    assert time.monotonic() - start < DEADLINE_S
-    assert cluster.run(total) == [2.0, 2.0]
+    _interrupted_then_usable(cluster, lambda: cluster.run(sleep_on_every_rank, None), monkeypatch.undo)
 
 
 def test_a_rank_busy_with_an_earlier_task_is_interrupted_before_the_group_is_rebuilt(cluster):
