@@ -26,6 +26,7 @@ bytes would otherwise load as a silently different weight.
 from __future__ import annotations
 
 import contextlib
+import struct
 import zipfile
 import zlib
 from pathlib import Path
@@ -48,6 +49,11 @@ REFUSED_CHECKPOINT = ("save checkpoints of state dicts with nbscaler.runtime.che
                       "that holds other objects with torch.load(path, weights_only=False) yourself, and only "
                       "if you trust whoever wrote it")
 DAMAGED = "the file is damaged or incomplete: use an intact copy"
+# A zip archive's local file header (APPNOTE 4.3.7): signature, versions, flags, method, time,
+# CRC-32, sizes, then the lengths of the name and of the extra field.
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+_ENCRYPTED_OR_PATCHED = 0x0001 | 0x0020 | 0x0040   # general purpose flag bits 0, 5 and 6 (APPNOTE 4.4.4)
+_DOS_DIRECTORY = 0x10                              # the external attributes' MS-DOS folder bit
 
 
 def save(obj: Any, path: Union[str, Path]) -> None:
@@ -75,13 +81,15 @@ def load(path: Union[str, Path], map_location: Device = "cpu") -> Any:
 
 
 def check_records(path: Union[str, Path]) -> None:
-    """Raise ``CheckpointError`` unless every record of the archive ``path``, read as ``torch.load``
-    reads it, matches the CRC-32 that the archive states for it.
+    """Raise ``CheckpointError`` unless every record of the archive ``path`` is stored where, and
+    as, its directory says, and its bytes match the CRC-32 the archive states for it.
 
-    ``torch.load`` reads tensor bytes without checking them. The records are read with torch's own
-    reader, so that a damaged header that makes it read other bytes than ``zipfile`` would is caught
-    too. Files in torch's older, non-archive format, and records saved without a CRC
-    (``compute_crc32=False``), are not checked.
+    ``torch.load`` reads tensor bytes without checking them, and its reader is lenient: a damaged
+    directory entry can make it inflate a stored record or read from another offset, with results
+    that differ from one read to the next. So each record is checked strictly here (a local header
+    that names it, stored uncompressed as torch writes every record, at the offset torch's reader
+    will read) and its CRC-32 computed from the file's own bytes. Files in torch's older,
+    non-archive format, and records saved without a CRC (``compute_crc32=False``), are not checked.
     """
     try:
         if not zipfile.is_zipfile(path):
@@ -93,10 +101,39 @@ def check_records(path: Union[str, Path]) -> None:
             reader = torch._C.PyTorchFileReader(f)
             for info in archive.infolist():
                 name = info.filename.split("/", 1)[-1]       # torch names records below the archive's folder
-                if (info.CRC or info.file_size == 0) and zlib.crc32(reader.get_record(name)) != info.CRC:
+                if not _stored_plainly(info):
+                    raise ValueError(f"record {name!r} is not stored as torch stores records")
+                start = _data_offset(f, info)
+                if reader.get_record_offset(name) != start:
+                    raise ValueError(f"record {name!r} is not where the archive's directory says")
+                f.seek(start)
+                data = f.read(info.file_size)
+                if len(data) != info.file_size or (info.CRC or not data) and zlib.crc32(data) != info.CRC:
                     raise ValueError(f"record {name!r} does not match its CRC-32")
     except Exception as err:         # zipfile's and torch's own errors: a bad header, a missing record, ...
         raise CheckpointError(f"cannot read the checkpoint {path}: {err}; {DAMAGED}.") from None
+
+
+def _stored_plainly(info: zipfile.ZipInfo) -> bool:
+    """Whether ``info`` is a plain file stored uncompressed, as torch writes every record. torch's
+    reader extracts nothing from an entry marked as a folder (MS-DOS attribute 0x10) and leaves the
+    tensor's memory as it found it, so a flipped attribute bit would load whatever was there."""
+    return (info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
+            and not info.flag_bits & _ENCRYPTED_OR_PATCHED and not info.external_attr & _DOS_DIRECTORY
+            and not info.filename.endswith("/"))
+
+
+def _data_offset(f: Any, info: zipfile.ZipInfo) -> int:
+    """Where the bytes of the record ``info`` start, read strictly from its local header, which
+    must be one (its signature) and name the record."""
+    f.seek(info.header_offset)
+    header = f.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"record {info.filename!r} has no local header at {info.header_offset}")
+    name_length, extra_length = _LOCAL_HEADER.unpack(header)[-2:]
+    if f.read(name_length) != info.filename.encode():
+        raise ValueError(f"record {info.filename!r}'s local header names another record")
+    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
 
 
 def merge_slices(pieces: Iterable[Tuple[WeightSpec, torch.Tensor]]) -> Dict[str, torch.Tensor]:
