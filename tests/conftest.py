@@ -60,16 +60,25 @@ gc.set_threshold(10_000, 20, 10)
 # machine-wide resource runs on one of them, one test at a time: every notebook and cluster test, the
 # one-node Slurm, the host tests' network namespaces. Two clusters starting at once on two cores miss
 # their engines' registration timeout; the one-process tests on the other worker do not disturb them.
+# A module whose tests share a module-scoped fixture (a trained set of checkpoints, a plan) runs on one
+# worker too, or each worker would build the fixture again.
 ONE_WORKER_PATHS = ("tests/cluster/", "tests/faults/", "tests/runtime/test_init_distributed.py")
 ONE_WORKER_MARKS = ("cluster", "notebook")
 
 
+def _shares_a_module_fixture(item) -> bool:
+    return any(defs and defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)      # before xdist's own hook, which reads the group into each test's id
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
     for item in items:
         path = str(Path(item.path).relative_to(root))
         if path.startswith(ONE_WORKER_PATHS) or any(item.get_closest_marker(m) for m in ONE_WORKER_MARKS):
             item.add_marker(pytest.mark.xdist_group("machine"))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(path))
 
 
 def pytest_collection_finish(session):
