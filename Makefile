@@ -41,7 +41,7 @@ test: setup
 # The edit-test loop: everything that runs in one process and takes less than seconds on its own
 # (docs/getting-started.md gives its size and time; `python -m benchmarks.test_suite` measures it and `make test`).
 test-fast:
-	$(PYTHON) -m pytest -q -m "not multiprocess and not cluster and not browser and not notebook and not slow" tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup -m "not multiprocess and not cluster and not browser and not notebook and not slow" tests
 
 lab: setup
 	$(PYTHON) -m jupyter lab notebooks

@@ -32,10 +32,10 @@ RESULTS = Path(__file__).parent / "results" / "test_suite.md"
 
 #: The markers ``make test-fast`` leaves out (the Makefile's expression).
 FAST = "not multiprocess and not cluster and not browser and not notebook and not slow"
-#: How ``make test`` spreads the whole suite over the cores (the Makefile's options; ``tests/conftest.py``
+#: How ``make test`` and ``make test-fast`` spread the tests over the cores (the Makefile's options; ``tests/conftest.py``
 #: keeps every test that starts a cluster on one worker).
 WORKERS = ["-n", "2", "--dist", "loadgroup"]
-PARTS: Dict[str, List[str]] = {"fast": ["-m", FAST], "whole": WORKERS}
+PARTS: Dict[str, List[str]] = {"fast": [*WORKERS, "-m", FAST], "whole": WORKERS}
 TITLES = {"fast": "fast subset (`make test-fast`)", "whole": "whole suite (`make test`)"}
 #: How many of its slowest steps each part lists.
 SLOWEST = {"fast": 15, "whole": 50}

@@ -105,6 +105,7 @@ def test_the_number_format_has_its_own_name_and_precision_warns():
 
 
 # -- predictions -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_plan_predictions_take_a_recipe_or_its_shorthands(bf16_plan):
     sgd = Recipe(torch.optim.SGD, {"momentum": 0.9}, master_dtype=None)
     assert bf16_plan.memory(recipe=sgd).equals(bf16_plan.memory(torch.optim.SGD, master_dtype=None, momentum=0.9))

@@ -12,6 +12,7 @@ from nbscaler.planning.step import flops_per_device
 from tests.models import batch, build, hf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, ngpus", [("dp", 1), ("tp", 2)])
 def test_an_embedding_lookup_is_a_gather_not_a_product_over_its_table(policy, ngpus):
     """An embedding copies rows: nothing computed forward, and backward a scatter-add of its

@@ -73,6 +73,7 @@ def test_causal_attention_shrinks_queries_and_keys_together(small_budgets):
     assert proxy.factor == ((64 * 64) / (32 * 32),) * 2          # FLOPs go as queries x keys
 
 
+@pytest.mark.slow
 def test_no_large_op_runs_at_its_real_shape(small_budgets, tmp_path, monkeypatch):
     ops = _llama_ops()
     large = {op_key(o) for o in ops if is_large(o)}

@@ -116,6 +116,7 @@ def test_accumulated_micro_batches_reduce_in_the_last_backward_only():
     assert sum(c.waited_s for c in calls) == pytest.approx(plan.step_figures(hardware=H100).devices[0].sync_s)
 
 
+@pytest.mark.slow
 def test_here_every_bucket_follows_the_backward(plain):
     line = plain.timeline()
     device = plain.step_figures().devices[0]

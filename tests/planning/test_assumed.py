@@ -27,6 +27,7 @@ def tp():
     return gpt_plan("tp", ComputeConfig(2, 2))
 
 
+@pytest.mark.slow
 def test_the_summary_says_which_backend_it_priced_and_that_collectives_are_uncalibrated(tp, fresh_cache):
     lines = tp.summary(torch.optim.SGD).attrs["assumed"]
     assert lines == tp.assumed()
@@ -70,6 +71,7 @@ def test_a_gpu_short_of_the_ranks_is_priced_as_the_gloo_the_runtime_runs(tp, fre
     assert comm_model.load(comm_model.local_backend(2)).backend == "nccl"
 
 
+@pytest.mark.slow
 def test_the_step_model_loads_the_collectives_of_the_local_backend(tp, fresh_cache, monkeypatch):
     calls = []
     real = comm_model.load

@@ -6,6 +6,7 @@ import re
 from types import SimpleNamespace
 
 import pandas as pd
+import pytest
 
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -27,6 +28,7 @@ def hybrid():
     return gpt_plan(**PLAN)
 
 
+@pytest.mark.slow
 def test_every_plan_table_carries_its_rows_without_seconds_or_source_paths(plan):
     summary = plan.summary()
     assert "step_time_s" in summary.columns

@@ -114,6 +114,7 @@ def test_explain_and_html_name_the_policy():
     assert "Plan(tests.models.MLP" in p._repr_html_()
 
 
+@pytest.mark.slow
 def test_summary_has_the_contract_columns_and_the_cost_models_numbers():
     p = nbscaler.plan(build("llama"), batch("llama", 0), "tp", ComputeConfig(2, 4))
     s = p.summary(optimizer=torch.optim.AdamW)

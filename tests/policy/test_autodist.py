@@ -49,6 +49,7 @@ def test_same_model_config_and_profile_give_the_same_plan():
     assert any(split is not None for _, split, _ in splits(first))
 
 
+@pytest.mark.slow
 def test_explain_gives_the_search_the_prediction_and_the_reasons():
     p = nbscaler.plan(build("mlp"), batch("mlp", 0), "autodist", ComputeConfig(2, 2))
     text = p.explain()
@@ -183,6 +184,7 @@ def test_auto_scheduler_tries_interleaving_on_the_same_tensor_parallel_pipeline_
     assert {c.grid.pipeline.tp for c in found.values()} == {2} and found["zbv"].virtual_stages is None
 
 
+@pytest.mark.slow
 def test_auto_scheduler_keeps_the_fastest_predicted_and_the_plan_adopts_it():
     """``autodist_scheduler='auto'`` tries 1f1b, 1f1b_interleaved, zb_h1 and zbv on the config's two
     pipeline devices (four stages for the two-chunk ones) and keeps the one the simulator predicts

@@ -75,6 +75,7 @@ def test_autodist_weighs_the_sequence_parallel_tp_plan():
     assert rival(plain) != rival(sp)              # another placement scored: its collectives differ
 
 
+@pytest.mark.slow
 def test_autodist_may_choose_sequence_parallelism_unless_the_config_says():
     """Without the key, ``tp`` with and without sequence parallelism both compete with the search;
     the plan's config says ``sequence_parallel=True`` exactly when that one is kept, and its

@@ -1,5 +1,7 @@
 """ParallelModule's HTML card: who the rank is and what it holds, readable without a kernel."""
 
+import pytest
+
 from nbscaler import ComputeConfig, parallelize
 from tests.models import batch, build
 
@@ -13,6 +15,7 @@ def test_card_names_the_rank_config_and_every_local_weight(tmp_path):
     assert "<script" not in card
 
 
+@pytest.mark.slow
 def test_card_of_a_compiled_rank_says_so_with_its_compile_seconds(tmp_path):
     pm = parallelize(build("mlp"), batch("mlp", 0), "dp", ComputeConfig(1, 1, compile=True), gen_savedir=tmp_path)
     assert "torch.compile (inductor, 0.0 s so far)" in pm._repr_html_()

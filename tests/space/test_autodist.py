@@ -74,12 +74,14 @@ def test_a_bad_hardware_name_lists_the_catalogue():
         nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target("H100-SXM-8GB"))
 
 
+@pytest.mark.slow
 def test_a_target_nothing_fits_on_says_what_the_leanest_needs():
     tiny = dataclasses.replace(TARGET, memory_bytes=1e5)
     with pytest.raises(PolicyError, match=r"no configuration of the space fits small's .*the leanest \(tp .*\) needs"):
         nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(tiny), module_dtype=torch.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_sequence_parallel_in_the_pas_config_is_the_one_value_searched(sequence_parallel):
     plan = nbscaler.plan(GPT(GPT_CFG), tokens(1), "autodist", on_target(sequence_parallel=sequence_parallel),

@@ -41,10 +41,12 @@ def kept_space():
     return a100_space()
 
 
+@pytest.mark.slow
 def test_the_space_is_the_sweep(space):
     pd.testing.assert_frame_equal(space.frame, fresh(Hardware.named("A100-SXM-40GB")))
 
 
+@pytest.mark.slow
 def test_a_target_batch_or_master_dtype_change_reprices_without_tracing(space):
     traces = space.traces
     frame = space.set(hardware="H100-SXM-80GB", nodes=2, gpus_per_node=2, global_batch=16, master_dtype=torch.bfloat16)

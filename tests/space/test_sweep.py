@@ -147,6 +147,7 @@ def test_a_row_on_a_target_without_overlap_or_flash_attention_is_the_full_plans_
         assert row[column] == pytest.approx(value, rel=1e-9), column
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel, recompute", [(False, "full"), (True, "selective")])
 def test_a_llama_row_with_rotary_tables_and_grouped_heads_is_the_full_plans_prediction(sequence_parallel, recompute):
     cfg = LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=5, d_model=128, n_head=4, n_kv_head=2)
@@ -241,6 +242,7 @@ def test_a_row_of_another_scheduler_is_the_full_plans_prediction(scheduler, tp, 
         assert row[column] == pytest.approx(value, rel=1e-9), column
 
 
+@pytest.mark.slow
 def test_a_pruned_sweep_finds_each_layouts_fastest_fitting_row_pricing_fewer(frame):
     """``prune`` leaves out what cannot beat a fitting row of its layout, or is too slow against the
     fastest: each tp x pp layout's fastest fitting step within the bound is the full sweep's, and
@@ -268,6 +270,7 @@ def test_a_prune_factor_below_one_is_refused_with_the_fix(prune):
                        micro_batch=(1,), progress=False, prune=prune)
 
 
+@pytest.mark.slow
 def test_a_row_of_a_gpt_with_dropout_is_the_full_plans_prediction():
     """The two-layer copy traces the dropouts (and an eval graph apart): their passes and saved masks
     price the row as they price the full plan."""

@@ -103,6 +103,7 @@ def test_the_why_pane_follows_the_policy(explorer):
     assert "autodist searched in" in why.text and "autodist searched in" in why.widget.value
 
 
+@pytest.mark.slow
 def test_a_bad_knob_is_a_message_and_the_explorer_keeps_working(explorer):
     explorer.compile()
     before = explorer.plan
@@ -247,6 +248,7 @@ def test_knobs_that_do_not_apply_to_a_user_module_are_hidden_or_disabled():
         mlp.close()
 
 
+@pytest.mark.slow
 def test_the_explorer_saves_its_knobs_charts_and_runs_as_html_without_scripts(explorer):
     assert "press <b>Compile</b>" in explorer._repr_mimebundle_()["text/html"]
     explorer.set(policy="pp")

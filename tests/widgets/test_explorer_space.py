@@ -184,6 +184,7 @@ def test_an_expert_parallel_layout_has_a_colour_no_other_layout_has():
     assert len({layout_colour(*size) for size in sizes}) == len(sizes)
 
 
+@pytest.mark.slow
 def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_again(explorer):
     explorer.space.set(nodes=2)                    # 16 GPUs: more than the device knobs usually offer
     frame = explorer.space.frame
@@ -210,6 +211,7 @@ def test_a_loaded_point_sets_the_knobs_to_its_configuration_without_placing_agai
     assert (again.plan_ngpus, again.runtime_ngpus, again.zero_stage) == (config.plan_ngpus, 16, config.zero_stage)
 
 
+@pytest.mark.slow
 def test_a_selective_point_sets_the_recompute_knob_and_a_knob_turned_next_keeps_it(explorer):
     frame = explorer.space.frame
     full = next(i for i in range(len(frame)) if frame.recompute[i] == "full")

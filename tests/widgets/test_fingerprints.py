@@ -1,6 +1,7 @@
 """Every view that shows a plan's tables carries their fingerprint in its MIME bundle; the timeline,
 which draws seconds only, carries none."""
 
+import pytest
 import torch
 
 from nbscaler import ComputeConfig
@@ -17,6 +18,7 @@ def shown(view) -> Fingerprint:
     return Fingerprint.from_json(view._repr_mimebundle_()[FINGERPRINT_MIME])
 
 
+@pytest.mark.slow
 def test_views_carry_the_tables_they_show(plan):
     tables = of_frames(plan.ops, plan.collectives)
     assert shown(PlanView(plan)) == tables and shown(GraphView(plan)) == tables

@@ -166,6 +166,7 @@ def test_rank_panes_show_what_each_pipeline_rank_runs(pipeline_plan):
     assert first and second and not first & second
 
 
+@pytest.mark.slow
 def test_update_with_another_policy_redraws_in_place(plan):
     view = GraphView(plan)
     widget = view.widget

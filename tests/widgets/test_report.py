@@ -77,6 +77,7 @@ def test_saved_plan_is_the_compiled_one(compiled):
     assert saved.replan("dp", ComputeConfig(1, 2)).policy_name == "dp"
 
 
+@pytest.mark.slow
 def test_cli_writes_the_report(compiled, tmp_path, capsys):
     _, folder = compiled
     Measured(memory=load_plan(folder).memory()).save(folder / "measured")
@@ -157,6 +158,7 @@ def test_live_views_in_jupyterlab(tmp_path):
     assert rows == len(llama_pp().ops) and saved_forms == 0
 
 
+@pytest.mark.slow
 def test_report_on_a_target_shows_its_summary_timeline_and_what_does_not_fit(tmp_path):
     t4 = Hardware.named("T4")
     page = write_report(gpt_on_meta_pp(), tmp_path / "t4.html", optimizer=torch.optim.AdamW, hardware=t4).read_text()
@@ -177,6 +179,7 @@ def test_cli_draws_the_report_on_named_hardware(compiled, tmp_path, capsys):
     assert "no hardware named 'H1OO'" in capsys.readouterr().err and not (tmp_path / "no.html").exists()
 
 
+@pytest.mark.slow
 def test_numbers_print_with_their_units():
     """FLOPs, bytes and seconds are written with units in the summary, the plan card and
     ``explain()``; the frames keep their numbers."""

@@ -56,6 +56,7 @@ def test_priced_on_a_target_the_view_draws_the_targets_timeline(monkeypatch):
     assert view.assumptions.startswith("Predicted on H100-SXM-80GB (1 node(s) of 8 GPUs): op times from a roofline")
 
 
+@pytest.mark.slow
 def test_assumptions_are_stated_on_the_figure():
     view = TimelineView(llama_pp())
     text = view.figure.layout.annotations[-1].text
