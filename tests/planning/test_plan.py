@@ -70,7 +70,7 @@ def test_ops_table_and_cost_facts():
     linear = ops[ops.op == "linear"]
     assert set(linear.split) == {"n", "k"}
     q = linear[linear.module == "blocks.0.attn.q"].iloc[0]
-    (rows, d), (out, _) = q.in_shapes[0][-2:], q.in_shapes[1]
+    (_, d), (out, _) = q.in_shapes[0][-2:], q.in_shapes[1]
     assert q.flops_fwd == 2 * torch.Size(q.in_shapes[0][:-1]).numel() * d * out
     assert q.flops_bwd == 2 * q.flops_fwd and q.local_flops_fwd == q.flops_fwd / 2
     assert q.local_out_shapes[0][-1] == q.out_shapes[0][-1] // 2
