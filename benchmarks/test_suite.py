@@ -5,7 +5,8 @@ repository root, and is timed as wall-clock seconds and as the CPU seconds of th
 children (which a machine shared with other work inflates less). Beside them: the machine's
 reference Python loop (``benchmarks.runs.reference_loop_ms``, before and after each part) and its
 load average, since figures taken at different moments or on different machines compare only after
-dividing by it; and the slowest tests of each part (pytest's ``--durations``).
+dividing by it; the slowest tests of each part (pytest's ``--durations``); and each test that failed,
+with pytest's one-line reason, so that a failure in a long run can be found again.
 
     python -m benchmarks.test_suite                  # both parts, writes benchmarks/results/test_suite.md
     python -m benchmarks.test_suite --parts fast     # the fast subset alone (about a minute)
@@ -55,6 +56,7 @@ class Outcome:
     reference_ms: List[float]    # before and after
     load: List[float]            # 1-minute load average before and after
     slowest: List[str]           # pytest's --durations lines
+    failures: List[str]          # pytest's short summary of each failed test or error (-rfE)
     returncode: int
 
 
@@ -65,7 +67,8 @@ def run_part(part: str, tests: List[str]) -> Outcome:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--durations={SLOWEST[part]}",
-                           *PARTS[part], *tests], cwd=REPO, capture_output=True, text=True)
+                           "-rfE", *PARTS[part], *tests], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400"})   # wide enough for each failure's message
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     load.append(os.getloadavg()[0])
@@ -74,8 +77,9 @@ def run_part(part: str, tests: List[str]) -> Outcome:
     summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), "")
     tests = sum(int(n) for n, what in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)", summary))
     slowest = [line for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line)]
+    failures = [line[:2000] for line in lines if line.startswith(("FAILED ", "ERROR "))]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Outcome(part, summary, tests, wall, cpu, reference, load, slowest, done.returncode)
+    return Outcome(part, summary, tests, wall, cpu, reference, load, slowest, failures, done.returncode)
 
 
 def report(outcomes: List[Outcome], command: str) -> str:
@@ -95,8 +99,10 @@ def report(outcomes: List[Outcome], command: str) -> str:
                    f"{'yes' if o.wall_s <= GOAL_S[o.part] else 'no'} |")
     for o in outcomes:
         out += ["", f"## {TITLES[o.part]}", "", f"pytest: {o.summary}" + ("" if o.returncode == 0 else
-                                                                      f" (exit status {o.returncode})"), "",
-                f"Its {len(o.slowest)} slowest steps:", "", "```", *o.slowest, "```"]
+                                                                      f" (exit status {o.returncode})"), ""]
+        if o.failures:
+            out += ["What failed:", "", "```", *o.failures, "```", ""]
+        out += [f"Its {len(o.slowest)} slowest steps:", "", "```", *o.slowest, "```"]
     return "\n".join(out) + "\n"
 
 

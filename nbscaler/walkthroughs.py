@@ -191,8 +191,16 @@ def execute(path: Path, root: Path, timeout: int, log: Callable[[str], None]) ->
     except CellExecutionError as e:
         raise NotebookFailed(f"{path.name}: cell {done['cell']} failed with {e.ename}: {e.evalue}\n{e}") from None
     except Exception as e:                      # a kernel that dies or does not start, a cell timeout
-        raise NotebookFailed(f"{path.name}: could not run it ({type(e).__name__}: {e})") from e
+        where = "" if done["cell"] is None else f" in cell {done['cell']} ({_first_line(nb.cells[done['cell']])})"
+        raise NotebookFailed(f"{path.name}: could not run it{where}, {time.perf_counter() - start:.0f} s in "
+                             f"({type(e).__name__}: {e})") from e
     return nb
+
+
+def _first_line(cell: Any) -> str:
+    """The first line of a cell's source, for an error that must say which cell."""
+    lines = [line for line in cell.source.splitlines() if line.strip()]
+    return repr(lines[0][:80]) if lines else "empty"
 
 
 def without_widget_state(nb: Any) -> None:

@@ -25,3 +25,15 @@ def test_the_script_times_a_part_and_holds_it_to_its_goal(tmp_path):
     assert tests == len([line for line in collected.splitlines() if line.startswith(PATH + "::")]) > 0
     assert cells[7] == f"{GOAL_S['fast']:,.0f}" and cells[8] == ("yes" if wall <= GOAL_S["fast"] else "no")
     assert re.search(rf"pytest: {tests} passed", text)
+
+
+def test_a_failed_test_is_named_in_the_table_s_file(tmp_path):
+    failing = tmp_path / "test_one_fails.py"
+    failing.write_text("def test_fine():\n    pass\n\n\ndef test_broken():\n    assert 1 == 2, 'one is not two'\n")
+    out = tmp_path / "test_suite.md"
+    assert main(["--parts", "whole", "--tests", str(failing), "--out", str(out)]) == 1
+    text = out.read_text()
+    assert "pytest: 1 failed, 1 passed" in text and "(exit status 1)" in text
+    named = text.split("What failed:")[1].split("```")[1].strip().splitlines()
+    assert len(named) == 1 and named[0].startswith("FAILED ") and "test_broken" in named[0] and "one is not two" in named[0]
+    assert "| whole suite (`make test`) | 2 |" in text

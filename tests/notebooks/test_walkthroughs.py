@@ -117,3 +117,14 @@ def test_the_command_saves_what_runs_and_leaves_a_failing_notebook_as_it_was(tmp
     assert provenance_problems(saved) == []
     assert list(saved.cells[0].outputs[0]["data"][FINGERPRINT_MIME]["tables"]) == ["ops"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["01_good.ipynb", "02_bad.ipynb"]
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(120)
+def test_a_cell_that_outlives_its_timeout_is_named_with_the_time_taken(tmp_path):
+    path = tmp_path / "01_hang.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("1 + 1"), new_code_cell("import threading\n\nthreading.Event().wait()")]),
+                   path)
+    with pytest.raises(NotebookFailed, match=r"01_hang.ipynb: could not run it in cell 1 \('import threading'\), \d+ s in "
+                                             r"\(CellTimeoutError"):
+        walkthroughs.execute(path, ROOT, timeout=3, log=lambda line: None)
