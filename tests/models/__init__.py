@@ -92,6 +92,21 @@ class FusedGQA(nn.Module):
         return F.cross_entropy(self.head(h.mean(1)), y)
 
 
+class FusedGQAByKeyword(FusedGQA):
+    """``FusedGQA`` with the split's sizes given by keyword, as ``torch.split`` lets them be."""
+
+    def forward(self, x, y):
+        B, T, C = x.shape
+        kv = self.n_kv_head * self.hd
+        q, k, v = torch.split(self.qkv(x), split_size_or_sections=[C, kv, kv], dim=-1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)               # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)            # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
+        return F.cross_entropy(self.head(h.mean(1)), y)
+
+
 class TrainingBranch(nn.Module):
     """Behaves differently in train and eval mode, like many real models do."""
 
@@ -186,7 +201,7 @@ def batch(name: str, seed: int, n: int = 8):
         return hf.batch(name, g)
     if name in vision.BUILDERS:
         return vision.batch(name, g)
-    if name == "fused_gqa":
+    if name in ("fused_gqa", "fused_gqa_keyword"):
         return {"x": torch.randn(n // 2, 6, 32, generator=g), "y": torch.randint(0, 4, (n // 2,), generator=g)}
     if name == "cnn":
         return {"x": torch.randn(n // 2, 3, 8, 8, generator=g), "y": torch.randint(0, 4, (n // 2,), generator=g)}
@@ -201,7 +216,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
             "llama_e2e": End2EndLlama, "post_norm": PostNormLM, "moe": MoE, "moe_capacity": MoECapacity, "moe_e2e": End2EndMoE,
-            "user_op": UserOp, "fused_gqa": FusedGQA}[name]()
+            "user_op": UserOp, "fused_gqa": FusedGQA, "fused_gqa_keyword": FusedGQAByKeyword}[name]()
 
 
 class Trunk(nn.Module):

@@ -53,8 +53,13 @@ def test_registered_user_op_is_split_and_trains_like_one_process(tmp_path):
 def test_fused_grouped_query_projection_split_by_heads_trains_like_one_process(tmp_path):
     """One Linear makes q, k and v in blocks of unequal size (4 query heads, 2 key/value heads):
     tp splits its weight rows strided in blocks 2:1:1, so each device holds its own query heads
-    and the key/value heads they read; checkpoints merge the slices back into one weight."""
-    cases = [Case("fused_gqa", "tp", 2, 2), Case("fused_gqa", "tp", 2, 2, optimizer="adamw")]
+    and the key/value heads they read; checkpoints merge the slices back into one weight. The split's
+    sizes shrink on each device whether given by position or by keyword (the tracer records them
+    by position)."""
+    cases = [Case("fused_gqa", "tp", 2, 2), Case("fused_gqa", "tp", 2, 2, optimizer="adamw"),
+             Case("fused_gqa_keyword", "tp", 2, 2)]
     per_rank = run_ranks(train_parallel, 2, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
+    keyword = [p.read_text() for p in tmp_path.rglob("gencode1.py") if "FusedGQAByKeyword" in p.read_text()]
+    assert len(keyword) == 1 and "= torch.split(linear_0, [16, 8, 8], dim=-1)" in keyword[0]
