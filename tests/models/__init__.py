@@ -83,28 +83,23 @@ class FusedGQA(nn.Module):
     def forward(self, x, y):
         B, T, C = x.shape
         kv = self.n_kv_head * self.hd
-        q, k, v = self.qkv(x).split([C, kv, kv], dim=-1)
+        q, k, v = self.split_qkv(self.qkv(x), [C, kv, kv])
         q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)               # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)            # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         h = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
         return F.cross_entropy(self.head(h.mean(1)), y)
+
+    def split_qkv(self, qkv: torch.Tensor, sizes: list) -> tuple:
+        return qkv.split(sizes, dim=-1)
 
 
 class FusedGQAByKeyword(FusedGQA):
     """``FusedGQA`` with the split's sizes given by keyword, as ``torch.split`` lets them be."""
 
-    def forward(self, x, y):
-        B, T, C = x.shape
-        kv = self.n_kv_head * self.hd
-        q, k, v = torch.split(self.qkv(x), split_size_or_sections=[C, kv, kv], dim=-1)
-        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)               # (B, nh, T, hs)
-        k = k.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)            # (B, nkv, T, hs)
-        v = v.view(B, T, self.n_kv_head, self.hd).transpose(1, 2)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
-        return F.cross_entropy(self.head(h.mean(1)), y)
+    def split_qkv(self, qkv: torch.Tensor, sizes: list) -> tuple:
+        return torch.split(qkv, split_size_or_sections=sizes, dim=-1)
 
 
 class TrainingBranch(nn.Module):
