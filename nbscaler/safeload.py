@@ -9,7 +9,8 @@ would run their code in the notebook. Every reader in nbscaler asks this module 
   values only;
 - traced graphs (``graph.pkl``) go through :func:`load_graphs`: a stamped header, then a pickle
   that may name only what ``_admitted`` lets through: the types listed in ``_ADMITTED``
-  (nbscaler's IR and the few nbscaler, torch and builtin types its ``meta`` holds), torch's
+  (nbscaler's IR and the few nbscaler, torch and builtin types its ``meta`` holds), the
+  vocabularies of ``nbscaler.layouts`` (enums: a value is looked up, never built), torch's
   dtypes, the named tuples torch ops return, and torch's optimizer classes; tensors in it are
   raw bytes, rebuilt by :func:`_tensor`.
 
@@ -19,6 +20,7 @@ to do; nothing falls back to an unrestricted load.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import pickle
@@ -146,6 +148,10 @@ def _admitted(module: str, name: str) -> bool:
     if module == "torch":
         return isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES)
 
+    if module == "nbscaler.layouts":         # the vocabularies (ContextKind, Collective, ...): enum values
+        from nbscaler import layouts
+        found = getattr(layouts, name, None)
+        return isinstance(found, type) and issubclass(found, enum.Enum)
     if module == "torch.return_types":      # topk, sort, ...: the named tuples ops return, nothing else there
         found = getattr(torch.return_types, name, None)
         return isinstance(found, type) and issubclass(found, tuple)

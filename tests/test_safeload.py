@@ -12,6 +12,8 @@ import torch
 from nbscaler import ComputeConfig, Recipe, parallelize, safeload
 from nbscaler.cost.hardware import Hardware
 from nbscaler.genfiles import CONSTANTS_FILE, GRAPH_FILE, GenDir, module_dir
+from nbscaler.layouts import ContextKind
+from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
 from nbscaler.planning.saved import SavedPlanError, load_plan
 from nbscaler.runtime.checkpoint import load as load_checkpoint
 from nbscaler.runtime.sources import TorchFile
@@ -124,3 +126,31 @@ def test_a_planted_constants_file_is_refused(tmp_path):
     with pytest.raises(safeload.RefusedFile, match=f"{path} holds objects .*reuse='override'"):
         _weights_source(MLP(), None, 0, constants=path)
     assert not marker.exists()
+
+
+GPT_SMALL = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+DIMENSIONS = {
+    "cp ring": ("gpt", {"context_parallel": 2, "context_parallel_kind": "ring"}),
+    "cp all_gather": ("gpt", {"context_parallel": 2, "context_parallel_kind": "all_gather"}),
+    "sequence parallel": ("gpt", {"sequence_parallel": True}),
+    "ep dropless": ("moe", {"expert_parallel": 2}),
+    "ep capacity": ("moe_capacity", {"expert_parallel": 2}),
+}
+
+
+@pytest.mark.parametrize("dimension", list(DIMENSIONS))
+def test_every_dimension_s_graphs_are_written_and_read_back(tmp_path, dimension):
+    """A plan of each dimension keeps its graph file (its meta names nbscaler's vocabularies, such as
+    ``ContextKind``), so ``reuse='graph'`` and ``load_plan`` work for it as for any other."""
+    name, pas_config = DIMENSIONS[dimension]
+    model, args = (GPT(GPT_SMALL), {"batch": sample_batch(GPT_SMALL, 2)}) if name == "gpt" else (build(name), batch(name, 0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*was not written")
+        parallelize(model, args, "tp", ComputeConfig(2, 2, pas_config=pas_config), gen_savedir=tmp_path, load_module=False)
+    folder = module_dir(type(model), tmp_path, None)
+    graph = next(iter(GenDir(folder).read_graphs().values()))
+    written = {n.name: n.meta for n in load_plan(folder).graph.nodes}
+    assert [n.name for n in graph.nodes] == list(written) and written
+    kinds = [m["context_kind"] for m in written.values() if "context_kind" in m]
+    if "context_parallel_kind" in pas_config:
+        assert kinds and all(k is ContextKind(pas_config["context_parallel_kind"]) for k in kinds), kinds
