@@ -304,7 +304,16 @@ class ParallelModule(torch.nn.Module):
                 state_dict[key] = state_dict[key].clone()
         self.reducer.free_all()
 
+    def _on_device(self, inputs: Any) -> Any:
+        """``inputs`` with every tensor on this rank's device, as DDP moves its inputs: a data loader
+        on the CPU feeds a rank on a GPU unchanged. Tensors already there are passed through."""
+        device = self.device
+        return tree_map(lambda t: t.to(device, non_blocking=True)
+                        if isinstance(t, torch.Tensor) and t.device != device else t, inputs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One rank's forward of the plan; tensors in the arguments are moved to its device first."""
+        args, kwargs = self._on_device((args, kwargs))
         if self.compute_config.use_end2end and not self._in_step:
             raise RuntimeError("this is an end2end parallel module: call train_step(samples) to train and "
                                "infer_step(samples) to infer, not the module itself.")
@@ -357,6 +366,7 @@ class ParallelModule(torch.nn.Module):
     def _run_pipeline(self, samples: List[Any], train: bool, dummy: Optional[List[bool]] = None,
                       scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:
         """One pipelined step; every rank of the unit gets the loss of every micro-batch back."""
+        samples = self._on_device(samples)
         if train not in self._pipeline_geometries:            # built once: a step only reads it
             self._pipeline_geometries[train] = PipelineGeometry.from_config(self.compute_config, train=train)
         geometry = self._pipeline_geometries[train]

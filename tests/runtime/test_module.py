@@ -43,3 +43,16 @@ def test_infer_step_matches_eval_mode(tmp_path):
     with torch.no_grad():
         expected = [model(s) for s in samples]
     assert all(torch.allclose(got, want) for got, want in zip(pm.infer_step(samples), expected))
+
+
+def test_inputs_are_moved_to_the_rank_s_device(tmp_path):
+    """A rank on a GPU takes a CPU batch, as DDP does: every tensor of the inputs goes to the rank's
+    device, and nothing else changes. Here the 'device' is meta, which every tensor can be moved to."""
+    pm = parallelize(build("gpt"), batch("gpt", 0), "dp", ComputeConfig(1, 1, use_end2end=True), gen_savedir=tmp_path)
+    assert pm.device == torch.device("cpu")
+    here = batch("gpt", 1)["batch"]
+    assert pm._on_device(here)["idx"] is here["idx"]              # already there: passed through
+    pm.device = torch.device("meta")
+    (args, kwargs) = pm._on_device(((here, 3, "x"), {"n": here["targets"], "flag": True}))
+    assert args[0]["idx"].is_meta and args[0]["targets"].shape == here["targets"].shape and args[1:] == (3, "x")
+    assert kwargs["n"].is_meta and kwargs["flag"] is True and not here["idx"].is_meta
