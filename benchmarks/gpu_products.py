@@ -1,0 +1,233 @@
+"""The matrix products of the shipped models, timed on this machine's GPU in bf16 and fp8, beside
+what nbscaler's roofline predicts for that GPU.
+
+A target's step time is mostly its products, and nbscaler prices each one from its shape alone
+(``cost.roofline.RooflineOps``: the FLOPs at the GPU's dense peak times its ``matmul_efficiency``,
+plus a ramp; in fp8, the casts as well). This script checks that price on a real GPU. Each
+distinct linear layer of the shipped GPT (at GPT-2 small's shape) and Llama (at a Llama-3-8B-like
+width) is planned on the meta device, as a target is, and then:
+
+- predicted: ``RooflineOps(Hardware.named(hardware)).time(op)``, forward and backward, in bf16,
+  and again with ``float8=tensorwise`` (nbscaler's fp8 recipe, torchao's tensorwise scaling);
+- measured, bf16: ``cost.profile.time_op`` on this device, nbscaler's own profiler (the median of
+  a few runs, random inputs), the autograd engine's fixed start-up taken out of the backward as the
+  profiler takes it out;
+- measured, fp8: ``runtime.float8.Float8Product``, the product nbscaler's runtime runs under
+  ``Recipe(float8="tensorwise")``, forward and backward, timed the same way.
+
+Every figure and the summary are computed here. Run it on the GPU the hardware names; on another
+device (``--small`` on a CPU, which the test runs) the table is computed the same way but compares
+a prediction for one machine with a measurement on another, and says so.
+
+    python -m benchmarks.gpu_products                 # on an H200: benchmarks/results/gpu_products.md
+    python -m benchmarks.gpu_products --small --out /tmp/p.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+import nbscaler
+from nbscaler import ComputeConfig
+from nbscaler.cost.hardware import Hardware
+from nbscaler.cost.local import OpCall, run_local
+from nbscaler.cost.profile import engine_overhead_s, time_op
+from nbscaler.cost.roofline import RooflineOps
+from nbscaler.cost.speed import sync
+from nbscaler.models.gpt import GPT, GPTConfig
+from nbscaler.models.llama import Llama, LlamaConfig
+from nbscaler.recipe import Float8Scaling
+
+RESULTS = Path(__file__).parent / "results" / "gpu_products.md"
+REPEATS = 20         # timed runs of each fp8 product, after 3 warm-ups (the median is kept)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    shape: str          # what the sizes are, in words
+    build: object       # () -> (module on meta, forward arguments on meta)
+
+
+def _gpt(cfg: GPTConfig, batch: int):
+    def build():
+        with torch.device("meta"):
+            model = GPT(cfg).to(torch.bfloat16)
+        tokens = torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
+        return model, {"batch": {"idx": tokens, "targets": tokens}}
+    return build
+
+
+def _llama(cfg: LlamaConfig, batch: int):
+    def build():
+        with torch.device("meta"):
+            model = Llama(cfg).to(torch.bfloat16)
+        tokens = torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
+        return model, {"idx": tokens, "targets": tokens}
+    return build
+
+
+CASES = [
+    ModelCase("GPT", "GPT-2 small: d 768, 12 heads, vocab 50,304; 8 sequences of 1,024 tokens",
+              _gpt(GPTConfig(vocab_size=50304, seq_len=1024, n_layer=1, d_model=768, n_head=12), 8)),
+    ModelCase("Llama", "d 4,096, 32 heads (8 key/value), MLP 8,192, vocab 128,256; 1 sequence of 4,096 tokens",
+              _llama(LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32, n_kv_head=8), 1)),
+]
+SMALL = [
+    ModelCase("GPT", "d 64, 4 heads, vocab 256; 2 sequences of 32 tokens",
+              _gpt(GPTConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4), 2)),
+    ModelCase("Llama", "d 64, 4 heads (2 key/value), vocab 256; 1 sequence of 32 tokens",
+              _llama(LlamaConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4, n_kv_head=2), 1)),
+]
+
+
+def linear_calls(case: ModelCase) -> List[OpCall]:
+    """One ``OpCall`` per distinct linear layer shape of ``case``'s plan on one device."""
+    model, args = case.build()
+    plan = nbscaler.plan(model, args, "dp", ComputeConfig(1, 1))
+    seen: Dict[Tuple, OpCall] = {}
+    for op in run_local(plan.programs[0].sections[0]).ops:
+        if op.node.op == "linear" and op.node.meta.get("product"):
+            seen.setdefault((op.in_shapes, op.out_shapes), op)
+    return list(seen.values())
+
+
+def mkn(op: OpCall) -> Tuple[int, int, int]:
+    """The product's rows, inner size and columns."""
+    x, w = op.in_shapes[0][0], op.in_shapes[1][0]
+    rows = 1
+    for size in x[:-1]:
+        rows *= size
+    return rows, w[1], w[0]
+
+
+def time_float8(m: int, k: int, n: int, device: torch.device, repeats: int = REPEATS) -> Tuple[float, float]:
+    """Median forward and backward seconds of nbscaler's fp8 product (tensorwise) of an ``(m, k)``
+    input by a ``(k, n)`` weight, in bf16, on ``device`` (``repeats`` timed runs)."""
+    from nbscaler.runtime.float8 import Float8Product
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.randn(k, n, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad = torch.ones(m, n, dtype=torch.bfloat16, device=device)
+    fwd, bwd = [], []
+    for i in range(repeats + 3):
+        sync(device)
+        start = time.perf_counter()
+        out = Float8Product.apply(x, w, Float8Scaling.TENSORWISE.value, {})
+        sync(device)
+        middle = time.perf_counter()
+        out.backward(grad)
+        sync(device)
+        end = time.perf_counter()
+        if i >= 3:
+            fwd.append(middle - start)
+            bwd.append(end - middle)
+        x.grad = w.grad = None
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+@dataclass
+class Row:
+    model: str
+    module: str
+    mkn: Tuple[int, int, int]
+    predicted_bf16: float       # forward + backward seconds
+    measured_bf16: float
+    predicted_fp8: float
+    measured_fp8: Optional[float]
+
+
+def measure(cases: List[ModelCase], hardware: Hardware, device: torch.device, repeats: int = REPEATS) -> List[Row]:
+    """Each distinct linear layer of ``cases``: predicted for ``hardware``, measured on ``device``."""
+    bf16, fp8 = RooflineOps(hardware), RooflineOps(hardware, float8=Float8Scaling.TENSORWISE)
+    overhead = engine_overhead_s(device)
+    rows = []
+    for case in cases:
+        for op in linear_calls(case):
+            m, k, n = mkn(op)
+            fwd, bwd = time_op(op, device)
+            try:
+                measured_fp8: Optional[float] = sum(time_float8(m, k, n, device, repeats))
+            except (RuntimeError, ImportError) as err:    # no fp8 products on this device, or no torchao
+                print(f"  {case.name} {op.node.module_path}: fp8 not measured ({type(err).__name__}: {err})", flush=True)
+                measured_fp8 = None
+            rows.append(Row(case.name, op.node.module_path, (m, k, n), sum(bf16.time(op)),
+                            fwd + max(bwd - overhead, 0.0), sum(fp8.time(op)), measured_fp8))
+            print(f"  {case.name} {op.node.module_path} {m}x{k}x{n}: bf16 {rows[-1].measured_bf16 * 1e3:.3f} ms", flush=True)
+    return rows
+
+
+def _ms(s: Optional[float]) -> str:
+    return "n/a" if s is None else f"{s * 1e3:.4g}"
+
+
+def _ratio(measured: Optional[float], predicted: float) -> Optional[float]:
+    return None if measured is None or not predicted else measured / predicted
+
+
+def report(rows: List[Row], cases: List[ModelCase], hardware_name: str, device: torch.device, command: str) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
+    same = device.type == "cuda" and hardware_name.split("-")[0] in name
+    out = ["# The shipped models' products on a GPU: measured against nbscaler's roofline", "",
+           f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
+           f"measured on {name}; predicted for `{hardware_name}`"
+           + ("." if same else " (**another machine**: the ratios below compare two different devices)."), "",
+           "Each row is one distinct linear layer, its forward and backward together (three products), in ms. "
+           "Ratio = measured / predicted (above 1: nbscaler's price is too fast).", ""]
+    out += [f"- {c.name}: {c.shape}." for c in cases] + [""]
+    out += ["| model | layer | m x k x n | bf16 predicted | bf16 measured | ratio | fp8 predicted | fp8 measured | ratio | "
+            "fp8 speed-up, predicted | measured |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        b, f = _ratio(r.measured_bf16, r.predicted_bf16), _ratio(r.measured_fp8, r.predicted_fp8)
+        speedup = None if r.measured_fp8 is None else r.measured_bf16 / r.measured_fp8
+        out.append(f"| {r.model} | {r.module} | {r.mkn[0]:,} x {r.mkn[1]:,} x {r.mkn[2]:,} | {_ms(r.predicted_bf16)} | "
+                   f"{_ms(r.measured_bf16)} | {b:.2f} | {_ms(r.predicted_fp8)} | {_ms(r.measured_fp8)} | "
+                   f"{'n/a' if f is None else f'{f:.2f}'} | {r.predicted_bf16 / r.predicted_fp8:.2f} | "
+                   f"{'n/a' if speedup is None else f'{speedup:.2f}'} |")
+    out += ["", "## Summary", ""] + summary(rows)
+    return "\n".join(out) + "\n"
+
+
+def summary(rows: List[Row]) -> List[str]:
+    """Median and range of each ratio, and of the whole models' sums (time-weighted)."""
+    lines = []
+    for label, pred, meas in (("bf16", "predicted_bf16", "measured_bf16"), ("fp8", "predicted_fp8", "measured_fp8")):
+        ratios = [getattr(r, meas) / getattr(r, pred) for r in rows if getattr(r, meas) is not None]
+        if not ratios:
+            lines.append(f"- {label}: not measured.")
+            continue
+        total_p = sum(getattr(r, pred) for r in rows if getattr(r, meas) is not None)
+        total_m = sum(getattr(r, meas) for r in rows if getattr(r, meas) is not None)
+        lines.append(f"- {label}: {len(ratios)} layers, measured / predicted median {statistics.median(ratios):.2f} "
+                     f"(from {min(ratios):.2f} to {max(ratios):.2f}); all layers together {total_m * 1e3:.3f} ms "
+                     f"measured against {total_p * 1e3:.3f} ms predicted, {total_m / total_p:.2f}.")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    cli = argparse.ArgumentParser(prog="python -m benchmarks.gpu_products", description=__doc__.splitlines()[0])
+    cli.add_argument("--hardware", default="H200-SXM-141GB", help="the catalogued GPU to predict for")
+    cli.add_argument("--small", action="store_true", help="tiny models (a check that runs anywhere)")
+    cli.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_argument("--repeats", type=int, default=REPEATS, help="timed runs of each fp8 product")
+    args = cli.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = SMALL if args.small else CASES
+    rows = measure(cases, Hardware.named(args.hardware), device, args.repeats)
+    command = "python -m benchmarks.gpu_products" + (" --small" if args.small else "") + \
+        ("" if args.hardware == "H200-SXM-141GB" else f" --hardware {args.hardware}")
+    args.out.write_text(report(rows, cases, args.hardware, device, command))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
