@@ -121,12 +121,21 @@ FLASH_BACKWARD_FORWARDS = 2.5
 DROPOUT_MASK_BYTES = 1
 DROPOUT_TARGET = "torch.nn.functional.dropout"
 
-#: One dynamic fp8 cast of a tensor (torchao's ``hp_tensor_to_float8_dynamic``), kernel by kernel, as
-#: (reads, writes) of the tensor in its own dtype and whether the kernel writes it in fp8. Eager
-#: PyTorch runs its ops one by one: ``abs``, ``amax``, the multiply by the scale, ``clamp``, ``to``.
-#: Compiled, an amax kernel reads the tensor and a cast kernel reads it and writes its fp8 copy.
-EAGER_CAST = ((1, 1, False), (1, 0, False), (1, 1, False), (1, 1, False), (1, 0, True))
-COMPILED_CAST = ((1, 0, False), (1, 0, True))
+#: One dynamic fp8 cast of a tensor, kernel by kernel, as (what it reads, what it writes) per element:
+#: ``OWN`` the tensor in its own dtype, else a number of bytes (``FP32`` 4, ``FP8`` 1, ``NOTHING`` 0).
+#: Eager, torchao 0.18 runs its ops one by one (``tensor_to_amax``, ``amax_to_scale``,
+#: ``_ToFloat8ConstrFunc``): ``abs``, the ``amax`` reduction, the upcast to fp32 it makes "to match
+#: numerics between eager and compile", the multiply by the scale, the saturating ``clamp`` and the
+#: cast to fp8. Compiled, an amax kernel reads the tensor and a cast kernel reads it and writes its
+#: fp8 copy.
+OWN, FP32, FP8, NOTHING = "own", 4, 1, 0
+EAGER_CAST = ((OWN, OWN), (OWN, NOTHING), (OWN, FP32), (FP32, FP32), (FP32, FP32), (FP32, FP8))
+COMPILED_CAST = ((OWN, NOTHING), (OWN, FP8))
+#: Eager, ``torch._scaled_mm`` takes its first operand row-major and its second column-major, and
+#: torchao's fp8 ``mm`` copies an operand that is not (an fp8 read and write per element): the
+#: weight in the forward, and the output's gradient and the input for the weight's gradient.
+#: Compiled, the copy is taken as fused into the cast kernel, which writes the layout the product needs.
+LAYOUT_COPY_BYTES = 2 * FP8
 
 #: Tensors the reducer's copies in and out of its flat buckets read and write per element (the
 #: optimizer's own come from ``cost.optimizers.step_tensors``).
@@ -175,8 +184,9 @@ def backward_bytes(op: OpCall, compiled: Optional[Tuple[str, ...]] = None) -> in
 def cast_bytes(elements: int, itemsize: int, compiled: bool) -> List[int]:
     """Bytes each kernel of one dynamic fp8 cast of ``elements`` of ``itemsize`` moves
     (``EAGER_CAST`` or ``COMPILED_CAST``)."""
-    passes = COMPILED_CAST if compiled else EAGER_CAST
-    return [elements * ((reads + writes) * itemsize + fp8) for reads, writes, fp8 in passes]
+    size = lambda side: itemsize if side == OWN else side
+    return [elements * (size(reads) + size(writes)) for reads, writes in (COMPILED_CAST if compiled else EAGER_CAST)
+            if not (reads == OWN and writes == FP32 and itemsize == FP32)]    # an fp32 tensor's upcast is itself
 
 
 def fp8_product(node: IRNode, recipe_float8: Optional[Float8Scaling], skipped: Tuple[str, ...] = ()) -> bool:
@@ -328,19 +338,22 @@ class RooflineOps:
         """A linear layer with fp8 products, as torchao's float8 training runs it: the forward casts
         the input and the weight and takes one product; the backward casts the output's gradient and
         the weight for the input's gradient, the output's gradient and the input again for the
-        weight's, each product at the fp8 peak reading its operands in fp8 and writing in ``dtype``."""
+        weight's, each product at the fp8 peak reading its operands in fp8 and writing in ``dtype``.
+        Eager, the operands ``_scaled_mm`` needs in the other layout are copied (``LAYOUT_COPY_BYTES``)."""
         (x, _, x_grad), (w, _, w_grad) = op.in_shapes[:2]
         (out, _), = op.out_shapes[:1]
         flops, h = op.node.meta["local_flops_fwd"], dtype.itemsize
         fp8 = lambda shapes, written: sum(map(math.prod, shapes)) + math.prod(written) * h
         product = lambda operands, written: self._pass(flops, fp8(operands, written), _FP8, product=True)
-        cast = lambda shape: self._cast(shape, dtype, self._compiles(op.node))
-        fwd = cast(x) + cast(w) + product((x, w), out)
+        compiled = self._compiles(op.node)
+        cast = lambda shape: self._cast(shape, dtype, compiled)
+        copy = lambda shape: 0.0 if compiled else self._pass(0, math.prod(shape) * LAYOUT_COPY_BYTES, _FP8)
+        fwd = cast(x) + cast(w) + copy(w) + product((x, w), out)
         bwd = 0.0
         if x_grad:                            # dX = dY W
             bwd += cast(out) + cast(w) + product((out, w), x)
         if w_grad:                            # dW = dY^T X
-            bwd += cast(out) + cast(x) + product((out, x), w)
+            bwd += cast(out) + cast(x) + copy(out) + copy(x) + product((out, x), w)
         return fwd, bwd
 
     def _pass(self, flops: float, nbytes: float, dtype: torch.dtype, product: bool = False) -> float:

@@ -294,13 +294,20 @@ def test_an_fp8_linear_is_its_casts_and_three_products_at_the_fp8_peak(ops):
     assert fp8_rate == pytest.approx(2 * H100.sustained_flops(torch.bfloat16) * H100.matmul_efficiency, rel=1e-4)
     kernel = lambda nbytes: max(R.memory_seconds(nbytes, bw), R.KERNEL_FLOOR_S)
     product = lambda a, b, out: max(flops / fp8_rate + R.MATMUL_RAMP_S, R.memory_seconds(n(a) + n(b) + n(out) * h, bw))
+    size = lambda side: h if side == R.OWN else side
     for compiled, passes in ((False, R.EAGER_CAST), (True, R.COMPILED_CAST)):
-        cast = lambda shape: sum(kernel(n(shape) * ((r + wr) * h + f)) for r, wr, f in passes)
+        cast = lambda shape: sum(kernel(n(shape) * (size(r) + size(wr))) for r, wr in passes)
+        copy = lambda shape: 0.0 if compiled else kernel(2 * n(shape))    # an fp8 operand into the other layout
         target = H100.running(Software(compiled=compiled))
         fwd, bwd = R.RooflineOps(target, float8=Float8Scaling.TENSORWISE).time(qkv)
-        assert fwd == pytest.approx(cast(x) + cast(w) + product(x, w, y), rel=1e-12)
-        assert bwd == pytest.approx(2 * cast(y) + cast(w) + cast(x) + product(y, w, x) + product(y, x, w), rel=1e-12)
-    assert len(R.EAGER_CAST) == 5 and len(R.COMPILED_CAST) == 2
+        assert fwd == pytest.approx(cast(x) + cast(w) + copy(w) + product(x, w, y), rel=1e-12)
+        assert bwd == pytest.approx(2 * cast(y) + cast(w) + cast(x) + copy(y) + copy(x) + product(y, w, x)
+                                    + product(y, x, w), rel=1e-12)
+    # Eager, a bf16 tensor's cast moves 33 bytes an element in 6 kernels (abs 4, amax 2, the upcast to
+    # fp32 6, the scaling 8, the clamp 8, the cast to fp8 5); compiled, 5 in 2.
+    assert [sum(size(r) + size(wr) for r, wr in p) for p in (R.EAGER_CAST, R.COMPILED_CAST)] == [33, 5] and h == 2
+    assert R.cast_bytes(1, 2, False) == [4, 2, 6, 8, 8, 5]
+    assert R.cast_bytes(1, 4, False) == [8, 4, 8, 8, 5]       # an fp32 tensor: no upcast, the same 33 bytes
     bf16 = R.RooflineOps(H100).time(qkv)
     assert R.RooflineOps(H100, Float8Scaling.TENSORWISE, ("attn",)).time(qkv) == bf16     # float8_skip: bf16 as before
 
