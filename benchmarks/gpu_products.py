@@ -1,5 +1,5 @@
-"""The matrix products of the shipped models, timed on this machine's GPU in bf16 and fp8, beside
-what nbscaler's roofline predicts for that GPU.
+"""The matrix products and attention of the shipped models, timed on this machine's GPU in bf16 and
+fp8, beside what nbscaler's roofline predicts for that GPU.
 
 A target's step time is mostly its products, and nbscaler prices each one from its shape alone
 (``cost.roofline.RooflineOps``: the FLOPs at the GPU's dense peak times its ``matmul_efficiency``,
@@ -14,6 +14,10 @@ width) is planned on the meta device, as a target is, and then:
   profiler takes it out;
 - measured, fp8: ``runtime.float8.Float8Product``, the product nbscaler's runtime runs under
   ``Recipe(float8="tensorwise")``, forward and backward, timed the same way.
+
+Each distinct causal attention (GPT-2 small's, the Llama's at 4,096 and at 32,768 tokens, the
+length each GPU holds in torchtitan's context-parallel rows) is timed the same way in bf16, and the
+share of the bf16 peak it reached is set beside ``Hardware.attention_efficiency``.
 
 Every figure and the summary are computed here. Run it on the GPU the hardware names; on another
 device (``--small`` on a CPU, which the test runs) the table is computed the same way but compares
@@ -56,6 +60,7 @@ class ModelCase:
     name: str
     shape: str          # what the sizes are, in words
     build: object       # () -> (module on meta, forward arguments on meta)
+    ops: Tuple[str, ...] = ("linear", "attention")      # which of its ops to time
 
 
 def _gpt(cfg: GPTConfig, batch: int):
@@ -76,29 +81,40 @@ def _llama(cfg: LlamaConfig, batch: int):
     return build
 
 
+LONG = 32768         # tokens of one sequence, as torchtitan's context-parallel rows hold on each GPU
 CASES = [
     ModelCase("GPT", "GPT-2 small: d 768, 12 heads, vocab 50,304; 8 sequences of 1,024 tokens",
               _gpt(GPTConfig(vocab_size=50304, seq_len=1024, n_layer=1, d_model=768, n_head=12), 8)),
-    ModelCase("Llama", "d 4,096, 32 heads (8 key/value), MLP 8,192, vocab 128,256; 1 sequence of 4,096 tokens",
-              _llama(LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32, n_kv_head=8), 1)),
+    ModelCase("Llama", "d 4,096, 32 heads (8 key/value), MLP 8,192, vocab 128,256, causal SDPA; 1 sequence of 4,096 tokens",
+              _llama(LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
+                                 sdpa=True), 1)),
+    ModelCase("Llama, long", f"the same Llama's attention over 1 sequence of {LONG:,} tokens",
+              _llama(LlamaConfig(vocab_size=256, seq_len=LONG, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
+                                 sdpa=True), 1), ("attention",)),
 ]
 SMALL = [
     ModelCase("GPT", "d 64, 4 heads, vocab 256; 2 sequences of 32 tokens",
               _gpt(GPTConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4), 2)),
-    ModelCase("Llama", "d 64, 4 heads (2 key/value), vocab 256; 1 sequence of 32 tokens",
-              _llama(LlamaConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4, n_kv_head=2), 1)),
+    ModelCase("Llama", "d 64, 4 heads (2 key/value), vocab 256, causal SDPA; 1 sequence of 32 tokens",
+              _llama(LlamaConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4, n_kv_head=2, sdpa=True), 1)),
 ]
 
 
-def linear_calls(case: ModelCase) -> List[OpCall]:
-    """One ``OpCall`` per distinct linear layer shape of ``case``'s plan on one device."""
+def timed_calls(case: ModelCase) -> List[OpCall]:
+    """One ``OpCall`` per distinct shape of each linear layer (a product) and attention of
+    ``case``'s plan on one device, of the kinds ``case.ops`` names."""
     model, args = case.build()
     plan = nbscaler.plan(model, args, "dp", ComputeConfig(1, 1))
     seen: Dict[Tuple, OpCall] = {}
     for op in run_local(plan.programs[0].sections[0]).ops:
-        if op.node.op == "linear" and op.node.meta.get("product"):
-            seen.setdefault((op.in_shapes, op.out_shapes), op)
+        node = op.node
+        if node.op in case.ops and (node.op == "attention" or node.meta.get("product")):
+            seen.setdefault((node.op, op.in_shapes, op.out_shapes), op)
     return list(seen.values())
+
+
+def linear_calls(case: ModelCase) -> List[OpCall]:
+    return [op for op in timed_calls(case) if op.node.op == "linear"]
 
 
 def mkn(op: OpCall) -> Tuple[int, int, int]:
@@ -145,6 +161,29 @@ class Row:
     measured_fp8: Optional[float]
 
 
+@dataclass
+class AttentionRow:
+    model: str
+    shape: Tuple[int, ...]      # the queries' (B, heads, T, head size)
+    keys: Tuple[int, ...]       # the keys'
+    predicted: float            # forward + backward seconds
+    measured: float
+
+
+def measure_attention(cases: List[ModelCase], hardware: Hardware, device: torch.device) -> List[AttentionRow]:
+    """Each distinct attention of ``cases`` in bf16: predicted for ``hardware``, measured on ``device``."""
+    roofline, overhead = RooflineOps(hardware), engine_overhead_s(device)
+    rows = []
+    for case in cases:
+        for op in timed_calls(case):
+            if op.node.op == "attention":
+                fwd, bwd = time_op(op, device)
+                rows.append(AttentionRow(case.name, op.in_shapes[0][0], op.in_shapes[1][0], sum(roofline.time(op)),
+                                         fwd + max(bwd - overhead, 0.0)))
+                print(f"  {case.name} attention {rows[-1].shape}: {rows[-1].measured * 1e3:.3f} ms", flush=True)
+    return rows
+
+
 def measure(cases: List[ModelCase], hardware: Hardware, device: torch.device, repeats: int = REPEATS) -> List[Row]:
     """Each distinct linear layer of ``cases``: predicted for ``hardware``, measured on ``device``."""
     bf16, fp8 = RooflineOps(hardware), RooflineOps(hardware, float8=Float8Scaling.TENSORWISE)
@@ -173,10 +212,11 @@ def _ratio(measured: Optional[float], predicted: float) -> Optional[float]:
     return None if measured is None or not predicted else measured / predicted
 
 
-def report(rows: List[Row], cases: List[ModelCase], hardware_name: str, device: torch.device, command: str) -> str:
+def report(rows: List[Row], attention: List[AttentionRow], cases: List[ModelCase], hardware: Hardware,
+           hardware_name: str, device: torch.device, command: str) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     same = device.type == "cuda" and hardware_name.split("-")[0] in name
-    out = ["# The shipped models' products on a GPU: measured against nbscaler's roofline", "",
+    out = ["# The shipped models' products and attention on a GPU: measured against nbscaler's roofline", "",
            f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
            f"measured on {name}; predicted for `{hardware_name}`"
            + ("." if same else " (**another machine**: the ratios below compare two different devices)."), "",
@@ -193,7 +233,24 @@ def report(rows: List[Row], cases: List[ModelCase], hardware_name: str, device: 
                    f"{'n/a' if f is None else f'{f:.2f}'} | {r.predicted_bf16 / r.predicted_fp8:.2f} | "
                    f"{'n/a' if speedup is None else f'{speedup:.2f}'} |")
     out += ["", "## Summary", ""] + summary(rows)
+    out += attention_table(attention, hardware)
     return "\n".join(out) + "\n"
+
+
+def attention_table(rows: List[AttentionRow], hardware: Hardware) -> List[str]:
+    """Attention's rows, with the share of the bf16 peak each measurement implies."""
+    out = ["", "## Attention", "",
+           f"Causal `scaled_dot_product_attention` in bf16, forward and backward, in ms. nbscaler prices it as "
+           f"FlashAttention at `attention_efficiency` = {hardware.attention_efficiency} of the bf16 peak; the last "
+           "column is the efficiency at which that price would equal the measurement (the price scaled by the ratio, "
+           "as attention at these sizes is bound by its arithmetic).", "",
+           "| model | queries (B, heads, T, head size) | keys | predicted | measured | ratio | implied efficiency |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratio = r.measured / r.predicted
+        out.append(f"| {r.model} | {r.shape} | {r.keys} | {_ms(r.predicted)} | {_ms(r.measured)} | {ratio:.2f} | "
+                   f"{hardware.attention_efficiency / ratio:.2f} |")
+    return out
 
 
 def summary(rows: List[Row]) -> List[str]:
@@ -221,10 +278,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = cli.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = SMALL if args.small else CASES
-    rows = measure(cases, Hardware.named(args.hardware), device, args.repeats)
+    hardware = Hardware.named(args.hardware)
+    rows = measure(cases, hardware, device, args.repeats)
+    attention = measure_attention(cases, hardware, device)
     command = "python -m benchmarks.gpu_products" + (" --small" if args.small else "") + \
         ("" if args.hardware == "H200-SXM-141GB" else f" --hardware {args.hardware}")
-    args.out.write_text(report(rows, cases, args.hardware, device, command))
+    args.out.write_text(report(rows, attention, cases, hardware, args.hardware, device, command))
     print(f"wrote {args.out}")
     return 0
 
