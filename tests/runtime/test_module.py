@@ -49,8 +49,7 @@ def test_inputs_are_moved_to_the_rank_s_device(tmp_path):
     """A rank on a GPU takes a CPU batch, as DDP does: every tensor of the inputs goes to the rank's
     device, and nothing else changes. Here the 'device' is meta, which every tensor can be moved to."""
     pm = parallelize(build("gpt"), batch("gpt", 0), "dp", ComputeConfig(1, 1, use_end2end=True), gen_savedir=tmp_path)
-    assert pm.device == torch.device("cpu")
-    here = batch("gpt", 1)["batch"]
+    here = {k: v.to(pm.device) for k, v in batch("gpt", 1)["batch"].items()}
     assert pm._on_device(here)["idx"] is here["idx"]              # already there: passed through
     pm.device = torch.device("meta")
     (args, kwargs) = pm._on_device(((here, 3, "x"), {"n": here["targets"], "flag": True}))
