@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 import nbscaler
 from nbscaler import ComputeConfig
@@ -47,6 +48,7 @@ from nbscaler.cost.local import OpCall, run_local
 from nbscaler.cost.profile import engine_overhead_s, time_op
 from nbscaler.cost.roofline import RooflineOps
 from nbscaler.cost.speed import sync
+from nbscaler.ir.shape_rules import arg
 from nbscaler.models.gpt import GPT, GPTConfig
 from nbscaler.models.llama import Llama, LlamaConfig
 from nbscaler.recipe import Float8Scaling
@@ -168,6 +170,24 @@ class AttentionRow:
     keys: Tuple[int, ...]       # the keys'
     predicted: float            # forward + backward seconds
     measured: float
+    kernels: str                # the longest kernels of one forward and backward: which one SDPA chose
+
+
+def attention_kernels(op: OpCall, device: torch.device, top: int = 2) -> str:
+    """The names of the ``top`` longest kernels (on a CPU, ops) of one forward and backward of
+    ``op``'s attention on ``device``: which of its kernels ``scaled_dot_product_attention`` chose."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for shape, dtype, _ in op.in_shapes[:3])
+    causal = arg(op.node, 5, "is_causal", False)
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()       # loads the kernels
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+        sync(device)
+    spent = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    longest = sorted(prof.key_averages(), key=spent, reverse=True)[:top]
+    return "; ".join(f"`{e.key[:70]}`" for e in longest)
 
 
 def measure_attention(cases: List[ModelCase], hardware: Hardware, device: torch.device) -> List[AttentionRow]:
@@ -179,7 +199,7 @@ def measure_attention(cases: List[ModelCase], hardware: Hardware, device: torch.
             if op.node.op == "attention":
                 fwd, bwd = time_op(op, device)
                 rows.append(AttentionRow(case.name, op.in_shapes[0][0], op.in_shapes[1][0], sum(roofline.time(op)),
-                                         fwd + max(bwd - overhead, 0.0)))
+                                         fwd + max(bwd - overhead, 0.0), attention_kernels(op, device)))
                 print(f"  {case.name} attention {rows[-1].shape}: {rows[-1].measured * 1e3:.3f} ms", flush=True)
     return rows
 
@@ -244,12 +264,12 @@ def attention_table(rows: List[AttentionRow], hardware: Hardware) -> List[str]:
            f"FlashAttention at `attention_efficiency` = {hardware.attention_efficiency} of the bf16 peak; the last "
            "column is the efficiency at which that price would equal the measurement (the price scaled by the ratio, "
            "as attention at these sizes is bound by its arithmetic).", "",
-           "| model | queries (B, heads, T, head size) | keys | predicted | measured | ratio | implied efficiency |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+           "| model | queries (B, heads, T, head size) | keys | predicted | measured | ratio | implied efficiency | "
+           "longest kernels |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         ratio = r.measured / r.predicted
         out.append(f"| {r.model} | {r.shape} | {r.keys} | {_ms(r.predicted)} | {_ms(r.measured)} | {ratio:.2f} | "
-                   f"{hardware.attention_efficiency / ratio:.2f} |")
+                   f"{hardware.attention_efficiency / ratio:.2f} | {r.kernels.replace('|', '/')} |")
     return out
 
 

@@ -29,6 +29,7 @@ def test_the_small_case_writes_one_row_per_distinct_linear_layer(tmp_path):
     for row in timed:
         cells = [c.strip() for c in row.strip("|").split("|")]
         predicted, measured, ratio, implied = map(float, cells[3:7])
+        assert "scaled_dot_product" in cells[7]         # the op (on a CPU) SDPA chose, named
         assert abs(ratio - measured / predicted) <= 0.002 * ratio + 0.01
         assert implied == pytest.approx(0.35 / ratio, abs=0.006)        # the H200's attention_efficiency
     assert re.search(r"- bf16: \d+ layers, measured / predicted median", text)
