@@ -30,6 +30,7 @@ a prediction for one machine with a measurement on another, and says so.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import sys
@@ -65,40 +66,37 @@ class ModelCase:
     ops: Tuple[str, ...] = ("linear", "attention")      # which of its ops to time
 
 
-def _gpt(cfg: GPTConfig, batch: int):
+def _on_meta(model: type, cfg: object, batch: int, end2end: bool):
+    """() -> a shipped ``model`` of ``cfg`` in bf16 on the meta device, and ``batch`` sequences of
+    token ids for it (GPT takes them as one ``batch`` dict, Llama as keywords)."""
     def build():
         with torch.device("meta"):
-            model = GPT(cfg).to(torch.bfloat16)
+            module = model(cfg).to(torch.bfloat16)
         tokens = torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
-        return model, {"batch": {"idx": tokens, "targets": tokens}}
+        args = {"idx": tokens, "targets": tokens}
+        return module, ({"batch": args} if end2end else args)
     return build
 
 
-def _llama(cfg: LlamaConfig, batch: int):
-    def build():
-        with torch.device("meta"):
-            model = Llama(cfg).to(torch.bfloat16)
-        tokens = torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
-        return model, {"idx": tokens, "targets": tokens}
-    return build
-
-
-LONG = 32768         # tokens of one sequence, as torchtitan's context-parallel rows hold on each GPU
+#: Tokens of one sequence: what each GPU holds in torchtitan's context-parallel rows (its
+#: benchmarks/llama3_h100_202412_torchtitan.md, Table 2: 32,768 to 262,144 tokens over 1 to 8 GPUs).
+LONG = 32768
 CASES = [
     ModelCase("GPT", "GPT-2 small: d 768, 12 heads, vocab 50,304; 8 sequences of 1,024 tokens",
-              _gpt(GPTConfig(vocab_size=50304, seq_len=1024, n_layer=1, d_model=768, n_head=12), 8)),
+              _on_meta(GPT, GPTConfig(vocab_size=50304, seq_len=1024, n_layer=1, d_model=768, n_head=12), 8, end2end=True)),
     ModelCase("Llama", "d 4,096, 32 heads (8 key/value), MLP 8,192, vocab 128,256, causal SDPA; 1 sequence of 4,096 tokens",
-              _llama(LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
-                                 sdpa=True), 1)),
+              _on_meta(Llama, LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
+                                 sdpa=True), 1, end2end=False)),
     ModelCase("Llama, long", f"the same Llama's attention over 1 sequence of {LONG:,} tokens",
-              _llama(LlamaConfig(vocab_size=256, seq_len=LONG, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
-                                 sdpa=True), 1), ("attention",)),
+              _on_meta(Llama, LlamaConfig(vocab_size=256, seq_len=LONG, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
+                                 sdpa=True), 1, end2end=False), ("attention",)),
 ]
 SMALL = [
     ModelCase("GPT", "d 64, 4 heads, vocab 256; 2 sequences of 32 tokens",
-              _gpt(GPTConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4), 2)),
+              _on_meta(GPT, GPTConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4), 2, end2end=True)),
     ModelCase("Llama", "d 64, 4 heads (2 key/value), vocab 256, causal SDPA; 1 sequence of 32 tokens",
-              _llama(LlamaConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4, n_kv_head=2, sdpa=True), 1)),
+              _on_meta(Llama, LlamaConfig(vocab_size=256, seq_len=32, n_layer=1, d_model=64, n_head=4, n_kv_head=2,
+                                          sdpa=True), 1, end2end=False)),
 ]
 
 
@@ -122,10 +120,7 @@ def linear_calls(case: ModelCase) -> List[OpCall]:
 def mkn(op: OpCall) -> Tuple[int, int, int]:
     """The product's rows, inner size and columns."""
     x, w = op.in_shapes[0][0], op.in_shapes[1][0]
-    rows = 1
-    for size in x[:-1]:
-        rows *= size
-    return rows, w[1], w[0]
+    return math.prod(x[:-1]), w[1], w[0]
 
 
 def time_float8(m: int, k: int, n: int, device: torch.device, repeats: int = REPEATS) -> Tuple[float, float]:
@@ -190,6 +185,13 @@ def attention_kernels(op: OpCall, device: torch.device, top: int = 2) -> str:
     return "; ".join(f"`{e.key[:70]}`" for e in longest)
 
 
+def measured_seconds(op: OpCall, device: torch.device, overhead_s: float) -> float:
+    """Forward and backward seconds of ``op`` on ``device`` by nbscaler's profiler (``time_op``), the
+    autograd engine's start-up (``overhead_s``, ``engine_overhead_s``) taken out as ``OpProfiler`` does."""
+    fwd, bwd = time_op(op, device)
+    return fwd + max(bwd - overhead_s, 0.0)
+
+
 def measure_attention(cases: List[ModelCase], hardware: Hardware, device: torch.device) -> List[AttentionRow]:
     """Each distinct attention of ``cases`` in bf16: predicted for ``hardware``, measured on ``device``."""
     roofline, overhead = RooflineOps(hardware), engine_overhead_s(device)
@@ -197,9 +199,8 @@ def measure_attention(cases: List[ModelCase], hardware: Hardware, device: torch.
     for case in cases:
         for op in timed_calls(case):
             if op.node.op == "attention":
-                fwd, bwd = time_op(op, device)
                 rows.append(AttentionRow(case.name, op.in_shapes[0][0], op.in_shapes[1][0], sum(roofline.time(op)),
-                                         fwd + max(bwd - overhead, 0.0), attention_kernels(op, device)))
+                                         measured_seconds(op, device, overhead), attention_kernels(op, device)))
                 print(f"  {case.name} attention {rows[-1].shape}: {rows[-1].measured * 1e3:.3f} ms", flush=True)
     return rows
 
@@ -212,14 +213,13 @@ def measure(cases: List[ModelCase], hardware: Hardware, device: torch.device, re
     for case in cases:
         for op in linear_calls(case):
             m, k, n = mkn(op)
-            fwd, bwd = time_op(op, device)
             try:
                 measured_fp8: Optional[float] = sum(time_float8(m, k, n, device, repeats))
             except (RuntimeError, ImportError) as err:    # no fp8 products on this device, or no torchao
                 print(f"  {case.name} {op.node.module_path}: fp8 not measured ({type(err).__name__}: {err})", flush=True)
                 measured_fp8 = None
             rows.append(Row(case.name, op.node.module_path, (m, k, n), sum(bf16.time(op)),
-                            fwd + max(bwd - overhead, 0.0), sum(fp8.time(op)), measured_fp8))
+                            measured_seconds(op, device, overhead), sum(fp8.time(op)), measured_fp8))
             print(f"  {case.name} {op.node.module_path} {m}x{k}x{n}: bf16 {rows[-1].measured_bf16 * 1e3:.3f} ms", flush=True)
     return rows
 

@@ -39,9 +39,9 @@ from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
 from nbscaler.recipe import Recipe
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
-#: An op whose run takes longer than this is timed by that one run (the warm-up's included): at that
-#: length a run's spread and the warm-up's extra are a few percent, and a large op (a 50k-vocabulary
-#: head) would otherwise take seconds to profile.
+#: On a CPU, an op whose run takes longer than this is timed by that one run (the warm-up's included):
+#: at that length a run's spread and the warm-up's extra are a few percent, and a large op (a
+#: 50k-vocabulary head) would otherwise take seconds to profile. Never on a GPU (``time_op``).
 LONG_RUN_S = 0.2
 
 
@@ -119,8 +119,8 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
             end = time.perf_counter()
         else:
             middle2 = end = middle
-        # The first run warms up, unless on a CPU it is long enough to be its own time. On a GPU it
-        # never is: a kernel's first call loads it (over a second for attention), however short it is.
+        # On a GPU the first run always warms up: a kernel's first call loads it (over a second for
+        # attention), however short the kernel.
         long_run = end - start > LONG_RUN_S and device.type == "cpu"
         if i or long_run:
             fwd.append(middle - start)
