@@ -83,13 +83,15 @@ def _on_meta(model: type, cfg: object, batch: int, end2end: bool):
 LONG = 32768
 CASES = [
     ModelCase("GPT", "GPT-2 small: d 768, 12 heads, vocab 50,304; 8 sequences of 1,024 tokens",
-              _on_meta(GPT, GPTConfig(vocab_size=50304, seq_len=1024, n_layer=1, d_model=768, n_head=12), 8, end2end=True)),
-    ModelCase("Llama", "d 4,096, 32 heads (8 key/value), MLP 8,192, vocab 128,256, causal SDPA; 1 sequence of 4,096 tokens",
-              _on_meta(Llama, LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
-                                 sdpa=True), 1, end2end=False)),
+              _on_meta(GPT, GPTConfig(vocab_size=50304, seq_len=1024, n_layer=1, d_model=768, n_head=12), 8,
+                       end2end=True)),
+    ModelCase("Llama", "d 4,096, 32 heads (8 key/value), MLP 8,192, vocab 128,256, causal SDPA; "
+                       "1 sequence of 4,096 tokens",
+              _on_meta(Llama, LlamaConfig(vocab_size=128256, seq_len=4096, n_layer=1, d_model=4096, n_head=32,
+                                          n_kv_head=8, sdpa=True), 1, end2end=False)),
     ModelCase("Llama, long", f"the same Llama's attention over 1 sequence of {LONG:,} tokens",
-              _on_meta(Llama, LlamaConfig(vocab_size=256, seq_len=LONG, n_layer=1, d_model=4096, n_head=32, n_kv_head=8,
-                                 sdpa=True), 1, end2end=False), ("attention",)),
+              _on_meta(Llama, LlamaConfig(vocab_size=256, seq_len=LONG, n_layer=1, d_model=4096, n_head=32,
+                                          n_kv_head=8, sdpa=True), 1, end2end=False), ("attention",)),
 ]
 SMALL = [
     ModelCase("GPT", "d 64, 4 heads, vocab 256; 2 sequences of 32 tokens",
@@ -173,7 +175,8 @@ def attention_kernels(op: OpCall, device: torch.device, top: int = 2) -> str:
     ``op``'s attention on ``device``: which of its kernels ``scaled_dot_product_attention`` chose."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for shape, dtype, _ in op.in_shapes[:3])
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+               for shape, dtype, _ in op.in_shapes[:3])
     causal = arg(op.node, 5, "is_causal", False)
     F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()       # loads the kernels
     on_gpu = device.type == "cuda"
@@ -216,11 +219,13 @@ def measure(cases: List[ModelCase], hardware: Hardware, device: torch.device, re
             try:
                 measured_fp8: Optional[float] = sum(time_float8(m, k, n, device, repeats))
             except (RuntimeError, ImportError) as err:    # no fp8 products on this device, or no torchao
-                print(f"  {case.name} {op.node.module_path}: fp8 not measured ({type(err).__name__}: {err})", flush=True)
+                print(f"  {case.name} {op.node.module_path}: fp8 not measured ({type(err).__name__}: {err})",
+                      flush=True)
                 measured_fp8 = None
             rows.append(Row(case.name, op.node.module_path, (m, k, n), sum(bf16.time(op)),
                             measured_seconds(op, device, overhead), sum(fp8.time(op)), measured_fp8))
-            print(f"  {case.name} {op.node.module_path} {m}x{k}x{n}: bf16 {rows[-1].measured_bf16 * 1e3:.3f} ms", flush=True)
+            print(f"  {case.name} {op.node.module_path} {m}x{k}x{n}: bf16 {rows[-1].measured_bf16 * 1e3:.3f} ms",
+                  flush=True)
     return rows
 
 
@@ -243,8 +248,9 @@ def report(rows: List[Row], attention: List[AttentionRow], cases: List[ModelCase
            "Each row is one distinct linear layer, its forward and backward together (three products), in ms. "
            "Ratio = measured / predicted (above 1: nbscaler's price is too fast).", ""]
     out += [f"- {c.name}: {c.shape}." for c in cases] + [""]
-    out += ["| model | layer | m x k x n | bf16 predicted | bf16 measured | ratio | fp8 predicted | fp8 measured | ratio | "
-            "fp8 speed-up, predicted | measured |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out += ["| model | layer | m x k x n | bf16 predicted | bf16 measured | ratio | fp8 predicted | fp8 measured | "
+            "ratio | fp8 speed-up, predicted | measured |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         b, f = _ratio(r.measured_bf16, r.predicted_bf16), _ratio(r.measured_fp8, r.predicted_fp8)
         speedup = None if r.measured_fp8 is None else r.measured_bf16 / r.measured_fp8
