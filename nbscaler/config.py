@@ -33,6 +33,9 @@ INFER_SCHEDULERS = tuple(name for name, spec in SCHEDULERS.items() if not spec.t
 RECOMPUTE_MODULES = "recompute_modules"
 #: The ``pas_config`` key choosing how much of each layer to recompute (``RecomputeGranularity``).
 RECOMPUTE = "recompute"
+#: The ``pas_config`` key of context parallelism: the devices a stage's sequence is split over
+#: (``nbscaler.policy.context``).
+CONTEXT_PARALLEL = "context_parallel"
 PIPELINE_KEYS = ("use_pipeline", "pipeline_nmicros", "pipeline_nstages", "pipeline_scheduler",
                  "pipeline_virtual_stages")
 ZERO_STAGES = (1, 2, 3)
@@ -263,7 +266,17 @@ class ComputeConfig:
         """Which ranks do what: units, plan devices, data-parallel and ZeRO groups and, with a
         pipeline, where its stages sit (the training schedule's geometry)."""
         pipeline = PipelineGeometry.from_config(self) if self.use_pipeline else None
-        return RankGrid(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups if self.use_zero else None, pipeline)
+        return RankGrid(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups if self.use_zero else None, pipeline,
+                        zero_over_stage=self.use_zero and self.context_parallel > 1)
+
+    @property
+    def context_parallel(self) -> int:
+        """The devices each stage's sequence is split over (``pas_config['context_parallel']``; 1: none)."""
+        value = self.pas_config.get(CONTEXT_PARALLEL, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"pas_config['{CONTEXT_PARALLEL}']={value!r} is invalid: give the number of devices "
+                             "each stage's sequence is split over (an int >= 1; 1 turns it off).")
+        return value
 
     @property
     def units(self) -> int:
@@ -274,8 +287,10 @@ class ComputeConfig:
     def sums_partial_grads_after_backward(self) -> bool:
         """Whether a weight whose ops split the batch inside a unit may leave its partial gradients
         to the reducer (bucketed, after the backward). Not under ZeRO stage 2, which reduces and
-        frees gradients during the backward (nor stage 3): there each use sums its gradient as it is made."""
-        return not (self.use_zero and self.zero_stage >= 2)
+        frees gradients during the backward (nor stage 3): there each use sums its gradient as it is made.
+        Except where ZeRO spans the devices that hold the parts (``RankGrid.zero_over_stage``): its
+        reduce-scatter sums them."""
+        return not (self.use_zero and self.zero_stage >= 2) or self.grid.zero_over_stage
 
     @property
     def scheduler(self) -> str:

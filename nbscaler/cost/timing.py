@@ -199,8 +199,11 @@ def bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel,
                    reduced: Tuple[List[Tuple[int, int]], List[int]]) -> List[Tuple[float, float]]:
     """``sync_buckets``' seconds from the bytes ``reduced_buckets`` gives. Under ZeRO stage 3 only
     the sums inside the unit: the reduction across units is each unit's reduce-scatter in the
-    backward (``cost.fsdp``), and nothing is gathered after the step."""
+    backward (``cost.fsdp``), and nothing is gathered after the step. Where ZeRO spans the devices
+    that hold the parts (``RankGrid.zero_over_stage``), its reduce-scatter sums them: no sums inside."""
     inside, across = reduced
+    if cfg.grid.zero_over_stage:
+        inside = []
     if is_zero3(cfg):
         across = []
     out = [(comm.forward(Collective.ALL_REDUCE, nbytes, n, ranks=range(device - device % n, device - device % n + n)),

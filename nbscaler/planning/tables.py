@@ -126,7 +126,8 @@ def traffic_per_rank(plan: "Plan", param_bytes: Dict[int, float] | None = None,
     """
     cfg = plan.config
     edges = edge_traffic_per_device(plan, backend)
-    partial = {d: sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
+    partial = {d: 0.0 if cfg.grid.zero_over_stage else       # ZeRO's reduce-scatter makes these sums
+                  sum(2 * (w.partial_over - 1) / w.partial_over * w.nbytes
                       for w in plan.programs.weights(d) if w.kind == "param")
                for d in range(cfg.plan_ngpus)}
     zero3 = zero3_sent(plan, recipe or Recipe(), backend) if param_bytes is not None and is_zero3(cfg) else None
@@ -160,10 +161,10 @@ def unit_sync_bytes(cfg: ComputeConfig, param_bytes: float, ratio: float, backen
     ZeRO groups of ``z`` in ``g`` groups, a reduce-scatter of the gradients in the group
     (``(z-1)/z``), an all-reduce of this rank's slice across the groups (``2 (g-1)/g`` of ``1/z``)
     and an all-gather of the updated parameters (``(z-1)/z``, in their dtype), plus what a backend
-    that emulates the reduce-scatter sends beyond it (``zero_extra_share``)."""
+    that emulates the reduce-scatter sends beyond it (``zero_extra_share``). A ZeRO group spans
+    the devices of a context-parallel group too where ZeRO splits over them
+    (``RankGrid.zero_over_stage``), so it sends even in one unit."""
     u = cfg.units
-    if u == 1:
-        return 0.0
     grads = ratio * param_bytes
     if not cfg.use_zero:
         return 2 * (u - 1) / u * grads

@@ -28,14 +28,12 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 from nbscaler.blocks import MIRRORED
-from nbscaler.config import ComputeConfig
+from nbscaler.config import CONTEXT_PARALLEL, ComputeConfig
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, Placement
 from nbscaler.ir.layer_rules import splits_mean_loss
 from nbscaler.layouts import ContextKind
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
-CONTEXT_PARALLEL = "context_parallel"
-"""The ``pas_config`` key of context parallelism: the devices a stage's sequence is split over."""
 CONTEXT_PARALLEL_KIND = "context_parallel_kind"
 """The ``pas_config`` key of how attention reads other devices' keys: ``all_gather`` or ``ring``."""
 CONTEXT_KEYS = (CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND)
@@ -44,12 +42,8 @@ CONTEXT_GATHERED = "context_gathered"
 
 
 def context_parallel(cfg: ComputeConfig) -> int:
-    """The context-parallel size ``cfg`` asks for (``pas_config['context_parallel']``; 1: none)."""
-    value = cfg.pas_config.get(CONTEXT_PARALLEL, 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"pas_config['{CONTEXT_PARALLEL}']={value!r} is invalid: give the number of devices "
-                         "each stage's sequence is split over (an int >= 1; 1 turns it off).")
-    return value
+    """The context-parallel size ``cfg`` asks for (``ComputeConfig.context_parallel``)."""
+    return cfg.context_parallel
 
 
 def context_kind(cfg: ComputeConfig) -> str:

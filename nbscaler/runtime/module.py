@@ -115,13 +115,15 @@ class ParallelModule(torch.nn.Module):
     def _replica_reducers(self) -> List[Reducer]:
         """Reducers that sum partial gradients inside the unit, bucketed, before the sum across units:
         first over the devices of an op that split the batch (``partial_grads``), then over copies of
-        a pipeline stage (chimera) or of a tied weight (``replicas``)."""
+        a pipeline stage (chimera) or of a tied weight (``replicas``). Where ZeRO spans a stage's
+        devices (``RankGrid.zero_over_stage``) its reduce-scatter makes the first of these sums."""
         partial: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
         copies: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
+        over_stage = self.compute_config.grid.zero_over_stage
         for attr, spec in self.weight_specs.items():
             if spec.kind != "param":
                 continue
-            if spec.partial_grads:
+            if spec.partial_grads and not over_stage:
                 partial.setdefault(spec.devices, []).append(getattr(self, attr))
             if spec.replicas:
                 copies.setdefault(spec.replicas, []).append(getattr(self, attr))
@@ -134,8 +136,25 @@ class ParallelModule(torch.nn.Module):
         cfg = self.compute_config
         return {a for attrs in self.shard_units.values() for a in attrs} if cfg.use_zero and cfg.zero_stage == 3 else set()
 
+    def _check_zero_over_stage(self) -> None:
+        """Under ``RankGrid.zero_over_stage`` every parameter must be held by all of its stage's
+        devices, each with a part of its gradient, for the reduce-scatter over them to sum it."""
+        grid = self.compute_config.grid
+        stage = grid.same_weight_devices(self.plan_device)
+        wrong = [spec.name for spec in self.weight_specs.values() if spec.kind == "param"
+                 and (not spec.partial_grads or tuple(spec.devices) != stage or spec.replicas)]
+        if wrong:
+            raise RuntimeError(
+                f"ZeRO splits this context-parallel plan's state over the devices {stage} of each stage too, which "
+                f"needs each of them to hold every parameter with a part of its gradient, but {len(wrong)} do not "
+                f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}): their ops run on the whole sequence "
+                "or are split another way (plan.explain() names them). Make those ops take the split, or train "
+                "without use_zero.")
+
     def _make_reducer(self, source: Optional[WeightSource] = None) -> Reducer:
         cfg, grid = self.compute_config, self.compute_config.grid
+        if grid.zero_over_stage:
+            self._check_zero_over_stage()
         dp_group = get_group(grid.dp_ranks(self.plan_device))
         if not cfg.use_zero:
             return Reducer(list(self.parameters()), dp_group, cfg.reduce_bucket_bytes)
@@ -240,7 +259,9 @@ class ParallelModule(torch.nn.Module):
     def grad_sq_sum(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: summed over all ranks, it counts
         each element of the original model once."""
-        copies = {id(getattr(self, attr)): spec.copies for attr, spec in self.weight_specs.items()}
+        # a ZeRO over the stage's devices gives each of them its own slice: no copies there
+        over_stage = self.compute_config.grid.zero_over_stage
+        copies = {id(getattr(self, attr)): 1 if over_stage else spec.copies for attr, spec in self.weight_specs.items()}
         return self.reducer.grad_sq_sum(lambda p: 1.0 / copies[id(p)])
 
     # -- checkpoints ----------------------------------------------------------------------------

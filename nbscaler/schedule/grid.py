@@ -4,7 +4,11 @@ A run has ``runtime_ngpus`` ranks cut into *units* of ``plan_ngpus`` consecutive
 holds one whole copy of the model, and rank ``r`` plays plan device ``r % plan_ngpus`` of unit
 ``r // plan_ngpus``. Ranks playing the same plan device in different units hold the same shard:
 they are data-parallel copies and sum their gradients. Under ZeRO those copies are cut into
-``zero_ngroups`` runs of consecutive units, and each run splits the optimizer state once.
+``zero_ngroups`` runs of consecutive units, and each run splits the optimizer state once. Under
+context parallelism every device of a stage holds the same weights too (each computes their
+gradients on its part of the sequence), so ZeRO then splits over those devices of every unit of
+the run as well (``zero_over_stage``), as torchtitan's FSDP shards over its data- and
+context-parallel ranks together.
 With a pipeline, :attr:`RankGrid.pipeline` says where the stages sit among a unit's plan devices
 (:class:`~nbscaler.schedule.geometry.PipelineGeometry`).
 
@@ -18,6 +22,8 @@ config builds it (``ComputeConfig.grid``) and the runtime, the planner and the c
 (1, 3, 5, 7)
 >>> grid.zero_ranks(5), grid.zero_replica_ranks(5)
 ((5, 7), (1, 5))
+>>> RankGrid(plan_ngpus=2, runtime_ngpus=8, zero_ngroups=2, zero_over_stage=True).zero_ranks(5)
+(4, 5, 6, 7)
 """
 
 from __future__ import annotations
@@ -44,12 +50,16 @@ class RankGrid:
         zero_ngroups: the groups ZeRO cuts each device's data-parallel ranks into; ``None``
             without ZeRO.
         pipeline: where the stages sit inside a unit; ``None`` without a pipeline.
+        zero_over_stage: ZeRO also splits over the devices of each stage, which hold the same
+            weights and sum their gradients (context parallelism); the reduce-scatter then makes
+            that sum too.
     """
 
     plan_ngpus: int
     runtime_ngpus: int
     zero_ngroups: Optional[int] = None
     pipeline: Optional[PipelineGeometry] = None
+    zero_over_stage: bool = False
 
     @staticmethod
     def problem(plan_ngpus: int, runtime_ngpus: int, zero_ngroups: Optional[int] = None) -> Optional[Tuple[str, str]]:
@@ -81,6 +91,11 @@ class RankGrid:
         if self.pipeline is not None and self.pipeline.plan_ngpus != self.plan_ngpus:
             raise ValueError(f"RankGrid: the pipeline is laid out on {self.pipeline.plan_ngpus} plan devices, "
                              f"the grid has plan_ngpus={self.plan_ngpus}; build both from one config.")
+        if self.zero_over_stage and self.zero_ngroups is None:
+            raise ValueError("RankGrid.zero_over_stage=True needs ZeRO groups: give zero_ngroups as well.")
+        if self.zero_over_stage and self.pipeline is not None and self.pipeline.copy_groups():
+            raise ValueError(f"RankGrid: '{self.pipeline.schedule.name}' keeps two copies of each stage, and ZeRO over "
+                             "a stage's devices assumes one: use another scheduler with context parallelism and ZeRO.")
 
     # -- units and devices --------------------------------------------------------------------
     @property
@@ -117,23 +132,40 @@ class RankGrid:
         """The ranks that hold plan ``device``'s shard, one in every unit: they sum gradients."""
         return tuple(self.rank_of(u, device) for u in range(self.units))
 
+    def same_weight_devices(self, device: int) -> Ranks:
+        """The plan devices of a unit whose weights ZeRO treats as one copy with ``device``'s: the
+        devices of its stage under ``zero_over_stage`` (without a pipeline, all of them), else
+        ``device`` alone."""
+        if not self.zero_over_stage:
+            return (device,)
+        if self.pipeline is None:
+            return tuple(range(self.plan_ngpus))
+        return self.pipeline.group_of([self.pipeline.pipeline_device(device)])
+
     @property
-    def zero_group_size(self) -> int:
-        """How many ranks split one copy of the optimizer state under ZeRO."""
+    def zero_units(self) -> int:
+        """How many consecutive units one ZeRO group spans."""
         if self.zero_ngroups is None:
             raise ValueError("this grid has no ZeRO groups: build it with zero_ngroups (use_zero=True).")
         return self.units // self.zero_ngroups
 
+    @property
+    def zero_group_size(self) -> int:
+        """How many ranks split one copy of the optimizer state under ZeRO."""
+        return self.zero_units * len(self.same_weight_devices(0))
+
     def zero_ranks(self, rank: int) -> Ranks:
-        """The ranks that split ``rank``'s optimizer state between them under ZeRO: the run of
-        ``zero_group_size`` consecutive units, of ``rank``'s plan device, that holds ``rank``."""
-        size = self.zero_group_size
+        """The ranks that split ``rank``'s optimizer state between them under ZeRO: in the run of
+        ``zero_units`` consecutive units that holds ``rank``, those playing ``rank``'s plan device
+        (and, under ``zero_over_stage``, the other devices of its stage), unit by unit."""
+        size = self.zero_units
         first = self.unit_of(rank) // size * size
-        return self.dp_ranks(self.device_of(rank))[first:first + size]
+        devices = self.same_weight_devices(self.device_of(rank))
+        return tuple(self.rank_of(u, d) for u in range(first, first + size) for d in devices)
 
     def zero_replica_ranks(self, rank: int) -> Ranks:
         """The ranks that hold the same ZeRO shard as ``rank``: one in each of the ``zero_ngroups`` groups."""
-        size = self.zero_group_size
+        size = self.zero_units
         return self.dp_ranks(self.device_of(rank))[self.unit_of(rank) % size::size]
 
     # -- every group --------------------------------------------------------------------------

@@ -457,6 +457,10 @@ CONTEXT = [
     Case("gpt", "tp", 2, 2, config=context_parallel(2)),                                  # keys gathered
     Case("llama", "tp", 2, 2, optimizer="adamw", config=context_parallel(2)),             # a written-out attention
     Case("llama_e2e", "hybrid", 2, 2, config=pipeline("1f1b", 1, 2) + context_parallel(2)),
+    # ZeRO over the context-parallel devices: each keeps half of the state (and gradients, weights)
+    Case("gpt", "tp", 2, 2, optimizer="adamw", config=context_parallel(2) + zero()),
+    Case("gpt", "tp", 2, 2, optimizer="adamw", config=context_parallel(2, "ring") + zero(stage=2)),
+    Case("llama", "tp", 2, 2, optimizer="adamw", config=context_parallel(2) + zero(stage=3)),
 ]
 
 

@@ -25,7 +25,7 @@ from nbscaler.runtime import vocab
 from nbscaler.runtime.groups import get_group
 from tests.models import batch, build
 from nbscaler.recipe import Recipe
-from tests.multiprocess import (OPTIMIZERS, Case, expert_parallel, parallel_model, run_ranks, samples, sequence_parallel,
+from tests.multiprocess import (OPTIMIZERS, Case, context_parallel, expert_parallel, parallel_model, run_ranks, samples, sequence_parallel,
                                 step_losses, zero)
 
 N = 2
@@ -42,6 +42,9 @@ CASES = [
     Case("moe_capacity", "tp", 2, 2, config=expert_parallel(2)),
     # the batch cut in halves, with no gather in the backward: the input takes no gradient
     Case("mlp", "data", 2, 2),
+    # ZeRO over the context-parallel pair: one reduce-scatter sums the halves' gradients and splits them
+    Case("gpt", "tp", 2, 2, config=context_parallel(2) + zero()),
+    Case("gpt", "tp", 2, 2, config=context_parallel(2) + zero(stage=3)),
 ]
 
 

@@ -38,13 +38,33 @@ def test_context_parallel_trains_like_one_process_on_four_ranks(tmp_path):
 @pytest.mark.multiprocess
 def test_context_parallel_composes_with_data_parallelism_pipelines_zero_and_recompute(tmp_path):
     """Two context-parallel units side by side; two stages of two context-parallel devices;
-    ZeRO stages 1 and 3 over the units; recomputed layers."""
+    ZeRO stages 1 and 3 with a group per unit; recomputed layers."""
     cases = [Case("gpt", "tp", 2, 4, config=context_parallel(2, "ring")),
              Case("llama_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + context_parallel(2)),
              Case("gpt", "tp", 2, 4, config=context_parallel(2) + zero(2, 1)),
              Case("llama", "tp", 2, 4, config=context_parallel(2) + zero(2, 3)),
              Case("gpt", "tp", 2, 4, config=context_parallel(2, "ring", recompute="full"))]
     _check(cases, 4, tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_zero_splits_the_state_over_the_context_parallel_devices_too(tmp_path):
+    """ZeRO's groups span the units and the devices of each context-parallel group, as torchtitan's
+    FSDP does: each rank keeps 1/(units x cp) of AdamW's state, and every stage trains as one
+    process, clipped, and under a pipeline (bf16 with fp32 masters: ``test_mixed_precision``)."""
+    cases = [Case("gpt", "tp", 2, 4, config=context_parallel(2), optimizer="adamw"),
+             Case("gpt", "tp", 2, 4, config=context_parallel(2) + zero(1, 1), optimizer="adamw", clip=0.5),
+             Case("gpt", "tp", 2, 4, config=context_parallel(2, "ring") + zero(1, 2), optimizer="adamw"),
+             Case("llama", "tp", 4, 4, config=context_parallel(4) + zero(1, 3), optimizer="adamw", clip=0.5),
+             Case("hf_llama", "tp", 2, 4, config=context_parallel(2, "ring") + zero(1, 3), optimizer="adamw"),
+             Case("llama_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + context_parallel(2) + zero(1, 3))]
+    per_rank = run_ranks(train_parallel, 4, cases, str(tmp_path), timeout=600)
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+    state = [[res[i]["optimizer_bytes"] for res in per_rank] for i in range(3)]
+    whole = state[0][0]                                 # the GPT without ZeRO: every rank the whole state
+    for sharded in state[1:]:      # 4 ranks split it (padding, and a step count per tensor: under 1 KiB)
+        assert all(abs(held - whole / 4) < 1024 for held in sharded), (whole, sharded)
 
 
 def test_the_ring_takes_the_fused_cpu_kernel_only_without_a_mask_over_mirrored_chunks():

@@ -5,7 +5,7 @@ copy of each rank's parameters with fp32 AdamW state (``build_optimizer(..., mas
 torch.float32)``), gradients summed across ranks in ``grad_reduce_dtype``. The reference is that
 recipe written out plainly in one process (``reference`` below). The cases cover dp, tp with
 recompute, data, autodist, pipelines (gpipe, 1f1b, 1f1b_plus; hybrid: stages with tp inside),
-ZeRO 1 and 2, a bf16 reduction, and clipping; then checkpoints, and fp16 loss scaling across ranks.
+ZeRO 1 to 3 (stage 3 also over a context-parallel group), a bf16 reduction, and clipping; then checkpoints, and fp16 loss scaling across ranks.
 
 Tolerances. bf16 keeps 8 significant bits: its unit roundoff is ``u = 2**-8`` and one ulp is at
 most ``2u`` relative. A parallel run computes the same values as the reference, but partitioned
@@ -72,7 +72,8 @@ CASES = {
         mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
         mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2)),
         mixed("llama", "dp", 1, 4, zero() + buckets(16 * 1024)), mixed("llama", "tp", 2, 4, zero(stage=3)),
-        mixed("gpt", "tp", 4, 4, context_parallel(4, "ring"))],
+        mixed("gpt", "tp", 4, 4, context_parallel(4, "ring")),
+        mixed("hf_llama", "tp", 2, 4, context_parallel(2, "ring") + zero(stage=3), clip=0.5)],
 }
 
 

@@ -153,3 +153,39 @@ def test_zero_stage_2_refuses_a_scheduler_with_stage_copies():
     assert str(err.value) == (
         "ComputeConfig.zero_stage=2 is invalid: chimera_direct sums the gradients of each stage's two copies after "
         "the backward, which ZeRO-2 has already freed by then; use zero_stage=1 with chimera_direct.")
+
+
+def test_zero_over_a_stage_spans_its_devices_in_every_unit_of_the_run():
+    """Under context parallelism a stage's devices hold the same weights: ZeRO's groups take them
+    in, unit by unit; the ranks holding the same slice are still one per group."""
+    grid = RankGrid(plan_ngpus=2, runtime_ngpus=8, zero_ngroups=2, zero_over_stage=True)
+    assert grid.zero_group_size == 4
+    assert [grid.zero_ranks(r) for r in (0, 3, 5)] == [(0, 1, 2, 3), (0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [grid.zero_replica_ranks(r) for r in (0, 3, 5)] == [(0, 4), (3, 7), (1, 5)]
+    # every rank sits at the same place in its group as the ranks holding its slice do in theirs
+    for rank in range(8):
+        where = grid.zero_ranks(rank).index(rank)
+        assert [grid.zero_ranks(r).index(r) for r in grid.zero_replica_ranks(rank)] == [where] * 2
+    assert grid.dp_ranks(1) == (1, 3, 5, 7)                  # the data-parallel sets are as before
+    assert {(0, 1, 2, 3), (4, 5, 6, 7), (0, 4), (3, 7)} <= set(grid.groups())
+
+
+def test_zero_over_a_stage_stays_inside_each_pipeline_stage():
+    """Two stages of two context-parallel devices: each group spans one stage's devices only."""
+    cfg = ComputeConfig(plan_ngpus=4, runtime_ngpus=8, use_end2end=True, use_pipeline=True, pipeline_nstages=2,
+                        pipeline_nmicros=2, use_zero=True, pas_config={"context_parallel": 2})
+    grid = cfg.grid
+    assert grid.zero_over_stage and grid.zero_group_size == 4
+    assert grid.same_weight_devices(3) == (2, 3)
+    assert grid.zero_ranks(2) == (2, 3, 6, 7)
+    assert grid.zero_ranks(5) == (0, 1, 4, 5)
+    assert cfg.sums_partial_grads_after_backward                # the reduce-scatter sums the parts
+    assert not ComputeConfig(plan_ngpus=2, runtime_ngpus=4, use_zero=True, zero_stage=2).sums_partial_grads_after_backward
+
+
+def test_zero_over_a_stage_needs_zero_groups_and_one_copy_of_each_stage():
+    with pytest.raises(ValueError, match="needs ZeRO groups"):
+        RankGrid(plan_ngpus=2, runtime_ngpus=4, zero_over_stage=True)
+    chimera = PipelineGeometry.from_config(ComputeConfig(**CHIMERA))
+    with pytest.raises(ValueError, match="two copies of each stage"):
+        RankGrid(plan_ngpus=4, runtime_ngpus=8, zero_ngroups=1, pipeline=chimera, zero_over_stage=True)
