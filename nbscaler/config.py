@@ -188,7 +188,8 @@ class ComputeConfig:
     (2, (2, 3))
 
     ZeRO (``use_zero=True``) splits state over the data-parallel ranks of each plan device, in
-    ``zero_ngroups`` groups. ``zero_stage=1`` (the default) splits the optimizer state: the full
+    ``zero_ngroups`` groups; under context parallelism over the devices of each context-parallel
+    group as well, which hold the same weights (``RankGrid.zero_over_stage``). ``zero_stage=1`` (the default) splits the optimizer state: the full
     gradients live until the optimizer step, which reduce-scatters them and frees them.
     ``zero_stage=2`` splits the gradients as well: each bucket of gradients is reduce-scattered
     and freed as soon as the backward has produced it, so a rank holds at once the full gradients

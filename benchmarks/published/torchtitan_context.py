@@ -7,7 +7,8 @@ checkpointing: as the context-parallel group grows from 1 to 8, the sequence gro
 32,768 to 262,144 tokens, so each GPU holds 32,768 of them. Each row is planned from Hugging Face's
 ``LlamaForCausalLM`` on meta with ``pas_config={"context_parallel": cp}`` under ``tp`` (every device
 of the plan one of the group, no tensor parallelism) in ``8 / cp`` data-parallel units, ZeRO stage 3
-with torchtitan's units as the FSDP row has them, every layer recomputed, and priced with the
+over all 8 ranks (the units and the devices of each context-parallel group, as torchtitan's FSDP
+shards) with torchtitan's units as the FSDP row has them, every layer recomputed, and priced with the
 ladder's top rung (each block compiled on its own, Float8 tensorwise products but the output
 layer's) at the SXM's and the NVL's peaks, which bracket the 500 W clock.
 
@@ -19,11 +20,8 @@ Two facts are bracketed rather than applied, as the run's own account does not g
   ways (``context_parallel_kind`` ``"all_gather"`` and ``"ring"``).
 - the 500 W clock, as in the FSDP rows.
 
-Two differences are stated, not priced: torchtitan shards the parameters, gradients and optimizer
-state over the data-parallel and context-parallel ranks together (all 8), where nbscaler's ZeRO
-shards them over the data-parallel ranks (``8 / cp``), so nbscaler's peak holds ``cp`` times the
-sharded state; and PyTorch computes a device's attention as one kernel a block of keys, merging the
-blocks' outputs in fp32, where nbscaler prices one kernel over the same pairs.
+One difference is stated, not priced: PyTorch computes a device's attention as one kernel a block
+of keys, merging the blocks' outputs in fp32, where nbscaler prices one kernel over the same pairs.
 """
 
 from __future__ import annotations
@@ -69,7 +67,8 @@ ROWS = (ContextRow(1, 32768, 3890, 83.9), ContextRow(2, 65536, 2540, 84.2),
 
 
 def config(row: ContextRow, kind: str) -> ComputeConfig:
-    """The row as nbscaler plans it: ``cp`` devices a unit, ZeRO stage 3 over the units."""
+    """The row as nbscaler plans it: ``cp`` devices a unit, ZeRO stage 3 over every rank (the units
+    and each unit's context-parallel devices: ``RankGrid.zero_over_stage``)."""
     pas = {"recompute": RECOMPUTE}
     if row.cp > 1:
         pas.update(context_parallel=row.cp, context_parallel_kind=kind)

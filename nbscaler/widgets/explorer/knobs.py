@@ -36,8 +36,9 @@ class Knobs:
     - ``stages``: pipeline stages; ``1`` means no pipeline unless the policy builds one, in which
       case it stages over every plan device.
     - ``nmicros``: micro-batches per training step (pipelines only).
-    - ``use_zero`` / ``zero_ngroups`` / ``zero_stage``: ZeRO over the data-parallel units (stage 1
-      shards the optimizer state, 2 the gradients too, 3 the parameters too).
+    - ``use_zero`` / ``zero_ngroups`` / ``zero_stage``: ZeRO over the data-parallel units, and the
+      context-parallel devices of each (stage 1 shards the optimizer state, 2 the gradients too,
+      3 the parameters too).
     - ``zero_reshard_after_forward``: under stage 3, free each unit's gathered parameters after its
       forward (``False`` keeps them until the backward).
     - ``recompute``: how much of each layer is recomputed in the backward (``RecomputeGranularity``:
