@@ -20,10 +20,11 @@ same work. Attention needs every key:
   ``n`` steps.
 
 Both kinds compute each block one of two ways, chosen by what the call is, never by catching an
-error (gathered keys are taken a device's block at a time, as the ring would bring them): on CPU,
-without a mask, over mirrored chunks, they call PyTorch's fused CPU flash kernel
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) per block, and does only the
-work the causal mask leaves: the first step its own chunks under a causal mask; each later step,
+error (gathered keys are taken a device's block at a time, as the ring would bring them): without a
+mask, over mirrored chunks, on a CPU or a CUDA GPU, they call one of PyTorch's fused kernels per
+block (``nbscaler.attention.kernels``: the CPU's flash kernel; on a GPU the one SDPA would pick,
+cuDNN's, FlashAttention-2 or the memory-efficient kernel), and do only the work the causal mask
+leaves: the first step its own chunks under a causal mask; each later step,
 with keys from a device before it, all its queries against the keys' first chunk (their second is
 in every query's future), and with keys from a device after it, its second chunk of queries
 against all the keys (its first chunk sees none of them). Anything else (an explicit mask, other
@@ -43,8 +44,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from nbscaler.attention.fused import _FusedGatheredAttention, _FusedRingAttention, fused_ring
 from nbscaler.attention.online import Group, positions

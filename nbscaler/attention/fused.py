@@ -1,6 +1,7 @@
-"""The ring, and gathered keys, on PyTorch's fused CPU flash kernel: over mirrored chunks without a
-mask, each block attended by ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward)
-doing only the work the causal mask leaves (``_fused_work``; ``nbscaler.attention`` explains when)."""
+"""The ring, and gathered keys, on PyTorch's fused kernels: over mirrored chunks without a mask, each
+block attended by a fused kernel with its log-sum-exp (``nbscaler.attention.kernels``: the CPU's
+flash kernel, FlashAttention-2 or the memory-efficient kernel on a GPU) doing only the work the
+causal mask leaves (``_fused_work``; ``nbscaler.attention`` explains when)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from nbscaler import blocks as strided
+from nbscaler.attention.kernels import block_backward, block_forward, has_block_kernels
 from nbscaler.attention.online import (_Ring, _expand_heads, _fold_heads, _heads_inner, _merge, _place, ring_backward,
                                        ring_source)
 from nbscaler.blocks import Blocks
 
 
 def fused_ring(q: torch.Tensor, mask: Optional[torch.Tensor], blocks: Blocks) -> bool:
-    """Whether the ring runs PyTorch's fused CPU flash kernel per block (see the module docstring)."""
-    return mask is None and blocks == strided.MIRRORED and q.device.type == "cpu"
-
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    """Whether the ring runs a fused kernel per block (see the module docstring)."""
+    return mask is None and blocks == strided.MIRRORED and has_block_kernels(q)
 
 
 def _halves(x: torch.Tensor, dim: int = -2) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +50,7 @@ def _fused_forward_step(q, kb, vb, work: str, scale: float, out, lse):
     if work == "first_keys":
         kb, vb = _halves(kb)[0], _halves(vb)[0]
     rows = _halves(q)[1] if work == "last_queries" else q
-    o, l = _FLASH_CPU(rows, kb, vb, 0.0, work == "causal", scale=scale)
+    o, l = block_forward(rows, kb, vb, work == "causal", scale)
     if work == "last_queries":
         h = q.shape[-2] // 2
         out[..., h:, :], lse[..., h:] = _merge(out[..., h:, :], lse[..., h:], o.to(out.dtype), l)
@@ -66,13 +64,13 @@ def _fused_backward_step(dout, q, out, lse, kb, vb, work: str, scale: float, dq)
     heads, h = q.shape[-3], q.shape[-2] // 2
     ke, ve = _expand_heads(kb, heads), _expand_heads(vb, heads)
     if work == "last_queries":
-        gq, gk, gv = _FLASH_CPU_BACKWARD(_halves(dout)[1], _halves(q)[1], ke, ve, _halves(out)[1],
-                                         _halves(lse, -1)[1].contiguous(), 0.0, False, scale=scale)
+        gq, gk, gv = block_backward(_halves(dout)[1], _halves(q)[1], ke, ve, _halves(out)[1],
+                                    _halves(lse, -1)[1].contiguous(), False, scale)
         dq[..., h:, :] += gq
     else:
         if work == "first_keys":
             ke, ve = _halves(ke)[0], _halves(ve)[0]
-        gq, gk, gv = _FLASH_CPU_BACKWARD(dout, q, ke, ve, out, lse, 0.0, work == "causal", scale=scale)
+        gq, gk, gv = block_backward(dout, q, ke, ve, out, lse, work == "causal", scale)
         dq += gq
         if work == "first_keys":              # the keys' second chunk had no part in it
             gk, gv = (torch.cat([g, torch.zeros_like(g)], dim=-2) for g in (gk, gv))
@@ -80,7 +78,7 @@ def _fused_backward_step(dout, q, out, lse, kb, vb, work: str, scale: float, dq)
 
 
 class _FusedRingAttention(Function):
-    """The ring on the fused CPU flash kernel, over mirrored chunks without a mask (``fused_ring``)."""
+    """The ring on a fused kernel per block, over mirrored chunks without a mask (``fused_ring``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal, scale, group):
@@ -120,7 +118,7 @@ class _FusedRingAttention(Function):
 
 
 class _FusedGatheredAttention(Function):
-    """Gathered keys and values on the fused CPU flash kernel, over mirrored chunks without a mask:
+    """Gathered keys and values on a fused kernel per block, over mirrored chunks without a mask:
     the ring's steps taken from the whole keys in hand, each device's block a slice, so only the
     work the causal mask leaves is done and no ``(Tq, T)`` mask is made or kept."""
 

@@ -134,3 +134,28 @@ def test_each_kind_attends_as_sdpa_with_a_causal_flag_or_a_mask():
     float64: the rows and gradients each rank holds are SDPA's to rounding."""
     for per_rank in run_ranks(_attention_on_ranks, 4, 4):
         assert max(per_rank.values()) < 1e-12, per_rank
+
+
+def test_a_head_padded_to_the_gpu_kernels_multiple_attends_as_the_unpadded_one():
+    """The GPU kernels read heads in multiples of 8 channels; ``nbscaler.attention.kernels`` pads a
+    head of 20 with zeros and keeps the caller's scale: the same output, log-sum-exp and
+    gradients (checked here on the CPU's flash kernel; on a GPU by ``benchmarks.gpu_context``)."""
+    import torch
+
+    from nbscaler.attention.kernels import BlockKernel, _pad, block_backward, block_forward, has_block_kernels, kernel_of
+
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 4, 16, 20, dtype=torch.float64) for _ in range(4))
+    assert kernel_of(q, k, v, True) == BlockKernel.CPU_FLASH and has_block_kernels(q)
+    assert not has_block_kernels(q.to("meta"))                 # no kernel there: the ring writes its blocks out
+    scale = 20 ** -0.5
+    out, lse = block_forward(q, k, v, True, scale)
+    padded = _pad(q, k, v, dout)
+    assert padded[0].shape[-1] == 24 and torch.equal(padded[0][..., :20], q)
+    pout, plse = block_forward(*padded[:3], True, scale)
+    torch.testing.assert_close(pout[..., :20], out)
+    torch.testing.assert_close(plse, lse)
+    grads = block_backward(dout, q, k, v, out, lse, True, scale)
+    pgrads = block_backward(padded[3], *padded[:3], pout, plse, True, scale)
+    for g, pg in zip(grads, pgrads):
+        torch.testing.assert_close(pg[..., :20], g)
