@@ -7,8 +7,8 @@ Generated code supplies the forward and a ``weight_specs`` table; this class doe
   meta device its checkpoint or its own initialisation, read slice by slice
   (``nbscaler.runtime.sources``);
 - creates the process groups the forward's collectives run in, for this rank's unit;
-- sums gradients across data-parallel units (``Reducer``, or ``ZeroReducer`` to shard the
-  optimizer state) when the optimizer steps;
+- sums gradients inside its unit and across data-parallel units (``Reducer``, or ``ZeroReducer``
+  to shard the optimizer state) when the optimizer steps (``nbscaler.runtime.grad_sync``);
 - saves, with its state dict, a record of which slice of which original tensor each local tensor
   is, and refuses to load a state dict whose record differs;
 - runs ``train_step``/``infer_step`` for end2end modules;
@@ -31,15 +31,15 @@ from nbscaler.genfiles import WEIGHTS_FILE
 from nbscaler.config import ComputeConfig
 from nbscaler.recipe import Recipe
 from nbscaler.runtime.compiled import CompiledMethod, compile_methods
+from nbscaler.runtime.grad_sync import module_reducer, replica_reducers, sharded_attrs
 from nbscaler.runtime.groups import ensure_groups, get_group
 from nbscaler.runtime.pipeline import PipelineExecutor
-from nbscaler.runtime.reducer import Reducer, Slot
+from nbscaler.runtime.reducer import Slot
 from nbscaler.runtime.sources import TorchFile, WeightSource
 from nbscaler.runtime.summary import module_html
 from nbscaler.runtime.statecheck import EXTRA_STATE, MODULE_FORMAT, check_no_extra, check_record, check_tensors
 from nbscaler.runtime.weight_spec import WeightSpec        # generated code imports it from here
 from nbscaler.runtime.fsdp import ShardedUnits
-from nbscaler.runtime.zero import ZeroReducer
 from nbscaler.schedule import PipelineGeometry, Timeline, check_samples
 
 
@@ -70,7 +70,7 @@ class ParallelModule(torch.nn.Module):
         self.world_rank = self._check_world()
         self.unit = cfg.grid.unit_of(self.world_rank)
         ensure_groups(cfg.grid, self.device_groups)
-        sharded = self._sharded_attrs()
+        sharded = sharded_attrs(self)
         for attr, spec in self.weight_specs.items():
             empty = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
             if attr in sharded:             # ZeRO-3: no storage until its unit is gathered
@@ -82,8 +82,8 @@ class ParallelModule(torch.nn.Module):
         source = self._initial_source(weights) if init_params else None
         if source is not None:
             self._copy_from(source, [attr for attr in self.weight_specs if attr not in sharded])
-        self.reducer = self._make_reducer(source)
-        self.replica_reducers = self._replica_reducers()
+        self.reducer = module_reducer(self, source)
+        self.replica_reducers = replica_reducers(self)
         self.pipeline_events: List[Dict[str, Any]] = []
         # Called with True before and False after each W block (a split backward's weight
         # gradients, several calls of autograd's engine): ``MemoryMeter`` counts it as one backward.
@@ -111,61 +111,6 @@ class ParallelModule(torch.nn.Module):
         method, kind`` (``CompileKind``: forward or backward), ``inputs`` (the shapes it was compiled
         for) and ``seconds``; empty when running eagerly."""
         return [event for method in self.compiled_methods.values() for event in method.events]
-
-    def _replica_reducers(self) -> List[Reducer]:
-        """Reducers that sum partial gradients inside the unit, bucketed, before the sum across units:
-        first over the devices of an op that split the batch (``partial_grads``), then over copies of
-        a pipeline stage (chimera) or of a tied weight (``replicas``). Where ZeRO spans a stage's
-        devices (``RankGrid.zero_over_stage``) its reduce-scatter makes the first of these sums."""
-        partial: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
-        copies: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
-        over_stage = self.compute_config.grid.zero_over_stage
-        for attr, spec in self.weight_specs.items():
-            if spec.kind != "param":
-                continue
-            if spec.partial_grads and not over_stage:
-                partial.setdefault(spec.devices, []).append(getattr(self, attr))
-            if spec.replicas:
-                copies.setdefault(spec.replicas, []).append(getattr(self, attr))
-        bucket_bytes = self.compute_config.reduce_bucket_bytes
-        return [Reducer(params, self.group(*devices), bucket_bytes) for sums in (partial, copies)
-                for devices, params in sorted(sums.items())]
-
-    def _sharded_attrs(self) -> set:
-        """The parameters ZeRO stage 3 stores as shards of units (none otherwise)."""
-        cfg = self.compute_config
-        return {a for attrs in self.shard_units.values() for a in attrs} if cfg.use_zero and cfg.zero_stage == 3 else set()
-
-    def _check_zero_over_stage(self) -> None:
-        """Under ``RankGrid.zero_over_stage`` every parameter must be held by all of its stage's
-        devices, each with a part of its gradient, for the reduce-scatter over them to sum it."""
-        grid = self.compute_config.grid
-        stage = grid.same_weight_devices(self.plan_device)
-        wrong = [spec.name for spec in self.weight_specs.values() if spec.kind == "param"
-                 and (not spec.partial_grads or tuple(spec.devices) != stage or spec.replicas)]
-        if wrong:
-            raise RuntimeError(
-                f"ZeRO splits this context-parallel plan's state over the devices {stage} of each stage too, which "
-                f"needs each of them to hold every parameter with a part of its gradient, but {len(wrong)} do not "
-                f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}): their ops run on the whole sequence "
-                "or are split another way (plan.explain() names them). Make those ops take the split, or train "
-                "without use_zero.")
-
-    def _make_reducer(self, source: Optional[WeightSource] = None) -> Reducer:
-        cfg, grid = self.compute_config, self.compute_config.grid
-        if grid.zero_over_stage:
-            self._check_zero_over_stage()
-        dp_group = get_group(grid.dp_ranks(self.plan_device))
-        if not cfg.use_zero:
-            return Reducer(list(self.parameters()), dp_group, cfg.reduce_bucket_bytes)
-        zero_group, replica_group = get_group(grid.zero_ranks(self.world_rank)), get_group(grid.zero_replica_ranks(self.world_rank))
-        if cfg.zero_stage == 3:
-            units = {unit: [getattr(self, attr) for attr in attrs] for unit, attrs in self.shard_units.items()}
-            attr_of = {id(getattr(self, attr)): attr for attrs in self.shard_units.values() for attr in attrs}
-            fill = None if source is None else (lambda params: self._copy_from(source, [attr_of[id(p)] for p in params]))
-            return ShardedUnits(units, dp_group, zero_group, replica_group, fill)
-        return ZeroReducer(list(self.parameters()), dp_group, zero_group, replica_group, cfg.reduce_bucket_bytes,
-                           stage=cfg.zero_stage)
 
     @property
     def shards(self) -> ShardedUnits:
