@@ -27,13 +27,24 @@ def config_line(module: "ParallelModule") -> str:
     if cfg.use_pipeline:
         parts.append(f"pipeline {cfg.pipeline_scheduler}: {cfg.pipeline_nstages} stages x {cfg.pipeline_nmicros} micro-batches")
     if cfg.use_zero:
-        parts.append(f"ZeRO ({cfg.zero_ngroups} group(s))")
+        parts.append(zero_line(module))
     if cfg.inference_only:
         parts.append("inference only")
     if cfg.compile:
         seconds = module.compile_seconds
         parts.append(f"torch.compile ({cfg.compile_backend}, {seconds:.1f} s so far)")
     return ", ".join(parts)
+
+
+def zero_line(module: "ParallelModule") -> str:
+    """ZeRO's stage and the ranks this rank splits its state with: ``zero_units`` units of its plan
+    device, and the devices of its context-parallel group where ZeRO spans them too."""
+    cfg, grid = module.compute_config, module.compute_config.grid
+    over = f"{grid.zero_units} unit(s)"
+    if grid.zero_over_stage:
+        over += f" x {len(grid.same_weight_devices(module.plan_device))} context-parallel devices"
+    return (f"ZeRO stage {cfg.zero_stage}: state split over ranks {list(grid.zero_ranks(module.world_rank))} "
+            f"({over}), {cfg.zero_ngroups} group(s)")
 
 
 def weight_rows(module: "ParallelModule") -> List[str]:
