@@ -14,7 +14,7 @@ reduce-scatter makes the first of the inside sums, and every parameter must be o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,11 +24,12 @@ from nbscaler.runtime.reducer import Reducer
 from nbscaler.runtime.sources import WeightSource
 from nbscaler.runtime.zero import ZeroReducer
 
-if TYPE_CHECKING:
-    from nbscaler.runtime.module import ParallelModule
+#: What these functions take: a ``nbscaler.runtime.module.ParallelModule`` (its weight table, its
+#: grid and its groups), named by its base class so that this module does not import that one.
+Module = torch.nn.Module
 
 
-def replica_reducers(module: "ParallelModule") -> List[Reducer]:
+def replica_reducers(module: Module) -> List[Reducer]:
     """The reducers that sum partial gradients inside ``module``'s unit, bucketed, before the sum
     across units (round 1 of the module docstring)."""
     partial: Dict[Tuple[int, ...], List[torch.nn.Parameter]] = {}
@@ -46,7 +47,7 @@ def replica_reducers(module: "ParallelModule") -> List[Reducer]:
             for devices, params in sorted(sums.items())]
 
 
-def sharded_attrs(module: "ParallelModule") -> set:
+def sharded_attrs(module: Module) -> set:
     """The parameters ZeRO stage 3 stores as shards of units (none otherwise)."""
     cfg = module.compute_config
     if not (cfg.use_zero and cfg.zero_stage == 3):
@@ -54,7 +55,7 @@ def sharded_attrs(module: "ParallelModule") -> set:
     return {a for attrs in module.shard_units.values() for a in attrs}
 
 
-def check_zero_over_stage(module: "ParallelModule") -> None:
+def check_zero_over_stage(module: Module) -> None:
     """Under ``RankGrid.zero_over_stage`` every parameter must be held by all of its stage's
     devices, each with a part of its gradient, for the reduce-scatter over them to sum it."""
     stage = module.compute_config.grid.same_weight_devices(module.plan_device)
@@ -69,7 +70,7 @@ def check_zero_over_stage(module: "ParallelModule") -> None:
             "without use_zero.")
 
 
-def module_reducer(module: "ParallelModule", source: Optional[WeightSource] = None) -> Reducer:
+def module_reducer(module: Module, source: Optional[WeightSource] = None) -> Reducer:
     """The reducer that sums ``module``'s gradients across units (round 2 of the module docstring).
     Under ZeRO stage 3 it reads each unit's parameters from ``source`` as it shards them."""
     cfg, grid = module.compute_config, module.compute_config.grid
