@@ -34,7 +34,7 @@ from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, Ra
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
 from nbscaler.comm.unit_gathers import insert_unit_gathers, unit_table
-from nbscaler.ir.graph import SHARD_UNITS, IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of
+from nbscaler.ir.graph import SHARD_UNITS, IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of, tied_stages
 from nbscaler.ir.layer_rules import sync_batch_norm
 from nbscaler.layouts import LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
@@ -339,21 +339,6 @@ def device_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometr
     groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
     groups |= set(geometry.copy_groups() if geometry is not None else []) | set(tied_groups(tied, geometry))
     return sorted(groups, key=lambda d: (len(d), d))
-
-
-def tied_stages(graphs: Dict[str, IRGraph]) -> Dict[str, Tuple[int, ...]]:
-    """Parameters read in more than one pipeline stage (tied embeddings): name -> those stages.
-
-    Each such stage keeps a copy; the copies' gradients are summed between the stages (as
-    Megatron does for a tied input embedding and output head), so they stay equal, and a merged
-    checkpoint holds the tensor once."""
-    stages: Dict[str, set] = {}
-    for g in graphs.values():
-        for n in g.nodes:
-            for t in n.inputs:
-                if t.kind == "param" and n.stage is not None:
-                    stages.setdefault(t.name, set()).add(n.stage)
-    return {name: tuple(sorted(s)) for name, s in stages.items() if len(s) > 1}
 
 
 def copies_of(name: str, tied: Dict[str, Tuple[int, ...]], geometry: PipelineGeometry, stage: int,

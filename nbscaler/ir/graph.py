@@ -288,3 +288,18 @@ def requires_grad_of(graph: IRGraph, inputs_as_traced: bool = False) -> Dict[int
         for t in node.output_tensors:
             grad[id(t)] = flows and t.dtype.is_floating_point
     return grad
+
+
+def tied_stages(graphs: Dict[str, IRGraph]) -> Dict[str, Tuple[int, ...]]:
+    """Parameters read in more than one pipeline stage (tied embeddings): name -> those stages.
+
+    Each such stage keeps a copy; the copies' gradients are summed between the stages (as
+    Megatron does for a tied input embedding and output head), so they stay equal, and a merged
+    checkpoint holds the tensor once."""
+    stages: Dict[str, set] = {}
+    for g in graphs.values():
+        for n in g.nodes:
+            for t in n.inputs:
+                if t.kind == "param" and n.stage is not None:
+                    stages.setdefault(t.name, set()).add(n.stage)
+    return {name: tuple(sorted(s)) for name, s in stages.items() if len(s) > 1}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict
 
 from nbscaler.config import ComputeConfig
-from nbscaler.ir.graph import IRGraph
+from nbscaler.ir.graph import IRGraph, tied_stages
 from nbscaler.policy.primitives import PolicyError, replicate
 from nbscaler.schedule import PipelineGeometry
 
@@ -23,6 +23,7 @@ def check_placements(graph: IRGraph, cfg: ComputeConfig) -> None:
     """
     if cfg.use_pipeline:
         check_stages(graph, cfg.grid.pipeline)
+        check_tied_under_zero(graph, cfg)
         return
     devices = cfg.grid.stage_group(None)
     for node in graph.nodes:
@@ -58,3 +59,18 @@ def check_stages(graph: IRGraph, geometry: PipelineGeometry) -> None:
                                   f"{stage_of[id(t)]}; data may only flow to the same or later stages.")
         for t in node.output_tensors:
             stage_of[id(t)] = node.stage
+
+
+def check_tied_under_zero(graph: IRGraph, cfg: ComputeConfig) -> None:
+    """A weight read in several stages (tied) keeps a copy in each, whose gradients are summed
+    after the backward; ZeRO stages 2 and 3 reduce-scatter and free each gradient in the backward,
+    before that sum, so the copies would train apart: refused, with the fix."""
+    if not (cfg.use_zero and cfg.zero_stage >= 2) or cfg.inference_only:
+        return
+    tied = tied_stages({"train": graph})
+    if tied:
+        named = ", ".join(f"{name} (stages {', '.join(map(str, stages))})" for name, stages in sorted(tied.items()))
+        raise PolicyError(f"{named} {'is' if len(tied) == 1 else 'are'} read in several pipeline stages: each keeps a "
+                          "copy whose gradients are summed after the backward, which ZeRO stage "
+                          f"{cfg.zero_stage} has already reduce-scattered and freed by then. Use zero_stage=1 (it "
+                          "reduces at the step, after the copies are summed), or untie the weights.")

@@ -76,12 +76,14 @@ class ShardedUnits(ZeroReducer):
     """A ``ZeroReducer`` whose buckets are units, stored as shards and gathered on demand.
 
     ``units``: unit name -> its parameters (the generated ``shard_units`` table, in the order the
-    forward first runs them); ``group``, ``zero_group``, ``replica_group``: as ``ZeroReducer``'s.
+    forward first runs them); ``group``, ``zero_group``, ``replica_group``, ``shares``: as
+    ``ZeroReducer``'s.
     """
 
     def __init__(self, units: Dict[str, List[torch.nn.Parameter]], group: Optional[dist.ProcessGroup],
                  zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
-                 fill: Optional[Callable[[List[torch.nn.Parameter]], None]] = None):
+                 fill: Optional[Callable[[List[torch.nn.Parameter]], None]] = None,
+                 shares: Optional[Dict[int, float]] = None):
         self.fill = fill
         groups: List[List[torch.nn.Parameter]] = []
         self.unit_buckets: Dict[str, List[int]] = {}
@@ -92,7 +94,8 @@ class ShardedUnits(ZeroReducer):
                     by_dtype.setdefault(p.dtype, []).append(p)
             self.unit_buckets[unit] = list(range(len(groups), len(groups) + len(by_dtype)))
             groups += list(by_dtype.values())
-        super().__init__([p for g in groups for p in g], group, zero_group, replica_group, stage=3, groups=groups)
+        super().__init__([p for g in groups for p in g], group, zero_group, replica_group, stage=3, groups=groups,
+                         shares=shares)
         self.fill = None                     # what it read is in the shards now
         self.unit_of_bucket = {i: unit for unit, indexes in self.unit_buckets.items() for i in indexes}
         self.gathered: Dict[str, bool] = {}

@@ -9,7 +9,7 @@ A rank's gradients are summed in two rounds (``ParallelModule.sync_grads``):
    ``ShardedUnits`` under stage 3, which stores the parameters as shards of its units).
 
 Where ZeRO spans a stage's devices too (``RankGrid.zero_over_stage``: context parallelism), its
-reduce-scatter makes the first of the inside sums, and every parameter must be one it can make.
+reduce-scatter makes the first of the inside sums (``zero_over_stage_shares``).
 """
 
 from __future__ import annotations
@@ -55,27 +55,37 @@ def sharded_attrs(module: Module) -> set:
     return {a for attrs in module.shard_units.values() for a in attrs}
 
 
-def check_zero_over_stage(module: Module) -> None:
-    """Under ``RankGrid.zero_over_stage`` every parameter must be held by all of its stage's
-    devices, each with a part of its gradient, for the reduce-scatter over them to sum it."""
+def zero_over_stage_shares(module: Module) -> Dict[int, float]:
+    """Under ``RankGrid.zero_over_stage``: ``id(param) -> share`` for the parameters every device of
+    the stage holds whole with its whole gradient (an op run on the gathered sequence, which
+    ``plan.explain()`` names): each device sends ``1/n`` of it, so the reduce-scatter over the
+    ``n`` devices sums it once. The others must be held by all of the stage's devices, each with a
+    part of its gradient, which the reduce-scatter sums as it stands. A tied weight's copies in
+    other stages (``WeightSpec.replicas``) are summed first, part by part: in either order the
+    same sum. Raises for a parameter split over the devices (its slices are different weights)."""
     stage = module.compute_config.grid.same_weight_devices(module.plan_device)
-    wrong = [spec.name for spec in module.weight_specs.values() if spec.kind == "param"
-             and (not spec.partial_grads or tuple(spec.devices) != stage or spec.replicas)]
+    shares, wrong = {}, []
+    for attr, spec in module.weight_specs.items():
+        if spec.kind != "param" or spec.partial_grads and tuple(spec.devices) == stage:
+            continue
+        if tuple(spec.devices) == stage and spec.parts == 1:
+            shares[id(getattr(module, attr))] = 1.0 / len(stage)
+        else:
+            wrong.append(spec.name)
     if wrong:
         raise RuntimeError(
             f"ZeRO splits this context-parallel plan's state over the devices {stage} of each stage too, which "
-            f"needs each of them to hold every parameter with a part of its gradient, but {len(wrong)} do not "
-            f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}): their ops run on the whole sequence "
-            "or are split another way (plan.explain() names them). Make those ops take the split, or train "
-            "without use_zero.")
+            f"needs each of them to hold every parameter whole, but {len(wrong)} are split over them "
+            f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}); plan.explain() says how. Make those ops "
+            "take the sequence split, or train without use_zero.")
+    return shares
 
 
 def module_reducer(module: Module, source: Optional[WeightSource] = None) -> Reducer:
     """The reducer that sums ``module``'s gradients across units (round 2 of the module docstring).
     Under ZeRO stage 3 it reads each unit's parameters from ``source`` as it shards them."""
     cfg, grid = module.compute_config, module.compute_config.grid
-    if grid.zero_over_stage:
-        check_zero_over_stage(module)
+    shares = zero_over_stage_shares(module) if grid.zero_over_stage else {}
     dp_group = get_group(grid.dp_ranks(module.plan_device))
     if not cfg.use_zero:
         return Reducer(list(module.parameters()), dp_group, cfg.reduce_bucket_bytes)
@@ -85,6 +95,6 @@ def module_reducer(module: Module, source: Optional[WeightSource] = None) -> Red
         units = {unit: [getattr(module, attr) for attr in attrs] for unit, attrs in module.shard_units.items()}
         attr_of = {id(getattr(module, attr)): attr for attrs in module.shard_units.values() for attr in attrs}
         fill = None if source is None else (lambda params: module._copy_from(source, [attr_of[id(p)] for p in params]))
-        return ShardedUnits(units, dp_group, zero_group, replica_group, fill)
+        return ShardedUnits(units, dp_group, zero_group, replica_group, fill, shares=shares)
     return ZeroReducer(list(module.parameters()), dp_group, zero_group, replica_group, cfg.reduce_bucket_bytes,
-                       stage=cfg.zero_stage)
+                       stage=cfg.zero_stage, shares=shares)

@@ -35,7 +35,7 @@ data-parallel ranks of one plan device, and the buckets hold whatever parameters
 
 from __future__ import annotations
 
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -80,9 +80,13 @@ class ZeroReducer(Reducer):
     def __init__(self, params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup],
                  zero_group: Optional[dist.ProcessGroup], replica_group: Optional[dist.ProcessGroup],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage: int = 1,
-                 groups: Optional[List[List[torch.nn.Parameter]]] = None):
+                 groups: Optional[List[List[torch.nn.Parameter]]] = None,
+                 shares: Optional[Dict[int, float]] = None):
         super().__init__(params, group, bucket_bytes, groups)
         self.zero_group, self.replica_group, self.stage = zero_group, replica_group, stage
+        # id(param) -> the share of its gradient this rank sends, where several ranks of the ZeRO
+        # group hold the same whole gradient (``nbscaler.runtime.grad_sync``): their shares sum to it
+        self.shares: Dict[int, float] = dict(shares or {})
         self.zero_size, self.zero_rank = _size_rank(zero_group)
         self.flats: List[torch.Tensor] = []
         self.slots: List[Slot] = []
@@ -146,6 +150,9 @@ class ZeroReducer(Reducer):
             observe()
         bucket = self.buckets[index]
         flat = bucket.flat_grads(self._padded(bucket), self.reduce_dtype(bucket))
+        for p, offset in zip(bucket.params, bucket.offsets):
+            if id(p) in self.shares:
+                flat[offset:offset + p.numel()] *= self.shares[id(p)]
         for p in bucket.params:
             p.grad = None
         for hook in self.pre_hooks:

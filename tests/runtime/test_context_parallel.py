@@ -51,13 +51,18 @@ def test_context_parallel_composes_with_data_parallelism_pipelines_zero_and_reco
 def test_zero_splits_the_state_over_the_context_parallel_devices_too(tmp_path):
     """ZeRO's groups span the units and the devices of each context-parallel group, as torchtitan's
     FSDP does: each rank keeps 1/(units x cp) of AdamW's state, and every stage trains as one
-    process, clipped, and under a pipeline (bf16 with fp32 masters: ``test_mixed_precision``)."""
+    process, clipped, under a pipeline, with weights tied across stages and with ops run on the
+    whole sequence (bf16 with fp32 masters: ``test_mixed_precision``)."""
     cases = [Case("gpt", "tp", 2, 4, config=context_parallel(2), optimizer="adamw"),
              Case("gpt", "tp", 2, 4, config=context_parallel(2) + zero(1, 1), optimizer="adamw", clip=0.5),
              Case("gpt", "tp", 2, 4, config=context_parallel(2, "ring") + zero(1, 2), optimizer="adamw"),
              Case("llama", "tp", 4, 4, config=context_parallel(4) + zero(1, 3), optimizer="adamw", clip=0.5),
              Case("hf_llama", "tp", 2, 4, config=context_parallel(2, "ring") + zero(1, 3), optimizer="adamw"),
-             Case("llama_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + context_parallel(2) + zero(1, 3))]
+             Case("llama_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + context_parallel(2) + zero(1, 3)),
+             # GPT-2's embedding tied across the two stages, and ops that run on the gathered sequence
+             # (its Conv1D merges the batch into the sequence): each device sends half their gradient
+             Case("hf_gpt2", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + context_parallel(2) + zero(1, 1),
+                  optimizer="adamw", clip=0.5)]
     per_rank = run_ranks(train_parallel, 4, cases, str(tmp_path), timeout=600)
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
