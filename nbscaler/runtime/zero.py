@@ -68,7 +68,9 @@ class ZeroReducer(Reducer):
 
     ``group``: every data-parallel rank of this plan device (gradients are summed over all of them);
     ``zero_group``: the ranks that split the state; ``replica_group``: the ranks, one per ZeRO
-    group, that hold the same slice; ``stage``: 1 or 2 (see the module docstring).
+    group, that hold the same slice; ``stage``: 1 or 2 (see the module docstring); ``shares``:
+    ``id(param) -> factor`` for parameters whose whole gradient several ranks of the ZeRO group
+    hold, each sending that share of it (``nbscaler.runtime.grad_sync.zero_over_stage_shares``).
 
     Under stage 2 every data-parallel rank must run the same backwards (as with DDP): the
     reduce-scatters run inside them.
