@@ -12,7 +12,8 @@ all of them. The rules for failures, which keep every error bounded in time:
 - an interrupt of the notebook (``KeyboardInterrupt`` while waiting) interrupts every rank still
   running, waits for them to answer, and marks the group to be rebuilt as well; one that comes
   while the call is being sent waits until every rank has it, so none is left running unseen;
-- the group is rebuilt only once every rank is idle (``rebuild_group``);
+- the group is rebuilt only once every rank is idle, as the controller counts and each engine
+  confirms (``rebuild_group``);
 - an engine process that exits is seen within a fraction of a second (its pid, on this host) or
   by the controller's heartbeat (other hosts); the call raises ``RankDied`` and the session is
   marked broken: only fresh engines (``Cluster.restart()``) can go on.
@@ -157,14 +158,15 @@ def rebuild_group(session: Session) -> None:
     the session is broken, naming it.
     """
     deadline = time.monotonic() + session.spec.timeout + INTERRUPT_GRACE_S
-    busy = _busy(session)
-    while busy and time.monotonic() < deadline:
+    while True:
+        busy = _busy(session) or _not_ready(session)
+        if not busy:
+            break
+        if time.monotonic() >= deadline:
+            session.broken = f"{', '.join(map(str, busy))} kept running an earlier call when interrupted"
+            raise ClusterError(f"{session.broken}; call restart() for fresh engines and a new process group.")
         _send_sigint(session, busy)
         time.sleep(INTERRUPT_AGAIN_S)
-        busy = _busy(session)
-    if busy:
-        session.broken = f"{', '.join(map(str, busy))} kept running an earlier call when interrupted"
-        raise ClusterError(f"{session.broken}; call restart() for fresh engines and a new process group.")
     session.join_group()
 
 
@@ -172,6 +174,30 @@ def _busy(session: Session) -> List[EngineSlot]:
     """The ranks whose engine runs or queues a task (the controller's count)."""
     queues = session.client.queue_status()
     return [s for s in session.slots if queues.get(s.engine_id, {}).get("queue", 0) > 0]
+
+
+def _not_ready(session: Session) -> List[EngineSlot]:
+    """The ranks whose engine did not run a no-op at once (``engine.ready``), asked of every rank.
+
+    The controller's count can lag an engine, so an idle engine is confirmed by the engine itself
+    before the group is rebuilt: it runs its tasks in order, so the no-op returns only once every
+    earlier task has ended. One still running is interrupted again; a no-op that an interrupt sent
+    earlier reached instead is asked again, and absorbs that interrupt, which the join must not meet."""
+    probes = [(slot, session.client[slot.engine_id].apply_async(engine.ready)) for slot in session.slots]
+    stuck = []
+    for slot, probe in probes:
+        for _ in range(2):                      # once more where an earlier interrupt hit the first
+            try:
+                probe.get(timeout=INTERRUPT_AGAIN_S)
+                break
+            except RemoteError:
+                probe = session.client[slot.engine_id].apply_async(engine.ready)
+            except ipyparallel.error.TimeoutError:
+                stuck.append(slot)
+                break
+        else:
+            stuck.append(slot)
+    return stuck
 
 
 def _send_sigint(session: Session, ranks: List[EngineSlot]) -> None:
