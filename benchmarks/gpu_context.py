@@ -49,10 +49,11 @@ STEPS = (("causal",), ("all",), ("causal", "first_keys"), ("causal", "last_queri
 #: (dtype, head channels): each GPU kernel, and heads that are not a multiple of 8 (padded).
 CHECKED = ((torch.bfloat16, 20), (torch.float32, 20), (torch.bfloat16, 64), (torch.float16, 64),
            (torch.float32, 64), (torch.bfloat16, 128))
-#: Llama-3-8B's attention: query heads, key-value heads, channels a head.
+#: Llama-3-8B's attention: query heads, key-value heads, channels a head (Meta's released
+#: ``Meta-Llama-3-8B`` config: 32 heads, 8 key-value heads, width 4,096).
 HEADS, KV_HEADS, HEAD = 32, 8, 128
 LENGTHS = (8192, 32768)
-WRITTEN_MAX = 8192          # the written-out blocks keep (heads, T, T) fp32 scores: beyond this they do not fit
+WRITTEN_MAX = 8192          # written-out blocks keep (heads, T, T) fp32 scores: 16 GiB here, 128 GiB at 32,768
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -131,12 +132,12 @@ def time_long(device: torch.device, length: int, heads: Tuple[int, int, int], wr
     torch.manual_seed(2)
     q = torch.randn(1, h, length, d, dtype=torch.bfloat16, device=device, requires_grad=True)
     k, v = (torch.randn(1, kvh, length, d, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in range(2))
-    calls = {"F.scaled_dot_product_attention": lambda blocks: F.scaled_dot_product_attention(
+    calls = {"F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(
                  q, k, v, is_causal=True, enable_gqa=True),
-             "ring, fused blocks": lambda blocks: context_attention(
+             "ring, fused blocks": lambda: context_attention(
                  q, k, v, is_causal=True, enable_gqa=True, kind="ring", blocks=MIRRORED, group=None)}
     if written:     # chunks not mirrored (blocks=1): the written-out blocks, as on a device without a kernel
-        calls["ring, written-out blocks"] = lambda blocks: context_attention(
+        calls["ring, written-out blocks"] = lambda: context_attention(
             q, k, v, is_causal=True, enable_gqa=True, kind="ring", blocks=1, group=None)
     flops = 3.5 * 4 * h * length * length * d / 2       # causal: the forward's 2 products and the backward's 5, halved
     rows = []
@@ -147,7 +148,7 @@ def time_long(device: torch.device, length: int, heads: Tuple[int, int, int], wr
                 torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             start = time.perf_counter()
-            out = call(None)
+            out = call()
             out.backward(torch.ones_like(out))
             _sync(device)
             seconds = time.perf_counter() - start

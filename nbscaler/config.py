@@ -189,8 +189,9 @@ class ComputeConfig:
 
     ZeRO (``use_zero=True``) splits state over the data-parallel ranks of each plan device, in
     ``zero_ngroups`` groups; under context parallelism over the devices of each context-parallel
-    group as well, which hold the same weights (``RankGrid.zero_over_stage``). ``zero_stage=1`` (the default) splits the optimizer state: the full
-    gradients live until the optimizer step, which reduce-scatters them and frees them.
+    group as well, which hold the same weights (``RankGrid.zero_over_stage``). ``zero_stage=1``
+    (the default) splits the optimizer state: the full gradients live until the optimizer step,
+    which reduce-scatters them and frees them.
     ``zero_stage=2`` splits the gradients as well: each bucket of gradients is reduce-scattered
     and freed as soon as the backward has produced it, so a rank holds at once the full gradients
     of the buckets the backward is producing only. ``zero_stage=3`` (fully sharded data parallelism,

@@ -46,9 +46,12 @@ class BlockKernel(StrEnum):
 #: SDPA's choice on a GPU -> the kernel a block runs on (any other choice: the efficient kernel).
 _CHOSEN = {int(SDPBackend.CUDNN_ATTENTION): BlockKernel.CUDA_CUDNN,
            int(SDPBackend.FLASH_ATTENTION): BlockKernel.CUDA_FLASH}
-#: The efficient kernel keeps its log-sum-exp in rows padded to a multiple of this.
+#: The efficient kernel keeps its log-sum-exp in rows padded to a multiple of this (PyTorch's
+#: ``mem_eff_attention/kernel_forward.h``, ``kAlignLSE``; its backward refuses another shape).
 EFFICIENT_LSE_ROWS = 32
-#: The GPU kernels read a head's channels in multiples of this.
+#: The GPU kernels read a head's channels in multiples of this: SDPA pads to it
+#: (``aten/src/ATen/native/transformers/attention.cpp``, ``pad_last_dim<8>``), and on an H200 the
+#: efficient kernel refused a bf16 head of 20 unpadded ("query is not correctly aligned").
 HEAD_MULTIPLE = 8
 
 

@@ -181,21 +181,16 @@ def _not_ready(session: Session) -> List[EngineSlot]:
 
     The controller's count can lag an engine, so an idle engine is confirmed by the engine itself
     before the group is rebuilt: it runs its tasks in order, so the no-op returns only once every
-    earlier task has ended. One still running is interrupted again; a no-op that an interrupt sent
-    earlier reached instead is asked again, and absorbs that interrupt, which the join must not meet."""
+    earlier task has ended. An interrupt sent on a stale count lands on the no-op, not on the join."""
     probes = [(slot, session.client[slot.engine_id].apply_async(engine.ready)) for slot in session.slots]
     stuck = []
     for slot, probe in probes:
-        for _ in range(2):                      # once more where an earlier interrupt hit the first
-            try:
-                probe.get(timeout=INTERRUPT_AGAIN_S)
-                break
-            except RemoteError:
-                probe = session.client[slot.engine_id].apply_async(engine.ready)
-            except ipyparallel.error.TimeoutError:
-                stuck.append(slot)
-                break
-        else:
+        try:
+            probe.get(timeout=INTERRUPT_AGAIN_S)
+        except RemoteError as err:          # an earlier interrupt, absorbed: the engine is idle now
+            if err.ename != "KeyboardInterrupt":
+                raise
+        except ipyparallel.error.TimeoutError:
             stuck.append(slot)
     return stuck
 

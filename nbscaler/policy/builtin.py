@@ -56,7 +56,7 @@ from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.batch import split_batch
-from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, context_parallel, place_context
+from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, place_context
 from nbscaler.policy.experts import (AROUND_EXPERTS_KEY, EXPERT_PARALLEL_KEY, AroundExperts, around_experts,
                                      check_experts, place_experts, split_weight_views)
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
@@ -141,7 +141,7 @@ def _beside_experts(cfg: ComputeConfig) -> Tuple[str, ...]:
     """The ``pas_config`` keys of the other dimensions ``cfg`` turns on, which expert parallelism
     does not combine with yet."""
     return tuple(key for key, on in ((SEQUENCE_PARALLEL, sequence_parallel(cfg)),
-                                     (CONTEXT_KEYS[0], context_parallel(cfg) > 1)) if on)
+                                     (CONTEXT_KEYS[0], cfg.context_parallel > 1)) if on)
 
 
 def _around(cfg: ComputeConfig, devices_of: Callable[[IRNode], Tuple[int, ...]]) -> Optional[Policy]:

@@ -41,11 +41,6 @@ CONTEXT_KEYS = (CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND)
 CONTEXT_GATHERED = "context_gathered"
 
 
-def context_parallel(cfg: ComputeConfig) -> int:
-    """The context-parallel size ``cfg`` asks for (``ComputeConfig.context_parallel``)."""
-    return cfg.context_parallel
-
-
 def context_kind(cfg: ComputeConfig) -> str:
     """How attention reads other devices' keys (``pas_config['context_parallel_kind']``, ``all_gather``
     unless given)."""
@@ -147,7 +142,7 @@ def _context_name(node: IRNode, split: List[Tuple[int, int]], length: int, kind:
 
 def check_context(cfg: ComputeConfig, stage_devices: int, sequence_parallel: bool) -> int:
     """The context-parallel size of ``cfg``, checked against the devices of each stage (1: none)."""
-    n = context_parallel(cfg)
+    n = cfg.context_parallel
     context_kind(cfg)
     if n == 1:
         return 1

@@ -21,7 +21,7 @@ import torch
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.planning import Plan
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
-from nbscaler.policy.context import context_kind, context_parallel
+from nbscaler.policy.context import context_kind
 from nbscaler.policy.experts import expert_parallel
 from nbscaler.recipe import Recipe
 from nbscaler.widgets.explorer.knobs import Knobs, context_label, recompute_of
@@ -64,7 +64,7 @@ class Run:
             "scheduler": plan.config.scheduler if schedule is not None else "",
             "zero": plan.config.use_zero,
             "sequence_parallel": bool(plan.config.pas_config.get(SEQUENCE_PARALLEL, False)),
-            "context_parallel": context_label(context_parallel(plan.config), context_kind(plan.config)),
+            "context_parallel": context_label(plan.config.context_parallel, context_kind(plan.config)),
             "expert_parallel": expert_parallel(plan.config),
             "recompute": recompute_of(plan.config)[0],
             "torch_compile": plan.config.compile,
