@@ -258,6 +258,9 @@ def layout_name(layout: Optional[str]) -> str:
     """The readable name of a layout as ``str(Layout)`` writes it: ``'R*'`` -> ``'sum-gradient'``,
     ``'S(1)'`` -> ``'split on dim 1'``; an unknown one is its own name."""
     text = str(layout)
+    if ")xS(" in text:                          # cut twice: the first, then each part again
+        outer, inner = text.split(")xS(", 1)
+        return f"{layout_name(outer + ')')}, each part {layout_name('S(' + inner)}"
     split = _SPLIT_LAYOUT.match(text)
     if split:
         return f"split on dim {split.group(1)}" + (f" ({split.group(2).lstrip(', ')})" if split.group(2) else "")

@@ -179,10 +179,12 @@ def context_parallel(n: int, kind: str = "all_gather", **pas_config: Any) -> tup
     return (("pas_config", (("context_parallel", n), ("context_parallel_kind", kind)) + tuple(pas_config.items())),)
 
 
-def expert_parallel(n: int, around: str = "data") -> tuple:
-    """The ``Case.config`` of expert parallelism over ``n`` devices, the layers around the experts
-    split by batch (``around='data'``) or tensor-parallel (``'tp'``)."""
+def expert_parallel(n: int, around: str = "data", hidden: int = 1) -> tuple:
+    """The ``Case.config`` of expert parallelism over ``n`` devices (``n`` groups of ``hidden``, each
+    cutting its experts by hidden unit, with ``hidden > 1``), the layers around the experts split by
+    batch (``around='data'``) or tensor-parallel (``'tp'``)."""
     extra = (("around_experts", around),) if around != "data" else ()
+    extra += (("expert_tensor_parallel", hidden),) if hidden > 1 else ()
     return (("pas_config", (("expert_parallel", n),) + extra),)
 
 

@@ -8,21 +8,32 @@ from typing import Any, Dict, Tuple
 
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, expert_count, expert_parallel, expert_tensor_parallel, held_experts
+from nbscaler.ir.layer_rules import (EXPERT_WEIGHTS, expert_count, expert_hidden_parts, expert_parallel, expert_tensor_parallel,
+                                     held_experts)
 
 
 def experts_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
     """The expression generated code evaluates for expert-parallel ``node`` over rendered arguments."""
     call = render_call(node, args, kwargs)           # alias(arguments)
-    return f"{expert_parallel(node)}({call[call.index('(') + 1:-1]}, group={group})"
+    parts = expert_hidden_parts(node)
+    hidden = f", hidden_parts={parts}" if parts > 1 else ""
+    return f"{expert_parallel(node)}({call[call.index('(') + 1:-1]}, group={group}{hidden})"
 
 
 def experts_comment(node: IRNode, device: int) -> str:
     """``# expert parallel: this device holds experts 2..3 of 4 ...``."""
-    held = held_experts(node, device)
-    return (f"# expert parallel: this device holds experts {held[0]}..{held[-1]} of {expert_count(node)} and "
-            f"routes its share of the tokens; each (token, expert) pair goes to its expert's device and back, "
-            f"one all-to-all each way (their gradients the same way back)")
+    held, parts = held_experts(node, device), expert_hidden_parts(node)
+    if parts == 1:
+        return (f"# expert parallel: this device holds experts {held[0]}..{held[-1]} of {expert_count(node)} and "
+                f"routes its share of the tokens; each (token, expert) pair goes to its expert's device and back, "
+                f"one all-to-all each way (their gradients the same way back)")
+    hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
+    mine, index = hidden // parts, node.placement.devices.index(device) % parts
+    return (f"# expert parallel with tensor parallel inside the experts: this device holds hidden units "
+            f"{index * mine}..{(index + 1) * mine - 1} of {hidden} of experts {held[0]}..{held[-1]} of "
+            f"{expert_count(node)}, and routes its share of the tokens; each (token, expert) pair goes to the "
+            f"{parts} devices of its expert's group and their {parts} partial sums come back, one all-to-all each "
+            "way (their gradients the same way back)")
 
 
 def experts_tp_comment(node: IRNode, device: int) -> str:

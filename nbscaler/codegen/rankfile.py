@@ -242,6 +242,10 @@ def _weight_spec(wt: LocalWeight) -> str:
     if wt.layout.kind == LayoutKind.SPLIT:
         text += f", split_dim={wt.layout.dim}, parts={len(wt.devices)}, index={wt.index}"
         text += f", blocks={wt.blocks}" if wt.blocks != 1 else ""
+        if wt.layout.inner is not None:     # cut again inside each part: experts by hidden unit
+            cut = wt.layout.inner
+            text += f", inner_dim={cut.dim}, inner_parts={cut.parts}"
+            text += f", inner_blocks={cut.blocks}" if cut.blocks != 1 else ""
     if wt.layout.kind == LayoutKind.SUM_GRAD:
         text += ", partial_grads=True"
     if wt.replicas:

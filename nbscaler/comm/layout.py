@@ -38,7 +38,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
-from nbscaler.ir.layer_rules import EXPERT_WEIGHTS, context_ring, expert_parallel, expert_tensor_parallel, vocab_parallel
+from nbscaler.ir.layer_rules import (EXPERT_WEIGHTS, context_ring, expert_hidden_parts, expert_parallel,
+                                     expert_tensor_parallel, vocab_parallel)
 from nbscaler.layouts import Collective, LayoutKind
 
 R, S, P, SUM_GRAD, FIRST_ONLY = LayoutKind
@@ -49,6 +50,7 @@ class Layout:
     kind: LayoutKind
     dim: Optional[int] = None
     blocks: Blocks = 1            # S only: blocks along dim, each split across the devices
+    inner: Optional["InnerCut"] = None   # S only: each part cut again (experts by hidden unit)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LayoutKind(self.kind))     # 'R*' given as text reads as SUM_GRAD
@@ -68,7 +70,8 @@ class Layout:
     def __str__(self) -> str:
         if self.kind != S:
             return str(self.kind)
-        return f"S({self.dim}, {describe(self.blocks)})" if is_strided(self.blocks) else f"S({self.dim})"
+        text = f"S({self.dim}, {describe(self.blocks)})" if is_strided(self.blocks) else f"S({self.dim})"
+        return text + (f"x{Layout.split(self.inner.dim, self.inner.blocks)}" if self.inner else "")
 
     @property
     def label(self) -> str:
@@ -78,6 +81,19 @@ class Layout:
         strided = strided if is_strided(self.blocks) else ""
         return {R: "full", P: "partial", SUM_GRAD: "sum_grad", FIRST_ONLY: "first_only"}.get(self.kind,
                                                                                           f"split{self.dim}{strided}")
+
+
+@dataclass(frozen=True)
+class InnerCut:
+    """The second cut of a layout split twice, over a grid of devices: device ``i`` of ``n`` holds
+    part ``i // parts`` of ``n // parts`` along the layout's ``dim``, and of that part, part
+    ``i % parts`` along ``dim`` here (in ``blocks``). Expert weights under expert parallelism with
+    tensor parallelism inside each expert are stored so: experts by expert group, hidden units by
+    the device's place in its group. No collective converts to or from it: its op reads it as stored."""
+
+    dim: int
+    parts: int
+    blocks: Blocks = 1
 
 
 @dataclass(frozen=True)
@@ -93,7 +109,10 @@ class Step:
 def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
     """The shape of one device's piece of a tensor of ``shape`` in ``layout`` over ``parts`` devices."""
     shape = list(shape)
-    if layout.kind == S:
+    if layout.kind == S and layout.inner is not None:
+        shape[layout.dim] //= parts // layout.inner.parts
+        shape[layout.inner.dim] //= layout.inner.parts
+    elif layout.kind == S:
         shape[layout.dim] //= parts
     return tuple(shape)
 
@@ -118,7 +137,7 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     if vocab_parallel(node) and not node.inputs[index].dtype.is_floating_point:
         return Layout.replicated()      # token ids: each device looks every one up in its share of the vocabulary
     if expert_parallel(node) and index in EXPERT_WEIGHTS:
-        return Layout.split(0)          # this device's experts; its tokens' pairs travel to theirs inside the op
+        return expert_weight_layout(node, index)    # this device's experts; its tokens' pairs travel to theirs
     if context_ring(node) and index in (1, 2):
         return Layout.split(node.annotation.inputs[index].index("s"), place.blocks)    # keys, values: round a ring
     in_dims, _ = node.annotation.split_dims(place.split)
@@ -127,6 +146,17 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     if expert_tensor_parallel(node):
         return Layout(SUM_GRAD)         # a factor of every part of the experts' sum, not a term of it
     return Layout(FIRST_ONLY) if place.split in node.annotation.reduce else Layout(SUM_GRAD)
+
+
+def expert_weight_layout(node: IRNode, index: int) -> Layout:
+    """How expert-parallel ``node`` reads its ``index``-th input, an experts' weight: split by expert
+    (dim 0), and each device's experts cut again by hidden unit where tensor parallelism runs
+    inside them (``expert_hidden_parts``)."""
+    parts = expert_hidden_parts(node)
+    if parts == 1:
+        return Layout.split(0)
+    hidden = node.annotation.inputs[EXPERT_WEIGHTS[0]][-1]
+    return Layout(S, 0, 1, InnerCut(node.annotation.inputs[index].index(hidden), parts))
 
 
 def effective_requirement(want: Layout, carries_grad: bool) -> Layout:
@@ -147,6 +177,8 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
     if have == want:
         return []
+    if have.inner is not None or want.inner is not None:
+        raise ValueError(f"no conversion from {have} to {want}: a layout cut twice is read only as it is stored")
     strided = is_strided(have.blocks) or is_strided(want.blocks)
     if have.kind == S and want.kind == S and not strided:
         return [Step(Collective.ALL_TO_ALL, dim=want.dim, dim2=have.dim)]

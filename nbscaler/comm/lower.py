@@ -320,9 +320,7 @@ def weight_table(graphs: Dict[str, IRGraph], storage: Dict[str, Layout], section
         node, view, stage = readers[name]
         devices = node.placement.devices
         lay = storage.get(name, Layout.replicated())
-        shape = list(t.shape)
-        if lay.kind == LayoutKind.SPLIT:
-            shape[lay.dim] //= len(devices)
+        shape = local_shape(t.shape, lay, len(devices))
         replicas = ()
         if geometry is not None and stage is not None:
             replicas = copies_of(name, facts.tied, geometry, stage, devices.index(view))

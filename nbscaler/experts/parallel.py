@@ -75,51 +75,77 @@ def _size_rank(group: Group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _splits(counts: torch.Tensor, rows: int, n: int, mine: int,
+def _splits(counts: torch.Tensor, rows: List[int], n: int, mine: int,
             group: Group) -> Tuple[torch.Tensor, List[int], List[int]]:
     """The pairs this device gets of each of its experts from each device (``(n * mine,)``, by
-    source), and how many of its ``rows`` it sends to each device and gets from each: the counts
-    exchanged, or under a ``PlannedGroup`` as many rows every way."""
+    source), and how many rows it sends to each device (``rows``) and gets from each, given
+    ``counts`` ``(n * mine,)``, the pairs it sends each device for each of that device's experts:
+    the counts exchanged, or under a ``PlannedGroup`` as many rows every way."""
     if isinstance(group, PlannedGroup):
-        return counts, [rows // n] * n, [rows // n] * n
+        return counts, rows, rows
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=group)
-    return arriving, counts.view(n, mine).sum(1).tolist(), arriving.view(n, mine).sum(1).tolist()
+    return arriving, rows, arriving.view(n, mine).sum(1).tolist()
+
+
+def _to_each_part(per_group: List[torch.Tensor], parts: int) -> torch.Tensor:
+    """Each expert group's rows once for every device of the group (``parts`` of them, each
+    holding its share of the experts' hidden units): autograd sums their gradients back."""
+    return torch.cat([rows for rows in per_group for _ in range(parts)]) if parts > 1 else torch.cat(per_group)
+
+
+def _sum_parts(returned: torch.Tensor, sizes: List[int], parts: int) -> torch.Tensor:
+    """The rows back from every device, each expert group's ``parts`` partial sums added."""
+    if parts == 1:
+        return returned
+    back = returned.split(sizes)
+    return torch.cat([sum(back[g * parts:(g + 1) * parts]) for g in range(len(back) // parts)])
 
 
 def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
-                             w3: torch.Tensor, w2: torch.Tensor, *, group: Group) -> torch.Tensor:
+                             w3: torch.Tensor, w2: torch.Tensor, *, group: Group, hidden_parts: int = 1) -> torch.Tensor:
     """``dropless_experts`` of this device's tokens with this device's experts ``w1``, ``w3``
-    ``(E/N, d, h)``, ``w2`` ``(E/N, h, d)``, the pairs of other experts sent to their devices."""
+    ``(E/G, d, h/P)``, ``w2`` ``(E/G, h/P, d)``, the pairs of other experts sent to their devices.
+    With ``hidden_parts=P`` the group's ``N`` devices are ``G = N/P`` expert groups of ``P``
+    devices, each holding ``1/P`` of its experts' hidden units: a pair goes to every device of its
+    expert's group, and the ``P`` partial sums that come back are added."""
     n, _ = _size_rank(group)
     if n == 1:
         return dropless_experts(x, weights, experts, w1, w3, w2)
-    mine = w1.shape[0]                                                         # experts on each device
-    routed = dropless_dispatch(x, experts, mine * n)
-    arriving, send, receive = _splits(routed.counts, routed.rows.shape[0], n, mine, group)
-    rows = _Exchange.apply(routed.rows, send, receive, group)                 # by source device, then expert
+    mine, groups = w1.shape[0], n // hidden_parts                              # experts on each device
+    routed = dropless_dispatch(x, experts, mine * groups)
+    per_group = routed.counts.view(groups, mine)
+    sizes = per_group.sum(1).tolist() if not isinstance(group, PlannedGroup) else [routed.rows.shape[0] // groups] * groups
+    send = [c for c in sizes for _ in range(hidden_parts)]
+    counts = per_group.repeat_interleave(hidden_parts, 0).reshape(-1)
+    arriving, send, receive = _splits(counts, send, n, mine, group)
+    rows = _Exchange.apply(_to_each_part(list(routed.rows.split(sizes)), hidden_parts), send, receive, group)
     expert = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(arriving, output_size=sum(receive))
     by_expert = expert.argsort(stable=True)                                    # regrouped expert by expert
     offsets = arriving.view(n, mine).sum(0).cumsum(0).to(torch.int32)
     out = grouped_swiglu(rows[by_expert], w1, w3, w2, offsets)
     out = out[by_expert.argsort()]                                             # back in the order received
-    return dropless_combine(_Exchange.apply(out, receive, send, group), routed, weights, x)
+    returned = _sum_parts(_Exchange.apply(out, receive, send, group), send, hidden_parts)
+    return dropless_combine(returned, routed, weights, x)
 
 
 def expert_parallel_capacity(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
-                             w3: torch.Tensor, w2: torch.Tensor, capacity: int, *, group: Group) -> torch.Tensor:
+                             w3: torch.Tensor, w2: torch.Tensor, capacity: int, *, group: Group,
+                             hidden_parts: int = 1) -> torch.Tensor:
     """``capacity_experts`` of this device's sequences with this device's experts, each device's
-    buffers for other experts sent to their devices."""
+    buffers for other experts sent to their devices (to every device of their group with
+    ``hidden_parts``, as above)."""
     n, _ = _size_rank(group)
     if n == 1:
         return capacity_experts(x, weights, experts, w1, w3, w2, capacity)
-    mine = w1.shape[0]
-    placed = capacity_dispatch(x, experts, mine * n, capacity)                 # buffer (E, b*capacity, d)
+    mine, groups = w1.shape[0], n // hidden_parts
+    placed = capacity_dispatch(x, experts, mine * groups, capacity)           # buffer (E, b*capacity, d)
     slots, d = placed.buffer.shape[1], placed.buffer.shape[2]
     equal = [mine * slots] * n
-    arrived = _Exchange.apply(placed.buffer.reshape(-1, d), equal, equal, group)   # (N sources * E/N * slots, d)
+    out = placed.buffer.view(groups, 1, mine * slots, d).expand(groups, hidden_parts, mine * slots, d)
+    arrived = _Exchange.apply(out.reshape(-1, d), equal, equal, group)         # (N sources * E/G * slots, d)
     arrived = arrived.view(n, mine, slots, d).transpose(0, 1).reshape(mine, n * slots, d)
-    out = batched_swiglu(arrived, w1, w3, w2)                                  # (E/N, N * slots, d)
+    out = batched_swiglu(arrived, w1, w3, w2)                                  # (E/G, N * slots, d)
     out = out.view(mine, n, slots, d).transpose(0, 1).reshape(-1, d)
-    returned = _Exchange.apply(out, equal, equal, group).view(n * mine, slots, d)
-    return capacity_combine(returned, placed, weights, x)
+    returned = _Exchange.apply(out, equal, equal, group).view(groups, hidden_parts, mine * slots, d).sum(1)
+    return capacity_combine(returned.view(groups * mine, slots, d), placed, weights, x)

@@ -108,6 +108,10 @@ CONTEXT_KIND = "context_kind"
 #: lowering, code generation and the cost model): its tokens split over the devices as the batch is,
 #: its experts (dim 0 of its weights) over the same devices, the pairs sent between them.
 EXPERT_PARALLEL = "expert_parallel"
+#: ``node.meta`` key of how many parts each expert's hidden units are cut into inside an
+#: expert-parallel op (written by ``policy.experts``): its devices are then groups of that many,
+#: each group holding its experts, each device of it its share of their hidden units.
+EXPERT_HIDDEN_PARTS = "expert_hidden_parts"
 #: The suffix of the region of an attention core (``recompute='selective'``): ``'blocks.0.attn:core'``.
 RECOMPUTE_CORE = ":core"
 

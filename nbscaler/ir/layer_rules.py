@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from nbscaler.blocks import MIRRORED
 from nbscaler.ir.annotation import OpAnnotation
-from nbscaler.ir.graph import CONTEXT_KIND, EXPERT_PARALLEL, IRGraph, IRNode, IRTensor, fed_by_inputs
+from nbscaler.ir.graph import CONTEXT_KIND, EXPERT_HIDDEN_PARTS, EXPERT_PARALLEL, IRGraph, IRNode, IRTensor, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
 from nbscaler.layouts import EXPERT_SPLIT
 
@@ -224,6 +224,20 @@ def expert_tensor_parallel(node: IRNode) -> bool:
     return place.split == node.annotation.inputs[EXPERT_WEIGHTS[0]][-1]
 
 
+def expert_hidden_parts(node: IRNode) -> int:
+    """How many parts each expert's hidden units are cut into on ``node``'s devices: those of
+    tensor parallelism inside an expert-parallel op (``EXPERT_HIDDEN_PARTS``), all of them for
+    tensor-parallel experts, 1 otherwise."""
+    if expert_parallel(node):
+        return node.meta.get(EXPERT_HIDDEN_PARTS, 1)
+    return node.placement.parts if expert_tensor_parallel(node) else 1
+
+
+def expert_groups(node: IRNode) -> int:
+    """How many groups ``node``'s experts are split into by expert parallelism (1 without it)."""
+    return len(node.placement.devices) // expert_hidden_parts(node) if expert_parallel(node) else 1
+
+
 def expert_count(node: IRNode) -> int:
     """How many routed experts expert op ``node`` has (dim 0 of its weights)."""
     return node.inputs[EXPERT_WEIGHTS[0]].shape[0]
@@ -246,8 +260,8 @@ def held_experts(node: IRNode, device: Optional[int] = None) -> range:
     experts = expert_count(node)
     if device is None or not expert_parallel(node):
         return range(experts)
-    devices = node.placement.devices
-    return expert_range(experts, len(devices), devices.index(device))
+    index = node.placement.devices.index(device) // expert_hidden_parts(node)
+    return expert_range(experts, expert_groups(node), index)
 
 
 def expert_range(experts: int, parts: int, index: int) -> range:
@@ -267,13 +281,14 @@ def expert_splits(graph: IRGraph) -> Dict[str, str]:
 def exchanged_bytes(node: IRNode) -> int:
     """The bytes of rows each all-to-all of expert-parallel ``node`` sends from one device and gets
     back, for routing that loads every expert alike: each of its pairs (dropless), or each slot of
-    its capacity buffers (``nbscaler.experts.parallel``)."""
+    its capacity buffers (``nbscaler.experts.parallel``), once to every device of its expert's group
+    where the experts' hidden units are cut too."""
     x, experts = node.inputs[0], node.inputs[2]
-    parts = node.placement.parts
+    parts, copies = node.placement.parts, expert_hidden_parts(node)
     if node.target.endswith("capacity_experts"):
         slots_per_token = node.inputs[EXPERT_WEIGHTS[0]].shape[0] * node.args[6] / x.shape[1]    # E * capacity / t
-        return round(x.nbytes / parts * slots_per_token)
-    return x.nbytes // parts * experts.shape[-1]
+        return round(x.nbytes / parts * slots_per_token) * copies
+    return x.nbytes // parts * experts.shape[-1] * copies
 
 
 def exchanged_counts_bytes(node: IRNode) -> int:
@@ -281,7 +296,7 @@ def exchanged_counts_bytes(node: IRNode) -> int:
     rows (0 for capacity routing, whose buffers have fixed sizes)."""
     if node.target.endswith("capacity_experts"):
         return 0
-    return node.inputs[EXPERT_WEIGHTS[0]].shape[0] * 8          # one int64 per expert
+    return node.inputs[EXPERT_WEIGHTS[0]].shape[0] * 8 * expert_hidden_parts(node)   # one int64 per expert and copy
 
 
 def counted_tokens_bytes(node: IRNode) -> int:

@@ -14,8 +14,9 @@ import pandas as pd
 
 from nbscaler.glossary import experts_text, layout_text
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import (EXPERT_OPS, expert_count, expert_parallel, expert_routing, expert_tensor_parallel,
-                                     expert_top_k, expert_weight_sources, held_experts)
+from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_count, expert_groups, expert_hidden_parts,
+                                     expert_parallel, expert_routing, expert_tensor_parallel, expert_top_k,
+                                     expert_weight_sources, held_experts)
 from nbscaler.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -36,16 +37,16 @@ def weights_layout(plan: "Plan", node: IRNode) -> str:
     layouts = sorted({str(plan.storage[t.name]) for t in expert_weight_sources(plan.graph, node)
                       if t.name in plan.storage})
     text = ", ".join(layout_text(x) for x in layouts) or "not stored (an input)"
+    if expert_parallel(node) and expert_hidden_parts(node) > 1:
+        devices, parts = list(node.placement.devices), expert_hidden_parts(node)
+        groups = [devices[i:i + parts] for i in range(0, len(devices), parts)]
+        return (f"experts split over {expert_groups(node)} expert groups {groups}, each group's experts cut by hidden "
+                f"unit over its devices: {text}")
     if expert_parallel(node):
         return f"experts split over the expert group {list(node.placement.devices)}: {text}"
     if expert_tensor_parallel(node):
         return f"every expert split by its hidden width over {list(node.placement.devices)}: {text}"
     return text
-
-
-def _width_parts(node: IRNode) -> int:
-    """The parts each expert's hidden width is split into (tensor parallel inside the experts), else 1."""
-    return node.placement.parts if expert_tensor_parallel(node) else 1
 
 
 def expert_rows(plan: "Plan") -> pd.DataFrame:
@@ -58,12 +59,17 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
         names = ", ".join(t.name.rsplit(".", 1)[-1] for t in weights)
         layout, total = weights_layout(plan, node), expert_count(node)
         devices = node.placement.devices if node.placement is not None else (0,)
+        parts = expert_hidden_parts(node)
         for device in devices:
             held = held_experts(node, device)
-            rows.append({"op": node.name, "module": node.module_path, "device": device,
-                         "experts": experts_text(held, total, expert_top_k(node), expert_routing(node)),
+            text = experts_text(held, total, expert_top_k(node), expert_routing(node))
+            if parts > 1:                       # this device's share of each held expert's hidden units
+                hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
+                mine, index = hidden // parts, devices.index(device) % parts
+                text += f", hidden units {index * mine}..{(index + 1) * mine - 1} of {hidden}"
+            rows.append({"op": node.name, "module": node.module_path, "device": device, "experts": text,
                          "weights": names, "layout": layout,
-                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // _width_parts(node)})
+                         "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // parts})
     return pd.DataFrame(rows, columns=EXPERT_COLUMNS)
 
 

@@ -57,8 +57,9 @@ from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS
 from nbscaler.policy.batch import split_batch
 from nbscaler.policy.context import CONTEXT_KEYS, check_context, context_kind, place_context
-from nbscaler.policy.experts import (AROUND_EXPERTS_KEY, EXPERT_PARALLEL_KEY, AroundExperts, around_experts,
-                                     check_experts, place_experts, split_weight_views)
+from nbscaler.policy.experts import (AROUND_EXPERTS_KEY, EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY, AroundExperts,
+                                     around_experts, check_experts, expert_tensor_parallel_size, place_experts,
+                                     split_weight_views)
 from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 from nbscaler.policy.staging import PipelineSplit, stage_by
 from nbscaler.schedule import PipelineGeometry
@@ -131,7 +132,7 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
     unit = cfg.grid.stage_group(None)
     if check_experts(cfg, len(unit), _beside_experts(cfg)) > 1:
-        return place_experts(graph, lambda node: unit, _around(cfg, lambda node: unit))
+        return place_experts(graph, lambda node: unit, _around(cfg, lambda node: unit), expert_tensor_parallel_size(cfg))
     if check_context(cfg, len(unit), sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: unit, context_kind(cfg))
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
@@ -254,7 +255,7 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     stage_by(pipeline_split(cfg), graph, geometry.schedule.nstages)
     if check_experts(cfg, geometry.tp, _beside_experts(cfg)) > 1:
         group = lambda node: geometry.stage_group(node.stage)
-        return place_experts(graph, group, _around(cfg, group))
+        return place_experts(graph, group, _around(cfg, group), expert_tensor_parallel_size(cfg))
     if check_context(cfg, geometry.tp, sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg))
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
@@ -339,10 +340,11 @@ COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES, RECOMPUTE)
 
 POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DP: (),
-    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY, AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
+    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY, AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.DATA: (),
     BuiltinPolicy.PP: (PIPELINE_SPLIT,),
-    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT, EXPERT_PARALLEL_KEY, AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
+    BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT, EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY,
+                           AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.AUTODIST: AUTODIST_KEYS + TARGET_KEYS + (SEQUENCE_PARALLEL,),
 }
 """The ``pas_config`` keys each built-in policy reads, beyond ``COMMON_KEYS``."""

@@ -8,6 +8,12 @@ policy places them. Inside the experts op each device sends every (token, expert
 device that holds its expert and gets the result back (two all-to-alls forward, two backward:
 ``nbscaler.experts.parallel``).
 
+With ``pas_config={"expert_parallel": n, "expert_tensor_parallel": p}`` the stage's ``n * p``
+devices are ``n`` expert groups of ``p``: each group holds ``E/n`` experts, each of its devices
+``1/p`` of their hidden units (``w1``, ``w3`` by column, ``w2`` by row), as Megatron-LM's expert
+tensor parallelism cuts them. A pair goes to every device of its expert's group, and the ``p``
+partial sums that come back are added (``nbscaler.experts.parallel``).
+
 With ``pas_config={"expert_parallel": n, "around_experts": "tp"}`` the layers around the experts are
 tensor-parallel instead, Megatron-style, over the same devices: every device holds the whole batch
 there, so each takes its ``1/n`` of the tokens into the experts op (a slice, no traffic) and the
@@ -21,13 +27,16 @@ import enum
 from typing import Callable, Sequence, Tuple
 
 from nbscaler.config import ComputeConfig
-from nbscaler.ir.graph import EXPERT_PARALLEL, IRGraph, IRNode
+from nbscaler.ir.graph import EXPERT_HIDDEN_PARTS, EXPERT_PARALLEL, IRGraph, IRNode
 from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views
 from nbscaler.policy.batch import split_batch
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
 EXPERT_PARALLEL_KEY = "expert_parallel"
 """The ``pas_config`` key of expert parallelism: the devices a stage's experts are split over."""
+EXPERT_TENSOR_PARALLEL_KEY = "expert_tensor_parallel"
+"""The ``pas_config`` key of tensor parallelism inside expert-parallel experts: the devices of each
+expert group, which cut its experts' hidden units."""
 AROUND_EXPERTS_KEY = "around_experts"
 """The ``pas_config`` key of how expert parallelism splits the layers around the experts (``AroundExperts``)."""
 
@@ -58,29 +67,49 @@ def expert_parallel(cfg: ComputeConfig) -> int:
     return value
 
 
+def expert_tensor_parallel_size(cfg: ComputeConfig) -> int:
+    """The devices of each expert group ``cfg`` asks for (``pas_config['expert_tensor_parallel']``; 1: none)."""
+    value = cfg.pas_config.get(EXPERT_TENSOR_PARALLEL_KEY, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pas_config['{EXPERT_TENSOR_PARALLEL_KEY}']={value!r} is invalid: give the number of "
+                         "devices that cut each expert-parallel expert's hidden units (an int >= 1; 1 turns it off).")
+    return value
+
+
 def check_experts(cfg: ComputeConfig, stage_devices: int, others: Tuple[str, ...]) -> int:
     """The expert-parallel size of ``cfg``, checked against the devices of each stage and the other
     dimensions it asks for (``others``: their ``pas_config`` keys), 1 for none."""
-    n = expert_parallel(cfg)
+    n, p = expert_parallel(cfg), expert_tensor_parallel_size(cfg)
+    if n == 1 and p > 1:
+        raise PolicyError(f"pas_config['{EXPERT_TENSOR_PARALLEL_KEY}']={p} cuts expert-parallel experts by hidden "
+                          f"unit, but '{EXPERT_PARALLEL_KEY}' is not set: give both (their product the devices of a "
+                          f"stage), or drop '{EXPERT_TENSOR_PARALLEL_KEY}': without expert parallelism the tp policy "
+                          "already cuts every expert by hidden unit over all of a stage's devices.")
     if n == 1:
         return 1
     if others:
         raise PolicyError(f"pas_config has both '{EXPERT_PARALLEL_KEY}' and {', '.join(map(repr, others))}: expert "
                           "parallelism runs the layers around the experts split by batch, which does not combine "
                           f"with them yet; drop {' and '.join(map(repr, others))}, or '{EXPERT_PARALLEL_KEY}'.")
-    if n != stage_devices:
-        raise PolicyError(f"{EXPERT_PARALLEL_KEY}={n}, but each stage has {stage_devices} devices: nbscaler splits a "
-                          "stage's experts over all of its devices (tensor parallelism beside expert parallelism "
-                          f"is not supported yet); set {EXPERT_PARALLEL_KEY}={stage_devices}, or plan_ngpus to "
-                          f"{n} x the pipeline devices.")
+    if n * p != stage_devices:
+        inner = f" x {EXPERT_TENSOR_PARALLEL_KEY}={p} = {n * p}" if p > 1 else ""
+        fix = (f"set {EXPERT_PARALLEL_KEY}={stage_devices // p}" if stage_devices % p == 0 else
+               f"set {EXPERT_TENSOR_PARALLEL_KEY} to a divisor of {stage_devices}")
+        fix += (f", or {EXPERT_TENSOR_PARALLEL_KEY}={stage_devices // n} (each expert group cutting its experts "
+                f"by hidden unit)" if stage_devices % n == 0 and stage_devices // n != p else "")
+        raise PolicyError(f"{EXPERT_PARALLEL_KEY}={n}{inner}, but each stage has {stage_devices} devices: nbscaler "
+                          "splits a stage's experts over all of its devices, in groups of "
+                          f"'{EXPERT_TENSOR_PARALLEL_KEY}' (1 unless given); {fix}, or plan_ngpus to {n * p} x the "
+                          "pipeline devices.")
     return n
 
 
 def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]],
-                  around: Callable[[IRGraph], IRGraph] = None) -> IRGraph:
+                  around: Callable[[IRGraph], IRGraph] = None, hidden_parts: int = 1) -> IRGraph:
     """Split every op of ``graph`` by batch over ``devices_of(node)`` (or place it by ``around``,
     a tensor-parallel placement of the whole graph), and every routed-experts op's experts over the
-    same devices, its tokens split (see the module docstring)."""
+    same devices, its tokens split (see the module docstring): over groups of ``hidden_parts``
+    devices, each cutting its group's experts by hidden unit."""
     if around is None:
         split_batch(graph, devices_of, f"pas_config['{EXPERT_PARALLEL_KEY}']")
     else:
@@ -99,12 +128,32 @@ def place_experts(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
         if node.placement.split is None:
             raise PolicyError(f"{node.name}: expert parallelism needs its tokens split by batch over the {n} devices, "
                               "but they arrive whole; trace with a batch that divides by the devices.")
-        if experts % n:
-            raise PolicyError(f"{node.name} has {experts} experts, which do not split over {n} devices: set "
-                              f"{EXPERT_PARALLEL_KEY} to a divisor of {experts}.")
+        if experts % (n // hidden_parts):
+            raise PolicyError(f"{node.name} has {experts} experts, which do not split over {n // hidden_parts} "
+                              f"expert groups: set {EXPERT_PARALLEL_KEY} to a divisor of {experts}.")
         node.meta[EXPERT_PARALLEL] = True
-        split_weight_views(graph, node, (0,) * len(EXPERT_WEIGHTS))
+        if hidden_parts > 1:
+            _cut_hidden_units(graph, node, hidden_parts)
+        else:
+            split_weight_views(graph, node, (0,) * len(EXPERT_WEIGHTS))
     return graph
+
+
+def _cut_hidden_units(graph: IRGraph, node: IRNode, parts: int) -> None:
+    """Mark expert-parallel ``node``'s experts cut by hidden unit into ``parts`` inside each expert
+    group; refused by name where the hidden units do not divide, or where the weights reach the op
+    through views (Hugging Face's experts), which a cut two ways cannot pass through yet."""
+    hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
+    if hidden % parts:
+        raise PolicyError(f"{node.name}: its experts have {hidden} hidden units, which do not cut into "
+                          f"{EXPERT_TENSOR_PARALLEL_KEY}={parts} parts: give a divisor of {hidden}.")
+    if any(views for _, views in expert_weight_views(graph, node)):
+        raise PolicyError(f"{node.name}: its expert weights reach it through views ({node.module_path} stores them "
+                          f"fused, as Hugging Face's experts do), which '{EXPERT_TENSOR_PARALLEL_KEY}' cannot cut two "
+                          f"ways yet: drop '{EXPERT_TENSOR_PARALLEL_KEY}' (expert parallelism alone, or the tp policy "
+                          "without expert parallelism, which cuts every expert by hidden unit), or use a model whose "
+                          "experts are parameters of their own (nbscaler.models.moe).")
+    node.meta[EXPERT_HIDDEN_PARTS] = parts
 
 
 def split_weight_views(graph: IRGraph, node: IRNode, dims: Sequence[int]) -> None:

@@ -55,7 +55,7 @@ def module_items(module: torch.nn.Module) -> Dict[Item, str]:
         inside |= {prefix + key for key in m.state_dict(keep_vars=True)}
         for attr, spec in m.weight_specs.items():
             if spec.persistent:
-                items[("tensor", prefix, spec.name, spec.split_dim, spec.parts, spec.index)] = prefix + attr
+                items[("tensor", prefix, spec.name, spec.split_dim, spec.parts, spec.index, spec.inner_dim)] = prefix + attr
     for key in module.state_dict(keep_vars=True):
         if key not in inside:
             items[("plain", key)] = key
@@ -191,7 +191,7 @@ def _exchange(table: List[Tuple[List[Item], List[Item], Any]], get, put) -> None
 
 def _describe(item: Item) -> str:
     if item[0] == "tensor":
-        _, prefix, name, split_dim, parts, index = item
+        _, prefix, name, split_dim, parts, index, _ = item
         return f"'{prefix}{name}'" + ("" if split_dim is None else f" (part {index} of {parts} along dim {split_dim})")
     return f"'{item[1]}'"
 

@@ -113,11 +113,19 @@ class Safetensors(WeightSource):
         part = self._open(self.files[spec.name]).get_slice(spec.name)
         if spec.split_dim is None:
             return part[:].to(spec.dtype)
-        d = spec.split_dim
-        pieces = [part[(slice(None),) * d + (slice(lo, hi),)]
-                  for lo, hi in strided.ranges(spec.shape[d], spec.blocks, spec.parts, spec.index)]
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
-        return out.to(spec.dtype)
+        cuts = [(dim, strided.ranges(spec.shape[dim], blocks, parts, index)) for dim, blocks, parts, index in spec.cuts]
+        return _read_ranges(part, len(spec.shape), cuts, {}).to(spec.dtype)
+
+
+def _read_ranges(part: Any, ndim: int, cuts: List[Tuple[int, List[Tuple[int, int]]]],
+                 chosen: Dict[int, slice]) -> torch.Tensor:
+    """The pieces of a safetensors slice ``part`` that ``cuts`` (each a dim and its ``[start, stop)``
+    ranges) select, read one box at a time and joined: only this rank's bytes are read."""
+    if not cuts:
+        return part[tuple(chosen.get(d, slice(None)) for d in range(ndim))]
+    (dim, spans), rest = cuts[0], cuts[1:]
+    pieces = [_read_ranges(part, ndim, rest, {**chosen, dim: slice(lo, hi)}) for lo, hi in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def _safetensors_files(path: Path) -> Dict[str, Path]:

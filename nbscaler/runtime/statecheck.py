@@ -79,7 +79,8 @@ def _slice_identity(spec: Dict[str, Any]) -> Tuple[Any, ...]:
     """What decides whether a saved tensor fits a local one: the same slice of the same tensor
     (which devices hold it does not matter, and torch's copy converts the dtype)."""
     return (spec["name"], spec["kind"], tuple(spec["shape"]), spec["split_dim"], spec["parts"], spec["index"],
-            normalize(spec.get("blocks", 1)))
+            normalize(spec.get("blocks", 1)), spec.get("inner_dim"), spec.get("inner_parts", 1),
+            normalize(spec.get("inner_blocks", 1)))
 
 
 def _slice(spec: Dict[str, Any]) -> str:
@@ -88,7 +89,9 @@ def _slice(spec: Dict[str, Any]) -> str:
         return f"(whole, shape {shape})"
     blocks = normalize(spec.get("blocks", 1))
     strided = f", strided in {describe(blocks)}" if is_strided(blocks) else ""
-    return f"(part {spec['index']} of {spec['parts']} along dim {spec['split_dim']}{strided} of shape {shape})"
+    inner = (f", cut again along dim {spec['inner_dim']} in {spec.get('inner_parts', 1)}"
+             if spec.get("inner_dim") is not None else "")
+    return f"(part {spec['index']} of {spec['parts']} along dim {spec['split_dim']}{strided}{inner} of shape {shape})"
 
 
 def describe_slot(slot: Dict[str, Any]) -> str:

@@ -54,6 +54,7 @@ def weight_rows(module: "ParallelModule") -> List[str]:
         local = getattr(module, attr, None)
         size = local.numel() * local.element_size() if local is not None else 0
         where = "whole" if spec.split_dim is None else f"part {spec.index + 1}/{spec.parts} of dim {spec.split_dim}"
+        where += f" and dim {spec.inner_dim}" if spec.inner_dim is not None else ""
         cells = [spec.name, spec.kind, tuple(spec.shape), spec.local_shape, where, fmt_bytes(size)]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     if len(module.weight_specs) > MAX_WEIGHT_ROWS:

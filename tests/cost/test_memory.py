@@ -490,6 +490,20 @@ def test_memory_model_is_exact_under_expert_parallelism(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_memory_model_is_exact_with_experts_cut_by_hidden_unit_too(tmp_path):
+    """4 ranks as 2 expert groups of 2, each rank half of its group's experts' hidden units: every
+    buffer sent to both ranks of its group and both partial sums back. The plan equals the meter,
+    and each rank holds a quarter of the experts' bytes."""
+    cases = [Case("moe_capacity", "tp", 4, 4, optimizer="adamw", config=expert_parallel(2, hidden=2)),
+             Case("moe_capacity", "tp", 4, 4, config=expert_parallel(2, around="tp", hidden=2) + zero(stage=2))]
+    for case, measured in run_cases(measure_memory, 4, cases, str(tmp_path)).items():
+        _check(case, predicted_memory(case), measured)
+    whole = predicted_memory(Case("moe_capacity", "dp", 1, 4))[0]["param_bytes"]
+    expert_bytes = sum(t.numel() * 4 for name, t in build("moe_capacity").named_parameters() if ".experts." in name)
+    assert whole - predicted_memory(cases[0])[0]["param_bytes"] == expert_bytes * 3 // 4
+
+
+@pytest.mark.multiprocess
 def test_hugging_face_experts_keep_their_share_split_either_way(tmp_path):
     """Mixtral's own experts on 2 ranks. Tensor parallel inside the experts: each rank stores half of
     every expert's hidden units (``gate_up_proj`` cut strided, ``down_proj`` by column), and every

@@ -41,12 +41,13 @@ def test_expert_parallelism_beside_another_dimension_is_refused_by_name(pas, wor
 
 def test_an_expert_parallel_size_other_than_the_stages_devices_names_the_fix():
     cfg = ComputeConfig(4, 4, pas_config={"expert_parallel": 2})
-    with pytest.raises(PolicyError, match="expert_parallel=2, but each stage has 4 devices"):
+    with pytest.raises(PolicyError, match="expert_parallel=2, but each stage has 4 devices.*set expert_parallel=4, "
+                                          "or expert_tensor_parallel=2"):
         nbscaler.plan(build("moe"), batch("moe", 0, n=8), "tp", cfg)
 
 
 def test_experts_that_do_not_divide_over_the_devices_are_refused():
-    with pytest.raises(PolicyError, match="has 4 experts, which do not split over 3 devices"):
+    with pytest.raises(PolicyError, match="has 4 experts, which do not split over 3 expert groups"):
         ep_plan(n=3)
 
 
@@ -104,3 +105,40 @@ def test_tensor_parallel_around_the_experts_plans_in_each_pipeline_stage():
     plan = nbscaler.plan(build("moe_e2e"), batch("moe_e2e", 0, n=8), "hybrid", config)
     experts = [n for n in plan.graph.nodes if n.meta.get(EXPERT_PARALLEL)]
     assert experts and {n.placement.devices for n in experts} == {(0, 1), (2, 3)}
+
+
+def test_experts_cut_by_expert_and_by_hidden_unit_over_a_grid_of_devices():
+    """``expert_tensor_parallel=2`` beside ``expert_parallel=2`` on 4 devices: two expert groups of
+    two, each device a quarter of each expert weight, both cuts named in its weight spec and code."""
+    plan = ep_plan(n=4, expert_parallel=2, expert_tensor_parallel=2)
+    weights = {w.name: w for w in plan.programs.device(3).weights}
+    assert weights["blocks.0.moe.experts.w1"].shape == (2, 32, 8)         # experts 2..3, hidden units 8..15
+    assert weights["blocks.0.moe.experts.w2"].shape == (2, 8, 32)
+    assert str(weights["blocks.0.moe.experts.w1"].layout) == "S(0)xS(2)"
+    code = plan.sources[3]
+    assert "split_dim=0, parts=4, index=3, inner_dim=2, inner_parts=2" in code
+    assert "holds hidden units 8..15 of 16 of experts 2..3 of 4" in code
+    assert "group=g0_1_2_3, hidden_parts=2)" in code
+
+
+@pytest.mark.parametrize("pas, words", [
+    ({"expert_parallel": 1, "expert_tensor_parallel": 2}, "'expert_parallel' is not set"),
+    ({"expert_parallel": 2, "expert_tensor_parallel": 3}, "expert_parallel=2 x expert_tensor_parallel=3 = 6, but each "
+                                                          "stage has 4 devices"),
+    ({"expert_parallel": 2, "expert_tensor_parallel": 0}, "pas_config\\['expert_tensor_parallel'\\]=0 is invalid"),
+])
+def test_a_wrong_expert_grid_names_the_fix(pas, words):
+    with pytest.raises((PolicyError, ValueError), match=words):
+        nbscaler.plan(build("moe"), batch("moe", 0, n=16), "tp", ComputeConfig(4, 4, pas_config=pas))
+
+
+def test_hidden_units_that_do_not_cut_are_refused():
+    with pytest.raises(PolicyError, match="16 hidden units, which do not cut into expert_tensor_parallel=3"):
+        nbscaler.plan(build("moe"), batch("moe", 0, n=12), "tp",
+                      ComputeConfig(6, 6, pas_config={"expert_parallel": 2, "expert_tensor_parallel": 3}))
+
+
+def test_hugging_face_experts_cut_two_ways_are_refused_with_the_fix():
+    with pytest.raises(PolicyError, match="reach it through views.*drop 'expert_tensor_parallel'"):
+        nbscaler.plan(build("hf_mixtral"), batch("hf_mixtral", 0), "tp",
+                      ComputeConfig(4, 4, pas_config={"expert_parallel": 2, "expert_tensor_parallel": 2}))

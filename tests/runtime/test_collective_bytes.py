@@ -48,15 +48,15 @@ CASES = [
 ]
 
 
-def _sent(prof: profile) -> float:
-    """Bytes this rank sent in the collectives the backend ran, with ring algorithms over ``N``."""
+def _sent(prof: profile, n: int = N) -> float:
+    """Bytes this rank sent in the collectives the backend ran, with ring algorithms over ``n``."""
     total = 0.0
     for e in prof.events():
         if e.name.startswith("gloo:") and e.input_shapes:
             primitive = Collective(e.name.removeprefix("gloo:"))
             numel = torch.Size(e.input_shapes[0]).numel()
             itemsize = {"float": 4, "c10::BFloat16": 2, "long int": 8}[e.input_dtypes[0]]
-            total += WIRE_SHARE[primitive](N) * numel * itemsize
+            total += WIRE_SHARE[primitive](n) * numel * itemsize
     return total
 
 
@@ -122,14 +122,14 @@ def test_each_collective_sends_what_its_row_prices_on_gloo():
             assert sent == pytest.approx(_priced(fn, tensor_bytes, Backend.GLOO)), (fn, dtype)
 
 
-def _step_sent(cases: List[Case], gen_dir: str) -> List[float]:
+def _step_sent(cases: List[Case], gen_dir: str, n: int = N) -> List[float]:
     """Bytes this rank sent in one training step of each case, less what the vocabulary-parallel
     cross-entropy's two inside all-reduces sent (``runtime.vocab``: not in the plan's table)."""
     inside, out = [0.0], []
     all_reduce = vocab._all_reduce
 
     def counted(x, op, group):
-        inside[0] += WIRE_SHARE[Collective.ALL_REDUCE](N) * x.numel() * x.element_size()
+        inside[0] += WIRE_SHARE[Collective.ALL_REDUCE](n) * x.numel() * x.element_size()
         return all_reduce(x, op, group)
 
     vocab._all_reduce = counted
@@ -144,7 +144,7 @@ def _step_sent(cases: List[Case], gen_dir: str) -> List[float]:
                     sum(losses).backward()
                 opt.sync_shard_grad()
                 opt.step()
-            out.append(_sent(prof) - inside[0])
+            out.append(_sent(prof, n) - inside[0])
     finally:
         vocab._all_reduce = all_reduce
     return out
@@ -195,3 +195,22 @@ def test_on_nccl_the_runtime_calls_the_real_collectives(monkeypatch):
     assert gloo.forward("reduce_scatter", MB, 8) == gloo.forward("all_reduce", MB, 8)
     assert CommModel(1e-5, 1e-10, backend=Backend.NCCL).forward("reduce_scatter", MB, 8) < gloo.forward(
         "reduce_scatter", MB, 8)
+
+
+@pytest.mark.multiprocess
+def test_expert_groups_send_what_the_plan_prices_on_4_ranks(tmp_path):
+    """Experts over 2 groups of 2 ranks, each rank half of its group's hidden units
+    (``expert_tensor_parallel``): every capacity buffer goes to both ranks of its experts' group and
+    both partial sums come back, more bytes than expert parallelism over the 4 ranks alone; each
+    rank's bytes in one step equal the plan's traffic."""
+    cases = [Case("moe_capacity", "tp", 4, 4, config=expert_parallel(2, hidden=2)),
+             Case("moe_capacity", "tp", 4, 4, config=expert_parallel(4))]
+    measured = run_ranks(_step_sent, 4, cases, str(tmp_path), 4)
+    for i, case in enumerate(cases):
+        plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)
+        params = dict(zip(plan.memory()["rank"], plan.memory()["param_bytes"]))
+        priced = traffic_per_rank(plan, params, Backend.GLOO, Recipe(*OPTIMIZERS[case.optimizer]))["bytes_sent"]
+        for rank in range(4):
+            assert measured[rank][i] == pytest.approx(priced[rank]), (case, rank)
+    grouped, alone = (sum(measured[r][i] for r in range(4)) for i in range(2))
+    assert grouped > alone

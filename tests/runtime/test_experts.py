@@ -74,3 +74,15 @@ def test_hugging_face_experts_split_like_nbscalers_train_like_one_process(nranks
     per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_with_experts_cut_by_hidden_unit_trains_like_one_process(tmp_path):
+    """4 devices as 2 expert groups of 2 (``expert_tensor_parallel``): each group holds half the
+    experts, each device half of their hidden units; both routings, the layers around the experts
+    split by batch or tensor-parallel, with AdamW."""
+    cases = [Case(model, "tp", 4, 4, config=expert_parallel(2, around, hidden=2), optimizer="adamw")
+             for model in MODELS for around in ("data", "tp")]
+    per_rank = run_ranks(train_parallel, 4, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])

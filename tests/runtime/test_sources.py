@@ -94,6 +94,21 @@ def test_slice_reads_take_what_take_takes(tmp_path):
                     assert torch.equal(source.read(spec), spec.take(full)), (source, blocks, dim, parts, index)
 
 
+def test_slices_cut_twice_read_only_their_boxes(tmp_path):
+    """Experts cut by expert and by hidden unit (strided in gate and up halves): the file read gives
+    ``take`` of the whole tensor, and the slices of every device join back to it."""
+    full = torch.randn(4, 6, 8)                                 # (experts, d, 2 x hidden)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    source = Safetensors(tmp_path / "w.safetensors")
+    specs = [WeightSpec("w", "param", (4, 6, 8), torch.float32, tuple(range(4)), 0, 4, index,
+                        inner_dim=2, inner_parts=2, inner_blocks=2) for index in range(4)]
+    pieces = [spec.take(full) for spec in specs]
+    assert pieces[1].shape == (2, 6, 4) and torch.equal(pieces[1], torch.cat([full[:2, :, 2:4], full[:2, :, 6:8]], 2))
+    assert all(torch.equal(source.read(spec), piece) for spec, piece in zip(specs, pieces))
+    assert torch.equal(specs[0].join(pieces), full)
+    assert WeightSpec.from_dict(specs[3].to_dict()) == specs[3]
+
+
 def test_initialisation_depends_on_the_seed_and_the_module_path_only():
     model = Llama(CFG)
     first = initial_tensors(model, "blocks.1.attn.q", 5)["weight"]
