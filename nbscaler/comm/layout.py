@@ -124,6 +124,9 @@ def output_layout(node: IRNode, index: int, place: Optional[Placement] = None) -
     if place is None or place.split is None:
         return Layout.replicated()
     _, out_dims = node.annotation.split_dims(place.split)
+    if place.inner is not None:             # cut twice: both cuts pass through (a view)
+        inner, parts = place.inner
+        return Layout(S, out_dims[index], place.blocks, InnerCut(node.annotation.split_dims(inner)[1][index], parts))
     if out_dims[index] is not None:
         return Layout.split(out_dims[index], place.blocks)
     return Layout.partial()
@@ -141,6 +144,11 @@ def input_requirement(node: IRNode, index: int, place: Optional[Placement] = Non
     if context_ring(node) and index in (1, 2):
         return Layout.split(node.annotation.inputs[index].index("s"), place.blocks)    # keys, values: round a ring
     in_dims, _ = node.annotation.split_dims(place.split)
+    if place.inner is not None:             # cut twice: a view's input, strided where it chunks
+        inner, parts = place.inner
+        grouped = node.annotation.grouped
+        return Layout(S, in_dims[index], combine(place.blocks, grouped.get((index, place.split), 1)),
+                      InnerCut(node.annotation.split_dims(inner)[0][index], parts, grouped.get((index, inner), 1)))
     if in_dims[index] is not None:
         return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))
     if expert_tensor_parallel(node):

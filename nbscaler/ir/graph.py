@@ -74,12 +74,15 @@ class Placement:
     ``devices[i]`` computes slice ``i`` of ``len(devices)`` along the annotated dimension ``n``.
     ``blocks=3`` makes that slice strided: ``n`` is three equal blocks (q, k, v of a fused projection)
     and device ``i`` computes slice ``i`` of each block; ``blocks=(2, 1, 1)`` the same with unequal
-    blocks (a grouped-query qkv: ``nbscaler.blocks``).
+    blocks (a grouped-query qkv: ``nbscaler.blocks``). ``inner=('h', p)`` cuts the devices into
+    groups of ``p`` neighbours: group ``g`` computes slice ``g`` along ``split``, and device ``j`` of
+    it slice ``j`` of that along ``h`` (the views of experts cut by expert and by hidden unit).
     """
 
     devices: Tuple[int, ...]
     split: Optional[str] = None
     blocks: Blocks = 1
+    inner: Optional[Tuple[str, int]] = None     # (dimension, parts): each part of ``split`` cut again
 
     @property
     def parts(self) -> int:
@@ -88,7 +91,8 @@ class Placement:
     def __str__(self) -> str:
         devs = ",".join(map(str, self.devices))
         strided = f" in {describe(self.blocks)}" if is_strided(self.blocks) else ""
-        return f"split {self.split!r}{strided} over [{devs}]" if self.split else f"replicated on [{devs}]"
+        inner = f" in groups of {self.inner[1]}, each split {self.inner[0]!r}" if self.inner else ""
+        return f"split {self.split!r}{strided}{inner} over [{devs}]" if self.split else f"replicated on [{devs}]"
 
 
 #: ``node.meta`` key of the recomputed region an op belongs to (written by ``policy.recompute``, read

@@ -30,7 +30,7 @@ from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import EXPERT_HIDDEN_PARTS, EXPERT_PARALLEL, IRGraph, IRNode
 from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views
 from nbscaler.policy.batch import split_batch
-from nbscaler.policy.primitives import PolicyError, partition, replicate
+from nbscaler.policy.primitives import PolicyError, partition, partition_grid, replicate
 
 EXPERT_PARALLEL_KEY = "expert_parallel"
 """The ``pas_config`` key of expert parallelism: the devices a stage's experts are split over."""
@@ -147,13 +147,29 @@ def _cut_hidden_units(graph: IRGraph, node: IRNode, parts: int) -> None:
     if hidden % parts:
         raise PolicyError(f"{node.name}: its experts have {hidden} hidden units, which do not cut into "
                           f"{EXPERT_TENSOR_PARALLEL_KEY}={parts} parts: give a divisor of {hidden}.")
-    if any(views for _, views in expert_weight_views(graph, node)):
-        raise PolicyError(f"{node.name}: its expert weights reach it through views ({node.module_path} stores them "
-                          f"fused, as Hugging Face's experts do), which '{EXPERT_TENSOR_PARALLEL_KEY}' cannot cut two "
-                          f"ways yet: drop '{EXPERT_TENSOR_PARALLEL_KEY}' (expert parallelism alone, or the tp policy "
-                          "without expert parallelism, which cuts every expert by hidden unit), or use a model whose "
-                          "experts are parameters of their own (nbscaler.models.moe).")
+    _cut_views_two_ways(graph, node, parts)
     node.meta[EXPERT_HIDDEN_PARTS] = parts
+
+
+def _cut_views_two_ways(graph: IRGraph, node: IRNode, parts: int) -> None:
+    """Cut the views between expert-parallel ``node``'s weights and their parameters (Hugging Face's
+    chunk and transposes) by expert over the expert groups and by hidden unit inside each, so each
+    device stores only its quarter, or whatever share, of the parameters (the chunk cuts
+    ``gate_up_proj``'s hidden units strided: each device its units of the gate and of the up rows).
+    Refused by name where a view does not pass both cuts through."""
+    devices, hidden = node.placement.devices, node.annotation.inputs[EXPERT_WEIGHTS[0]][-1]
+    for i, (_, views) in zip(EXPERT_WEIGHTS, expert_weight_views(graph, node)):
+        t, expert_dim, hidden_dim = node.inputs[i], 0, node.annotation.inputs[i].index(hidden)
+        for view in views:
+            k = next(j for j, o in enumerate(view.output_tensors) if o is t)
+            outer, inner = view.annotation.outputs[k][expert_dim], view.annotation.outputs[k][hidden_dim]
+            names = view.annotation.inputs[0]
+            if outer not in names or inner not in names:
+                raise PolicyError(f"{view.name} ({view.target}) between {node.name} and its weights does not keep "
+                                  f"their experts and hidden units apart, so '{EXPERT_TENSOR_PARALLEL_KEY}' cannot "
+                                  f"cut the parameters behind it: drop '{EXPERT_TENSOR_PARALLEL_KEY}'.")
+            partition_grid(view, outer, inner, devices, parts)
+            t, expert_dim, hidden_dim = view.inputs[0], names.index(outer), names.index(inner)
 
 
 def split_weight_views(graph: IRGraph, node: IRNode, dims: Sequence[int]) -> None:

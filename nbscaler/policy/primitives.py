@@ -49,6 +49,19 @@ def partition(node: IRNode, dim: Union[str, int], devices: Sequence[int], blocks
     return node
 
 
+def partition_grid(node: IRNode, outer: str, inner: str, devices: Sequence[int], inner_parts: int) -> IRNode:
+    """Split ``node`` along ``outer`` over groups of ``inner_parts`` neighbouring ``devices``, and
+    each group's part along ``inner`` over its devices (``Placement.inner``)."""
+    devices = tuple(devices)
+    groups = len(devices) // inner_parts
+    partition(node, outer, devices[::inner_parts])                       # checks ``outer`` into the groups
+    reason = node.annotation.can_split(inner, inner_parts) or (None if outer != inner else "it is the outer cut")
+    if reason:
+        raise PolicyError(f"partition_grid({node.name}, {outer!r}, {inner!r}): {reason}. The op is '{node.annotation}'.")
+    node.placement = Placement(devices, outer if groups > 1 else None, 1, (inner, inner_parts) if groups > 1 else None)
+    return node
+
+
 def replicate(node: IRNode, devices: Sequence[int]) -> IRNode:
     """Every device in ``devices`` computes the whole of ``node``."""
     node.placement = Placement(tuple(devices))

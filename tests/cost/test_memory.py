@@ -501,6 +501,16 @@ def test_memory_model_is_exact_with_experts_cut_by_hidden_unit_too(tmp_path):
     whole = predicted_memory(Case("moe_capacity", "dp", 1, 4))[0]["param_bytes"]
     expert_bytes = sum(t.numel() * 4 for name, t in build("moe_capacity").named_parameters() if ".experts." in name)
     assert whole - predicted_memory(cases[0])[0]["param_bytes"] == expert_bytes * 3 // 4
+    # Mixtral's own experts, through their chunk and transposes: the state is exact (its activations
+    # follow the routing, as the next test says), and each rank keeps a quarter of the experts
+    mixtral = Case("hf_mixtral", "tp", 4, 4, optimizer="adamw", config=expert_parallel(2, hidden=2))
+    measured = run_cases(measure_memory, 4, [mixtral], str(tmp_path / "hf"))[mixtral]
+    for p, m in zip(predicted_memory(mixtral), measured):
+        for column in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert p[column] == m[column], f"rank {m['rank']}: {column} predicted {p[column]}, measured {m[column]}"
+    whole = predicted_memory(Case("hf_mixtral", "dp", 1, 4))[0]["param_bytes"]
+    expert_bytes = sum(t.numel() * 4 for name, t in build("hf_mixtral").named_parameters() if ".experts." in name)
+    assert whole - predicted_memory(mixtral)[0]["param_bytes"] == expert_bytes * 3 // 4
 
 
 @pytest.mark.multiprocess

@@ -138,7 +138,13 @@ def test_hidden_units_that_do_not_cut_are_refused():
                       ComputeConfig(6, 6, pas_config={"expert_parallel": 2, "expert_tensor_parallel": 3}))
 
 
-def test_hugging_face_experts_cut_two_ways_are_refused_with_the_fix():
-    with pytest.raises(PolicyError, match="reach it through views.*drop 'expert_tensor_parallel'"):
-        nbscaler.plan(build("hf_mixtral"), batch("hf_mixtral", 0), "tp",
-                      ComputeConfig(4, 4, pas_config={"expert_parallel": 2, "expert_tensor_parallel": 2}))
+def test_hugging_face_experts_cut_two_ways_store_a_quarter_each():
+    """Mixtral's fused ``gate_up_proj`` and its ``down_proj`` reach the op through a chunk and
+    transposes: the views pass both cuts to the parameters, so each device stores 2 of 4 experts'
+    half of the hidden units (the gate's and the up rows' halves, strided) and nothing else."""
+    plan = nbscaler.plan(build("hf_mixtral"), batch("hf_mixtral", 0), "tp",
+                         ComputeConfig(4, 4, pas_config={"expert_parallel": 2, "expert_tensor_parallel": 2}))
+    weights = {w.name.rsplit(".", 1)[-1]: w for w in plan.programs.device(1).weights if ".experts." in w.name}
+    assert weights["gate_up_proj"].shape == (2, 64, 32) and str(weights["gate_up_proj"].layout) == "S(0)xS(1, 2 blocks)"
+    assert weights["down_proj"].shape == (2, 32, 32) and str(weights["down_proj"].layout) == "S(0)xS(2)"
+    assert ".chunk(2, dim=1)    # f32[2, 32, 32], f32[2, 32, 32]" in plan.sources[1]

@@ -45,15 +45,16 @@ MOE_ZERO3 = Case("moe", "dp", 1, 4, optimizer="adamw", config=zero(stage=3))
 EXPERT_GROUPS = Case("moe", "tp", 4, 4, optimizer="adamw", config=expert_parallel(2, hidden=2))
 HF_EXPERTS = Case("hf_mixtral", "tp", 2, 4, optimizer="adamw", config=expert_parallel(2))   # Hugging Face's, by expert
 HF_ZERO = Case("hf_mixtral", "dp", 1, 4, optimizer="adamw", config=zero())
+HF_GROUPS = Case("hf_mixtral", "tp", 4, 4, optimizer="adamw", config=expert_parallel(2, hidden=2))   # both ways, strided
 SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, CONTEXT_ZERO3, EXPERTS, MOE_ZERO3, HF_EXPERTS,
-         EXPERT_GROUPS]   # trained, saved, continued
+         EXPERT_GROUPS, HF_GROUPS]   # trained, saved, continued
 MOVES = [(TP2, DP4_ZERO), (PP_ZERO, TP_END2END),            # merged checkpoint of one plan -> another plan
          (TP2, DP4_ZERO3), (TP4_ZERO3, DP4_ZERO),           # into ZeRO-3, and out of it
          (CONTEXT, TP_END2END), (PP_ZERO, CONTEXT),         # out of context parallelism, and into it
          (CONTEXT_ZERO3, TP_END2END), (PP_ZERO, CONTEXT_ZERO3),   # the same, sharded over its devices
          (EXPERTS, MOE_ZERO3), (MOE_ZERO3, EXPERTS),        # out of expert parallelism, and into it
          (EXPERT_GROUPS, EXPERTS), (MOE_ZERO3, EXPERT_GROUPS),   # out of experts cut two ways, and into them
-         (HF_EXPERTS, HF_ZERO)]
+         (HF_EXPERTS, HF_ZERO), (HF_GROUPS, HF_ZERO), (HF_EXPERTS, HF_GROUPS)]
 
 
 def path(ckpt_dir, case: Case, kind: str, rank=None) -> Path:

@@ -65,12 +65,15 @@ def test_hugging_face_experts_split_like_nbscalers_train_like_one_process(nranks
     """Mixtral's and Qwen3-MoE's own expert modules (recorded as ``dropless_experts``,
     ``nbscaler.experts.huggingface``) expert-parallel over every device, the layers around them split
     by batch or tensor-parallel, and tensor-parallel inside; with 4 ranks also expert-parallel over 2
-    in 2 data-parallel units under ZeRO-3."""
+    in 2 data-parallel units under ZeRO-3, and over 2 expert groups of 2 (each group's experts cut by
+    hidden unit: the fused ``gate_up_proj`` strided)."""
     cases = [Case(model, "tp", nranks, nranks, config=expert_parallel(nranks)) for model in HF_MODELS]
     cases += [Case("hf_mixtral", "tp", nranks, nranks, config=expert_parallel(nranks, around="tp")),
               Case("hf_qwen3_moe", "tp", nranks, nranks)]
     if nranks == 4:
         cases += [Case("hf_qwen3_moe", "tp", 2, 4, config=expert_parallel(2) + zero(stage=3), optimizer="adamw")]
+        cases += [Case(model, "tp", 4, 4, config=expert_parallel(2, around, hidden=2))
+                  for model, around in zip(HF_MODELS, ("data", "tp"))]
     per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
