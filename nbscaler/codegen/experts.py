@@ -9,7 +9,7 @@ from typing import Any, Dict, Tuple
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import IRGraph, IRNode
 from nbscaler.ir.layer_rules import (EXPERT_WEIGHTS, expert_count, expert_hidden_parts, expert_parallel, expert_tensor_parallel,
-                                     held_experts)
+                                     held_experts, held_hidden_units)
 
 
 def experts_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
@@ -27,10 +27,9 @@ def experts_comment(node: IRNode, device: int) -> str:
         return (f"# expert parallel: this device holds experts {held[0]}..{held[-1]} of {expert_count(node)} and "
                 f"routes its share of the tokens; each (token, expert) pair goes to its expert's device and back, "
                 f"one all-to-all each way (their gradients the same way back)")
-    hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
-    mine, index = hidden // parts, node.placement.devices.index(device) % parts
+    units, hidden = held_hidden_units(node, device), node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
     return (f"# expert parallel with tensor parallel inside the experts: this device holds hidden units "
-            f"{index * mine}..{(index + 1) * mine - 1} of {hidden} of experts {held[0]}..{held[-1]} of "
+            f"{units[0]}..{units[-1]} of {hidden} of experts {held[0]}..{held[-1]} of "
             f"{expert_count(node)}, and routes its share of the tokens; each (token, expert) pair goes to the "
             f"{parts} devices of its expert's group and their {parts} partial sums come back, one all-to-all each "
             "way (their gradients the same way back)")

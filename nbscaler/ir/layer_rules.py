@@ -264,6 +264,16 @@ def held_experts(node: IRNode, device: Optional[int] = None) -> range:
     return expert_range(experts, expert_groups(node), index)
 
 
+def held_hidden_units(node: IRNode, device: Optional[int] = None) -> range:
+    """The hidden units of each held expert of expert op ``node`` that plan ``device`` holds: its
+    share where the experts are cut by hidden unit (``expert_hidden_parts``), all of them otherwise
+    (or for ``device=None``)."""
+    hidden, parts = node.inputs[EXPERT_WEIGHTS[0]].shape[-1], expert_hidden_parts(node)
+    if device is None or parts == 1:
+        return range(hidden)
+    return expert_range(hidden, parts, node.placement.devices.index(device) % parts)
+
+
 def expert_range(experts: int, parts: int, index: int) -> range:
     """The experts the ``index``-th of ``parts`` devices holds of ``experts`` split by expert
     parallelism: ``index*E/parts .. (index+1)*E/parts - 1``."""

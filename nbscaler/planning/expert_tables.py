@@ -8,7 +8,7 @@ holds) and worded by ``nbscaler.glossary`` (``experts_text``, ``layout_text``).
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 import pandas as pd
 
@@ -16,7 +16,7 @@ from nbscaler.glossary import experts_text, layout_text
 from nbscaler.ir.graph import IRNode
 from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_count, expert_groups, expert_hidden_parts,
                                      expert_parallel, expert_routing, expert_tensor_parallel, expert_top_k,
-                                     expert_weight_sources, held_experts)
+                                     expert_weight_sources, held_experts, held_hidden_units)
 from nbscaler.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -49,6 +49,17 @@ def weights_layout(plan: "Plan", node: IRNode) -> str:
     return text
 
 
+def held_text(node: IRNode, device: Optional[int]) -> str:
+    """What plan ``device`` holds of expert op ``node``, in words (all of it for ``device=None``):
+    ``'experts 4..7 of 8, top-2, dropless'``, and ``', hidden units 0..7 of 16'`` where the experts
+    are cut by hidden unit inside expert groups."""
+    text = experts_text(held_experts(node, device), expert_count(node), expert_top_k(node), expert_routing(node))
+    units, hidden = held_hidden_units(node, device), node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
+    if expert_parallel(node) and len(units) < hidden:
+        text += f", hidden units {units[0]}..{units[-1]} of {hidden}"
+    return text
+
+
 def expert_rows(plan: "Plan") -> pd.DataFrame:
     """One row per routed-experts op and plan device that runs it (``EXPERT_COLUMNS``): its module,
     the experts the device holds (``'experts 4..7 of 8, top-2, dropless'``), the weights' names, how
@@ -62,12 +73,7 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
         parts = expert_hidden_parts(node)
         for device in devices:
             held = held_experts(node, device)
-            text = experts_text(held, total, expert_top_k(node), expert_routing(node))
-            if parts > 1:                       # this device's share of each held expert's hidden units
-                hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
-                mine, index = hidden // parts, devices.index(device) % parts
-                text += f", hidden units {index * mine}..{(index + 1) * mine - 1} of {hidden}"
-            rows.append({"op": node.name, "module": node.module_path, "device": device, "experts": text,
+            rows.append({"op": node.name, "module": node.module_path, "device": device, "experts": held_text(node, device),
                          "weights": names, "layout": layout,
                          "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // parts})
     return pd.DataFrame(rows, columns=EXPERT_COLUMNS)

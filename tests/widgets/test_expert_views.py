@@ -412,3 +412,57 @@ def test_the_routing_imbalance_in_the_browser(tmp_path):
         assert "balanced: 64 pairs each" in text and "step 2: " in text and "rank_imbalance" in text
         lab.screenshot("experts-routing", ".nbs-routing")
         assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+GROUPS_SOURCE = PLAN_SOURCE.replace("sample_batch(cfg, 2)", "sample_batch(cfg, 4)").replace(
+    "ComputeConfig(2, 2, pas_config={'expert_parallel': 2})",
+    "ComputeConfig(4, 4, pas_config={'expert_parallel': 2, 'expert_tensor_parallel': 2})")
+"""A notebook's plan of ``moe_llama`` over 2 expert groups of 2 devices, each cutting its experts by hidden unit."""
+
+
+def expert_groups_plan():
+    scope = {}
+    exec(GROUPS_SOURCE, scope)
+    return scope["plan"]
+
+
+def test_experts_cut_two_ways_name_the_groups_and_each_devices_hidden_units():
+    """The plan table and card say which experts and hidden units each of the 4 devices holds, a
+    quarter of the experts' bytes each, and the graph's rank panes name them on the op's box."""
+    plan = expert_groups_plan()
+    rows = PlanView(plan).experts
+    first = rows[rows.op == "dropless_experts_0"]
+    assert list(first.experts) == [f"experts {e} of 8, top-2, dropless, hidden units {h} of 16"
+                                   for e in ("0..3", "4..7") for h in ("0..7", "8..15")]
+    assert set(first.layout) == {"experts split over 2 expert groups [[0, 1], [2, 3]], each group's experts cut by "
+                                 "hidden unit over its devices: split on dim 0, each part split on dim 1 (S(0)xS(1)), "
+                                 "split on dim 0, each part split on dim 2 (S(0)xS(2))"}
+    whole = sum(plan.graph.weights[f"blocks.0.moe.experts.{w}"].nbytes for w in ("w1", "w3", "w2"))
+    assert list(first.held_bytes) == [whole // 4] * 4
+    view = GraphView(plan)
+    view.expanded = {"blocks", "blocks.0", "blocks.0.moe"}
+    key = f"#{plan.graph.nodes.index(expert_ops(plan)[0])}"
+    assert view.scene("rank 3").boxes[key].subtitle == "experts 4..7 of 8, top-2, dropless, hidden units 8..15 of 16"
+    assert "<td>experts 4..7 of 8, top-2, dropless, hidden units 0..7 of 16</td>" in plan_html(plan)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_experts_cut_two_ways_in_the_browser(tmp_path):
+    """The saved plan table of the 2 x 2 expert grid in JupyterLab: a row per device, each naming its
+    experts and hidden units and the two cuts of their weights."""
+    from tests.widgets.browser import write_notebook
+
+    write_notebook(tmp_path / "groups.ipynb", GROUPS_SOURCE + TABLE_CELL)
+    with browser_lab(tmp_path) as lab:
+        lab.open_notebook("groups.ipynb")
+        lab.run_all_cells()
+        table = lab.page.locator(".nbs-plan table.nbs-experts")
+        table.wait_for(timeout=120_000)
+        rows = table.locator("tbody tr")
+        assert rows.count() == 8
+        assert "experts 4..7 of 8, top-2, dropless, hidden units 8..15 of 16" in rows.nth(3).inner_text()
+        assert "2 expert groups [[0, 1], [2, 3]]" in rows.nth(3).inner_text()
+        table.scroll_into_view_if_needed()
+        lab.screenshot("experts-groups-table", ".nbs-plan table.nbs-experts")
+        assert not [line for line in lab.console if line.startswith("error")], lab.console

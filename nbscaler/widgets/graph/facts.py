@@ -14,10 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from nbscaler.glossary import experts_text, split_name
-from nbscaler.ir.layer_rules import (EXPERT_OPS, expert_count, expert_parallel, expert_routing, expert_top_k,
-                                    held_experts, parallel_splits)
+from nbscaler.glossary import split_name
+from nbscaler.ir.layer_rules import EXPERT_OPS, expert_parallel, parallel_splits
 from nbscaler.layouts import Collective
+from nbscaler.planning.expert_tables import held_text
 from nbscaler.widgets.formats import fmt_count, is_missing
 from nbscaler.widgets.graph.box import Box, BoxKind
 
@@ -165,8 +165,7 @@ class PlanFacts:
                  else f"replicated on {devices}")
         subtitle = short_target(op["target"])
         if node.target in EXPERT_OPS:          # named by its experts: all of them, or those ``device`` holds
-            subtitle = experts_text(held_experts(node, device), expert_count(node), expert_top_k(node),
-                                    expert_routing(node))
+            subtitle = held_text(node, device)
             where += f"\n{subtitle}" + (f" on device {device}" if device is not None else "")
         tooltip = f"{op['name']} = {op['target']}  ({op['module'] or 'top level'})\n{where}"
         return Box(f"#{i}", BoxKind.OP, op["name"], subtitle, tooltip, [(d, 1 / len(devices)) for d in devices], mark)
