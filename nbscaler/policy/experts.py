@@ -60,19 +60,20 @@ def around_experts(cfg: ComputeConfig) -> AroundExperts:
 
 def expert_parallel(cfg: ComputeConfig) -> int:
     """The expert-parallel size ``cfg`` asks for (``pas_config['expert_parallel']``; 1: none)."""
-    value = cfg.pas_config.get(EXPERT_PARALLEL_KEY, 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"pas_config['{EXPERT_PARALLEL_KEY}']={value!r} is invalid: give the number of devices "
-                         "each stage's experts are split over (an int >= 1; 1 turns it off).")
-    return value
+    return _size(cfg, EXPERT_PARALLEL_KEY, "each stage's experts are split over")
 
 
 def expert_tensor_parallel_size(cfg: ComputeConfig) -> int:
     """The devices of each expert group ``cfg`` asks for (``pas_config['expert_tensor_parallel']``; 1: none)."""
-    value = cfg.pas_config.get(EXPERT_TENSOR_PARALLEL_KEY, 1)
+    return _size(cfg, EXPERT_TENSOR_PARALLEL_KEY, "that cut each expert-parallel expert's hidden units")
+
+
+def _size(cfg: ComputeConfig, key: str, what: str) -> int:
+    """``pas_config[key]``, a count of devices, checked (1 unless given)."""
+    value = cfg.pas_config.get(key, 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"pas_config['{EXPERT_TENSOR_PARALLEL_KEY}']={value!r} is invalid: give the number of "
-                         "devices that cut each expert-parallel expert's hidden units (an int >= 1; 1 turns it off).")
+        raise ValueError(f"pas_config['{key}']={value!r} is invalid: give the number of devices {what} (an int >= 1; "
+                         "1 turns it off).")
     return value
 
 
