@@ -44,7 +44,7 @@ from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.layer_rules import (context_parallel, counted_tokens_bytes, exchanged_bytes, exchanged_counts_bytes,
-                                     expert_parallel, vocab_parallel)
+                                     expert_hidden_parts, expert_parallel, vocab_parallel)
 from nbscaler.attention import context_attention
 from nbscaler.losses import split_cross_entropy
 from nbscaler.experts import parallel as experts_parallel
@@ -78,7 +78,7 @@ def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optiona
     if experts is not None:         # the runtime's call, its exchanges sized for a balanced routing
         place = node.placement
         group = experts_parallel.PlannedGroup(place.parts, place.devices.index(device) if device in place.devices else 0)
-        return getattr(experts_parallel, experts)(*args, **kwargs, group=group)
+        return getattr(experts_parallel, experts)(*args, **kwargs, group=group, hidden_parts=expert_hidden_parts(node))
     kind = context_parallel(node)
     if kind is not None:            # the runtime's call, as a device alone would make it
         fn = context_attention if kind == "attention" else split_cross_entropy

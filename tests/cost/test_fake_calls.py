@@ -108,3 +108,25 @@ def test_a_user_op_registered_again_under_its_name_is_replayed_anew():
         run = run_local(p.programs.device(0).sections[0])
         shapes += [op.out_shapes[0][0] for op in run.ops if op.node.target.endswith(".again")]
     assert shapes == [(4, 16), (4, 8)]
+
+
+@pytest.mark.parametrize("model", ["moe", "moe_capacity"])
+@pytest.mark.parametrize("pas", [{"expert_parallel": 4}, {"expert_parallel": 2, "expert_tensor_parallel": 2}])
+def test_the_fake_expert_call_sends_what_the_traffic_table_prices(model, pas, monkeypatch):
+    """The replay runs the runtime's expert-parallel call with a planned group: the rows it sends
+    each way (each pair to every device of its expert's group) are the bytes ``exchanged_bytes``
+    prices, so the memory model and the traffic table count the same exchange."""
+    from nbscaler.experts import parallel
+    from nbscaler.ir.layer_rules import EXPERT_OPS, exchanged_bytes
+    sent, exchange = [], parallel._exchange
+
+    def recorded(rows, send, receive, group):
+        if isinstance(group, parallel.PlannedGroup):
+            sent.append(sum(send) * rows[0].numel() * rows.element_size())
+        return exchange(rows, send, receive, group)
+
+    monkeypatch.setattr(parallel, "_exchange", recorded)
+    plan = nbscaler.plan(build(model), batch(model, 0, 16), "tp", ComputeConfig(4, 4, pas_config=pas))
+    plan.local_runs
+    priced = {exchanged_bytes(n) for n in plan.graph.nodes if n.target in EXPERT_OPS}
+    assert sent and set(sent) == priced, (sent, priced)
