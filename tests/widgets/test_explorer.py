@@ -425,6 +425,15 @@ def test_the_expert_parallel_knob_builds_the_config_the_policy_reads():
     assert "expert_parallel" not in off.compute_config().pas_config and off.row()["expert_parallel"] == 1
 
 
+def test_the_expert_groups_knob_is_read_only_beside_expert_parallel():
+    knobs = Knobs(policy="tp", plan_ngpus=4, runtime_ngpus=4, expert_parallel=2, expert_tensor_parallel=2)
+    pas = knobs.compute_config().pas_config
+    assert pas["expert_parallel"] == 2 and pas["expert_tensor_parallel"] == 2
+    assert knobs.row()["expert_tensor_parallel"] == 2
+    alone = Knobs(policy="tp", expert_tensor_parallel=2)                      # no expert parallelism: not read
+    assert "expert_tensor_parallel" not in alone.compute_config().pas_config and alone.row()["expert_tensor_parallel"] == 1
+
+
 @pytest.mark.slow       # seconds: a compile, a re-placement under context parallelism and a refusal
 def test_the_context_parallel_knob_compiles_a_cp_plan_and_a_refusal_shows_as_an_error(explorer):
     knobs = explorer.controls

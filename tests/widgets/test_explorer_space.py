@@ -344,3 +344,20 @@ def test_an_expert_parallel_point_has_its_own_group_and_loads_an_expert_parallel
         assert ex.plan.config.plan_ngpus == 4 and ex.plan.config.pipeline_nstages == 2
     finally:
         ex.close()
+
+
+@pytest.mark.slow       # seconds: two compiles of a mixture of experts
+def test_the_expert_groups_knob_cuts_the_experts_two_ways_and_is_off_without_expert_parallel():
+    ex = Explorer(build("moe_e2e"), batch("moe_e2e", 0), optimizer_fn=torch.optim.AdamW)
+    try:
+        assert ex.controls.expert_tensor_parallel.disabled                  # expert parallel 1: nothing to group
+        ex.set(policy="tp", plan_ngpus=4, runtime_ngpus=4, expert_parallel=2, expert_tensor_parallel=2)
+        ex.compile()
+        assert ex.error is None and not ex.controls.expert_tensor_parallel.disabled
+        assert ex.plan.config.pas_config["expert_tensor_parallel"] == 2
+        assert "hidden_parts=2)" in ex.plan.sources[3]
+        assert ex.runs["expert_tensor_parallel"].tolist()[-1] == 2
+        ex.set(expert_parallel=1)
+        assert ex.controls.expert_tensor_parallel.disabled and "expert_tensor_parallel" not in ex.plan.config.pas_config
+    finally:
+        ex.close()

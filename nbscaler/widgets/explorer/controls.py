@@ -32,7 +32,7 @@ from nbscaler.config import TRAIN_SCHEDULERS, ZERO_STAGES, ComputeConfig, Recomp
 from nbscaler.layouts import ContextKind
 from nbscaler.policy.builtin import PIPELINE_POLICIES, SEQUENCE_PARALLEL
 from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
-from nbscaler.policy.experts import expert_parallel
+from nbscaler.policy.experts import expert_parallel, expert_tensor_parallel_size
 from nbscaler.schedule import PipelineSchedule
 from nbscaler.widgets.explorer.knobs import BuiltinPolicy, Knobs, Policy, recompute_of
 
@@ -43,7 +43,7 @@ RECOMPUTE_CHOICES = [g.value for g in RecomputeGranularity]
 CONTEXT_KINDS = [k.value for k in ContextKind]
 KNOB_NAMES = ("policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "use_zero", "zero_stage",
               "zero_reshard_after_forward", "recompute", "sequence_parallel", "context_parallel",
-              "context_parallel_kind", "expert_parallel", "torch_compile")
+              "context_parallel_kind", "expert_parallel", "expert_tensor_parallel", "torch_compile")
 
 
 def _label() -> Dict[str, Any]:
@@ -91,6 +91,8 @@ class Controls:
                                                 description="context kind", **_label())
         self.expert_parallel = w.Dropdown(options=DEVICE_CHOICES, value=knobs.expert_parallel,
                                           description="expert parallel", **_label())
+        self.expert_tensor_parallel = w.Dropdown(options=DEVICE_CHOICES, value=knobs.expert_tensor_parallel,
+                                                 description="expert groups of", **_label())
         self.torch_compile = w.Checkbox(value=knobs.torch_compile, description="torch.compile the ranks",
                                         indent=False)
         self.steps = w.BoundedIntText(value=5, min=1, max=10_000, description="train steps", **_label())
@@ -118,7 +120,8 @@ class Controls:
             w.HTML("<b>Policy and compute</b>"), self.loaded, self.policy, self.plan_ngpus, self.runtime_ngpus,
             self.stages, self.nmicros, self.scheduler, self.use_zero, self.zero_stage,
             self.zero_reshard_after_forward, self.recompute, self.sequence_parallel, self.context_parallel,
-            self.context_parallel_kind, self.expert_parallel, self.torch_compile, self.compile_button,
+            self.context_parallel_kind, self.expert_parallel, self.expert_tensor_parallel, self.torch_compile,
+            self.compile_button,
             w.HTML("<b>Train</b>"), self.steps, self.lr, self.train_button,
             w.HTML("<b>Runs</b>"), w.HBox([self.compare_a, self.compare_b]), self.compare_button,
         ], layout=w.Layout(width="300px", min_width="300px"))
@@ -134,7 +137,8 @@ class Controls:
                      recompute_modules=self._recompute_modules, end2end=end2end,
                      sequence_parallel=self.sequence_parallel.value, context_parallel=self.context_parallel.value,
                      context_parallel_kind=self.context_parallel_kind.value, torch_compile=self.torch_compile.value,
-                     expert_parallel=self.expert_parallel.value)
+                     expert_parallel=self.expert_parallel.value,
+                     expert_tensor_parallel=self.expert_tensor_parallel.value)
 
     def set(self, **values: Any) -> None:
         """Set knobs from code (``set(policy='pp', stages=2)``); the owner hears one change at the end."""
@@ -193,6 +197,10 @@ class Controls:
             if ep not in self.expert_parallel.options:
                 self.expert_parallel.options = sorted({*self.expert_parallel.options, ep})
             self.expert_parallel.value = ep
+            etp = expert_tensor_parallel_size(config)
+            if etp not in self.expert_tensor_parallel.options:
+                self.expert_tensor_parallel.options = sorted({*self.expert_tensor_parallel.options, etp})
+            self.expert_tensor_parallel.value = etp
             if schedule is not None:
                 self.nmicros.value, self.scheduler.value = config.pipeline_nmicros, config.scheduler
         self.loaded.value = loaded
@@ -223,6 +231,7 @@ class Controls:
         self.context_parallel.disabled = not self.knobs(self._end2end).context_parallel_applies
         self.context_parallel_kind.disabled = self.knobs(self._end2end).context_parallel_size == 1
         self.expert_parallel.disabled = not self.knobs(self._end2end).expert_parallel_applies
+        self.expert_tensor_parallel.disabled = self.knobs(self._end2end).expert_parallel_size == 1
         self.zero_stage.disabled = not self.use_zero.value
         self.zero_reshard_after_forward.disabled = not (self.use_zero.value and self.zero_stage.value == 3)
 
@@ -232,7 +241,7 @@ class Controls:
         shown = [self.model, self.n_layer, self.policy, self.plan_ngpus, self.runtime_ngpus, self.stages,
                  self.nmicros, self.scheduler, self.use_zero, self.zero_stage, self.zero_reshard_after_forward,
                  self.recompute, self.sequence_parallel, self.context_parallel, self.context_parallel_kind,
-                 self.expert_parallel, self.torch_compile]
+                 self.expert_parallel, self.expert_tensor_parallel, self.torch_compile]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(c.description)}</th>"
                        f"<td>{'n/a' if c.disabled else html.escape(str(c.value))}</td></tr>"
                        for c in shown if c.layout.display != "none")

@@ -19,7 +19,7 @@ from nbscaler.layouts import ContextKind
 from nbscaler.policy.builtin import (PIPELINE_POLICIES, POLICY_KEYS, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_POLICIES,
                                      BuiltinPolicy)
 from nbscaler.policy.context import CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND
-from nbscaler.policy.experts import EXPERT_PARALLEL_KEY
+from nbscaler.policy.experts import EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY
 
 #: The policies that read ``pas_config['context_parallel']`` (``tp``, ``hybrid``).
 CONTEXT_PARALLEL_POLICIES = tuple(p for p, keys in POLICY_KEYS.items() if CONTEXT_PARALLEL in keys)
@@ -61,6 +61,9 @@ class Knobs:
       (``pas_config['expert_parallel']``, ``tp`` and ``hybrid`` only; 1: none). The policy takes
       only the devices of a stage and refuses another size, a model without routed experts, or
       sequence or context parallelism beside it, with the fix; the Explorer shows that refusal.
+    - ``expert_tensor_parallel``: the devices of each expert group, which cut its experts by hidden
+      unit (``pas_config['expert_tensor_parallel']``; read only where ``expert_parallel > 1``, whose
+      product with it the policy checks against a stage's devices; 1: none).
     - ``torch_compile``: the ranks run their generated methods through ``torch.compile``
       (``ComputeConfig.compile``); the runs table then says how long that took (``torch_compile_s``).
     """
@@ -83,6 +86,7 @@ class Knobs:
     context_parallel_kind: str = ContextKind.ALL_GATHER.value
     torch_compile: bool = False
     expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         allowed = [g.value for g in RecomputeGranularity]
@@ -134,6 +138,11 @@ class Knobs:
         """The expert-parallel size the plan is asked for: 1 where the policy does not read it."""
         return self.expert_parallel if self.expert_parallel_applies else 1
 
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """The devices of each expert group the plan is asked for: 1 without expert parallelism."""
+        return self.expert_tensor_parallel if self.expert_parallel_size > 1 else 1
+
     def replace(self, **changes: Any) -> "Knobs":
         return dataclasses.replace(self, **changes)
 
@@ -155,6 +164,8 @@ class Knobs:
             pas_config[CONTEXT_PARALLEL_KIND] = self.context_parallel_kind
         if self.expert_parallel_size > 1:         # so is this
             pas_config[EXPERT_PARALLEL_KEY] = self.expert_parallel_size
+        if self.expert_tensor_parallel_size > 1:
+            pas_config[EXPERT_TENSOR_PARALLEL_KEY] = self.expert_tensor_parallel_size
         if self.recompute == RecomputeGranularity.FULL and self.recompute_modules:
             pas_config[RECOMPUTE_MODULES] = list(self.recompute_modules)
         elif self.recompute != RecomputeGranularity.NONE:
@@ -173,6 +184,7 @@ class Knobs:
                 "sequence_parallel": self.sequence_parallel and self.sequence_parallel_applies,
                 "context_parallel": context_label(self.context_parallel_size, self.context_parallel_kind),
                 "expert_parallel": self.expert_parallel_size,
+                "expert_tensor_parallel": self.expert_tensor_parallel_size,
                 "recompute": self.recompute, "torch_compile": self.torch_compile}
 
 

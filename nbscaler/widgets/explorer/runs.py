@@ -22,14 +22,14 @@ from nbscaler.columns import SummaryColumn as C
 from nbscaler.planning import Plan
 from nbscaler.policy.builtin import SEQUENCE_PARALLEL
 from nbscaler.policy.context import context_kind
-from nbscaler.policy.experts import expert_parallel
+from nbscaler.policy.experts import expert_parallel, expert_tensor_parallel_size
 from nbscaler.recipe import Recipe
 from nbscaler.widgets.explorer.knobs import Knobs, context_label, recompute_of
 from nbscaler.widgets.explorer.trainer import TrainOutcome
 
 RUN_COLUMNS = ["run", "model", "policy", "plan_ngpus", "runtime_ngpus", "stages", "nmicros", "scheduler", "zero",
-               "sequence_parallel", "context_parallel", "expert_parallel", "recompute", "torch_compile", "compile_s",
-               "torch_compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
+               "sequence_parallel", "context_parallel", "expert_parallel", "expert_tensor_parallel", "recompute",
+               "torch_compile", "compile_s", "torch_compile_s", "step_s_predicted", "step_s", "bubble_predicted", "bubble", "peak_bytes_predicted", "peak_bytes",
                "peak_rss_bytes", "losses_match", "loss_rel_err"]
 
 
@@ -66,6 +66,7 @@ class Run:
             "sequence_parallel": bool(plan.config.pas_config.get(SEQUENCE_PARALLEL, False)),
             "context_parallel": context_label(plan.config.context_parallel, context_kind(plan.config)),
             "expert_parallel": expert_parallel(plan.config),
+            "expert_tensor_parallel": expert_tensor_parallel_size(plan.config),
             "recompute": recompute_of(plan.config)[0],
             "torch_compile": plan.config.compile,
             "step_s_predicted": float(summary[C.STEP_TIME_S].max()),
