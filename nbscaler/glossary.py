@@ -202,7 +202,7 @@ def expert_name(op: Optional[str]) -> str:
 def experts_text(held: range, total: int, top_k: int, routing: str) -> str:
     """How a view names the experts of one op: ``'experts 0–7, top-2, dropless'`` for all of them,
     ``'experts 4..7 of 8, top-2, dropless'`` for the share one device holds
-    (``nbscaler.ir.layer_rules.held_experts``)."""
+    (``nbscaler.ir.expert_rules.held_experts``)."""
     which = (f"experts {held[0]}\u2013{held[-1]}" if len(held) == total
              else f"experts {held[0]}..{held[-1]} of {total}")
     return f"{which}, top-{top_k}, {routing}"

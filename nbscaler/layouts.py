@@ -82,7 +82,7 @@ class ContextKind(_Word):
 
 
 EXPERT_SPLIT = "experts"
-"""What ``nbscaler.ir.layer_rules.expert_splits`` gives an expert-parallel op: its tokens split by
+"""What ``nbscaler.ir.expert_rules.expert_splits`` gives an expert-parallel op: its tokens split by
 batch, its experts over the same devices (``nbscaler.glossary.split_name`` names it)."""
 
 

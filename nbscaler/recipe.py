@@ -98,7 +98,13 @@ class Recipe:
       each product are cast, with their scales, for the product;
     - ``float8_skip``: modules whose linear layers keep the module's dtype under ``float8``, each a
       qualified name or its last parts (``"lm_head"``, ``"output"``: a model's output layer, which
-      torchtitan leaves in bf16).
+      torchtitan leaves in bf16);
+    - ``expert_imbalance``: what a prediction assumes of a dropless routing under expert
+      parallelism: the (token, expert) pairs the busiest device of the expert group gets over the
+      mean (1.0, the default: every device alike, as Megatron-Bridge forces it in its benchmarks;
+      ``RoutingLog.imbalance`` measures a real one). Each device is priced as that one: its
+      experts' products, the rows it gets and keeps for the backward, and each exchange, which
+      lasts until it has them. Only predictions read it; the runtime routes as the router says.
 
     Each field is checked when the recipe is made; a ``ValueError`` names the field and the fix.
     """
@@ -112,6 +118,7 @@ class Recipe:
     clip_grad_norm: Optional[float] = None
     float8: Optional[Float8Scaling] = None
     float8_skip: Tuple[str, ...] = ()
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
@@ -140,6 +147,11 @@ class Recipe:
             _fail("float8_skip", self.float8_skip, "it names modules to leave out of fp8 products, and float8 is "
                   "None; set float8='tensorwise' (or 'rowwise'), or leave float8_skip empty.")
         object.__setattr__(self, "float8_skip", skip)
+        imbalance = self.expert_imbalance
+        if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not 1 <= imbalance < float("inf"):
+            _fail("expert_imbalance", imbalance, "give the busiest expert-parallel device's (token, expert) pairs over "
+                  "the mean, a number >= 1 (1.0: a balanced routing).")
+        object.__setattr__(self, "expert_imbalance", float(imbalance))
 
     @classmethod
     def of(cls, recipe: Optional["Recipe"] = None, **shorthands: Any) -> "Recipe":

@@ -31,7 +31,8 @@ from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Resh
                                    Value)
 from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
-from nbscaler.ir.layer_rules import context_parallel, expert_parallel, sync_batch_norm, vocab_parallel
+from nbscaler.ir.expert_rules import expert_parallel
+from nbscaler.ir.layer_rules import context_parallel, sync_batch_norm, vocab_parallel
 from nbscaler.layouts import COLLECTIVES, emulations
 from nbscaler.recipe import Recipe
 from torch.fx.graph import dtype_abbrs

@@ -8,8 +8,8 @@ from typing import Any, Dict, Tuple
 
 from nbscaler.codegen.render import render_call
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import (EXPERT_WEIGHTS, expert_count, expert_hidden_parts, expert_parallel, expert_tensor_parallel,
-                                     held_experts, held_hidden_units)
+from nbscaler.ir.expert_rules import (EXPERT_WEIGHTS, expert_count, expert_hidden_parts, expert_parallel,
+                                      expert_tensor_parallel, held_experts, held_hidden_units)
 
 
 def experts_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:

@@ -21,7 +21,7 @@ from nbscaler.codegen.emitter import SectionPrinter
 from nbscaler.codegen.render import CodegenError, attr_name, group_var, user_op_alias
 from nbscaler.codegen.context import context_imports
 from nbscaler.codegen.experts import experts_imports
-from nbscaler.ir.layer_rules import expert_parallel
+from nbscaler.ir.expert_rules import expert_parallel
 from nbscaler.codegen.float8 import check_float8, float8_imports
 from nbscaler.codegen.vocab import vocab_imports
 from nbscaler.comm.program import LocalWeight, RankProgram, Section

@@ -38,8 +38,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
 from nbscaler.ir.graph import IRNode, Placement
-from nbscaler.ir.layer_rules import (EXPERT_WEIGHTS, context_ring, expert_hidden_parts, expert_parallel,
-                                     expert_tensor_parallel, vocab_parallel)
+from nbscaler.ir.expert_rules import EXPERT_WEIGHTS, expert_hidden_parts, expert_parallel, expert_tensor_parallel
+from nbscaler.ir.layer_rules import context_ring, vocab_parallel
 from nbscaler.layouts import Collective, LayoutKind
 
 R, S, P, SUM_GRAD, FIRST_ONLY = LayoutKind

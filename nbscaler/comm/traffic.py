@@ -40,8 +40,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from nbscaler.comm.layout import Layout, Step
 from nbscaler.comm.program import Fetch, RankProgram, Section, Send
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import (context_ring, counted_tokens_bytes, exchanged_bytes, exchanged_counts_bytes,
-                                     expert_parallel)
+from nbscaler.ir.expert_rules import exchanged_bytes, exchanged_counts_bytes, expert_parallel
+from nbscaler.ir.layer_rules import context_ring, counted_tokens_bytes
 from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 from nbscaler.comm.program import (Call, Fetch, Instruction, LocalWeight, Origin, Receive, Recompute, Reshard,
                                    Return, Section, Send, Unshard, Value)
 from nbscaler.ir.graph import REST_UNIT, SHARD_RESHARD, SHARD_UNITS
-from nbscaler.ir.layer_rules import VIEW_OPS
+from nbscaler.ir.shape_rules import VIEW_OPS
 
 
 def unit_table(weights: List[LocalWeight]) -> Dict[str, Tuple[str, ...]]:

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Set
 from nbscaler.cost.context_calls import ContextCall, Item, forward_items, where
 from nbscaler.cost.local import LocalRun
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import expert_parallel
+from nbscaler.ir.expert_rules import expert_parallel
 from nbscaler.layouts import Collective
 
 EXPERT_COLLECTIVES = (Collective.EXPERT_COUNTS, Collective.EXPERT_EXCHANGE)

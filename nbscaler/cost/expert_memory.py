@@ -2,7 +2,7 @@
 optimizer state: the part expert parallelism splits over the expert group.
 
 Each rank's share is the bytes of the expert weights it holds (the parameters behind ``w1``, ``w3``,
-``w2`` of every routed-experts op, ``nbscaler.ir.layer_rules.expert_weight_sources``; under expert
+``w2`` of every routed-experts op, ``nbscaler.ir.expert_rules.expert_weight_sources``; under expert
 parallelism its experts alone, ``held_experts``) over the bytes of all the parameters it holds, both as its weight table
 stores them. That share of the rank's predicted parameters, gradients and optimizer state
 (``plan.memory``) is the experts': exact where every parameter has one dtype, the optimizer keeps
@@ -18,7 +18,7 @@ import pandas as pd
 from nbscaler.columns import SummaryColumn as C
 from nbscaler.comm.program import LocalWeight
 from nbscaler.ir.graph import IRGraph
-from nbscaler.ir.layer_rules import EXPERT_OPS, expert_weight_sources
+from nbscaler.ir.expert_rules import EXPERT_OPS, expert_weight_sources
 
 EXPERT_MEMORY_KINDS = (C.PARAM_BYTES, C.GRAD_BYTES, C.OPTIMIZER_BYTES)
 """The memory categories expert weights take part of: parameters, gradients, optimizer state."""

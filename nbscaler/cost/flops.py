@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
 from nbscaler.cost.products import GROUPED_MM, product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
-from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+from nbscaler.ir.expert_rules import EXPERT_OPS, EXPERT_WEIGHTS
 from nbscaler.ir.shape_rules import arg
 
 

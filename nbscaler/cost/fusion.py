@@ -39,12 +39,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor
+from nbscaler.ir.shape_rules import VIEW_OPS  # no kernel: a chain of fused ops runs through them
 
 #: Ops a compiler fuses into its element-wise kernels: point-wise maths, norms, softmax, reductions,
 #: masks, losses (a log-softmax, a gather and a mean), concatenation and padding.
 FUSIBLE_OPS = frozenset({"elementwise", "norm", "softmax", "reduce", "sum", "triangle", "loss", "concat", "pad"})
-#: Ops that only change how a tensor is viewed: no kernel, so a chain runs through them.
-VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
 FUSION_KEYS = ("fused_reads", "fused_readers")
 
 

@@ -42,9 +42,10 @@ from nbscaler.comm.program import (Call, Fetch, Instruction, Receive, Recompute,
 from nbscaler.cost.fake_calls import CALLS, FakeCalls, FakeStorages, FakeValue, Stored, call_key
 from nbscaler import blocks as strided
 from nbscaler.blocks import Blocks
+from nbscaler.ir.expert_rules import (exchanged_bytes, exchanged_counts_bytes, expert_hidden_parts, expert_parallel,
+                                      routed_imbalance)
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import (context_parallel, counted_tokens_bytes, exchanged_bytes, exchanged_counts_bytes,
-                                     expert_hidden_parts, expert_parallel, vocab_parallel)
+from nbscaler.ir.layer_rules import context_parallel, counted_tokens_bytes, vocab_parallel
 from nbscaler.attention import context_attention
 from nbscaler.losses import split_cross_entropy
 from nbscaler.experts import parallel as experts_parallel
@@ -70,14 +71,17 @@ def resolve(target: str) -> Callable:
     raise ValueError(f"cannot find the function {target!r}")
 
 
-def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optional[int] = None) -> Any:
+def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optional[int] = None,
+              imbalance: float = 1.0) -> Any:
     """Call ``node``'s target on concrete (here: fake) arguments, as the generated code of plan
-    ``device`` would (the device matters to an expert-parallel op: which experts it holds)."""
+    ``device`` would (the device matters to an expert-parallel op: which experts it holds;
+    ``imbalance``: a dropless one's rows over a balanced routing's, ``Recipe.expert_imbalance``)."""
     target = node.target
     experts = expert_parallel(node)
-    if experts is not None:         # the runtime's call, its exchanges sized for a balanced routing
+    if experts is not None:         # the runtime's call, its exchanges sized for the routing priced
         place = node.placement
-        group = experts_parallel.PlannedGroup(place.parts, place.devices.index(device) if device in place.devices else 0)
+        group = experts_parallel.PlannedGroup(place.parts, place.devices.index(device) if device in place.devices else 0,
+                                              routed_imbalance(node, imbalance))
         return getattr(experts_parallel, experts)(*args, **kwargs, group=group, hidden_parts=expert_hidden_parts(node))
     kind = context_parallel(node)
     if kind is not None:            # the runtime's call, as a device alone would make it
@@ -131,6 +135,7 @@ class OpCall:
     saved_bytes: int            # bytes of storages this op saved that nothing before it had saved
     recomputed: bool = False    # in a recomputed region: its saved bytes live only while the backward rebuilds it
     saved_keys: Tuple[int, ...] = ()    # every storage it keeps saved (keys of LocalRun.saved), new or not
+    scale: float = 1.0          # its work over a balanced routing's (a dropless expert-parallel op: ``routed_imbalance``)
 
 
 @dataclass(frozen=True)
@@ -219,9 +224,10 @@ class _Replay:
     runs a graph): an environment maps each value of the program to the ``FakeValue`` that holds it,
     and each call is made again from a remembered one or dispatched on fake tensors (``cost.fake_calls``)."""
 
-    def __init__(self, section: Section, calls: Optional[FakeCalls]):
+    def __init__(self, section: Section, calls: Optional[FakeCalls], imbalance: float = 1.0):
         self.sec = section
         self.calls = calls
+        self.imbalance = imbalance             # the busiest expert-parallel device's pairs over the mean
         self.run = LocalRun(section.device, section.stage)
         self.env = _Env(self.weight, section.weights)
         self.weight_keys: set = set()
@@ -283,7 +289,9 @@ class _Replay:
         args, kwargs = call_args(node, inputs, self.fake_device, _out_shape(call))
         # a user op by its function too: registered again under its name, it is another call
         target = (node.target, USER_OPS.get(node.target), _structure(node.outputs), context_parallel(node),
-                  node.meta.get(CONTEXT_KIND), expert_parallel(node))
+                  node.meta.get(CONTEXT_KIND), expert_parallel(node),
+                  (node.placement.parts, expert_hidden_parts(node), routed_imbalance(node, self.imbalance))
+                  if expert_parallel(node) else None)
         produced, packed = self.remembered(target, args, kwargs, inputs, lambda xs: self.dispatch(call, xs))
         for v in call.inputs:                   # an op that changed an input in place
             self.env[v] = self.changed.get(id(self.env[v]), self.env[v])
@@ -296,9 +304,12 @@ class _Replay:
             self.env[v] = value
         self.run.ops.append(OpCall(node, tuple((x.shape, x.dtype, x.requires_grad) for x in inputs),
                                    tuple((v.shape, v.dtype) for v in produced), new_bytes,
-                                   self.region is not None, self._kept_keys(packed)))
+                                   self.region is not None, self._kept_keys(packed),
+                                   routed_imbalance(node, self.imbalance)))
         if expert_parallel(node):       # its rows out to their experts' devices and back, inside the call
-            rows, counts, devices = exchanged_bytes(node), exchanged_counts_bytes(node), node.placement.devices
+            # the busiest device's rows: the exchange lasts until it has what it gets
+            rows = round(exchanged_bytes(node) * routed_imbalance(node, self.imbalance))
+            counts, devices = exchanged_counts_bytes(node), node.placement.devices
             calls = [(Collective.EXPERT_COUNTS, counts)] if counts else []
             self.run.collectives += [CollectiveCall(fn, node.inputs[0].name, devices, nbytes, nbytes, node.name,
                                                     self.region is not None)
@@ -337,7 +348,7 @@ class _Replay:
         packed: List[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: (packed.append(x), x)[1], lambda x: x):
-                result = call_node(node, args, kwargs, self.sec.device)
+                result = call_node(node, args, kwargs, self.sec.device, self.imbalance)
             return _leaves(result, node.outputs), packed, True
         except Exception as err:                          # data-dependent shapes and the like
             self.run.exact = False
@@ -438,15 +449,18 @@ def fake_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def run_local(section: Section, train: bool = True, calls: Optional[FakeCalls] = CALLS) -> LocalRun:
+def run_local(section: Section, train: bool = True, calls: Optional[FakeCalls] = CALLS,
+              imbalance: float = 1.0) -> LocalRun:
     """Replay one lowered ``section`` of a rank's program on fake tensors, at its local shapes.
 
     Inputs are replicated and need a gradient where the traced ones did (a batch needs none); tensors received from the previous stage are replicated and need one when floating,
     as the pipeline executor makes them. ``train=False`` runs without autograd (nothing is saved).
     ``calls``: the calls made before, made again from what they did (``cost.fake_calls``); ``None``
-    dispatches every call.
+    dispatches every call. ``imbalance``: the routing priced, its busiest expert-parallel device's
+    (token, expert) pairs over the mean (``Recipe.expert_imbalance``): every device is replayed as
+    that one, whom the others wait for at each exchange.
     """
-    replay = _Replay(section, calls)
+    replay = _Replay(section, calls, imbalance)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.set_grad_enabled(train):
         for v in section.inputs:
             t = v.tensor

@@ -210,7 +210,7 @@ DeviceRuns = Dict[int, Dict[Optional[int], LocalRun]]
 """plan device -> its ``stage_runs``: what the memory table and the step model both replay."""
 
 
-def device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf] = None) -> DeviceRuns:
+def device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf] = None, imbalance: float = 1.0) -> DeviceRuns:
     """``stage_runs`` of every plan device, computed once for callers that need them twice.
 
     Devices whose programs are the same up to their rank (the members of one tensor-parallel group:
@@ -221,9 +221,10 @@ def device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf] = None) ->
     devices that are first in the same ``first_only`` groups (``_shares``).
 
     The devices left to replay share again where their sections are the same but for names: the
-    stages of repeated layers (``cost.same_sections``)."""
+    stages of repeated layers (``cost.same_sections``). ``imbalance``: the routing priced
+    (``Recipe.expert_imbalance``, ``run_local``)."""
     with paused_gc():
-        return _device_runs(placed, program_of)
+        return _device_runs(placed, program_of, imbalance)
 
 
 @contextlib.contextmanager
@@ -240,10 +241,10 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf]) -> DeviceRuns:
+def _device_runs(placed: PlacedGraphs, program_of: Optional[ProgramOf], imbalance: float) -> DeviceRuns:
     cfg, geometry = placed.config, placed.geometry
     graph = train_graph(placed.graphs)
-    replays = Replays()
+    replays = Replays(imbalance)
     by_stage: Dict[Optional[int], List[IRNode]] = {}
     for n in graph.nodes:
         by_stage.setdefault(n.stage if geometry is not None else None, []).append(n)
@@ -366,7 +367,7 @@ def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceR
         recipe: how the run trains: the optimizer (its state is learnt by stepping it on tiny
             tensors), its keywords (``momentum``, ``amsgrad``, ... change the state) and the
             master copies (``build_optimizer``'s).
-        runs: ``device_runs`` of the plan, when the caller has them already.
+        runs: ``device_runs`` of the plan (for ``recipe.expert_imbalance``), when the caller has them already.
         weights_of: plan device -> its weight table (``plan.programs.weights``), when the caller has them.
 
     Returns:
@@ -387,7 +388,8 @@ def memory_per_rank(placed: PlacedGraphs, recipe: Recipe, runs: Optional[DeviceR
         if cfg.inference_only:
             row[C.GRAD_BYTES] = row[C.ACTIVATION_BYTES] = 0
         else:
-            stages = runs[device] if runs is not None else stage_runs(placed, device)
+            stages = runs[device] if runs is not None else stage_runs(
+                placed, device, replay=functools.partial(run_local, imbalance=recipe.expert_imbalance))
             annotate_saved_bytes(stages)
             saved = {s: r.saved_bytes for s, r in stages.items()}
             held_for_w = ({s: held_for_weights(r, parts) for s, r in stages.items()}

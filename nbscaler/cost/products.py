@@ -20,7 +20,7 @@ from typing import Sequence, Tuple
 
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_contracts
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS
+from nbscaler.ir.expert_rules import EXPERT_OPS, EXPERT_WEIGHTS
 
 GROUPED_MM = "torch._grouped_mm"
 """Hugging Face's experts' grouped product: rows sorted by expert ``(m, a)`` by weights ``(E, a, b)``."""

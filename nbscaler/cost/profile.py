@@ -284,7 +284,8 @@ class OpProfiler:
             fwd, bwd = 0.0, 0.0
         else:
             fwd, bwd = (t * f for t, f in zip(self.table[self.run_keys[key]], proxy.factor))
-        return fwd * self.speed_s, bwd * self.speed_s
+        scale = self.speed_s * op.scale        # ``op.scale``: the busiest expert-parallel device's share of a routing
+        return fwd * scale, bwd * scale
 
     def update(self, numels: List[int], dtype: torch.dtype, recipe: Recipe) -> float:
         """Seconds of the reducer's copies and one step of ``recipe``'s optimizer over parameters of ``numels``

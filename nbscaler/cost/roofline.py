@@ -286,7 +286,8 @@ class RooflineOps:
         key = self.key(op) if key is None else key
         if key not in self._times:
             self._times[key] = self._time(op)
-        return self._times[key]
+        fwd, bwd = self._times[key]
+        return fwd * op.scale, bwd * op.scale       # the busiest expert-parallel device's share of a routing
 
     def _time(self, op: OpCall) -> Tuple[float, float]:
         """Every op by one rule: its arithmetic at its class's rate, its memory traffic or a kernel's

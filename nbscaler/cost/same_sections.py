@@ -167,16 +167,18 @@ def renamed(run: LocalRun, template: SectionNames, names: SectionNames) -> Local
 
 
 class Replays:
-    """``run_local`` of sections, replaying one section of each key (``section_key``)."""
+    """``run_local`` of sections, replaying one section of each key (``section_key``), for a
+    routing whose busiest expert-parallel device gets ``imbalance`` times the mean pairs."""
 
-    def __init__(self) -> None:
+    def __init__(self, imbalance: float = 1.0) -> None:
         self.done: Dict[Tuple, Tuple[LocalRun, SectionNames]] = {}
+        self.imbalance = imbalance
 
     def run(self, section: Section) -> LocalRun:
         key, names = section_key(section)
         if key in self.done:
             return renamed(*self.done[key], names)
-        run = run_local(section)
+        run = run_local(section, imbalance=self.imbalance)
         if run.exact:
             self.done[key] = (run, names)
         return run

@@ -18,11 +18,13 @@ What each device computes for each pair is what one process computes for it, so 
 one process's, to the order of floating-point sums. ``group=None`` is a group of one device. The
 cost model calls the functions on fake tensors with a ``PlannedGroup``, which stands in for the
 group's size and this device's place: its exchanges make what a routing that loads every expert
-alike would send (capacity routing sends exactly that, whatever the routing).
+alike would send (capacity routing sends exactly that, whatever the routing), or under dropless
+routing what the busiest device of a routing ``imbalance`` times the mean gets.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Tuple, Union
 
@@ -37,10 +39,13 @@ from nbscaler.experts.routing import (capacity_combine, capacity_dispatch, capac
 
 @dataclass(frozen=True)
 class PlannedGroup:
-    """A group of ``size`` devices of which this is ``rank``, for calls on fake tensors (see above)."""
+    """A group of ``size`` devices of which this is ``rank``, for calls on fake tensors (see above).
+    ``imbalance``: the rows this device gets over the balanced share (dropless routing; the busiest
+    device of a real routing, ``Recipe.expert_imbalance``)."""
 
     size: int
     rank: int
+    imbalance: float = 1.0
 
 
 Group = Union[None, dist.ProcessGroup, PlannedGroup]
@@ -82,7 +87,7 @@ def _splits(counts: torch.Tensor, rows: List[int], n: int, mine: int,
     ``counts`` ``(n * mine,)``, the pairs it sends each device for each of that device's experts:
     the counts exchanged, or under a ``PlannedGroup`` as many rows every way."""
     if isinstance(group, PlannedGroup):
-        return counts, rows, rows
+        return counts, rows, [math.ceil(r * group.imbalance) for r in rows]
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=group)
     return arriving, rows, arriving.view(n, mine).sum(1).tolist()

@@ -17,6 +17,11 @@ from nbscaler.blocks import normalize
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
 
+VIEW_OPS = frozenset({"reshape", "transpose", "getitem", "split", "expand"})
+"""The registry's ops whose result may share its input's storage (a view): what frees the input
+frees the view (ZeRO-3's release, ``comm.unit_gathers``), and what splits the view by its first axis
+can split the input alike (Hugging Face's experts' chunk and transposes, ``expert_weight_views``)."""
+
 Annotator = Callable[[IRNode], Optional[OpAnnotation]]
 
 

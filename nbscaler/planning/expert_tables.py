@@ -14,9 +14,9 @@ import pandas as pd
 
 from nbscaler.glossary import experts_text, layout_text
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_count, expert_groups, expert_hidden_parts,
-                                     expert_parallel, expert_routing, expert_tensor_parallel, expert_top_k,
-                                     expert_weight_sources, held_experts, held_hidden_units)
+from nbscaler.ir.expert_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_count, expert_groups, expert_hidden_parts,
+                                      expert_parallel, expert_routing, expert_tensor_parallel, expert_top_k,
+                                      expert_weight_sources, held_experts, held_hidden_units)
 from nbscaler.units import fmt_bytes
 
 if TYPE_CHECKING:

@@ -253,7 +253,7 @@ class Plan:
         the step (``nbscaler.cost.memory``)."""
         chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
                                 grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
-        return tag(memory_per_rank(self.placed, chosen, runs=self.local_runs, weights_of=self.programs.weights),
+        return tag(memory_per_rank(self.placed, chosen, runs=self.runs_for(chosen), weights_of=self.programs.weights),
                    Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> Timeline:
@@ -266,7 +266,7 @@ class Plan:
         (``cost.timing.sync_spans``): what they wait after the blocks is the step's exposed
         synchronisation. ``recipe`` is checked against the plan as ``summary`` checks it."""
         chosen = self.recipe_of(recipe)
-        return predicted_timeline(self.placed, runs=self.local_runs, hardware=hardware,
+        return predicted_timeline(self.placed, runs=self.runs_for(chosen), hardware=hardware,
                                   model=self.step_model(hardware, chosen),
                                   recipe=chosen, program_of=self.programs.device)
 
@@ -278,8 +278,8 @@ class Plan:
         Empty under any other configuration."""
         chosen = self.recipe_of(recipe)
         cfg = self.config
-        model = self.step_model(hardware, chosen) or StepModel(self.placed, runs=self.local_runs, hardware=hardware,
-                                                               weights_of=self.programs.weights,
+        model = self.step_model(hardware, chosen) or StepModel(self.placed, runs=self.runs_for(chosen),
+                                                               hardware=hardware, weights_of=self.programs.weights,
                                                                program_of=self.programs.device, recipe=chosen)
         return model.unit_table(cfg.pipeline_nmicros if cfg.use_pipeline else 1, chosen)
 
@@ -303,11 +303,11 @@ class Plan:
         if hardware is None or hardware.is_local:
             return None
         models = self.__dict__.setdefault("_step_models", [])     # (hardware, products, model): Hardware is unhashable
-        products = products_of(recipe)
+        products = products_of(recipe), recipe.expert_imbalance if recipe is not None else 1.0
         for known, made_for, model in models:
             if known == hardware and made_for == products:
                 return model
-        model = StepModel(self.placed, runs=self.local_runs, hardware=hardware, weights_of=self.programs.weights,
+        model = StepModel(self.placed, runs=self.runs_for(recipe), hardware=hardware, weights_of=self.programs.weights,
                           program_of=self.programs.device, recipe=recipe)
         models.append((hardware, products, model))
         return model
@@ -319,6 +319,17 @@ class Plan:
         if self.config.inference_only:
             return None
         return device_runs(self.placed, self.programs.device)
+
+    def runs_for(self, recipe: Optional[Recipe] = None) -> Optional[DeviceRuns]:
+        """``local_runs`` for the routing ``recipe`` prices (``Recipe.expert_imbalance``): the
+        balanced replay, or one made for that imbalance once and kept."""
+        imbalance = recipe.expert_imbalance if recipe is not None else 1.0
+        if imbalance == 1.0 or self.config.inference_only:
+            return self.local_runs
+        made = self.__dict__.setdefault("_imbalanced_runs", {})
+        if imbalance not in made:
+            made[imbalance] = device_runs(self.placed, self.programs.device, imbalance)
+        return made[imbalance]
 
     # -- again, differently -----------------------------------------------------------------------
     def replan(self, policy: Optional[Policy] = None, compute_config: Optional[ComputeConfig] = None) -> "Plan":

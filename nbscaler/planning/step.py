@@ -123,7 +123,7 @@ def plan_step(plan: "Plan", recipe: Recipe, hardware: Optional[Hardware] = None,
     ``hardware`` (``Hardware.local()`` too) its peak FLOP/s at the model's compute dtype and the
     FLOPs recomputed forwards add."""
     cfg = plan.config
-    model = plan.step_model(hardware, recipe) or StepModel(plan.placed, runs=plan.local_runs, hardware=hardware,
+    model = plan.step_model(hardware, recipe) or StepModel(plan.placed, runs=plan.runs_for(recipe), hardware=hardware,
                                                            weights_of=plan.programs.weights,
                                                            program_of=plan.programs.device, recipe=recipe)
     nsamples = cfg.pipeline_nmicros if cfg.use_pipeline else 1

@@ -50,8 +50,8 @@ from nbscaler.comm.layout import Layout, output_layout
 from nbscaler.columns import StrEnum
 from nbscaler.config import PIPELINE_KEYS, RECOMPUTE, RECOMPUTE_MODULES, ComputeConfig
 from nbscaler.ir.graph import IRGraph, IRNode
-from nbscaler.ir.layer_rules import (EXPERT_OPS, EXPERT_WEIGHTS, expert_tensor_parallel, expert_weight_views,
-                                     vocabulary_lookups)
+from nbscaler.ir.expert_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_tensor_parallel, expert_weight_views
+from nbscaler.ir.layer_rules import vocabulary_lookups
 from nbscaler.layouts import LayoutKind
 from nbscaler.policy.autodist import autodist
 from nbscaler.policy.autodist.options import KEYS as AUTODIST_KEYS, TARGET_KEYS

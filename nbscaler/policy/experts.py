@@ -28,7 +28,7 @@ from typing import Callable, Sequence, Tuple
 
 from nbscaler.config import ComputeConfig
 from nbscaler.ir.graph import EXPERT_HIDDEN_PARTS, EXPERT_PARALLEL, IRGraph, IRNode
-from nbscaler.ir.layer_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views
+from nbscaler.ir.expert_rules import EXPERT_OPS, EXPERT_WEIGHTS, expert_weight_views
 from nbscaler.policy.batch import split_batch
 from nbscaler.policy.primitives import PolicyError, partition, partition_grid, replicate
 

@@ -357,8 +357,13 @@ class PlanSpace:
 def space_recipe(recipe: Optional[Recipe] = None, **shorthands: Any) -> Recipe:
     """The recipe a space prices: ``Recipe.of(recipe, **shorthands)``, computing in bf16
     (``SWEEP_MODULE_DTYPE``) where neither it nor ``module_dtype=`` names a dtype
-    (``module_dtype=None``: the module's own)."""
+    (``module_dtype=None``: the module's own). A space prices balanced routing: a recipe with an
+    ``expert_imbalance`` is refused, with the fix."""
     chosen = Recipe.of(recipe, **shorthands)
+    if chosen.expert_imbalance != 1.0:
+        raise ValueError(f"Recipe(expert_imbalance={chosen.expert_imbalance}): a plan space prices balanced routing "
+                         "from the copy of two layers it replays once; give expert_imbalance=1.0 here, and price a row "
+                         "of it at that imbalance with nbscaler.plan(..., config_of(row)).summary(recipe=...).")
     if chosen.module_dtype is None and shorthands.get("module_dtype", UNSET) is UNSET:
         chosen = chosen.replace(module_dtype=SWEEP_MODULE_DTYPE)
     return chosen

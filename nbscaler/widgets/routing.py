@@ -4,7 +4,7 @@ A plan prices a dropless step's exchanges and activations for routing that gives
 many (token, expert) pairs; a real router does not. The view draws what ``nbscaler.experts.RoutingLog``
 recorded, per training step (``RoutingLog.next_step``):
 
-- **pairs per rank**: the pairs routed to the experts each rank holds (``layer_rules.held_experts``
+- **pairs per rank**: the pairs routed to the experts each rank holds (``expert_rules.held_experts``
   of the plan's first routed-experts op, or ``expert_range`` for ``expert_parallel=n``), with the
   balanced share as a dashed line: under expert parallelism the busiest rank sets the step's pace;
 - **pairs per expert**: each expert's pairs, coloured by the rank that holds it; under capacity
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import pandas as pd
 
-from nbscaler.ir.layer_rules import EXPERT_OPS, expert_parallel as is_expert_parallel, expert_range, held_experts
+from nbscaler.ir.expert_rules import EXPERT_OPS, expert_parallel as is_expert_parallel, expert_range, held_experts
 from nbscaler.widgets.formats import ascii_html
 from nbscaler.widgets.palette import CAPACITY_COLOUR, OTHER_COLOUR, rank_colour
 from nbscaler.widgets.svgchart import Bar, BarGroup, Limit, Segment, stacked_bars_svg

@@ -73,8 +73,9 @@ CONTEXT_ASSUMPTION = ("Context parallelism: each ring attention's passes priced 
 EXPERT_ASSUMPTION = ("Expert parallelism: each expert op's all-to-alls (the per-expert counts under dropless "
                      "routing, the rows out to their experts and back; their gradients the other ways) priced as "
                      "plan.collectives' expert_counts and expert_exchange rows, for routing that loads every expert "
-                     "alike; the block waits for each, drawn where the op runs it (nbscaler.cost.expert_calls). A "
-                     "real routing's imbalance: nbscaler.experts.RoutingLog.")
+                     "alike (or, dropless, the busiest device of Recipe(expert_imbalance=...), for every device); the "
+                     "block waits for each, drawn where the op runs it (nbscaler.cost.expert_calls). A real routing's "
+                     "imbalance: nbscaler.experts.RoutingLog.")
 TITLE_CHARS = 56
 """The longest line of the figure's title: about what a half-width pane shows at plotly's 17 px
 title font (the Explorer puts the timeline beside the memory view)."""

@@ -117,7 +117,7 @@ def test_the_fake_expert_call_sends_what_the_traffic_table_prices(model, pas, mo
     each way (each pair to every device of its expert's group) are the bytes ``exchanged_bytes``
     prices, so the memory model and the traffic table count the same exchange."""
     from nbscaler.experts import parallel
-    from nbscaler.ir.layer_rules import EXPERT_OPS, exchanged_bytes
+    from nbscaler.ir.expert_rules import EXPERT_OPS, exchanged_bytes
     sent, exchange = [], parallel._exchange
 
     def recorded(rows, send, receive, group):

@@ -12,14 +12,15 @@ import torch
 from nbscaler.columns import MEMORY_COLUMNS
 from nbscaler.config import ComputeConfig
 from nbscaler.recipe import AS_HELD, Recipe
-from nbscaler.cost.memory import gradients, in_flight_peak, optimizer_state_bytes, weight_memory
+from nbscaler.cost.memory import PlacedGraphs, gradients, in_flight_peak, memory_per_rank, optimizer_state_bytes, weight_memory
+from nbscaler.experts import RoutingLog
 from nbscaler.cost.moments import Gradients
 from nbscaler.cost.ranks import LocalWeight
 from nbscaler.schedule import PipelineGeometry, build_schedule
 from tests.models import build
-from tests.multiprocess import (Case, buckets, context_parallel, expert_parallel, granular, measure_memory, pipeline, predicted_memory, recompute,
-                                run_cases,
-                                sequence_parallel, zero)
+from tests.multiprocess import (OPTIMIZERS, Case, buckets, context_parallel, expert_parallel, granular, measure_memory,
+                                pipeline, plan_inputs, predicted_memory, recompute, run_cases, samples, sequence_parallel,
+                                single_steps, zero)
 
 
 @pytest.mark.parametrize("optimizer, kwargs, expected", [
@@ -533,3 +534,34 @@ def test_hugging_face_experts_keep_their_share_split_either_way(tmp_path):
     expert_bytes = sum(t.numel() * 4 for name, t in build("hf_mixtral").named_parameters() if ".experts." in name)
     assert whole - predicted[0]["param_bytes"] == expert_bytes // 2
     assert whole - predicted_memory(split)[0]["param_bytes"] > expert_bytes // 2     # attention split too
+
+
+@pytest.mark.multiprocess
+def test_a_routing_imbalance_costs_what_the_meter_measures_per_pair(tmp_path):
+    """Dropless experts over 2 ranks: the real routing of the step measured gives one rank more
+    (token, expert) pairs than the balanced share and the other fewer. Priced with one more pair
+    from each device in each exchange (``Recipe(expert_imbalance=...)``), the memory model adds per
+    pair exactly what each rank's meter shows per pair over or under the balanced share, in its
+    activations and at its peak."""
+    case = Case("moe", "tp", 2, 2, optimizer="adamw", config=expert_parallel(2))
+    measured = run_cases(measure_memory, 2, [case], str(tmp_path))[case]
+    model = build(case.model)                           # the routing of the step measured, the second
+    single_steps(model, case.make_optimizer(model), case, range(1), case.units)
+    with RoutingLog() as log:
+        model(**samples(case, 1, 0)[0])
+    routed = log.frame().groupby("expert").routed.sum()     # both blocks' pairs
+    experts, blocks, devices = len(routed), 2, 2
+    pairs = [int(routed.loc[r * experts // devices:(r + 1) * experts // devices - 1].sum()) for r in range(devices)]
+    balanced = sum(pairs) // devices
+    assert pairs[0] != balanced, pairs                  # the check needs a rank off the balanced share
+    # each device routes 2 sequences of 8 tokens, top-2: 32 rows, 16 to each device; 17/16 of the
+    # mean makes each exchange bring one row more from each device, in each block
+    more = blocks * devices
+    cls, kwargs = OPTIMIZERS[case.optimizer]
+    even, heavier = (memory_per_rank(PlacedGraphs(*plan_inputs(case)), Recipe(cls, kwargs, expert_imbalance=imbalance))
+                     for imbalance in (1.0, 17 / 16))
+    for column in ("activation_bytes", "peak_bytes"):
+        per_pair = (heavier[column][0] - even[column][0]) / more
+        assert per_pair > 0
+        for rank in range(devices):
+            assert measured[rank][column] - even[column][rank] == per_pair * (pairs[rank] - balanced), (column, rank)

@@ -89,3 +89,14 @@ def test_expert_parallel_with_experts_cut_by_hidden_unit_trains_like_one_process
     per_rank = run_ranks(train_parallel, 4, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
+
+
+@pytest.mark.multiprocess
+def test_expert_groups_in_pipeline_stages_and_zero_units_train_like_one_process(tmp_path):
+    """8 ranks: a two-stage 1F1B pipeline whose stages are each 2 expert groups of 2, and two
+    data-parallel units of 2 expert groups of 2 under ZeRO-3 (each rank half of its slice's state)."""
+    cases = [Case("moe_e2e", "hybrid", 8, 8, config=pipeline("1f1b", 2, 2) + expert_parallel(2, hidden=2)),
+             Case("moe", "tp", 4, 8, config=expert_parallel(2, hidden=2) + zero(stage=3), optimizer="adamw")]
+    per_rank = run_ranks(train_parallel, 8, cases, str(tmp_path))
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])

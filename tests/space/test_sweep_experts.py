@@ -104,7 +104,7 @@ def test_the_all_to_alls_cost_more_when_the_expert_group_spans_nodes():
 @pytest.mark.parametrize("module, ranges, words", [
     (Llama(LlamaConfig(vocab_size=512, seq_len=SEQ, n_layer=4, d_model=128, n_head=4, n_kv_head=2)), {},
      "the model calls none"),
-    (MoELlama(MOE_CFG), {"ep": (1, 8), "micro_batch": (8,)}, "has 4 experts, which do not split over 8 devices"),
+    (MoELlama(MOE_CFG), {"ep": (1, 8), "micro_batch": (8,)}, "has 4 experts, which do not split over 8 expert groups"),
     (MoELlama(MOE_CFG), {"micro_batch": (1,)}, "no input's first dimension divides by 2 (batch size 1)"),
     (MoELlama(MOE_CFG), {"cp": (1, 2)}, "'expert_parallel' and 'context_parallel'"),
 ])

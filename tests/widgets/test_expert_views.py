@@ -13,7 +13,7 @@ import torch
 
 from nbscaler import Hardware
 from nbscaler.glossary import experts_text, split_text
-from nbscaler.ir.layer_rules import EXPERT_OPS, held_experts
+from nbscaler.ir.expert_rules import EXPERT_OPS, held_experts
 from nbscaler.planning.tables import plan_html
 from nbscaler.widgets import GraphView, MemoryView, PlanView, TimelineView
 from nbscaler.widgets.memory import EXPERT_NOTE

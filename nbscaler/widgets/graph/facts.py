@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from nbscaler.glossary import split_name
-from nbscaler.ir.layer_rules import EXPERT_OPS, expert_parallel, parallel_splits
+from nbscaler.ir.expert_rules import EXPERT_OPS, expert_parallel
+from nbscaler.ir.layer_rules import parallel_splits
 from nbscaler.layouts import Collective
 from nbscaler.planning.expert_tables import held_text
 from nbscaler.widgets.formats import fmt_count, is_missing
