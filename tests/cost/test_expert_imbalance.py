@@ -4,7 +4,6 @@ mean of the (token, expert) pairs; capacity routing and experts held whole on ev
 moved by it. Its memory is checked against the meter in ``test_memory``."""
 
 import pytest
-import torch
 
 import nbscaler
 from nbscaler import ComputeConfig, Hardware, Recipe
