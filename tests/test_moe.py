@@ -128,3 +128,23 @@ def test_the_routing_log_counts_each_experts_pairs_and_what_capacity_dropped(rou
     with RoutingLog() as quiet:
         nbscaler.plan(MoELlama(cfg), sample_batch(cfg, 2), "dp", ComputeConfig(1, 1))
     assert quiet.frame().empty
+
+
+def test_the_first_capacity_overflow_of_a_process_is_reported_without_a_log(routed, monkeypatch, recwarn):
+    """Pairs past an expert's capacity are dropped by design, but never silently: the first call that
+    drops any warns, naming how many and the fixes; later ones are left to a RoutingLog. A call that
+    drops none, dropless routing and shape-only calls say nothing."""
+    from nbscaler.experts import CapacityOverflowWarning
+    from nbscaler.experts import log as routing_log
+    monkeypatch.setattr(routing_log, "_DROPS_REPORTED", [False])
+    x, weights, chosen, w1, w3, w2 = routed
+    dropless_experts(x.reshape(12, D), weights.reshape(12, K), chosen.reshape(12, K), w1, w3, w2)
+    capacity_experts(*routed, 12)                               # room for every pair
+    with torch.device("meta"):
+        capacity_experts(*(t.to("meta") for t in routed), 1)
+    assert not [w for w in recwarn if issubclass(w.category, CapacityOverflowWarning)]
+    with pytest.warns(CapacityOverflowWarning, match=r"dropped \d+ of 24 .*capacity_factor"):
+        capacity_experts(*routed, 1)
+    recwarn.clear()
+    capacity_experts(*routed, 1)
+    assert not [w for w in recwarn if issubclass(w.category, CapacityOverflowWarning)]

@@ -26,7 +26,7 @@ so every split of the op applies to them too.
 """
 
 from nbscaler.experts.grouped import grouped_mm
-from nbscaler.experts.log import RoutingLog
+from nbscaler.experts.log import CapacityOverflowWarning, RoutingLog
 from nbscaler.experts.routing import capacity_experts, dropless_experts
 
-__all__ = ["RoutingLog", "capacity_experts", "dropless_experts", "grouped_mm"]
+__all__ = ["CapacityOverflowWarning", "RoutingLog", "capacity_experts", "dropless_experts", "grouped_mm"]

@@ -17,11 +17,18 @@ rank that holds each expert (``nbscaler.widgets.routing.RoutingView``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 
 _OPEN: List["RoutingLog"] = []
+_DROPS_REPORTED = [False]       # the first drop of this process is reported; later ones are left to a log
+
+
+class CapacityOverflowWarning(UserWarning):
+    """Capacity routing dropped (token, expert) pairs: an expert got more pairs of a sequence than
+    its capacity, and those pairs add nothing to their tokens."""
 
 
 class RoutingLog:
@@ -73,8 +80,22 @@ class RoutingLog:
 
 def record(routed: torch.Tensor, served: Optional[torch.Tensor] = None) -> None:
     """Add a call's pairs per expert to every open log (nothing when none is open, or for the shapes
-    alone: tracing and the cost model call the ops on fake tensors)."""
-    if not _OPEN or _shapes_only(routed):
+    alone: tracing and the cost model call the ops on fake tensors). The first call of a process
+    that drops pairs is reported, log or not (``CapacityOverflowWarning``); until then each capacity
+    call reads whether it dropped any (one device sync), after it none does. Inside a
+    ``torch.compile`` region nothing is read: open a ``RoutingLog`` around eager steps to count drops."""
+    if _shapes_only(routed):
+        return
+    if served is not None and not _DROPS_REPORTED[0] and not torch.compiler.is_compiling():
+        if bool((served != routed).any()):
+            _DROPS_REPORTED[0] = True
+            dropped = int((routed - served).sum())
+            warnings.warn(f"capacity routing dropped {dropped} of {int(routed.sum())} (token, expert) pairs in one "
+                          "call: an expert got more pairs of a sequence than its capacity, and those pairs add "
+                          "nothing to their tokens. Later drops are not reported again; count them per expert and "
+                          "step with nbscaler.experts.RoutingLog. To drop fewer, raise MoEConfig.capacity_factor, "
+                          "or route dropless (capacity_factor=None).", CapacityOverflowWarning, stacklevel=3)
+    if not _OPEN:
         return
     routed = routed.detach().cpu()
     served = served.detach().cpu() if served is not None else None
