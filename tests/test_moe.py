@@ -148,3 +148,16 @@ def test_the_first_capacity_overflow_of_a_process_is_reported_without_a_log(rout
     recwarn.clear()
     capacity_experts(*routed, 1)
     assert not [w for w in recwarn if issubclass(w.category, CapacityOverflowWarning)]
+
+
+def test_calls_on_made_up_inputs_report_no_drops(routed, monkeypatch, recwarn):
+    """The cost model times an op on random inputs (``unreal_inputs``): their drops are not the
+    run's, so they neither warn nor use up the process's one report."""
+    from nbscaler.experts import CapacityOverflowWarning
+    from nbscaler.experts import log as routing_log
+    monkeypatch.setattr(routing_log, "_DROPS_REPORTED", [False])
+    with routing_log.unreal_inputs():
+        capacity_experts(*routed, 1)
+    assert not [w for w in recwarn if issubclass(w.category, CapacityOverflowWarning)]
+    with pytest.warns(CapacityOverflowWarning):
+        capacity_experts(*routed, 1)

@@ -36,6 +36,7 @@ from nbscaler.cost.cache import cache_dir, read_table, write_table
 from nbscaler.cost.local import OpCall, call_args, call_node
 from nbscaler.cost.shrink import Basis, Proxy, measure_rates, rate_seconds, shrink, shrink_update
 from nbscaler.cost.speed import device_key, intra_op_threads, sync, warm_up
+from nbscaler.experts.log import unreal_inputs
 from nbscaler.recipe import Recipe
 
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 20, 0.05
@@ -96,7 +97,13 @@ def time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
     """Median forward and backward seconds of ``op`` on ``device`` (a few repeats, a small budget).
 
     On a CPU each run starts from caches a step would leave (``EVICT_BYTES``), not from inputs
-    just copied into them."""
+    just copied into them. The inputs are random: a capacity routing's drops among them are not
+    reported (``nbscaler.experts.log.unreal_inputs``)."""
+    with unreal_inputs():
+        return _time_op(op, device)
+
+
+def _time_op(op: OpCall, device: torch.device) -> Tuple[float, float]:
     fwd, bwd = [], []
     spent = 0.0
     drawn = _random_inputs(op, device)

@@ -17,13 +17,15 @@ rank that holds each expert (``nbscaler.widgets.routing.RoutingView``).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
 _OPEN: List["RoutingLog"] = []
 _DROPS_REPORTED = [False]       # the first drop of this process is reported; later ones are left to a log
+_UNREAL = [0]                   # inside ``unreal_inputs``: calls on made-up inputs, whose drops mean nothing
 
 
 class CapacityOverflowWarning(UserWarning):
@@ -86,7 +88,7 @@ def record(routed: torch.Tensor, served: Optional[torch.Tensor] = None) -> None:
     ``torch.compile`` region nothing is read: open a ``RoutingLog`` around eager steps to count drops."""
     if _shapes_only(routed):
         return
-    if served is not None and not _DROPS_REPORTED[0] and not torch.compiler.is_compiling():
+    if served is not None and not _DROPS_REPORTED[0] and not _UNREAL[0] and not torch.compiler.is_compiling():
         if bool((served != routed).any()):
             _DROPS_REPORTED[0] = True
             dropped = int((routed - served).sum())
@@ -101,6 +103,17 @@ def record(routed: torch.Tensor, served: Optional[torch.Tensor] = None) -> None:
     served = served.detach().cpu() if served is not None else None
     for log in _OPEN:
         log.add(routed, served)
+
+
+@contextlib.contextmanager
+def unreal_inputs() -> Iterator[None]:
+    """Calls inside run on made-up inputs (the cost model timing an op on random tensors): what
+    they drop is not reported."""
+    _UNREAL[0] += 1
+    try:
+        yield
+    finally:
+        _UNREAL[0] -= 1
 
 
 def _shapes_only(t: torch.Tensor) -> bool:
