@@ -147,10 +147,14 @@ def expert_parallel_capacity(x: torch.Tensor, weights: torch.Tensor, experts: to
     placed = capacity_dispatch(x, experts, mine * groups, capacity)           # buffer (E, b*capacity, d)
     slots, d = placed.buffer.shape[1], placed.buffer.shape[2]
     equal = [mine * slots] * n
-    out = placed.buffer.view(groups, 1, mine * slots, d).expand(groups, hidden_parts, mine * slots, d)
-    arrived = _Exchange.apply(out.reshape(-1, d), equal, equal, group)         # (N sources * E/G * slots, d)
+    out = placed.buffer.reshape(-1, d)
+    if hidden_parts > 1:                                                       # each group's buffers to all its devices
+        out = out.view(groups, 1, mine * slots, d).expand(groups, hidden_parts, mine * slots, d).reshape(-1, d)
+    arrived = _Exchange.apply(out, equal, equal, group)                        # (N sources * E/G * slots, d)
     arrived = arrived.view(n, mine, slots, d).transpose(0, 1).reshape(mine, n * slots, d)
     out = batched_swiglu(arrived, w1, w3, w2)                                  # (E/G, N * slots, d)
     out = out.view(mine, n, slots, d).transpose(0, 1).reshape(-1, d)
-    returned = _Exchange.apply(out, equal, equal, group).view(groups, hidden_parts, mine * slots, d).sum(1)
+    returned = _Exchange.apply(out, equal, equal, group)
+    if hidden_parts > 1:                                                       # each group's partial sums added
+        returned = returned.view(groups, hidden_parts, mine * slots, d).sum(1)
     return capacity_combine(returned.view(groups * mine, slots, d), placed, weights, x)
