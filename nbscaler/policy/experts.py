@@ -94,10 +94,10 @@ def check_experts(cfg: ComputeConfig, stage_devices: int, others: Tuple[str, ...
                           f"with them yet; drop {' and '.join(map(repr, others))}, or '{EXPERT_PARALLEL_KEY}'.")
     if n * p != stage_devices:
         inner = f" x {EXPERT_TENSOR_PARALLEL_KEY}={p} = {n * p}" if p > 1 else ""
-        fix = (f"set {EXPERT_PARALLEL_KEY}={stage_devices // p}" if stage_devices % p == 0 else
-               f"set {EXPERT_TENSOR_PARALLEL_KEY} to a divisor of {stage_devices}")
-        fix += (f", or {EXPERT_TENSOR_PARALLEL_KEY}={stage_devices // n} (each expert group cutting its experts "
-                f"by hidden unit)" if stage_devices % n == 0 and stage_devices // n != p else "")
+        fixes = [f"{EXPERT_PARALLEL_KEY}={stage_devices // p}"] if stage_devices % p == 0 and stage_devices > p else []
+        fixes += ([f"{EXPERT_TENSOR_PARALLEL_KEY}={stage_devices // n} (each expert group cutting its experts by hidden "
+                   "unit)"] if stage_devices % n == 0 and stage_devices // n != p else [])
+        fix = "set " + ", or ".join(fixes) if fixes else f"give sizes whose product is {stage_devices}"
         raise PolicyError(f"{EXPERT_PARALLEL_KEY}={n}{inner}, but each stage has {stage_devices} devices: nbscaler "
                           "splits a stage's experts over all of its devices, in groups of "
                           f"'{EXPERT_TENSOR_PARALLEL_KEY}' (1 unless given); {fix}, or plan_ngpus to {n * p} x the "
