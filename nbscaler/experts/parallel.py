@@ -93,10 +93,13 @@ def _splits(counts: torch.Tensor, rows: List[int], n: int, mine: int,
     return arriving, rows, arriving.view(n, mine).sum(1).tolist()
 
 
-def _to_each_part(per_group: List[torch.Tensor], parts: int) -> torch.Tensor:
-    """Each expert group's rows once for every device of the group (``parts`` of them, each
-    holding its share of the experts' hidden units): autograd sums their gradients back."""
-    return torch.cat([rows for rows in per_group for _ in range(parts)]) if parts > 1 else torch.cat(per_group)
+def _to_each_part(rows: torch.Tensor, sizes: List[int], parts: int) -> torch.Tensor:
+    """``rows``, grouped by expert group (``sizes``), with each group's once for every device of the
+    group (``parts`` of them, each holding its share of the experts' hidden units): autograd sums
+    their gradients back. With one part, ``rows`` themselves (no copy)."""
+    if parts == 1:
+        return rows
+    return torch.cat([group for group in rows.split(sizes) for _ in range(parts)])
 
 
 def _sum_parts(returned: torch.Tensor, sizes: List[int], parts: int) -> torch.Tensor:
@@ -124,7 +127,7 @@ def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: to
     send = [c for c in sizes for _ in range(hidden_parts)]
     counts = per_group.repeat_interleave(hidden_parts, 0).reshape(-1)
     arriving, send, receive = _splits(counts, send, n, mine, group)
-    rows = _Exchange.apply(_to_each_part(list(routed.rows.split(sizes)), hidden_parts), send, receive, group)
+    rows = _Exchange.apply(_to_each_part(routed.rows, sizes, hidden_parts), send, receive, group)
     expert = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(arriving, output_size=sum(receive))
     by_expert = expert.argsort(stable=True)                                    # regrouped expert by expert
     offsets = arriving.view(n, mine).sum(0).cumsum(0).to(torch.int32)
