@@ -40,10 +40,8 @@ def experts_tp_comment(node: IRNode, device: int) -> str:
     any other op."""
     if not expert_tensor_parallel(node):
         return ""
-    place = node.placement
-    hidden = node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
-    mine, index = hidden // place.parts, place.devices.index(device)
-    return (f"# tensor parallel inside the experts: this device holds hidden units {index * mine}..{(index + 1) * mine - 1} "
+    units, hidden = held_hidden_units(node, device), node.inputs[EXPERT_WEIGHTS[0]].shape[-1]
+    return (f"# tensor parallel inside the experts: this device holds hidden units {units[0]}..{units[-1]} "
             f"of each expert's {hidden} (w1, w3 by column, w2 by row), sees every token, and its output is a partial "
             "sum the next reader all-reduces")
 

@@ -80,8 +80,8 @@ def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optiona
     experts = expert_parallel(node)
     if experts is not None:         # the runtime's call, its exchanges sized for the routing priced
         place = node.placement
-        group = experts_parallel.PlannedGroup(place.parts, place.devices.index(device) if device in place.devices else 0,
-                                              routed_imbalance(node, imbalance))
+        index = place.devices.index(device) if device in place.devices else 0
+        group = experts_parallel.PlannedGroup(place.parts, index, routed_imbalance(node, imbalance))
         return getattr(experts_parallel, experts)(*args, **kwargs, group=group, hidden_parts=expert_hidden_parts(node))
     kind = context_parallel(node)
     if kind is not None:            # the runtime's call, as a device alone would make it
@@ -135,7 +135,7 @@ class OpCall:
     saved_bytes: int            # bytes of storages this op saved that nothing before it had saved
     recomputed: bool = False    # in a recomputed region: its saved bytes live only while the backward rebuilds it
     saved_keys: Tuple[int, ...] = ()    # every storage it keeps saved (keys of LocalRun.saved), new or not
-    scale: float = 1.0          # its work over a balanced routing's (a dropless expert-parallel op: ``routed_imbalance``)
+    scale: float = 1.0          # its work over a balanced routing's (dropless expert parallelism: ``routed_imbalance``)
 
 
 @dataclass(frozen=True)

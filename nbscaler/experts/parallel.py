@@ -80,17 +80,19 @@ def _size_rank(group: Group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _splits(counts: torch.Tensor, rows: List[int], n: int, mine: int,
+def _splits(counts: torch.Tensor, rows: int, n: int, mine: int,
             group: Group) -> Tuple[torch.Tensor, List[int], List[int]]:
     """The pairs this device gets of each of its experts from each device (``(n * mine,)``, by
-    source), and how many rows it sends to each device (``rows``) and gets from each, given
+    source), and how many of its ``rows`` it sends to each device and gets from each, given
     ``counts`` ``(n * mine,)``, the pairs it sends each device for each of that device's experts:
-    the counts exchanged, or under a ``PlannedGroup`` as many rows every way."""
+    the counts exchanged, or under a ``PlannedGroup`` as many rows every way (``imbalance`` times
+    as many in)."""
     if isinstance(group, PlannedGroup):
-        return counts, rows, [math.ceil(r * group.imbalance) for r in rows]
+        send = [rows // n] * n
+        return counts, send, [math.ceil(r * group.imbalance) for r in send]
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=group)
-    return arriving, rows, arriving.view(n, mine).sum(1).tolist()
+    return arriving, counts.view(n, mine).sum(1).tolist(), arriving.view(n, mine).sum(1).tolist()
 
 
 def _to_each_part(rows: torch.Tensor, sizes: List[int], parts: int) -> torch.Tensor:
@@ -111,7 +113,8 @@ def _sum_parts(returned: torch.Tensor, sizes: List[int], parts: int) -> torch.Te
 
 
 def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
-                             w3: torch.Tensor, w2: torch.Tensor, *, group: Group, hidden_parts: int = 1) -> torch.Tensor:
+                             w3: torch.Tensor, w2: torch.Tensor, *, group: Group,
+                             hidden_parts: int = 1) -> torch.Tensor:
     """``dropless_experts`` of this device's tokens with this device's experts ``w1``, ``w3``
     ``(E/G, d, h/P)``, ``w2`` ``(E/G, h/P, d)``, the pairs of other experts sent to their devices.
     With ``hidden_parts=P`` the group's ``N`` devices are ``G = N/P`` expert groups of ``P``
@@ -122,11 +125,9 @@ def expert_parallel_dropless(x: torch.Tensor, weights: torch.Tensor, experts: to
         return dropless_experts(x, weights, experts, w1, w3, w2)
     mine, groups = w1.shape[0], n // hidden_parts                              # experts on each device
     routed = dropless_dispatch(x, experts, mine * groups)
-    per_group = routed.counts.view(groups, mine)
-    sizes = per_group.sum(1).tolist() if not isinstance(group, PlannedGroup) else [routed.rows.shape[0] // groups] * groups
-    send = [c for c in sizes for _ in range(hidden_parts)]
-    counts = per_group.repeat_interleave(hidden_parts, 0).reshape(-1)
-    arriving, send, receive = _splits(counts, send, n, mine, group)
+    counts = routed.counts.view(groups, mine).repeat_interleave(hidden_parts, 0).reshape(-1)   # per device, its experts'
+    arriving, send, receive = _splits(counts, routed.rows.shape[0] * hidden_parts, n, mine, group)
+    sizes = send[::hidden_parts]                                               # rows per expert group
     rows = _Exchange.apply(_to_each_part(routed.rows, sizes, hidden_parts), send, receive, group)
     expert = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(arriving, output_size=sum(receive))
     by_expert = expert.argsort(stable=True)                                    # regrouped expert by expert

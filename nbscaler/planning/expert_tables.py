@@ -73,8 +73,8 @@ def expert_rows(plan: "Plan") -> pd.DataFrame:
         parts = expert_hidden_parts(node)
         for device in devices:
             held = held_experts(node, device)
-            rows.append({"op": node.name, "module": node.module_path, "device": device, "experts": held_text(node, device),
-                         "weights": names, "layout": layout,
+            rows.append({"op": node.name, "module": node.module_path, "device": device,
+                         "experts": held_text(node, device), "weights": names, "layout": layout,
                          "held_bytes": sum(t.nbytes for t in weights) * len(held) // total // parts})
     return pd.DataFrame(rows, columns=EXPERT_COLUMNS)
 

@@ -253,8 +253,8 @@ class Plan:
         the step (``nbscaler.cost.memory``)."""
         chosen = self.recipe_of(recipe, optimizer=optimizer, master_dtype=master_dtype,
                                 grad_reduce_dtype=grad_reduce_dtype, optimizer_kwargs=optimizer_kwargs)
-        return tag(memory_per_rank(self.placed, chosen, runs=self.runs_for(chosen), weights_of=self.programs.weights),
-                   Table.MEMORY, self)
+        return tag(memory_per_rank(self.placed, chosen, runs=self.runs_for(chosen),
+                                   weights_of=self.programs.weights), Table.MEMORY, self)
 
     def timeline(self, hardware: Optional[Hardware] = None, *, recipe: Optional[Recipe] = None) -> Timeline:
         """The predicted timeline of one training step, rows ``(rank, stage, micro, phase, t_start, t_end)``,
@@ -303,13 +303,13 @@ class Plan:
         if hardware is None or hardware.is_local:
             return None
         models = self.__dict__.setdefault("_step_models", [])     # (hardware, products, model): Hardware is unhashable
-        products = products_of(recipe), recipe.expert_imbalance if recipe is not None else 1.0
+        priced = products_of(recipe), recipe.expert_imbalance if recipe is not None else 1.0   # what the model reads
         for known, made_for, model in models:
-            if known == hardware and made_for == products:
+            if known == hardware and made_for == priced:
                 return model
         model = StepModel(self.placed, runs=self.runs_for(recipe), hardware=hardware, weights_of=self.programs.weights,
                           program_of=self.programs.device, recipe=recipe)
-        models.append((hardware, products, model))
+        models.append((hardware, priced, model))
         return model
 
     @functools.cached_property

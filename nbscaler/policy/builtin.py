@@ -132,7 +132,8 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     ``pas_config={"sequence_parallel": True}``, sequence parallelism between its linears)."""
     unit = cfg.grid.stage_group(None)
     if check_experts(cfg, len(unit), _beside_experts(cfg)) > 1:
-        return place_experts(graph, lambda node: unit, _around(cfg, lambda node: unit), expert_tensor_parallel_size(cfg))
+        return place_experts(graph, lambda node: unit, _around(cfg, lambda node: unit),
+                             expert_tensor_parallel_size(cfg))
     if check_context(cfg, len(unit), sequence_parallel(cfg)) > 1:
         return place_context(graph, lambda node: unit, context_kind(cfg))
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
@@ -340,7 +341,8 @@ COMMON_KEYS = PIPELINE_KEYS + (RECOMPUTE_MODULES, RECOMPUTE)
 
 POLICY_KEYS: Dict[str, Tuple[str, ...]] = {
     BuiltinPolicy.DP: (),
-    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY, AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
+    BuiltinPolicy.TP: (SEQUENCE_PARALLEL, EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY,
+                       AROUND_EXPERTS_KEY) + CONTEXT_KEYS,
     BuiltinPolicy.DATA: (),
     BuiltinPolicy.PP: (PIPELINE_SPLIT,),
     BuiltinPolicy.HYBRID: (SEQUENCE_PARALLEL, PIPELINE_SPLIT, EXPERT_PARALLEL_KEY, EXPERT_TENSOR_PARALLEL_KEY,
