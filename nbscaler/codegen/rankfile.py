@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import keystr
 
 from nbscaler.codegen.emitter import SectionPrinter
-from nbscaler.codegen.render import CodegenError, attr_name, group_var, user_op_alias
+from nbscaler.codegen.render import CodegenError, attr_name, group_var, is_library_op, user_op_alias
 from nbscaler.codegen.context import context_imports
 from nbscaler.codegen.experts import experts_imports
 from nbscaler.ir.expert_rules import expert_parallel
@@ -128,6 +128,9 @@ def header(program: RankProgram, graphs: Dict[str, IRGraph], *, rank: int, plan_
     for imports in (vocab_imports(graphs), context_imports(graphs), experts_imports(graphs), float8_imports(recipe)):
         if imports:
             w(imports)
+    for target in sorted({n.target for g in graphs.values() for n in g.nodes if is_library_op(n.target)}):
+        module, _, name = target.rpartition(".")
+        w(f"from {module} import {name}")
     user_targets = sorted({n.target for g in graphs.values() for n in g.nodes
                            if n.target in USER_OPS and not expert_parallel(n)})
     for target in user_targets:

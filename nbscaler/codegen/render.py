@@ -109,9 +109,17 @@ def render_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any]) -> str:
             args = args[:-1]
     elif target in USER_OPS:
         fn = user_op_alias(target)
+    elif is_library_op(target):
+        fn = target.rpartition(".")[2]
     else:
         fn = target
     return f"{fn}({_arglist(args, kwargs)})"
+
+
+def is_library_op(target: str) -> bool:
+    """Whether ``target`` is one of nbscaler's own ops (``nbscaler.attention.window.sliding_window_attention``),
+    which generated code imports by name (``library_imports``)."""
+    return target.startswith("nbscaler.") and target not in USER_OPS
 
 
 def user_op_alias(target: str) -> str:

@@ -10,7 +10,7 @@ computes nothing, and its backward adds each output element's gradient into a ro
 Attention is counted as its two products: ``2 (d + e)`` FLOPs per query-key pair and head
 (``attention_flops``), the causal mask not subtracted: these are the *model* FLOPs, as published
 counts (Megatron-LM's, PaLM's, torchtitan's) and so MFU count them. A causal kernel that skips the
-masked blocks performs only ``causal_fraction`` of them (``cost.roofline`` prices and counts that). An ``einsum`` is
+masked blocks performs only ``causal_fraction`` of them, a sliding window's kernel only its band's (``cost.roofline`` prices and counts that). An ``einsum`` is
 counted from its equation (``cost.einsum``): it has no annotation. Routed experts
 (``nbscaler.experts``) are counted as the SwiGLU products of every pair (dropless) or every slot of
 their capacity buffers (``expert_flops``); ``torch._grouped_mm`` (Hugging Face's experts) as one
@@ -23,12 +23,15 @@ product of each row with its expert's weight.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
+
+import torch
 
 from nbscaler.cost.einsum import EINSUM_TARGET, einsum_flops
 from nbscaler.cost.products import GROUPED_MM, product_operands
 from nbscaler.ir.graph import IRNode, IRTensor
 from nbscaler.ir.expert_rules import EXPERT_OPS, EXPERT_WEIGHTS
+from nbscaler.ir.layer_rules import window_of
 from nbscaler.ir.shape_rules import arg
 
 
@@ -40,19 +43,29 @@ def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> flo
     return float(2 * math.prod(lead) * t * s * (d + e))
 
 
-def causal_fraction(t: int, s: int) -> float:
+def causal_fraction(t: int, s: int, window: Optional[int] = None) -> float:
     """The share of the ``t x s`` query-key pairs a causal mask keeps (PyTorch's ``is_causal``: the
-    lower triangle aligned to the top-left corner): about half when ``t == s``."""
-    kept = t * (t + 1) / 2 if t <= s else s * (s + 1) / 2 + (t - s) * s
+    lower triangle aligned to the top-left corner): about half when ``t == s``. With a ``window``,
+    the share of a sliding window's band (``nbscaler.attention.window.band``): query ``i`` keeps
+    keys ``i - window < j <= i``."""
+    if window is None:
+        kept = t * (t + 1) / 2 if t <= s else s * (s + 1) / 2 + (t - s) * s
+    else:
+        i = torch.arange(t, dtype=torch.float64)
+        kept = float((torch.minimum(i, torch.tensor(s - 1.0)) - (i - window + 1).clamp(min=0) + 1).clamp(min=0).sum())
     return kept / (t * s)
 
 
 def attention_causal_fraction(node: IRNode) -> float:
-    """``causal_fraction`` of an attention node called with ``is_causal=True`` and no mask; 1.0 for
-    any other op (an explicit mask tensor hides its shape from the kernel, which computes every pair)."""
+    """``causal_fraction`` of an attention node called with ``is_causal=True`` and no mask, or of a
+    ``sliding_window_attention``; 1.0 for any other op (an explicit mask tensor hides its shape from
+    the kernel, which computes every pair)."""
+    window = window_of(node)
+    q, k = (tuple(t.shape) for t in node.inputs[:2]) if node.op == "attention" else ((), ())
+    if window is not None:
+        return causal_fraction(q[-2], k[-2], window)
     if node.op != "attention" or not arg(node, 5, "is_causal", False) or arg(node, 3, "attn_mask", None) is not None:
         return 1.0
-    q, k = (tuple(t.shape) for t in node.inputs[:2])
     return causal_fraction(q[-2], k[-2])
 
 

@@ -203,6 +203,17 @@ def vocab_share(node: IRNode) -> int:
     return node.annotation.sizes[node.placement.split] // node.placement.parts
 
 
+WINDOW_TARGET = "nbscaler.attention.window.sliding_window_attention"
+"""The call target of sliding-window attention, an attention op of the graph (``attention``)."""
+
+
+def window_of(node: IRNode) -> Optional[int]:
+    """The window of a ``sliding_window_attention`` node, in keys (``None`` for any other node)."""
+    if node.target != WINDOW_TARGET:
+        return None
+    return node.kwargs["window"] if "window" in node.kwargs else node.args[3]
+
+
 def attention(node: IRNode) -> OpAnnotation:
     """scaled_dot_product_attention: split batch or heads; sequence and head axes stay whole.
 

@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import attention, batch_norm, conv, embedding, linear, loss, matmul, normalization
+from nbscaler.ir.layer_rules import (WINDOW_TARGET, attention, batch_norm, conv, embedding, linear, loss, matmul,
+                                     normalization)
 from nbscaler.ir.op_specs import register, spec_of
 from nbscaler.ir.shape_rules import (along_dim, concat, constructor, elementwise, fixed, indexing,
                                      permutation, repeat_interleave, reduction, reshape, split_like, triangle,
@@ -122,7 +123,7 @@ register("Tensor.expand", "expand", widen, shape_args=True)
 register("Tensor.expand_as", "expand", widen)
 register("Tensor.repeat", "repeat", widen)
 register(_both("triu tril"), "triangle", triangle)
-register("torch.nn.functional.scaled_dot_product_attention", "attention", attention)
+register("torch.nn.functional.scaled_dot_product_attention " + WINDOW_TARGET, "attention", attention)
 register("torch.ones torch.zeros torch.full torch.empty torch.arange torch.linspace torch.eye "
           "torch.tensor torch.as_tensor torch.rand torch.randn torch.randint torch.polar torch.outer",
           "constructor", constructor)

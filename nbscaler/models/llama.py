@@ -19,6 +19,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nbscaler.attention.window import band, sliding_window_attention
+from nbscaler.columns import StrEnum
+
+
+class WindowLayers(StrEnum):
+    """Which layers of a model with a ``sliding_window`` attend over it."""
+
+    ALL = "all"                  # every layer (Mistral 7B)
+    ALTERNATE = "alternate"      # the first, third, ...; the others attend over every key (GPT-OSS)
+
 
 @dataclass
 class LlamaConfig:
@@ -31,14 +41,27 @@ class LlamaConfig:
     rope_base: float = 10000.0
     head_dim: Optional[int] = None      # None: d_model // n_head; GPT-OSS's 64 with d_model 2880 is not
     sdpa: bool = False          # F.scaled_dot_product_attention(is_causal=True) for the written-out attention
+    sliding_window: Optional[int] = None    # keys a query of a windowed layer sees (None: every earlier key)
+    window_layers: str = "all"  # which layers attend over the window: WindowLayers
 
     def __post_init__(self) -> None:
         if self.n_head % self.n_kv_head or (self.head_dim is None and self.d_model % self.n_head):
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}), and "
                              f"d_model ({self.d_model}) a multiple of n_head unless head_dim is given")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive number of keys, or None")
+        if self.window_layers not in set(WindowLayers):
+            raise ValueError(f"window_layers={self.window_layers!r} is invalid: use one of "
+                             f"{', '.join(repr(w.value) for w in WindowLayers)}")
         if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
             raise ValueError(f"head_dim={self.head_dim} must be a positive even number (the rotary embedding "
                              "turns pairs of channels)")
+
+    def window(self, layer: int) -> Optional[int]:
+        """The window layer ``layer`` attends over (``None``: full causal attention)."""
+        if self.sliding_window is None or (self.window_layers == WindowLayers.ALTERNATE and layer % 2):
+            return None
+        return self.sliding_window
 
     @property
     def head_size(self) -> int:
@@ -66,11 +89,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings and a causal mask."""
+    """Grouped-query attention with rotary embeddings and a causal mask, over the latest ``window``
+    keys when it has one."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: Optional[int] = None):
         super().__init__()
         self.n_head, self.n_kv_head, self.hd, self.sdpa = cfg.n_head, cfg.n_kv_head, cfg.head_size, cfg.sdpa
+        self.window = window
         self.q = nn.Linear(cfg.d_model, cfg.n_head * self.hd, bias=False)
         self.k = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.n_kv_head * self.hd, bias=False)
@@ -102,11 +127,16 @@ class Attention(nn.Module):
         rep = self.n_head // self.n_kv_head
         k = k.repeat_interleave(rep, dim=1)                                   # (B, nh, T, hs)
         v = v.repeat_interleave(rep, dim=1)
-        if self.sdpa:
+        if self.sdpa and self.window:
+            y = sliding_window_attention(q, k, v, window=self.window)         # (B, nh, T, hs)
+        elif self.sdpa:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)       # (B, nh, T, hs)
         else:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)              # (B, nh, T, T)
-            mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=att.device), diagonal=1)
+            if self.window:
+                mask = ~band(T, T, self.window, att.device)                   # (T, T) True: not in the window
+            else:
+                mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=att.device), diagonal=1)
             att = att.masked_fill(mask, float("-inf"))
             y = F.softmax(att, dim=-1) @ v                                    # (B, nh, T, hs)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
@@ -124,10 +154,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, cfg.window(layer))
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = SwiGLU(cfg.d_model, 2 * cfg.d_model)
 
@@ -143,7 +173,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 

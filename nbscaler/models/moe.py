@@ -123,10 +123,10 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, cfg.window(layer))
         self.moe_norm = RMSNorm(cfg.d_model)
         self.moe = MoE(cfg)
 

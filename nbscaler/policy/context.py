@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from nbscaler.blocks import MIRRORED
 from nbscaler.config import CONTEXT_PARALLEL, ComputeConfig
 from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, Placement
-from nbscaler.ir.layer_rules import splits_mean_loss
+from nbscaler.ir.layer_rules import splits_mean_loss, window_of
 from nbscaler.layouts import ContextKind
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
@@ -118,6 +118,11 @@ def _context_name(node: IRNode, split: List[Tuple[int, int]], length: int, kind:
     ``None`` to run it whole."""
     ann = node.annotation
     if node.op == "attention":
+        if window_of(node) is not None:
+            raise PolicyError(f"{node.name}: sliding_window_attention (a window of {window_of(node)} keys) cannot be "
+                              "split along the sequence: context parallelism passes or gathers every earlier key, "
+                              "not a window of them. Leave 'context_parallel' out of pas_config for this model, or "
+                              "split its batch or heads instead.")
         dims = dict(split)
         if 0 not in dims:
             raise PolicyError(f"{node.name}: its keys or values are split along the sequence but its queries are "

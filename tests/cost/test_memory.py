@@ -177,6 +177,7 @@ IN_PROCESS = [
     Case("gpt", "pp", 1, 1, optimizer="adamw", config=pipeline("zbv", 2, 3)),    # both stages of a V on one rank
     Case("moe", "dp", 1, 1, optimizer="adamw"),                   # pairs sorted by expert, grouped products
     Case("moe_capacity", "dp", 1, 1, optimizer="adamw"),          # capacity buffers of every expert
+    Case("moe_window", "dp", 1, 1, optimizer="adamw"),            # a sliding window's attention keeps no mask
 ]
 
 

@@ -54,6 +54,12 @@ def MoECapacity() -> nn.Module:
     return MoE(router="sigmoid", n_shared_experts=1, capacity_factor=0.75)
 
 
+def MoEWindow() -> nn.Module:
+    """``MoE`` attending as GPT-OSS does: every other layer over a sliding window (of 3 keys here),
+    through ``sliding_window_attention``; the others over every earlier key."""
+    return MoE(sdpa=True, sliding_window=3, window_layers="alternate")
+
+
 class CNN(nn.Module):
     def __init__(self, classes: int = 4):
         super().__init__()
@@ -189,7 +195,7 @@ def batch(name: str, seed: int, n: int = 8):
         return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
     if name in ("llama_e2e", "moe_e2e"):
         return {"batch": batch("llama", seed, n)}
-    if name in ("llama", "moe", "moe_capacity"):
+    if name in ("llama", "moe", "moe_capacity", "moe_window"):
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
     if name in hf.BUILDERS:
@@ -211,6 +217,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
             "llama_e2e": End2EndLlama, "post_norm": PostNormLM, "moe": MoE, "moe_capacity": MoECapacity, "moe_e2e": End2EndMoE,
+            "moe_window": MoEWindow,
             "user_op": UserOp, "fused_gqa": FusedGQA, "fused_gqa_keyword": FusedGQAByKeyword}[name]()
 
 

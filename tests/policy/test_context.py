@@ -72,6 +72,12 @@ def test_configs_it_cannot_run_are_refused_naming_the_fix(pas, message):
         nbscaler.plan(build("llama"), batch("llama", 0), "tp", cfg)
 
 
+@pytest.mark.parametrize("kind", ["all_gather", "ring"])
+def test_a_sliding_window_is_refused_naming_what_splits_it_instead(kind):
+    with pytest.raises(PolicyError, match="window of 3 keys.*split its batch or heads instead"):
+        _plan("moe_window", 2, kind)
+
+
 def test_tensor_parallelism_inside_a_context_parallel_group_is_refused():
     cfg = ComputeConfig(plan_ngpus=4, runtime_ngpus=4, pas_config={"context_parallel": 2})
     with pytest.raises(PolicyError, match="set context_parallel=4"):
