@@ -31,7 +31,8 @@ one is sourced):
 
   - ``flash`` (the default): the FLOPs FlashAttention's kernel performs, ``2 (d + e)`` per
     query-key pair it computes: a causal kernel skips the blocks above the diagonal, so it performs
-    ``causal_fraction`` of the pairs (about half; ``node.meta["causal_fraction"]``), never a
+    ``causal_fraction`` of the pairs (about half; ``node.meta["causal_fraction"]``), a sliding
+    window's kernel (``nbscaler.attention.window``) the pairs of its band, never a
     materialised T x T matrix, at ``Hardware.attention_efficiency`` of the boost-clock peak (FlashAttention-2's
     measured fraction on that GPU: 0.55 on the A100, 0.35 on the H100 and H200): that figure was
     measured on real GPUs at whatever clock they held, and on FLOPs that count causal work as half,
@@ -39,6 +40,8 @@ one is sourced):
     runs 2.5 forwards of arithmetic (the four products of the gradients and the scores again); it
     moves q, k, v and the output, and twice that in the backward. MFU still counts the model's
     FLOPs, every pair (``cost.flops``); HFU counts what the kernels perform (``performed_flops``);
+  - ``cudnn``: the same kernel's work on cuDNN's faster kernels, its forward and its backward each
+    ``attention_speedup`` times FlashAttention-2's rate (measured side by side on the H100);
   - ``materialized``: as frameworks computed it before FlashAttention (Megatron-LM in 2021), five
     kernels in the forward and the backward each: batched products that write or read the
     (B, heads, T, T) scores, each priced as a product *and* by the bytes it moves, whichever is
@@ -116,6 +119,22 @@ KERNEL_FLOOR_S = 3e-6
 #: Flash attention's backward arithmetic in forwards: dV, dP, dQ and dK (two forwards) and the
 #: scores recomputed (half of one).
 FLASH_BACKWARD_FORWARDS = 2.5
+
+#: cuDNN's attention over FlashAttention-2's, (forward, backward), by head dim: both measured on an
+#: H100 SXM5 in BF16 at a sequence of 4k without a mask (Shah et al., "FlashAttention-3", 2024,
+#: Figures 5 and 6): head dim 64, forward 408 against 321 TFLOP/s, backward 417 against 279; head dim
+#: 128, forward 609 against 368, backward 499 against 310. A head takes the nearest head dim's row; no
+#: side-by-side is published for another GPU, so there the H100's ratios stand.
+CUDNN_OVER_FLASH2 = {64: (408 / 321, 417 / 279), 128: (609 / 368, 499 / 310)}
+
+
+def attention_speedup(kind: AttentionKind, head_dim: int) -> Tuple[float, float]:
+    """How much faster than FlashAttention-2 (``Hardware.attention_efficiency``) the software's fused
+    attention runs its forward and its backward, for heads of ``head_dim`` channels."""
+    if kind != AttentionKind.CUDNN:
+        return 1.0, 1.0
+    return CUDNN_OVER_FLASH2[min(CUDNN_OVER_FLASH2, key=lambda d: (abs(d - head_dim), d))]
+
 
 #: Bytes a dropout mask keeps an element: PyTorch's ``native_dropout`` saves a ``torch.bool`` mask.
 DROPOUT_MASK_BYTES = 1
@@ -214,10 +233,10 @@ def dropout_bytes(elements: int, itemsize: int) -> int:
 
 
 def skips_masked_pairs(hardware: Hardware) -> bool:
-    """Whether ``hardware``'s attention kernel skips the pairs a causal mask hides (FlashAttention
-    does; materialised scores compute every pair, then mask them). Where it does, an op's performed
-    FLOPs are its model FLOPs less ``masked_flops``: HFU counts those, MFU every pair."""
-    return hardware.software.attention == AttentionKind.FLASH
+    """Whether ``hardware``'s attention kernel skips the pairs a causal mask or a sliding window hides
+    (fused kernels do; materialised scores compute every pair, then mask them). Where it does, an
+    op's performed FLOPs are its model FLOPs less ``masked_flops``: HFU counts those, MFU every pair."""
+    return hardware.software.attention.fused
 
 
 def masked_flops(meta: Dict, flops: float) -> float:
@@ -371,17 +390,21 @@ class RooflineOps:
         return self._pass(flops, nbytes, dtype, product=True)
 
     def _attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:
-        """Forward and backward seconds of attention as the target's software computes it: flash's
-        fused kernel (its backward 2.5 forwards of arithmetic over twice the forward's bytes), or
-        the scores written to memory (``_materialized_attention``)."""
-        if self.hardware.software.attention == AttentionKind.MATERIALIZED:
+        """Forward and backward seconds of attention as the target's software computes it: a fused
+        kernel (its backward 2.5 forwards of arithmetic over twice the forward's bytes), FlashAttention-2's
+        or cuDNN's faster one (``attention_speedup``), or the scores written to memory
+        (``_materialized_attention``)."""
+        kind = self.hardware.software.attention
+        if not kind.fused:
             return self._materialized_attention(op, dtype)
         (q, _, _), (k, _, _), (v, _, _) = _whole_keys(op)
         rate = self.hardware.peak_flops(dtype) * self.hardware.attention_efficiency      # measured: clock and mask included
         performed = attention_flops(q, k, v) * op.node.meta.get("causal_fraction", 1.0)
         arithmetic, bw = performed / rate, self.hardware.memory_bytes_per_s
-        fwd = max(arithmetic, memory_seconds(memory_bytes(op), bw), KERNEL_FLOOR_S)
-        bwd = max(FLASH_BACKWARD_FORWARDS * arithmetic, memory_seconds(backward_bytes(op), bw), KERNEL_FLOOR_S)
+        faster_fwd, faster_bwd = attention_speedup(kind, q[-1])
+        fwd = max(arithmetic / faster_fwd, memory_seconds(memory_bytes(op), bw), KERNEL_FLOOR_S)
+        bwd = max(FLASH_BACKWARD_FORWARDS * arithmetic / faster_bwd, memory_seconds(backward_bytes(op), bw),
+                  KERNEL_FLOOR_S)
         return fwd, bwd
 
     def _materialized_attention(self, op: OpCall, dtype: torch.dtype) -> Tuple[float, float]:

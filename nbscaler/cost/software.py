@@ -7,8 +7,10 @@ backward. A target (``Hardware``) carries one ``Software``; the catalogue's is t
 bias-dropout-add). The recipe (``nbscaler.Recipe``) says the rest of how a run trains: its dtypes,
 optimizer, loss scaling and gradient clipping.
 
-- ``attention``: an ``AttentionKind``. FlashAttention by default; ``materialized`` writes the
-  (B, heads, T, S) scores to memory, as frameworks did before it (Megatron-LM in 2021).
+- ``attention``: an ``AttentionKind``. FlashAttention-2 by default (PyTorch's SDPA); ``cudnn``
+  cuDNN's fused attention, the same algorithm on faster kernels (Transformer Engine's on Hopper GPUs,
+  so Megatron-LM's and NeMo's); ``materialized`` writes the (B, heads, T, S) scores to memory, as
+  frameworks did before FlashAttention (Megatron-LM in 2021).
 - ``attention_dropout``: the probability with which the framework drops attention probabilities
   (Megatron-LM's ``--attention-dropout``). It costs a pass over the scores when they are
   materialised; FlashAttention drops them on chip, from a regenerated random state, for nothing.
@@ -47,8 +49,14 @@ from nbscaler.columns import StrEnum
 class AttentionKind(StrEnum):
     """How the target computes ``scaled_dot_product_attention`` (``cost.roofline`` prices each)."""
 
-    FLASH = "flash"                  # FlashAttention (Dao et al. 2022): scores stay on chip, recomputed in the backward
+    FLASH = "flash"                  # FlashAttention-2 (Dao 2023): scores stay on chip, recomputed in the backward
+    CUDNN = "cudnn"                  # cuDNN's fused attention (Transformer Engine's, SDPA's cuDNN backend): flash's way, its own kernels
     MATERIALIZED = "materialized"    # Q K^T written to memory (B, heads, T, T), a softmax over it, then P V
+
+    @property
+    def fused(self) -> bool:
+        """Whether the scores stay on chip, so that a causal or windowed kernel skips the masked blocks."""
+        return self != AttentionKind.MATERIALIZED
 
 
 _FLAGS = {"fused_softmax": "True (scale, mask and softmax in one kernel) or False (three passes)",
