@@ -4,14 +4,19 @@ NVIDIA's Megatron-Bridge performance summary (NeMo container 25.11, DGX-H100) tr
 in BF16 on 64 H100s with TP 1, PP 4 and EP 8, micro-batch 4, global batch 512 of 4,096 tokens, and
 publishes 5,630 tokens/s and 153 model TFLOP/s per GPU. The model is GPT-OSS 120B's shape as
 Hugging Face's ``GptOssConfig`` gives it by default: 36 layers, hidden size 2,880, 64 query heads
-of 64 channels sharing 8 key-value heads, 128 routed experts of width 2,880 of which each token
-takes 4, a vocabulary of 201,088; nbscaler's ``MoELlama`` at that shape has 116.8 B parameters, as
-the model card counts. It is planned on meta with ``hybrid``: 4 stages of 8 devices, each stage's
+of 64 channels sharing 8 key-value heads, every other layer (the first, the third, ...) attending
+over a sliding window of 128 keys and the others over every earlier key, 128 routed experts of
+width 2,880 of which each token takes 4, a vocabulary of 201,088; nbscaler's ``MoELlama`` at that
+shape (``sliding_window=128, window_layers="alternate"``: ``nbscaler.attention.window``) has 116.8 B
+parameters, as the model card counts. It is planned on meta with ``hybrid``: 4 stages of 8 devices, each stage's
 experts split over its 8 devices (``pas_config={"expert_parallel": 8}``) and everything else split
 by batch over them, so each device runs 4 sequences a micro-batch as in the run, in 2 data-parallel
 units; 8 micro-batches of 32 sequences a unit make the global batch. 1F1B, bf16 weights with fp32
 masters and gradients reduced in fp32 (Megatron's bf16 mixed precision), AdamW, Megatron's
-distributed optimizer as ZeRO-1, priced on ``Hardware.named("H100-SXM-80GB", nodes=8)``.
+distributed optimizer as ZeRO-1, priced on ``Hardware.named("H100-SXM-80GB", nodes=8)`` running
+Megatron's attention: Transformer Engine's cuDNN kernels (``Software(attention="cudnn")``), each
+windowed layer's kernel computing the band of 128 keys alone, as a windowed fused kernel skips the
+blocks outside it.
 
 The run's routing is taken as forced balance, as Megatron-Bridge's performance recipes force it
 (``moe_router_force_load_balancing``): nbscaler prices dropless routing with every expert served
@@ -20,15 +25,15 @@ the same number of tokens, its default.
 The summary does not say which layers the run recomputes. Two rows bracket it: none, and every
 layer (Megatron's full recomputation).
 
-What is not priced, each named with the way it moves the figure:
+What is not priced, or priced from a figure measured at another shape, each named with the way it
+moves the figure:
 
-- half of GPT-OSS's layers attend over a sliding window of 128 keys; every layer is priced as full
-  causal attention, so the predicted step holds more attention than the run did (longer);
 - its attention sinks (one learned logit a head), the biases of its projections and experts, and its
   clamped SwiGLU are element-wise work of a few bytes a token, not priced;
-- attention runs at FlashAttention-2's fraction of the H100's peak (``Hardware.attention_efficiency``);
-  Megatron runs Transformer Engine's cuDNN attention, which PyTorch 2.5's release notes put at up to
-  75% faster than FlashAttention-2 on H100s, so the predicted attention is slower than the run's;
+- cuDNN's speed-up over FlashAttention-2 is the one FlashAttention-3's paper measured without a mask
+  (``cost.roofline.CUDNN_OVER_FLASH2``); its speed on a windowed band of 128 keys is not published,
+  and a band that narrow fills fewer of the kernel's tiles than a full causal triangle does, so the
+  predicted windowed attention is likely faster than the run's;
 - Megatron shards the optimizer state of the layers around the experts over all 16 data-parallel
   replicas of a stage, and the experts' over 2; nbscaler's ZeRO-1 shards both over its 2 units, so
   its peak holds more state than the run's (the step barely moves).
@@ -44,7 +49,7 @@ import torch
 
 import nbscaler
 from benchmarks.published.predict import shares
-from nbscaler import ComputeConfig, Hardware, Recipe
+from nbscaler import ComputeConfig, Hardware, Recipe, Software
 from nbscaler.models.moe import MoEConfig, MoELlama
 
 #: The goal the row is held to: predicted tokens/s per GPU within 15% of the published.
@@ -85,7 +90,10 @@ GPT_OSS_120B = PublishedMoERun("GPT-OSS 120B", 64, 4, 8, 4, 512, 4096, 5630, 153
                                "Megatron-Bridge performance summary, NeMo 25.11, DGX-H100, BF16")
 #: GPT-OSS 120B's shape (Hugging Face ``GptOssConfig`` defaults, the 120B model).
 SHAPE = dict(vocab_size=201088, n_layer=36, d_model=2880, n_head=64, n_kv_head=8, head_dim=64, n_experts=128,
-             top_k=4, expert_hidden=2880, rope_base=150000.0, sdpa=True)
+             top_k=4, expert_hidden=2880, rope_base=150000.0, sdpa=True, sliding_window=128, window_layers="alternate")
+#: What the run computes attention with: Megatron-Core's Transformer Engine, whose fused attention on
+#: Hopper GPUs is cuDNN's.
+SOFTWARE = Software(attention="cudnn", name="Megatron-Bridge 25.11 (Transformer Engine)")
 
 
 def model(run: PublishedMoERun, **shape) -> torch.nn.Module:
@@ -113,7 +121,7 @@ def predict_moe(run: PublishedMoERun = GPT_OSS_120B, log: Callable = print, **sh
     """The run planned and priced once per recomputation of ``RECOMPUTE``."""
     net = model(run, **shape)
     ids = torch.zeros(run.ep * run.micro_batch, run.seq, dtype=torch.long)      # one unit's micro-batch
-    hardware = Hardware.named("H100-SXM-80GB", nodes=run.gpus // 8)
+    hardware = Hardware.named("H100-SXM-80GB", nodes=run.gpus // 8).running(SOFTWARE)
     rows = []
     for label, recompute in RECOMPUTE.items():
         start = time.perf_counter()

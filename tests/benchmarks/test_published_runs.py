@@ -169,14 +169,16 @@ def test_the_context_tables_and_verdict_are_computed_from_the_rows(small_context
 
 
 # -- Megatron-Bridge's GPT-OSS 120B, at a small shape ---------------------------------------------
+SMALL_MOE = dict(vocab_size=256, n_layer=4, d_model=64, n_head=4, n_kv_head=2, head_dim=16, n_experts=8,
+                 expert_hidden=32, top_k=2)
+
+
 @pytest.fixture(scope="module")
 def small_moe():
     """The GPT-OSS row's layout (64 GPUs: 4 stages of 8 expert-parallel devices) at a small MoE."""
     from benchmarks.published import megatron_bridge as M
     run = dataclasses.replace(M.GPT_OSS_120B, seq=64)
-    shape = dict(vocab_size=256, n_layer=4, d_model=64, n_head=4, n_kv_head=2, head_dim=16, n_experts=8,
-                 expert_hidden=32, top_k=2)
-    return run, M.predict_moe(run, log=lambda *_: None, **shape)
+    return run, M.predict_moe(run, log=lambda *_: None, **SMALL_MOE, sliding_window=16)
 
 
 @pytest.mark.slow
@@ -187,6 +189,9 @@ def test_the_moe_row_is_planned_with_its_layout_and_priced_from_its_rows(small_m
     cfg = M.config(run, "full")
     assert (cfg.plan_ngpus, cfg.runtime_ngpus, cfg.pipeline_nstages, cfg.pipeline_nmicros) == (32, 64, 4, 8)
     assert cfg.pas_config["expert_parallel"] == 8
+    assert rows[0]["step"].hardware.software.attention == "cudnn"        # Transformer Engine's attention
+    net = M.model(run, **{**SMALL_MOE, "sliding_window": 16})
+    assert [b.attn.window for b in net.blocks] == [16, None, 16, None]  # GPT-OSS's alternating window
     text = M.section(run, rows)
     assert [r["recompute"] for r in rows] == list(M.RECOMPUTE)
     for r in rows:
