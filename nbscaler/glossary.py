@@ -324,7 +324,7 @@ def markdown() -> str:
         "hidden dim `d`, and the box adds the hidden units a device holds.", "",
         head, *[_row(t, t.label) for t in EXPERT_SPLITS], "",
         "The memory view draws the experts' part of each rank's parameters, gradients and optimizer state",
-        "as `expert weights`, `expert gradients` and `expert optimizer state`; `RoutingLog.view` draws a real",
+        "as `expert weights`, `expert gradients` and `expert optimizer state`; `RoutingView(log, plan)` draws a real",
         "routing per step, its **busiest over mean** the step's calls' busiest rank (or expert) over the mean.", "",
         "Its all-to-alls, as the plan's collectives table names them and the timeline draws them in each",
         "rank's collectives lane:", "",

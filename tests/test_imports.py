@@ -26,7 +26,7 @@ ALLOWED_CYCLES: Dict[str, str] = {}
 # Modules in no row (the entry points: parallel, cli, walkthroughs, ...) may import anything.
 LAYERS = [
     ("config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention", "losses"),
-    ("ir",),
+    ("ir", "experts"),
     ("trace", "comm", "cost"),
     ("policy",),
     ("codegen",),
@@ -36,7 +36,8 @@ LAYERS = [
     ("cluster",),
     ("widgets",),
 ]
-RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention", "losses"}
+RUNTIME_IMPORTS = {"config", "schedule", "blocks", "columns", "genfiles", "layouts", "units", "attention", "losses",
+                   "experts"}
 
 Arrow = Tuple[str, str]
 

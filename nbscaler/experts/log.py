@@ -4,15 +4,15 @@ to each expert, kept while a ``RoutingLog`` is open.
 The memory and time a plan predicts for dropless routing assume every expert gets as many pairs;
 the log shows how far a real routing is from that (``imbalance``: the most pairs an expert got over
 the mean), and under capacity routing how many pairs each expert dropped. ``next_step()`` between
-training steps numbers the calls' steps; ``view(plan)`` draws the log per step, by expert and by the
-rank that holds each expert (``nbscaler.widgets.routing.RoutingView``).
+training steps numbers the calls' steps; ``nbscaler.widgets.RoutingView(log, plan)`` draws the log
+per step, by expert and by the rank that holds each expert.
 
 >>> with RoutingLog() as log:                    # doctest: +SKIP
 ...     for batch in batches:
 ...         model(**batch).backward()
 ...         log.next_step()
 >>> log.frame().groupby("expert").routed.sum()   # doctest: +SKIP
->>> log.view(plan)                               # doctest: +SKIP
+>>> RoutingView(log, plan)                       # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -71,13 +71,6 @@ class RoutingLog:
         """Per call: the most pairs an expert was routed over the mean (1.0: perfectly balanced)."""
         per_call = self.frame().groupby("call").routed
         return (per_call.max() / per_call.mean()).rename("imbalance")
-
-    def view(self, plan: Any = None, *, expert_parallel: Optional[int] = None):
-        """The log drawn per step: pairs per expert and per rank, the busiest over the mean
-        (``nbscaler.widgets.routing.RoutingView``; ``plan`` or ``expert_parallel`` says which rank
-        holds which expert)."""
-        from nbscaler.widgets.routing import RoutingView
-        return RoutingView(self, plan, expert_parallel=expert_parallel)
 
 
 def record(routed: torch.Tensor, served: Optional[torch.Tensor] = None) -> None:

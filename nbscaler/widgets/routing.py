@@ -18,7 +18,7 @@ the experts' time of the step, each call waiting for its busiest, against a bala
 >>> with RoutingLog() as log:            # doctest: +SKIP
 ...     for batch in batches:
 ...         model(**batch).backward(); log.next_step()
->>> log.view(plan)                       # or RoutingView(log, plan)  # doctest: +SKIP
+>>> RoutingView(log, plan)               # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ def test_the_routing_view_counts_pairs_per_expert_and_per_rank_each_step():
     log = routed_steps()
     frame = log.frame()
     assert sorted(set(frame.step)) == list(range(STEPS)) and frame.groupby("step").call.nunique().eq(LAYERS).all()
-    view = log.view(moe_expert_parallel())
+    view = RoutingView(log, moe_expert_parallel())
     assert view.holders == [("rank 0", range(0, 4)), ("rank 1", range(4, 8))]
     pairs = 2 * 16 * MOE_TOP_K * LAYERS                          # tokens x top-k, in each MoE layer
     assert list(view.per_step.pairs) == [pairs] * STEPS
@@ -239,7 +239,7 @@ def test_without_a_plan_the_ranks_are_given_or_every_rank_holds_every_expert():
 
 
 def test_capacity_routing_draws_the_dropped_pairs():
-    view = routed_steps("capacity").view(moe_expert_parallel("capacity"))
+    view = RoutingView(routed_steps("capacity"), moe_expert_parallel("capacity"))
     assert view.per_expert.dropped.sum() > 0
     assert (view.per_expert.served + view.per_expert.dropped).equals(view.per_expert.routed)
     _, experts = charts(view.notebook_html())
@@ -377,6 +377,7 @@ def test_the_experts_memory_in_the_browser(tmp_path):
 ROUTING_CELL = (
     "import torch\n"
     "from nbscaler.experts import RoutingLog\n"
+    "from nbscaler.widgets import RoutingView\n"
     "torch.manual_seed(0)\n"
     "model = MoELlama(cfg)\n"
     "optimizer = torch.optim.SGD(model.parameters(), lr=0.5)\n"
@@ -385,14 +386,15 @@ ROUTING_CELL = (
     "        model(**sample_batch(cfg, 2, seed=step)).backward()\n"
     "        optimizer.step(); optimizer.zero_grad()\n"
     "        log.next_step()\n"
-    "log.view(plan)"
+    "from nbscaler.widgets import RoutingView\n"
+    "RoutingView(log, plan)"
 )
 
 
 @pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_the_routing_imbalance_in_the_browser(tmp_path):
-    """A notebook trains the MoE Llama 3 steps under a RoutingLog and shows ``log.view(plan)``: per
+    """A notebook trains the MoE Llama 3 steps under a RoutingLog and shows ``RoutingView(log, plan)``: per
     step a bar per rank and per expert, each visible in its rank's colour, the busiest over the mean
     under each step, the balanced share as a line."""
     from tests.widgets.browser import write_notebook
