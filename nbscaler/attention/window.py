@@ -81,8 +81,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``(..., h, s, e)``, each query seeing the ``window`` latest keys up to its own position
     (``band``): ``(..., h, t, e)``. ``scale`` as ``F.scaled_dot_product_attention``'s."""
     if torch.overrides.has_torch_function((q, k, v)):       # a tracer or a tensor subclass: one call
+        given = {} if scale is None else {"scale": scale}     # the call as written, defaults left out
         return torch.overrides.handle_torch_function(sliding_window_attention, (q, k, v), q, k, v,
-                                                     window=window, scale=scale)
+                                                     window=window, **given)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window_attention: window={window!r} must be a positive number of keys.")
     return _WindowedAttention.apply(q, k, v, window, scale)

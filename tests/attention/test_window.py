@@ -87,3 +87,6 @@ def test_it_traces_as_one_attention_split_by_heads_and_priced_by_its_band():
     kept = sum(min(i + 1, 5) for i in range(16))
     assert windowed.meta["causal_fraction"] == pytest.approx(kept / 256)
     assert full.meta["causal_fraction"] == pytest.approx(136 / 256)
+    code = plan.sources[0]                                   # a rank's code imports and calls it as written
+    assert "from nbscaler.attention.window import sliding_window_attention" in code
+    assert "= sliding_window_attention(" in code and "window=5);" in code and "scale=" not in code
