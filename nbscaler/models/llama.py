@@ -3,7 +3,8 @@
 
 It is the second model of the demo, the benchmarks and the equivalence tests, because it exercises
 what the GPT does not: normalisation without a bias, key/value heads shared by several query heads,
-non-persistent buffers (the rotary tables) and three-matrix MLPs.
+non-persistent buffers (the rotary tables) and three-matrix MLPs. With ``sliding_window`` its layers
+(all, or every other one as GPT-OSS's) attend over the latest keys only (``nbscaler.attention.window``).
 
 >>> model = Llama(LlamaConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2))
 >>> loss = model(**sample_batch(model.config, batch_size=2))
