@@ -6,7 +6,8 @@ children (which a machine shared with other work inflates less). Beside them: th
 reference Python loop (``benchmarks.runs.reference_loop_ms``, before and after each part) and its
 load average, since figures taken at different moments or on different machines compare only after
 dividing by it; the slowest tests of each part (pytest's ``--durations``); and each test that failed,
-with pytest's one-line reason, so that a failure in a long run can be found again.
+with pytest's one-line reason and the last ``REPORT_LINES`` lines of its report (where an exception
+raised on a rank carries that rank's traceback), so that a failure in a long run can be found again.
 
     python -m benchmarks.test_suite                  # both parts, writes benchmarks/results/test_suite.md
     python -m benchmarks.test_suite --parts fast     # the fast subset alone (about a minute)
@@ -42,6 +43,8 @@ PARTS: Dict[str, List[str]] = {"fast": [*WORKERS, "-m", FAST], "whole": WORKERS}
 TITLES = {"fast": "fast subset (`make test-fast`)", "whole": "whole suite (`make test`)"}
 #: How many of its slowest steps each part lists.
 SLOWEST = {"fast": 15, "whole": 50}
+#: How many of the last lines of each failure's report the results keep.
+REPORT_LINES = 40
 #: Each part's goal, in wall-clock seconds on a machine like CI's (2 cores).
 GOAL_S = {"fast": 60.0, "whole": 25 * 60.0}
 
@@ -57,6 +60,7 @@ class Outcome:
     load: List[float]            # 1-minute load average before and after
     slowest: List[str]           # pytest's --durations lines
     failures: List[str]          # pytest's short summary of each failed test or error (-rfE)
+    reports: List[List[str]]     # the end of each failure's report, in pytest's order
     returncode: int
 
 
@@ -79,7 +83,25 @@ def run_part(part: str, tests: List[str]) -> Outcome:
     slowest = [line for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line)]
     failures = [line[:2000] for line in lines if line.startswith(("FAILED ", "ERROR "))]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Outcome(part, summary, tests, wall, cpu, reference, load, slowest, failures, done.returncode)
+    return Outcome(part, summary, tests, wall, cpu, reference, load, slowest, failures, failure_reports(lines),
+                   done.returncode)
+
+
+def failure_reports(lines: List[str]) -> List[List[str]]:
+    """The last ``REPORT_LINES`` lines of each report in pytest's FAILURES and ERRORS sections (a
+    report starts at a ``____ name ____`` line and ends at the next one or the next ``====`` rule)."""
+    reports: List[List[str]] = []
+    inside = False
+    for line in lines:
+        if re.match(r"^=+ (FAILURES|ERRORS) =+$", line):
+            inside = True
+        elif re.match(r"^=+ .* =+$", line):
+            inside = False
+        elif inside and re.match(r"^_{3,} .+ _{3,}$", line):
+            reports.append([line.strip("_ ")])
+        elif inside and reports:
+            reports[-1].append(line[:400])
+    return [[r[0], *r[1:][-REPORT_LINES:]] for r in reports]
 
 
 def report(outcomes: List[Outcome], command: str) -> str:
@@ -102,6 +124,8 @@ def report(outcomes: List[Outcome], command: str) -> str:
                                                                       f" (exit status {o.returncode})"), ""]
         if o.failures:
             out += ["What failed:", "", "```", *o.failures, "```", ""]
+        for name, *tail in o.reports:
+            out += [f"How `{name}` ended (the last {len(tail)} lines of its report):", "", "```", *tail, "```", ""]
         out += [f"Its {len(o.slowest)} slowest steps:", "", "```", *o.slowest, "```"]
     return "\n".join(out) + "\n"
 

@@ -29,11 +29,18 @@ def test_the_script_times_a_part_and_holds_it_to_its_goal(tmp_path):
 
 def test_a_failed_test_is_named_in_the_table_s_file(tmp_path):
     failing = tmp_path / "test_one_fails.py"
-    failing.write_text("def test_fine():\n    pass\n\n\ndef test_broken():\n    assert 1 == 2, 'one is not two'\n")
+    failing.write_text("def test_fine():\n    pass\n\n\ndef test_broken():\n    assert 1 == 2, 'one is not two'\n\n\n"
+                       "def test_a_rank_failed():\n    raise RuntimeError('rank 0 raised:\\nTraceback\\nValueError: the cause')\n")
     out = tmp_path / "test_suite.md"
     assert main(["--parts", "whole", "--tests", str(failing), "--out", str(out)]) == 1
     text = out.read_text()
-    assert "pytest: 1 failed, 1 passed" in text and "(exit status 1)" in text
+    assert "pytest: 2 failed, 1 passed" in text and "(exit status 1)" in text
     named = text.split("What failed:")[1].split("```")[1].strip().splitlines()
-    assert len(named) == 1 and named[0].startswith("FAILED ") and "test_broken" in named[0] and "one is not two" in named[0]
-    assert "| whole suite (`make test`) | 2 |" in text
+    assert len(named) == 2 and all(line.startswith("FAILED ") for line in named)
+    broken = next(line for line in named if "test_broken" in line)
+    assert "one is not two" in broken
+    rank = next(line for line in named if "test_a_rank_failed" in line)
+    assert "the cause" not in rank                               # a one-line reason stops at the first line
+    ended = text.split("How `test_a_rank_failed` ended")[1].split("```")[1]
+    assert "ValueError: the cause" in ended                      # the end of its report keeps it
+    assert "| whole suite (`make test`) | 3 |" in text
