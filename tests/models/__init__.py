@@ -174,11 +174,11 @@ class End2EndLlama(nn.Module):
 
 
 class End2EndMoE(nn.Module):
-    """``MoE`` (dropless) as an end2end module: forward(batch) -> loss, for pipelines."""
+    """``MoE`` (dropless; or ``model``) as an end2end module: forward(batch) -> loss, for pipelines."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module = None):
         super().__init__()
-        self.moe = MoE()
+        self.moe = model if model is not None else MoE()
 
     def forward(self, batch):
         return self.moe(batch["idx"], batch["targets"])
@@ -193,7 +193,7 @@ def batch(name: str, seed: int, n: int = 8):
     if name == "post_norm":
         tokens = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
-    if name in ("llama_e2e", "moe_e2e"):
+    if name in ("llama_e2e", "moe_e2e", "moe_window_e2e"):
         return {"batch": batch("llama", seed, n)}
     if name in ("llama", "moe", "moe_capacity", "moe_window"):
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
@@ -217,7 +217,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return vision.BUILDERS[name]()
     return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
             "llama_e2e": End2EndLlama, "post_norm": PostNormLM, "moe": MoE, "moe_capacity": MoECapacity, "moe_e2e": End2EndMoE,
-            "moe_window": MoEWindow,
+            "moe_window": MoEWindow, "moe_window_e2e": lambda: End2EndMoE(MoEWindow()),
             "user_op": UserOp, "fused_gqa": FusedGQA, "fused_gqa_keyword": FusedGQAByKeyword}[name]()
 
 

@@ -106,10 +106,13 @@ def test_expert_groups_in_pipeline_stages_and_zero_units_train_like_one_process(
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_sliding_window_attention_trains_like_one_process(nranks, tmp_path):
     """GPT-OSS's attention (every other layer over a sliding window, ``sliding_window_attention``)
-    around experts: split by batch, by heads, and with the experts split over every device."""
+    around experts: split by batch, by heads, and with the experts split over every device; with 4
+    ranks also in a two-stage pipeline whose stages are each expert-parallel over 2."""
     cases = [Case("moe_window", "dp", 1, nranks), Case("moe_window", "tp", nranks, nranks)]
     if nranks > 1:
         cases += [Case("moe_window", "tp", nranks, nranks, config=expert_parallel(nranks, around="tp"))]
+    if nranks == 4:
+        cases += [Case("moe_window_e2e", "hybrid", 4, 4, config=pipeline("1f1b", 2, 2) + expert_parallel(2))]
     per_rank = run_ranks(train_parallel, nranks, cases, str(tmp_path))
     for i, case in enumerate(cases):
         check_equivalence(case, [res[i] for res in per_rank])
