@@ -75,6 +75,35 @@ def find_stack(module: nn.Module) -> Stack:
     return Stack(best[1], best[2])
 
 
+#: Attributes by which layers of one class and shape may still compute differently: the keys a
+#: layer's attention sees (``nbscaler.models.llama.Attention.window``; Hugging Face's ``sliding_window``).
+PER_LAYER_FACTS = ("window", "sliding_window")
+
+
+def check_layers_alike(module: nn.Module, stack: Stack) -> None:
+    """Raise ``ValueError`` when a layer of ``stack`` after the second computes otherwise than the
+    second (``PER_LAYER_FACTS``, such as a sliding window on every other layer, as GPT-OSS has): the
+    copy's second layer stands for every later one, so such a model cannot be read off the copy."""
+    layers = module.get_submodule(stack.path)
+
+    def facts(layer: nn.Module) -> Dict[str, object]:
+        out: Dict[str, object] = {}
+        for name, m in layer.named_modules():
+            for attr in PER_LAYER_FACTS:
+                if hasattr(m, attr) and (getattr(m, attr) is None or isinstance(getattr(m, attr), int)):
+                    out[f"{name}.{attr}" if name else attr] = getattr(m, attr)
+        return out
+    second = facts(layers[1])
+    for i in range(2, len(layers)):
+        theirs = facts(layers[i])
+        if theirs != second:
+            what = next(k for k in sorted(set(second) | set(theirs)) if second.get(k) != theirs.get(k))
+            raise ValueError(f"the layers of {stack.path} do not all compute alike: {stack.path}.1.{what} is "
+                             f"{second.get(what)!r} where {stack.path}.{i}.{what} is {theirs.get(what)!r}. A sweep "
+                             f"prices every layer after the first as the second, so it cannot price this model; "
+                             f"plan it with nbscaler.plan(...) and price each plan with plan.step_figures(...).")
+
+
 def shallow(module: nn.Module, stack: Stack, layers: int) -> nn.Module:
     """A copy of ``module`` whose stack keeps its first ``layers`` layers: the modules on the way to
     the stack are copied shallowly, every layer and weight is the module's own."""

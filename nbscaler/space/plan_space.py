@@ -52,7 +52,7 @@ from nbscaler.space.ranges import (CONTEXT_KIND_VALUES, RECOMPUTE_VALUES, Ranges
                                    combination_problem, context_kind_at, reshard_at, sequence_parallel_at,
                                    software_ranges, virtual_stages_of)
 from nbscaler.planning.planner import plan
-from nbscaler.planning.stack import Stack, find_stack, one_sequence, shallow
+from nbscaler.planning.stack import Stack, check_layers_alike, find_stack, one_sequence, shallow
 from nbscaler.policy.primitives import PolicyError
 from nbscaler.recipe import UNSET, Recipe
 from nbscaler.space.row_config import CopyPlacementKey, config_of, pas_config, placement_of
@@ -99,6 +99,7 @@ class PlanSpace:
                                    grad_reduce_dtype=grad_reduce_dtype)
         self.prune = prune
         self.stack = find_stack(module)
+        check_layers_alike(module, self.stack)
         self.ranges = Ranges(*(tuple(r) if r is not None else None for r in (tp, pp, micro_batch)),
                              tuple(recompute), tuple(sequence_parallel), tuple(zero_stage), scheduler,
                              tuple(virtual_stages), tuple(zero_reshard_after_forward), tuple(cp),
