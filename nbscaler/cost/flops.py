@@ -60,13 +60,15 @@ def attention_causal_fraction(node: IRNode) -> float:
     """``causal_fraction`` of an attention node called with ``is_causal=True`` and no mask, or of a
     ``sliding_window_attention``; 1.0 for any other op (an explicit mask tensor hides its shape from
     the kernel, which computes every pair)."""
-    window = window_of(node)
-    q, k = (tuple(t.shape) for t in node.inputs[:2]) if node.op == "attention" else ((), ())
-    if window is not None:
-        return causal_fraction(q[-2], k[-2], window)
-    if node.op != "attention" or not arg(node, 5, "is_causal", False) or arg(node, 3, "attn_mask", None) is not None:
+    if node.op != "attention":
         return 1.0
-    return causal_fraction(q[-2], k[-2])
+    t, s = node.inputs[0].shape[-2], node.inputs[1].shape[-2]
+    window = window_of(node)
+    if window is not None:
+        return causal_fraction(t, s, window)
+    if not arg(node, 5, "is_causal", False) or arg(node, 3, "attn_mask", None) is not None:
+        return 1.0
+    return causal_fraction(t, s)
 
 
 def expert_flops(node: IRNode, in_shapes: Sequence[Sequence[int]]) -> float:
