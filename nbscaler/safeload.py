@@ -44,7 +44,7 @@ RECOMPILE = "compile again with reuse='override' (or delete the folder)"
 # given (a dataclass, an enum, a container); no function and no class with side effects.
 _ADMITTED: FrozenSet[Tuple[str, str]] = frozenset({
     ("nbscaler.ir.graph", "IRGraph"), ("nbscaler.ir.graph", "IRNode"), ("nbscaler.ir.graph", "IRTensor"),
-    ("nbscaler.ir.graph", "Placement"), ("nbscaler.ir.annotation", "OpAnnotation"),
+    ("nbscaler.ir.graph", "Placement"), ("nbscaler.ir.graph", "InnerSplit"), ("nbscaler.ir.annotation", "OpAnnotation"),
     ("nbscaler.ir.backward_split", "BackwardPart"),
     ("nbscaler.cost.hardware", "Hardware"), ("nbscaler.cost.hardware", "NumberFormat"),
     ("nbscaler.cost.hardware", "Link"), ("nbscaler.cost.software", "Software"),

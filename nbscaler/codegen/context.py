@@ -29,11 +29,12 @@ def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) 
     return f"{fn}({inner}, kind={node.meta[CONTEXT_KIND]!r}, blocks={place.blocks!r}, group={group})"
 
 
-def chunk_comment(node: IRNode, device: int) -> str:
-    """``# this device's queries: positions 0:4 and 28:32 of 32 (chunks 0 and 7 of 8)``."""
+def chunk_comment(node: IRNode, group: Tuple[int, ...], device: int) -> str:
+    """``# this device's queries: positions 0:4 and 28:32 of 32 (chunks 0 and 7 of 8)``, for
+    ``device`` of the context-parallel ``group``."""
     place = node.placement
     length = node.inputs[0].shape[-2]
-    index, parts = place.devices.index(device), place.parts
+    index, parts = group.index(device), len(group)
     held = held_chunks(length, place.blocks, parts, index)
     size = held[0][2] - held[0][1]
     where = " and ".join(f"{lo}:{hi}" for _, lo, hi in held)
@@ -48,7 +49,7 @@ def chunk_comment(node: IRNode, device: int) -> str:
     for step in range(parts):
         source = ring_source(index, step, parts)
         theirs = " and ".join(str(c) for c, _, _ in held_chunks(length, place.blocks, parts, source))
-        whose = "its own chunks" if step == 0 else f"device {source}'s chunks"
+        whose = "its own chunks" if step == 0 else f"device {group[source]}'s chunks"
         steps.append(f"{step}: {whose} {theirs}")
     return line + "\n# ring steps, each computing against the block in hand while passing it on: " + "; ".join(steps)
 

@@ -242,15 +242,23 @@ def _carry_table(graphs: Dict[str, IRGraph], nstages: int) -> Dict[str, Dict[int
 def _weight_spec(wt: LocalWeight) -> str:
     """The ``WeightSpec`` arguments of one row of the weight table."""
     text = f"{wt.name!r}, {wt.kind!r}, {wt.full_shape!r}, {wt.dtype}, devices={wt.devices!r}"
-    if wt.layout.kind == LayoutKind.SPLIT:
-        text += f", split_dim={wt.layout.dim}, parts={len(wt.devices)}, index={wt.index}"
+    lay = wt.layout
+    if lay.kind == LayoutKind.SPLIT:
+        text += f", split_dim={lay.dim}, parts={len(wt.devices)}, index={wt.index}"
         text += f", blocks={wt.blocks}" if wt.blocks != 1 else ""
-        if wt.layout.inner is not None:     # cut again inside each part: experts by hidden unit
-            cut = wt.layout.inner
+        if lay.inner is not None:     # cut again inside each part: experts by hidden unit
+            cut = lay.inner
             text += f", inner_dim={cut.dim}, inner_parts={cut.parts}"
             text += f", inner_blocks={cut.blocks}" if cut.blocks != 1 else ""
-    if wt.layout.kind == LayoutKind.SUM_GRAD:
+    elif lay.inner is not None and lay.inner.kind == LayoutKind.SPLIT:
+        # whole across the groups of a grid, split inside each: device i holds slice i % parts, as do
+        # its counterparts in the other groups, whose partial gradients are summed with its own
+        cut = lay.inner
+        text += f", split_dim={cut.dim}, parts={cut.parts}, index={wt.index % cut.parts}"
+        text += f", blocks={cut.blocks}" if cut.blocks != 1 else ""
+    if lay.kind == LayoutKind.SUM_GRAD:
         text += ", partial_grads=True"
+        text += f", partial_devices={wt.partial_devices!r}" if wt.partial_devices != wt.devices else ""
     if wt.replicas:
         text += f", replicas={wt.replicas!r}"
     if not wt.persistent:

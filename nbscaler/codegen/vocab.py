@@ -15,10 +15,10 @@ FUNCTIONS = {"embedding": "vocab_embedding", "loss": "vocab_cross_entropy"}
 """The function of ``nbscaler.runtime.vocab`` that runs each kind of vocabulary-parallel op."""
 
 
-def vocab_call(node: IRNode, args: Tuple, device: int, group: str) -> str:
-    """The expression one ``device`` evaluates for vocabulary-parallel ``node``, whose tensor
-    arguments are already rendered in ``args``; ``group`` names the process group of its devices."""
-    start = node.placement.devices.index(device) * vocab_share(node)
+def vocab_call(node: IRNode, args: Tuple, index: int, group: str) -> str:
+    """The expression the ``index``-th device of vocabulary-parallel ``node``'s group evaluates,
+    whose tensor arguments are already rendered in ``args``; ``group`` names that process group."""
+    start = index * vocab_share(node)
     fn = FUNCTIONS[node.op]
     if node.op == "embedding":                   # (tokens, weight): a masked lookup, no communication
         return f"{fn}({render(args[0])}, {render(args[1])}, {start})"

@@ -47,14 +47,14 @@ def local_split_sizes(node: IRNode, args: tuple) -> tuple:
     """``args`` of a ``split`` whose split axis is itself split (equal blocks, strided): each
     device splits its share, so the sizes shrink by the number of parts (``qkv.split(C)`` becomes
     ``qkv.split(C // 2)`` on 2 devices). Any other call's ``args`` come back unchanged."""
-    place = node.placement
-    if node.op != "split" or place is None or (0, place.split) not in node.annotation.grouped:
-        return args
-    if not node.target.endswith(".split"):      # chunk, tensor_split, unbind: counts of pieces, the same
-        return args
-    sizes = args[1] if len(args) > 1 else None
-    if isinstance(sizes, int):
-        return (args[0], sizes // place.parts) + tuple(args[2:])
-    if isinstance(sizes, (list, tuple)):
-        return (args[0], type(sizes)(s // place.parts for s in sizes)) + tuple(args[2:])
+    if node.op != "split" or node.placement is None or not node.target.endswith(".split"):
+        return args         # chunk, tensor_split, unbind: counts of pieces, the same on every device
+    for _, place in node.placement.views():         # over a grid, the axis that splits the blocks
+        if (0, place.split) not in node.annotation.grouped:
+            continue
+        sizes = args[1] if len(args) > 1 else None
+        if isinstance(sizes, int):
+            return (args[0], sizes // place.parts) + tuple(args[2:])
+        if isinstance(sizes, (list, tuple)):
+            return (args[0], type(sizes)(s // place.parts for s in sizes)) + tuple(args[2:])
     return args

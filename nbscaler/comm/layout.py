@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from nbscaler.blocks import Blocks, combine, describe, is_strided
-from nbscaler.ir.graph import IRNode, Placement
+from nbscaler.ir.graph import Axis, IRNode, Placement
 from nbscaler.ir.expert_rules import EXPERT_WEIGHTS, expert_hidden_parts, expert_parallel, expert_tensor_parallel
 from nbscaler.ir.layer_rules import context_ring, vocab_parallel
 from nbscaler.layouts import Collective, LayoutKind
@@ -67,16 +67,36 @@ class Layout:
     def partial(cls) -> "Layout":
         return cls(P)
 
+    @classmethod
+    def grid(cls, outer: "Layout", inner: "Layout", parts: int) -> "Layout":
+        """The layout over a grid of groups of ``parts`` neighbours: ``outer`` across the groups,
+        ``inner`` inside each."""
+        return cls(outer.kind, outer.dim, outer.blocks, InnerCut(inner.dim, parts, inner.blocks, inner.kind))
+
+    @property
+    def outer(self) -> "Layout":
+        """This layout across the groups of a grid (itself when it is not over a grid)."""
+        return Layout(self.kind, self.dim, self.blocks)
+
+    @property
+    def inner_layout(self) -> "Layout":
+        """This layout inside each group of a grid."""
+        return Layout(self.inner.kind, self.inner.dim, self.inner.blocks)
+
     def __str__(self) -> str:
+        if self.inner is not None:
+            return f"{self.outer}x{self.inner_layout}"
         if self.kind != S:
             return str(self.kind)
-        text = f"S({self.dim}, {describe(self.blocks)})" if is_strided(self.blocks) else f"S({self.dim})"
-        return text + (f"x{Layout.split(self.inner.dim, self.inner.blocks)}" if self.inner else "")
+        return f"S({self.dim}, {describe(self.blocks)})" if is_strided(self.blocks) else f"S({self.dim})"
 
     @property
     def label(self) -> str:
         """A suffix for variable names in generated code: what the collective made of the tensor
-        (``full``, ``split1``, ``sum_grad``: whole here, its gradient summed over the group)."""
+        (``full``, ``split1``, ``sum_grad``: whole here, its gradient summed over the group;
+        ``split1_full`` over a grid: the first across the groups, the second inside each)."""
+        if self.inner is not None:
+            return f"{self.outer.label}_{self.inner_layout.label}"
         strided = "x" + "_".join(map(str, self.blocks if isinstance(self.blocks, tuple) else [self.blocks]))
         strided = strided if is_strided(self.blocks) else ""
         return {R: "full", P: "partial", SUM_GRAD: "sum_grad", FIRST_ONLY: "first_only"}.get(self.kind,
@@ -85,20 +105,24 @@ class Layout:
 
 @dataclass(frozen=True)
 class InnerCut:
-    """The second cut of a layout split twice, over a grid of devices: device ``i`` of ``n`` holds
-    part ``i // parts`` of ``n // parts`` along the layout's ``dim``, and of that part, part
-    ``i % parts`` along ``dim`` here (in ``blocks``). Expert weights under expert parallelism with
-    tensor parallelism inside each expert are stored so: experts by expert group, hidden units by
-    the device's place in its group. No collective converts to or from it: its op reads it as stored."""
+    """The layout inside each group of ``parts`` neighbouring devices, over a grid: the layout's own
+    kind, dim and blocks say how the groups share the tensor, these how the devices of a group
+    share their group's part. Split twice (``kind`` ``S``), device ``i`` of ``n`` holds part
+    ``i // parts`` of ``n // parts`` along the layout's ``dim``, and of that part, part
+    ``i % parts`` along ``dim`` here (in ``blocks``): expert weights under expert parallelism with
+    tensor parallelism inside each expert, or an activation of tensor parallelism inside context
+    parallelism. Conversions change one axis at a time, each over its own sub-group (``grid_legs``)."""
 
-    dim: int
+    dim: Optional[int]
     parts: int
     blocks: Blocks = 1
+    kind: LayoutKind = S
 
 
 @dataclass(frozen=True)
 class Step:
-    """One collective: ``fn`` names a function of ``nbscaler.runtime.collectives``."""
+    """One collective: ``fn`` names a function of ``nbscaler.runtime.collectives``, run over the
+    fetch's devices (over a grid, the sub-group of one axis)."""
 
     fn: Collective
     dim: Optional[int] = None
@@ -108,11 +132,11 @@ class Step:
 
 def local_shape(shape: Sequence[int], layout: Layout, parts: int) -> Tuple[int, ...]:
     """The shape of one device's piece of a tensor of ``shape`` in ``layout`` over ``parts`` devices."""
+    if layout.inner is not None:        # the groups' part, then each device's share of it
+        shape = local_shape(shape, layout.outer, parts // layout.inner.parts)
+        return local_shape(shape, layout.inner_layout, layout.inner.parts)
     shape = list(shape)
-    if layout.kind == S and layout.inner is not None:
-        shape[layout.dim] //= parts // layout.inner.parts
-        shape[layout.inner.dim] //= layout.inner.parts
-    elif layout.kind == S:
+    if layout.kind == S:
         shape[layout.dim] //= parts
     return tuple(shape)
 
@@ -121,12 +145,11 @@ def output_layout(node: IRNode, index: int, place: Optional[Placement] = None) -
     """The layout ``node`` leaves its ``index``-th tensor output in (under ``place``, by default
     the node's own placement: a search can ask about placements it is only considering)."""
     place = place or node.placement
+    if place is not None and place.inner is not None:       # over a grid: each axis by the rules of one
+        return Layout.grid(*(output_layout(node, index, place.axis_view(a)) for a in Axis), place.inner.parts)
     if place is None or place.split is None:
         return Layout.replicated()
     _, out_dims = node.annotation.split_dims(place.split)
-    if place.inner is not None:             # cut twice: both cuts pass through (a view)
-        inner, parts = place.inner
-        return Layout(S, out_dims[index], place.blocks, InnerCut(node.annotation.split_dims(inner)[1][index], parts))
     if out_dims[index] is not None:
         return Layout.split(out_dims[index], place.blocks)
     return Layout.partial()
@@ -135,20 +158,17 @@ def output_layout(node: IRNode, index: int, place: Optional[Placement] = None) -
 def input_requirement(node: IRNode, index: int, place: Optional[Placement] = None) -> Layout:
     """What ``node`` needs of its ``index``-th tensor input (under ``place``, as above)."""
     place = place or node.placement
+    if place is not None and place.inner is not None:       # over a grid: each axis by the rules of one
+        return Layout.grid(*(input_requirement(node, index, place.axis_view(a)) for a in Axis), place.inner.parts)
     if place is None or place.split is None:
         return Layout.replicated()
-    if vocab_parallel(node) and not node.inputs[index].dtype.is_floating_point:
+    if vocab_parallel(node, place) and not node.inputs[index].dtype.is_floating_point:
         return Layout.replicated()      # token ids: each device looks every one up in its share of the vocabulary
     if expert_parallel(node) and index in EXPERT_WEIGHTS:
         return expert_weight_layout(node, index)    # this device's experts; its tokens' pairs travel to theirs
-    if context_ring(node) and index in (1, 2):
+    if context_ring(node, place) and index in (1, 2):
         return Layout.split(node.annotation.inputs[index].index("s"), place.blocks)    # keys, values: round a ring
     in_dims, _ = node.annotation.split_dims(place.split)
-    if place.inner is not None:             # cut twice: a view's input, strided where it chunks
-        inner, parts = place.inner
-        grouped = node.annotation.grouped
-        return Layout(S, in_dims[index], combine(place.blocks, grouped.get((index, place.split), 1)),
-                      InnerCut(node.annotation.split_dims(inner)[0][index], parts, grouped.get((index, inner), 1)))
     if in_dims[index] is not None:
         return Layout.split(in_dims[index], combine(place.blocks, node.annotation.grouped.get((index, place.split), 1)))
     if expert_tensor_parallel(node):
@@ -171,7 +191,31 @@ def effective_requirement(want: Layout, carries_grad: bool) -> Layout:
     """What a reader asking for ``want`` gets of a tensor that carries a gradient or not: a
     sum-gradient request (``R*``) of a tensor without one is plain ``R``, since there is nothing
     to sum."""
+    if want.inner is not None:
+        return Layout.grid(effective_requirement(want.outer, carries_grad),
+                           effective_requirement(want.inner_layout, carries_grad), want.inner.parts)
     return Layout.replicated() if want.kind == SUM_GRAD and not carries_grad else want
+
+
+def on_grid(layout: Layout, parts: int) -> Layout:
+    """``layout`` over a grid of groups of ``parts`` neighbours: itself if it is over one already;
+    whole (or whole with a summed gradient) over every device is the same on both axes. Raises
+    ``ValueError`` for a split over every device, which is no grid layout."""
+    if layout.inner is not None:
+        return layout
+    if layout.kind not in (R, SUM_GRAD):
+        raise ValueError(f"{layout} over every device of a grid has no layout per axis; convert it to R first")
+    return Layout.grid(layout, layout, parts)
+
+
+def grid_legs(have: Layout, want: Layout) -> List[Tuple["Axis", Layout, Layout]]:
+    """The conversion of a tensor over a grid, one axis at a time: ``(axis, from, to)`` for each axis
+    whose layout changes, inside the groups first (a partial sum all-reduced over the few
+    neighbours before anything crosses the groups), then across them."""
+    parts = (have.inner or want.inner).parts
+    have, want = on_grid(have, parts), on_grid(want, parts)
+    mid = Layout.grid(have.outer, want.inner_layout, parts)
+    return [(axis, a, b) for axis, a, b in ((Axis.INNER, have, mid), (Axis.OUTER, mid, want)) if a != b]
 
 
 def keeps_partial_grad(want: Layout, is_param: bool, partial_grads: bool) -> bool:
@@ -185,8 +229,14 @@ def conversion(have: Layout, want: Layout) -> List[Step]:
     """The collectives that turn layout ``have`` into requirement ``want`` (empty when equal)."""
     if have == want:
         return []
+    if have.inner is not None and want.inner is not None:      # one axis of a grid (``grid_legs``)
+        if have.inner_layout == want.inner_layout:
+            return conversion(have.outer, want.outer)
+        if have.outer == want.outer:
+            return conversion(have.inner_layout, want.inner_layout)
+        raise ValueError(f"{have} to {want} changes both axes of a grid: convert one at a time (grid_legs)")
     if have.inner is not None or want.inner is not None:
-        raise ValueError(f"no conversion from {have} to {want}: a layout cut twice is read only as it is stored")
+        raise ValueError(f"no conversion from {have} to {want}: convert over a grid one axis at a time (grid_legs)")
     strided = is_strided(have.blocks) or is_strided(want.blocks)
     if have.kind == S and want.kind == S and not strided:
         return [Step(Collective.ALL_TO_ALL, dim=want.dim, dim2=have.dim)]
@@ -246,7 +296,7 @@ def storage_layouts(graphs, partial_grads: bool = True) -> dict:
     - ``S(d)`` when every consumer in every graph wants the same slice on the same devices (a
       tensor-parallel weight);
     - ``R*`` for a parameter every consumer wants as ``R*`` on the same devices (its op splits the
-      batch, as under ``data``): each device keeps the whole parameter and a *partial* gradient,
+      batch, as under ``data``; over a grid, ``R*`` across the groups: context parallelism): each device keeps the whole parameter and a *partial* gradient,
       which the reducer sums after the backward, bucketed with the others, rather than one
       all-reduce per use inside it (the weight spec says ``partial_grads=True``). With
       ``partial_grads=False`` (ZeRO stage 2) such a parameter is stored ``R``;
@@ -265,5 +315,14 @@ def storage_layouts(graphs, partial_grads: bool = True) -> dict:
     for name, reqs in wants.items():
         want, _ = next(iter(reqs))
         single = len(reqs) == 1 and (want.kind == S or keeps_partial_grad(want, name in params, partial_grads))
-        layouts[name] = want if single else Layout.replicated()
+        layouts[name] = _stored(want) if single else Layout.replicated()
     return layouts
+
+
+def _stored(want: Layout) -> Layout:
+    """How a weight all of whose readers want ``want`` is stored: as they want it, except over a
+    grid where its readers add it once per group (``V``) or sum its gradient inside the group
+    (``R*``): it is held whole inside each group, and each reader's conversion does that."""
+    if want.inner is None or want.inner.kind in (R, S):
+        return want
+    return Layout.grid(want.outer, Layout.replicated(), want.inner.parts)

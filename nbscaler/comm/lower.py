@@ -28,13 +28,14 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from nbscaler.comm.layout import (Layout, conversion, effective_requirement, input_requirement, local_shape, local_steps,
-                                  output_layout)
+from nbscaler.comm.layout import (Layout, conversion, effective_requirement, grid_legs, input_requirement, local_shape,
+                                  local_steps, on_grid, output_layout)
 from nbscaler.comm.program import (Call, Devices, Fetch, LocalWeight, Origin, RankProgram, Receive, Recompute,
                                    Return, Section, Send, Value, Convert)
 from nbscaler.comm.stages import stage_carries
 from nbscaler.comm.unit_gathers import insert_unit_gathers, unit_table
-from nbscaler.ir.graph import SHARD_UNITS, IRGraph, IRNode, IRTensor, recompute_runs, requires_grad_of, tied_stages
+from nbscaler.ir.graph import (SHARD_UNITS, InnerSplit, IRGraph, IRNode, IRTensor, Placement, recompute_runs,
+                               requires_grad_of, tied_stages)
 from nbscaler.ir.layer_rules import sync_batch_norm
 from nbscaler.layouts import LayoutKind
 from nbscaler.schedule.geometry import PipelineGeometry
@@ -191,22 +192,46 @@ class SectionLowering:
         return value
 
     def fetch(self, t: IRTensor, want: Layout, devices: Devices, consumer: Optional[IRNode], position: int,
-              region: Optional[str] = None) -> Tuple[Value, Optional[Fetch]]:
-        """The value holding ``t`` in layout ``want``, and the conversion that makes it (None when held)."""
+              region: Optional[str] = None) -> Tuple[Value, Tuple[Fetch, ...]]:
+        """The value holding ``t`` in layout ``want``, and the conversions that make it (none when
+        held): one, or over a grid one per axis that changes, each over its own sub-group."""
         if id(t) not in self.have:
             raise LoweringError(f"{t.name} is used before it is computed on device {self.sec.device}")
         want = effective_requirement(want, self.grad.get(id(t), False))
         known = self.known[id(t)]
         if want in known:
-            return known[want], None
+            return known[want], ()
+        have = self.have[id(t)]
+        if have.inner is not None or want.inner is not None:
+            return self._fetch_grid(t, have, want, devices, consumer, position, region)
         self.groups.add(devices)
-        have, steps = self.have[id(t)], []
+        steps: List[Convert] = []
         start = self._start(t, have, want)
         if start not in known:                  # the whole tensor, made on the way and kept
             self._convert(t, have, start, len(devices), steps)
         src = self._convert(t, start, want, len(devices), steps)
         frm = have if steps and steps[0].src is known[have] else start
-        return src, (Fetch(t, frm, want, devices, consumer, position, tuple(steps), region) if steps else None)
+        return src, (Fetch(t, frm, want, devices, consumer, position, tuple(steps), region),) if steps else ()
+
+    def _fetch_grid(self, t: IRTensor, have: Layout, want: Layout, devices: Devices, consumer: Optional[IRNode],
+                    position: int, region: Optional[str]) -> Tuple[Value, Tuple[Fetch, ...]]:
+        """``fetch`` over a grid: one conversion per axis whose layout changes (``grid_legs``), each a
+        fetch over this device's group of that axis, every layout made on the way kept."""
+        parts = (have.inner or want.inner).parts
+        known, grid = self.known[id(t)], Placement(devices, inner=InnerSplit(None, parts))
+        if have.inner is None:                  # whole on every device: the same value on both axes
+            known.setdefault(on_grid(have, parts), known[have])
+        fetches = []
+        for axis, a, b in grid_legs(have, want):
+            if b in known:
+                continue
+            group, steps = grid.axis_group(axis, self.sec.device), []
+            self.groups.add(group)
+            self._convert(t, a, b, len(group), steps)
+            fetches.append(Fetch(t, a, b, group, consumer, position, tuple(steps), region))
+        value = known[on_grid(want, parts)]
+        known.setdefault(want, value)
+        return value, tuple(fetches)
 
     def _start(self, t: IRTensor, have: Layout, want: Layout) -> Layout:
         """The layout ``t``'s conversion to ``want`` goes through: the whole tensor where it is made
@@ -254,10 +279,10 @@ class SectionLowering:
         group = tuple(sorted({d for n in nodes for d in n.placement.devices}))
         gathered = [self.fetch(t, R, group, None, k) for k, t in enumerate(finals)]
         if sec.carry_out is not None:
-            out += [Send(t, (f,) if f else (), v) for t, (v, f) in zip(finals, gathered)]
+            out += [Send(t, fs, v) for t, (v, fs) in zip(finals, gathered)]
         else:
-            out.append(Return(tuple(f for _, f in gathered if f), {id(t): v for t, (v, _) in zip(finals, gathered)},
-                              sec.graph.outputs))
+            out.append(Return(tuple(f for _, fs in gathered for f in fs),
+                              {id(t): v for t, (v, _) in zip(finals, gathered)}, sec.graph.outputs))
         sec.groups = tuple(sorted(self.groups))
 
     def call(self, node: IRNode, region: Optional[str] = None) -> Call:
@@ -266,11 +291,13 @@ class SectionLowering:
                    for i, t in enumerate(node.inputs)]
         if sync_batch_norm(node):        # statistics over the whole batch: a collective inside the op
             self.groups.add(place.devices)
+        for axis, _ in place.views() if place.inner is not None else ():     # the calls' own groups over a grid
+            self.groups.add(place.axis_group(axis, self.sec.device))
         outputs = []
         for i, t in enumerate(node.output_tensors):
             lay = output_layout(node, i)
             outputs.append(self.bind(Value(t, lay, Origin.MADE, local_shape(t.shape, lay, place.parts))))
-        return Call(node, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), tuple(outputs), region)
+        return Call(node, tuple(f for _, fs in fetched for f in fs), tuple(v for v, _ in fetched), tuple(outputs), region)
 
     def recompute(self, region: str, nodes: Sequence[IRNode], later: Sequence[IRNode],
                   finals: Sequence[IRTensor]) -> Recompute:
@@ -291,7 +318,7 @@ class SectionLowering:
                 else:
                     self.known.pop(id(t), None)
                     self.have.pop(id(t), None)
-        return Recompute(region, tuple(f for _, f in fetched if f), tuple(v for v, _ in fetched), body, returns)
+        return Recompute(region, tuple(f for _, fs in fetched for f in fs), tuple(v for v, _ in fetched), body, returns)
 
 
 # -- what each rank stores -----------------------------------------------------------------------------
@@ -335,6 +362,9 @@ def device_groups(graphs: Dict[str, IRGraph], geometry: Optional[PipelineGeometr
     """Every device set a collective or a gradient sum runs over: the same list on every rank, in
     the order process groups are created (collectively). ``tied``: ``tied_stages(graphs)``."""
     groups = {n.placement.devices for g in graphs.values() for n in g.nodes if len(n.placement.devices) > 1}
+    groups |= {n.placement.axis_group(axis, d) for g in graphs.values() for n in g.nodes if n.placement.inner
+               for axis, _ in n.placement.views() for d in n.placement.devices}
+    groups = {d for d in groups if len(d) > 1}
     groups |= set(geometry.copy_groups() if geometry is not None else []) | set(tied_groups(tied, geometry))
     return sorted(groups, key=lambda d: (len(d), d))
 

@@ -212,9 +212,18 @@ class LocalWeight:
     unit: Optional[str] = None    # ZeRO-3: the unit its parameter is gathered with (``policy.shard_units``)
 
     @property
+    def partial_devices(self) -> Devices:
+        """The devices whose partial gradients the reducer sums with this one's (storage ``R*``):
+        all of ``devices``, or over a grid this device's counterparts in every group; else none."""
+        if self.layout.kind != LayoutKind.SUM_GRAD:
+            return ()
+        step = self.layout.inner.parts if self.layout.inner is not None else 1
+        return self.devices[self.index % step::step]
+
+    @property
     def partial_over(self) -> int:
-        """Devices whose partial gradients the reducer sums (storage ``R*``), else 1."""
-        return len(self.devices) if self.layout.kind == LayoutKind.SUM_GRAD else 1
+        """Devices whose partial gradients the reducer sums (``partial_devices``), else 1."""
+        return len(self.partial_devices) or 1
 
     @property
     def blocks(self) -> Blocks:

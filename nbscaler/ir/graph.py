@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nbscaler.blocks import Blocks, describe, is_strided
+from nbscaler.columns import StrEnum
 from nbscaler.ir.annotation import OpAnnotation
 
 Shape = Tuple[int, ...]
@@ -66,6 +67,25 @@ class IRTensor:
         return f"{self.name}{list(self.shape)}"
 
 
+class InnerSplit(NamedTuple):
+    """The second cut of a placement over a grid of devices: groups of ``parts`` neighbours, each
+    device of a group computing slice ``j`` of its group's part along ``name`` (in ``blocks``), or
+    all of it where ``name`` is ``None`` (replicated inside the group)."""
+
+    name: Optional[str]
+    parts: int
+    blocks: Blocks = 1
+
+
+class Axis(StrEnum):
+    """One axis of a grid placement: across the groups (``OUTER``), or inside each group of
+    neighbours (``INNER``). Tensor parallelism inside context parallelism runs its collectives on
+    the inner axis, the sequence's on the outer one."""
+
+    OUTER = "outer"
+    INNER = "inner"
+
+
 @dataclass
 class Placement:
     """Where a node runs: on ``devices`` (plan device ids), whole or split along one dimension.
@@ -73,25 +93,51 @@ class Placement:
     ``split=None`` means every device computes the whole op (replicated); ``split='n'`` means device
     ``devices[i]`` computes slice ``i`` of ``len(devices)`` along the annotated dimension ``n``.
     ``blocks=3`` makes that slice strided: ``n`` is three equal blocks (q, k, v of a fused projection)
-    and device ``i`` computes slice ``i`` of each block; ``blocks=(2, 1, 1)`` the same with unequal
-    blocks (a grouped-query qkv: ``nbscaler.blocks``). ``inner=('h', p)`` cuts the devices into
-    groups of ``p`` neighbours: group ``g`` computes slice ``g`` along ``split``, and device ``j`` of
-    it slice ``j`` of that along ``h`` (the views of experts cut by expert and by hidden unit).
+    and device ``i`` computes slice ``i`` of each; ``blocks=(2, 1, 1)`` the same with unequal
+    blocks (a grouped-query qkv: ``nbscaler.blocks``). ``inner=InnerSplit(h, p)`` cuts the devices
+    into groups of ``p`` neighbours: group ``g`` computes slice ``g`` along ``split``, and device ``j``
+    of it slice ``j`` of that along ``h`` (experts cut by expert and by hidden unit; tensor
+    parallelism inside context parallelism, with ``h=None`` for an op the group runs whole).
     """
 
     devices: Tuple[int, ...]
     split: Optional[str] = None
     blocks: Blocks = 1
-    inner: Optional[Tuple[str, int]] = None     # (dimension, parts): each part of ``split`` cut again
+    inner: Optional[InnerSplit] = None      # each part of ``split`` cut again, over groups of neighbours
 
     @property
     def parts(self) -> int:
         return len(self.devices) if self.split is not None else 1
 
+    def axis_view(self, axis: Axis) -> "Placement":
+        """The one-axis placement of a grid placement along ``axis``, over the first group of that
+        axis: what every layout rule of a plain placement reads (``comm.layout``)."""
+        p = self.inner.parts
+        if axis == Axis.OUTER:
+            return Placement(self.devices[::p], self.split, self.blocks)
+        return Placement(self.devices[:p], self.inner.name, self.inner.blocks if self.inner.name else 1)
+
+    def views(self) -> List[Tuple[Optional[Axis], "Placement"]]:
+        """``(axis, one-axis placement)`` for each axis: ``[(None, self)]`` unless over a grid."""
+        return [(None, self)] if self.inner is None else [(a, self.axis_view(a)) for a in Axis]
+
+    def group_of(self, axis: Optional[Axis], device: int) -> Tuple[int, ...]:
+        """The devices ``device`` runs the collectives of ``axis`` with (all of them for ``None``)."""
+        return self.devices if axis is None else self.axis_group(axis, device)
+
+    def axis_group(self, axis: Axis, device: int) -> Tuple[int, ...]:
+        """The devices ``device`` runs ``axis``'s collectives with: its own group of neighbours
+        (``INNER``), or the devices at its place in every group (``OUTER``)."""
+        p, i = self.inner.parts, self.devices.index(device)
+        return self.devices[i % p::p] if axis == Axis.OUTER else self.devices[i - i % p:i - i % p + p]
+
     def __str__(self) -> str:
         devs = ",".join(map(str, self.devices))
         strided = f" in {describe(self.blocks)}" if is_strided(self.blocks) else ""
-        inner = f" in groups of {self.inner[1]}, each split {self.inner[0]!r}" if self.inner else ""
+        if self.inner and self.inner.name is None:
+            inner = f" in groups of {self.inner.parts}, each running it whole"
+        else:
+            inner = f" in groups of {self.inner.parts}, each split {self.inner.name!r}" if self.inner else ""
         return f"split {self.split!r}{strided}{inner} over [{devs}]" if self.split else f"replicated on [{devs}]"
 
 

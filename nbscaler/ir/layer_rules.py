@@ -7,12 +7,12 @@ routed-experts ops are and how plans split them in ``expert_rules``.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set
+from typing import Dict, Optional, Set, Tuple
 
 from nbscaler.blocks import MIRRORED
 from nbscaler.ir.annotation import OpAnnotation
 from nbscaler.ir.expert_rules import expert_splits
-from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, fed_by_inputs
+from nbscaler.ir.graph import CONTEXT_KIND, Axis, IRGraph, IRNode, Placement, fed_by_inputs
 from nbscaler.ir.shape_rules import arg, elementwise, fixed, fresh
 
 
@@ -136,42 +136,57 @@ def vocabulary_lookups(graph: IRGraph) -> Set[str]:
     return {n.name for n in graph.nodes if n.op == "embedding" and id(n.inputs[0]) in data}
 
 
-def vocab_parallel(node: IRNode) -> bool:
-    """Whether ``node`` is split by vocabulary: an embedding by its table's rows, or a
-    cross-entropy by its classes (the columns of the logits a column-parallel output head leaves).
-    Every device then reads the token ids whole, and generated code calls
+def vocab_split(node: IRNode, place: Optional[Placement] = None) -> Optional[Tuple[Optional[Axis], Placement]]:
+    """``(axis, one-axis placement)`` along which ``node`` is split by vocabulary (``vocab_parallel``;
+    the axis is ``None`` unless it is placed over a grid), or ``None``."""
+    place = place or node.placement
+    if place is None:
+        return None
+    return next(((a, p) for a, p in place.views() if (node.op, p.split) in (("embedding", "v"), ("loss", "c"))), None)
+
+
+def vocab_parallel(node: IRNode, place: Optional[Placement] = None) -> bool:
+    """Whether ``node`` is split by vocabulary (under ``place``, by default its own): an embedding by
+    its table's rows, or a cross-entropy by its classes (the columns of the logits a column-parallel
+    output head leaves). Every device then reads the token ids whole, and generated code calls
     ``nbscaler.runtime.vocab.vocab_embedding`` or ``vocab_cross_entropy`` with the first vocabulary
     entry it holds (``vocab_share``)."""
-    place = node.placement
-    if place is None or place.split is None:
-        return False
-    return (node.op, place.split) in (("embedding", "v"), ("loss", "c"))
+    return vocab_split(node, place) is not None
 
 
-def context_parallel(node: IRNode) -> Optional[str]:
+def context_split(node: IRNode, place: Optional[Placement] = None) -> Optional[Tuple[str, Optional[Axis], Placement]]:
+    """``(what it calls, axis, one-axis placement)`` of a split along the tokens (``context_parallel``),
+    or ``None``."""
+    place = place or node.placement
+    if place is None:
+        return None
+    for axis, p in place.views():
+        if (node.op, p.split) == ("attention", "t"):
+            return "attention", axis, p
+        if (node.op, p.split) == ("loss", "n") and "n" in node.annotation.frozen:
+            return "loss", axis, p
+    return None
+
+
+def context_parallel(node: IRNode, place: Optional[Placement] = None) -> Optional[str]:
     """What a split along the tokens calls in place of ``node``: ``'attention'`` for an attention split
     along its queries (context parallelism, ``nbscaler.runtime.context.context_attention``), ``'loss'``
     for a mean cross-entropy split along its tokens, by context parallelism or by the batch split
     (``nbscaler.runtime.losses.split_cross_entropy``), else ``None``."""
-    place = node.placement
-    if place is None or place.split is None:
-        return None
-    if (node.op, place.split) == ("attention", "t"):
-        return "attention"
-    if (node.op, place.split) == ("loss", "n") and "n" in node.annotation.frozen:
-        return "loss"
-    return None
+    found = context_split(node, place)
+    return found[0] if found else None
 
 
-def context_ring(node: IRNode) -> bool:
+def context_ring(node: IRNode, place: Optional[Placement] = None) -> bool:
     """Whether ``node`` is an attention whose keys and values stay split and pass round a ring."""
-    return context_parallel(node) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"
+    return context_parallel(node, place) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"
 
 
 def counted_tokens_bytes(node: IRNode) -> int:
     """The bytes a loss split along its tokens all-reduces inside its call: the group's count of
     counted tokens, one int64 (``nbscaler.runtime.losses.split_cross_entropy``); 0 for any other op."""
-    return 8 if context_parallel(node) == "loss" and node.placement.parts > 1 else 0
+    found = context_split(node)
+    return 8 if found and found[0] == "loss" and found[2].parts > 1 else 0
 
 
 CONTEXT_SEQUENCE = "sequence"
@@ -200,7 +215,8 @@ def parallel_splits(graph: IRGraph) -> Dict[str, str]:
 
 def vocab_share(node: IRNode) -> int:
     """How many vocabulary entries each device of a ``vocab_parallel`` node holds."""
-    return node.annotation.sizes[node.placement.split] // node.placement.parts
+    _, place = vocab_split(node)
+    return node.annotation.sizes[place.split] // place.parts
 
 
 WINDOW_TARGET = "nbscaler.attention.window.sliding_window_attention"

@@ -134,8 +134,9 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     if check_experts(cfg, len(unit), _beside_experts(cfg)) > 1:
         return place_experts(graph, lambda node: unit, _around(cfg, lambda node: unit),
                              expert_tensor_parallel_size(cfg))
-    if check_context(cfg, len(unit), sequence_parallel(cfg)) > 1:
-        return place_context(graph, lambda node: unit, context_kind(cfg))
+    cp = check_context(cfg, len(unit), sequence_parallel(cfg))
+    if cp > 1:
+        return place_context(graph, lambda node: unit, context_kind(cfg), len(unit) // cp, _tensor_parallel)
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
 
 
@@ -257,8 +258,10 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     if check_experts(cfg, geometry.tp, _beside_experts(cfg)) > 1:
         group = lambda node: geometry.stage_group(node.stage)
         return place_experts(graph, group, _around(cfg, group), expert_tensor_parallel_size(cfg))
-    if check_context(cfg, geometry.tp, sequence_parallel(cfg)) > 1:
-        return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg))
+    cp = check_context(cfg, geometry.tp, sequence_parallel(cfg))
+    if cp > 1:
+        return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg),
+                             geometry.tp // cp, _tensor_parallel)
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
 

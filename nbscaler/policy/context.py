@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from nbscaler.blocks import MIRRORED
 from nbscaler.config import CONTEXT_PARALLEL, ComputeConfig
-from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode, Placement
-from nbscaler.ir.layer_rules import splits_mean_loss, window_of
+from nbscaler.ir.graph import CONTEXT_KIND, InnerSplit, IRGraph, IRNode, Placement
+from nbscaler.ir.layer_rules import context_parallel as context_parallel_call, splits_mean_loss, window_of
 from nbscaler.layouts import ContextKind
 from nbscaler.policy.primitives import PolicyError, partition, replicate
 
@@ -74,8 +74,36 @@ def sequence_inputs(graph: IRGraph, n: int) -> Tuple[int, Dict[int, int]]:
     return length, {id(t): 1 for t in shaped if t.shape[1] == length}
 
 
-def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]], kind: str) -> IRGraph:
-    """Split every op of ``graph`` along the sequence over ``devices_of(node)`` (see the module docstring)."""
+TensorParallel = Callable[[IRGraph, Callable[[IRNode], Tuple[int, ...]]], IRGraph]
+"""A tensor-parallel placement of a graph over the devices each node is given (``policy.builtin``'s)."""
+
+
+def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]], kind: str,
+                  tensor_parallel: int = 1, place_tensor: Optional[TensorParallel] = None) -> IRGraph:
+    """Split every op of ``graph`` along the sequence over ``devices_of(node)`` (see the module
+    docstring); with ``tensor_parallel=t > 1`` the devices are groups of ``t`` neighbours, the
+    sequence split across the groups and each op split inside its group as ``place_tensor`` splits
+    it (Megatron's way: tensor parallelism inside, context parallelism across)."""
+    if tensor_parallel == 1:
+        return _place_sequence(graph, devices_of, kind)
+    t = tensor_parallel
+    place_tensor(graph, lambda node: devices_of(node)[:t])
+    inner = {id(node): (node.placement.split, node.placement.blocks) for node in graph.nodes}
+    _place_sequence(graph, lambda node: devices_of(node)[::t], kind)
+    for node in graph.nodes:
+        outer, devices = node.placement, devices_of(node)
+        if outer.split is None:                 # whole on every device (positions, a gathered op)
+            replicate(node, devices)
+            continue
+        name, blocks = inner[id(node)]
+        if name == outer.split or (context_parallel_call(node) == "loss"):
+            name, blocks = None, 1              # the loss of a split sequence reads its logits whole
+        node.placement = Placement(tuple(devices), outer.split, outer.blocks, InnerSplit(name, t, blocks))
+    return graph
+
+
+def _place_sequence(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]], kind: str) -> IRGraph:
+    """Split every op of ``graph`` along the sequence over ``devices_of(node)`` (one axis)."""
     n = len(devices_of(graph.nodes[0])) if graph.nodes else 1
     length, seq_dim = sequence_inputs(graph, n)
     gathered: List[str] = []
@@ -146,7 +174,9 @@ def _context_name(node: IRNode, split: List[Tuple[int, int]], length: int, kind:
 
 
 def check_context(cfg: ComputeConfig, stage_devices: int, sequence_parallel: bool) -> int:
-    """The context-parallel size of ``cfg``, checked against the devices of each stage (1: none)."""
+    """The context-parallel size of ``cfg``, checked against the devices of each stage (1: none);
+    the rest of each stage's devices, ``stage_devices // n``, are tensor-parallel inside each
+    context-parallel device."""
     n = cfg.context_parallel
     context_kind(cfg)
     if n == 1:
@@ -154,9 +184,14 @@ def check_context(cfg: ComputeConfig, stage_devices: int, sequence_parallel: boo
     if sequence_parallel:
         raise PolicyError(f"pas_config has both '{CONTEXT_PARALLEL}' and 'sequence_parallel': context parallelism "
                           "already runs every op on a slice of the sequence; drop 'sequence_parallel'.")
-    if n != stage_devices:
-        raise PolicyError(f"{CONTEXT_PARALLEL}={n}, but each stage has {stage_devices} devices: nbscaler splits a "
-                          "stage's sequence over all of its devices (tensor parallelism inside a context-parallel "
-                          f"group is not supported); set {CONTEXT_PARALLEL}={stage_devices}, or plan_ngpus to "
-                          f"{n} x the pipeline devices.")
+    if stage_devices % n:
+        raise PolicyError(f"{CONTEXT_PARALLEL}={n}, but each stage has {stage_devices} devices, which do not "
+                          f"divide into {n} groups: a stage's devices are {CONTEXT_PARALLEL} x tensor parallel. "
+                          f"Set {CONTEXT_PARALLEL} to a divisor of {stage_devices}, or plan_ngpus to a multiple of "
+                          f"{n} x the pipeline stages.")
+    if stage_devices > n and cfg.use_zero:
+        raise PolicyError(f"use_zero with {CONTEXT_PARALLEL}={n} and tensor parallelism inside it "
+                          f"({stage_devices // n} devices per group): ZeRO shards over the context-parallel devices "
+                          "only where each holds every weight whole, and tensor parallelism splits them. Train "
+                          f"without use_zero, or set {CONTEXT_PARALLEL}={stage_devices} (no tensor parallelism).")
     return n

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import List, Sequence, Union
 
 from nbscaler.blocks import Blocks, describe, is_strided, normalize, units
-from nbscaler.ir.graph import IRNode, Placement
+from nbscaler.ir.graph import InnerSplit, IRNode, Placement
 
 
 class PolicyError(ValueError):
@@ -58,7 +58,8 @@ def partition_grid(node: IRNode, outer: str, inner: str, devices: Sequence[int],
     reason = node.annotation.can_split(inner, inner_parts) or (None if outer != inner else "it is the outer cut")
     if reason:
         raise PolicyError(f"partition_grid({node.name}, {outer!r}, {inner!r}): {reason}. The op is '{node.annotation}'.")
-    node.placement = Placement(devices, outer if groups > 1 else None, 1, (inner, inner_parts) if groups > 1 else None)
+    node.placement = Placement(devices, outer if groups > 1 else None, 1,
+                               InnerSplit(inner, inner_parts) if groups > 1 else None)
     return node
 
 

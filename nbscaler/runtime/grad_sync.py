@@ -39,7 +39,7 @@ def replica_reducers(module: Module) -> List[Reducer]:
         if spec.kind != "param":
             continue
         if spec.partial_grads and not over_stage:
-            partial.setdefault(spec.devices, []).append(getattr(module, attr))
+            partial.setdefault(spec.partial_group, []).append(getattr(module, attr))
         if spec.replicas:
             copies.setdefault(spec.replicas, []).append(getattr(module, attr))
     bucket_bytes = module.compute_config.reduce_bucket_bytes

@@ -47,11 +47,19 @@ class WeightSpec:
     inner_dim: Optional[int] = None     # a second cut, inside the first (see above)
     inner_parts: int = 1
     inner_blocks: Blocks = 1
+    partial_devices: Tuple[int, ...] = ()   # with ``partial_grads``: the devices summed, when not all of ``devices``
 
     @property
     def copies(self) -> int:
         """How many devices of a unit hold this same slice (copies of a pipeline stage included)."""
         return len(self.devices) // self.parts * max(1, len(self.replicas))
+
+    @property
+    def partial_group(self) -> Tuple[int, ...]:
+        """The devices whose partial gradients are summed with this one's (``partial_grads``): all
+        of ``devices`` unless ``partial_devices`` names some (over a grid, this device's
+        counterparts in the other groups: tensor parallelism inside context parallelism)."""
+        return self.partial_devices or self.devices
 
     @property
     def saved(self) -> bool:
@@ -66,14 +74,15 @@ class WeightSpec:
                 "index": self.index, "persistent": self.persistent, "replicas": list(self.replicas),
                 "blocks": self.blocks if isinstance(self.blocks, (int, str)) else list(self.blocks),
                 "partial_grads": self.partial_grads, "inner_dim": self.inner_dim, "inner_parts": self.inner_parts,
-                "inner_blocks": self.inner_blocks if isinstance(self.inner_blocks, (int, str)) else list(self.inner_blocks)}
+                "inner_blocks": self.inner_blocks if isinstance(self.inner_blocks, (int, str)) else list(self.inner_blocks),
+                "partial_devices": list(self.partial_devices)}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "WeightSpec":
         return cls(d["name"], d["kind"], tuple(d["shape"]), getattr(torch, d["dtype"].replace("torch.", "")),
                    tuple(d["devices"]), d["split_dim"], d["parts"], d["index"], d["persistent"], tuple(d["replicas"]),
                    normalize(d.get("blocks", 1)), d.get("partial_grads", False), d.get("inner_dim"),
-                   d.get("inner_parts", 1), normalize(d.get("inner_blocks", 1)))
+                   d.get("inner_parts", 1), normalize(d.get("inner_blocks", 1)), tuple(d.get("partial_devices", ())))
 
     @property
     def cuts(self) -> List[Tuple[int, Blocks, int, int]]:

@@ -78,9 +78,28 @@ def test_a_sliding_window_is_refused_naming_what_splits_it_instead(kind):
         _plan("moe_window", 2, kind)
 
 
-def test_tensor_parallelism_inside_a_context_parallel_group_is_refused():
+def test_tensor_parallelism_runs_inside_each_context_parallel_group():
+    """Four devices as two context-parallel groups of two tensor-parallel neighbours: every op on
+    its group's mirrored chunks, split Megatron's way inside the group; each collective on one axis."""
     cfg = ComputeConfig(plan_ngpus=4, runtime_ngpus=4, pas_config={"context_parallel": 2})
-    with pytest.raises(PolicyError, match="set context_parallel=4"):
+    plan = nbscaler.plan(build("llama"), batch("llama", 0), "tp", cfg)
+    (q,) = [n for n in plan.graph.select(op="linear") if n.module_path.endswith("blocks.0.attn.q")]
+    assert (q.placement.blocks, q.placement.inner) == (MIRRORED, ("n", 2, 1))      # tokens across, columns inside
+    code = plan.sources[3]                      # device 3: second in the tensor group (2, 3), in the sequence group (1, 3)
+    assert "comm.all_reduce(linear_3, group=g2_3)" in code                     # row-parallel output, inside the group
+    assert "comm.all_gather_sum_grad(transpose_3, dim=3, blocks='mirrored', group=g1_3)" in code   # keys, across
+    assert "comm.chunk(getitem_0, dim=0, blocks='mirrored', group=g1_3)" in code                 # rotary rows
+    assert ("'blocks.0.attn.q.weight', 'param', (32, 32), torch.float32, devices=(0, 1, 2, 3), split_dim=0, "
+            "parts=2, index=1, partial_grads=True, partial_devices=(1, 3)") in code
+
+
+def test_context_parallel_groups_must_divide_the_stage_and_leave_zero_out():
+    cfg = ComputeConfig(plan_ngpus=4, runtime_ngpus=4, pas_config={"context_parallel": 3})
+    with pytest.raises(PolicyError, match="do not divide into 3 groups"):
+        nbscaler.plan(build("gpt"), batch("gpt", 0), "tp", cfg)
+    cfg = ComputeConfig(plan_ngpus=4, runtime_ngpus=8, use_zero=True, zero_ngroups=2,
+                        pas_config={"context_parallel": 2})
+    with pytest.raises(PolicyError, match="Train without use_zero, or set context_parallel=4"):
         nbscaler.plan(build("gpt"), batch("gpt", 0), "tp", cfg)
 
 

@@ -1,5 +1,6 @@
-"""Context parallelism trains as one process does: the sequence split over 2 and 4 ranks, keys
-and values all-gathered or passed round a ring, on the shipped GPT (``scaled_dot_product_attention``
+"""Context parallelism trains as one process does: the sequence split over 2 and 4 ranks (with
+tensor parallelism inside each context-parallel device, too), keys and values all-gathered or
+passed round a ring, on the shipped GPT (``scaled_dot_product_attention``
 with ``is_causal=True``), the shipped Llama (an attention written out with an explicit causal mask
 and rotary positions) and Hugging Face's Llama (its own mask through SDPA)
 (``tests.multiprocess.check_equivalence``: losses, merged gradients and parameters over 3 steps)."""
@@ -32,6 +33,22 @@ def test_context_parallel_trains_like_one_process_on_four_ranks(tmp_path):
              Case("llama", "tp", 4, 4, config=context_parallel(4)),
              Case("hf_llama", "tp", 4, 4, config=context_parallel(4, "ring")),
              Case("gpt", "tp", 4, 4, config=context_parallel(4))]
+    _check(cases, 4, tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallelism_inside_context_parallel_groups_trains_like_one_process(tmp_path):
+    """Four ranks as two context-parallel groups of two tensor-parallel neighbours (Megatron's
+    tp x cp): the sequence split across the groups, heads and hidden units inside each, keys and
+    values gathered or passed round the ring of each tensor-parallel place, with SDPA's causal
+    flag (GPT), an explicit mask written out (Llama) and Hugging Face's own mask (HF Llama);
+    recomputed layers too."""
+    cases = [Case("gpt", "tp", 4, 4, config=context_parallel(2)),
+             Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring")),
+             Case("llama", "tp", 4, 4, config=context_parallel(2)),
+             Case("hf_llama", "tp", 4, 4, config=context_parallel(2)),
+             Case("hf_llama", "tp", 4, 4, config=context_parallel(2, "ring")),
+             Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring", recompute="full"))]
     _check(cases, 4, tmp_path)
 
 
