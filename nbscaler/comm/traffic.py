@@ -41,7 +41,7 @@ from nbscaler.comm.layout import Layout, Step
 from nbscaler.comm.program import Fetch, RankProgram, Section, Send
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.expert_rules import exchanged_bytes, exchanged_counts_bytes, expert_parallel
-from nbscaler.ir.layer_rules import context_ring, counted_tokens_bytes
+from nbscaler.ir.layer_rules import context_group, context_ring, counted_tokens_bytes
 from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def _ring_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: 
     out: List[CommStep] = []
     for t in node.inputs[1:3]:
         split = Layout.split(node.annotation.inputs[1].index("s"), node.placement.blocks)
-        fetch = Fetch(t, split, split, node.placement.devices, node, node.inputs.index(t), ())
+        fetch = Fetch(t, split, split, context_group(node), node, node.inputs.index(t), ())
         out += _rows(fetch, Step(Collective.RING_PASS), stage, index, grad, backend)
     return out
 
@@ -177,10 +177,10 @@ def _expert_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad
 def _count_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
                 backend: Optional[str]) -> List[CommStep]:
     """The all-reduce of the token count a loss split along its tokens runs inside its call."""
-    nbytes, n = counted_tokens_bytes(node), node.placement.parts
+    nbytes, n = counted_tokens_bytes(node), len(context_group(node))
     row = dict(tensor=node.inputs[1].name, producer=node.inputs[1].producer.name if node.inputs[1].producer else None,
                consumer=node.name, consumer_index=index.get(id(node)), have=str(LayoutKind.SPLIT),
-               want=str(LayoutKind.SPLIT), collective=Collective.TOKEN_COUNT, devices=tuple(node.placement.devices),
+               want=str(LayoutKind.SPLIT), collective=Collective.TOKEN_COUNT, devices=context_group(node),
                tensor_bytes=nbytes, stage=stage)
     spec = COLLECTIVES[Collective.TOKEN_COUNT]
     return [CommStep(phase="F", **_sent(spec.forward_share(n) * nbytes, spec.priced_as, n, backend), **row)]

@@ -52,7 +52,7 @@ def annotate_costs(graph: IRGraph) -> IRGraph:
         read_by = readers.get(id(outs[0]), []) if len(outs) == 1 else []
         fwd = node_flops(node)
         bwd = backward_flops(node, fwd, lambda t: grad.get(id(t), False))
-        parts = node.placement.parts if node.placement is not None else 1
+        parts = node.placement.work_parts if node.placement is not None else 1
         node.meta.update(
             flops_fwd=fwd, flops_bwd=bwd,
             bytes_read=sum(t.nbytes for t in node.inputs),

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from nbscaler.attention.online import ring_source
 from nbscaler.cost.local import LocalRun
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import context_parallel, context_ring
+from nbscaler.ir.layer_rules import context_group, context_parallel, context_ring
 from nbscaler.layouts import Collective
 from nbscaler.schedule import CollectiveBlock, TimedBlock
 
@@ -61,8 +61,8 @@ def where(node: IRNode) -> str:
 def ring_seconds(node: IRNode, comm) -> Tuple[float, float]:
     """Forward and backward seconds of ``node``'s ring passes on ``comm``'s model: each of its keys
     and values priced as the all-gather that moves the ``ring_pass`` row's bytes."""
-    place = node.placement
-    n, ranks = place.parts, place.devices
+    ranks = context_group(node)
+    n = len(ranks)
     fwd = bwd = 0.0
     for t in node.inputs[1:3]:
         block = t.nbytes // n                                  # this device's rows
@@ -84,7 +84,7 @@ def ring_exposed(op, comm, time_op: Callable, again: bool = True) -> Tuple[float
     if not context_ring(op.node):
         return 0.0, 0.0
     passes_f, passes_b = ring_seconds(op.node, comm)
-    n = op.node.placement.parts
+    n = len(context_group(op.node))
     compute_f, compute_b = time_op(op)
     exposed_f = max(0.0, passes_f - compute_f * (n - 1) / n)
     home = passes_b / (2 * n - 1)
@@ -104,7 +104,7 @@ def rings_seconds(run: LocalRun, comm, time_op: Callable) -> Tuple[float, float]
 def ring_steps(node: IRNode, device: int) -> Tuple[List[str], List[str], List[float]]:
     """The labels of ``node``'s forward and backward ring steps on plan ``device``, and the share
     of the backward's time each backward step takes (by the blocks it carries)."""
-    devices = node.placement.devices
+    devices = context_group(node, device)
     n, i, at = len(devices), devices.index(device), where(node)
     forward = [f"ring step {k}/{n - 1} of {at}: keys and values of device {devices[ring_source(i, k, n)]}"
                for k in range(1, n)]

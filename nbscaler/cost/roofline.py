@@ -107,7 +107,7 @@ from nbscaler.cost.local import OpCall
 from nbscaler.cost.optimizers import step_tensors
 from nbscaler.ir.float8_layers import LINEAR, takes_float8
 from nbscaler.ir.graph import IRNode
-from nbscaler.ir.layer_rules import context_ring
+from nbscaler.ir.layer_rules import context_group, context_ring
 from nbscaler.ir.shape_rules import arg
 from nbscaler.recipe import Float8Scaling, Recipe
 
@@ -262,7 +262,7 @@ def _whole_keys(op: OpCall) -> List[Tuple]:
     q, k, v = op.in_shapes[:3]
     if not context_ring(op.node):
         return [q, k, v]
-    parts = op.node.placement.parts
+    parts = len(context_group(op.node))
     longer = lambda shape: (*shape[0][:-2], shape[0][-2] * parts, shape[0][-1])
     return [q, (longer(k), *k[1:]), (longer(v), *v[1:])]
 

@@ -133,7 +133,7 @@ def node_key(node: IRNode) -> Tuple:
     """Everything the replay reads of ``node`` but its name and its devices."""
     place, a = node.placement, node.annotation
     return (node.op, node.target, node.inplace, _constant(node.args), _constant(node.kwargs), _constant(node.outputs),
-            None if place is None else (place.split, place.blocks, place.parts),
+            None if place is None else (place.split, place.blocks, place.parts, place.inner),
             annotation_key(a))
 
 

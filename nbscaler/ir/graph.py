@@ -109,6 +109,14 @@ class Placement:
     def parts(self) -> int:
         return len(self.devices) if self.split is not None else 1
 
+    @property
+    def work_parts(self) -> int:
+        """How many parts the op's work is cut into (each device computes one): ``parts``, and over a
+        grid the groups' parts times the parts inside each (1 where a group runs it whole)."""
+        if self.inner is None:
+            return self.parts
+        return self.axis_view(Axis.OUTER).parts * self.axis_view(Axis.INNER).parts
+
     def axis_view(self, axis: Axis) -> "Placement":
         """The one-axis placement of a grid placement along ``axis``, over the first group of that
         axis: what every layout rule of a plain placement reads (``comm.layout``)."""

@@ -177,6 +177,14 @@ def context_parallel(node: IRNode, place: Optional[Placement] = None) -> Optiona
     return found[0] if found else None
 
 
+def context_group(node: IRNode, device: Optional[int] = None) -> Tuple[int, ...]:
+    """The devices ``node``'s split along the tokens runs over with ``device`` (by default its first):
+    all of its devices, or over a grid (tensor parallelism inside) ``device``'s context-parallel group."""
+    _, axis, _ = context_split(node)
+    place = node.placement
+    return place.group_of(axis, place.devices[0] if device is None else device)
+
+
 def context_ring(node: IRNode, place: Optional[Placement] = None) -> bool:
     """Whether ``node`` is an attention whose keys and values stay split and pass round a ring."""
     return context_parallel(node, place) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"

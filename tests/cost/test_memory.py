@@ -475,6 +475,18 @@ def test_memory_model_is_exact_under_context_parallelism(tmp_path):
         _check(case, predicted_memory(case), measured)
 
 
+@pytest.mark.multiprocess
+def test_memory_model_is_exact_with_tensor_parallelism_inside_context_parallelism(tmp_path):
+    """4 ranks as 2 context-parallel groups of 2 tensor-parallel neighbours: each rank holds half the
+    weights and a quarter of each layer's activations, gathers its group's keys and values (or
+    passes them round its ring) and all-reduces its row-parallel outputs inside its pair. The plan
+    equals the meter."""
+    cases = [Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2, "ring")),
+             Case("llama", "tp", 4, 4, optimizer="adamw", config=context_parallel(2))]
+    for case, measured in run_cases(measure_memory, 4, cases, str(tmp_path)).items():
+        _check(case, predicted_memory(case), measured)
+
+
 EXPERTS = [
     Case("moe_capacity", "tp", 2, 2, optimizer="adamw", config=expert_parallel(2)),
     Case("moe_capacity", "tp", 2, 2, config=expert_parallel(2) + zero(stage=2)),

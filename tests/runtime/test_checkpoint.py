@@ -39,6 +39,8 @@ NO_WEIGHTS = Case("llama", "tp", 2, 4)
 CONTEXT = Case("gpt", "tp", 2, 4, optimizer="adamw", config=context_parallel(2, "ring"))   # the sequence split
 # ... and sharded over units x context-parallel devices
 CONTEXT_ZERO3 = Case("gpt", "tp", 2, 4, optimizer="adamw", config=context_parallel(2, "ring") + zero(stage=3))
+# 2 context-parallel groups of 2 tensor-parallel neighbours: each weight split inside a pair, copied across
+CONTEXT_TP = Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2))
 EXPERTS = Case("moe", "tp", 2, 4, optimizer="adamw", config=expert_parallel(2))   # experts split by expert
 MOE_ZERO3 = Case("moe", "dp", 1, 4, optimizer="adamw", config=zero(stage=3))
 # 2 expert groups of 2: each rank a quarter of every expert's weights, cut by expert and by hidden unit
@@ -46,12 +48,13 @@ EXPERT_GROUPS = Case("moe", "tp", 4, 4, optimizer="adamw", config=expert_paralle
 HF_EXPERTS = Case("hf_mixtral", "tp", 2, 4, optimizer="adamw", config=expert_parallel(2))   # Hugging Face's, by expert
 HF_ZERO = Case("hf_mixtral", "dp", 1, 4, optimizer="adamw", config=zero())
 HF_GROUPS = Case("hf_mixtral", "tp", 4, 4, optimizer="adamw", config=expert_parallel(2, hidden=2))   # both ways, strided
-SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, CONTEXT_ZERO3, EXPERTS, MOE_ZERO3, HF_EXPERTS,
+SAVED = [TP2, TP4_ZERO, TRUNK_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, CONTEXT_ZERO3, CONTEXT_TP, EXPERTS, MOE_ZERO3, HF_EXPERTS,
          EXPERT_GROUPS, HF_GROUPS]   # trained, saved, continued
 MOVES = [(TP2, DP4_ZERO), (PP_ZERO, TP_END2END),            # merged checkpoint of one plan -> another plan
          (TP2, DP4_ZERO3), (TP4_ZERO3, DP4_ZERO),           # into ZeRO-3, and out of it
          (CONTEXT, TP_END2END), (PP_ZERO, CONTEXT),         # out of context parallelism, and into it
          (CONTEXT_ZERO3, TP_END2END), (PP_ZERO, CONTEXT_ZERO3),   # the same, sharded over its devices
+         (CONTEXT_TP, TP_END2END), (PP_ZERO, CONTEXT_TP),   # ... and with tensor parallelism inside
          (EXPERTS, MOE_ZERO3), (MOE_ZERO3, EXPERTS),        # out of expert parallelism, and into it
          (EXPERT_GROUPS, EXPERTS), (MOE_ZERO3, EXPERT_GROUPS),   # out of experts cut two ways, and into them
          (HF_EXPERTS, HF_ZERO), (HF_GROUPS, HF_ZERO), (HF_EXPERTS, HF_GROUPS)]
@@ -130,7 +133,7 @@ def two_fresh_ranks(gen_dir, ckpt_dir, foreign_file):
 
 
 def four_fresh_ranks(gen_dir, ckpt_dir, base_dir):
-    return {"resume": {case: resume(case, gen_dir, ckpt_dir) for case in (TP4_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, CONTEXT_ZERO3,
+    return {"resume": {case: resume(case, gen_dir, ckpt_dir) for case in (TP4_ZERO, PP_ZERO, TP4_ZERO3, CONTEXT, CONTEXT_ZERO3, CONTEXT_TP,
                                                                          EXPERTS, EXPERT_GROUPS)},
             "moved": {(source, target): continue_from(target, gen_dir, "merged", path(ckpt_dir, source, "merged"))
                       for source, target in MOVES},
@@ -171,7 +174,7 @@ def single_reference(before: Case, after: Case):
 # -- tests -----------------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case, fresh", [(TP2, "two"), (TP4_ZERO, "four"), (PP_ZERO, "four"), (TP4_ZERO3, "four"),
-                                         (CONTEXT, "four"), (CONTEXT_ZERO3, "four"), (EXPERTS, "four"),
+                                         (CONTEXT, "four"), (CONTEXT_ZERO3, "four"), (CONTEXT_TP, "four"), (EXPERTS, "four"),
                                          (EXPERT_GROUPS, "four")],
                          ids=str)
 def test_resume_in_fresh_processes_continues_the_same_run(runs, case, fresh):

@@ -72,7 +72,7 @@ CASES = {
         mixed("gpt", "pp", 2, 4, pipeline("1f1b", 2, 2) + zero(stage=2)),
         mixed("gpt", "hybrid", 4, 4, pipeline("1f1b_plus", 2, 2)),
         mixed("llama", "dp", 1, 4, zero() + buckets(16 * 1024)), mixed("llama", "tp", 2, 4, zero(stage=3)),
-        mixed("gpt", "tp", 4, 4, context_parallel(4, "ring")),
+        mixed("gpt", "tp", 4, 4, context_parallel(4, "ring")), mixed("llama", "tp", 4, 4, context_parallel(2)),
         mixed("hf_llama", "tp", 2, 4, context_parallel(2, "ring") + zero(stage=3), clip=0.5),
         mixed("moe", "tp", 4, 4, expert_parallel(2, hidden=2)),
         mixed("moe_capacity", "tp", 4, 4, expert_parallel(2, around="tp", hidden=2), clip=0.5)],
