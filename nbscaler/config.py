@@ -268,8 +268,12 @@ class ComputeConfig:
         """Which ranks do what: units, plan devices, data-parallel and ZeRO groups and, with a
         pipeline, where its stages sit (the training schedule's geometry)."""
         pipeline = PipelineGeometry.from_config(self) if self.use_pipeline else None
+        over_stage = self.use_zero and self.context_parallel > 1
+        width = pipeline.tp if pipeline is not None else self.plan_ngpus
         return RankGrid(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups if self.use_zero else None, pipeline,
-                        zero_over_stage=self.use_zero and self.context_parallel > 1)
+                        zero_over_stage=over_stage,
+                        tensor_neighbours=width // self.context_parallel if over_stage and width % self.context_parallel == 0
+                        else 1)
 
     @property
     def context_parallel(self) -> int:

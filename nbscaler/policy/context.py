@@ -189,9 +189,4 @@ def check_context(cfg: ComputeConfig, stage_devices: int, sequence_parallel: boo
                           f"divide into {n} groups: a stage's devices are {CONTEXT_PARALLEL} x tensor parallel. "
                           f"Set {CONTEXT_PARALLEL} to a divisor of {stage_devices}, or plan_ngpus to a multiple of "
                           f"{n} x the pipeline stages.")
-    if stage_devices > n and cfg.use_zero:
-        raise PolicyError(f"use_zero with {CONTEXT_PARALLEL}={n} and tensor parallelism inside it "
-                          f"({stage_devices // n} devices per group): ZeRO shards over the context-parallel devices "
-                          "only where each holds every weight whole, and tensor parallelism splits them. Train "
-                          f"without use_zero, or set {CONTEXT_PARALLEL}={stage_devices} (no tensor parallelism).")
     return n

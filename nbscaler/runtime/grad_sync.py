@@ -66,7 +66,7 @@ def zero_over_stage_shares(module: Module) -> Dict[int, float]:
     stage = module.compute_config.grid.same_weight_devices(module.plan_device)
     shares, wrong = {}, []
     for attr, spec in module.weight_specs.items():
-        if spec.kind != "param" or spec.partial_grads and tuple(spec.devices) == stage:
+        if spec.kind != "param" or spec.partial_grads and tuple(spec.partial_group) == stage:
             continue
         if tuple(spec.devices) == stage and spec.parts == 1:
             shares[id(getattr(module, attr))] = 1.0 / len(stage)

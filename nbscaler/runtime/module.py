@@ -204,11 +204,12 @@ class ParallelModule(torch.nn.Module):
     def grad_sq_sum(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: summed over all ranks, it counts
         each element of the original model once."""
-        # a ZeRO over the stage's devices gives each of them its own slice: the copies left are a
-        # tied weight's in other stages
-        over_stage = self.compute_config.grid.zero_over_stage
-        copies = {id(getattr(self, attr)): max(1, len(spec.replicas)) if over_stage else spec.copies
-                  for attr, spec in self.weight_specs.items()}
+        # a ZeRO over the stage's devices that hold one slice gives each of them its own shard of it:
+        # the copies left are a tied weight's in other stages, and a whole weight's in the other
+        # tensor-parallel places of a context-parallel group
+        grid = self.compute_config.grid
+        spread = len(grid.same_weight_devices(self.plan_device))
+        copies = {id(getattr(self, attr)): spec.copies / spread for attr, spec in self.weight_specs.items()}
         return self.reducer.grad_sq_sum(lambda p: 1.0 / copies[id(p)])
 
     # -- checkpoints ----------------------------------------------------------------------------

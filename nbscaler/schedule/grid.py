@@ -53,6 +53,9 @@ class RankGrid:
         zero_over_stage: ZeRO also splits over the devices of each stage, which hold the same
             weights and sum their gradients (context parallelism); the reduce-scatter then makes
             that sum too.
+        tensor_neighbours: under ``zero_over_stage``, a stage's devices are context-parallel groups
+            of this many tensor-parallel neighbours, each holding its own slice of the weights: ZeRO
+            then spans the devices at the same place in every group, which hold the same slice.
     """
 
     plan_ngpus: int
@@ -60,6 +63,7 @@ class RankGrid:
     zero_ngroups: Optional[int] = None
     pipeline: Optional[PipelineGeometry] = None
     zero_over_stage: bool = False
+    tensor_neighbours: int = 1
 
     @staticmethod
     def problem(plan_ngpus: int, runtime_ngpus: int, zero_ngroups: Optional[int] = None) -> Optional[Tuple[str, str]]:
@@ -91,6 +95,10 @@ class RankGrid:
         if self.pipeline is not None and self.pipeline.plan_ngpus != self.plan_ngpus:
             raise ValueError(f"RankGrid: the pipeline is laid out on {self.pipeline.plan_ngpus} plan devices, "
                              f"the grid has plan_ngpus={self.plan_ngpus}; build both from one config.")
+        width = self.pipeline.tp if self.pipeline is not None else self.plan_ngpus
+        if not _positive(self.tensor_neighbours) or width % self.tensor_neighbours:
+            raise ValueError(f"RankGrid.tensor_neighbours={self.tensor_neighbours!r} must divide the {width} devices "
+                             "of a stage into tensor-parallel groups.")
         if self.zero_over_stage and self.zero_ngroups is None:
             raise ValueError("RankGrid.zero_over_stage=True needs ZeRO groups: give zero_ngroups as well.")
         if self.zero_over_stage and self.pipeline is not None and self.pipeline.copy_groups():
@@ -139,8 +147,11 @@ class RankGrid:
         if not self.zero_over_stage:
             return (device,)
         if self.pipeline is None:
-            return tuple(range(self.plan_ngpus))
-        return self.pipeline.group_of([self.pipeline.pipeline_device(device)])
+            stage = tuple(range(self.plan_ngpus))
+        else:
+            stage = self.pipeline.group_of([self.pipeline.pipeline_device(device)])
+        t = self.tensor_neighbours
+        return stage[stage.index(device) % t::t]
 
     @property
     def zero_units(self) -> int:

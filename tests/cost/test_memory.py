@@ -482,7 +482,10 @@ def test_memory_model_is_exact_with_tensor_parallelism_inside_context_parallelis
     passes them round its ring) and all-reduces its row-parallel outputs inside its pair. The plan
     equals the meter."""
     cases = [Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2, "ring")),
-             Case("llama", "tp", 4, 4, optimizer="adamw", config=context_parallel(2))]
+             Case("llama", "tp", 4, 4, optimizer="adamw", config=context_parallel(2)),
+             # ZeRO over the two holders of each slice: each rank keeps half of its slice's state
+             Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2) + zero(stage=2)),
+             Case("llama", "tp", 4, 4, optimizer="adamw", config=context_parallel(2) + zero(stage=3))]
     for case, measured in run_cases(measure_memory, 4, cases, str(tmp_path)).items():
         _check(case, predicted_memory(case), measured)
 

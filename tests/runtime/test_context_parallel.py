@@ -53,6 +53,23 @@ def test_tensor_parallelism_inside_context_parallel_groups_trains_like_one_proce
 
 
 @pytest.mark.multiprocess
+def test_zero_splits_tp_x_cp_state_over_the_devices_that_hold_the_same_slice(tmp_path):
+    """ZeRO over a tp2 x cp2 unit spans each weight slice's two holders (the devices at the same
+    place in both context-parallel groups), as torchtitan's FSDP spans its context-parallel ranks
+    while tensor parallelism splits the weights: stages 1, 2 and 3, clipped, gathered and ring."""
+    cases = [Case("gpt", "tp", 4, 4, config=context_parallel(2), optimizer="adamw"),
+             Case("gpt", "tp", 4, 4, config=context_parallel(2) + zero(1, 1), optimizer="adamw", clip=0.5),
+             Case("llama", "tp", 4, 4, config=context_parallel(2) + zero(1, 2), optimizer="adamw"),
+             Case("hf_llama", "tp", 4, 4, config=context_parallel(2, "ring") + zero(1, 3), optimizer="adamw",
+                  clip=0.5)]
+    per_rank = run_ranks(train_parallel, 4, cases, str(tmp_path), timeout=600)
+    for i, case in enumerate(cases):
+        check_equivalence(case, [res[i] for res in per_rank])
+    whole, sharded = per_rank[0][0]["optimizer_bytes"], per_rank[0][1]["optimizer_bytes"]
+    assert abs(sharded - whole / 2) < 1024, (whole, sharded)        # half of this rank's slice's state
+
+
+@pytest.mark.multiprocess
 def test_context_parallel_composes_with_data_parallelism_pipelines_zero_and_recompute(tmp_path):
     """Two context-parallel units side by side; two stages of two context-parallel devices;
     ZeRO stages 1 and 3 with a group per unit; recomputed layers."""
