@@ -315,7 +315,8 @@ class PlanSpace:
             placed = self._traced[traced]
         else:
             placed = self._traced[traced].replan(compute_config=cfg)
-        whole = [n for n in placed.graph.nodes if n.op == "attention" and n.placement.split is None]
+        whole = [n for n in placed.graph.nodes if n.op == "attention" and
+                 (n.placement.split is None if n.placement.inner is None else n.placement.inner.name is None)]
         if tp > 1 and whole:
             heads = whole[0].inputs[0].shape[1]
             raise ValueError(f"tp={tp} does not divide the {heads} attention heads, so every device of a group "

@@ -181,9 +181,6 @@ def combination_problem(hardware: Hardware, global_batch: int, tp: int, pp: int,
     """Why ``tp`` x ``cp`` x ``ep`` x ``pp`` with ``micro``-sequence micro-batches of ``sequence``
     tokens cannot run, or ``None``. Whether ``ep`` runs beside the others is the policy's word
     (``policy.experts.check_experts``), asked when the row's copy is placed."""
-    if tp > 1 and cp > 1:
-        return (f"tp={tp} with cp={cp}: context parallelism splits a stage's sequence over all of its devices, "
-                "so tensor parallelism cannot share the stage (use tp=1 with cp > 1)")
     width = tp * cp * ep * pp
     if hardware.ngpus % width:
         named = " x ".join(name for name, size in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp))

@@ -20,7 +20,7 @@ def config_of(row, ngpus: int, stack_path: str) -> ComputeConfig:
     ``ngpus`` GPUs, recomputing the layers at ``stack_path`` (``frame.attrs["stack"]``). A row
     without ``zero_reshard_after_forward`` (from before it was a column) frees after the forward; one
     without ``cp`` splits no sequence, one without ``ep`` no experts. Each of the ``pp`` pipeline
-    devices is ``tp * cp * ep`` devices wide (at most one of them above 1), so ``plan_ngpus`` is
+    devices is ``tp * cp * ep`` devices wide (the policy says which of them combine), so ``plan_ngpus`` is
     ``tp * cp * ep * pp``."""
     tp, pp, zero = int(row[S.TP]), int(row[S.PP]), int(row[S.ZERO_STAGE])
     cp = int(row[S.CP]) if S.CP in row else 1
@@ -68,9 +68,9 @@ class CopyPlacementKey(NamedTuple):
     It places the copy again only where the copy has such a weight (``PlanSpace._canonical``).
     Stage 3's units are not marked on the copy: ``space.pricing`` lays them out from its facts.
 
-    ``cp``, ``kind``: context parallelism over ``cp`` devices (``tp`` is then 1) with attention of that
-    kind: the copy is placed over ``cp`` devices, each on its chunks of the sequence, so a row's facts
-    are those of the context-parallel plan.
+    ``cp``, ``kind``: context parallelism over ``cp`` devices with attention of that kind: the copy is
+    placed over ``tp x cp`` devices, each group of ``tp`` neighbours on its chunks of the sequence, so
+    a row's facts are those of the context-parallel plan.
 
     ``ep``: expert parallelism over ``ep`` devices: the copy is placed over them, each holding
     ``1/ep`` of every routed-experts op's experts and its share of the micro-batch for every other

@@ -94,8 +94,8 @@ def sweep(module: torch.nn.Module, dummy_args: Dict[str, Any], hardware: Hardwar
     a configuration is priced once, without); ``zero_stage``: 0 (no ZeRO), 1, 2, 3 (FSDP: parameters
     gathered a layer at a time); ``zero_reshard_after_forward``: under stage 3, free each layer
     after its forward (``True``) and/or keep it gathered until its backward (``False``), tried at
-    stage 3 only; ``cp``: context-parallel sizes (each stage's sequence over ``cp`` devices; default
-    ``(1,)``, none; rows with ``tp > 1`` and ``cp > 1``, or whose sequence ``2 * cp`` does not divide,
+    stage 3 only; ``cp``: context-parallel sizes (each stage's sequence over ``cp`` groups of ``tp``
+    tensor-parallel devices; default ``(1,)``, none; rows whose sequence ``2 * cp`` does not divide
     are left out with their reason), with ``context_parallel_kind`` (``'all_gather'``, the default,
     and/or ``'ring'``) tried where ``cp > 1``; ``ep``: expert-parallel sizes (each stage's routed
     experts split over ``ep`` devices, every other op split by batch: ``pas_config={"expert_parallel":

@@ -340,22 +340,27 @@ def cp_frame():
                           context_parallel_kind=("all_gather", "ring"), progress=False)
 
 
-def test_cp_is_a_dimension_of_the_sweep_and_never_shares_a_stage_with_tp(cp_frame):
+def test_cp_is_a_dimension_of_the_sweep_with_tp_inside_each_context_parallel_device(cp_frame):
     frame = cp_frame
     assert (frame.tp * frame.cp * frame.pp * frame.dp == TARGET.ngpus).all()
-    assert not ((frame.tp > 1) & (frame.cp > 1)).any()
     assert not frame[frame.cp > 1].sequence_parallel.any()
     # at cp 1 one row, whose kind is the first given; above it, both kinds
     assert set(frame[frame.cp == 1].context_parallel_kind) == {"all_gather"}
     assert set(frame[frame.cp > 1].context_parallel_kind) == {"all_gather", "ring"}
-    # (tp 1 | tp 2 without and with sequence parallelism | cp 2, cp 4 x 2 kinds) x pp x recompute x ZeRO
-    assert len(frame) == (1 + 2 + 2 * 2) * 2 * 2 * 3
+    # (tp 1 | tp 2 without and with sequence parallelism) x pp, cp 2 and 4 x 2 kinds x pp, and
+    # tp 2 x cp 2 x 2 kinds x pp, tp 2 x cp 4 x 2 kinds at pp 1 (at pp 2 it is 16 GPUs wide): x recompute x ZeRO
+    assert len(frame) == (3 * 2 + 2 * 2 * 2 + 2 * 2 + 2) * 2 * 3
+    assert sorted(set(zip(frame[(frame.tp > 1) & (frame.cp > 1)].tp, frame[(frame.tp > 1) & (frame.cp > 1)].cp))) == \
+        [(2, 2), (2, 4)]
     excluded = frame.attrs["excluded"]
-    assert sorted(set(zip(excluded.tp, excluded.cp))) == [(2, 2), (2, 4)]
-    assert excluded.reason.str.contains("tensor parallelism cannot share the stage").all()
+    assert sorted(set(zip(excluded.tp, excluded.cp, excluded.pp))) == [(2, 4, 2)]
+    assert excluded.reason.str.contains("does not divide the 8 GPUs").all()
     cfg = config_of(frame[(frame.cp == 4) & (frame.pp == 2)].iloc[0], TARGET.ngpus, frame.attrs["stack"])
     assert cfg.plan_ngpus == 8 and cfg.pipeline_nstages == 2
     assert cfg.pas_config["context_parallel"] == 4
+    cfg = config_of(frame[(frame.cp == 2) & (frame.tp == 2) & (frame.pp == 2)].iloc[0], TARGET.ngpus,
+                    frame.attrs["stack"])
+    assert cfg.plan_ngpus == 8 and cfg.pas_config["context_parallel"] == 2
 
 
 def test_the_default_sweep_has_no_context_or_expert_parallelism(frame):
@@ -393,9 +398,23 @@ def test_a_cp_value_that_cannot_work_is_refused(ranges, message):
 ])
 def test_a_cp_row_is_the_full_plans_prediction(cp_frame, cp, pp, kind, recompute, zero_stage):
     frame = cp_frame
-    row = frame[(frame.cp == cp) & (frame.pp == pp) & (frame.context_parallel_kind == kind)
+    row = frame[(frame.cp == cp) & (frame.pp == pp) & (frame.context_parallel_kind == kind) & (frame.tp == 1)
                 & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
     assert row.tp == 1 and row.tp_comm_share > 0          # the context group's collectives are its own
+    expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-9), column
+
+
+@pytest.mark.parametrize("cp, pp, kind, recompute, zero_stage", [
+    (2, 2, "ring", "full", 2),           # 2 units of 2 stages, each stage 2 context-parallel pairs of tp 2
+    (2, 1, "all_gather", "none", 3),     # ZeRO 3 over each slice's holders: 2 units x 2 cp places
+    (4, 1, "ring", "none", 0),           # one unit: 4 context-parallel groups of 2, over 2 nodes
+])
+def test_a_tp_x_cp_row_is_the_full_plans_prediction(cp_frame, cp, pp, kind, recompute, zero_stage):
+    frame = cp_frame
+    row = frame[(frame.cp == cp) & (frame.pp == pp) & (frame.context_parallel_kind == kind) & (frame.tp == 2)
+                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
     expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
