@@ -45,7 +45,7 @@ ATTR = "nbscaler_fingerprint"
 
 NOT_PLAN_COLUMNS = ("source_file", "source_line")
 """Where the model's source lives: not a fact of the plan, and different in every checkout."""
-PLACEMENT_COLUMNS = ("stage", "devices", "split", "local_out_shapes", "local_flops_fwd")
+PLACEMENT_COLUMNS = ("stage", "devices", "split", "inner_split", "local_out_shapes", "local_flops_fwd")
 """The op columns a placement decides: left out of the comparison when time chose the placement."""
 TIMED_CHOICE_KEY = "autodist"
 """The ``graph.meta`` record of a placement chosen by measured op times (``nbscaler.policy.autodist``)."""
@@ -121,9 +121,15 @@ class Fingerprint:
                            self.chosen_by_time)
 
 
+SPARSE_COLUMNS = ("inner_split",)
+"""Columns of a dimension most plans do not use (a grid placement's second cut): left out of a
+table's fingerprint where every row leaves them empty, so they say nothing of that plan."""
+
+
 def frame_rows(frame: pd.DataFrame) -> Dict[str, Any]:
     """A table's plan columns and its rows as canonical text."""
     columns = [str(c) for c in frame.columns if str(c) not in NOT_PLAN_COLUMNS and not is_timing(str(c))]
+    columns = [c for c in columns if c not in SPARSE_COLUMNS or frame[c].notna().any()]
     rows = [[cell_text(v) for v in values] for values in frame[columns].itertuples(index=False)]
     return {"columns": columns, "rows": rows}
 

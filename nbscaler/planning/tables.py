@@ -29,7 +29,7 @@ from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.attention.online import held_chunks
 from nbscaler.blocks import MIRRORED
 from nbscaler.policy.context import CONTEXT_GATHERED, context_kind, sequence_length
-from nbscaler.ir.graph import IRGraph
+from nbscaler.ir.graph import Axis, IRGraph
 from nbscaler.ir.layer_rules import parallel_splits
 from nbscaler.glossary import GLOSSARY_URL, context_name, split_name, split_text
 from nbscaler.layouts import Collective, wire_factor
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from nbscaler.planning.planner import Plan
 
 OP_COLUMNS = ["id", "name", "op", "target", "module", "source_file", "source_line", "stage", "backward_part", "devices", "split",
-              "annotation", "in_shapes", "out_shapes", "local_out_shapes", "flops_fwd", "flops_bwd", "bytes_read",
+              "inner_split", "annotation", "in_shapes", "out_shapes", "local_out_shapes", "flops_fwd", "flops_bwd", "bytes_read",
               "bytes_written", "local_flops_fwd"]
 COLLECTIVE_COLUMNS = list(CommStep.__dataclass_fields__)
 
@@ -61,6 +61,7 @@ def ops_frame(graph: IRGraph, programs: Iterable[RankProgram]) -> pd.DataFrame:
             "id": i, "name": n.name, "op": n.op, "target": n.target, "module": n.module_path,
             "source_file": n.source[0] if n.source else None, "source_line": n.source[1] if n.source else None,
             "stage": n.stage, "backward_part": n.meta.get(BACKWARD_PART), "devices": tuple(place.devices) if place else (), "split": place.split if place else None,
+            "inner_split": inner_text(place),
             "annotation": str(n.annotation) if n.annotation is not None else None,
             "in_shapes": [tuple(t.shape) for t in n.inputs], "out_shapes": [tuple(t.shape) for t in outs],
             "local_out_shapes": local_out_shapes[id(n)],
@@ -68,6 +69,14 @@ def ops_frame(graph: IRGraph, programs: Iterable[RankProgram]) -> pd.DataFrame:
                                                "local_flops_fwd")},
         })
     return pd.DataFrame(rows, columns=OP_COLUMNS)
+
+
+def inner_text(place) -> Optional[str]:
+    """The second cut of a grid placement, ``'n in groups of 2'`` (``'whole in groups of 2'`` where
+    each group runs the op whole), or ``None`` for a placement on one axis."""
+    if place is None or place.inner is None:
+        return None
+    return f"{place.inner.name or 'whole'} in groups of {place.inner.parts}"
 
 
 def collectives_frame(steps: List[CommStep]) -> pd.DataFrame:
@@ -263,6 +272,11 @@ def explain_text(plan: "Plan") -> str:
     if plan.graph.meta.get("policy_note"):                 # builtin.POLICY_NOTE: what the policy did unasked
         lines.append(plan.graph.meta["policy_note"])
     lines += [context_line(plan, group) for group in context_groups(plan)]
+    inside = tensor_groups_inside_context(plan)
+    if inside:
+        lines.append(f"tensor parallel inside context parallelism: {', '.join(map(str, map(list, inside)))} each run "
+                     "every op on their context-parallel place's chunks, split Megatron's way between them "
+                     "(their collectives stay inside the group, the keys' cross the groups).")
     gathered = plan.graph.meta.get(CONTEXT_GATHERED)
     if gathered:
         shown = ", ".join(gathered[:6]) + (f" and {len(gathered) - 6} more" if len(gathered) > 6 else "")
@@ -273,7 +287,7 @@ def explain_text(plan: "Plan") -> str:
     contexts = parallel_splits(plan.graph)
     lines += [f"  heaviest op: {r['name']} ({r['module'] or 'top level'}), {fmt_flops(r['flops_fwd'])}, "
               + (f"split {r['split']!r} ({split_name(r['split'], r['op'], contexts.get(r['name']))}) over "
-                 f"{list(r['devices'])}"
+                 f"{list(r['devices'])}" + (f", {r['inner_split']}" if isinstance(r['inner_split'], str) else "")
                  if isinstance(r['split'], str) else f"replicated on {list(r['devices'])}")
               for _, r in heavy.iterrows()]
     if len(coll):
@@ -288,10 +302,20 @@ def explain_text(plan: "Plan") -> str:
 def context_groups(plan: "Plan") -> List[Tuple[Optional[int], Tuple[int, ...]]]:
     """``(stage, devices)`` of each group context parallelism splits a sequence over (stage
     ``None`` without a pipeline; unit 0's plan devices), in stage order; empty without it."""
-    found = {(n.stage if plan.geometry is not None else None, n.placement.devices)
+    found = {(n.stage if plan.geometry is not None else None,
+              n.placement.devices if n.placement.inner is None else n.placement.axis_group(Axis.OUTER, d))
              for n in plan.graph.nodes if n.placement is not None and n.placement.split is not None
-             and n.placement.blocks == MIRRORED}
+             and n.placement.blocks == MIRRORED for d in n.placement.devices}
     return sorted(found, key=lambda g: (-1 if g[0] is None else g[0], g[1]))
+
+
+def tensor_groups_inside_context(plan: "Plan") -> List[Tuple[int, ...]]:
+    """The tensor-parallel groups inside context parallelism (each context-parallel place's
+    neighbours), in order; empty where context parallelism runs alone."""
+    found = {n.placement.axis_group(Axis.INNER, d) for n in plan.graph.nodes
+             if n.placement is not None and n.placement.inner is not None and n.placement.blocks == MIRRORED
+             for d in n.placement.devices}
+    return sorted(found)
 
 
 def context_kind_text(plan: "Plan") -> str:
@@ -343,8 +367,9 @@ def plan_html(plan: "Plan") -> str:
     context parallelism its groups and the chunks of the sequence each device holds; with routed
     experts the experts each device holds (``expert_tables``)."""
     contexts = parallel_splits(plan.graph)
-    ops = plan.ops.assign(split=[split_text(s, o, contexts.get(n))
-                                 for s, o, n in zip(plan.ops.split, plan.ops.op, plan.ops.name)])
+    ops = plan.ops.assign(split=[split_text(s, o, contexts.get(n)) + (f", {inner}" if isinstance(inner, str) else "")
+                                 for s, o, n, inner in zip(plan.ops.split, plan.ops.op, plan.ops.name,
+                                                           plan.ops.inner_split)])
     by_split = ops.groupby("split").agg(ops=("name", "size"), flops_fwd=("flops_fwd", "sum"))
     by_split["flops_fwd"] = by_split.flops_fwd.map(fmt_flops)
     title = html.escape(repr(plan))

@@ -4,7 +4,7 @@ run through the ``run`` fixture of ``tests/widgets/conftest.py``)."""
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 import pandas as pd
 import torch
@@ -73,13 +73,14 @@ def gpt_on_meta_pp() -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def gpt_context(kind: str = "ring", n: int = 4) -> Plan:
+def gpt_context(kind: str = "ring", n: int = 4, cp: Optional[int] = None) -> Plan:
     """nbscaler's GPT of 2 layers, one sequence of 16 tokens split over ``n`` devices by context
-    parallelism (``kind``: how attention reads the other devices' keys)."""
+    parallelism (``kind``: how attention reads the other devices' keys); with ``cp``, over ``cp``
+    groups of ``n // cp`` tensor-parallel devices."""
     from nbscaler.models.gpt import GPT, GPTConfig, sample_batch
     cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     return nbscaler.plan(GPT(cfg), {"batch": sample_batch(cfg, 1)}, "tp",
-                         ComputeConfig(n, n, pas_config={"context_parallel": n, "context_parallel_kind": kind}))
+                         ComputeConfig(n, n, pas_config={"context_parallel": cp or n, "context_parallel_kind": kind}))
 
 
 MOE_EXPERTS, MOE_TOP_K = 8, 2

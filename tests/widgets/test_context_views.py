@@ -145,3 +145,52 @@ def test_the_ring_in_the_browser(tmp_path):
         assert "ring pass (context parallel)" in page.locator(".nbs-timeline").inner_text()
         lab.screenshot("context-ring-timeline", ".nbs-timeline")
         assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
+def test_tensor_parallelism_inside_context_parallelism_shows_both_groups():
+    """tp 2 inside cp 2 on 4 devices: the card names the two context-parallel groups (the devices at
+    the same place in each pair) and the two tensor-parallel pairs; each op's second cut is in the
+    ops table and the graph's hover text; a ring runs over its context-parallel group only."""
+    from nbscaler.widgets.graph.facts import PlanFacts
+    plan = gpt_context("ring", 4, cp=2)
+    text = str(plan.explain())
+    assert "context parallel (ring) over [0, 2]" in text and "context parallel (ring) over [1, 3]" in text
+    assert "tensor parallel inside context parallelism: [0, 1], [2, 3]" in text
+    chunks = context_chunks(plan)           # 16 tokens in 4 chunks of 4: places 0 and 1 of each group
+    assert dict(zip(chunks.device, chunks.chunks)) == {0: "0 and 3", 2: "1 and 2", 1: "0 and 3", 3: "1 and 2"}
+    (fc,) = [i for i, m in enumerate(plan.ops.module) if m == "blocks.0.mlp.fc"]
+    assert plan.ops.inner_split[fc] == "n in groups of 2" and plan.ops.split[fc] == "*1"
+    assert "over [0, 1, 2, 3], n in groups of 2" in PlanFacts(plan)._op_box(fc, None).tooltip
+    line = plan.timeline(hardware=Hardware.named(H100))
+    for rank, partner in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        ring = [c for c in line.collectives if c.kind == "ring_pass" and c.rank == rank]
+        assert len(ring) == LAYERS * 1 + LAYERS * 2           # one pass forward, two backward, per layer
+        assert f"ring step 1/1 of blocks.0.attn: keys and values of device {partner}" in {c.unit for c in ring}
+
+
+TP_CP_CELL = BROWSER_CELL.replace("'context_parallel': 4", "'context_parallel': 2").replace(
+    "HTML(TimelineView(", "HTML(plan._repr_html_() + TimelineView(")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_tp_inside_cp_in_the_browser(tmp_path):
+    """JupyterLab in Chromium: the card of a tp 2 x cp 2 plan names both kinds of group, and the
+    timeline draws each rank's ring steps (one forward and two backward a layer)."""
+    from tests.widgets.browser import lab_page, write_notebook
+
+    write_notebook(tmp_path / "tp_cp.ipynb", TP_CP_CELL)
+    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
+    with lab_page(tmp_path, shots) as lab:
+        lab.open_notebook("tp_cp.ipynb")
+        lab.run_all_cells()
+        page = lab.page
+        page.locator(".nbs-timeline svg rect.nbs-block").first.wait_for(timeout=120_000)
+        card = page.locator(".nbs-plan-card").inner_text()
+        assert "context parallel (ring) over [0, 2]" in card and "[0, 1], [2, 3]" in card
+        rects = page.evaluate(RING_RECTS)
+        assert len(rects) == N * (LAYERS * 1 + LAYERS * 2)
+        assert all(r["shown"] and r["w"] >= 1 and r["h"] > 10 for r in rects), rects[:3]
+        lab.screenshot("tp-inside-cp-card", ".nbs-plan-card")
+        lab.screenshot("tp-inside-cp-timeline", ".nbs-timeline")
+        assert not [line for line in lab.console if line.startswith("error")], lab.console

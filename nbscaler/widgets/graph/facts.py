@@ -164,6 +164,8 @@ class PlanFacts:
         where = (f"split {mark}, {split_name(op['split'], op['op'], self.contexts.get(op['name']))}, over {devices}"
                  if mark
                  else f"replicated on {devices}")
+        if isinstance(op.get("inner_split"), str):     # a grid: tensor parallel inside context parallel
+            where += f", {op['inner_split']}"
         subtitle = short_target(op["target"])
         if node.target in EXPERT_OPS:          # named by its experts: all of them, or those ``device`` holds
             subtitle = held_text(node, device)
