@@ -9,7 +9,7 @@ from typing import Any, Dict, Tuple
 
 from nbscaler.attention.online import held_chunks, ring_source
 from nbscaler.codegen.render import render_call
-from nbscaler.ir.graph import CONTEXT_KIND, IRGraph, IRNode
+from nbscaler.ir.graph import CONTEXT_KIND, Axis, IRGraph, IRNode
 from nbscaler.ir.layer_rules import context_parallel
 
 FUNCTIONS = {"attention": "context_attention", "loss": "split_cross_entropy"}
@@ -43,6 +43,10 @@ def chunk_comment(node: IRNode, group: Tuple[int, ...], device: int) -> str:
            "all_gather": "the keys and values arrive whole"}[node.meta[CONTEXT_KIND]]
     line = (f"# context parallel: this device's queries are positions {where} of {length} (chunks {chunks} of "
             f"{length // size if size else 0}); {how}")
+    if place.inner is not None and place.inner.name is not None:       # tensor parallel inside the group
+        pair = place.axis_group(Axis.INNER, device)
+        line += (f"\n# tensor parallel inside: devices {list(pair)} split this attention's heads between them, each "
+                 f"with its own context-parallel group (this device's: {list(group)})")
     if node.meta[CONTEXT_KIND] != "ring" or not size:
         return line
     steps = []

@@ -21,6 +21,11 @@ work. The split follows the graph as ``data`` follows the batch:
 
 An op that cannot take the split (a reshape that merges the batch into the sequence) runs on the
 whole sequence, gathered; ``plan.explain()`` names each such op.
+
+A stage of more devices than ``n`` (a multiple of it) is ``n`` groups of neighbours with tensor
+parallelism inside each (``place_context``'s ``tensor_parallel``): each op is placed on the grid,
+its first cut along the sequence across the groups, its second as ``tp`` splits it inside them
+(``Placement.inner``).
 """
 
 from __future__ import annotations

@@ -91,6 +91,12 @@ def test_tensor_parallelism_runs_inside_each_context_parallel_group():
     assert "comm.chunk(getitem_0, dim=0, blocks='mirrored', group=g1_3)" in code                 # rotary rows
     assert ("'blocks.0.attn.q.weight', 'param', (32, 32), torch.float32, devices=(0, 1, 2, 3), split_dim=0, "
             "parts=2, index=1, partial_grads=True, partial_devices=(1, 3)") in code
+    ring = nbscaler.plan(build("gpt"), batch("gpt", 0), "tp",
+                         ComputeConfig(plan_ngpus=4, runtime_ngpus=4, pas_config={
+                             "context_parallel": 2, "context_parallel_kind": "ring"})).sources[3]
+    assert ("# tensor parallel inside: devices [2, 3] split this attention's heads between them, each with its own "
+            "context-parallel group (this device's: [1, 3])") in ring
+    assert "1: device 1's chunks" in ring and "group=g1_3)" in ring
 
 
 def test_context_parallel_groups_must_divide_the_stage():
