@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple
 
 from nbscaler.attention.online import held_chunks, ring_source
-from nbscaler.codegen.render import render_call
+from nbscaler.codegen.render import group_var, render_call
 from nbscaler.ir.graph import CONTEXT_KIND, Axis, IRGraph, IRNode
-from nbscaler.ir.layer_rules import context_parallel
+from nbscaler.ir.layer_rules import context_parallel, vocab_share, vocab_split
 
 FUNCTIONS = {"attention": "context_attention", "loss": "split_cross_entropy"}
 """The function that runs each kind of op split along its tokens: attention from
@@ -18,14 +18,21 @@ FUNCTIONS = {"attention": "context_attention", "loss": "split_cross_entropy"}
 MODULES = {"context_attention": "nbscaler.runtime.context", "split_cross_entropy": "nbscaler.runtime.losses"}
 
 
-def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str) -> str:
-    """The expression generated code evaluates for context-parallel ``node`` over rendered arguments."""
+def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str, device: int) -> str:
+    """The expression generated code evaluates for context-parallel ``node`` over rendered arguments
+    on ``device``; ``group`` names the process group its tokens are split over."""
     place = node.placement
     fn = FUNCTIONS[context_parallel(node)]
     call = render_call(node, args, kwargs)           # F.name(arguments)
     inner = call[call.index("(") + 1:-1]
     if fn == "split_cross_entropy":
-        return f"{fn}({inner}, group={group})"
+        vocab = vocab_split(node)
+        if vocab is None:
+            return f"{fn}({inner}, group={group})"
+        # its logits split by their classes too: this device's share of each token's loss
+        classes = place.group_of(vocab[0], device)
+        return (f"{fn}({inner}, group={group}, vocab_start={classes.index(device) * vocab_share(node)}, "
+                f"vocab_group={group_var(classes)})")
     return f"{fn}({inner}, kind={node.meta[CONTEXT_KIND]!r}, blocks={place.blocks!r}, group={group})"
 
 

@@ -210,7 +210,7 @@ class SectionPrinter:
             group = place.group_of(context_split(node)[1], self.sec.device)
             if node.op == "attention":
                 self.lines += chunk_comment(node, group, self.sec.device).splitlines()
-            self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(group))}")
+            self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(group), self.sec.device)}")
         elif expert_parallel(node):     # this device's experts; the pairs travel to theirs
             self.lines.append(experts_comment(node, self.sec.device))
             self.lines.append(f"{lhs} = {experts_call(node, args, kwargs, group_var(place.devices))}")

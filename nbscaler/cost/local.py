@@ -45,7 +45,7 @@ from nbscaler.blocks import Blocks
 from nbscaler.ir.expert_rules import (exchanged_bytes, exchanged_counts_bytes, expert_hidden_parts, expert_parallel,
                                       routed_imbalance)
 from nbscaler.ir.graph import CONTEXT_KIND, IRNode, IRTensor, requires_grad_of
-from nbscaler.ir.layer_rules import context_parallel, counted_tokens_bytes, vocab_parallel
+from nbscaler.ir.layer_rules import context_group, context_parallel, counted_tokens_bytes, vocab_parallel
 from nbscaler.attention import context_attention
 from nbscaler.losses import split_cross_entropy
 from nbscaler.experts import parallel as experts_parallel
@@ -89,6 +89,8 @@ def call_node(node: IRNode, args: Tuple, kwargs: Dict[str, Any], device: Optiona
         extra = {"kind": node.meta[CONTEXT_KIND], "blocks": node.placement.blocks} if kind == "attention" else {}
         if kind == "loss":          # a plain cross-entropy: of F.cross_entropy's keywords, the call takes ignore_index
             kwargs = {k: v for k, v in kwargs.items() if k == "ignore_index"}
+            if vocab_parallel(node):        # its classes split too: the runtime's vocabulary-parallel sum
+                kwargs["vocab_start"] = 0
         return fn(*args, **kwargs, **extra, group=None)
     if target.startswith("Tensor."):
         name = target[len("Tensor."):]
@@ -295,7 +297,7 @@ class _Replay:
         produced, packed = self.remembered(target, args, kwargs, inputs, lambda xs: self.dispatch(call, xs))
         for v in call.inputs:                   # an op that changed an input in place
             self.env[v] = self.changed.get(id(self.env[v]), self.env[v])
-        if vocab_parallel(node) and node.op == "loss":
+        if vocab_parallel(node) and node.op == "loss" and not context_parallel(node):
             # the runtime's vocab_cross_entropy saves its softmax and the targets: the bytes of
             # cross_entropy's log-softmax and targets, without nll_loss's 0-dim total weight
             packed = [x for x in packed if x[2] > 0]
@@ -316,7 +318,7 @@ class _Replay:
                                      for fn, nbytes in calls + [(Collective.EXPERT_EXCHANGE, rows)] * 2]
         if counted_tokens_bytes(node):  # the group's token count, all-reduced inside a split loss
             nbytes = counted_tokens_bytes(node)
-            self.run.collectives.append(CollectiveCall(Collective.TOKEN_COUNT, node.inputs[1].name, node.placement.devices,
+            self.run.collectives.append(CollectiveCall(Collective.TOKEN_COUNT, node.inputs[1].name, context_group(node),
                                                        nbytes, nbytes, node.name, self.region is not None))
 
     def remembered(self, target, args: Tuple, kwargs: Dict[str, Any], inputs: List[FakeValue],

@@ -42,6 +42,8 @@ from nbscaler.policy.primitives import PolicyError, partition, replicate
 CONTEXT_PARALLEL_KIND = "context_parallel_kind"
 """The ``pas_config`` key of how attention reads other devices' keys: ``all_gather`` or ``ring``."""
 CONTEXT_KEYS = (CONTEXT_PARALLEL, CONTEXT_PARALLEL_KIND)
+#: The split of a cross-entropy by its classes (``vocab_parallel``): a loss of a split sequence keeps it.
+VOCAB_CLASSES = "c"
 #: The key of ``graph.meta`` where the policy lists the ops that run on the whole sequence.
 CONTEXT_GATHERED = "context_gathered"
 
@@ -101,7 +103,7 @@ def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
             replicate(node, devices)
             continue
         name, blocks = inner[id(node)]
-        if name == outer.split or (context_parallel_call(node) == "loss"):
+        if name == outer.split or (context_parallel_call(node) == "loss" and name != VOCAB_CLASSES):
             name, blocks = None, 1              # the loss of a split sequence reads its logits whole
         node.placement = Placement(tuple(devices), outer.split, outer.blocks, InnerSplit(name, t, blocks))
     return graph

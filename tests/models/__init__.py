@@ -195,6 +195,9 @@ def batch(name: str, seed: int, n: int = 8):
         return {"batch": {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}}
     if name in ("llama_e2e", "moe_e2e", "moe_window_e2e"):
         return {"batch": batch("llama", seed, n)}
+    if name == "llama_one_sequence":        # long-context training's batch: one sequence of 16 tokens
+        idx = torch.randint(0, 64, (1, 17), generator=g)
+        return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
     if name in ("llama", "moe", "moe_capacity", "moe_window"):
         idx = torch.randint(0, 64, (n // 2, 9), generator=g)
         return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
@@ -215,7 +218,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return hf.build(name)
     if name in vision.BUILDERS:
         return vision.BUILDERS[name]()
-    return {"mlp": MLP, "llama": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
+    return {"mlp": MLP, "llama": Llama, "llama_one_sequence": Llama, "cnn": CNN, "branch": TrainingBranch, "with_trunk": WithTrunk, "gpt": End2EndGPT,
             "llama_e2e": End2EndLlama, "post_norm": PostNormLM, "moe": MoE, "moe_capacity": MoECapacity, "moe_e2e": End2EndMoE,
             "moe_window": MoEWindow, "moe_window_e2e": lambda: End2EndMoE(MoEWindow()),
             "user_op": UserOp, "fused_gqa": FusedGQA, "fused_gqa_keyword": FusedGQAByKeyword}[name]()

@@ -48,7 +48,9 @@ def test_tensor_parallelism_inside_context_parallel_groups_trains_like_one_proce
              Case("llama", "tp", 4, 4, config=context_parallel(2)),
              Case("hf_llama", "tp", 4, 4, config=context_parallel(2)),
              Case("hf_llama", "tp", 4, 4, config=context_parallel(2, "ring")),
-             Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring", recompute="full"))]
+             Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring", recompute="full")),
+             # one sequence: the loss splits its tokens across the groups and its classes inside each
+             Case("llama_one_sequence", "tp", 4, 4, config=context_parallel(2), optimizer="adamw")]
     _check(cases, 4, tmp_path)
 
 
