@@ -55,6 +55,17 @@ def test_tensor_parallelism_inside_context_parallel_groups_trains_like_one_proce
 
 
 @pytest.mark.multiprocess
+def test_tp_x_cp_composes_with_pipelines_and_data_parallel_units_on_eight_ranks(tmp_path):
+    """Two pipeline stages of tp 2 x cp 2 (Llama, keys gathered; GPT through a ring, with ZeRO over
+    the units and each slice's holders), and two units of tp 2 x cp 2 side by side."""
+    cases = [Case("llama_e2e", "hybrid", 8, 8, config=pipeline("1f1b", 2, 2) + context_parallel(2)),
+             Case("gpt", "hybrid", 8, 8, config=pipeline("1f1b", 2, 2) + context_parallel(2, "ring") + zero(1, 1),
+                  optimizer="adamw"),
+             Case("gpt", "tp", 4, 8, config=context_parallel(2, "ring") + zero(2, 2), optimizer="adamw")]
+    _check(cases, 8, tmp_path)
+
+
+@pytest.mark.multiprocess
 def test_zero_splits_tp_x_cp_state_over_the_devices_that_hold_the_same_slice(tmp_path):
     """ZeRO over a tp2 x cp2 unit spans each weight slice's two holders (the devices at the same
     place in both context-parallel groups), as torchtitan's FSDP spans its context-parallel ranks
