@@ -447,11 +447,13 @@ def test_the_context_parallel_knob_compiles_a_cp_plan_and_a_refusal_shows_as_an_
     assert "context_attention(" in cp.sources[0] and "kind='ring'" in cp.sources[0]
     explorer.compile()                                        # a run of its own: the runs table names it
     assert explorer.runs["context_parallel"].tolist()[-2:] == ["", "2 ring"]
+    explorer.set(plan_ngpus=4, runtime_ngpus=4)              # 4 devices a stage: tp 2 inside each cp place
+    assert explorer.error is None and "tensor parallel inside: devices [0, 1]" in explorer.plan.sources[0]
     cp = explorer.plan
-    explorer.set(plan_ngpus=4, runtime_ngpus=4)              # 4 devices a stage: the policy refuses cp 2
-    assert explorer.error is not None and "PolicyError" in explorer.error and "context_parallel=2" in explorer.error
+    explorer.set(plan_ngpus=2, runtime_ngpus=2, context_parallel=4)     # 2 devices a stage: cp 4 is refused
+    assert explorer.error is not None and "PolicyError" in explorer.error and "context_parallel=4" in explorer.error
     assert explorer.plan is cp                                # the last good plan stays on screen
-    explorer.set(context_parallel=4)
+    explorer.set(plan_ngpus=4, runtime_ngpus=4)
     assert explorer.error is None and explorer.plan.config.pas_config["context_parallel"] == 4
     explorer.set(policy="dp", plan_ngpus=1)                   # dp does not read it: no refusal
     assert explorer.error is None and knobs.context_parallel.disabled

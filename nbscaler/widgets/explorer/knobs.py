@@ -52,9 +52,10 @@ class Knobs:
     - ``sequence_parallel``: norms, dropout and residual adds on a sequence slice between the
       tensor-parallel linears (``pas_config['sequence_parallel']``; policies that read it only).
     - ``context_parallel``: the devices each stage's sequence is split over
-      (``pas_config['context_parallel']``, ``tp`` and ``hybrid`` only; 1: none). The policy takes only
-      the devices of a stage (``plan_ngpus`` over the pipeline stages) and refuses another size, or
-      sequence parallelism beside it, with the fix; the Explorer shows that refusal.
+      (``pas_config['context_parallel']``, ``tp`` and ``hybrid`` only; 1: none). A size that divides
+      the devices of a stage (``plan_ngpus`` over the pipeline stages) leaves the rest tensor parallel
+      inside each context-parallel device; the policy refuses another size, or sequence parallelism
+      beside it, with the fix, and the Explorer shows that refusal.
     - ``context_parallel_kind``: how attention reads the other devices' keys: ``'all_gather'`` or
       ``'ring'`` (``pas_config['context_parallel_kind']``; read only where ``context_parallel > 1``).
     - ``expert_parallel``: the devices each stage's routed experts are split over
