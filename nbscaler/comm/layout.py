@@ -320,9 +320,11 @@ def storage_layouts(graphs, partial_grads: bool = True) -> dict:
 
 
 def _stored(want: Layout) -> Layout:
-    """How a weight all of whose readers want ``want`` is stored: as they want it, except over a
-    grid where its readers add it once per group (``V``) or sum its gradient inside the group
-    (``R*``): it is held whole inside each group, and each reader's conversion does that."""
-    if want.inner is None or want.inner.kind in (R, S):
+    """How a weight all of whose readers want ``want`` is stored: as they want it (over a grid,
+    ``R*`` on both axes is a partial gradient on every device, which the reducer sums), except over
+    a grid where its readers add it once per group (``V``) or sum its gradient inside the group alone
+    (``R*`` inside, not across): it is held whole inside each group, and each reader's conversion
+    does that."""
+    if want.inner is None or want.inner.kind in (R, S) or want.inner.kind == want.kind == SUM_GRAD:
         return want
     return Layout.grid(want.outer, Layout.replicated(), want.inner.parts)

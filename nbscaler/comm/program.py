@@ -217,7 +217,8 @@ class LocalWeight:
         all of ``devices``, or over a grid this device's counterparts in every group; else none."""
         if self.layout.kind != LayoutKind.SUM_GRAD:
             return ()
-        step = self.layout.inner.parts if self.layout.inner is not None else 1
+        inner = self.layout.inner
+        step = inner.parts if inner is not None and inner.kind != LayoutKind.SUM_GRAD else 1
         return self.devices[self.index % step::step]
 
     @property

@@ -136,7 +136,8 @@ def tp(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
                              expert_tensor_parallel_size(cfg))
     cp = check_context(cfg, len(unit), sequence_parallel(cfg))
     if cp > 1:
-        return place_context(graph, lambda node: unit, context_kind(cfg), len(unit) // cp, _tensor_parallel)
+        return place_context(graph, lambda node: unit, context_kind(cfg), len(unit) // cp,
+                             functools.partial(_tensor_parallel, sequence=sequence_parallel(cfg)))
     return _tensor_parallel(graph, lambda node: unit, sequence_parallel(cfg))
 
 
@@ -261,7 +262,7 @@ def hybrid(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     cp = check_context(cfg, geometry.tp, sequence_parallel(cfg))
     if cp > 1:
         return place_context(graph, lambda node: geometry.stage_group(node.stage), context_kind(cfg),
-                             geometry.tp // cp, _tensor_parallel)
+                             geometry.tp // cp, functools.partial(_tensor_parallel, sequence=sequence_parallel(cfg)))
     return _tensor_parallel(graph, lambda node: geometry.stage_group(node.stage), sequence_parallel(cfg))
 
 

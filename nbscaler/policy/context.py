@@ -37,7 +37,7 @@ from nbscaler.config import CONTEXT_PARALLEL, ComputeConfig
 from nbscaler.ir.graph import CONTEXT_KIND, InnerSplit, IRGraph, IRNode, Placement
 from nbscaler.ir.layer_rules import context_parallel as context_parallel_call, splits_mean_loss, window_of
 from nbscaler.layouts import ContextKind
-from nbscaler.policy.primitives import PolicyError, partition, replicate
+from nbscaler.policy.primitives import PolicyError, partition, replicate, splittable
 
 CONTEXT_PARALLEL_KIND = "context_parallel_kind"
 """The ``pas_config`` key of how attention reads other devices' keys: ``all_gather`` or ``ring``."""
@@ -90,7 +90,9 @@ def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
     """Split every op of ``graph`` along the sequence over ``devices_of(node)`` (see the module
     docstring); with ``tensor_parallel=t > 1`` the devices are groups of ``t`` neighbours, the
     sequence split across the groups and each op split inside its group as ``place_tensor`` splits
-    it (Megatron's way: tensor parallelism inside, context parallelism across)."""
+    it (Megatron's way: tensor parallelism inside, context parallelism across). Under sequence
+    parallelism (``place_tensor`` given it) the ops between the linears cut their group's chunks
+    again along the sequence, one contiguous part a device."""
     if tensor_parallel == 1:
         return _place_sequence(graph, devices_of, kind)
     t = tensor_parallel
@@ -103,8 +105,10 @@ def place_context(graph: IRGraph, devices_of: Callable[[IRNode], Tuple[int, ...]
             replicate(node, devices)
             continue
         name, blocks = inner[id(node)]
-        if name == outer.split or (context_parallel_call(node) == "loss" and name != VOCAB_CLASSES):
+        if context_parallel_call(node) == "loss" and name != VOCAB_CLASSES:
             name, blocks = None, 1              # the loss of a split sequence reads its logits whole
+        elif name == outer.split and (name not in splittable(node, 2 * len(outer.devices) * t) or blocks != 1):
+            name, blocks = None, 1              # the group's chunks do not cut again along the sequence
         node.placement = Placement(tuple(devices), outer.split, outer.blocks, InnerSplit(name, t, blocks))
     return graph
 
@@ -188,9 +192,11 @@ def check_context(cfg: ComputeConfig, stage_devices: int, sequence_parallel: boo
     context_kind(cfg)
     if n == 1:
         return 1
-    if sequence_parallel:
-        raise PolicyError(f"pas_config has both '{CONTEXT_PARALLEL}' and 'sequence_parallel': context parallelism "
-                          "already runs every op on a slice of the sequence; drop 'sequence_parallel'.")
+    if sequence_parallel and stage_devices == n:
+        raise PolicyError(f"pas_config has both '{CONTEXT_PARALLEL}' and 'sequence_parallel', but no tensor "
+                          "parallelism inside it: context parallelism already runs every op on a slice of the "
+                          "sequence; drop 'sequence_parallel', or give each stage more devices than "
+                          f"{CONTEXT_PARALLEL} (the rest are tensor parallel, and sequence parallel between them).")
     if stage_devices % n:
         raise PolicyError(f"{CONTEXT_PARALLEL}={n}, but each stage has {stage_devices} devices, which do not "
                           f"divide into {n} groups: a stage's devices are {CONTEXT_PARALLEL} x tensor parallel. "

@@ -202,7 +202,7 @@ class PlanSpace:
                   for f8, comp in software_ranges(hardware, self.recipe, r.float8, r.compiled, self.stack.path)
                   for t, c, e, p, m, rec, z, v in itertools.product(
                       tp, cps, eps, pp, micro, recompute, zero, virtual_stages_of(r.scheduler, r.virtual_stages))
-                  for sp in sequence_parallel_at(t if c == 1 else 1, sequence_parallel)
+                  for sp in sequence_parallel_at(t, sequence_parallel)
                   for kind in context_kind_at(c, kinds) for keep in reshard_at(z, reshard)]
         rows, excluded, runnable = [], [], []
         for *layout, f8, comp in tqdm(combos, desc="sweep", unit="config", disable=not progress):

@@ -484,6 +484,7 @@ def test_memory_model_is_exact_with_tensor_parallelism_inside_context_parallelis
     cases = [Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2, "ring")),
              Case("llama", "tp", 4, 4, optimizer="adamw", config=context_parallel(2)),
              Case("llama_one_sequence", "tp", 4, 4, optimizer="adamw", config=context_parallel(2)),   # logits split
+             Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2, sequence_parallel=True)),
              # ZeRO over the two holders of each slice: each rank keeps half of its slice's state
              Case("gpt", "tp", 4, 4, optimizer="adamw", config=context_parallel(2) + zero(stage=2)),
              Case("llama", "tp", 4, 4, optimizer="adamw", config=context_parallel(2) + zero(stage=3))]

@@ -50,7 +50,11 @@ def test_tensor_parallelism_inside_context_parallel_groups_trains_like_one_proce
              Case("hf_llama", "tp", 4, 4, config=context_parallel(2, "ring")),
              Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring", recompute="full")),
              # one sequence: the loss splits its tokens across the groups and its classes inside each
-             Case("llama_one_sequence", "tp", 4, 4, config=context_parallel(2), optimizer="adamw")]
+             Case("llama_one_sequence", "tp", 4, 4, config=context_parallel(2), optimizer="adamw"),
+             # sequence parallel inside each pair: norms and residuals on half of the group's chunks
+             Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring", sequence_parallel=True)),
+             Case("llama", "tp", 4, 4, config=context_parallel(2, sequence_parallel=True), optimizer="adamw"),
+             Case("hf_llama", "tp", 4, 4, config=context_parallel(2, sequence_parallel=True))]
     _check(cases, 4, tmp_path)
 
 

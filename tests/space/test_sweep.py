@@ -343,13 +343,15 @@ def cp_frame():
 def test_cp_is_a_dimension_of_the_sweep_with_tp_inside_each_context_parallel_device(cp_frame):
     frame = cp_frame
     assert (frame.tp * frame.cp * frame.pp * frame.dp == TARGET.ngpus).all()
-    assert not frame[frame.cp > 1].sequence_parallel.any()
+    assert not frame[(frame.cp > 1) & (frame.tp == 1)].sequence_parallel.any()     # sequence parallel needs tp
+    assert set(frame[(frame.cp > 1) & (frame.tp > 1)].sequence_parallel) == {False, True}
     # at cp 1 one row, whose kind is the first given; above it, both kinds
     assert set(frame[frame.cp == 1].context_parallel_kind) == {"all_gather"}
     assert set(frame[frame.cp > 1].context_parallel_kind) == {"all_gather", "ring"}
-    # (tp 1 | tp 2 without and with sequence parallelism) x pp, cp 2 and 4 x 2 kinds x pp, and
-    # tp 2 x cp 2 x 2 kinds x pp, tp 2 x cp 4 x 2 kinds at pp 1 (at pp 2 it is 16 GPUs wide): x recompute x ZeRO
-    assert len(frame) == (3 * 2 + 2 * 2 * 2 + 2 * 2 + 2) * 2 * 3
+    # (tp 1 | tp 2 without and with sequence parallelism) x pp, cp 2 and 4 x 2 kinds x pp, and with and
+    # without sequence parallelism tp 2 x cp 2 x 2 kinds x pp, tp 2 x cp 4 x 2 kinds at pp 1 (at pp 2 it is
+    # 16 GPUs wide): x recompute x ZeRO
+    assert len(frame) == (3 * 2 + 2 * 2 * 2 + 2 * (2 * 2 + 2)) * 2 * 3
     assert sorted(set(zip(frame[(frame.tp > 1) & (frame.cp > 1)].tp, frame[(frame.tp > 1) & (frame.cp > 1)].cp))) == \
         [(2, 2), (2, 4)]
     excluded = frame.attrs["excluded"]
@@ -411,10 +413,12 @@ def test_a_cp_row_is_the_full_plans_prediction(cp_frame, cp, pp, kind, recompute
     (2, 1, "all_gather", "none", 3),     # ZeRO 3 over each slice's holders: 2 units x 2 cp places
     (4, 1, "ring", "none", 0),           # one unit: 4 context-parallel groups of 2, over 2 nodes
 ])
-def test_a_tp_x_cp_row_is_the_full_plans_prediction(cp_frame, cp, pp, kind, recompute, zero_stage):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tp_x_cp_row_is_the_full_plans_prediction(cp_frame, cp, pp, kind, recompute, zero_stage, sequence_parallel):
     frame = cp_frame
     row = frame[(frame.cp == cp) & (frame.pp == pp) & (frame.context_parallel_kind == kind) & (frame.tp == 2)
-                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)].iloc[0]
+                & (frame.recompute == recompute) & (frame.zero_stage == zero_stage)
+                & (frame.sequence_parallel == sequence_parallel)].iloc[0]
     expected = full_plan_figures(GPT(GPT_CFG), tokens(1), row, frame.attrs["stack"])
     for column, value in expected.items():
         assert row[column] == pytest.approx(value, rel=1e-9), column
