@@ -125,12 +125,15 @@ class RankPrograms(Mapping):
 
     def distinct(self) -> List[RankProgram]:
         """One program per set of plan devices whose sections run the same nodes (the members of a
-        tensor-parallel group): what differs between those is only each one's place in its groups."""
+        tensor-parallel group): what differs between those is only each one's place in its groups.
+        Over a grid the devices' groups differ too (each pair's collectives, each context-parallel
+        group's ring), so each device of a section with a grid placement is its own."""
         seen: Dict[Tuple, int] = {}
         for d in range(self.config.plan_ngpus):
-            key = tuple((sec.mode, sec.stage, tuple(id(n) for n in sec.nodes()))
-                        for sec in rank_sections(self.graphs, d, self.geometry))
-            seen.setdefault(key, d)
+            sections = rank_sections(self.graphs, d, self.geometry)
+            grid = any(n.placement.inner is not None for sec in sections for n in sec.nodes())
+            key = tuple((sec.mode, sec.stage, tuple(id(n) for n in sec.nodes())) for sec in sections)
+            seen.setdefault(key + ((d,) if grid else ()), d)
         return [self.device(d) for d in seen.values()]
 
 

@@ -34,14 +34,15 @@ CommStep(tensor='gelu_2', producer='gelu_2', consumer='linear_3', collective='su
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from nbscaler.comm.layout import Layout, Step
-from nbscaler.comm.program import Fetch, RankProgram, Section, Send
+from nbscaler.comm.layout import Layout, Step, input_requirement, local_shape
+from nbscaler.comm.program import Convert, Fetch, RankProgram, Section, Send
 from nbscaler.ir.graph import IRGraph, IRNode, IRTensor, requires_grad_of
 from nbscaler.ir.expert_rules import exchanged_bytes, exchanged_counts_bytes, expert_parallel
-from nbscaler.ir.layer_rules import context_group, context_ring, counted_tokens_bytes
+from nbscaler.ir.layer_rules import context_group, context_parallel, context_ring, counted_tokens_bytes
 from nbscaler.layouts import COLLECTIVES, Collective, LayoutKind, runs, wire_factor
 
 @dataclass(frozen=True)
@@ -104,52 +105,77 @@ def _stage_steps(sections: List[Section], graph: IRGraph, index: Dict[int, int],
             ordered.append(((at, f.position, 0), f))
         sends = [ins for ins in sec.instructions if isinstance(ins, Send)]
         ordered += [((nodes + k, k, 1), send) for k, send in enumerate(sends)]     # after the k-th output's fetch
-    inside = sorted({n for sec in sections for n in sec.graph.nodes
+    # inside the call: a ring, an exchange, a count; over a grid, once per context-parallel group
+    inside = sorted({(n, context_group(n, sec.device) if context_parallel(n) else ())
+                     for sec in sections for n in sec.graph.nodes
                      if (context_ring(n) or expert_parallel(n) or counted_tokens_bytes(n)) and
-                     (stage is None or n.stage == stage)}, key=lambda n: index[id(n)])
-    ordered += [((index[id(n)], -1, 2), n) for n in inside]        # inside the call: a ring, an exchange, a count
+                     (stage is None or n.stage == stage)}, key=lambda item: (index[id(item[0])], item[1]))
+    ordered += [((index[id(n)], -1, 2), (n, group)) for n, group in inside]
     ordered.sort(key=lambda item: item[0])
     seen: set = set()
     steps: List[CommStep] = []
     for _, item in ordered:
-        if isinstance(item, IRNode):
-            rows = _ring_rows if context_ring(item) else _expert_rows if expert_parallel(item) else _count_rows
-            steps += rows(item, stage, index, grad, backend)
+        if isinstance(item, tuple):
+            node, group = item
+            if context_ring(node):
+                steps += _ring_rows(node, group, stage, index, grad, backend)
+            elif expert_parallel(node):
+                steps += _expert_rows(node, stage, index, grad, backend)
+            else:
+                steps += _count_rows(node, group, stage, index, grad, backend)
         elif isinstance(item, Send):
             if ("send", id(item.tensor)) not in seen:
                 seen.add(("send", id(item.tensor)))
                 steps += _send(item.tensor, _group(graph, stage), next_group, stage, grad)
-        elif (id(item.tensor), item.want) not in seen:
-            seen.add((id(item.tensor), item.want))
-            steps += [row for c in item.steps for row in _rows(item, c.step, stage, index, grad, backend)]
+        elif (id(item.tensor), item.want, item.devices) not in seen:        # each group's once
+            seen.add((id(item.tensor), item.want, item.devices))
+            steps += [row for c in item.steps
+                      for row in _rows(item, c.step, stage, index, grad, backend, _group_bytes(c, len(item.devices)))]
     return steps
 
 
+#: The collectives whose input is a device's slice of the tensor their group moves (the rest read it whole).
+_READS_A_SLICE = (Collective.ALL_GATHER, Collective.ALL_GATHER_SUM_GRAD, Collective.ALL_TO_ALL)
+
+
+def _group_bytes(c: Convert, n: int) -> int:
+    """The bytes of the tensor one collective's group of ``n`` moves, from the local piece it reads:
+    the whole tensor, or over a grid the part the other axis leaves each group."""
+    local = math.prod(c.src.shape) * c.src.tensor.dtype.itemsize
+    return local * n if c.step.fn in _READS_A_SLICE else local
+
+
 def _rows(f: Fetch, step: Step, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
-          backend: Optional[str]) -> List[CommStep]:
-    """The forward row of one collective, and its backward's when that is a collective too."""
+          backend: Optional[str], nbytes: Optional[int] = None) -> List[CommStep]:
+    """The forward row of one collective, and its backward's when that is a collective too;
+    ``nbytes``: the tensor its group moves (by default the whole of ``f``'s)."""
     t, n, spec = f.tensor, len(f.devices), COLLECTIVES[step.fn]
+    nbytes = t.nbytes if nbytes is None else nbytes
     row = dict(tensor=t.name, producer=t.producer.name if t.producer is not None else None,
                consumer=f.consumer.name if f.consumer is not None else None,
                consumer_index=index.get(id(f.consumer)) if f.consumer is not None else None,
-               have=str(f.have), want=str(f.want), devices=tuple(f.devices), tensor_bytes=t.nbytes, stage=stage)
-    out = [CommStep(collective=step.fn, phase="F", **_sent(spec.forward_share(n) * t.nbytes, spec.priced_as, n, backend),
+               have=str(f.have), want=str(f.want), devices=tuple(f.devices), tensor_bytes=nbytes, stage=stage)
+    out = [CommStep(collective=step.fn, phase="F", **_sent(spec.forward_share(n) * nbytes, spec.priced_as, n, backend),
                     **row)]
     if spec.backward is not None and grad.get(id(t), False):
         primitive = COLLECTIVES[spec.backward].priced_as
         out.append(CommStep(collective=spec.backward, phase="B",
-                            **_sent(spec.backward_share(n) * t.nbytes, primitive, n, backend), **row))
+                            **_sent(spec.backward_share(n) * nbytes, primitive, n, backend), **row))
     return out
 
 
-def _ring_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
-               backend: Optional[str]) -> List[CommStep]:
-    """The ring passes of a context-parallel attention: its keys and values, each passed on by every device."""
+def _ring_rows(node: IRNode, group: Tuple[int, ...], stage: Optional[int], index: Dict[int, int],
+               grad: Dict[int, bool], backend: Optional[str]) -> List[CommStep]:
+    """The ring passes of a context-parallel attention over ``group``: its keys and values, each
+    passed on by every device (over a grid, the heads of one tensor-parallel place)."""
     out: List[CommStep] = []
-    for t in node.inputs[1:3]:
+    for i, t in ((1, node.inputs[1]), (2, node.inputs[2])):
+        want = input_requirement(node, i)
         split = Layout.split(node.annotation.inputs[1].index("s"), node.placement.blocks)
-        fetch = Fetch(t, split, split, context_group(node), node, node.inputs.index(t), ())
-        out += _rows(fetch, Step(Collective.RING_PASS), stage, index, grad, backend)
+        fetch = Fetch(t, split, split, group, node, i, ())
+        held = local_shape(t.shape, want, len(node.placement.devices))      # this device's block
+        out += _rows(fetch, Step(Collective.RING_PASS), stage, index, grad, backend,
+                     math.prod(held) * t.dtype.itemsize * len(group))
     return out
 
 
@@ -174,13 +200,13 @@ def _expert_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad
     return out
 
 
-def _count_rows(node: IRNode, stage: Optional[int], index: Dict[int, int], grad: Dict[int, bool],
-                backend: Optional[str]) -> List[CommStep]:
-    """The all-reduce of the token count a loss split along its tokens runs inside its call."""
-    nbytes, n = counted_tokens_bytes(node), len(context_group(node))
+def _count_rows(node: IRNode, group: Tuple[int, ...], stage: Optional[int], index: Dict[int, int],
+                grad: Dict[int, bool], backend: Optional[str]) -> List[CommStep]:
+    """The all-reduce of the token count a loss split along its tokens runs inside its call, over ``group``."""
+    nbytes, n = counted_tokens_bytes(node), len(group)
     row = dict(tensor=node.inputs[1].name, producer=node.inputs[1].producer.name if node.inputs[1].producer else None,
                consumer=node.name, consumer_index=index.get(id(node)), have=str(LayoutKind.SPLIT),
-               want=str(LayoutKind.SPLIT), collective=Collective.TOKEN_COUNT, devices=context_group(node),
+               want=str(LayoutKind.SPLIT), collective=Collective.TOKEN_COUNT, devices=group,
                tensor_bytes=nbytes, stage=stage)
     spec = COLLECTIVES[Collective.TOKEN_COUNT]
     return [CommStep(phase="F", **_sent(spec.forward_share(n) * nbytes, spec.priced_as, n, backend), **row)]

@@ -21,12 +21,12 @@ from nbscaler.cost.hardware import Hardware
 from nbscaler.layouts import COLLECTIVES, WIRE_SHARE, Backend, Collective, runs, wire_factor
 from nbscaler.planning.tables import traffic_per_rank
 from nbscaler.runtime import collectives as comm
-from nbscaler.runtime import vocab
+from nbscaler import losses as vocab_losses
 from nbscaler.runtime.groups import get_group
 from tests.models import batch, build
 from nbscaler.recipe import Recipe
-from tests.multiprocess import (OPTIMIZERS, Case, context_parallel, expert_parallel, parallel_model, run_ranks, samples, sequence_parallel,
-                                step_losses, zero)
+from tests.multiprocess import (OPTIMIZERS, Case, context_parallel, expert_parallel, parallel_model, run_ranks, samples,
+                                sequence_parallel, step_losses, zero)
 
 N = 2
 CASES = [
@@ -49,14 +49,17 @@ CASES = [
 
 
 def _sent(prof: profile, n: int = N) -> float:
-    """Bytes this rank sent in the collectives the backend ran, with ring algorithms over ``n``."""
+    """Bytes this rank sent in the collectives the backend ran, with ring algorithms over ``n``, and
+    in its sends (a context-parallel ring's passes), whole."""
     total = 0.0
     for e in prof.events():
         if e.name.startswith("gloo:") and e.input_shapes:
-            primitive = Collective(e.name.removeprefix("gloo:"))
+            name = e.name.removeprefix("gloo:")
+            if name == "recv":              # what the peer sent, counted on its side
+                continue
             numel = torch.Size(e.input_shapes[0]).numel()
             itemsize = {"float": 4, "c10::BFloat16": 2, "long int": 8}[e.input_dtypes[0]]
-            total += WIRE_SHARE[primitive](n) * numel * itemsize
+            total += (1.0 if name == "send" else WIRE_SHARE[Collective(name)](n)) * numel * itemsize
     return total
 
 
@@ -124,15 +127,15 @@ def test_each_collective_sends_what_its_row_prices_on_gloo():
 
 def _step_sent(cases: List[Case], gen_dir: str, n: int = N) -> List[float]:
     """Bytes this rank sent in one training step of each case, less what the vocabulary-parallel
-    cross-entropy's two inside all-reduces sent (``runtime.vocab``: not in the plan's table)."""
+    cross-entropy's two inside all-reduces sent (``nbscaler.losses``: not in the plan's table)."""
     inside, out = [0.0], []
-    all_reduce = vocab._all_reduce
+    all_reduce = vocab_losses._all_reduce
 
     def counted(x, op, group):
         inside[0] += WIRE_SHARE[Collective.ALL_REDUCE](n) * x.numel() * x.element_size()
         return all_reduce(x, op, group)
 
-    vocab._all_reduce = counted
+    vocab_losses._all_reduce = counted
     try:
         for case in cases:
             model = parallel_model(case, gen_dir)
@@ -146,7 +149,7 @@ def _step_sent(cases: List[Case], gen_dir: str, n: int = N) -> List[float]:
                 opt.step()
             out.append(_sent(prof, n) - inside[0])
     finally:
-        vocab._all_reduce = all_reduce
+        vocab_losses._all_reduce = all_reduce
     return out
 
 
@@ -214,3 +217,22 @@ def test_expert_groups_send_what_the_plan_prices_on_4_ranks(tmp_path):
             assert measured[rank][i] == pytest.approx(priced[rank]), (case, rank)
     grouped, alone = (sum(measured[r][i] for r in range(4)) for i in range(2))
     assert grouped > alone
+
+
+@pytest.mark.multiprocess
+def test_tp_inside_cp_sends_what_the_plan_prices_on_4_ranks(tmp_path):
+    """tp 2 inside cp 2: the row-parallel all-reduces inside each pair, the keys gathered (or passed
+    round the ring) across, the token count, the vocabulary-split loss, and each weight slice's
+    gradient summed with its counterpart's. Each rank's bytes in one step equal the plan's traffic
+    (every group, of either axis, has 2 ranks, which the measure assumes: sequence parallelism would
+    sum its norms' gradients over all 4)."""
+    cases = [Case("gpt", "tp", 4, 4, config=context_parallel(2)),
+             Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring")),
+             Case("llama_one_sequence", "tp", 4, 4, config=context_parallel(2))]
+    measured = run_ranks(_step_sent, 4, cases, str(tmp_path), 2)
+    for i, case in enumerate(cases):
+        plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)
+        params = dict(zip(plan.memory()["rank"], plan.memory()["param_bytes"]))
+        priced = traffic_per_rank(plan, params, Backend.GLOO, Recipe(*OPTIMIZERS[case.optimizer]))["bytes_sent"]
+        for rank in range(4):
+            assert measured[rank][i] == pytest.approx(priced[rank]), (case, rank)

@@ -2,6 +2,7 @@
 groups and chunks, and the timeline's collectives lane with each ring attention's passes (or its
 keys' all-gathers), in Python and in a real browser."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -124,27 +125,34 @@ RING_RECTS = """() => [...document.querySelectorAll('.nbs-timeline svg rect.nbs-
                         shown: getComputedStyle(r).visibility !== 'hidden' && getComputedStyle(r).display !== 'none'}; })"""
 
 
+@contextlib.contextmanager
+def _ring_in_lab(tmp_path, name: str, cell: str):
+    """JupyterLab in Chromium running a notebook of ``cell``, once its timeline is drawn: the lab and
+    the ring steps' blocks, each checked visible; afterwards, no error on the console."""
+    from tests.widgets.browser import lab_page, write_notebook
+
+    write_notebook(tmp_path / f"{name}.ipynb", cell)
+    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
+    with lab_page(tmp_path, shots) as lab:
+        lab.open_notebook(f"{name}.ipynb")
+        lab.run_all_cells()
+        lab.page.locator(".nbs-timeline svg rect.nbs-block").first.wait_for(timeout=120_000)
+        rects = lab.page.evaluate(RING_RECTS)
+        assert all(r["shown"] and r["w"] >= 1 and r["h"] > 10 for r in rects), rects[:3]
+        yield lab, rects
+        assert not [line for line in lab.console if line.startswith("error")], lab.console
+
+
 @pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_the_ring_in_the_browser(tmp_path):
     """JupyterLab in Chromium: a cell shows the timeline's saved form (the SVG nbviewer shows) of a ring
     plan on 4 devices; every ring step is a visible block of the collectives lanes."""
-    from tests.widgets.browser import lab_page, write_notebook
-
-    write_notebook(tmp_path / "ring.ipynb", BROWSER_CELL)
-    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
-    with lab_page(tmp_path, shots) as lab:
-        lab.open_notebook("ring.ipynb")
-        lab.run_all_cells()
-        page = lab.page
-        page.locator(".nbs-timeline svg rect.nbs-block").first.wait_for(timeout=120_000)
-        rects = page.evaluate(RING_RECTS)
+    with _ring_in_lab(tmp_path, "ring", BROWSER_CELL) as (lab, rects):
         assert len(rects) == N * (LAYERS * (N - 1) + LAYERS * N)
-        assert all(r["shown"] and r["w"] >= 1 and r["h"] > 10 for r in rects), rects[:3]
         assert {r["fill"] for r in rects} == {COLLECTIVE_COLOURS["ring_pass"]}
-        assert "ring pass (context parallel)" in page.locator(".nbs-timeline").inner_text()
+        assert "ring pass (context parallel)" in lab.page.locator(".nbs-timeline").inner_text()
         lab.screenshot("context-ring-timeline", ".nbs-timeline")
-        assert not [line for line in lab.console if line.startswith("error")], lab.console
 
 
 def test_tensor_parallelism_inside_context_parallelism_shows_both_groups():
@@ -177,20 +185,9 @@ TP_CP_CELL = BROWSER_CELL.replace("'context_parallel': 4", "'context_parallel': 
 def test_tp_inside_cp_in_the_browser(tmp_path):
     """JupyterLab in Chromium: the card of a tp 2 x cp 2 plan names both kinds of group, and the
     timeline draws each rank's ring steps (one forward and two backward a layer)."""
-    from tests.widgets.browser import lab_page, write_notebook
-
-    write_notebook(tmp_path / "tp_cp.ipynb", TP_CP_CELL)
-    shots = Path(os.environ.get("NBSCALER_SCREENSHOTS") or tmp_path / "screenshots")
-    with lab_page(tmp_path, shots) as lab:
-        lab.open_notebook("tp_cp.ipynb")
-        lab.run_all_cells()
-        page = lab.page
-        page.locator(".nbs-timeline svg rect.nbs-block").first.wait_for(timeout=120_000)
-        card = page.locator(".nbs-plan-card").inner_text()
+    with _ring_in_lab(tmp_path, "tp_cp", TP_CP_CELL) as (lab, rects):
+        card = lab.page.locator(".nbs-plan-card").inner_text()
         assert "context parallel (ring) over [0, 2]" in card and "[0, 1], [2, 3]" in card
-        rects = page.evaluate(RING_RECTS)
         assert len(rects) == N * (LAYERS * 1 + LAYERS * 2)
-        assert all(r["shown"] and r["w"] >= 1 and r["h"] > 10 for r in rects), rects[:3]
         lab.screenshot("tp-inside-cp-card", ".nbs-plan-card")
         lab.screenshot("tp-inside-cp-timeline", ".nbs-timeline")
-        assert not [line for line in lab.console if line.startswith("error")], lab.console
