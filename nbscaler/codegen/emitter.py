@@ -218,7 +218,7 @@ class SectionPrinter:
             group = place.group_of(vocab_split(node)[0], self.sec.device)
             self.lines.append(f"{lhs} = {vocab_call(node, args, group.index(self.sec.device), group_var(group))}")
         elif node.name in self.float8_nodes:    # products in fp8, scaled as the whole tensors would be
-            self.lines.append(f"{lhs} = {float8_call(node, args, kwargs, self.float8, group_var(place.devices))}")
+            self.lines.append(f"{lhs} = {float8_call(node, args, kwargs, self.float8, self.sec.device)}")
         elif sync_batch_norm(node):     # statistics over the whole batch, not this device's share
             call_text = render_call(node, args, kwargs)
             self.lines.append(f"{lhs} = comm.{call_text[len('F.'):-1]}, group={group_var(place.devices)})")

@@ -13,11 +13,11 @@ recipe leaves out (``Recipe.float8_skip``); other calls of ``F.linear`` keep the
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from nbscaler.codegen.render import CodegenError, render
+from nbscaler.codegen.render import CodegenError, group_var, render
 from nbscaler.ir.float8_layers import is_linear_layer, linear_modules, takes_float8
-from nbscaler.ir.graph import IRGraph, IRNode
+from nbscaler.ir.graph import Axis, IRGraph, IRNode
 from nbscaler.recipe import Recipe
 
 
@@ -41,27 +41,30 @@ def check_float8(graphs: Dict[str, IRGraph], recipe: Optional[Recipe]) -> None:
                            "products could be taken in fp8; use float8=None, or build the layers as nn.Linear.")
 
 
-def split_dimension(node: IRNode) -> Optional[str]:
-    """The dimension of the product (``m`` rows, ``k`` inner, ``n`` output features) a device holds
-    a slice of under ``node``'s placement, or None when the node is whole on every device. The
-    linear annotation is ``'* k+, n k+[, n] -> * n'``: its weight's two dimensions name ``n``
-    and ``k``; any other split is of the rows."""
-    split = node.placement.split if node.placement is not None else None
-    if split is None:
-        return None
+def split_dimensions(node: IRNode) -> List[Tuple[str, Optional[Axis]]]:
+    """The dimensions of the product (``m`` rows, ``k`` inner, ``n`` output features) a device holds
+    a slice of under ``node``'s placement, each with the axis of the grid it is split along (``None``
+    off a grid); empty when the node is whole on every device. The linear annotation is
+    ``'* k+, n k+[, n] -> * n'``: its weight's two dimensions name ``n`` and ``k``; any other split
+    is of the rows (under context parallelism, the sequence's)."""
+    if node.placement is None:
+        return []
     out_name, inner_name = node.annotation.inputs[1]
-    return {inner_name: "k", out_name: "n"}.get(split, "m")
+    return [({inner_name: "k", out_name: "n"}.get(view.split, "m"), axis)
+            for axis, view in node.placement.views() if view.split is not None]
 
 
-def float8_call(node: IRNode, args: Tuple, kwargs: Dict, scaling: str, group: str) -> str:
-    """The expression one device evaluates for linear ``node`` in fp8: its tensor arguments are
-    already rendered in ``args`` / ``kwargs``; ``group`` names the process group of its devices."""
+def float8_call(node: IRNode, args: Tuple, kwargs: Dict, scaling: str, device: int) -> str:
+    """The expression ``device`` evaluates for linear ``node`` in fp8: its tensor arguments are
+    already rendered in ``args`` / ``kwargs``; each dimension it holds a slice of is told the
+    process group it is split over."""
     operands = list(args) + [kwargs[k] for k in ("weight", "bias") if k in kwargs]
     while len(operands) > 2 and operands[-1] is None:
         operands.pop()
     text = ", ".join(render(a) for a in operands)
-    dim = split_dimension(node)
-    groups = f", {dim}_group={group}" if dim is not None else ""
+    place = node.placement
+    groups = "".join(f", {dim}_group={group_var(place.group_of(axis, device))}"
+                     for dim, axis in split_dimensions(node))
     return f"float8_linear({text}, scaling={str(scaling)!r}{groups})"
 
 

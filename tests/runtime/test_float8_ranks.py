@@ -53,7 +53,7 @@ def cases(nranks: int, scaling: str):
              4: [("mlp", "tp", 4, 4, ()), ("gpt", "tp", 2, 4, ()), ("mlp", "data", 4, 4, ()),
                  ("gpt", "pp", 2, 4, pipeline("gpipe", 2, 2)), ("mlp", "tp", 2, 4, zero(stage=3)),
                  ("gpt", "hybrid", 4, 4, pipeline("1f1b", 2, 2)), ("gpt", "tp", 4, 4, context_parallel(4, "ring")),
-                 ("gpt", "tp", 4, 4, sequence_parallel())]}[nranks]
+                 ("gpt", "tp", 4, 4, sequence_parallel()), ("gpt", "tp", 4, 4, context_parallel(2, "ring"))]}[nranks]
     return [fp8(m, p, a, b, scaling, c) for m, p, a, b, c in plans]
 
 
