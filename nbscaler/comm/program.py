@@ -222,6 +222,13 @@ class LocalWeight:
         return self.devices[self.index % step::step]
 
     @property
+    def partial_stride(self) -> int:
+        """How far apart the devices ``partial_devices`` names are: 1 (neighbours), or over a grid
+        the size of the groups whose counterparts they are."""
+        inner = self.layout.inner
+        return inner.parts if self.partial_devices and inner is not None and inner.kind != LayoutKind.SUM_GRAD else 1
+
+    @property
     def partial_over(self) -> int:
         """Devices whose partial gradients the reducer sums (``partial_devices``), else 1."""
         return len(self.partial_devices) or 1

@@ -183,15 +183,32 @@ def sync_buckets(placed: PlacedGraphs, device: int, comm: CommModel, recipe: Rec
     return bucket_seconds(placed.config, device, comm, reduced_buckets(params, placed.config, recipe))
 
 
+Partials = Tuple[int, int]
+"""``(n, stride)``: a sum of partial gradients over ``n`` devices ``stride`` apart (``partial_ranks``)."""
+
+
+def partials_of(params: List[LocalWeight]) -> List[Partials]:
+    """The kinds of partial-gradient sums inside the unit ``params`` take, in order."""
+    return sorted({(p.partial_over, p.partial_stride) for p in params if p.partial_over > 1})
+
+
+def partial_ranks(device: int, partial: Partials) -> range:
+    """The devices whose partial gradients ``device`` sums with its own: ``n`` neighbours, or over a
+    grid its counterparts, ``stride`` apart, in the block of ``n * stride`` devices it is in."""
+    n, stride = partial
+    base = device - device % (n * stride) + device % stride
+    return range(base, base + n * stride, stride)
+
+
 def reduced_buckets(params: List[LocalWeight], cfg: ComputeConfig,
-                    recipe: Recipe) -> Tuple[List[Tuple[int, int]], List[int]]:
-    """The gradient bytes ``sync_buckets`` reduces, per bucket: ``(n, bytes)`` for each bucket of
-    the parameters whose partial gradients ``n`` adjacent devices sum first, then the bytes of each
-    bucket of all of them, reduced across the units. Of ``cfg`` it reads only the bucket size
-    (``reduce_bucket_bytes``), so a sweep keeps it for every configuration of one placement."""
-    inside = [(n, _reduced_bytes(bucket, recipe))
-              for n in sorted({p.partial_over for p in params} - {1})
-              for bucket in buckets([p for p in params if p.partial_over == n], cfg)]
+                    recipe: Recipe) -> Tuple[List[Tuple[Partials, int]], List[int]]:
+    """The gradient bytes ``sync_buckets`` reduces, per bucket: ``((n, stride), bytes)`` for each
+    bucket of the parameters whose partial gradients ``n`` devices sum first (``partial_ranks``),
+    then the bytes of each bucket of all of them, reduced across the units. Of ``cfg`` it reads only
+    the bucket size (``reduce_bucket_bytes``), so a sweep keeps it for every configuration of one
+    placement."""
+    inside = [(kind, _reduced_bytes(bucket, recipe)) for kind in partials_of(params)
+              for bucket in buckets([p for p in params if (p.partial_over, p.partial_stride) == kind], cfg)]
     return inside, [_reduced_bytes(bucket, recipe) for bucket in buckets(params, cfg)]
 
 
@@ -206,8 +223,8 @@ def bucket_seconds(cfg: ComputeConfig, device: int, comm: CommModel,
         inside = []
     if is_zero3(cfg):
         across = []
-    out = [(comm.forward(Collective.ALL_REDUCE, nbytes, n, ranks=range(device - device % n, device - device % n + n)),
-            0.0) for n, nbytes in inside]                 # adjacent devices of the unit
+    out = [(comm.forward(Collective.ALL_REDUCE, nbytes, kind[0], ranks=partial_ranks(device, kind)), 0.0)
+           for kind, nbytes in inside]                    # devices of the unit
     seconds = functools.lru_cache(maxsize=None)(_bucket_seconds(cfg, device, comm))   # a model's buckets repeat
     return out + [seconds(nbytes) for nbytes in across]
 

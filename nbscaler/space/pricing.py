@@ -40,8 +40,8 @@ from nbscaler.cost.fsdp import (Gather, Release, Script, StagePlays, Work, block
                                 unit_seconds)
 from nbscaler.cost.step_figures import (DeviceStep, PipelineParts, StepFigures, overlap_window, overlaps_communication,
                                         step_tokens)
-from nbscaler.cost.timing import (bucket_seconds, exposed_sync, is_zero3, reduced_buckets, update_seconds,
-                                  updated_numels)
+from nbscaler.cost.timing import (bucket_seconds, exposed_sync, is_zero3, partial_ranks, partials_of, reduced_buckets,
+                                  update_seconds, updated_numels)
 from nbscaler.ir.graph import RECOMPUTE_REGION, REST_UNIT
 from nbscaler.space.layer_facts import LayerFacts
 from nbscaler.space.op_ledger import (BWD, FLOPS_AGAIN, FLOPS_B, FLOPS_F, FWD, MASKED_B, MASKED_F, SAVED, SAVED_TAIL,
@@ -260,9 +260,9 @@ class _Device:
         pdev, index = geometry.pipeline_device(device), self.staged.facts.alike[device % geometry.tp]
         stages = tuple(geometry.schedule.stages_of(pdev))
         weights, params = self.staged.weights(index, stages), self.staged.params(index, stages)
-        partials = self.staged.held(("partials", index, stages), lambda: sorted({p.partial_over for p in params} - {1}))
+        partials = self.staged.held(("partials", index, stages), lambda: partials_of(params))
         links = (self.spans_nodes([device + u * cfg.plan_ngpus for u in range(cfg.units)]),
-                 *(self.spans_nodes(range(device - device % n, device - device % n + n)) for n in partials))
+                 *(self.spans_nodes(partial_ranks(device, kind)) for kind in partials))
         key = (pdev, index, links)
         if key not in self._memo:
             # the reduction hides in the backward only where the target's software overlaps it

@@ -164,3 +164,23 @@ def test_partial_gradients_summed_inside_the_unit_are_buckets_of_their_own():
     assert partial and {c.kind for c in partial} == {"all_reduce"}
     assert any(c.unit == "bucket 0" for c in calls) and calls[-1].unit == "partial 0"     # exposed_sync's first
     assert sum(c.waited_s for c in calls) == pytest.approx(figures.devices[0].sync_s)
+
+
+def test_partial_sums_of_tp_inside_cp_run_over_each_slices_holders_on_the_link_they_span():
+    """tp 2 inside cp 2: device 1 sums its slices' gradients with device 3, its counterpart in the
+    other pair (``partial_ranks``), not with its neighbour. On nodes of 2 GPUs that pair of devices
+    spans 2 nodes, so the sum is priced on the network and takes longer than on one node of 8."""
+    from nbscaler.cost.timing import partial_ranks, partials_of
+    plan = nbscaler.plan(GPT(MODEL), {"batch": sample_batch(MODEL, 1)}, "tp",
+                         ComputeConfig(4, 4, reduce_bucket_bytes=BUCKET, pas_config={"context_parallel": 2}))
+    params = [w for w in plan.programs.weights(1) if w.kind == "param"]
+    assert partials_of(params) == [(2, 2)]
+    assert list(partial_ranks(1, (2, 2))) == [1, 3] and list(partial_ranks(2, (2, 2))) == [0, 2]
+    assert list(partial_ranks(5, (4, 1))) == [4, 5, 6, 7]             # neighbours, as sequence parallelism sums
+    spans = {}
+    for name, hw in (("one node", Hardware.named("H100-SXM-80GB")),
+                     ("two a node", Hardware.resolve("H100-SXM-80GB", nodes=2, gpus_per_node=2))):
+        spans[name] = [c.t_end - c.t_start for c in synced(plan.timeline(hardware=hw), rank=1)
+                       if c.unit.startswith("partial")]
+    assert len(spans["one node"]) == len(spans["two a node"]) > 0
+    assert all(far > 2 * near for near, far in zip(spans["one node"], spans["two a node"]))
