@@ -68,13 +68,15 @@ def call_every_rank(session: Session, fn: Callable[..., Any], args: Sequence[Any
     pending: List[ipyparallel.AsyncResult] = []
     # An interrupt between a send and its bookkeeping would leave a rank running a call nobody
     # waits for, and every later call queued behind it: hold it until every rank has the call.
+    # While it waits, too, a stop is recorded and acted on between polls: raised wherever the
+    # signal lands, a KeyboardInterrupt that lands in a finalizer is lost (Python ignores it there).
     with _interrupts_held() as interrupted:
         for s in session.slots:
             pending.append(session.client[s.engine_id].apply_async(engine.call, payload))
-    if interrupted():                   # every rank has the call already: stop them all
-        _interrupt(session, list(session.slots), pending)
-        raise KeyboardInterrupt
-    outcomes, dead = _gather(session, pending, on_report)
+        if interrupted():               # every rank has the call already: stop them all
+            _interrupt(session, list(session.slots), pending)
+            raise KeyboardInterrupt
+        outcomes, dead = _gather(session, pending, on_report, interrupted)
     return _values_or_raise(session, outcomes, dead)
 
 
@@ -93,9 +95,10 @@ def _interrupts_held() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _gather(session: Session, pending: List[ipyparallel.AsyncResult],
-            on_report: Optional[ReportHandler]) -> tuple:
-    """Wait for every rank; after the first failure, interrupt those still running."""
+def _gather(session: Session, pending: List[ipyparallel.AsyncResult], on_report: Optional[ReportHandler],
+            interrupted: Callable[[], bool] = lambda: False) -> tuple:
+    """Wait for every rank; after the first failure, interrupt those still running. ``interrupted``:
+    whether the notebook asked to stop (a held SIGINT), looked at between polls."""
     outcomes: Dict[int, Outcome] = {}
     dead: List[EngineSlot] = []
     give_up_at: Optional[float] = None
@@ -103,6 +106,8 @@ def _gather(session: Session, pending: List[ipyparallel.AsyncResult],
     try:
         while waiting:
             session.client.wait([pending[s.rank] for s in waiting], timeout=POLL_S)
+            if interrupted():
+                raise KeyboardInterrupt
             for s in waiting:
                 if pending[s.rank].ready():
                     outcome = _outcome_of(s, pending[s.rank])

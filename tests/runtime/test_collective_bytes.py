@@ -200,6 +200,19 @@ def test_on_nccl_the_runtime_calls_the_real_collectives(monkeypatch):
         "reduce_scatter", MB, 8)
 
 
+def _sent_as_priced_on_4_ranks(cases: List[Case], tmp_path, n: int) -> List[List[float]]:
+    """Each of 4 ranks' bytes in one step of each case (collectives priced over groups of ``n``),
+    checked against the plan's traffic table; returns them per rank."""
+    measured = run_ranks(_step_sent, 4, cases, str(tmp_path), n)
+    for i, case in enumerate(cases):
+        plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)
+        params = dict(zip(plan.memory()["rank"], plan.memory()["param_bytes"]))
+        priced = traffic_per_rank(plan, params, Backend.GLOO, Recipe(*OPTIMIZERS[case.optimizer]))["bytes_sent"]
+        for rank in range(4):
+            assert measured[rank][i] == pytest.approx(priced[rank]), (case, rank)
+    return measured
+
+
 @pytest.mark.multiprocess
 def test_expert_groups_send_what_the_plan_prices_on_4_ranks(tmp_path):
     """Experts over 2 groups of 2 ranks, each rank half of its group's hidden units
@@ -208,13 +221,7 @@ def test_expert_groups_send_what_the_plan_prices_on_4_ranks(tmp_path):
     rank's bytes in one step equal the plan's traffic."""
     cases = [Case("moe_capacity", "tp", 4, 4, config=expert_parallel(2, hidden=2)),
              Case("moe_capacity", "tp", 4, 4, config=expert_parallel(4))]
-    measured = run_ranks(_step_sent, 4, cases, str(tmp_path), 4)
-    for i, case in enumerate(cases):
-        plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)
-        params = dict(zip(plan.memory()["rank"], plan.memory()["param_bytes"]))
-        priced = traffic_per_rank(plan, params, Backend.GLOO, Recipe(*OPTIMIZERS[case.optimizer]))["bytes_sent"]
-        for rank in range(4):
-            assert measured[rank][i] == pytest.approx(priced[rank]), (case, rank)
+    measured = _sent_as_priced_on_4_ranks(cases, tmp_path, 4)
     grouped, alone = (sum(measured[r][i] for r in range(4)) for i in range(2))
     assert grouped > alone
 
@@ -229,10 +236,4 @@ def test_tp_inside_cp_sends_what_the_plan_prices_on_4_ranks(tmp_path):
     cases = [Case("gpt", "tp", 4, 4, config=context_parallel(2)),
              Case("gpt", "tp", 4, 4, config=context_parallel(2, "ring")),
              Case("llama_one_sequence", "tp", 4, 4, config=context_parallel(2))]
-    measured = run_ranks(_step_sent, 4, cases, str(tmp_path), 2)
-    for i, case in enumerate(cases):
-        plan = nbscaler.plan(build(case.model), batch(case.model, 0), case.policy, case.compute_config)
-        params = dict(zip(plan.memory()["rank"], plan.memory()["param_bytes"]))
-        priced = traffic_per_rank(plan, params, Backend.GLOO, Recipe(*OPTIMIZERS[case.optimizer]))["bytes_sent"]
-        for rank in range(4):
-            assert measured[rank][i] == pytest.approx(priced[rank]), (case, rank)
+    _sent_as_priced_on_4_ranks(cases, tmp_path, 2)
