@@ -10,7 +10,7 @@ from typing import Any, Dict, Tuple
 from nbscaler.attention.online import held_chunks, ring_source
 from nbscaler.codegen.render import group_var, render_call
 from nbscaler.ir.graph import CONTEXT_KIND, Axis, IRGraph, IRNode
-from nbscaler.ir.layer_rules import context_parallel, vocab_share, vocab_split
+from nbscaler.ir.layer_rules import context_parallel, vocab_group, vocab_parallel, vocab_share
 
 FUNCTIONS = {"attention": "context_attention", "loss": "split_cross_entropy"}
 """The function that runs each kind of op split along its tokens: attention from
@@ -26,11 +26,10 @@ def context_call(node: IRNode, args: Tuple, kwargs: Dict[str, Any], group: str, 
     call = render_call(node, args, kwargs)           # F.name(arguments)
     inner = call[call.index("(") + 1:-1]
     if fn == "split_cross_entropy":
-        vocab = vocab_split(node)
-        if vocab is None:
+        if not vocab_parallel(node):
             return f"{fn}({inner}, group={group})"
         # its logits split by their classes too: this device's share of each token's loss
-        classes = place.group_of(vocab[0], device)
+        classes = vocab_group(node, device)
         return (f"{fn}({inner}, group={group}, vocab_start={classes.index(device) * vocab_share(node)}, "
                 f"vocab_group={group_var(classes)})")
     return f"{fn}({inner}, kind={node.meta[CONTEXT_KIND]!r}, blocks={place.blocks!r}, group={group})"

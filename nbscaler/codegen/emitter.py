@@ -32,7 +32,7 @@ from nbscaler.comm.program import (Call, Fetch, Origin, Receive, Recompute, Resh
 from nbscaler.ir.graph import RECOMPUTE_CORE, IRNode, IRTensor
 from nbscaler.ir.backward_split import KEY as BACKWARD_PART
 from nbscaler.ir.expert_rules import expert_parallel
-from nbscaler.ir.layer_rules import context_parallel, context_split, sync_batch_norm, vocab_parallel, vocab_split
+from nbscaler.ir.layer_rules import context_group, context_parallel, sync_batch_norm, vocab_group, vocab_parallel
 from nbscaler.layouts import COLLECTIVES, emulations
 from nbscaler.recipe import Recipe
 from torch.fx.graph import dtype_abbrs
@@ -207,7 +207,7 @@ class SectionPrinter:
             self.lines.append(f"{render(args[0])} {INPLACE_OPERATORS[name]} {render(args[1])}")
             self.lines.append(f"{lhs} = {render(args[0])}")
         elif context_parallel(node):    # this device's slice of the sequence
-            group = place.group_of(context_split(node)[1], self.sec.device)
+            group = context_group(node, self.sec.device)
             if node.op == "attention":
                 self.lines += chunk_comment(node, group, self.sec.device).splitlines()
             self.lines.append(f"{lhs} = {context_call(node, args, kwargs, group_var(group), self.sec.device)}")
@@ -215,7 +215,7 @@ class SectionPrinter:
             self.lines.append(experts_comment(node, self.sec.device))
             self.lines.append(f"{lhs} = {experts_call(node, args, kwargs, group_var(place.devices))}")
         elif vocab_parallel(node):      # this device's share of the vocabulary
-            group = place.group_of(vocab_split(node)[0], self.sec.device)
+            group = vocab_group(node, self.sec.device)
             self.lines.append(f"{lhs} = {vocab_call(node, args, group.index(self.sec.device), group_var(group))}")
         elif node.name in self.float8_nodes:    # products in fp8, scaled as the whole tensors would be
             self.lines.append(f"{lhs} = {float8_call(node, args, kwargs, self.float8, self.sec.device)}")

@@ -185,6 +185,13 @@ def context_group(node: IRNode, device: Optional[int] = None) -> Tuple[int, ...]
     return place.group_of(axis, place.devices[0] if device is None else device)
 
 
+def vocab_group(node: IRNode, device: int) -> Tuple[int, ...]:
+    """The devices ``node``'s split by vocabulary runs over with ``device``: all of its devices, or
+    over a grid ``device``'s tensor-parallel group."""
+    axis, _ = vocab_split(node)
+    return node.placement.group_of(axis, device)
+
+
 def context_ring(node: IRNode, place: Optional[Placement] = None) -> bool:
     """Whether ``node`` is an attention whose keys and values stay split and pass round a ring."""
     return context_parallel(node, place) == "attention" and node.meta.get(CONTEXT_KIND) == "ring"
